@@ -1,0 +1,35 @@
+/* Shared declarations of the CPython binding (the files in csrc/binding/).
+ * The binding sees only the public C API of each part. */
+#ifndef CV_BINDING_H
+#define CV_BINDING_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#define PY_ARRAY_UNIQUE_SYMBOL cv_numpy_api
+#ifndef CV_BINDING_MAIN
+#define NO_IMPORT_ARRAY
+#endif
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#include <numpy/arrayobject.h>
+
+#include "../common.h"
+
+/* Exception types (module attributes of conveyor._core). */
+extern PyObject *cv_ConveyorError;      /* base class of all conveyor errors */
+extern PyObject *cv_ModelFormatError;   /* malformed model file (also a ValueError) */
+extern PyObject *cv_UnsupportedError;   /* valid but unsupported (also a ValueError) */
+extern PyObject *cv_EngineClosedError;  /* use after close (also a RuntimeError) */
+
+/* Raises the Python exception for a C status code with err's message and
+ * returns NULL. */
+PyObject *cv_py_raise(const cv_err *err);
+
+/* Each part registers its types and functions on the module (0 ok, -1 error). */
+int cv_py_add_checkpoint(PyObject *m); /* py_checkpoint.c */
+int cv_py_add_kernels(PyObject *m);    /* py_kernels.c   */
+int cv_py_add_scheduler(PyObject *m);  /* py_scheduler.c */
+int cv_py_add_sampler(PyObject *m);    /* py_sampler.c   */
+int cv_py_add_engine(PyObject *m);     /* py_engine.c    */
+
+#endif

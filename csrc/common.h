@@ -1,0 +1,69 @@
+/* Shared definitions for the whole C core: status codes, error messages, dtypes.
+ *
+ * Status codes flow up: 0 ok, negative error, positive soft "retry".
+ * The message lives in a cv_err owned by the caller; the binding maps codes
+ * to Python exceptions. */
+#ifndef CV_COMMON_H
+#define CV_COMMON_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+enum {
+    CV_OK = 0,
+    CV_ERR_INVALID = -1,     /* bad argument / user input      -> ValueError        */
+    CV_ERR_IO = -2,          /* file missing or unreadable     -> OSError (FileNotFoundError when missing) */
+    CV_ERR_FORMAT = -3,      /* malformed model file           -> conveyor.ModelFormatError */
+    CV_ERR_NOMEM = -4,       /* allocation failed              -> MemoryError       */
+    CV_ERR_UNSUPPORTED = -5, /* valid but not supported        -> conveyor.UnsupportedError */
+    CV_ERR_STATE = -6,       /* wrong call order / closed      -> conveyor.EngineClosedError / RuntimeError */
+    CV_ERR_NOTFOUND = -7,    /* file does not exist            -> FileNotFoundError */
+    CV_ERR_TYPE = -8,        /* wrong type                     -> TypeError */
+    CV_RETRY = 1             /* soft: does not fit now, try later */
+};
+
+#define CV_ERR_MSG_LEN 512
+typedef struct cv_err {
+    int code;
+    char msg[CV_ERR_MSG_LEN];
+} cv_err;
+
+/* Formats msg into err (if non-NULL) and returns code, so callers can write
+ * `return cv_set_err(err, CV_ERR_FORMAT, "tensor %s: ...", name);` */
+int cv_set_err(cv_err *err, int code, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+
+typedef enum cv_dtype {
+    CV_F32 = 0,
+    CV_F16 = 1,
+    CV_BF16 = 2,
+    CV_F64 = 3, /* only ever seen in files, converted on load */
+    CV_I32 = 4,
+    CV_I64 = 5,
+    CV_DTYPE_INVALID = -1
+} cv_dtype;
+
+size_t cv_dtype_size(cv_dtype t);
+const char *cv_dtype_name(cv_dtype t); /* "float32", "float16", "bfloat16", ... */
+
+/* Scalar conversions (round to nearest even). */
+float cv_bf16_to_f32(uint16_t h);
+uint16_t cv_f32_to_bf16(float f);
+float cv_f16_to_f32(uint16_t h);
+uint16_t cv_f32_to_f16(float f);
+
+/* Converts n elements of src (dtype st) to float32 dst. */
+void cv_convert_to_f32(float *dst, const void *src, cv_dtype st, size_t n);
+/* Converts n float32 values to dtype dt (F32, F16 or BF16). */
+void cv_convert_from_f32(void *dst, cv_dtype dt, const float *src, size_t n);
+
+/* Monotonic clock in seconds, the same clock as Python's time.monotonic(). */
+double cv_now(void);
+
+/* Checked size arithmetic: returns 0 on overflow. */
+int cv_mul_size(size_t a, size_t b, size_t *out);
+
+#endif

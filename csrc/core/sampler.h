@@ -1,0 +1,51 @@
+/* Logits processing and sampling, with a random stream per sequence.
+ * Same seed -> same tokens, whatever else shares the batch. */
+#ifndef CV_SAMPLER_H
+#define CV_SAMPLER_H
+
+#include <stdint.h>
+#include "../common.h"
+
+#define CV_MAX_LOGPROBS 20
+
+typedef struct cv_sampling_params {
+    float temperature;        /* 0: greedy (argmax) */
+    float top_p;              /* (0, 1] */
+    float min_p;              /* [0, 1] */
+    float repetition_penalty; /* > 0; 1: off. Applies to prompt and output tokens */
+    float presence_penalty;   /* [-2, 2]; applies to output tokens */
+    float frequency_penalty;  /* [-2, 2]; applies to output tokens */
+    int32_t top_k;            /* 0 or -1: off */
+    int32_t n_logprobs;       /* -1: none; 0..CV_MAX_LOGPROBS: sampled token plus that many top tokens */
+} cv_sampling_params;
+
+/* xoshiro256** stream. */
+typedef struct cv_rng { uint64_t s[4]; } cv_rng;
+void cv_rng_seed(cv_rng *r, uint64_t seed);
+uint64_t cv_rng_next(cv_rng *r);
+double cv_rng_uniform(cv_rng *r); /* [0, 1) */
+
+typedef struct cv_sample_info {
+    float logprob;                         /* log-softmax of the raw logits at the chosen token */
+    int32_t n_top;
+    int32_t top_ids[CV_MAX_LOGPROBS];      /* most likely tokens under the raw logits */
+    float top_logprobs[CV_MAX_LOGPROBS];
+} cv_sample_info;
+
+typedef struct cv_sampler cv_sampler;
+
+/* Scratch for one vocabulary size; not shared between threads. */
+cv_sampler *cv_sampler_create(int64_t vocab_size);
+void cv_sampler_destroy(cv_sampler *s);
+
+/* Chooses the next token from logits[vocab] (modified in place).
+ * prompt/output: the sequence's tokens, for penalties.
+ * banned[n_banned]: tokens forced to -inf (min_tokens holding off EOS/stop ids).
+ * info (may be NULL) receives logprobs when p->n_logprobs >= 0. */
+int32_t cv_sampler_sample(cv_sampler *s, float *logits, const cv_sampling_params *p,
+                          const int32_t *prompt, int64_t n_prompt,
+                          const int32_t *output, int64_t n_output,
+                          const int32_t *banned, int64_t n_banned,
+                          cv_rng *rng, cv_sample_info *info);
+
+#endif

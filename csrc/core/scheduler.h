@@ -1,0 +1,88 @@
+/* Iteration-level scheduler: decides, at every step, which sequences run and
+ * how many new tokens each computes, under a token budget and a sequence cap.
+ * Knows nothing about devices. Owns the block pool. */
+#ifndef CV_SCHEDULER_H
+#define CV_SCHEDULER_H
+
+#include <stdint.h>
+#include "../common.h"
+#include "sequence.h"
+
+typedef enum cv_sched_policy {
+    CV_SCHED_CONTINUOUS = 0, /* FCFS continuous batching */
+    CV_SCHED_PRIORITY = 1,   /* continuous, waiting queue ordered by (priority, arrival) */
+    CV_SCHED_STATIC = 2      /* admit only when nothing runs; run the batch to completion */
+} cv_sched_policy;
+
+typedef struct cv_scheduler_config {
+    int64_t num_blocks;             /* KV blocks in the cache, including reserved block 0 */
+    int64_t block_size;             /* token slots per block */
+    int64_t max_num_seqs;           /* cap on running sequences */
+    int64_t max_num_batched_tokens; /* token budget per step */
+    int64_t max_model_len;          /* most tokens one sequence may hold */
+    int enable_prefix_caching;
+    int enable_chunked_prefill;
+    cv_sched_policy policy;
+} cv_scheduler_config;
+
+/* The plan for one step: one plain struct, all the runner needs.
+ * Arrays are owned by the scheduler and valid until the next schedule call. */
+typedef struct cv_sched_output {
+    int64_t n_seqs;
+    cv_sequence **seqs;        /* [n_seqs] scheduled sequences */
+    int32_t *num_new_tokens;   /* [n_seqs] tokens each computes this step (>= 1) */
+    int64_t *start_pos;        /* [n_seqs] seq->n_computed when scheduled: first new position */
+    int64_t total_tokens;      /* sum of num_new_tokens */
+    cv_sequence **preempted;   /* [n_preempted] sequences preempted this step (now waiting) */
+    int64_t n_preempted;
+} cv_sched_output;
+
+typedef struct cv_sched_stats {
+    int64_t n_running, n_waiting;
+    int64_t n_preempted_total;     /* preemptions since creation */
+    int64_t blocks_total;          /* usable blocks (excluding block 0) */
+    int64_t blocks_used;           /* referenced by at least one sequence */
+    int64_t blocks_free;           /* free (including evictable cached ones) */
+    int64_t blocks_cached_free;    /* free blocks still holding a cached prefix */
+    int64_t tokens_in_kv;          /* sum over running sequences of held tokens */
+    double kv_waste;               /* 1 - tokens_in_kv / (blocks_used * block_size), 0 when none used */
+    int64_t prefix_queries;        /* prompt tokens looked up in the prefix cache */
+    int64_t prefix_hits;           /* of which served from the cache */
+    int64_t steps;
+} cv_sched_stats;
+
+typedef struct cv_scheduler cv_scheduler;
+
+cv_scheduler *cv_scheduler_create(const cv_scheduler_config *cfg, cv_err *err);
+void cv_scheduler_destroy(cv_scheduler *s);
+
+/* Queues a new sequence (status NEW -> WAITING). Refuses (CV_ERR_INVALID,
+ * message says why) a sequence that can never fit: max_total beyond
+ * max_model_len or needing more blocks than the whole cache. */
+int cv_scheduler_add(cv_scheduler *s, cv_sequence *seq, cv_err *err);
+
+/* Adds child as a fork of parent (n > 1 completions), once parent's prompt is
+ * computed: child shares parent's full prompt blocks (ref counts up) and
+ * recomputes the rest. child holds the same prompt tokens. */
+int cv_scheduler_add_fork(cv_scheduler *s, cv_sequence *child, cv_sequence *parent, cv_err *err);
+
+/* Plans one step. Returns CV_OK (out->n_seqs may be 0 when idle). */
+int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out);
+
+/* After the runner ran the plan: advances n_computed by num_new_tokens and
+ * registers newly full blocks in the prefix cache. Call before appending
+ * sampled tokens. */
+void cv_scheduler_commit(cv_scheduler *s, const cv_sched_output *out);
+
+/* Removes a sequence (running or waiting) with a final status and frees its
+ * blocks. The scheduler drops every reference to it. */
+void cv_scheduler_finish(cv_scheduler *s, cv_sequence *seq, cv_seq_status status);
+
+int64_t cv_scheduler_num_unfinished(const cv_scheduler *s);
+void cv_scheduler_get_stats(const cv_scheduler *s, cv_sched_stats *st);
+
+/* For tests: checks every invariant (ref counts, free list, hashes); returns
+ * CV_OK or CV_ERR_STATE with a message. */
+int cv_scheduler_check(const cv_scheduler *s, cv_err *err);
+
+#endif

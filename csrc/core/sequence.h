@@ -1,0 +1,60 @@
+/* One sequence: the unit the scheduler, block pool and runner work on.
+ * A request with n completions owns n sequences. Owned by the engine (or the
+ * test harness); the scheduler only links it into its queues. */
+#ifndef CV_SEQUENCE_H
+#define CV_SEQUENCE_H
+
+#include <stdint.h>
+#include "../common.h"
+
+/* Ordered so that "finished" is one comparison: status >= CV_SEQ_FINISHED_STOPPED. */
+typedef enum cv_seq_status {
+    CV_SEQ_NEW = 0,              /* created, not yet added to the scheduler */
+    CV_SEQ_WAITING = 1,          /* in the waiting queue */
+    CV_SEQ_RUNNING = 2,          /* in the running set */
+    CV_SEQ_FINISHED_STOPPED = 10,/* EOS, stop token or stop string */
+    CV_SEQ_FINISHED_LENGTH = 11, /* max_tokens or max_model_len */
+    CV_SEQ_FINISHED_ABORTED = 12 /* aborted by the user */
+} cv_seq_status;
+
+#define CV_SEQ_IS_FINISHED(s) ((s) >= CV_SEQ_FINISHED_STOPPED)
+
+typedef struct cv_sequence {
+    int64_t seq_id;         /* unique per engine */
+    int64_t arrival;        /* arrival order: FCFS order and preemption victim choice */
+    int32_t priority;       /* lower value first under the priority policy */
+
+    int32_t *tokens;        /* [cap_tokens]: prompt then generated tokens */
+    int64_t n_tokens;       /* tokens held */
+    int64_t cap_tokens;     /* capacity of tokens */
+    int64_t n_prompt;       /* prompt tokens */
+    int64_t max_total;      /* n_prompt + max_tokens: the most tokens it will ever hold */
+
+    int64_t n_computed;     /* tokens whose KV is in the cache */
+    int32_t *block_table;   /* [cap_blocks] block ids */
+    int64_t n_blocks;
+    int64_t cap_blocks;
+    int64_t n_hashed_blocks;/* leading full blocks already registered in the prefix cache */
+    uint64_t last_hash;     /* chained hash of block n_hashed_blocks-1 */
+
+    cv_seq_status status;
+    int64_t n_cached_prompt;/* prompt tokens served from the prefix cache at first admission */
+    int64_t n_preemptions;
+
+    void *owner;            /* engine's per-request data; opaque to the scheduler */
+
+    /* scheduler-private links */
+    struct cv_sequence *q_prev, *q_next;
+    int64_t sched_index;    /* position in the running array, -1 when not running */
+    int64_t heap_index;     /* position in the priority heap, -1 when not in it */
+} cv_sequence;
+
+/* Creates a sequence holding a copy of prompt[n_prompt]; max_tokens more may
+ * be appended. Returns NULL on allocation failure. */
+cv_sequence *cv_sequence_create(int64_t seq_id, const int32_t *prompt, int64_t n_prompt,
+                                int64_t max_tokens);
+void cv_sequence_free(cv_sequence *s);
+/* Appends one generated token (capacity grows as needed). Returns CV_OK or CV_ERR_NOMEM. */
+int cv_sequence_append(cv_sequence *s, int32_t token);
+
+#endif

@@ -1,0 +1,139 @@
+/* The backend table: one function table per device (CPU, CUDA).
+ *
+ * Kernels know nothing about sequences or the scheduler: they see raw arrays
+ * and sizes. All activations are float32; weights may be float32, bfloat16 or
+ * float16 (widened in registers, fp32 accumulation); the KV cache is float32,
+ * float16 or bfloat16.
+ *
+ * Every function works on memory of the backend's device (host memory for CPU).
+ * No function allocates inside a step: buffers come from the caller. */
+#ifndef CV_BACKEND_H
+#define CV_BACKEND_H
+
+#include <stdint.h>
+#include "../csrc/common.h"
+
+typedef struct cv_backend cv_backend;
+
+/* A weight matrix W[rows][cols] (y = W x), in the layout the backend's GEMM
+ * reads (the CPU backend packs it into panels; see kernels/cpu/gemm.c).
+ * Created by backend->matrix_prepare, freed by backend->matrix_free. */
+typedef struct cv_matrix {
+    void *data;      /* backend-owned, layout private to the backend */
+    cv_dtype dtype;  /* CV_F32, CV_BF16 or CV_F16 */
+    int64_t rows;    /* output features */
+    int64_t cols;    /* input features */
+    size_t bytes;    /* bytes held by data */
+} cv_matrix;
+
+/* A row-major lookup table T[rows][cols] (token embeddings), not packed. */
+typedef struct cv_table {
+    void *data;      /* [rows][cols] of dtype */
+    cv_dtype dtype;
+    int64_t rows, cols;
+    size_t bytes;
+} cv_table;
+
+/* One layer of the paged KV cache.
+ * Layout (both k and v): [num_blocks][n_kv_heads][block_size][head_dim] of dtype,
+ * so one block of one head is a contiguous [block_size][head_dim] tile.
+ * Token slot s lives in block s / block_size at offset s % block_size. */
+typedef struct cv_kv_layer {
+    void *k;         /* [num_blocks][n_kv_heads][block_size][head_dim] */
+    void *v;         /* [num_blocks][n_kv_heads][block_size][head_dim] */
+    cv_dtype dtype;  /* CV_F32, CV_F16 or CV_BF16 */
+    int64_t num_blocks, n_kv_heads, block_size, head_dim;
+} cv_kv_layer;
+
+/* Rotary embedding parameters, precomputed by the model. */
+typedef enum cv_rope_layout {
+    CV_ROPE_HALVES = 0, /* HF: rotate (x[i], x[i + head_dim/2]) */
+    CV_ROPE_PAIRS = 1   /* llama2.c / Meta: rotate (x[2i], x[2i+1]) */
+} cv_rope_layout;
+
+typedef struct cv_rope {
+    const float *inv_freq; /* [head_dim/2] frequencies (llama3 scaling already applied) */
+    int64_t head_dim;      /* rotated dimension == head_dim */
+    cv_rope_layout layout;
+} cv_rope;
+
+/* The attention part of a ragged batch. Sequence s owns query rows
+ * query_start[s] .. query_start[s+1]-1 (its new tokens, in order); after this
+ * step's KV write its context holds context_lens[s] tokens, so its new token j
+ * sits at position context_lens[s] - n_new + j and attends causally to
+ * positions 0 .. that position. */
+typedef struct cv_attn_batch {
+    int64_t n_seqs;
+    const int32_t *query_start;  /* [n_seqs + 1] */
+    const int32_t *context_lens; /* [n_seqs] */
+    const int32_t *block_tables; /* [n_seqs][max_blocks_per_seq] block ids */
+    int64_t max_blocks_per_seq;
+    int64_t max_context_len;     /* max over context_lens (sizing hint) */
+    int64_t n_heads, n_kv_heads, head_dim;
+    float scale;                 /* usually 1/sqrt(head_dim) */
+} cv_attn_batch;
+
+struct cv_backend {
+    const char *name;  /* "cpu" or "cuda" */
+    void *ctx;         /* backend private state (thread pool, streams, ...) */
+
+    /* --- lifetime of weights and caches --------------------------------- */
+    /* Builds a matrix from host src[rows][cols] (row-major, dtype src_dtype),
+     * converting to dtype and packing. */
+    int (*matrix_prepare)(cv_backend *b, cv_matrix *out, const void *src, cv_dtype src_dtype,
+                          int64_t rows, int64_t cols, cv_dtype dtype, cv_err *err);
+    void (*matrix_free)(cv_backend *b, cv_matrix *m);
+    int (*table_prepare)(cv_backend *b, cv_table *out, const void *src, cv_dtype src_dtype,
+                         int64_t rows, int64_t cols, cv_dtype dtype, cv_err *err);
+    void (*table_free)(cv_backend *b, cv_table *t);
+    /* Device buffer of bytes (zeroed); host malloc on the CPU. */
+    void *(*alloc)(cv_backend *b, size_t bytes);
+    void (*free)(cv_backend *b, void *p);
+    /* Copies between host and the device (plain memcpy on the CPU). */
+    void (*to_device)(cv_backend *b, void *dst, const void *src, size_t bytes);
+    void (*to_host)(cv_backend *b, void *dst, const void *src, size_t bytes);
+
+    /* --- kernels (all pointers are device memory) ------------------------ */
+    /* out[n][w.rows] = x[n][w.cols] . W^T (+ bias[w.rows] if bias) (+= out if accumulate) */
+    void (*gemm)(cv_backend *b, float *out, const float *x, int64_t n, const cv_matrix *w,
+                 const float *bias, int accumulate);
+    /* out[n][dim] = x * rsqrt(mean(x^2) + eps) * weight */
+    void (*rmsnorm)(cv_backend *b, float *out, const float *x, const float *weight, int64_t n,
+                    int64_t dim, float eps);
+    /* x[n][dim] += r[n][dim]; out = rmsnorm(x) (fused residual add) */
+    void (*add_rmsnorm)(cv_backend *b, float *out, float *x, const float *r, const float *weight,
+                        int64_t n, int64_t dim, float eps);
+    /* Rotates, in place, the n_heads query heads at q (row stride q_stride floats)
+     * and n_kv_heads key heads at k (row stride k_stride) of n tokens at pos[n]. */
+    void (*rope)(cv_backend *b, float *q, int64_t q_stride, int64_t n_heads, float *k,
+                 int64_t k_stride, int64_t n_kv_heads, const int32_t *pos, int64_t n,
+                 const cv_rope *rope);
+    /* out[n][dim] = silu(gate) * up, where gate = gu[t][0..dim), up = gu[t][dim..2dim) */
+    void (*swiglu)(cv_backend *b, float *out, const float *gu, int64_t n, int64_t dim);
+    /* out[n][table.cols] = table[tokens[i]] (tokens already validated) */
+    void (*embedding)(cv_backend *b, float *out, const int32_t *tokens, int64_t n,
+                      const cv_table *table);
+    /* Writes the keys k (row stride k_stride) and values v (row stride v_stride)
+     * of n tokens into the cache at slot_mapping[n] (slot = block*block_size + offset). */
+    void (*kv_write)(cv_backend *b, cv_kv_layer *cache, const float *k, int64_t k_stride,
+                     const float *v, int64_t v_stride, const int64_t *slot_mapping, int64_t n);
+    /* out[q_rows][n_heads*head_dim] = softmax(q k^T * scale, causal) v over each
+     * sequence's paged context; q has row stride q_stride. */
+    void (*paged_attention)(cv_backend *b, float *out, const float *q, int64_t q_stride,
+                            const cv_kv_layer *cache, const cv_attn_batch *batch);
+
+    /* Waits for queued device work (no-op on the CPU). */
+    void (*sync)(cv_backend *b);
+    void (*destroy)(cv_backend *b);
+};
+
+/* CPU backend with num_threads workers (<= 0: all cores). Uses SIMD kernels
+ * when built with AVX2/FMA/F16C, unless CONVEYOR_FORCE_SCALAR=1 is set in the
+ * environment or force_scalar is non-zero. */
+cv_backend *cv_cpu_backend_create(int num_threads, int force_scalar, cv_err *err);
+
+/* CUDA backend (kernels/cuda), loaded on demand; NULL with err set when
+ * CUDA is not built or no device is present. */
+cv_backend *cv_cuda_backend_create(int device, cv_err *err);
+
+#endif

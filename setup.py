@@ -1,0 +1,84 @@
+"""Builds conveyor._core (C11) from csrc/ and kernels/cpu/.
+
+Environment knobs:
+  CONVEYOR_MARCH=native|none   SIMD for the build machine (default native when the compiler takes it)
+  CONVEYOR_SANITIZE=1          AddressSanitizer + UndefinedBehaviorSanitizer build (tests under ASan)
+  CONVEYOR_DEBUG=1             -O0 -g
+At run time CONVEYOR_FORCE_SCALAR=1 forces the plain-C kernels.
+"""
+import os
+import glob
+import subprocess
+import sys
+import tempfile
+
+import numpy
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def c_sources():
+    files = []
+    for pattern in ("csrc/**/*.c", "kernels/cpu/**/*.c"):
+        files += glob.glob(pattern, recursive=True, root_dir=ROOT)
+    return sorted(f for f in files if "/fuzz/" not in f)
+
+
+def compiler_accepts(cc, flag):
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "t.c")
+        with open(src, "w") as f:
+            f.write("int main(void){return 0;}\n")
+        try:
+            r = subprocess.run(cc + [flag, "-c", src, "-o", os.path.join(d, "t.o")],
+                               capture_output=True)
+        except OSError:
+            return False
+        return r.returncode == 0
+
+
+class BuildExt(build_ext):
+    def build_extensions(self):
+        cc = list(self.compiler.compiler_so[:1]) if hasattr(self.compiler, "compiler_so") else ["cc"]
+        flags = ["-std=c11", "-Wall", "-Wextra", "-pthread", "-fvisibility=hidden",
+                 "-D_GNU_SOURCE"]
+        debug = os.environ.get("CONVEYOR_DEBUG") == "1"
+        sanitize = os.environ.get("CONVEYOR_SANITIZE") == "1"
+        flags += ["-O0", "-g"] if debug else ["-O3"]
+        if sanitize:
+            flags += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
+                      "-fno-sanitize-recover=undefined", "-g"]
+        march = os.environ.get("CONVEYOR_MARCH", "native")
+        if march != "none" and compiler_accepts(cc, f"-march={march}"):
+            flags.append(f"-march={march}")
+        link = ["-pthread", "-lm", "-ldl"]
+        if sanitize:
+            link += ["-fsanitize=address,undefined"]
+        for ext in self.extensions:
+            ext.extra_compile_args = flags
+            ext.extra_link_args = link
+        super().build_extensions()
+
+
+core = Extension(
+    "conveyor._core",
+    sources=c_sources(),
+    include_dirs=[numpy.get_include(), "csrc", "kernels"],
+    language="c",
+)
+
+ext_modules = [core]
+cmdclass = {"build_ext": BuildExt}
+
+# The CUDA backend (kernels/cuda) is added by tools/cuda_build.py when nvcc is found.
+try:
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import cuda_build  # noqa: E402
+
+    cmdclass = cuda_build.extend(cmdclass, ext_modules)
+except ImportError:
+    pass
+
+setup(ext_modules=ext_modules, cmdclass=cmdclass)
