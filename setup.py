@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 def c_sources():
     files = []
-    for pattern in ("csrc/**/*.c", "kernels/cpu/**/*.c"):
+    for pattern in ("csrc/**/*.c", "kernels/*.c", "kernels/cpu/**/*.c"):
         files += glob.glob(pattern, recursive=True, root_dir=ROOT)
     return sorted(f for f in files if "/fuzz/" not in f)
 

@@ -124,6 +124,9 @@ struct cv_backend {
 
     /* Waits for queued device work (no-op on the CPU). */
     void (*sync)(cv_backend *b);
+    /* Free and total memory of the device in bytes (may be NULL: the engine
+     * then asks the OS for host memory). */
+    int (*mem_info)(cv_backend *b, size_t *free_bytes, size_t *total_bytes);
     void (*destroy)(cv_backend *b);
 };
 

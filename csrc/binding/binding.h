@@ -31,5 +31,6 @@ int cv_py_add_kernels(PyObject *m);    /* py_kernels.c   */
 int cv_py_add_scheduler(PyObject *m);  /* py_scheduler.c */
 int cv_py_add_sampler(PyObject *m);    /* py_sampler.c   */
 int cv_py_add_engine(PyObject *m);     /* py_engine.c    */
+int cv_py_add_cuda(PyObject *m);       /* py_cuda.c      */
 
 #endif

@@ -1,7 +1,302 @@
-/* Binding of the checkpoint part (placeholder until that part lands). */
+/* conveyor._core.Checkpoint: a checkpoint opened for inspection.
+ *
+ *   ck = Checkpoint(path)        # HF directory or llama2.c .bin
+ *   ck.format, ck.config, ck.path, ck.closed
+ *   ck.tensors() -> {name: (dtype, shape)}, ck.tensor(name) -> float32 ndarray
+ *   ck.close(); also a context manager. */
 #include "binding.h"
 
+#include <stdio.h>
+#include <string.h>
+
+#include "../model/checkpoint.h"
+
+typedef struct {
+    PyObject_HEAD
+    cv_checkpoint ck;
+    int is_open;
+    int busy;        /* tensor() calls running without the GIL */
+    PyObject *path;  /* str, as given (after os.fspath) */
+} CheckpointObject;
+
+static const char *const layer_fields[] = {"attn_norm", "wq", "wk", "wv", "wo", "bq",
+                                           "bk", "bv", "ffn_norm", "w_gate", "w_up", "w_down"};
+
+static int check_open(CheckpointObject *self) {
+    if (self->is_open) return 0;
+    cv_err e;
+    cv_set_err(&e, CV_ERR_STATE, "checkpoint is closed");
+    cv_py_raise(&e);
+    return -1;
+}
+
+static void close_now(CheckpointObject *self) {
+    if (self->is_open) cv_checkpoint_close(&self->ck);
+    self->is_open = 0;
+}
+
+static int Checkpoint_init(CheckpointObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"path", NULL};
+    PyObject *arg = NULL, *fs = NULL, *bytes = NULL;
+    int ret = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:Checkpoint", kwlist, &arg)) return -1;
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "checkpoint is in use by another thread");
+        return -1;
+    }
+    fs = PyOS_FSPath(arg); /* TypeError for anything but str, bytes, os.PathLike */
+    if (!fs) goto done;
+    if (PyUnicode_Check(fs)) {
+        bytes = PyUnicode_EncodeFSDefault(fs);
+        if (!bytes) goto done;
+    } else {
+        bytes = fs;
+        Py_INCREF(bytes);
+    }
+    const char *cpath = PyBytes_AS_STRING(bytes);
+    if ((size_t)PyBytes_GET_SIZE(bytes) != strlen(cpath)) {
+        PyErr_SetString(PyExc_ValueError, "checkpoint path contains a NUL byte");
+        goto done;
+    }
+    cv_checkpoint tmp;
+    cv_err err;
+    memset(&err, 0, sizeof err);
+    int rc;
+    /* open into a local so that no other thread sees a half-built checkpoint */
+    Py_BEGIN_ALLOW_THREADS
+    rc = cv_checkpoint_open(&tmp, cpath, &err);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        cv_py_raise(&err);
+        goto done;
+    }
+    close_now(self);
+    self->ck = tmp;
+    self->is_open = 1;
+    PyObject *p = PyUnicode_Check(fs) ? fs : PyUnicode_DecodeFSDefault(cpath);
+    if (p == fs) Py_INCREF(p);
+    if (!p) goto done;
+    Py_XSETREF(self->path, p);
+    ret = 0;
+done:
+    Py_XDECREF(fs);
+    Py_XDECREF(bytes);
+    return ret;
+}
+
+static void Checkpoint_dealloc(CheckpointObject *self) {
+    close_now(self);
+    Py_XDECREF(self->path);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Checkpoint_close(CheckpointObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "checkpoint is in use by another thread");
+        return NULL;
+    }
+    close_now(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Checkpoint_enter(CheckpointObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (check_open(self) < 0) return NULL;
+    Py_INCREF(self);
+    return (PyObject *)self;
+}
+
+static PyObject *Checkpoint_exit(CheckpointObject *self, PyObject *args) {
+    (void)args;
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "checkpoint is in use by another thread");
+        return NULL;
+    }
+    close_now(self);
+    Py_RETURN_FALSE;
+}
+
+/* Sets d[key] = v and drops the reference to v; -1 on error (v may be NULL). */
+static int put(PyObject *d, const char *key, PyObject *v) {
+    if (!v) return -1;
+    int rc = PyDict_SetItemString(d, key, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+static PyObject *shape_tuple(const cv_tensor_view *v) {
+    return v->ndim == 1 ? Py_BuildValue("(L)", (long long)v->shape[0])
+                        : Py_BuildValue("(LL)", (long long)v->shape[0], (long long)v->shape[1]);
+}
+
+static PyObject *Checkpoint_get_config(CheckpointObject *self, void *closure) {
+    (void)closure;
+    if (check_open(self) < 0) return NULL;
+    const cv_model_config *c = &self->ck.cfg;
+    static const char *const archs[] = {"llama", "mistral", "qwen2"};
+    PyObject *d = PyDict_New(), *eos = NULL;
+    if (!d) return NULL;
+    if (put(d, "arch", PyUnicode_FromString(c->arch >= 0 && c->arch <= 2 ? archs[c->arch] : "unknown")) < 0 ||
+        put(d, "dim", PyLong_FromLongLong(c->dim)) < 0 ||
+        put(d, "hidden_dim", PyLong_FromLongLong(c->hidden_dim)) < 0 ||
+        put(d, "n_layers", PyLong_FromLongLong(c->n_layers)) < 0 ||
+        put(d, "n_heads", PyLong_FromLongLong(c->n_heads)) < 0 ||
+        put(d, "n_kv_heads", PyLong_FromLongLong(c->n_kv_heads)) < 0 ||
+        put(d, "head_dim", PyLong_FromLongLong(c->head_dim)) < 0 ||
+        put(d, "vocab_size", PyLong_FromLongLong(c->vocab_size)) < 0 ||
+        put(d, "max_pos", PyLong_FromLongLong(c->max_pos)) < 0 ||
+        put(d, "rms_eps", PyFloat_FromDouble(c->rms_eps)) < 0 ||
+        put(d, "rope_theta", PyFloat_FromDouble(c->rope_theta)) < 0 ||
+        put(d, "rope_layout", PyUnicode_FromString(c->rope_layout == CV_ROPE_PAIRS ? "pairs" : "halves")) < 0)
+        goto fail;
+    if (c->rope_llama3) {
+        PyObject *rs = Py_BuildValue("{s:d,s:d,s:d,s:L}", "factor", (double)c->rope_factor, "low_freq_factor",
+                                     (double)c->rope_low_freq_factor, "high_freq_factor",
+                                     (double)c->rope_high_freq_factor, "original_max_position_embeddings",
+                                     (long long)c->rope_original_max_pos);
+        if (put(d, "rope_scaling", rs) < 0) goto fail;
+    } else {
+        Py_INCREF(Py_None);
+        if (put(d, "rope_scaling", Py_None) < 0) goto fail;
+    }
+    if (put(d, "tie_embeddings", PyBool_FromLong(c->tie_embeddings)) < 0 ||
+        put(d, "qkv_bias", PyBool_FromLong(c->qkv_bias)) < 0 ||
+        put(d, "bos_id", PyLong_FromLong(c->bos_id)) < 0)
+        goto fail;
+    eos = PyList_New(c->n_eos);
+    if (!eos) goto fail;
+    for (int i = 0; i < c->n_eos; i++) {
+        PyObject *x = PyLong_FromLong(c->eos_ids[i]);
+        if (!x) goto fail;
+        PyList_SET_ITEM(eos, i, x);
+    }
+    int rc = put(d, "eos_ids", eos);
+    eos = NULL;
+    if (rc < 0) goto fail;
+    if (put(d, "dtype", PyUnicode_FromString(cv_dtype_name(c->torch_dtype))) < 0) goto fail;
+    return d;
+fail:
+    Py_XDECREF(eos);
+    Py_DECREF(d);
+    return NULL;
+}
+
+static PyObject *Checkpoint_get_format(CheckpointObject *self, void *closure) {
+    (void)closure;
+    if (!self->path) return PyErr_Format(PyExc_ValueError, "checkpoint was never opened");
+    return PyUnicode_FromString(self->ck.format == CV_FMT_LLAMA2C ? "llama2c" : "hf");
+}
+
+static PyObject *Checkpoint_get_path(CheckpointObject *self, void *closure) {
+    (void)closure;
+    if (!self->path) Py_RETURN_NONE;
+    Py_INCREF(self->path);
+    return self->path;
+}
+
+static PyObject *Checkpoint_get_closed(CheckpointObject *self, void *closure) {
+    (void)closure;
+    return PyBool_FromLong(!self->is_open);
+}
+
+/* Adds name -> (dtype, shape) to d when the tensor exists. */
+static int add_entry(CheckpointObject *self, PyObject *d, const char *name) {
+    const cv_tensor_view *v = cv_checkpoint_find(&self->ck, name);
+    if (!v) return 0;
+    PyObject *shape = shape_tuple(v);
+    if (!shape) return -1;
+    PyObject *t = Py_BuildValue("(sN)", cv_dtype_name(v->dtype), shape);
+    return put(d, name, t);
+}
+
+static PyObject *Checkpoint_tensors(CheckpointObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (check_open(self) < 0) return NULL;
+    PyObject *d = PyDict_New();
+    if (!d) return NULL;
+    char name[64];
+    if (add_entry(self, d, "embed") < 0 || add_entry(self, d, "final_norm") < 0 || add_entry(self, d, "lm_head") < 0)
+        goto fail;
+    for (int64_t i = 0; i < self->ck.cfg.n_layers; i++) {
+        for (size_t k = 0; k < sizeof layer_fields / sizeof layer_fields[0]; k++) {
+            snprintf(name, sizeof name, "layers.%lld.%s", (long long)i, layer_fields[k]);
+            if (add_entry(self, d, name) < 0) goto fail;
+        }
+    }
+    return d;
+fail:
+    Py_DECREF(d);
+    return NULL;
+}
+
+static PyObject *Checkpoint_tensor(CheckpointObject *self, PyObject *arg) {
+    if (!PyUnicode_Check(arg))
+        return PyErr_Format(PyExc_TypeError, "tensor name must be a str, not %.100s", Py_TYPE(arg)->tp_name);
+    if (check_open(self) < 0) return NULL;
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name) return NULL;
+    const cv_tensor_view *v = cv_checkpoint_find(&self->ck, name);
+    if (!v) {
+        PyErr_SetObject(PyExc_KeyError, arg);
+        return NULL;
+    }
+    npy_intp dims[2] = {(npy_intp)v->shape[0], v->ndim == 2 ? (npy_intp)v->shape[1] : 0};
+    PyObject *arr = PyArray_SimpleNew(v->ndim, dims, NPY_FLOAT32);
+    if (!arr) return NULL;
+    float *dst = PyArray_DATA((PyArrayObject *)arr); /* [numel] */
+    size_t n = (size_t)cv_tensor_numel(v);
+    /* busy keeps close() from unmapping while the copy runs without the GIL */
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    cv_convert_to_f32(dst, v->data, v->dtype, n);
+    Py_END_ALLOW_THREADS
+    self->busy--;
+    return arr;
+}
+
+static PyObject *Checkpoint_repr(CheckpointObject *self) {
+    if (!self->is_open) return PyUnicode_FromFormat("<Checkpoint %R (closed)>", self->path ? self->path : Py_None);
+    const cv_model_config *c = &self->ck.cfg;
+    return PyUnicode_FromFormat("<Checkpoint %s %R dim=%lld layers=%lld vocab=%lld>",
+                                self->ck.format == CV_FMT_LLAMA2C ? "llama2c" : "hf", self->path,
+                                (long long)c->dim, (long long)c->n_layers, (long long)c->vocab_size);
+}
+
+static PyMethodDef Checkpoint_methods[] = {
+    {"tensors", (PyCFunction)Checkpoint_tensors, METH_NOARGS,
+     "tensors() -> dict: canonical name -> (dtype, shape) of every tensor present."},
+    {"tensor", (PyCFunction)Checkpoint_tensor, METH_O,
+     "tensor(name) -> numpy.ndarray: a new float32 copy of the named tensor (KeyError if absent)."},
+    {"close", (PyCFunction)Checkpoint_close, METH_NOARGS, "close(): unmaps the files; idempotent."},
+    {"__enter__", (PyCFunction)Checkpoint_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)Checkpoint_exit, METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Checkpoint_getset[] = {
+    {"format", (getter)Checkpoint_get_format, NULL, "\"hf\" or \"llama2c\".", NULL},
+    {"config", (getter)Checkpoint_get_config, NULL, "The model hyper-parameters as a dict.", NULL},
+    {"path", (getter)Checkpoint_get_path, NULL, "The path it was opened from.", NULL},
+    {"closed", (getter)Checkpoint_get_closed, NULL, "True after close().", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject CheckpointType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "conveyor._core.Checkpoint",
+    .tp_basicsize = sizeof(CheckpointObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Checkpoint(path): a HF checkpoint directory or a llama2.c .bin file, opened read-only.\n\n"
+              "Raises FileNotFoundError, conveyor.ModelFormatError or conveyor.UnsupportedError\n"
+              "with a message naming the file and the problem.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Checkpoint_init,
+    .tp_dealloc = (destructor)Checkpoint_dealloc,
+    .tp_repr = (reprfunc)Checkpoint_repr,
+    .tp_methods = Checkpoint_methods,
+    .tp_getset = Checkpoint_getset,
+};
+
 int cv_py_add_checkpoint(PyObject *m) {
-    (void)m;
+    if (PyType_Ready(&CheckpointType) < 0) return -1;
+    if (PyModule_AddObjectRef(m, "Checkpoint", (PyObject *)&CheckpointType) < 0) return -1;
     return 0;
 }

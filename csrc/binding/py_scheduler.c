@@ -1,7 +1,502 @@
-/* Binding of the scheduler part (placeholder until that part lands). */
+/* Binding of the scheduler part: conveyor._core.Scheduler, a harness for
+ * tests and benchmarks that drives the C scheduler with a fake runner. It owns
+ * the cv_sequence objects it creates (finished ones are kept, for seq_info,
+ * until the harness is freed).
+ *
+ *   plan = s.schedule()          # the step's plan (dict of lists)
+ *   s.commit()                   # the runner ran it: advance n_computed
+ *   s.append_token(id, tok)      # for sequences whose tokens are all computed
+ *   s.finish(id, "length")       # "stopped" | "length" | "aborted"
+ */
 #include "binding.h"
 
-int cv_py_add_scheduler(PyObject *m) {
-    (void)m;
+#include "../core/scheduler.h"
+#include "../core/sequence.h"
+
+typedef struct {
+    PyObject_HEAD
+    cv_scheduler *s;
+    cv_scheduler_config cfg;
+    PyObject *seqs;       /* dict: seq_id (int) -> int, the address of a cv_sequence owned here */
+    cv_sched_output plan; /* the last plan (arrays owned by the scheduler) */
+    int pending;          /* plan scheduled and not committed yet */
+} SchedObject;
+
+static const char *status_name(cv_seq_status st) {
+    switch (st) {
+    case CV_SEQ_NEW: return "new";
+    case CV_SEQ_WAITING: return "waiting";
+    case CV_SEQ_RUNNING: return "running";
+    case CV_SEQ_FINISHED_STOPPED: return "stopped";
+    case CV_SEQ_FINISHED_LENGTH: return "length";
+    case CV_SEQ_FINISHED_ABORTED: return "aborted";
+    }
+    return "unknown";
+}
+
+/* The sequence with this id, or NULL with KeyError set. */
+static cv_sequence *get_seq(SchedObject *self, long long seq_id) {
+    PyObject *key = PyLong_FromLongLong(seq_id);
+    if (!key) return NULL;
+    PyObject *v = PyDict_GetItemWithError(self->seqs, key); /* borrowed */
+    Py_DECREF(key);
+    if (!v) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_KeyError, "no sequence with seq_id %lld", seq_id);
+        return NULL;
+    }
+    return (cv_sequence *)PyLong_AsVoidPtr(v);
+}
+
+/* Takes ownership of q under seq_id (frees q on failure). */
+static int store_seq(SchedObject *self, long long seq_id, cv_sequence *q) {
+    int rc = -1;
+    PyObject *key = PyLong_FromLongLong(seq_id);
+    PyObject *val = PyLong_FromVoidPtr(q);
+    if (key && val && PyDict_SetItem(self->seqs, key, val) == 0) rc = 0;
+    else cv_sequence_free(q);
+    Py_XDECREF(key);
+    Py_XDECREF(val);
+    return rc;
+}
+
+static void drop_seq(SchedObject *self, long long seq_id, cv_sequence *q) {
+    PyObject *key = PyLong_FromLongLong(seq_id);
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb); /* keep the error being raised */
+    if (key) {
+        if (PyDict_DelItem(self->seqs, key) < 0) PyErr_Clear();
+        Py_DECREF(key);
+    } else {
+        PyErr_Clear();
+    }
+    PyErr_Restore(et, ev, tb);
+    cv_sequence_free(q);
+}
+
+static int has_seq(SchedObject *self, long long seq_id) {
+    PyObject *key = PyLong_FromLongLong(seq_id);
+    if (!key) return -1;
+    int r = PyDict_Contains(self->seqs, key);
+    Py_DECREF(key);
+    return r;
+}
+
+static PyObject *Sched_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                             "max_model_len", "enable_prefix_caching", "enable_chunked_prefill",
+                             "policy", NULL};
+    long long nb, bs, mns, mbt, mml;
+    int prefix = 1, chunked = 1;
+    const char *policy = "continuous";
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLLL|pps:Scheduler", kwlist, &nb, &bs, &mns, &mbt,
+                                     &mml, &prefix, &chunked, &policy))
+        return NULL;
+    cv_scheduler_config cfg = {0};
+    cfg.num_blocks = nb;
+    cfg.block_size = bs;
+    cfg.max_num_seqs = mns;
+    cfg.max_num_batched_tokens = mbt;
+    cfg.max_model_len = mml;
+    cfg.enable_prefix_caching = prefix;
+    cfg.enable_chunked_prefill = chunked;
+    if (strcmp(policy, "continuous") == 0) cfg.policy = CV_SCHED_CONTINUOUS;
+    else if (strcmp(policy, "priority") == 0) cfg.policy = CV_SCHED_PRIORITY;
+    else if (strcmp(policy, "static") == 0) cfg.policy = CV_SCHED_STATIC;
+    else {
+        PyErr_Format(PyExc_ValueError,
+                     "policy must be \"continuous\", \"priority\" or \"static\", got \"%s\"", policy);
+        return NULL;
+    }
+    SchedObject *self = (SchedObject *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    self->cfg = cfg;
+    self->seqs = PyDict_New();
+    if (!self->seqs) goto fail;
+    cv_err err = {0};
+    self->s = cv_scheduler_create(&cfg, &err);
+    if (!self->s) { cv_py_raise(&err); goto fail; }
+    return (PyObject *)self;
+fail:
+    Py_DECREF(self);
+    return NULL;
+}
+
+static void Sched_dealloc(SchedObject *self) {
+    cv_scheduler_destroy(self->s);
+    if (self->seqs) {
+        Py_ssize_t pos = 0;
+        PyObject *k, *v;
+        while (PyDict_Next(self->seqs, &pos, &k, &v)) cv_sequence_free(PyLong_AsVoidPtr(v));
+        Py_DECREF(self->seqs);
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Sched_add(SchedObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"seq_id", "prompt_tokens", "max_tokens", "priority", NULL};
+    long long seq_id, max_tokens;
+    int priority = 0;
+    PyObject *prompt, *fast = NULL, *ret = NULL;
+    int32_t *toks = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LOL|i:add", kwlist, &seq_id, &prompt, &max_tokens, &priority))
+        return NULL;
+    int dup = has_seq(self, seq_id);
+    if (dup < 0) return NULL;
+    if (dup) return PyErr_Format(PyExc_ValueError, "seq_id %lld already exists", seq_id);
+    if (max_tokens < 0) return PyErr_Format(PyExc_ValueError, "max_tokens must be >= 0, got %lld", max_tokens);
+    fast = PySequence_Fast(prompt, "prompt_tokens must be a sequence of ints");
+    if (!fast) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    toks = PyMem_Malloc((size_t)(n + 1) * sizeof *toks);
+    if (!toks) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long t = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
+        if (t == -1 && PyErr_Occurred()) goto done;
+        if (t < INT32_MIN || t > INT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "token %lld at position %zd does not fit int32", t, i);
+            goto done;
+        }
+        toks[i] = (int32_t)t;
+    }
+    cv_sequence *q = cv_sequence_create(seq_id, toks, n, max_tokens);
+    if (!q) { PyErr_NoMemory(); goto done; }
+    q->priority = priority;
+    if (store_seq(self, seq_id, q) < 0) goto done;
+    cv_err err = {0};
+    if (cv_scheduler_add(self->s, q, &err) != CV_OK) {
+        cv_py_raise(&err);
+        drop_seq(self, seq_id, q);
+        goto done;
+    }
+    ret = Py_NewRef(Py_None);
+done:
+    PyMem_Free(toks);
+    Py_XDECREF(fast);
+    return ret;
+}
+
+static PyObject *Sched_fork(SchedObject *self, PyObject *args) {
+    long long child_id, parent_id;
+    if (!PyArg_ParseTuple(args, "LL:fork", &child_id, &parent_id)) return NULL;
+    cv_sequence *parent = get_seq(self, parent_id);
+    if (!parent) return NULL;
+    int dup = has_seq(self, child_id);
+    if (dup < 0) return NULL;
+    if (dup) return PyErr_Format(PyExc_ValueError, "seq_id %lld already exists", child_id);
+    cv_sequence *child = cv_sequence_create(child_id, parent->tokens, parent->n_prompt,
+                                            parent->max_total - parent->n_prompt);
+    if (!child) return PyErr_NoMemory();
+    child->priority = parent->priority;
+    if (store_seq(self, child_id, child) < 0) return NULL;
+    cv_err err = {0};
+    if (cv_scheduler_add_fork(self->s, child, parent, &err) != CV_OK) {
+        cv_py_raise(&err);
+        drop_seq(self, child_id, child);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *int64_list(const int64_t *v, int64_t n) {
+    PyObject *l = PyList_New((Py_ssize_t)n);
+    if (!l) return NULL;
+    for (int64_t i = 0; i < n; i++) {
+        PyObject *x = PyLong_FromLongLong(v[i]);
+        if (!x) { Py_DECREF(l); return NULL; }
+        PyList_SET_ITEM(l, i, x);
+    }
+    return l;
+}
+
+static PyObject *int32_list(const int32_t *v, int64_t n) {
+    PyObject *l = PyList_New((Py_ssize_t)n);
+    if (!l) return NULL;
+    for (int64_t i = 0; i < n; i++) {
+        PyObject *x = PyLong_FromLong(v[i]);
+        if (!x) { Py_DECREF(l); return NULL; }
+        PyList_SET_ITEM(l, i, x);
+    }
+    return l;
+}
+
+static PyObject *seq_id_list(cv_sequence *const *seqs, int64_t n) {
+    PyObject *l = PyList_New((Py_ssize_t)n);
+    if (!l) return NULL;
+    for (int64_t i = 0; i < n; i++) {
+        PyObject *x = PyLong_FromLongLong(seqs[i]->seq_id);
+        if (!x) { Py_DECREF(l); return NULL; }
+        PyList_SET_ITEM(l, i, x);
+    }
+    return l;
+}
+
+/* Adds d[key] = value and drops the reference to value; -1 on error. */
+static int put(PyObject *d, const char *key, PyObject *value) {
+    if (!value) return -1;
+    int r = PyDict_SetItemString(d, key, value);
+    Py_DECREF(value);
+    return r;
+}
+
+static PyObject *plan_dict(const cv_sched_output *p) {
+    PyObject *d = PyDict_New();
+    if (!d) return NULL;
+    PyObject *tables = PyList_New((Py_ssize_t)p->n_seqs);
+    if (!tables) goto fail;
+    for (int64_t i = 0; i < p->n_seqs; i++) {
+        PyObject *t = int32_list(p->seqs[i]->block_table, p->seqs[i]->n_blocks);
+        if (!t) { Py_DECREF(tables); goto fail; }
+        PyList_SET_ITEM(tables, i, t);
+    }
+    if (put(d, "block_tables", tables) < 0) goto fail;
+    if (put(d, "seq_ids", seq_id_list(p->seqs, p->n_seqs)) < 0) goto fail;
+    if (put(d, "num_new_tokens", int32_list(p->num_new_tokens, p->n_seqs)) < 0) goto fail;
+    if (put(d, "start_pos", int64_list(p->start_pos, p->n_seqs)) < 0) goto fail;
+    if (put(d, "preempted", seq_id_list(p->preempted, p->n_preempted)) < 0) goto fail;
+    if (put(d, "total_tokens", PyLong_FromLongLong(p->total_tokens)) < 0) goto fail;
+    return d;
+fail:
+    Py_DECREF(d);
+    return NULL;
+}
+
+static PyObject *Sched_schedule(SchedObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (self->pending)
+        return PyErr_Format(PyExc_RuntimeError, "the previous plan was not committed: call commit() first");
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = cv_scheduler_schedule(self->s, &self->plan);
+    Py_END_ALLOW_THREADS
+    self->pending = 1; /* even a partial plan (out of memory) holds blocks and must be committed */
+    if (rc != CV_OK) {
+        cv_err err = {rc, "scheduler: out of memory growing a block table"};
+        return cv_py_raise(&err);
+    }
+    return plan_dict(&self->plan);
+}
+
+static PyObject *Sched_commit(SchedObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (!self->pending) return PyErr_Format(PyExc_RuntimeError, "no plan to commit: call schedule() first");
+    cv_scheduler_commit(self->s, &self->plan);
+    self->pending = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Sched_append_token(SchedObject *self, PyObject *args) {
+    long long seq_id, token;
+    if (!PyArg_ParseTuple(args, "LL:append_token", &seq_id, &token)) return NULL;
+    cv_sequence *q = get_seq(self, seq_id);
+    if (!q) return NULL;
+    if (q->status != CV_SEQ_RUNNING)
+        return PyErr_Format(PyExc_ValueError, "sequence %lld is %s, not running", seq_id,
+                            status_name(q->status));
+    if (q->n_computed != q->n_tokens)
+        return PyErr_Format(PyExc_ValueError, "sequence %lld still has %lld uncomputed tokens",
+                            seq_id, (long long)(q->n_tokens - q->n_computed));
+    if (q->n_tokens >= q->max_total)
+        return PyErr_Format(PyExc_ValueError, "sequence %lld already holds max_total=%lld tokens",
+                            seq_id, (long long)q->max_total);
+    if (token < INT32_MIN || token > INT32_MAX)
+        return PyErr_Format(PyExc_ValueError, "token %lld does not fit int32", token);
+    if (cv_sequence_append(q, (int32_t)token) != CV_OK) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static int parse_reason(const char *r, cv_seq_status *st) {
+    if (strcmp(r, "stopped") == 0) *st = CV_SEQ_FINISHED_STOPPED;
+    else if (strcmp(r, "length") == 0) *st = CV_SEQ_FINISHED_LENGTH;
+    else if (strcmp(r, "aborted") == 0) *st = CV_SEQ_FINISHED_ABORTED;
+    else {
+        PyErr_Format(PyExc_ValueError, "reason must be \"stopped\", \"length\" or \"aborted\", got \"%s\"", r);
+        return -1;
+    }
     return 0;
+}
+
+static PyObject *Sched_finish(SchedObject *self, PyObject *args) {
+    long long seq_id;
+    const char *reason = "stopped";
+    if (!PyArg_ParseTuple(args, "L|s:finish", &seq_id, &reason)) return NULL;
+    cv_seq_status st;
+    if (parse_reason(reason, &st) < 0) return NULL;
+    cv_sequence *q = get_seq(self, seq_id);
+    if (!q) return NULL;
+    cv_scheduler_finish(self->s, q, st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Sched_abort(SchedObject *self, PyObject *args) {
+    long long seq_id;
+    if (!PyArg_ParseTuple(args, "L:abort", &seq_id)) return NULL;
+    cv_sequence *q = get_seq(self, seq_id);
+    if (!q) return NULL;
+    cv_scheduler_finish(self->s, q, CV_SEQ_FINISHED_ABORTED);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Sched_seq_info(SchedObject *self, PyObject *args) {
+    long long seq_id;
+    if (!PyArg_ParseTuple(args, "L:seq_info", &seq_id)) return NULL;
+    cv_sequence *q = get_seq(self, seq_id);
+    if (!q) return NULL;
+    PyObject *d = PyDict_New();
+    if (!d) return NULL;
+    if (put(d, "status", PyUnicode_FromString(status_name(q->status))) < 0 ||
+        put(d, "n_tokens", PyLong_FromLongLong(q->n_tokens)) < 0 ||
+        put(d, "n_prompt", PyLong_FromLongLong(q->n_prompt)) < 0 ||
+        put(d, "max_total", PyLong_FromLongLong(q->max_total)) < 0 ||
+        put(d, "n_computed", PyLong_FromLongLong(q->n_computed)) < 0 ||
+        put(d, "n_cached_prompt", PyLong_FromLongLong(q->n_cached_prompt)) < 0 ||
+        put(d, "n_preemptions", PyLong_FromLongLong(q->n_preemptions)) < 0 ||
+        put(d, "arrival", PyLong_FromLongLong(q->arrival)) < 0 ||
+        put(d, "priority", PyLong_FromLong(q->priority)) < 0 ||
+        put(d, "block_table", int32_list(q->block_table, q->n_blocks)) < 0 ||
+        put(d, "tokens", int32_list(q->tokens, q->n_tokens)) < 0) {
+        Py_DECREF(d);
+        return NULL;
+    }
+    return d;
+}
+
+static PyObject *Sched_stats(SchedObject *self, PyObject *Py_UNUSED(ignored)) {
+    cv_sched_stats st;
+    cv_scheduler_get_stats(self->s, &st);
+    PyObject *d = PyDict_New();
+    if (!d) return NULL;
+    if (put(d, "n_running", PyLong_FromLongLong(st.n_running)) < 0 ||
+        put(d, "n_waiting", PyLong_FromLongLong(st.n_waiting)) < 0 ||
+        put(d, "n_preempted_total", PyLong_FromLongLong(st.n_preempted_total)) < 0 ||
+        put(d, "blocks_total", PyLong_FromLongLong(st.blocks_total)) < 0 ||
+        put(d, "blocks_used", PyLong_FromLongLong(st.blocks_used)) < 0 ||
+        put(d, "blocks_free", PyLong_FromLongLong(st.blocks_free)) < 0 ||
+        put(d, "blocks_cached_free", PyLong_FromLongLong(st.blocks_cached_free)) < 0 ||
+        put(d, "tokens_in_kv", PyLong_FromLongLong(st.tokens_in_kv)) < 0 ||
+        put(d, "kv_waste", PyFloat_FromDouble(st.kv_waste)) < 0 ||
+        put(d, "prefix_queries", PyLong_FromLongLong(st.prefix_queries)) < 0 ||
+        put(d, "prefix_hits", PyLong_FromLongLong(st.prefix_hits)) < 0 ||
+        put(d, "steps", PyLong_FromLongLong(st.steps)) < 0) {
+        Py_DECREF(d);
+        return NULL;
+    }
+    return d;
+}
+
+static PyObject *Sched_check(SchedObject *self, PyObject *Py_UNUSED(ignored)) {
+    cv_err err = {0};
+    int rc = cv_scheduler_check(self->s, &err);
+    if (rc == CV_OK) Py_RETURN_NONE;
+    if (rc == CV_ERR_STATE) {
+        PyErr_Format(PyExc_AssertionError, "scheduler invariant broken: %s", err.msg);
+        return NULL;
+    }
+    return cv_py_raise(&err);
+}
+
+static PyObject *Sched_block_refcounts(SchedObject *self, PyObject *Py_UNUSED(ignored)) {
+    PyObject *l = PyList_New((Py_ssize_t)self->cfg.num_blocks);
+    if (!l) return NULL;
+    for (int64_t b = 0; b < self->cfg.num_blocks; b++) {
+        PyObject *x = PyLong_FromLong(cv_scheduler_block_refcount(self->s, b));
+        if (!x) { Py_DECREF(l); return NULL; }
+        PyList_SET_ITEM(l, b, x);
+    }
+    return l;
+}
+
+static PyObject *Sched_num_unfinished(SchedObject *self, PyObject *Py_UNUSED(ignored)) {
+    return PyLong_FromLongLong(cv_scheduler_num_unfinished(self->s));
+}
+
+/* Pure C: n steps of schedule + commit (timed) and a fake runner that appends
+ * `token` to every sequence whose tokens are all computed and finishes it at
+ * max_total. Fills t[n] with seconds per schedule+commit; returns steps run. */
+static int64_t fake_steps(SchedObject *self, int64_t n, int32_t token, double *t, int *rc) {
+    int64_t i = 0;
+    *rc = CV_OK;
+    for (; i < n; i++) {
+        double t0 = cv_now();
+        *rc = cv_scheduler_schedule(self->s, &self->plan);
+        cv_scheduler_commit(self->s, &self->plan);
+        t[i] = cv_now() - t0;
+        if (*rc != CV_OK) return i + 1;
+        for (int64_t k = 0; k < self->plan.n_seqs; k++) {
+            cv_sequence *q = self->plan.seqs[k];
+            if (q->status != CV_SEQ_RUNNING || q->n_computed != q->n_tokens) continue;
+            if (q->n_tokens < q->max_total && (*rc = cv_sequence_append(q, token)) != CV_OK) return i + 1;
+            if (q->n_tokens >= q->max_total) cv_scheduler_finish(self->s, q, CV_SEQ_FINISHED_LENGTH);
+        }
+    }
+    return i;
+}
+
+static PyObject *Sched_bench_steps(SchedObject *self, PyObject *args) {
+    long long n;
+    int token = 1;
+    if (!PyArg_ParseTuple(args, "L|i:bench_steps", &n, &token)) return NULL;
+    if (n < 0) return PyErr_Format(PyExc_ValueError, "n_steps must be >= 0, got %lld", n);
+    if (self->pending)
+        return PyErr_Format(PyExc_RuntimeError, "the previous plan was not committed: call commit() first");
+    double *t = PyMem_Malloc((size_t)(n + 1) * sizeof *t);
+    if (!t) return PyErr_NoMemory();
+    int rc;
+    int64_t done;
+    Py_BEGIN_ALLOW_THREADS
+    done = fake_steps(self, n, (int32_t)token, t, &rc);
+    Py_END_ALLOW_THREADS
+    PyObject *l = NULL;
+    if (rc != CV_OK) {
+        PyErr_NoMemory();
+    } else if ((l = PyList_New((Py_ssize_t)done))) {
+        for (int64_t i = 0; i < done; i++) {
+            PyObject *x = PyFloat_FromDouble(t[i]);
+            if (!x) { Py_CLEAR(l); break; }
+            PyList_SET_ITEM(l, i, x);
+        }
+    }
+    PyMem_Free(t);
+    return l;
+}
+
+static PyMethodDef Sched_methods[] = {
+    {"add", (PyCFunction)(void (*)(void))Sched_add, METH_VARARGS | METH_KEYWORDS,
+     "add(seq_id, prompt_tokens, max_tokens, priority=0): queue a new sequence."},
+    {"fork", (PyCFunction)Sched_fork, METH_VARARGS,
+     "fork(child_id, parent_id): a new sequence sharing the parent's computed prompt blocks."},
+    {"schedule", (PyCFunction)Sched_schedule, METH_NOARGS,
+     "schedule() -> dict(seq_ids, num_new_tokens, start_pos, block_tables, preempted, total_tokens)."},
+    {"commit", (PyCFunction)Sched_commit, METH_NOARGS, "commit(): the last plan ran; advance it."},
+    {"append_token", (PyCFunction)Sched_append_token, METH_VARARGS,
+     "append_token(seq_id, token): a sampled token for a fully computed running sequence."},
+    {"finish", (PyCFunction)Sched_finish, METH_VARARGS,
+     "finish(seq_id, reason='stopped'): reason is 'stopped', 'length' or 'aborted'."},
+    {"abort", (PyCFunction)Sched_abort, METH_VARARGS, "abort(seq_id)."},
+    {"seq_info", (PyCFunction)Sched_seq_info, METH_VARARGS, "seq_info(seq_id) -> dict."},
+    {"stats", (PyCFunction)Sched_stats, METH_NOARGS, "stats() -> dict."},
+    {"check", (PyCFunction)Sched_check, METH_NOARGS,
+     "check(): raises AssertionError naming the first broken invariant."},
+    {"block_refcounts", (PyCFunction)Sched_block_refcounts, METH_NOARGS,
+     "block_refcounts() -> list of the ref count of every block."},
+    {"num_unfinished", (PyCFunction)Sched_num_unfinished, METH_NOARGS, "num_unfinished() -> int."},
+    {"bench_steps", (PyCFunction)Sched_bench_steps, METH_VARARGS,
+     "bench_steps(n_steps, token=1) -> list of seconds per schedule+commit, timed in C, with a "
+     "fake runner appending token and finishing sequences at max_tokens."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject SchedType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "conveyor._core.Scheduler",
+    .tp_doc = PyDoc_STR("Scheduler(num_blocks, block_size, max_num_seqs, max_num_batched_tokens, "
+                        "max_model_len, enable_prefix_caching=True, enable_chunked_prefill=True, "
+                        "policy='continuous'): the C scheduler with a fake-runner harness."),
+    .tp_basicsize = sizeof(SchedObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = Sched_new,
+    .tp_dealloc = (destructor)Sched_dealloc,
+    .tp_methods = Sched_methods,
+};
+
+int cv_py_add_scheduler(PyObject *m) {
+    if (PyType_Ready(&SchedType) < 0) return -1;
+    return PyModule_AddObjectRef(m, "Scheduler", (PyObject *)&SchedType);
 }

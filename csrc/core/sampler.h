@@ -41,11 +41,35 @@ void cv_sampler_destroy(cv_sampler *s);
 /* Chooses the next token from logits[vocab] (modified in place).
  * prompt/output: the sequence's tokens, for penalties.
  * banned[n_banned]: tokens forced to -inf (min_tokens holding off EOS/stop ids).
- * info (may be NULL) receives logprobs when p->n_logprobs >= 0. */
+ * info (may be NULL) receives logprobs when p->n_logprobs >= 0.
+ * NaN logits count as -inf, +inf as FLT_MAX. A non-greedy call takes exactly
+ * one cv_rng_uniform draw and inverts the CDF over the surviving tokens in
+ * increasing id order, so the token depends only on the logits, params and u.
+ * Every token at -inf -> token 0. Returns -1 only when s, logits or p is NULL,
+ * or rng is NULL for a non-greedy draw. */
 int32_t cv_sampler_sample(cv_sampler *s, float *logits, const cv_sampling_params *p,
                           const int32_t *prompt, int64_t n_prompt,
                           const int32_t *output, int64_t n_output,
                           const int32_t *banned, int64_t n_banned,
                           cv_rng *rng, cv_sample_info *info);
+
+/* Neutral parameters: temperature 1, top_p 1, top_k off, min_p 0, penalties off,
+ * no logprobs. */
+void cv_sampling_params_init(cv_sampling_params *p);
+
+/* Checks every field's range; returns CV_OK or CV_ERR_INVALID with a message
+ * that names the field. cv_sampler_sample itself never fails on bad values
+ * (it treats NaN/out-of-range fields as "off"), so callers check first. */
+int cv_sampling_params_check(const cv_sampling_params *p, cv_err *err);
+
+/* Test hook: runs the same processing as cv_sampler_sample without drawing and
+ * writes the log-weights the draw would use to out[vocab]: logit / temperature
+ * at the tokens that survive penalties, bans, top_k, top_p and min_p, -inf
+ * elsewhere, so softmax(out) is the sampling distribution. Greedy parameters
+ * leave only the argmax finite (its processed logit). logits is modified in place. */
+void cv_sampler_process(cv_sampler *s, float *out, float *logits, const cv_sampling_params *p,
+                        const int32_t *prompt, int64_t n_prompt,
+                        const int32_t *output, int64_t n_output,
+                        const int32_t *banned, int64_t n_banned);
 
 #endif

@@ -79,6 +79,9 @@ void cv_scheduler_commit(cv_scheduler *s, const cv_sched_output *out);
 void cv_scheduler_finish(cv_scheduler *s, cv_sequence *seq, cv_seq_status status);
 
 int64_t cv_scheduler_num_unfinished(const cv_scheduler *s);
+
+/* For tests: the reference count of KV block b, -1 when b is out of range. */
+int32_t cv_scheduler_block_refcount(const cv_scheduler *s, int64_t b);
 void cv_scheduler_get_stats(const cv_scheduler *s, cv_sched_stats *st);
 
 /* For tests: checks every invariant (ref counts, free list, hashes); returns

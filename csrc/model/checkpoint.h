@@ -57,4 +57,23 @@ int cv_checkpoint_open(cv_checkpoint *ck, const char *path, cv_err *err);
 /* Releases everything; safe on a zeroed or failed checkpoint. */
 void cv_checkpoint_close(cv_checkpoint *ck);
 
+/* ---- helpers shared by the loaders, the binding and the fuzz targets ---- */
+
+/* Maps a whole file read-only (an empty file gives *map NULL, *len 0).
+ * CV_ERR_NOTFOUND when it does not exist, CV_ERR_IO when unreadable. */
+int cv_map_file(void **map, size_t *len, const char *path, cv_err *err);
+void cv_unmap_file(void *map, size_t len);
+/* Parses the text of a HF config.json (path names it in errors). */
+int cv_hf_config_parse(cv_model_config *cfg, const char *text, size_t len, const char *path, cv_err *err);
+/* Builds a llama2.c checkpoint over buf[len], which stays owned by the caller
+ * and must outlive ck (ck->n_maps is 0). */
+int cv_llama2c_parse(cv_checkpoint *ck, const void *buf, size_t len, const char *path, cv_err *err);
+/* The view with canonical name "embed", "final_norm", "lm_head" or
+ * "layers.{i}.{attn_norm,wq,wk,wv,wo,bq,bk,bv,ffn_norm,w_gate,w_up,w_down}";
+ * NULL when the name is unknown or the tensor absent (a tied lm_head,
+ * biases of a model without them). */
+const cv_tensor_view *cv_checkpoint_find(const cv_checkpoint *ck, const char *name);
+/* Number of elements of a view (0 when absent). */
+int64_t cv_tensor_numel(const cv_tensor_view *v);
+
 #endif

@@ -1,0 +1,862 @@
+#include "engine.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "../../kernels/backend.h"
+#include "../model/model.h"
+#include "runner.h"
+#include "sequence.h"
+#include "stop.h"
+
+/* Per-completion state kept by the engine beside its cv_sequence. */
+typedef struct seq_state {
+    cv_sequence *seq;     /* NULL before a fork creates it, or after it finished */
+    cv_rng rng;
+    char *text;           /* detokenized output bytes */
+    size_t text_len, text_cap;
+    size_t emitted;       /* bytes already sent out */
+    int64_t n_out;        /* tokens generated */
+    int finished;
+} seq_state;
+
+typedef struct cv_request {
+    int64_t id;
+    int64_t arrival_order;
+    cv_request_params p;  /* pointers below are owned copies */
+    int32_t *stop_token_ids;
+    cv_stop_set stops;
+    int32_t *prompt;      /* [n_prompt] */
+    int64_t n_prompt;
+    seq_state *ss;        /* [p.n] */
+    int n_done;
+    int forked;
+    int aborted_queued;
+    double arrival, first_scheduled, first_token, finished_time;
+    struct cv_request *prev, *next; /* active list, or inbox list */
+} cv_request;
+
+struct cv_engine {
+    /* fixed after create */
+    int64_t vocab, max_model_len, max_num_seqs, max_tokens_step, block_size, num_blocks;
+    size_t kv_bytes;
+    int32_t eos_ids[16]; int n_eos;
+    int32_t bos_id; int strip_space_after_bos;
+    char *tok_arena; size_t *tok_off; uint32_t *tok_len; uint8_t *tok_special;
+    uint64_t seed;
+
+    cv_backend *backend;
+    cv_model *model;
+    cv_kv_layer *caches;
+    void *cache_mem;
+    cv_scheduler *sched;
+    cv_runner runner;
+    cv_forward_ws ws;
+    int ws_ready;
+    cv_sampler *sampler;
+    int32_t *banned;       /* [16 + max stop ids] scratch */
+    size_t banned_cap;
+
+    /* owned by the stepping thread */
+    cv_request *active;    /* doubly linked */
+    int64_t n_active;
+    int64_t next_seq_id;
+    int64_t steps;
+    cv_engine_stats stats_live;
+
+    /* inbox */
+    pthread_mutex_t in_lock;
+    pthread_cond_t in_cond;
+    cv_request *in_head, *in_tail;
+    int64_t *aborts; size_t n_aborts, cap_aborts;
+    int64_t n_inbox;
+    int64_t arrival_counter;
+
+    /* outbox */
+    pthread_mutex_t out_lock;
+    cv_event *ev; size_t n_ev, cap_ev;
+    char *ev_text; size_t ev_text_len, ev_text_cap;
+    cv_engine_stats stats_snapshot;
+    int tracing;
+    cv_trace_entry *trace; size_t n_trace, cap_trace;
+
+    /* background loop */
+    pthread_t thread;
+    int loop_running;
+    int stop_flag;
+    int wake_fd;
+    cv_err loop_err;
+    int loop_failed;
+};
+
+/* ------------------------------------------------------------------------- */
+
+static uint64_t splitmix64(uint64_t *x) {
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+static int grow(void **p, size_t *cap, size_t need, size_t elem) {
+    if (need <= *cap) return 1;
+    size_t c = *cap ? *cap : 16;
+    while (c < need) c *= 2;
+    void *q = realloc(*p, c * elem);
+    if (!q) return 0;
+    *p = q;
+    *cap = c;
+    return 1;
+}
+
+static void request_free(cv_request *r) {
+    if (!r) return;
+    if (r->ss) {
+        for (int i = 0; i < r->p.n; i++) {
+            cv_sequence_free(r->ss[i].seq);
+            free(r->ss[i].text);
+        }
+        free(r->ss);
+    }
+    cv_stop_set_free(&r->stops);
+    free(r->stop_token_ids);
+    free(r->prompt);
+    free(r);
+}
+
+/* ------------------------------------------------------------------------- */
+/* Outbox */
+
+static cv_event *push_event(cv_engine *e, cv_request *r, int idx, const char *text, size_t len) {
+    /* caller holds out_lock */
+    if (!grow((void **)&e->ev, &e->cap_ev, e->n_ev + 1, sizeof *e->ev)) return NULL;
+    if (len && !grow((void **)&e->ev_text, &e->ev_text_cap, e->ev_text_len + len, 1)) return NULL;
+    cv_event *ev = &e->ev[e->n_ev++];
+    memset(ev, 0, sizeof *ev);
+    ev->request_id = r->id;
+    ev->seq_index = idx;
+    ev->token = -1;
+    ev->stop_value = -1;
+    ev->text_off = e->ev_text_len;
+    ev->text_len = len;
+    if (len) memcpy(e->ev_text + e->ev_text_len, text, len);
+    e->ev_text_len += len;
+    return ev;
+}
+
+static void fill_request_metrics(cv_event *ev, const cv_request *r) {
+    ev->request_finished = 1;
+    ev->arrival = r->arrival;
+    ev->first_scheduled = r->first_scheduled;
+    ev->first_token = r->first_token;
+    ev->finished_time = r->finished_time;
+    ev->n_prompt = r->n_prompt;
+    ev->n_cached_prompt = r->ss[0].seq ? r->ss[0].seq->n_cached_prompt : 0;
+}
+
+size_t cv_engine_take_events(cv_engine *e, cv_event **events, char **text) {
+    pthread_mutex_lock(&e->out_lock);
+    size_t n = e->n_ev;
+    *events = e->ev;
+    *text = e->ev_text;
+    e->ev = NULL;
+    e->n_ev = e->cap_ev = 0;
+    e->ev_text = NULL;
+    e->ev_text_len = e->ev_text_cap = 0;
+    pthread_mutex_unlock(&e->out_lock);
+    return n;
+}
+
+/* ------------------------------------------------------------------------- */
+/* Creation */
+
+static size_t default_kv_bytes(cv_engine *e, size_t per_token) {
+    /* A share of available memory, but no more than max_num_seqs full-length sequences need. */
+    size_t avail = 0;
+    size_t free_b = 0, total_b = 0;
+    if (e->backend->mem_info && e->backend->mem_info(e->backend, &free_b, &total_b) == 0) {
+        avail = free_b;
+    } else {
+        long pages = sysconf(_SC_AVPHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+        if (pages > 0 && psz > 0) avail = (size_t)pages * (size_t)psz;
+    }
+    size_t share = avail / 10 * 4;
+    size_t want = per_token * (size_t)e->max_model_len * (size_t)e->max_num_seqs;
+    size_t minimum = per_token * (size_t)(e->max_model_len + 2 * e->block_size);
+    size_t kv = share < want ? share : want;
+    return kv < minimum ? minimum : kv;
+}
+
+int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) {
+    int rc = CV_OK;
+    cv_engine *e = calloc(1, sizeof *e);
+    *out = NULL;
+    if (!e) return cv_set_err(err, CV_ERR_NOMEM, "out of memory");
+    pthread_mutex_init(&e->in_lock, NULL);
+    pthread_cond_init(&e->in_cond, NULL);
+    pthread_mutex_init(&e->out_lock, NULL);
+    e->wake_fd = -1;
+    e->seed = cfg->seed;
+
+    if (cfg->block_size < 1 || cfg->block_size > 1024) {
+        rc = cv_set_err(err, CV_ERR_INVALID, "block_size must be in [1, 1024], got %lld",
+                        (long long)cfg->block_size);
+        goto fail;
+    }
+    if (cfg->max_num_seqs < 1) {
+        rc = cv_set_err(err, CV_ERR_INVALID, "max_num_seqs must be >= 1, got %lld",
+                        (long long)cfg->max_num_seqs);
+        goto fail;
+    }
+    if (cfg->use_cuda) {
+        e->backend = cv_cuda_backend_create(0, err);
+    } else {
+        e->backend = cv_cpu_backend_create(cfg->num_threads, 0, err);
+    }
+    if (!e->backend) { rc = err ? err->code : CV_ERR_STATE; if (rc >= 0) rc = CV_ERR_STATE; goto fail; }
+    if ((rc = cv_model_load(&e->model, cfg->model_path, e->backend, cfg->dtype, err))) goto fail;
+
+    const cv_model_config *mc = &e->model->cfg;
+    e->vocab = mc->vocab_size;
+    e->max_model_len = cfg->max_model_len > 0 ? cfg->max_model_len : mc->max_pos;
+    if (e->max_model_len > mc->max_pos) {
+        rc = cv_set_err(err, CV_ERR_INVALID,
+                        "max_model_len %lld exceeds the model's max_position_embeddings %lld",
+                        (long long)e->max_model_len, (long long)mc->max_pos);
+        goto fail;
+    }
+    e->max_num_seqs = cfg->max_num_seqs;
+    e->block_size = cfg->block_size;
+    e->max_tokens_step = cfg->max_num_batched_tokens > 0 ? cfg->max_num_batched_tokens : 2048;
+    if (!cfg->enable_chunked_prefill && e->max_tokens_step < e->max_model_len) {
+        if (cfg->max_num_batched_tokens > 0) {
+            rc = cv_set_err(err, CV_ERR_INVALID,
+                            "max_num_batched_tokens (%lld) must be >= max_model_len (%lld) when "
+                            "enable_chunked_prefill is False",
+                            (long long)e->max_tokens_step, (long long)e->max_model_len);
+            goto fail;
+        }
+        e->max_tokens_step = e->max_model_len;
+    }
+    if (e->max_tokens_step < e->max_num_seqs) e->max_tokens_step = e->max_num_seqs;
+
+    /* KV cache */
+    cv_dtype kvt = cfg->kv_dtype == CV_DTYPE_INVALID ? e->model->dtype : cfg->kv_dtype;
+    size_t esz = cv_dtype_size(kvt);
+    size_t per_token = 2 * (size_t)mc->n_layers * (size_t)(mc->n_kv_heads * mc->head_dim) * esz;
+    size_t kv = cfg->kv_cache_bytes ? cfg->kv_cache_bytes : default_kv_bytes(e, per_token);
+    size_t per_block = per_token * (size_t)e->block_size;
+    e->num_blocks = (int64_t)(kv / per_block) + 1; /* + reserved block 0 */
+    if (e->num_blocks < 2) {
+        rc = cv_set_err(err, CV_ERR_INVALID,
+                        "kv_cache_memory of %zu bytes holds no KV block (one block needs %zu bytes)",
+                        kv, per_block);
+        goto fail;
+    }
+    e->kv_bytes = (size_t)e->num_blocks * per_block;
+    e->caches = calloc((size_t)mc->n_layers, sizeof *e->caches);
+    if (!e->caches) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory"); goto fail; }
+    size_t layer_half = (size_t)e->num_blocks * per_block / (2 * (size_t)mc->n_layers);
+    e->cache_mem = e->backend->alloc(e->backend, e->kv_bytes);
+    if (!e->cache_mem) {
+        rc = cv_set_err(err, CV_ERR_NOMEM, "cannot allocate a KV cache of %zu bytes", e->kv_bytes);
+        goto fail;
+    }
+    for (int64_t l = 0; l < mc->n_layers; l++) {
+        cv_kv_layer *c = &e->caches[l];
+        c->k = (char *)e->cache_mem + (size_t)(2 * l) * layer_half;
+        c->v = (char *)e->cache_mem + (size_t)(2 * l + 1) * layer_half;
+        c->dtype = kvt;
+        c->num_blocks = e->num_blocks;
+        c->n_kv_heads = mc->n_kv_heads;
+        c->block_size = e->block_size;
+        c->head_dim = mc->head_dim;
+    }
+
+    cv_scheduler_config sc = {
+        .num_blocks = e->num_blocks, .block_size = e->block_size, .max_num_seqs = e->max_num_seqs,
+        .max_num_batched_tokens = e->max_tokens_step, .max_model_len = e->max_model_len,
+        .enable_prefix_caching = cfg->enable_prefix_caching,
+        .enable_chunked_prefill = cfg->enable_chunked_prefill, .policy = cfg->policy,
+    };
+    e->sched = cv_scheduler_create(&sc, err);
+    if (!e->sched) { rc = err ? err->code : CV_ERR_STATE; goto fail; }
+    int64_t max_blocks_per_seq = (e->max_model_len + e->block_size - 1) / e->block_size + 1;
+    if ((rc = cv_runner_init(&e->runner, e->max_tokens_step, e->max_num_seqs, max_blocks_per_seq,
+                             e->block_size, err)))
+        goto fail;
+    if ((rc = cv_forward_ws_init(&e->ws, e->model, e->max_tokens_step, e->max_num_seqs,
+                                 max_blocks_per_seq, err)))
+        goto fail;
+    e->ws_ready = 1;
+    e->sampler = cv_sampler_create(e->vocab);
+    if (!e->sampler) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory for the sampler"); goto fail; }
+
+    /* Token bytes, copied into one arena. EOS/BOS default to the model config's. */
+    if (cfg->n_eos > 0) {
+        e->n_eos = cfg->n_eos < 16 ? cfg->n_eos : 16;
+        for (int i = 0; i < e->n_eos; i++) e->eos_ids[i] = cfg->eos_ids[i];
+    } else {
+        e->n_eos = mc->n_eos;
+        for (int i = 0; i < e->n_eos; i++) e->eos_ids[i] = mc->eos_ids[i];
+    }
+    e->bos_id = cfg->bos_id >= 0 ? cfg->bos_id : mc->bos_id;
+    e->strip_space_after_bos = cfg->strip_space_after_bos;
+    e->tok_off = calloc((size_t)e->vocab, sizeof *e->tok_off);
+    e->tok_len = calloc((size_t)e->vocab, sizeof *e->tok_len);
+    e->tok_special = calloc((size_t)e->vocab, 1);
+    if (!e->tok_off || !e->tok_len || !e->tok_special) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory"); goto fail; }
+    size_t total = 1;
+    int64_t nb = cfg->n_token_bytes < e->vocab ? cfg->n_token_bytes : e->vocab;
+    for (int64_t i = 0; i < nb; i++) total += cfg->token_lens[i];
+    e->tok_arena = malloc(total);
+    if (!e->tok_arena) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory"); goto fail; }
+    size_t off = 0;
+    for (int64_t i = 0; i < nb; i++) {
+        e->tok_off[i] = off;
+        e->tok_len[i] = (uint32_t)cfg->token_lens[i];
+        if (cfg->token_lens[i]) memcpy(e->tok_arena + off, cfg->token_bytes[i], cfg->token_lens[i]);
+        off += cfg->token_lens[i];
+        if (cfg->token_special) e->tok_special[i] = cfg->token_special[i];
+    }
+    e->stats_live.num_blocks = e->num_blocks;
+    e->stats_live.block_size = e->block_size;
+    e->stats_live.max_model_len = e->max_model_len;
+    e->stats_live.max_num_seqs = e->max_num_seqs;
+    e->stats_live.max_num_batched_tokens = e->max_tokens_step;
+    e->stats_live.kv_cache_bytes = e->kv_bytes;
+    cv_scheduler_get_stats(e->sched, &e->stats_live.sched);
+    e->stats_snapshot = e->stats_live;
+    *out = e;
+    return CV_OK;
+
+fail:
+    cv_engine_destroy(e);
+    return rc ? rc : CV_ERR_STATE;
+}
+
+void cv_engine_destroy(cv_engine *e) {
+    if (!e) return;
+    cv_engine_stop_loop(e);
+    cv_request *r = e->active;
+    while (r) { cv_request *nx = r->next; request_free(r); r = nx; }
+    r = e->in_head;
+    while (r) { cv_request *nx = r->next; request_free(r); r = nx; }
+    /* Sequences were freed with their requests; the scheduler holds no memory of them. */
+    cv_scheduler_destroy(e->sched);
+    cv_sampler_destroy(e->sampler);
+    cv_runner_free(&e->runner);
+    if (e->ws_ready) cv_forward_ws_free(&e->ws, e->model);
+    if (e->backend) e->backend->free(e->backend, e->cache_mem);
+    free(e->caches);
+    cv_model_free(e->model);
+    if (e->backend) e->backend->destroy(e->backend);
+    free(e->tok_arena);
+    free(e->tok_off);
+    free(e->tok_len);
+    free(e->tok_special);
+    free(e->banned);
+    free(e->aborts);
+    free(e->ev);
+    free(e->ev_text);
+    free(e->trace);
+    pthread_mutex_destroy(&e->in_lock);
+    pthread_cond_destroy(&e->in_cond);
+    pthread_mutex_destroy(&e->out_lock);
+    free(e);
+}
+
+/* ------------------------------------------------------------------------- */
+/* Requests in */
+
+int cv_engine_add_request(cv_engine *e, int64_t request_id, const int32_t *prompt, int64_t n_prompt,
+                          const cv_request_params *p, cv_err *err) {
+    if (n_prompt < 1) return cv_set_err(err, CV_ERR_INVALID, "the prompt is empty");
+    for (int64_t i = 0; i < n_prompt; i++)
+        if (prompt[i] < 0 || prompt[i] >= e->vocab)
+            return cv_set_err(err, CV_ERR_INVALID,
+                              "prompt token %d at index %lld is outside the vocabulary [0, %lld)",
+                              prompt[i], (long long)i, (long long)e->vocab);
+    if (p->n < 1) return cv_set_err(err, CV_ERR_INVALID, "n must be >= 1, got %d", p->n);
+    if (p->max_tokens < 1) return cv_set_err(err, CV_ERR_INVALID, "max_tokens must be >= 1");
+    if (n_prompt > e->max_model_len)
+        return cv_set_err(err, CV_ERR_INVALID,
+                          "the prompt has %lld tokens, more than max_model_len (%lld)",
+                          (long long)n_prompt, (long long)e->max_model_len);
+    if (n_prompt + p->max_tokens > e->max_model_len)
+        return cv_set_err(err, CV_ERR_INVALID,
+                          "prompt (%lld tokens) + max_tokens (%lld) exceeds max_model_len (%lld)",
+                          (long long)n_prompt, (long long)p->max_tokens, (long long)e->max_model_len);
+    int64_t need = (n_prompt + p->max_tokens + e->block_size - 1) / e->block_size;
+    if (need > e->num_blocks - 1)
+        return cv_set_err(err, CV_ERR_INVALID,
+                          "the request needs %lld KV blocks but the whole cache holds %lld; "
+                          "raise kv_cache_memory or lower max_tokens",
+                          (long long)need, (long long)(e->num_blocks - 1));
+    for (int i = 0; i < p->n_stop_token_ids; i++)
+        if (p->stop_token_ids[i] < 0 || p->stop_token_ids[i] >= e->vocab)
+            return cv_set_err(err, CV_ERR_INVALID, "stop_token_ids contains %d, outside the vocabulary",
+                              p->stop_token_ids[i]);
+
+    cv_request *r = calloc(1, sizeof *r);
+    if (!r) return cv_set_err(err, CV_ERR_NOMEM, "out of memory");
+    r->id = request_id;
+    r->p = *p;
+    r->p.stop = NULL;
+    r->p.stop_lens = NULL;
+    r->p.stop_token_ids = NULL;
+    r->arrival = cv_now();
+    r->n_prompt = n_prompt;
+    r->prompt = malloc((size_t)n_prompt * sizeof(int32_t));
+    r->ss = calloc((size_t)p->n, sizeof *r->ss);
+    if (!r->prompt || !r->ss) goto nomem;
+    memcpy(r->prompt, prompt, (size_t)n_prompt * sizeof(int32_t));
+    if (p->n_stop_token_ids > 0) {
+        r->stop_token_ids = malloc((size_t)p->n_stop_token_ids * sizeof(int32_t));
+        if (!r->stop_token_ids) goto nomem;
+        memcpy(r->stop_token_ids, p->stop_token_ids, (size_t)p->n_stop_token_ids * sizeof(int32_t));
+    }
+    if (p->n_stop > 0) {
+        int src = cv_stop_set_init(&r->stops, p->stop, p->stop_lens, p->n_stop);
+        if (src == CV_ERR_INVALID) {
+            request_free(r);
+            return cv_set_err(err, CV_ERR_INVALID, "stop strings must not be empty");
+        }
+        if (src) goto nomem;
+    }
+    pthread_mutex_lock(&e->in_lock);
+    r->arrival_order = e->arrival_counter++;
+    if (e->in_tail) e->in_tail->next = r; else e->in_head = r;
+    r->prev = e->in_tail;
+    e->in_tail = r;
+    e->n_inbox++;
+    pthread_cond_signal(&e->in_cond);
+    pthread_mutex_unlock(&e->in_lock);
+    return CV_OK;
+nomem:
+    request_free(r);
+    return cv_set_err(err, CV_ERR_NOMEM, "out of memory for a request");
+}
+
+int cv_engine_abort(cv_engine *e, int64_t request_id) {
+    int rc = CV_OK;
+    pthread_mutex_lock(&e->in_lock);
+    if (grow((void **)&e->aborts, &e->cap_aborts, e->n_aborts + 1, sizeof *e->aborts))
+        e->aborts[e->n_aborts++] = request_id;
+    else
+        rc = CV_ERR_NOMEM;
+    pthread_cond_signal(&e->in_cond);
+    pthread_mutex_unlock(&e->in_lock);
+    return rc;
+}
+
+int64_t cv_engine_num_unfinished(cv_engine *e) {
+    pthread_mutex_lock(&e->in_lock);
+    int64_t n = e->n_inbox + e->n_active;
+    pthread_mutex_unlock(&e->in_lock);
+    return n;
+}
+
+/* ------------------------------------------------------------------------- */
+/* Step */
+
+static void active_remove(cv_engine *e, cv_request *r) {
+    if (r->prev) r->prev->next = r->next; else e->active = r->next;
+    if (r->next) r->next->prev = r->prev;
+    r->prev = r->next = NULL;
+    pthread_mutex_lock(&e->in_lock);
+    e->n_active--;
+    pthread_mutex_unlock(&e->in_lock);
+}
+
+/* Marks completion idx finished, emits its last event, and retires the request
+ * when it was the last one. Caller holds out_lock. */
+static void finish_seq(cv_engine *e, cv_request *r, int idx, int reason, int stop_kind,
+                       int32_t stop_value, cv_event *ev_or_null) {
+    seq_state *st = &r->ss[idx];
+    if (st->finished) return;
+    st->finished = 1;
+    r->n_done++;
+    if (st->seq) {
+        cv_seq_status status = reason == CV_FINISH_STOP     ? CV_SEQ_FINISHED_STOPPED
+                               : reason == CV_FINISH_LENGTH ? CV_SEQ_FINISHED_LENGTH
+                                                            : CV_SEQ_FINISHED_ABORTED;
+        cv_scheduler_finish(e->sched, st->seq, status);
+    }
+    cv_event *ev = ev_or_null;
+    if (!ev) {
+        /* flush whatever text is left */
+        ev = push_event(e, r, idx, st->text + st->emitted, st->text_len - st->emitted);
+        st->emitted = st->text_len;
+    }
+    if (!ev) return; /* out of memory for the event: the request still finishes */
+    ev->finished = 1;
+    ev->finish_reason = reason;
+    ev->stop_kind = stop_kind;
+    ev->stop_value = stop_value;
+    if (r->n_done == r->p.n) {
+        r->finished_time = cv_now();
+        fill_request_metrics(ev, r);
+        if (reason == CV_FINISH_ABORT) e->stats_live.requests_aborted++;
+        else e->stats_live.requests_finished++;
+    }
+}
+
+static void retire_if_done(cv_engine *e, cv_request *r) {
+    if (r->n_done == r->p.n) {
+        active_remove(e, r);
+        request_free(r);
+    }
+}
+
+static void abort_request(cv_engine *e, cv_request *r) {
+    r->forked = 1; /* no forks after an abort */
+    pthread_mutex_lock(&e->out_lock);
+    for (int i = 0; i < r->p.n; i++) finish_seq(e, r, i, CV_FINISH_ABORT, CV_STOP_NONE, -1, NULL);
+    pthread_mutex_unlock(&e->out_lock);
+    retire_if_done(e, r);
+}
+
+static int text_append(seq_state *st, const char *b, size_t n) {
+    if (!grow((void **)&st->text, &st->text_cap, st->text_len + n + 1, 1)) return CV_ERR_NOMEM;
+    memcpy(st->text + st->text_len, b, n);
+    st->text_len += n;
+    return CV_OK;
+}
+
+static int is_eos(const cv_engine *e, int32_t t) {
+    for (int i = 0; i < e->n_eos; i++)
+        if (e->eos_ids[i] == t) return 1;
+    return 0;
+}
+
+static int new_sequence(cv_engine *e, cv_request *r, int idx, cv_sequence **out) {
+    cv_sequence *s = cv_sequence_create(e->next_seq_id++, r->prompt, r->n_prompt, r->p.max_tokens);
+    if (!s) return CV_ERR_NOMEM;
+    s->arrival = r->arrival_order;
+    s->priority = r->p.priority;
+    s->owner = r;
+    /* Each completion gets its own stream: seeded requests are reproducible
+     * whatever else shares the batch. */
+    uint64_t x = r->p.has_seed ? r->p.seed : e->seed ^ ((uint64_t)r->arrival_order * 0x2545f4914f6cdd1dULL);
+    x += (uint64_t)idx * 0x632be59bd9b4e019ULL;
+    cv_rng_seed(&r->ss[idx].rng, splitmix64(&x));
+    r->ss[idx].seq = s;
+    *out = s;
+    return CV_OK;
+}
+
+static void drain_inbox(cv_engine *e) {
+    pthread_mutex_lock(&e->in_lock);
+    cv_request *head = e->in_head;
+    e->in_head = e->in_tail = NULL;
+    int64_t moved = e->n_inbox;
+    e->n_inbox = 0;
+    e->n_active += moved;
+    int64_t *aborts = e->aborts;
+    size_t n_aborts = e->n_aborts;
+    e->aborts = NULL;
+    e->n_aborts = e->cap_aborts = 0;
+    pthread_mutex_unlock(&e->in_lock);
+
+    while (head) {
+        cv_request *r = head;
+        head = head->next;
+        r->prev = NULL;
+        r->next = e->active;
+        if (e->active) e->active->prev = r;
+        e->active = r;
+        cv_sequence *s = NULL;
+        cv_err err;
+        if (new_sequence(e, r, 0, &s) || cv_scheduler_add(e->sched, s, &err)) {
+            abort_request(e, r); /* validated at add: only out of memory lands here */
+        }
+    }
+    for (size_t i = 0; i < n_aborts; i++) {
+        for (cv_request *r = e->active; r; r = r->next) {
+            if (r->id == aborts[i]) { abort_request(e, r); break; }
+        }
+    }
+    free(aborts);
+}
+
+/* n > 1: once the first completion's prompt is computed, the others fork from it. */
+static void fork_children(cv_engine *e, cv_request *r) {
+    cv_sequence *parent = r->ss[0].seq;
+    r->forked = 1;
+    for (int i = 1; i < r->p.n; i++) {
+        cv_sequence *c = NULL;
+        cv_err err;
+        if (new_sequence(e, r, i, &c) || cv_scheduler_add_fork(e->sched, c, parent, &err)) {
+            pthread_mutex_lock(&e->out_lock);
+            finish_seq(e, r, i, CV_FINISH_ABORT, CV_STOP_NONE, -1, NULL);
+            pthread_mutex_unlock(&e->out_lock);
+        }
+    }
+}
+
+/* Appends token t to completion idx, checks the stops and emits the event.
+ * Caller holds out_lock. */
+static void accept_token(cv_engine *e, cv_request *r, int idx, int32_t t, const cv_sample_info *info) {
+    seq_state *st = &r->ss[idx];
+    cv_sequence *s = st->seq;
+    const cv_request_params *p = &r->p;
+    int32_t prev = s->n_tokens > 0 ? s->tokens[s->n_tokens - 1] : -1;
+    if (cv_sequence_append(s, t)) {
+        finish_seq(e, r, idx, CV_FINISH_ABORT, CV_STOP_NONE, -1, NULL);
+        return;
+    }
+    st->n_out++;
+    e->stats_live.generation_tokens++;
+
+    int reason = CV_FINISH_NONE, stop_kind = CV_STOP_NONE;
+    int32_t stop_value = -1;
+    /* min_tokens already kept EOS and the stop tokens out of the sampler. */
+    for (int i = 0; i < p->n_stop_token_ids && !reason; i++)
+        if (r->stop_token_ids[i] == t) { reason = CV_FINISH_STOP; stop_kind = CV_STOP_TOKEN; stop_value = t; }
+    if (!reason && !p->ignore_eos && is_eos(e, t)) reason = CV_FINISH_STOP;
+
+    if (!reason) {
+        /* Detokenize on bytes; stop tokens and EOS add no text. */
+        if (t < e->vocab && !(p->skip_special_tokens && e->tok_special[t])) {
+            const char *b = e->tok_arena + e->tok_off[t];
+            size_t n = e->tok_len[t];
+            if (e->strip_space_after_bos && prev == e->bos_id && n > 0 && b[0] == ' ') { b++; n--; }
+            size_t old = st->text_len;
+            if (text_append(st, b, n)) {
+                finish_seq(e, r, idx, CV_FINISH_ABORT, CV_STOP_NONE, -1, NULL);
+                return;
+            }
+            if (r->stops.n > 0 && st->n_out >= p->min_tokens) {
+                size_t at = 0;
+                int k = cv_stop_find(&r->stops, st->text, st->text_len, old, &at);
+                if (k >= 0) {
+                    st->text_len = p->include_stop_str ? at + r->stops.len[k] : at;
+                    if (st->emitted > st->text_len) st->emitted = st->text_len;
+                    reason = CV_FINISH_STOP;
+                    stop_kind = CV_STOP_STRING;
+                    stop_value = k;
+                }
+            }
+        }
+    }
+    if (!reason && (st->n_out >= p->max_tokens || s->n_tokens >= e->max_model_len))
+        reason = CV_FINISH_LENGTH;
+
+    size_t visible = st->text_len;
+    if (!reason && r->stops.n > 0) visible -= cv_stop_holdback(&r->stops, st->text, st->text_len);
+    if (visible < st->emitted) visible = st->emitted;
+    cv_event *ev = push_event(e, r, idx, st->text + st->emitted, visible - st->emitted);
+    if (ev) {
+        st->emitted = visible;
+        ev->token = t;
+        if (info && p->sp.n_logprobs >= 0) {
+            ev->logprob = info->logprob;
+            ev->n_top = info->n_top;
+            memcpy(ev->top_ids, info->top_ids, sizeof ev->top_ids);
+            memcpy(ev->top_logprobs, info->top_logprobs, sizeof ev->top_logprobs);
+        } else if (info) {
+            ev->logprob = info->logprob;
+        }
+    }
+    if (reason) finish_seq(e, r, idx, reason, stop_kind, stop_value, ev);
+}
+
+static void record_trace(cv_engine *e, const cv_sched_output *plan, double t0, double t1) {
+    if (!e->tracing) return;
+    if (!grow((void **)&e->trace, &e->cap_trace, e->n_trace + (size_t)plan->n_seqs, sizeof *e->trace))
+        return;
+    for (int64_t i = 0; i < plan->n_seqs; i++) {
+        cv_request *r = plan->seqs[i]->owner;
+        int idx = 0;
+        for (int k = 0; k < r->p.n; k++)
+            if (r->ss[k].seq == plan->seqs[i]) idx = k;
+        cv_trace_entry *te = &e->trace[e->n_trace++];
+        te->step = e->steps;
+        te->t0 = t0;
+        te->t1 = t1;
+        te->request_id = r->id;
+        te->seq_index = idx;
+        te->n_new = plan->num_new_tokens[i];
+    }
+}
+
+int cv_engine_step(cv_engine *e, cv_err *err) {
+    double t0 = cv_now();
+    drain_inbox(e);
+    cv_sched_output plan;
+    int rc = cv_scheduler_schedule(e->sched, &plan);
+    if (rc < 0) return cv_set_err(err, rc, "scheduler failed");
+    double t1 = cv_now();
+    if (plan.n_seqs == 0) {
+        pthread_mutex_lock(&e->out_lock);
+        cv_scheduler_get_stats(e->sched, &e->stats_live.sched);
+        e->stats_snapshot = e->stats_live;
+        pthread_mutex_unlock(&e->out_lock);
+        return 0;
+    }
+    for (int64_t i = 0; i < plan.n_seqs; i++) {
+        cv_request *r = plan.seqs[i]->owner;
+        if (r->first_scheduled == 0) r->first_scheduled = t1;
+        if (plan.start_pos[i] < plan.seqs[i]->n_prompt) {
+            int64_t end = plan.start_pos[i] + plan.num_new_tokens[i];
+            if (end > plan.seqs[i]->n_prompt) end = plan.seqs[i]->n_prompt;
+            e->stats_live.prompt_tokens_computed += end - plan.start_pos[i];
+        }
+    }
+    if ((rc = cv_runner_build(&e->runner, &plan, err))) return rc;
+    if ((rc = cv_model_forward(e->model, &e->ws, e->caches, &e->runner.batch, err))) return rc;
+    double t2 = cv_now();
+    cv_scheduler_commit(e->sched, &plan);
+
+    /* Forks first: the children take the prompt only, before the parent's new token. */
+    for (int64_t i = 0; i < plan.n_seqs; i++) {
+        cv_request *r = plan.seqs[i]->owner;
+        if (r->p.n > 1 && !r->forked && plan.seqs[i] == r->ss[0].seq &&
+            plan.seqs[i]->n_computed >= r->n_prompt)
+            fork_children(e, r);
+    }
+
+    pthread_mutex_lock(&e->out_lock);
+    const cv_batch *bt = &e->runner.batch;
+    for (int64_t row = 0; row < bt->n_logits; row++) {
+        cv_sequence *s = plan.seqs[e->runner.sample_plan_index[row]];
+        cv_request *r = s->owner;
+        int idx = 0;
+        for (int k = 0; k < r->p.n; k++)
+            if (r->ss[k].seq == s) idx = k;
+        seq_state *st = &r->ss[idx];
+        if (st->finished) continue;
+        float *logits = e->ws.logits_host + row * e->vocab;
+        /* min_tokens holds off EOS and the stop tokens */
+        int64_t n_banned = 0;
+        if (st->n_out < r->p.min_tokens) {
+            size_t need = (size_t)(e->n_eos + r->p.n_stop_token_ids);
+            if (grow((void **)&e->banned, &e->banned_cap, need, sizeof *e->banned)) {
+                if (!r->p.ignore_eos)
+                    for (int i = 0; i < e->n_eos; i++) e->banned[n_banned++] = e->eos_ids[i];
+                for (int i = 0; i < r->p.n_stop_token_ids; i++) e->banned[n_banned++] = r->stop_token_ids[i];
+            }
+        }
+        cv_sample_info info;
+        int32_t t = cv_sampler_sample(e->sampler, logits, &r->p.sp, s->tokens, r->n_prompt,
+                                      s->tokens + r->n_prompt, s->n_tokens - r->n_prompt, e->banned,
+                                      n_banned, &st->rng, &info);
+        if (r->first_token == 0) r->first_token = cv_now();
+        accept_token(e, r, idx, t, &info);
+    }
+    double t3 = cv_now();
+    record_trace(e, &plan, t0, t3);
+    e->steps++;
+    e->stats_live.steps = e->steps;
+    e->stats_live.time_schedule += t1 - t0;
+    e->stats_live.time_forward += t2 - t1;
+    e->stats_live.time_sample += t3 - t2;
+    e->stats_live.time_step += t3 - t0;
+    pthread_mutex_unlock(&e->out_lock);
+
+    /* Retire finished requests (their sequences left the scheduler already). */
+    cv_request *r = e->active;
+    while (r) {
+        cv_request *nx = r->next;
+        retire_if_done(e, r);
+        r = nx;
+    }
+    pthread_mutex_lock(&e->out_lock);
+    cv_scheduler_get_stats(e->sched, &e->stats_live.sched);
+    e->stats_snapshot = e->stats_live;
+    pthread_mutex_unlock(&e->out_lock);
+    return (int)plan.n_seqs;
+}
+
+/* ------------------------------------------------------------------------- */
+/* Background loop */
+
+static void *loop_main(void *arg) {
+    cv_engine *e = arg;
+    for (;;) {
+        pthread_mutex_lock(&e->in_lock);
+        while (!e->stop_flag && e->n_inbox == 0 && e->n_aborts == 0 && e->n_active == 0)
+            pthread_cond_wait(&e->in_cond, &e->in_lock);
+        int stop = e->stop_flag;
+        pthread_mutex_unlock(&e->in_lock);
+        if (stop) break;
+        cv_err err;
+        int rc = cv_engine_step(e, &err);
+        if (rc < 0) {
+            /* A failed step fails every request; the loop goes on serving new ones. */
+            pthread_mutex_lock(&e->out_lock);
+            e->loop_err = err;
+            e->loop_failed = 1;
+            pthread_mutex_unlock(&e->out_lock);
+            cv_request *r = e->active;
+            while (r) { cv_request *nx = r->next; abort_request(e, r); r = nx; }
+        }
+        pthread_mutex_lock(&e->out_lock);
+        int have = e->n_ev > 0;
+        pthread_mutex_unlock(&e->out_lock);
+        if (have && e->wake_fd >= 0) {
+            uint64_t one = 1;
+            ssize_t w;
+            do { w = write(e->wake_fd, &one, sizeof one); } while (w < 0 && errno == EINTR);
+        }
+    }
+    return NULL;
+}
+
+int cv_engine_start_loop(cv_engine *e, int wake_fd, cv_err *err) {
+    if (e->loop_running) return cv_set_err(err, CV_ERR_STATE, "the engine loop is already running");
+    e->wake_fd = wake_fd;
+    e->stop_flag = 0;
+    if (pthread_create(&e->thread, NULL, loop_main, e) != 0)
+        return cv_set_err(err, CV_ERR_NOMEM, "cannot start the engine thread");
+    e->loop_running = 1;
+    return CV_OK;
+}
+
+void cv_engine_stop_loop(cv_engine *e) {
+    if (!e->loop_running) return;
+    pthread_mutex_lock(&e->in_lock);
+    e->stop_flag = 1;
+    pthread_cond_signal(&e->in_cond);
+    pthread_mutex_unlock(&e->in_lock);
+    pthread_join(e->thread, NULL);
+    e->loop_running = 0;
+}
+
+int cv_engine_loop_error(cv_engine *e, cv_err *err) {
+    pthread_mutex_lock(&e->out_lock);
+    int rc = e->loop_failed ? e->loop_err.code : CV_OK;
+    if (e->loop_failed && err) *err = e->loop_err;
+    e->loop_failed = 0;
+    pthread_mutex_unlock(&e->out_lock);
+    return rc;
+}
+
+void cv_engine_get_stats(cv_engine *e, cv_engine_stats *st) {
+    pthread_mutex_lock(&e->out_lock);
+    *st = e->stats_snapshot;
+    pthread_mutex_unlock(&e->out_lock);
+}
+
+const void *cv_engine_model_config(cv_engine *e) { return &e->model->cfg; }
+int64_t cv_engine_vocab_size(cv_engine *e) { return e->vocab; }
+
+void cv_engine_set_trace(cv_engine *e, int on) {
+    pthread_mutex_lock(&e->out_lock);
+    e->tracing = on;
+    pthread_mutex_unlock(&e->out_lock);
+}
+
+size_t cv_engine_take_trace(cv_engine *e, cv_trace_entry **entries) {
+    pthread_mutex_lock(&e->out_lock);
+    size_t n = e->n_trace;
+    *entries = e->trace;
+    e->trace = NULL;
+    e->n_trace = e->cap_trace = 0;
+    pthread_mutex_unlock(&e->out_lock);
+    return n;
+}

@@ -1,0 +1,129 @@
+/* The engine: one step = schedule, run, sample, then append tokens, check
+ * stops, free finished sequences and emit outputs.
+ *
+ * Threads: the engine state is owned by whichever thread calls cv_engine_step
+ * (the caller in synchronous use, or the engine's own background thread).
+ * cv_engine_add_request and cv_engine_abort may be called from any thread: they
+ * only touch an inbox under a lock. Outputs go to an outbox under another lock. */
+#ifndef CV_ENGINE_H
+#define CV_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include "../common.h"
+#include "sampler.h"
+#include "scheduler.h"
+
+typedef struct cv_engine_config {
+    const char *model_path;
+    cv_dtype dtype;                 /* CV_DTYPE_INVALID: the checkpoint's */
+    int use_cuda;                   /* 0: CPU */
+    int num_threads;                /* <= 0: all cores */
+    int64_t max_model_len;          /* 0: the model's */
+    int64_t max_num_seqs;
+    int64_t max_num_batched_tokens; /* 0: default */
+    int64_t block_size;
+    size_t kv_cache_bytes;          /* 0: a share of free memory */
+    double gpu_memory_utilization;  /* CUDA only */
+    cv_dtype kv_dtype;              /* CV_DTYPE_INVALID: the weights' dtype */
+    int enable_prefix_caching;
+    int enable_chunked_prefill;
+    cv_sched_policy policy;
+    uint64_t seed;
+    /* Tokenizer facts the engine needs to stop and detokenize on bytes. */
+    const int32_t *eos_ids; int n_eos;
+    int32_t bos_id;                 /* -1 if none */
+    int strip_space_after_bos;      /* llama2.c: the piece after BOS loses its leading space */
+    int64_t n_token_bytes;          /* entries in token_bytes (ids beyond have no bytes) */
+    const char *const *token_bytes; /* [n_token_bytes] raw bytes of each token */
+    const size_t *token_lens;       /* [n_token_bytes] */
+    const uint8_t *token_special;   /* [n_token_bytes] 1 for special tokens, or NULL */
+} cv_engine_config;
+
+typedef struct cv_request_params {
+    int32_t n;                      /* completions */
+    int64_t max_tokens, min_tokens;
+    cv_sampling_params sp;
+    int has_seed; uint64_t seed;
+    int n_stop; const char *const *stop; const size_t *stop_lens;
+    int include_stop_str;
+    int n_stop_token_ids; const int32_t *stop_token_ids;
+    int ignore_eos;
+    int skip_special_tokens;
+    int32_t priority;
+} cv_request_params;
+
+enum { CV_FINISH_NONE = 0, CV_FINISH_STOP = 1, CV_FINISH_LENGTH = 2, CV_FINISH_ABORT = 3 };
+enum { CV_STOP_NONE = 0, CV_STOP_TOKEN = 1, CV_STOP_STRING = 2 };
+
+/* One output of one step for one sequence. */
+typedef struct cv_event {
+    int64_t request_id;
+    int32_t seq_index;      /* completion index in [0, n) */
+    int32_t token;          /* sampled token, -1 when none (abort) */
+    float logprob;
+    int32_t n_top;
+    int32_t top_ids[CV_MAX_LOGPROBS];
+    float top_logprobs[CV_MAX_LOGPROBS];
+    size_t text_off, text_len; /* newly visible bytes, in the outbox text arena */
+    int finished;           /* this sequence is done */
+    int finish_reason;      /* CV_FINISH_* */
+    int stop_kind;          /* CV_STOP_* */
+    int32_t stop_value;     /* the stop token id or stop string index */
+    int request_finished;   /* every sequence of the request is done */
+    /* request metrics, set when request_finished */
+    double arrival, first_scheduled, first_token, finished_time;
+    int64_t n_prompt, n_cached_prompt;
+} cv_event;
+
+typedef struct cv_engine_stats {
+    cv_sched_stats sched;
+    int64_t num_blocks, block_size, max_model_len, max_num_seqs, max_num_batched_tokens;
+    size_t kv_cache_bytes;
+    int64_t prompt_tokens_computed;  /* prompt tokens run through the model */
+    int64_t generation_tokens;       /* tokens sampled */
+    int64_t requests_finished, requests_aborted;
+    int64_t steps;
+    double time_schedule, time_forward, time_sample, time_step; /* seconds, cumulative */
+} cv_engine_stats;
+
+typedef struct cv_engine cv_engine;
+
+int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err);
+/* Stops the background loop if any and frees everything. */
+void cv_engine_destroy(cv_engine *e);
+
+/* Validates and queues a request (any thread). The prompt is copied. */
+int cv_engine_add_request(cv_engine *e, int64_t request_id, const int32_t *prompt, int64_t n_prompt,
+                          const cv_request_params *p, cv_err *err);
+/* Queues an abort (any thread); unknown ids are ignored at the next step. */
+int cv_engine_abort(cv_engine *e, int64_t request_id);
+
+/* Runs one step; returns the number of sequences that ran (0 when idle) or a
+ * negative error. Not while the background loop runs. */
+int cv_engine_step(cv_engine *e, cv_err *err);
+/* Requests queued or running. */
+int64_t cv_engine_num_unfinished(cv_engine *e);
+
+/* Moves the pending events out: *events (and the text arena they index into)
+ * become the caller's (free with free()). */
+size_t cv_engine_take_events(cv_engine *e, cv_event **events, char **text);
+
+/* Starts/stops the background loop; after each step with outputs it writes an
+ * 8-byte 1 to wake_fd (an eventfd or pipe). Stop waits for the current step. */
+int cv_engine_start_loop(cv_engine *e, int wake_fd, cv_err *err);
+void cv_engine_stop_loop(cv_engine *e);
+/* Sets a message from the background loop's failure, if any (returns its code). */
+int cv_engine_loop_error(cv_engine *e, cv_err *err);
+
+void cv_engine_get_stats(cv_engine *e, cv_engine_stats *st);
+const void *cv_engine_model_config(cv_engine *e); /* const cv_model_config * */
+int64_t cv_engine_vocab_size(cv_engine *e);
+
+/* Step trace for the slot timeline: when on, each step records its scheduled
+ * (request id, seq index, new tokens). */
+void cv_engine_set_trace(cv_engine *e, int on);
+typedef struct cv_trace_entry { int64_t step; double t0, t1; int64_t request_id; int32_t seq_index, n_new; } cv_trace_entry;
+size_t cv_engine_take_trace(cv_engine *e, cv_trace_entry **entries);
+
+#endif

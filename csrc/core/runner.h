@@ -1,0 +1,24 @@
+/* Turns a scheduler plan into the flat batch the model runs (struct of arrays). */
+#ifndef CV_RUNNER_H
+#define CV_RUNNER_H
+
+#include <stdint.h>
+#include "../common.h"
+#include "../model/model.h"
+#include "scheduler.h"
+
+typedef struct cv_runner {
+    cv_batch batch;               /* host arrays sized for the limits below */
+    int32_t *sample_plan_index;   /* [max_seqs] plan index of each logits row */
+    int64_t max_tokens, max_seqs, max_blocks_per_seq, block_size;
+} cv_runner;
+
+int cv_runner_init(cv_runner *r, int64_t max_tokens, int64_t max_seqs, int64_t max_blocks_per_seq,
+                   int64_t block_size, cv_err *err);
+void cv_runner_free(cv_runner *r);
+
+/* Flattens plan into r->batch. A sequence gets a logits row when this step
+ * computes its last held token (its prompt is done, or it is decoding). */
+int cv_runner_build(cv_runner *r, const cv_sched_output *plan, cv_err *err);
+
+#endif

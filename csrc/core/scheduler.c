@@ -1,0 +1,792 @@
+/* Iteration-level scheduler over the block pool (see scheduler.h).
+ *
+ * Structures:
+ * - running: array [max_num_seqs] ordered by the victim key (arrival; under
+ *   the priority policy (priority, arrival)), ties by seq_id. The last entry
+ *   is always the next preemption victim, and since the running phase walks
+ *   the array from the front, a victim is never a sequence already planned
+ *   this step.
+ * - waiting (continuous and static): two intrusive lists over q_prev/q_next.
+ *   "resume" holds preempted sequences and forks, pushed at its head; "fresh"
+ *   holds never-admitted sequences in arrival order. The waiting queue is
+ *   resume followed by fresh, so pushing at the head of resume is pushing at
+ *   the head of the queue, and fresh alone is checkably in arrival order.
+ * - waiting (priority): a binary min-heap on (priority, arrival, seq_id).
+ *
+ * The scheduler stamps seq->arrival in cv_scheduler_add (a fork takes its
+ * parent's). No step allocates, except the amortized growth of a block table.
+ * Precondition kept by the engine: seq->n_tokens <= seq->max_total. */
+#include "scheduler.h"
+#include "block_pool.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+struct cv_scheduler {
+    cv_scheduler_config cfg;
+    cv_block_pool *pool;
+    int64_t bs;              /* block size */
+    int64_t usable_blocks;   /* num_blocks - 1 */
+
+    cv_sequence **running;   /* [max_num_seqs] ordered by victim key, last = next victim */
+    int64_t n_running;
+
+    cv_sequence *resume_head, *resume_tail; /* preempted and forked, pushed at the head */
+    cv_sequence *fresh_head, *fresh_tail;   /* never admitted, arrival order */
+    cv_sequence **heap;                     /* [heap_cap] priority policy only */
+    int64_t heap_len, heap_cap;
+    int64_t n_waiting;
+    int64_t n_waiting_holding;              /* waiting sequences holding blocks (forks) */
+
+    int32_t *hits;           /* [max_hits] scratch: blocks found by a prefix lookup */
+    int64_t max_hits;
+
+    /* the plan's arrays, sized at creation */
+    cv_sequence **out_seqs;      /* [max_num_seqs] */
+    int32_t *out_new;            /* [max_num_seqs] */
+    int64_t *out_start;          /* [max_num_seqs] */
+    cv_sequence **out_preempted; /* [max_num_seqs] */
+
+    int64_t next_arrival;
+    int64_t n_preempted_total, prefix_queries, prefix_hits, steps;
+};
+
+/* ---- ordering ---- */
+
+/* a before b in the running order; the largest is the next victim. */
+static int seq_less(const cv_scheduler *s, const cv_sequence *a, const cv_sequence *b) {
+    if (s->cfg.policy == CV_SCHED_PRIORITY && a->priority != b->priority)
+        return a->priority < b->priority;
+    if (a->arrival != b->arrival) return a->arrival < b->arrival;
+    return a->seq_id < b->seq_id;
+}
+
+static int64_t blocks_for(const cv_scheduler *s, int64_t tokens) {
+    return (tokens + s->bs - 1) / s->bs;
+}
+
+/* ---- running array ---- */
+
+static void running_insert(cv_scheduler *s, cv_sequence *q) {
+    int64_t pos = s->n_running;
+    if (pos > 0 && seq_less(s, q, s->running[pos - 1])) { /* rare: a resumed sequence */
+        int64_t lo = 0, hi = s->n_running;
+        while (lo < hi) {
+            int64_t mid = lo + (hi - lo) / 2;
+            if (seq_less(s, q, s->running[mid])) hi = mid; else lo = mid + 1;
+        }
+        pos = lo;
+        memmove(&s->running[pos + 1], &s->running[pos],
+                (size_t)(s->n_running - pos) * sizeof *s->running);
+    }
+    s->running[pos] = q;
+    s->n_running++;
+    for (int64_t i = pos; i < s->n_running; i++) s->running[i]->sched_index = i;
+}
+
+static void running_remove(cv_scheduler *s, cv_sequence *q) {
+    int64_t pos = q->sched_index;
+    memmove(&s->running[pos], &s->running[pos + 1],
+            (size_t)(s->n_running - pos - 1) * sizeof *s->running);
+    s->n_running--;
+    for (int64_t i = pos; i < s->n_running; i++) s->running[i]->sched_index = i;
+    q->sched_index = -1;
+}
+
+/* ---- priority heap ---- */
+
+static void heap_set(cv_scheduler *s, int64_t i, cv_sequence *q) {
+    s->heap[i] = q;
+    q->heap_index = i;
+}
+
+static void heap_sift_up(cv_scheduler *s, int64_t i) {
+    cv_sequence *q = s->heap[i];
+    while (i > 0) {
+        int64_t p = (i - 1) / 2;
+        if (!seq_less(s, q, s->heap[p])) break;
+        heap_set(s, i, s->heap[p]);
+        i = p;
+    }
+    heap_set(s, i, q);
+}
+
+static void heap_sift_down(cv_scheduler *s, int64_t i) {
+    cv_sequence *q = s->heap[i];
+    for (;;) {
+        int64_t c = 2 * i + 1;
+        if (c >= s->heap_len) break;
+        if (c + 1 < s->heap_len && seq_less(s, s->heap[c + 1], s->heap[c])) c++;
+        if (!seq_less(s, s->heap[c], q)) break;
+        heap_set(s, i, s->heap[c]);
+        i = c;
+    }
+    heap_set(s, i, q);
+}
+
+/* Capacity for every unfinished sequence, reserved at add so that pushing a
+ * preempted sequence back never allocates. */
+static int heap_reserve(cv_scheduler *s, int64_t need, cv_err *err) {
+    if (s->cfg.policy != CV_SCHED_PRIORITY || need <= s->heap_cap) return CV_OK;
+    int64_t cap = s->heap_cap * 2 > need ? s->heap_cap * 2 : need;
+    if (cap < 64) cap = 64;
+    cv_sequence **h = realloc(s->heap, (size_t)cap * sizeof *h);
+    if (!h) return cv_set_err(err, CV_ERR_NOMEM, "scheduler: out of memory for a waiting queue of %lld",
+                              (long long)cap);
+    s->heap = h;
+    s->heap_cap = cap;
+    return CV_OK;
+}
+
+/* ---- waiting queue ---- */
+
+static void wait_count_in(cv_scheduler *s, cv_sequence *q) {
+    q->status = CV_SEQ_WAITING;
+    s->n_waiting++;
+    if (q->n_blocks > 0) s->n_waiting_holding++;
+}
+
+/* A new arrival: the back of the queue. */
+static void wait_push_back(cv_scheduler *s, cv_sequence *q) {
+    if (s->cfg.policy == CV_SCHED_PRIORITY) {
+        heap_set(s, s->heap_len++, q);
+        heap_sift_up(s, q->heap_index);
+    } else {
+        q->q_next = NULL;
+        q->q_prev = s->fresh_tail;
+        if (s->fresh_tail) s->fresh_tail->q_next = q; else s->fresh_head = q;
+        s->fresh_tail = q;
+    }
+    wait_count_in(s, q);
+}
+
+/* A preempted sequence or a fork: the head of the queue (under the priority
+ * policy, back into the heap at its key). */
+static void wait_push_front(cv_scheduler *s, cv_sequence *q) {
+    if (s->cfg.policy == CV_SCHED_PRIORITY) {
+        heap_set(s, s->heap_len++, q);
+        heap_sift_up(s, q->heap_index);
+    } else {
+        q->q_prev = NULL;
+        q->q_next = s->resume_head;
+        if (s->resume_head) s->resume_head->q_prev = q; else s->resume_tail = q;
+        s->resume_head = q;
+    }
+    wait_count_in(s, q);
+}
+
+static cv_sequence *wait_peek(const cv_scheduler *s) {
+    if (s->cfg.policy == CV_SCHED_PRIORITY) return s->heap_len ? s->heap[0] : NULL;
+    return s->resume_head ? s->resume_head : s->fresh_head;
+}
+
+static void wait_remove(cv_scheduler *s, cv_sequence *q) {
+    if (s->cfg.policy == CV_SCHED_PRIORITY) {
+        int64_t i = q->heap_index;
+        cv_sequence *last = s->heap[--s->heap_len];
+        if (last != q) {
+            heap_set(s, i, last);
+            heap_sift_up(s, i);
+            heap_sift_down(s, last->heap_index);
+        }
+        q->heap_index = -1;
+    } else {
+        /* the list is told apart by its head/tail pointers */
+        if (q->q_prev) q->q_prev->q_next = q->q_next;
+        else if (s->resume_head == q) s->resume_head = q->q_next;
+        else s->fresh_head = q->q_next;
+        if (q->q_next) q->q_next->q_prev = q->q_prev;
+        else if (s->resume_tail == q) s->resume_tail = q->q_prev;
+        else s->fresh_tail = q->q_prev;
+        q->q_prev = q->q_next = NULL;
+    }
+    s->n_waiting--;
+    if (q->n_blocks > 0) s->n_waiting_holding--;
+}
+
+/* ---- blocks of one sequence ---- */
+
+/* Room for n block ids in q's block table (amortized growth). */
+static int table_reserve(cv_sequence *q, int64_t n) {
+    if (n <= q->cap_blocks) return CV_OK;
+    int64_t cap = q->cap_blocks * 2;
+    if (cap < 4) cap = 4;
+    if (cap < n) cap = n;
+    int32_t *t = realloc(q->block_table, (size_t)cap * sizeof *t);
+    if (!t) return CV_ERR_NOMEM;
+    q->block_table = t;
+    q->cap_blocks = cap;
+    return CV_OK;
+}
+
+/* Tail blocks first, so a prefix's leading blocks reach the free queue's tail
+ * last and are evicted last. */
+static void release_blocks(cv_scheduler *s, cv_sequence *q) {
+    for (int64_t j = q->n_blocks - 1; j >= 0; j--) cv_block_pool_decref(s->pool, q->block_table[j]);
+    q->n_blocks = 0;
+}
+
+static void forget_kv(cv_sequence *q) {
+    q->n_computed = 0;
+    q->n_hashed_blocks = 0;
+    q->last_hash = 0;
+}
+
+/* Caller checked the pool has need free blocks and reserved the table. */
+static void alloc_blocks(cv_scheduler *s, cv_sequence *q, int64_t need) {
+    for (int64_t k = 0; k < need; k++) q->block_table[q->n_blocks++] = cv_block_pool_alloc(s->pool);
+}
+
+/* Registers q's newly full, computed blocks in the prefix cache. */
+static void register_full(cv_scheduler *s, cv_sequence *q) {
+    while ((q->n_hashed_blocks + 1) * s->bs <= q->n_computed && q->n_hashed_blocks < q->n_blocks) {
+        int64_t j = q->n_hashed_blocks;
+        q->last_hash = cv_block_pool_register(s->pool, q->block_table[j], q->last_hash,
+                                              q->tokens + j * s->bs);
+        q->n_hashed_blocks++;
+    }
+}
+
+/* Longest run of cached leading full blocks of q's tokens, leaving at least
+ * one token to compute (logits need one). Fills s->hits; *n_free_hits: how
+ * many of them sit in the free queue (taking them uses up free blocks). */
+static int64_t prefix_lookup(cv_scheduler *s, const cv_sequence *q, int64_t *n_free_hits) {
+    *n_free_hits = 0;
+    if (!s->cfg.enable_prefix_caching) return 0;
+    int64_t max = (q->n_tokens - 1) / s->bs;
+    if (max > s->max_hits) max = s->max_hits;
+    uint64_t parent = 0;
+    int64_t n = 0;
+    for (; n < max; n++) {
+        int32_t b = cv_block_pool_lookup(s->pool, parent, q->tokens + n * s->bs);
+        if (b < 0) break;
+        s->hits[n] = b;
+        if (cv_block_pool_refcount(s->pool, b) == 0) (*n_free_hits)++;
+        parent = cv_block_pool_key(s->pool, b);
+    }
+    return n;
+}
+
+/* Takes the n_hits blocks of the last lookup into q's (empty, reserved) table. */
+static void take_prefix(cv_scheduler *s, cv_sequence *q, int64_t n_hits) {
+    for (int64_t j = 0; j < n_hits; j++) {
+        cv_block_pool_incref(s->pool, s->hits[j]);
+        q->block_table[j] = s->hits[j];
+    }
+    q->n_blocks = n_hits;
+    q->n_computed = n_hits * s->bs;
+    q->n_hashed_blocks = n_hits;
+    q->last_hash = n_hits ? cv_block_pool_key(s->pool, s->hits[n_hits - 1]) : 0;
+    s->prefix_queries += q->n_tokens;
+    s->prefix_hits += n_hits * s->bs;
+    if (q->n_preemptions == 0) /* first admission */
+        q->n_cached_prompt = q->n_computed < q->n_prompt ? q->n_computed : q->n_prompt;
+}
+
+/* Frees the blocks of waiting forks (except keep), so a lone sequence can get
+ * the whole cache; they recompute their prefix when admitted. */
+static void release_waiting_holders(cv_scheduler *s, const cv_sequence *keep) {
+    if (s->cfg.policy == CV_SCHED_PRIORITY) {
+        for (int64_t i = 0; i < s->heap_len; i++) {
+            cv_sequence *q = s->heap[i];
+            if (q == keep || q->n_blocks == 0) continue;
+            release_blocks(s, q);
+            forget_kv(q);
+            s->n_waiting_holding--;
+        }
+    } else {
+        for (cv_sequence *q = s->resume_head; q; q = q->q_next) { /* fresh ones hold nothing */
+            if (q == keep || q->n_blocks == 0) continue;
+            release_blocks(s, q);
+            forget_kv(q);
+            s->n_waiting_holding--;
+        }
+    }
+}
+
+static void preempt(cv_scheduler *s, cv_sequence *q, int64_t *n_pre) {
+    running_remove(s, q);
+    release_blocks(s, q);
+    forget_kv(q); /* recompute everything it holds on resume */
+    q->n_preemptions++;
+    wait_push_front(s, q);
+    s->out_preempted[(*n_pre)++] = q;
+    s->n_preempted_total++;
+}
+
+/* ---- life cycle ---- */
+
+cv_scheduler *cv_scheduler_create(const cv_scheduler_config *cfg, cv_err *err) {
+    cv_scheduler *s = NULL;
+    const char *bad = NULL;
+    if (!cfg) { cv_set_err(err, CV_ERR_INVALID, "scheduler: no config"); goto fail; }
+    if (cfg->num_blocks < 2) bad = "num_blocks";
+    else if (cfg->block_size < 1) bad = "block_size";
+    else if (cfg->max_num_seqs < 1) bad = "max_num_seqs";
+    else if (cfg->max_num_batched_tokens < 1) bad = "max_num_batched_tokens";
+    else if (cfg->max_model_len < 1) bad = "max_model_len";
+    if (bad) {
+        cv_set_err(err, CV_ERR_INVALID,
+                   "scheduler: %s must be positive (num_blocks >= 2: block 0 is reserved); "
+                   "num_blocks=%lld block_size=%lld max_num_seqs=%lld max_num_batched_tokens=%lld "
+                   "max_model_len=%lld",
+                   bad, (long long)cfg->num_blocks, (long long)cfg->block_size,
+                   (long long)cfg->max_num_seqs, (long long)cfg->max_num_batched_tokens,
+                   (long long)cfg->max_model_len);
+        goto fail;
+    }
+    if (cfg->policy != CV_SCHED_CONTINUOUS && cfg->policy != CV_SCHED_PRIORITY &&
+        cfg->policy != CV_SCHED_STATIC) {
+        cv_set_err(err, CV_ERR_INVALID, "scheduler: unknown policy %d", (int)cfg->policy);
+        goto fail;
+    }
+    if (!cfg->enable_chunked_prefill && cfg->max_num_batched_tokens < cfg->max_model_len) {
+        cv_set_err(err, CV_ERR_INVALID,
+                   "scheduler: with enable_chunked_prefill off, max_num_batched_tokens (%lld) "
+                   "must be >= max_model_len (%lld), or a long prompt could never be scheduled",
+                   (long long)cfg->max_num_batched_tokens, (long long)cfg->max_model_len);
+        goto fail;
+    }
+    s = calloc(1, sizeof *s);
+    if (!s) goto nomem;
+    s->cfg = *cfg;
+    s->cfg.enable_prefix_caching = cfg->enable_prefix_caching ? 1 : 0;
+    s->cfg.enable_chunked_prefill = cfg->enable_chunked_prefill ? 1 : 0;
+    s->bs = cfg->block_size;
+    s->usable_blocks = cfg->num_blocks - 1;
+    s->pool = cv_block_pool_create(cfg->num_blocks, cfg->block_size, s->cfg.enable_prefix_caching, err);
+    if (!s->pool) goto fail;
+    s->max_hits = cfg->max_model_len / cfg->block_size + 1;
+    if (s->max_hits > s->usable_blocks) s->max_hits = s->usable_blocks;
+    size_t n = (size_t)cfg->max_num_seqs;
+    s->running = calloc(n, sizeof *s->running);
+    s->out_seqs = calloc(n, sizeof *s->out_seqs);
+    s->out_new = calloc(n, sizeof *s->out_new);
+    s->out_start = calloc(n, sizeof *s->out_start);
+    s->out_preempted = calloc(n, sizeof *s->out_preempted);
+    s->hits = calloc((size_t)s->max_hits, sizeof *s->hits);
+    if (!s->running || !s->out_seqs || !s->out_new || !s->out_start || !s->out_preempted || !s->hits)
+        goto nomem;
+    return s;
+nomem:
+    cv_set_err(err, CV_ERR_NOMEM, "scheduler: out of memory (max_num_seqs=%lld)",
+               (long long)cfg->max_num_seqs);
+fail:
+    cv_scheduler_destroy(s);
+    return NULL;
+}
+
+void cv_scheduler_destroy(cv_scheduler *s) {
+    if (!s) return;
+    cv_block_pool_destroy(s->pool);
+    free(s->running);
+    free(s->heap);
+    free(s->hits);
+    free(s->out_seqs);
+    free(s->out_new);
+    free(s->out_start);
+    free(s->out_preempted);
+    free(s);
+}
+
+/* Refuses a sequence that can never run. */
+static int validate_new(const cv_scheduler *s, const cv_sequence *q, cv_err *err) {
+    if (!q) return cv_set_err(err, CV_ERR_INVALID, "scheduler: no sequence");
+    if (q->status != CV_SEQ_NEW)
+        return cv_set_err(err, CV_ERR_INVALID, "sequence %lld was already added (status %d)",
+                          (long long)q->seq_id, (int)q->status);
+    if (q->n_prompt < 1)
+        return cv_set_err(err, CV_ERR_INVALID, "sequence %lld: the prompt is empty (n_prompt=%lld)",
+                          (long long)q->seq_id, (long long)q->n_prompt);
+    if (q->n_tokens < q->n_prompt || q->max_total < q->n_tokens)
+        return cv_set_err(err, CV_ERR_INVALID,
+                          "sequence %lld: inconsistent lengths (n_prompt=%lld n_tokens=%lld max_total=%lld)",
+                          (long long)q->seq_id, (long long)q->n_prompt, (long long)q->n_tokens,
+                          (long long)q->max_total);
+    if (q->max_total > s->cfg.max_model_len)
+        return cv_set_err(err, CV_ERR_INVALID,
+                          "sequence %lld may hold %lld tokens (prompt %lld + max_tokens %lld), "
+                          "more than max_model_len %lld",
+                          (long long)q->seq_id, (long long)q->max_total, (long long)q->n_prompt,
+                          (long long)(q->max_total - q->n_prompt), (long long)s->cfg.max_model_len);
+    int64_t need = blocks_for(s, q->max_total);
+    if (need > s->usable_blocks)
+        return cv_set_err(err, CV_ERR_INVALID,
+                          "sequence %lld may hold %lld tokens = %lld KV blocks of %lld, "
+                          "more blocks than the whole cache has (%lld usable of num_blocks %lld)",
+                          (long long)q->seq_id, (long long)q->max_total, (long long)need,
+                          (long long)s->bs, (long long)s->usable_blocks,
+                          (long long)s->cfg.num_blocks);
+    return CV_OK;
+}
+
+static void reset_links(cv_sequence *q) {
+    q->q_prev = q->q_next = NULL;
+    q->sched_index = -1;
+    q->heap_index = -1;
+}
+
+int cv_scheduler_add(cv_scheduler *s, cv_sequence *q, cv_err *err) {
+    int rc = validate_new(s, q, err);
+    if (rc != CV_OK) return rc;
+    rc = heap_reserve(s, s->n_waiting + s->n_running + 1, err);
+    if (rc != CV_OK) return rc;
+    reset_links(q);
+    q->arrival = s->next_arrival++;
+    q->n_blocks = 0;
+    forget_kv(q);
+    q->n_cached_prompt = 0;
+    wait_push_back(s, q);
+    return CV_OK;
+}
+
+int cv_scheduler_add_fork(cv_scheduler *s, cv_sequence *child, cv_sequence *parent, cv_err *err) {
+    int rc = validate_new(s, child, err);
+    if (rc != CV_OK) return rc;
+    if (!parent || (parent->status != CV_SEQ_WAITING && parent->status != CV_SEQ_RUNNING))
+        return cv_set_err(err, CV_ERR_INVALID, "fork of sequence %lld: the parent is not queued or running",
+                          parent ? (long long)parent->seq_id : -1LL);
+    if (child->n_prompt != parent->n_prompt || child->n_tokens != child->n_prompt ||
+        memcmp(child->tokens, parent->tokens, (size_t)child->n_prompt * sizeof *child->tokens) != 0)
+        return cv_set_err(err, CV_ERR_INVALID,
+                          "fork %lld of sequence %lld: the child must hold exactly the parent's prompt "
+                          "(%lld tokens), it holds %lld",
+                          (long long)child->seq_id, (long long)parent->seq_id,
+                          (long long)parent->n_prompt, (long long)child->n_tokens);
+    /* Full blocks strictly before the block of the last prompt token, so the
+     * child computes >= 1 token; only blocks the parent has computed. */
+    int64_t shared = (parent->n_prompt - 1) / s->bs;
+    if (shared > parent->n_computed / s->bs) shared = parent->n_computed / s->bs;
+    if (shared > parent->n_blocks) shared = parent->n_blocks;
+    rc = heap_reserve(s, s->n_waiting + s->n_running + 1, err);
+    if (rc != CV_OK) return rc;
+    if (table_reserve(child, shared > 0 ? shared : 1) != CV_OK)
+        return cv_set_err(err, CV_ERR_NOMEM, "fork %lld: out of memory for its block table",
+                          (long long)child->seq_id);
+    reset_links(child);
+    child->arrival = parent->arrival; /* the same request */
+    forget_kv(child);
+    for (int64_t j = 0; j < shared; j++) {
+        cv_block_pool_incref(s->pool, parent->block_table[j]);
+        child->block_table[j] = parent->block_table[j];
+    }
+    child->n_blocks = shared;
+    child->n_computed = shared * s->bs;
+    child->n_cached_prompt = child->n_computed;
+    if (s->cfg.enable_prefix_caching) register_full(s, child); /* adopts the parent's keys */
+    wait_push_front(s, child);
+    return CV_OK;
+}
+
+/* ---- one step ---- */
+
+static void emit(cv_scheduler *s, int64_t *n_out, int64_t *total, cv_sequence *q, int64_t n) {
+    s->out_seqs[*n_out] = q;
+    s->out_new[*n_out] = (int32_t)n;
+    s->out_start[*n_out] = q->n_computed;
+    (*n_out)++;
+    *total += n;
+}
+
+/* Static policy, nothing running: the next batch joins the running set
+ * without reserving blocks; the running phase then feeds it. */
+static int static_admit(cv_scheduler *s) {
+    while (s->n_running < s->cfg.max_num_seqs && s->n_waiting > 0) {
+        cv_sequence *q = wait_peek(s);
+        int64_t n_hits = 0, n_free_hits = 0;
+        if (q->n_blocks == 0) {
+            n_hits = prefix_lookup(s, q, &n_free_hits);
+            if (table_reserve(q, n_hits > 0 ? n_hits : 1) != CV_OK) return CV_ERR_NOMEM;
+        }
+        int fresh = q->n_blocks == 0;
+        wait_remove(s, q);
+        if (fresh && s->cfg.enable_prefix_caching) take_prefix(s, q, n_hits);
+        q->status = CV_SEQ_RUNNING;
+        running_insert(s, q);
+    }
+    return CV_OK;
+}
+
+int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out) {
+    int rc = CV_OK;
+    const int chunked = s->cfg.enable_chunked_prefill;
+    int64_t budget = s->cfg.max_num_batched_tokens;
+    int64_t n_out = 0, n_pre = 0, total = 0;
+    s->steps++;
+
+    if (s->cfg.policy == CV_SCHED_STATIC && s->n_running == 0 && s->n_waiting > 0)
+        rc = static_admit(s);
+
+    /* Running sequences first, in order: each gets its remaining tokens. */
+    for (int64_t i = 0; rc == CV_OK && i < s->n_running && budget > 0;) {
+        cv_sequence *q = s->running[i];
+        int64_t n = q->n_tokens - q->n_computed;
+        if (n <= 0) { i++; continue; } /* waits for its sampled token */
+        if (n > budget) {
+            if (!chunked) { i++; continue; } /* all or nothing; fits a later step */
+            n = budget;
+        }
+        int64_t need = blocks_for(s, q->n_computed + n) - q->n_blocks;
+        int self = 0;
+        while (need > cv_block_pool_num_free(s->pool)) {
+            if (s->n_running - 1 > i) {
+                preempt(s, s->running[s->n_running - 1], &n_pre); /* newest, not yet planned */
+            } else if (i == 0 && s->n_waiting_holding > 0) {
+                release_waiting_holders(s, NULL); /* alone: it must get the whole cache */
+            } else if (i == 0) {
+                break; /* cannot happen while n_tokens <= max_total (checked at add) */
+            } else {
+                preempt(s, q, &n_pre); /* it is the newest itself */
+                self = 1;
+                break;
+            }
+        }
+        if (self) break; /* it was the last running one */
+        if (need > cv_block_pool_num_free(s->pool)) { i++; continue; }
+        if (need > 0 && table_reserve(q, q->n_blocks + need) != CV_OK) { rc = CV_ERR_NOMEM; break; }
+        alloc_blocks(s, q, need);
+        emit(s, &n_out, &total, q, n);
+        budget -= n;
+        i++;
+    }
+
+    /* Then waiting ones, in queue order, while budget, seat and blocks allow.
+     * Stops at the first that does not fit: O(admitted), never O(waiting). */
+    while (rc == CV_OK && n_pre == 0 && s->cfg.policy != CV_SCHED_STATIC && budget > 0 &&
+           s->n_running < s->cfg.max_num_seqs && s->n_waiting > 0) {
+        cv_sequence *q = wait_peek(s);
+        int64_t n_hits = 0, n_free_hits = 0;
+        int fresh = q->n_blocks == 0;
+        if (fresh) n_hits = prefix_lookup(s, q, &n_free_hits);
+        int64_t computed = fresh ? n_hits * s->bs : q->n_computed;
+        int64_t held = fresh ? n_hits : q->n_blocks;
+        int64_t n = q->n_tokens - computed;
+        if (n <= 0) break; /* cannot happen: a waiting sequence always has tokens to compute */
+        if (n > budget) {
+            if (!chunked) break; /* its whole prompt must fit this step */
+            n = budget;
+        }
+        int64_t need = blocks_for(s, computed + n) - held;
+        if (need < 0) need = 0;
+        if (need + n_free_hits > cv_block_pool_num_free(s->pool)) {
+            if (s->n_running == 0 && s->n_waiting_holding > (fresh ? 0 : 1)) {
+                release_waiting_holders(s, q); /* nothing runs: waiting forks must not block the head */
+                continue;
+            }
+            break; /* no preemption to admit */
+        }
+        if (table_reserve(q, held + need > 0 ? held + need : 1) != CV_OK) { rc = CV_ERR_NOMEM; break; }
+        wait_remove(s, q);
+        if (fresh && s->cfg.enable_prefix_caching) take_prefix(s, q, n_hits);
+        alloc_blocks(s, q, need);
+        q->status = CV_SEQ_RUNNING;
+        running_insert(s, q);
+        emit(s, &n_out, &total, q, n);
+        budget -= n;
+    }
+
+    out->n_seqs = n_out;
+    out->seqs = s->out_seqs;
+    out->num_new_tokens = s->out_new;
+    out->start_pos = s->out_start;
+    out->total_tokens = total;
+    out->preempted = s->out_preempted;
+    out->n_preempted = n_pre;
+    return rc;
+}
+
+void cv_scheduler_commit(cv_scheduler *s, const cv_sched_output *out) {
+    for (int64_t k = 0; k < out->n_seqs; k++) {
+        cv_sequence *q = out->seqs[k];
+        /* finished since the plan, or a stale plan: nothing to advance */
+        if (q->status != CV_SEQ_RUNNING || q->n_computed != out->start_pos[k]) continue;
+        q->n_computed += out->num_new_tokens[k];
+        if (s->cfg.enable_prefix_caching) register_full(s, q);
+    }
+}
+
+void cv_scheduler_finish(cv_scheduler *s, cv_sequence *q, cv_seq_status status) {
+    if (!q || CV_SEQ_IS_FINISHED(q->status)) return;
+    if (!CV_SEQ_IS_FINISHED(status)) status = CV_SEQ_FINISHED_ABORTED;
+    if (q->status == CV_SEQ_RUNNING) {
+        if (q->sched_index >= 0 && q->sched_index < s->n_running && s->running[q->sched_index] == q)
+            running_remove(s, q);
+    } else if (q->status == CV_SEQ_WAITING) {
+        wait_remove(s, q);
+    }
+    release_blocks(s, q);
+    q->status = status;
+}
+
+int64_t cv_scheduler_num_unfinished(const cv_scheduler *s) {
+    return s->n_running + s->n_waiting;
+}
+
+int32_t cv_scheduler_block_refcount(const cv_scheduler *s, int64_t b) {
+    if (b < 0 || b >= s->cfg.num_blocks) return -1;
+    return cv_block_pool_refcount(s->pool, (int32_t)b);
+}
+
+void cv_scheduler_get_stats(const cv_scheduler *s, cv_sched_stats *st) {
+    memset(st, 0, sizeof *st);
+    st->n_running = s->n_running;
+    st->n_waiting = s->n_waiting;
+    st->n_preempted_total = s->n_preempted_total;
+    st->blocks_total = s->usable_blocks;
+    st->blocks_free = cv_block_pool_num_free(s->pool);
+    st->blocks_used = st->blocks_total - st->blocks_free;
+    st->blocks_cached_free = cv_block_pool_num_cached_free(s->pool);
+    /* Shared blocks are always full, so counting the empty slots of each
+     * sequence's unshared tail blocks counts every block once. Waiting forks
+     * hold only full blocks. */
+    int64_t empty = 0;
+    for (int64_t i = 0; i < s->n_running; i++) {
+        const cv_sequence *q = s->running[i];
+        for (int64_t j = q->n_computed / s->bs; j < q->n_blocks; j++) {
+            if (cv_block_pool_refcount(s->pool, q->block_table[j]) != 1) continue;
+            int64_t filled = q->n_computed - j * s->bs;
+            if (filled < 0) filled = 0;
+            if (filled > s->bs) filled = s->bs;
+            empty += s->bs - filled;
+        }
+    }
+    st->tokens_in_kv = st->blocks_used * s->bs - empty;
+    st->kv_waste = st->blocks_used ? 1.0 - (double)st->tokens_in_kv / (double)(st->blocks_used * s->bs) : 0.0;
+    st->prefix_queries = s->prefix_queries;
+    st->prefix_hits = s->prefix_hits;
+    st->steps = s->steps;
+}
+
+/* ---- invariants (tests) ---- */
+
+/* Checks one sequence's block table and adds its references. stamp marks
+ * blocks seen in this table, to catch a block held twice. */
+static int check_table(const cv_scheduler *s, const cv_sequence *q, int32_t *refs, int64_t *stamp,
+                       int64_t tag, cv_err *err) {
+    if (q->n_blocks < 0 || q->n_blocks > q->cap_blocks || (q->n_blocks > 0 && !q->block_table))
+        return cv_set_err(err, CV_ERR_STATE, "sequence %lld: n_blocks %lld, capacity %lld",
+                          (long long)q->seq_id, (long long)q->n_blocks, (long long)q->cap_blocks);
+    for (int64_t j = 0; j < q->n_blocks; j++) {
+        int32_t b = q->block_table[j];
+        if (b <= 0 || b >= s->cfg.num_blocks)
+            return cv_set_err(err, CV_ERR_STATE, "sequence %lld holds invalid block %d (block 0 is reserved)",
+                              (long long)q->seq_id, b);
+        if (stamp[b] == tag)
+            return cv_set_err(err, CV_ERR_STATE, "sequence %lld holds block %d twice",
+                              (long long)q->seq_id, b);
+        stamp[b] = tag;
+        refs[b]++;
+    }
+    if (q->n_hashed_blocks < 0 || q->n_hashed_blocks * s->bs > q->n_computed)
+        return cv_set_err(err, CV_ERR_STATE, "sequence %lld: %lld hashed blocks but %lld tokens computed",
+                          (long long)q->seq_id, (long long)q->n_hashed_blocks, (long long)q->n_computed);
+    return CV_OK;
+}
+
+static int check_waiting_seq(const cv_scheduler *s, const cv_sequence *q, int32_t *refs, int64_t *stamp,
+                             int64_t tag, int64_t *holding, cv_err *err) {
+    if (q->status != CV_SEQ_WAITING || q->sched_index != -1)
+        return cv_set_err(err, CV_ERR_STATE, "waiting sequence %lld has status %d, running index %lld",
+                          (long long)q->seq_id, (int)q->status, (long long)q->sched_index);
+    if (q->n_computed != q->n_blocks * s->bs || q->n_computed >= q->n_tokens)
+        return cv_set_err(err, CV_ERR_STATE,
+                          "waiting sequence %lld: %lld computed with %lld blocks, %lld tokens",
+                          (long long)q->seq_id, (long long)q->n_computed, (long long)q->n_blocks,
+                          (long long)q->n_tokens);
+    if (q->n_blocks > 0) (*holding)++;
+    return check_table(s, q, refs, stamp, tag, err);
+}
+
+int cv_scheduler_check(const cv_scheduler *s, cv_err *err) {
+    int rc = CV_OK;
+    int64_t nb = s->cfg.num_blocks, tag = 0, count = 0, holding = 0;
+    int32_t *refs = calloc((size_t)nb, sizeof *refs);
+    int64_t *stamp = calloc((size_t)nb, sizeof *stamp);
+    if (!refs || !stamp) { rc = cv_set_err(err, CV_ERR_NOMEM, "scheduler check: out of memory"); goto done; }
+
+    if (s->n_running < 0 || s->n_running > s->cfg.max_num_seqs) {
+        rc = cv_set_err(err, CV_ERR_STATE, "%lld running sequences, cap max_num_seqs %lld",
+                        (long long)s->n_running, (long long)s->cfg.max_num_seqs);
+        goto done;
+    }
+    for (int64_t i = 0; i < s->n_running; i++) {
+        const cv_sequence *q = s->running[i];
+        if (q->status != CV_SEQ_RUNNING || q->sched_index != i || q->heap_index != -1 || q->q_prev || q->q_next) {
+            rc = cv_set_err(err, CV_ERR_STATE, "running[%lld] = sequence %lld with status %d, index %lld",
+                            (long long)i, (long long)q->seq_id, (int)q->status, (long long)q->sched_index);
+            goto done;
+        }
+        if (i > 0 && !seq_less(s, s->running[i - 1], q)) {
+            rc = cv_set_err(err, CV_ERR_STATE, "running order: sequence %lld before %lld",
+                            (long long)s->running[i - 1]->seq_id, (long long)q->seq_id);
+            goto done;
+        }
+        if (q->n_computed < 0 || q->n_computed > q->n_tokens || q->n_tokens > q->max_total ||
+            q->n_blocks * s->bs < q->n_computed || q->n_blocks > blocks_for(s, q->n_tokens)) {
+            rc = cv_set_err(err, CV_ERR_STATE,
+                            "running sequence %lld: %lld computed of %lld tokens (max %lld) in %lld blocks",
+                            (long long)q->seq_id, (long long)q->n_computed, (long long)q->n_tokens,
+                            (long long)q->max_total, (long long)q->n_blocks);
+            goto done;
+        }
+        if ((rc = check_table(s, q, refs, stamp, ++tag, err)) != CV_OK) goto done;
+    }
+
+    if (s->cfg.policy == CV_SCHED_PRIORITY) {
+        for (int64_t i = 0; i < s->heap_len; i++) {
+            const cv_sequence *q = s->heap[i];
+            if (q->heap_index != i || (i > 0 && seq_less(s, q, s->heap[(i - 1) / 2]))) {
+                rc = cv_set_err(err, CV_ERR_STATE, "priority heap broken at %lld (sequence %lld)",
+                                (long long)i, (long long)q->seq_id);
+                goto done;
+            }
+            if ((rc = check_waiting_seq(s, q, refs, stamp, ++tag, &holding, err)) != CV_OK) goto done;
+            count++;
+        }
+    } else {
+        const cv_sequence *heads[2] = {s->resume_head, s->fresh_head};
+        const cv_sequence *tails[2] = {s->resume_tail, s->fresh_tail};
+        for (int l = 0; l < 2; l++) {
+            const cv_sequence *prev = NULL;
+            for (const cv_sequence *q = heads[l]; q; q = q->q_next) {
+                if (count > s->n_waiting) {
+                    rc = cv_set_err(err, CV_ERR_STATE, "waiting list longer than its count %lld (a cycle?)",
+                                    (long long)s->n_waiting);
+                    goto done;
+                }
+                if (q->q_prev != prev || q->heap_index != -1) {
+                    rc = cv_set_err(err, CV_ERR_STATE, "waiting list: broken back link at sequence %lld",
+                                    (long long)q->seq_id);
+                    goto done;
+                }
+                /* Never-admitted sequences wait in arrival order; preempted
+                 * ones and forks wait ahead of them. */
+                if (l == 1 && (q->n_blocks != 0 || q->n_preemptions != 0 ||
+                               (prev && prev->arrival >= q->arrival))) {
+                    rc = cv_set_err(err, CV_ERR_STATE,
+                                    "waiting queue out of arrival order at sequence %lld (arrival %lld)",
+                                    (long long)q->seq_id, (long long)q->arrival);
+                    goto done;
+                }
+                if ((rc = check_waiting_seq(s, q, refs, stamp, ++tag, &holding, err)) != CV_OK) goto done;
+                prev = q;
+                count++;
+            }
+            if (tails[l] != prev) {
+                rc = cv_set_err(err, CV_ERR_STATE, "waiting list: tail is not the last sequence");
+                goto done;
+            }
+        }
+    }
+    if (count != s->n_waiting || holding != s->n_waiting_holding) {
+        rc = cv_set_err(err, CV_ERR_STATE, "%lld waiting (%lld holding blocks), counters say %lld (%lld)",
+                        (long long)count, (long long)holding, (long long)s->n_waiting,
+                        (long long)s->n_waiting_holding);
+        goto done;
+    }
+    rc = cv_block_pool_check(s->pool, refs, err);
+done:
+    free(refs);
+    free(stamp);
+    return rc;
+}

@@ -1,0 +1,136 @@
+/* Checkpoint dispatch (directory -> HF, file -> llama2.c), file mapping,
+ * lookup by canonical name, and release. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include "checkpoint.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static int errno_status(int e) {
+    return (e == ENOENT || e == ENOTDIR) ? CV_ERR_NOTFOUND : CV_ERR_IO;
+}
+
+int cv_map_file(void **map, size_t *len, const char *path, cv_err *err) {
+    int rc = 0, fd = -1;
+    *map = NULL;
+    *len = 0;
+    fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        int e = errno;
+        rc = cv_set_err(err, errno_status(e), "%s: cannot open: %s", path, strerror(e));
+        goto done;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        int e = errno;
+        rc = cv_set_err(err, CV_ERR_IO, "%s: cannot stat: %s", path, strerror(e));
+        goto done;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        rc = cv_set_err(err, CV_ERR_IO, "%s: not a regular file", path);
+        goto done;
+    }
+    if (st.st_size < 0 || (uint64_t)st.st_size > (uint64_t)SIZE_MAX) {
+        rc = cv_set_err(err, CV_ERR_IO, "%s: file too large to map", path);
+        goto done;
+    }
+    if (st.st_size == 0) goto done; /* mmap refuses length 0; callers see an empty buffer */
+    void *p = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (p == MAP_FAILED) {
+        int e = errno;
+        rc = cv_set_err(err, e == ENOMEM ? CV_ERR_NOMEM : CV_ERR_IO, "%s: cannot mmap %lld bytes: %s", path,
+                        (long long)st.st_size, strerror(e));
+        goto done;
+    }
+    *map = p;
+    *len = (size_t)st.st_size;
+done:
+    if (fd >= 0) close(fd);
+    return rc;
+}
+
+void cv_unmap_file(void *map, size_t len) {
+    if (map && len) munmap(map, len);
+}
+
+static int ends_with(const char *s, const char *suffix) {
+    size_t n = strlen(s), m = strlen(suffix);
+    return n >= m && strcmp(s + n - m, suffix) == 0;
+}
+
+int cv_checkpoint_open(cv_checkpoint *ck, const char *path, cv_err *err) {
+    memset(ck, 0, sizeof *ck);
+    if (!path || !path[0]) return cv_set_err(err, CV_ERR_INVALID, "checkpoint path is empty");
+    struct stat st;
+    if (stat(path, &st) != 0) {
+        int e = errno;
+        if (errno_status(e) == CV_ERR_NOTFOUND)
+            return cv_set_err(err, CV_ERR_NOTFOUND, "%s: no such file or directory", path);
+        return cv_set_err(err, CV_ERR_IO, "%s: %s", path, strerror(e));
+    }
+    if (S_ISDIR(st.st_mode)) return cv_checkpoint_open_hf(ck, path, err);
+    if (!S_ISREG(st.st_mode))
+        return cv_set_err(err, CV_ERR_IO, "%s: neither a directory (HF) nor a regular file (llama2.c)", path);
+    /* a file out of a HF directory is a common slip: say what to pass */
+    if (ends_with(path, ".safetensors") || ends_with(path, ".json"))
+        return cv_set_err(err, CV_ERR_FORMAT,
+                          "%s: looks like part of a HF checkpoint; pass the directory that holds config.json",
+                          path);
+    return cv_checkpoint_open_llama2c(ck, path, err);
+}
+
+void cv_checkpoint_close(cv_checkpoint *ck) {
+    if (!ck) return;
+    for (int i = 0; i < ck->n_maps && i < CV_MAX_MAPS; i++) cv_unmap_file(ck->maps[i], ck->map_lens[i]);
+    free(ck->layers);
+    memset(ck, 0, sizeof *ck);
+}
+
+int64_t cv_tensor_numel(const cv_tensor_view *v) {
+    if (!v || !v->data) return 0;
+    return v->ndim == 1 ? v->shape[0] : v->shape[0] * v->shape[1];
+}
+
+static const cv_tensor_view *present(const cv_tensor_view *v) { return v->data ? v : NULL; }
+
+const cv_tensor_view *cv_checkpoint_find(const cv_checkpoint *ck, const char *name) {
+    if (!ck || !name) return NULL;
+    if (strcmp(name, "embed") == 0) return present(&ck->embed);
+    if (strcmp(name, "final_norm") == 0) return present(&ck->final_norm);
+    if (strcmp(name, "lm_head") == 0) return present(&ck->lm_head);
+    if (strncmp(name, "layers.", 7) != 0 || !ck->layers) return NULL;
+    const char *s = name + 7;
+    /* a decimal index without sign or leading zeros */
+    if (*s < '0' || *s > '9' || (s[0] == '0' && s[1] >= '0' && s[1] <= '9')) return NULL;
+    int64_t i = 0;
+    while (*s >= '0' && *s <= '9') {
+        i = i * 10 + (*s - '0');
+        if (i >= ck->cfg.n_layers) return NULL;
+        s++;
+    }
+    if (*s != '.') return NULL;
+    s++;
+    const cv_layer_views *l = &ck->layers[i];
+    static const struct {
+        const char *name;
+        size_t off;
+    } fields[] = {
+        {"attn_norm", offsetof(cv_layer_views, attn_norm)}, {"wq", offsetof(cv_layer_views, wq)},
+        {"wk", offsetof(cv_layer_views, wk)},               {"wv", offsetof(cv_layer_views, wv)},
+        {"wo", offsetof(cv_layer_views, wo)},               {"bq", offsetof(cv_layer_views, bq)},
+        {"bk", offsetof(cv_layer_views, bk)},               {"bv", offsetof(cv_layer_views, bv)},
+        {"ffn_norm", offsetof(cv_layer_views, ffn_norm)},   {"w_gate", offsetof(cv_layer_views, w_gate)},
+        {"w_up", offsetof(cv_layer_views, w_up)},           {"w_down", offsetof(cv_layer_views, w_down)},
+    };
+    for (size_t k = 0; k < sizeof fields / sizeof fields[0]; k++)
+        if (strcmp(s, fields[k].name) == 0)
+            return present((const cv_tensor_view *)((const char *)l + fields[k].off));
+    return NULL;
+}

@@ -1,0 +1,133 @@
+/* The forward pass over one ragged batch (Orca's selective batching): every
+ * linear layer, norm and activation runs over all new tokens of all sequences
+ * at once; only attention is per sequence, over its paged KV. */
+#include <stdlib.h>
+#include <math.h>
+#include <string.h>
+
+#include "model.h"
+
+static void *ws_alloc(cv_backend *b, size_t n, size_t elem, int *ok) {
+    void *p = b->alloc(b, n * elem);
+    if (!p) *ok = 0;
+    return p;
+}
+
+int cv_forward_ws_init(cv_forward_ws *ws, const cv_model *m, int64_t max_tokens, int64_t max_seqs,
+                       int64_t max_blocks_per_seq, cv_err *err) {
+    cv_backend *b = m->backend;
+    const cv_model_config *c = &m->cfg;
+    size_t T = (size_t)max_tokens, S = (size_t)max_seqs;
+    int ok = 1;
+    memset(ws, 0, sizeof *ws);
+    ws->max_tokens = max_tokens;
+    ws->max_seqs = max_seqs;
+    ws->max_blocks_per_seq = max_blocks_per_seq;
+    ws->x = ws_alloc(b, T * (size_t)c->dim, sizeof(float), &ok);
+    ws->xn = ws_alloc(b, T * (size_t)c->dim, sizeof(float), &ok);
+    ws->qkv = ws_alloc(b, T * (size_t)(m->q_dim + 2 * m->kv_dim), sizeof(float), &ok);
+    ws->attn = ws_alloc(b, T * (size_t)m->q_dim, sizeof(float), &ok);
+    ws->gu = ws_alloc(b, T * (size_t)(2 * c->hidden_dim), sizeof(float), &ok);
+    ws->h = ws_alloc(b, T * (size_t)c->hidden_dim, sizeof(float), &ok);
+    ws->xlast = ws_alloc(b, S * (size_t)c->dim, sizeof(float), &ok);
+    ws->xlast_n = ws_alloc(b, S * (size_t)c->dim, sizeof(float), &ok);
+    ws->logits = ws_alloc(b, S * (size_t)c->vocab_size, sizeof(float), &ok);
+    ws->device_copies = strcmp(b->name, "cpu") != 0;
+    if (ws->device_copies) {
+        ws->d_tokens = ws_alloc(b, T, sizeof(int32_t), &ok);
+        ws->d_positions = ws_alloc(b, T, sizeof(int32_t), &ok);
+        ws->d_slots = ws_alloc(b, T, sizeof(int64_t), &ok);
+        ws->d_query_start = ws_alloc(b, S + 1, sizeof(int32_t), &ok);
+        ws->d_context_lens = ws_alloc(b, S, sizeof(int32_t), &ok);
+        ws->d_block_tables = ws_alloc(b, S * (size_t)max_blocks_per_seq, sizeof(int32_t), &ok);
+        ws->d_logits_rows = ws_alloc(b, S, sizeof(int32_t), &ok);
+        ws->logits_host = malloc(S * (size_t)c->vocab_size * sizeof(float));
+        if (!ws->logits_host) ok = 0;
+    } else {
+        ws->logits_host = ws->logits; /* the CPU reads its logits in place */
+    }
+    if (!ok) {
+        cv_forward_ws_free(ws, m);
+        return cv_set_err(err, CV_ERR_NOMEM,
+                          "out of memory for activations of %lld tokens (lower max_num_batched_tokens)",
+                          (long long)max_tokens);
+    }
+    return CV_OK;
+}
+
+void cv_forward_ws_free(cv_forward_ws *ws, const cv_model *m) {
+    cv_backend *b = m->backend;
+    void *bufs[] = {ws->x, ws->xn, ws->qkv, ws->attn, ws->gu, ws->h, ws->xlast, ws->xlast_n,
+                    ws->logits, ws->d_tokens, ws->d_positions, ws->d_slots, ws->d_query_start,
+                    ws->d_context_lens, ws->d_block_tables, ws->d_logits_rows};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) b->free(b, bufs[i]);
+    if (ws->device_copies) free(ws->logits_host);
+    memset(ws, 0, sizeof *ws);
+}
+
+int cv_model_forward(const cv_model *m, cv_forward_ws *ws, cv_kv_layer *caches,
+                     const cv_batch *bt, cv_err *err) {
+    cv_backend *b = m->backend;
+    const cv_model_config *c = &m->cfg;
+    const int64_t n = bt->n_tokens, dim = c->dim, hid = c->hidden_dim;
+    const int64_t qkv_dim = m->q_dim + 2 * m->kv_dim;
+    if (n <= 0) return CV_OK;
+    if (n > ws->max_tokens || bt->n_seqs > ws->max_seqs || bt->n_logits > ws->max_seqs ||
+        bt->max_blocks_per_seq > ws->max_blocks_per_seq)
+        return cv_set_err(err, CV_ERR_INVALID, "batch larger than the workspace");
+
+    /* Index arrays: used in place on the CPU, copied to the device elsewhere. */
+    const int32_t *tokens = bt->tokens, *positions = bt->positions, *qs = bt->query_start,
+                  *ctx = bt->context_lens, *tables = bt->block_tables, *rows = bt->logits_rows;
+    const int64_t *slots = bt->slot_mapping;
+    if (ws->device_copies) {
+        b->to_device(b, ws->d_tokens, tokens, (size_t)n * sizeof(int32_t));
+        b->to_device(b, ws->d_positions, positions, (size_t)n * sizeof(int32_t));
+        b->to_device(b, ws->d_slots, slots, (size_t)n * sizeof(int64_t));
+        b->to_device(b, ws->d_query_start, qs, (size_t)(bt->n_seqs + 1) * sizeof(int32_t));
+        b->to_device(b, ws->d_context_lens, ctx, (size_t)bt->n_seqs * sizeof(int32_t));
+        b->to_device(b, ws->d_block_tables, tables,
+                     (size_t)(bt->n_seqs * bt->max_blocks_per_seq) * sizeof(int32_t));
+        b->to_device(b, ws->d_logits_rows, rows, (size_t)bt->n_logits * sizeof(int32_t));
+        tokens = ws->d_tokens; positions = ws->d_positions; slots = ws->d_slots;
+        qs = ws->d_query_start; ctx = ws->d_context_lens; tables = ws->d_block_tables;
+        rows = ws->d_logits_rows;
+    }
+
+    cv_attn_batch ab = {
+        .n_seqs = bt->n_seqs, .query_start = qs, .context_lens = ctx, .block_tables = tables,
+        .max_blocks_per_seq = bt->max_blocks_per_seq, .max_context_len = bt->max_context_len,
+        .n_heads = c->n_heads, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
+        .scale = 1.0f / sqrtf((float)c->head_dim),
+    };
+    cv_rope rope = {.inv_freq = m->inv_freq, .head_dim = c->head_dim, .layout = c->rope_layout};
+
+    b->embedding(b, ws->x, tokens, n, &m->embed);
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        const cv_layer *L = &m->layers[l];
+        float *q = ws->qkv, *k = ws->qkv + m->q_dim, *v = ws->qkv + m->q_dim + m->kv_dim;
+        b->rmsnorm(b, ws->xn, ws->x, L->attn_norm, n, dim, c->rms_eps);
+        b->gemm(b, ws->qkv, ws->xn, n, &L->wqkv, L->bqkv, 0);
+        b->rope(b, q, qkv_dim, c->n_heads, k, qkv_dim, c->n_kv_heads, positions, n, &rope);
+        b->kv_write(b, &caches[l], k, qkv_dim, v, qkv_dim, slots, n);
+        b->paged_attention(b, ws->attn, q, qkv_dim, &caches[l], &ab);
+        b->gemm(b, ws->x, ws->attn, n, &L->wo, NULL, 1); /* residual add in the GEMM */
+        b->rmsnorm(b, ws->xn, ws->x, L->ffn_norm, n, dim, c->rms_eps);
+        b->gemm(b, ws->gu, ws->xn, n, &L->w_gate_up, NULL, 0);
+        b->swiglu(b, ws->h, ws->gu, n, hid);
+        b->gemm(b, ws->x, ws->h, n, &L->w_down, NULL, 1);
+    }
+    if (bt->n_logits > 0) {
+        /* Gather only the rows that will be sampled, then norm and project them. */
+        cv_table xs = {.data = ws->x, .dtype = CV_F32, .rows = n, .cols = dim,
+                       .bytes = (size_t)(n * dim) * sizeof(float)};
+        b->embedding(b, ws->xlast, rows, bt->n_logits, &xs);
+        b->rmsnorm(b, ws->xlast_n, ws->xlast, m->final_norm, bt->n_logits, dim, c->rms_eps);
+        b->gemm(b, ws->logits, ws->xlast_n, bt->n_logits, &m->lm_head, NULL, 0);
+        if (ws->device_copies)
+            b->to_host(b, ws->logits_host, ws->logits,
+                       (size_t)(bt->n_logits * c->vocab_size) * sizeof(float));
+    }
+    b->sync(b);
+    return CV_OK;
+}

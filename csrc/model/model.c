@@ -1,0 +1,177 @@
+/* Loading a checkpoint onto a backend: fuse q/k/v and gate/up into one matrix
+ * each (one GEMM instead of three/two), convert to the asked dtype, and let the
+ * backend pack them into its own layout. */
+#include "model.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "checkpoint.h"
+
+void cv_rope_inv_freq(float *out, const cv_model_config *cfg) {
+    int64_t half = cfg->head_dim / 2;
+    for (int64_t i = 0; i < half; i++) {
+        double f = pow((double)cfg->rope_theta, -2.0 * (double)i / (double)cfg->head_dim);
+        if (cfg->rope_llama3) {
+            /* llama3: keep high frequencies, divide low ones by factor, blend between. */
+            double old_ctx = (double)cfg->rope_original_max_pos;
+            double low_wavelen = old_ctx / cfg->rope_low_freq_factor;
+            double high_wavelen = old_ctx / cfg->rope_high_freq_factor;
+            double wavelen = 2.0 * M_PI / f;
+            if (wavelen > low_wavelen) {
+                f = f / cfg->rope_factor;
+            } else if (wavelen >= high_wavelen) {
+                double smooth = (old_ctx / wavelen - cfg->rope_low_freq_factor) /
+                                (cfg->rope_high_freq_factor - cfg->rope_low_freq_factor);
+                f = (1.0 - smooth) * f / cfg->rope_factor + smooth * f;
+            }
+        }
+        out[i] = (float)f;
+    }
+}
+
+static int64_t view_numel(const cv_tensor_view *v) {
+    return v->ndim == 1 ? v->shape[0] : v->shape[0] * v->shape[1];
+}
+
+/* Copies a float vector (any file dtype) to a new device buffer. */
+static int upload_vector(cv_backend *b, float **out, const cv_tensor_view *v, float *scratch,
+                         cv_err *err) {
+    int64_t n = view_numel(v);
+    cv_convert_to_f32(scratch, v->data, v->dtype, (size_t)n);
+    *out = b->alloc(b, (size_t)n * sizeof(float));
+    if (!*out) return cv_set_err(err, CV_ERR_NOMEM, "out of memory for a %lld-element vector", (long long)n);
+    b->to_device(b, *out, scratch, (size_t)n * sizeof(float));
+    return CV_OK;
+}
+
+/* Stacks the rows of parts[n] (same cols) into scratch as float32 and prepares one matrix. */
+static int prepare_stacked(cv_backend *b, cv_matrix *out, const cv_tensor_view *const *parts, int n,
+                           cv_dtype dtype, float *scratch, cv_err *err) {
+    int64_t rows = 0, cols = parts[0]->shape[1];
+    for (int i = 0; i < n; i++) {
+        const cv_tensor_view *p = parts[i];
+        cv_convert_to_f32(scratch + rows * cols, p->data, p->dtype, (size_t)(p->shape[0] * cols));
+        rows += p->shape[0];
+    }
+    return b->matrix_prepare(b, out, scratch, CV_F32, rows, cols, dtype, err);
+}
+
+void cv_model_free(cv_model *m) {
+    if (!m) return;
+    cv_backend *b = m->backend;
+    if (m->layers) {
+        for (int64_t l = 0; l < m->cfg.n_layers; l++) {
+            cv_layer *L = &m->layers[l];
+            b->free(b, L->attn_norm);
+            b->free(b, L->ffn_norm);
+            b->free(b, L->bqkv);
+            b->matrix_free(b, &L->wqkv);
+            b->matrix_free(b, &L->wo);
+            b->matrix_free(b, &L->w_gate_up);
+            b->matrix_free(b, &L->w_down);
+        }
+        free(m->layers);
+    }
+    b->table_free(b, &m->embed);
+    b->matrix_free(b, &m->lm_head);
+    b->free(b, m->final_norm);
+    b->free(b, m->inv_freq);
+    free(m);
+}
+
+int cv_model_load(cv_model **out, const char *path, cv_backend *b, cv_dtype dtype, cv_err *err) {
+    cv_checkpoint ck;
+    memset(&ck, 0, sizeof ck);
+    cv_model *m = NULL;
+    float *scratch = NULL;
+    int rc = cv_checkpoint_open(&ck, path, err);
+    if (rc) goto done;
+
+    const cv_model_config *c = &ck.cfg;
+    if (dtype == CV_DTYPE_INVALID) dtype = c->torch_dtype;
+    if (dtype != CV_F32 && dtype != CV_BF16 && dtype != CV_F16) dtype = CV_F32;
+    if (c->head_dim % 2 != 0 || c->head_dim > 256) {
+        rc = cv_set_err(err, CV_ERR_UNSUPPORTED, "head_dim %lld is not supported (even, at most 256)",
+                        (long long)c->head_dim);
+        goto done;
+    }
+    m = calloc(1, sizeof *m);
+    if (!m) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory"); goto done; }
+    m->cfg = *c;
+    m->backend = b;
+    m->dtype = dtype;
+    m->q_dim = c->n_heads * c->head_dim;
+    m->kv_dim = c->n_kv_heads * c->head_dim;
+    m->layers = calloc((size_t)c->n_layers, sizeof *m->layers);
+    if (!m->layers) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory"); goto done; }
+
+    /* Scratch big enough for the largest stacked matrix in float32. */
+    int64_t qkv_rows = m->q_dim + 2 * m->kv_dim;
+    int64_t biggest = qkv_rows * c->dim;
+    if (2 * c->hidden_dim * c->dim > biggest) biggest = 2 * c->hidden_dim * c->dim;
+    if (c->dim * m->q_dim > biggest) biggest = c->dim * m->q_dim;
+    if (c->vocab_size * c->dim > biggest) biggest = c->vocab_size * c->dim;
+    scratch = malloc((size_t)biggest * sizeof(float));
+    if (!scratch) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory for load scratch"); goto done; }
+
+    rc = b->table_prepare(b, &m->embed, ck.embed.data, ck.embed.dtype, c->vocab_size, c->dim, dtype, err);
+    if (rc) goto done;
+    const cv_tensor_view *head = ck.lm_head.data ? &ck.lm_head : &ck.embed;
+    rc = prepare_stacked(b, &m->lm_head, &head, 1, dtype, scratch, err);
+    if (rc) goto done;
+    rc = upload_vector(b, &m->final_norm, &ck.final_norm, scratch, err);
+    if (rc) goto done;
+    m->n_params = view_numel(&ck.embed) + view_numel(&ck.final_norm) +
+                  (ck.lm_head.data ? view_numel(&ck.lm_head) : 0);
+
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        const cv_layer_views *v = &ck.layers[l];
+        cv_layer *L = &m->layers[l];
+        const cv_tensor_view *qkv[3] = {&v->wq, &v->wk, &v->wv};
+        const cv_tensor_view *gu[2] = {&v->w_gate, &v->w_up};
+        const cv_tensor_view *wo = &v->wo, *wd = &v->w_down;
+        if ((rc = upload_vector(b, &L->attn_norm, &v->attn_norm, scratch, err))) goto done;
+        if ((rc = upload_vector(b, &L->ffn_norm, &v->ffn_norm, scratch, err))) goto done;
+        if ((rc = prepare_stacked(b, &L->wqkv, qkv, 3, dtype, scratch, err))) goto done;
+        if ((rc = prepare_stacked(b, &L->wo, &wo, 1, dtype, scratch, err))) goto done;
+        if ((rc = prepare_stacked(b, &L->w_gate_up, gu, 2, dtype, scratch, err))) goto done;
+        if ((rc = prepare_stacked(b, &L->w_down, &wd, 1, dtype, scratch, err))) goto done;
+        m->n_params += view_numel(&v->attn_norm) + view_numel(&v->ffn_norm) + view_numel(&v->wq) +
+                       view_numel(&v->wk) + view_numel(&v->wv) + view_numel(&v->wo) +
+                       view_numel(&v->w_gate) + view_numel(&v->w_up) + view_numel(&v->w_down);
+        if (c->qkv_bias) {
+            int64_t off = 0;
+            const cv_tensor_view *bias[3] = {&v->bq, &v->bk, &v->bv};
+            for (int i = 0; i < 3; i++) {
+                int64_t n = view_numel(bias[i]);
+                cv_convert_to_f32(scratch + off, bias[i]->data, bias[i]->dtype, (size_t)n);
+                off += n;
+                m->n_params += n;
+            }
+            L->bqkv = b->alloc(b, (size_t)off * sizeof(float));
+            if (!L->bqkv) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory"); goto done; }
+            b->to_device(b, L->bqkv, scratch, (size_t)off * sizeof(float));
+        }
+        m->weight_bytes += L->wqkv.bytes + L->wo.bytes + L->w_gate_up.bytes + L->w_down.bytes +
+                           (size_t)(2 * c->dim) * sizeof(float);
+    }
+    m->weight_bytes += m->embed.bytes + m->lm_head.bytes + (size_t)c->dim * sizeof(float);
+
+    cv_rope_inv_freq(scratch, c);
+    m->inv_freq = b->alloc(b, (size_t)(c->head_dim / 2) * sizeof(float));
+    if (!m->inv_freq) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory"); goto done; }
+    b->to_device(b, m->inv_freq, scratch, (size_t)(c->head_dim / 2) * sizeof(float));
+    rc = CV_OK;
+
+done:
+    free(scratch);
+    cv_checkpoint_close(&ck);
+    if (rc) {
+        cv_model_free(m);
+        m = NULL;
+    }
+    *out = m;
+    return rc;
+}

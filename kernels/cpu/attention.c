@@ -1,0 +1,528 @@
+/* Paged attention and the KV-cache write of the CPU backend.
+ *
+ * Work item: one sequence, one KV head, a tile of query vectors (up to
+ * CV_ATT_TILE (token, head) pairs: consecutive new tokens times the query heads
+ * that share the KV head), so each key/value row is read once per tile and
+ * used by all its vectors (grouped-query attention). The item walks the keys
+ * 0 .. (last position of the tile) through the block table in chunks of
+ * CV_ATT_KCHUNK keys with an online softmax (running max m, sum l, unnormalized
+ * acc), so no buffer of context length is needed. Items are handed out
+ * dynamically, longest first. When there are fewer items than threads, each
+ * item's key range is split into parts run by different threads; the last part
+ * to finish merges the partial (m, l, acc) of all parts. */
+#include <math.h>
+#include <string.h>
+
+#include "cpu_internal.h"
+
+/* Keys per part below which a long context is not split across threads. */
+#define ATT_MIN_SPLIT_KEYS 64
+
+size_t cv_cpu_att_scratch_floats(void) {
+    /* q tile + acc tile + m + l + alpha + scores */
+    return (size_t)CV_ATT_TILE * CV_ATT_MAX_HD * 2 + 3 * CV_ATT_TILE +
+           (size_t)CV_ATT_TILE * CV_ATT_KCHUNK;
+}
+
+typedef struct att_job {
+    float *out;                 /* [q_rows][n_heads*head_dim] */
+    const float *q;             /* [q_rows][q_stride] */
+    int64_t q_stride;
+    const cv_kv_layer *cache;
+    const cv_attn_batch *bt;
+    int64_t G;                  /* query heads per KV head */
+    int64_t TV;                 /* vectors per tile (head_dim permitting) */
+    int64_t GT, n_gt;           /* heads per tile, head tiles per KV head */
+    int64_t TQ;                 /* tokens per tile */
+    int64_t n_items;
+    int64_t parts;              /* > 1: split mode, thread t runs part t % parts of item t / parts */
+    float *scratch;             /* [nthreads][scratch_floats] */
+    size_t scratch_floats;
+    atomic_int *counters;       /* [n_items] parts left (split mode) */
+    atomic_llong next;          /* next item (dynamic mode) */
+    int simd;
+} att_job;
+
+/* The tile an item stands for. */
+typedef struct att_tile {
+    int64_t s, h;       /* sequence, KV head */
+    int64_t j0, j1;     /* new tokens [j0, j1) of the sequence */
+    int64_t g0, g1;     /* query heads [g0, g1) within the group */
+} att_tile;
+
+static int64_t seq_items(const att_job *j, int64_t s) {
+    const int64_t nq = j->bt->query_start[s + 1] - j->bt->query_start[s];
+    if (nq <= 0) return 0;
+    return j->bt->n_kv_heads * ((nq + j->TQ - 1) / j->TQ) * j->n_gt;
+}
+
+/* Cursor over sequences: items are claimed in increasing order per thread. */
+typedef struct att_cursor {
+    int64_t s, base; /* sequence s owns items [base, base + seq_items(s)) */
+} att_cursor;
+
+static void locate(const att_job *j, att_cursor *c, int64_t item, att_tile *t) {
+    int64_t cnt;
+    while (item >= c->base + (cnt = seq_items(j, c->s))) {
+        c->base += cnt;
+        c->s++;
+    }
+    const int64_t s = c->s, li = item - c->base;
+    const int64_t nq = j->bt->query_start[s + 1] - j->bt->query_start[s];
+    const int64_t n_tq = (nq + j->TQ - 1) / j->TQ;
+    const int64_t per_h = n_tq * j->n_gt;
+    const int64_t r = li % per_h;
+    const int64_t tq = n_tq - 1 - r / j->n_gt; /* latest tokens (longest keys) first */
+    const int64_t gi = r % j->n_gt;
+    t->s = s;
+    t->h = li / per_h;
+    t->j0 = tq * j->TQ;
+    t->j1 = t->j0 + j->TQ < nq ? t->j0 + j->TQ : nq;
+    t->g0 = gi * j->GT;
+    t->g1 = t->g0 + j->GT < j->G ? t->g0 + j->GT : j->G;
+}
+
+static inline float kv_get(const void *p, cv_dtype dt, int64_t i) {
+    if (dt == CV_F32) return ((const float *)p)[i];
+    if (dt == CV_F16) return cv_f16_to_f32(((const uint16_t *)p)[i]);
+    return cv_bf16_to_f32(((const uint16_t *)p)[i]);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Chunk kernels. nv vectors; vector v has valid keys [0, nval[v]) of the nk
+ * in the chunk (causal); sc[v][CV_ATT_KCHUNK] scores / probabilities. */
+
+static void scores_plain(float *sc, const float *qt, int64_t hd, int nv, const int *nval,
+                         const void *const *kp, cv_dtype dt) {
+    for (int v = 0; v < nv; v++)
+        for (int i = 0; i < nval[v]; i++) {
+            float s = 0.0f;
+            for (int64_t d = 0; d < hd; d++) s += qt[v * hd + d] * kv_get(kp[i], dt, d);
+            sc[v * CV_ATT_KCHUNK + i] = s;
+        }
+}
+
+static void pv_plain(float *acc, const float *sc, const float *alpha, int64_t hd, int nv,
+                     const int *nval, const void *const *vp, cv_dtype dt) {
+    for (int v = 0; v < nv; v++) {
+        float *a = acc + v * hd;
+        for (int64_t d = 0; d < hd; d++) a[d] *= alpha[v];
+        for (int i = 0; i < nval[v]; i++) {
+            const float p = sc[v * CV_ATT_KCHUNK + i];
+            for (int64_t d = 0; d < hd; d++) a[d] += p * kv_get(vp[i], dt, d);
+        }
+    }
+}
+
+/* Online-softmax update of vector v's (m, l) with its chunk scores; leaves
+ * probabilities in sc and the rescale factor of acc in alpha. */
+static void softmax_step_plain(float *sc, float *m, float *l, float *alpha, int nval) {
+    if (nval <= 0) {
+        *alpha = 1.0f;
+        return;
+    }
+    float mx = sc[0];
+    for (int i = 1; i < nval; i++) mx = sc[i] > mx ? sc[i] : mx;
+    const float mn = *m > mx ? *m : mx;
+    const float a = *m == -INFINITY ? 0.0f : expf(*m - mn);
+    float sum = 0.0f;
+    for (int i = 0; i < nval; i++) {
+        sc[i] = expf(sc[i] - mn);
+        sum += sc[i];
+    }
+    *l = *l * a + sum;
+    *m = mn;
+    *alpha = a;
+}
+
+#if CV_HAVE_AVX2
+static CV_ALWAYS_INLINE __m256 kv_load8(const void *p, cv_dtype dt, int64_t d) {
+    if (dt == CV_F32) return _mm256_loadu_ps((const float *)p + d);
+    if (dt == CV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + d)));
+    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + d)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+/* Scores of up to 4 vectors (q rows q0..q3) against keys [0, nk). */
+static CV_ALWAYS_INLINE void scores4(float *sc, const float *qt, int64_t hd, int nvg,
+                                     int nk, const void *const *kp, const cv_dtype dt) {
+    const float *q0 = qt, *q1 = qt + (nvg > 1 ? hd : 0), *q2 = qt + (nvg > 2 ? 2 * hd : 0),
+                *q3 = qt + (nvg > 3 ? 3 * hd : 0);
+    const int64_t hd8 = hd & ~(int64_t)7;
+    for (int i = 0; i < nk; i++) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
+               a3 = _mm256_setzero_ps();
+        for (int64_t d = 0; d < hd8; d += 8) {
+            const __m256 kv = kv_load8(kp[i], dt, d);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), kv, a0);
+            if (nvg > 1) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d), kv, a1);
+            if (nvg > 2) a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + d), kv, a2);
+            if (nvg > 3) a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + d), kv, a3);
+        }
+        /* four horizontal sums at once */
+        const __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
+        const __m256 t2 = _mm256_hadd_ps(t0, t1);
+        __m128 r = _mm_add_ps(_mm256_castps256_ps128(t2), _mm256_extractf128_ps(t2, 1));
+        float rs[4];
+        _mm_storeu_ps(rs, r);
+        for (int64_t d = hd8; d < hd; d++) {
+            const float kd = kv_get(kp[i], dt, d);
+            rs[0] += q0[d] * kd;
+            if (nvg > 1) rs[1] += q1[d] * kd;
+            if (nvg > 2) rs[2] += q2[d] * kd;
+            if (nvg > 3) rs[3] += q3[d] * kd;
+        }
+        for (int v = 0; v < nvg; v++) sc[v * CV_ATT_KCHUNK + i] = rs[v];
+    }
+}
+
+static void scores_avx2(float *sc, const float *qt, int64_t hd, int nv, const int *nval,
+                        const void *const *kp, cv_dtype dt) {
+    for (int v0 = 0; v0 < nv; v0 += 4) {
+        const int nvg = nv - v0 < 4 ? nv - v0 : 4;
+        int nk = 0;
+        for (int v = v0; v < v0 + nvg; v++) nk = nval[v] > nk ? nval[v] : nk;
+        float *s = sc + v0 * CV_ATT_KCHUNK;
+        const float *q = qt + v0 * hd;
+#define SC_CASE(N, DT) scores4(s, q, hd, N, nk, kp, DT)
+#define SC_DT(N)                                                                                \
+    do {                                                                                        \
+        if (dt == CV_F32) SC_CASE(N, CV_F32);                                                   \
+        else if (dt == CV_F16) SC_CASE(N, CV_F16);                                              \
+        else SC_CASE(N, CV_BF16);                                                               \
+    } while (0)
+        switch (nvg) {
+        case 1: SC_DT(1); break;
+        case 2: SC_DT(2); break;
+        case 3: SC_DT(3); break;
+        default: SC_DT(4); break;
+        }
+#undef SC_DT
+#undef SC_CASE
+    }
+}
+
+/* acc[v] = acc[v] * alpha[v] + sum_i p[v][i] V_i for up to 4 vectors. */
+static CV_ALWAYS_INLINE void pv4(float *acc, const float *sc, const float *alpha, int64_t hd,
+                                 int nvg, int nk, const void *const *vp, const cv_dtype dt) {
+    int64_t d = 0;
+    for (; d + 16 <= hd; d += 16) {
+        __m256 a[4][2];
+        for (int v = 0; v < nvg; v++) {
+            const __m256 al = _mm256_set1_ps(alpha[v]);
+            a[v][0] = _mm256_mul_ps(_mm256_loadu_ps(acc + v * hd + d), al);
+            a[v][1] = _mm256_mul_ps(_mm256_loadu_ps(acc + v * hd + d + 8), al);
+        }
+        for (int i = 0; i < nk; i++) {
+            const __m256 v0 = kv_load8(vp[i], dt, d), v1 = kv_load8(vp[i], dt, d + 8);
+            for (int v = 0; v < nvg; v++) {
+                const __m256 p = _mm256_broadcast_ss(sc + v * CV_ATT_KCHUNK + i);
+                a[v][0] = _mm256_fmadd_ps(p, v0, a[v][0]);
+                a[v][1] = _mm256_fmadd_ps(p, v1, a[v][1]);
+            }
+        }
+        for (int v = 0; v < nvg; v++) {
+            _mm256_storeu_ps(acc + v * hd + d, a[v][0]);
+            _mm256_storeu_ps(acc + v * hd + d + 8, a[v][1]);
+        }
+    }
+    for (; d + 8 <= hd; d += 8) {
+        __m256 a[4];
+        for (int v = 0; v < nvg; v++)
+            a[v] = _mm256_mul_ps(_mm256_loadu_ps(acc + v * hd + d), _mm256_set1_ps(alpha[v]));
+        for (int i = 0; i < nk; i++) {
+            const __m256 v0 = kv_load8(vp[i], dt, d);
+            for (int v = 0; v < nvg; v++)
+                a[v] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + v * CV_ATT_KCHUNK + i), v0, a[v]);
+        }
+        for (int v = 0; v < nvg; v++) _mm256_storeu_ps(acc + v * hd + d, a[v]);
+    }
+    for (; d < hd; d++) {
+        for (int v = 0; v < nvg; v++) {
+            float s = acc[v * hd + d] * alpha[v];
+            for (int i = 0; i < nk; i++) s += sc[v * CV_ATT_KCHUNK + i] * kv_get(vp[i], dt, d);
+            acc[v * hd + d] = s;
+        }
+    }
+}
+
+static void pv_avx2(float *acc, const float *sc, const float *alpha, int64_t hd, int nv,
+                    const int *nval, const void *const *vp, cv_dtype dt) {
+    for (int v0 = 0; v0 < nv; v0 += 4) {
+        const int nvg = nv - v0 < 4 ? nv - v0 : 4;
+        int nk = 0;
+        for (int v = v0; v < v0 + nvg; v++) nk = nval[v] > nk ? nval[v] : nk;
+        float *a = acc + v0 * hd;
+        const float *s = sc + v0 * CV_ATT_KCHUNK;
+        const float *al = alpha + v0;
+#define PV_CASE(N, DT) pv4(a, s, al, hd, N, nk, vp, DT)
+#define PV_DT(N)                                                                                \
+    do {                                                                                        \
+        if (dt == CV_F32) PV_CASE(N, CV_F32);                                                   \
+        else if (dt == CV_F16) PV_CASE(N, CV_F16);                                              \
+        else PV_CASE(N, CV_BF16);                                                               \
+    } while (0)
+        switch (nvg) {
+        case 1: PV_DT(1); break;
+        case 2: PV_DT(2); break;
+        case 3: PV_DT(3); break;
+        default: PV_DT(4); break;
+        }
+#undef PV_DT
+#undef PV_CASE
+    }
+}
+
+static void softmax_step_avx2(float *sc, float *m, float *l, float *alpha, int nval) {
+    if (nval <= 0) {
+        *alpha = 1.0f;
+        return;
+    }
+    float mx = sc[0];
+    for (int i = 1; i < nval; i++) mx = sc[i] > mx ? sc[i] : mx;
+    const float mn = *m > mx ? *m : mx;
+    const float a = *m == -INFINITY ? 0.0f : expf(*m - mn);
+    const __m256 vm = _mm256_set1_ps(mn);
+    __m256 vs = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= nval; i += 8) {
+        const __m256 e = cv_exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + i), vm));
+        _mm256_storeu_ps(sc + i, e);
+        vs = _mm256_add_ps(vs, e);
+    }
+    float buf[8];
+    _mm256_storeu_ps(buf, vs);
+    float sum = ((buf[0] + buf[1]) + (buf[2] + buf[3])) + ((buf[4] + buf[5]) + (buf[6] + buf[7]));
+    for (; i < nval; i++) {
+        sc[i] = expf(sc[i] - mn);
+        sum += sc[i];
+    }
+    *l = *l * a + sum;
+    *m = mn;
+    *alpha = a;
+}
+#endif
+
+/* ------------------------------------------------------------------------ */
+/* One item (or one part of it): keys [k_lo, k_hi) of tile t. Leaves m, l,
+ * acc in the scratch; returns the number of vectors. */
+static int att_tile_run(const att_job *j, float *scr, const att_tile *t, int64_t k_lo,
+                        int64_t k_hi) {
+    const cv_attn_batch *bt = j->bt;
+    const cv_kv_layer *kv = j->cache;
+    const int64_t hd = bt->head_dim, bs = kv->block_size, nkv = kv->n_kv_heads;
+    const int64_t ng = t->g1 - t->g0;
+    const int nv = (int)((t->j1 - t->j0) * ng);
+    const int64_t nq = bt->query_start[t->s + 1] - bt->query_start[t->s];
+    const int64_t ctx = bt->context_lens[t->s];
+    const int32_t *table = bt->block_tables + (size_t)t->s * (size_t)bt->max_blocks_per_seq;
+    const size_t esz = cv_dtype_size(kv->dtype);
+    float *qt = scr;                                  /* [nv][hd] scaled queries */
+    float *acc = qt + (size_t)j->TV * (size_t)hd;     /* [nv][hd] */
+    float *m = acc + (size_t)j->TV * (size_t)hd;      /* [CV_ATT_TILE] */
+    float *l = m + CV_ATT_TILE;                       /* [CV_ATT_TILE] */
+    float *alpha = l + CV_ATT_TILE;                   /* [CV_ATT_TILE] */
+    float *sc = alpha + CV_ATT_TILE;                  /* [CV_ATT_TILE][CV_ATT_KCHUNK] */
+    int64_t vpos[CV_ATT_TILE];
+    const void *kp[CV_ATT_KCHUNK], *vp[CV_ATT_KCHUNK];
+    int nval[CV_ATT_TILE];
+
+    for (int v = 0; v < nv; v++) {
+        const int64_t jt = t->j0 + v / ng, g = t->g0 + v % ng;
+        const float *src = j->q + (size_t)(bt->query_start[t->s] + jt) * (size_t)j->q_stride +
+                           (size_t)((t->h * j->G + g) * hd);
+        for (int64_t d = 0; d < hd; d++) qt[v * hd + d] = src[d] * bt->scale;
+        memset(acc + v * hd, 0, (size_t)hd * sizeof(float));
+        m[v] = -INFINITY;
+        l[v] = 0.0f;
+        vpos[v] = ctx - nq + jt;
+    }
+    /* keys past the tile's last position are masked for every vector */
+    const int64_t last = ctx - nq + t->j1 - 1;
+    if (k_hi > last + 1) k_hi = last + 1;
+    for (int64_t c0 = k_lo; c0 < k_hi; c0 += CV_ATT_KCHUNK) {
+        const int nk = (int)(k_hi - c0 < CV_ATT_KCHUNK ? k_hi - c0 : CV_ATT_KCHUNK);
+        for (int i = 0; i < nk; i++) {
+            const int64_t kpos = c0 + i;
+            const int64_t blk = table[kpos / bs];
+            const size_t off = (((size_t)blk * (size_t)nkv + (size_t)t->h) * (size_t)bs +
+                                (size_t)(kpos % bs)) * (size_t)hd * esz;
+            kp[i] = (const char *)kv->k + off;
+            vp[i] = (const char *)kv->v + off;
+        }
+        for (int v = 0; v < nv; v++) {
+            const int64_t n_ok = vpos[v] - c0 + 1;
+            nval[v] = n_ok <= 0 ? 0 : (n_ok >= nk ? nk : (int)n_ok);
+        }
+#if CV_HAVE_AVX2
+        if (j->simd) {
+            scores_avx2(sc, qt, hd, nv, nval, kp, kv->dtype);
+            for (int v = 0; v < nv; v++) {
+                softmax_step_avx2(sc + v * CV_ATT_KCHUNK, &m[v], &l[v], &alpha[v], nval[v]);
+                for (int i = nval[v]; i < nk; i++) sc[v * CV_ATT_KCHUNK + i] = 0.0f;
+            }
+            pv_avx2(acc, sc, alpha, hd, nv, nval, vp, kv->dtype);
+            continue;
+        }
+#endif
+        scores_plain(sc, qt, hd, nv, nval, kp, kv->dtype);
+        for (int v = 0; v < nv; v++)
+            softmax_step_plain(sc + v * CV_ATT_KCHUNK, &m[v], &l[v], &alpha[v], nval[v]);
+        pv_plain(acc, sc, alpha, hd, nv, nval, vp, kv->dtype);
+    }
+    return nv;
+}
+
+/* Writes the normalized result of tile t from scratch buffers of `nparts`
+ * parts (one buffer unless the item was split). */
+static void att_finish(const att_job *j, const att_tile *t, float *const *parts, int nparts) {
+    const cv_attn_batch *bt = j->bt;
+    const int64_t hd = bt->head_dim, ng = t->g1 - t->g0;
+    const int nv = (int)((t->j1 - t->j0) * ng);
+    const size_t acc_off = (size_t)j->TV * (size_t)hd, m_off = 2 * acc_off;
+    for (int v = 0; v < nv; v++) {
+        const int64_t jt = t->j0 + v / ng, g = t->g0 + v % ng;
+        float *o = j->out + (size_t)(bt->query_start[t->s] + jt) * (size_t)(bt->n_heads * hd) +
+                   (size_t)((t->h * j->G + g) * hd);
+        float mx = -INFINITY;
+        for (int p = 0; p < nparts; p++) {
+            const float mp = parts[p][m_off + (size_t)v];
+            mx = mp > mx ? mp : mx;
+        }
+        float wsum = 0.0f, wts[64];
+        for (int p = 0; p < nparts; p++) {
+            const float mp = parts[p][m_off + (size_t)v];
+            const float lp = parts[p][m_off + CV_ATT_TILE + (size_t)v];
+            wts[p] = (mp == -INFINITY || mx == -INFINITY) ? 0.0f : expf(mp - mx);
+            wsum += wts[p] * lp;
+        }
+        const float inv = wsum > 0.0f ? 1.0f / wsum : 0.0f;
+        for (int64_t d = 0; d < hd; d++) {
+            float s = 0.0f;
+            for (int p = 0; p < nparts; p++) s += wts[p] * parts[p][acc_off + (size_t)v * hd + (size_t)d];
+            o[d] = s * inv;
+        }
+    }
+}
+
+static void att_fn(void *arg, int tid, int nth) {
+    att_job *j = arg;
+    (void)nth;
+    float *scr = j->scratch + (size_t)tid * j->scratch_floats;
+    att_cursor cur = {0, 0};
+    att_tile t;
+    if (j->parts > 1) {
+        /* split mode: thread tid runs one part of one item */
+        const int64_t item = tid / j->parts, part = tid % j->parts;
+        if (item >= j->n_items) return;
+        locate(j, &cur, item, &t);
+        const int64_t nq = j->bt->query_start[t.s + 1] - j->bt->query_start[t.s];
+        const int64_t keys = j->bt->context_lens[t.s] - nq + t.j1; /* last position + 1 */
+        const int64_t lo = keys * part / j->parts, hi = keys * (part + 1) / j->parts;
+        att_tile_run(j, scr, &t, lo, hi);
+        if (atomic_fetch_sub_explicit(&j->counters[item], 1, memory_order_acq_rel) == 1) {
+            float *parts[64];
+            for (int64_t p = 0; p < j->parts; p++)
+                parts[p] = j->scratch + (size_t)(item * j->parts + p) * j->scratch_floats;
+            att_finish(j, &t, parts, (int)j->parts);
+        }
+        return;
+    }
+    for (;;) {
+        const int64_t item = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (item >= j->n_items) break;
+        locate(j, &cur, item, &t);
+        att_tile_run(j, scr, &t, 0, INT64_MAX);
+        float *parts[1] = {scr};
+        att_finish(j, &t, parts, 1);
+    }
+}
+
+void cv_cpu_paged_attention(cv_backend *b, float *out, const float *q, int64_t q_stride,
+                            const cv_kv_layer *cache, const cv_attn_batch *batch) {
+    cv_cpu *c = cv_cpu_of(b);
+    const int64_t hd = batch->head_dim;
+    if (batch->n_seqs <= 0 || hd <= 0 || batch->n_kv_heads <= 0) return;
+    /* head_dim past CV_ATT_TILE * CV_ATT_MAX_HD does not fit the scratch; the
+     * model checks head_dim when it loads. */
+    int64_t TV = (int64_t)CV_ATT_TILE * CV_ATT_MAX_HD / hd;
+    if (TV > CV_ATT_TILE) TV = CV_ATT_TILE;
+    if (TV < 1) return;
+    att_job j = {.out = out, .q = q, .q_stride = q_stride, .cache = cache, .bt = batch,
+                 .scratch = c->att_scratch, .scratch_floats = c->att_scratch_floats,
+                 .counters = c->att_counters, .simd = c->simd};
+    j.G = batch->n_heads / batch->n_kv_heads;
+    j.TV = TV;
+    j.GT = j.G < TV ? j.G : TV;
+    j.n_gt = (j.G + j.GT - 1) / j.GT;
+    j.TQ = TV / j.GT;
+    atomic_init(&j.next, 0);
+    int64_t n_items = 0, max_keys = 0;
+    for (int64_t s = 0; s < batch->n_seqs; s++) {
+        n_items += seq_items(&j, s);
+        if (batch->context_lens[s] > max_keys) max_keys = batch->context_lens[s];
+    }
+    j.n_items = n_items;
+    if (n_items == 0) return;
+    int nth = c->nthreads;
+    j.parts = 1;
+    if (n_items < nth) {
+        int64_t parts = nth / n_items;
+        if (parts > 64) parts = 64;
+        if (parts > max_keys / ATT_MIN_SPLIT_KEYS) parts = max_keys / ATT_MIN_SPLIT_KEYS;
+        if (parts >= 2) {
+            j.parts = parts;
+            for (int64_t i = 0; i < n_items; i++) atomic_store_explicit(&c->att_counters[i], (int)parts, memory_order_relaxed);
+            nth = (int)(n_items * parts);
+        } else {
+            nth = (int)n_items;
+        }
+    }
+    /* tiny batches (one short sequence): not worth waking the pool */
+    if (j.parts == 1 && (double)n_items * (double)max_keys * (double)hd * (double)j.TV < 65536.0)
+        nth = 1;
+    cv_pool_run(c->pool, nth, att_fn, &j);
+}
+
+/* ------------------------------------------------------------------------ */
+/* KV write                                                                  */
+
+typedef struct kvw_job {
+    cv_kv_layer *cache;
+    const float *k, *v;        /* [n][k_stride], [n][v_stride] */
+    int64_t k_stride, v_stride, n;
+    const int64_t *slots;      /* [n] */
+    int simd;
+} kvw_job;
+
+static void kvw_fn(void *arg, int tid, int nth) {
+    const kvw_job *j = arg;
+    const cv_kv_layer *c = j->cache;
+    const int64_t hd = c->head_dim, bs = c->block_size, nkv = c->n_kv_heads;
+    const size_t esz = cv_dtype_size(c->dtype);
+    const int64_t t0 = j->n * tid / nth, t1 = j->n * (tid + 1) / nth;
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t slot = j->slots[t];
+        if (slot < 0) continue;
+        const int64_t blk = slot / bs, off = slot % bs;
+        for (int64_t h = 0; h < nkv; h++) {
+            const size_t dst = (((size_t)blk * (size_t)nkv + (size_t)h) * (size_t)bs + (size_t)off) *
+                               (size_t)hd * esz;
+            cv_cpu_narrow((char *)c->k + dst, c->dtype, j->k + (size_t)t * (size_t)j->k_stride + (size_t)(h * hd),
+                          hd, j->simd);
+            cv_cpu_narrow((char *)c->v + dst, c->dtype, j->v + (size_t)t * (size_t)j->v_stride + (size_t)(h * hd),
+                          hd, j->simd);
+        }
+    }
+}
+
+void cv_cpu_kv_write(cv_backend *b, cv_kv_layer *cache, const float *k, int64_t k_stride,
+                     const float *v, int64_t v_stride, const int64_t *slot_mapping, int64_t n) {
+    cv_cpu *c = cv_cpu_of(b);
+    if (n <= 0) return;
+    kvw_job j = {.cache = cache, .k = k, .v = v, .k_stride = k_stride, .v_stride = v_stride,
+                 .n = n, .slots = slot_mapping, .simd = c->simd};
+    int nth = cv_threads_for(c, (double)n * (double)(cache->n_kv_heads * cache->head_dim) * 2.0, 65536.0);
+    if (nth > n) nth = (int)n;
+    cv_pool_run(c->pool, nth, kvw_fn, &j);
+}

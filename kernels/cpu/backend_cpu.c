@@ -1,0 +1,213 @@
+/* The CPU backend: its function table, lifetime, buffers and tables, and a
+ * STREAM-style triad used by the benchmarks to measure memory bandwidth. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_internal.h"
+
+/* ------------------------------------------------------------------------ */
+/* Buffers                                                                   */
+
+static void *cpu_alloc(cv_backend *b, size_t bytes) {
+    (void)b;
+    if (bytes == 0) bytes = 1;
+    if (bytes > SIZE_MAX - 64) return NULL;
+    const size_t rounded = (bytes + 63) & ~(size_t)63;
+    void *p = aligned_alloc(64, rounded); /* cache-line aligned for the SIMD kernels */
+    if (p) memset(p, 0, rounded);
+    return p;
+}
+
+static void cpu_free(cv_backend *b, void *p) {
+    (void)b;
+    free(p);
+}
+
+static void cpu_copy(cv_backend *b, void *dst, const void *src, size_t bytes) {
+    (void)b;
+    if (bytes) memmove(dst, src, bytes);
+}
+
+static void cpu_sync(cv_backend *b) { (void)b; }
+
+static int cpu_table_prepare(cv_backend *b, cv_table *out, const void *src, cv_dtype src_dtype,
+                             int64_t rows, int64_t cols, cv_dtype dtype, cv_err *err) {
+    cv_cpu *c = cv_cpu_of(b);
+    int rc = CV_OK;
+    void *data = NULL;
+    float *row = NULL;
+    memset(out, 0, sizeof *out);
+    if (!src || rows <= 0 || cols <= 0) {
+        rc = cv_set_err(err, CV_ERR_INVALID, "table_prepare: bad shape [%lld][%lld] or NULL source",
+                        (long long)rows, (long long)cols);
+        goto done;
+    }
+    if (src_dtype != CV_F32 && src_dtype != CV_F16 && src_dtype != CV_BF16 && src_dtype != CV_F64) {
+        rc = cv_set_err(err, CV_ERR_TYPE, "table_prepare: source dtype %s is not a float type",
+                        cv_dtype_name(src_dtype));
+        goto done;
+    }
+    if (dtype != CV_F32 && dtype != CV_F16 && dtype != CV_BF16) {
+        rc = cv_set_err(err, CV_ERR_UNSUPPORTED,
+                        "table_prepare: dtype %s (want float32, float16 or bfloat16)",
+                        cv_dtype_name(dtype));
+        goto done;
+    }
+    size_t elems, bytes;
+    if (!cv_mul_size((size_t)rows, (size_t)cols, &elems) ||
+        !cv_mul_size(elems, cv_dtype_size(dtype), &bytes)) {
+        rc = cv_set_err(err, CV_ERR_NOMEM, "table_prepare: [%lld][%lld] is too large",
+                        (long long)rows, (long long)cols);
+        goto done;
+    }
+    data = cpu_alloc(b, bytes);
+    row = malloc((size_t)cols * sizeof(float));
+    if (!data || !row) {
+        rc = cv_set_err(err, CV_ERR_NOMEM, "table_prepare: out of memory for [%lld][%lld] %s",
+                        (long long)rows, (long long)cols, cv_dtype_name(dtype));
+        goto done;
+    }
+    const size_t ssz = cv_dtype_size(src_dtype), dsz = cv_dtype_size(dtype);
+    for (int64_t r = 0; r < rows; r++) {
+        const char *s = (const char *)src + (size_t)r * (size_t)cols * ssz;
+        char *d = (char *)data + (size_t)r * (size_t)cols * dsz;
+        if (src_dtype == dtype) {
+            memcpy(d, s, (size_t)cols * dsz);
+            continue;
+        }
+        cv_convert_to_f32(row, s, src_dtype, (size_t)cols);
+        cv_cpu_narrow(d, dtype, row, cols, c->simd);
+    }
+    out->data = data;
+    out->dtype = dtype;
+    out->rows = rows;
+    out->cols = cols;
+    out->bytes = bytes;
+    data = NULL;
+done:
+    free(data);
+    free(row);
+    return rc;
+}
+
+static void cpu_table_free(cv_backend *b, cv_table *t) {
+    (void)b;
+    if (!t) return;
+    free(t->data);
+    memset(t, 0, sizeof *t);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Triad                                                                     */
+
+typedef struct triad_job {
+    float *a, *b, *c; /* [n] each */
+    size_t n;
+    int init;
+} triad_job;
+
+static void triad_fn(void *arg, int tid, int nth) {
+    const triad_job *j = arg;
+    const size_t i0 = j->n * (size_t)tid / (size_t)nth, i1 = j->n * (size_t)(tid + 1) / (size_t)nth;
+    float *restrict a = j->a;
+    const float *restrict bb = j->b;
+    const float *restrict cc = j->c;
+    if (j->init) { /* first touch by the thread that will stream the range */
+        for (size_t i = i0; i < i1; i++) {
+            j->a[i] = 0.0f;
+            j->b[i] = 1.0f;
+            j->c[i] = 2.0f;
+        }
+        return;
+    }
+    for (size_t i = i0; i < i1; i++) a[i] = bb[i] + 3.0f * cc[i];
+}
+
+double cv_cpu_triad(cv_backend *b, size_t n_bytes, int repeats) {
+    cv_cpu *c = cv_cpu_of(b);
+    const size_t n = n_bytes / sizeof(float);
+    if (n == 0 || repeats <= 0) return -1.0;
+    triad_job j = {.n = n, .init = 1};
+    j.a = cpu_alloc(b, n * sizeof(float));
+    j.b = cpu_alloc(b, n * sizeof(float));
+    j.c = cpu_alloc(b, n * sizeof(float));
+    double best = -1.0;
+    if (j.a && j.b && j.c) {
+        cv_pool_run(c->pool, c->nthreads, triad_fn, &j);
+        j.init = 0;
+        for (int r = 0; r < repeats; r++) {
+            const double t0 = cv_now();
+            cv_pool_run(c->pool, c->nthreads, triad_fn, &j);
+            const double dt = cv_now() - t0;
+            if (dt > 0 && (best < 0 || dt < best)) best = dt;
+        }
+    }
+    free(j.a);
+    free(j.b);
+    free(j.c);
+    if (best <= 0) return -1.0;
+    return 3.0 * (double)(n * sizeof(float)) / best * 1e-9;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Lifetime                                                                  */
+
+static void cpu_destroy(cv_backend *b) {
+    if (!b) return;
+    cv_cpu *c = b->ctx;
+    if (c) {
+        cv_pool_destroy(c->pool);
+        free(c->att_scratch);
+        free(c->att_counters);
+        free(c);
+    }
+    free(b);
+}
+
+cv_backend *cv_cpu_backend_create(int num_threads, int force_scalar, cv_err *err) {
+    cv_backend *b = calloc(1, sizeof *b); /* fields this file does not know stay NULL */
+    cv_cpu *c = calloc(1, sizeof *c);
+    if (!b || !c) {
+        free(b);
+        free(c);
+        cv_set_err(err, CV_ERR_NOMEM, "out of memory for the CPU backend");
+        return NULL;
+    }
+    b->name = "cpu";
+    b->ctx = c;
+    const char *fs = getenv("CONVEYOR_FORCE_SCALAR");
+    c->simd = CV_HAVE_AVX2 && !force_scalar && !(fs && fs[0] && strcmp(fs, "0") != 0);
+    if (cv_pool_create(&c->pool, num_threads, err) < 0) {
+        cpu_destroy(b);
+        return NULL;
+    }
+    c->nthreads = cv_pool_size(c->pool);
+    c->att_scratch_floats = (cv_cpu_att_scratch_floats() + 15) & ~(size_t)15; /* 64-byte steps */
+    c->att_scratch = aligned_alloc(64, (size_t)c->nthreads * c->att_scratch_floats * sizeof(float));
+    c->att_counters = calloc((size_t)c->nthreads, sizeof *c->att_counters);
+    if (!c->att_scratch || !c->att_counters) {
+        cpu_destroy(b);
+        cv_set_err(err, CV_ERR_NOMEM, "out of memory for attention scratch of %d threads",
+                   c->nthreads);
+        return NULL;
+    }
+    b->matrix_prepare = cv_cpu_matrix_prepare;
+    b->matrix_free = cv_cpu_matrix_free;
+    b->table_prepare = cpu_table_prepare;
+    b->table_free = cpu_table_free;
+    b->alloc = cpu_alloc;
+    b->free = cpu_free;
+    b->to_device = cpu_copy;
+    b->to_host = cpu_copy;
+    b->gemm = cv_cpu_gemm;
+    b->rmsnorm = cv_cpu_rmsnorm;
+    b->add_rmsnorm = cv_cpu_add_rmsnorm;
+    b->rope = cv_cpu_rope;
+    b->swiglu = cv_cpu_swiglu;
+    b->embedding = cv_cpu_embedding;
+    b->kv_write = cv_cpu_kv_write;
+    b->paged_attention = cv_cpu_paged_attention;
+    b->sync = cpu_sync;
+    b->destroy = cpu_destroy;
+    return b;
+}

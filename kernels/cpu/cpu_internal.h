@@ -1,0 +1,94 @@
+/* Private declarations shared by the files of the CPU backend (kernels/cpu). */
+#ifndef CV_CPU_INTERNAL_H
+#define CV_CPU_INTERNAL_H
+
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../backend.h"
+#include "threadpool.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define CV_HAVE_AVX2 1
+#include <immintrin.h>
+#else
+#define CV_HAVE_AVX2 0
+#endif
+
+#define CV_ALWAYS_INLINE inline __attribute__((always_inline))
+
+/* GEMM packing: W is stored as panels of CV_NR output rows, interleaved
+ * along cols: panel p holds rows [CV_NR*p, CV_NR*p + CV_NR) as [cols][CV_NR]
+ * (rows past the end are zero), so the micro-kernel reads one contiguous
+ * stream. bf16 panels put output j at slot 2j (j < 8) or 2(j-8)+1 so that
+ * a 32-bit lane holds outputs (j, j+8): a shift and a mask widen them. */
+#define CV_NR 16
+/* Token rows per micro-kernel call (6 x 16 fp32 accumulators = 12 ymm). */
+#define CV_MR 6
+
+/* Attention limits and per-thread scratch. */
+#define CV_ATT_MAX_HD 256  /* largest head_dim */
+#define CV_ATT_TILE 16     /* query vectors (token x head) per tile */
+#define CV_ATT_KCHUNK 32   /* keys per online-softmax step */
+
+typedef struct cv_cpu {
+    cv_pool *pool;
+    int nthreads;
+    int simd;                /* 1: AVX2 kernels, 0: plain C */
+    float *att_scratch;      /* [nthreads][att_scratch_floats] */
+    size_t att_scratch_floats;
+    atomic_int *att_counters; /* [nthreads] parts still running per split item */
+} cv_cpu;
+
+static inline cv_cpu *cv_cpu_of(cv_backend *b) { return (cv_cpu *)b->ctx; }
+
+/* Threads worth using for `work` units when one thread should get at least
+ * `grain` of them. */
+static inline int cv_threads_for(const cv_cpu *c, double work, double grain) {
+    double t = work / grain;
+    if (t < 1) return 1;
+    if (t >= c->nthreads) return c->nthreads;
+    return (int)t;
+}
+
+/* gemm.c */
+int cv_cpu_matrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dtype src_dtype,
+                          int64_t rows, int64_t cols, cv_dtype dtype, cv_err *err);
+void cv_cpu_matrix_free(cv_backend *b, cv_matrix *m);
+void cv_cpu_gemm(cv_backend *b, float *out, const float *x, int64_t n, const cv_matrix *w,
+                 const float *bias, int accumulate);
+
+/* elementwise.c */
+void cv_cpu_rmsnorm(cv_backend *b, float *out, const float *x, const float *weight, int64_t n,
+                    int64_t dim, float eps);
+void cv_cpu_add_rmsnorm(cv_backend *b, float *out, float *x, const float *r, const float *weight,
+                        int64_t n, int64_t dim, float eps);
+void cv_cpu_rope(cv_backend *b, float *q, int64_t q_stride, int64_t n_heads, float *k,
+                 int64_t k_stride, int64_t n_kv_heads, const int32_t *pos, int64_t n,
+                 const cv_rope *rope);
+void cv_cpu_swiglu(cv_backend *b, float *out, const float *gu, int64_t n, int64_t dim);
+void cv_cpu_embedding(cv_backend *b, float *out, const int32_t *tokens, int64_t n,
+                      const cv_table *table);
+/* Widens n values of dtype dt at src to float32 (SIMD when simd != 0). */
+void cv_cpu_widen(float *dst, const void *src, cv_dtype dt, int64_t n, int simd);
+/* Narrows n float32 values into dtype dt (round to nearest even). */
+void cv_cpu_narrow(void *dst, cv_dtype dt, const float *src, int64_t n, int simd);
+#if CV_HAVE_AVX2
+/* exp(x) for 8 lanes (relative error ~2 ulp; -inf gives 0). */
+__m256 cv_exp256(__m256 x);
+#endif
+
+/* attention.c */
+void cv_cpu_kv_write(cv_backend *b, cv_kv_layer *cache, const float *k, int64_t k_stride,
+                     const float *v, int64_t v_stride, const int64_t *slot_mapping, int64_t n);
+void cv_cpu_paged_attention(cv_backend *b, float *out, const float *q, int64_t q_stride,
+                            const cv_kv_layer *cache, const cv_attn_batch *batch);
+/* Floats of attention scratch each thread needs. */
+size_t cv_cpu_att_scratch_floats(void);
+
+/* backend_cpu.c: STREAM-style triad a = b + s*c over n_bytes of arrays with
+ * the backend's pool; returns GB/s (bytes moved: 3 arrays), or < 0 on error. */
+double cv_cpu_triad(cv_backend *b, size_t n_bytes, int repeats);
+
+#endif

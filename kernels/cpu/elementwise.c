@@ -1,0 +1,422 @@
+/* Row-wise kernels of the CPU backend: rmsnorm, fused residual add + rmsnorm,
+ * rotary embedding, SwiGLU, embedding lookup, and dtype widening/narrowing.
+ * Each has a plain-C version and an AVX2 version; rows are split across the
+ * pool only when there is enough work to pay for waking it. */
+#include <math.h>
+#include <string.h>
+
+#include "cpu_internal.h"
+
+/* Elements per thread below which a row kernel stays on one thread. */
+#define ROW_GRAIN 16384.0
+
+/* ------------------------------------------------------------------------ */
+/* Conversions                                                               */
+
+void cv_cpu_widen(float *dst, const void *src, cv_dtype dt, int64_t n, int simd) {
+    int64_t i = 0;
+    if (dt == CV_F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    const uint16_t *s = src; /* [n] */
+#if CV_HAVE_AVX2
+    if (simd) {
+        if (dt == CV_BF16) {
+            for (; i + 8 <= n; i += 8) {
+                __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + i)));
+                _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+            }
+        } else {
+            for (; i + 8 <= n; i += 8)
+                _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+        }
+    }
+#else
+    (void)simd;
+#endif
+    if (dt == CV_BF16)
+        for (; i < n; i++) dst[i] = cv_bf16_to_f32(s[i]);
+    else
+        for (; i < n; i++) dst[i] = cv_f16_to_f32(s[i]);
+}
+
+#if CV_HAVE_AVX2
+/* Round-to-nearest-even float32 -> bfloat16 of 8 lanes (NaN stays a quiet NaN). */
+static inline __m128i f32_to_bf16_8(__m256 x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+    r = _mm256_srli_epi32(r, 16);
+    const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    const __m256 isnan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    r = _mm256_castps_si256(
+        _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(nan), isnan));
+    r = _mm256_and_si256(r, _mm256_set1_epi32(0xffff));
+    const __m256i packed = _mm256_packus_epi32(r, _mm256_setzero_si256());
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+#endif
+
+void cv_cpu_narrow(void *dst, cv_dtype dt, const float *src, int64_t n, int simd) {
+    int64_t i = 0;
+    if (dt == CV_F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    uint16_t *d = dst; /* [n] */
+#if CV_HAVE_AVX2
+    if (simd) {
+        if (dt == CV_BF16) {
+            for (; i + 8 <= n; i += 8)
+                _mm_storeu_si128((__m128i *)(d + i), f32_to_bf16_8(_mm256_loadu_ps(src + i)));
+        } else {
+            for (; i + 8 <= n; i += 8)
+                _mm_storeu_si128((__m128i *)(d + i),
+                                 _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+        }
+    }
+#else
+    (void)simd;
+#endif
+    if (dt == CV_BF16)
+        for (; i < n; i++) d[i] = cv_f32_to_bf16(src[i]);
+    else
+        for (; i < n; i++) d[i] = cv_f32_to_f16(src[i]);
+}
+
+#if CV_HAVE_AVX2
+/* exp(x) on 8 lanes: x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6
+ * polynomial (Cephes expf coefficients), 2^n through the exponent bits.
+ * Below about -87.3 the result is 0 (so -inf gives 0). */
+__m256 cv_exp256(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.3762626647949f);
+    const __m256 lo = _mm256_set1_ps(-87.3365447505531f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    /* 2^fx: fx in [-126, 127] after the clamp */
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(under, y);
+}
+
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* ------------------------------------------------------------------------ */
+/* RMSNorm                                                                   */
+
+/* out[dim] = x * rsqrt(mean(x^2) + eps) * w; out may alias x. */
+static void rms_row_plain(float *out, const float *x, const float *w, int64_t dim, float eps) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < dim; i++) ss += (double)x[i] * (double)x[i];
+    const float inv = (float)(1.0 / sqrt(ss / (double)dim + (double)eps));
+    for (int64_t i = 0; i < dim; i++) out[i] = x[i] * inv * w[i];
+}
+
+#if CV_HAVE_AVX2
+static void rms_row_avx2(float *out, const float *x, const float *w, int64_t dim, float eps) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= dim; i += 16) {
+        __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+        a0 = _mm256_fmadd_ps(v0, v0, a0);
+        a1 = _mm256_fmadd_ps(v1, v1, a1);
+    }
+    for (; i + 8 <= dim; i += 8) {
+        __m256 v0 = _mm256_loadu_ps(x + i);
+        a0 = _mm256_fmadd_ps(v0, v0, a0);
+    }
+    float ss = hsum256(_mm256_add_ps(a0, a1));
+    for (; i < dim; i++) ss += x[i] * x[i];
+    const float inv = (float)(1.0 / sqrt((double)ss / (double)dim + (double)eps));
+    const __m256 vi = _mm256_set1_ps(inv);
+    for (i = 0; i + 8 <= dim; i += 8)
+        _mm256_storeu_ps(out + i,
+                         _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vi), _mm256_loadu_ps(w + i)));
+    for (; i < dim; i++) out[i] = x[i] * inv * w[i];
+}
+
+/* x += r in place. */
+static void add_row_avx2(float *x, const float *r, int64_t dim) {
+    int64_t i = 0;
+    for (; i + 8 <= dim; i += 8)
+        _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(r + i)));
+    for (; i < dim; i++) x[i] += r[i];
+}
+#endif
+
+typedef struct norm_job {
+    float *out;         /* [n][dim] */
+    float *x;           /* [n][dim] (updated in place when r != NULL) */
+    const float *r;     /* [n][dim] residual to add, or NULL */
+    const float *w;     /* [dim] */
+    int64_t n, dim;
+    float eps;
+    int simd;
+} norm_job;
+
+static void norm_fn(void *arg, int tid, int nth) {
+    const norm_job *j = arg;
+    const int64_t t0 = j->n * tid / nth, t1 = j->n * (tid + 1) / nth;
+    for (int64_t t = t0; t < t1; t++) {
+        float *xr = j->x + (size_t)t * (size_t)j->dim;
+        float *orow = j->out + (size_t)t * (size_t)j->dim;
+#if CV_HAVE_AVX2
+        if (j->simd) {
+            if (j->r) add_row_avx2(xr, j->r + (size_t)t * (size_t)j->dim, j->dim);
+            rms_row_avx2(orow, xr, j->w, j->dim, j->eps);
+            continue;
+        }
+#endif
+        if (j->r) {
+            const float *rr = j->r + (size_t)t * (size_t)j->dim;
+            for (int64_t i = 0; i < j->dim; i++) xr[i] += rr[i];
+        }
+        rms_row_plain(orow, xr, j->w, j->dim, j->eps);
+    }
+}
+
+void cv_cpu_rmsnorm(cv_backend *b, float *out, const float *x, const float *weight, int64_t n,
+                    int64_t dim, float eps) {
+    cv_cpu *c = cv_cpu_of(b);
+    if (n <= 0 || dim <= 0) return;
+    /* x is only read when r == NULL */
+    norm_job j = {.out = out, .x = (float *)x, .r = NULL, .w = weight, .n = n, .dim = dim,
+                  .eps = eps, .simd = c->simd};
+    int nth = cv_threads_for(c, (double)n * (double)dim, ROW_GRAIN);
+    if (nth > n) nth = (int)n;
+    cv_pool_run(c->pool, nth, norm_fn, &j);
+}
+
+void cv_cpu_add_rmsnorm(cv_backend *b, float *out, float *x, const float *r, const float *weight,
+                        int64_t n, int64_t dim, float eps) {
+    cv_cpu *c = cv_cpu_of(b);
+    if (n <= 0 || dim <= 0) return;
+    norm_job j = {.out = out, .x = x, .r = r, .w = weight, .n = n, .dim = dim, .eps = eps,
+                  .simd = c->simd};
+    int nth = cv_threads_for(c, (double)n * (double)dim, ROW_GRAIN);
+    if (nth > n) nth = (int)n;
+    cv_pool_run(c->pool, nth, norm_fn, &j);
+}
+
+/* ------------------------------------------------------------------------ */
+/* RoPE                                                                      */
+
+#define ROPE_CHUNK 128 /* frequencies per pass: cos/sin live on the stack */
+
+typedef struct rope_job {
+    float *q;           /* [n][q_stride], heads [n_heads][head_dim] at the start */
+    float *k;           /* [n][k_stride], heads [n_kv_heads][head_dim] */
+    int64_t q_stride, k_stride, n_heads, n_kv_heads, n;
+    const int32_t *pos; /* [n] */
+    const cv_rope *rope;
+    int simd;
+} rope_job;
+
+/* Rotates frequencies [i0, i0 + m) of one head x[head_dim] with cs/sn[m]. */
+static void rope_head_plain(float *x, int64_t hd, cv_rope_layout layout, int64_t i0, int64_t m,
+                            const float *cs, const float *sn) {
+    if (layout == CV_ROPE_HALVES) {
+        const int64_t half = hd / 2;
+        for (int64_t i = 0; i < m; i++) {
+            const float a = x[i0 + i], bb = x[i0 + i + half];
+            x[i0 + i] = a * cs[i] - bb * sn[i];
+            x[i0 + i + half] = bb * cs[i] + a * sn[i];
+        }
+    } else {
+        for (int64_t i = 0; i < m; i++) {
+            const float a = x[2 * (i0 + i)], bb = x[2 * (i0 + i) + 1];
+            x[2 * (i0 + i)] = a * cs[i] - bb * sn[i];
+            x[2 * (i0 + i) + 1] = a * sn[i] + bb * cs[i];
+        }
+    }
+}
+
+#if CV_HAVE_AVX2
+/* cs2/sn2[2m] hold, for PAIRS, (c, c) and (-s, s) per frequency. */
+static void rope_head_avx2(float *x, int64_t hd, cv_rope_layout layout, int64_t i0, int64_t m,
+                           const float *cs, const float *sn, const float *cs2, const float *sn2) {
+    int64_t i = 0;
+    if (layout == CV_ROPE_HALVES) {
+        const int64_t half = hd / 2;
+        float *xa = x + i0, *xb = x + i0 + half;
+        for (; i + 8 <= m; i += 8) {
+            const __m256 a = _mm256_loadu_ps(xa + i), bb = _mm256_loadu_ps(xb + i);
+            const __m256 c = _mm256_loadu_ps(cs + i), s = _mm256_loadu_ps(sn + i);
+            _mm256_storeu_ps(xa + i, _mm256_fmsub_ps(a, c, _mm256_mul_ps(bb, s)));
+            _mm256_storeu_ps(xb + i, _mm256_fmadd_ps(bb, c, _mm256_mul_ps(a, s)));
+        }
+        for (; i < m; i++) {
+            const float a = xa[i], bb = xb[i];
+            xa[i] = a * cs[i] - bb * sn[i];
+            xb[i] = bb * cs[i] + a * sn[i];
+        }
+    } else {
+        float *xp = x + 2 * i0;
+        for (; i + 4 <= m; i += 4) {
+            const __m256 v = _mm256_loadu_ps(xp + 2 * i);
+            const __m256 sw = _mm256_permute_ps(v, 0xB1); /* (b, a) per pair */
+            _mm256_storeu_ps(xp + 2 * i, _mm256_fmadd_ps(v, _mm256_loadu_ps(cs2 + 2 * i),
+                                                         _mm256_mul_ps(sw, _mm256_loadu_ps(sn2 + 2 * i))));
+        }
+        for (; i < m; i++) {
+            const float a = xp[2 * i], bb = xp[2 * i + 1];
+            xp[2 * i] = a * cs[i] - bb * sn[i];
+            xp[2 * i + 1] = a * sn[i] + bb * cs[i];
+        }
+    }
+}
+#endif
+
+static void rope_fn(void *arg, int tid, int nth) {
+    const rope_job *j = arg;
+    const int64_t hd = j->rope->head_dim, nf = hd / 2;
+    const cv_rope_layout layout = j->rope->layout;
+    const int64_t t0 = j->n * tid / nth, t1 = j->n * (tid + 1) / nth;
+    float cs[ROPE_CHUNK], sn[ROPE_CHUNK];
+#if CV_HAVE_AVX2
+    float cs2[2 * ROPE_CHUNK], sn2[2 * ROPE_CHUNK];
+#endif
+    for (int64_t t = t0; t < t1; t++) {
+        const double p = (double)j->pos[t];
+        for (int64_t i0 = 0; i0 < nf; i0 += ROPE_CHUNK) {
+            const int64_t m = nf - i0 < ROPE_CHUNK ? nf - i0 : ROPE_CHUNK;
+            /* angles once per token, in double: exact enough for long positions */
+            for (int64_t i = 0; i < m; i++) {
+                const double a = p * (double)j->rope->inv_freq[i0 + i];
+                cs[i] = (float)cos(a);
+                sn[i] = (float)sin(a);
+            }
+#if CV_HAVE_AVX2
+            if (j->simd) {
+                if (layout == CV_ROPE_PAIRS)
+                    for (int64_t i = 0; i < m; i++) {
+                        cs2[2 * i] = cs2[2 * i + 1] = cs[i];
+                        sn2[2 * i] = -sn[i];
+                        sn2[2 * i + 1] = sn[i];
+                    }
+                for (int64_t h = 0; h < j->n_heads; h++)
+                    rope_head_avx2(j->q + (size_t)t * (size_t)j->q_stride + (size_t)(h * hd), hd,
+                                   layout, i0, m, cs, sn, cs2, sn2);
+                for (int64_t h = 0; h < j->n_kv_heads; h++)
+                    rope_head_avx2(j->k + (size_t)t * (size_t)j->k_stride + (size_t)(h * hd), hd,
+                                   layout, i0, m, cs, sn, cs2, sn2);
+                continue;
+            }
+#endif
+            for (int64_t h = 0; h < j->n_heads; h++)
+                rope_head_plain(j->q + (size_t)t * (size_t)j->q_stride + (size_t)(h * hd), hd, layout,
+                                i0, m, cs, sn);
+            for (int64_t h = 0; h < j->n_kv_heads; h++)
+                rope_head_plain(j->k + (size_t)t * (size_t)j->k_stride + (size_t)(h * hd), hd, layout,
+                                i0, m, cs, sn);
+        }
+    }
+}
+
+void cv_cpu_rope(cv_backend *b, float *q, int64_t q_stride, int64_t n_heads, float *k,
+                 int64_t k_stride, int64_t n_kv_heads, const int32_t *pos, int64_t n,
+                 const cv_rope *rope) {
+    cv_cpu *c = cv_cpu_of(b);
+    if (n <= 0 || rope->head_dim < 2) return;
+    if (!q) n_heads = 0;
+    if (!k) n_kv_heads = 0;
+    rope_job j = {.q = q, .k = k, .q_stride = q_stride, .k_stride = k_stride, .n_heads = n_heads,
+                  .n_kv_heads = n_kv_heads, .n = n, .pos = pos, .rope = rope, .simd = c->simd};
+    /* sin/cos cost about as much as rotating a few heads: count them in */
+    const double work = (double)n * (double)rope->head_dim * (double)(n_heads + n_kv_heads + 8);
+    int nth = cv_threads_for(c, work, ROW_GRAIN);
+    if (nth > n) nth = (int)n;
+    cv_pool_run(c->pool, nth, rope_fn, &j);
+}
+
+/* ------------------------------------------------------------------------ */
+/* SwiGLU                                                                    */
+
+typedef struct swiglu_job {
+    float *out;       /* [n][dim] */
+    const float *gu;  /* [n][2*dim]: gate then up */
+    int64_t n, dim;
+    int simd;
+} swiglu_job;
+
+static void swiglu_fn(void *arg, int tid, int nth) {
+    const swiglu_job *j = arg;
+    const int64_t t0 = j->n * tid / nth, t1 = j->n * (tid + 1) / nth;
+    for (int64_t t = t0; t < t1; t++) {
+        const float *g = j->gu + (size_t)t * 2 * (size_t)j->dim;
+        const float *u = g + j->dim;
+        float *o = j->out + (size_t)t * (size_t)j->dim;
+        int64_t i = 0;
+#if CV_HAVE_AVX2
+        if (j->simd) {
+            const __m256 one = _mm256_set1_ps(1.0f);
+            for (; i + 8 <= j->dim; i += 8) {
+                const __m256 gv = _mm256_loadu_ps(g + i);
+                const __m256 e = cv_exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+                const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+                _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+            }
+        }
+#endif
+        for (; i < j->dim; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+void cv_cpu_swiglu(cv_backend *b, float *out, const float *gu, int64_t n, int64_t dim) {
+    cv_cpu *c = cv_cpu_of(b);
+    if (n <= 0 || dim <= 0) return;
+    swiglu_job j = {.out = out, .gu = gu, .n = n, .dim = dim, .simd = c->simd};
+    int nth = cv_threads_for(c, (double)n * (double)dim * 4.0, ROW_GRAIN);
+    if (nth > n) nth = (int)n;
+    cv_pool_run(c->pool, nth, swiglu_fn, &j);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Embedding                                                                 */
+
+typedef struct embed_job {
+    float *out;             /* [n][cols] */
+    const int32_t *tokens;  /* [n] */
+    int64_t n;
+    const cv_table *t;
+    int simd;
+} embed_job;
+
+static void embed_fn(void *arg, int tid, int nth) {
+    const embed_job *j = arg;
+    const int64_t t0 = j->n * tid / nth, t1 = j->n * (tid + 1) / nth;
+    const int64_t cols = j->t->cols;
+    const size_t esz = cv_dtype_size(j->t->dtype);
+    for (int64_t i = t0; i < t1; i++) {
+        const char *row = (const char *)j->t->data + (size_t)j->tokens[i] * (size_t)cols * esz;
+        cv_cpu_widen(j->out + (size_t)i * (size_t)cols, row, j->t->dtype, cols, j->simd);
+    }
+}
+
+void cv_cpu_embedding(cv_backend *b, float *out, const int32_t *tokens, int64_t n,
+                      const cv_table *table) {
+    cv_cpu *c = cv_cpu_of(b);
+    if (n <= 0 || table->cols <= 0) return;
+    embed_job j = {.out = out, .tokens = tokens, .n = n, .t = table, .simd = c->simd};
+    int nth = cv_threads_for(c, (double)n * (double)table->cols, 4 * ROW_GRAIN);
+    if (nth > n) nth = (int)n;
+    cv_pool_run(c->pool, nth, embed_fn, &j);
+}

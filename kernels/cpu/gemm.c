@@ -1,0 +1,411 @@
+/* GEMM of the CPU backend: out[n][rows] = x[n][cols] . W^T (+ bias) (+= out).
+ *
+ * W is packed once (matrix_prepare) into panels of CV_NR = 16 output rows
+ * interleaved along cols (see cpu_internal.h), kept in its 16-bit dtype when
+ * it has one and widened in registers. The micro-kernel keeps an mr x 16 tile
+ * of fp32 accumulators (mr <= 6 tokens) in registers, broadcasting x and
+ * streaming one panel. Blocking: cols in chunks of about KC so a panel chunk
+ * stays in L1 while all token tiles of an MC block (in L2) pass over it.
+ * Threads split the panels (the output dimension); tokens are split too only
+ * when there are fewer panels than threads. With one token tile (decode) the
+ * whole panel is streamed once, unblocked: every weight byte is read once. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_internal.h"
+
+#define GEMM_KC 288   /* target cols per block: 288 x 16 x 4 B = 18 KiB of f32 panel */
+#define GEMM_MC 192   /* tokens per L2 block: 192 x 288 x 4 B = 216 KiB of x */
+
+static inline int bf16_slot(int j) { return j < 8 ? 2 * j : 2 * (j - 8) + 1; }
+
+static inline int dt_index(cv_dtype dt) { return dt == CV_F32 ? 0 : (dt == CV_BF16 ? 1 : 2); }
+
+/* ------------------------------------------------------------------------ */
+/* Packing                                                                   */
+
+typedef struct pack_job {
+    void *dst;          /* [n_panels][cols][16] of dt */
+    const void *src;    /* [rows][cols] of st */
+    cv_dtype st, dt;
+    int64_t rows, cols, n_panels;
+    float *tmp;         /* [nth][cols] one widened source row per thread */
+} pack_job;
+
+static void pack_fn(void *arg, int tid, int nth) {
+    const pack_job *j = arg;
+    const int64_t cols = j->cols;
+    const int64_t p0 = j->n_panels * tid / nth, p1 = j->n_panels * (tid + 1) / nth;
+    const size_t ssz = cv_dtype_size(j->st);
+    float *row = j->tmp + (size_t)tid * (size_t)cols; /* [cols] */
+    for (int64_t p = p0; p < p1; p++) {
+        for (int jj = 0; jj < CV_NR; jj++) {
+            const int64_t r = p * CV_NR + jj;
+            if (r < j->rows)
+                cv_convert_to_f32(row, (const char *)j->src + (size_t)r * (size_t)cols * ssz, j->st,
+                                  (size_t)cols);
+            else
+                memset(row, 0, (size_t)cols * sizeof(float));
+            const size_t base = (size_t)p * (size_t)cols * CV_NR;
+            if (j->dt == CV_F32) {
+                float *d = (float *)j->dst + base + (size_t)jj;
+                for (int64_t k = 0; k < cols; k++) d[(size_t)k * CV_NR] = row[k];
+            } else if (j->dt == CV_F16) {
+                uint16_t *d = (uint16_t *)j->dst + base + (size_t)jj;
+                for (int64_t k = 0; k < cols; k++) d[(size_t)k * CV_NR] = cv_f32_to_f16(row[k]);
+            } else {
+                uint16_t *d = (uint16_t *)j->dst + base + (size_t)bf16_slot(jj);
+                for (int64_t k = 0; k < cols; k++) d[(size_t)k * CV_NR] = cv_f32_to_bf16(row[k]);
+            }
+        }
+    }
+}
+
+int cv_cpu_matrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dtype src_dtype,
+                          int64_t rows, int64_t cols, cv_dtype dtype, cv_err *err) {
+    cv_cpu *c = cv_cpu_of(b);
+    int rc = CV_OK;
+    void *data = NULL;
+    float *tmp = NULL;
+    memset(out, 0, sizeof *out);
+    if (!src || rows <= 0 || cols <= 0) {
+        rc = cv_set_err(err, CV_ERR_INVALID, "matrix_prepare: bad shape [%lld][%lld] or NULL source",
+                        (long long)rows, (long long)cols);
+        goto done;
+    }
+    if (src_dtype != CV_F32 && src_dtype != CV_F16 && src_dtype != CV_BF16 && src_dtype != CV_F64) {
+        rc = cv_set_err(err, CV_ERR_TYPE, "matrix_prepare: source dtype %s is not a float type",
+                        cv_dtype_name(src_dtype));
+        goto done;
+    }
+    if (dtype != CV_F32 && dtype != CV_F16 && dtype != CV_BF16) {
+        rc = cv_set_err(err, CV_ERR_UNSUPPORTED,
+                        "matrix_prepare: weight dtype %s (want float32, float16 or bfloat16)",
+                        cv_dtype_name(dtype));
+        goto done;
+    }
+    const int64_t n_panels = (rows + CV_NR - 1) / CV_NR;
+    size_t elems, bytes, tbytes;
+    if (!cv_mul_size((size_t)n_panels * CV_NR, (size_t)cols, &elems) ||
+        !cv_mul_size(elems, cv_dtype_size(dtype), &bytes) || bytes > SIZE_MAX - 64) {
+        rc = cv_set_err(err, CV_ERR_NOMEM, "matrix_prepare: [%lld][%lld] is too large",
+                        (long long)rows, (long long)cols);
+        goto done;
+    }
+    bytes = (bytes + 63) & ~(size_t)63; /* aligned_alloc wants a multiple of the alignment */
+    data = aligned_alloc(64, bytes);
+    int nth = cv_threads_for(c, (double)rows * (double)cols, 1 << 16);
+    if (nth > n_panels) nth = (int)n_panels;
+    if (!cv_mul_size((size_t)nth * sizeof(float), (size_t)cols, &tbytes)) tbytes = SIZE_MAX;
+    tmp = tbytes == SIZE_MAX ? NULL : malloc(tbytes);
+    if (!data || !tmp) {
+        rc = cv_set_err(err, CV_ERR_NOMEM, "matrix_prepare: out of memory for [%lld][%lld] %s",
+                        (long long)rows, (long long)cols, cv_dtype_name(dtype));
+        goto done;
+    }
+    pack_job j = {.dst = data, .src = src, .st = src_dtype, .dt = dtype, .rows = rows,
+                  .cols = cols, .n_panels = n_panels, .tmp = tmp};
+    cv_pool_run(c->pool, nth, pack_fn, &j);
+    out->data = data;
+    out->dtype = dtype;
+    out->rows = rows;
+    out->cols = cols;
+    out->bytes = bytes;
+    data = NULL;
+done:
+    free(data);
+    free(tmp);
+    return rc;
+}
+
+void cv_cpu_matrix_free(cv_backend *b, cv_matrix *m) {
+    (void)b;
+    if (!m) return;
+    free(m->data);
+    memset(m, 0, sizeof *m);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Micro-kernels. Common contract:
+ *   c[mr][ldc] (valid columns: nvalid <= 16) gets
+ *     (load_c ? c : 0) + (bias ? bias[0..nvalid) : 0) + sum_k x[i][k] w[k][.]
+ *   x: [mr][ldx] rows of activations (kc used), w: one panel chunk [kc][16]. */
+
+typedef void (*ukr_fn)(int64_t kc, const float *x, int64_t ldx, const void *w, float *c,
+                       int64_t ldc, int nvalid, const float *bias, int load_c);
+
+/* Plain C: the reference every SIMD kernel is held to. */
+static void ukr_plain(int mr, cv_dtype dt, int64_t kc, const float *x, int64_t ldx, const void *w,
+                      float *c, int64_t ldc, int nvalid, const float *bias, int load_c) {
+    float acc[CV_MR][CV_NR];
+    float wk[CV_NR];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < CV_NR; j++) {
+            float v = 0.0f;
+            if (j < nvalid) {
+                if (load_c) v = c[i * ldc + j];
+                if (bias) v += bias[j];
+            }
+            acc[i][j] = v;
+        }
+    for (int64_t k = 0; k < kc; k++) {
+        if (dt == CV_F32) {
+            const float *p = (const float *)w + k * CV_NR;
+            for (int j = 0; j < CV_NR; j++) wk[j] = p[j];
+        } else if (dt == CV_BF16) {
+            const uint16_t *p = (const uint16_t *)w + k * CV_NR;
+            for (int j = 0; j < CV_NR; j++) wk[j] = cv_bf16_to_f32(p[bf16_slot(j)]);
+        } else {
+            const uint16_t *p = (const uint16_t *)w + k * CV_NR;
+            for (int j = 0; j < CV_NR; j++) wk[j] = cv_f16_to_f32(p[j]);
+        }
+        for (int i = 0; i < mr; i++) {
+            const float xv = x[i * ldx + k];
+            for (int j = 0; j < CV_NR; j++) acc[i][j] += xv * wk[j];
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nvalid; j++) c[i * ldc + j] = acc[i][j];
+}
+
+#define PLAIN_UKR(MR, DT, NAME)                                                                 \
+    static void NAME(int64_t kc, const float *x, int64_t ldx, const void *w, float *c,         \
+                     int64_t ldc, int nvalid, const float *bias, int load_c) {                  \
+        ukr_plain(MR, DT, kc, x, ldx, w, c, ldc, nvalid, bias, load_c);                         \
+    }
+
+#define PLAIN_ROW(DT, P)                                                                        \
+    PLAIN_UKR(1, DT, P##1) PLAIN_UKR(2, DT, P##2) PLAIN_UKR(3, DT, P##3)                        \
+    PLAIN_UKR(4, DT, P##4) PLAIN_UKR(5, DT, P##5) PLAIN_UKR(6, DT, P##6)
+PLAIN_ROW(CV_F32, plain_f32_)
+PLAIN_ROW(CV_BF16, plain_bf16_)
+PLAIN_ROW(CV_F16, plain_f16_)
+
+static const ukr_fn plain_table[3][CV_MR + 1] = {
+    {NULL, plain_f32_1, plain_f32_2, plain_f32_3, plain_f32_4, plain_f32_5, plain_f32_6},
+    {NULL, plain_bf16_1, plain_bf16_2, plain_bf16_3, plain_bf16_4, plain_bf16_5, plain_bf16_6},
+    {NULL, plain_f16_1, plain_f16_2, plain_f16_3, plain_f16_4, plain_f16_5, plain_f16_6},
+};
+
+#if CV_HAVE_AVX2
+/* Widens the 16 weights of panel row k into w0 (outputs 0..7) and w1 (8..15). */
+static CV_ALWAYS_INLINE void load_w16(const cv_dtype dt, const void *w, int64_t k, __m256 *w0,
+                                      __m256 *w1) {
+    if (dt == CV_F32) {
+        const float *p = (const float *)w + k * CV_NR;
+        *w0 = _mm256_loadu_ps(p);
+        *w1 = _mm256_loadu_ps(p + 8);
+    } else if (dt == CV_BF16) {
+        /* lane i holds (out i, out i+8): the low half shifted up, the high half masked */
+        __m256i v = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k * CV_NR));
+        *w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        *w1 = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+    } else {
+        const uint16_t *p = (const uint16_t *)w + k * CV_NR;
+        *w0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        *w1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
+    }
+}
+
+static CV_ALWAYS_INLINE void ukr_avx2(const int mr, const cv_dtype dt, int64_t kc,
+                                      const float *x, int64_t ldx, const void *w, float *c,
+                                      int64_t ldc, int nvalid, const float *bias, int load_c) {
+    /* Few tokens: unroll k into independent accumulator sets so FMA latency
+     * does not bound the stream. */
+    const int U = mr == 1 ? 4 : (mr == 2 ? 2 : 1);
+    __m256 acc[4][CV_MR][2];
+    float tmp[CV_MR][CV_NR];
+    const int full = nvalid == CV_NR;
+    __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+    if (bias) {
+        if (full) {
+            b0 = _mm256_loadu_ps(bias);
+            b1 = _mm256_loadu_ps(bias + 8);
+        } else {
+            float bt[CV_NR] = {0};
+            for (int j = 0; j < nvalid; j++) bt[j] = bias[j];
+            b0 = _mm256_loadu_ps(bt);
+            b1 = _mm256_loadu_ps(bt + 8);
+        }
+    }
+#pragma GCC unroll 6
+    for (int i = 0; i < mr; i++) {
+        if (load_c) {
+            const float *ci = c + i * ldc;
+            if (full) {
+                acc[0][i][0] = _mm256_add_ps(_mm256_loadu_ps(ci), b0);
+                acc[0][i][1] = _mm256_add_ps(_mm256_loadu_ps(ci + 8), b1);
+            } else {
+                for (int j = 0; j < CV_NR; j++) tmp[i][j] = j < nvalid ? ci[j] : 0.0f;
+                acc[0][i][0] = _mm256_add_ps(_mm256_loadu_ps(tmp[i]), b0);
+                acc[0][i][1] = _mm256_add_ps(_mm256_loadu_ps(tmp[i] + 8), b1);
+            }
+        } else {
+            acc[0][i][0] = b0;
+            acc[0][i][1] = b1;
+        }
+#pragma GCC unroll 4
+        for (int u = 1; u < U; u++) {
+            acc[u][i][0] = _mm256_setzero_ps();
+            acc[u][i][1] = _mm256_setzero_ps();
+        }
+    }
+    int64_t k = 0;
+    for (; k + U <= kc; k += U) {
+#pragma GCC unroll 4
+        for (int u = 0; u < U; u++) {
+            __m256 w0, w1;
+            load_w16(dt, w, k + u, &w0, &w1);
+#pragma GCC unroll 6
+            for (int i = 0; i < mr; i++) {
+                const __m256 xb = _mm256_broadcast_ss(x + i * ldx + k + u);
+                acc[u][i][0] = _mm256_fmadd_ps(xb, w0, acc[u][i][0]);
+                acc[u][i][1] = _mm256_fmadd_ps(xb, w1, acc[u][i][1]);
+            }
+        }
+    }
+    for (; k < kc; k++) {
+        __m256 w0, w1;
+        load_w16(dt, w, k, &w0, &w1);
+#pragma GCC unroll 6
+        for (int i = 0; i < mr; i++) {
+            const __m256 xb = _mm256_broadcast_ss(x + i * ldx + k);
+            acc[0][i][0] = _mm256_fmadd_ps(xb, w0, acc[0][i][0]);
+            acc[0][i][1] = _mm256_fmadd_ps(xb, w1, acc[0][i][1]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int i = 0; i < mr; i++) {
+#pragma GCC unroll 4
+        for (int u = 1; u < U; u++) {
+            acc[0][i][0] = _mm256_add_ps(acc[0][i][0], acc[u][i][0]);
+            acc[0][i][1] = _mm256_add_ps(acc[0][i][1], acc[u][i][1]);
+        }
+        float *ci = c + i * ldc;
+        if (full) {
+            _mm256_storeu_ps(ci, acc[0][i][0]);
+            _mm256_storeu_ps(ci + 8, acc[0][i][1]);
+        } else {
+            _mm256_storeu_ps(tmp[i], acc[0][i][0]);
+            _mm256_storeu_ps(tmp[i] + 8, acc[0][i][1]);
+            for (int j = 0; j < nvalid; j++) ci[j] = tmp[i][j];
+        }
+    }
+}
+
+#define AVX_UKR(MR, DT, NAME)                                                                   \
+    static void NAME(int64_t kc, const float *x, int64_t ldx, const void *w, float *c,         \
+                     int64_t ldc, int nvalid, const float *bias, int load_c) {                  \
+        ukr_avx2(MR, DT, kc, x, ldx, w, c, ldc, nvalid, bias, load_c);                          \
+    }
+#define AVX_ROW(DT, P)                                                                          \
+    AVX_UKR(1, DT, P##1) AVX_UKR(2, DT, P##2) AVX_UKR(3, DT, P##3)                              \
+    AVX_UKR(4, DT, P##4) AVX_UKR(5, DT, P##5) AVX_UKR(6, DT, P##6)
+AVX_ROW(CV_F32, avx_f32_)
+AVX_ROW(CV_BF16, avx_bf16_)
+AVX_ROW(CV_F16, avx_f16_)
+
+static const ukr_fn avx_table[3][CV_MR + 1] = {
+    {NULL, avx_f32_1, avx_f32_2, avx_f32_3, avx_f32_4, avx_f32_5, avx_f32_6},
+    {NULL, avx_bf16_1, avx_bf16_2, avx_bf16_3, avx_bf16_4, avx_bf16_5, avx_bf16_6},
+    {NULL, avx_f16_1, avx_f16_2, avx_f16_3, avx_f16_4, avx_f16_5, avx_f16_6},
+};
+#endif
+
+/* ------------------------------------------------------------------------ */
+/* Driver                                                                    */
+
+typedef struct gemm_job {
+    float *out;          /* [n][rows] */
+    const float *x;      /* [n][cols] */
+    int64_t n;
+    const cv_matrix *w;
+    const float *bias;   /* [rows] or NULL */
+    int accumulate;
+    const ukr_fn *table; /* [CV_MR + 1] kernels for w's dtype */
+    int n_pparts;        /* thread grid: panel parts x token parts */
+    int n_tparts;
+} gemm_job;
+
+/* Computes panels [p0, p1) for tokens [t0, t1). */
+static void gemm_block(const gemm_job *j, int64_t p0, int64_t p1, int64_t t0, int64_t t1) {
+    const cv_matrix *w = j->w;
+    const int64_t rows = w->rows, cols = w->cols;
+    const size_t esz = cv_dtype_size(w->dtype);
+    const int64_t nt = t1 - t0;
+    if (nt <= 0 || p1 <= p0) return;
+    /* One token tile: stream each panel whole (decode / GEMV). */
+    int64_t kc = cols, mc = nt;
+    if (nt > CV_MR) {
+        const int64_t nkb = (cols + GEMM_KC - 1) / GEMM_KC;
+        kc = (cols + nkb - 1) / nkb;
+        mc = GEMM_MC;
+    }
+    for (int64_t m0 = t0; m0 < t1; m0 += mc) {
+        const int64_t m1 = m0 + mc < t1 ? m0 + mc : t1;
+        const int64_t mlen = m1 - m0;
+        const int64_t ntiles = (mlen + CV_MR - 1) / CV_MR;
+        for (int64_t k0 = 0; k0 < cols; k0 += kc) {
+            const int64_t klen = k0 + kc < cols ? kc : cols - k0;
+            const int first = k0 == 0;
+            const int load_c = j->accumulate || !first;
+            for (int64_t p = p0; p < p1; p++) {
+                const int64_t r0 = p * CV_NR;
+                const int nvalid = rows - r0 < CV_NR ? (int)(rows - r0) : CV_NR;
+                const char *wp = (const char *)w->data + ((size_t)p * (size_t)cols + (size_t)k0) *
+                                                             CV_NR * esz;
+                const float *bp = (first && j->bias) ? j->bias + r0 : NULL;
+                /* balanced tiles of at most CV_MR tokens */
+                int64_t t = m0;
+                for (int64_t ti = 0; ti < ntiles; ti++) {
+                    const int mr = (int)(mlen / ntiles + (ti < mlen % ntiles ? 1 : 0));
+                    j->table[mr](klen, j->x + (size_t)t * (size_t)cols + (size_t)k0, cols, wp,
+                                 j->out + (size_t)t * (size_t)rows + (size_t)r0, rows, nvalid, bp,
+                                 load_c);
+                    t += mr;
+                }
+            }
+        }
+    }
+}
+
+static void gemm_fn(void *arg, int tid, int nth) {
+    const gemm_job *j = arg;
+    (void)nth;
+    const int parts = j->n_pparts * j->n_tparts;
+    if (tid >= parts) return;
+    const int pp = tid % j->n_pparts, tp = tid / j->n_pparts;
+    const int64_t np = (j->w->rows + CV_NR - 1) / CV_NR;
+    const int64_t p0 = np * pp / j->n_pparts, p1 = np * (pp + 1) / j->n_pparts;
+    const int64_t t0 = j->n * tp / j->n_tparts, t1 = j->n * (tp + 1) / j->n_tparts;
+    gemm_block(j, p0, p1, t0, t1);
+}
+
+void cv_cpu_gemm(cv_backend *b, float *out, const float *x, int64_t n, const cv_matrix *w,
+                 const float *bias, int accumulate) {
+    cv_cpu *c = cv_cpu_of(b);
+    if (n <= 0 || w->rows <= 0) return;
+    gemm_job j = {.out = out, .x = x, .n = n, .w = w, .bias = bias, .accumulate = accumulate};
+    const int di = dt_index(w->dtype);
+#if CV_HAVE_AVX2
+    j.table = c->simd ? avx_table[di] : plain_table[di];
+#else
+    j.table = plain_table[di];
+#endif
+    /* Threads: at least ~64K multiply-adds (or one panel) each. */
+    const int64_t np = (w->rows + CV_NR - 1) / CV_NR;
+    int nth = cv_threads_for(c, (double)n * (double)w->rows * (double)w->cols, 65536.0);
+    if (np >= nth) {
+        j.n_pparts = nth;
+        j.n_tparts = 1;
+    } else {
+        /* Fewer panels than threads: split tokens too, in chunks of >= 2 tiles. */
+        j.n_pparts = (int)np;
+        int tparts = nth / (int)np;
+        const int64_t max_t = (n + 2 * CV_MR - 1) / (2 * CV_MR);
+        if (tparts > max_t) tparts = (int)max_t;
+        j.n_tparts = tparts < 1 ? 1 : tparts;
+        nth = j.n_pparts * j.n_tparts;
+    }
+    cv_pool_run(c->pool, nth, gemm_fn, &j);
+}

@@ -1,0 +1,355 @@
+"""The Python side of the engine, shared by LLM and AsyncLLM.
+
+C owns sequence state; this layer turns prompts into token ids, hands
+requests to conveyor._core.Engine, and turns the C engine's per-step events
+(token, newly visible text bytes, finish) into RequestOutput objects.
+"""
+from __future__ import annotations
+
+import codecs
+import os
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _core
+from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from .sampling_params import SamplingParams
+
+_SCHEDULING = ("continuous", "static", "priority")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40,
+          "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_bytes(value: Any, name: str = "kv_cache_memory") -> int:
+    """An int of bytes, or a string such as "4GiB", "512MB" or "1.5 GiB"."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int or a string such as '4GiB'")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{name}: cannot read {value!r} as a size (examples: 4GiB, 512MB, 1000000)")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    else:
+        raise TypeError(f"{name} must be an int or a string such as '4GiB', got {type(value).__name__}")
+    if n <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return n
+
+
+@dataclass
+class EngineArgs:
+    model: str
+    tokenizer: Optional[str] = None
+    skip_tokenizer_init: bool = False
+    dtype: str = "auto"
+    max_model_len: Optional[int] = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None
+    block_size: int = 16
+    kv_cache_memory: Any = None
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling: str = "continuous"
+    num_threads: Optional[int] = None
+    device: str = "cpu"
+    seed: int = 0
+    gpu_memory_utilization: float = 0.9
+
+    def validate(self):
+        if not isinstance(self.model, (str, os.PathLike)):
+            raise TypeError(f"model must be a path (str or os.PathLike), got {type(self.model).__name__}")
+        self.model = os.fspath(self.model)
+        if not os.path.exists(self.model):
+            raise FileNotFoundError(f"model path does not exist: {self.model}")
+
+        def pos_int(name, v, allow_none=False, lo=1):
+            if v is None and allow_none:
+                return
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+            if v < lo:
+                raise ValueError(f"{name} must be >= {lo}, got {v}")
+
+        pos_int("max_model_len", self.max_model_len, allow_none=True)
+        pos_int("max_num_seqs", self.max_num_seqs)
+        pos_int("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
+        pos_int("block_size", self.block_size)
+        if self.block_size > 1024:
+            raise ValueError(f"block_size must be <= 1024, got {self.block_size}")
+        pos_int("num_threads", self.num_threads, allow_none=True)
+        pos_int("seed", self.seed, lo=0)
+        for name in ("dtype", "kv_cache_dtype"):
+            v = getattr(self, name)
+            if v not in _DTYPES:
+                raise ValueError(f"{name} must be one of {_DTYPES}, got {v!r}")
+        if self.scheduling not in _SCHEDULING:
+            raise ValueError(f"scheduling must be one of {_SCHEDULING}, got {self.scheduling!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "skip_tokenizer_init"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        g = self.gpu_memory_utilization
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not (0.0 < g <= 1.0):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {g!r}")
+
+
+class _SeqState:
+    __slots__ = ("token_ids", "text", "decoder", "logprobs", "cum_logprob", "finish_reason",
+                 "stop_reason", "sent_tokens", "sent_text")
+
+    def __init__(self, want_logprobs: bool):
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.logprobs = [] if want_logprobs else None
+        self.cum_logprob = 0.0 if want_logprobs else None
+        self.finish_reason = None
+        self.stop_reason = None
+        self.sent_tokens = 0
+        self.sent_text = 0
+
+
+class _Request:
+    __slots__ = ("request_id", "internal_id", "prompt", "prompt_token_ids", "params", "seqs",
+                 "finished", "metrics", "consumer")
+
+    def __init__(self, request_id, internal_id, prompt, prompt_ids, params, arrival):
+        self.request_id = request_id
+        self.internal_id = internal_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_ids
+        self.params = params
+        self.seqs = [_SeqState(params.logprobs is not None) for _ in range(params.n)]
+        self.finished = False
+        self.metrics = RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(prompt_ids))
+        self.consumer = None  # AsyncLLM's per-request queue
+
+
+class EngineCore:
+    """Owns the C engine and the per-request Python state."""
+
+    def __init__(self, args: EngineArgs):
+        args.validate()
+        self.args = args
+        self.tokenizer = None
+        token_bytes = special = None
+        eos_ids: list[int] = []
+        bos_id = -1
+        strip = False
+        if not args.skip_tokenizer_init:
+            from .tokenizer import load_tokenizer
+
+            self.tokenizer = load_tokenizer(args.model, args.tokenizer)
+            token_bytes = self.tokenizer.all_token_bytes()
+            special = sorted(self.tokenizer.special_ids)
+            eos_ids = [i for i in (self.tokenizer.eos_ids or []) if i is not None]
+            bos_id = self.tokenizer.bos_id if self.tokenizer.bos_id is not None else -1
+            strip = bool(self.tokenizer.strip_leading_space_after_bos)
+        self._engine = _core.Engine(
+            args.model, dtype=args.dtype, device=args.device, num_threads=args.num_threads or 0,
+            max_model_len=args.max_model_len or 0, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens or 0, block_size=args.block_size,
+            kv_cache_bytes=args.kv_cache_memory or 0,
+            gpu_memory_utilization=float(args.gpu_memory_utilization),
+            kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
+            enable_chunked_prefill=args.enable_chunked_prefill, policy=args.scheduling,
+            seed=args.seed, eos_ids=eos_ids, bos_id=bos_id, strip_space_after_bos=strip,
+            token_bytes=token_bytes, special_ids=special)
+        self.model_config = self._engine.model_config()
+        st = self._engine.stats()
+        self.max_model_len = st["max_model_len"]
+        self.vocab_size = self.model_config["vocab_size"]
+        self._lock = threading.Lock()
+        self._requests: dict[int, _Request] = {}
+        self._by_name: dict[str, _Request] = {}
+        self._next_id = 0
+        self.closed = False
+
+    # -- requests ---------------------------------------------------------
+    def tokenize_prompt(self, prompt) -> tuple[Optional[str], Any]:
+        """Returns (prompt text or None, token ids as list or int array)."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise ValueError("the prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer (skip_tokenizer_init=True was given); "
+                                 "pass token ids instead")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, self._check_ids(prompt)
+
+    def _check_ids(self, ids):
+        if isinstance(ids, np.ndarray):
+            if ids.ndim != 1:
+                raise ValueError(f"a token-id array prompt must be 1-D, got shape {ids.shape}")
+            if not np.issubdtype(ids.dtype, np.integer):
+                raise TypeError(f"a token-id array prompt must have an integer dtype, got {ids.dtype}")
+            if ids.size == 0:
+                raise ValueError("the prompt is empty")
+            if ids.min() < 0 or ids.max() >= self.vocab_size:
+                bad = ids[(ids < 0) | (ids >= self.vocab_size)][0]
+                raise ValueError(f"prompt token id {int(bad)} is outside the vocabulary [0, {self.vocab_size})")
+            return ids
+        if not isinstance(ids, (list, tuple)):
+            raise TypeError(f"a prompt must be a str, a list of token ids or a NumPy integer array, "
+                            f"got {type(ids).__name__}")
+        if len(ids) == 0:
+            raise ValueError("the prompt is empty")
+        for t in ids:
+            if not isinstance(t, (int, np.integer)) or isinstance(t, bool):
+                raise TypeError(f"token ids must be ints, got {type(t).__name__}")
+            if t < 0 or t >= self.vocab_size:
+                raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {self.vocab_size})")
+        return list(ids)
+
+    def check_fits(self, n_prompt: int, params: SamplingParams):
+        if n_prompt > self.max_model_len:
+            raise ValueError(f"the prompt has {n_prompt} tokens, more than max_model_len "
+                             f"({self.max_model_len})")
+        mt = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
+        if mt < 1:
+            raise ValueError(f"the prompt has {n_prompt} tokens and leaves no room to generate within "
+                             f"max_model_len ({self.max_model_len})")
+        if n_prompt + mt > self.max_model_len:
+            raise ValueError(f"prompt ({n_prompt} tokens) + max_tokens ({mt}) exceeds max_model_len "
+                             f"({self.max_model_len})")
+        for t in params.stop_token_ids or ():
+            if t >= self.vocab_size:
+                raise ValueError(f"stop_token_ids contains {t}, outside the vocabulary [0, {self.vocab_size})")
+        return mt
+
+    def add_request(self, request_id: Optional[str], prompt_text, prompt_ids, params: SamplingParams,
+                    priority: int = 0, consumer=None) -> _Request:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        max_tokens = self.check_fits(len(prompt_ids), params)
+        stop = [s.encode("utf-8") for s in params.stop_strings]
+        with self._lock:
+            if self.closed:
+                raise _core.EngineClosedError("the engine is closed")
+            internal = self._next_id
+            self._next_id += 1
+            name = str(internal) if request_id is None else request_id
+            if name in self._by_name:
+                raise ValueError(f"request_id {name!r} is already in use")
+            import time
+
+            req = _Request(name, internal, prompt_text, list(map(int, prompt_ids)), params,
+                           time.monotonic())
+            req.consumer = consumer
+            self._engine.add_request(
+                internal, prompt_ids, n=params.n, max_tokens=max_tokens, min_tokens=params.min_tokens,
+                temperature=float(params.temperature), top_p=float(params.top_p), top_k=params.top_k,
+                min_p=float(params.min_p), repetition_penalty=float(params.repetition_penalty),
+                presence_penalty=float(params.presence_penalty),
+                frequency_penalty=float(params.frequency_penalty), seed=params.seed, stop=stop or None,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                stop_token_ids=list(params.stop_token_ids or ()), ignore_eos=params.ignore_eos,
+                skip_special_tokens=params.skip_special_tokens, logprobs=params.logprobs,
+                priority=priority)
+            self._requests[internal] = req
+            self._by_name[name] = req
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            req = self._by_name.get(request_id)
+            if self.closed or req is None or req.finished:
+                return False
+            self._engine.abort(req.internal_id)
+            return True
+
+    def has_unfinished(self) -> bool:
+        return self._engine.num_unfinished() > 0
+
+    # -- outputs ----------------------------------------------------------
+    def process_events(self) -> list[_Request]:
+        """Applies the pending C events; returns the requests that changed."""
+        events = self._engine.take_outputs()
+        changed: dict[int, _Request] = {}
+        with self._lock:
+            for (iid, idx, token, logprob, top, text, finished, reason, stop_kind, stop_value,
+                 metrics) in events:
+                req = self._requests.get(iid)
+                if req is None:
+                    continue
+                st = req.seqs[idx]
+                if token >= 0:
+                    st.token_ids.append(token)
+                    if st.logprobs is not None:
+                        entry = {token: Logprob(logprob)}
+                        for rank, (tid, lp) in enumerate(top or (), start=1):
+                            if tid == token:
+                                entry[token].rank = rank
+                            else:
+                                entry[tid] = Logprob(lp, rank)
+                        st.logprobs.append(entry)
+                        st.cum_logprob += logprob
+                if text:
+                    st.text += st.decoder.decode(text)
+                if finished:
+                    st.text += st.decoder.decode(b"", final=True)
+                    st.finish_reason = reason
+                    if stop_kind == 1:
+                        st.stop_reason = stop_value
+                    elif stop_kind == 2:
+                        st.stop_reason = req.params.stop_strings[stop_value]
+                if metrics is not None:
+                    arrival, first_sched, first_tok, fin, _n_prompt, n_cached = metrics
+                    m = req.metrics
+                    m.first_scheduled_time = first_sched or None
+                    m.first_token_time = first_tok or None
+                    m.finished_time = fin
+                    m.num_cached_tokens = n_cached
+                    req.finished = True
+                    del self._requests[iid]
+                    self._by_name.pop(req.request_id, None)
+                changed[iid] = req
+        return list(changed.values())
+
+    @staticmethod
+    def build_output(req: _Request, delta: bool = False) -> RequestOutput:
+        outs = []
+        for i, st in enumerate(req.seqs):
+            if delta:
+                toks = st.token_ids[st.sent_tokens:]
+                text = st.text[st.sent_text:]
+                lps = st.logprobs[st.sent_tokens:] if st.logprobs is not None else None
+                st.sent_tokens = len(st.token_ids)
+                st.sent_text = len(st.text)
+            else:
+                toks, text = list(st.token_ids), st.text
+                lps = list(st.logprobs) if st.logprobs is not None else None
+            outs.append(CompletionOutput(i, text, toks, st.cum_logprob, lps, st.finish_reason,
+                                         st.stop_reason))
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
+                             req.metrics)
+
+    def stats(self) -> dict:
+        return self._engine.stats()
+
+    def close(self):
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+        self._engine.stop_loop()
+        self._engine.close()

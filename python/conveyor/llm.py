@@ -1,0 +1,175 @@
+"""LLM: offline batched generation (vLLM's LLM class, same names)."""
+from __future__ import annotations
+
+import weakref
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from .engine import EngineArgs, EngineCore
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+
+def _engine_kwargs(model, kwargs) -> EngineArgs:
+    allowed = set(EngineArgs.__dataclass_fields__) - {"model"}
+    unknown = set(kwargs) - allowed
+    if unknown:
+        raise TypeError(f"unknown keyword argument(s): {', '.join(sorted(unknown))}")
+    return EngineArgs(model=model, **kwargs)
+
+
+def normalize_prompts(prompts) -> list:
+    """A str, a list of str, a list of token ids, a NumPy int array, or a list of those."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, np.ndarray):
+        if prompts.ndim == 1:
+            return [prompts]
+        if prompts.ndim == 2:
+            return list(prompts)
+        raise ValueError(f"a prompt array must be 1-D or 2-D, got shape {prompts.shape}")
+    if isinstance(prompts, (list, tuple)):
+        if len(prompts) == 0:
+            raise ValueError("prompts is empty")
+        if all(isinstance(p, (int, np.integer)) and not isinstance(p, bool) for p in prompts):
+            return [list(prompts)]
+        return list(prompts)
+    raise TypeError(f"prompts must be a str, a list of str, token ids or NumPy integer arrays, "
+                    f"got {type(prompts).__name__}")
+
+
+class LLM:
+    """Generates text for batches of prompts with continuous batching.
+
+    >>> llm = LLM("path/to/model")                      # HF dir or llama2.c .bin
+    >>> llm.generate(["Once upon a time"], SamplingParams(max_tokens=32))
+    """
+
+    def __init__(self, model, **kwargs):
+        self._core = EngineCore(_engine_kwargs(model, kwargs))
+        self._finalizer = weakref.finalize(self, EngineCore.close, self._core)
+
+    @property
+    def tokenizer(self):
+        return self._core.tokenizer
+
+    def get_tokenizer(self):
+        return self._core.tokenizer
+
+    @property
+    def model_config(self) -> dict:
+        return dict(self._core.model_config)
+
+    def stats(self) -> dict:
+        """Engine statistics: queue sizes, KV blocks, prefix-cache hits, timings."""
+        return self._core.stats()
+
+    def generate(self, prompts, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 *, use_tqdm: bool = True, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
+        core = self._core
+        if core.closed:
+            from . import EngineClosedError
+
+            raise EngineClosedError("the LLM is closed")
+        items = normalize_prompts(prompts)
+        if sampling_params is None:
+            params = [SamplingParams()] * len(items)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(items)
+        elif isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(items):
+                raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(items)} prompts")
+            params = list(sampling_params)
+        else:
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, "
+                            f"got {type(sampling_params).__name__}")
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
+        if priority is not None and len(priority) != len(items):
+            raise ValueError(f"got {len(priority)} priorities for {len(items)} prompts")
+        # Everything is validated before anything is queued.
+        encoded = [core.tokenize_prompt(p) for p in items]
+        for (_, ids), p in zip(encoded, params):
+            core.check_fits(len(ids), p)
+
+        reqs = []
+        try:
+            for i, ((text, ids), p) in enumerate(zip(encoded, params)):
+                reqs.append(core.add_request(None, text, ids, p,
+                                             priority=priority[i] if priority is not None else 0))
+        except BaseException:
+            for r in reqs:
+                core.abort(r.request_id)
+            self._drain()
+            raise
+        self._run(reqs, use_tqdm)
+        return [EngineCore.build_output(r) for r in reqs]
+
+    def _drain(self):
+        while self._core.has_unfinished():
+            self._core._engine.step()
+            self._core.process_events()
+
+    def _run(self, reqs, use_tqdm: bool):
+        core = self._core
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(reqs), desc="Processed prompts", unit="req", dynamic_ncols=True)
+        n_out = 0
+        try:
+            import time
+
+            t0 = time.perf_counter()
+            while core.has_unfinished():
+                core._engine.step()
+                changed = core.process_events()
+                if bar is not None:
+                    done = sum(1 for r in changed if r.finished)
+                    n_out = core.stats()["generation_tokens"]
+                    el = max(time.perf_counter() - t0, 1e-9)
+                    bar.set_postfix_str(f"{n_out / el:.1f} tok/s", refresh=False)
+                    if done:
+                        bar.update(done)
+        except BaseException:
+            # Interrupted (e.g. KeyboardInterrupt): abort what is left so the engine stays usable.
+            for r in reqs:
+                if not r.finished:
+                    core.abort(r.request_id)
+            self._drain()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def chat(self, messages, sampling_params: Optional[SamplingParams] = None, *,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Applies the tokenizer's chat template to one conversation (a list of
+        {"role", "content"} dicts) or a list of conversations, then generates."""
+        tok = self._core.tokenizer
+        if tok is None:
+            raise ValueError("chat needs a tokenizer (skip_tokenizer_init=True was given)")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise TypeError("messages must be a non-empty list of {'role', 'content'} dicts")
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in convs:
+            for msg in conv:
+                if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
+                    raise ValueError("each chat message must be a dict with 'role' and 'content'")
+            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)
+                            if getattr(tok, "chat_template", None) else tok.encode(text)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def close(self):
+        self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,381 @@
+"""A NumPy oracle for the model: float64, full causal attention, no batching tricks.
+
+Written from the model definition, independent of the C engine: it reads checkpoints with
+its own small readers (safetensors and llama2.c), so a bug in the C loader cannot hide in
+both. Meant for tiny models in tests.
+
+    ref = ReferenceModel.load(path)           # HF folder or llama2.c .bin
+    ref.logits([1, 403, 407])                 # float64 [3][vocab]
+    ref.greedy([1], 20)                       # 20 new token ids (argmax each step)
+
+The model (LLaMA family): x = embed[token]; per layer
+    x += o_proj(attention(rope(q_proj(n)), rope(k_proj(n)), v_proj(n))),  n = rmsnorm(x)
+    x += down(silu(gate(n)) * up(n)),                                     n = rmsnorm(x)
+logits = rmsnorm(x) @ lm_head.T (lm_head = embed when tied). RMSNorm: x / sqrt(mean(x^2) + eps) * w.
+Grouped-query attention: query head h reads kv head h // (n_heads / n_kv_heads); scores scaled
+by 1/sqrt(head_dim). RoPE rotates (i, i + head_dim/2) for HF checkpoints ("halves") and
+(2i, 2i+1) for llama2.c ("pairs") by angle pos * theta^(-2i/head_dim), with llama3 scaling of
+the frequencies when the config asks for it. Biases (Qwen2 q/k/v, or any *_proj.bias in the
+file) are added. Mistral's sliding window is not applied (attention is always full causal).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from ._core import ModelFormatError, UnsupportedError
+
+__all__ = [
+    "ReferenceModel",
+    "read_safetensors_file",
+    "read_hf_weights",
+    "read_llama2c",
+    "rope_inv_freq",
+]
+
+_ST_DTYPES = {"F32": (np.dtype("<f4"), 4), "F16": (np.dtype("<f2"), 2), "BF16": (np.dtype("<u2"), 2),
+              "F64": (np.dtype("<f8"), 8)}
+_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+          "llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+
+
+# ---------------------------------------------------------------------------- readers
+
+
+def read_safetensors_file(path) -> dict[str, tuple[str, np.ndarray]]:
+    """{name: (dtype, values)} of one .safetensors file; values as float32 (exact for
+    F32/F16/BF16), shaped as stored."""
+    path = Path(path)
+    data = path.read_bytes()
+    if len(data) < 8:
+        raise ModelFormatError(f"{path}: too short for a safetensors file")
+    (n,) = struct.unpack_from("<Q", data, 0)
+    if n > len(data) - 8:
+        raise ModelFormatError(f"{path}: header length {n} runs past the end of the file")
+    try:
+        header = json.loads(data[8:8 + n].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFormatError(f"{path}: bad safetensors header ({e})") from None
+    base = 8 + n
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], list(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ModelFormatError(f"{path}: tensor {name!r} has a malformed header entry") from None
+        if dtype not in _ST_DTYPES:
+            raise UnsupportedError(f"{path}: tensor {name!r} has dtype {dtype}")
+        np_dtype, size = _ST_DTYPES[dtype]
+        count = int(np.prod(shape)) if shape else 1
+        if not (0 <= begin <= end <= len(data) - base) or end - begin != count * size:
+            raise ModelFormatError(f"{path}: tensor {name!r} offsets {begin}..{end} do not fit "
+                                   f"shape {shape} {dtype} in a file of {len(data)} bytes")
+        raw = np.frombuffer(data, dtype=np_dtype, count=count, offset=base + begin)
+        if dtype == "BF16":
+            vals = (raw.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        else:
+            vals = raw.astype(np.float32)
+        out[name] = (dtype, vals.reshape(shape))
+    return out
+
+
+def read_hf_weights(folder) -> dict[str, tuple[str, np.ndarray]]:
+    """All tensors of a HF folder: model.safetensors or the shards named by
+    model.safetensors.index.json."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map") or {}
+        out: dict = {}
+        for fname in sorted(set(weight_map.values())):
+            out.update(read_safetensors_file(folder / fname))
+        missing = set(weight_map) - set(out)
+        if missing:
+            raise ModelFormatError(f"{index}: tensors not found in their shards: {sorted(missing)[:5]}")
+        return out
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {folder}")
+    return read_safetensors_file(single)
+
+
+def read_llama2c(path) -> tuple[dict, dict]:
+    """(config, weights) of a llama2.c version-0 .bin (float32)."""
+    path = Path(path)
+    data = path.read_bytes()
+    if len(data) < 28:
+        raise ModelFormatError(f"{path}: too short for a llama2.c header ({len(data)} bytes)")
+    if struct.unpack_from("<I", data, 0)[0] == 0x616B3432:
+        raise UnsupportedError(f"{path}: llama2.c version 1/2 exports are not supported (only version 0)")
+    dim, hid, n_layers, n_heads, n_kv, vocab, seq_len = struct.unpack_from("<7i", data, 0)
+    shared = vocab > 0
+    vocab = abs(vocab)
+    if min(dim, hid, n_layers, n_heads, n_kv, vocab, seq_len) <= 0 or dim % n_heads or n_heads % n_kv:
+        raise ModelFormatError(f"{path}: bad header dim={dim} hidden_dim={hid} n_layers={n_layers} "
+                               f"n_heads={n_heads} n_kv_heads={n_kv} vocab_size={vocab} seq_len={seq_len}")
+    hd = dim // n_heads
+    kv_dim = n_kv * hd
+    L = n_layers
+    parts = [("embed", (vocab, dim)), ("rms_att", (L, dim)), ("wq", (L, dim, dim)), ("wk", (L, kv_dim, dim)),
+             ("wv", (L, kv_dim, dim)), ("wo", (L, dim, dim)), ("rms_ffn", (L, dim)), ("w1", (L, hid, dim)),
+             ("w2", (L, dim, hid)), ("w3", (L, hid, dim)), ("rms_final", (dim,)),
+             ("freq_real", (seq_len, hd // 2)), ("freq_imag", (seq_len, hd // 2))]
+    if not shared:
+        parts.append(("wcls", (vocab, dim)))
+    need = 28 + 4 * sum(int(np.prod(s)) for _, s in parts)
+    if len(data) != need:
+        raise ModelFormatError(f"{path}: file is {len(data)} bytes; the header implies {need}")
+    arrays = {}
+    off = 28
+    for name, shape in parts:
+        count = int(np.prod(shape))
+        arrays[name] = np.frombuffer(data, dtype="<f4", count=count, offset=off).reshape(shape).astype(np.float64)
+        off += 4 * count
+    config = dict(format="llama2c", arch="llama", dim=dim, hidden_dim=hid, n_layers=L, n_heads=n_heads,
+                  n_kv_heads=n_kv, head_dim=hd, vocab_size=vocab, max_pos=seq_len, rms_eps=1e-5,
+                  rope_theta=10000.0, rope_layout="pairs", rope_scaling=None, tie_embeddings=shared,
+                  qkv_bias=False, bos_id=1, eos_ids=[2], dtype="float32")
+    layers = [dict(attn_norm=arrays["rms_att"][i], wq=arrays["wq"][i], wk=arrays["wk"][i], wv=arrays["wv"][i],
+                   wo=arrays["wo"][i], ffn_norm=arrays["rms_ffn"][i], w_gate=arrays["w1"][i],
+                   w_up=arrays["w3"][i], w_down=arrays["w2"][i]) for i in range(L)]
+    weights = dict(embed=arrays["embed"], final_norm=arrays["rms_final"],
+                   lm_head=None if shared else arrays["wcls"], layers=layers)
+    return config, weights
+
+
+def _hf_config(folder: Path) -> dict:
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"no config.json in {folder}")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            c = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ModelFormatError(f"{cfg_path}: not valid JSON ({e})") from None
+    names = list(c.get("architectures") or []) + [c.get("model_type")]
+    arch = next((_ARCHS[n] for n in names if n in _ARCHS), None)
+    if arch is None:
+        raise UnsupportedError(f"{cfg_path}: architecture {names} is not supported")
+    try:
+        dim, n_heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+        cfg = dict(format="hf", arch=arch, dim=dim, hidden_dim=int(c["intermediate_size"]),
+                   n_layers=int(c["num_hidden_layers"]), n_heads=n_heads,
+                   n_kv_heads=int(c.get("num_key_value_heads") or n_heads),
+                   head_dim=int(c.get("head_dim") or dim // n_heads), vocab_size=int(c["vocab_size"]),
+                   max_pos=int(c.get("max_position_embeddings") or 2048),
+                   rms_eps=float(c.get("rms_norm_eps") or 1e-6),
+                   rope_theta=float(c.get("rope_theta") or 10000.0), rope_layout="halves",
+                   rope_scaling=c.get("rope_scaling"),
+                   tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+                   qkv_bias=arch == "qwen2" or bool(c.get("attention_bias", False)),
+                   bos_id=c.get("bos_token_id"), dtype=c.get("torch_dtype"))
+    except KeyError as e:
+        raise ModelFormatError(f"{cfg_path}: missing {e.args[0]!r}") from None
+    eos = c.get("eos_token_id")
+    cfg["eos_ids"] = [e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int)]
+    if cfg["n_heads"] % cfg["n_kv_heads"]:
+        raise ModelFormatError(f"{cfg_path}: num_attention_heads {n_heads} is not a multiple of "
+                               f"num_key_value_heads {cfg['n_kv_heads']}")
+    return cfg
+
+
+def _hf_weights(folder: Path, cfg: dict) -> dict:
+    raw = read_hf_weights(folder)
+
+    def get(name, shape, required=True):
+        if name not in raw:
+            if required:
+                raise ModelFormatError(f"{folder}: tensor {name} is missing")
+            return None
+        arr = raw[name][1]
+        if tuple(arr.shape) != tuple(shape):
+            raise ModelFormatError(f"{folder}: tensor {name} has shape {list(arr.shape)}, expected {list(shape)}")
+        return arr.astype(np.float64)
+
+    dim, hid, hd = cfg["dim"], cfg["hidden_dim"], cfg["head_dim"]
+    q_dim, kv_dim, V = cfg["n_heads"] * hd, cfg["n_kv_heads"] * hd, cfg["vocab_size"]
+    layers = []
+    for i in range(cfg["n_layers"]):
+        p = f"model.layers.{i}."
+        layers.append(dict(
+            attn_norm=get(p + "input_layernorm.weight", (dim,)),
+            wq=get(p + "self_attn.q_proj.weight", (q_dim, dim)),
+            wk=get(p + "self_attn.k_proj.weight", (kv_dim, dim)),
+            wv=get(p + "self_attn.v_proj.weight", (kv_dim, dim)),
+            wo=get(p + "self_attn.o_proj.weight", (dim, q_dim)),
+            bq=get(p + "self_attn.q_proj.bias", (q_dim,), cfg["qkv_bias"]),
+            bk=get(p + "self_attn.k_proj.bias", (kv_dim,), cfg["qkv_bias"]),
+            bv=get(p + "self_attn.v_proj.bias", (kv_dim,), cfg["qkv_bias"]),
+            bo=get(p + "self_attn.o_proj.bias", (dim,), False),
+            ffn_norm=get(p + "post_attention_layernorm.weight", (dim,)),
+            w_gate=get(p + "mlp.gate_proj.weight", (hid, dim)),
+            w_up=get(p + "mlp.up_proj.weight", (hid, dim)),
+            w_down=get(p + "mlp.down_proj.weight", (dim, hid)),
+        ))
+    return dict(embed=get("model.embed_tokens.weight", (V, dim)), final_norm=get("model.norm.weight", (dim,)),
+                lm_head=None if cfg["tie_embeddings"] else get("lm_head.weight", (V, dim)), layers=layers)
+
+
+# ---------------------------------------------------------------------------- math
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> np.ndarray:
+    """Rotation frequencies theta^(-2i/head_dim), i < head_dim/2, with llama3 (or linear)
+    scaling applied when given."""
+    freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if not scaling:
+        return freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return freq
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return freq / factor
+    if kind != "llama3":
+        raise UnsupportedError(f"rope_scaling type {kind!r} is not supported")
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen, high_freq_wavelen = old_ctx / low, old_ctx / high
+    out = np.empty_like(freq)
+    for i, f in enumerate(freq):
+        wavelen = 2 * math.pi / f
+        if wavelen < high_freq_wavelen:      # high frequency: unchanged
+            out[i] = f
+        elif wavelen > low_freq_wavelen:     # low frequency: slowed by factor
+            out[i] = f / factor
+        else:                                # in between: blend the two
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out[i] = (1 - smooth) * f / factor + smooth * f
+    return out
+
+
+def _rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _rope(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray, layout: str) -> np.ndarray:
+    """x: [T][heads][head_dim], pos: [T]."""
+    ang = pos[:, None].astype(np.float64) * inv_freq[None, :]  # [T][head_dim/2]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    out = np.empty_like(x)
+    if layout == "halves":
+        half = x.shape[-1] // 2
+        a, b = x[..., :half], x[..., half:]
+        out[..., :half] = a * cos - b * sin
+        out[..., half:] = b * cos + a * sin
+    else:  # adjacent pairs (2i, 2i+1)
+        a, b = x[..., 0::2], x[..., 1::2]
+        out[..., 0::2] = a * cos - b * sin
+        out[..., 1::2] = a * sin + b * cos
+    return out
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+class ReferenceModel:
+    """config: dict with the keys of conveyor._core.Checkpoint.config (plus "format");
+    weights: embed, final_norm, lm_head (None when tied), layers (list of dicts)."""
+
+    def __init__(self, config: dict, weights: dict):
+        self.config = config
+        self.weights = weights
+        self.inv_freq = rope_inv_freq(config["head_dim"], config["rope_theta"], config.get("rope_scaling"))
+
+    @classmethod
+    def load(cls, path) -> "ReferenceModel":
+        path = Path(os.fspath(path))
+        if path.is_dir():
+            cfg = _hf_config(path)
+            return cls(cfg, _hf_weights(path, cfg))
+        if path.is_file():
+            return cls(*read_llama2c(path))
+        raise FileNotFoundError(f"model not found: {path}")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config["vocab_size"]
+
+    def _check_tokens(self, tokens) -> np.ndarray:
+        toks = np.asarray(list(tokens), dtype=np.int64)
+        if toks.ndim != 1:
+            raise ValueError("tokens must be a flat sequence of ids")
+        if toks.size and (toks.min() < 0 or toks.max() >= self.vocab_size):
+            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        return toks
+
+    def forward(self, tokens, cache: list | None = None) -> np.ndarray:
+        """Logits [len(tokens)][vocab] for tokens that continue the sequence held in
+        ``cache`` (a list that collects each layer's keys and values; pass [] to start)."""
+        c, W = self.config, self.weights
+        toks = self._check_tokens(tokens)
+        T = len(toks)
+        if cache is None:
+            cache = []
+        start = cache[0][0].shape[0] if cache else 0
+        pos = np.arange(start, start + T)
+        H, KV, hd = c["n_heads"], c["n_kv_heads"], c["head_dim"]
+        group = H // KV
+        x = W["embed"][toks]  # [T][dim]
+        for li, L in enumerate(W["layers"]):
+            h = _rmsnorm(x, L["attn_norm"], c["rms_eps"])
+            q, k, v = h @ L["wq"].T, h @ L["wk"].T, h @ L["wv"].T
+            if L.get("bq") is not None:
+                q, k, v = q + L["bq"], k + L["bk"], v + L["bv"]
+            q = _rope(q.reshape(T, H, hd), pos, self.inv_freq, c["rope_layout"])
+            k = _rope(k.reshape(T, KV, hd), pos, self.inv_freq, c["rope_layout"])
+            v = v.reshape(T, KV, hd)
+            if len(cache) <= li:
+                cache.append((k, v))
+            else:
+                cache[li] = (np.concatenate([cache[li][0], k]), np.concatenate([cache[li][1], v]))
+            K, V = cache[li]  # [S][KV][hd]
+            S = K.shape[0]
+            kh = np.repeat(K, group, axis=1).transpose(1, 2, 0)  # [H][hd][S]
+            vh = np.repeat(V, group, axis=1).transpose(1, 0, 2)  # [H][S][hd]
+            scores = q.transpose(1, 0, 2) @ kh / math.sqrt(hd)   # [H][T][S]
+            key_pos = np.arange(S)
+            scores = np.where(key_pos[None, None, :] <= pos[None, :, None], scores, -np.inf)
+            scores -= scores.max(axis=-1, keepdims=True)
+            p = np.exp(scores)
+            p /= p.sum(axis=-1, keepdims=True)
+            att = (p @ vh).transpose(1, 0, 2).reshape(T, H * hd)
+            out = att @ L["wo"].T
+            if L.get("bo") is not None:
+                out = out + L["bo"]
+            x = x + out
+            h = _rmsnorm(x, L["ffn_norm"], c["rms_eps"])
+            x = x + (_silu(h @ L["w_gate"].T) * (h @ L["w_up"].T)) @ L["w_down"].T
+        x = _rmsnorm(x, W["final_norm"], c["rms_eps"])
+        head = W["embed"] if W["lm_head"] is None else W["lm_head"]
+        return x @ head.T
+
+    def logits(self, tokens) -> np.ndarray:
+        """float64 [len(tokens)][vocab]: row t predicts the token after tokens[:t+1]."""
+        return self.forward(tokens, [])
+
+    def greedy(self, prompt_tokens, n_new: int, stop_ids=()) -> list[int]:
+        """n_new argmax tokens after the prompt (fewer if one in ``stop_ids`` comes; it is
+        included). Ties go to the lowest id."""
+        if len(prompt_tokens) == 0:
+            raise ValueError("the prompt must have at least one token")
+        cache: list = []
+        logits = self.forward(prompt_tokens, cache)[-1]
+        out: list[int] = []
+        stop = set(stop_ids or ())
+        while len(out) < n_new:
+            tok = int(np.argmax(logits))
+            out.append(tok)
+            if tok in stop or len(out) == n_new:
+                break
+            logits = self.forward([tok], cache)[-1]
+        return out

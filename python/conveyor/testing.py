@@ -1,0 +1,631 @@
+"""Random-weight checkpoints in the real formats, for tests and benchmarks.
+
+    from conveyor.testing import write_hf_checkpoint, write_llama2c_checkpoint, SHAPES
+    d = write_hf_checkpoint(tmp / "tiny", shape="tiny", arch="qwen2", dtype="bfloat16")
+    f = write_llama2c_checkpoint(tmp / "tiny.bin", shape="tiny")
+
+Output is a pure function of the arguments (weights from ``np.random.default_rng(seed)``,
+tensors drawn in a fixed order, so the values do not depend on ``shards``). Tensors are
+generated and written one at a time (large ones in row chunks), so writing a 1B-parameter
+shape needs memory for one chunk, not for the model.
+
+Weight scales: a matrix [out][in] has std gain/sqrt(in). q/k use a gain of 1.2 so attention
+scores have std about 1.4 (attention is neither uniform nor one-hot); embeddings/lm_head
+std 2/sqrt(dim) so logits have std about 2; o_proj/down_proj a gain of 4 so the residual
+stream outweighs the token's own embedding (with tied embeddings a smaller gain makes
+greedy decoding repeat the input token); norm weights 1 + N(0, 0.1); biases N(0, 0.2).
+
+bfloat16 is stored as uint16 bit patterns rounded to nearest even from float32; float16
+with NumPy's (round-to-nearest-even) cast.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import math
+import os
+import struct
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+__all__ = [
+    "SHAPES",
+    "ARCHS",
+    "DTYPES",
+    "CORPUS",
+    "resolve_shape",
+    "random_shape",
+    "write_hf_checkpoint",
+    "write_llama2c_checkpoint",
+    "write_hf_tokenizer",
+    "write_llama2c_tokenizer",
+    "hf_tensor_layout",
+    "f32_to_bf16_bits",
+    "bf16_bits_to_f32",
+    "round_to_dtype",
+]
+
+# Named shapes. Keys follow conveyor._core.Checkpoint.config; optional keys: head_dim,
+# tie_embeddings, arch, qkv_bias, rope_theta, rms_eps, bos_id, eos_id.
+SHAPES: dict[str, dict] = {
+    "tiny": dict(dim=64, hidden_dim=176, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512,
+                 max_pos=512, tie_embeddings=False, rope_theta=10000.0, rms_eps=1e-5),
+    "smollm-135m": dict(dim=576, hidden_dim=1536, n_layers=30, n_heads=9, n_kv_heads=3,
+                        vocab_size=49152, max_pos=2048, tie_embeddings=True, rope_theta=10000.0,
+                        rms_eps=1e-5),
+    "tinyllama-1.1b": dict(dim=2048, hidden_dim=5632, n_layers=22, n_heads=32, n_kv_heads=4,
+                           vocab_size=32000, max_pos=2048, tie_embeddings=False,
+                           rope_theta=10000.0, rms_eps=1e-5),
+    "qwen2-0.5b": dict(dim=896, hidden_dim=4864, n_layers=24, n_heads=14, n_kv_heads=2,
+                       vocab_size=151936, max_pos=32768, tie_embeddings=True, arch="qwen2",
+                       qkv_bias=True, rope_theta=1000000.0, rms_eps=1e-6),
+}
+
+ARCHS = ("llama", "mistral", "qwen2")
+DTYPES = ("float32", "float16", "bfloat16")
+_HF_ARCH = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+}
+_ST_DTYPE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+_CHUNK = 1 << 22  # elements generated at a time
+_OUT_GAIN = 4.0  # o_proj/down_proj gain: see the module docstring
+
+# A small corpus of plain English for the tokenizers (written for this project).
+CORPUS = """\
+Once upon a time, there was a little girl named Lily. She loved to play outside in the park.
+One day, she saw a big, red ball under a tree. She ran to the ball and picked it up.
+Her friend Tom came over and asked if he could play too. Lily said yes, and they played all day.
+The sun was warm and the sky was blue. Birds sang in the trees and the flowers were bright.
+Tom threw the ball high into the air. Lily jumped and caught it with both hands.
+They laughed and ran around the green grass until they were tired.
+Then they sat down under the tree and ate some apples. The apples were sweet and juicy.
+Lily's mom called her home for dinner. Lily waved goodbye to Tom and walked home.
+At home, her dog Max was waiting by the door. Max wagged his tail and barked happily.
+Lily gave Max a hug and told him about her day in the park.
+After dinner, Lily read a book about a brave knight and a friendly dragon.
+The knight and the dragon became good friends and went on many adventures together.
+They crossed rivers, climbed mountains, and found a hidden cave full of shiny gold.
+When the story was over, Lily closed the book and went to sleep.
+She dreamed about the dragon flying over the town at night under the bright moon.
+The next morning, it was raining. Lily put on her yellow boots and her blue coat.
+She jumped in the puddles and watched the water splash everywhere.
+A small frog hopped out of the puddle and looked at her. Lily smiled at the frog.
+"Hello, little frog," she said. "Do you like the rain too?" The frog croaked and hopped away.
+Ben was a boy who liked to build things. He had a box of blocks, wheels and tools.
+One day, he built a tall tower that almost touched the ceiling of his room.
+His sister Sue wanted to help, but she was too small to reach the top.
+Ben lifted her up, and she put the last block on the tower. They were very proud.
+Their dad took a picture of the tower and the two happy children.
+In the garden, there were carrots, beans, tomatoes and big orange pumpkins.
+Grandma showed the children how to water the plants and pull the weeds.
+"Plants need sun, water and love to grow," Grandma said with a kind smile.
+The cat slept on the window, and the mouse hid in a small hole in the wall.
+A bird built a nest with sticks and leaves, and soon there were three blue eggs.
+The baby birds opened their mouths wide, and their mother brought them food.
+Every night, the family sat together, told stories and sang songs by the fire.
+The little boat sailed across the lake while the fish swam below the water.
+Anna found a key in the sand. She wondered what it could open.
+She looked everywhere: under the bed, behind the chair, and inside the old chest.
+At last, the key opened a tiny box with a silver ring and a note that said "Thank you".
+Sam and Mia wanted to make a cake for their mother's birthday.
+They mixed flour, sugar, eggs and milk in a big bowl, then baked it in the oven.
+The kitchen smelled wonderful, and their mother was surprised and very happy.
+It is important to share, to be kind, and to say sorry when you make a mistake.
+The teacher asked the class to draw a picture of their favorite animal.
+Some drew lions and tigers, others drew horses, rabbits, turtles and elephants.
+Jack counted the stars: one, two, three, four, five, six, seven, eight, nine, ten.
+The old man walked slowly with his cane and stopped to feed the ducks by the pond.
+Winter came, and the snow covered the houses, the roads and the tall pine trees.
+The children built a snowman with a carrot nose and two black buttons for eyes.
+In spring, the snow melted and new leaves grew on every branch.
+The train went fast through the hills, and the people waved from the windows.
+Please remember to brush your teeth, wash your hands, and go to bed on time.
+What is your name? Where do you live? How old are you? Why is the sky blue?
+The quick brown fox jumps over the lazy dog, and the dog does not even wake up.
+"""
+
+_HF_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
+
+
+# ---------------------------------------------------------------------------- shapes
+
+
+def resolve_shape(shape) -> dict:
+    """A shape name or dict -> a full shape dict (head_dim filled in)."""
+    if isinstance(shape, str):
+        if shape not in SHAPES:
+            raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+        s = copy.deepcopy(SHAPES[shape])
+    elif isinstance(shape, dict):
+        s = copy.deepcopy(shape)
+    else:
+        raise TypeError(f"shape must be a name or a dict, got {type(shape).__name__}")
+    for key in ("dim", "hidden_dim", "n_layers", "n_heads", "vocab_size"):
+        if key not in s:
+            raise ValueError(f"shape has no {key!r}")
+    s.setdefault("n_kv_heads", s["n_heads"])
+    s.setdefault("max_pos", 512)
+    s.setdefault("rope_theta", 10000.0)
+    s.setdefault("rms_eps", 1e-5)
+    if "_explicit_head_dim" in s:
+        pass  # already resolved
+    elif s.get("head_dim") is None:
+        if s["dim"] % s["n_heads"]:
+            raise ValueError(f"dim {s['dim']} is not a multiple of n_heads {s['n_heads']}; give head_dim")
+        s["head_dim"] = s["dim"] // s["n_heads"]
+        s["_explicit_head_dim"] = False
+    else:
+        s["_explicit_head_dim"] = True
+    for key in ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_pos", "head_dim"):
+        if not isinstance(s[key], (int, np.integer)) or s[key] <= 0:
+            raise ValueError(f"shape[{key!r}] must be a positive int, got {s[key]!r}")
+        s[key] = int(s[key])
+    if s["n_heads"] % s["n_kv_heads"]:
+        raise ValueError(f"n_heads {s['n_heads']} is not a multiple of n_kv_heads {s['n_kv_heads']}")
+    if s["head_dim"] % 2:
+        raise ValueError(f"head_dim {s['head_dim']} must be even for RoPE")
+    return s
+
+
+def random_shape(rng: np.random.Generator, *, llama2c: bool = False, max_vocab: int = 600) -> dict:
+    """A small random shape for test grids (fast to write and to run in the reference).
+
+    ``llama2c=True`` keeps head_dim = dim / n_heads (the format cannot say otherwise)."""
+    n_kv = int(rng.choice([1, 2, 4]))
+    n_heads = n_kv * int(rng.choice([1, 2, 3]))
+    head_dim = int(rng.choice([8, 16, 32]))
+    if llama2c or rng.random() < 0.6:
+        dim = n_heads * head_dim
+        explicit = None
+    else:
+        dim = int(rng.choice([32, 48, 64, 96]))
+        explicit = head_dim
+    shape = dict(dim=dim, hidden_dim=int(rng.integers(2, 9)) * 16 + int(rng.choice([0, 4])),
+                 n_layers=int(rng.integers(1, 4)), n_heads=n_heads, n_kv_heads=n_kv,
+                 vocab_size=int(rng.integers(300, max(301, max_vocab))),
+                 max_pos=int(rng.choice([64, 128, 256])),
+                 rope_theta=float(rng.choice([10000.0, 500000.0])),
+                 rms_eps=float(rng.choice([1e-5, 1e-6])))
+    if explicit is not None:
+        shape["head_dim"] = explicit
+    return shape
+
+
+# ---------------------------------------------------------------------------- numbers
+
+
+def f32_to_bf16_bits(a) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), round to nearest even."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    return rounded.astype(np.uint16)
+
+
+def bf16_bits_to_f32(bits) -> np.ndarray:
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def round_to_dtype(a, dtype: str) -> np.ndarray:
+    """The float32 values that ``a`` becomes once stored as ``dtype``."""
+    a = np.asarray(a, dtype=np.float32)
+    if dtype == "float32":
+        return a.copy()
+    if dtype == "float16":
+        return a.astype(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        return bf16_bits_to_f32(f32_to_bf16_bits(a))
+    raise ValueError(f"unknown dtype {dtype!r}; use one of {DTYPES}")
+
+
+def _encode(a: np.ndarray, dtype: str) -> bytes:
+    if dtype == "float32":
+        return np.ascontiguousarray(a, dtype="<f4").tobytes()
+    if dtype == "float16":
+        return np.ascontiguousarray(a, dtype=np.float32).astype("<f2").tobytes()
+    return f32_to_bf16_bits(a).astype("<u2").tobytes()
+
+
+class _Gen:
+    """Draws tensors in order from one generator; 'kind' picks the distribution."""
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+
+    def chunks(self, shape, kind: str, scale: float = 1.0):
+        """Yields float32 pieces (row-major order) of a tensor of ``shape``."""
+        n = int(np.prod(shape))
+        done = 0
+        while done < n:
+            k = min(_CHUNK, n - done)
+            x = self.rng.standard_normal(k, dtype=np.float32)
+            if kind == "norm":
+                x = np.float32(1.0) + np.float32(0.1) * x
+            else:
+                x *= np.float32(scale)
+            done += k
+            yield x
+
+    def full(self, shape, kind: str, scale: float = 1.0) -> np.ndarray:
+        return np.concatenate(list(self.chunks(shape, kind, scale))).reshape(shape)
+
+
+# ---------------------------------------------------------------------------- HF
+
+
+def hf_tensor_layout(shape, arch: str = "llama", tie_embeddings: bool = False,
+                     qkv_bias: bool | None = None) -> list[tuple[str, tuple, str, float]]:
+    """(name, shape, kind, scale) for every tensor of a HF checkpoint, in generation order."""
+    s = resolve_shape(shape)
+    dim, hid, hd = s["dim"], s["hidden_dim"], s["head_dim"]
+    q_dim, kv_dim = s["n_heads"] * hd, s["n_kv_heads"] * hd
+    bias = (arch == "qwen2") if qkv_bias is None else qkv_bias
+    emb_scale = 2.0 / math.sqrt(dim)
+    out = [("model.embed_tokens.weight", (s["vocab_size"], dim), "normal", emb_scale)]
+    for i in range(s["n_layers"]):
+        p = f"model.layers.{i}."
+        out.append((p + "input_layernorm.weight", (dim,), "norm", 1.0))
+        out.append((p + "self_attn.q_proj.weight", (q_dim, dim), "normal", 1.2 / math.sqrt(dim)))
+        out.append((p + "self_attn.k_proj.weight", (kv_dim, dim), "normal", 1.2 / math.sqrt(dim)))
+        out.append((p + "self_attn.v_proj.weight", (kv_dim, dim), "normal", 1.0 / math.sqrt(dim)))
+        if bias:
+            out.append((p + "self_attn.q_proj.bias", (q_dim,), "normal", 0.2))
+            out.append((p + "self_attn.k_proj.bias", (kv_dim,), "normal", 0.2))
+            out.append((p + "self_attn.v_proj.bias", (kv_dim,), "normal", 0.2))
+        out.append((p + "self_attn.o_proj.weight", (dim, q_dim), "normal", _OUT_GAIN / math.sqrt(q_dim)))
+        out.append((p + "post_attention_layernorm.weight", (dim,), "norm", 1.0))
+        out.append((p + "mlp.gate_proj.weight", (hid, dim), "normal", 1.0 / math.sqrt(dim)))
+        out.append((p + "mlp.up_proj.weight", (hid, dim), "normal", 1.0 / math.sqrt(dim)))
+        out.append((p + "mlp.down_proj.weight", (dim, hid), "normal", _OUT_GAIN / math.sqrt(hid)))
+    out.append(("model.norm.weight", (dim,), "norm", 1.0))
+    if not tie_embeddings:
+        out.append(("lm_head.weight", (s["vocab_size"], dim), "normal", emb_scale))
+    return out
+
+
+def _safetensors_header(entries: list[tuple[str, tuple]], dtype: str) -> tuple[bytes, int]:
+    """Header bytes (length prefix included, padded to 8) and the data size."""
+    meta: dict = {"__metadata__": {"format": "pt"}}
+    off = 0
+    for name, shp in entries:
+        n = int(np.prod(shp)) * _ITEMSIZE[dtype]
+        meta[name] = {"dtype": _ST_DTYPE[dtype], "shape": list(shp), "data_offsets": [off, off + n]}
+        off += n
+    head = json.dumps(meta, separators=(",", ":")).encode("utf-8")
+    head += b" " * (-len(head) % 8)
+    return struct.pack("<Q", len(head)) + head, off
+
+
+def _split_shards(layout, shards: int, dtype: str) -> list[list]:
+    """Consecutive groups of about equal bytes; every group gets at least one tensor."""
+    if not isinstance(shards, int) or shards < 1 or shards > len(layout):
+        raise ValueError(f"shards must be an int between 1 and {len(layout)}, got {shards!r}")
+    sizes = [int(np.prod(t[1])) * _ITEMSIZE[dtype] for t in layout]
+    target = sum(sizes) / shards
+    groups: list[list] = [[]]
+    acc = 0
+    for idx, (t, n) in enumerate(zip(layout, sizes)):
+        must_split = len(layout) - idx == shards - len(groups)
+        if groups[-1] and len(groups) < shards and (acc >= target * len(groups) or must_split):
+            groups.append([])
+        groups[-1].append(t)
+        acc += n
+    return groups
+
+
+def write_hf_checkpoint(path, *, shape="tiny", arch: str | None = None, dtype: str = "float32",
+                        seed: int = 0, tie_embeddings: bool | None = None, rope_scaling=None,
+                        shards: int = 1, max_position_embeddings: int | None = None,
+                        tokenizer: bool = True, rope_theta: float | None = None,
+                        rms_eps: float | None = None, qkv_bias: bool | None = None) -> Path:
+    """Writes a HF model folder: config.json, model.safetensors (or ``shards`` files and
+    model.safetensors.index.json), and with ``tokenizer`` a byte-level BPE tokenizer.json,
+    tokenizer_config.json (chat template) and generation_config.json. Returns the folder.
+
+    ``rope_scaling``: None, a HF rope_scaling dict, or "llama3" for
+    {factor 8, low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings max_pos}.
+    """
+    s = resolve_shape(shape)
+    arch = arch or s.get("arch", "llama")
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; use one of {ARCHS}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {DTYPES}")
+    tie = s.get("tie_embeddings", False) if tie_embeddings is None else bool(tie_embeddings)
+    bias = s.get("qkv_bias", arch == "qwen2") if qkv_bias is None else bool(qkv_bias)
+    max_pos = s["max_pos"] if max_position_embeddings is None else int(max_position_embeddings)
+    theta = s["rope_theta"] if rope_theta is None else float(rope_theta)
+    eps = s["rms_eps"] if rms_eps is None else float(rms_eps)
+    if rope_scaling == "llama3":
+        rope_scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": s["max_pos"]}
+    if rope_scaling is not None and not isinstance(rope_scaling, dict):
+        raise TypeError("rope_scaling must be None, a dict, or 'llama3'")
+    if tokenizer and s["vocab_size"] < 258:
+        raise ValueError(f"vocab_size {s['vocab_size']} is too small for a byte-level tokenizer (>= 258)")
+
+    out = Path(os.fspath(path))
+    out.mkdir(parents=True, exist_ok=True)
+    arch_name, model_type = _HF_ARCH[arch]
+    bos_id, eos_id = s.get("bos_id", 0), s.get("eos_id", 1)
+    config = {
+        "architectures": [arch_name],
+        "model_type": model_type,
+        "hidden_size": s["dim"],
+        "intermediate_size": s["hidden_dim"],
+        "num_hidden_layers": s["n_layers"],
+        "num_attention_heads": s["n_heads"],
+        "num_key_value_heads": s["n_kv_heads"],
+        "vocab_size": s["vocab_size"],
+        "max_position_embeddings": max_pos,
+        "rms_norm_eps": eps,
+        "rope_theta": theta,
+        "rope_scaling": rope_scaling,
+        "tie_word_embeddings": tie,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "attention_dropout": 0.0,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": dtype,
+        "use_cache": True,
+    }
+    if s["_explicit_head_dim"]:
+        config["head_dim"] = s["head_dim"]
+    if arch == "llama":
+        config["attention_bias"] = bias
+        config["mlp_bias"] = False
+    elif arch == "mistral":
+        config["sliding_window"] = None
+    elif arch == "qwen2":
+        config["use_sliding_window"] = False
+        config["sliding_window"] = max_pos
+        config["max_window_layers"] = s["n_layers"]
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    layout = hf_tensor_layout(s, arch, tie, bias)
+    for old in out.glob("model*.safetensors*"):
+        old.unlink()
+    groups = _split_shards(layout, shards, dtype)
+    names = (["model.safetensors"] if shards == 1 else
+             [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)])
+    gen = _Gen(seed)
+    weight_map = {}
+    total = 0
+    for fname, group in zip(names, groups):
+        head, size = _safetensors_header([(t[0], t[1]) for t in group], dtype)
+        total += size
+        with open(out / fname, "wb") as f:
+            f.write(head)
+            for name, shp, kind, scale in group:
+                for piece in gen.chunks(shp, kind, scale):
+                    f.write(_encode(piece, dtype))
+                weight_map[name] = fname
+    if shards > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    if tokenizer:
+        write_hf_tokenizer(out, s["vocab_size"], bos_id=bos_id, eos_id=eos_id)
+        gen_cfg = {"bos_token_id": bos_id, "eos_token_id": eos_id}
+        (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
+    return out
+
+
+# ---------------------------------------------------------------------------- tokenizers
+
+
+def _train_merges(words: dict[tuple[str, ...], int], n_merges: int) -> list[tuple[str, str]]:
+    """Plain BPE: merge the most frequent adjacent pair (smallest pair on ties) n times,
+    or until no pair occurs twice."""
+    words = dict(words)
+    merges: list[tuple[str, str]] = []
+    while len(merges) < n_merges:
+        counts: Counter = Counter()
+        for w, c in words.items():
+            for a, b in zip(w, w[1:]):
+                counts[(a, b)] += c
+        if not counts:
+            break
+        best_count = max(counts.values())
+        if best_count < 2:
+            break
+        pair = min(p for p, c in counts.items() if c == best_count)
+        merges.append(pair)
+        merged = pair[0] + pair[1]
+        new_words: dict = {}
+        for w, c in words.items():
+            if len(w) > 1:
+                nw, i = [], 0
+                while i < len(w):
+                    if i + 1 < len(w) and w[i] == pair[0] and w[i + 1] == pair[1]:
+                        nw.append(merged)
+                        i += 2
+                    else:
+                        nw.append(w[i])
+                        i += 1
+                w = tuple(nw)
+            new_words[w] = new_words.get(w, 0) + c
+        words = new_words
+    return merges
+
+
+@functools.lru_cache(maxsize=8)
+def _byte_level_merges(n_merges: int) -> tuple:
+    from .tokenizer import _bytes_to_unicode
+
+    table = _bytes_to_unicode()
+    import re
+    # GPT-2-like split: a word keeps its leading space.
+    pieces = re.findall(r" ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+", CORPUS)
+    words = Counter(tuple(table[b] for b in p.encode("utf-8")) for p in pieces)
+    return tuple(_train_merges(words, n_merges))
+
+
+def write_hf_tokenizer(folder, vocab_size: int, *, bos_id: int = 0, eos_id: int = 1) -> None:
+    """tokenizer.json (byte-level BPE with exactly ``vocab_size`` ids: "<s>", "</s>", the
+    256 byte symbols, merges learned from CORPUS, then never-produced padding tokens
+    "<|extra_N|>"), tokenizer_config.json (BOS added, chat template)."""
+    from .tokenizer import _bytes_to_unicode
+
+    folder = Path(folder)
+    if sorted((bos_id, eos_id)) != [0, 1]:
+        raise ValueError("the test tokenizer puts <s>/</s> at ids 0 and 1")
+    if vocab_size < 258:
+        raise ValueError(f"vocab_size {vocab_size} < 258")
+    special = {bos_id: "<s>", eos_id: "</s>"}
+    vocab: dict[str, int] = {}
+    for i in (0, 1):
+        vocab[special[i]] = i
+    table = _bytes_to_unicode()
+    for b in range(256):
+        vocab[table[b]] = len(vocab)
+    merges = []
+    for a, b in _byte_level_merges(vocab_size - len(vocab)):
+        if a + b not in vocab:
+            vocab[a + b] = len(vocab)
+            merges.append(f"{a} {b}")  # byte-level symbols never contain a space
+    k = 0
+    while len(vocab) < vocab_size:
+        vocab[f"<|extra_{k}|>"] = len(vocab)
+        k += 1
+    spec = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [
+            {"id": i, "content": special[i], "single_word": False, "lstrip": False, "rstrip": False,
+             "normalized": False, "special": True} for i in (0, 1)
+        ],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                          "use_regex": True},
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": "<s>", "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [bos_id], "tokens": ["<s>"]}},
+        },
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                  "vocab": vocab, "merges": merges},
+    }
+    (folder / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False) + "\n", encoding="utf-8")
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "model_max_length": 1 << 20,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": _HF_CHAT_TEMPLATE,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+
+
+@functools.lru_cache(maxsize=8)
+def _sentencepiece_merges(n_merges: int) -> tuple:
+    words = Counter()
+    for line in CORPUS.splitlines():
+        for w in line.split(" "):
+            if w:
+                words[tuple(" " + w)] += 1
+    return tuple(_train_merges(words, n_merges))
+
+
+def write_llama2c_tokenizer(path, vocab_size: int) -> Path:
+    """A llama2.c tokenizer.bin: <unk>, "\\n<s>\\n", "\\n</s>\\n", <0x00>..<0xFF>, the
+    characters of CORPUS (score -1e6), pieces merged from CORPUS (score -rank), then
+    padding pieces "<extra_N>" (score -1e9, never produced by encoding)."""
+    if vocab_size < 259:
+        raise ValueError(f"vocab_size {vocab_size} < 259 (3 special + 256 byte tokens)")
+    pieces: list[tuple[float, bytes]] = [(0.0, b"<unk>"), (0.0, b"\n<s>\n"), (0.0, b"\n</s>\n")]
+    pieces += [(0.0, f"<0x{b:02X}>".encode()) for b in range(256)]
+    seen = {p for _, p in pieces}
+    chars = sorted(set(" " + CORPUS.replace("\n", "")))
+    for c in chars:
+        if len(pieces) >= vocab_size:
+            break
+        pieces.append((-1e6, c.encode("utf-8")))
+        seen.add(c.encode("utf-8"))
+    rank = 0
+    for a, b in _sentencepiece_merges(max(0, vocab_size - len(pieces))):
+        if len(pieces) >= vocab_size:
+            break
+        p = (a + b).encode("utf-8")
+        if p not in seen:
+            pieces.append((-float(rank), p))
+            seen.add(p)
+            rank += 1
+    k = 0
+    while len(pieces) < vocab_size:
+        pieces.append((-1e9, f"<extra_{k}>".encode()))
+        k += 1
+    path = Path(path)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<i", max(len(p) for _, p in pieces)))
+        for score, p in pieces:
+            f.write(struct.pack("<fi", score, len(p)))
+            f.write(p)
+    return path
+
+
+# ---------------------------------------------------------------------------- llama2.c
+
+
+def write_llama2c_checkpoint(path, *, shape="tiny", seed: int = 0, tied: bool = True,
+                             tokenizer: bool = True) -> Path:
+    """Writes a llama2.c (version 0) float32 .bin and, with ``tokenizer``, tokenizer.bin
+    beside it. ``path``: the .bin file, or a folder (then folder/model.bin). Returns the
+    .bin path."""
+    s = resolve_shape(shape)
+    if s["_explicit_head_dim"] and s["head_dim"] * s["n_heads"] != s["dim"]:
+        raise ValueError("llama2.c checkpoints need head_dim == dim / n_heads")
+    out = Path(os.fspath(path))
+    if out.is_dir():
+        out = out / "model.bin"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    dim, hid, L, V = s["dim"], s["hidden_dim"], s["n_layers"], s["vocab_size"]
+    hd = s["head_dim"]
+    kv_dim = s["n_kv_heads"] * hd
+    emb = 2.0 / math.sqrt(dim)
+    gen = _Gen(seed)
+    with open(out, "wb") as f:
+        f.write(struct.pack("<7i", dim, hid, L, s["n_heads"], s["n_kv_heads"], V if tied else -V, s["max_pos"]))
+        parts = [
+            ((V, dim), "normal", emb),                        # token_embedding
+            ((L, dim), "norm", 1.0),                          # rms_att
+            ((L, dim, dim), "normal", 1.2 / math.sqrt(dim)),  # wq
+            ((L, kv_dim, dim), "normal", 1.2 / math.sqrt(dim)),  # wk
+            ((L, kv_dim, dim), "normal", 1.0 / math.sqrt(dim)),  # wv
+            ((L, dim, dim), "normal", _OUT_GAIN / math.sqrt(dim)),  # wo
+            ((L, dim), "norm", 1.0),                          # rms_ffn
+            ((L, hid, dim), "normal", 1.0 / math.sqrt(dim)),  # w1 (gate)
+            ((L, dim, hid), "normal", _OUT_GAIN / math.sqrt(hid)),  # w2 (down)
+            ((L, hid, dim), "normal", 1.0 / math.sqrt(dim)),  # w3 (up)
+            ((dim,), "norm", 1.0),                            # rms_final
+        ]
+        for shp, kind, scale in parts:
+            for piece in gen.chunks(shp, kind, scale):
+                f.write(_encode(piece, "float32"))
+        # The two unused RoPE tables [seq_len][head_dim/2]: written with their true values.
+        freq = 1.0 / (10000.0 ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+        ang = np.outer(np.arange(s["max_pos"], dtype=np.float64), freq)
+        f.write(np.cos(ang).astype("<f4").tobytes())
+        f.write(np.sin(ang).astype("<f4").tobytes())
+        if not tied:
+            for piece in gen.chunks((V, dim), "normal", emb):
+                f.write(_encode(piece, "float32"))
+    if tokenizer:
+        write_llama2c_tokenizer(out.parent / "tokenizer.bin", V)
+    return out

@@ -1,0 +1,31 @@
+"""Shared fixtures: the real stories260K model and small random checkpoints."""
+from pathlib import Path
+
+import pytest
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    """The shared stories260K folder (stories260K.bin, tok512.bin); skips when absent."""
+    d = SHARED / "models" / "stories260K"
+    if not (d / "stories260K.bin").is_file() or not (d / "tok512.bin").is_file():
+        pytest.skip(f"stories260K not found in {d}")
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory) -> Path:
+    """A HF folder of the "tiny" shape (llama, float32, seed 0) with its tokenizer."""
+    from conveyor.testing import write_hf_checkpoint
+
+    return write_hf_checkpoint(tmp_path_factory.mktemp("tiny_hf") / "model", shape="tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama2c_path(tmp_path_factory) -> Path:
+    """A llama2.c .bin of the "tiny" shape (tied, seed 0) with tokenizer.bin beside it."""
+    from conveyor.testing import write_llama2c_checkpoint
+
+    return write_llama2c_checkpoint(tmp_path_factory.mktemp("tiny_llama2c") / "model.bin", shape="tiny")
