@@ -18,11 +18,11 @@
 #ifndef CV_CUDA_H
 #define CV_CUDA_H
 
-#include "../backend.h"
-
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+#include "../backend.h"
 
 /* Bumped whenever the table or the entry points below change, so that a
  * stale _conveyor_cuda.so is refused instead of misused. */

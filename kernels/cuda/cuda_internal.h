@@ -1,0 +1,112 @@
+/* Private declarations shared by the .cu files of the CUDA backend (C++17). */
+#ifndef CV_CUDA_INTERNAL_H
+#define CV_CUDA_INTERNAL_H
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "cv_cuda.h"
+
+#define CV_CU_EXPORT extern "C" __attribute__((visibility("default")))
+
+/* Bits a kernel sets in the device flag word when its inputs are bad; the
+ * host turns them into an error message at the next sync. Kernels never read
+ * or write out of bounds because of bad indices: they skip or clamp. */
+enum {
+    CVC_BAD_BLOCK = 1,      /* block id outside [0, num_blocks) */
+    CVC_BAD_MAXCTX = 2,     /* a context longer than batch.max_context_len */
+    CVC_BAD_TABLE = 4,      /* a context longer than max_blocks_per_seq * block_size */
+    CVC_BAD_SLOT = 8,       /* kv_write slot >= num_blocks * block_size */
+    CVC_BAD_TOKEN = 16,     /* embedding row outside the table */
+    CVC_BAD_QUERY = 32      /* query_start not increasing or more new tokens than context */
+};
+
+/* Backend private state (b->ctx). One stream; every call runs on it. */
+struct cv_cuda_ctx {
+    int device;
+    int num_sms;
+    int cc_major, cc_minor;
+    size_t smem_optin;          /* max dynamic shared memory per block */
+    char name[160];
+
+    cudaStream_t stream;
+    cublasHandle_t blas;
+    void *blas_ws;              /* cuBLAS workspace */
+    size_t blas_ws_bytes;
+
+    void *act;                  /* [act_elems] 16-bit activations for 16-bit GEMMs */
+    size_t act_elems;
+    float *part;                /* [part_floats] split-context attention partials */
+    size_t part_floats;
+    float *freq;                /* [freq_len] device copy of a host inv_freq */
+    int64_t freq_len;
+    const void *freq_checked;   /* last inv_freq pointer known to be device memory */
+
+    void *stage;                /* pinned host staging for uploads */
+    size_t stage_bytes;
+
+    int *flag_h;                /* pinned, mapped: CVC_BAD_* bits set by kernels */
+    int *flag_d;                /* device alias of flag_h */
+
+    int err_code;               /* first recorded error (0: none) */
+    char err_msg[CV_ERR_MSG_LEN];
+};
+
+static inline cv_cuda_ctx *cvc_of(cv_backend *b) { return (cv_cuda_ctx *)b->ctx; }
+
+/* Error recording (backend.cu). cvc_fail keeps only the first error. */
+void cvc_fail(cv_cuda_ctx *c, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* 0 if e == cudaSuccess, else records "what: <CUDA error>" and returns -1. */
+int cvc_check(cv_cuda_ctx *c, cudaError_t e, const char *what);
+/* Checks the launch just made (cudaGetLastError). */
+int cvc_check_launch(cv_cuda_ctx *c, const char *what);
+/* Makes the backend's device current in this thread (0 ok, -1 recorded). */
+int cvc_enter(cv_cuda_ctx *c);
+/* Host-side: translate and clear the kernel flag bits into a recorded error. */
+void cvc_collect_flags(cv_cuda_ctx *c);
+
+/* Device helpers: widen one element to float, narrow with round-to-nearest-even. */
+__device__ __forceinline__ float cvc_f32(float x) { return x; }
+__device__ __forceinline__ float cvc_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float cvc_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T> __device__ __forceinline__ T cvc_from_f32(float x);
+template <> __device__ __forceinline__ float cvc_from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half cvc_from_f32<__half>(float x) {
+    return __float2half_rn(x);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 cvc_from_f32<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+
+/* Kernels of the table (elementwise.cu). */
+void cvc_rmsnorm(cv_backend *b, float *out, const float *x, const float *weight, int64_t n,
+                 int64_t dim, float eps);
+void cvc_add_rmsnorm(cv_backend *b, float *out, float *x, const float *r, const float *weight,
+                     int64_t n, int64_t dim, float eps);
+void cvc_rope(cv_backend *b, float *q, int64_t q_stride, int64_t n_heads, float *k,
+              int64_t k_stride, int64_t n_kv_heads, const int32_t *pos, int64_t n,
+              const cv_rope *rope);
+void cvc_swiglu(cv_backend *b, float *out, const float *gu, int64_t n, int64_t dim);
+void cvc_embedding(cv_backend *b, float *out, const int32_t *tokens, int64_t n,
+                   const cv_table *table);
+/* dst[n] (F16 or BF16) = src[n]; F16 saturates at +-65504 instead of overflowing. */
+int cvc_narrow(cv_cuda_ctx *c, void *dst, cv_dtype dt, const float *src, int64_t n);
+/* out[n][rows] = bias (accumulate = 0) or out += bias (accumulate = 1). */
+int cvc_bias(cv_cuda_ctx *c, float *out, const float *bias, int64_t n, int64_t rows,
+             int accumulate);
+
+/* Attention (attention.cu). */
+void cvc_kv_write(cv_backend *b, cv_kv_layer *cache, const float *k, int64_t k_stride,
+                  const float *v, int64_t v_stride, const int64_t *slot_mapping, int64_t n);
+void cvc_paged_attention(cv_backend *b, float *out, const float *q, int64_t q_stride,
+                         const cv_kv_layer *cache, const cv_attn_batch *batch);
+/* Per-device kernel attributes (dynamic shared memory opt-in); 0 ok. */
+int cvc_attention_setup(cv_cuda_ctx *c, cv_err *err);
+
+#endif
