@@ -111,6 +111,7 @@ def test_nul_bytes_are_ordinary():
     ([b"abab"], b"ababab", 2),       # the full match is earlier; "ab" may start another
     ([b"STOP", b"Tx"], b"ST", 2),
     ([b"STOP", b"Tx"], b"xT", 1),
+    ([b"bz", b"qq", b"abz"], b"xab", 2),  # the longest over all strings, in any order
     ([b"<|im_end|>"], b"answer<|im", 4),
 ])
 def test_holdback(stops, text, want):

@@ -193,7 +193,7 @@ static PyObject *Engine_add_request(EngineObject *self, PyObject *args, PyObject
              *logprobs_obj = Py_None;
     int n = 1, top_k = 0, include_stop = 0, ignore_eos = 0, skip_special = 1, priority = 0;
     float temperature = 1.0f, top_p = 1.0f, min_p = 0.0f, rep = 1.0f, pres = 0.0f, freq = 0.0f;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "LO|$iLLfffffffOOpOppOi", kwlist, &req_id,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LO|$iLLffiffffOOpOppOi", kwlist, &req_id,
                                      &prompt_obj, &n, &max_tokens, &min_tokens, &temperature,
                                      &top_p, &top_k, &min_p, &rep, &pres, &freq, &seed_obj,
                                      &stop_obj, &include_stop, &stop_ids_obj, &ignore_eos,
@@ -210,37 +210,38 @@ static PyObject *Engine_add_request(EngineObject *self, PyObject *args, PyObject
     cv_request_params p;
     memset(&p, 0, sizeof p);
 
-    /* The prompt: any integer array-like; int32 C-contiguous arrays are used in place. */
-    if (PyArray_Check(prompt_obj) &&
-        !PyArray_ISINTEGER((PyArrayObject *)prompt_obj)) {
+    /* The prompt: any integer array-like. An int32 C-contiguous array is used in
+     * place (zero-copy); anything else goes through int64 so that values too big
+     * for int32 are reported instead of wrapping. */
+    if (PyArray_Check(prompt_obj) && !PyArray_ISINTEGER((PyArrayObject *)prompt_obj)) {
         PyErr_SetString(PyExc_TypeError, "prompt token array must have an integer dtype");
         goto done;
     }
-    arr = (PyArrayObject *)PyArray_FROMANY(prompt_obj, NPY_INT32, 1, 1,
-                                           NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED |
-                                               NPY_ARRAY_FORCECAST);
-    if (!arr) {
-        PyErr_Clear();
-        PyErr_SetString(PyExc_TypeError, "prompt must be a 1-D sequence of token ids");
-        goto done;
-    }
-    if (PyArray_Check(prompt_obj) && PyArray_TYPE((PyArrayObject *)prompt_obj) != NPY_INT32) {
-        /* Cast happened: reject values that do not fit int32 instead of wrapping. */
-        PyArrayObject *src = (PyArrayObject *)prompt_obj;
-        PyObject *mx = PyArray_Max(src, NPY_MAXDIMS, NULL), *mn = PyArray_Min(src, NPY_MAXDIMS, NULL);
-        if (PyArray_SIZE(src) > 0 && mx && mn) {
-            long long hi = PyLong_AsLongLong(mx), lo = PyLong_AsLongLong(mn);
-            if (PyErr_Occurred() || hi > INT32_MAX || lo < INT32_MIN) {
-                PyErr_Clear();
-                Py_XDECREF(mx);
-                Py_XDECREF(mn);
-                PyErr_Format(PyExc_ValueError, "prompt token ids must be in [0, %lld)", (long long)self->vocab);
-                goto done;
+    if (PyArray_Check(prompt_obj) && PyArray_TYPE((PyArrayObject *)prompt_obj) == NPY_INT32) {
+        arr = (PyArrayObject *)PyArray_FROMANY(prompt_obj, NPY_INT32, 1, 1,
+                                               NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED);
+    } else {
+        PyArrayObject *wide = (PyArrayObject *)PyArray_FROMANY(
+            prompt_obj, NPY_INT64, 1, 1, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED);
+        if (wide) {
+            npy_intp n = PyArray_SIZE(wide);
+            arr = (PyArrayObject *)PyArray_SimpleNew(1, &n, NPY_INT32);
+            if (arr) {
+                const int64_t *src = PyArray_DATA(wide);
+                int32_t *dst = PyArray_DATA(arr);
+                for (npy_intp i = 0; i < n; i++)
+                    dst[i] = (src[i] < INT32_MIN || src[i] > INT32_MAX) ? -1 : (int32_t)src[i];
             }
+            Py_DECREF(wide);
         }
-        Py_XDECREF(mx);
-        Py_XDECREF(mn);
-        if (PyErr_Occurred()) goto done;
+    }
+    if (!arr) {
+        if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_ValueError) ||
+            PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_TypeError, "prompt must be a 1-D sequence of integer token ids");
+        }
+        goto done;
     }
     if (read_int_list(stop_ids_obj, "stop_token_ids", &stop_ids, &n_stop_ids) < 0) goto done;
     if (stop_obj != Py_None) {

@@ -8,9 +8,12 @@
  *
  * Nothing is allocated per call: every scratch array is sized at create.
  * Penalties cost O(prompt + output): counts[] is zero between calls and only
- * the entries touched are reset. top_k uses a heap when k is small and a
- * quickselect otherwise; top_p uses a quickselect on probability mass, so
- * neither sorts the whole vocabulary. */
+ * the entries touched are reset. The passes over the whole vocabulary (max,
+ * exp, sums) are written in fixed-width lanes so that the compiler vectorizes
+ * them. top_k uses a heap that skips blocks below its worst entry when k is
+ * small and a quickselect on the values otherwise; top_p drops a tail that
+ * provably lies outside the nucleus, then quickselects on probability mass;
+ * nothing sorts the whole vocabulary. */
 #include "sampler.h"
 
 #include <float.h>
@@ -18,18 +21,26 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Up to this k, top_k keeps a heap of k entries in one pass over the logits. */
+/* Up to this k, top_k keeps a heap of k entries in one pass over the logits;
+ * above it, a quickselect on a copy of the values finds the k-th largest. */
 #define HEAP_MAX_K 256
 /* Ranges at most this long are finished with an insertion sort. */
 #define SMALL_RANGE 16
+/* Weights are summed per block of this many ids, so a draw over the whole
+ * vocabulary walks block sums first. */
+#define BLOCK 64
+/* Below this, exp(x) (< 1.7e-38) counts as 0: such a weight is never drawn. */
+#define EXP_MIN -87.0f
 
 struct cv_sampler {
     int64_t vocab;
     int32_t *counts;  /* [vocab] occurrence counts / marks; all zero between calls */
     int32_t *touched; /* [vocab] distinct ids whose counts entry is non-zero */
     int32_t *cand;    /* [vocab] candidate token ids */
-    float *w;         /* [vocab] by token id: exp((logit - max) / T), valid at candidates */
+    float *w;         /* [vocab] by token id: exp((logit - max) / T) */
     float *raw;       /* [vocab] sanitized logits before processing, for logprobs */
+    float *vals;      /* [vocab] scratch copy of logits for the top_k threshold search */
+    double *bsum;     /* [ceil(vocab / BLOCK)] sums of w per block of ids */
 };
 
 /* ---- random stream ---------------------------------------------------- */
@@ -110,7 +121,7 @@ int cv_sampling_params_check(const cv_sampling_params *p, cv_err *err) {
 /* What the parameters mean after out-of-range values are made harmless. */
 typedef struct eff_params {
     int greedy;
-    float temperature; /* > 0, <= FLT_MAX */
+    float temperature; /* in [FLT_MIN, FLT_MAX] */
     int64_t top_k;     /* 0: off, else 1 < top_k < vocab */
     double top_p;      /* [0, 1]; 1: off */
     float min_p;       /* [0, 1]; 0: off */
@@ -119,7 +130,8 @@ typedef struct eff_params {
 static void effective(eff_params *e, const cv_sampling_params *p, int64_t vocab) {
     float t = p->temperature;
     e->greedy = !(t > 0.0f) || p->top_k == 1; /* NaN temperature: greedy */
-    e->temperature = t > FLT_MAX ? FLT_MAX : t;
+    /* kept where 1 / T is finite, so no 0 * inf appears in the weights */
+    e->temperature = t > FLT_MAX ? FLT_MAX : (t < FLT_MIN ? FLT_MIN : t);
     e->top_k = (p->top_k > 0 && (int64_t)p->top_k < vocab) ? p->top_k : 0;
     double tp = p->top_p;
     e->top_p = !(tp < 1.0) ? 1.0 : (tp < 0.0 ? 0.0 : tp);
@@ -132,6 +144,7 @@ static void effective(eff_params *e, const cv_sampling_params *p, int64_t vocab)
 cv_sampler *cv_sampler_create(int64_t vocab_size) {
     if (vocab_size <= 0 || vocab_size > INT32_MAX) return NULL;
     size_t n = (size_t)vocab_size;
+    size_t nb = (n + BLOCK - 1) / BLOCK;
     cv_sampler *s = calloc(1, sizeof *s);
     if (!s) return NULL;
     s->vocab = vocab_size;
@@ -140,7 +153,9 @@ cv_sampler *cv_sampler_create(int64_t vocab_size) {
     s->cand = malloc(n * sizeof *s->cand);
     s->w = malloc(n * sizeof *s->w);
     s->raw = malloc(n * sizeof *s->raw);
-    if (!s->counts || !s->touched || !s->cand || !s->w || !s->raw) {
+    s->vals = malloc(n * sizeof *s->vals);
+    s->bsum = malloc(nb * sizeof *s->bsum);
+    if (!s->counts || !s->touched || !s->cand || !s->w || !s->raw || !s->vals || !s->bsum) {
         cv_sampler_destroy(s);
         return NULL;
     }
@@ -154,18 +169,110 @@ void cv_sampler_destroy(cv_sampler *s) {
     free(s->cand);
     free(s->w);
     free(s->raw);
+    free(s->vals);
+    free(s->bsum);
     free(s);
 }
 
-/* ---- processing ------------------------------------------------------- */
+/* ---- vectorizable passes ---------------------------------------------- */
 
 static void sanitize(float *x /* [n] */, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         float v = x[i];
-        if (v != v) x[i] = -INFINITY;
-        else if (v == INFINITY) x[i] = FLT_MAX;
+        v = v != v ? -INFINITY : v;
+        x[i] = v > FLT_MAX ? FLT_MAX : v;
     }
 }
+
+/* Largest value of x[0..n) (NaN-free), in eight lanes. */
+static float max_value(const float *x /* [n] */, int64_t n) {
+    float lane[8];
+    int64_t i = 0;
+    for (int j = 0; j < 8; j++) lane[j] = -INFINITY;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) lane[j] = x[i + j] > lane[j] ? x[i + j] : lane[j];
+    float m = -INFINITY;
+    for (int j = 0; j < 8; j++) m = lane[j] > m ? lane[j] : m;
+    for (; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+/* Lowest id among the largest values (all -inf: 0). */
+static int32_t argmax(const float *x /* [n] */, int64_t n) {
+    float m = max_value(x, n);
+    for (int64_t i = 0; i < n; i++)
+        if (x[i] == m) return (int32_t)i;
+    return 0;
+}
+
+/* exp(x) for x <= 0, within about 1e-7 relative, 0 below EXP_MIN; plain
+ * arithmetic so that loops over it vectorize. x = n ln2 + r with |r| <= ln2/2
+ * (ln2 split in two so n * hi is exact), exp(r) by its Taylor series to r^7,
+ * 2^n built in the exponent bits. */
+static inline float exp_nonpos(float x) {
+    float xc = x < EXP_MIN ? EXP_MIN : (x > 0.0f ? 0.0f : x);
+    float n = (xc * 1.44269504f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    float r = xc - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { int32_t i; float f; } two_n;
+    two_n.i = ((int32_t)n + 127) << 23; /* n in [-126, 0]: a normal float */
+    float y = p * two_n.f;
+    return x < EXP_MIN ? 0.0f : y;
+}
+
+/* w[i] = exp((l[i] - m) * inv_t), 0 where that is below cut; bsum gets the
+ * sums per block. Returns the total. */
+static double dense_weights(float *restrict w /* [n] */, double *restrict bsum /* [n/BLOCK] */,
+                            const float *restrict l /* [n] */, int64_t n, float m, float inv_t,
+                            float cut) {
+    for (int64_t i = 0; i < n; i++) {
+        float e = exp_nonpos((l[i] - m) * inv_t);
+        w[i] = e < cut ? 0.0f : e;
+    }
+    double total = 0.0;
+    for (int64_t b = 0; b * BLOCK < n; b++) {
+        int64_t lo = b * BLOCK, hi = lo + BLOCK < n ? lo + BLOCK : n;
+        float lane[8] = {0};
+        int64_t i = lo;
+        for (; i + 8 <= hi; i += 8)
+            for (int j = 0; j < 8; j++) lane[j] += w[i + j];
+        double sum = 0.0;
+        for (int j = 0; j < 8; j++) sum += lane[j];
+        for (; i < hi; i++) sum += w[i];
+        bsum[b] = sum;
+        total += sum;
+    }
+    return total;
+}
+
+/* sum of exp(x[i] - m) over x[0..n) */
+static double sum_exp(const float *x /* [n] */, int64_t n, float m) {
+    float lane[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) lane[j] += exp_nonpos(x[i + j] - m);
+    double sum = 0.0;
+    for (int j = 0; j < 8; j++) sum += lane[j];
+    for (; i < n; i++) sum += exp_nonpos(x[i] - m);
+    return sum;
+}
+
+/* Whether any of x[0..16) exceeds thr (an OR of compares, vectorized). */
+static int any_above16(const float *x /* [16] */, float thr) {
+    int any = 0;
+    for (int j = 0; j < 16; j++) any |= x[j] > thr;
+    return any;
+}
+
+/* ---- penalties -------------------------------------------------------- */
 
 /* Keeps a penalized logit out of +inf, so that later max-subtraction gives no NaN. */
 static float clamp_top(float v) { return v > FLT_MAX ? FLT_MAX : v; }
@@ -223,16 +330,9 @@ static void apply_penalties(cv_sampler *s, float *logits /* [vocab] */, const cv
             if (banned[i] >= 0 && banned[i] < V) logits[banned[i]] = -INFINITY;
 }
 
-/* Lowest id among the largest values (all -inf: 0). */
-static int32_t argmax(const float *x /* [n] */, int64_t n) {
-    int64_t best = 0;
-    float bv = x[0];
-    for (int64_t i = 1; i < n; i++)
-        if (x[i] > bv) { bv = x[i]; best = i; }
-    return (int32_t)best;
-}
+/* ---- selection -------------------------------------------------------- */
 
-/* Total order used by every selection: larger key first, lower id on ties. */
+/* Total order used by every selection of ids: larger key first, lower id on ties. */
 static int better(const float *key /* [vocab] */, int32_t a, int32_t b) {
     return key[a] > key[b] || (key[a] == key[b] && a < b);
 }
@@ -268,60 +368,141 @@ static int64_t partition(int32_t *c, int64_t lo, int64_t hi, const float *key) {
     return i;
 }
 
-/* Reorders c[0..n) so that c[0..k) holds the k best (0 < k < n). */
-static void select_best(int32_t *c, int64_t n, int64_t k, const float *key) {
-    int64_t lo = 0, hi = n;
-    while (lo < k && k < hi && hi - lo > SMALL_RANGE) {
-        int64_t p = partition(c, lo, hi, key);
-        if (p >= k) hi = p;
-        else lo = p + 1;
+/* The value of rank r (0: the largest) of a[0..n), which it reorders. */
+static float kth_largest(float *a /* [n] */, int64_t n, int64_t r) {
+    int64_t lo = 0, hi = n - 1;
+    while (hi - lo >= SMALL_RANGE) {
+        int64_t mid = lo + (hi - lo) / 2;
+        float x = a[lo], y = a[mid], z = a[hi];
+        float pv = x > y ? (y > z ? y : (x > z ? z : x)) : (x > z ? x : (y > z ? z : y));
+        int64_t i = lo, j = hi;
+        /* Hoare: a[lo..j] >= pv >= a[i..hi], and everything between equals pv */
+        while (i <= j) {
+            while (a[i] > pv) i++;
+            while (a[j] < pv) j--;
+            if (i <= j) {
+                float t = a[i];
+                a[i] = a[j];
+                a[j] = t;
+                i++;
+                j--;
+            }
+        }
+        if (r <= j) hi = j;
+        else if (r >= i) lo = i;
+        else return pv;
     }
-    if (lo < k && k < hi) insertion_sort(c + lo, hi - lo, key);
+    for (int64_t i = lo + 1; i <= hi; i++) {
+        float x = a[i];
+        int64_t j = i;
+        for (; j > lo && a[j - 1] < x; j--) a[j] = a[j - 1];
+        a[j] = x;
+    }
+    return a[r];
 }
 
-/* Heap of the k best finite logits, the worst at the root. Returns its size. */
+/* Heap of the k best finite logits, the worst at the root. Blocks of 16 ids
+ * with nothing above the root are skipped with one vectorized test. Returns
+ * the heap's size. */
 static int64_t heap_top_k(int32_t *heap /* [k] */, const float *l /* [vocab] */, int64_t vocab,
                           int64_t k) {
     int64_t n = 0;
-    for (int64_t id = 0; id < vocab; id++) {
-        float v = l[id];
-        if (v == -INFINITY) continue;
-        int64_t i;
-        if (n < k) {
-            /* sift up: a later id loses ties, so only a strictly larger value rises */
-            i = n++;
-            while (i > 0) {
-                int64_t parent = (i - 1) / 2;
-                if (!better(l, heap[parent], (int32_t)id)) break;
-                heap[i] = heap[parent];
-                i = parent;
+    for (int64_t b = 0; b < vocab; b += 16) {
+        int64_t end = b + 16 < vocab ? b + 16 : vocab;
+        if (n == k && end - b == 16 && !any_above16(l + b, l[heap[0]])) continue;
+        for (int64_t id = b; id < end; id++) {
+            float v = l[id];
+            if (v == -INFINITY) continue;
+            int64_t i;
+            if (n < k) {
+                /* sift up: a later id loses ties, so only a strictly larger value rises */
+                i = n++;
+                while (i > 0) {
+                    int64_t parent = (i - 1) / 2;
+                    if (!better(l, heap[parent], (int32_t)id)) break;
+                    heap[i] = heap[parent];
+                    i = parent;
+                }
+                heap[i] = (int32_t)id;
+                continue;
+            }
+            if (!(v > l[heap[0]])) continue;
+            /* replace the root and sift down */
+            i = 0;
+            for (;;) {
+                int64_t ch = 2 * i + 1;
+                if (ch >= n) break;
+                if (ch + 1 < n && better(l, heap[ch], heap[ch + 1])) ch++; /* the worse child */
+                if (!better(l, (int32_t)id, heap[ch])) break;
+                heap[i] = heap[ch];
+                i = ch;
             }
             heap[i] = (int32_t)id;
-            continue;
         }
-        if (!(v > l[heap[0]])) continue;
-        /* replace the root and sift down */
-        i = 0;
-        for (;;) {
-            int64_t ch = 2 * i + 1;
-            if (ch >= n) break;
-            if (ch + 1 < n && better(l, heap[ch], heap[ch + 1])) ch++; /* the worse child */
-            if (!better(l, (int32_t)id, heap[ch])) break;
-            heap[i] = heap[ch];
-            i = ch;
-        }
-        heap[i] = (int32_t)id;
     }
     return n;
 }
 
-/* Keeps the smallest best-first prefix of c[0..n) whose weight is at least
- * top_p of the total; returns its length (>= 1). Quickselect on mass, so the
- * prefix comes out unsorted and nothing outside the boundary range is sorted. */
-static int64_t top_p_prefix(int32_t *c, int64_t n, const float *w, double top_p) {
-    double total = 0.0;
-    for (int64_t i = 0; i < n; i++) total += w[c[i]];
-    double need = top_p * total;
+/* Maximum of each block of 16 values: bm[b] = max x[16b .. 16b+16). */
+static void block_max16(float *restrict bm /* [n / 16] */, const float *restrict x /* [n] */,
+                        int64_t n) {
+    for (int64_t b = 0; b < n / 16; b++) {
+        const float *v = x + 16 * b;
+        float a[8];
+        for (int j = 0; j < 8; j++) a[j] = v[j] > v[j + 8] ? v[j] : v[j + 8];
+        for (int j = 0; j < 4; j++) a[j] = a[j] > a[j + 4] ? a[j] : a[j + 4];
+        for (int j = 0; j < 2; j++) a[j] = a[j] > a[j + 2] ? a[j] : a[j + 2];
+        bm[b] = a[0] > a[1] ? a[0] : a[1];
+    }
+}
+
+/* The k best finite logits into cand by threshold: the k-th largest value,
+ * then every id above it and the lowest ids equal to it. Returns k, or 0 when
+ * no more than k logits are finite (top_k is then a no-op).
+ * The k-th largest block maximum is a lower bound of the k-th largest value
+ * (k blocks each hold a value at least that large), so the quickselect runs
+ * only on the values at or above it, usually a few times k. */
+static int64_t threshold_top_k(cv_sampler *s, const float *l /* [vocab] */, int64_t k) {
+    const int64_t V = s->vocab;
+    float *vals = s->vals;
+    int64_t n_finite = 0;
+    for (int64_t i = 0; i < V; i++) n_finite += l[i] > -INFINITY;
+    if (n_finite <= k) return 0;
+    float bound = -INFINITY;
+    if (k <= V / 16) {
+        block_max16(vals, l, V);
+        bound = kth_largest(vals, V / 16, k - 1);
+    }
+    int64_t nv = 0;
+    if (bound > -INFINITY) {
+        for (int64_t i = 0; i < V; i++) {
+            vals[nv] = l[i]; /* branch-free compaction: nv <= i */
+            nv += l[i] >= bound;
+        }
+    }
+    if (nv < k) { /* no usable bound: select among all values */
+        memcpy(vals, l, (size_t)V * sizeof *l);
+        nv = V;
+    }
+    float thr = kth_largest(vals, nv, k - 1);
+    int64_t above = 0;
+    for (int64_t i = 0; i < V; i++) above += l[i] > thr;
+    int64_t ties = k - above, n = 0;
+    for (int64_t i = 0; i < V; i++) {
+        if (l[i] > thr) s->cand[n++] = (int32_t)i;
+        else if (l[i] == thr && ties > 0) {
+            s->cand[n++] = (int32_t)i;
+            ties--;
+        }
+    }
+    return n;
+}
+
+/* Keeps the smallest best-first prefix of c[0..n) whose weight reaches need;
+ * returns its length (>= 1). Quickselect on mass: the prefix comes out
+ * unsorted and only the range around the boundary is ever sorted. */
+static int64_t top_p_prefix(int32_t *c, int64_t n, const float *w, double need) {
+    if (n <= 1) return n;
     if (!(need > 0.0)) {
         int64_t best = 0;
         for (int64_t i = 1; i < n; i++)
@@ -353,58 +534,117 @@ static int64_t top_p_prefix(int32_t *c, int64_t n, const float *w, double top_p)
     return hi > 0 ? hi : 1; /* rounding left a sliver: keep the whole range */
 }
 
-/* Fills s->cand[0..n) with the tokens a draw may pick and s->w at them;
- * returns n (0 when every logit is -inf). *id_order says whether cand is
- * ascending by id. */
-static int64_t build_support(cv_sampler *s, const float *l /* [vocab] */, const eff_params *e,
-                             int *id_order) {
+/* Candidates for the nucleus from dense weights: drops tails of the order
+ * (all weights below some tau) whose mass stays below `budget` (the
+ * (1 - top_p) share of the total), since no such tail reaches into the
+ * nucleus. Tokens below tau hold less than count * tau, so tau = what is left
+ * of the budget / count, repeated while it shrinks the set (0.999 leaves room
+ * for rounding). Sums run in lanes and compactions without branches, so each
+ * round is a few cheap passes. Returns the count in cand. */
+static int64_t nucleus_candidates(int32_t *cand /* [vocab] */, const float *w /* [vocab] */,
+                                  int64_t vocab, double total, double budget) {
+    budget *= 0.999;
+    /* tau > 0 since top_p < 1 and total >= 1, so -inf logits (w = 0) drop out */
+    float tau = (float)(budget / (double)vocab);
+    float lane[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= vocab; i += 8)
+        for (int j = 0; j < 8; j++) lane[j] += w[i + j] >= tau ? w[i + j] : 0.0f;
+    double kept = 0.0;
+    for (int j = 0; j < 8; j++) kept += lane[j];
+    for (; i < vocab; i++) kept += w[i] >= tau ? w[i] : 0.0f;
+    int64_t n = 0;
+    for (i = 0; i < vocab; i++) {
+        cand[n] = (int32_t)i; /* n <= i */
+        n += w[i] >= tau;
+    }
+    double left = budget - (total - kept);
+    for (int round = 0; round < 8 && left > 0.0 && n > 1; round++) {
+        tau = (float)(left / (double)n);
+        float drop[4] = {0};
+        for (i = 0; i + 4 <= n; i += 4)
+            for (int j = 0; j < 4; j++) {
+                float wi = w[cand[i + j]];
+                drop[j] += wi < tau ? wi : 0.0f;
+            }
+        double dropped = (double)drop[0] + drop[1] + drop[2] + drop[3];
+        for (; i < n; i++) dropped += w[cand[i]] < tau ? w[cand[i]] : 0.0f;
+        int64_t m = 0;
+        for (i = 0; i < n; i++) {
+            cand[m] = cand[i];
+            m += w[cand[i]] >= tau;
+        }
+        left -= dropped;
+        int shrunk = m < n - n / 8;
+        n = m;
+        if (!shrunk) break;
+    }
+    return n;
+}
+
+/* The tokens a draw may pick. Dense: w (and bsum) hold the weights of every
+ * id, 0 where excluded. Sparse: cand[0..n) holds them, w valid there. */
+typedef struct support {
+    int dense;
+    int64_t n;    /* sparse: candidates; dense: 1, or 0 when every logit is -inf */
+    double total; /* dense: the sum of w */
+    int id_order; /* sparse: cand ascending by id */
+    float cut;    /* dense: the min_p threshold folded into w */
+} support;
+
+static void build_support(support *sup, cv_sampler *s, const float *l /* [vocab] */,
+                          const eff_params *e) {
     const int64_t V = s->vocab;
     int32_t *cand = s->cand;
     float *w = s->w;
-    const float t = e->temperature;
+    const float inv_t = 1.0f / e->temperature;
+    memset(sup, 0, sizeof *sup);
     int64_t n = 0;
-    float m;
-    *id_order = 0;
     if (e->top_k > 0 && e->top_k <= HEAP_MAX_K) {
         n = heap_top_k(cand, l, V, e->top_k);
-        if (n == 0) return 0;
-        m = l[cand[0]];
-        for (int64_t i = 1; i < n; i++) m = l[cand[i]] > m ? l[cand[i]] : m;
-        for (int64_t i = 0; i < n; i++) w[cand[i]] = expf((l[cand[i]] - m) / t);
-    } else {
-        m = -INFINITY;
-        for (int64_t i = 0; i < V; i++) m = l[i] > m ? l[i] : m;
-        if (m == -INFINITY) return 0;
-        /* min_p only drops a tail below a threshold, so without top_p between
-         * them it can be applied while building (top_k of a top segment is
-         * the segment's own top_k) */
-        const float cut = e->top_p >= 1.0 ? e->min_p : 0.0f;
-        for (int64_t i = 0; i < V; i++) {
-            if (l[i] == -INFINITY) continue;
-            float wi = expf((l[i] - m) / t);
-            if (wi < cut) continue;
-            w[i] = wi;
-            cand[n++] = (int32_t)i;
-        }
-        *id_order = 1;
-        if (e->top_k > 0 && e->top_k < n) {
-            select_best(cand, n, e->top_k, l);
-            n = e->top_k;
-            *id_order = 0;
-        }
+        if (n == 0) return; /* every logit -inf */
+    } else if (e->top_k > 0) {
+        n = threshold_top_k(s, l, e->top_k);
+        sup->id_order = n > 0; /* gathered in id order */
     }
-    if (e->top_p < 1.0) {
-        n = top_p_prefix(cand, n, w, e->top_p);
-        *id_order = 0;
+    if (n > 0) {
+        float m = l[cand[0]];
+        for (int64_t i = 1; i < n; i++) m = l[cand[i]] > m ? l[cand[i]] : m;
+        for (int64_t i = 0; i < n; i++) w[cand[i]] = exp_nonpos((l[cand[i]] - m) * inv_t);
+        if (e->top_p < 1.0) {
+            double total = 0.0;
+            for (int64_t i = 0; i < n; i++) total += w[cand[i]];
+            n = top_p_prefix(cand, n, w, e->top_p * total);
+            sup->id_order = 0;
+        }
+    } else {
+        /* the whole vocabulary (top_k off, or no more finite logits than k) */
+        float m = max_value(l, V);
+        if (m == -INFINITY) return;
+        /* min_p only drops a tail below a threshold, so without top_p before
+         * it, it folds into the weights */
+        float cut = e->top_p < 1.0 ? 0.0f : e->min_p;
+        double total = dense_weights(w, s->bsum, l, V, m, inv_t, cut);
+        if (e->top_p >= 1.0) {
+            sup->dense = 1;
+            sup->n = 1;
+            sup->total = total;
+            sup->cut = cut;
+            return;
+        }
+        n = nucleus_candidates(cand, w, V, total, (1.0 - e->top_p) * total);
+        n = top_p_prefix(cand, n, w, e->top_p * total);
     }
     if (e->min_p > 0.0f) {
         /* the best token has weight 1, so the threshold is min_p itself */
         int64_t j = 0;
-        for (int64_t i = 0; i < n; i++)
-            if (!(w[cand[i]] < e->min_p)) cand[j++] = cand[i];
+        for (int64_t i = 0; i < n; i++) {
+            cand[j] = cand[i]; /* branch-free compaction */
+            j += !(w[cand[i]] < e->min_p);
+        }
         n = j;
     }
-    return n;
+    sup->n = n;
 }
 
 static int cmp_id(const void *a, const void *b) {
@@ -412,23 +652,43 @@ static int cmp_id(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-/* Inverts the CDF of w over cand[0..n) taken in increasing id order at u. */
-static int32_t draw(cv_sampler *s, int64_t n, int id_order, double u) {
+/* Last id in [0, vocab) with a positive weight: the answer when rounding lets
+ * the running sum fall short of the target. */
+static int32_t last_positive(const float *w, int64_t vocab) {
+    for (int64_t i = vocab - 1; i > 0; i--)
+        if (w[i] > 0.0f) return (int32_t)i;
+    return 0;
+}
+
+/* Inverts the CDF of the support taken in increasing id order at u. */
+static int32_t draw(cv_sampler *s, const support *sup, double u) {
     int32_t *cand = s->cand;
     const float *w = s->w;
-    if (n <= 0) return 0;
+    const int64_t V = s->vocab;
+    double cum = 0.0;
+    if (sup->n <= 0) return 0;
+    if (sup->dense) {
+        const double target = u * sup->total;
+        int64_t nb = (V + BLOCK - 1) / BLOCK, b = 0;
+        for (; b < nb && !(cum + s->bsum[b] > target); b++) cum += s->bsum[b];
+        for (int64_t i = b * BLOCK; i < V; i++) {
+            cum += w[i];
+            if (cum > target && w[i] > 0.0f) return (int32_t)i;
+        }
+        return last_positive(w, V);
+    }
+    int64_t n = sup->n;
     if (n == 1) return cand[0];
     double total = 0.0;
     for (int64_t i = 0; i < n; i++) total += w[cand[i]];
     const double target = u * total;
-    double cum = 0.0;
-    int32_t last_pos = cand[0]; /* last id seen with weight > 0: the answer if rounding runs out */
-    if (!id_order && n * 64 > s->vocab) {
+    int32_t last_pos = cand[0];
+    if (!sup->id_order && n * 64 > V) {
         /* many survivors: mark them and walk the vocabulary, cheaper than sorting */
         int32_t *mark = s->counts;
         int32_t found = -1;
         for (int64_t i = 0; i < n; i++) mark[cand[i]] = 1;
-        for (int64_t id = 0; id < s->vocab; id++) {
+        for (int64_t id = 0; id < V; id++) {
             if (!mark[id]) continue;
             mark[id] = 0; /* keep counts[] all zero between calls */
             if (found >= 0) continue;
@@ -439,7 +699,7 @@ static int32_t draw(cv_sampler *s, int64_t n, int id_order, double u) {
         }
         return found >= 0 ? found : last_pos;
     }
-    if (!id_order) {
+    if (!sup->id_order) {
         if (n <= SMALL_RANGE) {
             for (int64_t i = 1; i < n; i++) {
                 int32_t x = cand[i];
@@ -460,36 +720,35 @@ static int32_t draw(cv_sampler *s, int64_t n, int id_order, double u) {
     return last_pos;
 }
 
+/* ---- logprobs --------------------------------------------------------- */
+
 static void fill_logprobs(cv_sample_info *info, const float *raw /* [vocab] */, int64_t vocab,
                           int32_t token, int32_t n_logprobs) {
-    float m = -INFINITY;
-    for (int64_t i = 0; i < vocab; i++) m = raw[i] > m ? raw[i] : m;
-    double lse;
-    if (m == -INFINITY) {
-        lse = INFINITY; /* every logprob -inf, and no inf - inf */
-    } else {
-        double sum = 0.0;
-        for (int64_t i = 0; i < vocab; i++) sum += expf(raw[i] - m);
-        lse = (double)m + log(sum);
-    }
+    float m = max_value(raw, vocab);
+    /* all -inf: lse = +inf makes every logprob -inf without inf - inf */
+    double lse = m == -INFINITY ? INFINITY : (double)m + log(sum_exp(raw, vocab, m));
     info->logprob = (float)((double)raw[token] - lse);
     int64_t k = n_logprobs > CV_MAX_LOGPROBS ? CV_MAX_LOGPROBS : n_logprobs;
     if (k > vocab) k = vocab;
+    int32_t *top = info->top_ids;
     int64_t n = 0;
-    /* sorted insertion: k is at most 20 and most values lose to the last entry */
-    for (int64_t i = 0; i < vocab && k > 0; i++) {
-        if (n == k && !(raw[i] > raw[info->top_ids[n - 1]])) continue;
-        int64_t j = n < k ? n++ : k - 1;
-        while (j > 0 && raw[i] > raw[info->top_ids[j - 1]]) {
-            info->top_ids[j] = info->top_ids[j - 1];
-            j--;
+    /* sorted insertion into at most 20 entries; once full, blocks with
+     * nothing above the last entry are skipped */
+    for (int64_t b = 0; b < vocab && k > 0; b += 16) {
+        int64_t end = b + 16 < vocab ? b + 16 : vocab;
+        if (n == k && end - b == 16 && !any_above16(raw + b, raw[top[n - 1]])) continue;
+        for (int64_t i = b; i < end; i++) {
+            if (n == k && !(raw[i] > raw[top[n - 1]])) continue;
+            int64_t j = n < k ? n++ : k - 1;
+            for (; j > 0 && raw[i] > raw[top[j - 1]]; j--) top[j] = top[j - 1];
+            top[j] = (int32_t)i;
         }
-        info->top_ids[j] = (int32_t)i;
     }
     info->n_top = (int32_t)n;
-    for (int64_t j = 0; j < n; j++)
-        info->top_logprobs[j] = (float)((double)raw[info->top_ids[j]] - lse);
+    for (int64_t j = 0; j < n; j++) info->top_logprobs[j] = (float)((double)raw[top[j]] - lse);
 }
+
+/* ---- entry points ----------------------------------------------------- */
 
 int32_t cv_sampler_sample(cv_sampler *s, float *logits, const cv_sampling_params *p,
                           const int32_t *prompt, int64_t n_prompt,
@@ -515,9 +774,9 @@ int32_t cv_sampler_sample(cv_sampler *s, float *logits, const cv_sampling_params
     } else {
         /* draw first: one draw per token whatever the support turns out to be */
         double u = cv_rng_uniform(rng);
-        int id_order;
-        int64_t n = build_support(s, logits, &e, &id_order);
-        token = draw(s, n, id_order, u);
+        support sup;
+        build_support(&sup, s, logits, &e);
+        token = draw(s, &sup, u);
     }
     if (want_lp) fill_logprobs(info, s->raw, V, token, p->n_logprobs);
     return token;
@@ -539,7 +798,15 @@ void cv_sampler_process(cv_sampler *s, float *out, float *logits, const cv_sampl
         out[t] = logits[t];
         return;
     }
-    int id_order;
-    int64_t n = build_support(s, logits, &e, &id_order);
-    for (int64_t i = 0; i < n; i++) out[s->cand[i]] = logits[s->cand[i]] / e.temperature;
+    support sup;
+    build_support(&sup, s, logits, &e);
+    if (sup.dense) {
+        /* every finite logit, less what min_p zeroed (weights that underflow
+         * to 0 stay in the support: they are merely too small to draw) */
+        for (int64_t i = 0; i < V; i++)
+            if (logits[i] > -INFINITY && (sup.cut == 0.0f || s->w[i] > 0.0f))
+                out[i] = logits[i] / e.temperature;
+        return;
+    }
+    for (int64_t i = 0; i < sup.n; i++) out[s->cand[i]] = logits[s->cand[i]] / e.temperature;
 }

@@ -18,11 +18,17 @@
 /* Keys per part below which a long context is not split across threads. */
 #define ATT_MIN_SPLIT_KEYS 64
 
+/* Largest [vectors][head_dim] tile (head_dim <= CV_ATT_MAX_HD: CV_ATT_TILE vectors). */
+#define ATT_VF ((size_t)CV_ATT_TILE * CV_ATT_MAX_HD)
+#define ROUND16(x) (((x) + 15) & ~(size_t)15)
+
+/* Thread scratch: qt[ATT_VF] acc[ATT_VF] alpha[T] sc[T][KCHUNK] row[ATT_VF] m[T] l[T]
+ * (T = CV_ATT_TILE); a split part's partial result: m[T] l[T] acc[ATT_VF]. */
 size_t cv_cpu_att_scratch_floats(void) {
-    /* q tile + acc tile + m + l + alpha + scores */
-    return (size_t)CV_ATT_TILE * CV_ATT_MAX_HD * 2 + 3 * CV_ATT_TILE +
-           (size_t)CV_ATT_TILE * CV_ATT_KCHUNK;
+    return ROUND16(3 * ATT_VF + 3 * CV_ATT_TILE + (size_t)CV_ATT_TILE * CV_ATT_KCHUNK);
 }
+
+size_t cv_cpu_att_partial_floats(void) { return ROUND16(ATT_VF + 2 * CV_ATT_TILE); }
 
 typedef struct att_job {
     float *out;                 /* [q_rows][n_heads*head_dim] */
@@ -35,11 +41,13 @@ typedef struct att_job {
     int64_t GT, n_gt;           /* heads per tile, head tiles per KV head */
     int64_t TQ;                 /* tokens per tile */
     int64_t n_items;
-    int64_t parts;              /* > 1: split mode, thread t runs part t % parts of item t / parts */
+    int64_t parts;              /* > 1: split mode, unit u is part u % parts of item u / parts */
     float *scratch;             /* [nthreads][scratch_floats] */
     size_t scratch_floats;
+    float *partials;            /* [n_items * parts][partial_floats] */
+    size_t partial_floats;
     atomic_int *counters;       /* [n_items] parts left (split mode) */
-    atomic_llong next;          /* next item (dynamic mode) */
+    atomic_llong next;          /* next item or unit to claim */
     int simd;
 } att_job;
 
@@ -49,6 +57,13 @@ typedef struct att_tile {
     int64_t j0, j1;     /* new tokens [j0, j1) of the sequence */
     int64_t g0, g1;     /* query heads [g0, g1) within the group */
 } att_tile;
+
+/* Online-softmax state of a tile's vectors. */
+typedef struct att_state {
+    float *acc;  /* [nv][head_dim] unnormalized output */
+    float *m;    /* [CV_ATT_TILE] running max */
+    float *l;    /* [CV_ATT_TILE] running sum */
+} att_state;
 
 static int64_t seq_items(const att_job *j, int64_t s) {
     const int64_t nq = j->bt->query_start[s + 1] - j->bt->query_start[s];
@@ -89,50 +104,65 @@ static inline float kv_get(const void *p, cv_dtype dt, int64_t i) {
 }
 
 /* ------------------------------------------------------------------------ */
-/* Chunk kernels. nv vectors; vector v has valid keys [0, nval[v]) of the nk
- * in the chunk (causal); sc[v][CV_ATT_KCHUNK] scores / probabilities. */
+/* Chunk kernels. nv vectors; vector v has valid keys [0, nval[v]) of the
+ * chunk (causal); sc[v][CV_ATT_KCHUNK] holds scores, then probabilities. */
 
+static int max_valid(const int *nval, int v0, int nvg) {
+    int nk = 0;
+    for (int v = v0; v < v0 + nvg; v++) nk = nval[v] > nk ? nval[v] : nk;
+    return nk;
+}
+
+/* Plain C: each key row is widened once into row[hd] and used by all vectors. */
 static void scores_plain(float *sc, const float *qt, int64_t hd, int nv, const int *nval,
-                         const void *const *kp, cv_dtype dt) {
-    for (int v = 0; v < nv; v++)
-        for (int i = 0; i < nval[v]; i++) {
+                         const void *const *kp, cv_dtype dt, float *row) {
+    const int nk = max_valid(nval, 0, nv);
+    for (int i = 0; i < nk; i++) {
+        cv_cpu_widen(row, kp[i], dt, hd, 0);
+        for (int v = 0; v < nv; v++) {
+            if (i >= nval[v]) continue;
             float s = 0.0f;
-            for (int64_t d = 0; d < hd; d++) s += qt[v * hd + d] * kv_get(kp[i], dt, d);
+            for (int64_t d = 0; d < hd; d++) s += qt[v * hd + d] * row[d];
             sc[v * CV_ATT_KCHUNK + i] = s;
         }
+    }
 }
 
 static void pv_plain(float *acc, const float *sc, const float *alpha, int64_t hd, int nv,
-                     const int *nval, const void *const *vp, cv_dtype dt) {
-    for (int v = 0; v < nv; v++) {
-        float *a = acc + v * hd;
-        for (int64_t d = 0; d < hd; d++) a[d] *= alpha[v];
-        for (int i = 0; i < nval[v]; i++) {
+                     const int *nval, const void *const *vp, cv_dtype dt, float *row) {
+    for (int v = 0; v < nv; v++)
+        for (int64_t d = 0; d < hd; d++) acc[v * hd + d] *= alpha[v];
+    const int nk = max_valid(nval, 0, nv);
+    for (int i = 0; i < nk; i++) {
+        cv_cpu_widen(row, vp[i], dt, hd, 0);
+        for (int v = 0; v < nv; v++) {
+            if (i >= nval[v]) continue;
             const float p = sc[v * CV_ATT_KCHUNK + i];
-            for (int64_t d = 0; d < hd; d++) a[d] += p * kv_get(vp[i], dt, d);
+            for (int64_t d = 0; d < hd; d++) acc[v * hd + d] += p * row[d];
         }
     }
 }
 
-/* Online-softmax update of vector v's (m, l) with its chunk scores; leaves
- * probabilities in sc and the rescale factor of acc in alpha. */
-static void softmax_step_plain(float *sc, float *m, float *l, float *alpha, int nval) {
-    if (nval <= 0) {
+/* Online-softmax update of one vector's (m, l) with its chunk scores; leaves
+ * probabilities in sc (0 past nval) and the rescale factor of acc in alpha. */
+static void softmax_step_plain(float *sc, int nk, float *m, float *l, float *alpha, int nval) {
+    if (nval > 0) {
+        float mx = sc[0];
+        for (int i = 1; i < nval; i++) mx = sc[i] > mx ? sc[i] : mx;
+        const float mn = *m > mx ? *m : mx;
+        const float a = *m == -INFINITY ? 0.0f : expf(*m - mn);
+        float sum = 0.0f;
+        for (int i = 0; i < nval; i++) {
+            sc[i] = expf(sc[i] - mn);
+            sum += sc[i];
+        }
+        *l = *l * a + sum;
+        *m = mn;
+        *alpha = a;
+    } else {
         *alpha = 1.0f;
-        return;
     }
-    float mx = sc[0];
-    for (int i = 1; i < nval; i++) mx = sc[i] > mx ? sc[i] : mx;
-    const float mn = *m > mx ? *m : mx;
-    const float a = *m == -INFINITY ? 0.0f : expf(*m - mn);
-    float sum = 0.0f;
-    for (int i = 0; i < nval; i++) {
-        sc[i] = expf(sc[i] - mn);
-        sum += sc[i];
-    }
-    *l = *l * a + sum;
-    *m = mn;
-    *alpha = a;
+    for (int i = nval > 0 ? nval : 0; i < nk; i++) sc[i] = 0.0f;
 }
 
 #if CV_HAVE_AVX2
@@ -143,102 +173,124 @@ static CV_ALWAYS_INLINE __m256 kv_load8(const void *p, cv_dtype dt, int64_t d) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
 
-/* Scores of up to 4 vectors (q rows q0..q3) against keys [0, nk). */
-static CV_ALWAYS_INLINE void scores4(float *sc, const float *qt, int64_t hd, int nvg,
-                                     int nk, const void *const *kp, const cv_dtype dt) {
-    const float *q0 = qt, *q1 = qt + (nvg > 1 ? hd : 0), *q2 = qt + (nvg > 2 ? 2 * hd : 0),
-                *q3 = qt + (nvg > 3 ? 3 * hd : 0);
-    const int64_t hd8 = hd & ~(int64_t)7;
-    for (int i = 0; i < nk; i++) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
-               a3 = _mm256_setzero_ps();
-        for (int64_t d = 0; d < hd8; d += 8) {
-            const __m256 kv = kv_load8(kp[i], dt, d);
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), kv, a0);
-            if (nvg > 1) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d), kv, a1);
-            if (nvg > 2) a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + d), kv, a2);
-            if (nvg > 3) a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + d), kv, a3);
-        }
-        /* four horizontal sums at once */
-        const __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
-        const __m256 t2 = _mm256_hadd_ps(t0, t1);
-        __m128 r = _mm_add_ps(_mm256_castps256_ps128(t2), _mm256_extractf128_ps(t2, 1));
-        float rs[4];
-        _mm_storeu_ps(rs, r);
-        for (int64_t d = hd8; d < hd; d++) {
-            const float kd = kv_get(kp[i], dt, d);
-            rs[0] += q0[d] * kd;
-            if (nvg > 1) rs[1] += q1[d] * kd;
-            if (nvg > 2) rs[2] += q2[d] * kd;
-            if (nvg > 3) rs[3] += q3[d] * kd;
-        }
-        for (int v = 0; v < nvg; v++) sc[v * CV_ATT_KCHUNK + i] = rs[v];
-    }
+/* The four horizontal sums of a, b, c, d. */
+static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
+
+/* Scores of NV (<= 4) vectors against NK (<= 3) keys starting at key i0:
+ * a register block of NV x NK dot products, each key row loaded once per
+ * 8 dims for all NV vectors. */
+static CV_ALWAYS_INLINE void scores_blk(float *sc, const float *qt, int64_t hd, const int NV,
+                                        const int NK, int i0, const void *const *kp,
+                                        const cv_dtype dt) {
+    __m256 a[12];
+#pragma GCC unroll 12
+    for (int x = 0; x < NV * NK; x++) a[x] = _mm256_setzero_ps();
+    const int64_t hd8 = hd & ~(int64_t)7;
+    for (int64_t d = 0; d < hd8; d += 8) {
+        __m256 kv[3];
+#pragma GCC unroll 3
+        for (int k = 0; k < NK; k++) kv[k] = kv_load8(kp[i0 + k], dt, d);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) {
+            const __m256 q = _mm256_loadu_ps(qt + v * hd + d);
+#pragma GCC unroll 3
+            for (int k = 0; k < NK; k++) a[v * NK + k] = _mm256_fmadd_ps(q, kv[k], a[v * NK + k]);
+        }
+    }
+    float r[16];
+    const __m256 z = _mm256_setzero_ps();
+#pragma GCC unroll 3
+    for (int x = 0; x < NV * NK; x += 4)
+        _mm_storeu_ps(r + x, hsum4(a[x], x + 1 < NV * NK ? a[x + 1] : z, x + 2 < NV * NK ? a[x + 2] : z,
+                                   x + 3 < NV * NK ? a[x + 3] : z));
+    for (int v = 0; v < NV; v++)
+        for (int k = 0; k < NK; k++) {
+            float s = r[v * NK + k];
+            for (int64_t d = hd8; d < hd; d++) s += qt[v * hd + d] * kv_get(kp[i0 + k], dt, d);
+            sc[v * CV_ATT_KCHUNK + i0 + k] = s;
+        }
+}
+
+#define SCB_DT(NV, NK)                                                                          \
+    do {                                                                                        \
+        if (dt == CV_F32) scores_blk(s, q, hd, NV, NK, i0, kp, CV_F32);                         \
+        else if (dt == CV_F16) scores_blk(s, q, hd, NV, NK, i0, kp, CV_F16);                    \
+        else scores_blk(s, q, hd, NV, NK, i0, kp, CV_BF16);                                     \
+    } while (0)
+#define SCB_NK(NV)                                                                              \
+    do {                                                                                        \
+        if (nkb == 3) SCB_DT(NV, 3);                                                            \
+        else if (nkb == 2) SCB_DT(NV, 2);                                                       \
+        else SCB_DT(NV, 1);                                                                     \
+    } while (0)
 
 static void scores_avx2(float *sc, const float *qt, int64_t hd, int nv, const int *nval,
                         const void *const *kp, cv_dtype dt) {
     for (int v0 = 0; v0 < nv; v0 += 4) {
         const int nvg = nv - v0 < 4 ? nv - v0 : 4;
-        int nk = 0;
-        for (int v = v0; v < v0 + nvg; v++) nk = nval[v] > nk ? nval[v] : nk;
+        const int nk = max_valid(nval, v0, nvg);
         float *s = sc + v0 * CV_ATT_KCHUNK;
         const float *q = qt + v0 * hd;
-#define SC_CASE(N, DT) scores4(s, q, hd, N, nk, kp, DT)
-#define SC_DT(N)                                                                                \
-    do {                                                                                        \
-        if (dt == CV_F32) SC_CASE(N, CV_F32);                                                   \
-        else if (dt == CV_F16) SC_CASE(N, CV_F16);                                              \
-        else SC_CASE(N, CV_BF16);                                                               \
-    } while (0)
-        switch (nvg) {
-        case 1: SC_DT(1); break;
-        case 2: SC_DT(2); break;
-        case 3: SC_DT(3); break;
-        default: SC_DT(4); break;
+        for (int i0 = 0; i0 < nk; i0 += 3) {
+            const int nkb = nk - i0 < 3 ? nk - i0 : 3;
+            switch (nvg) {
+            case 1: SCB_NK(1); break;
+            case 2: SCB_NK(2); break;
+            case 3: SCB_NK(3); break;
+            default: SCB_NK(4); break;
+            }
         }
-#undef SC_DT
-#undef SC_CASE
     }
 }
+#undef SCB_NK
+#undef SCB_DT
 
-/* acc[v] = acc[v] * alpha[v] + sum_i p[v][i] V_i for up to 4 vectors. */
+/* acc[v] = acc[v] * alpha[v] + sum_i p[v][i] V_i for NV (<= 4) vectors. */
 static CV_ALWAYS_INLINE void pv4(float *acc, const float *sc, const float *alpha, int64_t hd,
-                                 int nvg, int nk, const void *const *vp, const cv_dtype dt) {
+                                 const int NV, int nk, const void *const *vp, const cv_dtype dt) {
     int64_t d = 0;
     for (; d + 16 <= hd; d += 16) {
         __m256 a[4][2];
-        for (int v = 0; v < nvg; v++) {
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) {
             const __m256 al = _mm256_set1_ps(alpha[v]);
             a[v][0] = _mm256_mul_ps(_mm256_loadu_ps(acc + v * hd + d), al);
             a[v][1] = _mm256_mul_ps(_mm256_loadu_ps(acc + v * hd + d + 8), al);
         }
         for (int i = 0; i < nk; i++) {
             const __m256 v0 = kv_load8(vp[i], dt, d), v1 = kv_load8(vp[i], dt, d + 8);
-            for (int v = 0; v < nvg; v++) {
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; v++) {
                 const __m256 p = _mm256_broadcast_ss(sc + v * CV_ATT_KCHUNK + i);
                 a[v][0] = _mm256_fmadd_ps(p, v0, a[v][0]);
                 a[v][1] = _mm256_fmadd_ps(p, v1, a[v][1]);
             }
         }
-        for (int v = 0; v < nvg; v++) {
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) {
             _mm256_storeu_ps(acc + v * hd + d, a[v][0]);
             _mm256_storeu_ps(acc + v * hd + d + 8, a[v][1]);
         }
     }
     for (; d + 8 <= hd; d += 8) {
         __m256 a[4];
-        for (int v = 0; v < nvg; v++)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++)
             a[v] = _mm256_mul_ps(_mm256_loadu_ps(acc + v * hd + d), _mm256_set1_ps(alpha[v]));
         for (int i = 0; i < nk; i++) {
             const __m256 v0 = kv_load8(vp[i], dt, d);
-            for (int v = 0; v < nvg; v++)
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; v++)
                 a[v] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + v * CV_ATT_KCHUNK + i), v0, a[v]);
         }
-        for (int v = 0; v < nvg; v++) _mm256_storeu_ps(acc + v * hd + d, a[v]);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) _mm256_storeu_ps(acc + v * hd + d, a[v]);
     }
     for (; d < hd; d++) {
-        for (int v = 0; v < nvg; v++) {
+        for (int v = 0; v < NV; v++) {
             float s = acc[v * hd + d] * alpha[v];
             for (int i = 0; i < nk; i++) s += sc[v * CV_ATT_KCHUNK + i] * kv_get(vp[i], dt, d);
             acc[v * hd + d] = s;
@@ -246,68 +298,66 @@ static CV_ALWAYS_INLINE void pv4(float *acc, const float *sc, const float *alpha
     }
 }
 
+#define PV_DT(NV)                                                                               \
+    do {                                                                                        \
+        if (dt == CV_F32) pv4(a, s, al, hd, NV, nk, vp, CV_F32);                                \
+        else if (dt == CV_F16) pv4(a, s, al, hd, NV, nk, vp, CV_F16);                           \
+        else pv4(a, s, al, hd, NV, nk, vp, CV_BF16);                                            \
+    } while (0)
+
 static void pv_avx2(float *acc, const float *sc, const float *alpha, int64_t hd, int nv,
                     const int *nval, const void *const *vp, cv_dtype dt) {
     for (int v0 = 0; v0 < nv; v0 += 4) {
         const int nvg = nv - v0 < 4 ? nv - v0 : 4;
-        int nk = 0;
-        for (int v = v0; v < v0 + nvg; v++) nk = nval[v] > nk ? nval[v] : nk;
+        const int nk = max_valid(nval, v0, nvg);
         float *a = acc + v0 * hd;
         const float *s = sc + v0 * CV_ATT_KCHUNK;
         const float *al = alpha + v0;
-#define PV_CASE(N, DT) pv4(a, s, al, hd, N, nk, vp, DT)
-#define PV_DT(N)                                                                                \
-    do {                                                                                        \
-        if (dt == CV_F32) PV_CASE(N, CV_F32);                                                   \
-        else if (dt == CV_F16) PV_CASE(N, CV_F16);                                              \
-        else PV_CASE(N, CV_BF16);                                                               \
-    } while (0)
         switch (nvg) {
         case 1: PV_DT(1); break;
         case 2: PV_DT(2); break;
         case 3: PV_DT(3); break;
         default: PV_DT(4); break;
         }
-#undef PV_DT
-#undef PV_CASE
     }
 }
+#undef PV_DT
 
-static void softmax_step_avx2(float *sc, float *m, float *l, float *alpha, int nval) {
-    if (nval <= 0) {
+static void softmax_step_avx2(float *sc, int nk, float *m, float *l, float *alpha, int nval) {
+    if (nval > 0) {
+        float mx = sc[0];
+        for (int i = 1; i < nval; i++) mx = sc[i] > mx ? sc[i] : mx;
+        const float mn = *m > mx ? *m : mx;
+        const float a = *m == -INFINITY ? 0.0f : expf(*m - mn);
+        const __m256 vm = _mm256_set1_ps(mn);
+        __m256 vs = _mm256_setzero_ps();
+        int i = 0;
+        for (; i + 8 <= nval; i += 8) {
+            const __m256 e = cv_exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + i), vm));
+            _mm256_storeu_ps(sc + i, e);
+            vs = _mm256_add_ps(vs, e);
+        }
+        float buf[8];
+        _mm256_storeu_ps(buf, vs);
+        float sum = ((buf[0] + buf[1]) + (buf[2] + buf[3])) + ((buf[4] + buf[5]) + (buf[6] + buf[7]));
+        for (; i < nval; i++) {
+            sc[i] = expf(sc[i] - mn);
+            sum += sc[i];
+        }
+        *l = *l * a + sum;
+        *m = mn;
+        *alpha = a;
+    } else {
         *alpha = 1.0f;
-        return;
     }
-    float mx = sc[0];
-    for (int i = 1; i < nval; i++) mx = sc[i] > mx ? sc[i] : mx;
-    const float mn = *m > mx ? *m : mx;
-    const float a = *m == -INFINITY ? 0.0f : expf(*m - mn);
-    const __m256 vm = _mm256_set1_ps(mn);
-    __m256 vs = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 8 <= nval; i += 8) {
-        const __m256 e = cv_exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + i), vm));
-        _mm256_storeu_ps(sc + i, e);
-        vs = _mm256_add_ps(vs, e);
-    }
-    float buf[8];
-    _mm256_storeu_ps(buf, vs);
-    float sum = ((buf[0] + buf[1]) + (buf[2] + buf[3])) + ((buf[4] + buf[5]) + (buf[6] + buf[7]));
-    for (; i < nval; i++) {
-        sc[i] = expf(sc[i] - mn);
-        sum += sc[i];
-    }
-    *l = *l * a + sum;
-    *m = mn;
-    *alpha = a;
+    for (int i = nval > 0 ? nval : 0; i < nk; i++) sc[i] = 0.0f;
 }
 #endif
 
 /* ------------------------------------------------------------------------ */
-/* One item (or one part of it): keys [k_lo, k_hi) of tile t. Leaves m, l,
- * acc in the scratch; returns the number of vectors. */
-static int att_tile_run(const att_job *j, float *scr, const att_tile *t, int64_t k_lo,
-                        int64_t k_hi) {
+/* One item (or one part of it): keys [k_lo, k_hi) of tile t, into st. */
+static void att_tile_run(const att_job *j, float *scr, const att_state *st, const att_tile *t,
+                         int64_t k_lo, int64_t k_hi) {
     const cv_attn_batch *bt = j->bt;
     const cv_kv_layer *kv = j->cache;
     const int64_t hd = bt->head_dim, bs = kv->block_size, nkv = kv->n_kv_heads;
@@ -317,12 +367,11 @@ static int att_tile_run(const att_job *j, float *scr, const att_tile *t, int64_t
     const int64_t ctx = bt->context_lens[t->s];
     const int32_t *table = bt->block_tables + (size_t)t->s * (size_t)bt->max_blocks_per_seq;
     const size_t esz = cv_dtype_size(kv->dtype);
-    float *qt = scr;                                  /* [nv][hd] scaled queries */
-    float *acc = qt + (size_t)j->TV * (size_t)hd;     /* [nv][hd] */
-    float *m = acc + (size_t)j->TV * (size_t)hd;      /* [CV_ATT_TILE] */
-    float *l = m + CV_ATT_TILE;                       /* [CV_ATT_TILE] */
-    float *alpha = l + CV_ATT_TILE;                   /* [CV_ATT_TILE] */
-    float *sc = alpha + CV_ATT_TILE;                  /* [CV_ATT_TILE][CV_ATT_KCHUNK] */
+    float *qt = scr;                          /* [nv][hd] scaled queries */
+    float *alpha = scr + 2 * ATT_VF;          /* [CV_ATT_TILE] */
+    float *sc = alpha + CV_ATT_TILE;          /* [CV_ATT_TILE][CV_ATT_KCHUNK] */
+    float *row = sc + CV_ATT_TILE * CV_ATT_KCHUNK; /* [hd] widened K or V row (plain) */
+    float *acc = st->acc, *m = st->m, *l = st->l;
     int64_t vpos[CV_ATT_TILE];
     const void *kp[CV_ATT_KCHUNK], *vp[CV_ATT_KCHUNK];
     int nval[CV_ATT_TILE];
@@ -357,52 +406,58 @@ static int att_tile_run(const att_job *j, float *scr, const att_tile *t, int64_t
 #if CV_HAVE_AVX2
         if (j->simd) {
             scores_avx2(sc, qt, hd, nv, nval, kp, kv->dtype);
-            for (int v = 0; v < nv; v++) {
-                softmax_step_avx2(sc + v * CV_ATT_KCHUNK, &m[v], &l[v], &alpha[v], nval[v]);
-                for (int i = nval[v]; i < nk; i++) sc[v * CV_ATT_KCHUNK + i] = 0.0f;
-            }
+            for (int v = 0; v < nv; v++)
+                softmax_step_avx2(sc + v * CV_ATT_KCHUNK, nk, &m[v], &l[v], &alpha[v], nval[v]);
             pv_avx2(acc, sc, alpha, hd, nv, nval, vp, kv->dtype);
             continue;
         }
 #endif
-        scores_plain(sc, qt, hd, nv, nval, kp, kv->dtype);
+        scores_plain(sc, qt, hd, nv, nval, kp, kv->dtype, row);
         for (int v = 0; v < nv; v++)
-            softmax_step_plain(sc + v * CV_ATT_KCHUNK, &m[v], &l[v], &alpha[v], nval[v]);
-        pv_plain(acc, sc, alpha, hd, nv, nval, vp, kv->dtype);
+            softmax_step_plain(sc + v * CV_ATT_KCHUNK, nk, &m[v], &l[v], &alpha[v], nval[v]);
+        pv_plain(acc, sc, alpha, hd, nv, nval, vp, kv->dtype, row);
     }
-    return nv;
 }
 
-/* Writes the normalized result of tile t from scratch buffers of `nparts`
- * parts (one buffer unless the item was split). */
-static void att_finish(const att_job *j, const att_tile *t, float *const *parts, int nparts) {
+/* Writes the normalized result of tile t from the states of its parts
+ * (one unless the item was split). */
+static void att_finish(const att_job *j, const att_tile *t, const att_state *parts, int nparts) {
     const cv_attn_batch *bt = j->bt;
     const int64_t hd = bt->head_dim, ng = t->g1 - t->g0;
     const int nv = (int)((t->j1 - t->j0) * ng);
-    const size_t acc_off = (size_t)j->TV * (size_t)hd, m_off = 2 * acc_off;
     for (int v = 0; v < nv; v++) {
         const int64_t jt = t->j0 + v / ng, g = t->g0 + v % ng;
         float *o = j->out + (size_t)(bt->query_start[t->s] + jt) * (size_t)(bt->n_heads * hd) +
                    (size_t)((t->h * j->G + g) * hd);
-        float mx = -INFINITY;
-        for (int p = 0; p < nparts; p++) {
-            const float mp = parts[p][m_off + (size_t)v];
-            mx = mp > mx ? mp : mx;
+        if (nparts == 1) {
+            const float inv = parts[0].l[v] > 0.0f ? 1.0f / parts[0].l[v] : 0.0f;
+            const float *a = parts[0].acc + (size_t)v * (size_t)hd;
+            for (int64_t d = 0; d < hd; d++) o[d] = a[d] * inv;
+            continue;
         }
+        float mx = -INFINITY;
+        for (int p = 0; p < nparts; p++) mx = parts[p].m[v] > mx ? parts[p].m[v] : mx;
         float wsum = 0.0f, wts[64];
         for (int p = 0; p < nparts; p++) {
-            const float mp = parts[p][m_off + (size_t)v];
-            const float lp = parts[p][m_off + CV_ATT_TILE + (size_t)v];
+            const float mp = parts[p].m[v];
             wts[p] = (mp == -INFINITY || mx == -INFINITY) ? 0.0f : expf(mp - mx);
-            wsum += wts[p] * lp;
+            wsum += wts[p] * parts[p].l[v];
         }
         const float inv = wsum > 0.0f ? 1.0f / wsum : 0.0f;
-        for (int64_t d = 0; d < hd; d++) {
-            float s = 0.0f;
-            for (int p = 0; p < nparts; p++) s += wts[p] * parts[p][acc_off + (size_t)v * hd + (size_t)d];
-            o[d] = s * inv;
+        for (int p = 0; p < nparts; p++) wts[p] *= inv;
+        for (int64_t d = 0; d < hd; d++) o[d] = 0.0f;
+        for (int p = 0; p < nparts; p++) {
+            if (wts[p] == 0.0f) continue;
+            const float *a = parts[p].acc + (size_t)v * (size_t)hd;
+            for (int64_t d = 0; d < hd; d++) o[d] += wts[p] * a[d];
         }
     }
+}
+
+static att_state partial_state(const att_job *j, int64_t unit) {
+    float *p = j->partials + (size_t)unit * j->partial_floats;
+    att_state st = {.m = p, .l = p + CV_ATT_TILE, .acc = p + 2 * CV_ATT_TILE};
+    return st;
 }
 
 static void att_fn(void *arg, int tid, int nth) {
@@ -412,29 +467,34 @@ static void att_fn(void *arg, int tid, int nth) {
     att_cursor cur = {0, 0};
     att_tile t;
     if (j->parts > 1) {
-        /* split mode: thread tid runs one part of one item */
-        const int64_t item = tid / j->parts, part = tid % j->parts;
-        if (item >= j->n_items) return;
-        locate(j, &cur, item, &t);
-        const int64_t nq = j->bt->query_start[t.s + 1] - j->bt->query_start[t.s];
-        const int64_t keys = j->bt->context_lens[t.s] - nq + t.j1; /* last position + 1 */
-        const int64_t lo = keys * part / j->parts, hi = keys * (part + 1) / j->parts;
-        att_tile_run(j, scr, &t, lo, hi);
-        if (atomic_fetch_sub_explicit(&j->counters[item], 1, memory_order_acq_rel) == 1) {
-            float *parts[64];
-            for (int64_t p = 0; p < j->parts; p++)
-                parts[p] = j->scratch + (size_t)(item * j->parts + p) * j->scratch_floats;
-            att_finish(j, &t, parts, (int)j->parts);
+        /* split mode: units are (item, part); the last part of an item merges */
+        const int64_t n_units = j->n_items * j->parts;
+        for (;;) {
+            const int64_t u = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+            if (u >= n_units) break;
+            const int64_t item = u / j->parts, part = u % j->parts;
+            locate(j, &cur, item, &t);
+            const int64_t nq = j->bt->query_start[t.s + 1] - j->bt->query_start[t.s];
+            const int64_t keys = j->bt->context_lens[t.s] - nq + t.j1; /* last position + 1 */
+            const att_state st = partial_state(j, u);
+            att_tile_run(j, scr, &st, &t, keys * part / j->parts, keys * (part + 1) / j->parts);
+            if (atomic_fetch_sub_explicit(&j->counters[item], 1, memory_order_acq_rel) == 1) {
+                att_state parts[64];
+                for (int64_t p = 0; p < j->parts; p++) parts[p] = partial_state(j, item * j->parts + p);
+                att_finish(j, &t, parts, (int)j->parts);
+            }
         }
         return;
     }
+    /* the thread's own state: acc after qt, m and l after the row buffer */
+    float *ml = scr + 3 * ATT_VF + CV_ATT_TILE + CV_ATT_TILE * CV_ATT_KCHUNK;
+    const att_state own = {.acc = scr + ATT_VF, .m = ml, .l = ml + CV_ATT_TILE};
     for (;;) {
         const int64_t item = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
         if (item >= j->n_items) break;
         locate(j, &cur, item, &t);
-        att_tile_run(j, scr, &t, 0, INT64_MAX);
-        float *parts[1] = {scr};
-        att_finish(j, &t, parts, 1);
+        att_tile_run(j, scr, &own, &t, 0, INT64_MAX);
+        att_finish(j, &t, &own, 1);
     }
 }
 
@@ -445,11 +505,12 @@ void cv_cpu_paged_attention(cv_backend *b, float *out, const float *q, int64_t q
     if (batch->n_seqs <= 0 || hd <= 0 || batch->n_kv_heads <= 0) return;
     /* head_dim past CV_ATT_TILE * CV_ATT_MAX_HD does not fit the scratch; the
      * model checks head_dim when it loads. */
-    int64_t TV = (int64_t)CV_ATT_TILE * CV_ATT_MAX_HD / hd;
+    int64_t TV = (int64_t)ATT_VF / hd;
     if (TV > CV_ATT_TILE) TV = CV_ATT_TILE;
     if (TV < 1) return;
     att_job j = {.out = out, .q = q, .q_stride = q_stride, .cache = cache, .bt = batch,
                  .scratch = c->att_scratch, .scratch_floats = c->att_scratch_floats,
+                 .partials = c->att_partials, .partial_floats = c->att_partial_floats,
                  .counters = c->att_counters, .simd = c->simd};
     j.G = batch->n_heads / batch->n_kv_heads;
     j.TV = TV;
@@ -464,25 +525,28 @@ void cv_cpu_paged_attention(cv_backend *b, float *out, const float *q, int64_t q
     }
     j.n_items = n_items;
     if (n_items == 0) return;
-    int nth = c->nthreads;
+    const int64_t nth = c->nthreads;
     j.parts = 1;
-    if (n_items < nth) {
-        int64_t parts = nth / n_items;
-        if (parts > 64) parts = 64;
+    /* Few items for the threads and long contexts: split each item's keys into
+     * parts so that there are about two units per thread (room to balance);
+     * n_items < 2 nth keeps the units under 4 nth (the partials allocated). */
+    if (nth > 1 && n_items < 2 * nth) {
+        int64_t parts = (2 * nth + n_items - 1) / n_items;
         if (parts > max_keys / ATT_MIN_SPLIT_KEYS) parts = max_keys / ATT_MIN_SPLIT_KEYS;
+        if (parts > 64) parts = 64;
         if (parts >= 2) {
             j.parts = parts;
-            for (int64_t i = 0; i < n_items; i++) atomic_store_explicit(&c->att_counters[i], (int)parts, memory_order_relaxed);
-            nth = (int)(n_items * parts);
-        } else {
-            nth = (int)n_items;
+            for (int64_t i = 0; i < n_items; i++)
+                atomic_store_explicit(&c->att_counters[i], (int)parts, memory_order_relaxed);
         }
     }
+    const int64_t units = n_items * j.parts;
+    int run_threads = (int)(units < nth ? units : nth);
     /* tiny batches (one short sequence): not worth waking the pool */
-    if (j.parts == 1 && (double)n_items * (double)max_keys * (double)hd * (double)j.TV < 65536.0)
-        nth = 1;
-    cv_pool_run(c->pool, nth, att_fn, &j);
+    if ((double)n_items * (double)max_keys * (double)hd * (double)j.TV < 65536.0) run_threads = 1;
+    cv_pool_run(c->pool, run_threads, att_fn, &j);
 }
+
 
 /* ------------------------------------------------------------------------ */
 /* KV write                                                                  */

@@ -152,13 +152,25 @@ double cv_cpu_triad(cv_backend *b, size_t n_bytes, int repeats) {
 /* ------------------------------------------------------------------------ */
 /* Lifetime                                                                  */
 
+/* Integer from the environment, clamped to [lo, hi]; def when unset. */
+static int64_t env_int(const char *name, int64_t def, int64_t lo, int64_t hi) {
+    const char *s = getenv(name);
+    if (!s || !*s) return def;
+    char *end;
+    long long v = strtoll(s, &end, 10);
+    if (end == s) return def;
+    return v < lo ? lo : (v > hi ? hi : v);
+}
+
 static void cpu_destroy(cv_backend *b) {
     if (!b) return;
     cv_cpu *c = b->ctx;
     if (c) {
         cv_pool_destroy(c->pool);
         free(c->att_scratch);
+        free(c->att_partials);
         free(c->att_counters);
+        free(c->gemm_xpack);
         free(c);
     }
     free(b);
@@ -182,12 +194,19 @@ cv_backend *cv_cpu_backend_create(int num_threads, int force_scalar, cv_err *err
         return NULL;
     }
     c->nthreads = cv_pool_size(c->pool);
-    c->att_scratch_floats = (cv_cpu_att_scratch_floats() + 15) & ~(size_t)15; /* 64-byte steps */
-    c->att_scratch = aligned_alloc(64, (size_t)c->nthreads * c->att_scratch_floats * sizeof(float));
-    c->att_counters = calloc((size_t)c->nthreads, sizeof *c->att_counters);
-    if (!c->att_scratch || !c->att_counters) {
+    const size_t nt = (size_t)c->nthreads;
+    c->att_scratch_floats = cv_cpu_att_scratch_floats();
+    c->att_partial_floats = cv_cpu_att_partial_floats();
+    c->att_scratch = aligned_alloc(64, nt * c->att_scratch_floats * sizeof(float));
+    c->att_partials = aligned_alloc(64, 4 * nt * c->att_partial_floats * sizeof(float));
+    c->att_counters = calloc(2 * nt, sizeof *c->att_counters);
+    c->gemm_kc = env_int("CONVEYOR_GEMM_KC", CV_GEMM_KC, 16, 1 << 20);
+    c->gemm_xblock = env_int("CONVEYOR_GEMM_XBLOCK", CV_GEMM_XBLOCK, 1024, 1 << 26);
+    c->gemm_pack = (int)env_int("CONVEYOR_GEMM_PACK", 1, 0, 1);
+    if (c->gemm_pack && cv_cpu_gemm_reserve(c, 0) < 0) c->gemm_pack = -1;
+    if (!c->att_scratch || !c->att_partials || !c->att_counters || c->gemm_pack < 0) {
         cpu_destroy(b);
-        cv_set_err(err, CV_ERR_NOMEM, "out of memory for attention scratch of %d threads",
+        cv_set_err(err, CV_ERR_NOMEM, "out of memory for the scratch buffers of %d threads",
                    c->nthreads);
         return NULL;
     }

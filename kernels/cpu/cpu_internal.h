@@ -26,6 +26,12 @@
 #define CV_NR 16
 /* Token rows per micro-kernel call (6 x 16 fp32 accumulators = 12 ymm). */
 #define CV_MR 6
+/* Default GEMM blocking: about KC cols per block (a 288 x 16 f32 panel chunk
+ * is 18 KiB, in L1) and token blocks of about XBLOCK floats of x (256 KiB,
+ * in L2). CONVEYOR_GEMM_KC / CONVEYOR_GEMM_XBLOCK override them and
+ * CONVEYOR_GEMM_PACK=0 turns the packing of x off (for measurements). */
+#define CV_GEMM_KC 288
+#define CV_GEMM_XBLOCK 65536
 
 /* Attention limits and per-thread scratch. */
 #define CV_ATT_MAX_HD 256  /* largest head_dim */
@@ -38,7 +44,14 @@ typedef struct cv_cpu {
     int simd;                /* 1: AVX2 kernels, 0: plain C */
     float *att_scratch;      /* [nthreads][att_scratch_floats] */
     size_t att_scratch_floats;
-    atomic_int *att_counters; /* [nthreads] parts still running per split item */
+    float *att_partials;     /* [4*nthreads][att_partial_floats] (m, l, acc) of split parts */
+    size_t att_partial_floats;
+    atomic_int *att_counters; /* [2*nthreads] parts still running per split item */
+    int64_t gemm_kc;         /* GEMM blocking: about this many cols per block */
+    int64_t gemm_xblock;     /* floats of x per token block */
+    int gemm_pack;           /* pack x blocks (1) or read x in place (0) */
+    float *gemm_xpack;       /* [nthreads][gemm_xpack_floats] packed x blocks */
+    size_t gemm_xpack_floats; /* >= max(xblock, CV_MR * cols) for every prepared matrix */
 } cv_cpu;
 
 static inline cv_cpu *cv_cpu_of(cv_backend *b) { return (cv_cpu *)b->ctx; }
@@ -56,6 +69,9 @@ static inline int cv_threads_for(const cv_cpu *c, double work, double grain) {
 int cv_cpu_matrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dtype src_dtype,
                           int64_t rows, int64_t cols, cv_dtype dtype, cv_err *err);
 void cv_cpu_matrix_free(cv_backend *b, cv_matrix *m);
+/* Grows the GEMM pack buffers for matrices of `cols` columns (called by
+ * matrix_prepare, never during a step). */
+int cv_cpu_gemm_reserve(cv_cpu *c, int64_t cols);
 void cv_cpu_gemm(cv_backend *b, float *out, const float *x, int64_t n, const cv_matrix *w,
                  const float *bias, int accumulate);
 
@@ -84,8 +100,10 @@ void cv_cpu_kv_write(cv_backend *b, cv_kv_layer *cache, const float *k, int64_t 
                      const float *v, int64_t v_stride, const int64_t *slot_mapping, int64_t n);
 void cv_cpu_paged_attention(cv_backend *b, float *out, const float *q, int64_t q_stride,
                             const cv_kv_layer *cache, const cv_attn_batch *batch);
-/* Floats of attention scratch each thread needs. */
+/* Floats of attention scratch each thread needs, and of one split part's
+ * partial result (both multiples of 16). */
 size_t cv_cpu_att_scratch_floats(void);
+size_t cv_cpu_att_partial_floats(void);
 
 /* backend_cpu.c: STREAM-style triad a = b + s*c over n_bytes of arrays with
  * the backend's pool; returns GB/s (bytes moved: 3 arrays), or < 0 on error. */

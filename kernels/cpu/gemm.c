@@ -14,8 +14,6 @@
 
 #include "cpu_internal.h"
 
-#define GEMM_KC 288   /* target cols per block: 288 x 16 x 4 B = 18 KiB of f32 panel */
-#define GEMM_MC 192   /* tokens per L2 block: 192 x 288 x 4 B = 216 KiB of x */
 
 static inline int bf16_slot(int j) { return j < 8 ? 2 * j : 2 * (j - 8) + 1; }
 
@@ -98,7 +96,7 @@ int cv_cpu_matrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dty
     if (nth > n_panels) nth = (int)n_panels;
     if (!cv_mul_size((size_t)nth * sizeof(float), (size_t)cols, &tbytes)) tbytes = SIZE_MAX;
     tmp = tbytes == SIZE_MAX ? NULL : malloc(tbytes);
-    if (!data || !tmp) {
+    if (!data || !tmp || cv_cpu_gemm_reserve(c, cols) < 0) {
         rc = cv_set_err(err, CV_ERR_NOMEM, "matrix_prepare: out of memory for [%lld][%lld] %s",
                         (long long)rows, (long long)cols, cv_dtype_name(dtype));
         goto done;
@@ -118,6 +116,22 @@ done:
     return rc;
 }
 
+int cv_cpu_gemm_reserve(cv_cpu *c, int64_t cols) {
+    if (c->gemm_pack != 1) return CV_OK;
+    size_t need = (size_t)c->gemm_xblock;
+    if ((size_t)cols * CV_MR > need) need = (size_t)cols * CV_MR;
+    need = (need + 15) & ~(size_t)15; /* keep each thread's buffer 64-byte aligned */
+    if (c->gemm_xpack && need <= c->gemm_xpack_floats) return CV_OK;
+    size_t bytes;
+    if (!cv_mul_size(need * sizeof(float), (size_t)c->nthreads, &bytes)) return CV_ERR_NOMEM;
+    float *p = aligned_alloc(64, bytes);
+    if (!p) return CV_ERR_NOMEM;
+    free(c->gemm_xpack);
+    c->gemm_xpack = p;
+    c->gemm_xpack_floats = need;
+    return CV_OK;
+}
+
 void cv_cpu_matrix_free(cv_backend *b, cv_matrix *m) {
     (void)b;
     if (!m) return;
@@ -129,7 +143,8 @@ void cv_cpu_matrix_free(cv_backend *b, cv_matrix *m) {
 /* Micro-kernels. Common contract:
  *   c[mr][ldc] (valid columns: nvalid <= 16) gets
  *     (load_c ? c : 0) + (bias ? bias[0..nvalid) : 0) + sum_k x[i][k] w[k][.]
- *   x: [mr][ldx] rows of activations (kc used), w: one panel chunk [kc][16]. */
+ *   x: [mr][ldx] rows of activations (kc used), or when ldx == 0 a packed
+ *      tile [kc][mr]; w: one panel chunk [kc][16]. */
 
 typedef void (*ukr_fn)(int64_t kc, const float *x, int64_t ldx, const void *w, float *c,
                        int64_t ldc, int nvalid, const float *bias, int load_c);
@@ -160,7 +175,7 @@ static void ukr_plain(int mr, cv_dtype dt, int64_t kc, const float *x, int64_t l
             for (int j = 0; j < CV_NR; j++) wk[j] = cv_f16_to_f32(p[j]);
         }
         for (int i = 0; i < mr; i++) {
-            const float xv = x[i * ldx + k];
+            const float xv = ldx ? x[i * ldx + k] : x[k * mr + i];
             for (int j = 0; j < CV_NR; j++) acc[i][j] += xv * wk[j];
         }
     }
@@ -207,7 +222,7 @@ static CV_ALWAYS_INLINE void load_w16(const cv_dtype dt, const void *w, int64_t 
     }
 }
 
-static CV_ALWAYS_INLINE void ukr_avx2(const int mr, const cv_dtype dt, int64_t kc,
+static CV_ALWAYS_INLINE void ukr_avx2(const int mr, const cv_dtype dt, const int packed, int64_t kc,
                                       const float *x, int64_t ldx, const void *w, float *c,
                                       int64_t ldc, int nvalid, const float *bias, int load_c) {
     /* Few tokens: unroll k into independent accumulator sets so FMA latency
@@ -258,7 +273,8 @@ static CV_ALWAYS_INLINE void ukr_avx2(const int mr, const cv_dtype dt, int64_t k
             load_w16(dt, w, k + u, &w0, &w1);
 #pragma GCC unroll 6
             for (int i = 0; i < mr; i++) {
-                const __m256 xb = _mm256_broadcast_ss(x + i * ldx + k + u);
+                const __m256 xb = _mm256_broadcast_ss(packed ? x + (k + u) * mr + i
+                                                             : x + i * ldx + k + u);
                 acc[u][i][0] = _mm256_fmadd_ps(xb, w0, acc[u][i][0]);
                 acc[u][i][1] = _mm256_fmadd_ps(xb, w1, acc[u][i][1]);
             }
@@ -269,7 +285,7 @@ static CV_ALWAYS_INLINE void ukr_avx2(const int mr, const cv_dtype dt, int64_t k
         load_w16(dt, w, k, &w0, &w1);
 #pragma GCC unroll 6
         for (int i = 0; i < mr; i++) {
-            const __m256 xb = _mm256_broadcast_ss(x + i * ldx + k);
+            const __m256 xb = _mm256_broadcast_ss(packed ? x + k * mr + i : x + i * ldx + k);
             acc[0][i][0] = _mm256_fmadd_ps(xb, w0, acc[0][i][0]);
             acc[0][i][1] = _mm256_fmadd_ps(xb, w1, acc[0][i][1]);
         }
@@ -296,7 +312,10 @@ static CV_ALWAYS_INLINE void ukr_avx2(const int mr, const cv_dtype dt, int64_t k
 #define AVX_UKR(MR, DT, NAME)                                                                   \
     static void NAME(int64_t kc, const float *x, int64_t ldx, const void *w, float *c,         \
                      int64_t ldc, int nvalid, const float *bias, int load_c) {                  \
-        ukr_avx2(MR, DT, kc, x, ldx, w, c, ldc, nvalid, bias, load_c);                          \
+        if (ldx)                                                                                \
+            ukr_avx2(MR, DT, 0, kc, x, ldx, w, c, ldc, nvalid, bias, load_c);                   \
+        else                                                                                    \
+            ukr_avx2(MR, DT, 1, kc, x, ldx, w, c, ldc, nvalid, bias, load_c);                   \
     }
 #define AVX_ROW(DT, P)                                                                          \
     AVX_UKR(1, DT, P##1) AVX_UKR(2, DT, P##2) AVX_UKR(3, DT, P##3)                              \
@@ -325,33 +344,57 @@ typedef struct gemm_job {
     const ukr_fn *table; /* [CV_MR + 1] kernels for w's dtype */
     int n_pparts;        /* thread grid: panel parts x token parts */
     int n_tparts;
+    int64_t kc;          /* about this many cols per block */
+    int64_t mc;          /* tokens per block (x block of mc x cols stays in L2) */
+    float *xpack;        /* [nthreads][xpack_floats] packed x blocks, or NULL: x in place */
+    size_t xpack_floats;
 } gemm_job;
 
-/* Computes panels [p0, p1) for tokens [t0, t1). */
-static void gemm_block(const gemm_job *j, int64_t p0, int64_t p1, int64_t t0, int64_t t1) {
+/* Copies x[m0 .. m0+mlen)[0 .. cols) into xp as the tiles the driver walks,
+ * tile after tile (sizes as below), each tile [cols][mr]. */
+static void pack_x(float *xp, const float *x, int64_t cols, int64_t m0, int64_t mlen, int64_t ntiles) {
+    int64_t t = m0;
+    for (int64_t ti = 0; ti < ntiles; ti++) {
+        const int mr = (int)(mlen / ntiles + (ti < mlen % ntiles ? 1 : 0));
+        float *dst = xp + (t - m0) * cols;
+        const float *src[CV_MR];
+        for (int i = 0; i < mr; i++) src[i] = x + (size_t)(t + i) * (size_t)cols;
+        for (int64_t k = 0; k < cols; k++)
+            for (int i = 0; i < mr; i++) dst[k * mr + i] = src[i][k];
+        t += mr;
+    }
+}
+
+/* Computes panels [p0, p1) for tokens [t0, t1); xp: this thread's pack buffer.
+ * Loop order: token block (x block in L2) > panel > cols block (panel chunk
+ * in L1) > token tile, so each C tile stays in cache across the cols blocks. */
+static void gemm_block(const gemm_job *j, int64_t p0, int64_t p1, int64_t t0, int64_t t1, float *xp) {
     const cv_matrix *w = j->w;
     const int64_t rows = w->rows, cols = w->cols;
     const size_t esz = cv_dtype_size(w->dtype);
     const int64_t nt = t1 - t0;
     if (nt <= 0 || p1 <= p0) return;
-    /* One token tile: stream each panel whole (decode / GEMV). */
+    /* One token tile: stream each panel whole, x in place (decode / GEMV). */
     int64_t kc = cols, mc = nt;
     if (nt > CV_MR) {
-        const int64_t nkb = (cols + GEMM_KC - 1) / GEMM_KC;
+        const int64_t nkb = (cols + j->kc - 1) / j->kc;
         kc = (cols + nkb - 1) / nkb;
-        mc = GEMM_MC;
+        mc = j->mc;
+    } else {
+        xp = NULL;
     }
     for (int64_t m0 = t0; m0 < t1; m0 += mc) {
         const int64_t m1 = m0 + mc < t1 ? m0 + mc : t1;
         const int64_t mlen = m1 - m0;
         const int64_t ntiles = (mlen + CV_MR - 1) / CV_MR;
-        for (int64_t k0 = 0; k0 < cols; k0 += kc) {
-            const int64_t klen = k0 + kc < cols ? kc : cols - k0;
-            const int first = k0 == 0;
-            const int load_c = j->accumulate || !first;
-            for (int64_t p = p0; p < p1; p++) {
-                const int64_t r0 = p * CV_NR;
-                const int nvalid = rows - r0 < CV_NR ? (int)(rows - r0) : CV_NR;
+        if (xp) pack_x(xp, j->x, cols, m0, mlen, ntiles);
+        for (int64_t p = p0; p < p1; p++) {
+            const int64_t r0 = p * CV_NR;
+            const int nvalid = rows - r0 < CV_NR ? (int)(rows - r0) : CV_NR;
+            for (int64_t k0 = 0; k0 < cols; k0 += kc) {
+                const int64_t klen = k0 + kc < cols ? kc : cols - k0;
+                const int first = k0 == 0;
+                const int load_c = j->accumulate || !first;
                 const char *wp = (const char *)w->data + ((size_t)p * (size_t)cols + (size_t)k0) *
                                                              CV_NR * esz;
                 const float *bp = (first && j->bias) ? j->bias + r0 : NULL;
@@ -359,9 +402,13 @@ static void gemm_block(const gemm_job *j, int64_t p0, int64_t p1, int64_t t0, in
                 int64_t t = m0;
                 for (int64_t ti = 0; ti < ntiles; ti++) {
                     const int mr = (int)(mlen / ntiles + (ti < mlen % ntiles ? 1 : 0));
-                    j->table[mr](klen, j->x + (size_t)t * (size_t)cols + (size_t)k0, cols, wp,
-                                 j->out + (size_t)t * (size_t)rows + (size_t)r0, rows, nvalid, bp,
-                                 load_c);
+                    float *o = j->out + (size_t)t * (size_t)rows + (size_t)r0;
+                    if (xp)
+                        j->table[mr](klen, xp + (t - m0) * cols + k0 * mr, 0, wp, o, rows, nvalid,
+                                     bp, load_c);
+                    else
+                        j->table[mr](klen, j->x + (size_t)t * (size_t)cols + (size_t)k0, cols, wp, o,
+                                     rows, nvalid, bp, load_c);
                     t += mr;
                 }
             }
@@ -378,14 +425,20 @@ static void gemm_fn(void *arg, int tid, int nth) {
     const int64_t np = (j->w->rows + CV_NR - 1) / CV_NR;
     const int64_t p0 = np * pp / j->n_pparts, p1 = np * (pp + 1) / j->n_pparts;
     const int64_t t0 = j->n * tp / j->n_tparts, t1 = j->n * (tp + 1) / j->n_tparts;
-    gemm_block(j, p0, p1, t0, t1);
+    float *xp = j->xpack ? j->xpack + (size_t)tid * j->xpack_floats : NULL;
+    gemm_block(j, p0, p1, t0, t1, xp);
 }
 
 void cv_cpu_gemm(cv_backend *b, float *out, const float *x, int64_t n, const cv_matrix *w,
                  const float *bias, int accumulate) {
     cv_cpu *c = cv_cpu_of(b);
     if (n <= 0 || w->rows <= 0) return;
-    gemm_job j = {.out = out, .x = x, .n = n, .w = w, .bias = bias, .accumulate = accumulate};
+    gemm_job j = {.out = out, .x = x, .n = n, .w = w, .bias = bias, .accumulate = accumulate,
+                  .kc = c->gemm_kc, .xpack = c->gemm_xpack, .xpack_floats = c->gemm_xpack_floats};
+    /* tokens per block: an x block of about gemm_xblock floats, whole tiles */
+    j.mc = (c->gemm_xblock / w->cols) / CV_MR * CV_MR;
+    if (j.mc < CV_MR) j.mc = CV_MR;
+    if (j.xpack && (size_t)(j.mc * w->cols) > j.xpack_floats) j.xpack = NULL; /* not prepared here */
     const int di = dt_index(w->dtype);
 #if CV_HAVE_AVX2
     j.table = c->simd ? avx_table[di] : plain_table[di];

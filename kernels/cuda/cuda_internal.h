@@ -2,6 +2,7 @@
 #ifndef CV_CUDA_INTERNAL_H
 #define CV_CUDA_INTERNAL_H
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -14,16 +15,18 @@
 
 #define CV_CU_EXPORT extern "C" __attribute__((visibility("default")))
 
-/* Bits a kernel sets in the device flag word when its inputs are bad; the
- * host turns them into an error message at the next sync. Kernels never read
- * or write out of bounds because of bad indices: they skip or clamp. */
+/* Flags a kernel raises (stores 1 into flags[CVC_FLAG_*], a pinned mapped
+ * host array, so no atomics and no copy are needed) when its inputs are bad;
+ * the host turns them into a recorded error at the next sync. Kernels never
+ * read or write out of bounds because of bad indices: they skip or clamp. */
 enum {
-    CVC_BAD_BLOCK = 1,      /* block id outside [0, num_blocks) */
-    CVC_BAD_MAXCTX = 2,     /* a context longer than batch.max_context_len */
-    CVC_BAD_TABLE = 4,      /* a context longer than max_blocks_per_seq * block_size */
-    CVC_BAD_SLOT = 8,       /* kv_write slot >= num_blocks * block_size */
-    CVC_BAD_TOKEN = 16,     /* embedding row outside the table */
-    CVC_BAD_QUERY = 32      /* query_start not increasing or more new tokens than context */
+    CVC_FLAG_BLOCK = 0,  /* block id outside [0, num_blocks) */
+    CVC_FLAG_MAXCTX,     /* a context longer than batch.max_context_len */
+    CVC_FLAG_TABLE,      /* a context longer than max_blocks_per_seq * block_size */
+    CVC_FLAG_SLOT,       /* kv_write slot >= num_blocks * block_size */
+    CVC_FLAG_TOKEN,      /* embedding row outside the table */
+    CVC_FLAG_QUERY,      /* query_start decreasing, or more new tokens than context */
+    CVC_NFLAGS
 };
 
 /* Backend private state (b->ctx). One stream; every call runs on it. */
@@ -50,8 +53,8 @@ struct cv_cuda_ctx {
     void *stage;                /* pinned host staging for uploads */
     size_t stage_bytes;
 
-    int *flag_h;                /* pinned, mapped: CVC_BAD_* bits set by kernels */
-    int *flag_d;                /* device alias of flag_h */
+    int *flags_h;               /* [CVC_NFLAGS] pinned, mapped; kernels store 1 on bad input */
+    int *flags_d;               /* device alias of flags_h */
 
     int err_code;               /* first recorded error (0: none) */
     char err_msg[CV_ERR_MSG_LEN];
@@ -68,7 +71,8 @@ int cvc_check(cv_cuda_ctx *c, cudaError_t e, const char *what);
 int cvc_check_launch(cv_cuda_ctx *c, const char *what);
 /* Makes the backend's device current in this thread (0 ok, -1 recorded). */
 int cvc_enter(cv_cuda_ctx *c);
-/* Host-side: translate and clear the kernel flag bits into a recorded error. */
+/* After a stream sync: turns raised kernel flags into a recorded error and
+ * lowers them. */
 void cvc_collect_flags(cv_cuda_ctx *c);
 
 /* Device helpers: widen one element to float, narrow with round-to-nearest-even. */
@@ -82,6 +86,40 @@ template <> __device__ __forceinline__ __half cvc_from_f32<__half>(float x) {
 }
 template <> __device__ __forceinline__ __nv_bfloat16 cvc_from_f32<__nv_bfloat16>(float x) {
     return __float2bfloat16_rn(x);
+}
+
+/* Warp reductions (all 32 lanes take part). */
+__device__ __forceinline__ float cvc_warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float cvc_warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+/* Sum over the block (blockDim.x a multiple of 32, <= 1024); every thread
+ * gets the total. Must be reached by all threads; sh holds 33 floats. */
+__device__ __forceinline__ float cvc_block_sum(float v, float *sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = cvc_warp_sum(v);
+    __syncthreads(); /* sh may still be read by a previous call */
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    float t = 0.f;
+    for (int i = 0; i < nw; i++) t += sh[i]; /* fixed order: deterministic */
+    return t;
+}
+__device__ __forceinline__ float cvc_block_max(float v, float *sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = cvc_warp_max(v);
+    __syncthreads();
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    float t = -INFINITY;
+    for (int i = 0; i < nw; i++) t = fmaxf(t, sh[i]);
+    return t;
 }
 
 /* Kernels of the table (elementwise.cu). */

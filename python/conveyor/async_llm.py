@@ -1,8 +1,11 @@
 """AsyncLLM: streaming generation for asyncio applications and notebooks.
 
 The engine loop runs on a C thread (GIL released) while work exists. After a
-step with outputs it writes to an eventfd; the asyncio loop watches that fd
-with add_reader, so nothing polls or sleeps, and an idle engine uses no CPU.
+step with outputs it writes to an eventfd. A dispatcher thread blocks on that
+fd, applies the outputs and hands each request's output to the event loop that
+is consuming it with call_soon_threadsafe (which wakes that loop through its
+own self-pipe). Nothing polls or sleeps, an idle engine uses no CPU, and any
+number of event loops in any threads (Jupyter's included) can share one engine.
 """
 from __future__ import annotations
 
@@ -20,16 +23,65 @@ from .sampling_params import SamplingParams
 
 def _make_wake_fd():
     if hasattr(os, "eventfd"):
-        fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        fd = os.eventfd(0, os.EFD_CLOEXEC)
         return fd, fd
-    r, w = os.pipe()
-    os.set_blocking(r, False)
-    return r, w
+    return os.pipe()
 
 
-def _shutdown(core: EngineCore, fds):
-    core.close()
-    for fd in set(fds):
+def _deliver(items):
+    for queue, out in items:
+        queue.put_nowait(out)
+
+
+def _dispatch_loop(core: EngineCore, rfd: int, stopping: threading.Event):
+    while True:
+        try:
+            os.read(rfd, 8)
+        except InterruptedError:
+            continue
+        except OSError:
+            return
+        if stopping.is_set():
+            return
+        by_loop: dict = {}
+
+        def snapshot(req):
+            if req.consumer is None:
+                return
+            kind = req.params.output_kind
+            if kind == "final_only" and not req.finished:
+                return
+            # One output per step, so the consumer sees every step in order.
+            out = EngineCore.build_output(req, delta=kind == "delta")
+            loop, queue = req.consumer
+            by_loop.setdefault(loop, []).append((queue, out))
+
+        core.process_events(snapshot)
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:
+                pass  # that loop is closed: nobody is waiting for these outputs
+
+
+def _shutdown(core: EngineCore, rfd: int, wfd: int, stopping: threading.Event, thread):
+    core.close()  # stops the C loop first, so nothing writes to the fd any more
+    stopping.set()
+    try:
+        os.write(wfd, (1).to_bytes(8, "little"))
+    except OSError:
+        pass
+    if thread is not threading.current_thread():
+        thread.join(timeout=10)
+    # Requests still in flight end as aborted, so no consumer waits forever.
+    for req in core.fail_pending():
+        if req.consumer is not None:
+            loop, queue = req.consumer
+            try:
+                loop.call_soon_threadsafe(_deliver, [(queue, EngineCore.build_output(req))])
+            except RuntimeError:
+                pass
+    for fd in {rfd, wfd}:
         try:
             os.close(fd)
         except OSError:
@@ -42,10 +94,13 @@ class AsyncLLM:
     def __init__(self, model, **kwargs):
         self._core = EngineCore(_engine_kwargs(model, kwargs))
         self._rfd, self._wfd = _make_wake_fd()
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._loop_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=_dispatch_loop, name="conveyor-dispatch",
+                                        args=(self._core, self._rfd, self._stopping), daemon=True)
+        self._thread.start()
         self._core._engine.start_loop(self._wfd)
-        self._finalizer = weakref.finalize(self, _shutdown, self._core, (self._rfd, self._wfd))
+        self._finalizer = weakref.finalize(self, _shutdown, self._core, self._rfd, self._wfd,
+                                           self._stopping, self._thread)
 
     @property
     def tokenizer(self):
@@ -64,37 +119,6 @@ class AsyncLLM:
 
     def stats(self) -> dict:
         return self._core.stats()
-
-    # -- the wake-up path ---------------------------------------------------
-    def _attach(self, loop: asyncio.AbstractEventLoop):
-        with self._loop_lock:
-            if self._loop is loop:
-                return
-            if self._loop is not None and not self._loop.is_closed():
-                try:
-                    self._loop.remove_reader(self._rfd)
-                except Exception:
-                    pass
-            loop.add_reader(self._rfd, self._on_wake)
-            self._loop = loop
-
-    def _on_wake(self):
-        try:
-            while True:
-                os.read(self._rfd, 8)
-        except (BlockingIOError, InterruptedError):
-            pass
-        except OSError:
-            return
-        self._dispatch()
-
-    def _dispatch(self):
-        if self._core.closed:
-            return
-        for req in self._core.process_events():
-            q = req.consumer
-            if q is not None:
-                q.put_nowait(req)
 
     # -- public API -----------------------------------------------------------
     async def generate(self, prompt, sampling_params: Optional[SamplingParams] = None,
@@ -116,22 +140,15 @@ class AsyncLLM:
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise TypeError("AsyncLLM.generate takes one prompt: a str, token ids or a NumPy array")
         loop = asyncio.get_running_loop()
-        self._attach(loop)
         text, ids = self._core.tokenize_prompt(prompt)
         queue: asyncio.Queue = asyncio.Queue()
-        req = self._core.add_request(request_id, text, ids, params, priority=priority, consumer=queue)
-        delta = params.output_kind == "delta"
-        final_only = params.output_kind == "final_only"
+        req = self._core.add_request(request_id, text, ids, params, priority=priority,
+                                     consumer=(loop, queue))
         try:
             while True:
-                await queue.get()
-                # Coalesce whatever else arrived for this request.
-                while not queue.empty():
-                    queue.get_nowait()
-                if final_only and not req.finished:
-                    continue
-                yield EngineCore.build_output(req, delta=delta)
-                if req.finished:
+                out = await queue.get()
+                yield out
+                if out.finished:
                     return
         finally:
             if not req.finished:
@@ -144,13 +161,8 @@ class AsyncLLM:
         return self._core.abort(request_id)
 
     def close(self):
-        with self._loop_lock:
-            if self._loop is not None and not self._loop.is_closed():
-                try:
-                    self._loop.remove_reader(self._rfd)
-                except Exception:
-                    pass
-            self._loop = None
+        """Stops the engine; requests in flight end (their iterators stop waiting
+        only if they are aborted first). Safe to call twice."""
         self._finalizer()
 
     def __enter__(self):

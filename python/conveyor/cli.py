@@ -15,18 +15,18 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from typing import Callable, Sequence
+
+BENCHMARKS: tuple[str, ...] = ("kernels", "scheduler", "throughput", "variance", "latency", "serve")
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "info": ("conveyor.cli:info_main", "summarize a checkpoint (format, shapes, parameters, bytes)"),
     "generate": ("conveyor.generate:main", "generate text from prompts"),
     "serve": ("conveyor.serve:main", "run the OpenAI-compatible HTTP server"),
-    "bench": ("conveyor.cli:bench_main", "run a benchmark: " + ", ".join(
-        ("kernels", "scheduler", "throughput", "variance", "latency", "serve"))),
+    "bench": ("conveyor.cli:bench_main", "run a benchmark: " + ", ".join(BENCHMARKS)),
 }
-
-BENCHMARKS: tuple[str, ...] = ("kernels", "scheduler", "throughput", "variance", "latency", "serve")
 
 
 class _LoadError(Exception):
@@ -77,7 +77,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _LoadError as e:
         print(f"conveyor: {e}", file=sys.stderr)
         return 1
-    rc = func(rest)
+    try:
+        rc = func(rest)
+    except BrokenPipeError:  # output piped into `head` and the like
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 0
     return 0 if rc is None else int(rc)
 
 
@@ -168,8 +175,8 @@ def _format_summary(info: dict, show_tensors: bool) -> str:
         f"dim:             {g('dim')}   hidden_dim: {g('hidden_dim')}   layers: {g('n_layers')}",
         f"heads:           {g('n_heads')}   kv heads: {g('n_kv_heads')}   head_dim: {g('head_dim')}",
         f"vocab_size:      {g('vocab_size')}   max positions: {g('max_pos')}",
-        f"rope:            theta {g('rope_theta')}, layout {g('rope_layout')}, scaling {scaling or 'none'}",
-        f"rms_eps:         {g('rms_eps')}",
+        f"rope:            theta {g('rope_theta'):g}, layout {g('rope_layout')}, scaling {scaling or 'none'}",
+        f"rms_eps:         {g('rms_eps'):.6g}",
         f"tied embeddings: {yn(g('tie_embeddings'))}   qkv bias: {yn(g('qkv_bias'))}",
         f"bos / eos ids:   {g('bos_id')} / {g('eos_ids')}",
         f"dtype:           {g('dtype')}   (tensors: "

@@ -281,8 +281,9 @@ class EngineCore:
         return self._engine.num_unfinished() > 0
 
     # -- outputs ----------------------------------------------------------
-    def process_events(self) -> list[_Request]:
-        """Applies the pending C events; returns the requests that changed."""
+    def process_events(self, on_event=None) -> list[_Request]:
+        """Applies the pending C events; returns the requests that changed.
+        on_event(req), if given, runs after each event (streaming snapshots)."""
         events = self._engine.take_outputs()
         changed: dict[int, _Request] = {}
         with self._lock:
@@ -323,6 +324,8 @@ class EngineCore:
                     del self._requests[iid]
                     self._by_name.pop(req.request_id, None)
                 changed[iid] = req
+                if on_event is not None:
+                    on_event(req)
         return list(changed.values())
 
     @staticmethod
@@ -345,6 +348,19 @@ class EngineCore:
 
     def stats(self) -> dict:
         return self._engine.stats()
+
+    def fail_pending(self) -> list[_Request]:
+        """After close: marks every request still in flight aborted and returns them."""
+        with self._lock:
+            pending = list(self._requests.values())
+            self._requests.clear()
+            self._by_name.clear()
+        for req in pending:
+            for st in req.seqs:
+                if st.finish_reason is None:
+                    st.finish_reason = "abort"
+            req.finished = True
+        return pending
 
     def close(self):
         with self._lock:

@@ -25,6 +25,7 @@ import functools
 import json
 import math
 import os
+import re
 import struct
 from collections import Counter
 from pathlib import Path
@@ -325,12 +326,13 @@ def write_hf_checkpoint(path, *, shape="tiny", arch: str | None = None, dtype: s
                         seed: int = 0, tie_embeddings: bool | None = None, rope_scaling=None,
                         shards: int = 1, max_position_embeddings: int | None = None,
                         tokenizer: bool = True, rope_theta: float | None = None,
-                        rms_eps: float | None = None, qkv_bias: bool | None = None) -> Path:
+                        rms_eps: float | None = None) -> Path:
     """Writes a HF model folder: config.json, model.safetensors (or ``shards`` files and
     model.safetensors.index.json), and with ``tokenizer`` a byte-level BPE tokenizer.json,
     tokenizer_config.json (chat template) and generation_config.json. Returns the folder.
 
-    ``rope_scaling``: None, a HF rope_scaling dict, or "llama3" for
+    ``shape``: a name in SHAPES or a dict; ``arch`` defaults to the shape's (else "llama");
+    ``tie_embeddings`` to the shape's. ``rope_scaling``: None, a HF rope_scaling dict, or "llama3" for
     {factor 8, low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings max_pos}.
     """
     s = resolve_shape(shape)
@@ -340,7 +342,7 @@ def write_hf_checkpoint(path, *, shape="tiny", arch: str | None = None, dtype: s
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {DTYPES}")
     tie = s.get("tie_embeddings", False) if tie_embeddings is None else bool(tie_embeddings)
-    bias = s.get("qkv_bias", arch == "qwen2") if qkv_bias is None else bool(qkv_bias)
+    bias = arch == "qwen2"  # Qwen2 always has q/k/v biases; LLaMA/Mistral none
     max_pos = s["max_pos"] if max_position_embeddings is None else int(max_position_embeddings)
     theta = s["rope_theta"] if rope_theta is None else float(rope_theta)
     eps = s["rms_eps"] if rms_eps is None else float(rms_eps)
@@ -462,7 +464,6 @@ def _byte_level_merges(n_merges: int) -> tuple:
     from .tokenizer import _bytes_to_unicode
 
     table = _bytes_to_unicode()
-    import re
     # GPT-2-like split: a word keeps its leading space.
     pieces = re.findall(r" ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+", CORPUS)
     words = Counter(tuple(table[b] for b in p.encode("utf-8")) for p in pieces)

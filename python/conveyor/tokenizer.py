@@ -186,7 +186,9 @@ class Llama2cTokenizer(Tokenizer):
         for i, p in enumerate(pieces):
             self._lookup.setdefault(p, i)
         self.bos_id, self.eos_id, self.unk_id = 1, 2, 0
-        self.eos_ids = [2]
+        # llama2.c's models were trained with BOS delimiting stories, and its
+        # reference sampler stops when BOS comes out; EOS still ends too.
+        self.eos_ids = [2, 1]
         self.special_ids = {0, 1, 2}
         self.bos_token = pieces[1].decode("utf-8", "replace")
         self.eos_token = pieces[2].decode("utf-8", "replace")

@@ -1,0 +1,302 @@
+/* Element-wise kernels of the CUDA backend: RMSNorm (plain and fused with the
+ * residual add), RoPE, SwiGLU, embedding lookup, and the small helpers the
+ * GEMM needs (activation narrowing, bias). Each row is computed by one block
+ * in a fixed order, so a row's result does not depend on the batch. */
+#include <climits>
+#include <type_traits>
+
+#include "cuda_internal.h"
+
+/* Blocks for a grid-stride loop over `total` elements. */
+static unsigned grid_for(const cv_cuda_ctx *c, int64_t total, int threads) {
+    int64_t g = (total + threads - 1) / threads, cap = (int64_t)c->num_sms * 16;
+    if (g > cap) g = cap;
+    return (unsigned)(g < 1 ? 1 : g);
+}
+
+/* ----------------------------------------------------------------- RMSNorm */
+
+/* One block per row: out = x * (1 / sqrt(mean(x^2) + eps)) * w. With r, first
+ * x += r (written back). out may alias x or r: each element is read and then
+ * written by the same thread. */
+__global__ void rmsnorm_kernel(float *out, float *x, const float *r, const float *w, int dim, float eps) {
+    __shared__ float sh[33];
+    const int64_t row = blockIdx.x;
+    float *xr = x + row * dim;
+    float *orow = out + row * dim;
+    float ss = 0.f;
+    if (r) {
+        const float *rr = r + row * dim;
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+            float v = xr[i] + rr[i];
+            xr[i] = v;
+            ss = fmaf(v, v, ss);
+        }
+    } else {
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+            float v = xr[i];
+            ss = fmaf(v, v, ss);
+        }
+    }
+    ss = cvc_block_sum(ss, sh);
+    const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) orow[i] = xr[i] * inv * w[i];
+}
+
+static void launch_rmsnorm(cv_backend *b, float *out, float *x, const float *r, const float *weight,
+                           int64_t n, int64_t dim, float eps, const char *what) {
+    cv_cuda_ctx *c = cvc_of(b);
+    if (n <= 0) return;
+    if (cvc_enter(c) < 0) return;
+    if (dim <= 0 || dim > INT_MAX || n > INT_MAX) {
+        cvc_fail(c, CV_ERR_INVALID, "CUDA %s: bad shape n=%lld dim=%lld", what, (long long)n, (long long)dim);
+        return;
+    }
+    const int threads = dim >= 2048 ? 256 : dim >= 512 ? 128 : 64;
+    rmsnorm_kernel<<<(unsigned)n, threads, 0, c->stream>>>(out, x, r, weight, (int)dim, eps);
+    cvc_check_launch(c, what);
+}
+
+void cvc_rmsnorm(cv_backend *b, float *out, const float *x, const float *weight, int64_t n, int64_t dim,
+                 float eps) {
+    /* x is only read when r is NULL. */
+    launch_rmsnorm(b, out, const_cast<float *>(x), nullptr, weight, n, dim, eps, "rmsnorm");
+}
+
+void cvc_add_rmsnorm(cv_backend *b, float *out, float *x, const float *r, const float *weight, int64_t n,
+                     int64_t dim, float eps) {
+    if (!r) {
+        cvc_fail(cvc_of(b), CV_ERR_INVALID, "CUDA add_rmsnorm: residual is NULL");
+        return;
+    }
+    launch_rmsnorm(b, out, x, r, weight, n, dim, eps, "add_rmsnorm");
+}
+
+/* -------------------------------------------------------------------- RoPE */
+
+/* One block per token: the (cos, sin) of its position are computed once into
+ * shared memory, then every query and key head is rotated in place. */
+__global__ void rope_kernel(float *q, int64_t q_stride, int n_heads, float *k, int64_t k_stride, int n_kv,
+                            const int32_t *pos, const float *inv_freq, int head_dim, int pairs) {
+    extern __shared__ float cs[]; /* [half][2]: cos, sin */
+    const int64_t t = blockIdx.x;
+    const int half = head_dim / 2;
+    /* Angles in double like the CPU backend: fp32 loses them at long positions.
+     * Only head_dim/2 per token, so the cost is small. */
+    const double p = (double)pos[t];
+    for (int j = threadIdx.x; j < half; j += blockDim.x) {
+        double s, co;
+        sincos(p * (double)inv_freq[j], &s, &co);
+        cs[2 * j] = (float)co;
+        cs[2 * j + 1] = (float)s;
+    }
+    __syncthreads();
+    const int total = (n_heads + n_kv) * half;
+    for (int e = threadIdx.x; e < total; e += blockDim.x) {
+        const int h = e / half, j = e - h * half;
+        float *xh = h < n_heads ? q + t * q_stride + (int64_t)h * head_dim
+                                : k + t * k_stride + (int64_t)(h - n_heads) * head_dim;
+        const int i0 = pairs ? 2 * j : j, i1 = pairs ? 2 * j + 1 : j + half;
+        const float co = cs[2 * j], s = cs[2 * j + 1];
+        const float a = xh[i0], bb = xh[i1];
+        xh[i0] = a * co - bb * s;
+        xh[i1] = a * s + bb * co;
+    }
+}
+
+/* The engine keeps inv_freq in device memory; a host pointer still works
+ * (copied each call into a backend buffer). */
+static const float *device_freq(cv_cuda_ctx *c, const float *f, int64_t len) {
+    if (f == c->freq_checked) return f;
+    cudaPointerAttributes at;
+    cudaError_t e = cudaPointerGetAttributes(&at, f);
+    if (e != cudaSuccess) (void)cudaGetLastError();
+    if (e == cudaSuccess && at.type != cudaMemoryTypeUnregistered) {
+        c->freq_checked = f;
+        return f;
+    }
+    if (c->freq_len < len) {
+        if (c->freq) {
+            cudaFree(c->freq);
+            c->freq = nullptr;
+            c->freq_len = 0;
+        }
+        if (cvc_check(c, cudaMalloc(&c->freq, (size_t)len * sizeof(float)), "rope (inv_freq copy)") < 0)
+            return nullptr;
+        c->freq_len = len;
+    }
+    if (cvc_check(c, cudaMemcpyAsync(c->freq, f, (size_t)len * sizeof(float), cudaMemcpyHostToDevice,
+                                     c->stream),
+                  "rope (inv_freq copy)") < 0)
+        return nullptr;
+    return c->freq;
+}
+
+void cvc_rope(cv_backend *b, float *q, int64_t q_stride, int64_t n_heads, float *k, int64_t k_stride,
+              int64_t n_kv_heads, const int32_t *pos, int64_t n, const cv_rope *rope) {
+    cv_cuda_ctx *c = cvc_of(b);
+    if (n <= 0) return;
+    if (cvc_enter(c) < 0) return;
+    if (!rope || !rope->inv_freq || rope->head_dim <= 0 || rope->head_dim % 2 != 0 || rope->head_dim > 65536 ||
+        n_heads < 0 || n_kv_heads < 0 || n > INT_MAX || (n_heads > 0 && !q) || (n_kv_heads > 0 && !k) ||
+        (n_heads + n_kv_heads) * rope->head_dim > INT_MAX) {
+        cvc_fail(c, CV_ERR_INVALID, "CUDA rope: bad arguments (head_dim %lld, heads %lld/%lld)",
+                 rope ? (long long)rope->head_dim : -1LL, (long long)n_heads, (long long)n_kv_heads);
+        return;
+    }
+    if (n_heads + n_kv_heads == 0) return;
+    const int half = (int)(rope->head_dim / 2);
+    const float *f = device_freq(c, rope->inv_freq, half);
+    if (!f) return;
+    const int threads = 128;
+    rope_kernel<<<(unsigned)n, threads, (size_t)half * 2 * sizeof(float), c->stream>>>(
+        q, q_stride, (int)n_heads, k, k_stride, (int)n_kv_heads, pos, f, (int)rope->head_dim,
+        rope->layout == CV_ROPE_PAIRS);
+    cvc_check_launch(c, "rope");
+}
+
+/* ------------------------------------------------------------------ SwiGLU */
+
+/* out[t][j] = silu(gu[t][j]) * gu[t][dim + j]; out must not overlap gu. */
+__global__ void swiglu_kernel(float *out, const float *gu, int64_t n, int64_t dim) {
+    const int64_t total = n * dim;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t t = i / dim, j = i - t * dim;
+        const float g = gu[t * 2 * dim + j], u = gu[t * 2 * dim + dim + j];
+        out[i] = g / (1.0f + expf(-g)) * u;
+    }
+}
+
+void cvc_swiglu(cv_backend *b, float *out, const float *gu, int64_t n, int64_t dim) {
+    cv_cuda_ctx *c = cvc_of(b);
+    if (n <= 0 || dim <= 0) return;
+    if (cvc_enter(c) < 0) return;
+    swiglu_kernel<<<grid_for(c, n * dim, 256), 256, 0, c->stream>>>(out, gu, n, dim);
+    cvc_check_launch(c, "swiglu");
+}
+
+/* --------------------------------------------------------------- embedding */
+
+template <typename T>
+__global__ void embedding_kernel(float *out, const int32_t *tokens, const T *table, int64_t rows, int64_t cols,
+                                 int *flags) {
+    const int64_t t = blockIdx.x;
+    const int64_t id = tokens[t];
+    float *o = out + t * cols;
+    if (id < 0 || id >= rows) { /* validated by the caller; never read outside the table */
+        if (threadIdx.x == 0) flags[CVC_FLAG_TOKEN] = 1;
+        for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) o[i] = 0.f;
+        return;
+    }
+    const T *row = table + id * cols;
+    for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) o[i] = cvc_f32(row[i]);
+}
+
+void cvc_embedding(cv_backend *b, float *out, const int32_t *tokens, int64_t n, const cv_table *table) {
+    cv_cuda_ctx *c = cvc_of(b);
+    if (n <= 0) return;
+    if (cvc_enter(c) < 0) return;
+    if (!table || !table->data || table->cols <= 0 || n > INT_MAX) {
+        cvc_fail(c, CV_ERR_INVALID, "CUDA embedding: bad table or too many rows");
+        return;
+    }
+    const int threads = table->cols >= 1024 ? 256 : 128;
+    switch (table->dtype) {
+    case CV_F32:
+        embedding_kernel<float><<<(unsigned)n, threads, 0, c->stream>>>(
+            out, tokens, (const float *)table->data, table->rows, table->cols, c->flags_d);
+        break;
+    case CV_F16:
+        embedding_kernel<__half><<<(unsigned)n, threads, 0, c->stream>>>(
+            out, tokens, (const __half *)table->data, table->rows, table->cols, c->flags_d);
+        break;
+    case CV_BF16:
+        embedding_kernel<__nv_bfloat16><<<(unsigned)n, threads, 0, c->stream>>>(
+            out, tokens, (const __nv_bfloat16 *)table->data, table->rows, table->cols, c->flags_d);
+        break;
+    default:
+        cvc_fail(c, CV_ERR_UNSUPPORTED, "CUDA embedding: table dtype %d is not supported", (int)table->dtype);
+        return;
+    }
+    cvc_check_launch(c, "embedding");
+}
+
+/* ------------------------------------------------------- GEMM helpers */
+
+/* fp16 saturates at +-65504 (large activations would otherwise become inf);
+ * NaN stays NaN. */
+__device__ __forceinline__ float sat16(float x) { return x != x ? x : fminf(fmaxf(x, -65504.f), 65504.f); }
+
+template <typename T>
+__global__ void narrow_kernel(T *dst, const float *src, int64_t n) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += stride) {
+        float v = src[i];
+        if constexpr (std::is_same<T, __half>::value) v = sat16(v);
+        dst[i] = cvc_from_f32<T>(v);
+    }
+}
+
+/* Four elements per thread when both pointers allow 16/8-byte accesses. */
+template <typename T2>
+__global__ void narrow4_kernel(T2 *dst, const float4 *src, int64_t n4, int saturate) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n4; i += stride) {
+        float4 v = src[i];
+        if (saturate) {
+            v.x = sat16(v.x);
+            v.y = sat16(v.y);
+            v.z = sat16(v.z);
+            v.w = sat16(v.w);
+        }
+        T2 lo, hi;
+        if constexpr (std::is_same<T2, __half2>::value) {
+            lo = __floats2half2_rn(v.x, v.y);
+            hi = __floats2half2_rn(v.z, v.w);
+        } else {
+            lo = __floats2bfloat162_rn(v.x, v.y);
+            hi = __floats2bfloat162_rn(v.z, v.w);
+        }
+        dst[2 * i] = lo;
+        dst[2 * i + 1] = hi;
+    }
+}
+
+int cvc_narrow(cv_cuda_ctx *c, void *dst, cv_dtype dt, const float *src, int64_t n) {
+    if (n <= 0) return 0;
+    const int threads = 256;
+    const bool vec = n % 4 == 0 && ((uintptr_t)src % 16) == 0 && ((uintptr_t)dst % 8) == 0;
+    if (dt == CV_BF16) {
+        if (vec)
+            narrow4_kernel<__nv_bfloat162><<<grid_for(c, n / 4, threads), threads, 0, c->stream>>>(
+                (__nv_bfloat162 *)dst, (const float4 *)src, n / 4, 0);
+        else
+            narrow_kernel<__nv_bfloat16><<<grid_for(c, n, threads), threads, 0, c->stream>>>(
+                (__nv_bfloat16 *)dst, src, n);
+    } else if (dt == CV_F16) {
+        if (vec)
+            narrow4_kernel<__half2><<<grid_for(c, n / 4, threads), threads, 0, c->stream>>>(
+                (__half2 *)dst, (const float4 *)src, n / 4, 1);
+        else
+            narrow_kernel<__half><<<grid_for(c, n, threads), threads, 0, c->stream>>>((__half *)dst, src, n);
+    } else {
+        cvc_fail(c, CV_ERR_UNSUPPORTED, "CUDA narrow: dtype %d", (int)dt);
+        return -1;
+    }
+    return cvc_check_launch(c, "gemm (activation narrowing)");
+}
+
+__global__ void bias_kernel(float *out, const float *bias, int64_t n, int64_t rows, int accumulate) {
+    const int64_t total = n * rows, stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += stride) {
+        const float bv = bias[i % rows];
+        out[i] = accumulate ? out[i] + bv : bv;
+    }
+}
+
+int cvc_bias(cv_cuda_ctx *c, float *out, const float *bias, int64_t n, int64_t rows, int accumulate) {
+    if (n <= 0 || rows <= 0) return 0;
+    bias_kernel<<<grid_for(c, n * rows, 256), 256, 0, c->stream>>>(out, bias, n, rows, accumulate);
+    return cvc_check_launch(c, "gemm (bias)");
+}

@@ -1,0 +1,425 @@
+"""`conveyor bench serve`: latency under Poisson load against the HTTP server (Workload L).
+
+    conveyor bench serve --model MODEL [--num-prompts 100] [--prompt-len 128] [--output-mean 64]
+                         [--rates auto | 2,8,inf] [--json bench_serve.json] [--plot e2e_cdf.png]
+    conveyor bench serve --url http://127.0.0.1:8000 ...
+
+N requests with prompt lengths uniform in [P/2, 3P/2] (random token ids) and output lengths
+from an exponential of mean M, redrawn above the cap 12M (EOS ignored, max_tokens forcing the
+length), sent with Poisson arrivals to /v1/completions as streams. With --model the benchmark
+starts its own server on a free loopback port (engine knobs after --server-args) and stops it
+at the end; with --url it uses a running one.
+
+Rates: "auto" (default) first sends every request at once (rate inf), takes the request
+throughput X it reached as the capacity, then runs a light rate 0.25 X and a near-saturation
+rate 0.9 X. Each run uses the same requests (same seed) and the same server.
+
+Per request: TTFT (send to first streamed token), E2E (send to last token), TPOT
+((E2E - TTFT) / (output tokens - 1), for outputs longer than one token) and ITL (gaps
+between successive streamed chunks, pooled; the server may coalesce tokens that arrive
+together into one chunk, so ITL here is per chunk). Percentiles use numpy's linear
+interpolation. Prints a table, writes JSON, and draws the E2E CDF per rate with --plot.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+PCTS = (50, 90, 99)
+
+
+# ---------------------------------------------------------------------------- the workload
+
+
+def make_workload(n: int, prompt_len: int, output_mean: float, vocab_lo: int, vocab_hi: int,
+                  max_model_len: int, seed: int, run: int = 0) -> list[dict]:
+    """Requests as {"prompt": [ids], "max_tokens": k}, identical for a given seed and run.
+    Lengths depend on the seed only; the token ids also on `run`, so that a later run
+    does not find the earlier run's prompts in the prefix cache."""
+    rng = np.random.default_rng(seed)
+    id_rng = np.random.default_rng([seed, run])
+    cap = 12 * output_mean
+    lo = max(1, prompt_len // 2)
+    hi = max(lo, (3 * prompt_len) // 2)
+    reqs = []
+    for _ in range(n):
+        plen = int(rng.integers(lo, hi + 1))
+        plen = min(plen, max_model_len - 2)
+        while True:
+            out = rng.exponential(output_mean)
+            if out <= cap:
+                break
+        out = max(1, int(round(out)))
+        out = min(out, max_model_len - plen)
+        ids = id_rng.integers(vocab_lo, vocab_hi, size=plen).tolist()
+        reqs.append({"prompt": ids, "max_tokens": out})
+    return reqs
+
+
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    """Offsets (s) from the start: Poisson arrivals at `rate` per second; all 0 for inf."""
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = np.random.default_rng(seed + 1)
+    gaps = rng.exponential(1.0 / rate, size=n)
+    gaps[0] = 0.0
+    return np.cumsum(gaps).tolist()
+
+
+def summarize(values) -> dict:
+    a = np.asarray([v for v in values if v is not None], dtype=np.float64)
+    if a.size == 0:
+        return {"n": 0, "mean": None, **{f"p{p}": None for p in PCTS}}
+    return {"n": int(a.size), "mean": float(a.mean()), **{f"p{p}": float(np.percentile(a, p)) for p in PCTS}}
+
+
+# ---------------------------------------------------------------------------- the client
+
+
+async def _one(client, url: str, model: str, req: dict, delay: float, t0: float) -> dict:
+    await asyncio.sleep(max(0.0, t0 + delay - time.perf_counter()))
+    body = {"model": model, "prompt": req["prompt"], "max_tokens": req["max_tokens"], "ignore_eos": True,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    rec = {"prompt_tokens": len(req["prompt"]), "max_tokens": req["max_tokens"], "ok": False,
+           "ttft": None, "e2e": None, "tpot": None, "itl": [], "output_tokens": 0, "error": None}
+    start = time.perf_counter()
+    rec["start"] = start - t0
+    last = None
+    try:
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                rec["error"] = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return rec
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                ev = json.loads(data)
+                if "error" in ev:
+                    rec["error"] = ev["error"].get("message")
+                    return rec
+                now = time.perf_counter()
+                if ev.get("choices") and ev["choices"][0].get("text"):
+                    if last is None:
+                        rec["ttft"] = now - start
+                    else:
+                        rec["itl"].append(now - last)
+                    last = now
+                if ev.get("usage"):
+                    rec["output_tokens"] = ev["usage"]["completion_tokens"]
+    except Exception as e:  # noqa: BLE001 - a failed request is data
+        rec["error"] = f"{type(e).__name__}: {e}"
+        return rec
+    if last is not None:
+        rec["e2e"] = last - start
+        if rec["output_tokens"] > 1:
+            rec["tpot"] = (rec["e2e"] - rec["ttft"]) / (rec["output_tokens"] - 1)
+        rec["ok"] = True
+    else:
+        rec["error"] = "no tokens streamed"
+    return rec
+
+
+async def run_load(base_url: str, model: str, reqs: list[dict], rate: float, seed: int,
+                   max_concurrency: Optional[int], api_key: Optional[str], timeout: float) -> dict:
+    import socket
+
+    import httpx
+
+    delays = arrival_times(len(reqs), rate, seed)
+    # One connection per request in flight (unless capped); TCP_NODELAY so that a small
+    # request body is not held back waiting for an ACK.
+    conns = max_concurrency or len(reqs) + 8
+    transport = httpx.AsyncHTTPTransport(
+        limits=httpx.Limits(max_connections=conns, max_keepalive_connections=conns),
+        socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(timeout), headers=headers,
+                                 trust_env=False, transport=transport) as client:
+        t0 = time.perf_counter()
+        recs = await asyncio.gather(*[_one(client, "/v1/completions", model, r, d, t0)
+                                      for r, d in zip(reqs, delays)])
+        wall = time.perf_counter() - t0
+    ok = [r for r in recs if r["ok"]]
+    out_tok = sum(r["output_tokens"] for r in ok)
+    in_tok = sum(r["prompt_tokens"] for r in ok)
+    return {
+        "rate": rate,
+        "duration_s": wall,
+        "completed": len(ok),
+        "failed": len(recs) - len(ok),
+        "errors": sorted({r["error"] for r in recs if r["error"]})[:5],
+        "request_throughput": len(ok) / wall,
+        "output_throughput": out_tok / wall,
+        "total_throughput": (out_tok + in_tok) / wall,
+        "prompt_tokens": in_tok,
+        "output_tokens": out_tok,
+        "ttft_s": summarize(r["ttft"] for r in ok),
+        "tpot_s": summarize(r["tpot"] for r in ok),
+        "itl_s": summarize(x for r in ok for x in r["itl"]),
+        "e2e_s": summarize(r["e2e"] for r in ok),
+        "e2e_samples": sorted(r["e2e"] for r in ok),
+    }
+
+
+# ---------------------------------------------------------------------------- a server of our own
+
+
+class OwnServer:
+    """`python -m conveyor.serve MODEL --port 0` on loopback; stopped by stop()."""
+
+    def __init__(self, model: str, extra: list[str], timeout: float = 300.0):
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="conveyor-bench-serve-", suffix=".log",
+                                               delete=False)
+        cmd = [sys.executable, "-m", "conveyor.serve", model, "--host", "127.0.0.1", "--port", "0",
+               "--log-level", "warning", "--no-access-log", *extra]
+        self.cmd = cmd
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        try:
+            self.url = self._wait(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _text(self) -> str:
+        with open(self.log.name) as f:
+            return f.read()
+
+    def _wait(self, timeout: float) -> str:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        url = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with status {self.proc.returncode}:\n{self._text()}")
+            if url is None:
+                m = re.search(r"at (http://\S+?)/v1", self._text())
+                url = m.group(1) if m else None
+            if url is not None:
+                try:
+                    if httpx.get(url + "/health", timeout=2.0, trust_env=False).status_code == 200:
+                        return url
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.1)
+        raise RuntimeError(f"the server was not ready after {timeout:.0f} s:\n{self._text()}")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()
+        try:
+            os.unlink(self.log.name)
+        except OSError:
+            pass
+
+
+# ---------------------------------------------------------------------------- output
+
+
+def machine() -> dict:
+    info = {"cores": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            m = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
+        if m:
+            info["cpu"] = m.group(1).strip()
+    except OSError:
+        pass
+    try:
+        from .. import _core
+
+        info["simd"] = getattr(_core, "simd", None)
+    except ImportError:
+        pass
+    return info
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v * 1e3:9.1f}"
+
+
+def format_table(runs: list[dict]) -> str:
+    lines = []
+    head = f"{'rate':>8} {'metric':>6} " + " ".join(f"{h:>9}" for h in ("p50 ms", "p90 ms", "p99 ms", "mean ms"))
+    for run in runs:
+        rate = "inf" if math.isinf(run["rate"]) else f"{run['rate']:.2f}"
+        lines.append(f"rate {rate} req/s: {run['completed']} done, {run['failed']} failed in "
+                     f"{run['duration_s']:.2f} s; {run['request_throughput']:.2f} req/s, output "
+                     f"{run['output_throughput']:.1f} tok/s, total {run['total_throughput']:.1f} tok/s")
+        lines.append(head)
+        for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E")):
+            s = run[key]
+            lines.append(f"{rate:>8} {name:>6} " + " ".join(_ms(s[k]) for k in ("p50", "p90", "p99", "mean")))
+        if run["errors"]:
+            lines.append(f"  errors: {run['errors']}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot_cdf(runs: list[dict], path: str, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("conveyor bench serve: matplotlib is not installed; no plot", file=sys.stderr)
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for run in runs:
+        xs = np.asarray(run["e2e_samples"])
+        if xs.size == 0:
+            continue
+        ys = np.arange(1, xs.size + 1) / xs.size
+        label = "burst (inf)" if math.isinf(run["rate"]) else f"{run['rate']:.2f} req/s"
+        ax.step(xs, ys, where="post", label=label)
+    ax.set_xlabel("end-to-end latency (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def _parse_rates(text: str):
+    if text.strip().lower() == "auto":
+        return "auto"
+    rates = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        v = math.inf if part in ("inf", "infinity") else float(part)
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"rates must be > 0, got {part}")
+        rates.append(v)
+    return rates
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="conveyor bench serve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000")
+    src.add_argument("--model", help="start a server for this model on a free loopback port")
+    ap.add_argument("--server-args", default="", help="extra `conveyor serve` arguments (one string)")
+    ap.add_argument("--served-model-name", default=None, help="model name to send (default: ask /v1/models)")
+    ap.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"))
+    ap.add_argument("--num-prompts", type=int, default=100)
+    ap.add_argument("--prompt-len", type=int, default=128, help="P: prompt lengths uniform in [P/2, 3P/2]")
+    ap.add_argument("--output-mean", type=float, default=64, help="M: mean output length (cap 12M)")
+    ap.add_argument("--rates", type=_parse_rates, default="auto",
+                    help="'auto' or comma-separated requests/s ('inf' = all at once)")
+    ap.add_argument("--max-concurrency", type=int, default=None, help="cap on open connections")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    ap.add_argument("--json", default="bench_serve.json", help="where to write the results")
+    ap.add_argument("--plot", default=None, help="write the E2E latency CDF here (PNG)")
+    args = ap.parse_args(argv)
+    if args.num_prompts < 1 or args.prompt_len < 1 or args.output_mean <= 0:
+        ap.error("--num-prompts, --prompt-len and --output-mean must be positive")
+    try:
+        import httpx
+    except ImportError:
+        print("conveyor bench serve: needs httpx (pip install 'conveyor[bench]')", file=sys.stderr)
+        return 1
+
+    own = None
+    try:
+        if args.model:
+            import shlex
+
+            own = OwnServer(args.model, shlex.split(args.server_args))
+            base = own.url
+        else:
+            base = args.url.rstrip("/")
+            if base.endswith("/v1"):
+                base = base[:-3]
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        card = httpx.get(base + "/v1/models", headers=headers, timeout=30.0, trust_env=False).json()["data"][0]
+        model = args.served_model_name or card["id"]
+        max_model_len = int(card.get("max_model_len") or 2048)
+        vocab = int(card.get("vocab_size") or 259)
+        # Skip the first ids (specials in llama2.c and most HF vocabularies).
+        vocab_lo = min(3, vocab - 1)
+
+        def one_run(rate):
+            reqs = make_workload(args.num_prompts, args.prompt_len, args.output_mean, vocab_lo, vocab,
+                                 max_model_len, args.seed, run=len(runs))
+            label = "inf" if math.isinf(rate) else f"{rate:.2f}"
+            print(f"conveyor bench serve: {len(reqs)} requests at rate {label} req/s ...", file=sys.stderr,
+                  flush=True)
+            res = asyncio.run(run_load(base, model, reqs, rate, args.seed, args.max_concurrency, args.api_key,
+                                       args.timeout))
+            return res
+
+        runs = []
+        if args.rates == "auto":
+            burst = one_run(math.inf)
+            runs.append(burst)
+            cap = burst["request_throughput"]
+            rates = [0.25 * cap, 0.9 * cap] if cap > 0 else []
+        else:
+            rates = args.rates
+        for r in rates:
+            runs.append(one_run(r))
+    finally:
+        if own is not None:
+            own.stop()
+
+    config = {
+        "workload": "L", "num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
+        "prompt_len_range": [max(1, args.prompt_len // 2), (3 * args.prompt_len) // 2],
+        "output_mean": args.output_mean, "output_cap": 12 * args.output_mean, "seed": args.seed,
+        "rates": "auto" if args.rates == "auto" else args.rates, "max_concurrency": args.max_concurrency,
+        "model": args.model or model, "served_model_name": model, "server": "own" if own else base,
+        "server_args": args.server_args if own else None, "max_model_len": max_model_len,
+        "temperature": 0, "ignore_eos": True,
+    }
+    m = machine()
+    print(f"model {model}; {args.num_prompts} requests, prompts {config['prompt_len_range']} tokens, output "
+          f"mean {args.output_mean:g} cap {12 * args.output_mean:g}; machine: {m.get('cpu', m['machine'])}, "
+          f"{m['cores']} cores, SIMD {m.get('simd')}; server args: {args.server_args or '(defaults)'}")
+    print(format_table(runs))
+    out = {"config": config, "machine": m,
+           "runs": [{k: (None if isinstance(v, float) and math.isinf(v) and k == "rate" else v)
+                     for k, v in r.items()} | {"rate_label": "inf" if math.isinf(r["rate"]) else r["rate"]}
+                    for r in runs]}
+    Path(args.json).write_text(json.dumps(out, indent=2))
+    print(f"wrote {args.json}")
+    if args.plot:
+        title = f"E2E latency CDF, {Path(str(model)).name}, {args.num_prompts} req, P={args.prompt_len}, " \
+                f"M={args.output_mean:g}"
+        if plot_cdf(runs, args.plot, title):
+            print(f"wrote {args.plot}")
+    return 0 if all(r["failed"] == 0 for r in runs) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

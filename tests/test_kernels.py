@@ -1,0 +1,458 @@
+"""CPU kernels (kernels/cpu) through the conveyor._core.kernel_* hooks.
+
+Every kernel runs in both implementations ("simd" and "plain"); each is held to
+a NumPy float64 computation on the same (dtype-rounded) inputs, and the SIMD
+one to the plain one. Sizes include odd ones that do not fill a SIMD register.
+"""
+import math
+
+import numpy as np
+import pytest
+
+core = pytest.importorskip("conveyor._core")
+
+IMPLS = ["simd", "plain"]
+RNG_SEED = 1234
+
+
+def rng(*salt):
+    return np.random.default_rng([RNG_SEED, *salt])
+
+
+# --------------------------------------------------------------------------- dtype helpers
+
+def bf16_bits(a):
+    """float32 -> bfloat16 bit patterns (uint16), round to nearest even."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return u.astype(np.uint16)
+
+
+def bf16_to_f32(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def round_to(a, dtype):
+    if dtype == "float32":
+        return np.asarray(a, dtype=np.float32)
+    if dtype == "float16":
+        return np.asarray(a, dtype=np.float32).astype(np.float16).astype(np.float32)
+    return bf16_to_f32(bf16_bits(a))
+
+
+def to_cache_array(a, dtype):
+    """The NumPy array holding a cache of dtype (bf16 as uint16 bits)."""
+    if dtype == "float32":
+        return np.ascontiguousarray(a, dtype=np.float32)
+    if dtype == "float16":
+        return np.ascontiguousarray(a, dtype=np.float16)
+    return bf16_bits(a)
+
+
+def from_cache_array(c, dtype):
+    if dtype == "bfloat16":
+        return bf16_to_f32(c).astype(np.float64)
+    return c.astype(np.float64)
+
+
+def assert_close_dot(got, ref, scale, rel=2e-6, abs_=1e-6):
+    """|got - ref| <= rel * scale + abs_ elementwise, where scale bounds the
+    magnitude of the summed products (sum |x||w|)."""
+    err = np.abs(got.astype(np.float64) - ref)
+    bound = rel * scale + abs_
+    bad = err > bound
+    assert not bad.any(), f"max err {err.max():.3g}, worst ratio {(err / bound).max():.3g}"
+
+
+# --------------------------------------------------------------------------- GEMM
+
+GEMM_SHAPES = [  # (tokens, rows, cols)
+    (1, 1, 1), (1, 5, 3), (2, 16, 8), (3, 17, 9), (6, 32, 16), (7, 33, 65), (13, 100, 77),
+    (1, 200, 300), (8, 48, 600), (37, 40, 301), (200, 20, 13), (5, 576, 576),
+]
+
+
+@pytest.mark.parametrize("wdt", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("n,rows,cols", GEMM_SHAPES)
+def test_gemm_matches_float64_and_plain(wdt, n, rows, cols):
+    r = rng(n, rows, cols)
+    x = r.standard_normal((n, cols), dtype=np.float32)
+    w = r.standard_normal((rows, cols), dtype=np.float32)
+    bias = r.standard_normal(rows, dtype=np.float32)
+    wr = round_to(w, wdt).astype(np.float64)
+    ref = x.astype(np.float64) @ wr.T + bias
+    scale = np.abs(x).astype(np.float64) @ np.abs(wr).T + np.abs(bias)
+    got = {}
+    for impl in IMPLS:
+        got[impl] = core.kernel_gemm(x, w, wdt, bias=bias, impl=impl)
+        assert got[impl].shape == (n, rows) and got[impl].dtype == np.float32
+        assert_close_dot(got[impl], ref, scale)
+    assert_close_dot(got["simd"], got["plain"].astype(np.float64), scale)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+def test_gemm_accumulate_and_threads(impl, threads):
+    # rows=20 is two panels: with more threads than panels the tokens are split too
+    r = rng(threads)
+    for n, rows, cols in [(50, 20, 33), (9, 130, 17), (1, 700, 40)]:
+        x = r.standard_normal((n, cols), dtype=np.float32)
+        w = r.standard_normal((rows, cols), dtype=np.float32)
+        acc = r.standard_normal((n, rows), dtype=np.float32)
+        got = core.kernel_gemm(x, w, accumulate=acc, impl=impl, threads=threads)
+        ref = acc.astype(np.float64) + x.astype(np.float64) @ w.astype(np.float64).T
+        scale = np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64) + np.abs(acc)
+        assert_close_dot(got, ref, scale)
+
+
+def test_gemm_prepared_matrix_reuse_and_timing():
+    r = rng(7)
+    w = r.standard_normal((70, 45), dtype=np.float32)
+    m = core.kernel_matrix(w, "bfloat16")
+    wr = round_to(w, "bfloat16").astype(np.float64)
+    for n in (1, 4, 19):
+        x = r.standard_normal((n, 45), dtype=np.float32)
+        got = core.kernel_matmul(m, x)
+        scale = np.abs(x).astype(np.float64) @ np.abs(wr).T
+        assert_close_dot(got, x.astype(np.float64) @ wr.T, scale)
+    t = core.kernel_matmul_time(m, x, 3)
+    assert 0 < t < 10
+
+
+def test_gemm_rejects_bad_input():
+    x = np.zeros((3, 4), np.float32)
+    w = np.zeros((5, 4), np.float32)
+    with pytest.raises(TypeError):
+        core.kernel_gemm(x.astype(np.float64), w)
+    with pytest.raises(TypeError):
+        core.kernel_gemm([[1.0]], w)
+    with pytest.raises(ValueError):
+        core.kernel_gemm(np.zeros((3, 5), np.float32), w)
+    with pytest.raises(ValueError):
+        core.kernel_gemm(np.zeros((4, 3), np.float32).T, w)  # not C-contiguous
+    with pytest.raises(ValueError):
+        core.kernel_gemm(x, w, "int8")
+    with pytest.raises(ValueError):
+        core.kernel_gemm(x, w, impl="fast")
+    with pytest.raises(ValueError):
+        core.kernel_gemm(x, w, bias=np.zeros(4, np.float32))
+    with pytest.raises(TypeError):
+        core.kernel_matmul(object(), x)
+
+
+# --------------------------------------------------------------------------- norms
+
+NORM_DIMS = [1, 7, 8, 9, 33, 576]
+
+
+@pytest.mark.parametrize("dim", NORM_DIMS)
+def test_rmsnorm(dim):
+    r = rng(dim)
+    x = r.standard_normal((5, dim), dtype=np.float32) * 3
+    w = r.standard_normal(dim, dtype=np.float32)
+    x64 = x.astype(np.float64)
+    ref = x64 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + 1e-6) * w
+    outs = [core.kernel_rmsnorm(x, w, 1e-6, impl=i) for i in IMPLS]
+    for o in outs:
+        np.testing.assert_allclose(o, ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dim", NORM_DIMS)
+def test_add_rmsnorm(dim):
+    r = rng(dim, 1)
+    x = r.standard_normal((300, dim), dtype=np.float32)  # 300 rows: split across threads
+    res = r.standard_normal((300, dim), dtype=np.float32)
+    w = r.standard_normal(dim, dtype=np.float32)
+    s64 = x.astype(np.float64) + res
+    ref = s64 / np.sqrt((s64 ** 2).mean(axis=1, keepdims=True) + 1e-5) * w
+    for impl in IMPLS:
+        out, xs = core.kernel_add_rmsnorm(x, res, w, impl=impl)
+        np.testing.assert_allclose(xs, (x + res), rtol=0, atol=0)
+        np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-6)
+    assert not np.array_equal(x, xs)  # the input array itself is left alone
+
+
+# --------------------------------------------------------------------------- RoPE
+
+def rope_ref(x, pos, inv_freq, layout):
+    x = x.astype(np.float64)
+    ang = pos[:, None].astype(np.float64) * inv_freq[None, :].astype(np.float64)  # [n][hd/2]
+    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    out = x.copy()
+    if layout == "halves":
+        h = x.shape[-1] // 2
+        a, b = x[..., :h], x[..., h:]
+        out[..., :h] = a * c - b * s
+        out[..., h:] = b * c + a * s
+    else:
+        a, b = x[..., 0::2], x[..., 1::2]
+        out[..., 0::2] = a * c - b * s
+        out[..., 1::2] = a * s + b * c
+    return out
+
+
+@pytest.mark.parametrize("layout", ["halves", "pairs"])
+@pytest.mark.parametrize("hd,nh,nkv", [(2, 1, 1), (6, 3, 1), (8, 2, 2), (18, 5, 1), (64, 9, 3),
+                                       (128, 4, 2), (384, 2, 1)])
+def test_rope_in_strided_rows(layout, hd, nh, nkv):
+    r = rng(hd, nh)
+    n = 11
+    # q and k are views into one fused [n][q | k | v] buffer, as the model has them
+    width = (nh + 2 * nkv) * hd
+    inv_freq = (1.0 / (10000.0 ** (np.arange(0, hd, 2) / hd))).astype(np.float32)
+    pos = r.integers(0, 4000, n).astype(np.int32)
+    base = r.standard_normal((n, width), dtype=np.float32)
+    results = {}
+    for impl in IMPLS:
+        buf = base.copy()
+        q = buf[:, : nh * hd].reshape(n, nh, hd)
+        k = buf[:, nh * hd:(nh + nkv) * hd].reshape(n, nkv, hd)
+        assert not q.flags.c_contiguous
+        core.kernel_rope(q, k, pos, inv_freq, layout, impl=impl)
+        q0 = base[:, : nh * hd].reshape(n, nh, hd)
+        k0 = base[:, nh * hd:(nh + nkv) * hd].reshape(n, nkv, hd)
+        np.testing.assert_allclose(q, rope_ref(q0, pos, inv_freq, layout), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(k, rope_ref(k0, pos, inv_freq, layout), rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(buf[:, (nh + nkv) * hd:], base[:, (nh + nkv) * hd:])  # v untouched
+        results[impl] = buf
+    np.testing.assert_allclose(results["simd"], results["plain"], rtol=1e-6, atol=1e-6)
+
+
+def test_rope_rejects_bad_input():
+    q = np.zeros((2, 1, 8), np.float32)
+    f = np.ones(4, np.float32)
+    with pytest.raises(TypeError):
+        core.kernel_rope(q, None, np.zeros(2, np.int64), f)
+    with pytest.raises(ValueError):
+        core.kernel_rope(q, None, np.zeros(3, np.int32), f)
+    with pytest.raises(ValueError):
+        core.kernel_rope(np.zeros((2, 1, 7), np.float32), None, np.zeros(2, np.int32), f)
+    with pytest.raises(ValueError):
+        core.kernel_rope(q, None, np.zeros(2, np.int32), f, "spiral")
+    ro = q.copy()
+    ro.flags.writeable = False
+    with pytest.raises(ValueError):
+        core.kernel_rope(ro, None, np.zeros(2, np.int32), f)
+
+
+# --------------------------------------------------------------------------- SwiGLU, embedding
+
+@pytest.mark.parametrize("dim", [1, 7, 8, 9, 100, 1536])
+def test_swiglu(dim):
+    r = rng(dim)
+    gu = r.standard_normal((6, 2 * dim), dtype=np.float32) * 4
+    gu[0, :dim] = np.linspace(-100, 100, dim)  # saturating gates
+    g, u = gu[:, :dim].astype(np.float64), gu[:, dim:].astype(np.float64)
+    ref = g / (1 + np.exp(-g)) * u
+    outs = [core.kernel_swiglu(gu, impl=i) for i in IMPLS]
+    for o in outs:
+        np.testing.assert_allclose(o, ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tdt", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("cols", [1, 7, 8, 9, 576])
+def test_embedding(tdt, cols):
+    r = rng(cols)
+    table = r.standard_normal((50, cols), dtype=np.float32)
+    tokens = r.integers(0, 50, 23).astype(np.int32)
+    ref = round_to(table, tdt)[tokens]
+    for impl in IMPLS:
+        np.testing.assert_array_equal(core.kernel_embedding(table, tokens, tdt, impl=impl), ref)
+    with pytest.raises(ValueError):
+        core.kernel_embedding(table, np.array([0, 50], np.int32))
+    with pytest.raises(ValueError):
+        core.kernel_embedding(table, np.array([-1], np.int32))
+
+
+# --------------------------------------------------------------------------- KV cache
+
+CACHE_DTYPES = ["float32", "float16", "bfloat16"]
+
+
+@pytest.mark.parametrize("cdt", CACHE_DTYPES)
+@pytest.mark.parametrize("hd", [4, 9, 64])
+def test_kv_write(cdt, hd):
+    r = rng(hd, len(cdt))
+    nb, nkv, bs, n = 6, 3, 5, 13
+    slots = r.permutation(nb * bs)[:n].astype(np.int64)
+    slots[3] = -1  # padding token: skipped
+    qkv = r.standard_normal((n, (4 + 2 * nkv) * hd), dtype=np.float32)
+    k = qkv[:, 4 * hd:(4 + nkv) * hd].reshape(n, nkv, hd)
+    v = qkv[:, (4 + nkv) * hd:].reshape(n, nkv, hd)
+    caches = {}
+    for impl in IMPLS:
+        kc = to_cache_array(np.full((nb, nkv, bs, hd), 7.0, np.float32), cdt)
+        vc = kc.copy()
+        core.kernel_kv_write(kc, vc, k, v, slots, cdt if cdt == "bfloat16" else None, impl=impl)
+        kf, vf = from_cache_array(kc, cdt), from_cache_array(vc, cdt)
+        for t in range(n):
+            if slots[t] < 0:
+                continue
+            b, o = divmod(int(slots[t]), bs)
+            np.testing.assert_array_equal(kf[b, :, o, :], round_to(k[t], cdt))
+            np.testing.assert_array_equal(vf[b, :, o, :], round_to(v[t], cdt))
+        written = np.zeros(nb * bs, bool)
+        written[slots[slots >= 0]] = True
+        untouched = ~written.reshape(nb, bs)
+        assert (kf.transpose(0, 2, 1, 3)[untouched] == 7.0).all()
+        caches[impl] = (kc, vc)
+    np.testing.assert_array_equal(caches["simd"][0], caches["plain"][0])
+    with pytest.raises(ValueError):
+        core.kernel_kv_write(kc, vc, k, v, np.full(n, nb * bs, np.int64),
+                             cdt if cdt == "bfloat16" else None)
+
+
+# --------------------------------------------------------------------------- paged attention
+
+def make_attention_case(r, *, n_seqs, nkv, G, hd, bs, cdt, max_prefix=40, max_new=12,
+                        prefixes=None, news=None):
+    """Random paged cache with shuffled block tables and its dense float64 copy."""
+    nh = nkv * G
+    if prefixes is None:
+        prefixes = r.integers(0, max_prefix + 1, n_seqs)
+    if news is None:
+        news = r.integers(1, max_new + 1, n_seqs)
+    ctx = np.asarray(prefixes) + np.asarray(news)
+    blocks_per = (ctx + bs - 1) // bs
+    mb = int(blocks_per.max()) + 1
+    nb = int(blocks_per.sum()) + 3
+    perm = r.permutation(nb)
+    tables = np.zeros((n_seqs, mb), np.int32)
+    used = 0
+    for s in range(n_seqs):
+        tables[s, : blocks_per[s]] = perm[used:used + blocks_per[s]]
+        tables[s, blocks_per[s]:] = r.integers(0, nb, mb - blocks_per[s])  # junk past the end
+        used += blocks_per[s]
+    kc = to_cache_array(r.standard_normal((nb, nkv, bs, hd), dtype=np.float32), cdt)
+    vc = to_cache_array(r.standard_normal((nb, nkv, bs, hd), dtype=np.float32), cdt)
+    qs = np.concatenate([[0], np.cumsum(news)]).astype(np.int32)
+    q = r.standard_normal((int(qs[-1]), nh, hd), dtype=np.float32)
+    return dict(q=q, kc=kc, vc=vc, tables=tables, ctx=ctx.astype(np.int32), qs=qs, news=news,
+                nkv=nkv, G=G, hd=hd, bs=bs, cdt=cdt)
+
+
+def attention_ref(c, scale):
+    kf, vf = from_cache_array(c["kc"], c["cdt"]), from_cache_array(c["vc"], c["cdt"])
+    q, bs, G = c["q"].astype(np.float64), c["bs"], c["G"]
+    out = np.zeros((q.shape[0], q.shape[1] * q.shape[2]))
+    for s in range(len(c["ctx"])):
+        L, nq, q0 = int(c["ctx"][s]), int(c["news"][s]), int(c["qs"][s])
+        idx = np.arange(L)
+        blocks = c["tables"][s, idx // bs]
+        K = kf[blocks, :, idx % bs, :]  # [L][nkv][hd]
+        V = vf[blocks, :, idx % bs, :]
+        for j in range(nq):
+            p = L - nq + j
+            for h in range(q.shape[1]):
+                sc = K[: p + 1, h // G, :] @ q[q0 + j, h] * scale
+                w = np.exp(sc - sc.max())
+                w /= w.sum()
+                out[q0 + j, h * c["hd"]:(h + 1) * c["hd"]] = w @ V[: p + 1, h // G, :]
+    return out
+
+
+def run_attention(c, impl, threads=0, scale=None):
+    return core.kernel_paged_attention(
+        c["q"], c["kc"], c["vc"], c["tables"], c["ctx"], c["qs"], scale=scale,
+        cache_dtype=c["cdt"] if c["cdt"] == "bfloat16" else None, impl=impl, threads=threads)
+
+
+ATT_CASES = [  # (n_seqs, nkv, G, hd, bs)
+    (1, 1, 1, 8, 1),
+    (3, 3, 3, 64, 16),
+    (2, 2, 4, 20, 3),
+    (4, 1, 2, 33, 32),
+    (2, 2, 1, 128, 7),
+    (1, 1, 32, 16, 4),   # many query heads per KV head: heads split across tiles
+    (2, 1, 3, 256, 16),
+    (1, 2, 2, 512, 8),   # head_dim past 256: smaller tiles
+]
+
+
+@pytest.mark.parametrize("cdt", CACHE_DTYPES)
+@pytest.mark.parametrize("n_seqs,nkv,G,hd,bs", ATT_CASES)
+def test_paged_attention_matches_dense(cdt, n_seqs, nkv, G, hd, bs):
+    r = rng(n_seqs, nkv, G, hd, bs, len(cdt))
+    c = make_attention_case(r, n_seqs=n_seqs, nkv=nkv, G=G, hd=hd, bs=bs, cdt=cdt)
+    ref = attention_ref(c, 1 / math.sqrt(hd))
+    outs = {impl: run_attention(c, impl) for impl in IMPLS}
+    for impl, o in outs.items():
+        assert o.shape == ref.shape
+        np.testing.assert_allclose(o, ref, rtol=1e-4, atol=2e-5, err_msg=impl)
+    np.testing.assert_allclose(outs["simd"], outs["plain"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_paged_attention_long_context_split(impl, threads):
+    # one sequence and one KV head: fewer work items than threads, so a long
+    # context is split across threads and the partial softmaxes merged
+    r = rng(threads, len(impl))
+    for cdt, news in [("float32", [1]), ("bfloat16", [3]), ("float16", [1, 2])]:
+        c = make_attention_case(r, n_seqs=len(news), nkv=1, G=2, hd=48, bs=16, cdt=cdt,
+                                prefixes=[700] * len(news), news=news)
+        ref = attention_ref(c, 0.3)
+        np.testing.assert_allclose(run_attention(c, impl, threads, scale=0.3), ref,
+                                   rtol=1e-4, atol=2e-5)
+
+
+def test_paged_attention_chunked_prefill_equals_whole():
+    # a prompt computed in two chunks (second chunk attends to the cached first)
+    # gives the same rows as computing it at once
+    r = rng(99)
+    c = make_attention_case(r, n_seqs=1, nkv=3, G=3, hd=64, bs=16, cdt="float32",
+                            prefixes=[0], news=[45])
+    whole = run_attention(c, "simd")
+    c2 = dict(c)
+    c2["q"] = c["q"][30:]
+    c2["qs"] = np.array([0, 15], np.int32)
+    np.testing.assert_allclose(run_attention(c2, "simd"), whole[30:], rtol=1e-5, atol=1e-6)
+
+
+def test_paged_attention_rejects_bad_input():
+    r = rng(5)
+    c = make_attention_case(r, n_seqs=2, nkv=1, G=2, hd=8, bs=4, cdt="float32")
+    bad = dict(c)
+    bad["tables"] = c["tables"].copy()
+    bad["tables"][0, 0] = c["kc"].shape[0]
+    with pytest.raises(ValueError):
+        run_attention(bad, "simd")
+    bad = dict(c)
+    bad["ctx"] = (c["news"] - 1).astype(np.int32)
+    with pytest.raises(ValueError):
+        run_attention(bad, "simd")
+    bad = dict(c)
+    bad["qs"] = c["qs"].astype(np.int64)
+    with pytest.raises(TypeError):
+        run_attention(bad, "simd")
+    bad = dict(c)
+    bad["q"] = np.zeros((c["q"].shape[0], 3, 8), np.float32)  # 3 heads over 1 KV head is fine...
+    run_attention(bad, "plain")
+    bad["q"] = np.zeros((c["q"].shape[0], 2, 6), np.float32)  # ...a different head_dim is not
+    with pytest.raises(ValueError):
+        run_attention(bad, "simd")
+    with pytest.raises(TypeError):
+        core.kernel_paged_attention(c["q"], c["kc"].astype(np.float64), c["vc"], c["tables"],
+                                    c["ctx"], c["qs"])
+
+
+# --------------------------------------------------------------------------- bandwidth
+
+def test_triad_reports_bandwidth():
+    gbs = core.kernel_triad(1 << 20, 2, 0)
+    assert gbs > 0.1
+    with pytest.raises(ValueError):
+        core.kernel_triad(0)
+
+
+def test_bench_module_runs_small():
+    from conveyor.bench import kernels as bk
+
+    res = bk.run_gemm_and_bandwidth(threads=1, tokens=(1, 7), shapes={"tiny": (33, 20)},
+                                   triad_bytes=1 << 20)
+    assert res["triad_gbs"] > 0
+    assert [r["tokens"] for r in res["rows"]] == [1, 7]
+    assert all(r["f32_gflops"] > 0 and r["bf16_gflops"] > 0 for r in res["rows"])
+    assert "tiny" in bk.format_table(res)

@@ -1,0 +1,674 @@
+"""Scheduler and block pool: random workloads driven by a fake runner.
+
+The fake runner models the KV cache itself: every step it checks that the
+context a planned sequence attends to (positions before start_pos, read
+through its block table) holds exactly that sequence's tokens, and it writes
+the new positions. So a prefix-cache hit, a fork or a preemption that handed
+out wrong or shared-and-overwritten blocks fails here, not only in check().
+"""
+import math
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from conveyor._core import Scheduler
+
+VOCAB = 5  # tiny, so blocks repeat inside and across prompts
+SHARED_PREFIXES = [
+    [],
+    [1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1, 2],
+    [3] * 20,
+    [2, 4, 1, 3, 0, 0, 4, 2, 1, 3, 2, 4, 1, 3, 0, 0, 4, 2],
+]
+
+
+def next_token(seed, tokens):
+    """Deterministic 'model': the next token from the history and a seed."""
+    h = seed * 1000003 + len(tokens)
+    for t in tokens[-6:]:
+        h = (h * 31 + t) % 1000000007
+    return h % VOCAB
+
+
+def order_key(info, sid):
+    return (info["priority"], info["arrival"], sid)
+
+
+class Driver:
+    """Runs a workload through the scheduler, checking it after every step."""
+
+    def __init__(self, cfg, requests, aborts=(), forks=(), kv_model=True):
+        self.cfg = cfg
+        self.s = Scheduler(**cfg)
+        self.bs = cfg["block_size"]
+        self.policy = cfg.get("policy", "continuous")
+        self.budget = cfg["max_num_batched_tokens"]
+        self.cap = cfg["max_num_seqs"]
+        self.chunked = cfg.get("enable_chunked_prefill", True)
+        self.requests = sorted(requests, key=lambda r: r["arrival"])  # stable: ties keep list order
+        self.aborts = sorted(aborts)
+        self.forks = set(forks)  # request ids to fork when they sample their first token
+        self.kv = [[None] * self.bs for _ in range(cfg["num_blocks"])] if kv_model else None
+        self.queue = []      # mirror of the waiting queue, front first
+        self.running = set()
+        self.unfinished = set()
+        self.meta = {}       # sid -> static info (arrival, priority, seed, is_fork)
+        self.first_started = []  # fresh (never forked) requests in first-scheduled order
+        self.started = set()
+        self.computed_tokens = 0
+        self.steps = 0
+        self.n_preempted = 0
+        self.next_child = 10_000
+
+    # -- workload events --
+    def _register(self, sid, fork):
+        info = self.s.seq_info(sid)
+        assert info["status"] == "waiting"
+        self.meta[sid] = dict(arrival=info["arrival"], priority=info["priority"], fork=fork)
+        self.unfinished.add(sid)
+
+    def add(self, r):
+        self.s.add(r["id"], r["prompt"], r["max_tokens"], r.get("priority", 0))
+        self._register(r["id"], fork=False)
+        self.queue.append(r["id"])
+
+    def fork(self, parent):
+        child = self.next_child
+        self.next_child += 1
+        self.s.fork(child, parent)
+        self._register(child, fork=True)
+        self.queue.insert(0, child)
+        pinfo, cinfo = self.s.seq_info(parent), self.s.seq_info(child)
+        shared = (pinfo["n_prompt"] - 1) // self.bs
+        assert cinfo["block_table"] == pinfo["block_table"][:shared]
+        assert cinfo["n_computed"] == shared * self.bs
+
+    def finish(self, sid, reason):
+        self.s.finish(sid, reason)
+        assert self.s.seq_info(sid)["status"] == reason
+        self.unfinished.discard(sid)
+        self.running.discard(sid)
+        if sid in self.queue:
+            self.queue.remove(sid)
+
+    def victim_key(self, sid):
+        m = self.meta[sid]
+        if self.policy == "priority":
+            return (m["priority"], m["arrival"], sid)
+        return (m["arrival"], sid)
+
+    def ordered_queue(self):
+        if self.policy == "priority":
+            return sorted(self.queue, key=lambda sid: order_key(self.meta[sid], sid))
+        return list(self.queue)
+
+    # -- one step --
+    def step(self):
+        s = self.s
+        before = {sid: s.seq_info(sid) for sid in self.unfinished}
+        running_before = set(self.running)
+        queue_before = self.ordered_queue()
+        plan = s.schedule()
+        ids, new, start = plan["seq_ids"], plan["num_new_tokens"], plan["start_pos"]
+        pre = plan["preempted"]
+
+        # budget, cap, sane plan
+        assert plan["total_tokens"] == sum(new) <= self.budget
+        assert len(ids) <= self.cap and len(set(ids)) == len(ids)
+        assert not set(ids) & set(pre)
+        for sid, n, p, table in zip(ids, new, start, plan["block_tables"]):
+            b = before[sid]
+            assert n >= 1 and p + n <= b["n_tokens"]
+            if sid in running_before:
+                assert p == b["n_computed"]
+            else:  # admitted: after its prefix-cache hits or a fork's shared blocks
+                assert p % self.bs == 0
+            assert len(table) * self.bs >= p + n
+        for sid in pre:  # static admits its batch first, so it may preempt a new member
+            assert sid in running_before or (self.policy == "static" and not running_before)
+            info = s.seq_info(sid)
+            assert info["status"] == "waiting" and info["n_computed"] == 0 and info["block_table"] == []
+
+        # admission order: the admitted are a prefix of the waiting queue
+        if self.policy == "static":
+            admitted = []
+            if not running_before:
+                admitted = queue_before[: self.cap]
+                for sid in admitted:
+                    assert sid in pre or s.seq_info(sid)["status"] == "running"
+            assert all(sid in running_before or sid in admitted for sid in ids)
+        else:
+            admitted = [sid for sid in ids if sid not in running_before]
+            assert admitted == queue_before[: len(admitted)]
+            k = len(ids) - len(admitted)
+            assert all(sid in running_before for sid in ids[:k])  # running ones first
+            if pre:
+                assert not admitted  # no admission in a step that preempted
+        if self.chunked and plan["total_tokens"] < self.budget:
+            # budget left over: every running sequence got its tokens
+            assert running_before <= set(ids) | set(pre)
+        for sid in admitted:
+            self.queue.remove(sid)
+            self.running.add(sid)
+            m = self.meta[sid]
+            if not m["fork"] and sid not in self.started:
+                self.first_started.append(sid)
+            self.started.add(sid)
+        for sid in pre:  # each to the head, so the last preempted ends up first
+            self.running.discard(sid)
+            self.queue.insert(0, sid)
+        if pre:  # victims are the newest (under priority: lowest priority, then newest)
+            key = self.victim_key
+            assert all(key(v) > key(r) for v in pre for r in self.running)
+        self.n_preempted += len(pre)
+
+        # fake runner over a model of the KV cache
+        if self.kv is not None:
+            refs = s.block_refcounts()
+            for sid, n, p, table in zip(ids, new, start, plan["block_tables"]):
+                toks = before[sid]["tokens"] if sid in before else s.seq_info(sid)["tokens"]
+                for pos in range(p):  # the context it attends to
+                    got = self.kv[table[pos // self.bs]][pos % self.bs]
+                    assert got == toks[pos], f"seq {sid} reads wrong KV at {pos}"
+                for pos in range(p, p + n):
+                    blk = table[pos // self.bs]
+                    assert blk != 0 and refs[blk] == 1, f"seq {sid} writes shared block {blk}"
+                    self.kv[blk][pos % self.bs] = toks[pos]
+        self.computed_tokens += sum(new)
+        s.commit()
+
+        # sample for every sequence whose tokens are all computed
+        for sid in ids:
+            info = s.seq_info(sid)
+            if info["status"] != "running" or info["n_computed"] != info["n_tokens"]:
+                continue
+            if sid in self.forks and info["n_tokens"] == info["n_prompt"]:
+                self.forks.discard(sid)
+                self.fork(sid)
+            if info["n_tokens"] < info["max_total"]:
+                s.append_token(sid, next_token(sid, info["tokens"]))
+            if s.seq_info(sid)["n_tokens"] >= info["max_total"]:
+                self.finish(sid, "length")
+        self.steps += 1
+        self.check()
+
+    def check(self):
+        s = self.s
+        s.check()
+        refs = [0] * self.cfg["num_blocks"]
+        for sid in self.unfinished:
+            for b in s.seq_info(sid)["block_table"]:
+                refs[b] += 1
+        assert s.block_refcounts() == refs
+        st = s.stats()
+        assert st["n_running"] == len(self.running) <= self.cap
+        assert st["n_waiting"] == len(self.queue)
+        assert s.num_unfinished() == len(self.unfinished)
+        assert st["blocks_used"] + st["blocks_free"] == st["blocks_total"]
+        assert 0.0 <= st["kv_waste"] < 1.0 or st["blocks_used"] == 0
+
+    def run(self, max_steps=5000):
+        step = ri = ai = 0
+        while ri < len(self.requests) or self.unfinished:
+            while ri < len(self.requests) and self.requests[ri]["arrival"] <= step:
+                self.add(self.requests[ri])
+                ri += 1
+            while ai < len(self.aborts) and self.aborts[ai][0] <= step:
+                live = sorted(self.unfinished)
+                if live:
+                    self.finish(live[self.aborts[ai][1] % len(live)], "aborted")
+                ai += 1
+            self.step()
+            step += 1
+            assert step < max_steps, "no progress: starvation or deadlock"
+        st = self.s.stats()
+        assert st["blocks_used"] == 0 and st["n_running"] == 0 and st["n_waiting"] == 0
+        assert all(r == 0 for r in self.s.block_refcounts())
+        return self
+
+    def tokens_of(self, sid):
+        return self.s.seq_info(sid)["tokens"]
+
+
+# ---------------------------------------------------------------- strategies
+
+@st.composite
+def workloads(draw):
+    policy = draw(st.sampled_from(["continuous", "priority", "static"]))
+    bs = draw(st.sampled_from([1, 2, 4, 8]))
+    max_model_len = 48
+    n_req = draw(st.integers(1, 12))
+    reqs = []
+    for i in range(n_req):
+        prefix = draw(st.sampled_from(SHARED_PREFIXES))
+        suffix = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=10))
+        prompt = (prefix + suffix)[: max_model_len - 1]
+        max_tokens = draw(st.integers(1, min(12, max_model_len - len(prompt))))
+        reqs.append(dict(id=i, arrival=draw(st.integers(0, 10)), prompt=prompt,
+                         max_tokens=max_tokens, priority=draw(st.integers(0, 2))))
+    need = max(math.ceil((len(r["prompt"]) + r["max_tokens"]) / bs) for r in reqs)
+    num_blocks = 1 + need + draw(st.sampled_from([0, 0, 0, 1, 2, 4, 10, 60]))  # tiny: heavy preemption
+    chunked = draw(st.booleans())
+    budget = draw(st.integers(4, 40)) if chunked else max_model_len + draw(st.integers(0, 16))
+    cfg = dict(num_blocks=num_blocks, block_size=bs, max_num_seqs=draw(st.integers(1, 6)),
+               max_num_batched_tokens=budget, max_model_len=max_model_len,
+               enable_prefix_caching=draw(st.sampled_from([True, True, False])), enable_chunked_prefill=chunked,
+               policy=policy)
+    aborts = draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 100)), max_size=3))
+    forks = draw(st.lists(st.integers(0, n_req - 1), max_size=2, unique=True))
+    return cfg, reqs, aborts, forks
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_random_workloads_keep_invariants(w):
+    cfg, reqs, aborts, forks = w
+    d = Driver(cfg, reqs, aborts, forks).run()
+    st = d.s.stats()
+    event(f"policy {cfg['policy']}")
+    event("preempted" if st["n_preempted_total"] else "no preemption")
+    event("prefix hits" if st["prefix_hits"] else "no prefix hits")
+    event("forked" if d.next_child > 10_000 else "no fork")
+    if cfg["policy"] != "priority":
+        # fresh requests start in arrival order (preempted ones resume ahead of them)
+        arrival = {sid: d.meta[sid]["arrival"] for sid in d.first_started}
+        assert d.first_started == sorted(d.first_started, key=arrival.get)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30), st.sampled_from([1, 2, 4, 8]))
+def test_prefix_caching_changes_no_tokens(suffix, bs):
+    """Same workload with the cache on and off: identical outputs, fewer tokens computed."""
+    reqs = [dict(id=i, arrival=3 * i, prompt=SHARED_PREFIXES[3] + suffix[: 5 + i], max_tokens=6)
+            for i in range(5)]
+    out = {}
+    for on in (False, True):
+        cfg = dict(num_blocks=80, block_size=bs, max_num_seqs=4, max_num_batched_tokens=16,
+                   max_model_len=64, enable_prefix_caching=on)
+        d = Driver(cfg, reqs).run()
+        out[on] = ({r["id"]: d.tokens_of(r["id"]) for r in reqs}, d.computed_tokens, d.s.stats())
+    assert out[True][0] == out[False][0]
+    assert out[True][1] < out[False][1]
+    assert out[True][2]["prefix_hits"] > 0
+    assert out[False][2]["prefix_hits"] == 0
+
+
+# ------------------------------------------------------------ direct cases
+
+def advance(s, plan, token=1):
+    """After commit: sample for fully computed sequences, finish them at max_tokens."""
+    for sid in plan["seq_ids"]:
+        info = s.seq_info(sid)
+        if info["status"] == "running" and info["n_computed"] == info["n_tokens"]:
+            if info["n_tokens"] < info["max_total"]:
+                s.append_token(sid, token)
+            if s.seq_info(sid)["n_tokens"] >= info["max_total"]:
+                s.finish(sid, "length")
+
+
+def drain(s, limit=1000):
+    """Fake runner loop until idle; returns the plans."""
+    plans = []
+    for _ in range(limit):
+        if not s.num_unfinished():
+            return plans
+        plan = s.schedule()
+        s.commit()
+        advance(s, plan)
+        plans.append(plan)
+        s.check()
+    raise AssertionError("did not drain")
+
+
+def test_second_identical_prompt_hits_cache():
+    s = Scheduler(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                  max_model_len=64)
+    prompt = list(range(2, 20))  # 18 tokens: 4 full blocks + 2
+    s.add(1, prompt, 3)
+    first = drain(s)
+    s.add(2, prompt, 3)
+    plan = s.schedule()
+    info = s.seq_info(2)
+    assert info["n_cached_prompt"] == 16
+    assert plan["start_pos"] == [16] and plan["num_new_tokens"] == [2]
+    assert sum(first[0]["num_new_tokens"]) == 18
+    s.commit()
+    st = s.stats()
+    assert st["prefix_hits"] == 16 and st["prefix_queries"] == 36
+
+
+def test_whole_prompt_cached_still_computes_last_block():
+    s = Scheduler(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                  max_model_len=64)
+    prompt = list(range(16))  # exactly 4 blocks
+    s.add(1, prompt, 2)
+    drain(s)
+    s.add(2, prompt, 2)
+    plan = s.schedule()
+    assert plan["start_pos"] == [12] and plan["num_new_tokens"] == [4]
+    assert s.seq_info(2)["n_cached_prompt"] == 12
+
+
+def test_prefix_caching_off_gives_no_hits():
+    s = Scheduler(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                  max_model_len=64, enable_prefix_caching=False)
+    prompt = list(range(18))
+    s.add(1, prompt, 2)
+    drain(s)
+    s.add(2, prompt, 2)
+    plan = s.schedule()
+    assert plan["start_pos"] == [0] and plan["num_new_tokens"] == [18]
+    assert s.seq_info(2)["n_cached_prompt"] == 0
+    assert s.stats()["prefix_hits"] == 0 and s.stats()["blocks_cached_free"] == 0
+
+
+def test_cached_blocks_evicted_lru_and_prefix_last():
+    """A freed prefix stays reusable until the pool needs its blocks; its tail goes first."""
+    s = Scheduler(num_blocks=9, block_size=4, max_num_seqs=2, max_num_batched_tokens=64,
+                  max_model_len=32)
+    a = list(range(100, 117))  # 17 tokens: 4 full blocks + 1
+    s.add(1, a, 1)
+    drain(s)
+    assert s.stats()["blocks_cached_free"] == 4
+    s.add(2, [7] * 13, 1)  # 4 blocks: takes the 4 never-cached ones first
+    drain(s)
+    s.add(3, a, 1)
+    plan = s.schedule()
+    assert s.seq_info(3)["n_cached_prompt"] == 16  # a's prefix survived
+    s.commit()
+    advance(s, plan)
+    drain(s)
+    s.add(4, [9] * 25, 1)  # 7 blocks: must evict; a's tail blocks go before its head
+    drain(s)
+    s.add(5, a, 1)
+    s.schedule()
+    # 7 of the 8 blocks went to seq 4: the never-cached one, seq 2's three, then
+    # a's tail three; a's leading block, freed last, survived
+    assert s.seq_info(5)["n_cached_prompt"] == 4
+
+
+def test_chunked_prefill_interleaves_with_decodes():
+    s = Scheduler(num_blocks=200, block_size=4, max_num_seqs=8, max_num_batched_tokens=16,
+                  max_model_len=128)
+    for i in range(3):
+        s.add(i, [i + 1] * 5, 50)
+    for _ in range(3):  # prefill them, then they decode
+        plan = s.schedule()
+        s.commit()
+        for sid in plan["seq_ids"]:
+            info = s.seq_info(sid)
+            if info["n_computed"] == info["n_tokens"]:
+                s.append_token(sid, 1)
+    assert all(s.seq_info(i)["status"] == "running" for i in range(3))
+    s.add(99, list(range(60)), 4)  # a long prompt: 60 tokens, budget 16
+    chunks = []
+    while s.seq_info(99)["n_computed"] < 60:
+        plan = s.schedule()
+        got = dict(zip(plan["seq_ids"], plan["num_new_tokens"]))
+        assert all(got.get(i) == 1 for i in range(3)), got  # every decode keeps its token
+        chunks.append(got.get(99, 0))
+        assert plan["total_tokens"] <= 16
+        s.commit()
+        for sid in plan["seq_ids"]:
+            info = s.seq_info(sid)
+            if info["n_computed"] == info["n_tokens"]:
+                s.append_token(sid, 1)
+        s.check()
+    assert sum(chunks) == 60 and max(chunks) == 13 and len(chunks) >= 5
+
+
+def test_chunked_prefill_off_waits_for_room():
+    s = Scheduler(num_blocks=200, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                  max_model_len=64, enable_chunked_prefill=False)
+    s.add(1, [1] * 40, 5)
+    s.add(2, [2] * 40, 5)
+    plan = s.schedule()
+    assert plan["seq_ids"] == [1] and plan["num_new_tokens"] == [40]  # 2 does not fit the rest
+    s.commit()
+    s.append_token(1, 3)
+    plan = s.schedule()
+    assert plan["seq_ids"] == [1, 2] and plan["num_new_tokens"] == [1, 40]
+
+
+def test_refusals_say_why():
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        Scheduler(num_blocks=10, block_size=4, max_num_seqs=2, max_num_batched_tokens=16,
+                  max_model_len=64, enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match="num_blocks"):
+        Scheduler(num_blocks=1, block_size=4, max_num_seqs=2, max_num_batched_tokens=16,
+                  max_model_len=64)
+    with pytest.raises(ValueError, match="block_size"):
+        Scheduler(num_blocks=10, block_size=0, max_num_seqs=2, max_num_batched_tokens=16,
+                  max_model_len=64)
+    with pytest.raises(ValueError, match="policy"):
+        Scheduler(10, 4, 2, 16, 64, policy="lottery")
+    s = Scheduler(num_blocks=5, block_size=4, max_num_seqs=2, max_num_batched_tokens=16,
+                  max_model_len=64)
+    with pytest.raises(ValueError, match=r"max_model_len 64") as e:
+        s.add(1, [1] * 60, 10)
+    assert "70" in str(e.value)
+    with pytest.raises(ValueError, match=r"more blocks than the whole cache.*4 usable"):
+        s.add(2, [1] * 10, 10)  # 20 tokens = 5 blocks of 4 > 4
+    with pytest.raises(ValueError, match="empty"):
+        s.add(3, [], 3)
+    s.add(4, [1] * 10, 6)  # exactly 4 blocks: fine
+    with pytest.raises(ValueError, match="already exists"):
+        s.add(4, [1], 1)
+    assert s.num_unfinished() == 1
+    s.check()
+
+
+def test_fork_shares_prompt_blocks():
+    s = Scheduler(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                  max_model_len=64)
+    s.add(1, list(range(10)), 5)  # blocks: [0..3] [4..7] [8, 9]
+    s.schedule()
+    s.commit()
+    s.append_token(1, 42)
+    s.fork(2, 1)
+    parent, child = s.seq_info(1), s.seq_info(2)
+    assert child["block_table"] == parent["block_table"][:2]
+    refs = s.block_refcounts()
+    assert [refs[b] for b in parent["block_table"]] == [2, 2, 1]
+    assert child["n_computed"] == 8 and child["status"] == "waiting"
+    s.check()
+    plan = s.schedule()
+    got = dict(zip(plan["seq_ids"], zip(plan["start_pos"], plan["num_new_tokens"])))
+    assert got[2] == (8, 2)  # only the tail of the prompt
+    assert got[1] == (10, 1)
+    s.commit()
+    s.check()
+    s.abort(1)
+    assert [s.block_refcounts()[b] for b in parent["block_table"][:2]] == [1, 1]
+    s.abort(2)
+    assert all(r == 0 for r in s.block_refcounts())
+    s.check()
+
+
+def test_fork_when_prompt_ends_on_block_boundary():
+    s = Scheduler(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                  max_model_len=64)
+    s.add(1, list(range(8)), 5)  # exactly 2 blocks: the child shares only the first
+    s.schedule()
+    s.commit()
+    s.fork(2, 1)
+    assert s.seq_info(2)["n_computed"] == 4
+    plan = s.schedule()
+    assert dict(zip(plan["seq_ids"], plan["num_new_tokens"]))[2] == 4
+
+
+def test_static_waits_for_the_whole_batch():
+    s = Scheduler(num_blocks=200, block_size=4, max_num_seqs=2, max_num_batched_tokens=64,
+                  max_model_len=64, policy="static")
+    s.add(1, [1] * 4, 1)
+    s.add(2, [2] * 4, 8)
+    s.add(3, [3] * 4, 1)
+    plan = s.schedule()
+    assert plan["seq_ids"] == [1, 2]
+    s.commit()
+    s.append_token(1, 0)
+    s.finish(1, "length")
+    s.append_token(2, 0)
+    for _ in range(3):  # a slot is free, but 3 waits for the batch to finish
+        plan = s.schedule()
+        assert plan["seq_ids"] == [2]
+        s.commit()
+        s.append_token(2, 0)
+    s.finish(2, "stopped")
+    assert s.schedule()["seq_ids"] == [3]
+
+
+def test_continuous_fills_freed_slot_at_once():
+    s = Scheduler(num_blocks=200, block_size=4, max_num_seqs=2, max_num_batched_tokens=64,
+                  max_model_len=64)
+    s.add(1, [1] * 4, 1)
+    s.add(2, [2] * 4, 8)
+    s.add(3, [3] * 4, 1)
+    assert s.schedule()["seq_ids"] == [1, 2]
+    s.commit()
+    s.append_token(1, 0)
+    s.finish(1, "length")
+    s.append_token(2, 0)
+    plan = s.schedule()
+    assert plan["seq_ids"] == [2, 3] and plan["num_new_tokens"] == [1, 4]
+
+
+def test_priority_policy_admits_by_priority():
+    s = Scheduler(num_blocks=200, block_size=4, max_num_seqs=1, max_num_batched_tokens=64,
+                  max_model_len=64, policy="priority")
+    s.add(1, [1] * 4, 1, priority=5)
+    s.add(2, [2] * 4, 1, priority=0)
+    s.add(3, [3] * 4, 1, priority=5)
+    order = []
+    for _ in range(3):
+        plan = s.schedule()
+        order += plan["seq_ids"]
+        s.commit()
+        for sid in plan["seq_ids"]:
+            s.finish(sid, "length")
+    assert order == [2, 1, 3]
+
+
+def test_preemption_newest_first_and_lone_sequence_progresses():
+    # 6 usable blocks of 2 tokens; two sequences that will each need 6.
+    s = Scheduler(num_blocks=7, block_size=2, max_num_seqs=2, max_num_batched_tokens=32,
+                  max_model_len=12)
+    s.add(1, [1, 2, 3], 9)
+    s.add(2, [4, 5, 6], 9)
+    preempted = []
+    for _ in range(200):
+        if not s.num_unfinished():
+            break
+        plan = s.schedule()
+        preempted += plan["preempted"]
+        s.commit()
+        for sid in plan["seq_ids"]:
+            info = s.seq_info(sid)
+            if info["n_computed"] == info["n_tokens"]:
+                s.append_token(sid, 0)
+                if info["n_tokens"] + 1 == info["max_total"]:
+                    s.finish(sid, "length")
+        s.check()
+    assert s.num_unfinished() == 0
+    assert preempted and preempted[0] == 2  # the newer one goes first
+    assert s.seq_info(1)["n_preemptions"] == 0
+    assert s.seq_info(2)["n_preemptions"] >= 1
+
+
+def test_lone_sequence_gets_blocks_held_by_waiting_fork():
+    """A waiting fork holding blocks must not starve a lone running sequence."""
+    s = Scheduler(num_blocks=7, block_size=4, max_num_seqs=2, max_num_batched_tokens=4,
+                  max_model_len=24, policy="priority")
+    s.add(1, [5] * 9, 1)
+    for _ in range(3):  # chunks 4 + 4 + 1
+        s.schedule()
+        s.commit()
+    s.fork(2, 1)
+    s.abort(1)  # the fork alone holds 2 blocks now, waiting
+    assert s.stats()["blocks_used"] == 2
+    s.add(3, [6] * 20, 4, priority=-1)  # needs all 6 usable blocks; admitted before the fork
+    drain(s)
+    assert s.seq_info(3)["status"] == "length" and s.seq_info(3)["n_preemptions"] == 0
+    assert s.seq_info(2)["status"] == "length"
+
+
+def test_waiting_fork_does_not_block_the_queue_head():
+    """Nothing running, the head waits for blocks a waiting fork holds: release them."""
+    s = Scheduler(num_blocks=6, block_size=4, max_num_seqs=3, max_num_batched_tokens=16,
+                  max_model_len=20, enable_prefix_caching=False)
+    s.add(1, [5] * 9, 3)   # P: 3 blocks
+    s.add(2, [6] * 18, 2)  # X: first chunk of 7 takes the last 2 blocks
+    plan = s.schedule()
+    assert plan["num_new_tokens"] == [9, 7]
+    s.commit()
+    s.append_token(1, 0)
+    s.fork(3, 1)  # C shares P's first 2 blocks and waits
+    plan = s.schedule()
+    assert plan["preempted"] == [2]  # X needs 3 more blocks, none free: it is the newest
+    s.commit()
+    s.abort(1)  # C alone holds 2 blocks; X (at the head) needs 4 for its next chunk of 16
+    assert s.stats()["n_running"] == 0 and s.stats()["blocks_used"] == 2
+    drain(s)
+    assert s.seq_info(2)["status"] == "length" and s.seq_info(3)["status"] == "length"
+
+
+def test_finish_in_any_state_frees_blocks():
+    s = Scheduler(num_blocks=20, block_size=4, max_num_seqs=1, max_num_batched_tokens=64,
+                  max_model_len=64)
+    s.add(1, [1] * 9, 3)
+    s.add(2, [2] * 9, 3)
+    s.schedule()
+    s.commit()
+    s.abort(2)  # waiting
+    s.abort(1)  # running
+    s.abort(1)  # already finished: no-op
+    assert s.seq_info(1)["status"] == "aborted"
+    assert s.num_unfinished() == 0 and s.stats()["blocks_used"] == 0
+    s.check()
+
+
+def test_kv_waste_counts_shared_blocks_once():
+    s = Scheduler(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                  max_model_len=64)
+    s.add(1, list(range(9)), 5)  # 9 tokens: 3 blocks, 3 empty slots
+    s.schedule()
+    s.commit()
+    st = s.stats()
+    assert st["blocks_used"] == 3 and st["tokens_in_kv"] == 9
+    assert st["kv_waste"] == pytest.approx(1 - 9 / 12)
+    s.add(2, list(range(9)), 5)  # shares 2 cached blocks, adds 1
+    s.schedule()
+    s.commit()
+    st = s.stats()
+    assert st["blocks_used"] == 4  # 2 shared + one tail block each
+    assert st["tokens_in_kv"] == 10 and st["kv_waste"] == pytest.approx(1 - 10 / 16)
+
+
+def test_plan_must_be_committed():
+    s = Scheduler(10, 4, 2, 16, 32)
+    with pytest.raises(RuntimeError):
+        s.commit()
+    s.add(1, [1, 2], 2)
+    s.schedule()
+    with pytest.raises(RuntimeError):
+        s.schedule()
+    with pytest.raises(ValueError, match="uncomputed"):
+        s.append_token(1, 5)
+    s.commit()
+    s.append_token(1, 5)
+    with pytest.raises(KeyError):
+        s.seq_info(77)
+
+
+def test_many_waiting_step_is_cheap_and_correct():
+    """100k waiting behind a full running set: the plan touches only the running."""
+    s = Scheduler(num_blocks=1 + 64 * 10, block_size=16, max_num_seqs=64,
+                  max_num_batched_tokens=256, max_model_len=256)
+    for i in range(20_000):
+        s.add(i, [i % 7 + 1] * 8, 100)
+    plans = s.bench_steps(5)
+    assert len(plans) == 5
+    st = s.stats()
+    assert st["n_running"] == 64 and st["n_waiting"] == 20_000 - 64
+    s.check()
