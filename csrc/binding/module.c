@@ -58,7 +58,8 @@ PyMODINIT_FUNC PyInit__core(void) {
     Py_CLEAR(bases);
     if (!cv_EngineClosedError) goto fail;
     if (cv_py_add_checkpoint(m) < 0 || cv_py_add_kernels(m) < 0 || cv_py_add_scheduler(m) < 0 ||
-        cv_py_add_sampler(m) < 0 || cv_py_add_engine(m) < 0 || cv_py_add_cuda(m) < 0)
+        cv_py_add_sampler(m) < 0 || cv_py_add_engine(m) < 0 || cv_py_add_cuda(m) < 0 ||
+        cv_py_add_model(m) < 0)
         goto fail;
 #ifdef __AVX2__
     PyModule_AddStringConstant(m, "simd", "avx2");
