@@ -53,12 +53,11 @@ class Driver:
         self.queue = []      # mirror of the waiting queue, front first
         self.running = set()
         self.unfinished = set()
-        self.meta = {}       # sid -> static info (arrival, priority, seed, is_fork)
+        self.meta = {}       # sid -> arrival, priority, fork
         self.first_started = []  # fresh (never forked) requests in first-scheduled order
         self.started = set()
         self.computed_tokens = 0
         self.steps = 0
-        self.n_preempted = 0
         self.next_child = 10_000
 
     # -- workload events --
@@ -161,7 +160,6 @@ class Driver:
         if pre:  # victims are the newest (under priority: lowest priority, then newest)
             key = self.victim_key
             assert all(key(v) > key(r) for v in pre for r in self.running)
-        self.n_preempted += len(pre)
 
         # fake runner over a model of the KV cache
         if self.kv is not None:

@@ -493,31 +493,33 @@ def test_disconnect_while_waiting_non_streaming(server, http, model_name):
 
 
 def test_200_concurrent_streams(server, http, model_name, llm):
-    ref = greedy(llm, PROMPT, 16).outputs[0].text
+    """200 streams at once with lengths 1..24 (EOS ignored): every stream must carry exactly
+    its tokens, end with finish_reason "length", usage and [DONE], and match greedy LLM text."""
+    lengths = [1 + i % 24 for i in range(200)]
+    refs = llm.generate([PROMPT] * 24, [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True)
+                                        for k in range(1, 25)], use_tqdm=False)
+    ref = {k: refs[k - 1].outputs[0].text for k in range(1, 25)}
     finished0 = metric(http, "conveyor_requests_finished_total")
 
-    async def one(c, i):
-        body = {"model": model_name, "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}
+    async def one(c, k):
+        body = {"model": model_name, "prompt": PROMPT, "max_tokens": k, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
         async with c.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
             text = "".join([chunk async for chunk in r.aiter_text()])
         events = sse_events(text)
         got = "".join(e["choices"][0]["text"] for e in events if e["choices"])
-        return got, events[-1]["usage"]["completion_tokens"], events[-2]["choices"][0]["finish_reason"]
+        return k, got, events[-1]["usage"]["completion_tokens"], events[-2]["choices"][0]["finish_reason"]
 
     async def run():
         limits = httpx.Limits(max_connections=250, max_keepalive_connections=250)
         async with httpx.AsyncClient(base_url=server.url, timeout=60.0, limits=limits, trust_env=False) as c:
-            return await asyncio.gather(*[one(c, i) for i in range(200)])
+            return await asyncio.gather(*[one(c, k) for k in lengths])
 
     results = asyncio.run(asyncio.wait_for(run(), 120))
     assert len(results) == 200
-    n_tok = len(greedy(llm, PROMPT, 16).outputs[0].token_ids)
-    for got, n, reason in results:
-        assert got == ref
-        assert n == n_tok
-        assert reason == ("length" if n_tok == 16 else "stop")
+    for k, got, n, reason in results:
+        assert (got, n, reason) == (ref[k], k, "length")
     assert metric(http, "conveyor_requests_finished_total") - finished0 == 200
     assert _wait_metric(http, "conveyor_kv_cache_blocks_used", lambda v: v == 0) == 0
     assert metric(http, "conveyor_time_to_first_token_seconds_count") >= 200

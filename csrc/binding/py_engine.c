@@ -460,6 +460,7 @@ static PyObject *Engine_stats(EngineObject *self, PyObject *Py_UNUSED(ignored)) 
     SET_ITEM(d, "requests_aborted", PyLong_FromLongLong(st.requests_aborted));
     SET_ITEM(d, "steps", PyLong_FromLongLong(st.steps));
     SET_ITEM(d, "time_schedule", PyFloat_FromDouble(st.time_schedule));
+    SET_ITEM(d, "time_build", PyFloat_FromDouble(st.time_build));
     SET_ITEM(d, "time_forward", PyFloat_FromDouble(st.time_forward));
     SET_ITEM(d, "time_sample", PyFloat_FromDouble(st.time_sample));
     SET_ITEM(d, "time_step", PyFloat_FromDouble(st.time_step));
@@ -482,6 +483,13 @@ static PyObject *Engine_model_config(EngineObject *self, PyObject *Py_UNUSED(ign
     SET_ITEM(d, "vocab_size", PyLong_FromLongLong(c->vocab_size));
     SET_ITEM(d, "max_pos", PyLong_FromLongLong(c->max_pos));
     SET_ITEM(d, "bos_id", PyLong_FromLong(c->bos_id));
+    SET_ITEM(d, "tie_embeddings", PyBool_FromLong(c->tie_embeddings));
+    SET_ITEM(d, "rope_theta", PyFloat_FromDouble(c->rope_theta));
+    size_t wbytes;
+    int64_t nparams;
+    cv_engine_weight_info(self->e, &wbytes, &nparams);
+    SET_ITEM(d, "weight_bytes", PyLong_FromSize_t(wbytes));
+    SET_ITEM(d, "n_params", PyLong_FromLongLong(nparams));
     PyObject *eos = PyList_New(c->n_eos);
     if (!eos) { Py_DECREF(d); return NULL; }
     for (int i = 0; i < c->n_eos; i++) PyList_SET_ITEM(eos, i, PyLong_FromLong(c->eos_ids[i]));

@@ -708,6 +708,7 @@ int cv_engine_step(cv_engine *e, cv_err *err) {
         }
     }
     if ((rc = cv_runner_build(&e->runner, &plan, err))) return rc;
+    double t1b = cv_now();
     if ((rc = cv_model_forward(e->model, &e->ws, e->caches, &e->runner.batch, err))) return rc;
     double t2 = cv_now();
     cv_scheduler_commit(e->sched, &plan);
@@ -753,7 +754,8 @@ int cv_engine_step(cv_engine *e, cv_err *err) {
     e->steps++;
     e->stats_live.steps = e->steps;
     e->stats_live.time_schedule += t1 - t0;
-    e->stats_live.time_forward += t2 - t1;
+    e->stats_live.time_build += t1b - t1;
+    e->stats_live.time_forward += t2 - t1b;
     e->stats_live.time_sample += t3 - t2;
     e->stats_live.time_step += t3 - t0;
     pthread_mutex_unlock(&e->out_lock);
@@ -844,6 +846,11 @@ void cv_engine_get_stats(cv_engine *e, cv_engine_stats *st) {
 
 const void *cv_engine_model_config(cv_engine *e) { return &e->model->cfg; }
 int64_t cv_engine_vocab_size(cv_engine *e) { return e->vocab; }
+
+void cv_engine_weight_info(cv_engine *e, size_t *bytes, int64_t *n_params) {
+    *bytes = e->model->weight_bytes;
+    *n_params = e->model->n_params;
+}
 
 void cv_engine_set_trace(cv_engine *e, int on) {
     pthread_mutex_lock(&e->out_lock);

@@ -84,7 +84,9 @@ typedef struct cv_engine_stats {
     int64_t generation_tokens;       /* tokens sampled */
     int64_t requests_finished, requests_aborted;
     int64_t steps;
-    double time_schedule, time_forward, time_sample, time_step; /* seconds, cumulative */
+    /* seconds, cumulative: scheduling (with inbox), batch building, the model's
+     * kernels, sampling and stop checks, and the whole step */
+    double time_schedule, time_build, time_forward, time_sample, time_step;
 } cv_engine_stats;
 
 typedef struct cv_engine cv_engine;
@@ -119,6 +121,8 @@ int cv_engine_loop_error(cv_engine *e, cv_err *err);
 void cv_engine_get_stats(cv_engine *e, cv_engine_stats *st);
 const void *cv_engine_model_config(cv_engine *e); /* const cv_model_config * */
 int64_t cv_engine_vocab_size(cv_engine *e);
+/* Bytes of the prepared weights and the checkpoint's parameter count. */
+void cv_engine_weight_info(cv_engine *e, size_t *bytes, int64_t *n_params);
 
 /* Step trace for the slot timeline: when on, each step records its scheduled
  * (request id, seq index, new tokens). */

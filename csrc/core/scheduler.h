@@ -58,7 +58,10 @@ void cv_scheduler_destroy(cv_scheduler *s);
 
 /* Queues a new sequence (status NEW -> WAITING). Refuses (CV_ERR_INVALID,
  * message says why) a sequence that can never fit: max_total beyond
- * max_model_len or needing more blocks than the whole cache. */
+ * max_model_len or needing more blocks than the whole cache. Stamps
+ * seq->arrival (add order; a fork takes its parent's). The caller keeps
+ * n_tokens <= max_total and frees a sequence only after it finished and the
+ * plan holding it was committed. */
 int cv_scheduler_add(cv_scheduler *s, cv_sequence *seq, cv_err *err);
 
 /* Adds child as a fork of parent (n > 1 completions), once parent's prompt is

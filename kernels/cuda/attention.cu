@@ -82,6 +82,7 @@ __device__ __forceinline__ void load_vec(float (&o)[VEC], const T *p) {
         }
     } else {
         typedef typename raw_of<B>::type R;
+        CVC_ALIGNED(p, B);
         const R raw = *reinterpret_cast<const R *>(p);
         const T *e = reinterpret_cast<const T *>(&raw);
 #pragma unroll
@@ -166,6 +167,7 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_kernel(att_args a) {
                     if constexpr (VEC % 4 == 0) {
 #pragma unroll
                         for (int e = 0; e < VEC; e += 4) {
+                            CVC_ALIGNED(qh + e, 16);
                             const float4 q4 = *reinterpret_cast<const float4 *>(qh + e);
                             acc[h] = fmaf(q4.x, kv[e], acc[h]);
                             acc[h] = fmaf(q4.y, kv[e + 1], acc[h]);
@@ -359,6 +361,8 @@ __device__ __forceinline__ void load_kv_tile(const att_args &a, const int32_t *b
             }
             float4 *kd = reinterpret_cast<float4 *>(k_s + j * ks + c * VEC);
             float4 *vd = reinterpret_cast<float4 *>(v_s + j * Dp + c * VEC);
+            CVC_ALIGNED(kd, 16);
+            CVC_ALIGNED(vd, 16);
 #pragma unroll
             for (int e = 0; e < VEC; e += 4) {
                 kd[e / 4] = make_float4(kv[e], kv[e + 1], kv[e + 2], kv[e + 3]);
@@ -491,6 +495,9 @@ __global__ void __launch_bounds__(PF_THREADS) prefill_kernel(att_args a) {
             for (int r = 0; r < PF_R; r++) sc[r] = 0.f;
             const float *kr = k_s + lane * ks;
             const float *qw = q_s + warp * PF_R * Dp;
+            CVC_ALIGNED(kr, 16);
+            CVC_ALIGNED(qw, 16);
+            CVC_ALIGNED(pw, 16);
             for (int d = 0; d < Dp; d += 4) {
                 const float4 kv = *reinterpret_cast<const float4 *>(kr + d);
 #pragma unroll

@@ -174,10 +174,9 @@ inline cudaError_t cudaFuncSetAttribute(const void *f, cudaFuncAttribute, int v)
     return cudaSuccess;
 }
 template <class T> inline cudaError_t cudaMalloc(T **p, size_t bytes) {
-    size_t n = (bytes + 255) / 256 * 256;
-    void *q = aligned_alloc(256, n ? n : 256);
-    if (!q) return cvemu::fail(cudaErrorMemoryAllocation);
-    memset(q, 0xA5, n ? n : 256); /* device memory is not zeroed */
+    void *q = nullptr; /* exact size, so that AddressSanitizer builds catch overruns */
+    if (posix_memalign(&q, 256, bytes ? bytes : 1) != 0) return cvemu::fail(cudaErrorMemoryAllocation);
+    memset(q, 0xA5, bytes); /* device memory is not zeroed */
     cvemu::allocs[(uintptr_t)q] = bytes;
     *p = (T *)q;
     return cudaSuccess;
@@ -314,6 +313,13 @@ inline uint64_t slots[32][32]; /* [warp][lane] shuffle exchange */
 
 inline void *dyn_smem() { return dsmem.data(); }
 
+inline void check_aligned(const void *p, size_t n, const char *file, int line) {
+    if ((uintptr_t)p % n) {
+        fprintf(stderr, "cvemu: misaligned %zu-byte access at %p (%s:%d)\n", n, p, file, line);
+        abort();
+    }
+}
+
 inline void entry() {
     body(body_arg);
     cur->state = DONE;
@@ -342,9 +348,22 @@ inline bool run_block(int nthreads) {
         makecontext(&f.ctx, (void (*)())entry, 0);
     }
     const int nwarps = (nthreads + 31) / 32;
+    /* Threads run between barriers in a fresh random order each round, so a
+     * missing barrier shows up whichever thread writes first. */
+    static std::vector<int> order;
+    static uint64_t rng = 0x9E3779B97F4A7C15ull;
+    order.resize(nthreads);
+    for (int t = 0; t < nthreads; t++) order[t] = t;
     for (;;) {
         bool ran = false;
-        for (int t = 0; t < nthreads; t++) {
+        for (int i = nthreads - 1; i > 0; i--) {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            std::swap(order[i], order[(int)(rng % (uint64_t)(i + 1))]);
+        }
+        for (int i = 0; i < nthreads; i++) {
+            const int t = order[i];
             if (fibers[t].state != RUN) continue;
             cur = &fibers[t];
             swapcontext(&sched, &cur->ctx);
@@ -411,7 +430,7 @@ template <class... P, class... A> inline void launch(void (*k)(P...), cfg c, A &
         for (unsigned y = 0; y < c.g.y; y++)
             for (unsigned x = 0; x < c.g.x; x++) {
                 g_bidx = dim3(x, y, z);
-                dsmem.assign(c.smem + 16, 0xFF); /* NaN bytes: unwritten shared memory shows up */
+                dsmem.assign(c.smem ? c.smem : 1, 0xFF); /* NaN bytes: unwritten shared memory shows up */
                 body = invoker<Tup, void (*)(P...)>::call;
                 body_arg = &pr;
                 if (!run_block((int)threads)) {

@@ -88,6 +88,14 @@ template <> __device__ __forceinline__ __nv_bfloat16 cvc_from_f32<__nv_bfloat16>
     return __float2bfloat16_rn(x);
 }
 
+/* Vector accesses (float4, uint4) must be aligned on a GPU, where a
+ * misaligned one kills the context; the CPU emulator checks them. */
+#ifdef CV_CUDA_EMU_H
+#define CVC_ALIGNED(p, n) cvemu::check_aligned((const void *)(p), (n), __FILE__, __LINE__)
+#else
+#define CVC_ALIGNED(p, n) ((void)0)
+#endif
+
 /* Warp reductions (all 32 lanes take part). */
 __device__ __forceinline__ float cvc_warp_sum(float v) {
 #pragma unroll

@@ -544,6 +544,10 @@ class ServerMetrics:
         metric("conveyor_client_disconnects_total", "counter", "Requests whose client went away before the end.",
                self.disconnects)
         metric("conveyor_server_requests_in_flight", "gauge", "HTTP generation requests being served.", in_flight)
+        lines.append("# HELP conveyor_http_errors_total Error answers, by HTTP status.")
+        lines.append("# TYPE conveyor_http_errors_total counter")
+        for status in sorted(self.http_errors):
+            lines.append(f'conveyor_http_errors_total{{{L},status="{status}"}} {self.http_errors[status]}')
         for hist in (self.ttft, self.tpot, self.e2e):
             lines.extend(hist.render(L))
         return "\n".join(lines) + "\n"
@@ -1055,7 +1059,11 @@ def build_app(engine, *, model_name: str, api_key: Optional[str] = None,
         return _json_response({"status": "ok"})
 
     async def metrics(request):
-        text = server.metrics.render(engine.stats(), server.in_flight)
+        try:
+            stats = engine.stats()
+        except Exception:  # noqa: BLE001 - a closed engine still answers /metrics
+            stats = {}
+        text = server.metrics.render(stats, server.in_flight)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def http_error(request, exc):
