@@ -105,6 +105,24 @@ def test_gemm_accumulate_and_threads(impl, threads):
         assert_close_dot(got, ref, scale)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("wdt", ["float32", "float16"])
+def test_gemm_large_packed_blocks(impl, wdt):
+    # one thread with 49 panels packs x; 2100 cols give several cols blocks and
+    # token blocks of 30, so 37 tokens take two token blocks
+    r = rng(37, len(wdt))
+    n, rows, cols = 37, 770, 2100
+    x = r.standard_normal((n, cols), dtype=np.float32)
+    w = r.standard_normal((rows, cols), dtype=np.float32)
+    bias = r.standard_normal(rows, dtype=np.float32)
+    acc = r.standard_normal((n, rows), dtype=np.float32)
+    wr = round_to(w, wdt).astype(np.float64)
+    got = core.kernel_gemm(x, w, wdt, bias=bias, accumulate=acc, impl=impl, threads=1)
+    ref = x.astype(np.float64) @ wr.T + bias + acc
+    scale = np.abs(x).astype(np.float64) @ np.abs(wr).T + np.abs(bias) + np.abs(acc)
+    assert_close_dot(got, ref, scale)
+
+
 def test_gemm_prepared_matrix_reuse_and_timing():
     r = rng(7)
     w = r.standard_normal((70, 45), dtype=np.float32)

@@ -11,7 +11,8 @@
  *   cuda_kernel_gemm(x, w, weight_dtype='float32', bias=None, accumulate=None)
  *   cuda_kernel_matrix(w, weight_dtype='float32') -> matrix on the device
  *   cuda_kernel_matmul(mat, x, bias=None, accumulate=None)
- *   cuda_kernel_matmul_time(mat, x, repeats=10) -> best seconds (device synced)
+ *   cuda_kernel_matmul_time(mat, x, repeats=10, calls=1) -> best seconds per GEMM of `calls`
+ *                               back-to-back GEMMs and one device sync
  *   cuda_kernel_rmsnorm(x, weight, eps=1e-5)
  *   cuda_kernel_add_rmsnorm(x, r, weight, eps=1e-5) -> (out, x + r)
  *   cuda_kernel_rope(q, k, pos, inv_freq, layout='halves', host_freq=False)
@@ -420,16 +421,16 @@ static PyObject *py_cuda_kernel_matmul(PyObject *self, PyObject *args, PyObject 
 
 static PyObject *py_cuda_kernel_matmul_time(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
-    static char *kwlist[] = {"mat", "x", "repeats", NULL};
+    static char *kwlist[] = {"mat", "x", "repeats", "calls", NULL};
     PyObject *cap, *x_obj;
-    int repeats = 10;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|i", kwlist, &cap, &x_obj, &repeats)) return NULL;
+    int repeats = 10, calls = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|ii", kwlist, &cap, &x_obj, &repeats, &calls)) return NULL;
     cv_matrix *m = get_matrix(cap);
     if (!m) return NULL;
     cv_backend *b = get_cuda();
     if (!b) return NULL;
-    if (repeats < 1) {
-        PyErr_SetString(PyExc_ValueError, "repeats must be >= 1");
+    if (repeats < 1 || calls < 1) {
+        PyErr_SetString(PyExc_ValueError, "repeats and calls must be >= 1");
         return NULL;
     }
     PyArrayObject *x = want_array(x_obj, "x", NPY_FLOAT32, 2, 0);
@@ -452,9 +453,9 @@ static PyObject *py_cuda_kernel_matmul_time(PyObject *self, PyObject *args, PyOb
             b->sync(b);
             for (int r = 0; r < repeats; r++) {
                 const double t0 = cv_now();
-                b->gemm(b, dout, dx, n, m, NULL, 0);
+                for (int i = 0; i < calls; i++) b->gemm(b, dout, dx, n, m, NULL, 0);
                 b->sync(b);
-                const double dt = cv_now() - t0;
+                const double dt = (cv_now() - t0) / calls;
                 if (r == 0 || dt < best) best = dt;
             }
         }
@@ -969,7 +970,8 @@ static PyMethodDef cuda_methods[] = {
     {"cuda_kernel_matmul", KW py_cuda_kernel_matmul, METH_VARARGS | METH_KEYWORDS,
      "cuda_kernel_matmul(mat, x, bias=None, accumulate=None)"},
     {"cuda_kernel_matmul_time", KW py_cuda_kernel_matmul_time, METH_VARARGS | METH_KEYWORDS,
-     "cuda_kernel_matmul_time(mat, x, repeats=10) -> best seconds of one GEMM (device synchronised)."},
+     "cuda_kernel_matmul_time(mat, x, repeats=10, calls=1) -> best seconds per GEMM over `calls` GEMMs\n"
+     "and one device sync."},
     {"cuda_kernel_rmsnorm", KW py_cuda_kernel_rmsnorm, METH_VARARGS | METH_KEYWORDS,
      "cuda_kernel_rmsnorm(x, weight, eps=1e-5) -> out"},
     {"cuda_kernel_add_rmsnorm", KW py_cuda_kernel_add_rmsnorm, METH_VARARGS | METH_KEYWORDS,

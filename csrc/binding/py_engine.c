@@ -487,9 +487,12 @@ static PyObject *Engine_model_config(EngineObject *self, PyObject *Py_UNUSED(ign
     SET_ITEM(d, "rope_theta", PyFloat_FromDouble(c->rope_theta));
     size_t wbytes;
     int64_t nparams;
-    cv_engine_weight_info(self->e, &wbytes, &nparams);
+    cv_dtype wdt, kvdt;
+    cv_engine_weight_info(self->e, &wbytes, &nparams, &wdt, &kvdt);
     SET_ITEM(d, "weight_bytes", PyLong_FromSize_t(wbytes));
     SET_ITEM(d, "n_params", PyLong_FromLongLong(nparams));
+    SET_ITEM(d, "dtype", PyUnicode_FromString(cv_dtype_name(wdt)));
+    SET_ITEM(d, "kv_cache_dtype", PyUnicode_FromString(cv_dtype_name(kvdt)));
     PyObject *eos = PyList_New(c->n_eos);
     if (!eos) { Py_DECREF(d); return NULL; }
     for (int i = 0; i < c->n_eos; i++) PyList_SET_ITEM(eos, i, PyLong_FromLong(c->eos_ids[i]));

@@ -847,9 +847,12 @@ void cv_engine_get_stats(cv_engine *e, cv_engine_stats *st) {
 const void *cv_engine_model_config(cv_engine *e) { return &e->model->cfg; }
 int64_t cv_engine_vocab_size(cv_engine *e) { return e->vocab; }
 
-void cv_engine_weight_info(cv_engine *e, size_t *bytes, int64_t *n_params) {
+void cv_engine_weight_info(cv_engine *e, size_t *bytes, int64_t *n_params, cv_dtype *dtype,
+                           cv_dtype *kv_dtype) {
     *bytes = e->model->weight_bytes;
     *n_params = e->model->n_params;
+    *dtype = e->model->dtype;
+    *kv_dtype = e->caches[0].dtype;
 }
 
 void cv_engine_set_trace(cv_engine *e, int on) {

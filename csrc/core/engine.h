@@ -121,8 +121,10 @@ int cv_engine_loop_error(cv_engine *e, cv_err *err);
 void cv_engine_get_stats(cv_engine *e, cv_engine_stats *st);
 const void *cv_engine_model_config(cv_engine *e); /* const cv_model_config * */
 int64_t cv_engine_vocab_size(cv_engine *e);
-/* Bytes of the prepared weights and the checkpoint's parameter count. */
-void cv_engine_weight_info(cv_engine *e, size_t *bytes, int64_t *n_params);
+/* Bytes of the prepared weights, the checkpoint's parameter count, the
+ * weights' dtype and the KV cache's dtype. */
+void cv_engine_weight_info(cv_engine *e, size_t *bytes, int64_t *n_params, cv_dtype *dtype,
+                           cv_dtype *kv_dtype);
 
 /* Step trace for the slot timeline: when on, each step records its scheduled
  * (request id, seq index, new tokens). */

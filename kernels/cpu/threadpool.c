@@ -15,6 +15,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -39,8 +40,11 @@ struct cv_pool {
     pthread_cond_t wake;    /* a new region (or stop) was published */
     pthread_cond_t done;    /* the last worker finished a region */
     pthread_mutex_t run_lock; /* serializes regions from several callers */
-    _Atomic uint64_t gen;   /* region counter */
-    atomic_int pending;     /* workers that have not finished the current region */
+    /* hot counters on their own cache lines */
+    _Alignas(64) _Atomic uint64_t gen; /* region counter */
+    _Alignas(64) atomic_int pending;   /* workers that have not finished the current region */
+    _Alignas(64) atomic_int n_sleeping; /* workers blocked (or about to block) on wake */
+    atomic_int caller_sleeping;         /* the caller waits on done */
     atomic_int stop;
     double spin_s;          /* how long to spin before sleeping */
     /* the current region, written before gen is bumped */
@@ -90,16 +94,19 @@ static void *worker_main(void *varg) {
     for (;;) {
         uint64_t g = spin_for_gen(p, seen);
         if (g == seen) {
+            /* Announce the sleep before re-checking gen (seq_cst on both sides):
+             * the caller either sees us and broadcasts, or we see its region. */
             pthread_mutex_lock(&p->mu);
-            while ((g = atomic_load_explicit(&p->gen, memory_order_acquire)) == seen &&
-                   !atomic_load(&p->stop))
+            atomic_fetch_add(&p->n_sleeping, 1);
+            while ((g = atomic_load(&p->gen)) == seen && !atomic_load(&p->stop))
                 pthread_cond_wait(&p->wake, &p->mu);
+            atomic_fetch_sub(&p->n_sleeping, 1);
             pthread_mutex_unlock(&p->mu);
         }
         if (atomic_load(&p->stop)) break;
         seen = g;
         if (w->tid < p->nth) p->fn(p->arg, w->tid, p->nth);
-        if (atomic_fetch_sub_explicit(&p->pending, 1, memory_order_acq_rel) == 1) {
+        if (atomic_fetch_sub(&p->pending, 1) == 1 && atomic_load(&p->caller_sleeping)) {
             pthread_mutex_lock(&p->mu);
             pthread_cond_signal(&p->done);
             pthread_mutex_unlock(&p->mu);
@@ -112,7 +119,9 @@ int cv_pool_create(cv_pool **out, int nthreads, cv_err *err) {
     *out = NULL;
     if (nthreads <= 0) nthreads = cv_cpu_count();
     if (nthreads > 1024) return cv_set_err(err, CV_ERR_INVALID, "num_threads %d is more than 1024", nthreads);
-    cv_pool *p = calloc(1, sizeof *p);
+    const size_t psize = (sizeof(cv_pool) + 63) & ~(size_t)63;
+    cv_pool *p = aligned_alloc(64, psize); /* the struct has cache-line aligned members */
+    if (p) memset(p, 0, psize);
     if (!p) return cv_set_err(err, CV_ERR_NOMEM, "out of memory for the thread pool");
     p->n = nthreads;
     p->spin_s = 50e-6;
@@ -121,6 +130,8 @@ int cv_pool_create(cv_pool **out, int nthreads, cv_err *err) {
     atomic_init(&p->gen, 0);
     atomic_init(&p->pending, 0);
     atomic_init(&p->stop, 0);
+    atomic_init(&p->n_sleeping, 0);
+    atomic_init(&p->caller_sleeping, 0);
     int mu_ok = 0, wake_ok = 0, done_ok = 0, run_ok = 0;
     if (pthread_mutex_init(&p->mu, NULL) == 0) mu_ok = 1;
     if (pthread_cond_init(&p->wake, NULL) == 0) wake_ok = 1;
@@ -186,10 +197,12 @@ void cv_pool_run(cv_pool *p, int nth, cv_pool_fn fn, void *arg) {
     p->arg = arg;
     p->nth = nth;
     atomic_store_explicit(&p->pending, p->n - 1, memory_order_relaxed);
-    pthread_mutex_lock(&p->mu);
-    atomic_fetch_add_explicit(&p->gen, 1, memory_order_release);
-    pthread_cond_broadcast(&p->wake);
-    pthread_mutex_unlock(&p->mu);
+    atomic_fetch_add(&p->gen, 1); /* publishes the job fields */
+    if (atomic_load(&p->n_sleeping) > 0) {
+        pthread_mutex_lock(&p->mu);
+        pthread_cond_broadcast(&p->wake);
+        pthread_mutex_unlock(&p->mu);
+    }
 
     fn(arg, 0, nth);
 
@@ -208,9 +221,11 @@ void cv_pool_run(cv_pool *p, int nth, cv_pool_fn fn, void *arg) {
             if (!done && now_s() - t0 > p->spin_s) break;
         }
         if (!done) {
+            /* Dekker with the last worker: flag first, then re-check pending. */
             pthread_mutex_lock(&p->mu);
-            while (atomic_load_explicit(&p->pending, memory_order_acquire) != 0)
-                pthread_cond_wait(&p->done, &p->mu);
+            atomic_store(&p->caller_sleeping, 1);
+            while (atomic_load(&p->pending) != 0) pthread_cond_wait(&p->done, &p->mu);
+            atomic_store(&p->caller_sleeping, 0);
             pthread_mutex_unlock(&p->mu);
         }
     }

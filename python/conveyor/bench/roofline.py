@@ -1,0 +1,148 @@
+"""Workload R on a whole model: batch-1 decode against the memory-bandwidth
+bound, large steps against the compute bound, and the share of a step spent
+outside the kernels at 64 running sequences. Bounds are measured in the same
+run: a STREAM-style triad for bandwidth, numpy's BLAS sgemm for compute."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any, Dict, Optional, Sequence
+
+import numpy as np
+
+from .. import LLM, SamplingParams, _core
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def sgemm_peak_gflops(n: int = 1024, repeats: int = 5) -> float:
+    """Best numpy sgemm rate on an n x n x n product."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2.0 * n**3 / best * 1e-9
+
+
+def streamed_bytes_per_step(cfg: Dict[str, Any]) -> int:
+    """Weight bytes a decode step reads: every matrix once; of the embedding
+    table only a few rows (not counted)."""
+    esize = _DTYPE_BYTES[cfg["dtype"]]
+    return int(cfg["weight_bytes"] - cfg["vocab_size"] * cfg["dim"] * esize)
+
+
+def kv_bytes_per_token(cfg: Dict[str, Any]) -> int:
+    return 2 * cfg["n_layers"] * cfg["n_kv_heads"] * cfg["head_dim"] * _DTYPE_BYTES[cfg["kv_cache_dtype"]]
+
+
+def _random_prompts(rng, n, length, vocab):
+    return [rng.integers(3, vocab, size=length, dtype=np.int32) for _ in range(n)]
+
+
+def run(model: str, threads: Optional[int] = None, dtype: str = "bfloat16",
+        decode_tokens: int = 64, prefill_len: int = 512, n_prefill: int = 4,
+        n_running: int = 64) -> Dict[str, Any]:
+    threads = threads or 0
+    triad = float(_core.kernel_triad(64 << 20, 5, threads))
+    peak = sgemm_peak_gflops()
+    rng = np.random.default_rng(0)
+    res: Dict[str, Any] = {"triad_gbs": triad, "sgemm_peak_gflops": peak, "model": model,
+                           "threads": threads or _core.kernel_info()["cores"]}
+    with LLM(model, dtype=dtype, num_threads=threads or None, max_num_seqs=max(n_running, 8),
+             enable_prefix_caching=False) as llm:
+        cfg = llm.model_config
+        res["config"] = cfg
+        vocab = cfg["vocab_size"]
+        # (1) batch-1 decode vs the bandwidth bound
+        p = SamplingParams(max_tokens=decode_tokens, ignore_eos=True, temperature=0.0)
+        llm.generate(_random_prompts(rng, 1, 16, vocab), SamplingParams(max_tokens=4, ignore_eos=True),
+                     use_tqdm=False)  # warm-up
+        out = llm.generate(_random_prompts(rng, 1, 32, vocab), p, use_tqdm=False)[0]
+        m = out.metrics
+        tpot = (m.finished_time - m.first_token_time) / (len(out.outputs[0].token_ids) - 1)
+        avg_ctx = 32 + decode_tokens / 2
+        step_bytes = streamed_bytes_per_step(cfg) + avg_ctx * kv_bytes_per_token(cfg)
+        bound = step_bytes / (triad * 1e9)
+        res["decode_b1"] = {"ms_per_token": tpot * 1e3, "bytes_per_step": step_bytes,
+                            "bound_ms": bound * 1e3, "fraction_of_bound": bound / tpot}
+        # (2) large prefill steps vs the compute bound
+        prompts = _random_prompts(rng, n_prefill, prefill_len, vocab)
+        t = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
+        dt = time.perf_counter() - t
+        toks = n_prefill * prefill_len
+        flops = 2.0 * cfg["n_params"] * toks
+        res["prefill"] = {"tokens": toks, "tokens_per_s": toks / dt, "gflops": flops / dt * 1e-9,
+                          "fraction_of_compute_bound": flops / dt * 1e-9 / peak}
+        # (3) 64 running sequences: throughput vs the compute bound, time outside kernels
+        st0 = llm.stats()
+        prompts = _random_prompts(rng, n_running, 16, vocab)
+        t = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(max_tokens=decode_tokens, ignore_eos=True),
+                            use_tqdm=False)
+        wall = time.perf_counter() - t
+        st1 = llm.stats()
+        gen = sum(len(o.outputs[0].token_ids) for o in outs)
+        kern = st1["time_forward"] - st0["time_forward"]
+        step = st1["time_step"] - st0["time_step"]
+        steps = st1["steps"] - st0["steps"]
+        flops = 2.0 * cfg["n_params"] * (gen + 16 * n_running)
+        res["decode_b64"] = {
+            "output_tokens_per_s": gen / wall, "steps": steps, "ms_per_step": wall / steps * 1e3,
+            "fraction_of_compute_bound": flops / wall * 1e-9 / peak,
+            "outside_kernels_share": (wall - kern) / wall,
+            "schedule_share": (st1["time_schedule"] - st0["time_schedule"]) / wall,
+            "build_share": (st1["time_build"] - st0["time_build"]) / wall,
+            "sample_share": (st1["time_sample"] - st0["time_sample"]) / wall,
+            "python_share": (wall - step) / wall,
+        }
+    return res
+
+
+def format_table(r: Dict[str, Any]) -> str:
+    c = r["config"]
+    d1, pf, d64 = r["decode_b1"], r["prefill"], r["decode_b64"]
+    return "\n".join([
+        f"model: {r['model']} ({c['arch']}, {c['n_params'] / 1e6:.1f}M params, {c['dtype']} weights, "
+        f"{c['kv_cache_dtype']} KV), threads {r['threads']}",
+        f"triad bandwidth {r['triad_gbs']:.1f} GB/s; numpy sgemm peak {r['sgemm_peak_gflops']:.1f} GFLOP/s",
+        f"batch-1 decode: {d1['ms_per_token']:.2f} ms/token; bound {d1['bound_ms']:.2f} ms "
+        f"({d1['bytes_per_step'] / 1e6:.1f} MB/step) -> {d1['fraction_of_bound']:.2f} of the bandwidth bound",
+        f"prefill ({pf['tokens']} tokens): {pf['tokens_per_s']:.0f} tok/s, {pf['gflops']:.1f} GFLOP/s -> "
+        f"{pf['fraction_of_compute_bound']:.2f} of the compute bound",
+        f"64 running: {d64['output_tokens_per_s']:.0f} output tok/s, {d64['ms_per_step']:.1f} ms/step, "
+        f"{d64['fraction_of_compute_bound']:.2f} of the compute bound",
+        f"  outside kernels {d64['outside_kernels_share'] * 100:.1f}% of the wall time "
+        f"(schedule {d64['schedule_share'] * 100:.2f}%, batch build {d64['build_share'] * 100:.2f}%, "
+        f"sampling {d64['sample_share'] * 100:.2f}%, Python {d64['python_share'] * 100:.2f}%)",
+    ])
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="conveyor bench roofline", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="checkpoint (default: the built-in SmolLM-135M shape)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(list(argv) if argv is not None else None)
+    if a.model is None:
+        from ..generate import default_model
+
+        a.model = str(default_model())
+    r = run(a.model, a.threads, a.dtype, a.decode_tokens)
+    print(format_table(r))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(r, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
