@@ -123,6 +123,22 @@ def test_gemm_large_packed_blocks(impl, wdt):
     assert_close_dot(got, ref, scale)
 
 
+def test_thread_pool_many_regions_with_pauses():
+    # back-to-back regions (workers spinning) and regions after pauses (workers
+    # asleep) on an over-subscribed pool all give the exact same result
+    import time
+
+    r = rng(3)
+    x = r.standard_normal((13, 64), dtype=np.float32)
+    w = r.standard_normal((400, 64), dtype=np.float32)
+    m = core.kernel_matrix(w, "float32", "simd", 5)
+    first = core.kernel_matmul(m, x)
+    for i in range(300):
+        if i % 50 == 0:
+            time.sleep(0.002)
+        np.testing.assert_array_equal(core.kernel_matmul(m, x), first)
+
+
 def test_gemm_prepared_matrix_reuse_and_timing():
     r = rng(7)
     w = r.standard_normal((70, 45), dtype=np.float32)

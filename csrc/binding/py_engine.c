@@ -2,16 +2,33 @@
  * Python holds request ids; C owns all sequence state. */
 #include "binding.h"
 
+#include <pthread.h>
 #include <string.h>
 
 #include "../core/engine.h"
 #include "../model/config.h"
 
+/* step() runs with the GIL released; `busy` keeps close() (from another thread,
+ * or the interpreter's exit) from freeing the engine under a running step. */
 typedef struct {
     PyObject_HEAD
     cv_engine *e;
     int64_t vocab;
+    pthread_mutex_t busy;
+    int busy_ready;
 } EngineObject;
+
+/* Detaches the engine (GIL held), then waits for a running step and frees it. */
+static void engine_close(EngineObject *self) {
+    cv_engine *e = self->e;
+    if (!e) return;
+    self->e = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->busy);
+    cv_engine_destroy(e);
+    pthread_mutex_unlock(&self->busy);
+    Py_END_ALLOW_THREADS
+}
 
 static int parse_dtype(const char *s, const char *what, cv_dtype *out) {
     if (!strcmp(s, "auto")) *out = CV_DTYPE_INVALID;
@@ -54,12 +71,9 @@ static int read_int_list(PyObject *obj, const char *what, int32_t **out, Py_ssiz
 }
 
 static void Engine_dealloc(EngineObject *self) {
-    if (self->e) {
-        cv_engine *e = self->e;
-        self->e = NULL;
-        Py_BEGIN_ALLOW_THREADS
-        cv_engine_destroy(e);
-        Py_END_ALLOW_THREADS
+    if (self->busy_ready) {
+        engine_close(self);
+        pthread_mutex_destroy(&self->busy);
     }
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -94,6 +108,10 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     cv_engine_config cfg;
     memset(&cfg, 0, sizeof cfg);
     if (self->e) { PyErr_SetString(PyExc_RuntimeError, "Engine already initialized"); goto done; }
+    if (!self->busy_ready) {
+        pthread_mutex_init(&self->busy, NULL);
+        self->busy_ready = 1;
+    }
     if (parse_dtype(dtype_s, "dtype", &cfg.dtype) < 0) goto done;
     if (parse_dtype(kv_dtype_s, "kv_cache_dtype", &cfg.kv_dtype) < 0) goto done;
     if (!strcmp(device, "cpu")) cfg.use_cuda = 0;
@@ -325,10 +343,15 @@ static PyObject *Engine_abort(EngineObject *self, PyObject *arg) {
 static PyObject *Engine_step(EngineObject *self, PyObject *Py_UNUSED(ignored)) {
     if (check_open(self) < 0) return NULL;
     cv_err err = {0};
-    int rc;
+    int rc = 0, detached = 0;
     Py_BEGIN_ALLOW_THREADS
-    rc = cv_engine_step(self->e, &err);
+    pthread_mutex_lock(&self->busy);
+    /* close() may have detached the engine while this thread waited */
+    if (self->e) rc = cv_engine_step(self->e, &err);
+    else detached = 1;
+    pthread_mutex_unlock(&self->busy);
     Py_END_ALLOW_THREADS
+    if (detached) return (void)check_open(self), NULL;
     if (rc < 0) return cv_py_raise(&err);
     return PyLong_FromLong(rc);
 }
@@ -414,13 +437,7 @@ static PyObject *Engine_loop_error(EngineObject *self, PyObject *Py_UNUSED(ignor
 }
 
 static PyObject *Engine_close(EngineObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (self->e) {
-        cv_engine *e = self->e;
-        self->e = NULL;
-        Py_BEGIN_ALLOW_THREADS
-        cv_engine_destroy(e);
-        Py_END_ALLOW_THREADS
-    }
+    engine_close(self);
     Py_RETURN_NONE;
 }
 

@@ -206,6 +206,27 @@ static int upload(cv_cuda_ctx *c, void *dst, cv_dtype dt, const void *src, cv_dt
         }
         c->stage_bytes = CVC_STAGE_BYTES;
     }
+    if (st == CV_F32 && dt != CV_F32 && c->act) {
+        /* fp32 -> 16-bit on the device: stage fp32 chunks through pinned memory
+         * into the activation buffer, narrow them there (round to nearest even,
+         * no saturation, as the CPU does). */
+        size_t per = c->stage_bytes / 4, act_floats = c->act_elems * 2 / 4;
+        if (per > act_floats) per = act_floats;
+        for (size_t i0 = 0; i0 < count; i0 += per) {
+            const size_t m = count - i0 < per ? count - i0 : per;
+            memcpy(c->stage, (const float *)src + i0, m * 4);
+            e = cudaMemcpyAsync(c->act, c->stage, m * 4, cudaMemcpyHostToDevice, c->stream);
+            if (e == cudaSuccess && cvc_narrow_to(c, (char *)dst + i0 * de, dt, (const float *)c->act, (int64_t)m, 0) < 0)
+                e = cudaErrorLaunchFailure;
+            if (e == cudaSuccess) e = cudaStreamSynchronize(c->stream); /* the stage is reused next */
+            if (e != cudaSuccess) {
+                (void)cudaGetLastError();
+                return set_err(err, code_of(e), "CUDA upload of %zu values failed: %s", m,
+                               c->err_code ? c->err_msg : cudaGetErrorString(e));
+            }
+        }
+        return CV_OK;
+    }
     const size_t per = c->stage_bytes / de;
     for (size_t i0 = 0; i0 < count; i0 += per) {
         const size_t m = count - i0 < per ? count - i0 : per;
@@ -411,7 +432,7 @@ static void cvc_gemm(cv_backend *b, float *out, const float *x, int64_t n, const
     const int64_t per = (int64_t)(c->act_elems / (size_t)cols);
     for (int64_t i0 = 0; i0 < n; i0 += per) {
         const int64_t m = n - i0 < per ? n - i0 : per;
-        if (cvc_narrow(c, c->act, w->dtype, x + i0 * cols, m * cols) < 0) return;
+        if (cvc_narrow_to(c, c->act, w->dtype, x + i0 * cols, m * cols, 1) < 0) return;
         if (blas_check(c, cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, rows, (int)m, cols, &alpha,
                                        w->data, t16, cols, c->act, t16, cols, &beta, out + i0 * rows,
                                        CUDA_R_32F, rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),

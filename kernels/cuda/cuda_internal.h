@@ -141,8 +141,9 @@ void cvc_rope(cv_backend *b, float *q, int64_t q_stride, int64_t n_heads, float 
 void cvc_swiglu(cv_backend *b, float *out, const float *gu, int64_t n, int64_t dim);
 void cvc_embedding(cv_backend *b, float *out, const int32_t *tokens, int64_t n,
                    const cv_table *table);
-/* dst[n] (F16 or BF16) = src[n]; F16 saturates at +-65504 instead of overflowing. */
-int cvc_narrow(cv_cuda_ctx *c, void *dst, cv_dtype dt, const float *src, int64_t n);
+/* dst[n] (F16 or BF16) = src[n], round to nearest even; with saturate, F16
+ * clamps at +-65504 instead of overflowing to inf (activations). */
+int cvc_narrow_to(cv_cuda_ctx *c, void *dst, cv_dtype dt, const float *src, int64_t n, int saturate);
 /* out[n][rows] = bias (accumulate = 0) or out += bias (accumulate = 1). */
 int cvc_bias(cv_cuda_ctx *c, float *out, const float *bias, int64_t n, int64_t rows,
              int accumulate);

@@ -229,11 +229,11 @@ void cvc_embedding(cv_backend *b, float *out, const int32_t *tokens, int64_t n, 
 __device__ __forceinline__ float sat16(float x) { return x != x ? x : fminf(fmaxf(x, -65504.f), 65504.f); }
 
 template <typename T>
-__global__ void narrow_kernel(T *dst, const float *src, int64_t n) {
+__global__ void narrow_kernel(T *dst, const float *src, int64_t n, int saturate) {
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += stride) {
         float v = src[i];
-        if constexpr (std::is_same<T, __half>::value) v = sat16(v);
+        if (saturate) v = sat16(v);
         dst[i] = cvc_from_f32<T>(v);
     }
 }
@@ -263,7 +263,7 @@ __global__ void narrow4_kernel(T2 *dst, const float4 *src, int64_t n4, int satur
     }
 }
 
-int cvc_narrow(cv_cuda_ctx *c, void *dst, cv_dtype dt, const float *src, int64_t n) {
+int cvc_narrow_to(cv_cuda_ctx *c, void *dst, cv_dtype dt, const float *src, int64_t n, int saturate) {
     if (n <= 0) return 0;
     const int threads = 256;
     const bool vec = n % 4 == 0 && ((uintptr_t)src % 16) == 0 && ((uintptr_t)dst % 8) == 0;
@@ -273,18 +273,19 @@ int cvc_narrow(cv_cuda_ctx *c, void *dst, cv_dtype dt, const float *src, int64_t
                 (__nv_bfloat162 *)dst, (const float4 *)src, n / 4, 0);
         else
             narrow_kernel<__nv_bfloat16><<<grid_for(c, n, threads), threads, 0, c->stream>>>(
-                (__nv_bfloat16 *)dst, src, n);
+                (__nv_bfloat16 *)dst, src, n, 0);
     } else if (dt == CV_F16) {
         if (vec)
             narrow4_kernel<__half2><<<grid_for(c, n / 4, threads), threads, 0, c->stream>>>(
-                (__half2 *)dst, (const float4 *)src, n / 4, 1);
+                (__half2 *)dst, (const float4 *)src, n / 4, saturate);
         else
-            narrow_kernel<__half><<<grid_for(c, n, threads), threads, 0, c->stream>>>((__half *)dst, src, n);
+            narrow_kernel<__half><<<grid_for(c, n, threads), threads, 0, c->stream>>>((__half *)dst, src, n,
+                                                                                      saturate);
     } else {
         cvc_fail(c, CV_ERR_UNSUPPORTED, "CUDA narrow: dtype %d", (int)dt);
         return -1;
     }
-    return cvc_check_launch(c, "gemm (activation narrowing)");
+    return cvc_check_launch(c, "narrowing to 16 bits");
 }
 
 __global__ void bias_kernel(float *out, const float *bias, int64_t n, int64_t rows, int accumulate) {

@@ -56,7 +56,12 @@ def _dispatch_loop(core: EngineCore, rfd: int, stopping: threading.Event):
             loop, queue = req.consumer
             by_loop.setdefault(loop, []).append((queue, out))
 
-        core.process_events(snapshot)
+        try:
+            core.process_events(snapshot)
+        except Exception:  # the engine was closed under us: nothing more to deliver
+            if core.closed:
+                return
+            raise
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_deliver, items)

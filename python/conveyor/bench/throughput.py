@@ -1,0 +1,108 @@
+"""`conveyor bench throughput`: offline throughput (after vLLM's benchmark_throughput).
+
+N requests are submitted at once to one engine and run to completion. Prompts are
+token ids drawn uniformly from the vocabulary with a fixed seed; prompt and output
+lengths are fixed (``--input-len``, ``--output-len``) or sampled uniformly within
+``--range-ratio`` of them; EOS is ignored so every request makes exactly its
+``max_tokens``. Prints requests/s, total tokens/s ((prompt + output) / wall time) and
+output tokens/s, and the mean KV waste sampled after every step.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Dict, Optional, Sequence
+
+import numpy as np
+
+from . import common
+
+
+def run(model: str, *, num_requests: int = 64, input_len: int = 128, output_len: int = 64,
+        range_ratio: float = 0.0, seed: int = 0, scheduling: str = "continuous",
+        max_num_seqs: int = 256, max_num_batched_tokens: Optional[int] = None,
+        **engine) -> Dict[str, Any]:
+    """One throughput run; returns a JSON-ready dict."""
+    machine = common.machine_info()
+    llm = common.make_llm(model, scheduling=scheduling, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens, **engine)
+    try:
+        vocab = llm.model_config["vocab_size"]
+        rng = np.random.default_rng([seed, 3])
+        if not 0.0 <= range_ratio < 1.0:
+            raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
+
+        def lengths(center):
+            lo = max(1, int(round(center * (1 - range_ratio))))
+            hi = max(lo, int(round(center * (1 + range_ratio))))
+            return common.uniform_lengths(rng, num_requests, lo, hi)
+
+        wl = common.make_workload(n=num_requests, vocab_size=vocab, prompt_lens=lengths(input_len),
+                                  output_lens=lengths(output_len), seed=seed)
+        res = common.run_offline(llm, wl)
+        stats = llm.stats()
+        model_desc = common.model_info(llm, model)
+    finally:
+        llm.close()
+    out = common.strip_outputs(res)
+    out.update(benchmark="throughput", machine=machine, model=model_desc,
+               workload=wl.describe(),
+               knobs={"scheduling": scheduling, "max_num_seqs": max_num_seqs,
+                      "max_num_batched_tokens": stats["max_num_batched_tokens"],
+                      "block_size": stats["block_size"], "kv_cache_bytes": stats["kv_cache_bytes"],
+                      "input_len": input_len, "output_len": output_len, "range_ratio": range_ratio,
+                      **{k: v for k, v in engine.items() if k != "block_size"}})
+    return out
+
+
+def format_result(r: Dict[str, Any]) -> str:
+    t = r["throughput"]
+    kv = r.get("kv", {})
+    lines = [
+        f"requests:        {r['workload']['num_requests']} "
+        f"(prompt tokens {r['prompt_tokens']}, output tokens {r['output_tokens']})",
+        f"elapsed:         {t['wall_s']:.2f} s over {r['steps']} steps, "
+        f"{r['preemptions']} preemptions, mean running {r.get('running_mean', float('nan')):.1f}",
+        f"Throughput: {t['requests_per_s']:.2f} requests/s, {t['total_tokens_per_s']:.1f} total tokens/s, "
+        f"{t['output_tokens_per_s']:.1f} output tokens/s",
+    ]
+    if kv:
+        lines.append(f"KV waste:        mean {100 * kv['waste_mean']:.2f}%, max {100 * kv['waste_max']:.2f}% "
+                     f"(block size {kv['block_size']}, peak {kv['blocks_used_peak']} blocks)")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="conveyor bench throughput", description=__doc__.splitlines()[0])
+    common.add_engine_args(ap)
+    ap.add_argument("--num-requests", "--num-prompts", type=int, default=64, dest="num_requests")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--range-ratio", type=float, default=0.0,
+                    help="sample lengths uniformly in [len*(1-r), len*(1+r)] (default 0: fixed)")
+    ap.add_argument("--scheduling", default="continuous", choices=["continuous", "static", "priority"])
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--json", default=None, help="write the result as JSON to this file")
+    args = ap.parse_args(argv)
+
+    model = common.resolve_model(args.model)
+    r = run(model, num_requests=args.num_requests, input_len=args.input_len,
+            output_len=args.output_len, range_ratio=args.range_ratio, seed=args.seed,
+            scheduling=args.scheduling, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, **common.engine_kwargs(args))
+    print("conveyor bench throughput")
+    print(common.describe(r["machine"], r["model"], args.device))
+    k = r["knobs"]
+    print(f"knobs: scheduling {k['scheduling']}, max_num_seqs {k['max_num_seqs']}, token budget "
+          f"{k['max_num_batched_tokens']}, block size {k['block_size']}, input {args.input_len}, "
+          f"output {args.output_len}, range ratio {args.range_ratio}, seed {args.seed}")
+    print(format_result(r))
+    if args.json:
+        common.write_json(args.json, r)
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
