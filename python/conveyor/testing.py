@@ -470,10 +470,22 @@ def _byte_level_merges(n_merges: int) -> tuple:
     return tuple(_train_merges(words, n_merges))
 
 
+def _pseudo_word(k: int) -> str:
+    """A distinct made-up word for padding id k, as a byte-level symbol ("Ġ" is a space)."""
+    cons, vows = "bcdfghklmnprstvz", "aeiou"
+    s = ""
+    while True:
+        s += cons[k % 16] + vows[(k // 16) % 5]
+        k //= 80
+        if k == 0:
+            return "\u0120" + s
+
+
 def write_hf_tokenizer(folder, vocab_size: int, *, bos_id: int = 0, eos_id: int = 1) -> None:
     """tokenizer.json (byte-level BPE with exactly ``vocab_size`` ids: "<s>", "</s>", the
-    256 byte symbols, merges learned from CORPUS, then never-produced padding tokens
-    "<|extra_N|>"), tokenizer_config.json (BOS added, chat template)."""
+    256 byte symbols, merges learned from CORPUS, then padding entries that encoding
+    never produces (made-up words with a leading space, no merges lead to them)),
+    tokenizer_config.json (BOS added, chat template)."""
     from .tokenizer import _bytes_to_unicode
 
     folder = Path(folder)
@@ -495,7 +507,9 @@ def write_hf_tokenizer(folder, vocab_size: int, *, bos_id: int = 0, eos_id: int 
             merges.append(f"{a} {b}")  # byte-level symbols never contain a space
     k = 0
     while len(vocab) < vocab_size:
-        vocab[f"<|extra_{k}|>"] = len(vocab)
+        word = _pseudo_word(k)  # a random model then prints random words, not markup
+        if word not in vocab:
+            vocab[word] = len(vocab)
         k += 1
     spec = {
         "version": "1.0",

@@ -23,11 +23,11 @@ import numpy as np
 
 STORIES_ENV = "CONVEYOR_STORIES"
 
-# Knobs every engine in these benchmarks gets unless told otherwise. The KV pool is
-# fixed (not the engine's default, which sizes it from free memory) so runs start fast
-# and several engines never hold gigabytes at once; it is far more than the workloads
-# need, and every run reports its preemptions to show it.
-DEFAULT_KV_CACHE = "2GiB"
+# The KV pool: by default ("fit") each engine gets room for every request of its
+# workload in KV at once (so nothing is ever preempted for lack of blocks) rather than
+# the engine's own default, which sizes the pool from free memory: gigabytes that take
+# seconds to allocate per engine on this machine. Every run reports its preemptions.
+DEFAULT_KV_CACHE = "fit"
 
 
 # ----------------------------------------------------------------------------- models
@@ -67,6 +67,23 @@ def resolve_model(name: Optional[str]) -> str:
     if not os.path.exists(name) and name in SHAPES:
         return str(default_model(shape=name))
     return name
+
+
+def checkpoint_config(path: str) -> Dict[str, Any]:
+    from .. import _core
+
+    return dict(_core.Checkpoint(str(path)).config)
+
+
+def kv_bytes_for(path: str, prompt_lens: Iterable[int], output_lens: Iterable[int],
+                 block_size: int = 16, dtype_bytes: int = 4) -> int:
+    """KV pool bytes that hold every request at full length at once (+ a spare block
+    each and 64 more), counting ``dtype_bytes`` per element (4 covers every dtype)."""
+    cfg = checkpoint_config(path)
+    head_dim = cfg.get("head_dim") or cfg["dim"] // cfg["n_heads"]
+    per_token = 2 * cfg["n_layers"] * cfg["n_kv_heads"] * head_dim * dtype_bytes
+    blocks = 64 + sum(-(-(int(p) + int(o)) // block_size) + 1 for p, o in zip(prompt_lens, output_lens))
+    return int(blocks * block_size * per_token)
 
 
 def model_info(llm, path: str) -> Dict[str, Any]:
@@ -118,11 +135,18 @@ def describe(machine: Dict[str, Any], model: Dict[str, Any], device: str = "cpu"
 
 def make_llm(model: str, *, scheduling: str = "continuous", max_num_seqs: int = 256,
              max_num_batched_tokens: Optional[int] = None, block_size: int = 16,
-             kv_cache_memory: Any = DEFAULT_KV_CACHE, dtype: str = "auto",
-             num_threads: Optional[int] = None, device: str = "cpu", seed: int = 0,
-             enable_prefix_caching: bool = True, asynchronous: bool = False):
+             kv_cache_memory: Any = DEFAULT_KV_CACHE, workload: Optional["Workload"] = None,
+             dtype: str = "auto", num_threads: Optional[int] = None, device: str = "cpu",
+             seed: int = 0, enable_prefix_caching: bool = True, asynchronous: bool = False):
+    """An LLM (or AsyncLLM) for token-id prompts. kv_cache_memory "fit" sizes the pool
+    for ``workload`` (see kv_bytes_for); None leaves it to the engine."""
     from .. import LLM, AsyncLLM
 
+    if kv_cache_memory == "fit":
+        if workload is None:
+            raise ValueError('kv_cache_memory="fit" needs the workload')
+        kv_cache_memory = kv_bytes_for(model, [len(p) for p in workload.prompts],
+                                       workload.output_lens, block_size)
     cls = AsyncLLM if asynchronous else LLM
     return cls(model, scheduling=scheduling, max_num_seqs=max_num_seqs,
                max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
@@ -408,7 +432,8 @@ def add_engine_args(ap) -> None:
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--kv-cache-memory", default=DEFAULT_KV_CACHE,
-                    help=f"KV pool size (default {DEFAULT_KV_CACHE}; 'auto' = the engine's default)")
+                    help="KV pool size such as 1GiB; 'fit' (default): room for the whole workload "
+                         "at once; 'auto': the engine's default")
     ap.add_argument("--seed", type=int, default=0, help="workload seed")
 
 

@@ -24,21 +24,21 @@ def run(model: str, *, num_requests: int = 64, input_len: int = 128, output_len:
         **engine) -> Dict[str, Any]:
     """One throughput run; returns a JSON-ready dict."""
     machine = common.machine_info()
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
+    vocab = common.checkpoint_config(model)["vocab_size"]
+    rng = np.random.default_rng([seed, 3])
+
+    def lengths(center):
+        lo = max(1, int(round(center * (1 - range_ratio))))
+        hi = max(lo, int(round(center * (1 + range_ratio))))
+        return common.uniform_lengths(rng, num_requests, lo, hi)
+
+    wl = common.make_workload(n=num_requests, vocab_size=vocab, prompt_lens=lengths(input_len),
+                              output_lens=lengths(output_len), seed=seed)
     llm = common.make_llm(model, scheduling=scheduling, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens, **engine)
+                          max_num_batched_tokens=max_num_batched_tokens, workload=wl, **engine)
     try:
-        vocab = llm.model_config["vocab_size"]
-        rng = np.random.default_rng([seed, 3])
-        if not 0.0 <= range_ratio < 1.0:
-            raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
-
-        def lengths(center):
-            lo = max(1, int(round(center * (1 - range_ratio))))
-            hi = max(lo, int(round(center * (1 + range_ratio))))
-            return common.uniform_lengths(rng, num_requests, lo, hi)
-
-        wl = common.make_workload(n=num_requests, vocab_size=vocab, prompt_lens=lengths(input_len),
-                                  output_lens=lengths(output_len), seed=seed)
         res = common.run_offline(llm, wl)
         stats = llm.stats()
         model_desc = common.model_info(llm, model)

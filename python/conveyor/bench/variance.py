@@ -1,0 +1,243 @@
+"""`conveyor bench variance`: Workload V, static against continuous batching as the
+variance of output lengths rises (after Anyscale's continuous-batching study).
+
+For each cap (default M/4, M, 4M, 12M) one workload of N requests: prompts of P random
+token ids, output lengths from an exponential of mean M with draws above the cap
+rejected (min 1), EOS ignored and max_tokens forcing each length, all sent at once. The
+same requests (fixed seed) run on:
+
+- static batching with the study's batch size for the cap (16/12/8/4),
+- static batching at each size of a small sweep (the best one is reported too),
+- continuous batching with default knobs (token budget 2048, max_num_seqs 256);
+
+each on a fresh engine, KV waste and the running count sampled after every step. It
+prints output throughput per system, the continuous/static ratios and p50 end-to-end
+latency per cap, and writes JSON and a PNG of throughput against cap.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from . import common
+
+STUDY_BATCH_SIZES = (16, 12, 8, 4)  # for caps M/4, M, 4M, 12M, as the study chose them
+DEFAULT_SWEEP = (8, 16, 32, 64)
+
+
+def default_caps(mean_output: int) -> List[int]:
+    return [max(1, mean_output // 4), mean_output, 4 * mean_output, 12 * mean_output]
+
+
+def _summary(res: Dict[str, Any], label: str, scheduling: str, max_num_seqs: int) -> Dict[str, Any]:
+    out = common.strip_outputs(res)
+    out.update(label=label, scheduling=scheduling, max_num_seqs=max_num_seqs)
+    return out
+
+
+def run_system(model: str, wl: common.Workload, *, scheduling: str, max_num_seqs: int,
+               max_num_batched_tokens: Optional[int] = None, **engine) -> Dict[str, Any]:
+    """One system on one workload, on a fresh engine (no prefix cache carried over)."""
+    llm = common.make_llm(model, scheduling=scheduling, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens, workload=wl, **engine)
+    try:
+        res = common.run_offline(llm, wl)
+        res["max_num_batched_tokens"] = llm.stats()["max_num_batched_tokens"]
+        res["kv_cache_bytes"] = llm.stats()["kv_cache_bytes"]
+    finally:
+        llm.close()
+    return res
+
+
+def run_study(model: str, *, num_requests: int = 48, prompt_len: int = 128, mean_output: int = 64,
+              caps: Optional[Sequence[int]] = None, study_sizes: Optional[Sequence[int]] = None,
+              sweep: Sequence[int] = DEFAULT_SWEEP, seed: int = 0,
+              max_num_batched_tokens: Optional[int] = None, max_num_seqs: int = 256,
+              progress: Optional[Callable[[str], None]] = None, **engine) -> Dict[str, Any]:
+    """Runs Workload V; returns a JSON-ready dict (see format_table and plot)."""
+    caps = list(caps) if caps else default_caps(mean_output)
+    study_sizes = list(study_sizes) if study_sizes else list(STUDY_BATCH_SIZES)
+    if len(study_sizes) != len(caps):
+        raise ValueError(f"{len(caps)} caps need {len(caps)} study batch sizes, got {len(study_sizes)}")
+    say = progress or (lambda s: None)
+    machine = common.machine_info()
+    cfg = common.checkpoint_config(model)
+    t_start = time.perf_counter()
+    rows = []
+    for cap, study_bs in zip(caps, study_sizes):
+        wl = common.make_workload(n=num_requests, vocab_size=cfg["vocab_size"], prompt_len=prompt_len,
+                                  mean_output=mean_output, cap=cap, seed=seed)
+        row: Dict[str, Any] = {"cap": cap, "workload": wl.describe()}
+        say(f"cap {cap}: {len(wl)} requests, {wl.output_tokens} output tokens "
+            f"(mean {wl.describe()['output_len_mean']:.1f}, max {wl.describe()['output_len_max']})")
+
+        def one(label, scheduling, seqs):
+            t = time.perf_counter()
+            r = run_system(model, wl, scheduling=scheduling, max_num_seqs=seqs,
+                           max_num_batched_tokens=max_num_batched_tokens, **engine)
+            s = _summary(r, label, scheduling, seqs)
+            say(f"  {label:<22} {s['throughput']['output_tokens_per_s']:8.1f} out tok/s  "
+                f"p50 e2e {s['latency']['e2e']['p50']:7.2f} s  mean running "
+                f"{s.get('running_mean', 0):5.1f}  ({time.perf_counter() - t:.0f} s)")
+            return s
+
+        row["continuous"] = one("continuous", "continuous", max_num_seqs)
+        row["static_study"] = one(f"static bs={study_bs} (study)", "static", study_bs)
+        sweep_runs = {study_bs: row["static_study"]}
+        for bs in sweep:
+            if bs not in sweep_runs:
+                sweep_runs[bs] = one(f"static bs={bs}", "static", bs)
+        row["static_sweep"] = {str(bs): sweep_runs[bs] for bs in sorted(sweep_runs)}
+        best_bs = max(sweep_runs, key=lambda b: sweep_runs[b]["throughput"]["output_tokens_per_s"])
+        row["static_best_batch_size"] = best_bs
+        c_tp = row["continuous"]["throughput"]["output_tokens_per_s"]
+        row["ratio_vs_study"] = c_tp / row["static_study"]["throughput"]["output_tokens_per_s"]
+        row["ratio_vs_best"] = c_tp / sweep_runs[best_bs]["throughput"]["output_tokens_per_s"]
+        row["p50_e2e"] = {"continuous": row["continuous"]["latency"]["e2e"]["p50"],
+                          "static_study": row["static_study"]["latency"]["e2e"]["p50"],
+                          "static_best": sweep_runs[best_bs]["latency"]["e2e"]["p50"]}
+        rows.append(row)
+    llm_stats = rows[0]["continuous"] if rows else {}
+    return {
+        "benchmark": "variance",
+        "machine": machine,
+        "model": {**{k: cfg.get(k) for k in ("arch", "dim", "hidden_dim", "n_layers", "n_heads",
+                                              "n_kv_heads", "vocab_size", "dtype")},
+                  "path": str(model), "name": str(model).rstrip("/").split("/")[-1]},
+        "knobs": {"num_requests": num_requests, "prompt_len": prompt_len, "mean_output": mean_output,
+                  "caps": caps, "study_batch_sizes": study_sizes, "sweep": list(sweep), "seed": seed,
+                  "continuous_max_num_seqs": max_num_seqs,
+                  "max_num_batched_tokens": llm_stats.get("max_num_batched_tokens"),
+                  "ignore_eos": True, "temperature": 1.0,
+                  **{k: v for k, v in engine.items()}},
+        "headline_metric": "output tokens/s",
+        "rows": rows,
+        "elapsed_s": time.perf_counter() - t_start,
+    }
+
+
+def format_table(r: Dict[str, Any]) -> str:
+    hdr = (f"{'cap':>5} {'out mean':>8} | {'cont tok/s':>10} | {'static(study)':>15} {'ratio':>6} | "
+           f"{'static(best)':>15} {'ratio':>6} | {'p50 e2e s: cont':>15} {'study':>7} {'best':>7} | "
+           f"{'KV waste mean/max':>17}")
+    lines = [hdr, "-" * len(hdr)]
+    for row in r["rows"]:
+        c = row["continuous"]
+        st = row["static_study"]
+        best = row["static_sweep"][str(row["static_best_batch_size"])]
+        kv = c.get("kv", {})
+        lines.append(
+            f"{row['cap']:>5} {row['workload']['output_len_mean']:>8.1f} | "
+            f"{c['throughput']['output_tokens_per_s']:>10.1f} | "
+            f"{st['throughput']['output_tokens_per_s']:>8.1f} (bs {st['max_num_seqs']:>2}) "
+            f"{row['ratio_vs_study']:>6.2f} | "
+            f"{best['throughput']['output_tokens_per_s']:>8.1f} (bs {best['max_num_seqs']:>2}) "
+            f"{row['ratio_vs_best']:>6.2f} | "
+            f"{row['p50_e2e']['continuous']:>15.2f} {row['p50_e2e']['static_study']:>7.2f} "
+            f"{row['p50_e2e']['static_best']:>7.2f} | "
+            f"{100 * kv.get('waste_mean', float('nan')):>7.2f}% / {100 * kv.get('waste_max', float('nan')):>5.2f}%")
+    return "\n".join(lines)
+
+
+def plot(r: Dict[str, Any], fig=None):
+    """Output throughput and p50 E2E latency against the cap, per system."""
+    fig = fig or common.new_figure(9.0, 3.6)
+    ax1, ax2 = fig.subplots(1, 2)
+    caps = [row["cap"] for row in r["rows"]]
+
+    def series(get):
+        return [get(row) for row in r["rows"]]
+
+    best = lambda row: row["static_sweep"][str(row["static_best_batch_size"])]  # noqa: E731
+    systems = [
+        ("continuous", lambda row: row["continuous"], "C0", "o"),
+        ("static, study batch sizes", lambda row: row["static_study"], "C3", "s"),
+        ("static, best of sweep", best, "C1", "^"),
+    ]
+    for label, pick, color, marker in systems:
+        ax1.plot(caps, series(lambda row: pick(row)["throughput"]["output_tokens_per_s"]),
+                 marker=marker, color=color, label=label)
+        ax2.plot(caps, series(lambda row: pick(row)["latency"]["e2e"]["p50"]),
+                 marker=marker, color=color, label=label)
+    for row in r["rows"]:
+        ax1.annotate(f"{row['ratio_vs_study']:.1f}x", (row["cap"], row["continuous"]["throughput"]["output_tokens_per_s"]),
+                     textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8, color="C0")
+        ax1.annotate(f"bs {row['static_study']['max_num_seqs']}", (row["cap"], row["static_study"]["throughput"]["output_tokens_per_s"]),
+                     textcoords="offset points", xytext=(0, -12), ha="center", fontsize=7, color="C3")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log")
+        ax.set_xticks(caps)
+        ax.set_xticklabels([str(c) for c in caps])
+        ax.set_xlabel("output length cap (tokens)")
+        ax.grid(True, alpha=0.3)
+    ax1.set_ylabel("output tokens/s")
+    ax1.set_ylim(bottom=0)
+    ax1.set_title("throughput (label: continuous / static study)", fontsize=9)
+    ax2.set_ylabel("p50 end-to-end latency (s)")
+    ax2.set_ylim(bottom=0)
+    ax2.set_title("p50 latency, all requests sent at once", fontsize=9)
+    ax1.legend(fontsize=8)
+    k = r["knobs"]
+    fig.suptitle(f"Workload V on {r['model']['name']}: N={k['num_requests']}, P={k['prompt_len']}, "
+                 f"M={k['mean_output']} ({r['machine']['usable_cores']} cores, {r['machine']['simd']})",
+                 fontsize=10)
+    return fig
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="conveyor bench variance", description=__doc__.splitlines()[0])
+    common.add_engine_args(ap)
+    ap.add_argument("--num-requests", type=int, default=48, help="N (default 48 on this CPU)")
+    ap.add_argument("--prompt-len", type=int, default=128, help="P (default 128)")
+    ap.add_argument("--mean-output", type=int, default=64, help="M (default 64)")
+    ap.add_argument("--caps", default=None, help="comma-separated caps (default M/4,M,4M,12M)")
+    ap.add_argument("--static-sizes", default=None,
+                    help="the study's static batch size per cap (default 16,12,8,4)")
+    ap.add_argument("--sweep", default=",".join(map(str, DEFAULT_SWEEP)),
+                    help="static batch sizes to sweep (default 8,16,32,64; '' for none)")
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="continuous max_num_seqs")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--json", default="variance.json", help="JSON output (default variance.json)")
+    ap.add_argument("--plot", default="variance.png", help="PNG output (default variance.png; '' for none)")
+    args = ap.parse_args(argv)
+
+    model = common.resolve_model(args.model)
+    caps = common.parse_int_list(args.caps) if args.caps else None
+    sizes = common.parse_int_list(args.static_sizes) if args.static_sizes else None
+    if caps and not sizes:
+        sizes = list(STUDY_BATCH_SIZES) if len(caps) == 4 else [STUDY_BATCH_SIZES[min(i, 3)] for i in range(len(caps))]
+
+    def say(s):
+        print(s, file=sys.stderr, flush=True)
+
+    r = run_study(model, num_requests=args.num_requests, prompt_len=args.prompt_len,
+                  mean_output=args.mean_output, caps=caps, study_sizes=sizes,
+                  sweep=common.parse_int_list(args.sweep), seed=args.seed,
+                  max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                  progress=say, **common.engine_kwargs(args))
+    k = r["knobs"]
+    print("conveyor bench variance (Workload V)")
+    print(f"machine: {r['machine']['cpu']}, {r['machine']['usable_cores']} usable cores, SIMD "
+          f"{r['machine']['simd']}, device {args.device}, load at start {r['machine']['loadavg_at_start']}")
+    print(f"model: {r['model']['name']} (dim {r['model']['dim']}, {r['model']['n_layers']} layers, "
+          f"vocab {r['model']['vocab_size']}, {r['model']['dtype']})")
+    print(f"workload: N={k['num_requests']}, P={k['prompt_len']}, M={k['mean_output']}, caps {k['caps']}, "
+          f"seed {k['seed']}, EOS ignored, all requests at once; continuous max_num_seqs "
+          f"{k['continuous_max_num_seqs']}, token budget {k['max_num_batched_tokens']}, block size "
+          f"{args.block_size}; static sizes {k['study_batch_sizes']} (study), sweep {k['sweep']}")
+    print("throughput = output tokens/s; ratio = continuous / static")
+    print(format_table(r))
+    print(f"elapsed {r['elapsed_s']:.0f} s", flush=True)
+    if args.json:
+        common.write_json(args.json, r)
+        say(f"wrote {args.json}")
+    if args.plot:
+        common.save_figure(plot(r), args.plot)
+        say(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
