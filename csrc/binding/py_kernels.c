@@ -314,10 +314,11 @@ static PyObject *py_kernel_matmul(PyObject *self, PyObject *args, PyObject *kw) 
 
 static PyObject *py_kernel_matmul_time(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
-    static char *kwlist[] = {"mat", "x", "repeats", NULL};
+    static char *kwlist[] = {"mat", "x", "repeats", "warmup", NULL};
     PyObject *cap, *x_obj;
-    int repeats = 10;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|i", kwlist, &cap, &x_obj, &repeats)) return NULL;
+    int repeats = 10, warmup = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|ip", kwlist, &cap, &x_obj, &repeats, &warmup))
+        return NULL;
     kb_matrix *km = get_matrix(cap);
     if (!km) return NULL;
     if (repeats < 1) {
@@ -337,7 +338,7 @@ static PyObject *py_kernel_matmul_time(PyObject *self, PyObject *args, PyObject 
     kb_entry *e = km->e;
     double best = 0.0;
     KB_RUN(e, {
-        e->b->gemm(e->b, o, xp, n, &km->m, NULL, 0); /* warm-up */
+        if (warmup) e->b->gemm(e->b, o, xp, n, &km->m, NULL, 0);
         for (int r = 0; r < repeats; r++) {
             const double t0 = cv_now();
             e->b->gemm(e->b, o, xp, n, &km->m, NULL, 0);
@@ -749,7 +750,7 @@ static PyMethodDef kernel_methods[] = {
      "kernel_matmul(mat, x, bias=None, accumulate=None) with a matrix from kernel_matrix."},
     {"kernel_matmul_time", (PyCFunction)(void (*)(void))py_kernel_matmul_time,
      METH_VARARGS | METH_KEYWORDS,
-     "kernel_matmul_time(mat, x, repeats=10) -> best seconds of one GEMM call (after a warm-up)."},
+     "kernel_matmul_time(mat, x, repeats=10, warmup=True) -> best seconds of one GEMM call."},
     {"kernel_rmsnorm", (PyCFunction)(void (*)(void))py_kernel_rmsnorm, METH_VARARGS | METH_KEYWORDS,
      "kernel_rmsnorm(x, weight, eps=1e-5, impl='simd', threads=0) -> out"},
     {"kernel_add_rmsnorm", (PyCFunction)(void (*)(void))py_kernel_add_rmsnorm,

@@ -15,7 +15,7 @@ import threading
 import weakref
 from typing import AsyncIterator, Optional
 
-from .engine import EngineCore
+from .engine import EngineCore, EngineFrontend
 from .llm import _engine_kwargs
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -93,7 +93,7 @@ def _shutdown(core: EngineCore, rfd: int, wfd: int, stopping: threading.Event, t
             pass
 
 
-class AsyncLLM:
+class AsyncLLM(EngineFrontend):
     """Same constructor as LLM. `async for out in engine.generate(prompt, params)`."""
 
     def __init__(self, model, **kwargs):
@@ -106,24 +106,6 @@ class AsyncLLM:
         self._core._engine.start_loop(self._wfd)
         self._finalizer = weakref.finalize(self, _shutdown, self._core, self._rfd, self._wfd,
                                            self._stopping, self._thread)
-
-    @property
-    def tokenizer(self):
-        return self._core.tokenizer
-
-    def get_tokenizer(self):
-        return self._core.tokenizer
-
-    @property
-    def model_config(self) -> dict:
-        return dict(self._core.model_config)
-
-    @property
-    def closed(self) -> bool:
-        return self._core.closed
-
-    def stats(self) -> dict:
-        return self._core.stats()
 
     # -- public API -----------------------------------------------------------
     async def generate(self, prompt, sampling_params: Optional[SamplingParams] = None,
@@ -164,17 +146,6 @@ class AsyncLLM:
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         return self._core.abort(request_id)
-
-    def close(self):
-        """Stops the engine; requests in flight end (their iterators stop waiting
-        only if they are aborted first). Safe to call twice."""
-        self._finalizer()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     async def __aenter__(self):
         return self

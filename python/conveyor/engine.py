@@ -369,3 +369,40 @@ class EngineCore:
             self.closed = True
         self._engine.stop_loop()
         self._engine.close()
+
+
+class EngineFrontend:
+    """What LLM and AsyncLLM share: the core, its tokenizer, stats and closing.
+    Subclasses set self._core and self._finalizer (which closes everything)."""
+
+    _core: EngineCore
+
+    @property
+    def tokenizer(self):
+        return self._core.tokenizer
+
+    def get_tokenizer(self):
+        return self._core.tokenizer
+
+    @property
+    def model_config(self) -> dict:
+        """The model's shape and the prepared weights' size and dtypes."""
+        return dict(self._core.model_config)
+
+    @property
+    def closed(self) -> bool:
+        return self._core.closed
+
+    def stats(self) -> dict:
+        """Engine statistics: queue sizes, KV blocks, prefix-cache hits, timings."""
+        return self._core.stats()
+
+    def close(self):
+        """Frees the engine; requests still in flight end as aborted. Safe to call twice."""
+        self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -6,7 +6,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from .engine import EngineArgs, EngineCore
+from .engine import EngineArgs, EngineCore, EngineFrontend
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -39,7 +39,7 @@ def normalize_prompts(prompts) -> list:
                     f"got {type(prompts).__name__}")
 
 
-class LLM:
+class LLM(EngineFrontend):
     """Generates text for batches of prompts with continuous batching.
 
     >>> llm = LLM("path/to/model")                      # HF dir or llama2.c .bin
@@ -49,21 +49,6 @@ class LLM:
     def __init__(self, model, **kwargs):
         self._core = EngineCore(_engine_kwargs(model, kwargs))
         self._finalizer = weakref.finalize(self, EngineCore.close, self._core)
-
-    @property
-    def tokenizer(self):
-        return self._core.tokenizer
-
-    def get_tokenizer(self):
-        return self._core.tokenizer
-
-    @property
-    def model_config(self) -> dict:
-        return dict(self._core.model_config)
-
-    def stats(self) -> dict:
-        """Engine statistics: queue sizes, KV blocks, prefix-cache hits, timings."""
-        return self._core.stats()
 
     def generate(self, prompts, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  *, use_tqdm: bool = True, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
@@ -165,11 +150,3 @@ class LLM:
                             if getattr(tok, "chat_template", None) else tok.encode(text)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def close(self):
-        self._finalizer()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

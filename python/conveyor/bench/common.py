@@ -362,6 +362,20 @@ def run_offline(llm, workload: Workload, *, sample_stats: bool = True, trace: bo
     return res
 
 
+def warm_up(model: str, **engine) -> None:
+    """A throwaway run on a small engine: the first run in a process pays for cold
+    pages, caches and thread start-up, which would bias whichever system ran first."""
+    cfg = checkpoint_config(model)
+    wl = make_workload(n=4, vocab_size=cfg["vocab_size"], prompt_lens=[16] * 4,
+                       output_lens=[4] * 4, seed=12345)
+    engine = {k: v for k, v in engine.items() if k not in ("scheduling", "max_num_seqs")}
+    llm = make_llm(model, workload=wl, **engine)
+    try:
+        run_offline(llm, wl, sample_stats=False)
+    finally:
+        llm.close()
+
+
 def latency_summary(outputs) -> Dict[str, Any]:
     lat = request_latencies(outputs)
     return {"ttft": percentiles(lat["ttft"]), "tpot": percentiles(lat["tpot"]),

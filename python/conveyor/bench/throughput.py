@@ -36,6 +36,7 @@ def run(model: str, *, num_requests: int = 64, input_len: int = 128, output_len:
 
     wl = common.make_workload(n=num_requests, vocab_size=vocab, prompt_lens=lengths(input_len),
                               output_lens=lengths(output_len), seed=seed)
+    common.warm_up(model, **engine)
     llm = common.make_llm(model, scheduling=scheduling, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, workload=wl, **engine)
     try:
@@ -97,7 +98,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"knobs: scheduling {k['scheduling']}, max_num_seqs {k['max_num_seqs']}, token budget "
           f"{k['max_num_batched_tokens']}, block size {k['block_size']}, input {args.input_len}, "
           f"output {args.output_len}, range ratio {args.range_ratio}, seed {args.seed}")
-    print(format_result(r))
+    print(format_result(r), flush=True)
     if args.json:
         common.write_json(args.json, r)
         print(f"wrote {args.json}", file=sys.stderr)

@@ -64,6 +64,7 @@ def run_study(model: str, *, num_requests: int = 48, prompt_len: int = 128, mean
     say = progress or (lambda s: None)
     machine = common.machine_info()
     cfg = common.checkpoint_config(model)
+    common.warm_up(model, **engine)
     t_start = time.perf_counter()
     rows = []
     for cap, study_bs in zip(caps, study_sizes):
