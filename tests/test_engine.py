@@ -306,3 +306,21 @@ def test_chat_applies_template(llm):
     out = llm.chat([{"role": "user", "content": "Tell me a story"}],
                    SamplingParams(temperature=0.0, max_tokens=10))
     assert len(out) == 1 and out[0].outputs[0].token_ids
+
+
+def test_forced_plain_c_kernels_give_same_text(llm):
+    """CONVEYOR_FORCE_SCALAR=1 switches every kernel to its plain-C version."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import conveyor\n"
+            f"llm = conveyor.LLM({str(STORIES)!r})\n"
+            "p = conveyor.SamplingParams(temperature=0.0, max_tokens=40)\n"
+            "print(llm.generate(['Once upon a time'], p, use_tqdm=False)[0].outputs[0].token_ids)\n")
+    env = dict(os.environ, CONVEYOR_FORCE_SCALAR="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    want = llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=40),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    assert r.stdout.strip() == str(want)

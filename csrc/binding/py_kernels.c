@@ -712,8 +712,7 @@ static PyObject *py_kernel_paged_attention(PyObject *self, PyObject *args, PyObj
 /* ------------------------------------------------------------------------ */
 /* Bandwidth and info                                                        */
 
-static PyObject *py_kernel_triad(PyObject *self, PyObject *args, PyObject *kw) {
-    (void)self;
+static PyObject *bandwidth_hook(PyObject *args, PyObject *kw, int read_only) {
     static char *kwlist[] = {"n_bytes", "repeats", "threads", NULL};
     long long n_bytes;
     int repeats = 5, threads = 0;
@@ -725,9 +724,20 @@ static PyObject *py_kernel_triad(PyObject *self, PyObject *args, PyObject *kw) {
     kb_entry *e = get_backend("simd", threads);
     if (!e) return NULL;
     double gbs;
-    KB_RUN(e, gbs = cv_cpu_triad(e->b, (size_t)n_bytes, repeats));
+    KB_RUN(e, gbs = read_only ? cv_cpu_read_bw(e->b, (size_t)n_bytes, repeats)
+                              : cv_cpu_triad(e->b, (size_t)n_bytes, repeats));
     if (gbs < 0) return PyErr_NoMemory();
     return PyFloat_FromDouble(gbs);
+}
+
+static PyObject *py_kernel_triad(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    return bandwidth_hook(args, kw, 0);
+}
+
+static PyObject *py_kernel_read_bw(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    return bandwidth_hook(args, kw, 1);
 }
 
 static PyObject *py_kernel_info(PyObject *self, PyObject *noargs) {
@@ -772,6 +782,8 @@ static PyMethodDef kernel_methods[] = {
      "                       scale=None, cache_dtype=None, impl='simd', threads=0) -> out[rows][heads*hd]"},
     {"kernel_triad", (PyCFunction)(void (*)(void))py_kernel_triad, METH_VARARGS | METH_KEYWORDS,
      "kernel_triad(n_bytes, repeats=5, threads=0) -> GB/s of a = b + s*c over arrays of n_bytes each"},
+    {"kernel_read_bw", (PyCFunction)(void (*)(void))py_kernel_read_bw, METH_VARARGS | METH_KEYWORDS,
+     "kernel_read_bw(n_bytes, repeats=5, threads=0) -> GB/s of reading one array of n_bytes"},
     {"kernel_info", (PyCFunction)py_kernel_info, METH_NOARGS, "kernel_info() -> dict about the CPU kernels"},
     {NULL, NULL, 0, NULL},
 };

@@ -108,5 +108,7 @@ size_t cv_cpu_att_partial_floats(void);
 /* backend_cpu.c: STREAM-style triad a = b + s*c over n_bytes of arrays with
  * the backend's pool; returns GB/s (bytes moved: 3 arrays), or < 0 on error. */
 double cv_cpu_triad(cv_backend *b, size_t n_bytes, int repeats);
+/* GB/s of reading one array of n_bytes (the access pattern of a GEMV). */
+double cv_cpu_read_bw(cv_backend *b, size_t n_bytes, int repeats);
 
 #endif

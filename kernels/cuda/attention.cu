@@ -60,36 +60,6 @@ struct att_args {
 
 /* ------------------------------------------------------------ load helpers */
 
-template <int B> struct raw_of;
-template <> struct raw_of<16> { typedef uint4 type; };
-template <> struct raw_of<8> { typedef uint2 type; };
-template <> struct raw_of<4> { typedef unsigned int type; };
-
-/* Widens VEC consecutive elements at p (aligned to VEC elements). */
-template <typename T, int VEC>
-__device__ __forceinline__ void load_vec(float (&o)[VEC], const T *p) {
-    constexpr int B = VEC * (int)sizeof(T);
-    if constexpr (VEC == 1) {
-        o[0] = cvc_f32(p[0]);
-    } else if constexpr (B > 16) {
-        constexpr int PER = 16 / (int)sizeof(T);
-#pragma unroll
-        for (int i = 0; i < VEC / PER; i++) {
-            float t[PER];
-            load_vec<T, PER>(t, p + i * PER);
-#pragma unroll
-            for (int e = 0; e < PER; e++) o[i * PER + e] = t[e];
-        }
-    } else {
-        typedef typename raw_of<B>::type R;
-        CVC_ALIGNED(p, B);
-        const R raw = *reinterpret_cast<const R *>(p);
-        const T *e = reinterpret_cast<const T *>(&raw);
-#pragma unroll
-        for (int i = 0; i < VEC; i++) o[i] = cvc_f32(e[i]);
-    }
-}
-
 __device__ __forceinline__ float f4get(const float4 &v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }

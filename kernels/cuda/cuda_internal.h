@@ -96,6 +96,36 @@ template <> __device__ __forceinline__ __nv_bfloat16 cvc_from_f32<__nv_bfloat16>
 #define CVC_ALIGNED(p, n) ((void)0)
 #endif
 
+template <int B> struct raw_of;
+template <> struct raw_of<16> { typedef uint4 type; };
+template <> struct raw_of<8> { typedef uint2 type; };
+template <> struct raw_of<4> { typedef unsigned int type; };
+
+/* Widens VEC consecutive elements at p (aligned to VEC elements). */
+template <typename T, int VEC>
+__device__ __forceinline__ void load_vec(float (&o)[VEC], const T *p) {
+    constexpr int B = VEC * (int)sizeof(T);
+    if constexpr (VEC == 1) {
+        o[0] = cvc_f32(p[0]);
+    } else if constexpr (B > 16) {
+        constexpr int PER = 16 / (int)sizeof(T);
+#pragma unroll
+        for (int i = 0; i < VEC / PER; i++) {
+            float t[PER];
+            load_vec<T, PER>(t, p + i * PER);
+#pragma unroll
+            for (int e = 0; e < PER; e++) o[i * PER + e] = t[e];
+        }
+    } else {
+        typedef typename raw_of<B>::type R;
+        CVC_ALIGNED(p, B);
+        const R raw = *reinterpret_cast<const R *>(p);
+        const T *e = reinterpret_cast<const T *>(&raw);
+#pragma unroll
+        for (int i = 0; i < VEC; i++) o[i] = cvc_f32(e[i]);
+    }
+}
+
 /* Warp reductions (all 32 lanes take part). */
 __device__ __forceinline__ float cvc_warp_sum(float v) {
 #pragma unroll
