@@ -472,13 +472,39 @@ def test_paged_attention_rejects_bad_input():
                                     c["ctx"], c["qs"])
 
 
+# --------------------------------------------------------------------------- runtime switch
+
+def test_force_scalar_env_selects_plain_kernels():
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np, conveyor._core as c\n"
+        "r = np.random.default_rng(0)\n"
+        "x = r.standard_normal((9, 37), dtype=np.float32)\n"
+        "w = r.standard_normal((21, 37), dtype=np.float32)\n"
+        "g = r.standard_normal((3, 2 * 37), dtype=np.float32)\n"
+        "assert c.kernel_info()['force_scalar']\n"
+        "assert np.array_equal(c.kernel_gemm(x, w, 'bfloat16', impl='simd'),\n"
+        "                      c.kernel_gemm(x, w, 'bfloat16', impl='plain'))\n"
+        "assert np.array_equal(c.kernel_swiglu(g, impl='simd'), c.kernel_swiglu(g, impl='plain'))\n"
+        "print('ok')\n")
+    env = dict(os.environ, CONVEYOR_FORCE_SCALAR="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
 # --------------------------------------------------------------------------- bandwidth
 
-def test_triad_reports_bandwidth():
-    gbs = core.kernel_triad(1 << 20, 2, 0)
-    assert gbs > 0.1
+def test_triad_and_read_bandwidth():
+    assert core.kernel_triad(1 << 20, 2, 0) > 0.1
+    assert core.kernel_read_bw(1 << 20, 2, 2) > 0.1
     with pytest.raises(ValueError):
         core.kernel_triad(0)
+    with pytest.raises(ValueError):
+        core.kernel_read_bw(1 << 20, 0)
 
 
 def test_bench_module_runs_small():

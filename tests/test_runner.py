@@ -413,6 +413,7 @@ BAD = [
     ("negative token", dict(tokens=[10, 11, -1, 20, 21])),
     ("slot past the cache", dict(slot_mapping=[10, 11, 32, 12, 13])),
     ("negative slot", dict(slot_mapping=[10, -1, 20, 12, 13])),
+    ("one slot twice", dict(slot_mapping=[10, 11, 20, 12, 11])),
     ("block id past the cache", dict(block_tables=[[2, 8], [3, 0]])),
     ("negative block id", dict(block_tables=[[-1, 5], [3, 0]])),
     ("position past max_pos", dict(positions=[2, 3, 256, 0, 1])),

@@ -8,7 +8,9 @@
 #
 # Results (logs, JSON, summary.txt) go to $OUT if set, else ./gpu_check_out.
 # Knobs: PYTHON (default python3), HBM_TBPS (nominal bandwidth, default 4.8 for H200),
-# GPU_CHECK_SKIP="test variance" (stages to skip).
+# GPU_CHECK_SKIP="test variance" (stages to skip), GPU_CHECK_SMALL=1 (tiny sizes: a dry
+# run of the script itself, e.g. on the CPU emulator with GPU_CHECK_SKIP=build,
+# GPU_CHECK_LIB=<a build folder> and CONVEYOR_CUDA_LIB=<emulated library>).
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -20,8 +22,10 @@ PY=${PYTHON:-python3}
 WORK=${GPU_CHECK_WORK:-/tmp/cv_gpu_check}
 mkdir -p "$WORK"
 export HBM_TBPS=${HBM_TBPS:-4.8}
-export CV_CKPT="$WORK/tinyllama-1.1b-bf16"
-LIB=/tmp/cv_build_gpu/lib
+export GPU_CHECK_SMALL=${GPU_CHECK_SMALL:-0}
+if [ "$GPU_CHECK_SMALL" = 1 ]; then export CV_SHAPE=tiny; else export CV_SHAPE=tinyllama-1.1b; fi
+export CV_CKPT="$WORK/$CV_SHAPE-bf16"
+LIB=${GPU_CHECK_LIB:-/tmp/cv_build_gpu/lib}
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 T_START=$(date +%s)
@@ -70,14 +74,17 @@ from conveyor import _core
 
 out = os.environ["OUT"]
 hbm = float(os.environ["HBM_TBPS"]) * 1e12
+small = os.environ.get("GPU_CHECK_SMALL") == "1"
 res = {"device": _core.cuda_info()}
-bw = _core.cuda_memcpy_bandwidth(1 << 30, 10) * 1e9  # bytes read + written per second
+bw = _core.cuda_memcpy_bandwidth(1 << (20 if small else 30), 10) * 1e9  # bytes read + written per second
 res["memcpy_read_plus_write_GBps"] = bw / 1e9
 print(f"device: {res['device']['device']}")
 print(f"device memcpy: {bw / 1e9:.0f} GB/s (read + write), {bw / hbm:.0%} of the nominal {hbm / 1e12:.1f} TB/s")
 rng = np.random.default_rng(0)
 shapes = {"qkv": (2560, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632),
           "lm_head": (32000, 2048)}
+if small:
+    shapes = {"qkv": (96, 64), "down": (64, 176)}
 rows = []
 print(f"{'matrix':>8} {'dtype':>8} {'n':>5} {'us':>9} {'GB/s':>7} {'of memcpy':>9} {'TFLOP/s':>8}")
 for name, (r, c) in shapes.items():
@@ -86,7 +93,7 @@ for name, (r, c) in shapes.items():
         mat = _core.cuda_kernel_matrix(w, dt)
         for n in (1, 16, 256):
             x = rng.standard_normal((n, c), dtype=np.float32)
-            t = _core.cuda_kernel_matmul_time(mat, x, repeats=5, calls=20)
+            t = _core.cuda_kernel_matmul_time(mat, x, repeats=2 if small else 5, calls=1 if small else 20)
             wbytes = r * c * (2 if dt == "bfloat16" else 4)
             gbs = wbytes / t
             tf = 2.0 * r * c * n / t / 1e12
@@ -106,7 +113,7 @@ from conveyor.testing import write_hf_checkpoint
 p = os.environ["CV_CKPT"]
 if not os.path.exists(os.path.join(p, "config.json")):
     t = time.time()
-    write_hf_checkpoint(p, shape="tinyllama-1.1b", dtype="bfloat16")
+    write_hf_checkpoint(p, shape=os.environ["CV_SHAPE"], dtype="bfloat16")
     print(f"wrote {p} in {time.time() - t:.1f}s")
 else:
     print(f"reusing {p}")
@@ -123,8 +130,9 @@ from conveyor.testing import SHAPES
 
 out = os.environ["OUT"]
 hbm = float(os.environ["HBM_TBPS"]) * 1e12
-copy_bw = _core.cuda_memcpy_bandwidth(1 << 30, 5) * 1e9 / 2  # read bandwidth seen by a copy
-s = SHAPES["tinyllama-1.1b"]
+small = os.environ.get("GPU_CHECK_SMALL") == "1"
+copy_bw = _core.cuda_memcpy_bandwidth(1 << (20 if small else 30), 5) * 1e9 / 2  # read bandwidth seen by a copy
+s = SHAPES[os.environ["CV_SHAPE"]]
 hd = s["dim"] // s["n_heads"]
 layer = (s["dim"] * (s["n_heads"] + 2 * s["n_kv_heads"]) * hd + s["n_heads"] * hd * s["dim"]
          + 3 * s["dim"] * s["hidden_dim"])
@@ -144,7 +152,7 @@ def tpot(o):
 
 
 res = {"weights_bytes": weights, "kv_bytes_per_token": kv_per_token, "copy_read_GBps": copy_bw / 1e9}
-for batch, new in ((1, 256), (256, 128)):
+for batch, new in (((1, 8), (8, 4)) if small else ((1, 256), (256, 128))):
     prompts = [rng.integers(3, s["vocab_size"], P).tolist() for _ in range(batch)]
     llm.generate(prompts[:min(batch, 8)], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)  # warm-up
@@ -176,14 +184,16 @@ import conveyor
 from conveyor import SamplingParams
 
 out = os.environ["OUT"]
-N, P, M, CAP = int(os.environ.get("V_N", "200")), 512, 128, 128
+small = os.environ.get("GPU_CHECK_SMALL") == "1"
+N, P, M, CAP = (6, 16, 8, 8) if small else (int(os.environ.get("V_N", "200")), 512, 128, 128)
+vocab = 512 if small else 32000
 rng = np.random.default_rng(1234)
 lens = []
 while len(lens) < N:
     x = int(np.ceil(rng.exponential(M)))
     if 1 <= x <= CAP:
         lens.append(x)
-prompts = [rng.integers(3, 32000, P).tolist() for _ in range(N)]
+prompts = [rng.integers(3, vocab, P).tolist() for _ in range(N)]
 params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
 res = {"N": N, "P": P, "M": M, "cap": CAP, "systems": {}}
 for name, kw in (("static-12", dict(scheduling="static", max_num_seqs=12)), ("continuous", dict())):
@@ -208,8 +218,14 @@ EOF
 # The engine's own benchmark when it exists with the needed options, else the snippet.
 if "$PY" -m conveyor bench variance --help 2>/dev/null | grep -q -- "--device" &&
    "$PY" -m conveyor bench variance --help 2>/dev/null | grep -q -- "--caps"; then
-    stage variance 150 "$PY" -m conveyor bench variance --device cuda --caps 128 --model "$CV_CKPT" \
-        --json "$OUT/variance.json"
+    if [ "$GPU_CHECK_SMALL" = 1 ]; then
+        VARGS="--num-requests 6 --prompt-len 16 --mean-output 8 --caps 8 --static-sizes 4"
+    else
+        VARGS="--num-requests 200 --prompt-len 512 --mean-output 128 --caps 128 --static-sizes 12"
+    fi
+    # shellcheck disable=SC2086
+    stage variance 150 "$PY" -m conveyor bench variance --device cuda --model "$CV_CKPT" $VARGS \
+        --sweep "" --json "$OUT/variance.json" --plot ""
 else
     stage variance 150 "$PY" "$WORK/variance.py"
 fi

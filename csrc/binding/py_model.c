@@ -11,9 +11,11 @@
  * Every index a kernel would follow is checked before the forward runs, so no
  * input can make it read or write outside its buffers: bad values raise
  * ValueError, non-integer arrays TypeError. The forward runs without the GIL;
- * a runner runs one call at a time (others get RuntimeError meanwhile). */
+ * a runner runs one call at a time: forward, reset, close and __init__ from
+ * another thread meanwhile raise RuntimeError. */
 #include "binding.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 #include "../model/model.h"
@@ -32,6 +34,7 @@ typedef struct {
     int32_t *tokens;        /* [max_tokens] */
     int32_t *positions;     /* [max_tokens] */
     int64_t *slots;         /* [max_tokens] */
+    int64_t *slots_sorted;  /* [max_tokens] scratch for the duplicate check */
     int32_t *query_start;   /* [max_seqs + 1] */
     int32_t *context_lens;  /* [max_seqs] */
     int32_t *block_tables;  /* [max_seqs][num_blocks] */
@@ -47,7 +50,7 @@ typedef struct runner_state {
     int ws_ok;
     cv_kv_layer *caches;
     int32_t *tokens, *positions, *query_start, *context_lens, *block_tables, *logits_rows;
-    int64_t *slots;
+    int64_t *slots, *slots_sorted;
 } runner_state;
 
 static void state_free(runner_state *s) {
@@ -67,6 +70,7 @@ static void state_free(runner_state *s) {
     free(s->tokens);
     free(s->positions);
     free(s->slots);
+    free(s->slots_sorted);
     free(s->query_start);
     free(s->context_lens);
     free(s->block_tables);
@@ -84,6 +88,7 @@ static void take_state(ModelRunnerObject *self, runner_state *s) {
     s->tokens = self->tokens;
     s->positions = self->positions;
     s->slots = self->slots;
+    s->slots_sorted = self->slots_sorted;
     s->query_start = self->query_start;
     s->context_lens = self->context_lens;
     s->block_tables = self->block_tables;
@@ -95,7 +100,7 @@ static void take_state(ModelRunnerObject *self, runner_state *s) {
     self->caches = NULL;
     self->tokens = self->positions = self->query_start = self->context_lens = NULL;
     self->block_tables = self->logits_rows = NULL;
-    self->slots = NULL;
+    self->slots = self->slots_sorted = NULL;
 }
 
 static void put_state(ModelRunnerObject *self, runner_state *s) {
@@ -107,6 +112,7 @@ static void put_state(ModelRunnerObject *self, runner_state *s) {
     self->tokens = s->tokens;
     self->positions = s->positions;
     self->slots = s->slots;
+    self->slots_sorted = s->slots_sorted;
     self->query_start = s->query_start;
     self->context_lens = s->context_lens;
     self->block_tables = s->block_tables;
@@ -196,11 +202,12 @@ static int build_state(runner_state *st, const char *path, cv_dtype dtype, cv_dt
     st->tokens = malloc((size_t)max_tokens * sizeof(int32_t));
     st->positions = malloc((size_t)max_tokens * sizeof(int32_t));
     st->slots = malloc((size_t)max_tokens * sizeof(int64_t));
+    st->slots_sorted = malloc((size_t)max_tokens * sizeof(int64_t));
     st->query_start = malloc((size_t)(max_seqs + 1) * sizeof(int32_t));
     st->context_lens = malloc((size_t)max_seqs * sizeof(int32_t));
     st->block_tables = malloc(tab * sizeof(int32_t));
     st->logits_rows = malloc((size_t)max_seqs * sizeof(int32_t));
-    if (!st->tokens || !st->positions || !st->slots || !st->query_start || !st->context_lens ||
+    if (!st->tokens || !st->positions || !st->slots || !st->slots_sorted || !st->query_start || !st->context_lens ||
         !st->block_tables || !st->logits_rows)
         return cv_set_err(err, CV_ERR_NOMEM, "out of memory for the batch arrays");
     return CV_OK;
@@ -327,6 +334,11 @@ done:
 
 #define N_FWD_ARGS 7
 
+static int cmp_i64(const void *a, const void *b) {
+    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
 /* Checks the batch against the model and the cache, and fills the runner's
  * host batch. Returns 0, or -1 with a Python exception set. */
 static int fill_batch(ModelRunnerObject *self, PyArrayObject *const *arr, cv_batch *bt) {
@@ -394,6 +406,19 @@ static int fill_batch(ModelRunnerObject *self, PyArrayObject *const *arr, cv_bat
         self->tokens[t] = (int32_t)tok[t];
         self->positions[t] = (int32_t)pos[t];
         self->slots[t] = slot[t];
+    }
+    /* two tokens writing one slot would race in the KV write (and one of them
+     * would lose its keys): no valid schedule does it */
+    if (n > 1) {
+        memcpy(self->slots_sorted, self->slots, (size_t)n * sizeof(int64_t));
+        qsort(self->slots_sorted, (size_t)n, sizeof(int64_t), cmp_i64);
+        for (int64_t t = 1; t < n; t++) {
+            if (self->slots_sorted[t] == self->slots_sorted[t - 1]) {
+                PyErr_Format(PyExc_ValueError, "slot_mapping holds slot %lld more than once",
+                             (long long)self->slots_sorted[t]);
+                return -1;
+            }
+        }
     }
     if (qs[0] != 0 || qs[n_seqs] != n) {
         PyErr_Format(PyExc_ValueError,
@@ -469,11 +494,16 @@ static PyObject *ModelRunner_forward(ModelRunnerObject *self, PyObject *args, Py
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOO:forward", kwlist, &in[0], &in[1], &in[2],
                                      &in[3], &in[4], &in[5], &in[6]))
         return NULL;
-    if (check_usable(self) < 0) return NULL;
+    int owns_busy = 0;
     for (int i = 0; i < N_FWD_ARGS; i++) {
         arr[i] = as_i64(in[i], names[i], i == 5 ? 2 : 1);
         if (!arr[i]) goto done;
     }
+    /* checked after the conversions, which may run Python code (and so other
+     * threads); from here on the runner's batch buffers are ours */
+    if (check_usable(self) < 0) goto done;
+    self->busy = 1;
+    owns_busy = 1;
     cv_batch bt;
     if (fill_batch(self, arr, &bt) < 0) goto done;
     const int64_t vocab = self->m->cfg.vocab_size;
@@ -484,7 +514,6 @@ static PyObject *ModelRunner_forward(ModelRunnerObject *self, PyObject *args, Py
     cv_err err;
     memset(&err, 0, sizeof err);
     int rc = CV_OK;
-    self->busy = 1; /* keeps close/reset/forward of other threads off the runner */
     Py_BEGIN_ALLOW_THREADS
     if (bt.n_tokens > 0) {
         rc = cv_model_forward(self->m, &self->ws, self->caches, &bt, &err);
@@ -492,7 +521,6 @@ static PyObject *ModelRunner_forward(ModelRunnerObject *self, PyObject *args, Py
             memcpy(dst, self->ws.logits_host, (size_t)(bt.n_logits * vocab) * sizeof(float));
     }
     Py_END_ALLOW_THREADS
-    self->busy = 0;
     if (rc) {
         cv_py_raise(&err);
         goto done;
@@ -500,6 +528,7 @@ static PyObject *ModelRunner_forward(ModelRunnerObject *self, PyObject *args, Py
     ret = out;
     out = NULL;
 done:
+    if (owns_busy) self->busy = 0;
     Py_XDECREF(out);
     for (int i = 0; i < N_FWD_ARGS; i++) Py_XDECREF(arr[i]);
     return ret;
@@ -553,7 +582,11 @@ static int put(PyObject *d, const char *key, PyObject *v) {
 
 static PyObject *ModelRunner_get_config(ModelRunnerObject *self, void *closure) {
     (void)closure;
-    if (check_usable(self) < 0) return NULL;
+    if (!self->m) { /* read-only: fine while a forward runs */
+        cv_err e;
+        cv_set_err(&e, CV_ERR_STATE, "ModelRunner is closed");
+        return cv_py_raise(&e);
+    }
     const cv_model_config *c = &self->m->cfg;
     static const char *const archs[] = {"llama", "mistral", "qwen2"};
     PyObject *d = PyDict_New();

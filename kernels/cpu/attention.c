@@ -179,30 +179,47 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
     return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
-/* Scores of NV (<= 4) vectors against NK (<= 3) keys starting at key i0:
- * a register block of NV x NK dot products, each key row loaded once per
- * 8 dims for all NV vectors. */
+/* Vector groups of the chunk kernels: groups of 4 when nv is a multiple of
+ * 4, else groups of 3 (a tile of t tokens x 3 heads splits evenly), then the
+ * rest. Returns the size of the group starting at v0. */
+static inline int group_size(int nv, int v0) {
+    const int g = (nv % 4 == 0) ? 4 : 3;
+    return nv - v0 < g ? nv - v0 : g;
+}
+
+/* Keeps v in a register: stops the compiler from folding a reused load into
+ * every FMA (which would cost a load per FMA). */
+#define CV_KEEP(v) __asm__("" : "+x"(v))
+
+/* Scores of NV (<= 4) vectors against NK (<= 4) keys starting at key i0: a
+ * register block of NV x NK dot products (NV * NK <= 12 accumulators), each
+ * key row loaded once per 8 dims for all NV vectors, each query once for
+ * all NK keys. */
 static CV_ALWAYS_INLINE void scores_blk(float *sc, const float *qt, int64_t hd, const int NV,
                                         const int NK, int i0, const void *const *kp,
                                         const cv_dtype dt) {
-    __m256 a[12];
-#pragma GCC unroll 12
+    __m256 a[16];
+#pragma GCC unroll 16
     for (int x = 0; x < NV * NK; x++) a[x] = _mm256_setzero_ps();
     const int64_t hd8 = hd & ~(int64_t)7;
     for (int64_t d = 0; d < hd8; d += 8) {
-        __m256 kv[3];
-#pragma GCC unroll 3
-        for (int k = 0; k < NK; k++) kv[k] = kv_load8(kp[i0 + k], dt, d);
+        __m256 kv[4];
+#pragma GCC unroll 4
+        for (int k = 0; k < NK; k++) {
+            kv[k] = kv_load8(kp[i0 + k], dt, d);
+            if (NV > 1) CV_KEEP(kv[k]);
+        }
 #pragma GCC unroll 4
         for (int v = 0; v < NV; v++) {
-            const __m256 q = _mm256_loadu_ps(qt + v * hd + d);
-#pragma GCC unroll 3
+            __m256 q = _mm256_loadu_ps(qt + v * hd + d);
+            if (NK > 1) CV_KEEP(q);
+#pragma GCC unroll 4
             for (int k = 0; k < NK; k++) a[v * NK + k] = _mm256_fmadd_ps(q, kv[k], a[v * NK + k]);
         }
     }
     float r[16];
     const __m256 z = _mm256_setzero_ps();
-#pragma GCC unroll 3
+#pragma GCC unroll 4
     for (int x = 0; x < NV * NK; x += 4)
         _mm_storeu_ps(r + x, hsum4(a[x], x + 1 < NV * NK ? a[x + 1] : z, x + 2 < NV * NK ? a[x + 2] : z,
                                    x + 3 < NV * NK ? a[x + 3] : z));
@@ -222,20 +239,24 @@ static CV_ALWAYS_INLINE void scores_blk(float *sc, const float *qt, int64_t hd, 
     } while (0)
 #define SCB_NK(NV)                                                                              \
     do {                                                                                        \
-        if (nkb == 3) SCB_DT(NV, 3);                                                            \
-        else if (nkb == 2) SCB_DT(NV, 2);                                                       \
-        else SCB_DT(NV, 1);                                                                     \
+        switch (nkb) {                                                                          \
+        case 4: SCB_DT(NV, (NV == 4 ? 3 : 4)); break;                                           \
+        case 3: SCB_DT(NV, 3); break;                                                           \
+        case 2: SCB_DT(NV, 2); break;                                                           \
+        default: SCB_DT(NV, 1); break;                                                          \
+        }                                                                                       \
     } while (0)
 
 static void scores_avx2(float *sc, const float *qt, int64_t hd, int nv, const int *nval,
                         const void *const *kp, cv_dtype dt) {
-    for (int v0 = 0; v0 < nv; v0 += 4) {
-        const int nvg = nv - v0 < 4 ? nv - v0 : 4;
+    for (int v0 = 0; v0 < nv;) {
+        const int nvg = group_size(nv, v0);
         const int nk = max_valid(nval, v0, nvg);
+        const int kb = nvg == 4 ? 3 : 4; /* keys per block: at most 12 accumulators */
         float *s = sc + v0 * CV_ATT_KCHUNK;
         const float *q = qt + v0 * hd;
-        for (int i0 = 0; i0 < nk; i0 += 3) {
-            const int nkb = nk - i0 < 3 ? nk - i0 : 3;
+        for (int i0 = 0; i0 < nk; i0 += kb) {
+            const int nkb = nk - i0 < kb ? nk - i0 : kb;
             switch (nvg) {
             case 1: SCB_NK(1); break;
             case 2: SCB_NK(2); break;
@@ -243,52 +264,53 @@ static void scores_avx2(float *sc, const float *qt, int64_t hd, int nv, const in
             default: SCB_NK(4); break;
             }
         }
+        v0 += nvg;
     }
 }
 #undef SCB_NK
 #undef SCB_DT
 
-/* acc[v] = acc[v] * alpha[v] + sum_i p[v][i] V_i for NV (<= 4) vectors. */
-static CV_ALWAYS_INLINE void pv4(float *acc, const float *sc, const float *alpha, int64_t hd,
-                                 const int NV, int nk, const void *const *vp, const cv_dtype dt) {
+/* acc[v][d0 .. d0 + 8 DB) = acc * alpha[v] + sum_i p[v][i] V_i for NV vectors:
+ * NV x DB accumulators, each V row chunk loaded once for all NV vectors. */
+static CV_ALWAYS_INLINE void pv_blk(float *acc, const float *sc, const float *alpha, int64_t hd,
+                                    int64_t d0, const int NV, const int DB, int nk,
+                                    const void *const *vp, const cv_dtype dt) {
+    __m256 a[12];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++) {
+        const __m256 al = _mm256_set1_ps(alpha[v]);
+#pragma GCC unroll 4
+        for (int b = 0; b < DB; b++)
+            a[v * DB + b] = _mm256_mul_ps(_mm256_loadu_ps(acc + v * hd + d0 + 8 * b), al);
+    }
+    for (int i = 0; i < nk; i++) {
+        __m256 vv[4];
+#pragma GCC unroll 4
+        for (int b = 0; b < DB; b++) {
+            vv[b] = kv_load8(vp[i], dt, d0 + 8 * b);
+            if (NV > 1) CV_KEEP(vv[b]);
+        }
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) {
+            const __m256 p = _mm256_broadcast_ss(sc + v * CV_ATT_KCHUNK + i);
+#pragma GCC unroll 4
+            for (int b = 0; b < DB; b++) a[v * DB + b] = _mm256_fmadd_ps(p, vv[b], a[v * DB + b]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++)
+#pragma GCC unroll 4
+        for (int b = 0; b < DB; b++) _mm256_storeu_ps(acc + v * hd + d0 + 8 * b, a[v * DB + b]);
+}
+
+/* All of head_dim for one group: blocks of 8 * (12 / NV) dims (at most 32),
+ * then single 8-dim blocks, then a scalar tail. */
+static CV_ALWAYS_INLINE void pv_group(float *acc, const float *sc, const float *alpha, int64_t hd,
+                                      const int NV, int nk, const void *const *vp, const cv_dtype dt) {
+    const int DB = NV == 4 ? 3 : 4;
     int64_t d = 0;
-    for (; d + 16 <= hd; d += 16) {
-        __m256 a[4][2];
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; v++) {
-            const __m256 al = _mm256_set1_ps(alpha[v]);
-            a[v][0] = _mm256_mul_ps(_mm256_loadu_ps(acc + v * hd + d), al);
-            a[v][1] = _mm256_mul_ps(_mm256_loadu_ps(acc + v * hd + d + 8), al);
-        }
-        for (int i = 0; i < nk; i++) {
-            const __m256 v0 = kv_load8(vp[i], dt, d), v1 = kv_load8(vp[i], dt, d + 8);
-#pragma GCC unroll 4
-            for (int v = 0; v < NV; v++) {
-                const __m256 p = _mm256_broadcast_ss(sc + v * CV_ATT_KCHUNK + i);
-                a[v][0] = _mm256_fmadd_ps(p, v0, a[v][0]);
-                a[v][1] = _mm256_fmadd_ps(p, v1, a[v][1]);
-            }
-        }
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; v++) {
-            _mm256_storeu_ps(acc + v * hd + d, a[v][0]);
-            _mm256_storeu_ps(acc + v * hd + d + 8, a[v][1]);
-        }
-    }
-    for (; d + 8 <= hd; d += 8) {
-        __m256 a[4];
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; v++)
-            a[v] = _mm256_mul_ps(_mm256_loadu_ps(acc + v * hd + d), _mm256_set1_ps(alpha[v]));
-        for (int i = 0; i < nk; i++) {
-            const __m256 v0 = kv_load8(vp[i], dt, d);
-#pragma GCC unroll 4
-            for (int v = 0; v < NV; v++)
-                a[v] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + v * CV_ATT_KCHUNK + i), v0, a[v]);
-        }
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; v++) _mm256_storeu_ps(acc + v * hd + d, a[v]);
-    }
+    for (; d + 8 * DB <= hd; d += 8 * DB) pv_blk(acc, sc, alpha, hd, d, NV, DB, nk, vp, dt);
+    for (; d + 8 <= hd; d += 8) pv_blk(acc, sc, alpha, hd, d, NV, 1, nk, vp, dt);
     for (; d < hd; d++) {
         for (int v = 0; v < NV; v++) {
             float s = acc[v * hd + d] * alpha[v];
@@ -300,15 +322,15 @@ static CV_ALWAYS_INLINE void pv4(float *acc, const float *sc, const float *alpha
 
 #define PV_DT(NV)                                                                               \
     do {                                                                                        \
-        if (dt == CV_F32) pv4(a, s, al, hd, NV, nk, vp, CV_F32);                                \
-        else if (dt == CV_F16) pv4(a, s, al, hd, NV, nk, vp, CV_F16);                           \
-        else pv4(a, s, al, hd, NV, nk, vp, CV_BF16);                                            \
+        if (dt == CV_F32) pv_group(a, s, al, hd, NV, nk, vp, CV_F32);                           \
+        else if (dt == CV_F16) pv_group(a, s, al, hd, NV, nk, vp, CV_F16);                      \
+        else pv_group(a, s, al, hd, NV, nk, vp, CV_BF16);                                       \
     } while (0)
 
 static void pv_avx2(float *acc, const float *sc, const float *alpha, int64_t hd, int nv,
                     const int *nval, const void *const *vp, cv_dtype dt) {
-    for (int v0 = 0; v0 < nv; v0 += 4) {
-        const int nvg = nv - v0 < 4 ? nv - v0 : 4;
+    for (int v0 = 0; v0 < nv;) {
+        const int nvg = group_size(nv, v0);
         const int nk = max_valid(nval, v0, nvg);
         float *a = acc + v0 * hd;
         const float *s = sc + v0 * CV_ATT_KCHUNK;
@@ -319,6 +341,7 @@ static void pv_avx2(float *acc, const float *sc, const float *alpha, int64_t hd,
         case 3: PV_DT(3); break;
         default: PV_DT(4); break;
         }
+        v0 += nvg;
     }
 }
 #undef PV_DT
@@ -326,13 +349,21 @@ static void pv_avx2(float *acc, const float *sc, const float *alpha, int64_t hd,
 static void softmax_step_avx2(float *sc, int nk, float *m, float *l, float *alpha, int nval) {
     if (nval > 0) {
         float mx = sc[0];
-        for (int i = 1; i < nval; i++) mx = sc[i] > mx ? sc[i] : mx;
+        int i = 0;
+        if (nval >= 8) {
+            __m256 vmx = _mm256_loadu_ps(sc);
+            for (i = 8; i + 8 <= nval; i += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(sc + i));
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmx), _mm256_extractf128_ps(vmx, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            mx = _mm_cvtss_f32(h);
+        }
+        for (; i < nval; i++) mx = sc[i] > mx ? sc[i] : mx;
         const float mn = *m > mx ? *m : mx;
         const float a = *m == -INFINITY ? 0.0f : expf(*m - mn);
         const __m256 vm = _mm256_set1_ps(mn);
         __m256 vs = _mm256_setzero_ps();
-        int i = 0;
-        for (; i + 8 <= nval; i += 8) {
+        for (i = 0; i + 8 <= nval; i += 8) {
             const __m256 e = cv_exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + i), vm));
             _mm256_storeu_ps(sc + i, e);
             vs = _mm256_add_ps(vs, e);

@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_kernel(att_args a) {
         for (int h = 0; h < DEC_GH; h++) acc[h] = 0.f;
         for (int d = 0; d < D; d += VEC) {
             float kv[VEC];
-            load_vec<T, VEC>(kv, kp + d);
+            cvc_load_vec<T, VEC>(kv, kp + d);
 #pragma unroll
             for (int h = 0; h < DEC_GH; h++) {
                 if (h < gh) {
@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_kernel(att_args a) {
                 const int ch = c0 + ci * tpr;
                 if (ch < cpr) {
                     float vv[VEC];
-                    load_vec<T, VEC>(vv, vp + ch * VEC);
+                    cvc_load_vec<T, VEC>(vv, vp + ch * VEC);
 #pragma unroll
                     for (int h = 0; h < DEC_GH; h++) {
                         if (h < gh) {
@@ -323,8 +323,8 @@ __device__ __forceinline__ void load_kv_tile(const att_args &a, const int32_t *b
             float kv[VEC], vv[VEC];
             if (pos <= kmax) {
                 const int64_t off = block_of(a, bt, pos) * blk_stride + (int64_t)(pos % a.bs) * D + c * VEC;
-                load_vec<T, VEC>(kv, K + off);
-                load_vec<T, VEC>(vv, V + off);
+                cvc_load_vec<T, VEC>(kv, K + off);
+                cvc_load_vec<T, VEC>(vv, V + off);
             } else {
 #pragma unroll
                 for (int e = 0; e < VEC; e++) kv[e] = vv[e] = 0.f;

@@ -398,6 +398,10 @@ static void cvc_gemm(cv_backend *b, float *out, const float *x, int64_t n, const
         cvc_fail(c, CV_ERR_INVALID, "CUDA gemm: matrix not prepared or too large");
         return;
     }
+    if (n == 1) { /* decode at batch 1: one fused launch, bias and accumulate included */
+        const int r = cvc_gemv(c, out, x, w, bias, accumulate);
+        if (r != 0) return;
+    }
     const int rows = (int)w->rows, cols = (int)w->cols;
     float beta = accumulate ? 1.f : 0.f;
     const float alpha = 1.f;
@@ -500,6 +504,10 @@ CV_CU_EXPORT cv_backend *cv_cuda_backend_create_impl(int device, cv_err *err) {
     b->ctx = c;
     b->destroy = cvc_destroy; /* from here on, failures clean up with cvc_destroy */
     c->device = device;
+    {
+        const char *g = getenv("CONVEYOR_CUDA_GEMV");
+        c->use_gemv = !(g && strcmp(g, "0") == 0);
+    }
 
 #define CREATE_CHECK(call, what)                                                                  \
     do {                                                                                          \

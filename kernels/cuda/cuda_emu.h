@@ -98,6 +98,8 @@ inline float __half2float(__half h) { return cvemu::h2f(h.b); }
 inline __half __float2half_rn(float f) { return __half{cvemu::f2h(f)}; }
 inline float __bfloat162float(__nv_bfloat16 h) { return cvemu::bf2f(h.b); }
 inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __nv_bfloat16{cvemu::f2bf(f)}; }
+inline float __uint_as_float(unsigned u) { return cvemu::bitsf(u); }
+inline __half __ushort_as_half(unsigned short u) { return __half{u}; }
 inline __half2 __floats2half2_rn(float a, float b) { return __half2{__float2half_rn(a), __float2half_rn(b)}; }
 inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
     return __nv_bfloat162{__float2bfloat16_rn(a), __float2bfloat16_rn(b)};

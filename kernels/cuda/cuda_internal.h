@@ -53,6 +53,7 @@ struct cv_cuda_ctx {
     void *stage;                /* pinned host staging for uploads */
     size_t stage_bytes;
 
+    int use_gemv;               /* own kernel for one-token GEMMs (CONVEYOR_CUDA_GEMV != "0") */
     int *flags_h;               /* [CVC_NFLAGS] pinned, mapped; kernels store 1 on bad input */
     int *flags_d;               /* device alias of flags_h */
 
@@ -96,14 +97,22 @@ template <> __device__ __forceinline__ __nv_bfloat16 cvc_from_f32<__nv_bfloat16>
 #define CVC_ALIGNED(p, n) ((void)0)
 #endif
 
-template <int B> struct raw_of;
-template <> struct raw_of<16> { typedef uint4 type; };
-template <> struct raw_of<8> { typedef uint2 type; };
-template <> struct raw_of<4> { typedef unsigned int type; };
+/* Widens the elements packed in one 32-bit word (little-endian: element 0 in
+ * the low bits), without taking addresses (which would force local memory). */
+__device__ __forceinline__ void cvc_widen_word(unsigned u, float *o, float) { o[0] = __uint_as_float(u); }
+__device__ __forceinline__ void cvc_widen_word(unsigned u, float *o, __nv_bfloat16) {
+    o[0] = __uint_as_float(u << 16);
+    o[1] = __uint_as_float(u & 0xffff0000u);
+}
+__device__ __forceinline__ void cvc_widen_word(unsigned u, float *o, __half) {
+    o[0] = __half2float(__ushort_as_half((unsigned short)(u & 0xffffu)));
+    o[1] = __half2float(__ushort_as_half((unsigned short)(u >> 16)));
+}
 
-/* Widens VEC consecutive elements at p (aligned to VEC elements). */
+/* Widens VEC consecutive elements at p (aligned to VEC elements) with the
+ * widest loads that allow (16 bytes at most per load). */
 template <typename T, int VEC>
-__device__ __forceinline__ void load_vec(float (&o)[VEC], const T *p) {
+__device__ __forceinline__ void cvc_load_vec(float (&o)[VEC], const T *p) {
     constexpr int B = VEC * (int)sizeof(T);
     if constexpr (VEC == 1) {
         o[0] = cvc_f32(p[0]);
@@ -112,17 +121,30 @@ __device__ __forceinline__ void load_vec(float (&o)[VEC], const T *p) {
 #pragma unroll
         for (int i = 0; i < VEC / PER; i++) {
             float t[PER];
-            load_vec<T, PER>(t, p + i * PER);
+            cvc_load_vec<T, PER>(t, p + i * PER);
 #pragma unroll
             for (int e = 0; e < PER; e++) o[i * PER + e] = t[e];
         }
     } else {
-        typedef typename raw_of<B>::type R;
+        static_assert(B == 16 || B == 8 || B == 4, "vector loads of 4, 8 or 16 bytes");
+        constexpr int NW = B / 4, PERW = 4 / (int)sizeof(T);
         CVC_ALIGNED(p, B);
-        const R raw = *reinterpret_cast<const R *>(p);
-        const T *e = reinterpret_cast<const T *>(&raw);
+        unsigned w[NW];
+        if constexpr (B == 16) {
+            const uint4 r = *reinterpret_cast<const uint4 *>(p);
+            w[0] = r.x;
+            w[1] = r.y;
+            w[2] = r.z;
+            w[3] = r.w;
+        } else if constexpr (B == 8) {
+            const uint2 r = *reinterpret_cast<const uint2 *>(p);
+            w[0] = r.x;
+            w[1] = r.y;
+        } else {
+            w[0] = *reinterpret_cast<const unsigned *>(p);
+        }
 #pragma unroll
-        for (int i = 0; i < VEC; i++) o[i] = cvc_f32(e[i]);
+        for (int i = 0; i < NW; i++) cvc_widen_word(w[i], &o[i * PERW], T());
     }
 }
 
@@ -174,6 +196,9 @@ void cvc_embedding(cv_backend *b, float *out, const int32_t *tokens, int64_t n,
 /* dst[n] (F16 or BF16) = src[n], round to nearest even; with saturate, F16
  * clamps at +-65504 instead of overflowing to inf (activations). */
 int cvc_narrow_to(cv_cuda_ctx *c, void *dst, cv_dtype dt, const float *src, int64_t n, int saturate);
+/* out[rows] (+)= W x (+ bias) for one token without cuBLAS: 1 done, 0 not
+ * applicable (shape, alignment, or CONVEYOR_CUDA_GEMV=0), -1 error recorded. */
+int cvc_gemv(cv_cuda_ctx *c, float *out, const float *x, const cv_matrix *w, const float *bias, int accumulate);
 /* out[n][rows] = bias (accumulate = 0) or out += bias (accumulate = 1). */
 int cvc_bias(cv_cuda_ctx *c, float *out, const float *bias, int64_t n, int64_t rows,
              int accumulate);

@@ -296,6 +296,79 @@ __global__ void bias_kernel(float *out, const float *bias, int64_t n, int64_t ro
     }
 }
 
+/* ------------------------------------------------------------------ GEMV */
+
+/* One token (decode at batch 1): out[rows] (+)= W[rows][cols] x (+ bias), one
+ * warp per row streaming W with 16-byte loads, x in shared memory. x is
+ * rounded to W's type first, like the cuBLAS path for more tokens, so a row
+ * computes the same products whatever the batch size. */
+#define GEMV_WARPS 8
+template <typename T>
+__global__ void __launch_bounds__(GEMV_WARPS * 32)
+    gemv_kernel(float *out, const float *x, const T *w, const float *bias, int rows, int cols, int accumulate) {
+    extern __shared__ __align__(16) float xs[]; /* [cols] */
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        float v = x[i];
+        if constexpr (std::is_same<T, __half>::value) v = cvc_f32(cvc_from_f32<T>(sat16(v)));
+        else if constexpr (std::is_same<T, __nv_bfloat16>::value) v = cvc_f32(cvc_from_f32<T>(v));
+        xs[i] = v;
+    }
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row = blockIdx.x * GEMV_WARPS + warp;
+    if (row >= rows) return; /* whole warps: no barrier follows */
+    constexpr int VEC = 16 / (int)sizeof(T);
+    const T *wr = w + (int64_t)row * cols;
+    float acc = 0.f;
+#pragma unroll 4
+    for (int c0 = lane * VEC; c0 < cols; c0 += 32 * VEC) {
+        float wv[VEC];
+        cvc_load_vec<T, VEC>(wv, wr + c0);
+        CVC_ALIGNED(xs + c0, 16);
+#pragma unroll
+        for (int e = 0; e < VEC; e += 4) {
+            const float4 x4 = *reinterpret_cast<const float4 *>(xs + c0 + e);
+            acc = fmaf(wv[e], x4.x, acc);
+            acc = fmaf(wv[e + 1], x4.y, acc);
+            acc = fmaf(wv[e + 2], x4.z, acc);
+            acc = fmaf(wv[e + 3], x4.w, acc);
+        }
+    }
+    acc = cvc_warp_sum(acc);
+    if (lane == 0) {
+        if (bias) acc += bias[row];
+        if (accumulate) acc += out[row];
+        out[row] = acc;
+    }
+}
+
+int cvc_gemv(cv_cuda_ctx *c, float *out, const float *x, const cv_matrix *w, const float *bias, int accumulate) {
+    const int64_t rows = w->rows, cols = w->cols;
+    const int vec = w->dtype == CV_F32 ? 4 : 8;
+    if (!c->use_gemv || cols % vec != 0 || cols * 4 > 48 * 1024 || rows > INT_MAX ||
+        ((uintptr_t)w->data % 16) != 0)
+        return 0;
+    const unsigned grid = (unsigned)((rows + GEMV_WARPS - 1) / GEMV_WARPS);
+    const size_t smem = (size_t)cols * 4;
+    switch (w->dtype) {
+    case CV_F32:
+        gemv_kernel<float><<<grid, GEMV_WARPS * 32, smem, c->stream>>>(out, x, (const float *)w->data, bias,
+                                                                        (int)rows, (int)cols, accumulate);
+        break;
+    case CV_F16:
+        gemv_kernel<__half><<<grid, GEMV_WARPS * 32, smem, c->stream>>>(out, x, (const __half *)w->data, bias,
+                                                                         (int)rows, (int)cols, accumulate);
+        break;
+    case CV_BF16:
+        gemv_kernel<__nv_bfloat16><<<grid, GEMV_WARPS * 32, smem, c->stream>>>(
+            out, x, (const __nv_bfloat16 *)w->data, bias, (int)rows, (int)cols, accumulate);
+        break;
+    default:
+        return 0;
+    }
+    return cvc_check_launch(c, "gemm (gemv)") < 0 ? -1 : 1;
+}
+
 int cvc_bias(cv_cuda_ctx *c, float *out, const float *bias, int64_t n, int64_t rows, int accumulate) {
     if (n <= 0 || rows <= 0) return 0;
     bias_kernel<<<grid_for(c, n * rows, 256), 256, 0, c->stream>>>(out, bias, n, rows, accumulate);

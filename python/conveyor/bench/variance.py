@@ -17,6 +17,7 @@ latency per cap, and writes JSON and a PNG of throughput against cap.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -49,6 +50,34 @@ def run_system(model: str, wl: common.Workload, *, scheduling: str, max_num_seqs
     finally:
         llm.close()
     return res
+
+
+def finalize_row(row: Dict[str, Any], num_requests: int) -> Dict[str, Any]:
+    """The derived figures of one cap: best static size, ratios, p50 latencies, steps.
+
+    With every request sent at once and N <= max_num_seqs, a static batch of N holds the
+    whole workload, so it runs the same schedule as continuous batching; the best static
+    size is therefore taken among sizes below N, and the batch of N is reported apart
+    ("static_whole")."""
+    sweep = {int(k): v for k, v in row["static_sweep"].items()}
+    below = [b for b in sweep if b < num_requests] or list(sweep)
+    best_bs = max(below, key=lambda b: sweep[b]["throughput"]["output_tokens_per_s"])
+    best = sweep[best_bs]
+    cont, study = row["continuous"], row["static_study"]
+    c_tp = cont["throughput"]["output_tokens_per_s"]
+    row["static_best_batch_size"] = best_bs
+    row["static_whole_batch_size"] = num_requests if num_requests in sweep else None
+    row["ratio_vs_study"] = c_tp / study["throughput"]["output_tokens_per_s"]
+    row["ratio_vs_best"] = c_tp / best["throughput"]["output_tokens_per_s"]
+    if num_requests in sweep:
+        row["ratio_vs_whole"] = c_tp / sweep[num_requests]["throughput"]["output_tokens_per_s"]
+    # engine steps: what a step-bound (memory-bound, GPU-like) machine pays for
+    row["step_ratio_vs_study"] = study["steps"] / max(1, cont["steps"])
+    row["step_ratio_vs_best"] = best["steps"] / max(1, cont["steps"])
+    row["p50_e2e"] = {"continuous": cont["latency"]["e2e"]["p50"],
+                      "static_study": study["latency"]["e2e"]["p50"],
+                      "static_best": best["latency"]["e2e"]["p50"]}
+    return row
 
 
 def run_study(model: str, *, num_requests: int = 48, prompt_len: int = 128, mean_output: int = 64,
@@ -87,18 +116,11 @@ def run_study(model: str, *, num_requests: int = 48, prompt_len: int = 128, mean
         row["continuous"] = one("continuous", "continuous", max_num_seqs)
         row["static_study"] = one(f"static bs={study_bs} (study)", "static", study_bs)
         sweep_runs = {study_bs: row["static_study"]}
-        for bs in sweep:
+        for bs in sorted({min(b, num_requests) for b in sweep}):  # a batch above N is N
             if bs not in sweep_runs:
                 sweep_runs[bs] = one(f"static bs={bs}", "static", bs)
         row["static_sweep"] = {str(bs): sweep_runs[bs] for bs in sorted(sweep_runs)}
-        best_bs = max(sweep_runs, key=lambda b: sweep_runs[b]["throughput"]["output_tokens_per_s"])
-        row["static_best_batch_size"] = best_bs
-        c_tp = row["continuous"]["throughput"]["output_tokens_per_s"]
-        row["ratio_vs_study"] = c_tp / row["static_study"]["throughput"]["output_tokens_per_s"]
-        row["ratio_vs_best"] = c_tp / sweep_runs[best_bs]["throughput"]["output_tokens_per_s"]
-        row["p50_e2e"] = {"continuous": row["continuous"]["latency"]["e2e"]["p50"],
-                          "static_study": row["static_study"]["latency"]["e2e"]["p50"],
-                          "static_best": sweep_runs[best_bs]["latency"]["e2e"]["p50"]}
+        finalize_row(row, num_requests)
         rows.append(row)
     llm_stats = rows[0]["continuous"] if rows else {}
     return {
@@ -121,14 +143,16 @@ def run_study(model: str, *, num_requests: int = 48, prompt_len: int = 128, mean
 
 def format_table(r: Dict[str, Any]) -> str:
     hdr = (f"{'cap':>5} {'out mean':>8} | {'cont tok/s':>10} | {'static(study)':>15} {'ratio':>6} | "
-           f"{'static(best)':>15} {'ratio':>6} | {'p50 e2e s: cont':>15} {'study':>7} {'best':>7} | "
-           f"{'KV waste mean/max':>17}")
+           f"{'static(best<N)':>15} {'ratio':>6} | {'one batch':>9} | "
+           f"{'p50 e2e s: cont':>15} {'study':>6} {'best':>6} | {'KV waste mean/max':>17} | "
+           f"{'steps cont':>10} {'study/cont':>10} {'best/cont':>9}")
     lines = [hdr, "-" * len(hdr)]
     for row in r["rows"]:
         c = row["continuous"]
         st = row["static_study"]
         best = row["static_sweep"][str(row["static_best_batch_size"])]
         kv = c.get("kv", {})
+        whole = row.get("ratio_vs_whole")
         lines.append(
             f"{row['cap']:>5} {row['workload']['output_len_mean']:>8.1f} | "
             f"{c['throughput']['output_tokens_per_s']:>10.1f} | "
@@ -136,9 +160,11 @@ def format_table(r: Dict[str, Any]) -> str:
             f"{row['ratio_vs_study']:>6.2f} | "
             f"{best['throughput']['output_tokens_per_s']:>8.1f} (bs {best['max_num_seqs']:>2}) "
             f"{row['ratio_vs_best']:>6.2f} | "
-            f"{row['p50_e2e']['continuous']:>15.2f} {row['p50_e2e']['static_study']:>7.2f} "
-            f"{row['p50_e2e']['static_best']:>7.2f} | "
-            f"{100 * kv.get('waste_mean', float('nan')):>7.2f}% / {100 * kv.get('waste_max', float('nan')):>5.2f}%")
+            f"{(f'{whole:.2f}' if whole is not None else '-'):>9} | "
+            f"{row['p50_e2e']['continuous']:>15.2f} {row['p50_e2e']['static_study']:>6.2f} "
+            f"{row['p50_e2e']['static_best']:>6.2f} | "
+            f"{100 * kv.get('waste_mean', float('nan')):>7.2f}% / {100 * kv.get('waste_max', float('nan')):>5.2f}% | "
+            f"{c['steps']:>10} {row['step_ratio_vs_study']:>10.2f} {row['step_ratio_vs_best']:>9.2f}")
     return "\n".join(lines)
 
 
@@ -147,21 +173,21 @@ def plot(r: Dict[str, Any], fig=None):
     fig = fig or common.new_figure(9.0, 3.6)
     ax1, ax2 = fig.subplots(1, 2)
     caps = [row["cap"] for row in r["rows"]]
-
-    def series(get):
-        return [get(row) for row in r["rows"]]
-
-    best = lambda row: row["static_sweep"][str(row["static_best_batch_size"])]  # noqa: E731
+    n = r["knobs"]["num_requests"]
     systems = [
-        ("continuous", lambda row: row["continuous"], "C0", "o"),
-        ("static, study batch sizes", lambda row: row["static_study"], "C3", "s"),
-        ("static, best of sweep", best, "C1", "^"),
+        ("continuous", lambda row: row["continuous"], "C0", "o", "-"),
+        ("static, study batch sizes", lambda row: row["static_study"], "C3", "s", "-"),
+        (f"static, best of sweep (bs < {n})",
+         lambda row: row["static_sweep"][str(row["static_best_batch_size"])], "C1", "^", "-"),
     ]
-    for label, pick, color, marker in systems:
-        ax1.plot(caps, series(lambda row: pick(row)["throughput"]["output_tokens_per_s"]),
-                 marker=marker, color=color, label=label)
-        ax2.plot(caps, series(lambda row: pick(row)["latency"]["e2e"]["p50"]),
-                 marker=marker, color=color, label=label)
+    if all(row.get("static_whole_batch_size") for row in r["rows"]):
+        systems.append((f"static, one batch of all {n}", lambda row: row["static_sweep"][str(n)],
+                        "C7", "x", ":"))
+    for label, pick, color, marker, ls in systems:
+        ax1.plot(caps, [pick(row)["throughput"]["output_tokens_per_s"] for row in r["rows"]],
+                 marker=marker, color=color, linestyle=ls, label=label)
+        ax2.plot(caps, [pick(row)["latency"]["e2e"]["p50"] for row in r["rows"]],
+                 marker=marker, color=color, linestyle=ls, label=label)
     for row in r["rows"]:
         ax1.annotate(f"{row['ratio_vs_study']:.1f}x", (row["cap"], row["continuous"]["throughput"]["output_tokens_per_s"]),
                      textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8, color="C0")
@@ -171,20 +197,40 @@ def plot(r: Dict[str, Any], fig=None):
         ax.set_xscale("log")
         ax.set_xticks(caps)
         ax.set_xticklabels([str(c) for c in caps])
+        ax.minorticks_off()
         ax.set_xlabel("output length cap (tokens)")
         ax.grid(True, alpha=0.3)
     ax1.set_ylabel("output tokens/s")
     ax1.set_ylim(bottom=0)
-    ax1.set_title("throughput (label: continuous / static study)", fontsize=9)
+    ax1.set_title("throughput (labels: continuous / static study)", fontsize=9)
     ax2.set_ylabel("p50 end-to-end latency (s)")
     ax2.set_ylim(bottom=0)
     ax2.set_title("p50 latency, all requests sent at once", fontsize=9)
-    ax1.legend(fontsize=8)
+    ax1.legend(fontsize=7)
     k = r["knobs"]
     fig.suptitle(f"Workload V on {r['model']['name']}: N={k['num_requests']}, P={k['prompt_len']}, "
                  f"M={k['mean_output']} ({r['machine']['usable_cores']} cores, {r['machine']['simd']})",
                  fontsize=10)
     return fig
+
+
+def print_report(r: Dict[str, Any]) -> None:
+    k = r["knobs"]
+    m = r["machine"]
+    print("conveyor bench variance (Workload V)")
+    print(f"machine: {m['cpu']}, {m['usable_cores']} usable cores, SIMD {m['simd']}, device "
+          f"{k.get('device', 'cpu')}, load at start {m['loadavg_at_start']}")
+    print(f"model: {r['model']['name']} (dim {r['model']['dim']}, {r['model']['n_layers']} layers, "
+          f"vocab {r['model']['vocab_size']}, {r['model']['dtype']})")
+    print(f"workload: N={k['num_requests']}, P={k['prompt_len']}, M={k['mean_output']}, caps {k['caps']}, "
+          f"seed {k['seed']}, EOS ignored, all requests at once; continuous max_num_seqs "
+          f"{k['continuous_max_num_seqs']}, token budget {k['max_num_batched_tokens']}, block size "
+          f"{k.get('block_size', 16)}; static sizes {k['study_batch_sizes']} (study), sweep {k['sweep']}")
+    print("throughput = output tokens/s; ratio = continuous / static; one batch = continuous / static "
+          "with all N in one batch; KV waste of the continuous runs; steps = engine steps "
+          "(continuous, and static / continuous)")
+    print(format_table(r))
+    print(f"elapsed {r['elapsed_s']:.0f} s", flush=True)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -202,13 +248,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--json", default="variance.json", help="JSON output (default variance.json)")
     ap.add_argument("--plot", default="variance.png", help="PNG output (default variance.png; '' for none)")
+    ap.add_argument("--from-json", default=None, help="print and plot a saved result instead of running")
     args = ap.parse_args(argv)
 
+    if args.from_json:  # re-render a saved run (table, plot) with the current code
+        with open(args.from_json) as f:
+            r = json.load(f)
+        for row in r["rows"]:
+            finalize_row(row, r["knobs"]["num_requests"])
+        print_report(r)
+        if args.plot:
+            common.save_figure(plot(r), args.plot)
+            print(f"wrote {args.plot}", file=sys.stderr)
+        return 0
     model = common.resolve_model(args.model)
     caps = common.parse_int_list(args.caps) if args.caps else None
     sizes = common.parse_int_list(args.static_sizes) if args.static_sizes else None
     if caps and not sizes:
-        sizes = list(STUDY_BATCH_SIZES) if len(caps) == 4 else [STUDY_BATCH_SIZES[min(i, 3)] for i in range(len(caps))]
+        sizes = [STUDY_BATCH_SIZES[min(i, 3)] for i in range(len(caps))]
 
     def say(s):
         print(s, file=sys.stderr, flush=True)
@@ -218,19 +275,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   sweep=common.parse_int_list(args.sweep), seed=args.seed,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                   progress=say, **common.engine_kwargs(args))
-    k = r["knobs"]
-    print("conveyor bench variance (Workload V)")
-    print(f"machine: {r['machine']['cpu']}, {r['machine']['usable_cores']} usable cores, SIMD "
-          f"{r['machine']['simd']}, device {args.device}, load at start {r['machine']['loadavg_at_start']}")
-    print(f"model: {r['model']['name']} (dim {r['model']['dim']}, {r['model']['n_layers']} layers, "
-          f"vocab {r['model']['vocab_size']}, {r['model']['dtype']})")
-    print(f"workload: N={k['num_requests']}, P={k['prompt_len']}, M={k['mean_output']}, caps {k['caps']}, "
-          f"seed {k['seed']}, EOS ignored, all requests at once; continuous max_num_seqs "
-          f"{k['continuous_max_num_seqs']}, token budget {k['max_num_batched_tokens']}, block size "
-          f"{args.block_size}; static sizes {k['study_batch_sizes']} (study), sweep {k['sweep']}")
-    print("throughput = output tokens/s; ratio = continuous / static")
-    print(format_table(r))
-    print(f"elapsed {r['elapsed_s']:.0f} s", flush=True)
+    print_report(r)
     if args.json:
         common.write_json(args.json, r)
         say(f"wrote {args.json}")

@@ -1,0 +1,219 @@
+"""The end-to-end benchmarks (throughput, variance, latency, timeline) on tiny settings:
+their JSON has the fields and sane values. No timing assertions."""
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from conveyor.bench import common, latency, throughput, timeline, variance  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model(stories_dir):
+    return str(stories_dir / "stories260K.bin")
+
+
+def _load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _ordered(p):
+    return p["p50"] <= p["p90"] <= p["p99"] and p["count"] > 0
+
+
+# ------------------------------------------------------------------ common helpers
+
+
+def test_capped_exponential_respects_cap_and_seed():
+    a = common.capped_exponential(np.random.default_rng(1), 500, 64, 16)
+    b = common.capped_exponential(np.random.default_rng(1), 500, 64, 16)
+    assert a.shape == (500,) and a.dtype.kind == "i"
+    assert a.min() >= 1 and a.max() <= 16
+    assert np.array_equal(a, b)
+    big = common.capped_exponential(np.random.default_rng(2), 4000, 64, 768)
+    assert 50 < big.mean() < 80  # close to the uncapped mean when the cap is far out
+    with pytest.raises(ValueError):
+        common.capped_exponential(np.random.default_rng(0), 3, 10, 0)
+
+
+def test_percentiles_match_numpy_linear():
+    v = [5.0, 1.0, 3.0, 2.0, 10.0]
+    p = common.percentiles(v)
+    assert p["p50"] == pytest.approx(np.percentile(v, 50))
+    assert p["p90"] == pytest.approx(np.percentile(v, 90))
+    assert p["p99"] == pytest.approx(9.8)  # 5 + 0.96 * (10 - 5)
+    assert p["mean"] == pytest.approx(4.2)
+    assert common.percentiles([])["count"] == 0
+
+
+def test_workload_is_deterministic():
+    a = common.make_workload(n=5, vocab_size=100, prompt_len=7, mean_output=8, cap=8, seed=3)
+    b = common.make_workload(n=5, vocab_size=100, prompt_len=7, mean_output=8, cap=8, seed=3)
+    assert all(np.array_equal(x, y) for x, y in zip(a.prompts, b.prompts))
+    assert a.output_lens == b.output_lens
+    assert all(len(p) == 7 and p.max() < 100 for p in a.prompts)
+    assert all(1 <= n <= 8 for n in a.output_lens)
+    assert all(p.ignore_eos and p.max_tokens == n for p, n in zip(a.params(), a.output_lens))
+
+
+def test_poisson_arrivals_rate():
+    t = common.poisson_arrivals(np.random.default_rng(0), 2000, 4.0)
+    assert t[0] == 0.0 and all(x <= y for x, y in zip(t, t[1:]))
+    assert 3.5 < (len(t) - 1) / t[-1] < 4.5
+
+
+def test_slots_from_synthetic_trace():
+    # 2 slots; r0 runs steps 0-3, r1 steps 0-0, r2 starts at 1 (takes r1's slot), r3 at 4
+    trace = [(10, 0, 0, 0, 0, 5), (10, 0, 0, 1, 0, 5)]
+    trace += [(10 + s, 0, 0, 0, 0, 1) for s in (1, 2, 3)]
+    trace += [(11, 0, 0, 2, 0, 4), (12, 0, 0, 2, 0, 1), (14, 0, 0, 3, 0, 3)]
+    tl = timeline.slots_from_trace(trace, 2)
+    slot = {b["request"]: b["slot"] for b in tl["bars"]}
+    assert slot == {0: 0, 1: 1, 2: 1, 3: 0}
+    assert tl["n_steps"] == 5
+    assert tl["grid"][1] == [1, 2, 2, -1, -1]
+    assert tl["grid"][0] == [0, 0, 0, 0, 3]
+    # step 3: slot 1 idle while r3 waits
+    assert tl["idle_while_waiting"] == 1
+    assert [b["prefill_steps"] for b in sorted(tl["bars"], key=lambda b: b["request"])] == [1, 1, 1, 1]
+
+
+# ------------------------------------------------------------------ the benchmarks
+
+
+def test_throughput_main(model, tmp_path, capsys):
+    out = tmp_path / "tp.json"
+    rc = throughput.main(["--model", model, "--num-requests", "6", "--input-len", "8",
+                          "--output-len", "4", "--range-ratio", "0.5", "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "requests/s" in text and "output tokens/s" in text and "total tokens/s" in text
+    r = _load(out)
+    t = r["throughput"]
+    assert t["requests_per_s"] > 0 and t["output_tokens_per_s"] > 0
+    assert t["total_tokens_per_s"] > t["output_tokens_per_s"]
+    assert r["output_tokens"] == r["workload"]["output_tokens"]
+    assert 2 <= r["workload"]["output_len_min"] <= r["workload"]["output_len_max"] <= 6
+    assert r["preemptions"] == 0
+    assert 0.0 <= r["kv"]["waste_mean"] <= r["kv"]["waste_max"] < 1.0
+    assert r["machine"]["simd"] and r["machine"]["usable_cores"] >= 1
+    assert r["model"]["vocab_size"] == 512
+    assert _ordered(r["latency"]["e2e"]) and _ordered(r["latency"]["ttft"])
+
+
+def test_throughput_static_via_cli(model, tmp_path, capsys):
+    from conveyor.cli import main as cli_main
+
+    out = tmp_path / "tp.json"
+    rc = cli_main(["bench", "throughput", "--model", model, "--num-requests", "5", "--input-len", "6",
+                   "--output-len", "3", "--scheduling", "static", "--max-num-seqs", "2",
+                   "--json", str(out)])
+    assert rc == 0
+    r = _load(out)
+    assert r["knobs"]["scheduling"] == "static"
+    assert r["output_tokens"] == 15
+    assert r["running_max"] <= 2
+
+
+def test_variance_main(model, tmp_path, capsys):
+    j, png = tmp_path / "v.json", tmp_path / "v.png"
+    rc = variance.main(["--model", model, "--num-requests", "10", "--prompt-len", "16",
+                        "--mean-output", "8", "--caps", "2,24", "--static-sizes", "4,2",
+                        "--sweep", "3,64", "--json", str(j), "--plot", str(png)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "ratio" in text and "p50" in text
+    r = _load(j)
+    assert [row["cap"] for row in r["rows"]] == [2, 24]
+    for row, study_bs in zip(r["rows"], (4, 2)):
+        wl = row["workload"]
+        assert wl["output_len_max"] <= row["cap"] and wl["output_len_min"] >= 1
+        assert row["static_study"]["max_num_seqs"] == study_bs
+        assert row["static_study"]["scheduling"] == "static"
+        # the sweep holds the study size, 3, and 64 clipped to N = 10
+        assert sorted(int(k) for k in row["static_sweep"]) == sorted({study_bs, 3, 10})
+        runs = [row["continuous"], *row["static_sweep"].values()]
+        for run in runs:  # identical requests on every system
+            assert run["output_tokens"] == wl["output_tokens"]
+            assert run["preemptions"] == 0
+            assert _ordered(run["latency"]["e2e"])
+        assert row["ratio_vs_study"] > 0 and row["ratio_vs_best"] > 0
+        # the best static size is taken below N; a batch of all N is reported apart
+        assert row["static_best_batch_size"] < 10 and row["static_whole_batch_size"] == 10
+        assert row["ratio_vs_whole"] > 0
+        best = row["static_sweep"][str(row["static_best_batch_size"])]
+        assert all(best["throughput"]["output_tokens_per_s"] >= x["throughput"]["output_tokens_per_s"]
+                   for k, x in row["static_sweep"].items() if int(k) < 10)
+        assert row["step_ratio_vs_study"] >= 1.0  # static never needs fewer steps here
+        for run in row["static_sweep"].values():
+            assert run["running_max"] <= run["max_num_seqs"]
+        kv = row["continuous"]["kv"]
+        assert 0.0 <= kv["waste_mean"] <= kv["waste_max"] < 1.0 and kv["block_size"] == 16
+    assert png.stat().st_size > 1000
+    # a saved run re-renders
+    png2 = tmp_path / "v2.png"
+    assert variance.main(["--from-json", str(j), "--plot", str(png2)]) == 0
+    assert "ratio" in capsys.readouterr().out and png2.stat().st_size > 1000
+
+
+def test_latency_main(model, tmp_path, capsys):
+    j, png = tmp_path / "l.json", tmp_path / "l.png"
+    rc = latency.main(["--model", model, "--num-requests", "8", "--prompt-len", "16",
+                       "--mean-output", "4", "--calib-requests", "4", "--static-batch-size", "3",
+                       "--json", str(j), "--plot", str(png)])
+    assert rc == 0
+    r = _load(j)
+    assert r["calibration"]["requests_per_s"] > 0
+    assert len(r["rates"]) == 2 and 0 < r["rates"][0] < r["rates"][1]
+    assert r["knobs"]["prompt_len_range"] == [8, 24]
+    assert len(r["runs"]) == 4
+    assert {(x["scheduling"], x["rate"]) for x in r["runs"]} == {
+        (s, rate) for s in ("static", "continuous") for rate in r["rates"]}
+    for run in r["runs"]:
+        assert run["all_finished"]
+        assert run["e2e"]["count"] == 8 and run["ttft"]["count"] == 8
+        for m in ("ttft", "tpot", "e2e"):
+            assert _ordered(run[m]) and run[m]["mean"] >= 0
+        assert run["ttft"]["p50"] <= run["e2e"]["p50"]
+        assert len(run["e2e_values"]) == 8
+        assert run["throughput"]["output_tokens_per_s"] > 0
+    assert png.stat().st_size > 1000
+
+
+def test_latency_explicit_rates(model):
+    r = latency.run_study(model, num_requests=4, prompt_len=8, mean_output=3, rates=[50.0],
+                          static_batch_size=2)
+    assert r["calibration"] is None and r["rates"] == [50.0]
+    assert [x["scheduling"] for x in r["runs"]] == ["static", "continuous"]
+    assert all(x["e2e"]["count"] == 4 for x in r["runs"])
+
+
+def test_timeline_static_idles_continuous_refills(model, tmp_path, capsys):
+    j, png = tmp_path / "t.json", tmp_path / "t.png"
+    rc = timeline.main(["--model", model, "--json", str(j), "--plot", str(png)])
+    assert rc == 0
+    assert "slot 0" in capsys.readouterr().out
+    r = _load(j)
+    n_req = len(r["knobs"]["output_lens"])
+    for sched in ("static", "continuous"):
+        tl = r[sched]
+        assert tl["n_slots"] == 4
+        assert sorted(b["request"] for b in tl["bars"]) == list(range(n_req))
+        assert tl["output_lens"] == r["knobs"]["output_lens"]
+        # one sequence per slot at a time
+        for slot in range(tl["n_slots"]):
+            spans = sorted((b["start"], b["end"]) for b in tl["bars"] if b["slot"] == slot)
+            assert all(a_end < b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    st, ct = r["static"], r["continuous"]
+    # static: short sequences' slots idle while requests wait; continuous refills at once
+    assert st["idle_while_waiting"] > 0
+    assert ct["idle_while_waiting"] == 0
+    assert ct["n_steps"] < st["n_steps"]
+    # static admits a new batch only when the whole previous one has ended
+    starts = sorted({b["start"] for b in st["bars"]})
+    for s in starts[1:]:
+        assert not any(b["start"] < s <= b["end"] for b in st["bars"])
+    assert png.stat().st_size > 1000

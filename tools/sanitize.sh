@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Runs the test suite against a sanitized conveyor._core: AddressSanitizer,
+# UndefinedBehaviorSanitizer and LeakSanitizer.
+#
+#   tools/sanitize.sh                      the whole suite (tests/, -q)
+#   tools/sanitize.sh tests/test_engine.py -x -k greedy     any pytest arguments
+#
+# It builds a private copy with CONVEYOR_SANITIZE=1 (setup.py adds
+# -fsanitize=address,undefined -fno-sanitize-recover=undefined -g) into
+# /tmp/cv_build_$CV_SANITIZE_NAME (default "asan", through tools/dev_build.sh, so
+# the checkout and other builds are untouched; the CUDA backend is left out), then
+# runs pytest with
+#   LD_PRELOAD=$(gcc -print-file-name=libasan.so)   the interpreter is not instrumented,
+#                                                    so the ASan runtime must come first
+#   PYTHONMALLOC=malloc                              Python objects through malloc, so ASan
+#                                                    also sees the binding misuse them
+#   ASAN_OPTIONS=detect_leaks=1:...                  LSan at exit, with tools/lsan.supp
+#   UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+# Any ASan/UBSan report stops the process with a stack; a leak fails the exit code.
+#
+# Environment: PYTHON (default python3; needs setuptools, numpy and the test
+# dependencies), CC (the compiler whose libasan is preloaded; default gcc, the
+# one setup.py uses), CV_SANITIZE_NAME, CV_SANITIZE_ALL=1 to also run the tests
+# that are deselected below as too slow under ASan.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+py=${PYTHON:-python3}
+cc=${CC:-gcc}
+name=${CV_SANITIZE_NAME:-asan}
+
+asan=$("$cc" -print-file-name=libasan.so)
+if [ ! -e "$asan" ]; then
+  echo "sanitize.sh: $cc has no libasan.so ($asan); install its sanitizer runtime (libasan8)" >&2
+  exit 2
+fi
+asan=$(realpath "$asan")
+
+echo "sanitize.sh: building a sanitized conveyor._core into /tmp/cv_build_$name" >&2
+lib=$(CONVEYOR_SANITIZE=1 CONVEYOR_CUDA=0 PYTHON="$py" CC="$cc" tools/dev_build.sh "$name")
+if ! nm -D "$lib"/conveyor/_core*.so | grep __asan_init >/dev/null; then
+  echo "sanitize.sh: the build in $lib is not instrumented" >&2
+  exit 2
+fi
+
+args=("$@")
+if [ ${#args[@]} -eq 0 ]; then
+  args=(tests -q)
+fi
+# Too slow under ASan for a routine run (each is also run without sanitizers by
+# the normal suite); CV_SANITIZE_ALL=1 keeps them.
+deselect=()
+if [ "${CV_SANITIZE_ALL:-0}" != 1 ]; then
+  deselect=(
+    --deselect tests/test_fuzz_smoke.py   # builds and runs the libFuzzer targets (ASan already)
+    --deselect tests/test_soak.py         # RSS figures mean nothing under ASan's quarantine
+  )
+fi
+
+export PYTHONPATH="$lib${PYTHONPATH:+:$PYTHONPATH}"
+export LD_PRELOAD="$asan${LD_PRELOAD:+:$LD_PRELOAD}"
+export PYTHONMALLOC=malloc
+# allocator_may_return_null: a huge request (max_num_seqs=10**12) must fail as
+# MemoryError, as it does without ASan, instead of ASan aborting the process.
+# Reports go to files: pytest captures fd 2 while a test runs, and a report
+# written there dies with the process.
+reports=$(mktemp -d /tmp/cv_sanitize_reports.XXXXXX)
+export ASAN_OPTIONS="log_path=$reports/asan:detect_leaks=1:allocator_may_return_null=1:halt_on_error=1:detect_stack_use_after_return=0:check_initialization_order=1:strict_string_checks=1:detect_odr_violation=0${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
+export LSAN_OPTIONS="suppressions=$root/tools/lsan.supp:print_suppressions=0${LSAN_OPTIONS:+:$LSAN_OPTIONS}"
+export UBSAN_OPTIONS="log_path=$reports/ubsan:halt_on_error=1:print_stacktrace=1${UBSAN_OPTIONS:+:$UBSAN_OPTIONS}"
+# Subprocesses the tests start (servers, C compilers) inherit this; tests that
+# build C code drop LD_PRELOAD for the compiler themselves.
+export CONVEYOR_SANITIZED=1
+
+echo "sanitize.sh: $py -m pytest ${args[*]} ${deselect[*]}" >&2
+set +e
+"$py" -m pytest -p no:cacheprovider "${args[@]}" "${deselect[@]}"
+rc=$?
+set -e
+found=0
+for f in "$reports"/*; do
+  [ -e "$f" ] || continue
+  found=1
+  echo "==== sanitizer report $f" >&2
+  cat "$f" >&2
+done
+if [ $found = 1 ]; then
+  echo "sanitize.sh: sanitizer reports above (kept in $reports); pytest exit status $rc" >&2
+  [ $rc -eq 0 ] && rc=1
+else
+  rmdir "$reports"
+  echo "sanitize.sh: no sanitizer report; pytest exit status $rc" >&2
+fi
+exit $rc
