@@ -699,8 +699,45 @@ ALL_CASES = [("test_bad_llama2c_file", L2C_CASES), ("test_bad_hf_folder", HF_CAS
              ("test_bad_generate_call", GEN_CASES), ("test_bad_http_request", HTTP_CASES)]
 
 
+# The cases that have a test of their own: (case, input, expected, test).
+OTHER_ROWS = [
+    ("model-missing", "LLM('/nonexistent/model.bin')", "FileNotFoundError naming the path", "test_missing_model_path"),
+    ("model-not-a-model", "a folder holding only notes.txt", "FileNotFoundError naming tokenizer.json / config.json",
+     "test_folder_that_is_no_model"),
+    ("knob-cuda-no-gpu", 'device="cuda" without a GPU or driver', "UnsupportedError naming CUDA (skipped with a GPU)",
+     "test_cuda_without_a_gpu"),
+    ("llm-after-close", "LLM.generate after close()", "EngineClosedError `closed`; close() twice is fine",
+     "test_generate_after_close"),
+    ("async-duplicate-id", "a second request_id='dup' while the first runs", "ValueError `request_id 'dup' is "
+     "already in use`; the id is free again once the first ends", "test_async_duplicate_request_id"),
+    ("async-abort-unknown", "abort('no-such-request'), abort of a finished id", "no exception: returns False",
+     "test_async_abort_unknown_id"),
+    ("async-abort-type", "abort(5)", "TypeError `request_id must be a str, got int`", "test_async_abort_wrong_type"),
+    ("async-consumed-twice", "async for over a finished stream again", "yields nothing; __anext__ raises "
+     "StopAsyncIteration (no repeated outputs, no hang)", "test_async_iterator_consumed_twice"),
+    ("async-consumed-concurrently", "two tasks pulling one stream", "RuntimeError `already running`; the request "
+     "is aborted with its consumer", "test_async_iterator_consumed_concurrently"),
+    ("async-list-of-prompts", "generate(['a', 'b'])", "TypeError `takes one prompt`", "test_async_bad_call"),
+    ("async-request-id-int", "generate(p, request_id=5)", "TypeError `request_id must be a str`", "test_async_bad_call"),
+    ("async-params-dict", "generate(p, {'max_tokens': 2})", "TypeError `sampling_params must be a SamplingParams`",
+     "test_async_bad_call"),
+    ("async-empty-prompt", 'generate("")', "ValueError `the prompt is empty`", "test_async_bad_call"),
+    ("async-too-long", "600 token ids", "ValueError `max_model_len`", "test_async_bad_call"),
+    ("async-out-of-vocab", "token id 99999", "ValueError `outside the vocabulary`", "test_async_bad_call"),
+    ("async-no-loop", "stepping generate() outside an event loop", "RuntimeError `no running event loop`",
+     "test_async_generate_outside_event_loop"),
+    ("async-cancel", "the consumer task cancelled mid-stream", "CancelledError in the consumer; request aborted, "
+     "blocks freed", "test_async_cancel_mid_stream"),
+    ("async-after-close", "close() with a request in flight, then generate/abort",
+     "the stream ends with finish_reason 'abort'; then EngineClosedError `closed`; abort returns False",
+     "test_async_generate_after_close_and_close_in_flight"),
+]
+
+
 def catalogue_markdown() -> str:
     rows = ["| case | input | expected error (message matches) | test |", "| --- | --- | --- | --- |"]
+    for case, what, exp, test in OTHER_ROWS:
+        rows.append(f"| {case} | {what.replace('|', '/')} | {exp} | `{test}` |")
     for test, cases in ALL_CASES:
         for c in cases:
             what = c.what.replace("|", "\\|")
@@ -712,8 +749,10 @@ def catalogue_markdown() -> str:
 
 
 def test_catalogue_is_complete():
-    n = sum(len(cs) for _, cs in ALL_CASES)
-    ids = [c.id for _, cs in ALL_CASES for c in cs]
+    n = sum(len(cs) for _, cs in ALL_CASES) + len(OTHER_ROWS)
+    ids = [c.id for _, cs in ALL_CASES for c in cs] + [r[0] for r in OTHER_ROWS]
+    tests = {name for name in globals() if name.startswith("test_")}
+    assert {r[3] for r in OTHER_ROWS} <= tests
     assert n >= 40 and len(set(ids)) == len(ids)
 
 

@@ -287,16 +287,20 @@ def _run_attention(case, dtype, what, tol=2e-5):
     return got
 
 
-# (n_heads, n_kv): MHA, GQA 2/4/8, MQA 16 (more heads per KV head than one decode block takes)
-HEADS = [(4, 4), (8, 4), (8, 2), (32, 4), (16, 1)]
+# (n_heads, n_kv): MHA, GQA 2/4/7/8/12, MQA 16 (g > 8: several decode blocks per KV head)
+HEADS = [(4, 4), (8, 4), (8, 2), (14, 2), (32, 4), (24, 2), (16, 1)]
 HEAD_DIMS = [64, 80, 96, 128, 256, 40, 72]
 
 
 def _grid():
+    """(heads, head_dim, block_size) cases: every head layout with every head_dim at block
+    size 16 on a GPU, plus other block sizes; a sample on the (slow) emulator."""
     if EMULATED:
-        return [(h, hd, bs) for (h, hd, bs) in [((8, 4), 64, 16), ((32, 4), 128, 16), ((16, 1), 80, 8),
-                                                  ((4, 4), 256, 32), ((8, 2), 40, 16), ((8, 4), 72, 1)]]
-    return [(h, hd, bs) for h in HEADS for hd in HEAD_DIMS for bs in (16, 1, 32)]
+        return [((8, 4), 64, 16), ((32, 4), 128, 16), ((16, 1), 80, 8), ((4, 4), 256, 32),
+                ((8, 2), 40, 16), ((8, 4), 72, 1), ((24, 2), 96, 64), ((14, 2), 64, 16)]
+    grid = [(h, hd, 16) for h in HEADS for hd in HEAD_DIMS]
+    return grid + [((8, 2), 64, 1), ((32, 4), 128, 32), ((16, 1), 80, 1), ((4, 4), 256, 32),
+                   ((14, 2), 64, 8), ((24, 2), 96, 64)]
 
 
 @needs_cuda
@@ -318,8 +322,8 @@ def test_paged_attention_prefill_and_mixed(dtype, heads, hd, bs):
     n_heads, n_kv = heads
     rng = np.random.default_rng(hd * 17 + bs + n_heads)
     # whole prompts, chunks over a cached prefix, and decode rows in one batch
-    new = [5, 1, 33, 2, 40, 1] if EMULATED else [5, 1, 33, 2, 300, 1, 64, 129]
-    ctx = [5, 9, 33, 70, 47, 300] if EMULATED else [5, 9, 33, 70, 700, 300, 64, 1000]
+    new = [5, 1, 33, 2, 40, 1] if EMULATED else [5, 1, 33, 2, 160, 1, 64, 100]
+    ctx = [5, 9, 33, 70, 47, 300] if EMULATED else [5, 9, 33, 70, 400, 300, 64, 600]
     case = _attention_case(rng, n_heads=n_heads, n_kv=n_kv, hd=hd, bs=bs, dtype=dtype,
                            new_tokens=new, contexts=ctx)
     _run_attention(case, dtype, f"prefill/mixed {dtype} heads={heads} hd={hd} bs={bs}")

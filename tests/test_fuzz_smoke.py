@@ -25,12 +25,18 @@ C_TARGETS = ["safetensors", "config", "llama2c", "stop"]
 C_SOURCES = ROOT / "csrc" / "fuzz"
 
 
-def _env(tmp_path: Path) -> dict:
+@pytest.fixture(scope="module")
+def fuzz_dir(tmp_path_factory) -> Path:
+    """One build folder for the module, so the targets' objects are built once."""
+    return tmp_path_factory.mktemp("fuzz")
+
+
+def _env(fuzz_dir: Path) -> dict:
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)  # a sanitizer runtime preloaded by tools/sanitize.sh
-    env["CV_FUZZ_DIR"] = str(tmp_path / "fuzz")
+    env["CV_FUZZ_DIR"] = str(fuzz_dir)
     env["PYTHON"] = sys.executable
-    pkg_root = str(Path(conveyor.__file__).resolve().parent.parent)  # the conveyor imported here
+    pkg_root = str(Path(conveyor.__file__).parent.parent)  # the conveyor imported here
     env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     return env
 
@@ -65,11 +71,11 @@ needs_sources = pytest.mark.skipif(not (FUZZ_SH.is_file() and C_SOURCES.is_dir()
 
 
 @needs_sources
-def test_fuzz_smoke_5s_per_target(tmp_path):
+def test_fuzz_smoke_5s_per_target(tmp_path, fuzz_dir):
     """tools/fuzz.sh -t 5: every target builds, runs 5 s and does not crash."""
     if not _has_libfuzzer(tmp_path):
         pytest.skip("clang with libFuzzer (-fsanitize=fuzzer) is not available")
-    r = subprocess.run(["bash", str(FUZZ_SH), "-t", "5"], cwd=ROOT, env=_env(tmp_path),
+    r = subprocess.run(["bash", str(FUZZ_SH), "-t", "5"], cwd=ROOT, env=_env(fuzz_dir),
                        capture_output=True, text=True, timeout=600)
     print(r.stdout, r.stderr[-4000:])
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
@@ -83,14 +89,14 @@ def test_fuzz_smoke_5s_per_target(tmp_path):
 
 @needs_sources
 @pytest.mark.parametrize("target", C_TARGETS)
-def test_fuzz_corpus_replays(target, tmp_path):
+def test_fuzz_corpus_replays(target, tmp_path, fuzz_dir):
     """Every file of tests/fuzz_corpus/<target>/ (seeds, and inputs that once
     crashed) runs through its target under ASan/UBSan without a report."""
     files = sorted((CORPUS / target).iterdir())
     assert files, f"tests/fuzz_corpus/{target} is empty"
     if not _has_asan_cc(tmp_path):
         pytest.skip("no C compiler with AddressSanitizer")
-    r = subprocess.run(["bash", str(FUZZ_SH), "--replay", target], cwd=ROOT, env=_env(tmp_path),
+    r = subprocess.run(["bash", str(FUZZ_SH), "--replay", target], cwd=ROOT, env=_env(fuzz_dir),
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
     assert f"{target}: replayed {len(files)} file(s)" in r.stdout, r.stdout

@@ -123,6 +123,28 @@ def test_gemm_large_packed_blocks(impl, wdt):
     assert_close_dot(got, ref, scale)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gemm_and_embedding_from_16_bit_sources(impl):
+    # checkpoints hold bf16 / fp16: preparing from them keeps the values exactly
+    r = rng(11)
+    w = r.standard_normal((35, 19), dtype=np.float32)
+    x = r.standard_normal((8, 19), dtype=np.float32)
+    wb = bf16_bits(w)
+    wh = w.astype(np.float16)
+    for src, wdt, wref in [(wb, "bfloat16", bf16_to_f32(wb)), (wb, "float32", bf16_to_f32(wb)),
+                           (wh, "float16", wh.astype(np.float32)),
+                           (wh, "bfloat16", round_to(wh.astype(np.float32), "bfloat16")),
+                           (w.astype(np.float64), "float16", round_to(w, "float16"))]:
+        wref = wref.astype(np.float64)
+        got = core.kernel_gemm(x, src, wdt, impl=impl)
+        assert_close_dot(got, x.astype(np.float64) @ wref.T, np.abs(x) @ np.abs(wref).T)
+        tokens = np.array([3, 0, 34], np.int32)
+        np.testing.assert_array_equal(core.kernel_embedding(src, tokens, wdt, impl=impl),
+                                      wref[tokens].astype(np.float32))
+    with pytest.raises(TypeError):
+        core.kernel_gemm(x, w.astype(np.int32))
+
+
 def test_thread_pool_many_regions_with_pauses():
     # back-to-back regions (workers spinning) and regions after pauses (workers
     # asleep) on an over-subscribed pool all give the exact same result
@@ -426,7 +448,7 @@ def test_paged_attention_long_context_split(impl, threads):
     r = rng(threads, len(impl))
     for cdt, news in [("float32", [1]), ("bfloat16", [3]), ("float16", [1, 2])]:
         c = make_attention_case(r, n_seqs=len(news), nkv=1, G=2, hd=48, bs=16, cdt=cdt,
-                                prefixes=[700] * len(news), news=news)
+                                prefixes=[3000] * len(news), news=news)
         ref = attention_ref(c, 0.3)
         np.testing.assert_allclose(run_attention(c, impl, threads, scale=0.3), ref,
                                    rtol=1e-4, atol=2e-5)

@@ -71,7 +71,7 @@ def _archs():
 
 
 def _nvcc_flags():
-    flags = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC,-fvisibility=hidden,-Wall",
+    flags = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC,-fvisibility=hidden,-Wall,-Wextra",
              "-I" + CUDA_DIR, "-I" + os.path.join(ROOT, "kernels"), "-I" + os.path.join(ROOT, "csrc")]
     archs = _archs()
     for a in archs:

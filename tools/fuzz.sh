@@ -335,7 +335,7 @@ except ImportError:
     atheris = None
 
 if atheris is not None:
-    with atheris.instrument_imports():
+    with atheris.instrument_imports(include=["conveyor"]):
         from conveyor import ModelFormatError
         from conveyor.tokenizer import Llama2cTokenizer
 else:

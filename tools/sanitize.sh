@@ -58,7 +58,6 @@ if [ "${CV_SANITIZE_ALL:-0}" != 1 ]; then
 fi
 
 export PYTHONPATH="$lib${PYTHONPATH:+:$PYTHONPATH}"
-export LD_PRELOAD="$asan${LD_PRELOAD:+:$LD_PRELOAD}"
 export PYTHONMALLOC=malloc
 # allocator_may_return_null: a huge request (max_num_seqs=10**12) must fail as
 # MemoryError, as it does without ASan, instead of ASan aborting the process.
@@ -74,7 +73,8 @@ export CONVEYOR_SANITIZED=1
 
 echo "sanitize.sh: $py -m pytest ${args[*]} ${deselect[*]}" >&2
 set +e
-"$py" -m pytest -p no:cacheprovider "${args[@]}" "${deselect[@]}"
+# LD_PRELOAD for the interpreter only (and what it starts), not for this script's tools.
+LD_PRELOAD="$asan${LD_PRELOAD:+:$LD_PRELOAD}" "$py" -m pytest -p no:cacheprovider "${args[@]}" "${deselect[@]}"
 rc=$?
 set -e
 found=0

@@ -52,9 +52,9 @@ static cv_backend *get_cuda(void) {
         const char *env = getenv("CONVEYOR_CUDA_DEVICE");
         if (env && env[0]) device = atoi(env);
         cv_err err = {0, {0}};
-        cv_backend *b;
-        Py_BEGIN_ALLOW_THREADS b = cv_cuda_backend_create(device, &err);
-        Py_END_ALLOW_THREADS
+        /* With the GIL held (about a second, once): no other thread can see
+         * `tried` set before the outcome is stored. */
+        cv_backend *b = cv_cuda_backend_create(device, &err);
         if (b) {
             g_cu.lock = PyThread_allocate_lock();
             if (!g_cu.lock) {

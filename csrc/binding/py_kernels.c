@@ -163,6 +163,29 @@ static int want_rows3(PyObject *o, const char *name, int writeable, rows3 *r) {
     return 0;
 }
 
+/* A 2-D source of weights: float32, float64, float16, or uint16 holding
+ * bfloat16 bits. Returns the array (borrowed) and its dtype, or NULL. */
+static PyArrayObject *want_source(PyObject *o, const char *name, cv_dtype *dt) {
+    if (!PyArray_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a numpy array", name);
+        return NULL;
+    }
+    const int t = PyArray_TYPE((PyArrayObject *)o);
+    int npt;
+    switch (t) {
+    case NPY_FLOAT32: *dt = CV_F32; npt = t; break;
+    case NPY_FLOAT64: *dt = CV_F64; npt = t; break;
+    case NPY_FLOAT16: *dt = CV_F16; npt = t; break;
+    case NPY_UINT16: *dt = CV_BF16; npt = t; break;
+    default:
+        PyErr_Format(PyExc_TypeError,
+                     "%s must be float32, float64, float16 or uint16 (bfloat16 bits), got %s", name,
+                     npy_name(t));
+        return NULL;
+    }
+    return want_array(o, name, npt, 2, 0);
+}
+
 static PyObject *new_f32(int nd, npy_intp *dims) {
     return PyArray_ZEROS(nd, dims, NPY_FLOAT32, 0);
 }
@@ -193,7 +216,8 @@ static PyObject *make_matrix(PyObject *w_obj, const char *wdt, const char *impl,
     if (!e) return NULL;
     cv_dtype dt;
     if (parse_dtype(wdt, &dt, "weight_dtype") < 0) return NULL;
-    PyArrayObject *w = want_array(w_obj, "w", NPY_FLOAT32, 2, 0);
+    cv_dtype st;
+    PyArrayObject *w = want_source(w_obj, "w", &st);
     if (!w) return NULL;
     const int64_t rows = PyArray_DIM(w, 0), cols = PyArray_DIM(w, 1);
     if (rows < 1 || cols < 1) {
@@ -207,7 +231,7 @@ static PyObject *make_matrix(PyObject *w_obj, const char *wdt, const char *impl,
     cv_err err = {0};
     int rc;
     const void *src = PyArray_DATA(w);
-    KB_RUN(e, rc = e->b->matrix_prepare(e->b, &km->m, src, CV_F32, rows, cols, dt, &err));
+    KB_RUN(e, rc = e->b->matrix_prepare(e->b, &km->m, src, st, rows, cols, dt, &err));
     if (rc < 0) {
         PyMem_Free(km);
         return cv_py_raise(&err);
@@ -504,7 +528,8 @@ static PyObject *py_kernel_embedding(PyObject *self, PyObject *args, PyObject *k
     if (!e) return NULL;
     cv_dtype dt;
     if (parse_dtype(tdt, &dt, "table_dtype") < 0) return NULL;
-    PyArrayObject *t = want_array(t_obj, "table", NPY_FLOAT32, 2, 0);
+    cv_dtype st;
+    PyArrayObject *t = want_source(t_obj, "table", &st);
     PyArrayObject *tok = t ? want_array(tok_obj, "tokens", NPY_INT32, 1, 0) : NULL;
     if (!tok) return NULL;
     const int64_t rows = PyArray_DIM(t, 0), cols = PyArray_DIM(t, 1), n = PyArray_DIM(tok, 0);
@@ -528,7 +553,7 @@ static PyObject *py_kernel_embedding(PyObject *self, PyObject *args, PyObject *k
     const void *src = PyArray_DATA(t);
     float *o = PyArray_DATA((PyArrayObject *)out);
     KB_RUN(e, {
-        rc = e->b->table_prepare(e->b, &table, src, CV_F32, rows, cols, dt, &err);
+        rc = e->b->table_prepare(e->b, &table, src, st, rows, cols, dt, &err);
         if (rc == CV_OK) {
             e->b->embedding(e->b, o, tp, n, &table);
             e->b->table_free(e->b, &table);
@@ -753,7 +778,8 @@ static PyObject *py_kernel_info(PyObject *self, PyObject *noargs) {
 static PyMethodDef kernel_methods[] = {
     {"kernel_gemm", (PyCFunction)(void (*)(void))py_kernel_gemm, METH_VARARGS | METH_KEYWORDS,
      "kernel_gemm(x, w, weight_dtype='float32', bias=None, accumulate=None, impl='simd', threads=0)\n"
-     "x[n][cols] . w[rows][cols]^T (+ bias) (+ accumulate), w stored as weight_dtype."},
+     "x[n][cols] . w[rows][cols]^T (+ bias) (+ accumulate), w stored as weight_dtype.\n"
+     "w may be float32, float64, float16, or uint16 holding bfloat16 bits."},
     {"kernel_matrix", (PyCFunction)(void (*)(void))py_kernel_matrix, METH_VARARGS | METH_KEYWORDS,
      "kernel_matrix(w, weight_dtype='float32', impl='simd', threads=0) -> a packed matrix."},
     {"kernel_matmul", (PyCFunction)(void (*)(void))py_kernel_matmul, METH_VARARGS | METH_KEYWORDS,

@@ -550,13 +550,20 @@ void cv_cpu_paged_attention(cv_backend *b, float *out, const float *q, int64_t q
     j.TQ = TV / j.GT;
     atomic_init(&j.next, 0);
     int64_t n_items = 0, max_keys = 0;
+    double work = 0.0; /* multiply-adds: q.k and p.v of every vector over its keys */
     for (int64_t s = 0; s < batch->n_seqs; s++) {
         n_items += seq_items(&j, s);
-        if (batch->context_lens[s] > max_keys) max_keys = batch->context_lens[s];
+        const int64_t nq = batch->query_start[s + 1] - batch->query_start[s];
+        if (nq > 0) {
+            if (batch->context_lens[s] > max_keys) max_keys = batch->context_lens[s];
+            work += 2.0 * (double)nq * (double)batch->n_heads * (double)hd *
+                    ((double)batch->context_lens[s] - 0.5 * (double)(nq - 1));
+        }
     }
     j.n_items = n_items;
     if (n_items == 0) return;
-    const int64_t nth = c->nthreads;
+    /* as for the GEMM: at least ~64K multiply-adds per thread */
+    const int64_t nth = cv_threads_for(c, work, 65536.0);
     j.parts = 1;
     /* Few items for the threads and long contexts: split each item's keys into
      * parts so that there are about two units per thread (room to balance);
@@ -572,10 +579,7 @@ void cv_cpu_paged_attention(cv_backend *b, float *out, const float *q, int64_t q
         }
     }
     const int64_t units = n_items * j.parts;
-    int run_threads = (int)(units < nth ? units : nth);
-    /* tiny batches (one short sequence): not worth waking the pool */
-    if ((double)n_items * (double)max_keys * (double)hd * (double)j.TV < 65536.0) run_threads = 1;
-    cv_pool_run(c->pool, run_threads, att_fn, &j);
+    cv_pool_run(c->pool, (int)(units < nth ? units : nth), att_fn, &j);
 }
 
 

@@ -2,6 +2,7 @@
  * STREAM-style triad used by the benchmarks to measure memory bandwidth. */
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cpu_internal.h"
 
@@ -167,6 +168,17 @@ double cv_cpu_read_bw(cv_backend *b, size_t n_bytes, int repeats) { return bandw
 /* ------------------------------------------------------------------------ */
 /* Lifetime                                                                  */
 
+/* Cache size from the C library (level 3: L2, 4: L3), or def when unknown. */
+static size_t cache_size(int which, size_t def) {
+    long v = -1;
+#if defined(_SC_LEVEL2_CACHE_SIZE) && defined(_SC_LEVEL3_CACHE_SIZE)
+    v = sysconf(which == 3 ? _SC_LEVEL2_CACHE_SIZE : _SC_LEVEL3_CACHE_SIZE);
+#else
+    (void)which;
+#endif
+    return v > 0 ? (size_t)v : def;
+}
+
 /* Integer from the environment, clamped to [lo, hi]; def when unset. */
 static int64_t env_int(const char *name, int64_t def, int64_t lo, int64_t hi) {
     const char *s = getenv(name);
@@ -215,6 +227,10 @@ cv_backend *cv_cpu_backend_create(int num_threads, int force_scalar, cv_err *err
     c->att_scratch = aligned_alloc(64, nt * c->att_scratch_floats * sizeof(float));
     c->att_partials = aligned_alloc(64, 4 * nt * c->att_partial_floats * sizeof(float));
     c->att_counters = calloc(2 * nt, sizeof *c->att_counters);
+    c->l2_bytes = cache_size(3, 1 << 20);
+    c->l3_bytes = cache_size(4, 8 << 20);
+    if (c->l3_bytes > ((size_t)64 << 20)) c->l3_bytes = (size_t)64 << 20; /* VMs report odd sizes */
+    c->gemm_order = (int)env_int("CONVEYOR_GEMM_ORDER", -1, -1, 1);
     c->gemm_kc = env_int("CONVEYOR_GEMM_KC", CV_GEMM_KC, 16, 1 << 20);
     c->gemm_xblock = env_int("CONVEYOR_GEMM_XBLOCK", CV_GEMM_XBLOCK, 1024, 1 << 26);
     c->gemm_pack = (int)env_int("CONVEYOR_GEMM_PACK", 1, 0, 1);

@@ -29,7 +29,8 @@
 /* Default GEMM blocking: about KC cols per block (a 288 x 16 f32 panel chunk
  * is 18 KiB, in L1) and token blocks of about XBLOCK floats of x (256 KiB,
  * in L2). CONVEYOR_GEMM_KC / CONVEYOR_GEMM_XBLOCK override them and
- * CONVEYOR_GEMM_PACK=0 turns the packing of x off (for measurements). */
+ * CONVEYOR_GEMM_PACK=0 turns the packing of x off and CONVEYOR_GEMM_ORDER=0|1
+ * forces the loop order (for measurements). */
 #define CV_GEMM_KC 288
 #define CV_GEMM_XBLOCK 65536
 
@@ -47,9 +48,11 @@ typedef struct cv_cpu {
     float *att_partials;     /* [4*nthreads][att_partial_floats] (m, l, acc) of split parts */
     size_t att_partial_floats;
     atomic_int *att_counters; /* [2*nthreads] parts still running per split item */
+    size_t l2_bytes, l3_bytes; /* cache sizes (per core L2, shared L3) */
     int64_t gemm_kc;         /* GEMM blocking: about this many cols per block */
     int64_t gemm_xblock;     /* floats of x per token block */
     int gemm_pack;           /* pack x blocks (1) or read x in place (0) */
+    int gemm_order;          /* -1: choose; 0: token blocks outermost; 1: panels outermost */
     float *gemm_xpack;       /* [nthreads][gemm_xpack_floats] packed x blocks */
     size_t gemm_xpack_floats; /* >= max(xblock, CV_MR * cols) for every prepared matrix */
 } cv_cpu;

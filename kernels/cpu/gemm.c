@@ -4,8 +4,11 @@
  * interleaved along cols (see cpu_internal.h), kept in its 16-bit dtype when
  * it has one and widened in registers. The micro-kernel keeps an mr x 16 tile
  * of fp32 accumulators (mr <= 6 tokens) in registers, broadcasting x and
- * streaming one panel. Blocking: cols in chunks of about KC so a panel chunk
- * stays in L1 while all token tiles of an MC block (in L2) pass over it.
+ * streaming one panel. Blocking: a block of tokens whose x (mc x cols) stays
+ * in L2; for each panel, cols in chunks of about KC so the panel chunk stays
+ * in L1 while all token tiles of the block pass over it (the C tiles of the
+ * panel stay in cache across the chunks). A thread with many panels first
+ * packs its x block tile by tile ([cols][mr]) so the broadcasts stream.
  * Threads split the panels (the output dimension); tokens are split too only
  * when there are fewer panels than threads. With one token tile (decode) the
  * whole panel is streamed once, unblocked: every weight byte is read once. */
@@ -13,7 +16,6 @@
 #include <string.h>
 
 #include "cpu_internal.h"
-
 
 /* Fewest panels in a thread's share for which packing x pays for itself. */
 #define GEMM_PACK_MIN_PANELS 48
@@ -30,7 +32,8 @@ typedef struct pack_job {
     const void *src;    /* [rows][cols] of st */
     cv_dtype st, dt;
     int64_t rows, cols, n_panels;
-    float *tmp;         /* [nth][cols] one widened source row per thread */
+    float *tmp;         /* [nth][2 * cols]: a widened source row and its narrowed copy */
+    int simd;
 } pack_job;
 
 static void pack_fn(void *arg, int tid, int nth) {
@@ -38,26 +41,29 @@ static void pack_fn(void *arg, int tid, int nth) {
     const int64_t cols = j->cols;
     const int64_t p0 = j->n_panels * tid / nth, p1 = j->n_panels * (tid + 1) / nth;
     const size_t ssz = cv_dtype_size(j->st);
-    float *row = j->tmp + (size_t)tid * (size_t)cols; /* [cols] */
+    float *row = j->tmp + (size_t)tid * 2 * (size_t)cols; /* [cols] */
+    uint16_t *row16 = (uint16_t *)(row + cols);           /* [cols] */
     for (int64_t p = p0; p < p1; p++) {
         for (int jj = 0; jj < CV_NR; jj++) {
             const int64_t r = p * CV_NR + jj;
-            if (r < j->rows)
-                cv_convert_to_f32(row, (const char *)j->src + (size_t)r * (size_t)cols * ssz, j->st,
-                                  (size_t)cols);
-            else
-                memset(row, 0, (size_t)cols * sizeof(float));
+            if (r >= j->rows) {
+                memset(row, 0, (size_t)cols * sizeof(float)); /* padding rows of the last panel */
+            } else {
+                const void *srow = (const char *)j->src + (size_t)r * (size_t)cols * ssz;
+                if (j->st == CV_F64)
+                    cv_convert_to_f32(row, srow, j->st, (size_t)cols);
+                else
+                    cv_cpu_widen(row, srow, j->st, cols, j->simd);
+            }
             const size_t base = (size_t)p * (size_t)cols * CV_NR;
             if (j->dt == CV_F32) {
                 float *d = (float *)j->dst + base + (size_t)jj;
                 for (int64_t k = 0; k < cols; k++) d[(size_t)k * CV_NR] = row[k];
-            } else if (j->dt == CV_F16) {
-                uint16_t *d = (uint16_t *)j->dst + base + (size_t)jj;
-                for (int64_t k = 0; k < cols; k++) d[(size_t)k * CV_NR] = cv_f32_to_f16(row[k]);
-            } else {
-                uint16_t *d = (uint16_t *)j->dst + base + (size_t)bf16_slot(jj);
-                for (int64_t k = 0; k < cols; k++) d[(size_t)k * CV_NR] = cv_f32_to_bf16(row[k]);
+                continue;
             }
+            cv_cpu_narrow(row16, j->dt, row, cols, j->simd);
+            uint16_t *d = (uint16_t *)j->dst + base + (size_t)(j->dt == CV_BF16 ? bf16_slot(jj) : jj);
+            for (int64_t k = 0; k < cols; k++) d[(size_t)k * CV_NR] = row16[k];
         }
     }
 }
@@ -97,7 +103,7 @@ int cv_cpu_matrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dty
     data = aligned_alloc(64, bytes);
     int nth = cv_threads_for(c, (double)rows * (double)cols, 1 << 16);
     if (nth > n_panels) nth = (int)n_panels;
-    if (!cv_mul_size((size_t)nth * sizeof(float), (size_t)cols, &tbytes)) tbytes = SIZE_MAX;
+    if (!cv_mul_size((size_t)nth * 2 * sizeof(float), (size_t)cols, &tbytes)) tbytes = SIZE_MAX;
     tmp = tbytes == SIZE_MAX ? NULL : malloc(tbytes);
     if (!data || !tmp || cv_cpu_gemm_reserve(c, cols) < 0) {
         rc = cv_set_err(err, CV_ERR_NOMEM, "matrix_prepare: out of memory for [%lld][%lld] %s",
@@ -105,7 +111,7 @@ int cv_cpu_matrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dty
         goto done;
     }
     pack_job j = {.dst = data, .src = src, .st = src_dtype, .dt = dtype, .rows = rows,
-                  .cols = cols, .n_panels = n_panels, .tmp = tmp};
+                  .cols = cols, .n_panels = n_panels, .tmp = tmp, .simd = c->simd};
     cv_pool_run(c->pool, nth, pack_fn, &j);
     out->data = data;
     out->dtype = dtype;
@@ -351,6 +357,7 @@ typedef struct gemm_job {
     int64_t mc;          /* tokens per block (x block of mc x cols stays in L2) */
     float *xpack;        /* [nthreads][xpack_floats] packed x blocks, or NULL: x in place */
     size_t xpack_floats;
+    int panels_outer;    /* loop over panels outermost (weights >> L2, x fits L3) */
 } gemm_job;
 
 /* Copies x[m0 .. m0+mlen)[0 .. cols) into xp as the tiles the driver walks,
@@ -368,56 +375,64 @@ static void pack_x(float *xp, const float *x, int64_t cols, int64_t m0, int64_t 
     }
 }
 
-/* Computes panels [p0, p1) for tokens [t0, t1); xp: this thread's pack buffer.
- * Loop order: token block (x block in L2) > panel > cols block (panel chunk
- * in L1) > token tile, so each C tile stays in cache across the cols blocks. */
-static void gemm_block(const gemm_job *j, int64_t p0, int64_t p1, int64_t t0, int64_t t1, float *xp) {
+/* One panel over one token block [m0, m0 + mlen): cols in chunks of kc (the
+ * panel chunk stays in L1 while the block's tiles pass over it). x comes
+ * from the packed block xp, or in place when xp is NULL. */
+static void panel_pass(const gemm_job *j, int64_t p, int64_t m0, int64_t mlen, int64_t kc,
+                       const float *xp) {
     const cv_matrix *w = j->w;
     const int64_t rows = w->rows, cols = w->cols;
     const size_t esz = cv_dtype_size(w->dtype);
+    const int64_t ntiles = (mlen + CV_MR - 1) / CV_MR;
+    const int64_t r0 = p * CV_NR;
+    const int nvalid = rows - r0 < CV_NR ? (int)(rows - r0) : CV_NR;
+    for (int64_t k0 = 0; k0 < cols; k0 += kc) {
+        const int64_t klen = k0 + kc < cols ? kc : cols - k0;
+        const int first = k0 == 0;
+        const int load_c = j->accumulate || !first;
+        const char *wp = (const char *)w->data + ((size_t)p * (size_t)cols + (size_t)k0) * CV_NR * esz;
+        const float *bp = (first && j->bias) ? j->bias + r0 : NULL;
+        /* balanced tiles of at most CV_MR tokens */
+        int64_t t = m0;
+        for (int64_t ti = 0; ti < ntiles; ti++) {
+            const int mr = (int)(mlen / ntiles + (ti < mlen % ntiles ? 1 : 0));
+            float *o = j->out + (size_t)t * (size_t)rows + (size_t)r0;
+            if (xp)
+                j->table[mr](klen, xp + (t - m0) * cols + k0 * mr, 0, wp, o, rows, nvalid, bp, load_c);
+            else
+                j->table[mr](klen, j->x + (size_t)t * (size_t)cols + (size_t)k0, cols, wp, o, rows,
+                             nvalid, bp, load_c);
+            t += mr;
+        }
+    }
+}
+
+/* Computes panels [p0, p1) for tokens [t0, t1); xp: this thread's pack buffer.
+ * Usual loop order: token block (x block in L2, packed when the thread has
+ * many panels) > panel > cols chunk > tile. When the thread's weights are far
+ * larger than L2 and all of x fits L3, panels go outermost instead, so each
+ * weight byte comes from memory once and x is re-read from L3. */
+static void gemm_block(const gemm_job *j, int64_t p0, int64_t p1, int64_t t0, int64_t t1, float *xp) {
+    const int64_t cols = j->w->cols;
     const int64_t nt = t1 - t0;
     if (nt <= 0 || p1 <= p0) return;
-    /* One token tile: stream each panel whole, x in place (decode / GEMV). */
-    int64_t kc = cols, mc = nt;
-    if (nt > CV_MR) {
-        const int64_t nkb = (cols + j->kc - 1) / j->kc;
-        kc = (cols + nkb - 1) / nkb;
-        mc = j->mc;
-        /* packing pays off only over many panels (measured: ~48 on Zen 4) */
-        if (p1 - p0 < GEMM_PACK_MIN_PANELS) xp = NULL;
-    } else {
-        xp = NULL;
+    if (nt <= CV_MR) { /* one token tile: stream each panel whole, x in place (decode / GEMV) */
+        for (int64_t p = p0; p < p1; p++) panel_pass(j, p, t0, nt, cols, NULL);
+        return;
     }
+    const int64_t nkb = (cols + j->kc - 1) / j->kc;
+    const int64_t kc = (cols + nkb - 1) / nkb, mc = j->mc;
+    if (j->panels_outer && nt > mc) {
+        for (int64_t p = p0; p < p1; p++)
+            for (int64_t m0 = t0; m0 < t1; m0 += mc)
+                panel_pass(j, p, m0, m0 + mc < t1 ? mc : t1 - m0, kc, NULL);
+        return;
+    }
+    if (p1 - p0 < GEMM_PACK_MIN_PANELS) xp = NULL; /* packing pays off over many panels only */
     for (int64_t m0 = t0; m0 < t1; m0 += mc) {
-        const int64_t m1 = m0 + mc < t1 ? m0 + mc : t1;
-        const int64_t mlen = m1 - m0;
-        const int64_t ntiles = (mlen + CV_MR - 1) / CV_MR;
-        if (xp) pack_x(xp, j->x, cols, m0, mlen, ntiles);
-        for (int64_t p = p0; p < p1; p++) {
-            const int64_t r0 = p * CV_NR;
-            const int nvalid = rows - r0 < CV_NR ? (int)(rows - r0) : CV_NR;
-            for (int64_t k0 = 0; k0 < cols; k0 += kc) {
-                const int64_t klen = k0 + kc < cols ? kc : cols - k0;
-                const int first = k0 == 0;
-                const int load_c = j->accumulate || !first;
-                const char *wp = (const char *)w->data + ((size_t)p * (size_t)cols + (size_t)k0) *
-                                                             CV_NR * esz;
-                const float *bp = (first && j->bias) ? j->bias + r0 : NULL;
-                /* balanced tiles of at most CV_MR tokens */
-                int64_t t = m0;
-                for (int64_t ti = 0; ti < ntiles; ti++) {
-                    const int mr = (int)(mlen / ntiles + (ti < mlen % ntiles ? 1 : 0));
-                    float *o = j->out + (size_t)t * (size_t)rows + (size_t)r0;
-                    if (xp)
-                        j->table[mr](klen, xp + (t - m0) * cols + k0 * mr, 0, wp, o, rows, nvalid,
-                                     bp, load_c);
-                    else
-                        j->table[mr](klen, j->x + (size_t)t * (size_t)cols + (size_t)k0, cols, wp, o,
-                                     rows, nvalid, bp, load_c);
-                    t += mr;
-                }
-            }
-        }
+        const int64_t mlen = m0 + mc < t1 ? mc : t1 - m0;
+        if (xp) pack_x(xp, j->x, cols, m0, mlen, (mlen + CV_MR - 1) / CV_MR);
+        for (int64_t p = p0; p < p1; p++) panel_pass(j, p, m0, mlen, kc, xp);
     }
 }
 
@@ -465,5 +480,9 @@ void cv_cpu_gemm(cv_backend *b, float *out, const float *x, int64_t n, const cv_
         j.n_tparts = tparts < 1 ? 1 : tparts;
         nth = j.n_pparts * j.n_tparts;
     }
+    const double w_share = (double)w->bytes / j.n_pparts, x_bytes = (double)n * (double)w->cols * 4.0;
+    j.panels_outer = c->gemm_order >= 0 ? c->gemm_order
+                                        : (w_share > 2.0 * (double)c->l2_bytes &&
+                                           x_bytes <= 0.5 * (double)c->l3_bytes);
     cv_pool_run(c->pool, nth, gemm_fn, &j);
 }

@@ -137,7 +137,7 @@ void cvc_rope(cv_backend *b, float *q, int64_t q_stride, int64_t n_heads, float 
     cv_cuda_ctx *c = cvc_of(b);
     if (n <= 0) return;
     if (cvc_enter(c) < 0) return;
-    if (!rope || !rope->inv_freq || rope->head_dim <= 0 || rope->head_dim % 2 != 0 || rope->head_dim > 65536 ||
+    if (!rope || !rope->inv_freq || rope->head_dim <= 0 || rope->head_dim % 2 != 0 || rope->head_dim > 8192 ||
         n_heads < 0 || n_kv_heads < 0 || n > INT_MAX || (n_heads > 0 && !q) || (n_kv_heads > 0 && !k) ||
         (n_heads + n_kv_heads) * rope->head_dim > INT_MAX) {
         cvc_fail(c, CV_ERR_INVALID, "CUDA rope: bad arguments (head_dim %lld, heads %lld/%lld)",

@@ -1,0 +1,538 @@
+#!/usr/bin/env python3
+"""Soak test: many requests with random lengths, a share aborted at random
+moments, part of them on a KV budget so small that preemption never stops.
+
+    python tools/soak.py                       5,000 requests through AsyncLLM
+    python tools/soak.py --http                the same through `conveyor serve`,
+                                               with clients that disconnect
+    python tools/soak.py -n 300 --json out.json
+
+What must hold (the exit status is 1 otherwise):
+  * every request ends: finished (stop/length), aborted, or cancelled by its
+    consumer -- none hangs (a per-request watchdog) and none errors;
+  * at the end every KV block is free (stats()['blocks_used'] == 0) and nothing
+    is running or waiting;
+  * the tight engine preempted (stats()['num_preemptions'] > 0);
+  * resident memory (/proc/<pid>/statm) after the run is within 5% of its level
+    after a warm-up round (the first round allocates arenas and caches).
+
+Two engines share the work: a normal one and a tight one (kv_cache_memory of a
+few blocks, max_model_len 128). Aborts are half by cancelling the consumer task
+(or, over HTTP, closing the connection) and half by engine.abort(request_id).
+tests/test_soak.py runs a short version of this in CI.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import gc
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "shared/models/stories260K/stories260K.bin"
+WORDS = ("once upon a time there was a little girl named Lily who loved to play in the park with her "
+         "big red ball and one day she saw a dog").split()
+TIGHT_BLOCKS = 10          # KV blocks of the tight engine (160 tokens at block_size 16)
+TIGHT_MAX_MODEL_LEN = 128  # so one request always fits in the tight pool
+
+
+# ---------------------------------------------------------------------------- memory
+
+def rss_bytes(pid="self") -> int:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def settle_memory():
+    """Collects garbage and hands free heap pages back to the OS, so that RSS shows
+    what is held rather than what malloc keeps for reuse."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+# ---------------------------------------------------------------------------- the plan
+
+@dataclass
+class Plan:
+    i: int
+    tight: bool
+    prompt: object            # str or list of token ids
+    n_prompt_max: int         # an upper bound of its token count
+    max_tokens: int
+    temperature: float
+    seed: Optional[int]
+    n: int
+    kind: str                 # output_kind
+    stream: bool              # HTTP only
+    abort: Optional[str]      # None, "cancel" or "abort"
+    abort_after: float        # seconds after the first output (or the start)
+    abort_at_output: int      # or after this many outputs
+
+
+def make_plans(n: int, seed: int, abort_frac: float, tight_frac: float, vocab: int) -> list[Plan]:
+    rnd = random.Random(seed)
+    plans = []
+    for i in range(n):
+        tight = rnd.random() < tight_frac
+        if rnd.random() < 0.5:
+            k = rnd.randint(1, 12)
+            prompt = " ".join(rnd.choice(WORDS) for _ in range(k))
+            n_prompt = 2 * len(prompt) + 2  # tokens <= bytes + BOS, generously
+            n_prompt = min(n_prompt, 60)
+            prompt = prompt[: n_prompt // 2 - 1] or "a"
+        else:
+            k = rnd.randint(1, 48)
+            prompt = [rnd.randrange(3, vocab) for _ in range(k)]
+            n_prompt = k
+        room = (TIGHT_MAX_MODEL_LEN if tight else 512) - n_prompt
+        max_tokens = rnd.randint(1, max(1, min(64, room)))
+        r = rnd.random()
+        abort = None if r >= abort_frac else ("cancel" if r < abort_frac / 2 else "abort")
+        plans.append(Plan(
+            i=i, tight=tight, prompt=prompt, n_prompt_max=n_prompt, max_tokens=max_tokens,
+            temperature=rnd.choice([0.0, 0.0, 0.8, 1.0]), seed=rnd.choice([None, rnd.randrange(2**32)]),
+            n=2 if rnd.random() < 0.1 else 1, kind=rnd.choice(["cumulative", "delta", "final_only"]),
+            stream=rnd.random() < 0.6, abort=abort, abort_after=rnd.random() * 0.05,
+            abort_at_output=rnd.randint(0, 8)))
+    return plans
+
+
+@dataclass
+class Tally:
+    finished: int = 0
+    aborted: int = 0          # ended with finish_reason "abort" (engine.abort)
+    cancelled: int = 0        # the consumer went away
+    errors: list = field(default_factory=list)
+    hung: int = 0
+    tokens: int = 0
+
+    def add(self, status: str, detail=None):
+        if status == "finished":
+            self.finished += 1
+        elif status == "aborted":
+            self.aborted += 1
+        elif status == "cancelled":
+            self.cancelled += 1
+        elif status == "hung":
+            self.hung += 1
+        else:
+            self.errors.append(detail or status)
+
+    @property
+    def total(self):
+        return self.finished + self.aborted + self.cancelled + self.hung + len(self.errors)
+
+
+# ---------------------------------------------------------------------------- AsyncLLM
+
+async def _one_async(engine, p: Plan, tally: Tally, watchdog: float):
+    from conveyor import SamplingParams
+
+    params = SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, seed=p.seed, n=p.n,
+                            output_kind=p.kind)
+    rid = f"soak-{p.i}"
+    outs = []
+
+    async def consume():
+        async for out in engine.generate(p.prompt, params, request_id=rid):
+            outs.append(out)
+        return outs
+
+    task = asyncio.ensure_future(consume())
+    try:
+        if p.abort == "cancel":
+            await asyncio.wait([task], timeout=p.abort_after)
+            if not task.done():
+                task.cancel()
+        elif p.abort == "abort":
+            await asyncio.wait([task], timeout=p.abort_after)
+            if not task.done():
+                await engine.abort(rid)
+        try:
+            await asyncio.wait_for(asyncio.shield(task), watchdog)
+        except asyncio.TimeoutError:
+            task.cancel()
+            tally.add("hung")
+            return
+        except asyncio.CancelledError:
+            if task.cancelled():
+                tally.add("cancelled")
+                return
+            raise
+    except Exception as e:  # noqa: BLE001 - reported
+        tally.add("error", f"request {p.i}: {type(e).__name__}: {e}")
+        return
+    if not outs or not outs[-1].finished:
+        tally.add("error", f"request {p.i}: stream ended without a finished output")
+        return
+    last = outs[-1]
+    reasons = {c.finish_reason for c in last.outputs}
+    if p.kind == "delta":
+        ntok = [sum(len(o.outputs[j].token_ids) for o in outs) for j in range(p.n)]
+    else:
+        ntok = [len(c.token_ids) for c in last.outputs]
+    if any(k > p.max_tokens for k in ntok):
+        tally.add("error", f"request {p.i}: {ntok} tokens for max_tokens {p.max_tokens}")
+        return
+    tally.tokens += sum(ntok)
+    if "abort" in reasons:
+        tally.add("aborted")
+    elif reasons <= {"stop", "length"}:
+        tally.add("finished")
+    else:
+        tally.add("error", f"request {p.i}: finish reasons {reasons}")
+
+
+async def _round_async(engines, plans, concurrency, watchdog) -> Tally:
+    tally = Tally()
+    sem = asyncio.Semaphore(concurrency)
+
+    async def run(p):
+        async with sem:
+            await _one_async(engines[p.tight], p, tally, watchdog)
+
+    await asyncio.gather(*(run(p) for p in plans))
+    return tally
+
+
+def _wait_idle(engine, timeout=30.0) -> dict:
+    """Aborts from cancelled consumers are processed at the engine's next step:
+    wait (bounded) until it has nothing left."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = engine.stats()
+        if (engine._core._engine.num_unfinished() == 0 and st["blocks_used"] == 0) or time.monotonic() > deadline:
+            return st
+        time.sleep(0.01)
+
+
+def soak_async(model: Path, n: int, *, seed=0, abort_frac=0.3, tight_frac=0.3, concurrency=48,
+               warmup: Optional[int] = None, watchdog=120.0, num_threads=None, log=print) -> dict:
+    from conveyor import AsyncLLM
+
+    t_start = time.monotonic()
+    kw = dict(num_threads=num_threads) if num_threads else {}
+    normal = AsyncLLM(str(model), **kw)
+    block_bytes = normal.stats()["kv_cache_bytes"] // max(1, normal.stats()["num_blocks"])
+    tight = AsyncLLM(str(model), kv_cache_memory=TIGHT_BLOCKS * block_bytes,
+                     max_model_len=TIGHT_MAX_MODEL_LEN, **kw)
+    engines = {False: normal, True: tight}
+    vocab = normal.model_config["vocab_size"]
+    try:
+        w = warmup if warmup is not None else max(50, n // 10)
+        t0 = time.monotonic()
+        wt = asyncio.run(_round_async(engines, make_plans(w, seed + 1, abort_frac, tight_frac, vocab),
+                                      concurrency, watchdog))
+        for e in engines.values():
+            _wait_idle(e)
+        settle_memory()
+        rss0 = rss_bytes()
+        log(f"warm-up: {w} requests in {time.monotonic() - t0:.1f} s, RSS {rss0 / 2**20:.1f} MiB")
+
+        t0 = time.monotonic()
+        tally = asyncio.run(_round_async(engines, make_plans(n, seed, abort_frac, tight_frac, vocab),
+                                         concurrency, watchdog))
+        elapsed = time.monotonic() - t0
+        st = {name: _wait_idle(e) for name, e in (("normal", normal), ("tight", tight))}
+        settle_memory()
+        rss1 = rss_bytes()
+    finally:
+        normal.close()
+        tight.close()
+    return _verdict("async", n, w, tally, wt, st, rss0, rss1, elapsed, time.monotonic() - t_start, log)
+
+
+def _verdict(mode, n, w, tally, wt, st, rss0, rss1, elapsed, total, log) -> dict:
+    growth = (rss1 - rss0) / rss0
+    res = {
+        "mode": mode, "requests": n, "warmup_requests": w, "finished": tally.finished, "aborted": tally.aborted,
+        "cancelled": tally.cancelled, "hung": tally.hung, "errors": tally.errors[:20], "n_errors": len(tally.errors),
+        "warmup_errors": wt.errors[:5] + (["hung"] * wt.hung),
+        "tokens": tally.tokens, "seconds": round(elapsed, 2), "total_seconds": round(total, 2),
+        "requests_per_s": round(n / elapsed, 1),
+        "blocks_used_end": {k: v["blocks_used"] for k, v in st.items()},
+        "running_end": {k: v["num_running"] + v["num_waiting"] for k, v in st.items()},
+        "preemptions": {k: v["num_preemptions"] for k, v in st.items()},
+        "engine_aborted": {k: v["requests_aborted"] for k, v in st.items()},
+        "rss_after_warmup_mib": round(rss0 / 2**20, 2), "rss_after_run_mib": round(rss1 / 2**20, 2),
+        "rss_growth_pct": round(100 * growth, 2),
+    }
+    problems = []
+    if tally.total != n:
+        problems.append(f"{n - tally.total} requests unaccounted for")
+    if tally.hung:
+        problems.append(f"{tally.hung} requests hung")
+    if tally.errors or res["warmup_errors"]:
+        problems.append(f"{len(tally.errors)} errors, e.g. {(tally.errors or res['warmup_errors'])[:3]}")
+    for k, v in res["blocks_used_end"].items():
+        if v != 0:
+            problems.append(f"{k} engine holds {v} KV blocks at the end")
+    for k, v in res["running_end"].items():
+        if v != 0:
+            problems.append(f"{k} engine has {v} requests left")
+    if res["preemptions"]["tight"] <= 0:
+        problems.append("the tight engine never preempted")
+    if growth > 0.05:
+        problems.append(f"RSS grew {100 * growth:.1f}% (> 5%) after the warm-up")
+    res["problems"] = problems
+    res["ok"] = not problems
+    log(json.dumps(res, indent=1))
+    return res
+
+
+# ---------------------------------------------------------------------------- HTTP
+
+class ServerProc:
+    """`python -m conveyor.serve MODEL` on 127.0.0.1 with a free port."""
+
+    def __init__(self, model: Path, *extra: str, python=sys.executable):
+        import httpx
+
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="conveyor-soak-", suffix=".log", delete=False)
+        env = dict(os.environ)
+        import conveyor
+
+        pkg_root = str(Path(conveyor.__file__).parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        for k in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+            env.pop(k, None)
+        self.proc = subprocess.Popen(
+            [python, "-m", "conveyor.serve", str(model), "--host", "127.0.0.1", "--port", "0",
+             "--log-level", "warning", "--no-access-log", *extra],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 90
+        self.url = None
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.read_log()}")
+                if self.url is None:
+                    m = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", self.read_log())
+                    self.url = m.group(1) if m else None
+                if self.url is not None:
+                    try:
+                        if httpx.get(self.url + "/health", timeout=2.0, trust_env=False).status_code == 200:
+                            return
+                    except httpx.HTTPError:
+                        pass
+                time.sleep(0.1)
+            raise RuntimeError(f"server not ready:\n{self.read_log()}")
+        except BaseException:
+            self.stop()
+            raise
+
+    def read_log(self) -> str:
+        with open(self.log.name) as f:
+            return f.read()
+
+    def metrics(self) -> dict:
+        import httpx
+
+        text = httpx.get(self.url + "/metrics", timeout=10.0, trust_env=False).text
+        out = {}
+        for line in text.splitlines():
+            m = re.match(r"(conveyor_[a-z_]+)\{[^}]*\} (\S+)$", line)
+            if m and m.group(1) not in out:
+                out[m.group(1)] = float(m.group(2))
+        return out
+
+    def rss(self) -> int:
+        return rss_bytes(self.proc.pid)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+async def _one_http(client, p: Plan, tally: Tally, watchdog: float):
+    import httpx
+
+    body = {"prompt": p.prompt, "max_tokens": p.max_tokens, "temperature": p.temperature, "n": p.n,
+            "stream": p.stream}
+    if p.seed is not None:
+        body["seed"] = p.seed
+
+    async def call():
+        if p.stream:
+            chunks, finish = 0, set()
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    return ("error", f"request {p.i}: HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        break
+                    ev = json.loads(line[6:])
+                    for c in ev.get("choices", []):
+                        if c.get("finish_reason"):
+                            finish.add(c["finish_reason"])
+                    chunks += 1
+                    if p.abort and chunks > p.abort_at_output:
+                        return ("cancelled", None)  # leaving the block closes the connection
+            if not finish:
+                return ("error", f"request {p.i}: stream without a finish_reason")
+            return ("finished", finish)
+        r = await client.post("/v1/completions", json=body)
+        if r.status_code != 200:
+            return ("error", f"request {p.i}: HTTP {r.status_code}: {r.text[:200]}")
+        ch = r.json()["choices"]
+        for c in ch:
+            if len(c.get("text") or "") and c["finish_reason"] not in ("stop", "length", "abort"):
+                return ("error", f"request {p.i}: finish_reason {c['finish_reason']}")
+        tally.tokens += int((r.json().get("usage") or {}).get("completion_tokens") or 0)
+        return ("finished", {c["finish_reason"] for c in ch})
+
+    task = asyncio.ensure_future(call())
+    try:
+        if p.abort and not p.stream:
+            # a client that gives up mid-request: the connection is dropped
+            await asyncio.wait([task], timeout=p.abort_after)
+            if not task.done():
+                task.cancel()
+        status, detail = await asyncio.wait_for(asyncio.shield(task), watchdog)
+    except asyncio.TimeoutError:
+        task.cancel()
+        tally.add("hung")
+        return
+    except asyncio.CancelledError:
+        if task.cancelled():
+            tally.add("cancelled")
+            return
+        raise
+    except httpx.HTTPError as e:
+        tally.add("error", f"request {p.i}: {type(e).__name__}: {e}")
+        return
+    if status == "finished":
+        tally.add("aborted" if "abort" in detail else "finished")
+    else:
+        tally.add(status, detail)
+
+
+async def _round_http(urls, plans, concurrency, watchdog) -> Tally:
+    import httpx
+
+    tally = Tally()
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    clients = {k: httpx.AsyncClient(base_url=u, timeout=watchdog, trust_env=False, limits=limits)
+               for k, u in urls.items()}
+    try:
+        async def run(p):
+            async with sem:
+                await _one_http(clients[p.tight], p, tally, watchdog)
+
+        await asyncio.gather(*(run(p) for p in plans))
+    finally:
+        for c in clients.values():
+            await c.aclose()
+    return tally
+
+
+def _http_wait_idle(server: ServerProc, timeout=30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        idle = (m.get("conveyor_server_requests_in_flight", 1) == 0 and m.get("conveyor_kv_cache_blocks_used", 1) == 0
+                and m.get("conveyor_num_requests_running", 1) == 0 and m.get("conveyor_num_requests_waiting", 1) == 0)
+        if idle or time.monotonic() > deadline:
+            return {"blocks_used": int(m.get("conveyor_kv_cache_blocks_used", -1)),
+                    "num_running": int(m.get("conveyor_num_requests_running", -1)
+                                       + m.get("conveyor_server_requests_in_flight", 0)),
+                    "num_waiting": int(m.get("conveyor_num_requests_waiting", -1)),
+                    "num_preemptions": int(m.get("conveyor_num_preemptions_total", 0)),
+                    "requests_aborted": int(m.get("conveyor_requests_aborted_total", 0))}
+        time.sleep(0.05)
+
+
+def soak_http(model: Path, n: int, *, seed=0, abort_frac=0.3, tight_frac=0.3, concurrency=48,
+              warmup: Optional[int] = None, watchdog=120.0, num_threads=None, log=print) -> dict:
+    from conveyor import LLM
+
+    t_start = time.monotonic()
+    with LLM(str(model), num_threads=1) as probe:  # the block size in bytes, and the vocabulary
+        st = probe.stats()
+        block_bytes = st["kv_cache_bytes"] // max(1, st["num_blocks"])
+        vocab = probe.model_config["vocab_size"]
+    extra = ["--num-threads", str(num_threads)] if num_threads else []
+    servers = {}
+    try:
+        servers[False] = ServerProc(model, *extra)
+        servers[True] = ServerProc(model, "--kv-cache-memory", str(TIGHT_BLOCKS * block_bytes),
+                                   "--max-model-len", str(TIGHT_MAX_MODEL_LEN), *extra)
+        urls = {k: s.url for k, s in servers.items()}
+        w = warmup if warmup is not None else max(50, n // 10)
+        t0 = time.monotonic()
+        wt = asyncio.run(_round_http(urls, make_plans(w, seed + 1, abort_frac, tight_frac, vocab),
+                                     concurrency, watchdog))
+        for s in servers.values():
+            _http_wait_idle(s)
+        rss0 = sum(s.rss() for s in servers.values())
+        log(f"warm-up: {w} requests in {time.monotonic() - t0:.1f} s, servers' RSS {rss0 / 2**20:.1f} MiB")
+        t0 = time.monotonic()
+        tally = asyncio.run(_round_http(urls, make_plans(n, seed, abort_frac, tight_frac, vocab),
+                                        concurrency, watchdog))
+        elapsed = time.monotonic() - t0
+        st = {"normal": _http_wait_idle(servers[False]), "tight": _http_wait_idle(servers[True])}
+        rss1 = sum(s.rss() for s in servers.values())
+        disconnects = {("tight" if k else "normal"): s.metrics().get("conveyor_client_disconnects_total", 0)
+                       for k, s in servers.items()}
+    finally:
+        for s in servers.values():
+            s.stop()
+    res = _verdict("http", n, w, tally, wt, st, rss0, rss1, elapsed, time.monotonic() - t_start, log)
+    res["server_disconnects_seen"] = disconnects
+    return res
+
+
+# ---------------------------------------------------------------------------- main
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("-n", "--requests", type=int, default=5000)
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up requests (default n/10, at least 50)")
+    ap.add_argument("--abort-frac", type=float, default=0.3)
+    ap.add_argument("--tight-frac", type=float, default=0.3, help="share of requests on the tight-KV engine")
+    ap.add_argument("--concurrency", type=int, default=48)
+    ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--watchdog", type=float, default=120.0, help="seconds before a request counts as hung")
+    ap.add_argument("--http", action="store_true", help="through `conveyor serve` subprocesses")
+    ap.add_argument("--json", type=Path, default=None, help="write the result here")
+    a = ap.parse_args(argv)
+    if not a.model.exists():
+        print(f"soak: model not found: {a.model}", file=sys.stderr)
+        return 2
+    fn = soak_http if a.http else soak_async
+    res = fn(a.model, a.requests, seed=a.seed, abort_frac=a.abort_frac, tight_frac=a.tight_frac,
+             concurrency=a.concurrency, warmup=a.warmup, watchdog=a.watchdog, num_threads=a.num_threads)
+    if a.json:
+        a.json.write_text(json.dumps(res, indent=1) + "\n")
+    print("soak:", "OK" if res["ok"] else "FAILED: " + "; ".join(res["problems"]))
+    return 0 if res["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
