@@ -518,6 +518,37 @@ def test_force_scalar_env_selects_plain_kernels():
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
 
 
+@pytest.mark.parametrize("env", [
+    {"CONVEYOR_GEMM_ORDER": "1", "CONVEYOR_GEMM_XBLOCK": "1024"},   # panels outermost
+    {"CONVEYOR_GEMM_ORDER": "0", "CONVEYOR_GEMM_XBLOCK": "1024", "CONVEYOR_GEMM_KC": "16"},
+    {"CONVEYOR_GEMM_PACK": "0"},
+])
+def test_gemm_blocking_variants_agree(env):
+    # the GEMM's loop orders and blockings, forced through the environment on
+    # shapes where they make many blocks, all give the float64 result
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np, conveyor._core as c\n"
+        "r = np.random.default_rng(5)\n"
+        "for n, rows, cols in [(61, 800, 70), (13, 33, 100), (40, 20, 300)]:\n"
+        "    x = r.standard_normal((n, cols), dtype=np.float32)\n"
+        "    w = r.standard_normal((rows, cols), dtype=np.float32)\n"
+        "    b = r.standard_normal(rows, dtype=np.float32)\n"
+        "    ref = x.astype(np.float64) @ w.T.astype(np.float64) + b\n"
+        "    scale = np.abs(x).astype(np.float64) @ np.abs(w).T + np.abs(b)\n"
+        "    for impl in ('simd', 'plain'):\n"
+        "        for th in (1, 2):\n"
+        "            got = c.kernel_gemm(x, w, bias=b, impl=impl, threads=th)\n"
+        "            assert (np.abs(got - ref) <= 2e-6 * scale + 1e-6).all(), (n, rows, cols, impl)\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
 # --------------------------------------------------------------------------- bandwidth
 
 def test_triad_and_read_bandwidth():

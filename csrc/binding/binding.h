@@ -26,6 +26,7 @@ extern PyObject *cv_EngineClosedError;  /* use after close (also a RuntimeError)
 PyObject *cv_py_raise(const cv_err *err);
 
 /* Each part registers its types and functions on the module (0 ok, -1 error). */
+int cv_py_add_errors(PyObject *m);     /* errors.c: the exception types */
 int cv_py_add_checkpoint(PyObject *m); /* py_checkpoint.c */
 int cv_py_add_kernels(PyObject *m);    /* py_kernels.c   */
 int cv_py_add_scheduler(PyObject *m);  /* py_scheduler.c */

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "model.h"
+#include "../../kernels/cuda/cv_cuda.h"
 
 static void *ws_alloc(cv_backend *b, size_t n, size_t elem, int *ok) {
     void *p = b->alloc(b, n * elem);
@@ -129,5 +130,7 @@ int cv_model_forward(const cv_model *m, cv_forward_ws *ws, cv_kv_layer *caches,
                        (size_t)(bt->n_logits * c->vocab_size) * sizeof(float));
     }
     b->sync(b);
-    return CV_OK;
+    /* Device kernels report failures (bad indices, launch errors) after the fact. */
+    int rc = cv_cuda_last_error(b, err);
+    return rc ? rc : CV_OK;
 }

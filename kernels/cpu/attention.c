@@ -7,9 +7,12 @@
  * 0 .. (last position of the tile) through the block table in chunks of
  * CV_ATT_KCHUNK keys with an online softmax (running max m, sum l, unnormalized
  * acc), so no buffer of context length is needed. Items are handed out
- * dynamically, longest first. When there are fewer items than threads, each
- * item's key range is split into parts run by different threads; the last part
- * to finish merges the partial (m, l, acc) of all parts. */
+ * dynamically, longest first. When there are fewer than two items per thread
+ * and the contexts are long, each item's key range is split into parts (about
+ * two per thread in all) that threads claim like items; each part keeps its
+ * partial (m, l, acc) in a buffer of the backend and the last part of an item
+ * to finish merges them. Scores and P.V are register-blocked micro-kernels
+ * (up to 4 query vectors x 4 keys, or x 32 dims). */
 #include <math.h>
 #include <string.h>
 
