@@ -9,6 +9,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include "config.h"
+#include "mapped_file.h"
 
 typedef struct cv_tensor_view {
     const void *data;   /* NULL when absent */
@@ -59,10 +60,6 @@ void cv_checkpoint_close(cv_checkpoint *ck);
 
 /* ---- helpers shared by the loaders, the binding and the fuzz targets ---- */
 
-/* Maps a whole file read-only (an empty file gives *map NULL, *len 0).
- * CV_ERR_NOTFOUND when it does not exist, CV_ERR_IO when unreadable. */
-int cv_map_file(void **map, size_t *len, const char *path, cv_err *err);
-void cv_unmap_file(void *map, size_t len);
 /* Parses the text of a HF config.json (path names it in errors). */
 int cv_hf_config_parse(cv_model_config *cfg, const char *text, size_t len, const char *path, cv_err *err);
 /* Builds a llama2.c checkpoint over buf[len], which stays owned by the caller

@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "checkpoint.h"
+#include "mapped_file.h"
 
 static const struct {
     const char *name;
