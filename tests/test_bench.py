@@ -153,6 +153,8 @@ def test_variance_main(model, tmp_path, capsys):
         kv = row["continuous"]["kv"]
         assert 0.0 <= kv["waste_mean"] <= kv["waste_max"] < 1.0 and kv["block_size"] == 16
     assert png.stat().st_size > 1000
+    cm = r["cost_model"]
+    assert cm["runs"] == 2 * 4 and [c["cap"] for c in cm["caps"]] == [2, 24]
     # a saved run re-renders
     png2 = tmp_path / "v2.png"
     assert variance.main(["--from-json", str(j), "--plot", str(png2)]) == 0
@@ -217,3 +219,14 @@ def test_timeline_static_idles_continuous_refills(model, tmp_path, capsys):
     for s in starts[1:]:
         assert not any(b["start"] < s <= b["end"] for b in st["bars"])
     assert png.stat().st_size > 1000
+
+
+def test_variance_repeat_keeps_fastest(model):
+    r = variance.run_study(model, num_requests=4, prompt_len=8, mean_output=4, caps=[8],
+                           study_sizes=[2], sweep=(), repeat=2)
+    row = r["rows"][0]
+    assert sorted(row["static_sweep"]) == ["2"]
+    for run in (row["continuous"], row["static_study"]):
+        tps = run["repeats_output_tokens_per_s"]
+        assert len(tps) == 2 and run["throughput"]["output_tokens_per_s"] == max(tps)
+    assert r["knobs"]["repeat"] == 2

@@ -94,8 +94,9 @@ def test_gemm_matches_float64_and_plain(wdt, n, rows, cols):
 @pytest.mark.parametrize("threads", [1, 2, 3, 5])
 def test_gemm_accumulate_and_threads(impl, threads):
     # rows=20 is two panels: with more threads than panels the tokens are split too
+    # (sizes large enough for the GEMM to use several threads)
     r = rng(threads)
-    for n, rows, cols in [(50, 20, 33), (9, 130, 17), (1, 700, 40)]:
+    for n, rows, cols in [(300, 20, 600), (9, 130, 400), (1, 700, 800)]:
         x = r.standard_normal((n, cols), dtype=np.float32)
         w = r.standard_normal((rows, cols), dtype=np.float32)
         acc = r.standard_normal((n, rows), dtype=np.float32)
@@ -151,8 +152,8 @@ def test_thread_pool_many_regions_with_pauses():
     import time
 
     r = rng(3)
-    x = r.standard_normal((13, 64), dtype=np.float32)
-    w = r.standard_normal((400, 64), dtype=np.float32)
+    x = r.standard_normal((13, 256), dtype=np.float32)
+    w = r.standard_normal((400, 256), dtype=np.float32)
     m = core.kernel_matrix(w, "float32", "simd", 5)
     first = core.kernel_matmul(m, x)
     for i in range(300):

@@ -35,6 +35,11 @@ if [ ! -e "$asan" ]; then
   exit 2
 fi
 asan=$(realpath "$asan")
+# C++ extensions loaded later (matplotlib's ft2font, the tokenizers' runtime) throw
+# exceptions: ASan intercepts __cxa_throw and needs libstdc++ present at start-up.
+preload=$asan
+stdcxx=$("$cc" -print-file-name=libstdc++.so)
+if [ -e "$stdcxx" ]; then preload="$preload:$(realpath "$stdcxx")"; fi
 
 echo "sanitize.sh: building a sanitized conveyor._core into /tmp/cv_build_$name" >&2
 lib=$(CONVEYOR_SANITIZE=1 CONVEYOR_CUDA=0 PYTHON="$py" CC="$cc" tools/dev_build.sh "$name")
@@ -74,21 +79,28 @@ export CONVEYOR_SANITIZED=1
 echo "sanitize.sh: $py -m pytest ${args[*]} ${deselect[*]}" >&2
 set +e
 # LD_PRELOAD for the interpreter only (and what it starts), not for this script's tools.
-LD_PRELOAD="$asan${LD_PRELOAD:+:$LD_PRELOAD}" "$py" -m pytest -p no:cacheprovider "${args[@]}" "${deselect[@]}"
+LD_PRELOAD="$preload${LD_PRELOAD:+:$LD_PRELOAD}" "$py" -m pytest -p no:cacheprovider "${args[@]}" "${deselect[@]}"
 rc=$?
 set -e
+# A report file holds errors, leaks, or only warnings (a huge allocation refused
+# under allocator_may_return_null, which the tests ask for on purpose).
 found=0
 for f in "$reports"/*; do
   [ -e "$f" ] || continue
-  found=1
-  echo "==== sanitizer report $f" >&2
-  cat "$f" >&2
+  if grep -E "ERROR: |runtime error: |CHECK failed" "$f" >/dev/null; then
+    found=1
+    echo "==== sanitizer report $f" >&2
+    cat "$f" >&2
+  else
+    echo "sanitize.sh: warnings only in $f: $(sort -u "$f" | head -3 | tr '\n' ' ')" >&2
+    rm "$f"
+  fi
 done
 if [ $found = 1 ]; then
   echo "sanitize.sh: sanitizer reports above (kept in $reports); pytest exit status $rc" >&2
   [ $rc -eq 0 ] && rc=1
 else
-  rmdir "$reports"
+  rmdir "$reports" 2>/dev/null || true
   echo "sanitize.sh: no sanitizer report; pytest exit status $rc" >&2
 fi
 exit $rc

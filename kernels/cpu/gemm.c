@@ -465,9 +465,10 @@ void cv_cpu_gemm(cv_backend *b, float *out, const float *x, int64_t n, const cv_
 #else
     j.table = plain_table[di];
 #endif
-    /* Threads: at least ~64K multiply-adds (or one panel) each. */
+    /* Threads: at least ~128K multiply-adds (a few microseconds) each, so that
+     * waking a worker never costs more than it saves. */
     const int64_t np = (w->rows + CV_NR - 1) / CV_NR;
-    int nth = cv_threads_for(c, (double)n * (double)w->rows * (double)w->cols, 65536.0);
+    int nth = cv_threads_for(c, (double)n * (double)w->rows * (double)w->cols, 131072.0);
     if (np >= nth) {
         j.n_pparts = nth;
         j.n_tparts = 1;

@@ -187,7 +187,6 @@ def random_prompts(rng: np.random.Generator, lengths: Iterable[int], vocab_size:
 class Workload:
     prompts: List[np.ndarray]
     output_lens: List[int]
-    arrivals: Optional[List[float]] = None  # seconds after the start; None = all at once
     meta: Dict[str, Any] = field(default_factory=dict)
 
     def __len__(self):
@@ -237,7 +236,7 @@ def make_workload(*, n: int, vocab_size: int, prompt_len: int = 128, prompt_lens
     meta = {"seed": seed}
     if cap is not None:
         meta.update(cap=int(cap), mean_output_param=float(mean_output))
-    return Workload(prompts, [int(x) for x in output_lens], None, meta)
+    return Workload(prompts, [int(x) for x in output_lens], meta)
 
 
 def poisson_arrivals(rng: np.random.Generator, n: int, rate: float) -> List[float]:

@@ -209,6 +209,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ap.error(f"no shape matches {args.shapes!r}")
     res = run_gemm_and_bandwidth(args.threads, tokens=tokens, shapes=shapes)
     print(format_table(res))
+    if args.threads and not os.environ.get("OPENBLAS_NUM_THREADS"):
+        print(f"note: numpy's BLAS used its default thread count; set OPENBLAS_NUM_THREADS="
+              f"{args.threads} for a like-for-like comparison")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
