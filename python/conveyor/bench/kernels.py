@@ -199,6 +199,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--shapes", type=str, default=None,
                     help="comma-separated shape names (default: all): " + "; ".join(SMOLLM_135M_SHAPES))
     ap.add_argument("--json", type=str, default=None, help="write the results as JSON to this file")
+    ap.add_argument("--model", type=str, default=None,
+                    help="checkpoint for the model-level part (default: the built-in SmolLM-135M shape)")
+    ap.add_argument("--no-model", action="store_true",
+                    help="skip the model-level part (decode vs bandwidth, large steps vs compute)")
     args = ap.parse_args(list(argv) if argv is not None else None)
     tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
     shapes = None
@@ -212,6 +216,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.threads and not os.environ.get("OPENBLAS_NUM_THREADS"):
         print(f"note: numpy's BLAS used its default thread count; set OPENBLAS_NUM_THREADS="
               f"{args.threads} for a like-for-like comparison")
+    if not args.no_model:
+        from . import roofline
+        from ..generate import default_model
+
+        print()
+        model = args.model or str(default_model())
+        res["model"] = roofline.run(model, args.threads)
+        print(roofline.format_table(res["model"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
