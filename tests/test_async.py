@@ -116,23 +116,39 @@ def test_abort_mid_stream_frees_blocks(engine):
 
 
 def test_explicit_abort_and_cancel(engine):
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+
     async def go():
+        first = asyncio.Event()
+
         async def consume():
-            return await _collect(engine, "Once upon a time",
-                                  SamplingParams(max_tokens=400, ignore_eos=True), request_id="abc")
+            last = None
+            async for out in engine.generate("Once upon a time", long, request_id="abc"):
+                last = out
+                first.set()
+            return last
+
         task = asyncio.create_task(consume())
-        await asyncio.sleep(0.05)
+        await first.wait()
         assert await engine.abort("abc")
         out = await task
         assert out.outputs[0].finish_reason == "abort"
+        assert len(out.outputs[0].token_ids) < 400
         assert not await engine.abort("abc")  # unknown now
-        t2 = asyncio.create_task(_collect(engine, "x", SamplingParams(max_tokens=400, ignore_eos=True)))
-        await asyncio.sleep(0.05)
+
+        started = asyncio.Event()
+
+        async def consume_forever():
+            async for _ in engine.generate("x", long):
+                started.set()
+
+        t2 = asyncio.create_task(consume_forever())
+        await started.wait()
         t2.cancel()
         with pytest.raises(asyncio.CancelledError):
             await t2
         for _ in range(200):
-            if engine.stats()["blocks_used"] == 0:
+            if engine.stats()["blocks_used"] == 0 and engine._core._engine.num_unfinished() == 0:
                 break
             await asyncio.sleep(0.01)
 

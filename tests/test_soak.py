@@ -7,6 +7,7 @@ of its level after a warm-up round."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -28,6 +29,10 @@ def soak():
     return mod
 
 
+# Under tools/sanitize.sh ASan's quarantine holds freed memory, so RSS says nothing.
+CHECK_RSS = os.environ.get("CONVEYOR_SANITIZED") != "1"
+
+
 def _check(res: dict, n: int):
     assert res["ok"], res["problems"]
     assert res["finished"] + res["aborted"] + res["cancelled"] == n
@@ -35,12 +40,14 @@ def _check(res: dict, n: int):
     assert res["finished"] > 0 and res["aborted"] + res["cancelled"] > 0
     assert res["blocks_used_end"] == {"normal": 0, "tight": 0}
     assert res["preemptions"]["tight"] > 0
-    assert res["rss_growth_pct"] <= 5.0
+    if CHECK_RSS:
+        assert res["rss_growth_pct"] <= 5.0
 
 
 def test_soak_async_short(soak):
     n = 1000
-    res = soak.soak_async(MODEL, n, seed=7, warmup=150, concurrency=48, watchdog=60.0, log=lambda *_: None)
+    res = soak.soak_async(MODEL, n, seed=7, warmup=150, concurrency=48, watchdog=60.0, log=lambda *_: None,
+                          check_rss=CHECK_RSS)
     _check(res, n)
     assert res["aborted"] > 0 and res["cancelled"] > 0  # both kinds of abort happened
     assert res["engine_aborted"]["normal"] + res["engine_aborted"]["tight"] > 0
@@ -54,6 +61,7 @@ def test_soak_http_short(soak):
     except ImportError:
         pytest.skip("conveyor.serve is not importable")
     n = 300
-    res = soak.soak_http(MODEL, n, seed=7, warmup=60, concurrency=32, watchdog=60.0, log=lambda *_: None)
+    res = soak.soak_http(MODEL, n, seed=7, warmup=60, concurrency=32, watchdog=60.0, log=lambda *_: None,
+                          check_rss=CHECK_RSS)
     _check(res, n)
     assert res["cancelled"] > 0  # clients did disconnect

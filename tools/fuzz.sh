@@ -436,6 +436,7 @@ for t in "${targets[@]}"; do
   crashes=$out/crashes/$t
   log=$out/$t.log
   mkdir -p "$work" "$crashes"
+  t0=$(date +%s)
   if [ "$t" = tokenizer ]; then
     if ! "$py" -c "import conveyor.tokenizer" >/dev/null 2>&1; then
       echo "fuzz.sh: tokenizer: conveyor is not importable with $py (set PYTHON/PYTHONPATH); skipped" >&2
@@ -474,6 +475,7 @@ for t in "${targets[@]}"; do
     rc=$?
     set -e
   fi
+  el=$(( $(date +%s) - t0 ))
   if [ "$mode" = replay ]; then
     n=$(find "$seeds" -maxdepth 1 -type f | wc -l)
     line="$t: replayed $n file(s)"
@@ -481,7 +483,7 @@ for t in "${targets[@]}"; do
     execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' | tail -1 || true)
     rate=$(grep -o 'stat::average_exec_per_sec: *[0-9]*' "$log" | grep -o '[0-9]*$' | tail -1 || true)
     cov=$(grep -o 'cov: [0-9]* ft: [0-9]* corp: [0-9]*' "$log" | tail -1 || true)
-    line="$t: ${execs:-?} execs in ${secs} s (${rate:-?}/s)${cov:+, $cov}"
+    line="$t: ${execs:-?} execs in ${el} s (${rate:-?}/s)${cov:+, $cov}"
   fi
   if [ $rc -ne 0 ]; then
     status=1

@@ -4,7 +4,7 @@
  *   ck.format, ck.config, ck.path, ck.closed
  *   ck.tensors() -> {name: (dtype, shape)}, ck.tensor(name) -> float32 ndarray
  *   ck.close(); also a context manager. */
-#include "binding.h"
+#include "arrays.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -37,27 +37,16 @@ static void close_now(CheckpointObject *self) {
 
 static int Checkpoint_init(CheckpointObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"path", NULL};
-    PyObject *arg = NULL, *fs = NULL, *bytes = NULL;
+    PyObject *arg = NULL, *str = NULL, *bytes = NULL;
     int ret = -1;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:Checkpoint", kwlist, &arg)) return -1;
     if (self->busy) {
         PyErr_SetString(PyExc_RuntimeError, "checkpoint is in use by another thread");
         return -1;
     }
-    fs = PyOS_FSPath(arg); /* TypeError for anything but str, bytes, os.PathLike */
-    if (!fs) goto done;
-    if (PyUnicode_Check(fs)) {
-        bytes = PyUnicode_EncodeFSDefault(fs);
-        if (!bytes) goto done;
-    } else {
-        bytes = fs;
-        Py_INCREF(bytes);
-    }
+    bytes = cv_py_fs_path(arg, "checkpoint", &str);
+    if (!bytes) goto done;
     const char *cpath = PyBytes_AS_STRING(bytes);
-    if ((size_t)PyBytes_GET_SIZE(bytes) != strlen(cpath)) {
-        PyErr_SetString(PyExc_ValueError, "checkpoint path contains a NUL byte");
-        goto done;
-    }
     cv_checkpoint tmp;
     cv_err err;
     memset(&err, 0, sizeof err);
@@ -73,13 +62,11 @@ static int Checkpoint_init(CheckpointObject *self, PyObject *args, PyObject *kwd
     close_now(self);
     self->ck = tmp;
     self->is_open = 1;
-    PyObject *p = PyUnicode_Check(fs) ? fs : PyUnicode_DecodeFSDefault(cpath);
-    if (p == fs) Py_INCREF(p);
-    if (!p) goto done;
-    Py_XSETREF(self->path, p);
+    Py_XSETREF(self->path, str);
+    str = NULL;
     ret = 0;
 done:
-    Py_XDECREF(fs);
+    Py_XDECREF(str);
     Py_XDECREF(bytes);
     return ret;
 }
@@ -115,14 +102,6 @@ static PyObject *Checkpoint_exit(CheckpointObject *self, PyObject *args) {
     Py_RETURN_FALSE;
 }
 
-/* Sets d[key] = v and drops the reference to v; -1 on error (v may be NULL). */
-static int put(PyObject *d, const char *key, PyObject *v) {
-    if (!v) return -1;
-    int rc = PyDict_SetItemString(d, key, v);
-    Py_DECREF(v);
-    return rc;
-}
-
 static PyObject *shape_tuple(const cv_tensor_view *v) {
     return v->ndim == 1 ? Py_BuildValue("(L)", (long long)v->shape[0])
                         : Py_BuildValue("(LL)", (long long)v->shape[0], (long long)v->shape[1]);
@@ -132,50 +111,26 @@ static PyObject *Checkpoint_get_config(CheckpointObject *self, void *closure) {
     (void)closure;
     if (check_open(self) < 0) return NULL;
     const cv_model_config *c = &self->ck.cfg;
-    static const char *const archs[] = {"llama", "mistral", "qwen2"};
-    PyObject *d = PyDict_New(), *eos = NULL;
+    PyObject *d = PyDict_New();
     if (!d) return NULL;
-    if (put(d, "arch", PyUnicode_FromString(c->arch >= 0 && c->arch <= 2 ? archs[c->arch] : "unknown")) < 0 ||
-        put(d, "dim", PyLong_FromLongLong(c->dim)) < 0 ||
-        put(d, "hidden_dim", PyLong_FromLongLong(c->hidden_dim)) < 0 ||
-        put(d, "n_layers", PyLong_FromLongLong(c->n_layers)) < 0 ||
-        put(d, "n_heads", PyLong_FromLongLong(c->n_heads)) < 0 ||
-        put(d, "n_kv_heads", PyLong_FromLongLong(c->n_kv_heads)) < 0 ||
-        put(d, "head_dim", PyLong_FromLongLong(c->head_dim)) < 0 ||
-        put(d, "vocab_size", PyLong_FromLongLong(c->vocab_size)) < 0 ||
-        put(d, "max_pos", PyLong_FromLongLong(c->max_pos)) < 0 ||
-        put(d, "rms_eps", PyFloat_FromDouble(c->rms_eps)) < 0 ||
-        put(d, "rope_theta", PyFloat_FromDouble(c->rope_theta)) < 0 ||
-        put(d, "rope_layout", PyUnicode_FromString(c->rope_layout == CV_ROPE_PAIRS ? "pairs" : "halves")) < 0)
-        goto fail;
+    if (cv_py_put_model_config(d, c) < 0) goto fail;
     if (c->rope_llama3) {
         PyObject *rs = Py_BuildValue("{s:d,s:d,s:d,s:L}", "factor", (double)c->rope_factor, "low_freq_factor",
                                      (double)c->rope_low_freq_factor, "high_freq_factor",
                                      (double)c->rope_high_freq_factor, "original_max_position_embeddings",
                                      (long long)c->rope_original_max_pos);
-        if (put(d, "rope_scaling", rs) < 0) goto fail;
+        if (cv_py_put(d, "rope_scaling", rs) < 0) goto fail;
     } else {
-        Py_INCREF(Py_None);
-        if (put(d, "rope_scaling", Py_None) < 0) goto fail;
+        if (cv_py_put(d, "rope_scaling", Py_NewRef(Py_None)) < 0) goto fail;
     }
-    if (put(d, "tie_embeddings", PyBool_FromLong(c->tie_embeddings)) < 0 ||
-        put(d, "qkv_bias", PyBool_FromLong(c->qkv_bias)) < 0 ||
-        put(d, "bos_id", PyLong_FromLong(c->bos_id)) < 0)
+    if (cv_py_put(d, "tie_embeddings", PyBool_FromLong(c->tie_embeddings)) < 0 ||
+        cv_py_put(d, "qkv_bias", PyBool_FromLong(c->qkv_bias)) < 0 ||
+        cv_py_put(d, "bos_id", PyLong_FromLong(c->bos_id)) < 0 ||
+        cv_py_put(d, "eos_ids", cv_py_int32_list(c->eos_ids, c->n_eos)) < 0 ||
+        cv_py_put(d, "dtype", PyUnicode_FromString(cv_dtype_name(c->torch_dtype))) < 0)
         goto fail;
-    eos = PyList_New(c->n_eos);
-    if (!eos) goto fail;
-    for (int i = 0; i < c->n_eos; i++) {
-        PyObject *x = PyLong_FromLong(c->eos_ids[i]);
-        if (!x) goto fail;
-        PyList_SET_ITEM(eos, i, x);
-    }
-    int rc = put(d, "eos_ids", eos);
-    eos = NULL;
-    if (rc < 0) goto fail;
-    if (put(d, "dtype", PyUnicode_FromString(cv_dtype_name(c->torch_dtype))) < 0) goto fail;
     return d;
 fail:
-    Py_XDECREF(eos);
     Py_DECREF(d);
     return NULL;
 }
@@ -205,7 +160,7 @@ static int add_entry(CheckpointObject *self, PyObject *d, const char *name) {
     PyObject *shape = shape_tuple(v);
     if (!shape) return -1;
     PyObject *t = Py_BuildValue("(sN)", cv_dtype_name(v->dtype), shape);
-    return put(d, name, t);
+    return cv_py_put(d, name, t);
 }
 
 static PyObject *Checkpoint_tensors(CheckpointObject *self, PyObject *Py_UNUSED(ignored)) {

@@ -1,12 +1,11 @@
 /* conveyor._core.Engine: the engine's public C API as a Python type.
  * Python holds request ids; C owns all sequence state. */
-#include "binding.h"
+#include "arrays.h"
 
 #include <pthread.h>
 #include <string.h>
 
 #include "../core/engine.h"
-#include "../model/config.h"
 
 /* step() runs with the GIL released; `busy` keeps close() (from another thread,
  * or the interpreter's exit) from freeing the engine under a running step. */
@@ -28,19 +27,6 @@ static void engine_close(EngineObject *self) {
     cv_engine_destroy(e);
     pthread_mutex_unlock(&self->busy);
     Py_END_ALLOW_THREADS
-}
-
-static int parse_dtype(const char *s, const char *what, cv_dtype *out) {
-    if (!strcmp(s, "auto")) *out = CV_DTYPE_INVALID;
-    else if (!strcmp(s, "float32")) *out = CV_F32;
-    else if (!strcmp(s, "bfloat16")) *out = CV_BF16;
-    else if (!strcmp(s, "float16")) *out = CV_F16;
-    else {
-        PyErr_Format(PyExc_ValueError, "%s must be 'auto', 'float32', 'bfloat16' or 'float16', got '%s'",
-                     what, s);
-        return -1;
-    }
-    return 0;
 }
 
 /* Reads a sequence of ints into a new int32 buffer (PyMem). */
@@ -112,8 +98,8 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
         pthread_mutex_init(&self->busy, NULL);
         self->busy_ready = 1;
     }
-    if (parse_dtype(dtype_s, "dtype", &cfg.dtype) < 0) goto done;
-    if (parse_dtype(kv_dtype_s, "kv_cache_dtype", &cfg.kv_dtype) < 0) goto done;
+    if (cv_py_parse_dtype(dtype_s, "dtype", 1, &cfg.dtype) < 0) goto done;
+    if (cv_py_parse_dtype(kv_dtype_s, "kv_cache_dtype", 1, &cfg.kv_dtype) < 0) goto done;
     if (!strcmp(device, "cpu")) cfg.use_cuda = 0;
     else if (!strcmp(device, "cuda")) cfg.use_cuda = 1;
     else { PyErr_Format(PyExc_ValueError, "device must be 'cpu' or 'cuda', got '%s'", device); goto done; }
@@ -441,79 +427,66 @@ static PyObject *Engine_close(EngineObject *self, PyObject *Py_UNUSED(ignored)) 
     Py_RETURN_NONE;
 }
 
-#define SET_ITEM(d, k, v)                                                                          \
-    do {                                                                                           \
-        PyObject *_v = (v);                                                                        \
-        if (!_v || PyDict_SetItemString(d, k, _v) < 0) { Py_XDECREF(_v); Py_DECREF(d); return NULL; } \
-        Py_DECREF(_v);                                                                             \
-    } while (0)
-
 static PyObject *Engine_stats(EngineObject *self, PyObject *Py_UNUSED(ignored)) {
     if (check_open(self) < 0) return NULL;
     cv_engine_stats st;
     cv_engine_get_stats(self->e, &st);
     PyObject *d = PyDict_New();
     if (!d) return NULL;
-    SET_ITEM(d, "num_running", PyLong_FromLongLong(st.sched.n_running));
-    SET_ITEM(d, "num_waiting", PyLong_FromLongLong(st.sched.n_waiting));
-    SET_ITEM(d, "num_preemptions", PyLong_FromLongLong(st.sched.n_preempted_total));
-    SET_ITEM(d, "blocks_total", PyLong_FromLongLong(st.sched.blocks_total));
-    SET_ITEM(d, "blocks_used", PyLong_FromLongLong(st.sched.blocks_used));
-    SET_ITEM(d, "blocks_free", PyLong_FromLongLong(st.sched.blocks_free));
-    SET_ITEM(d, "blocks_cached_free", PyLong_FromLongLong(st.sched.blocks_cached_free));
-    SET_ITEM(d, "tokens_in_kv", PyLong_FromLongLong(st.sched.tokens_in_kv));
-    SET_ITEM(d, "kv_waste", PyFloat_FromDouble(st.sched.kv_waste));
-    SET_ITEM(d, "prefix_queries", PyLong_FromLongLong(st.sched.prefix_queries));
-    SET_ITEM(d, "prefix_hits", PyLong_FromLongLong(st.sched.prefix_hits));
-    SET_ITEM(d, "num_blocks", PyLong_FromLongLong(st.num_blocks));
-    SET_ITEM(d, "block_size", PyLong_FromLongLong(st.block_size));
-    SET_ITEM(d, "max_model_len", PyLong_FromLongLong(st.max_model_len));
-    SET_ITEM(d, "max_num_seqs", PyLong_FromLongLong(st.max_num_seqs));
-    SET_ITEM(d, "max_num_batched_tokens", PyLong_FromLongLong(st.max_num_batched_tokens));
-    SET_ITEM(d, "kv_cache_bytes", PyLong_FromSize_t(st.kv_cache_bytes));
-    SET_ITEM(d, "prompt_tokens", PyLong_FromLongLong(st.prompt_tokens_computed));
-    SET_ITEM(d, "generation_tokens", PyLong_FromLongLong(st.generation_tokens));
-    SET_ITEM(d, "requests_finished", PyLong_FromLongLong(st.requests_finished));
-    SET_ITEM(d, "requests_aborted", PyLong_FromLongLong(st.requests_aborted));
-    SET_ITEM(d, "steps", PyLong_FromLongLong(st.steps));
-    SET_ITEM(d, "time_schedule", PyFloat_FromDouble(st.time_schedule));
-    SET_ITEM(d, "time_build", PyFloat_FromDouble(st.time_build));
-    SET_ITEM(d, "time_forward", PyFloat_FromDouble(st.time_forward));
-    SET_ITEM(d, "time_sample", PyFloat_FromDouble(st.time_sample));
-    SET_ITEM(d, "time_step", PyFloat_FromDouble(st.time_step));
+    if (cv_py_put(d, "num_running", PyLong_FromLongLong(st.sched.n_running)) < 0 ||
+        cv_py_put(d, "num_waiting", PyLong_FromLongLong(st.sched.n_waiting)) < 0 ||
+        cv_py_put(d, "num_preemptions", PyLong_FromLongLong(st.sched.n_preempted_total)) < 0 ||
+        cv_py_put(d, "blocks_total", PyLong_FromLongLong(st.sched.blocks_total)) < 0 ||
+        cv_py_put(d, "blocks_used", PyLong_FromLongLong(st.sched.blocks_used)) < 0 ||
+        cv_py_put(d, "blocks_free", PyLong_FromLongLong(st.sched.blocks_free)) < 0 ||
+        cv_py_put(d, "blocks_cached_free", PyLong_FromLongLong(st.sched.blocks_cached_free)) < 0 ||
+        cv_py_put(d, "tokens_in_kv", PyLong_FromLongLong(st.sched.tokens_in_kv)) < 0 ||
+        cv_py_put(d, "kv_waste", PyFloat_FromDouble(st.sched.kv_waste)) < 0 ||
+        cv_py_put(d, "prefix_queries", PyLong_FromLongLong(st.sched.prefix_queries)) < 0 ||
+        cv_py_put(d, "prefix_hits", PyLong_FromLongLong(st.sched.prefix_hits)) < 0 ||
+        cv_py_put(d, "num_blocks", PyLong_FromLongLong(st.num_blocks)) < 0 ||
+        cv_py_put(d, "block_size", PyLong_FromLongLong(st.block_size)) < 0 ||
+        cv_py_put(d, "max_model_len", PyLong_FromLongLong(st.max_model_len)) < 0 ||
+        cv_py_put(d, "max_num_seqs", PyLong_FromLongLong(st.max_num_seqs)) < 0 ||
+        cv_py_put(d, "max_num_batched_tokens", PyLong_FromLongLong(st.max_num_batched_tokens)) < 0 ||
+        cv_py_put(d, "kv_cache_bytes", PyLong_FromSize_t(st.kv_cache_bytes)) < 0 ||
+        cv_py_put(d, "prompt_tokens", PyLong_FromLongLong(st.prompt_tokens_computed)) < 0 ||
+        cv_py_put(d, "generation_tokens", PyLong_FromLongLong(st.generation_tokens)) < 0 ||
+        cv_py_put(d, "requests_finished", PyLong_FromLongLong(st.requests_finished)) < 0 ||
+        cv_py_put(d, "requests_aborted", PyLong_FromLongLong(st.requests_aborted)) < 0 ||
+        cv_py_put(d, "steps", PyLong_FromLongLong(st.steps)) < 0 ||
+        cv_py_put(d, "time_schedule", PyFloat_FromDouble(st.time_schedule)) < 0 ||
+        cv_py_put(d, "time_build", PyFloat_FromDouble(st.time_build)) < 0 ||
+        cv_py_put(d, "time_forward", PyFloat_FromDouble(st.time_forward)) < 0 ||
+        cv_py_put(d, "time_sample", PyFloat_FromDouble(st.time_sample)) < 0 ||
+        cv_py_put(d, "time_step", PyFloat_FromDouble(st.time_step)) < 0) {
+        Py_DECREF(d);
+        return NULL;
+    }
     return d;
 }
 
 static PyObject *Engine_model_config(EngineObject *self, PyObject *Py_UNUSED(ignored)) {
     if (check_open(self) < 0) return NULL;
     const cv_model_config *c = cv_engine_model_config(self->e);
-    PyObject *d = PyDict_New();
-    if (!d) return NULL;
-    static const char *arch[] = {"llama", "mistral", "qwen2"};
-    SET_ITEM(d, "arch", PyUnicode_FromString(arch[c->arch]));
-    SET_ITEM(d, "dim", PyLong_FromLongLong(c->dim));
-    SET_ITEM(d, "hidden_dim", PyLong_FromLongLong(c->hidden_dim));
-    SET_ITEM(d, "n_layers", PyLong_FromLongLong(c->n_layers));
-    SET_ITEM(d, "n_heads", PyLong_FromLongLong(c->n_heads));
-    SET_ITEM(d, "n_kv_heads", PyLong_FromLongLong(c->n_kv_heads));
-    SET_ITEM(d, "head_dim", PyLong_FromLongLong(c->head_dim));
-    SET_ITEM(d, "vocab_size", PyLong_FromLongLong(c->vocab_size));
-    SET_ITEM(d, "max_pos", PyLong_FromLongLong(c->max_pos));
-    SET_ITEM(d, "bos_id", PyLong_FromLong(c->bos_id));
-    SET_ITEM(d, "tie_embeddings", PyBool_FromLong(c->tie_embeddings));
-    SET_ITEM(d, "rope_theta", PyFloat_FromDouble(c->rope_theta));
     size_t wbytes;
     int64_t nparams;
     cv_dtype wdt, kvdt;
     cv_engine_weight_info(self->e, &wbytes, &nparams, &wdt, &kvdt);
-    SET_ITEM(d, "weight_bytes", PyLong_FromSize_t(wbytes));
-    SET_ITEM(d, "n_params", PyLong_FromLongLong(nparams));
-    SET_ITEM(d, "dtype", PyUnicode_FromString(cv_dtype_name(wdt)));
-    SET_ITEM(d, "kv_cache_dtype", PyUnicode_FromString(cv_dtype_name(kvdt)));
-    PyObject *eos = PyList_New(c->n_eos);
-    if (!eos) { Py_DECREF(d); return NULL; }
-    for (int i = 0; i < c->n_eos; i++) PyList_SET_ITEM(eos, i, PyLong_FromLong(c->eos_ids[i]));
-    SET_ITEM(d, "eos_ids", eos);
+    PyObject *d = PyDict_New();
+    if (!d) return NULL;
+    if (cv_py_put_model_dims(d, c) < 0 ||
+        cv_py_put(d, "bos_id", PyLong_FromLong(c->bos_id)) < 0 ||
+        cv_py_put(d, "tie_embeddings", PyBool_FromLong(c->tie_embeddings)) < 0 ||
+        cv_py_put(d, "rope_theta", PyFloat_FromDouble(c->rope_theta)) < 0 ||
+        cv_py_put(d, "weight_bytes", PyLong_FromSize_t(wbytes)) < 0 ||
+        cv_py_put(d, "n_params", PyLong_FromLongLong(nparams)) < 0 ||
+        cv_py_put(d, "dtype", PyUnicode_FromString(cv_dtype_name(wdt))) < 0 ||
+        cv_py_put(d, "kv_cache_dtype", PyUnicode_FromString(cv_dtype_name(kvdt))) < 0 ||
+        cv_py_put(d, "eos_ids", cv_py_int32_list(c->eos_ids, c->n_eos)) < 0) {
+        Py_DECREF(d);
+        return NULL;
+    }
     return d;
 }
 

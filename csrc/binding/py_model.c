@@ -13,7 +13,7 @@
  * ValueError, non-integer arrays TypeError. The forward runs without the GIL;
  * a runner runs one call at a time: forward, reset, close and __init__ from
  * another thread meanwhile raise RuntimeError. */
-#include "binding.h"
+#include "arrays.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -144,19 +144,6 @@ static int check_usable(ModelRunnerObject *self) {
     return 0;
 }
 
-static int parse_dtype(const char *s, int allow_auto, const char *what, cv_dtype *out) {
-    if (allow_auto && !strcmp(s, "auto")) *out = CV_DTYPE_INVALID;
-    else if (!strcmp(s, "float32")) *out = CV_F32;
-    else if (!strcmp(s, "bfloat16")) *out = CV_BF16;
-    else if (!strcmp(s, "float16")) *out = CV_F16;
-    else {
-        PyErr_Format(PyExc_ValueError, "%s must be %s'float32', 'bfloat16' or 'float16', got '%s'",
-                     what, allow_auto ? "'auto', " : "", s);
-        return -1;
-    }
-    return 0;
-}
-
 /* Builds the whole runner into st. Pure C: runs without the GIL. */
 static int build_state(runner_state *st, const char *path, cv_dtype dtype, cv_dtype kv_dtype,
                        int64_t bs, int64_t nblocks, int64_t max_tokens, int64_t max_seqs,
@@ -216,7 +203,7 @@ static int build_state(runner_state *st, const char *path, cv_dtype dtype, cv_dt
 static int ModelRunner_init(ModelRunnerObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"path", "dtype", "kv_cache_dtype", "block_size", "num_blocks",
                              "max_tokens", "max_seqs", "num_threads", "force_scalar", NULL};
-    PyObject *arg = NULL, *fs = NULL, *bytes = NULL;
+    PyObject *arg = NULL, *bytes = NULL;
     const char *dtype_s = "auto", *kv_s = "float32";
     long long bs = 16, nblocks = 64, max_tokens = 512, max_seqs = 16;
     int num_threads = 0, force_scalar = 0;
@@ -232,8 +219,8 @@ static int ModelRunner_init(ModelRunnerObject *self, PyObject *args, PyObject *k
         PyErr_SetString(PyExc_RuntimeError, "ModelRunner is in use by another thread");
         return -1;
     }
-    if (parse_dtype(dtype_s, 1, "dtype", &dtype) < 0 ||
-        parse_dtype(kv_s, 0, "kv_cache_dtype", &kv_dtype) < 0)
+    if (cv_py_parse_dtype(dtype_s, "dtype", 1, &dtype) < 0 ||
+        cv_py_parse_dtype(kv_s, "kv_cache_dtype", 0, &kv_dtype) < 0)
         return -1;
     /* int32 fields of the batch (positions, context lengths, query rows) bound these */
     if (bs < 1 || bs > 65536) {
@@ -257,20 +244,9 @@ static int ModelRunner_init(ModelRunnerObject *self, PyObject *args, PyObject *k
         PyErr_Format(PyExc_ValueError, "num_threads must be in 0..1024 (0: all cores), got %d", num_threads);
         return -1;
     }
-    fs = PyOS_FSPath(arg); /* TypeError for anything but str, bytes, os.PathLike */
-    if (!fs) goto done;
-    if (PyUnicode_Check(fs)) {
-        bytes = PyUnicode_EncodeFSDefault(fs);
-        if (!bytes) goto done;
-    } else {
-        bytes = fs;
-        Py_INCREF(bytes);
-    }
+    bytes = cv_py_fs_path(arg, "model", NULL);
+    if (!bytes) goto done;
     const char *cpath = PyBytes_AS_STRING(bytes);
-    if ((size_t)PyBytes_GET_SIZE(bytes) != strlen(cpath)) {
-        PyErr_SetString(PyExc_ValueError, "model path contains a NUL byte");
-        goto done;
-    }
     cv_err err;
     memset(&err, 0, sizeof err);
     size_t kv_layer_bytes = 0;
@@ -294,7 +270,6 @@ static int ModelRunner_init(ModelRunnerObject *self, PyObject *args, PyObject *k
     self->kv_layer_bytes = kv_layer_bytes;
     ret = 0;
 done:
-    Py_XDECREF(fs);
     Py_XDECREF(bytes);
     return ret;
 }
@@ -572,14 +547,6 @@ static PyObject *ModelRunner_exit(ModelRunnerObject *self, PyObject *args) {
     Py_RETURN_FALSE;
 }
 
-/* Sets d[key] = v and drops the reference to v; -1 on error (v may be NULL). */
-static int put(PyObject *d, const char *key, PyObject *v) {
-    if (!v) return -1;
-    int rc = PyDict_SetItemString(d, key, v);
-    Py_DECREF(v);
-    return rc;
-}
-
 static PyObject *ModelRunner_get_config(ModelRunnerObject *self, void *closure) {
     (void)closure;
     if (!self->m) { /* read-only: fine while a forward runs */
@@ -588,35 +555,23 @@ static PyObject *ModelRunner_get_config(ModelRunnerObject *self, void *closure) 
         return cv_py_raise(&e);
     }
     const cv_model_config *c = &self->m->cfg;
-    static const char *const archs[] = {"llama", "mistral", "qwen2"};
     PyObject *d = PyDict_New();
     if (!d) return NULL;
-    if (put(d, "arch", PyUnicode_FromString(c->arch >= 0 && c->arch <= 2 ? archs[c->arch] : "unknown")) < 0 ||
-        put(d, "dim", PyLong_FromLongLong(c->dim)) < 0 ||
-        put(d, "hidden_dim", PyLong_FromLongLong(c->hidden_dim)) < 0 ||
-        put(d, "n_layers", PyLong_FromLongLong(c->n_layers)) < 0 ||
-        put(d, "n_heads", PyLong_FromLongLong(c->n_heads)) < 0 ||
-        put(d, "n_kv_heads", PyLong_FromLongLong(c->n_kv_heads)) < 0 ||
-        put(d, "head_dim", PyLong_FromLongLong(c->head_dim)) < 0 ||
-        put(d, "vocab_size", PyLong_FromLongLong(c->vocab_size)) < 0 ||
-        put(d, "max_pos", PyLong_FromLongLong(c->max_pos)) < 0 ||
-        put(d, "rms_eps", PyFloat_FromDouble(c->rms_eps)) < 0 ||
-        put(d, "rope_theta", PyFloat_FromDouble(c->rope_theta)) < 0 ||
-        put(d, "rope_layout", PyUnicode_FromString(c->rope_layout == CV_ROPE_PAIRS ? "pairs" : "halves")) < 0 ||
-        put(d, "rope_llama3", PyBool_FromLong(c->rope_llama3)) < 0 ||
-        put(d, "tie_embeddings", PyBool_FromLong(c->tie_embeddings)) < 0 ||
-        put(d, "qkv_bias", PyBool_FromLong(c->qkv_bias)) < 0 ||
-        put(d, "dtype", PyUnicode_FromString(cv_dtype_name(self->m->dtype))) < 0 ||
-        put(d, "kv_cache_dtype", PyUnicode_FromString(cv_dtype_name(self->kv_dtype))) < 0 ||
-        put(d, "block_size", PyLong_FromLongLong(self->block_size)) < 0 ||
-        put(d, "num_blocks", PyLong_FromLongLong(self->num_blocks)) < 0 ||
-        put(d, "max_tokens", PyLong_FromLongLong(self->max_tokens)) < 0 ||
-        put(d, "max_seqs", PyLong_FromLongLong(self->max_seqs)) < 0 ||
-        put(d, "weight_bytes", PyLong_FromSize_t(self->m->weight_bytes)) < 0 ||
-        put(d, "kv_cache_bytes",
+    if (cv_py_put_model_config(d, c) < 0 ||
+        cv_py_put(d, "rope_llama3", PyBool_FromLong(c->rope_llama3)) < 0 ||
+        cv_py_put(d, "tie_embeddings", PyBool_FromLong(c->tie_embeddings)) < 0 ||
+        cv_py_put(d, "qkv_bias", PyBool_FromLong(c->qkv_bias)) < 0 ||
+        cv_py_put(d, "dtype", PyUnicode_FromString(cv_dtype_name(self->m->dtype))) < 0 ||
+        cv_py_put(d, "kv_cache_dtype", PyUnicode_FromString(cv_dtype_name(self->kv_dtype))) < 0 ||
+        cv_py_put(d, "block_size", PyLong_FromLongLong(self->block_size)) < 0 ||
+        cv_py_put(d, "num_blocks", PyLong_FromLongLong(self->num_blocks)) < 0 ||
+        cv_py_put(d, "max_tokens", PyLong_FromLongLong(self->max_tokens)) < 0 ||
+        cv_py_put(d, "max_seqs", PyLong_FromLongLong(self->max_seqs)) < 0 ||
+        cv_py_put(d, "weight_bytes", PyLong_FromSize_t(self->m->weight_bytes)) < 0 ||
+        cv_py_put(d, "kv_cache_bytes",
             PyLong_FromUnsignedLongLong(2ull * (unsigned long long)self->kv_layer_bytes *
                                         (unsigned long long)c->n_layers)) < 0 ||
-        put(d, "n_params", PyLong_FromLongLong(self->m->n_params)) < 0) {
+        cv_py_put(d, "n_params", PyLong_FromLongLong(self->m->n_params)) < 0) {
         Py_DECREF(d);
         return NULL;
     }

@@ -302,48 +302,42 @@ done:
 
 /* ---- raw random stream ------------------------------------------------ */
 
-static int parse_rng_args(PyObject *args, PyObject *kw, const char *fmt, uint64_t *seed,
-                          Py_ssize_t *n) {
+/* The first n outputs of the stream seed gives a sequence: raw uint64 words,
+ * or (uniform) doubles in [0, 1). fmt names the function for PyArg. */
+static PyObject *rng_stream(PyObject *args, PyObject *kw, const char *fmt, int uniform) {
     static char *kwlist[] = {"seed", "n", NULL};
     PyObject *seed_obj = NULL;
-    *n = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, fmt, kwlist, &seed_obj, n)) return -1;
-    if (parse_seed(seed_obj, seed) < 0) return -1;
-    if (*n < 0 || *n > 100000000) {
-        PyErr_Format(PyExc_ValueError, "n must be in [0, 100000000], got %zd", *n);
-        return -1;
+    uint64_t seed;
+    Py_ssize_t n = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, fmt, kwlist, &seed_obj, &n)) return NULL;
+    if (parse_seed(seed_obj, &seed) < 0) return NULL;
+    if (n < 0 || n > 100000000) {
+        PyErr_Format(PyExc_ValueError, "n must be in [0, 100000000], got %zd", n);
+        return NULL;
     }
-    return 0;
+    npy_intp dims[1] = {(npy_intp)n};
+    PyObject *r = PyArray_SimpleNew(1, dims, uniform ? NPY_FLOAT64 : NPY_UINT64);
+    if (!r) return NULL;
+    cv_rng rng;
+    cv_rng_seed(&rng, seed);
+    if (uniform) {
+        double *out = PyArray_DATA((PyArrayObject *)r); /* [n] */
+        for (Py_ssize_t i = 0; i < n; i++) out[i] = cv_rng_uniform(&rng);
+    } else {
+        uint64_t *out = PyArray_DATA((PyArrayObject *)r); /* [n] */
+        for (Py_ssize_t i = 0; i < n; i++) out[i] = cv_rng_next(&rng);
+    }
+    return r;
 }
 
 static PyObject *py_rng_uint64(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
-    uint64_t seed;
-    Py_ssize_t n;
-    if (parse_rng_args(args, kw, "On:rng_uint64", &seed, &n) < 0) return NULL;
-    npy_intp dims[1] = {(npy_intp)n};
-    PyObject *r = PyArray_SimpleNew(1, dims, NPY_UINT64);
-    if (!r) return NULL;
-    uint64_t *out = PyArray_DATA((PyArrayObject *)r); /* [n] */
-    cv_rng rng;
-    cv_rng_seed(&rng, seed);
-    for (Py_ssize_t i = 0; i < n; i++) out[i] = cv_rng_next(&rng);
-    return r;
+    return rng_stream(args, kw, "On:rng_uint64", 0);
 }
 
 static PyObject *py_rng_uniform(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
-    uint64_t seed;
-    Py_ssize_t n;
-    if (parse_rng_args(args, kw, "On:rng_uniform", &seed, &n) < 0) return NULL;
-    npy_intp dims[1] = {(npy_intp)n};
-    PyObject *r = PyArray_SimpleNew(1, dims, NPY_FLOAT64);
-    if (!r) return NULL;
-    double *out = PyArray_DATA((PyArrayObject *)r); /* [n] */
-    cv_rng rng;
-    cv_rng_seed(&rng, seed);
-    for (Py_ssize_t i = 0; i < n; i++) out[i] = cv_rng_uniform(&rng);
-    return r;
+    return rng_stream(args, kw, "On:rng_uniform", 1);
 }
 
 /* ---- stop strings ----------------------------------------------------- */

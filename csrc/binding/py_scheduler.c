@@ -8,7 +8,7 @@
  *   s.append_token(id, tok)      # for sequences whose tokens are all computed
  *   s.finish(id, "length")       # "stopped" | "length" | "aborted"
  */
-#include "binding.h"
+#include "arrays.h"
 
 #include "../core/scheduler.h"
 #include "../core/sequence.h"
@@ -197,28 +197,6 @@ static PyObject *Sched_fork(SchedObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *int64_list(const int64_t *v, int64_t n) {
-    PyObject *l = PyList_New((Py_ssize_t)n);
-    if (!l) return NULL;
-    for (int64_t i = 0; i < n; i++) {
-        PyObject *x = PyLong_FromLongLong(v[i]);
-        if (!x) { Py_DECREF(l); return NULL; }
-        PyList_SET_ITEM(l, i, x);
-    }
-    return l;
-}
-
-static PyObject *int32_list(const int32_t *v, int64_t n) {
-    PyObject *l = PyList_New((Py_ssize_t)n);
-    if (!l) return NULL;
-    for (int64_t i = 0; i < n; i++) {
-        PyObject *x = PyLong_FromLong(v[i]);
-        if (!x) { Py_DECREF(l); return NULL; }
-        PyList_SET_ITEM(l, i, x);
-    }
-    return l;
-}
-
 static PyObject *seq_id_list(cv_sequence *const *seqs, int64_t n) {
     PyObject *l = PyList_New((Py_ssize_t)n);
     if (!l) return NULL;
@@ -230,30 +208,22 @@ static PyObject *seq_id_list(cv_sequence *const *seqs, int64_t n) {
     return l;
 }
 
-/* Adds d[key] = value and drops the reference to value; -1 on error. */
-static int put(PyObject *d, const char *key, PyObject *value) {
-    if (!value) return -1;
-    int r = PyDict_SetItemString(d, key, value);
-    Py_DECREF(value);
-    return r;
-}
-
 static PyObject *plan_dict(const cv_sched_output *p) {
     PyObject *d = PyDict_New();
     if (!d) return NULL;
     PyObject *tables = PyList_New((Py_ssize_t)p->n_seqs);
     if (!tables) goto fail;
     for (int64_t i = 0; i < p->n_seqs; i++) {
-        PyObject *t = int32_list(p->seqs[i]->block_table, p->seqs[i]->n_blocks);
+        PyObject *t = cv_py_int32_list(p->seqs[i]->block_table, p->seqs[i]->n_blocks);
         if (!t) { Py_DECREF(tables); goto fail; }
         PyList_SET_ITEM(tables, i, t);
     }
-    if (put(d, "block_tables", tables) < 0) goto fail;
-    if (put(d, "seq_ids", seq_id_list(p->seqs, p->n_seqs)) < 0) goto fail;
-    if (put(d, "num_new_tokens", int32_list(p->num_new_tokens, p->n_seqs)) < 0) goto fail;
-    if (put(d, "start_pos", int64_list(p->start_pos, p->n_seqs)) < 0) goto fail;
-    if (put(d, "preempted", seq_id_list(p->preempted, p->n_preempted)) < 0) goto fail;
-    if (put(d, "total_tokens", PyLong_FromLongLong(p->total_tokens)) < 0) goto fail;
+    if (cv_py_put(d, "block_tables", tables) < 0) goto fail;
+    if (cv_py_put(d, "seq_ids", seq_id_list(p->seqs, p->n_seqs)) < 0) goto fail;
+    if (cv_py_put(d, "num_new_tokens", cv_py_int32_list(p->num_new_tokens, p->n_seqs)) < 0) goto fail;
+    if (cv_py_put(d, "start_pos", cv_py_int64_list(p->start_pos, p->n_seqs)) < 0) goto fail;
+    if (cv_py_put(d, "preempted", seq_id_list(p->preempted, p->n_preempted)) < 0) goto fail;
+    if (cv_py_put(d, "total_tokens", PyLong_FromLongLong(p->total_tokens)) < 0) goto fail;
     return d;
 fail:
     Py_DECREF(d);
@@ -341,17 +311,17 @@ static PyObject *Sched_seq_info(SchedObject *self, PyObject *args) {
     if (!q) return NULL;
     PyObject *d = PyDict_New();
     if (!d) return NULL;
-    if (put(d, "status", PyUnicode_FromString(status_name(q->status))) < 0 ||
-        put(d, "n_tokens", PyLong_FromLongLong(q->n_tokens)) < 0 ||
-        put(d, "n_prompt", PyLong_FromLongLong(q->n_prompt)) < 0 ||
-        put(d, "max_total", PyLong_FromLongLong(q->max_total)) < 0 ||
-        put(d, "n_computed", PyLong_FromLongLong(q->n_computed)) < 0 ||
-        put(d, "n_cached_prompt", PyLong_FromLongLong(q->n_cached_prompt)) < 0 ||
-        put(d, "n_preemptions", PyLong_FromLongLong(q->n_preemptions)) < 0 ||
-        put(d, "arrival", PyLong_FromLongLong(q->arrival)) < 0 ||
-        put(d, "priority", PyLong_FromLong(q->priority)) < 0 ||
-        put(d, "block_table", int32_list(q->block_table, q->n_blocks)) < 0 ||
-        put(d, "tokens", int32_list(q->tokens, q->n_tokens)) < 0) {
+    if (cv_py_put(d, "status", PyUnicode_FromString(status_name(q->status))) < 0 ||
+        cv_py_put(d, "n_tokens", PyLong_FromLongLong(q->n_tokens)) < 0 ||
+        cv_py_put(d, "n_prompt", PyLong_FromLongLong(q->n_prompt)) < 0 ||
+        cv_py_put(d, "max_total", PyLong_FromLongLong(q->max_total)) < 0 ||
+        cv_py_put(d, "n_computed", PyLong_FromLongLong(q->n_computed)) < 0 ||
+        cv_py_put(d, "n_cached_prompt", PyLong_FromLongLong(q->n_cached_prompt)) < 0 ||
+        cv_py_put(d, "n_preemptions", PyLong_FromLongLong(q->n_preemptions)) < 0 ||
+        cv_py_put(d, "arrival", PyLong_FromLongLong(q->arrival)) < 0 ||
+        cv_py_put(d, "priority", PyLong_FromLong(q->priority)) < 0 ||
+        cv_py_put(d, "block_table", cv_py_int32_list(q->block_table, q->n_blocks)) < 0 ||
+        cv_py_put(d, "tokens", cv_py_int32_list(q->tokens, q->n_tokens)) < 0) {
         Py_DECREF(d);
         return NULL;
     }
@@ -363,18 +333,18 @@ static PyObject *Sched_stats(SchedObject *self, PyObject *Py_UNUSED(ignored)) {
     cv_scheduler_get_stats(self->s, &st);
     PyObject *d = PyDict_New();
     if (!d) return NULL;
-    if (put(d, "n_running", PyLong_FromLongLong(st.n_running)) < 0 ||
-        put(d, "n_waiting", PyLong_FromLongLong(st.n_waiting)) < 0 ||
-        put(d, "n_preempted_total", PyLong_FromLongLong(st.n_preempted_total)) < 0 ||
-        put(d, "blocks_total", PyLong_FromLongLong(st.blocks_total)) < 0 ||
-        put(d, "blocks_used", PyLong_FromLongLong(st.blocks_used)) < 0 ||
-        put(d, "blocks_free", PyLong_FromLongLong(st.blocks_free)) < 0 ||
-        put(d, "blocks_cached_free", PyLong_FromLongLong(st.blocks_cached_free)) < 0 ||
-        put(d, "tokens_in_kv", PyLong_FromLongLong(st.tokens_in_kv)) < 0 ||
-        put(d, "kv_waste", PyFloat_FromDouble(st.kv_waste)) < 0 ||
-        put(d, "prefix_queries", PyLong_FromLongLong(st.prefix_queries)) < 0 ||
-        put(d, "prefix_hits", PyLong_FromLongLong(st.prefix_hits)) < 0 ||
-        put(d, "steps", PyLong_FromLongLong(st.steps)) < 0) {
+    if (cv_py_put(d, "n_running", PyLong_FromLongLong(st.n_running)) < 0 ||
+        cv_py_put(d, "n_waiting", PyLong_FromLongLong(st.n_waiting)) < 0 ||
+        cv_py_put(d, "n_preempted_total", PyLong_FromLongLong(st.n_preempted_total)) < 0 ||
+        cv_py_put(d, "blocks_total", PyLong_FromLongLong(st.blocks_total)) < 0 ||
+        cv_py_put(d, "blocks_used", PyLong_FromLongLong(st.blocks_used)) < 0 ||
+        cv_py_put(d, "blocks_free", PyLong_FromLongLong(st.blocks_free)) < 0 ||
+        cv_py_put(d, "blocks_cached_free", PyLong_FromLongLong(st.blocks_cached_free)) < 0 ||
+        cv_py_put(d, "tokens_in_kv", PyLong_FromLongLong(st.tokens_in_kv)) < 0 ||
+        cv_py_put(d, "kv_waste", PyFloat_FromDouble(st.kv_waste)) < 0 ||
+        cv_py_put(d, "prefix_queries", PyLong_FromLongLong(st.prefix_queries)) < 0 ||
+        cv_py_put(d, "prefix_hits", PyLong_FromLongLong(st.prefix_hits)) < 0 ||
+        cv_py_put(d, "steps", PyLong_FromLongLong(st.steps)) < 0) {
         Py_DECREF(d);
         return NULL;
     }

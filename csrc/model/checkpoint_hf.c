@@ -159,7 +159,8 @@ static int parse_rope_scaling(const cfg_reader *r, cv_model_config *c) {
         (rc = get_num(r, s, "rope_scaling.", "high_freq_factor", 1, 0, &hi)) < 0 ||
         (rc = get_num(r, s, "rope_scaling.", "original_max_position_embeddings", 1, 0, &orig)) < 0)
         return rc;
-    if (!(factor > 0) || !(lo > 0) || !(hi > lo) || factor > 1e6 || hi > 1e6)
+    /* judged as the floats they are stored as (lo and hi must stay apart: the model divides by hi - lo) */
+    if (!((float)factor > 0) || !((float)lo > 0) || !((float)hi > (float)lo) || factor > 1e6 || hi > 1e6)
         return cv_set_err(r->err, CV_ERR_FORMAT,
                           "%s: rope_scaling llama3 needs factor > 0 and 0 < low_freq_factor < high_freq_factor "
                           "(got factor=%g, low_freq_factor=%g, high_freq_factor=%g)", r->path, factor, lo, hi);
@@ -253,12 +254,13 @@ int cv_hf_config_parse(cv_model_config *cfg, const char *text, size_t len, const
     double eps = 0, theta = 0;
     const cv_json *root = doc.root;
     if ((rc = get_num(&r, root, "", "rms_norm_eps", 0, 1e-6, &eps)) < 0) goto done;
-    if (!(eps > 0) || eps >= 1) {
+    /* judged as the float it is stored as: 1e-85 passes as a double but is 0 as a float */
+    if (!(eps > 0) || eps >= 1 || !((float)eps > 0)) {
         rc = cv_set_err(err, CV_ERR_FORMAT, "%s: \"rms_norm_eps\" (%g) must be in (0, 1)", path, eps);
         goto done;
     }
     if ((rc = get_num(&r, root, "", "rope_theta", 0, 10000.0, &theta)) < 0) goto done;
-    if (!(theta > 0) || theta > 1e30) {
+    if (!(theta > 0) || theta > 1e30 || !((float)theta > 0)) {
         rc = cv_set_err(err, CV_ERR_FORMAT, "%s: \"rope_theta\" (%g) must be a positive number", path, theta);
         goto done;
     }

@@ -31,6 +31,20 @@ static void cpu_copy(cv_backend *b, void *dst, const void *src, size_t bytes) {
 
 static void cpu_sync(cv_backend *b) { (void)b; }
 
+int cv_cpu_check_prepare(const char *what, const char *noun, const void *src, cv_dtype src_dtype,
+                         int64_t rows, int64_t cols, cv_dtype dtype, cv_err *err) {
+    if (!src || rows <= 0 || cols <= 0)
+        return cv_set_err(err, CV_ERR_INVALID, "%s: bad shape [%lld][%lld] or NULL source", what,
+                          (long long)rows, (long long)cols);
+    if (src_dtype != CV_F32 && src_dtype != CV_F16 && src_dtype != CV_BF16 && src_dtype != CV_F64)
+        return cv_set_err(err, CV_ERR_TYPE, "%s: source dtype %s is not a float type", what,
+                          cv_dtype_name(src_dtype));
+    if (dtype != CV_F32 && dtype != CV_F16 && dtype != CV_BF16)
+        return cv_set_err(err, CV_ERR_UNSUPPORTED, "%s: %s %s (want float32, float16 or bfloat16)", what,
+                          noun, cv_dtype_name(dtype));
+    return CV_OK;
+}
+
 static int cpu_table_prepare(cv_backend *b, cv_table *out, const void *src, cv_dtype src_dtype,
                              int64_t rows, int64_t cols, cv_dtype dtype, cv_err *err) {
     cv_cpu *c = cv_cpu_of(b);
@@ -38,22 +52,8 @@ static int cpu_table_prepare(cv_backend *b, cv_table *out, const void *src, cv_d
     void *data = NULL;
     float *row = NULL;
     memset(out, 0, sizeof *out);
-    if (!src || rows <= 0 || cols <= 0) {
-        rc = cv_set_err(err, CV_ERR_INVALID, "table_prepare: bad shape [%lld][%lld] or NULL source",
-                        (long long)rows, (long long)cols);
-        goto done;
-    }
-    if (src_dtype != CV_F32 && src_dtype != CV_F16 && src_dtype != CV_BF16 && src_dtype != CV_F64) {
-        rc = cv_set_err(err, CV_ERR_TYPE, "table_prepare: source dtype %s is not a float type",
-                        cv_dtype_name(src_dtype));
-        goto done;
-    }
-    if (dtype != CV_F32 && dtype != CV_F16 && dtype != CV_BF16) {
-        rc = cv_set_err(err, CV_ERR_UNSUPPORTED,
-                        "table_prepare: dtype %s (want float32, float16 or bfloat16)",
-                        cv_dtype_name(dtype));
-        goto done;
-    }
+    rc = cv_cpu_check_prepare("table_prepare", "dtype", src, src_dtype, rows, cols, dtype, err);
+    if (rc) goto done;
     size_t elems, bytes;
     if (!cv_mul_size((size_t)rows, (size_t)cols, &elems) ||
         !cv_mul_size(elems, cv_dtype_size(dtype), &bytes)) {

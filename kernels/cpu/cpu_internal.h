@@ -68,6 +68,13 @@ static inline int cv_threads_for(const cv_cpu *c, double work, double grain) {
     return (int)t;
 }
 
+/* backend_cpu.c: checks the arguments common to matrix_prepare and
+ * table_prepare (src [rows][cols] of a float src_dtype, stored as float32,
+ * float16 or bfloat16); `what` names the caller and `noun` the stored dtype
+ * in the message. CV_OK or the error code, with err set. */
+int cv_cpu_check_prepare(const char *what, const char *noun, const void *src, cv_dtype src_dtype,
+                         int64_t rows, int64_t cols, cv_dtype dtype, cv_err *err);
+
 /* gemm.c */
 int cv_cpu_matrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dtype src_dtype,
                           int64_t rows, int64_t cols, cv_dtype dtype, cv_err *err);

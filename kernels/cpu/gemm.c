@@ -75,22 +75,8 @@ int cv_cpu_matrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dty
     void *data = NULL;
     float *tmp = NULL;
     memset(out, 0, sizeof *out);
-    if (!src || rows <= 0 || cols <= 0) {
-        rc = cv_set_err(err, CV_ERR_INVALID, "matrix_prepare: bad shape [%lld][%lld] or NULL source",
-                        (long long)rows, (long long)cols);
-        goto done;
-    }
-    if (src_dtype != CV_F32 && src_dtype != CV_F16 && src_dtype != CV_BF16 && src_dtype != CV_F64) {
-        rc = cv_set_err(err, CV_ERR_TYPE, "matrix_prepare: source dtype %s is not a float type",
-                        cv_dtype_name(src_dtype));
-        goto done;
-    }
-    if (dtype != CV_F32 && dtype != CV_F16 && dtype != CV_BF16) {
-        rc = cv_set_err(err, CV_ERR_UNSUPPORTED,
-                        "matrix_prepare: weight dtype %s (want float32, float16 or bfloat16)",
-                        cv_dtype_name(dtype));
-        goto done;
-    }
+    rc = cv_cpu_check_prepare("matrix_prepare", "weight dtype", src, src_dtype, rows, cols, dtype, err);
+    if (rc) goto done;
     const int64_t n_panels = (rows + CV_NR - 1) / CV_NR;
     size_t elems, bytes, tbytes;
     if (!cv_mul_size((size_t)n_panels * CV_NR, (size_t)cols, &elems) ||
@@ -158,6 +144,20 @@ void cv_cpu_matrix_free(cv_backend *b, cv_matrix *m) {
 typedef void (*ukr_fn)(int64_t kc, const float *x, int64_t ldx, const void *w, float *c,
                        int64_t ldc, int nvalid, const float *bias, int load_c);
 
+/* Instantiates GEN(mr, dtype, name) for tile heights 1..CV_MR (== 6) and the
+ * three weight dtypes, as P##f32_1 .. P##f16_6, and TABLE[dt_index][mr] of
+ * them (mr 0 unused): one place keeps the table in dt_index() order. */
+#define UKR_ROW(GEN, DT, P)                                                                     \
+    GEN(1, DT, P##1) GEN(2, DT, P##2) GEN(3, DT, P##3) GEN(4, DT, P##4) GEN(5, DT, P##5) GEN(6, DT, P##6)
+#define UKR_TABLE(GEN, P, TABLE)                                                                \
+    UKR_ROW(GEN, CV_F32, P##f32_) UKR_ROW(GEN, CV_BF16, P##bf16_) UKR_ROW(GEN, CV_F16, P##f16_)   \
+    static const ukr_fn TABLE[3][CV_MR + 1] = {                                                 \
+        {NULL, P##f32_1, P##f32_2, P##f32_3, P##f32_4, P##f32_5, P##f32_6},                     \
+        {NULL, P##bf16_1, P##bf16_2, P##bf16_3, P##bf16_4, P##bf16_5, P##bf16_6},               \
+        {NULL, P##f16_1, P##f16_2, P##f16_3, P##f16_4, P##f16_5, P##f16_6},                     \
+    };
+_Static_assert(CV_MR == 6, "UKR_ROW instantiates tile heights 1..6");
+
 /* Plain C: the reference every SIMD kernel is held to. */
 static void ukr_plain(int mr, cv_dtype dt, int64_t kc, const float *x, int64_t ldx, const void *w,
                       float *c, int64_t ldc, int nvalid, const float *bias, int load_c) {
@@ -197,19 +197,7 @@ static void ukr_plain(int mr, cv_dtype dt, int64_t kc, const float *x, int64_t l
                      int64_t ldc, int nvalid, const float *bias, int load_c) {                  \
         ukr_plain(MR, DT, kc, x, ldx, w, c, ldc, nvalid, bias, load_c);                         \
     }
-
-#define PLAIN_ROW(DT, P)                                                                        \
-    PLAIN_UKR(1, DT, P##1) PLAIN_UKR(2, DT, P##2) PLAIN_UKR(3, DT, P##3)                        \
-    PLAIN_UKR(4, DT, P##4) PLAIN_UKR(5, DT, P##5) PLAIN_UKR(6, DT, P##6)
-PLAIN_ROW(CV_F32, plain_f32_)
-PLAIN_ROW(CV_BF16, plain_bf16_)
-PLAIN_ROW(CV_F16, plain_f16_)
-
-static const ukr_fn plain_table[3][CV_MR + 1] = {
-    {NULL, plain_f32_1, plain_f32_2, plain_f32_3, plain_f32_4, plain_f32_5, plain_f32_6},
-    {NULL, plain_bf16_1, plain_bf16_2, plain_bf16_3, plain_bf16_4, plain_bf16_5, plain_bf16_6},
-    {NULL, plain_f16_1, plain_f16_2, plain_f16_3, plain_f16_4, plain_f16_5, plain_f16_6},
-};
+UKR_TABLE(PLAIN_UKR, plain_, plain_table)
 
 #if CV_HAVE_AVX2
 /* Widens the 16 weights of panel row k into w0 (outputs 0..7) and w1 (8..15). */
@@ -326,18 +314,7 @@ static CV_ALWAYS_INLINE void ukr_avx2(const int mr, const cv_dtype dt, const int
         else                                                                                    \
             ukr_avx2(MR, DT, 1, kc, x, ldx, w, c, ldc, nvalid, bias, load_c);                   \
     }
-#define AVX_ROW(DT, P)                                                                          \
-    AVX_UKR(1, DT, P##1) AVX_UKR(2, DT, P##2) AVX_UKR(3, DT, P##3)                              \
-    AVX_UKR(4, DT, P##4) AVX_UKR(5, DT, P##5) AVX_UKR(6, DT, P##6)
-AVX_ROW(CV_F32, avx_f32_)
-AVX_ROW(CV_BF16, avx_bf16_)
-AVX_ROW(CV_F16, avx_f16_)
-
-static const ukr_fn avx_table[3][CV_MR + 1] = {
-    {NULL, avx_f32_1, avx_f32_2, avx_f32_3, avx_f32_4, avx_f32_5, avx_f32_6},
-    {NULL, avx_bf16_1, avx_bf16_2, avx_bf16_3, avx_bf16_4, avx_bf16_5, avx_bf16_6},
-    {NULL, avx_f16_1, avx_f16_2, avx_f16_3, avx_f16_4, avx_f16_5, avx_f16_6},
-};
+UKR_TABLE(AVX_UKR, avx_, avx_table)
 #endif
 
 /* ------------------------------------------------------------------------ */
