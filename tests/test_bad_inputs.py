@@ -266,8 +266,10 @@ KNOB_CASES = [
          dict(block_size=2048)),
     Case("knob-block-size-float", "block_size=1.5", TypeError, r"block_size must be an int", dict(block_size=1.5)),
     Case("knob-max-num-seqs-0", "max_num_seqs=0", ValueError, r"max_num_seqs", dict(max_num_seqs=0)),
-    Case("knob-max-num-seqs-huge", "max_num_seqs=10**12", MemoryError, r"max_num_seqs=1000000000000",
-         dict(max_num_seqs=10**12)),
+    # with a small KV budget: with the default one the engine first sizes and zeroes a
+    # KV cache for 10**12 sequences (~8 GB resident for 5 s) before the scheduler fails
+    Case("knob-max-num-seqs-huge", "max_num_seqs=10**12 (kv_cache_memory 1 MiB)", MemoryError,
+         r"max_num_seqs=1000000000000", dict(max_num_seqs=10**12, kv_cache_memory="1MiB")),
     Case("knob-max-num-seqs-2e63", "max_num_seqs=2**63", (ValueError, OverflowError), r"max_num_seqs",
          dict(max_num_seqs=2**63), bug="the binding's OverflowError 'int too big to convert' names no knob"),
     Case("knob-max-model-len-0", "max_model_len=0", ValueError, r"max_model_len", dict(max_model_len=0)),

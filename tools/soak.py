@@ -83,9 +83,9 @@ class Plan:
     abort_at_output: int      # or after this many outputs
 
 
-def make_plans(n: int, seed: int, abort_frac: float, tight_frac: float, vocab: int) -> list[Plan]:
+def make_plans(n: int, seed: int, abort_frac: float, tight_frac: float, vocab: int):
+    """Yields the plans one by one (none is kept after its request)."""
     rnd = random.Random(seed)
-    plans = []
     for i in range(n):
         tight = rnd.random() < tight_frac
         if rnd.random() < 0.5:
@@ -102,13 +102,12 @@ def make_plans(n: int, seed: int, abort_frac: float, tight_frac: float, vocab: i
         max_tokens = rnd.randint(1, max(1, min(64, room)))
         r = rnd.random()
         abort = None if r >= abort_frac else ("cancel" if r < abort_frac / 2 else "abort")
-        plans.append(Plan(
+        yield Plan(
             i=i, tight=tight, prompt=prompt, n_prompt_max=n_prompt, max_tokens=max_tokens,
             temperature=rnd.choice([0.0, 0.0, 0.8, 1.0]), seed=rnd.choice([None, rnd.randrange(2**32)]),
             n=2 if rnd.random() < 0.1 else 1, kind=rnd.choice(["cumulative", "delta", "final_only"]),
             stream=rnd.random() < 0.6, abort=abort, abort_after=rnd.random() * 0.05,
-            abort_at_output=rnd.randint(0, 8)))
-    return plans
+            abort_at_output=rnd.randint(0, 8))
 
 
 @dataclass
@@ -197,15 +196,22 @@ async def _one_async(engine, p: Plan, tally: Tally, watchdog: float):
         tally.add("error", f"request {p.i}: finish reasons {reasons}")
 
 
+async def _workers(plans, concurrency, one):
+    """`concurrency` workers take the plans in order: what is alive at any time is
+    bounded by the concurrency, not by N (so the harness's own memory does not
+    grow with the run and blur the RSS figure)."""
+    it = iter(plans)
+
+    async def worker():
+        for p in it:
+            await one(p)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+
+
 async def _round_async(engines, plans, concurrency, watchdog) -> Tally:
     tally = Tally()
-    sem = asyncio.Semaphore(concurrency)
-
-    async def run(p):
-        async with sem:
-            await _one_async(engines[p.tight], p, tally, watchdog)
-
-    await asyncio.gather(*(run(p) for p in plans))
+    await _workers(plans, concurrency, lambda p: _one_async(engines[p.tight], p, tally, watchdog))
     return tally
 
 
@@ -435,16 +441,11 @@ async def _round_http(urls, plans, concurrency, watchdog) -> Tally:
     import httpx
 
     tally = Tally()
-    sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     clients = {k: httpx.AsyncClient(base_url=u, timeout=watchdog, trust_env=False, limits=limits)
                for k, u in urls.items()}
     try:
-        async def run(p):
-            async with sem:
-                await _one_http(clients[p.tight], p, tally, watchdog)
-
-        await asyncio.gather(*(run(p) for p in plans))
+        await _workers(plans, concurrency, lambda p: _one_http(clients[p.tight], p, tally, watchdog))
     finally:
         for c in clients.values():
             await c.aclose()

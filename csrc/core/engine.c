@@ -173,17 +173,20 @@ size_t cv_engine_take_events(cv_engine *e, cv_event **events, char **text) {
 /* ------------------------------------------------------------------------- */
 /* Creation */
 
-static size_t default_kv_bytes(cv_engine *e, size_t per_token) {
-    /* A share of available memory, but no more than max_num_seqs full-length sequences need. */
-    size_t avail = 0;
-    size_t free_b = 0, total_b = 0;
+/* The default KV cache: on a device, gpu_memory_utilization of its free memory
+ * (weights and activations are already allocated); on the CPU a quarter of the
+ * available memory, at most 4 GiB. Never more than max_num_seqs full-length
+ * sequences need, never less than one. */
+static size_t default_kv_bytes(cv_engine *e, size_t per_token, double gpu_util) {
+    size_t share = 0, free_b = 0, total_b = 0;
     if (e->backend->mem_info && e->backend->mem_info(e->backend, &free_b, &total_b) == 0) {
-        avail = free_b;
+        share = (size_t)((double)free_b * (gpu_util > 0 && gpu_util <= 1 ? gpu_util : 0.9));
     } else {
         long pages = sysconf(_SC_AVPHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
-        if (pages > 0 && psz > 0) avail = (size_t)pages * (size_t)psz;
+        size_t avail = (pages > 0 && psz > 0) ? (size_t)pages * (size_t)psz : 0;
+        share = avail / 4;
+        if (share > ((size_t)4 << 30)) share = (size_t)4 << 30;
     }
-    size_t share = avail / 10 * 4;
     size_t want = per_token * (size_t)e->max_model_len * (size_t)e->max_num_seqs;
     size_t minimum = per_token * (size_t)(e->max_model_len + 2 * e->block_size);
     size_t kv = share < want ? share : want;
@@ -243,11 +246,19 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
     }
     if (e->max_tokens_step < e->max_num_seqs) e->max_tokens_step = e->max_num_seqs;
 
+    /* Activations before the KV cache, which takes a share of what is left. */
+    int64_t max_blocks_per_seq = (e->max_model_len + e->block_size - 1) / e->block_size + 1;
+    if ((rc = cv_forward_ws_init(&e->ws, e->model, e->max_tokens_step, e->max_num_seqs,
+                                 max_blocks_per_seq, err)))
+        goto fail;
+    e->ws_ready = 1;
+
     /* KV cache */
     cv_dtype kvt = cfg->kv_dtype == CV_DTYPE_INVALID ? e->model->dtype : cfg->kv_dtype;
     size_t esz = cv_dtype_size(kvt);
     size_t per_token = 2 * (size_t)mc->n_layers * (size_t)(mc->n_kv_heads * mc->head_dim) * esz;
-    size_t kv = cfg->kv_cache_bytes ? cfg->kv_cache_bytes : default_kv_bytes(e, per_token);
+    size_t kv = cfg->kv_cache_bytes ? cfg->kv_cache_bytes
+                                     : default_kv_bytes(e, per_token, cfg->gpu_memory_utilization);
     size_t per_block = per_token * (size_t)e->block_size;
     e->num_blocks = (int64_t)(kv / per_block) + 1; /* + reserved block 0 */
     if (e->num_blocks < 2) {
@@ -284,14 +295,9 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
     };
     e->sched = cv_scheduler_create(&sc, err);
     if (!e->sched) { rc = err ? err->code : CV_ERR_STATE; goto fail; }
-    int64_t max_blocks_per_seq = (e->max_model_len + e->block_size - 1) / e->block_size + 1;
     if ((rc = cv_runner_init(&e->runner, e->max_tokens_step, e->max_num_seqs, max_blocks_per_seq,
                              e->block_size, err)))
         goto fail;
-    if ((rc = cv_forward_ws_init(&e->ws, e->model, e->max_tokens_step, e->max_num_seqs,
-                                 max_blocks_per_seq, err)))
-        goto fail;
-    e->ws_ready = 1;
     e->sampler = cv_sampler_create(e->vocab);
     if (!e->sampler) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory for the sampler"); goto fail; }
 

@@ -9,19 +9,24 @@
 /* ------------------------------------------------------------------------ */
 /* Buffers                                                                   */
 
+/* Zeroed, 64-byte aligned memory. calloc gets large blocks straight from the
+ * OS as zero pages, so a big KV cache costs neither time nor resident memory
+ * until it is used (a memset would touch every page up front). The pointer
+ * calloc returned is kept just below the aligned one, for cpu_free. */
 static void *cpu_alloc(cv_backend *b, size_t bytes) {
     (void)b;
-    if (bytes == 0) bytes = 1;
-    if (bytes > SIZE_MAX - 64) return NULL;
-    const size_t rounded = (bytes + 63) & ~(size_t)63;
-    void *p = aligned_alloc(64, rounded); /* cache-line aligned for the SIMD kernels */
-    if (p) memset(p, 0, rounded);
-    return p;
+    const size_t extra = 64 + sizeof(void *);
+    if (bytes > SIZE_MAX - extra) return NULL;
+    char *raw = calloc(1, bytes + extra);
+    if (!raw) return NULL;
+    uintptr_t aligned = ((uintptr_t)raw + sizeof(void *) + 63) & ~(uintptr_t)63;
+    ((void **)aligned)[-1] = raw;
+    return (void *)aligned;
 }
 
 static void cpu_free(cv_backend *b, void *p) {
     (void)b;
-    free(p);
+    if (p) free(((void **)p)[-1]);
 }
 
 static void cpu_copy(cv_backend *b, void *dst, const void *src, size_t bytes) {
@@ -86,7 +91,7 @@ static int cpu_table_prepare(cv_backend *b, cv_table *out, const void *src, cv_d
     out->bytes = bytes;
     data = NULL;
 done:
-    free(data);
+    cpu_free(b, data);
     free(row);
     return rc;
 }
@@ -94,7 +99,7 @@ done:
 static void cpu_table_free(cv_backend *b, cv_table *t) {
     (void)b;
     if (!t) return;
-    free(t->data);
+    cpu_free(b, t->data);
     memset(t, 0, sizeof *t);
 }
 
@@ -154,9 +159,9 @@ static double bandwidth(cv_backend *b, size_t n_bytes, int repeats, int mode) {
             if (dt > 0 && (best < 0 || dt < best)) best = dt;
         }
     }
-    free(j.a);
-    free(j.b);
-    free(j.c);
+    cpu_free(b, j.a);
+    cpu_free(b, j.b);
+    cpu_free(b, j.c);
     if (best <= 0) return -1.0;
     return (mode == 1 ? 3.0 : 1.0) * (double)(n * sizeof(float)) / best * 1e-9;
 }

@@ -19,7 +19,8 @@ import os
 import sys
 from typing import Callable, Sequence
 
-BENCHMARKS: tuple[str, ...] = ("kernels", "scheduler", "throughput", "variance", "latency", "serve")
+BENCHMARKS: tuple[str, ...] = ("kernels", "roofline", "scheduler", "throughput", "variance", "latency",
+                               "timeline", "serve")
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "info": ("conveyor.cli:info_main", "summarize a checkpoint (format, shapes, parameters, bytes)"),
