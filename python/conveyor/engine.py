@@ -44,6 +44,15 @@ def parse_bytes(value: Any, name: str = "kv_cache_memory") -> int:
     return n
 
 
+def check_priority(p) -> int:
+    """A request priority: an int in the int32 range (lower runs first)."""
+    if not isinstance(p, (int, np.integer)) or isinstance(p, bool):
+        raise TypeError(f"priority must be an int, got {type(p).__name__}")
+    if not -(1 << 31) <= p < (1 << 31):
+        raise ValueError(f"priority must be in [-2**31, 2**31), got {p}")
+    return int(p)
+
+
 @dataclass
 class EngineArgs:
     model: str
@@ -71,22 +80,20 @@ class EngineArgs:
         if not os.path.exists(self.model):
             raise FileNotFoundError(f"model path does not exist: {self.model}")
 
-        def pos_int(name, v, allow_none=False, lo=1):
+        def pos_int(name, v, hi, allow_none=False, lo=1):
             if v is None and allow_none:
                 return
             if not isinstance(v, int) or isinstance(v, bool):
                 raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-            if v < lo:
-                raise ValueError(f"{name} must be >= {lo}, got {v}")
+            if v < lo or v > hi:
+                raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
 
-        pos_int("max_model_len", self.max_model_len, allow_none=True)
-        pos_int("max_num_seqs", self.max_num_seqs)
-        pos_int("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
-        pos_int("block_size", self.block_size)
-        if self.block_size > 1024:
-            raise ValueError(f"block_size must be <= 1024, got {self.block_size}")
-        pos_int("num_threads", self.num_threads, allow_none=True)
-        pos_int("seed", self.seed, lo=0)
+        pos_int("max_model_len", self.max_model_len, 1 << 24, allow_none=True)
+        pos_int("max_num_seqs", self.max_num_seqs, 1 << 16)
+        pos_int("max_num_batched_tokens", self.max_num_batched_tokens, 1 << 24, allow_none=True)
+        pos_int("block_size", self.block_size, 1024)
+        pos_int("num_threads", self.num_threads, 1024, allow_none=True)
+        pos_int("seed", self.seed, (1 << 64) - 1, lo=0)
         for name in ("dtype", "kv_cache_dtype"):
             v = getattr(self, name)
             if v not in _DTYPES:
@@ -241,7 +248,11 @@ class EngineCore:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         max_tokens = self.check_fits(len(prompt_ids), params)
-        stop = [s.encode("utf-8") for s in params.stop_strings]
+        check_priority(priority)
+        try:
+            stop = [s.encode("utf-8") for s in params.stop_strings]
+        except UnicodeEncodeError as e:
+            raise ValueError(f"stop: a stop string is not valid text ({e.reason})") from None
         with self._lock:
             if self.closed:
                 raise _core.EngineClosedError("the engine is closed")
@@ -275,6 +286,9 @@ class EngineCore:
             if self.closed or req is None or req.finished:
                 return False
             self._engine.abort(req.internal_id)
+            # The id is free for a new request at once; the old one's last
+            # events still find it by its internal id.
+            del self._by_name[request_id]
             return True
 
     def has_unfinished(self) -> bool:
@@ -322,7 +336,8 @@ class EngineCore:
                     m.num_cached_tokens = n_cached
                     req.finished = True
                     del self._requests[iid]
-                    self._by_name.pop(req.request_id, None)
+                    if self._by_name.get(req.request_id) is req:
+                        del self._by_name[req.request_id]
                 changed[iid] = req
                 if on_event is not None:
                     on_event(req)

@@ -6,7 +6,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from .engine import EngineArgs, EngineCore, EngineFrontend
+from .engine import EngineArgs, EngineCore, EngineFrontend, check_priority
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -27,6 +27,8 @@ def normalize_prompts(prompts) -> list:
         if prompts.ndim == 1:
             return [prompts]
         if prompts.ndim == 2:
+            if prompts.shape[0] == 0:
+                raise ValueError("prompts is empty")
             return list(prompts)
         raise ValueError(f"a prompt array must be 1-D or 2-D, got shape {prompts.shape}")
     if isinstance(prompts, (list, tuple)):
@@ -72,8 +74,11 @@ class LLM(EngineFrontend):
         for p in params:
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
-        if priority is not None and len(priority) != len(items):
-            raise ValueError(f"got {len(priority)} priorities for {len(items)} prompts")
+        if priority is not None:
+            if len(priority) != len(items):
+                raise ValueError(f"got {len(priority)} priorities for {len(items)} prompts")
+            for p in priority:
+                check_priority(p)
         # Everything is validated before anything is queued.
         encoded = [core.tokenize_prompt(p) for p in items]
         for (_, ids), p in zip(encoded, params):

@@ -324,9 +324,14 @@ def _token_content(value) -> str | None:
 def _read_json(path: Path) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            data = json.load(f)
     except json.JSONDecodeError as e:
         raise ModelFormatError(f"{path}: not valid JSON ({e})") from None
+    except UnicodeDecodeError as e:
+        raise ModelFormatError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    if not isinstance(data, dict):
+        raise ModelFormatError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 class HFTokenizer(Tokenizer):
