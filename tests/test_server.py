@@ -6,9 +6,6 @@ import asyncio
 import json
 import os
 import re
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -21,6 +18,7 @@ pytest.importorskip("starlette")
 
 import conveyor  # noqa: E402
 from conveyor import SamplingParams  # noqa: E402
+from conveyor.bench.serve import OwnServer  # noqa: E402
 
 MODEL = Path(__file__).resolve().parents[2] / "shared/models/stories260K/stories260K.bin"
 pytestmark = pytest.mark.skipif(not MODEL.is_file(), reason=f"{MODEL} not found")
@@ -31,56 +29,11 @@ CHAT = [{"role": "user", "content": "Tell me a story"}]
 BODY_LIMIT = 65536
 
 
-class Server:
+class Server(OwnServer):
+    """A real server process on a free loopback port (conveyor.bench.serve.OwnServer)."""
+
     def __init__(self, *extra: str):
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="conveyor-serve-", suffix=".log", delete=False)
-        env = dict(os.environ)
-        pkg_root = str(Path(conveyor.__file__).parent.parent)  # the conveyor this test imported
-        env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        for k in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
-            env.pop(k, None)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "conveyor.serve", str(MODEL), "--host", "127.0.0.1", "--port", "0",
-             "--log-level", "warning", "--no-access-log", *extra],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        try:
-            self.url = self._wait_ready(60.0)
-        except BaseException:
-            self.stop()
-            raise
-
-    def _read_log(self) -> str:
-        with open(self.log.name) as f:
-            return f.read()
-
-    def _wait_ready(self, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        url = None
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self._read_log()}")
-            if url is None:
-                m = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", self._read_log())
-                url = m.group(1) if m else None
-            if url is not None:
-                try:
-                    if httpx.get(url + "/health", timeout=2.0, trust_env=False).status_code == 200:
-                        return url
-                except httpx.HTTPError:
-                    pass
-            time.sleep(0.1)
-        raise RuntimeError(f"server not ready after {timeout} s:\n{self._read_log()}")
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.log.close()
-        os.unlink(self.log.name)
+        super().__init__(str(MODEL), extra, timeout=60.0)
 
 
 @pytest.fixture(scope="module")

@@ -31,13 +31,13 @@ import json
 import os
 import random
 import re
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+
+from conveyor.bench.serve import OwnServer
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "shared/models/stories260K/stories260K.bin"
@@ -303,48 +303,11 @@ def _verdict(mode, n, w, tally, wt, st, rss0, rss1, elapsed, total, log, check_r
 
 # ---------------------------------------------------------------------------- HTTP
 
-class ServerProc:
+class ServerProc(OwnServer):
     """`python -m conveyor.serve MODEL` on 127.0.0.1 with a free port."""
 
     def __init__(self, model: Path, *extra: str, python=sys.executable):
-        import httpx
-
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="conveyor-soak-", suffix=".log", delete=False)
-        env = dict(os.environ)
-        import conveyor
-
-        pkg_root = str(Path(conveyor.__file__).parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        for k in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
-            env.pop(k, None)
-        self.proc = subprocess.Popen(
-            [python, "-m", "conveyor.serve", str(model), "--host", "127.0.0.1", "--port", "0",
-             "--log-level", "warning", "--no-access-log", *extra],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 90
-        self.url = None
-        try:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.read_log()}")
-                if self.url is None:
-                    m = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", self.read_log())
-                    self.url = m.group(1) if m else None
-                if self.url is not None:
-                    try:
-                        if httpx.get(self.url + "/health", timeout=2.0, trust_env=False).status_code == 200:
-                            return
-                    except httpx.HTTPError:
-                        pass
-                time.sleep(0.1)
-            raise RuntimeError(f"server not ready:\n{self.read_log()}")
-        except BaseException:
-            self.stop()
-            raise
-
-    def read_log(self) -> str:
-        with open(self.log.name) as f:
-            return f.read()
+        super().__init__(str(model), extra, timeout=90.0, python=python, log_prefix="conveyor-soak-")
 
     def metrics(self) -> dict:
         import httpx
@@ -359,17 +322,6 @@ class ServerProc:
 
     def rss(self) -> int:
         return rss_bytes(self.proc.pid)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.log.close()
-        os.unlink(self.log.name)
 
 
 async def _one_http(client, p: Plan, tally: Tally, watchdog: float):

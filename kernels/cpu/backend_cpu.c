@@ -9,18 +9,19 @@
 /* ------------------------------------------------------------------------ */
 /* Buffers                                                                   */
 
-/* Zeroed, 64-byte aligned memory. calloc gets large blocks straight from the
- * OS as zero pages, so a big KV cache costs neither time nor resident memory
- * until it is used (a memset would touch every page up front). The pointer
- * calloc returned is kept just below the aligned one, for cpu_free. */
+/* Zeroed, 64-byte aligned memory, touched now: the KV cache is reserved at
+ * start and really resident, so memory does not creep up while it fills (and
+ * a cache too big for the machine fails here, not in the middle of serving).
+ * The pointer malloc returned is kept just below the aligned one, for cpu_free. */
 static void *cpu_alloc(cv_backend *b, size_t bytes) {
     (void)b;
     const size_t extra = 64 + sizeof(void *);
     if (bytes > SIZE_MAX - extra) return NULL;
-    char *raw = calloc(1, bytes + extra);
+    char *raw = malloc(bytes + extra);
     if (!raw) return NULL;
     uintptr_t aligned = ((uintptr_t)raw + sizeof(void *) + 63) & ~(uintptr_t)63;
     ((void **)aligned)[-1] = raw;
+    memset((void *)aligned, 0, bytes);
     return (void *)aligned;
 }
 

@@ -24,6 +24,13 @@ void cv_pool_destroy(cv_pool *p);
 int cv_pool_size(const cv_pool *p);
 /* Runs fn on min(nth, size) threads (nth <= 0: all); nth == 1 runs inline. */
 void cv_pool_run(cv_pool *p, int nth, cv_pool_fn fn, void *arg);
+/* A region whose work is claimed dynamically (fn takes items from a shared
+ * counter until none are left, so it must not depend on which tids take
+ * part). The caller always runs fn; a worker joins only if it arrives before
+ * the caller has finished its own call, so a worker that is asleep or
+ * descheduled never delays the caller. wake != 0 wakes sleeping workers
+ * (worth it only for work well above a wake-up latency, ~50 us). */
+void cv_pool_run_dynamic(cv_pool *p, int nth, cv_pool_fn fn, void *arg, int wake);
 
 /* Number of online cores (at least 1). */
 int cv_cpu_count(void);

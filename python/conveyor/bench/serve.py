@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -181,20 +181,32 @@ async def run_load(base_url: str, model: str, reqs: list[dict], rate: float, see
 
 
 class OwnServer:
-    """`python -m conveyor.serve MODEL --port 0` on loopback; stopped by stop()."""
+    """`python -m conveyor.serve MODEL --port 0` on loopback, running the same conveyor
+    package this process imported (proxies off); stopped by stop(). Used by this
+    benchmark, the server tests and the soak."""
 
-    def __init__(self, model: str, extra: list[str], timeout: float = 300.0):
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="conveyor-bench-serve-", suffix=".log",
-                                               delete=False)
-        cmd = [sys.executable, "-m", "conveyor.serve", model, "--host", "127.0.0.1", "--port", "0",
+    def __init__(self, model: str, extra: Sequence[str] = (), timeout: float = 300.0,
+                 python: str = sys.executable, log_prefix: str = "conveyor-serve-"):
+        import conveyor
+
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=log_prefix, suffix=".log", delete=False)
+        env = dict(os.environ)
+        pkg_root = str(Path(conveyor.__file__).parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        for k in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+            env.pop(k, None)
+        cmd = [python, "-m", "conveyor.serve", str(model), "--host", "127.0.0.1", "--port", "0",
                "--log-level", "warning", "--no-access-log", *extra]
         self.cmd = cmd
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         try:
             self.url = self._wait(timeout)
         except BaseException:
             self.stop()
             raise
+
+    def read_log(self) -> str:
+        return self._text()
 
     def _text(self) -> str:
         with open(self.log.name) as f:
