@@ -9,9 +9,11 @@
  * in L1 while all token tiles of the block pass over it (the C tiles of the
  * panel stay in cache across the chunks). A thread with many panels first
  * packs its x block tile by tile ([cols][mr]) so the broadcasts stream.
- * Threads split the panels (the output dimension); tokens are split too only
- * when there are fewer panels than threads. With one token tile (decode) the
- * whole panel is streamed once, unblocked: every weight byte is read once. */
+ * Threads claim work items (a chunk of panels over one token block) from a
+ * shared counter in a dynamic pool region, so a worker that is asleep or
+ * descheduled (2 cores shared with other processes) costs only its share of
+ * speed-up, never a wait. With one token tile (decode) the whole panel is
+ * streamed once, unblocked: every weight byte is read once. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -328,13 +330,16 @@ typedef struct gemm_job {
     const float *bias;   /* [rows] or NULL */
     int accumulate;
     const ukr_fn *table; /* [CV_MR + 1] kernels for w's dtype */
-    int n_pparts;        /* thread grid: panel parts x token parts */
-    int n_tparts;
-    int64_t kc;          /* about this many cols per block */
+    int64_t kc;          /* cols per block (balanced chunks of about the configured KC) */
     int64_t mc;          /* tokens per block (x block of mc x cols stays in L2) */
+    int64_t n_tblocks;   /* token blocks of mc tokens */
+    int64_t pc;          /* panels per work item */
+    int64_t n_pchunks;   /* panel chunks of pc panels */
+    int64_t n_items;     /* work items: (token block, panel chunk), or panel chunks when panels_outer */
     float *xpack;        /* [nthreads][xpack_floats] packed x blocks, or NULL: x in place */
     size_t xpack_floats;
     int panels_outer;    /* loop over panels outermost (weights >> L2, x fits L3) */
+    _Alignas(64) atomic_llong next; /* next work item to claim */
 } gemm_job;
 
 /* Copies x[m0 .. m0+mlen)[0 .. cols) into xp as the tiles the driver walks,
@@ -384,46 +389,40 @@ static void panel_pass(const gemm_job *j, int64_t p, int64_t m0, int64_t mlen, i
     }
 }
 
-/* Computes panels [p0, p1) for tokens [t0, t1); xp: this thread's pack buffer.
- * Usual loop order: token block (x block in L2, packed when the thread has
- * many panels) > panel > cols chunk > tile. When the thread's weights are far
- * larger than L2 and all of x fits L3, panels go outermost instead, so each
- * weight byte comes from memory once and x is re-read from L3. */
-static void gemm_block(const gemm_job *j, int64_t p0, int64_t p1, int64_t t0, int64_t t1, float *xp) {
-    const int64_t cols = j->w->cols;
-    const int64_t nt = t1 - t0;
-    if (nt <= 0 || p1 <= p0) return;
-    if (nt <= CV_MR) { /* one token tile: stream each panel whole, x in place (decode / GEMV) */
-        for (int64_t p = p0; p < p1; p++) panel_pass(j, p, t0, nt, cols, NULL);
-        return;
-    }
-    const int64_t nkb = (cols + j->kc - 1) / j->kc;
-    const int64_t kc = (cols + nkb - 1) / nkb, mc = j->mc;
-    if (j->panels_outer && nt > mc) {
-        for (int64_t p = p0; p < p1; p++)
-            for (int64_t m0 = t0; m0 < t1; m0 += mc)
-                panel_pass(j, p, m0, m0 + mc < t1 ? mc : t1 - m0, kc, NULL);
-        return;
-    }
-    if (p1 - p0 < GEMM_PACK_MIN_PANELS) xp = NULL; /* packing pays off over many panels only */
-    for (int64_t m0 = t0; m0 < t1; m0 += mc) {
-        const int64_t mlen = m0 + mc < t1 ? mc : t1 - m0;
-        if (xp) pack_x(xp, j->x, cols, m0, mlen, (mlen + CV_MR - 1) / CV_MR);
-        for (int64_t p = p0; p < p1; p++) panel_pass(j, p, m0, mlen, kc, xp);
-    }
-}
-
+/* Threads claim work items from a shared counter, so a thread that starts
+ * late (asleep, or descheduled on a busy machine) only does less of the work
+ * instead of holding the others up. An item is a chunk of pc panels over one
+ * token block (loop order: token block > panel > cols chunk > tile, x block
+ * in L2, packed by each thread that works on it when panels are many), or,
+ * when weights are far larger than L2 and all of x fits L3 (panels_outer), a
+ * chunk of panels over all tokens, so each weight byte comes from memory once
+ * and x is re-read from L3. */
 static void gemm_fn(void *arg, int tid, int nth) {
-    const gemm_job *j = arg;
+    gemm_job *j = arg;
     (void)nth;
-    const int parts = j->n_pparts * j->n_tparts;
-    if (tid >= parts) return;
-    const int pp = tid % j->n_pparts, tp = tid / j->n_pparts;
     const int64_t np = (j->w->rows + CV_NR - 1) / CV_NR;
-    const int64_t p0 = np * pp / j->n_pparts, p1 = np * (pp + 1) / j->n_pparts;
-    const int64_t t0 = j->n * tp / j->n_tparts, t1 = j->n * (tp + 1) / j->n_tparts;
+    const int64_t n = j->n, mc = j->mc, pc = j->pc;
     float *xp = j->xpack ? j->xpack + (size_t)tid * j->xpack_floats : NULL;
-    gemm_block(j, p0, p1, t0, t1, xp);
+    int64_t packed_block = -1;
+    for (;;) {
+        const int64_t it = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (it >= j->n_items) break;
+        if (j->panels_outer) {
+            const int64_t p0 = it * pc, p1 = p0 + pc < np ? p0 + pc : np;
+            for (int64_t p = p0; p < p1; p++)
+                for (int64_t m0 = 0; m0 < n; m0 += mc)
+                    panel_pass(j, p, m0, m0 + mc < n ? mc : n - m0, j->kc, NULL);
+            continue;
+        }
+        const int64_t tb = it / j->n_pchunks, pi = it % j->n_pchunks;
+        const int64_t m0 = tb * mc, mlen = m0 + mc < n ? mc : n - m0;
+        const int64_t p0 = pi * pc, p1 = p0 + pc < np ? p0 + pc : np;
+        if (xp && packed_block != tb) {
+            pack_x(xp, j->x, j->w->cols, m0, mlen, (mlen + CV_MR - 1) / CV_MR);
+            packed_block = tb;
+        }
+        for (int64_t p = p0; p < p1; p++) panel_pass(j, p, m0, mlen, j->kc, xp);
+    }
 }
 
 void cv_cpu_gemm(cv_backend *b, float *out, const float *x, int64_t n, const cv_matrix *w,
@@ -444,23 +443,40 @@ void cv_cpu_gemm(cv_backend *b, float *out, const float *x, int64_t n, const cv_
 #endif
     /* Threads: at least ~128K multiply-adds (a few microseconds) each, so that
      * waking a worker never costs more than it saves. */
-    const int64_t np = (w->rows + CV_NR - 1) / CV_NR;
-    int nth = cv_threads_for(c, (double)n * (double)w->rows * (double)w->cols, 131072.0);
-    if (np >= nth) {
-        j.n_pparts = nth;
-        j.n_tparts = 1;
+    const int64_t np = (w->rows + CV_NR - 1) / CV_NR, cols = w->cols;
+    const double macs = (double)n * (double)w->rows * (double)cols;
+    const int nth = cv_threads_for(c, macs, 131072.0);
+    if (n <= CV_MR) { /* one token tile (decode / GEMV): stream each panel whole, x in place */
+        j.mc = n;
+        j.kc = cols;
+        j.xpack = NULL;
     } else {
-        /* Fewer panels than threads: split tokens too, in chunks of >= 2 tiles. */
-        j.n_pparts = (int)np;
-        int tparts = nth / (int)np;
-        const int64_t max_t = (n + 2 * CV_MR - 1) / (2 * CV_MR);
-        if (tparts > max_t) tparts = (int)max_t;
-        j.n_tparts = tparts < 1 ? 1 : tparts;
-        nth = j.n_pparts * j.n_tparts;
+        const int64_t nkb = (cols + j.kc - 1) / j.kc;
+        j.kc = (cols + nkb - 1) / nkb;
     }
-    const double w_share = (double)w->bytes / j.n_pparts, x_bytes = (double)n * (double)w->cols * 4.0;
-    j.panels_outer = c->gemm_order >= 0 ? c->gemm_order
-                                        : (w_share > 2.0 * (double)c->l2_bytes &&
-                                           x_bytes <= 0.5 * (double)c->l3_bytes);
-    cv_pool_run(c->pool, nth, gemm_fn, &j);
+    j.n_tblocks = (n + j.mc - 1) / j.mc;
+    const double w_share = (double)w->bytes / nth, x_bytes = (double)n * (double)cols * 4.0;
+    j.panels_outer = n > j.mc && (c->gemm_order >= 0 ? c->gemm_order
+                                                     : (w_share > 2.0 * (double)c->l2_bytes &&
+                                                        x_bytes <= 0.5 * (double)c->l3_bytes));
+    /* packing x pays off only when each thread runs it over many panels */
+    if (j.panels_outer || np < (int64_t)GEMM_PACK_MIN_PANELS * nth) j.xpack = NULL;
+    /* Items: at least ~64K multiply-adds each (the claim is ~0.1 us), and
+     * about 6 per thread for balance when there is enough work. */
+    const double item_tokens = j.panels_outer ? (double)n : (double)(n < j.mc ? n : j.mc);
+    int64_t pc_min = (int64_t)(65536.0 / (item_tokens * CV_NR * (double)cols)) + 1;
+    const int64_t blocks = j.panels_outer ? 1 : j.n_tblocks;
+    const int64_t want_chunks = (6 * (int64_t)nth + blocks - 1) / blocks;
+    int64_t pc = np / want_chunks;
+    if (pc < pc_min) pc = pc_min;
+    if (pc > np) pc = np;
+    if (pc < 1) pc = 1;
+    j.pc = pc;
+    j.n_pchunks = (np + pc - 1) / pc;
+    j.n_items = j.panels_outer ? j.n_pchunks : j.n_tblocks * j.n_pchunks;
+    atomic_init(&j.next, 0);
+    /* Wake sleeping workers even for short calls: one that arrives too late
+     * for this call finds it closed and then spins, ready for the next ones. */
+    cv_pool_run_dynamic(c->pool, nth, gemm_fn, &j, 1);
 }
+
