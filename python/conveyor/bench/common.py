@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import os
 import platform
 import time
@@ -424,6 +425,17 @@ def save_figure(fig, path, dpi: int = 100) -> str:
         path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
     return str(path)
+
+
+def write_outputs(result, json_path=None, plot_path=None, plot=None) -> None:
+    """The end of every benchmark: the result as JSON and its figure (plot(result))
+    as PNG where asked for, each announced on stderr."""
+    if json_path:
+        write_json(json_path, result)
+        print(f"wrote {json_path}", file=sys.stderr)
+    if plot_path and plot is not None:
+        save_figure(plot(result), plot_path)
+        print(f"wrote {plot_path}", file=sys.stderr)
 
 
 def parse_int_list(text: str) -> List[int]:

@@ -242,12 +242,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"continuous); rates {', '.join(f'{x:.3f}' for x in r['rates'])} requests/s "
               f"= {k['rate_fractions']} x saturation")
     print(format_table(r), flush=True)
-    if args.json:
-        common.write_json(args.json, r)
-        say(f"wrote {args.json}")
-    if args.plot:
-        common.save_figure(plot(r), args.plot)
-        say(f"wrote {args.plot}")
+    common.write_outputs(r, args.json, args.plot, plot)
     return 0
 
 

@@ -10,7 +10,6 @@ output tokens/s, and the mean KV waste sampled after every step.
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
@@ -99,9 +98,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{k['max_num_batched_tokens']}, block size {k['block_size']}, input {args.input_len}, "
           f"output {args.output_len}, range ratio {args.range_ratio}, seed {args.seed}")
     print(format_result(r), flush=True)
-    if args.json:
-        common.write_json(args.json, r)
-        print(f"wrote {args.json}", file=sys.stderr)
+    common.write_outputs(r, args.json)
     return 0
 
 

@@ -12,7 +12,6 @@ slot is taken by a waiting request at the next step.
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any, Dict, Optional, Sequence
 
 from . import common
@@ -208,12 +207,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"model {r['model']['name']}, {args.slots} slots, output lengths {args.output_lens}, "
           f"prompt {args.prompt_len} tokens, all requests at once")
     print(format_result(r), flush=True)
-    if args.json:
-        common.write_json(args.json, r)
-        print(f"wrote {args.json}", file=sys.stderr)
-    if args.plot:
-        common.save_figure(plot(r), args.plot)
-        print(f"wrote {args.plot}", file=sys.stderr)
+    common.write_outputs(r, args.json, args.plot, plot)
     return 0
 
 

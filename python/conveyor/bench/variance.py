@@ -312,9 +312,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for row in r["rows"]:
             finalize_row(row, r["knobs"]["num_requests"])
         print_report(r)
-        if args.plot:
-            common.save_figure(plot(r), args.plot)
-            print(f"wrote {args.plot}", file=sys.stderr)
+        common.write_outputs(r, plot_path=args.plot, plot=plot)
         return 0
     model = common.resolve_model(args.model)
     caps = common.parse_int_list(args.caps) if args.caps else None
@@ -331,12 +329,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                   repeat=args.repeat, progress=say, **common.engine_kwargs(args))
     print_report(r)
-    if args.json:
-        common.write_json(args.json, r)
-        say(f"wrote {args.json}")
-    if args.plot:
-        common.save_figure(plot(r), args.plot)
-        say(f"wrote {args.plot}")
+    common.write_outputs(r, args.json, args.plot, plot)
     return 0
 
 
