@@ -14,6 +14,19 @@ int cv_set_err(cv_err *err, int code, const char *fmt, ...) {
         vsnprintf(err->msg, sizeof err->msg, fmt, ap);
         va_end(ap);
         err->code = code;
+        err->field[0] = '\0';
+    }
+    return code;
+}
+
+int cv_set_field_err(cv_err *err, int code, const char *field, const char *fmt, ...) {
+    if (err) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err->msg, sizeof err->msg, fmt, ap);
+        va_end(ap);
+        err->code = code;
+        snprintf(err->field, sizeof err->field, "%s", field ? field : "");
     }
     return code;
 }

@@ -23,9 +23,14 @@ enum {
 };
 
 #define CV_ERR_MSG_LEN 512
+#define CV_ERR_FIELD_LEN 32
+/* A structured error: the status code, the request field at fault ("" when the
+ * error is not about one field; request fields use SamplingParams' names, and
+ * "prompt" for the prompt) and a message that reads on its own. */
 typedef struct cv_err {
     int code;
     char msg[CV_ERR_MSG_LEN];
+    char field[CV_ERR_FIELD_LEN];
 } cv_err;
 
 /* Formats msg into err (if non-NULL) and returns code, so callers can write
@@ -33,6 +38,12 @@ typedef struct cv_err {
 int cv_set_err(cv_err *err, int code, const char *fmt, ...)
 #if defined(__GNUC__)
     __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+/* The same, naming the request field at fault. */
+int cv_set_field_err(cv_err *err, int code, const char *field, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 4, 5)))
 #endif
     ;
 

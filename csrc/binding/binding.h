@@ -22,7 +22,8 @@ extern PyObject *cv_UnsupportedError;   /* valid but unsupported (also a ValueEr
 extern PyObject *cv_EngineClosedError;  /* use after close (also a RuntimeError) */
 
 /* Raises the Python exception for a C status code with err's message and
- * returns NULL. */
+ * returns NULL; when err->field is set the exception's .field attribute
+ * names the request field at fault. */
 PyObject *cv_py_raise(const cv_err *err);
 
 /* Each part registers its types and functions on the module (0 ok, -1 error). */
@@ -32,6 +33,7 @@ int cv_py_add_kernels(PyObject *m);    /* py_kernels.c   */
 int cv_py_add_scheduler(PyObject *m);  /* py_scheduler.c */
 int cv_py_add_sampler(PyObject *m);    /* py_sampler.c   */
 int cv_py_add_engine(PyObject *m);     /* py_engine.c    */
+int cv_py_add_request_params(PyObject *m); /* request_params.c */
 int cv_py_add_cuda(PyObject *m);       /* py_cuda.c      */
 int cv_py_add_model(PyObject *m);      /* py_model.c     */
 

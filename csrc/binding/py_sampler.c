@@ -174,9 +174,9 @@ static int parse_args(sample_args *a, PyObject *args, PyObject *kw, int with_dra
                      INT32_MAX, top_k);
         return -1;
     }
-    if (n_logprobs < -1 || n_logprobs > CV_MAX_LOGPROBS) {
-        PyErr_Format(PyExc_ValueError, "n_logprobs must be in [-1, %d], got %lld", CV_MAX_LOGPROBS,
-                     n_logprobs);
+    if (n_logprobs < -1 || n_logprobs > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "n_logprobs must be -1 (none) or in [0, %d], got %lld",
+                     CV_MAX_LOGPROBS, n_logprobs);
         return -1;
     }
     if (n_draws < 1 || n_draws > MAX_DRAWS) {
@@ -192,7 +192,7 @@ static int parse_args(sample_args *a, PyObject *args, PyObject *kw, int with_dra
     a->p.presence_penalty = (float)pres;
     a->p.frequency_penalty = (float)freq;
     a->p.top_k = (int32_t)top_k;
-    a->p.n_logprobs = (int32_t)n_logprobs;
+    a->p.n_logprobs = n_logprobs == -1 ? CV_NO_LOGPROBS : (int32_t)n_logprobs;
     if (cv_sampling_params_check(&a->p, &err) != CV_OK) {
         cv_py_raise(&err);
         return -1;

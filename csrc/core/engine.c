@@ -378,39 +378,88 @@ void cv_engine_destroy(cv_engine *e) {
 /* ------------------------------------------------------------------------- */
 /* Requests in */
 
-int cv_engine_add_request(cv_engine *e, int64_t request_id, const int32_t *prompt, int64_t n_prompt,
-                          const cv_request_params *p, cv_err *err) {
-    if (n_prompt < 1) return cv_set_err(err, CV_ERR_INVALID, "the prompt is empty");
+int cv_request_params_check(const cv_request_params *p, cv_err *err) {
+    if (!p) return cv_set_err(err, CV_ERR_INVALID, "request params: NULL");
+    if (p->n < 1 || p->n > CV_MAX_N)
+        return cv_set_field_err(err, CV_ERR_INVALID, "n", "n must be in [1, %d], got %d", CV_MAX_N, p->n);
+    if (p->max_tokens != CV_MAX_TOKENS_REST && p->max_tokens < 1)
+        return cv_set_field_err(err, CV_ERR_INVALID, "max_tokens", "max_tokens must be >= 1, got %lld",
+                                (long long)p->max_tokens);
+    if (p->min_tokens < 0)
+        return cv_set_field_err(err, CV_ERR_INVALID, "min_tokens", "min_tokens must be >= 0, got %lld",
+                                (long long)p->min_tokens);
+    if (p->max_tokens != CV_MAX_TOKENS_REST && p->min_tokens > p->max_tokens)
+        return cv_set_field_err(err, CV_ERR_INVALID, "min_tokens",
+                                "min_tokens (%lld) must be <= max_tokens (%lld)", (long long)p->min_tokens,
+                                (long long)p->max_tokens);
+    int rc = cv_sampling_params_check(&p->sp, err);
+    if (rc) return rc;
+    if (p->n_stop < 0 || (p->n_stop > 0 && (!p->stop || !p->stop_lens)))
+        return cv_set_field_err(err, CV_ERR_INVALID, "stop", "stop: bad list");
+    for (int i = 0; i < p->n_stop; i++)
+        if (p->stop_lens[i] == 0)
+            return cv_set_field_err(err, CV_ERR_INVALID, "stop", "stop must not contain an empty string");
+    if (p->n_stop_token_ids < 0 || (p->n_stop_token_ids > 0 && !p->stop_token_ids))
+        return cv_set_field_err(err, CV_ERR_INVALID, "stop_token_ids", "stop_token_ids: bad list");
+    for (int i = 0; i < p->n_stop_token_ids; i++)
+        if (p->stop_token_ids[i] < 0)
+            return cv_set_field_err(err, CV_ERR_INVALID, "stop_token_ids",
+                                    "stop_token_ids must be >= 0, got %d", p->stop_token_ids[i]);
+    return CV_OK;
+}
+
+/* max_tokens with CV_MAX_TOKENS_REST resolved against the context. */
+static int64_t resolved_max_tokens(const cv_engine *e, int64_t n_prompt, const cv_request_params *p) {
+    return p->max_tokens == CV_MAX_TOKENS_REST ? e->max_model_len - n_prompt : p->max_tokens;
+}
+
+int cv_engine_check_request(cv_engine *e, const int32_t *prompt, int64_t n_prompt,
+                            const cv_request_params *p, cv_err *err) {
+    int rc = cv_request_params_check(p, err);
+    if (rc) return rc;
+    if (n_prompt < 1 || !prompt) return cv_set_field_err(err, CV_ERR_INVALID, "prompt", "the prompt is empty");
     for (int64_t i = 0; i < n_prompt; i++)
         if (prompt[i] < 0 || prompt[i] >= e->vocab)
-            return cv_set_err(err, CV_ERR_INVALID,
-                              "prompt token %d at index %lld is outside the vocabulary [0, %lld)",
-                              prompt[i], (long long)i, (long long)e->vocab);
-    if (p->n < 1) return cv_set_err(err, CV_ERR_INVALID, "n must be >= 1, got %d", p->n);
-    if (p->max_tokens < 1) return cv_set_err(err, CV_ERR_INVALID, "max_tokens must be >= 1");
+            return cv_set_field_err(err, CV_ERR_INVALID, "prompt",
+                                    "prompt token id %d is outside the vocabulary [0, %lld) (at index %lld)",
+                                    prompt[i], (long long)e->vocab, (long long)i);
     if (n_prompt > e->max_model_len)
-        return cv_set_err(err, CV_ERR_INVALID,
-                          "the prompt has %lld tokens, more than max_model_len (%lld)",
-                          (long long)n_prompt, (long long)e->max_model_len);
-    if (n_prompt + p->max_tokens > e->max_model_len)
-        return cv_set_err(err, CV_ERR_INVALID,
-                          "prompt (%lld tokens) + max_tokens (%lld) exceeds max_model_len (%lld)",
-                          (long long)n_prompt, (long long)p->max_tokens, (long long)e->max_model_len);
-    int64_t need = (n_prompt + p->max_tokens + e->block_size - 1) / e->block_size;
+        return cv_set_field_err(err, CV_ERR_INVALID, "prompt",
+                                "the prompt has %lld tokens, more than max_model_len (%lld)",
+                                (long long)n_prompt, (long long)e->max_model_len);
+    int64_t max_tokens = resolved_max_tokens(e, n_prompt, p);
+    if (max_tokens < 1)
+        return cv_set_field_err(err, CV_ERR_INVALID, "prompt",
+                                "the prompt has %lld tokens and leaves no room to generate within "
+                                "max_model_len (%lld)", (long long)n_prompt, (long long)e->max_model_len);
+    if (max_tokens > e->max_model_len - n_prompt)
+        return cv_set_field_err(err, CV_ERR_INVALID, "max_tokens",
+                                "prompt (%lld tokens) + max_tokens (%lld) exceeds max_model_len (%lld)",
+                                (long long)n_prompt, (long long)max_tokens, (long long)e->max_model_len);
+    int64_t need = (n_prompt + max_tokens + e->block_size - 1) / e->block_size;
     if (need > e->num_blocks - 1)
-        return cv_set_err(err, CV_ERR_INVALID,
-                          "the request needs %lld KV blocks but the whole cache holds %lld; "
-                          "raise kv_cache_memory or lower max_tokens",
-                          (long long)need, (long long)(e->num_blocks - 1));
+        return cv_set_field_err(err, CV_ERR_INVALID, "max_tokens",
+                                "the request needs %lld KV blocks but the whole cache holds %lld; "
+                                "raise kv_cache_memory or lower max_tokens",
+                                (long long)need, (long long)(e->num_blocks - 1));
     for (int i = 0; i < p->n_stop_token_ids; i++)
-        if (p->stop_token_ids[i] < 0 || p->stop_token_ids[i] >= e->vocab)
-            return cv_set_err(err, CV_ERR_INVALID, "stop_token_ids contains %d, outside the vocabulary",
-                              p->stop_token_ids[i]);
+        if (p->stop_token_ids[i] >= e->vocab)
+            return cv_set_field_err(err, CV_ERR_INVALID, "stop_token_ids",
+                                    "stop_token_ids contains %d, outside the vocabulary [0, %lld)",
+                                    p->stop_token_ids[i], (long long)e->vocab);
+    return CV_OK;
+}
+
+int cv_engine_add_request(cv_engine *e, int64_t request_id, const int32_t *prompt, int64_t n_prompt,
+                          const cv_request_params *p, cv_err *err) {
+    int rc = cv_engine_check_request(e, prompt, n_prompt, p, err);
+    if (rc) return rc;
 
     cv_request *r = calloc(1, sizeof *r);
     if (!r) return cv_set_err(err, CV_ERR_NOMEM, "out of memory");
     r->id = request_id;
     r->p = *p;
+    r->p.max_tokens = resolved_max_tokens(e, n_prompt, p);
     r->p.stop = NULL;
     r->p.stop_lens = NULL;
     r->p.stop_token_ids = NULL;

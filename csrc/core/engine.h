@@ -40,9 +40,13 @@ typedef struct cv_engine_config {
     const uint8_t *token_special;   /* [n_token_bytes] 1 for special tokens, or NULL */
 } cv_engine_config;
 
+#define CV_MAX_N 1024                   /* completions per request */
+#define CV_MAX_TOKENS_REST INT64_MIN    /* max_tokens: the rest of the context */
+
 typedef struct cv_request_params {
-    int32_t n;                      /* completions */
-    int64_t max_tokens, min_tokens;
+    int32_t n;                      /* completions, [1, CV_MAX_N] */
+    int64_t max_tokens;             /* >= 1, or CV_MAX_TOKENS_REST */
+    int64_t min_tokens;             /* [0, max_tokens] */
     cv_sampling_params sp;
     int has_seed; uint64_t seed;
     int n_stop; const char *const *stop; const size_t *stop_lens;
@@ -95,7 +99,18 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err);
 /* Stops the background loop if any and frees everything. */
 void cv_engine_destroy(cv_engine *e);
 
-/* Validates and queues a request (any thread). The prompt is copied. */
+/* The checks that need no engine: every field's range (sampling included).
+ * On failure err->field names the field (SamplingParams' names). */
+int cv_request_params_check(const cv_request_params *p, cv_err *err);
+
+/* Every check cv_engine_add_request makes, without queueing: the params, then
+ * the prompt against the vocabulary, the context (max_model_len) and the KV
+ * cache, and stop_token_ids against the vocabulary. Any thread. */
+int cv_engine_check_request(cv_engine *e, const int32_t *prompt, int64_t n_prompt,
+                            const cv_request_params *p, cv_err *err);
+
+/* Validates (cv_engine_check_request) and queues a request (any thread). The
+ * prompt is copied. */
 int cv_engine_add_request(cv_engine *e, int64_t request_id, const int32_t *prompt, int64_t n_prompt,
                           const cv_request_params *p, cv_err *err);
 /* Queues an abort (any thread); unknown ids are ignored at the next step. */

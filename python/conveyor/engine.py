@@ -10,6 +10,7 @@ import codecs
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -204,6 +205,7 @@ class EngineCore:
         return None, self._check_ids(prompt)
 
     def _check_ids(self, ids):
+        """Shape and type only: the C engine checks ids against the vocabulary."""
         if isinstance(ids, np.ndarray):
             if ids.ndim != 1:
                 raise ValueError(f"a token-id array prompt must be 1-D, got shape {ids.shape}")
@@ -211,9 +213,6 @@ class EngineCore:
                 raise TypeError(f"a token-id array prompt must have an integer dtype, got {ids.dtype}")
             if ids.size == 0:
                 raise ValueError("the prompt is empty")
-            if ids.min() < 0 or ids.max() >= self.vocab_size:
-                bad = ids[(ids < 0) | (ids >= self.vocab_size)][0]
-                raise ValueError(f"prompt token id {int(bad)} is outside the vocabulary [0, {self.vocab_size})")
             return ids
         if not isinstance(ids, (list, tuple)):
             raise TypeError(f"a prompt must be a str, a list of token ids or a NumPy integer array, "
@@ -223,59 +222,32 @@ class EngineCore:
         for t in ids:
             if not isinstance(t, (int, np.integer)) or isinstance(t, bool):
                 raise TypeError(f"token ids must be ints, got {type(t).__name__}")
-            if t < 0 or t >= self.vocab_size:
-                raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {self.vocab_size})")
         return list(ids)
 
-    def check_fits(self, n_prompt: int, params: SamplingParams):
-        if n_prompt > self.max_model_len:
-            raise ValueError(f"the prompt has {n_prompt} tokens, more than max_model_len "
-                             f"({self.max_model_len})")
-        mt = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
-        if mt < 1:
-            raise ValueError(f"the prompt has {n_prompt} tokens and leaves no room to generate within "
-                             f"max_model_len ({self.max_model_len})")
-        if n_prompt + mt > self.max_model_len:
-            raise ValueError(f"prompt ({n_prompt} tokens) + max_tokens ({mt}) exceeds max_model_len "
-                             f"({self.max_model_len})")
-        for t in params.stop_token_ids or ():
-            if t >= self.vocab_size:
-                raise ValueError(f"stop_token_ids contains {t}, outside the vocabulary [0, {self.vocab_size})")
-        return mt
+    def check_request(self, prompt_ids, params: SamplingParams) -> None:
+        """Raises what add_request would (the C engine's checks: vocabulary,
+        context, KV cache, every sampling range), queueing nothing."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        self._engine.check_request(prompt_ids, params)
 
     def add_request(self, request_id: Optional[str], prompt_text, prompt_ids, params: SamplingParams,
                     priority: int = 0, consumer=None) -> _Request:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        max_tokens = self.check_fits(len(prompt_ids), params)
         check_priority(priority)
-        try:
-            stop = [s.encode("utf-8") for s in params.stop_strings]
-        except UnicodeEncodeError as e:
-            raise ValueError(f"stop: a stop string is not valid text ({e.reason})") from None
         with self._lock:
             if self.closed:
                 raise _core.EngineClosedError("the engine is closed")
-            internal = self._next_id
-            self._next_id += 1
-            name = str(internal) if request_id is None else request_id
+            name = str(self._next_id) if request_id is None else request_id
             if name in self._by_name:
                 raise ValueError(f"request_id {name!r} is already in use")
-            import time
-
+            internal = self._next_id
+            self._engine.add_request(internal, prompt_ids, params, priority=priority)
+            self._next_id += 1
             req = _Request(name, internal, prompt_text, list(map(int, prompt_ids)), params,
                            time.monotonic())
             req.consumer = consumer
-            self._engine.add_request(
-                internal, prompt_ids, n=params.n, max_tokens=max_tokens, min_tokens=params.min_tokens,
-                temperature=float(params.temperature), top_p=float(params.top_p), top_k=params.top_k,
-                min_p=float(params.min_p), repetition_penalty=float(params.repetition_penalty),
-                presence_penalty=float(params.presence_penalty),
-                frequency_penalty=float(params.frequency_penalty), seed=params.seed, stop=stop or None,
-                include_stop_str_in_output=params.include_stop_str_in_output,
-                stop_token_ids=list(params.stop_token_ids or ()), ignore_eos=params.ignore_eos,
-                skip_special_tokens=params.skip_special_tokens, logprobs=params.logprobs,
-                priority=priority)
             self._requests[internal] = req
             self._by_name[name] = req
         return req
@@ -407,6 +379,12 @@ class EngineFrontend:
     @property
     def closed(self) -> bool:
         return self._core.closed
+
+    def check_request(self, prompt_token_ids, sampling_params: SamplingParams) -> None:
+        """Raises what generate would refuse this prompt (token ids) and
+        SamplingParams with: ValueError/TypeError whose .field names the field
+        ("prompt" for the prompt). Queues nothing."""
+        self._core.check_request(prompt_token_ids, sampling_params)
 
     def stats(self) -> dict:
         """Engine statistics: queue sizes, KV blocks, prefix-cache hits, timings."""

@@ -82,7 +82,7 @@ class LLM(EngineFrontend):
         # Everything is validated before anything is queued.
         encoded = [core.tokenize_prompt(p) for p in items]
         for (_, ids), p in zip(encoded, params):
-            core.check_fits(len(ids), p)
+            core.check_request(ids, p)
 
         reqs = []
         try:

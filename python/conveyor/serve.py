@@ -31,7 +31,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
 
-from .sampling_params import MAX_LOGPROBS, SamplingParams
+from .sampling_params import SamplingParams
 
 DEFAULT_MAX_WAITING = 1024
 DEFAULT_MAX_BODY_BYTES = 16 << 20
@@ -207,21 +207,22 @@ def _parse_stop(f: _Fields):
 
 
 def _common_sampling(f: _Fields, max_tokens: Optional[int], logprobs: Optional[int], n: int) -> dict:
-    """The request fields every endpoint maps onto SamplingParams."""
+    """The request fields every endpoint maps onto SamplingParams. Types only:
+    the C engine checks every range (see _make_params)."""
     kw = dict(
         n=n,
         max_tokens=max_tokens,
-        temperature=f.number("temperature", 1.0, lo=0.0, hi=1e6),
-        top_p=f.number("top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
-        top_k=f.int("top_k", 0, lo=-1, hi=1 << 30),
-        min_p=f.number("min_p", 0.0, lo=0.0, hi=1.0),
-        repetition_penalty=f.number("repetition_penalty", 1.0, lo=0.0, hi=1e6, lo_open=True),
-        presence_penalty=f.number("presence_penalty", 0.0, lo=-2.0, hi=2.0),
-        frequency_penalty=f.number("frequency_penalty", 0.0, lo=-2.0, hi=2.0),
-        seed=f.int("seed", None, lo=-(2**63), hi=2**64 - 1),
+        temperature=f.number("temperature", 1.0),
+        top_p=f.number("top_p", 1.0),
+        top_k=f.int("top_k", 0),
+        min_p=f.number("min_p", 0.0),
+        repetition_penalty=f.number("repetition_penalty", 1.0),
+        presence_penalty=f.number("presence_penalty", 0.0),
+        frequency_penalty=f.number("frequency_penalty", 0.0),
+        seed=f.int("seed", None),
         stop=_parse_stop(f),
         ignore_eos=f.bool("ignore_eos", False),
-        min_tokens=f.int("min_tokens", 0, lo=0, hi=1 << 30),
+        min_tokens=f.int("min_tokens", 0),
         include_stop_str_in_output=f.bool("include_stop_str_in_output", False),
         skip_special_tokens=f.bool("skip_special_tokens", True),
         logprobs=logprobs,
@@ -233,8 +234,6 @@ def _common_sampling(f: _Fields, max_tokens: Optional[int], logprobs: Optional[i
         if len(sti) > 64:
             raise _bad("stop_token_ids", "'stop_token_ids' may hold at most 64 ids")
         kw["stop_token_ids"] = sti
-    if max_tokens is not None and kw["min_tokens"] > max_tokens:
-        raise _bad("min_tokens", f"'min_tokens' ({kw['min_tokens']}) must be <= max_tokens ({max_tokens})")
     lb = f.obj.get("logit_bias")
     if lb is not None and lb != {}:
         raise _bad("logit_bias", "'logit_bias' is not supported by this server")
@@ -244,15 +243,18 @@ def _common_sampling(f: _Fields, max_tokens: Optional[int], logprobs: Optional[i
     return kw
 
 
-def _make_params(kw: dict) -> SamplingParams:
+def _refused(e: Exception, renames: Optional[dict] = None) -> APIError:
+    """The engine's refusal (ValueError/TypeError whose .field names the
+    request field) as a 400; renames maps engine fields to this endpoint's."""
+    field_name = getattr(e, "field", None)
+    return _bad((renames or {}).get(field_name, field_name) or "body", str(e))
+
+
+def _make_params(kw: dict, renames: Optional[dict] = None) -> SamplingParams:
     try:
         return SamplingParams(**kw)
     except (TypeError, ValueError) as e:
-        msg = str(e)
-        param = None
-        if msg.startswith("SamplingParams."):
-            param = msg[len("SamplingParams."):].split(" ", 1)[0]
-        raise _bad(param or "body", msg.replace("SamplingParams.", "")) from None
+        raise _refused(e, renames) from None
 
 
 def _stream_flags(f: _Fields) -> tuple[bool, bool]:
@@ -267,12 +269,13 @@ def _stream_flags(f: _Fields) -> tuple[bool, bool]:
 
 
 class _Validator:
-    """Turns request JSON into a _Parsed, tokenizing prompts and checking lengths."""
+    """Turns request JSON into a _Parsed, tokenizing prompts; the engine's own
+    check (check_request) decides whether each prompt fits."""
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int):
+    def __init__(self, tokenizer, max_model_len: int, check_request):
         self.tok = tokenizer
-        self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.check_request = check_request
 
     def _ids(self, param: str, ids: list) -> list:
         if not ids:
@@ -280,8 +283,6 @@ class _Validator:
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int):
                 raise _bad(param, f"'{param}' must hold integer token ids, got {_type_name(t)}")
-            if t < 0 or t >= self.vocab_size:
-                raise _bad(param, f"'{param}' holds token id {t}, outside the vocabulary [0, {self.vocab_size})")
         return list(ids)
 
     def _encode(self, param: str, text: str, add_special_tokens: bool = True) -> list:
@@ -295,25 +296,20 @@ class _Validator:
         except (TypeError, ValueError) as e:
             raise _bad(param, f"'{param}' could not be tokenized: {e}") from None
 
-    def _fit(self, param: str, n_prompt: int, max_tokens: Optional[int], default_cap: Optional[int]) -> int:
-        room = self.max_model_len - n_prompt
-        if room < 1:
-            raise _bad(param, f"the prompt has {n_prompt} tokens; this model's context is "
-                              f"{self.max_model_len} tokens, which leaves no room to generate")
-        if max_tokens is None:
-            return room if default_cap is None else min(room, default_cap)
-        if max_tokens > room:
-            raise _bad("max_tokens", f"'max_tokens' is {max_tokens}, but the prompt has {n_prompt} tokens "
-                                     f"and the context is {self.max_model_len} tokens: at most {room} "
-                                     f"can be generated")
-        return max_tokens
+    def _check(self, params: SamplingParams, prompts: list, names: list, renames: Optional[dict] = None):
+        """The engine's checks for each prompt; a prompt error names that prompt."""
+        for p, name in zip(prompts, names):
+            try:
+                self.check_request(p.ids, params)
+            except (TypeError, ValueError) as e:
+                raise _refused(e, {**(renames or {}), "prompt": name}) from None
 
     def completion(self, body: dict) -> _Parsed:
         f = _Fields(body)
         model = f.str("model")
         n = f.int("n", 1, lo=1, hi=MAX_N)
-        max_tokens = f.int("max_tokens", 16, lo=1, hi=1 << 31)
-        logprobs = f.int("logprobs", None, lo=0, hi=MAX_LOGPROBS)
+        max_tokens = f.int("max_tokens", 16)
+        logprobs = f.int("logprobs", None)
         echo = f.bool("echo", False)
         if echo and logprobs is not None:
             raise _bad("echo", "'echo' together with 'logprobs' is not supported (no prompt logprobs)")
@@ -349,10 +345,9 @@ class _Validator:
                 prompts.append(_Prompt(p, self._encode(param, p)))
             else:
                 prompts.append(_Prompt(None, self._ids(param, p)))
-        for i, p in enumerate(prompts):
-            self._fit("prompt" if len(prompts) == 1 else f"prompt[{i}]", len(p.ids), max_tokens, None)
-        kw = _common_sampling(f, max_tokens, logprobs, n)
-        return _Parsed("completion", prompts, _make_params(kw), stream, include_usage, logprobs, echo, model)
+        params = _make_params(_common_sampling(f, max_tokens, logprobs, n))
+        self._check(params, prompts, ["prompt" if len(prompts) == 1 else f"prompt[{i}]" for i in range(len(prompts))])
+        return _Parsed("completion", prompts, params, stream, include_usage, logprobs, echo, model)
 
     def _message_text(self, i: int, content) -> str:
         param = f"messages[{i}].content"
@@ -380,10 +375,10 @@ class _Validator:
         f = _Fields(body)
         model = f.str("model")
         n = f.int("n", 1, lo=1, hi=MAX_N)
-        mt = f.int("max_completion_tokens", None, lo=1, hi=1 << 31)
-        max_tokens = f.int("max_tokens", mt, lo=1, hi=1 << 31)
+        mt = f.int("max_completion_tokens", None)
+        max_tokens = f.int("max_tokens", mt)
         want_lp = f.bool("logprobs", False)
-        top = f.int("top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+        top = f.int("top_logprobs", None)
         if top is not None and not want_lp:
             raise _bad("top_logprobs", "'top_logprobs' needs 'logprobs' set to true")
         logprobs = (top or 0) if want_lp else None
@@ -420,10 +415,13 @@ class _Validator:
             ids = self._encode("messages", text, add_special_tokens=False)
         else:
             ids = self._encode("messages", text)
-        max_tokens = self._fit("messages", len(ids), max_tokens, DEFAULT_CHAT_MAX_TOKENS_CAP)
-        kw = _common_sampling(f, max_tokens, logprobs, n)
-        return _Parsed("chat", [_Prompt(text, ids)], _make_params(kw), stream, include_usage, logprobs,
-                       False, model)
+        if max_tokens is None:  # the rest of the context, capped
+            max_tokens = max(1, min(self.max_model_len - len(ids), DEFAULT_CHAT_MAX_TOKENS_CAP))
+        renames = {"logprobs": "top_logprobs"}
+        params = _make_params(_common_sampling(f, max_tokens, logprobs, n), renames)
+        prompts = [_Prompt(text, ids)]
+        self._check(params, prompts, ["messages"], renames)
+        return _Parsed("chat", prompts, params, stream, include_usage, logprobs, False, model)
 
 
 # ---------------------------------------------------------------------------- metrics
@@ -655,7 +653,7 @@ class _Server:
         st = engine.stats()
         self.max_model_len = int(st.get("max_model_len") or engine.model_config.get("max_pos") or 2048)
         self.vocab_size = int(engine.model_config["vocab_size"])
-        self.validator = _Validator(self.tok, self.vocab_size, self.max_model_len)
+        self.validator = _Validator(self.tok, self.max_model_len, engine.check_request)
         self.metrics = ServerMetrics(model_name)
         self.created = int(time.time())
         self.pending = 0     # engine requests admitted but not yet handed to the engine
@@ -926,7 +924,7 @@ class _Server:
         except APIError as e:
             yield f"data: {_dumps(e.body())}\n\n"
         except (ValueError, TypeError) as e:  # the engine refused the request
-            yield f"data: {_dumps(_bad('body', str(e)).body())}\n\n"
+            yield f"data: {_dumps(_refused(e).body())}\n\n"
         except Exception as e:  # noqa: BLE001 - the stream has begun: report in-band, then end it
             from . import EngineClosedError
 
@@ -970,7 +968,7 @@ class _Server:
             try:
                 result = gen.result()
             except (ValueError, TypeError) as e:  # the engine refused the request
-                raise _bad("body", str(e)) from None
+                raise _refused(e) from None
             return _json_response(result)
         except BaseException:
             if not gen.done():

@@ -301,7 +301,7 @@ def run_offline(llm, workload: Workload, *, sample_stats: bool = True, trace: bo
     params = workload.params(temperature)
     encoded = [core.tokenize_prompt(p) for p in workload.prompts]
     for (_, ids), p in zip(encoded, params):
-        core.check_fits(len(ids), p)
+        core.check_request(ids, p)
     s0 = llm.stats()
     if trace:
         eng.set_trace(True)
