@@ -303,6 +303,86 @@ static const char *reason_name(int r) {
     }
 }
 
+/* Named records for the engine's outputs (heap types made at module init). */
+static PyTypeObject *EventType, *EventMetricsType;
+
+static PyStructSequence_Field event_fields[] = {
+    {"request_id", "the engine's request id (int)"},
+    {"seq_index", "completion index in [0, n)"},
+    {"token", "the sampled token, -1 when none (abort)"},
+    {"logprob", "log-probability of the sampled token"},
+    {"top_logprobs", "[(token id, logprob)] of the most likely tokens, or None"},
+    {"text", "newly visible UTF-8 bytes"},
+    {"finished", "this completion is done"},
+    {"finish_reason", "'stop', 'length', 'abort' or None"},
+    {"stop_kind", "STOP_NONE, STOP_TOKEN or STOP_STRING"},
+    {"stop_value", "the stop token id, or the stop string's index"},
+    {"metrics", "an EngineEventMetrics when the whole request finished, else None"},
+    {NULL, NULL}};
+static PyStructSequence_Desc event_desc = {"conveyor._core.EngineEvent",
+                                           "One output of one step for one completion.", event_fields, 11};
+
+static PyStructSequence_Field metrics_fields[] = {
+    {"arrival", "time.monotonic() when the request was queued"},
+    {"first_scheduled", "when it first ran (0: never)"},
+    {"first_token", "when its first token was sampled (0: never)"},
+    {"finished", "when it finished"},
+    {"n_prompt", "prompt tokens"},
+    {"n_cached_prompt", "prompt tokens found in the prefix cache"},
+    {NULL, NULL}};
+static PyStructSequence_Desc metrics_desc = {"conveyor._core.EngineEventMetrics",
+                                             "Timings of a finished request.", metrics_fields, 6};
+
+/* Sets item i of a struct sequence, taking the reference (NULL -> error). */
+static int set_item(PyObject *rec, Py_ssize_t i, PyObject *v) {
+    if (!v) return -1;
+    PyStructSequence_SetItem(rec, i, v);
+    return 0;
+}
+
+static PyObject *make_top(const cv_event *v) {
+    if (v->n_top <= 0) Py_RETURN_NONE;
+    PyObject *top = PyList_New(v->n_top);
+    if (!top) return NULL;
+    for (int k = 0; k < v->n_top; k++) {
+        PyObject *pair = Py_BuildValue("(if)", v->top_ids[k], (double)v->top_logprobs[k]);
+        if (!pair) { Py_DECREF(top); return NULL; }
+        PyList_SET_ITEM(top, k, pair);
+    }
+    return top;
+}
+
+static PyObject *make_metrics(const cv_event *v) {
+    if (!v->request_finished) Py_RETURN_NONE;
+    PyObject *m = PyStructSequence_New(EventMetricsType);
+    if (!m) return NULL;
+    if (set_item(m, 0, PyFloat_FromDouble(v->arrival)) || set_item(m, 1, PyFloat_FromDouble(v->first_scheduled)) ||
+        set_item(m, 2, PyFloat_FromDouble(v->first_token)) || set_item(m, 3, PyFloat_FromDouble(v->finished_time)) ||
+        set_item(m, 4, PyLong_FromLongLong(v->n_prompt)) || set_item(m, 5, PyLong_FromLongLong(v->n_cached_prompt))) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
+
+static PyObject *make_event(const cv_event *v, const char *text) {
+    PyObject *e = PyStructSequence_New(EventType);
+    if (!e) return NULL;
+    const char *reason = reason_name(v->finish_reason);
+    if (set_item(e, 0, PyLong_FromLongLong(v->request_id)) || set_item(e, 1, PyLong_FromLong(v->seq_index)) ||
+        set_item(e, 2, PyLong_FromLong(v->token)) || set_item(e, 3, PyFloat_FromDouble((double)v->logprob)) ||
+        set_item(e, 4, make_top(v)) ||
+        set_item(e, 5, PyBytes_FromStringAndSize(text ? text + v->text_off : "", (Py_ssize_t)v->text_len)) ||
+        set_item(e, 6, PyBool_FromLong(v->finished)) ||
+        set_item(e, 7, reason ? PyUnicode_FromString(reason) : Py_NewRef(Py_None)) ||
+        set_item(e, 8, PyLong_FromLong(v->stop_kind)) || set_item(e, 9, PyLong_FromLong(v->stop_value)) ||
+        set_item(e, 10, make_metrics(v))) {
+        Py_DECREF(e);
+        return NULL;
+    }
+    return e;
+}
+
 static PyObject *Engine_take_outputs(EngineObject *self, PyObject *Py_UNUSED(ignored)) {
     if (check_open(self) < 0) return NULL;
     cv_event *ev = NULL;
@@ -311,31 +391,7 @@ static PyObject *Engine_take_outputs(EngineObject *self, PyObject *Py_UNUSED(ign
     PyObject *list = PyList_New((Py_ssize_t)n);
     if (!list) goto done;
     for (size_t i = 0; i < n; i++) {
-        const cv_event *v = &ev[i];
-        PyObject *top = Py_None, *metrics = Py_None, *item;
-        Py_INCREF(Py_None);
-        Py_INCREF(Py_None);
-        if (v->n_top > 0) {
-            Py_DECREF(top);
-            top = PyList_New(v->n_top);
-            if (!top) { Py_DECREF(metrics); Py_CLEAR(list); goto done; }
-            for (int k = 0; k < v->n_top; k++) {
-                PyObject *pair = Py_BuildValue("(if)", v->top_ids[k], (double)v->top_logprobs[k]);
-                if (!pair) { Py_DECREF(top); Py_DECREF(metrics); Py_CLEAR(list); goto done; }
-                PyList_SET_ITEM(top, k, pair);
-            }
-        }
-        if (v->request_finished) {
-            Py_DECREF(metrics);
-            metrics = Py_BuildValue("(ddddLL)", v->arrival, v->first_scheduled, v->first_token,
-                                    v->finished_time, (long long)v->n_prompt, (long long)v->n_cached_prompt);
-            if (!metrics) { Py_DECREF(top); Py_CLEAR(list); goto done; }
-        }
-        const char *reason = reason_name(v->finish_reason);
-        item = Py_BuildValue("(LiifNy#OziiN)", (long long)v->request_id, v->seq_index, v->token,
-                             (double)v->logprob, top, text ? text + v->text_off : "",
-                             (Py_ssize_t)v->text_len, v->finished ? Py_True : Py_False, reason,
-                             v->stop_kind, v->stop_value, metrics);
+        PyObject *item = make_event(&ev[i], text);
         if (!item) { Py_CLEAR(list); goto done; }
         PyList_SET_ITEM(list, (Py_ssize_t)i, item);
     }
@@ -500,6 +556,20 @@ static PyTypeObject EngineType = {
 
 int cv_py_add_engine(PyObject *m) {
     if (PyType_Ready(&EngineType) < 0) return -1;
+    if (!EventType && !(EventType = PyStructSequence_NewType(&event_desc))) return -1;
+    if (!EventMetricsType && !(EventMetricsType = PyStructSequence_NewType(&metrics_desc))) return -1;
+    if (PyModule_AddObjectRef(m, "EngineEvent", (PyObject *)EventType) < 0 ||
+        PyModule_AddObjectRef(m, "EngineEventMetrics", (PyObject *)EventMetricsType) < 0)
+        return -1;
+    /* the C enums, so Python never mirrors their values */
+    if (PyModule_AddIntConstant(m, "STOP_NONE", CV_STOP_NONE) < 0 ||
+        PyModule_AddIntConstant(m, "STOP_TOKEN", CV_STOP_TOKEN) < 0 ||
+        PyModule_AddIntConstant(m, "STOP_STRING", CV_STOP_STRING) < 0 ||
+        PyModule_AddIntConstant(m, "FINISH_NONE", CV_FINISH_NONE) < 0 ||
+        PyModule_AddIntConstant(m, "FINISH_STOP", CV_FINISH_STOP) < 0 ||
+        PyModule_AddIntConstant(m, "FINISH_LENGTH", CV_FINISH_LENGTH) < 0 ||
+        PyModule_AddIntConstant(m, "FINISH_ABORT", CV_FINISH_ABORT) < 0)
+        return -1;
     Py_INCREF(&EngineType);
     if (PyModule_AddObject(m, "Engine", (PyObject *)&EngineType) < 0) {
         Py_DECREF(&EngineType);

@@ -273,39 +273,40 @@ class EngineCore:
         events = self._engine.take_outputs()
         changed: dict[int, _Request] = {}
         with self._lock:
-            for (iid, idx, token, logprob, top, text, finished, reason, stop_kind, stop_value,
-                 metrics) in events:
+            for ev in events:  # _core.EngineEvent records
+                iid = ev.request_id
                 req = self._requests.get(iid)
                 if req is None:
                     continue
-                st = req.seqs[idx]
+                st = req.seqs[ev.seq_index]
+                token = ev.token
                 if token >= 0:
                     st.token_ids.append(token)
                     if st.logprobs is not None:
-                        entry = {token: Logprob(logprob)}
-                        for rank, (tid, lp) in enumerate(top or (), start=1):
+                        entry = {token: Logprob(ev.logprob)}
+                        for rank, (tid, lp) in enumerate(ev.top_logprobs or (), start=1):
                             if tid == token:
                                 entry[token].rank = rank
                             else:
                                 entry[tid] = Logprob(lp, rank)
                         st.logprobs.append(entry)
-                        st.cum_logprob += logprob
-                if text:
-                    st.text += st.decoder.decode(text)
-                if finished:
+                        st.cum_logprob += ev.logprob
+                if ev.text:
+                    st.text += st.decoder.decode(ev.text)
+                if ev.finished:
                     st.text += st.decoder.decode(b"", final=True)
-                    st.finish_reason = reason
-                    if stop_kind == 1:
-                        st.stop_reason = stop_value
-                    elif stop_kind == 2:
-                        st.stop_reason = req.params.stop_strings[stop_value]
-                if metrics is not None:
-                    arrival, first_sched, first_tok, fin, _n_prompt, n_cached = metrics
-                    m = req.metrics
-                    m.first_scheduled_time = first_sched or None
-                    m.first_token_time = first_tok or None
-                    m.finished_time = fin
-                    m.num_cached_tokens = n_cached
+                    st.finish_reason = ev.finish_reason
+                    if ev.stop_kind == _core.STOP_TOKEN:
+                        st.stop_reason = ev.stop_value
+                    elif ev.stop_kind == _core.STOP_STRING:
+                        st.stop_reason = req.params.stop_strings[ev.stop_value]
+                m = ev.metrics
+                if m is not None:
+                    rm = req.metrics
+                    rm.first_scheduled_time = m.first_scheduled or None
+                    rm.first_token_time = m.first_token or None
+                    rm.finished_time = m.finished
+                    rm.num_cached_tokens = m.n_cached_prompt
                     req.finished = True
                     del self._requests[iid]
                     if self._by_name.get(req.request_id) is req:
