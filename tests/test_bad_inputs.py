@@ -75,7 +75,7 @@ def assert_serves(m: LLM):
     assert len(out.outputs[0].token_ids) > 0
     st = m.stats()
     assert st["blocks_used"] == 0 and st["num_running"] == 0 and st["num_waiting"] == 0
-    assert m._core._engine.num_unfinished() == 0
+    assert m.num_unfinished() == 0
 
 
 def _open_fds() -> set:
@@ -473,7 +473,7 @@ def assert_async_serves(e: AsyncLLM):
     asyncio.run(_good(e))
     st = e.stats()
     assert st["blocks_used"] == 0 and st["num_running"] == 0 and st["num_waiting"] == 0
-    assert e._core._engine.num_unfinished() == 0
+    assert e.num_unfinished() == 0
 
 
 LONG = SamplingParams(max_tokens=300, ignore_eos=True)
@@ -797,3 +797,10 @@ def test_check_request_names_field(llm):
         assert info.value.field == field, (ids, params)
     llm.check_request([1, 2], SamplingParams(max_tokens=4))  # a good request passes and queues nothing
     assert llm.stats()["num_waiting"] == 0
+
+
+def test_step_refused_while_background_loop_runs(aengine):
+    """The C engine enforces "not while the background loop runs"."""
+    with pytest.raises(RuntimeError, match="background loop"):
+        aengine._core.step()
+    assert_async_serves(aengine)

@@ -237,7 +237,7 @@ def test_bad_prompts_raise_before_queueing(llm, prompt, exc):
     with pytest.raises(exc):
         llm.generate([PROMPTS[0], prompt] if not isinstance(prompt, np.ndarray) else prompt,
                      GREEDY, use_tqdm=False)
-    assert llm._core._engine.num_unfinished() == 0
+    assert llm.num_unfinished() == 0
     assert llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].finished
 
 

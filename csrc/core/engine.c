@@ -739,7 +739,7 @@ static void record_trace(cv_engine *e, const cv_sched_output *plan, double t0, d
     }
 }
 
-int cv_engine_step(cv_engine *e, cv_err *err) {
+static int engine_step(cv_engine *e, cv_err *err) {
     double t0 = cv_now();
     drain_inbox(e);
     cv_sched_output plan;
@@ -829,6 +829,13 @@ int cv_engine_step(cv_engine *e, cv_err *err) {
     return (int)plan.n_seqs;
 }
 
+int cv_engine_step(cv_engine *e, cv_err *err) {
+    /* loop_running changes only on the thread that owns the engine, the caller's */
+    if (e->loop_running)
+        return cv_set_err(err, CV_ERR_STATE, "cannot step the engine while its background loop runs");
+    return engine_step(e, err);
+}
+
 /* ------------------------------------------------------------------------- */
 /* Background loop */
 
@@ -842,7 +849,7 @@ static void *loop_main(void *arg) {
         pthread_mutex_unlock(&e->in_lock);
         if (stop) break;
         cv_err err;
-        int rc = cv_engine_step(e, &err);
+        int rc = engine_step(e, &err);
         if (rc < 0) {
             /* A failed step fails every request; the loop goes on serving new ones. */
             pthread_mutex_lock(&e->out_lock);

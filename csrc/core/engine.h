@@ -117,7 +117,7 @@ int cv_engine_add_request(cv_engine *e, int64_t request_id, const int32_t *promp
 int cv_engine_abort(cv_engine *e, int64_t request_id);
 
 /* Runs one step; returns the number of sequences that ran (0 when idle) or a
- * negative error. Not while the background loop runs. */
+ * negative error; CV_ERR_STATE while the background loop runs. */
 int cv_engine_step(cv_engine *e, cv_err *err);
 /* Requests queued or running. */
 int64_t cv_engine_num_unfinished(cv_engine *e);

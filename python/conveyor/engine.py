@@ -74,6 +74,14 @@ class EngineArgs:
     seed: int = 0
     gpu_memory_utilization: float = 0.9
 
+    @classmethod
+    def from_kwargs(cls, model, kwargs: dict) -> "EngineArgs":
+        """EngineArgs(model, **kwargs), naming unknown keywords in a TypeError."""
+        unknown = set(kwargs) - (set(cls.__dataclass_fields__) - {"model"})
+        if unknown:
+            raise TypeError(f"unknown keyword argument(s): {', '.join(sorted(unknown))}")
+        return cls(model=model, **kwargs)
+
     def validate(self):
         if not isinstance(self.model, (str, os.PathLike)):
             raise TypeError(f"model must be a path (str or os.PathLike), got {type(self.model).__name__}")
@@ -266,6 +274,53 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self._engine.num_unfinished() > 0
 
+    def num_unfinished(self) -> int:
+        """Requests queued or running in the C engine."""
+        return self._engine.num_unfinished()
+
+    # -- the loop ---------------------------------------------------------
+    def step(self) -> list[_Request]:
+        """Runs one engine step (GIL released) and applies its outputs; returns
+        the requests that changed. The C engine refuses it (EngineClosedError,
+        a RuntimeError) while the background loop runs."""
+        self._engine.step()
+        return self.process_events()
+
+    def run(self, requests, on_step=None) -> None:
+        """Steps until no request is left; on_step(changed requests) runs after
+        each step. Interrupted by any exception (KeyboardInterrupt too), it
+        aborts what is left of `requests` and drains, so the engine stays usable."""
+        try:
+            while self.has_unfinished():
+                changed = self.step()
+                if on_step is not None:
+                    on_step(changed)
+        except BaseException:
+            self.abort_requests(requests)
+            raise
+
+    def abort_requests(self, requests) -> None:
+        """Aborts every unfinished request of `requests`, then steps until the
+        engine is idle (synchronous use only)."""
+        for r in requests:
+            if not r.finished:
+                self.abort(r.request_id)
+        while self.has_unfinished():
+            self.step()
+
+    def start_background(self, wake_fd: int) -> None:
+        """Hands stepping to the C engine's own thread: after each step with
+        outputs it writes an 8-byte 1 to wake_fd; process_events() then applies
+        them. From here on step() is refused; close() stops the thread."""
+        self._engine.start_loop(wake_fd)
+
+    def set_trace(self, on: bool) -> None:
+        """Records each step's scheduled (request, completion, new tokens) for take_trace()."""
+        self._engine.set_trace(on)
+
+    def take_trace(self):
+        return self._engine.take_trace()
+
     # -- outputs ----------------------------------------------------------
     def process_events(self, on_event=None) -> list[_Request]:
         """Applies the pending C events; returns the requests that changed.
@@ -386,6 +441,10 @@ class EngineFrontend:
         SamplingParams with: ValueError/TypeError whose .field names the field
         ("prompt" for the prompt). Queues nothing."""
         self._core.check_request(prompt_token_ids, sampling_params)
+
+    def num_unfinished(self) -> int:
+        """Requests queued or running."""
+        return self._core.num_unfinished()
 
     def stats(self) -> dict:
         """Engine statistics: queue sizes, KV blocks, prefix-cache hits, timings."""
