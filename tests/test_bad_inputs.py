@@ -804,3 +804,13 @@ def test_step_refused_while_background_loop_runs(aengine):
     with pytest.raises(RuntimeError, match="background loop"):
         aengine._core.step()
     assert_async_serves(aengine)
+
+
+def test_kv_cache_size_formula(llm):
+    """_core.kv_bytes_per_token is the engine's own formula: the pool it made
+    is a whole number of blocks of it."""
+    st, cfg = llm.stats(), llm.model_config
+    per_token = conveyor._core.kv_bytes_per_token(cfg["n_layers"], cfg["n_kv_heads"], cfg["head_dim"],
+                                                  cfg["kv_cache_dtype"])
+    assert per_token == 2 * cfg["n_layers"] * cfg["n_kv_heads"] * cfg["head_dim"] * 4  # float32 stories260K
+    assert st["kv_cache_bytes"] == st["num_blocks"] * st["block_size"] * per_token

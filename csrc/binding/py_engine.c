@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "../core/engine.h"
+#include "../core/kv_cache.h"
 #include "request_params.h"
 
 /* step() runs with the GIL released; `busy` keeps close() (from another thread,
@@ -554,7 +555,29 @@ static PyTypeObject EngineType = {
     .tp_methods = Engine_methods,
 };
 
+static PyObject *py_kv_bytes_per_token(PyObject *Py_UNUSED(m), PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"n_layers", "n_kv_heads", "head_dim", "dtype", NULL};
+    long long n_layers, n_kv_heads, head_dim;
+    const char *dtype_s;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLs", kwlist, &n_layers, &n_kv_heads, &head_dim, &dtype_s))
+        return NULL;
+    if (n_layers < 1 || n_kv_heads < 1 || head_dim < 1) {
+        PyErr_SetString(PyExc_ValueError, "n_layers, n_kv_heads and head_dim must be >= 1");
+        return NULL;
+    }
+    cv_dtype dt;
+    if (cv_py_parse_dtype(dtype_s, "dtype", 0, &dt) < 0) return NULL;
+    return PyLong_FromSize_t(cv_kv_bytes_per_token(n_layers, n_kv_heads, head_dim, dt));
+}
+
+static PyMethodDef engine_functions[] = {
+    {"kv_bytes_per_token", (PyCFunction)(void (*)(void))py_kv_bytes_per_token, METH_VARARGS | METH_KEYWORDS,
+     "kv_bytes_per_token(n_layers, n_kv_heads, head_dim, dtype)\n\nK and V bytes one token takes in "
+     "the engine's KV cache (the engine's own formula)."},
+    {NULL, NULL, 0, NULL}};
+
 int cv_py_add_engine(PyObject *m) {
+    if (PyModule_AddFunctions(m, engine_functions) < 0) return -1;
     if (PyType_Ready(&EngineType) < 0) return -1;
     if (!EventType && !(EventType = PyStructSequence_NewType(&event_desc))) return -1;
     if (!EventMetricsType && !(EventMetricsType = PyStructSequence_NewType(&metrics_desc))) return -1;

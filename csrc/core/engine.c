@@ -8,6 +8,7 @@
 
 #include "../../kernels/backend.h"
 #include "../model/model.h"
+#include "kv_cache.h"
 #include "runner.h"
 #include "sequence.h"
 #include "stop.h"
@@ -41,17 +42,15 @@ typedef struct cv_request {
 
 struct cv_engine {
     /* fixed after create */
-    int64_t vocab, max_model_len, max_num_seqs, max_tokens_step, block_size, num_blocks;
-    size_t kv_bytes;
-    int32_t eos_ids[16]; int n_eos;
+    int64_t vocab, max_model_len, max_num_seqs, max_tokens_step, block_size;
+    int32_t eos_ids[CV_MAX_EOS]; int n_eos;
     int32_t bos_id; int strip_space_after_bos;
     char *tok_arena; size_t *tok_off; uint32_t *tok_len; uint8_t *tok_special;
     uint64_t seed;
 
     cv_backend *backend;
     cv_model *model;
-    cv_kv_layer *caches;
-    void *cache_mem;
+    cv_kv_cache kv;
     cv_scheduler *sched;
     cv_runner runner;
     cv_forward_ws ws;
@@ -255,40 +254,15 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
 
     /* KV cache */
     cv_dtype kvt = cfg->kv_dtype == CV_DTYPE_INVALID ? e->model->dtype : cfg->kv_dtype;
-    size_t esz = cv_dtype_size(kvt);
-    size_t per_token = 2 * (size_t)mc->n_layers * (size_t)(mc->n_kv_heads * mc->head_dim) * esz;
+    size_t per_token = cv_kv_bytes_per_token(mc->n_layers, mc->n_kv_heads, mc->head_dim, kvt);
     size_t kv = cfg->kv_cache_bytes ? cfg->kv_cache_bytes
                                      : default_kv_bytes(e, per_token, cfg->gpu_memory_utilization);
-    size_t per_block = per_token * (size_t)e->block_size;
-    e->num_blocks = (int64_t)(kv / per_block) + 1; /* + reserved block 0 */
-    if (e->num_blocks < 2) {
-        rc = cv_set_err(err, CV_ERR_INVALID,
-                        "kv_cache_memory of %zu bytes holds no KV block (one block needs %zu bytes)",
-                        kv, per_block);
+    if ((rc = cv_kv_cache_create(&e->kv, e->backend, mc->n_layers, mc->n_kv_heads, mc->head_dim, kvt,
+                                 e->block_size, kv, err)))
         goto fail;
-    }
-    e->kv_bytes = (size_t)e->num_blocks * per_block;
-    e->caches = calloc((size_t)mc->n_layers, sizeof *e->caches);
-    if (!e->caches) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory"); goto fail; }
-    size_t layer_half = (size_t)e->num_blocks * per_block / (2 * (size_t)mc->n_layers);
-    e->cache_mem = e->backend->alloc(e->backend, e->kv_bytes);
-    if (!e->cache_mem) {
-        rc = cv_set_err(err, CV_ERR_NOMEM, "cannot allocate a KV cache of %zu bytes", e->kv_bytes);
-        goto fail;
-    }
-    for (int64_t l = 0; l < mc->n_layers; l++) {
-        cv_kv_layer *c = &e->caches[l];
-        c->k = (char *)e->cache_mem + (size_t)(2 * l) * layer_half;
-        c->v = (char *)e->cache_mem + (size_t)(2 * l + 1) * layer_half;
-        c->dtype = kvt;
-        c->num_blocks = e->num_blocks;
-        c->n_kv_heads = mc->n_kv_heads;
-        c->block_size = e->block_size;
-        c->head_dim = mc->head_dim;
-    }
 
     cv_scheduler_config sc = {
-        .num_blocks = e->num_blocks, .block_size = e->block_size, .max_num_seqs = e->max_num_seqs,
+        .num_blocks = e->kv.num_blocks, .block_size = e->block_size, .max_num_seqs = e->max_num_seqs,
         .max_num_batched_tokens = e->max_tokens_step, .max_model_len = e->max_model_len,
         .enable_prefix_caching = cfg->enable_prefix_caching,
         .enable_chunked_prefill = cfg->enable_chunked_prefill, .policy = cfg->policy,
@@ -302,8 +276,13 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
     if (!e->sampler) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory for the sampler"); goto fail; }
 
     /* Token bytes, copied into one arena. EOS/BOS default to the model config's. */
+    if (cfg->n_eos > CV_MAX_EOS) {
+        rc = cv_set_err(err, CV_ERR_INVALID, "eos_ids holds %d ids; at most %d are supported", cfg->n_eos,
+                        CV_MAX_EOS);
+        goto fail;
+    }
     if (cfg->n_eos > 0) {
-        e->n_eos = cfg->n_eos < 16 ? cfg->n_eos : 16;
+        e->n_eos = cfg->n_eos;
         for (int i = 0; i < e->n_eos; i++) e->eos_ids[i] = cfg->eos_ids[i];
     } else {
         e->n_eos = mc->n_eos;
@@ -328,12 +307,12 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
         off += cfg->token_lens[i];
         if (cfg->token_special) e->tok_special[i] = cfg->token_special[i];
     }
-    e->stats_live.num_blocks = e->num_blocks;
+    e->stats_live.num_blocks = e->kv.num_blocks;
     e->stats_live.block_size = e->block_size;
     e->stats_live.max_model_len = e->max_model_len;
     e->stats_live.max_num_seqs = e->max_num_seqs;
     e->stats_live.max_num_batched_tokens = e->max_tokens_step;
-    e->stats_live.kv_cache_bytes = e->kv_bytes;
+    e->stats_live.kv_cache_bytes = e->kv.bytes;
     cv_scheduler_get_stats(e->sched, &e->stats_live.sched);
     e->stats_snapshot = e->stats_live;
     *out = e;
@@ -356,8 +335,7 @@ void cv_engine_destroy(cv_engine *e) {
     cv_sampler_destroy(e->sampler);
     cv_runner_free(&e->runner);
     if (e->ws_ready) cv_forward_ws_free(&e->ws, e->model);
-    if (e->backend) e->backend->free(e->backend, e->cache_mem);
-    free(e->caches);
+    cv_kv_cache_free(&e->kv, e->backend);
     cv_model_free(e->model);
     if (e->backend) e->backend->destroy(e->backend);
     free(e->tok_arena);
@@ -437,11 +415,11 @@ int cv_engine_check_request(cv_engine *e, const int32_t *prompt, int64_t n_promp
                                 "prompt (%lld tokens) + max_tokens (%lld) exceeds max_model_len (%lld)",
                                 (long long)n_prompt, (long long)max_tokens, (long long)e->max_model_len);
     int64_t need = (n_prompt + max_tokens + e->block_size - 1) / e->block_size;
-    if (need > e->num_blocks - 1)
+    if (need > e->kv.num_blocks - 1)
         return cv_set_field_err(err, CV_ERR_INVALID, "max_tokens",
                                 "the request needs %lld KV blocks but the whole cache holds %lld; "
                                 "raise kv_cache_memory or lower max_tokens",
-                                (long long)need, (long long)(e->num_blocks - 1));
+                                (long long)need, (long long)(e->kv.num_blocks - 1));
     for (int i = 0; i < p->n_stop_token_ids; i++)
         if (p->stop_token_ids[i] >= e->vocab)
             return cv_set_field_err(err, CV_ERR_INVALID, "stop_token_ids",
@@ -720,15 +698,54 @@ static void accept_token(cv_engine *e, cv_request *r, int idx, int32_t t, const 
     if (reason) finish_seq(e, r, idx, reason, stop_kind, stop_value, ev);
 }
 
+/* Which completion of its request sequence s is. */
+static int completion_index(const cv_request *r, const cv_sequence *s) {
+    for (int k = 0; k < r->p.n; k++)
+        if (r->ss[k].seq == s) return k;
+    return 0;
+}
+
+/* The tokens min_tokens still holds off for completion st (EOS unless
+ * ignore_eos, and the stop tokens), in e->banned; returns how many. */
+static int64_t banned_tokens(cv_engine *e, const cv_request *r, const seq_state *st) {
+    if (st->n_out >= r->p.min_tokens) return 0;
+    size_t need = (size_t)(e->n_eos + r->p.n_stop_token_ids);
+    if (!grow((void **)&e->banned, &e->banned_cap, need, sizeof *e->banned)) return 0;
+    int64_t n = 0;
+    if (!r->p.ignore_eos)
+        for (int i = 0; i < e->n_eos; i++) e->banned[n++] = e->eos_ids[i];
+    for (int i = 0; i < r->p.n_stop_token_ids; i++) e->banned[n++] = r->stop_token_ids[i];
+    return n;
+}
+
+/* Samples one token for every logits row of the step and accepts it (stops,
+ * detokenization, events). Caller holds out_lock. */
+static void sample_batch(cv_engine *e, const cv_sched_output *plan) {
+    const cv_batch *bt = &e->runner.batch;
+    for (int64_t row = 0; row < bt->n_logits; row++) {
+        cv_sequence *s = plan->seqs[e->runner.sample_plan_index[row]];
+        cv_request *r = s->owner;
+        int idx = completion_index(r, s);
+        seq_state *st = &r->ss[idx];
+        if (st->finished) continue;
+        float *logits = e->ws.logits_host + row * e->vocab;
+        int64_t n_banned = banned_tokens(e, r, st);
+        cv_sample_info info;
+        int32_t t = cv_sampler_sample(e->sampler, logits, &r->p.sp, s->tokens, r->n_prompt,
+                                      s->tokens + r->n_prompt, s->n_tokens - r->n_prompt, e->banned,
+                                      n_banned, &st->rng, &info);
+        if (r->first_token == 0) r->first_token = cv_now();
+        accept_token(e, r, idx, t, &info);
+    }
+}
+
 static void record_trace(cv_engine *e, const cv_sched_output *plan, double t0, double t1) {
     if (!e->tracing) return;
     if (!grow((void **)&e->trace, &e->cap_trace, e->n_trace + (size_t)plan->n_seqs, sizeof *e->trace))
         return;
     for (int64_t i = 0; i < plan->n_seqs; i++) {
         cv_request *r = plan->seqs[i]->owner;
-        int idx = 0;
-        for (int k = 0; k < r->p.n; k++)
-            if (r->ss[k].seq == plan->seqs[i]) idx = k;
+        int idx = completion_index(r, plan->seqs[i]);
         cv_trace_entry *te = &e->trace[e->n_trace++];
         te->step = e->steps;
         te->t0 = t0;
@@ -764,7 +781,7 @@ static int engine_step(cv_engine *e, cv_err *err) {
     }
     if ((rc = cv_runner_build(&e->runner, &plan, err))) return rc;
     double t1b = cv_now();
-    if ((rc = cv_model_forward(e->model, &e->ws, e->caches, &e->runner.batch, err))) return rc;
+    if ((rc = cv_model_forward(e->model, &e->ws, e->kv.layers, &e->runner.batch, err))) return rc;
     double t2 = cv_now();
     cv_scheduler_commit(e->sched, &plan);
 
@@ -777,33 +794,7 @@ static int engine_step(cv_engine *e, cv_err *err) {
     }
 
     pthread_mutex_lock(&e->out_lock);
-    const cv_batch *bt = &e->runner.batch;
-    for (int64_t row = 0; row < bt->n_logits; row++) {
-        cv_sequence *s = plan.seqs[e->runner.sample_plan_index[row]];
-        cv_request *r = s->owner;
-        int idx = 0;
-        for (int k = 0; k < r->p.n; k++)
-            if (r->ss[k].seq == s) idx = k;
-        seq_state *st = &r->ss[idx];
-        if (st->finished) continue;
-        float *logits = e->ws.logits_host + row * e->vocab;
-        /* min_tokens holds off EOS and the stop tokens */
-        int64_t n_banned = 0;
-        if (st->n_out < r->p.min_tokens) {
-            size_t need = (size_t)(e->n_eos + r->p.n_stop_token_ids);
-            if (grow((void **)&e->banned, &e->banned_cap, need, sizeof *e->banned)) {
-                if (!r->p.ignore_eos)
-                    for (int i = 0; i < e->n_eos; i++) e->banned[n_banned++] = e->eos_ids[i];
-                for (int i = 0; i < r->p.n_stop_token_ids; i++) e->banned[n_banned++] = r->stop_token_ids[i];
-            }
-        }
-        cv_sample_info info;
-        int32_t t = cv_sampler_sample(e->sampler, logits, &r->p.sp, s->tokens, r->n_prompt,
-                                      s->tokens + r->n_prompt, s->n_tokens - r->n_prompt, e->banned,
-                                      n_banned, &st->rng, &info);
-        if (r->first_token == 0) r->first_token = cv_now();
-        accept_token(e, r, idx, t, &info);
-    }
+    sample_batch(e, &plan);
     double t3 = cv_now();
     record_trace(e, &plan, t0, t3);
     e->steps++;
@@ -914,7 +905,7 @@ void cv_engine_weight_info(cv_engine *e, size_t *bytes, int64_t *n_params, cv_dt
     *bytes = e->model->weight_bytes;
     *n_params = e->model->n_params;
     *dtype = e->model->dtype;
-    *kv_dtype = e->caches[0].dtype;
+    *kv_dtype = e->kv.layers[0].dtype;
 }
 
 void cv_engine_set_trace(cv_engine *e, int on) {

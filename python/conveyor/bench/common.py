@@ -77,12 +77,14 @@ def checkpoint_config(path: str) -> Dict[str, Any]:
 
 
 def kv_bytes_for(path: str, prompt_lens: Iterable[int], output_lens: Iterable[int],
-                 block_size: int = 16, dtype_bytes: int = 4) -> int:
+                 block_size: int = 16, dtype: str = "float32") -> int:
     """KV pool bytes that hold every request at full length at once (+ a spare block
-    each and 64 more), counting ``dtype_bytes`` per element (4 covers every dtype)."""
+    each and 64 more) in a cache of ``dtype`` (float32 covers every dtype)."""
+    from .. import _core
+
     cfg = checkpoint_config(path)
     head_dim = cfg.get("head_dim") or cfg["dim"] // cfg["n_heads"]
-    per_token = 2 * cfg["n_layers"] * cfg["n_kv_heads"] * head_dim * dtype_bytes
+    per_token = _core.kv_bytes_per_token(cfg["n_layers"], cfg["n_kv_heads"], head_dim, dtype)
     blocks = 64 + sum(-(-(int(p) + int(o)) // block_size) + 1 for p, o in zip(prompt_lens, output_lens))
     return int(blocks * block_size * per_token)
 
