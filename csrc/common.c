@@ -3,7 +3,9 @@
 
 #include <math.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -131,5 +133,21 @@ double cv_now(void) {
 int cv_mul_size(size_t a, size_t b, size_t *out) {
     if (a != 0 && b > SIZE_MAX / a) return 0;
     *out = a * b;
+    return 1;
+}
+
+int cv_grow(void **p, size_t *cap, size_t need, size_t elem) {
+    if (need <= *cap) return 1;
+    size_t c = *cap ? *cap : 16;
+    while (c < need) {
+        if (c > SIZE_MAX / 2) return 0;
+        c *= 2;
+    }
+    size_t bytes;
+    if (!cv_mul_size(c, elem, &bytes)) return 0;
+    void *q = realloc(*p, bytes);
+    if (!q) return 0;
+    *p = q;
+    *cap = c;
     return 1;
 }

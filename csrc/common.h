@@ -74,6 +74,10 @@ void cv_convert_from_f32(void *dst, cv_dtype dt, const float *src, size_t n);
 /* Monotonic clock in seconds, the same clock as Python's time.monotonic(). */
 double cv_now(void);
 
+/* Grows *p (an array of elem-byte items with *cap slots) to hold need items,
+ * doubling; returns 0 when out of memory (*p is then unchanged). */
+int cv_grow(void **p, size_t *cap, size_t need, size_t elem);
+
 /* Checked size arithmetic: returns 0 on overflow. */
 int cv_mul_size(size_t a, size_t b, size_t *out);
 

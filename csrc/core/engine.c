@@ -9,6 +9,7 @@
 #include "../../kernels/backend.h"
 #include "../model/model.h"
 #include "kv_cache.h"
+#include "output.h"
 #include "runner.h"
 #include "sequence.h"
 #include "stop.h"
@@ -43,9 +44,7 @@ typedef struct cv_request {
 struct cv_engine {
     /* fixed after create */
     int64_t vocab, max_model_len, max_num_seqs, max_tokens_step, block_size;
-    int32_t eos_ids[CV_MAX_EOS]; int n_eos;
-    int32_t bos_id; int strip_space_after_bos;
-    char *tok_arena; size_t *tok_off; uint32_t *tok_len; uint8_t *tok_special;
+    cv_detok detok;
     uint64_t seed;
 
     cv_backend *backend;
@@ -76,8 +75,7 @@ struct cv_engine {
 
     /* outbox */
     pthread_mutex_t out_lock;
-    cv_event *ev; size_t n_ev, cap_ev;
-    char *ev_text; size_t ev_text_len, ev_text_cap;
+    cv_outbox outbox;
     cv_engine_stats stats_snapshot;
     int tracing;
     cv_trace_entry *trace; size_t n_trace, cap_trace;
@@ -100,17 +98,6 @@ static uint64_t splitmix64(uint64_t *x) {
     return z ^ (z >> 31);
 }
 
-static int grow(void **p, size_t *cap, size_t need, size_t elem) {
-    if (need <= *cap) return 1;
-    size_t c = *cap ? *cap : 16;
-    while (c < need) c *= 2;
-    void *q = realloc(*p, c * elem);
-    if (!q) return 0;
-    *p = q;
-    *cap = c;
-    return 1;
-}
-
 static void request_free(cv_request *r) {
     if (!r) return;
     if (r->ss) {
@@ -131,19 +118,7 @@ static void request_free(cv_request *r) {
 
 static cv_event *push_event(cv_engine *e, cv_request *r, int idx, const char *text, size_t len) {
     /* caller holds out_lock */
-    if (!grow((void **)&e->ev, &e->cap_ev, e->n_ev + 1, sizeof *e->ev)) return NULL;
-    if (len && !grow((void **)&e->ev_text, &e->ev_text_cap, e->ev_text_len + len, 1)) return NULL;
-    cv_event *ev = &e->ev[e->n_ev++];
-    memset(ev, 0, sizeof *ev);
-    ev->request_id = r->id;
-    ev->seq_index = idx;
-    ev->token = -1;
-    ev->stop_value = -1;
-    ev->text_off = e->ev_text_len;
-    ev->text_len = len;
-    if (len) memcpy(e->ev_text + e->ev_text_len, text, len);
-    e->ev_text_len += len;
-    return ev;
+    return cv_outbox_push(&e->outbox, r->id, idx, text, len);
 }
 
 static void fill_request_metrics(cv_event *ev, const cv_request *r) {
@@ -158,13 +133,7 @@ static void fill_request_metrics(cv_event *ev, const cv_request *r) {
 
 size_t cv_engine_take_events(cv_engine *e, cv_event **events, char **text) {
     pthread_mutex_lock(&e->out_lock);
-    size_t n = e->n_ev;
-    *events = e->ev;
-    *text = e->ev_text;
-    e->ev = NULL;
-    e->n_ev = e->cap_ev = 0;
-    e->ev_text = NULL;
-    e->ev_text_len = e->ev_text_cap = 0;
+    size_t n = cv_outbox_take(&e->outbox, events, text);
     pthread_mutex_unlock(&e->out_lock);
     return n;
 }
@@ -275,38 +244,7 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
     e->sampler = cv_sampler_create(e->vocab);
     if (!e->sampler) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory for the sampler"); goto fail; }
 
-    /* Token bytes, copied into one arena. EOS/BOS default to the model config's. */
-    if (cfg->n_eos > CV_MAX_EOS) {
-        rc = cv_set_err(err, CV_ERR_INVALID, "eos_ids holds %d ids; at most %d are supported", cfg->n_eos,
-                        CV_MAX_EOS);
-        goto fail;
-    }
-    if (cfg->n_eos > 0) {
-        e->n_eos = cfg->n_eos;
-        for (int i = 0; i < e->n_eos; i++) e->eos_ids[i] = cfg->eos_ids[i];
-    } else {
-        e->n_eos = mc->n_eos;
-        for (int i = 0; i < e->n_eos; i++) e->eos_ids[i] = mc->eos_ids[i];
-    }
-    e->bos_id = cfg->bos_id >= 0 ? cfg->bos_id : mc->bos_id;
-    e->strip_space_after_bos = cfg->strip_space_after_bos;
-    e->tok_off = calloc((size_t)e->vocab, sizeof *e->tok_off);
-    e->tok_len = calloc((size_t)e->vocab, sizeof *e->tok_len);
-    e->tok_special = calloc((size_t)e->vocab, 1);
-    if (!e->tok_off || !e->tok_len || !e->tok_special) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory"); goto fail; }
-    size_t total = 1;
-    int64_t nb = cfg->n_token_bytes < e->vocab ? cfg->n_token_bytes : e->vocab;
-    for (int64_t i = 0; i < nb; i++) total += cfg->token_lens[i];
-    e->tok_arena = malloc(total);
-    if (!e->tok_arena) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory"); goto fail; }
-    size_t off = 0;
-    for (int64_t i = 0; i < nb; i++) {
-        e->tok_off[i] = off;
-        e->tok_len[i] = (uint32_t)cfg->token_lens[i];
-        if (cfg->token_lens[i]) memcpy(e->tok_arena + off, cfg->token_bytes[i], cfg->token_lens[i]);
-        off += cfg->token_lens[i];
-        if (cfg->token_special) e->tok_special[i] = cfg->token_special[i];
-    }
+    if ((rc = cv_detok_init(&e->detok, e->vocab, cfg, mc, err))) goto fail;
     e->stats_live.num_blocks = e->kv.num_blocks;
     e->stats_live.block_size = e->block_size;
     e->stats_live.max_model_len = e->max_model_len;
@@ -338,14 +276,10 @@ void cv_engine_destroy(cv_engine *e) {
     cv_kv_cache_free(&e->kv, e->backend);
     cv_model_free(e->model);
     if (e->backend) e->backend->destroy(e->backend);
-    free(e->tok_arena);
-    free(e->tok_off);
-    free(e->tok_len);
-    free(e->tok_special);
+    cv_detok_free(&e->detok);
     free(e->banned);
     free(e->aborts);
-    free(e->ev);
-    free(e->ev_text);
+    cv_outbox_free(&e->outbox);
     free(e->trace);
     pthread_mutex_destroy(&e->in_lock);
     pthread_cond_destroy(&e->in_cond);
@@ -477,7 +411,7 @@ nomem:
 int cv_engine_abort(cv_engine *e, int64_t request_id) {
     int rc = CV_OK;
     pthread_mutex_lock(&e->in_lock);
-    if (grow((void **)&e->aborts, &e->cap_aborts, e->n_aborts + 1, sizeof *e->aborts))
+    if (cv_grow((void **)&e->aborts, &e->cap_aborts, e->n_aborts + 1, sizeof *e->aborts))
         e->aborts[e->n_aborts++] = request_id;
     else
         rc = CV_ERR_NOMEM;
@@ -554,16 +488,10 @@ static void abort_request(cv_engine *e, cv_request *r) {
 }
 
 static int text_append(seq_state *st, const char *b, size_t n) {
-    if (!grow((void **)&st->text, &st->text_cap, st->text_len + n + 1, 1)) return CV_ERR_NOMEM;
+    if (!cv_grow((void **)&st->text, &st->text_cap, st->text_len + n + 1, 1)) return CV_ERR_NOMEM;
     memcpy(st->text + st->text_len, b, n);
     st->text_len += n;
     return CV_OK;
-}
-
-static int is_eos(const cv_engine *e, int32_t t) {
-    for (int i = 0; i < e->n_eos; i++)
-        if (e->eos_ids[i] == t) return 1;
-    return 0;
 }
 
 static int new_sequence(cv_engine *e, cv_request *r, int idx, cv_sequence **out) {
@@ -650,14 +578,14 @@ static void accept_token(cv_engine *e, cv_request *r, int idx, int32_t t, const 
     /* min_tokens already kept EOS and the stop tokens out of the sampler. */
     for (int i = 0; i < p->n_stop_token_ids && !reason; i++)
         if (r->stop_token_ids[i] == t) { reason = CV_FINISH_STOP; stop_kind = CV_STOP_TOKEN; stop_value = t; }
-    if (!reason && !p->ignore_eos && is_eos(e, t)) reason = CV_FINISH_STOP;
+    if (!reason && !p->ignore_eos && cv_detok_is_eos(&e->detok, t)) reason = CV_FINISH_STOP;
 
     if (!reason) {
         /* Detokenize on bytes; stop tokens and EOS add no text. */
-        if (t < e->vocab && !(p->skip_special_tokens && e->tok_special[t])) {
-            const char *b = e->tok_arena + e->tok_off[t];
-            size_t n = e->tok_len[t];
-            if (e->strip_space_after_bos && prev == e->bos_id && n > 0 && b[0] == ' ') { b++; n--; }
+        const char *b;
+        size_t n;
+        cv_detok_piece(&e->detok, prev, t, p->skip_special_tokens, &b, &n);
+        if (n > 0) {
             size_t old = st->text_len;
             if (text_append(st, b, n)) {
                 finish_seq(e, r, idx, CV_FINISH_ABORT, CV_STOP_NONE, -1, NULL);
@@ -709,11 +637,11 @@ static int completion_index(const cv_request *r, const cv_sequence *s) {
  * ignore_eos, and the stop tokens), in e->banned; returns how many. */
 static int64_t banned_tokens(cv_engine *e, const cv_request *r, const seq_state *st) {
     if (st->n_out >= r->p.min_tokens) return 0;
-    size_t need = (size_t)(e->n_eos + r->p.n_stop_token_ids);
-    if (!grow((void **)&e->banned, &e->banned_cap, need, sizeof *e->banned)) return 0;
+    size_t need = (size_t)(e->detok.n_eos + r->p.n_stop_token_ids);
+    if (!cv_grow((void **)&e->banned, &e->banned_cap, need, sizeof *e->banned)) return 0;
     int64_t n = 0;
     if (!r->p.ignore_eos)
-        for (int i = 0; i < e->n_eos; i++) e->banned[n++] = e->eos_ids[i];
+        for (int i = 0; i < e->detok.n_eos; i++) e->banned[n++] = e->detok.eos_ids[i];
     for (int i = 0; i < r->p.n_stop_token_ids; i++) e->banned[n++] = r->stop_token_ids[i];
     return n;
 }
@@ -741,7 +669,7 @@ static void sample_batch(cv_engine *e, const cv_sched_output *plan) {
 
 static void record_trace(cv_engine *e, const cv_sched_output *plan, double t0, double t1) {
     if (!e->tracing) return;
-    if (!grow((void **)&e->trace, &e->cap_trace, e->n_trace + (size_t)plan->n_seqs, sizeof *e->trace))
+    if (!cv_grow((void **)&e->trace, &e->cap_trace, e->n_trace + (size_t)plan->n_seqs, sizeof *e->trace))
         return;
     for (int64_t i = 0; i < plan->n_seqs; i++) {
         cv_request *r = plan->seqs[i]->owner;
@@ -851,7 +779,7 @@ static void *loop_main(void *arg) {
             while (r) { cv_request *nx = r->next; abort_request(e, r); r = nx; }
         }
         pthread_mutex_lock(&e->out_lock);
-        int have = e->n_ev > 0;
+        int have = e->outbox.n_ev > 0;
         pthread_mutex_unlock(&e->out_lock);
         if (have && e->wake_fd >= 0) {
             uint64_t one = 1;
