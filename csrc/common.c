@@ -1,5 +1,5 @@
 #define _POSIX_C_SOURCE 200809L
-#include "common.h"
+#include "../kernels/common.h"
 
 #include <math.h>
 #include <stdarg.h>

@@ -13,7 +13,7 @@
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include <numpy/arrayobject.h>
 
-#include "../common.h"
+#include "../../kernels/common.h"
 
 /* Exception types (module attributes of conveyor._core). */
 extern PyObject *cv_ConveyorError;      /* base class of all conveyor errors */

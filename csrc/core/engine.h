@@ -10,7 +10,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
-#include "../common.h"
+#include "../../kernels/common.h"
 #include "sampler.h"
 #include "scheduler.h"
 

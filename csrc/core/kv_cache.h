@@ -6,7 +6,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
-#include "../common.h"
+#include "../../kernels/common.h"
 #include "../../kernels/backend.h"
 
 /* K and V bytes of one token over every layer (0 for a dtype with no size). */

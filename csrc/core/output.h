@@ -6,7 +6,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
-#include "../common.h"
+#include "../../kernels/common.h"
 #include "../model/config.h"
 #include "engine.h"
 
