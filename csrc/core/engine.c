@@ -91,13 +91,6 @@ struct cv_engine {
 
 /* ------------------------------------------------------------------------- */
 
-static uint64_t splitmix64(uint64_t *x) {
-    uint64_t z = (*x += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-}
-
 static void request_free(cv_request *r) {
     if (!r) return;
     if (r->ss) {
@@ -504,7 +497,7 @@ static int new_sequence(cv_engine *e, cv_request *r, int idx, cv_sequence **out)
      * whatever else shares the batch. */
     uint64_t x = r->p.has_seed ? r->p.seed : e->seed ^ ((uint64_t)r->arrival_order * 0x2545f4914f6cdd1dULL);
     x += (uint64_t)idx * 0x632be59bd9b4e019ULL;
-    cv_rng_seed(&r->ss[idx].rng, splitmix64(&x));
+    cv_rng_seed(&r->ss[idx].rng, cv_splitmix64(&x));
     r->ss[idx].seq = s;
     *out = s;
     return CV_OK;

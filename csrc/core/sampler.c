@@ -47,7 +47,7 @@ struct cv_sampler {
 
 static uint64_t rotl64(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
 
-static uint64_t splitmix64(uint64_t *x) {
+uint64_t cv_splitmix64(uint64_t *x) {
     uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
@@ -56,7 +56,7 @@ static uint64_t splitmix64(uint64_t *x) {
 
 void cv_rng_seed(cv_rng *r, uint64_t seed) {
     uint64_t x = seed;
-    for (int i = 0; i < 4; i++) r->s[i] = splitmix64(&x);
+    for (int i = 0; i < 4; i++) r->s[i] = cv_splitmix64(&x);
 }
 
 uint64_t cv_rng_next(cv_rng *r) {

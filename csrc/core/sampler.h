@@ -20,7 +20,11 @@ typedef struct cv_sampling_params {
     int32_t n_logprobs;       /* CV_NO_LOGPROBS: none; 0..CV_MAX_LOGPROBS: sampled token plus that many top tokens */
 } cv_sampling_params;
 
-/* xoshiro256** stream. */
+/* splitmix64: advances *x and returns the next output. */
+uint64_t cv_splitmix64(uint64_t *x);
+
+/* xoshiro256** stream; cv_rng_seed fills the state with four splitmix64
+ * outputs of seed. */
 typedef struct cv_rng { uint64_t s[4]; } cv_rng;
 void cv_rng_seed(cv_rng *r, uint64_t seed);
 uint64_t cv_rng_next(cv_rng *r);
