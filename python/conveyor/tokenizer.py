@@ -15,13 +15,15 @@ When ``strip_leading_space_after_bos`` is true, decoding drops one leading space
 token that directly follows BOS (llama2.c; SentencePiece-style HF tokenizers that add a
 dummy prefix); the engine applies the same rule when generated text follows a bare BOS.
 
-Chat templates: when a tokenizer has a chat template and jinja2 can be imported, the
-template is rendered (sandboxed, as HF does). Otherwise a plain built-in format is used:
-one ``"{role}: {content}\\n"`` line per message, then ``"assistant: "`` when
+Chat templates: a tokenizer's chat template (HF tokenizer_config.json, or
+``tokenizer.chat_template`` in a GGUF file) is rendered with jinja2 (sandboxed, as HF
+does). A model without a template gets a plain built-in format, with a warning the first
+time: one ``"{role}: {content}\\n"`` line per message, then ``"assistant: "`` when
 ``add_generation_prompt`` is true.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import json
 import os
@@ -29,6 +31,7 @@ import re
 import struct
 from pathlib import Path
 from typing import Iterable, Sequence
+import warnings
 
 from ._core import ModelFormatError
 
@@ -51,6 +54,33 @@ def render_default_chat(messages: Sequence[dict], add_generation_prompt: bool = 
     if add_generation_prompt:
         out.append("assistant: ")
     return "".join(out)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_template(source: str):
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise ValueError(f"chat template: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(source)
+    except TemplateError as e:
+        raise ModelFormatError(f"the model's chat template is not valid Jinja: {e}") from None
+
+
+def _render_template(source: str, messages: list[dict], add_generation_prompt: bool,
+                     bos_token: str, eos_token: str) -> str:
+    from jinja2.exceptions import TemplateError
+
+    try:
+        return _compile_template(source).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                bos_token=bos_token, eos_token=eos_token)
+    except TemplateError as e:
+        raise ValueError(f"chat template failed to render: {e}") from None
 
 
 def _check_messages(messages) -> list[dict]:
@@ -116,25 +146,19 @@ class Tokenizer:
         return [self.token_bytes(i) if i < self.vocab_size else b"" for i in range(n)]
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        """The conversation as the model's prompt text: its chat template rendered with
+        jinja2 (sandboxed, as HF does), or for a model without a template the built-in
+        ``"{role}: {content}\\n"`` format, with a warning the first time."""
         msgs = _check_messages(messages)
-        if self.chat_template:
-            try:
-                from jinja2.sandbox import ImmutableSandboxedEnvironment
-            except ImportError:
-                ImmutableSandboxedEnvironment = None
-            if ImmutableSandboxedEnvironment is not None:
-                def raise_exception(message):
-                    raise ValueError(f"chat template: {message}")
-
-                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-                env.globals["raise_exception"] = raise_exception
-                return env.from_string(self.chat_template).render(
-                    messages=msgs,
-                    add_generation_prompt=add_generation_prompt,
-                    bos_token=self.bos_token or "",
-                    eos_token=self.eos_token or "",
-                )
-        return render_default_chat(msgs, add_generation_prompt)
+        if not self.chat_template:
+            if not getattr(self, "_warned_no_template", False):
+                self._warned_no_template = True
+                warnings.warn(f"{self!r} has no chat template; using the built-in "
+                              "'role: content' format, which the model was not trained on",
+                              UserWarning, stacklevel=2)
+            return render_default_chat(msgs, add_generation_prompt)
+        return _render_template(self.chat_template, msgs, add_generation_prompt,
+                                self.bos_token or "", self.eos_token or "")
 
     def __repr__(self) -> str:
         return (f"<{type(self).__name__} vocab_size={self.vocab_size} bos_id={self.bos_id} "
