@@ -4,6 +4,7 @@
     conveyor generate ...          -> conveyor.generate.main(argv)
     conveyor serve ...             -> conveyor.serve.main(argv)
     conveyor bench NAME ...        -> conveyor.bench.NAME.main(argv), NAME in BENCHMARKS
+    conveyor fetch-model           -> conveyor.default_model.main(argv)
 
 Subcommands live in SUBCOMMANDS as name -> ("module:function", help); the module is imported
 only when its subcommand runs, so a missing optional module (or one of its dependencies)
@@ -27,6 +28,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("conveyor.generate:main", "generate text from prompts"),
     "serve": ("conveyor.serve:main", "run the OpenAI-compatible HTTP server"),
     "bench": ("conveyor.cli:bench_main", "run a benchmark: " + ", ".join(BENCHMARKS)),
+    "fetch-model": ("conveyor.default_model:main", "download the default model (SmolLM2-135M-Instruct) once"),
 }
 
 

@@ -1091,7 +1091,8 @@ def build_app(engine, *, model_name: str, api_key: Optional[str] = None,
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="conveyor serve", description="Run the OpenAI-compatible HTTP server.")
-    p.add_argument("model", help="a HF model folder or a llama2.c .bin file")
+    p.add_argument("model", nargs="?", default=None,
+                   help="a HF model folder, .gguf file or llama2.c .bin (default: SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
@@ -1144,6 +1145,10 @@ def main(argv=None) -> int:
         return 2
     from . import AsyncLLM, ConveyorError
 
+    if args.model is None:
+        from .default_model import default_model_path
+
+        args.model = default_model_path()
     knobs = {k: getattr(args, k) for k in _ENGINE_KNOBS if getattr(args, k) is not None}
     try:
         engine = AsyncLLM(args.model, **knobs)
