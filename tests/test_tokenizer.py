@@ -2,6 +2,7 @@
 import json
 import random
 import struct
+import warnings
 
 import pytest
 
@@ -131,8 +132,11 @@ def test_llama2c_long_prompt(tok512):
 def test_llama2c_default_chat_format(tok512):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert tok512.chat_template is None
-    assert tok512.apply_chat_template(msgs) == "system: Be brief.\nuser: Hi\nassistant: "
-    assert tok512.apply_chat_template(msgs, add_generation_prompt=False) == "system: Be brief.\nuser: Hi\n"
+    with pytest.warns(UserWarning, match="no chat template"):  # stated, not silent
+        assert tok512.apply_chat_template(msgs) == "system: Be brief.\nuser: Hi\nassistant: "
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per tokenizer
+        assert tok512.apply_chat_template(msgs, add_generation_prompt=False) == "system: Be brief.\nuser: Hi\n"
 
 
 def test_llama2c_errors(tok512, tmp_path, stories_dir):
@@ -303,17 +307,18 @@ def test_hf_metaspace_byte_fallback(tmp_path):
     assert tok.token_bytes(tok.encode("hello", add_special_tokens=False)[0]) == b" hello"
 
 
-def test_chat_template_with_or_without_jinja(hf_tok, monkeypatch):
+def test_chat_template_rendered_with_jinja(hf_tok, monkeypatch):
     chatml = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     monkeypatch.setattr(hf_tok, "chat_template", chatml)
     msgs = [{"role": "user", "content": "Hi"}]
-    try:
-        import jinja2  # noqa: F401
-    except ImportError:
-        assert hf_tok.apply_chat_template(msgs) == "user: Hi\nassistant: "  # the built-in format
-    else:
-        assert hf_tok.apply_chat_template(msgs) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert hf_tok.apply_chat_template(msgs) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    monkeypatch.setattr(hf_tok, "chat_template", "{% for m in messages %}{{ m.role }")
+    with pytest.raises(conveyor.ModelFormatError, match="not valid Jinja"):
+        hf_tok.apply_chat_template(msgs)
+    monkeypatch.setattr(hf_tok, "chat_template", "{{ raise_exception('only user turns') }}")
+    with pytest.raises(ValueError, match="only user turns"):
+        hf_tok.apply_chat_template(msgs)
 
 
 def test_load_tokenizer_passes_instances_through(hf_tok, tiny_hf_dir):
