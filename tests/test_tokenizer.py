@@ -524,3 +524,14 @@ def test_smollm2_chat_template_is_chatml(smollm2):
     assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
     ids = tok.encode(want)
     assert ids.count(1) == 3 and ids.count(2) == 2  # each marker one id
+
+
+def test_gguf_llama_without_space_prefix(tmp_path):
+    md = _gguf_meta(tmp_path, shape="tiny", tokenizer="llama",
+                    extra_metadata={"tokenizer.ggml.add_space_prefix": False})
+    tok = GGUFTokenizer(md)
+    with_prefix = GGUFTokenizer(dict(md, **{"tokenizer.ggml.add_space_prefix": True}))
+    assert not tok.strip_leading_space_after_bos
+    assert tok.token_bytes(tok.encode("the", add_special_tokens=False)[0])[:1] != b" "
+    assert with_prefix.token_bytes(with_prefix.encode("the", add_special_tokens=False)[0])[:1] == b" "
+    assert tok.decode(tok.encode("the cat")) == "the cat" == with_prefix.decode(with_prefix.encode("the cat"))

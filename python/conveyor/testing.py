@@ -745,7 +745,8 @@ def write_gguf_checkpoint(path, *, shape="tiny", arch: str | None = None, ggml_t
                           embed_type=None, seed: int = 0, tie_embeddings: bool | None = None,
                           tokenizer: str | None = "gpt2", chat_template: str | None = _HF_CHAT_TEMPLATE,
                           alignment: int = 32, version: int = 3, context_length: int | None = None,
-                          rope_theta: float | None = None, rms_eps: float | None = None) -> Path:
+                          rope_theta: float | None = None, rms_eps: float | None = None,
+                          extra_metadata: dict | None = None) -> Path:
     """Writes a random-weight model as one GGUF file (llama.cpp's names and metadata keys)
     and returns its path (``path``, or path/model.gguf for a folder).
 
@@ -762,6 +763,8 @@ def write_gguf_checkpoint(path, *, shape="tiny", arch: str | None = None, ggml_t
     ``tokenizer``: "gpt2" (the byte-level BPE test vocabulary of ``write_hf_tokenizer``,
     pre-tokenizer "gpt2"), "llama" (the SentencePiece-style vocabulary of
     ``write_llama2c_tokenizer``, with scores) or None; ``chat_template`` is stored with it.
+    ``extra_metadata``: more entries, key -> value or (value, GGUFValueType), written last
+    (a key already set is replaced).
     """
     from .gguf import BLOCK_SIZE, GGMLType, GGUFValueType, GGUFWriter, _ggml_type, quantize
 
@@ -810,6 +813,11 @@ def write_gguf_checkpoint(path, *, shape="tiny", arch: str | None = None, ggml_t
             w.add(key, value)
     if tokenizer and chat_template:
         w.add("tokenizer.chat_template", chat_template)
+    for key, value in (extra_metadata or {}).items():
+        if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], GGUFValueType):
+            w.add(key, value[0], value[1])
+        else:
+            w.add(key, value)
 
     gen = _Gen(seed)
     for name, shp, kind, scale in hf_tensor_layout(s, arch, tie, arch == "qwen2"):
