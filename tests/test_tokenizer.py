@@ -396,6 +396,18 @@ def test_gguf_pre_tokenizers(tmp_path):
     assert pieces("llama-bpe") == ["Hello", ",world", "Ġ", "123", "45", "Ġit", "'s", "ĊĊ", "Ġ", "Ġx", "!?"]
     assert pieces("qwen2") == ["Hello", ",world", "Ġ", "1", "2", "3", "4", "5", "Ġit", "'s", "ĊĊ", "Ġ", "Ġx", "!?"]
     assert "".join(pieces("default")) == "".join(pieces("gpt2"))
+    # Llama 3 vocabularies take a word that is a token whole, even with no merges to it
+    from conveyor.testing import SHAPES
+
+    big = _gguf_meta(tmp_path, shape=dict(SHAPES["tiny"], vocab_size=4000), tokenizer="gpt2")
+    last = len(big["tokenizer.ggml.tokens"]) - 1  # a padding word no merge leads to
+    word = GGUFTokenizer(big).token_bytes(last).decode()
+    llama3 = GGUFTokenizer(dict(big, **{"tokenizer.ggml.pre": "llama-bpe"}))
+    assert llama3.encode(word, add_special_tokens=False) == [last]
+    assert len(GGUFTokenizer(big).encode(word, add_special_tokens=False)) > 1
+    unsaid = {k: v for k, v in big.items() if k != "tokenizer.ggml.add_bos_token"}  # llama.cpp's defaults
+    assert GGUFTokenizer(dict(unsaid, **{"tokenizer.ggml.pre": "llama-bpe"})).add_bos_token
+    assert not GGUFTokenizer(unsaid).add_bos_token
     assert {"default", "smollm", "llama-bpe", "qwen2"} <= set(GGUF_PRE_TOKENIZERS)
     with pytest.raises(conveyor.UnsupportedError, match="pre-tokenizer 'nope'"):
         GGUFTokenizer(dict(md, **{"tokenizer.ggml.pre": "nope"}))

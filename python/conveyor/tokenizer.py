@@ -516,6 +516,9 @@ GGUF_PRE_TOKENIZERS: dict[str, list[str]] = {
     "qwen2": [_QWEN2_REGEX],
     "qwen2.5": [_QWEN2_REGEX],
 }
+# Llama 3 vocabularies: a word that is itself a token is taken whole (merges not applied),
+# and BOS is added unless the file says otherwise (llama.cpp's behaviour for them).
+_LLAMA3_PRE = {"llama-bpe", "llama3"}
 # tokenizer.ggml.token_type values
 _TT_NORMAL, _TT_UNKNOWN, _TT_CONTROL, _TT_USER, _TT_UNUSED, _TT_BYTE = 1, 2, 3, 4, 5, 6
 
@@ -592,7 +595,7 @@ def _gguf_spec(md: dict, tokens: list[str], types: list[int]) -> tuple[dict, boo
             decoder={"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
             model={"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                    "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                   "ignore_merges": False, "vocab": vocab, "merges": merges})
+                   "ignore_merges": pre in _LLAMA3_PRE, "vocab": vocab, "merges": merges})
         return spec, False
     if model == "llama":
         scores = _meta_list(md, "tokenizer.ggml.scores", (int, float))
@@ -663,8 +666,9 @@ class GGUFTokenizer(HFTokenizer):
         tmpl = md.get("tokenizer.chat_template")
         cfg = {"bos_token": None if bos is None else tokens[bos],
                "eos_token": None if eos is None else tokens[eos],
-               # llama.cpp's defaults: SentencePiece vocabularies add BOS, BPE ones do not
-               "add_bos_token": md.get("tokenizer.ggml.add_bos_token", self.model == "llama"),
+               # llama.cpp's defaults: SentencePiece and Llama 3 vocabularies add BOS, other BPE ones do not
+               "add_bos_token": md.get("tokenizer.ggml.add_bos_token",
+                                       self.model == "llama" or self.pre in _LLAMA3_PRE),
                "add_eos_token": md.get("tokenizer.ggml.add_eos_token", False),
                "chat_template": tmpl if isinstance(tmpl, str) else None}
         eos_ids = [i for i in (eos, eot) if i is not None]
