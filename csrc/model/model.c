@@ -27,6 +27,7 @@ void cv_rope_inv_freq(float *out, const cv_model_config *cfg) {
                 f = (1.0 - smooth) * f / cfg->rope_factor + smooth * f;
             }
         }
+        if (cfg->rope_linear > 0) f /= cfg->rope_linear;
         out[i] = (float)f;
     }
 }
