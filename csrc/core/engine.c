@@ -1,4 +1,5 @@
 #include "engine.h"
+#include "../../kernels/quant_format.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -220,7 +221,8 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
         e->backend = cv_cpu_backend_create(cfg->num_threads, 0, err);
     }
     if (!e->backend) { rc = err ? err->code : CV_ERR_STATE; if (rc >= 0) rc = CV_ERR_STATE; goto fail; }
-    if ((rc = cv_model_load(&e->model, cfg->model_path, e->backend, cfg->dtype, err))) goto fail;
+    if ((rc = cv_model_load_quantized(&e->model, cfg->model_path, e->backend, cfg->dtype,
+                                       cv_dtype_is_quant(cfg->quantization) ? cfg->quantization : CV_DTYPE_INVALID, err))) goto fail;
 
     const cv_model_config *mc = &e->model->cfg;
     e->vocab = mc->vocab_size;

@@ -17,6 +17,7 @@
 typedef struct cv_engine_config {
     const char *model_path;
     cv_dtype dtype;                 /* CV_DTYPE_INVALID: the checkpoint's */
+    cv_dtype quantization;          /* CV_Q8_0/Q4_0/Q4_1: quantize at load; anything else: none */
     int use_cuda;                   /* 0: CPU */
     int num_threads;                /* <= 0: all cores */
     int64_t max_model_len;          /* 0: the model's */

@@ -145,6 +145,17 @@ int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dt
                         (long long)cols, cv_dtype_name(dtype));
         goto done;
     }
+    cv_cpu *c = cv_cpu_of(b);
+    const size_t qx_bytes = (size_t)QX_TOKENS * (size_t)(cols / CV_QK) * sizeof(cv_xq_block);
+    if (qx_bytes > c->qx_bytes) { /* activation scratch for the widest quantized matrix */
+        void *qx = realloc(c->qx, qx_bytes);
+        if (!qx) {
+            rc = cv_set_err(err, CV_ERR_NOMEM, "matrix_prepare: out of memory for activation scratch");
+            goto done;
+        }
+        c->qx = qx;
+        c->qx_bytes = qx_bytes;
+    }
     if (src_dtype == dtype) {
         memcpy(data, src, bytes);
     } else {
