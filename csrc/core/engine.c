@@ -863,6 +863,12 @@ void cv_engine_weight_info(cv_engine *e, size_t *bytes, int64_t *n_params, cv_dt
     *kv_dtype = e->caches[0].dtype;
 }
 
+size_t cv_engine_embed_bytes(cv_engine *e) { return e->model->embed.bytes; }
+
+cv_dtype cv_engine_matrix_dtype(cv_engine *e) {
+    return e->model->cfg.n_layers > 0 ? e->model->layers[0].w_gate_up.dtype : e->model->lm_head.dtype;
+}
+
 void cv_engine_set_trace(cv_engine *e, int on) {
     pthread_mutex_lock(&e->out_lock);
     e->tracing = on;

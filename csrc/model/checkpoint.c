@@ -49,7 +49,7 @@ int cv_checkpoint_open(cv_checkpoint *ck, const char *path, cv_err *err) {
         return cv_set_err(err, CV_ERR_FORMAT,
                           "%s: looks like part of a HF checkpoint; pass the directory that holds config.json",
                           path);
-    if (starts_with_gguf_magic(path)) return cv_checkpoint_open_gguf(ck, path, err);
+    if (ends_with(path, ".gguf") || starts_with_gguf_magic(path)) return cv_checkpoint_open_gguf(ck, path, err);
     return cv_checkpoint_open_llama2c(ck, path, err);
 }
 

@@ -235,9 +235,9 @@ int cv_gguf_parse(cv_gguf_file *f, const void *buf, size_t len, const char *labe
     if ((rc = rd_u32(&c, "the version", &f->version)) < 0) goto fail;
     if (f->version != 2 && f->version != 3) {
         if (f->version == 0x02000000u || f->version == 0x03000000u)
-            rc = cv_set_err(err, CV_ERR_UNSUPPORTED, "%s: big-endian GGUF files are not supported", label);
+            rc = cv_set_err(err, CV_ERR_FORMAT, "%s: big-endian GGUF files are not supported", label);
         else
-            rc = cv_set_err(err, CV_ERR_UNSUPPORTED, "%s: GGUF version %u is not supported (versions 2 and 3)",
+            rc = cv_set_err(err, CV_ERR_FORMAT, "%s: unknown GGUF version %u is not supported (versions 2 and 3)",
                             label, f->version);
         goto fail;
     }

@@ -59,6 +59,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default=None, choices=["q8_0", "q4_0", "q4_1"],
+                    help="quantize the weight matrices at load")
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--scheduling", default="continuous", choices=["continuous", "static", "priority"])
@@ -79,7 +81,7 @@ def main(argv=None) -> int:
     if args.num_prompts:
         prompts = [prompts[i % len(prompts)] for i in range(args.num_prompts)]
     llm = LLM(model, dtype=args.dtype, num_threads=args.num_threads, device=args.device,
-              scheduling=args.scheduling)
+              scheduling=args.scheduling, quantization=args.quantization)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
     t0 = time.perf_counter()
