@@ -91,6 +91,24 @@ static int prepare_stacked(cv_backend *b, cv_matrix *out, const cv_tensor_view *
     return b->matrix_prepare(b, out, scratch, CV_F32, rows, cols, target, err);
 }
 
+/* The token embedding under quantization=quant: rows converted to float32
+ * (scratch holds the whole table) and quantized like the matrices, so the
+ * model equals the same checkpoint quantized by llama.cpp's tools. */
+static int prepare_quantized_table(cv_backend *b, cv_table *out, const cv_tensor_view *v, cv_dtype quant,
+                                   float *scratch, cv_err *err) {
+    const size_t n = (size_t)(v->shape[0] * v->shape[1]);
+    cv_convert_to_f32(scratch, v->data, v->dtype, n);
+    for (size_t i = 0; i < n; i++)
+        if (!(scratch[i] - scratch[i] == 0.0f))
+            return cv_set_err(err, CV_ERR_INVALID, "the token embedding holds a non-finite value; cannot quantize it");
+    void *q = malloc(cv_dtype_bytes(quant, n));
+    if (!q) return cv_set_err(err, CV_ERR_NOMEM, "out of memory quantizing the token embedding");
+    cv_quantize(q, scratch, quant, n);
+    int rc = b->table_prepare(b, out, q, quant, v->shape[0], v->shape[1], quant, err);
+    free(q);
+    return rc;
+}
+
 void cv_model_free(cv_model *m) {
     if (!m) return;
     cv_backend *b = m->backend;
@@ -158,9 +176,13 @@ int cv_model_load_quantized(cv_model **out, const char *path, cv_backend *b, cv_
     scratch = malloc((size_t)biggest * sizeof(float));
     if (!scratch) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory for load scratch"); goto done; }
 
-    /* a quantized embedding (GGUF) stays quantized: rows are dequantized on lookup */
-    const cv_dtype table_dtype = cv_dtype_is_quant(ck.embed.dtype) ? ck.embed.dtype : dtype;
-    rc = b->table_prepare(b, &m->embed, ck.embed.data, ck.embed.dtype, c->vocab_size, c->dim, table_dtype, err);
+    /* a quantized embedding (GGUF, or quantization=) stays quantized: rows are dequantized on lookup */
+    if (cv_dtype_is_quant(quant) && c->dim % CV_QK == 0 && ck.embed.dtype != quant) {
+        rc = prepare_quantized_table(b, &m->embed, &ck.embed, quant, scratch, err);
+    } else {
+        const cv_dtype table_dtype = cv_dtype_is_quant(ck.embed.dtype) ? ck.embed.dtype : dtype;
+        rc = b->table_prepare(b, &m->embed, ck.embed.data, ck.embed.dtype, c->vocab_size, c->dim, table_dtype, err);
+    }
     if (rc) goto done;
     const cv_tensor_view *head = ck.lm_head.data ? &ck.lm_head : &ck.embed;
     rc = prepare_stacked(b, &m->lm_head, &head, 1, dtype, quant, scratch, err);

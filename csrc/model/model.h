@@ -38,7 +38,8 @@ typedef struct cv_model {
  * checkpoint's own dtype). */
 int cv_model_load(cv_model **out, const char *path, cv_backend *b, cv_dtype dtype, cv_err *err);
 /* As cv_model_load; quant CV_Q8_0, CV_Q4_0 or CV_Q4_1 quantizes every matrix
- * whose rows are a multiple of 32 at load (deterministic, ggml's rounding);
+ * and the token embedding when their rows are a multiple of 32, at load
+ * (deterministic, ggml's rounding: llama.cpp's pure quantization);
  * CV_DTYPE_INVALID keeps the file's types (a GGUF file's quantized matrices
  * stay quantized either way). */
 int cv_model_load_quantized(cv_model **out, const char *path, cv_backend *b, cv_dtype dtype, cv_dtype quant,
