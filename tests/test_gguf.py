@@ -180,6 +180,23 @@ def test_quantization_knob_equals_quantized_file(tmp_path):
         LLM(str(hf), quantization="q3_k")
 
 
+@pytest.mark.skipif(not (hasattr(conveyor._core, "cuda_available") and conveyor._core.cuda_available()),
+                    reason="no CUDA device (conveyor._core.cuda_available() is False)")
+def test_cuda_dequantizes_to_bf16_at_load(tmp_path):
+    """The CUDA backend keeps quantized weights as bfloat16 (dequantized at load, no activation
+    quantization): its first greedy token is the reference's argmax on the dequantized weights."""
+    shape = dict(dim=64, hidden_dim=128, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=264)
+    p = write_gguf_checkpoint(tmp_path / "m.gguf", shape=shape, ggml_type="Q4_1", embed_type="Q8_0",
+                              tie_embeddings=True)
+    tokens = [5, 6, 7, 8]
+    with LLM(str(p), device="cuda", dtype="float32", skip_tokenizer_init=True) as llm:
+        assert llm.model_config["matrix_dtype"] == "bfloat16"
+        out = llm.generate([tokens], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                           use_tqdm=False)[0]
+    ref = ReferenceModel.load(p)
+    assert out.outputs[0].token_ids[0] == int(ref.logits(tokens)[-1].argmax())
+
+
 # ---------------------------------------------------------------------------- bad files
 
 
