@@ -453,8 +453,6 @@ def add_engine_args(ap) -> None:
                          "('tiny', 'smollm-135m', ...); default: the built-in SmolLM-135M-shaped "
                          "random checkpoint")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--quantization", default=None, choices=["q8_0", "q4_0", "q4_1"],
-                    help="quantize the weight matrices at load")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--block-size", type=int, default=16)
@@ -467,5 +465,4 @@ def add_engine_args(ap) -> None:
 def engine_kwargs(args) -> Dict[str, Any]:
     kv = None if str(args.kv_cache_memory).lower() in ("auto", "none", "") else args.kv_cache_memory
     return dict(dtype=args.dtype, device=args.device, num_threads=args.num_threads,
-                block_size=args.block_size, kv_cache_memory=kv,
-                quantization=getattr(args, "quantization", None))
+                block_size=args.block_size, kv_cache_memory=kv)
