@@ -330,3 +330,22 @@ def test_smollm2_logits_match_reference(smollm2_gguf):
     ref = ReferenceModel.load(smollm2_gguf).logits(tokens)
     assert rel_err(got, ref) < QUANT_TOL and rms_err(got, ref) < QUANT_RMS_TOL
     assert (got.argmax(axis=1) == ref.argmax(axis=1)).mean() >= 0.85
+
+
+def test_conveyor_info_on_gguf(models, capsys):
+    from conveyor.cli import main
+
+    path = models["llama-q4_1-smollm-like"]
+    assert main(["info", str(path), "--tensors"]) == 0
+    out = capsys.readouterr().out
+    assert "format:          gguf" in out and "architecture:    llama" in out
+    assert "tokenizer:       gpt2   chat template: yes" in out
+    # per-tensor type and bytes: a [256, 96] Q4_1 matrix is 256 * 3 blocks of 20 bytes
+    line = next(ln for ln in out.splitlines() if ln.strip().startswith("layers.0.w_gate "))
+    assert "q4_1" in line and "[256, 96]" in line and f"{256 * 3 * 20:,} B" in line
+    assert main(["info", str(path), "--json"]) == 0
+    import json
+
+    info = json.loads(capsys.readouterr().out)
+    total = sum(r.nbytes for r in GGUFReader(path).tensors.values())
+    assert info["weight_bytes"] == total and info["chat_template"] is True and info["tokenizer"] == "gpt2"
