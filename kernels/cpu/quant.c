@@ -195,6 +195,7 @@ typedef struct qgemm_job {
     const float *x;        /* for the quantization region */
     cv_xq_block *xq_w;
     cv_qdot_fn dot;
+    cv_qdot4_fn dot4;      /* NULL: one token at a time */
 } qgemm_job;
 
 static void quantize_fn(void *arg, int tid, int nth) {
@@ -212,7 +213,19 @@ static void rows_fn(void *arg, int tid, int nth) {
     const int64_t c0 = chunks * tid / nth, c1 = chunks * (tid + 1) / nth;
     for (int64_t ch = c0; ch < c1; ch++) {
         const int64_t r0 = ch * Q_ROW_CHUNK, r1 = r0 + Q_ROW_CHUNK < rows ? r0 + Q_ROW_CHUNK : rows;
-        for (int64_t t = 0; t < j->nt; t++) {
+        int64_t t = 0;
+        for (; j->dot4 && t + 4 <= j->nt; t += 4) {
+            float *o = j->out + (j->t0 + t) * rows;
+            for (int64_t r = r0; r < r1; r++) {
+                float v[4];
+                j->dot4((const char *)j->w->data + (size_t)r * row_bytes, j->xq + t * nb, nb, nb, v);
+                for (int k = 0; k < 4; k++) {
+                    if (j->bias) v[k] += j->bias[r];
+                    o[k * rows + r] = j->accumulate ? o[k * rows + r] + v[k] : v[k];
+                }
+            }
+        }
+        for (; t < j->nt; t++) {
             const cv_xq_block *xt = j->xq + t * nb;
             float *o = j->out + (j->t0 + t) * rows;
             for (int64_t r = r0; r < r1; r++) {
@@ -233,6 +246,8 @@ void cv_cpu_qgemm_level(cv_backend *b, float *out, const float *x, int64_t n, co
     cv_xq_block *xq = c->qx;
     qgemm_job j = {.out = out, .w = w, .bias = bias, .accumulate = accumulate, .nb = nb, .x = x,
                    .dot = dot_for(w->dtype, level)};
+    /* the 4-token form where it exists for this level's dot (same bits as the dot) */
+    if (level == CV_QL_AVX2 && j.dot == cv_qdot_avx2(w->dtype)) j.dot4 = cv_qdot4_avx2(w->dtype);
     for (int64_t t0 = 0; t0 < n; t0 += QX_TOKENS) {
         j.t0 = t0;
         j.nt = n - t0 < QX_TOKENS ? n - t0 : QX_TOKENS;

@@ -25,12 +25,18 @@ typedef struct cv_xq_block {
 /* Dot product of one weight row (nb blocks) with nb activation blocks. */
 typedef float (*cv_qdot_fn)(const void *w, const cv_xq_block *x, int64_t nb);
 
+/* The same dot for 4 tokens at once (x, x + x_stride, ... blocks apart):
+ * out[t] is bit for bit dot(w, x + t * x_stride, nb) -- each token's sums run
+ * in the same order -- but each weight block is loaded and unpacked once. */
+typedef void (*cv_qdot4_fn)(const void *w, const cv_xq_block *x, int64_t x_stride, int64_t nb, float *out);
+
 /* SIMD levels of the quantized kernels. */
 typedef enum cv_qlevel { CV_QL_SCALAR = 0, CV_QL_AVX2 = 1, CV_QL_AVX512VNNI = 2, CV_QL_AVXVNNI = 3 } cv_qlevel;
 
 /* The dot for dtype at level (NULL when that level is not built). */
 cv_qdot_fn cv_qdot_scalar(cv_dtype t);
 cv_qdot_fn cv_qdot_avx2(cv_dtype t);
+cv_qdot4_fn cv_qdot4_avx2(cv_dtype t);
 cv_qdot_fn cv_qdot_vnni(cv_dtype t, int avx512); /* avx512: EVEX vpdpbusd, else AVX-VNNI */
 /* The best level this CPU runs (CV_QL_SCALAR when simd == 0). Uses
  * __builtin_cpu_supports: kernels/cpu/cpu_features.h (branch b14) will

@@ -67,12 +67,70 @@ AVX2_TARGET static float dot_q4_1(const void *w, const cv_xq_block *x, int64_t n
     return hsum8(acc) + mins;
 }
 
+/* Four tokens per weight block: the per-token operations are exactly those of
+ * the dots above (same order), so the results are the same bits. */
+AVX2_TARGET static void dot4_q8_0(const void *w, const cv_xq_block *x, int64_t xs, int64_t nb, float *out) {
+    const cv_block_q8_0 *b = w;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t i = 0; i < nb; i++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)b[i].qs), aq = _mm256_sign_epi8(q, q);
+        const float dw = _cvtsh_ss(b[i].d);
+        for (int t = 0; t < 4; t++) {
+            const cv_xq_block *xt = x + t * xs + i;
+            const __m256i v = _mm256_loadu_si256((const __m256i *)xt->q);
+            acc[t] = _mm256_fmadd_ps(dot_us(aq, _mm256_sign_epi8(v, q)), _mm256_set1_ps(dw * xt->d), acc[t]);
+        }
+    }
+    for (int t = 0; t < 4; t++) out[t] = hsum8(acc[t]);
+}
+
+AVX2_TARGET static void dot4_q4_0(const void *w, const cv_xq_block *x, int64_t xs, int64_t nb, float *out) {
+    const cv_block_q4_0 *b = w;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t i = 0; i < nb; i++) {
+        const __m256i q = _mm256_sub_epi8(unpack_nibbles(b[i].qs), _mm256_set1_epi8(8)), aq = _mm256_sign_epi8(q, q);
+        const float dw = _cvtsh_ss(b[i].d);
+        for (int t = 0; t < 4; t++) {
+            const cv_xq_block *xt = x + t * xs + i;
+            const __m256i v = _mm256_loadu_si256((const __m256i *)xt->q);
+            acc[t] = _mm256_fmadd_ps(dot_us(aq, _mm256_sign_epi8(v, q)), _mm256_set1_ps(dw * xt->d), acc[t]);
+        }
+    }
+    for (int t = 0; t < 4; t++) out[t] = hsum8(acc[t]);
+}
+
+AVX2_TARGET static void dot4_q4_1(const void *w, const cv_xq_block *x, int64_t xs, int64_t nb, float *out) {
+    const cv_block_q4_1 *b = w;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    float mins[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t i = 0; i < nb; i++) {
+        const __m256i q = unpack_nibbles(b[i].qs);
+        const float dw = _cvtsh_ss(b[i].d), mw = _cvtsh_ss(b[i].m);
+        for (int t = 0; t < 4; t++) {
+            const cv_xq_block *xt = x + t * xs + i;
+            const __m256i v = _mm256_loadu_si256((const __m256i *)xt->q);
+            acc[t] = _mm256_fmadd_ps(dot_us(q, v), _mm256_set1_ps(dw * xt->d), acc[t]);
+            mins[t] += mw * xt->s;
+        }
+    }
+    for (int t = 0; t < 4; t++) out[t] = hsum8(acc[t]) + mins[t];
+}
+
 cv_qdot_fn cv_qdot_avx2(cv_dtype t) {
     return t == CV_Q8_0 ? dot_q8_0 : t == CV_Q4_0 ? dot_q4_0 : t == CV_Q4_1 ? dot_q4_1 : NULL;
 }
 
+cv_qdot4_fn cv_qdot4_avx2(cv_dtype t) {
+    return t == CV_Q8_0 ? dot4_q8_0 : t == CV_Q4_0 ? dot4_q4_0 : t == CV_Q4_1 ? dot4_q4_1 : NULL;
+}
+
 #else
 cv_qdot_fn cv_qdot_avx2(cv_dtype t) {
+    (void)t;
+    return NULL;
+}
+
+cv_qdot4_fn cv_qdot4_avx2(cv_dtype t) {
     (void)t;
     return NULL;
 }

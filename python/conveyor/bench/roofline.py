@@ -111,7 +111,8 @@ def format_table(r: Dict[str, Any]) -> str:
     c = r["config"]
     d1, pf, d64 = r["decode_b1"], r["prefill"], r["decode_b64"]
     return "\n".join([
-        f"model: {r['model']} ({c['arch']}, {c['n_params'] / 1e6:.1f}M params, {c.get('matrix_dtype', c['dtype'])} matrices, "
+        f"model: {r['model']} ({c['arch']}, {c['n_params'] / 1e6:.1f}M params, "
+        f"{c.get('matrix_dtype', c['dtype'])} matrices, "
         f"{c['kv_cache_dtype']} KV), threads {r['threads']}",
         f"triad bandwidth {r['triad_gbs']:.1f} GB/s; numpy sgemm peak {r['sgemm_peak_gflops']:.1f} GFLOP/s",
         f"batch-1 decode: {d1['ms_per_token']:.2f} ms/token; bound {d1['bound_ms']:.2f} ms "
