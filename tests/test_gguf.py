@@ -349,3 +349,53 @@ def test_conveyor_info_on_gguf(models, capsys):
     info = json.loads(capsys.readouterr().out)
     total = sum(r.nbytes for r in GGUFReader(path).tensors.values())
     assert info["weight_bytes"] == total and info["chat_template"] is True and info["tokenizer"] == "gpt2"
+
+
+def test_linear_rope_scaling(tmp_path):
+    from conveyor.gguf import GGUFValueType as T
+
+    shape = dict(dim=64, hidden_dim=192, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=264)
+    p = write_gguf_checkpoint(tmp_path / "lin.gguf", shape=shape, tokenizer=None,
+                              extra_metadata={"llama.rope.scaling.type": "linear",
+                                              "llama.rope.scaling.factor": (4.0, T.FLOAT32)})
+    plain = write_gguf_checkpoint(tmp_path / "plain.gguf", shape=shape, tokenizer=None)
+    tokens = list(range(3, 40))
+    got = all_logits(p, tokens)
+    assert rel_err(got, ReferenceModel.load(p).logits(tokens)) < 1e-4
+    assert rel_err(got, all_logits(plain, tokens)) > 1e-3  # the scaling is applied
+    bad = write_gguf_checkpoint(tmp_path / "yarn.gguf", shape=shape, tokenizer=None,
+                                extra_metadata={"llama.rope.scaling.type": "yarn"})
+    with pytest.raises(conveyor.UnsupportedError, match="rope scaling 'yarn'"):
+        Checkpoint(bad)
+
+
+def test_quantization_knob_on_llama2c(tmp_path):
+    """A llama2.c checkpoint quantized at load == the reference run on the same weights
+    quantized and dequantized by NumPy (every matrix and the embedding whose rows are a
+    multiple of 32; w2 with 160-wide rows is too, the norms stay float)."""
+    from conveyor.gguf import dequantize, quantize
+    from conveyor.testing import write_llama2c_checkpoint
+
+    shape = dict(dim=64, hidden_dim=160, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300)
+    p = write_llama2c_checkpoint(tmp_path / "m.bin", shape=shape, seed=4)
+    tokens = [1] + list(range(5, 30))
+    plain = ReferenceModel.load(p).logits(tokens)
+    for q in ("q8_0", "q4_1"):
+        ref = ReferenceModel.load(p)
+        w = ref.weights
+
+        def rt(a):
+            a = np.asarray(a, np.float32)
+            return dequantize(quantize(a, q), q, a.shape).astype(np.float64)
+
+        w["embed"] = rt(w["embed"])
+        if w["lm_head"] is not None:
+            w["lm_head"] = rt(w["lm_head"])
+        for layer in w["layers"]:
+            for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+                layer[k] = rt(layer[k])
+        want = ref.logits(tokens)
+        got = all_logits(p, tokens, quantization=q)
+        assert rel_err(got, want) < QUANT_TOL and rms_err(got, want) < QUANT_RMS_TOL, q
+        if q == "q4_1":  # 4-bit weight rounding dominates: far closer to its own quantized weights
+            assert rms_err(got, plain) > 5 * rms_err(got, want)
