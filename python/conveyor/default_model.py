@@ -76,13 +76,24 @@ def _installed_package_file() -> Path | None:
     return None
 
 
+def _complete(path: Path) -> bool:
+    """A cheap check on a file found (the full SHA-256 is checked when it is fetched, and
+    by ``--check``): a file of the wrong size, e.g. a different file put there by hand, is
+    ignored with a message."""
+    size = path.stat().st_size
+    if size != MODEL_BYTES:
+        print(f"conveyor: ignoring {path}: {size} bytes, expected {MODEL_BYTES}", file=sys.stderr)
+        return False
+    return True
+
+
 def find_default_model() -> Path | None:
     """The model file if it is already here (installed package, then cache), else None."""
     found = _installed_package_file()
-    if found is not None:
+    if found is not None and _complete(found):
         return found
     cached = cache_dir() / MODEL_FILE
-    return cached if cached.is_file() else None
+    return cached if cached.is_file() and _complete(cached) else None
 
 
 def _sha256(path: Path) -> str:
