@@ -29,7 +29,7 @@ SHAPES = [(1, 37, 64), (3, 19, 96), (70, 33, 160), (5, 129, 512)]
 
 
 def level_or_skip(level: str) -> str:
-    if not _core.kernel_qlevels()[level]:
+    if _core.kernel_qlevels()[level] is not True:
         pytest.skip(f"this CPU lacks the {level} instructions")
     return level
 
@@ -138,7 +138,9 @@ def test_bad_arguments():
         _core.kernel_quantize(np.zeros((2, 40), np.float32), "q8_0")
     with pytest.raises(ValueError, match="non-finite"):
         _core.kernel_quantize(np.full((1, 32), np.inf, np.float32), "q4_1")
-    for level, ok in _core.kernel_qlevels().items():
+    levels = _core.kernel_qlevels()
+    assert levels.pop("best") in levels
+    for level, ok in levels.items():
         if not ok:
             with pytest.raises(conveyor.UnsupportedError, match=level):
                 _core.kernel_qgemm(x, wb, "q8_0", level=level)

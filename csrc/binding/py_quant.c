@@ -3,7 +3,8 @@
  *   kernel_quantize(w, qtype) -> uint8 [rows][row_bytes]   the C quantizer
  *   kernel_qgemm(x, w_bytes, qtype, level="best", bias=None, accumulate=None, threads=0)
  *       -> x[n][cols] . dequant(W)^T with activations quantized per block of 32
- *   kernel_qlevels() -> {"scalar": True, "avx2": ..., "avx512vnni": ..., "avxvnni": ...}
+ *   kernel_qlevels() -> {"scalar": True, "avx2": ..., "avx512vnni": ..., "avxvnni": ...,
+ *                        "best": the level the CPU backend uses}
  *
  * A level the CPU lacks raises conveyor.UnsupportedError naming it. One
  * backend per thread count, kept for the life of the process, each with a
@@ -143,6 +144,7 @@ static PyObject *py_kernel_qlevels(PyObject *self, PyObject *noargs) {
     for (int l = CV_QL_SCALAR; d && l <= CV_QL_AVXVNNI; l++)
         if (cv_py_put(d, cv_qlevel_name((cv_qlevel)l), PyBool_FromLong(cv_qlevel_supported((cv_qlevel)l))) < 0)
             Py_CLEAR(d);
+    if (d && cv_py_put(d, "best", PyUnicode_FromString(cv_qlevel_name(cv_qlevel_best(1)))) < 0) Py_CLEAR(d);
     return d;
 }
 
@@ -152,7 +154,7 @@ static PyMethodDef quant_methods[] = {
     {"kernel_qgemm", (PyCFunction)(void (*)(void))py_kernel_qgemm, METH_VARARGS | METH_KEYWORDS,
      "kernel_qgemm(x, w_bytes, qtype, level='best', bias=None, accumulate=None, threads=0) -> out[n][rows]"},
     {"kernel_qlevels", (PyCFunction)py_kernel_qlevels, METH_NOARGS,
-     "kernel_qlevels() -> {level: supported} of the quantized kernels"},
+     "kernel_qlevels() -> {level: supported} of the quantized kernels, and 'best': the one used"},
     {NULL, NULL, 0, NULL},
 };
 
