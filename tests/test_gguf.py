@@ -107,7 +107,7 @@ def test_plain_c_kernels_give_the_same_model(models):
     tokens = list(range(3, 40))
     simd = all_logits(path, tokens)
     plain = all_logits(path, tokens, force_scalar=True)
-    assert rms_err(plain, simd) < 1e-2 and (plain.argmax(1) == simd.argmax(1)).mean() >= 0.95
+    assert rms_err(plain, simd) < 1e-3 and (plain.argmax(1) == simd.argmax(1)).mean() >= 0.95
 
 
 def test_checkpoint_config_tensors_and_metadata(models):
@@ -123,7 +123,7 @@ def test_checkpoint_config_tensors_and_metadata(models):
         assert "lm_head" not in tens and tens["final_norm"] == ("float32", (96,))
         md = ck.metadata
         want = GGUFReader(path).metadata
-        assert md.keys() == want.keys()
+        assert list(md) == list(want)  # every key, in file order
         for k, v in want.items():
             assert md[k] == pytest.approx(v) if isinstance(v, float) else md[k] == v, k
         assert isinstance(md["tokenizer.ggml.tokens"], list) and len(md["tokenizer.ggml.tokens"]) == 320

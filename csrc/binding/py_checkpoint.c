@@ -207,19 +207,28 @@ static PyObject *Checkpoint_get_metadata(CheckpointObject *self, void *closure) 
     PyObject *d = PyDict_New();
     const cv_gguf_file *f = self->ck.gguf;
     if (!d || !f) return d;
+    /* in file order, as the Python reader gives them */
+    const cv_gguf_kv **order = PyMem_Calloc(f->n_kvs ? f->n_kvs : 1, sizeof *order);
+    if (!order) {
+        Py_DECREF(d);
+        return PyErr_NoMemory();
+    }
+    for (size_t i = 0; i < f->n_kvs; i++) order[f->kvs[i].index] = &f->kvs[i];
     for (size_t i = 0; i < f->n_kvs; i++) {
-        const cv_gguf_kv *kv = &f->kvs[i];
+        const cv_gguf_kv *kv = order[i];
         PyObject *key = gguf_str(kv->key, kv);
         PyObject *val = key ? gguf_value(kv) : NULL;
         if (!val || PyDict_SetItem(d, key, val) < 0) {
             Py_XDECREF(key);
             Py_XDECREF(val);
             Py_DECREF(d);
+            PyMem_Free(order);
             return NULL;
         }
         Py_DECREF(key);
         Py_DECREF(val);
     }
+    PyMem_Free(order);
     return d;
 }
 

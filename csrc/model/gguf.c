@@ -255,6 +255,7 @@ int cv_gguf_parse(cv_gguf_file *f, const void *buf, size_t len, const char *labe
     if (!f->kvs || !f->tensors) { rc = cv_set_err(err, CV_ERR_NOMEM, "%s: out of memory", label); goto fail; }
     for (uint64_t i = 0; i < n_kvs; i++) {
         if ((rc = parse_kv(&c, &f->kvs[i], i)) < 0) goto fail;
+        f->kvs[i].index = (size_t)i;
         f->n_kvs = (size_t)i + 1;
     }
     qsort(f->kvs, f->n_kvs, sizeof *f->kvs, cmp_kv);

@@ -38,6 +38,7 @@ typedef struct cv_gguf_kv {
     cv_gguf_type type;      /* value type */
     cv_gguf_type elem_type; /* arrays: the element type */
     uint64_t count;         /* arrays: element count; 1 otherwise */
+    size_t index;           /* position in the file (kvs[] is sorted by key) */
     const unsigned char *value; /* scalars: the value; strings: the u64 length;
                                    arrays: the first element */
 } cv_gguf_kv;
