@@ -50,8 +50,8 @@ struct cv_engine {
 
     cv_backend *backend;
     cv_model *model;
-    cv_kv_layer *caches;
-    void *cache_mem;
+    int64_t n_caches;
+    cv_kv_layer *caches;   /* [n_caches]; each layer's k and v are allocations of their own */
     cv_scheduler *sched;
     cv_runner runner;
     cv_forward_ws ws;
@@ -220,7 +220,9 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
         e->backend = cv_cpu_backend_create(cfg->num_threads, 0, err);
     }
     if (!e->backend) { rc = err ? err->code : CV_ERR_STATE; if (rc >= 0) rc = CV_ERR_STATE; goto fail; }
-    if ((rc = cv_model_load(&e->model, cfg->model_path, e->backend, cfg->dtype, err))) goto fail;
+    if ((rc = cv_model_load_cancellable(&e->model, cfg->model_path, e->backend, cfg->dtype,
+                                        cfg->cancel, err)))
+        goto fail;
 
     const cv_model_config *mc = &e->model->cfg;
     e->vocab = mc->vocab_size;
@@ -270,16 +272,22 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
     e->kv_bytes = (size_t)e->num_blocks * per_block;
     e->caches = calloc((size_t)mc->n_layers, sizeof *e->caches);
     if (!e->caches) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory"); goto fail; }
+    e->n_caches = mc->n_layers;
+    /* One allocation per layer half (the backend zeroes and touches it), so a
+     * cancel request is seen within one layer's worth of memory. */
     size_t layer_half = (size_t)e->num_blocks * per_block / (2 * (size_t)mc->n_layers);
-    e->cache_mem = e->backend->alloc(e->backend, e->kv_bytes);
-    if (!e->cache_mem) {
-        rc = cv_set_err(err, CV_ERR_NOMEM, "cannot allocate a KV cache of %zu bytes", e->kv_bytes);
-        goto fail;
-    }
     for (int64_t l = 0; l < mc->n_layers; l++) {
+        if (cfg->cancel && atomic_load(cfg->cancel)) {
+            rc = cv_set_err(err, CV_ERR_CANCELLED, "creating the engine was cancelled");
+            goto fail;
+        }
         cv_kv_layer *c = &e->caches[l];
-        c->k = (char *)e->cache_mem + (size_t)(2 * l) * layer_half;
-        c->v = (char *)e->cache_mem + (size_t)(2 * l + 1) * layer_half;
+        c->k = e->backend->alloc(e->backend, layer_half);
+        c->v = c->k ? e->backend->alloc(e->backend, layer_half) : NULL;
+        if (!c->v) {
+            rc = cv_set_err(err, CV_ERR_NOMEM, "cannot allocate a KV cache of %zu bytes", e->kv_bytes);
+            goto fail;
+        }
         c->dtype = kvt;
         c->num_blocks = e->num_blocks;
         c->n_kv_heads = mc->n_kv_heads;
@@ -356,7 +364,11 @@ void cv_engine_destroy(cv_engine *e) {
     cv_sampler_destroy(e->sampler);
     cv_runner_free(&e->runner);
     if (e->ws_ready) cv_forward_ws_free(&e->ws, e->model);
-    if (e->backend) e->backend->free(e->backend, e->cache_mem);
+    if (e->backend && e->caches)
+        for (int64_t l = 0; l < e->n_caches; l++) {
+            e->backend->free(e->backend, e->caches[l].k);
+            e->backend->free(e->backend, e->caches[l].v);
+        }
     free(e->caches);
     cv_model_free(e->model);
     if (e->backend) e->backend->destroy(e->backend);

@@ -82,6 +82,11 @@ void cv_model_free(cv_model *m) {
 }
 
 int cv_model_load(cv_model **out, const char *path, cv_backend *b, cv_dtype dtype, cv_err *err) {
+    return cv_model_load_cancellable(out, path, b, dtype, NULL, err);
+}
+
+int cv_model_load_cancellable(cv_model **out, const char *path, cv_backend *b, cv_dtype dtype,
+                              const atomic_int *cancel, cv_err *err) {
     cv_checkpoint ck;
     memset(&ck, 0, sizeof ck);
     cv_model *m = NULL;
@@ -127,6 +132,10 @@ int cv_model_load(cv_model **out, const char *path, cv_backend *b, cv_dtype dtyp
                   (ck.lm_head.data ? view_numel(&ck.lm_head) : 0);
 
     for (int64_t l = 0; l < c->n_layers; l++) {
+        if (cancel && atomic_load(cancel)) {
+            rc = cv_set_err(err, CV_ERR_CANCELLED, "loading the model was cancelled");
+            goto done;
+        }
         const cv_layer_views *v = &ck.layers[l];
         cv_layer *L = &m->layers[l];
         const cv_tensor_view *qkv[3] = {&v->wq, &v->wk, &v->wv};

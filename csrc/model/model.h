@@ -3,6 +3,7 @@
 #ifndef CV_MODEL_H
 #define CV_MODEL_H
 
+#include <stdatomic.h>
 #include <stdint.h>
 #include "../common.h"
 #include "../../kernels/backend.h"
@@ -37,6 +38,10 @@ typedef struct cv_model {
  * dtype: CV_F32, CV_BF16, CV_F16, or CV_DTYPE_INVALID for "auto" (the
  * checkpoint's own dtype). */
 int cv_model_load(cv_model **out, const char *path, cv_backend *b, cv_dtype dtype, cv_err *err);
+/* The same, polling *cancel (when not NULL) between layers: nonzero stops the
+ * load with CV_ERR_CANCELLED, so a caller can interrupt a long load. */
+int cv_model_load_cancellable(cv_model **out, const char *path, cv_backend *b, cv_dtype dtype,
+                              const atomic_int *cancel, cv_err *err);
 void cv_model_free(cv_model *m);
 
 /* RoPE frequencies for head_dim/2 pairs, with llama3 scaling when configured. */
