@@ -200,7 +200,8 @@ def plot(r: Dict[str, Any], fig=None):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="conveyor bench latency", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="conveyor bench latency", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_engine_args(ap)
     ap.add_argument("--num-requests", type=int, default=100)
     ap.add_argument("--prompt-len", type=int, default=128, help="P: prompts uniform in [P/2, 3P/2]")
