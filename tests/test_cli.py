@@ -291,3 +291,52 @@ def test_generate_with_no_arguments_reports_generation_and_total_time(tmp_path):
     gen, total = _report(r.stdout)
     assert 0 < gen <= total <= 3 * gen + 15.0, (gen, total)
     assert r.stdout.count("--- ") == 4
+
+
+# ---------------------------------------------------------------------------- served model name
+
+
+def _gguf_string(s: str) -> bytes:
+    import struct
+
+    b = s.encode()
+    return struct.pack("<Q", len(b)) + b
+
+
+def write_gguf_header(path: Path, kvs) -> None:
+    """A GGUF v3 file with no tensors: magic, version, counts, then (key, type, payload)."""
+    import struct
+
+    body = b"".join(_gguf_string(k) + struct.pack("<I", t) + payload for k, t, payload in kvs)
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(kvs)) + body)
+
+
+def test_model_name_defaults(tmp_path):
+    import struct
+
+    from conveyor.model_name import model_name
+
+    assert model_name("../shared/models/stories260K/stories260K.bin") == "stories260K"
+    folder = tmp_path / "SmolLM2-135M"
+    folder.mkdir()
+    assert model_name(str(folder) + "/") == "SmolLM2-135M"
+    gguf = tmp_path / "smol-q8.gguf"
+    write_gguf_header(gguf, [
+        ("general.architecture", 8, _gguf_string("llama")),
+        ("llama.block_count", 4, struct.pack("<I", 30)),
+        ("tokenizer.ggml.tokens", 9, struct.pack("<IQ", 8, 2) + _gguf_string("a") + _gguf_string("b")),
+        ("tokenizer.ggml.scores", 9, struct.pack("<IQ", 6, 2) + struct.pack("<2f", 0.5, 0.25)),
+        ("general.name", 8, _gguf_string("SmolLM2 135M Instruct")),
+    ])
+    assert model_name(gguf) == "SmolLM2 135M Instruct"
+    write_gguf_header(gguf, [("general.architecture", 8, _gguf_string("llama"))])
+    assert model_name(gguf) == "smol-q8"  # no general.name: the stem
+    gguf.write_bytes(b"GGUF\x03\x00")  # truncated: the stem, no error
+    assert model_name(gguf) == "smol-q8"
+
+
+def test_serve_parser_served_model_name():
+    from conveyor.serve import make_parser
+
+    assert make_parser().parse_args(["m.bin"]).served_model_name is None
+    assert make_parser().parse_args(["m.bin", "--served-model-name", "smol"]).served_model_name == "smol"

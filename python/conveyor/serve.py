@@ -1158,6 +1158,10 @@ def main(argv=None) -> int:
     from .model_name import model_name
 
     name = args.served_model_name or model_name(args.model)
+    if engine.tokenizer is not None and not getattr(engine.tokenizer, "chat_template", None):
+        print("conveyor serve: warning: the model has no chat template; /v1/chat/completions formats "
+              "conversations as plain 'role: content' lines, which the model was not trained on",
+              file=sys.stderr)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"conveyor serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
     app = build_app(engine, model_name=name, api_key=args.api_key, max_waiting=args.max_waiting,
