@@ -162,14 +162,19 @@ def test_sigint_during_engine_construction_exits_within_1s(tmp_path, stories_dir
         t0 = time.monotonic()
         p.send_signal(signal.SIGINT)
         try:
+            said = p.stdout.readline()  # the KeyboardInterrupt reached Python code
+            t_said = time.monotonic() - t0
             out, _ = p.communicate(timeout=30)
         finally:
             if p.poll() is None:
                 p.kill()
-        elapsed = time.monotonic() - t0
-        assert p.returncode == 130, out
-        if "building" in out:
-            assert elapsed < 1.0, f"took {elapsed:.2f} s to stop"
+        t_exit = time.monotonic() - t0
+        assert p.returncode == 130, said + out
+        if "building" in said:
+            assert t_said < 1.0, f"took {t_said:.2f} s to stop building"
+            # the interpreter's own exit comes on top (slower under ASan's leak check at exit)
+            limit = 1.0 if "asan" not in os.environ.get("LD_PRELOAD", "") else 10.0
+            assert t_exit < limit, f"took {t_exit:.2f} s to exit"
             return
     pytest.fail("SIGINT never arrived while an engine was being built")
 
