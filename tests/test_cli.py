@@ -296,6 +296,17 @@ def test_generate_with_no_arguments_reports_generation_and_total_time(tmp_path):
     gen, total = _report(r.stdout)
     assert 0 < gen <= total <= 3 * gen + 15.0, (gen, total)
     assert r.stdout.count("--- ") == 4
+    # the KV cache holds the four requests at full length, not a share of the machine
+    kv = re.search(r"KV cache (\d+) MiB: (\d+) sequences of up to (\d+) tokens", r.stdout)
+    assert kv, r.stdout
+    mib, seqs, max_len = map(int, kv.groups())
+    import json
+
+    cfg = json.loads(next((tmp_path / "cache" / "models").glob("*/config.json")).read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2  # bfloat16
+    assert seqs == 4 and max_len == cfg["max_position_embeddings"]
+    assert mib * 2**20 <= per_token * max_len * seqs + 2**20
 
 
 # ---------------------------------------------------------------------------- served model name

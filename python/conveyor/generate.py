@@ -193,7 +193,7 @@ def main(argv=None) -> int:
 
         with AsyncLLM(model, **kwargs) as llm:
             load_s = time.perf_counter() - t_load
-            cfg = llm.model_config
+            cfg, st = llm.model_config, llm.stats()
             t0 = time.perf_counter()
             n_prompt, n_gen = asyncio.run(_stream(llm, prompts[0], params))
             gen_s = time.perf_counter() - t0
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
     else:
         with LLM(model, **kwargs) as llm:
             load_s = time.perf_counter() - t_load
-            cfg = llm.model_config
+            cfg, st = llm.model_config, llm.stats()
             progress = not args.no_progress and sys.stderr.isatty()
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=progress)
@@ -222,6 +222,8 @@ def main(argv=None) -> int:
     total_s = time.perf_counter() - t_start
     print(f"\nmodel: {model}\n  {cfg['arch']} dim={cfg['dim']} layers={cfg['n_layers']} "
           f"heads={cfg['n_heads']}/{cfg['n_kv_heads']} vocab={cfg['vocab_size']}")
+    print(f"  KV cache {st['kv_cache_bytes'] / 2**20:.0f} MiB: {st['max_num_seqs']} sequences of up to "
+          f"{st['max_model_len']} tokens")
     print(f"{n_req} requests, {n_prompt} prompt + {n_gen} generated tokens")
     print(f"generation: {gen_s:.2f} s ({n_gen / max(gen_s, 1e-9):.1f} output tok/s, "
           f"{(n_prompt + n_gen) / max(gen_s, 1e-9):.1f} total tok/s)")
