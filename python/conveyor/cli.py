@@ -43,6 +43,18 @@ class _LoadError(Exception):
     pass
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default unless its help already says it ("default:") or there
+    is nothing to show (None, False: a flag or a default the help describes)."""
+
+    def _get_help_string(self, action):
+        help_ = action.help or ""
+        if "default:" in help_ or action.default is None or action.default is False \
+                or action.default is argparse.SUPPRESS:
+            return help_
+        return super()._get_help_string(action)
+
+
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose usage errors are one line: `PROG: error: MESSAGE (see PROG --help)`,
     exit status 2."""

@@ -77,19 +77,19 @@ def default_model(shape: str = DEFAULT_SHAPE, dtype: str = "bfloat16", seed: int
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .cli import Parser
+    from .cli import DefaultsHelpFormatter, Parser
     from .sampling_params import SamplingParams
 
     d = SamplingParams()
     ap = Parser(prog="conveyor generate", description=__doc__,
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--model", default=None,
                     help="HF checkpoint directory, llama2.c .bin, 'stories260K' or a shape name "
                          "(default: the built-in SmolLM-135M-shaped random checkpoint)")
     ap.add_argument("--prompt", action="append", default=None,
                     help="a prompt (repeat for several; default: four sample prompts)")
     ap.add_argument("--num-prompts", type=int, default=None,
-                    help="repeat the prompts up to this many requests")
+                    help="repeat the prompts up to this many requests (default: each once)")
     g = ap.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per completion")
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -97,9 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=d.top_k, help="keep the k likeliest tokens (0: all)")
     g.add_argument("--n", type=int, default=1, help="completions per prompt")
     g.add_argument("--stop", action="append", default=None,
-                   help="a stop string (repeatable); not included in the output")
+                   help="a stop string (repeatable; not included in the output)")
     g.add_argument("--logprobs", type=int, default=None,
-                   help="print each generated token's log-probability and this many alternatives")
+                   help="print each generated token's log-probability and this many alternatives "
+                        "(default: none)")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     e = ap.add_argument_group("engine")
