@@ -14,9 +14,10 @@ def require_ray(what: str):
 
 def threads_for(num_cpus) -> int:
     """Engine threads for an actor holding `num_cpus` CPUs: one per whole CPU, at least one
-    (Ray sets OMP_NUM_THREADS the same way, so the two agree)."""
+    (Ray sets OMP_NUM_THREADS the same way, so the two agree). num_cpus=0 (an actor Ray
+    does not count) gets one thread."""
     if num_cpus is None:
         return 1
-    if isinstance(num_cpus, bool) or not isinstance(num_cpus, (int, float)) or not num_cpus > 0:
-        raise ValueError(f"num_cpus must be a positive number, got {num_cpus!r}")
+    if isinstance(num_cpus, bool) or not isinstance(num_cpus, (int, float)) or not num_cpus >= 0:
+        raise ValueError(f"num_cpus must be a number >= 0, got {num_cpus!r}")
     return max(1, int(num_cpus))
