@@ -199,11 +199,10 @@ def test_killed_replica_ends_its_streams_and_is_replaced(url, http):
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
             ray.kill(_replica_actor(victim), no_restart=True)
-            with pytest.raises((httpx.HTTPError, AssertionError)) as err:
-                rest = list(lines)
-                # a stream cut short never reaches [DONE]
-                assert rest and rest[-1] == "data: [DONE]", "stream ended without [DONE]"
-            assert "[DONE]" not in str(err.value)
+            # The proxy loses the replica mid-response and cuts the chunked body short: the
+            # client gets an error, never a stream that looks complete.
+            with pytest.raises(httpx.RemoteProtocolError, match="incomplete chunked read"):
+                list(lines)
     # New requests succeed at once, on the survivor.
     for _ in range(4):
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 4})
@@ -219,15 +218,16 @@ def test_killed_replica_ends_its_streams_and_is_replaced(url, http):
         pytest.fail(f"the killed replica {victim} was not replaced: {seen}")
 
 
-def test_data_job_over_1000_prompts_from_jsonl(cluster, tmp_path, llm, http):
-    serve.delete("main")  # frees both nodes' CPUs for the actor pool
+def test_data_job_over_1000_prompts_from_jsonl(cluster, tmp_path, llm):
+    serve.shutdown()  # frees both nodes' CPUs for the actor pool
     n = 1000
     rows = [{"id": i, "prompt": f"{PROMPTS[i % len(PROMPTS)]} {i % 13}"} for i in range(n)]
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     processor = build_processor(MODEL, sampling_params={"max_tokens": 8, "temperature": 0.0},
                                 batch_size=50, concurrency=2, num_cpus=0.5)
-    out = processor(ray.data.read_json(str(path))).take_all()
+    # Half a CPU per actor on each 1-CPU node: the read tasks must fit in the other half.
+    out = processor(ray.data.read_json(str(path), lines=True, num_cpus=0.25)).take_all()
     ids = sorted(int(r["id"]) for r in out)
     assert ids == list(range(n)), "every input row exactly once"
     distinct = sorted({r["prompt"] for r in rows})

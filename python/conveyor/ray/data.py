@@ -128,15 +128,15 @@ def build_processor(model: str, engine_kwargs: Optional[dict] = None, sampling_p
     engine_kwargs = dict(engine_kwargs or {})
     engine_kwargs.setdefault("num_threads", threads_for(num_cpus))
     _sampling_params(sampling_params)  # bad parameters fail here, not in every actor
-    compute = ray.data.ActorPoolStrategy(**pool, max_tasks_in_flight_per_actor=max_tasks_in_flight)
+    # An async actor: the blocks in flight run at once on its event loop.
+    compute = ray.data.ActorPoolStrategy(**pool, max_tasks_in_flight_per_actor=max_tasks_in_flight,
+                                         max_concurrent_calls_per_actor=max_tasks_in_flight)
 
     def process(ds):
         return ds.map_batches(
             ConveyorPredictor, batch_size=batch_size, batch_format="numpy", compute=compute, num_cpus=num_cpus,
             fn_constructor_args=(model,),
             fn_constructor_kwargs=dict(engine_kwargs=engine_kwargs, sampling_params=sampling_params,
-                                       prompt_column=prompt_column, messages_column=messages_column),
-            # an async actor: blocks in flight run at once on its event loop
-            max_concurrency=max_tasks_in_flight)
+                                       prompt_column=prompt_column, messages_column=messages_column))
 
     return process
