@@ -3,6 +3,7 @@
     conveyor info MODEL [--json] [--tensors]
     conveyor generate ...          -> conveyor.generate.main(argv)
     conveyor serve ...             -> conveyor.serve.main(argv)
+    conveyor serve ... --ray       -> conveyor.ray.serve.main(argv) (Ray Serve replicas)
     conveyor bench NAME ...        -> conveyor.bench.NAME.main(argv), NAME in BENCHMARKS
 
 Subcommands live in SUBCOMMANDS as name -> ("module:function", help); the module is imported
@@ -73,8 +74,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cmd not in SUBCOMMANDS:
         print(f"conveyor: unknown command {cmd!r}; choose from {', '.join(SUBCOMMANDS)}", file=sys.stderr)
         return 2
+    target = SUBCOMMANDS[cmd][0]
+    if cmd == "serve" and "--ray" in rest:  # replicas on Ray Serve (the `ray` extra)
+        target = "conveyor.ray.serve:main"
     try:
-        func = _resolve(SUBCOMMANDS[cmd][0], f"conveyor {cmd}")
+        func = _resolve(target, f"conveyor {cmd}")
     except _LoadError as e:
         print(f"conveyor: {e}", file=sys.stderr)
         return 1

@@ -274,6 +274,9 @@ def main(argv=None) -> int:
     except ImportError as e:
         print(f"conveyor serve: {e}", file=sys.stderr)
         return 1
+    if not (1 <= args.port <= 65535):
+        print(f"conveyor serve: --ray needs a fixed --port in [1, 65535], got {args.port}", file=sys.stderr)
+        return 2
     knobs = {k: getattr(args, k) for k in _ENGINE_KNOBS if getattr(args, k) is not None}
     try:
         app = build(args.model, engine_kwargs=knobs, model_name=args.served_model_name, api_key=args.api_key,
