@@ -259,3 +259,19 @@ def test_bad_arguments_fail_before_ray_runs():
         build_processor(MODEL, concurrency=0)
     with pytest.raises(TypeError, match="sampling_params"):
         build_processor(MODEL, sampling_params=3)
+    with pytest.raises(ValueError, match="num_cpus"):
+        build_processor(MODEL, num_cpus=-1)
+
+
+def test_threads_follow_cpus_and_builder_arguments(monkeypatch):
+    from conveyor.ray import threads_for
+    from conveyor.ray.serve import MODEL_ENV, app_builder
+
+    assert [threads_for(c) for c in (0, 0.5, 1, 2.5, 8)] == [1, 1, 1, 2, 8]  # as Ray sets OMP_NUM_THREADS
+    monkeypatch.delenv(MODEL_ENV, raising=False)
+    with pytest.raises(ValueError, match=MODEL_ENV):
+        app_builder({})
+    with pytest.raises(ValueError, match="num_replicas must be a number"):
+        app_builder({"model": MODEL, "num_replicas": "two"})
+    app = app_builder({"model": MODEL, "num_replicas": "2", "num_cpus": "2", "max_num_seqs": "8"})
+    assert type(app).__name__ == "Application"
