@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 import conveyor  # noqa: E402
 from conveyor import SamplingParams  # noqa: E402
-from conveyor.ray.data import build_processor  # noqa: E402
+from conveyor.ray.data import ConveyorPredictor, build_processor  # noqa: E402
 from conveyor.ray.serve import NODE_HEADER, REPLICA_HEADER, build  # noqa: E402
 
 MODEL = str(Path(__file__).resolve().parents[2] / "shared/models/stories260K/stories260K.bin")
@@ -44,6 +45,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def cluster():
+    # Ray's workers cannot import this test module: ship its classes by value.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=1, object_store_memory=OBJECT_STORE,
                                                           include_dashboard=False))
     c.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)
@@ -154,12 +157,12 @@ def test_over_max_queued_requests_get_the_status_at_once(url, http):
     path = "/limited/v1/completions"
     held = _hold_request(port, path)
     try:
-        time.sleep(1.0)  # the held request reaches the replica
+        time.sleep(2.0)  # the held request reaches the replica
         queued = threading.Thread(target=lambda: results.append(
             http.post(path, json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}).status_code))
         results: list = []
         queued.start()
-        time.sleep(1.0)  # the second one waits in the router's queue
+        time.sleep(2.0)  # the second one waits in the router's queue
         t0 = time.monotonic()
         rejected = [http.post(path, json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}) for _ in range(3)]
         elapsed = time.monotonic() - t0
@@ -218,6 +221,23 @@ def test_killed_replica_ends_its_streams_and_is_replaced(url, http):
         pytest.fail(f"the killed replica {victim} was not replaced: {seen}")
 
 
+class CountingPredictor(ConveyorPredictor):
+    """Adds `calls_in_flight`: how many batches this actor had in flight when the row's batch
+    started (its own included)."""
+
+    calls = 0
+
+    async def __call__(self, batch):
+        self.calls += 1
+        seen = self.calls
+        try:
+            out = await super().__call__(batch)
+        finally:
+            self.calls -= 1
+        out["calls_in_flight"] = [seen] * len(out["id"])
+        return out
+
+
 def test_data_job_over_1000_prompts_from_jsonl(cluster, tmp_path, llm):
     serve.shutdown()  # frees both nodes' CPUs for the actor pool
     n = 1000
@@ -225,9 +245,11 @@ def test_data_job_over_1000_prompts_from_jsonl(cluster, tmp_path, llm):
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     processor = build_processor(MODEL, sampling_params={"max_tokens": 8, "temperature": 0.0},
-                                batch_size=50, concurrency=2, num_cpus=0.5)
+                                batch_size=50, concurrency=2, num_cpus=0.5, predictor=CountingPredictor)
     # Half a CPU per actor on each 1-CPU node: the read tasks must fit in the other half.
     out = processor(ray.data.read_json(str(path), lines=True, num_cpus=0.25)).take_all()
+    # Several batches at once on one actor's engine, not one blocking generate at a time.
+    assert max(r["calls_in_flight"] for r in out) >= 2
     ids = sorted(int(r["id"]) for r in out)
     assert ids == list(range(n)), "every input row exactly once"
     distinct = sorted({r["prompt"] for r in rows})
@@ -261,6 +283,8 @@ def test_bad_arguments_fail_before_ray_runs():
         build_processor(MODEL, sampling_params=3)
     with pytest.raises(ValueError, match="num_cpus"):
         build_processor(MODEL, num_cpus=-1)
+    with pytest.raises(TypeError, match="predictor"):
+        build_processor(MODEL, predictor=dict)
 
 
 def test_threads_follow_cpus_and_builder_arguments(monkeypatch):

@@ -106,12 +106,13 @@ class ConveyorPredictor:
 def build_processor(model: str, engine_kwargs: Optional[dict] = None, sampling_params: Any = None, *,
                     batch_size: int = 32, concurrency: Union[int, tuple] = 1, num_cpus: float = 1.0,
                     max_tasks_in_flight: int = 4, prompt_column: str = "prompt",
-                    messages_column: Optional[str] = None):
+                    messages_column: Optional[str] = None, predictor: type = None):
     """A function Dataset -> Dataset that generates for every row with `concurrency` actors
     (an int, or (min, max) for an autoscaling pool), each holding one AsyncLLM with
     `num_cpus` Ray CPUs (and as many engine threads, unless engine_kwargs sets num_threads).
     Each actor takes up to `max_tasks_in_flight` blocks at once, and runs several batches of
-    each at once, so its engine always has requests to batch."""
+    each at once, so its engine always has requests to batch. `predictor`: a subclass of
+    ConveyorPredictor to use instead (to add or reshape columns)."""
     ray = require_ray("conveyor.ray.data")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
@@ -125,6 +126,9 @@ def build_processor(model: str, engine_kwargs: Optional[dict] = None, sampling_p
         pool = dict(min_size=concurrency[0], max_size=concurrency[1])
     else:
         raise ValueError(f"concurrency must be an int >= 1 or (min, max) with 1 <= min <= max, got {concurrency!r}")
+    predictor = ConveyorPredictor if predictor is None else predictor
+    if not (isinstance(predictor, type) and issubclass(predictor, ConveyorPredictor)):
+        raise TypeError(f"predictor must be a subclass of ConveyorPredictor, got {predictor!r}")
     engine_kwargs = dict(engine_kwargs or {})
     engine_kwargs.setdefault("num_threads", threads_for(num_cpus))
     _sampling_params(sampling_params)  # bad parameters fail here, not in every actor
@@ -134,7 +138,7 @@ def build_processor(model: str, engine_kwargs: Optional[dict] = None, sampling_p
 
     def process(ds):
         return ds.map_batches(
-            ConveyorPredictor, batch_size=batch_size, batch_format="numpy", compute=compute, num_cpus=num_cpus,
+            predictor, batch_size=batch_size, batch_format="numpy", compute=compute, num_cpus=num_cpus,
             fn_constructor_args=(model,),
             fn_constructor_kwargs=dict(engine_kwargs=engine_kwargs, sampling_params=sampling_params,
                                        prompt_column=prompt_column, messages_column=messages_column))
