@@ -299,3 +299,24 @@ def test_threads_follow_cpus_and_builder_arguments(monkeypatch):
         app_builder({"model": MODEL, "num_replicas": "two"})
     app = app_builder({"model": MODEL, "num_replicas": "2", "num_cpus": "2", "max_num_seqs": "8"})
     assert type(app).__name__ == "Application"
+
+
+def test_cli_dispatches_ray_options_and_checks_them_before_starting_ray():
+    import os
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=str(Path(conveyor.__file__).parents[1]))
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "conveyor", "serve", MODEL, "--ray", *args],
+                              capture_output=True, text=True, timeout=120, env=env)
+
+    r = run("--port", "0")
+    assert r.returncode == 2 and "--ray needs a fixed --port" in r.stderr
+    r = run("--autoscale", "3:1")
+    assert r.returncode == 2 and "MIN:MAX" in r.stderr
+    r = run("--replicas", "2", "--autoscale", "1:2")
+    assert r.returncode == 2 and "not allowed with argument" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "conveyor", "serve", MODEL, "--replicas", "2"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and "--replicas" in r.stderr  # without --ray: the plain server refuses it
