@@ -62,6 +62,7 @@ class ConveyorReplica:
 
     def __init__(self, model: str, engine_kwargs: Optional[dict] = None, *, model_name: str,
                  api_key: Optional[str] = None, app_kwargs: Optional[dict] = None):
+        import ray
         from ray import serve
 
         from .. import AsyncLLM
@@ -70,8 +71,6 @@ class ConveyorReplica:
         self.model_name = model_name
         self.api_key = api_key
         self.app_kwargs = dict(app_kwargs or {})
-        import ray
-
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.node_id = ray.get_runtime_context().get_node_id()
 
