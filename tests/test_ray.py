@@ -33,6 +33,7 @@ pytestmark = [pytest.mark.skipif(not Path(MODEL).is_file(), reason=f"{MODEL} not
 
 OBJECT_STORE = 100 << 20     # per node: 200 MB for the cluster
 PROMPTS = ["Once upon a time", "The little dog", "Lily went to the park", "One day, a bird"]
+ENGINE = {"kv_cache_memory": "64MiB"}  # per engine: enough for every test here
 REPLICA = REPLICA_HEADER.decode()
 NODE = NODE_HEADER.decode()
 
@@ -65,7 +66,8 @@ def url(cluster):
     """Two replicas of 1 CPU on two 1-CPU nodes: one per node."""
     port = _free_port()
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build(MODEL, num_replicas=2, ray_actor_options={"num_cpus": 1}, health_check_period_s=1),
+    serve.run(build(MODEL, engine_kwargs=ENGINE, num_replicas=2, ray_actor_options={"num_cpus": 1},
+                    health_check_period_s=1),
               name="main", route_prefix="/")
     return f"http://127.0.0.1:{port}"
 
@@ -86,7 +88,7 @@ def client(url):
 
 @pytest.fixture(scope="module")
 def llm():
-    engine = conveyor.LLM(MODEL, num_threads=1)
+    engine = conveyor.LLM(MODEL, num_threads=1, **ENGINE)
     yield engine
     engine.close()
 
@@ -139,6 +141,18 @@ def test_requests_spread_over_replicas_on_both_nodes(http, cluster):
     assert set(seen.values()) == {n["NodeID"] for n in ray.nodes() if n["Alive"]}
 
 
+def test_health_check_and_stats_call_into_each_engine(http, llm):
+    seen = replicas_seen(http, 8)
+    handle = serve.get_deployment_handle("conveyor", app_name="main")
+    assert handle.check_health.remote().result(timeout_s=30) is None
+    stats = [handle.stats.remote().result(timeout_s=30) for _ in range(8)]
+    assert {s["replica"] for s in stats} <= set(seen)
+    # each replica's engine has served requests, and got the engine knobs (same KV cache as
+    # an LLM built with them)
+    assert all(s["requests_finished"] >= 1 for s in stats)
+    assert {s["kv_cache_bytes"] for s in stats} == {llm.stats()["kv_cache_bytes"]}
+
+
 def _hold_request(port: int, path: str) -> socket.socket:
     """Sends a request's headers and half its body: Serve has routed it to a replica, whose
     app waits for the rest of the body, so it stays ongoing until the socket closes."""
@@ -150,7 +164,7 @@ def _hold_request(port: int, path: str) -> socket.socket:
 
 
 def test_over_max_queued_requests_get_the_status_at_once(url, http):
-    serve.run(build(MODEL, num_replicas=1, max_ongoing_requests=1, max_queued_requests=1,
+    serve.run(build(MODEL, engine_kwargs=ENGINE, num_replicas=1, max_ongoing_requests=1, max_queued_requests=1,
                     queue_full_status=429, retry_after_s=2, ray_actor_options={"num_cpus": 0},
                     name="limited"), name="limited", route_prefix="/limited")
     port = int(url.rsplit(":", 1)[1])
@@ -244,7 +258,7 @@ def test_data_job_over_1000_prompts_from_jsonl(cluster, tmp_path, llm):
     rows = [{"id": i, "prompt": f"{PROMPTS[i % len(PROMPTS)]} {i % 13}"} for i in range(n)]
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    processor = build_processor(MODEL, sampling_params={"max_tokens": 8, "temperature": 0.0},
+    processor = build_processor(MODEL, ENGINE, sampling_params={"max_tokens": 8, "temperature": 0.0},
                                 batch_size=50, concurrency=2, num_cpus=0.5, predictor=CountingPredictor)
     # Half a CPU per actor on each 1-CPU node: the read tasks must fit in the other half.
     out = processor(ray.data.read_json(str(path), lines=True, num_cpus=0.25)).take_all()
@@ -263,7 +277,7 @@ def test_data_job_over_1000_prompts_from_jsonl(cluster, tmp_path, llm):
 def test_data_chat_messages_column(cluster, llm):
     convs = [[{"role": "user", "content": f"Tell me about {w}"}] for w in ("a cat", "the sea", "a king")]
     ds = ray.data.from_items([{"id": i, "messages": c} for i, c in enumerate(convs)])
-    processor = build_processor(MODEL, sampling_params={"max_tokens": 6, "temperature": 0.0},
+    processor = build_processor(MODEL, ENGINE, sampling_params={"max_tokens": 6, "temperature": 0.0},
                                 batch_size=2, concurrency=1, num_cpus=0.5, messages_column="messages")
     out = sorted(processor(ds).take_all(), key=lambda r: r["id"])
     want = llm.chat(convs, SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)

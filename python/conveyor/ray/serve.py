@@ -88,6 +88,11 @@ class ConveyorReplica:
             raise RuntimeError("the replica's engine is closed")
         self.engine.stats()  # calls into the C engine; raises if it is unusable
 
+    def stats(self) -> dict:
+        """This replica's engine statistics, with its replica and node ids; through a handle:
+        serve.get_deployment_handle("conveyor", app_name=...).stats.remote().result()."""
+        return {"replica": self.replica_id, "node": self.node_id, **self.engine.stats()}
+
     def __del__(self):
         engine = getattr(self, "engine", None)
         if engine is not None:
