@@ -269,7 +269,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from ..serve import _ENGINE_KNOBS
+    from ..engine import EngineArgs
 
     args = make_parser().parse_args(argv)
     try:
@@ -281,7 +281,9 @@ def main(argv=None) -> int:
     if not (1 <= args.port <= 65535):
         print(f"conveyor serve: --ray needs a fixed --port in [1, 65535], got {args.port}", file=sys.stderr)
         return 2
-    knobs = {k: getattr(args, k) for k in _ENGINE_KNOBS if getattr(args, k) is not None}
+    # every engine option the server's parser has (the model aside)
+    knobs = {k: getattr(args, k) for k in EngineArgs.__dataclass_fields__
+             if k != "model" and getattr(args, k, None) is not None}
     try:
         app = build(args.model, engine_kwargs=knobs, model_name=args.served_model_name, api_key=args.api_key,
                     num_replicas=args.replicas if args.autoscale is None else None,
