@@ -183,10 +183,6 @@ def build(model: str, *, engine_kwargs: Optional[dict] = None, model_name: Optio
         model, engine_kwargs, model_name=model_name or model, api_key=api_key, app_kwargs=app_kwargs)
 
 
-_BUILDER_KEYS = {"model", "model_name", "api_key", "num_replicas", "autoscale", "target_ongoing_requests",
-                 "max_ongoing_requests", "max_queued_requests", "queue_full_status", "num_cpus"}
-
-
 def app_builder(args: dict):
     """For `serve run conveyor.ray.serve:app_builder model=PATH [num_replicas=N] ...`.
     Keys: model (default $CONVEYOR_MODEL), model_name, api_key, num_replicas, autoscale
@@ -259,13 +255,25 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--target-ongoing-requests", type=float, default=None,
                    help="with --autoscale: requests per replica Serve aims for")
     r.add_argument("--max-ongoing-requests", type=int, default=None, help="requests one replica takes at once")
-    r.add_argument("--max-queued-requests", type=int, default=None,
-                   help="requests the router holds before answering 503/429 (-1: no limit)")
+    # not --max-queued-requests: that name is the engine's own queue limit in each replica
+    r.add_argument("--serve-max-queued-requests", type=int, default=None,
+                   help="requests Serve's router holds before answering 503/429 (-1: no limit)")
     r.add_argument("--queue-full-status", type=int, default=503, choices=[503, 429])
     r.add_argument("--retry-after", type=float, default=None, help="Retry-After seconds on 503/429")
     r.add_argument("--cpus-per-replica", type=float, default=1.0,
                    help="Ray CPUs per replica; also the engine's thread count unless --num-threads")
     return p
+
+
+def _app_options(args) -> dict:
+    """The server options build_app takes (max_body_bytes, ...), from the parsed arguments."""
+    import inspect
+
+    from ..serve import build_app
+
+    skip = {"engine", "model_name", "api_key"}
+    return {k: getattr(args, k) for k in inspect.signature(build_app).parameters
+            if k not in skip and getattr(args, k, None) is not None}
 
 
 def main(argv=None) -> int:
@@ -288,10 +296,11 @@ def main(argv=None) -> int:
         app = build(args.model, engine_kwargs=knobs, model_name=args.served_model_name, api_key=args.api_key,
                     num_replicas=args.replicas if args.autoscale is None else None,
                     autoscaling_config=args.autoscale, target_ongoing_requests=args.target_ongoing_requests,
-                    max_ongoing_requests=args.max_ongoing_requests, max_queued_requests=args.max_queued_requests,
+                    max_ongoing_requests=args.max_ongoing_requests,
+                    max_queued_requests=args.serve_max_queued_requests,
                     queue_full_status=args.queue_full_status, retry_after_s=args.retry_after,
                     ray_actor_options={"num_cpus": args.cpus_per_replica},
-                    app_kwargs={"max_waiting": args.max_waiting, "max_body_bytes": args.max_body_bytes})
+                    app_kwargs=_app_options(args))
     except (ValueError, TypeError) as e:
         print(f"conveyor serve: {e}", file=sys.stderr)
         return 2
