@@ -3,6 +3,7 @@
     conveyor info MODEL [--json] [--tensors]
     conveyor generate ...          -> conveyor.generate.main(argv)
     conveyor serve ...             -> conveyor.serve.main(argv)
+    conveyor serve ... --ray       -> conveyor.ray.serve.main(argv) (Ray Serve replicas)
     conveyor bench NAME ...        -> conveyor.bench.NAME.main(argv), NAME in BENCHMARKS
     conveyor fetch-model           -> conveyor.default_model.main(argv)
 
@@ -131,7 +132,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         prog = f"conveyor {cmd}"
         try:
-            func = _resolve(SUBCOMMANDS[cmd][0], prog)
+            target = SUBCOMMANDS[cmd][0]
+            if cmd == "serve" and "--ray" in rest:  # replicas on Ray Serve (the `ray` extra)
+                target = "conveyor.ray.serve:main"
+            func = _resolve(target, prog)
         except _LoadError as e:
             print(f"{prog}: error: {e}", file=sys.stderr)
             return 1
