@@ -20,7 +20,7 @@ import sys
 from typing import Callable, Sequence
 
 BENCHMARKS: tuple[str, ...] = ("kernels", "roofline", "scheduler", "throughput", "variance", "latency",
-                               "timeline", "serve")
+                               "timeline", "serve", "study")
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "info": ("conveyor.cli:info_main", "summarize a checkpoint (format, shapes, parameters, bytes)"),
