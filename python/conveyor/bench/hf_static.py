@@ -27,14 +27,14 @@ def _torch_dtype(torch, name: str):
 def load_model(model_dir: str, *, dtype: str, device: str = "cpu"):
     """The HF model in ``dtype`` on ``device``, in eval mode."""
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM
 
     td = _torch_dtype(torch, dtype)
-    try:  # transformers >= 4.56 calls it dtype; older ones torch_dtype
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=td)
-    except TypeError:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=td)
-    return model.to(device).eval()
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"  # renamed in 4.56
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **{kw: td})
+    return model.to(device=device, dtype=td).eval()
 
 
 def _cache_bytes(cache) -> Optional[int]:
@@ -110,7 +110,7 @@ def run_static(model, prompts: Sequence[Sequence[int]], output_lens: Sequence[in
                 sync()
                 t = time.perf_counter() - t0
                 gen = out.sequences[:, width:].cpu()
-                kv = _cache_bytes(getattr(out, "past_key_values", None))
+                kv = _cache_bytes(getattr(out, "cache", None) or getattr(out, "past_key_values", None))
                 if kv is not None:
                     kv_peak = max(kv_peak or 0, kv)
                 del out

@@ -275,7 +275,8 @@ def run_study(model: str, *, num_requests: int, prompt_len: int, mean_output: in
               caps: Sequence[int], kv_tokens: int = DEFAULT_KV_TOKENS, batch_size: Optional[int] = None,
               systems: Sequence[str] = SYSTEMS, dtype: str = "auto", device: str = "cpu",
               threads: Optional[int] = None, block_size: int = 16, seed: int = 0,
-              return_tokens: bool = False, progress: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
+              hf_dtype: Optional[str] = None, return_tokens: bool = False,
+              progress: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
     """Every system on every cap's workload; returns a JSON-ready dict."""
     say = progress or (lambda s: None)
     for s in systems:
@@ -290,6 +291,7 @@ def run_study(model: str, *, num_requests: int, prompt_len: int, mean_output: in
     cfg = common.checkpoint_config(model)
     dtype = cfg.get("dtype", "float32") if dtype == "auto" else dtype
     per_token = kv_bytes_per_token(cfg, dtype)
+    hf_dtype = hf_dtype or dtype
     skipped = {s: why for s in systems if (why := system_available(s))}
     for s, why in skipped.items():
         say(f"skipping {LABELS[s]}: {why}")
@@ -316,7 +318,8 @@ def run_study(model: str, *, num_requests: int, prompt_len: int, mean_output: in
             for s in run:
                 spec = {"system": s, "cap": int(cap), "model": str(model), "workload": wl_path,
                         "batch_size": 256 if s in ("conveyor_continuous", "vllm") else plan["batch_size"],
-                        "kv_pool_bytes": pool_bytes, "dtype": dtype, "device": device,
+                        "kv_pool_bytes": pool_bytes, "device": device,
+                        "dtype": hf_dtype if s == "hf_static" else dtype,
                         "threads": threads, "block_size": block_size, "return_tokens": return_tokens}
                 t = time.perf_counter()
                 res = run_in_subprocess(spec, tmp)
@@ -344,6 +347,7 @@ def run_study(model: str, *, num_requests: int, prompt_len: int, mean_output: in
         "knobs": {"num_requests": num_requests, "prompt_len": prompt_len, "mean_output": mean_output,
                   "caps": [int(c) for c in caps], "kv_tokens": kv_tokens, "batch_size": batch_size,
                   "block_size": block_size, "seed": seed, "device": device, "greedy": True,
+                  "hf_dtype": hf_dtype,
                   "ignore_eos": True, "kv_bytes_per_token": per_token},
         "systems": list(systems),
         "skipped": skipped,
@@ -375,11 +379,14 @@ def table_rows(r: Dict[str, Any]) -> List[List[str]]:
         for s, res in row["systems"].items():
             e2e = res.get("e2e") or {}
             kv = res.get("kv_bytes_peak")
-            out.append([str(row["cap"]), f"{row['workload']['output_len_mean']:.1f}", LABELS[s],
+            label = LABELS[s]
+            if s == "hf_static" and r["knobs"].get("hf_dtype") not in (None, r["model"]["dtype"]):
+                label += f", {r['knobs']['hf_dtype']}"
+            out.append([str(row["cap"]), f"{row['workload']['output_len_mean']:.1f}", label,
                         _fmt(res.get("batch_size") if s in ("hf_static", "conveyor_static") else None, "d"),
                         f"{res['output_tokens_per_s']:.1f}", _fmt(res.get("ratio_to_naive"), ".2f"),
                         _fmt(e2e.get("p50"), ".2f"), _fmt(e2e.get("p99"), ".2f"),
-                        _fmt(kv / 2**20 if kv is not None else None, ".1f"),
+                        _fmt(kv / 2**20 if kv is not None else None, ".2f"),
                         _fmt(res.get("steps"), "d"), _fmt(res.get("preemptions"), "d")])
     return out
 
@@ -489,6 +496,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--systems", default=",".join(SYSTEMS),
                     help=f"comma-separated subset of {','.join(SYSTEMS)}")
     ap.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, float16, bfloat16")
+    ap.add_argument("--hf-dtype", default=None,
+                    help="dtype of the HF baseline (default: --dtype). torch's bfloat16 GEMM is a slow "
+                         "path on CPUs without AVX512-BF16; float32 is the fairer baseline there")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--num-threads", type=int, default=None, help="threads per system (default: usable cores)")
     ap.add_argument("--block-size", type=int, default=16)
@@ -528,7 +538,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       kv_tokens=kv or DEFAULT_KV_TOKENS, batch_size=args.batch_size,
                       systems=[s for s in args.systems.split(",") if s], dtype=args.dtype,
                       device=args.device, threads=args.num_threads, block_size=args.block_size,
-                      seed=args.seed, progress=say)
+                      seed=args.seed, hf_dtype=args.hf_dtype, progress=say)
     except (ValueError, RuntimeError) as e:
         raise SystemExit(f"conveyor bench study: {e}")
     print_report(r, markdown=args.markdown)
