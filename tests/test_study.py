@@ -162,7 +162,7 @@ def test_a_batch_runs_exactly_to_its_longest_member(hf_tiny):
     assert r["steps"] == 17
     # only each request's own tokens count; the padding and the tokens a row computed
     # for its batch's longest member do not
-    assert r["output_tokens"] == sum(outs) == 22
+    assert r["output_tokens"] == sum(outs) == 22 and r["own_tokens"] == outs
     assert r["computed_output_tokens"] == 2 * 11 + 2 * 5 + 1
     assert [len(t) for t in r["tokens"]] == outs
     # a request is done when its batch is: latencies rise batch by batch, equal within one

@@ -82,6 +82,7 @@ def run_static(model, prompts: Sequence[Sequence[int]], output_lens: Sequence[in
     model.generation_config.eos_token_id = None
     sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
     tokens: List[Optional[List[int]]] = [None] * len(prompts)
+    own = [0] * len(prompts)  # each request's own tokens, as generated
     e2e = [0.0] * len(prompts)
     batches = []
     kv_peak = None
@@ -119,6 +120,7 @@ def run_static(model, prompts: Sequence[Sequence[int]], output_lens: Sequence[in
                                 "kv_cache_bytes": kv})
                 for row, i in enumerate(idx):
                     e2e[i] = t
+                    own[i] = min(int(output_lens[i]), int(gen.shape[1]))
                     if return_tokens:
                         tokens[i] = gen[row, :int(output_lens[i])].tolist()
     finally:
@@ -127,7 +129,8 @@ def run_static(model, prompts: Sequence[Sequence[int]], output_lens: Sequence[in
     wall = time.perf_counter() - t0
     res: Dict[str, Any] = {
         "wall_s": wall,
-        "output_tokens": int(sum(int(n) for n in output_lens)),  # each request's own tokens only
+        "output_tokens": int(sum(own)),  # each request's own tokens only
+        "own_tokens": own,
         "computed_output_tokens": int(sum(b["requests"] * b["generated_width"] for b in batches)),
         "e2e_s": e2e,
         "steps": int(sum(b["forwards"] for b in batches)),

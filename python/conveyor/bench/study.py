@@ -156,9 +156,7 @@ def run_hf(spec: Dict[str, Any], prompts, output_lens, digest) -> Dict[str, Any]
     hf_static.run_static(model, [p[:8] for p in prompts[:2]], [2, 2], batch_size=2, device=spec["device"])
     r = hf_static.run_static(model, prompts, output_lens, batch_size=spec["batch_size"],
                              device=spec["device"], return_tokens=spec.get("return_tokens", False))
-    got = [int(n) for n in output_lens]  # the runner slices each request's own tokens
-    if r.get("tokens") is not None:
-        got = [len(t) for t in r["tokens"]]
+    got = [len(t) for t in r["tokens"]] if r.get("tokens") is not None else r["own_tokens"]
     extra = {"batch_size": spec["batch_size"], "computed_output_tokens": r["computed_output_tokens"],
              "batches": len(r["batches"]), "versions": _versions("torch", "transformers"),
              "threads": torch.get_num_threads()}
