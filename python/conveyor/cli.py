@@ -30,6 +30,7 @@ BENCHMARK_HELP: dict[str, str] = {
     "latency": "TTFT / TPOT / end-to-end latency under Poisson arrivals (in process)",
     "timeline": "which sequence sits in which batch slot at every step (a plot)",
     "serve": "latency under Poisson load against the HTTP server",
+    "study": "the study: HF static batching vs Conveyor static and continuous (and vLLM if present)",
 }
 BENCHMARKS: tuple[str, ...] = tuple(BENCHMARK_HELP)
 
