@@ -169,6 +169,7 @@ static void softmax_step_plain(float *sc, int nk, float *m, float *l, float *alp
 }
 
 #if CV_HAVE_AVX2
+CV_TARGET_AVX2_BEGIN
 static CV_ALWAYS_INLINE __m256 kv_load8(const void *p, cv_dtype dt, int64_t d) {
     if (dt == CV_F32) return _mm256_loadu_ps((const float *)p + d);
     if (dt == CV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + d)));
@@ -386,6 +387,7 @@ static void softmax_step_avx2(float *sc, int nk, float *m, float *l, float *alph
     }
     for (int i = nval > 0 ? nval : 0; i < nk; i++) sc[i] = 0.0f;
 }
+CV_TARGET_END
 #endif
 
 /* ------------------------------------------------------------------------ */

@@ -9,11 +9,18 @@
 #include "../backend.h"
 #include "threadpool.h"
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include "cpu_features.h"
+
+/* The SIMD paths are compiled on every x86-64 build, each function for its
+ * own target (CV_TARGET_*_BEGIN/END in cpu_features.h), and chosen at run
+ * time from cv_cpu.simd; no -march is needed. */
+#if defined(__x86_64__) || defined(__i386__)
 #define CV_HAVE_AVX2 1
+#define CV_HAVE_AVX512 1
 #include <immintrin.h>
 #else
 #define CV_HAVE_AVX2 0
+#define CV_HAVE_AVX512 0
 #endif
 
 #define CV_ALWAYS_INLINE inline __attribute__((always_inline))
@@ -42,7 +49,8 @@
 typedef struct cv_cpu {
     cv_pool *pool;
     int nthreads;
-    int simd;                /* 1: AVX2 kernels, 0: plain C */
+    int simd;                /* a cv_simd_level: CV_SIMD_SCALAR is plain C; a kernel without a
+                              * version at this level runs the best one below it */
     float *att_scratch;      /* [nthreads][att_scratch_floats] */
     size_t att_scratch_floats;
     float *att_partials;     /* [4*nthreads][att_partial_floats] (m, l, acc) of split parts */
@@ -66,6 +74,19 @@ static inline int cv_threads_for(const cv_cpu *c, double work, double grain) {
     if (t < 1) return 1;
     if (t >= c->nthreads) return c->nthreads;
     return (int)t;
+}
+
+/* Kernel families and the highest SIMD level each has code for: at level L a
+ * family runs min(L, top) (kernel_info reports it). */
+typedef struct cv_cpu_family {
+    const char *name;
+    cv_simd_level top;
+} cv_cpu_family;
+extern const cv_cpu_family cv_cpu_families[];
+extern const int cv_cpu_n_families;
+static inline cv_simd_level cv_cpu_family_path(int family, cv_simd_level level) {
+    const cv_simd_level top = cv_cpu_families[family].top;
+    return level < top ? level : top;
 }
 
 /* backend_cpu.c: checks the arguments common to matrix_prepare and
@@ -101,8 +122,10 @@ void cv_cpu_widen(float *dst, const void *src, cv_dtype dt, int64_t n, int simd)
 /* Narrows n float32 values into dtype dt (round to nearest even). */
 void cv_cpu_narrow(void *dst, cv_dtype dt, const float *src, int64_t n, int simd);
 #if CV_HAVE_AVX2
+CV_TARGET_AVX2_BEGIN
 /* exp(x) for 8 lanes (relative error ~2 ulp; -inf gives 0). */
 __m256 cv_exp256(__m256 x);
+CV_TARGET_END
 #endif
 
 /* attention.c */

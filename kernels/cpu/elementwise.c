@@ -13,6 +13,25 @@
 /* ------------------------------------------------------------------------ */
 /* Conversions                                                               */
 
+#if CV_HAVE_AVX2
+CV_TARGET_AVX2_BEGIN
+/* The 8-wide part of cv_cpu_widen from a 16-bit dtype; returns the count done. */
+static int64_t widen_avx2(float *dst, const uint16_t *s, cv_dtype dt, int64_t n) {
+    int64_t i = 0;
+    if (dt == CV_BF16) {
+        for (; i + 8 <= n; i += 8) {
+            __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + i)));
+            _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+        }
+    } else {
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+    }
+    return i;
+}
+CV_TARGET_END
+#endif
+
 void cv_cpu_widen(float *dst, const void *src, cv_dtype dt, int64_t n, int simd) {
     int64_t i = 0;
     if (dt == CV_F32) {
@@ -21,17 +40,7 @@ void cv_cpu_widen(float *dst, const void *src, cv_dtype dt, int64_t n, int simd)
     }
     const uint16_t *s = src; /* [n] */
 #if CV_HAVE_AVX2
-    if (simd) {
-        if (dt == CV_BF16) {
-            for (; i + 8 <= n; i += 8) {
-                __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + i)));
-                _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
-            }
-        } else {
-            for (; i + 8 <= n; i += 8)
-                _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
-        }
-    }
+    if (simd >= CV_SIMD_AVX2) i = widen_avx2(dst, s, dt, n);
 #else
     (void)simd;
 #endif
@@ -42,6 +51,7 @@ void cv_cpu_widen(float *dst, const void *src, cv_dtype dt, int64_t n, int simd)
 }
 
 #if CV_HAVE_AVX2
+CV_TARGET_AVX2_BEGIN
 /* Round-to-nearest-even float32 -> bfloat16 of 8 lanes (NaN stays a quiet NaN). */
 static inline __m128i f32_to_bf16_8(__m256 x) {
     const __m256i u = _mm256_castps_si256(x);
@@ -56,6 +66,21 @@ static inline __m128i f32_to_bf16_8(__m256 x) {
     const __m256i packed = _mm256_packus_epi32(r, _mm256_setzero_si256());
     return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
 }
+
+/* The 8-wide part of cv_cpu_narrow into a 16-bit dtype; returns the count done. */
+static int64_t narrow_avx2(uint16_t *d, cv_dtype dt, const float *src, int64_t n) {
+    int64_t i = 0;
+    if (dt == CV_BF16) {
+        for (; i + 8 <= n; i += 8)
+            _mm_storeu_si128((__m128i *)(d + i), f32_to_bf16_8(_mm256_loadu_ps(src + i)));
+    } else {
+        for (; i + 8 <= n; i += 8)
+            _mm_storeu_si128((__m128i *)(d + i),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    }
+    return i;
+}
+CV_TARGET_END
 #endif
 
 void cv_cpu_narrow(void *dst, cv_dtype dt, const float *src, int64_t n, int simd) {
@@ -66,16 +91,7 @@ void cv_cpu_narrow(void *dst, cv_dtype dt, const float *src, int64_t n, int simd
     }
     uint16_t *d = dst; /* [n] */
 #if CV_HAVE_AVX2
-    if (simd) {
-        if (dt == CV_BF16) {
-            for (; i + 8 <= n; i += 8)
-                _mm_storeu_si128((__m128i *)(d + i), f32_to_bf16_8(_mm256_loadu_ps(src + i)));
-        } else {
-            for (; i + 8 <= n; i += 8)
-                _mm_storeu_si128((__m128i *)(d + i),
-                                 _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
-        }
-    }
+    if (simd >= CV_SIMD_AVX2) i = narrow_avx2(d, dt, src, n);
 #else
     (void)simd;
 #endif
@@ -86,6 +102,7 @@ void cv_cpu_narrow(void *dst, cv_dtype dt, const float *src, int64_t n, int simd
 }
 
 #if CV_HAVE_AVX2
+CV_TARGET_AVX2_BEGIN
 /* exp(x) on 8 lanes: x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6
  * polynomial (Cephes expf coefficients), 2^n through the exponent bits.
  * Below about -87.3 the result is 0 (so -inf gives 0). */
@@ -117,6 +134,7 @@ static inline float hsum256(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+CV_TARGET_END
 #endif
 
 /* ------------------------------------------------------------------------ */
@@ -131,6 +149,7 @@ static void rms_row_plain(float *out, const float *x, const float *w, int64_t di
 }
 
 #if CV_HAVE_AVX2
+CV_TARGET_AVX2_BEGIN
 static void rms_row_avx2(float *out, const float *x, const float *w, int64_t dim, float eps) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     int64_t i = 0;
@@ -160,6 +179,7 @@ static void add_row_avx2(float *x, const float *r, int64_t dim) {
         _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(r + i)));
     for (; i < dim; i++) x[i] += r[i];
 }
+CV_TARGET_END
 #endif
 
 typedef struct norm_job {
@@ -250,6 +270,7 @@ static void rope_head_plain(float *x, int64_t hd, cv_rope_layout layout, int64_t
 }
 
 #if CV_HAVE_AVX2
+CV_TARGET_AVX2_BEGIN
 /* cs2/sn2[2m] hold, for PAIRS, (c, c) and (-s, s) per frequency. */
 static void rope_head_avx2(float *x, int64_t hd, cv_rope_layout layout, int64_t i0, int64_t m,
                            const float *cs, const float *sn, const float *cs2, const float *sn2) {
@@ -283,6 +304,7 @@ static void rope_head_avx2(float *x, int64_t hd, cv_rope_layout layout, int64_t 
         }
     }
 }
+CV_TARGET_END
 #endif
 
 static void rope_fn(void *arg, int tid, int nth) {
@@ -357,6 +379,23 @@ typedef struct swiglu_job {
     int simd;
 } swiglu_job;
 
+#if CV_HAVE_AVX2
+CV_TARGET_AVX2_BEGIN
+/* The 8-wide part of a SwiGLU row; returns the count done. */
+static int64_t swiglu_row_avx2(float *o, const float *g, const float *u, int64_t dim) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    int64_t i = 0;
+    for (; i + 8 <= dim; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 e = cv_exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+    }
+    return i;
+}
+CV_TARGET_END
+#endif
+
 static void swiglu_fn(void *arg, int tid, int nth) {
     const swiglu_job *j = arg;
     const int64_t t0 = j->n * tid / nth, t1 = j->n * (tid + 1) / nth;
@@ -366,15 +405,7 @@ static void swiglu_fn(void *arg, int tid, int nth) {
         float *o = j->out + (size_t)t * (size_t)j->dim;
         int64_t i = 0;
 #if CV_HAVE_AVX2
-        if (j->simd) {
-            const __m256 one = _mm256_set1_ps(1.0f);
-            for (; i + 8 <= j->dim; i += 8) {
-                const __m256 gv = _mm256_loadu_ps(g + i);
-                const __m256 e = cv_exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-                const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
-                _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
-            }
-        }
+        if (j->simd >= CV_SIMD_AVX2) i = swiglu_row_avx2(o, g, u, j->dim);
 #endif
         for (; i < j->dim; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }

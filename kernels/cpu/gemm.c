@@ -202,6 +202,7 @@ static void ukr_plain(int mr, cv_dtype dt, int64_t kc, const float *x, int64_t l
 UKR_TABLE(PLAIN_UKR, plain_, plain_table)
 
 #if CV_HAVE_AVX2
+CV_TARGET_AVX2_BEGIN
 /* Widens the 16 weights of panel row k into w0 (outputs 0..7) and w1 (8..15). */
 static CV_ALWAYS_INLINE void load_w16(const cv_dtype dt, const void *w, int64_t k, __m256 *w0,
                                       __m256 *w1) {
@@ -317,6 +318,7 @@ static CV_ALWAYS_INLINE void ukr_avx2(const int mr, const cv_dtype dt, const int
             ukr_avx2(MR, DT, 1, kc, x, ldx, w, c, ldc, nvalid, bias, load_c);                   \
     }
 UKR_TABLE(AVX_UKR, avx_, avx_table)
+CV_TARGET_END
 #endif
 
 /* ------------------------------------------------------------------------ */
