@@ -56,6 +56,9 @@ class BuildExt(build_ext):
         march = os.environ.get("CONVEYOR_MARCH", "none")
         if march != "none" and compiler_accepts(cc, f"-march={march}"):
             flags.append(f"-march={march}")
+        else:
+            march = "none"
+        flags.append(f'-DCV_BUILD_MARCH="{march}"')
         link = ["-pthread", "-lm", "-ldl"]
         if sanitize:
             link += ["-fsanitize=address,undefined"]

@@ -411,7 +411,7 @@ static PyObject *py_kernel_read_bw(PyObject *self, PyObject *args, PyObject *kw)
 /* {feature: bool} of the CPU. */
 static PyObject *features_dict(void) {
     const cv_cpu_features *f = cv_cpu_features_get();
-    return Py_BuildValue("{s:O,s:O,s:O,s:O,s:O,s:O,s:O,s:O,s:O,s:O,s:O}", "avx2", PyBool_FromLong(f->avx2),
+    return Py_BuildValue("{s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N}", "avx2", PyBool_FromLong(f->avx2),
                          "fma", PyBool_FromLong(f->fma), "f16c", PyBool_FromLong(f->f16c), "avx512f",
                          PyBool_FromLong(f->avx512f), "avx512bw", PyBool_FromLong(f->avx512bw), "avx512vl",
                          PyBool_FromLong(f->avx512vl), "avx512dq", PyBool_FromLong(f->avx512dq),
@@ -436,6 +436,15 @@ static PyObject *paths_dict(cv_simd_level level) {
     return d;
 }
 
+#ifndef CV_BUILD_MARCH
+#define CV_BUILD_MARCH "unknown"
+#endif
+#ifdef __AVX2__
+#define CV_BASELINE_AVX2 1 /* the whole module may use AVX2 (built with -march) */
+#else
+#define CV_BASELINE_AVX2 0
+#endif
+
 static PyObject *py_kernel_info(PyObject *self, PyObject *noargs) {
     (void)self;
     (void)noargs;
@@ -455,10 +464,11 @@ static PyObject *py_kernel_info(PyObject *self, PyObject *noargs) {
     PyObject *feat = features_dict(), *paths = paths_dict(level);
     PyObject *r = NULL;
     if (levels && feat && paths)
-        r = Py_BuildValue("{s:s,s:s,s:O,s:O,s:O,s:z,s:i,s:i,s:i,s:i,s:O}", "simd", cv_simd_name(level),
+        r = Py_BuildValue("{s:s,s:s,s:O,s:O,s:O,s:z,s:s,s:O,s:i,s:i,s:i,s:i,s:O}", "simd", cv_simd_name(level),
                           "best", cv_simd_name(cv_simd_best()), "levels", levels, "cpu_features", feat,
                           "paths", paths, "simd_error",
                           rc == CV_SIMD_OK ? NULL : (rc == CV_SIMD_UNKNOWN ? "unknown level" : "unsupported level"),
+                          "build_march", CV_BUILD_MARCH, "baseline_avx2", CV_BASELINE_AVX2 ? Py_True : Py_False,
                           "cores", cv_cpu_count(), "gemm_nr", CV_NR, "gemm_mr", CV_MR,
                           "attention_max_head_dim", CV_ATT_TILE * CV_ATT_MAX_HD, "force_scalar",
                           level == CV_SIMD_SCALAR ? Py_True : Py_False);
