@@ -111,6 +111,7 @@ def test_gemm_matches_float64_and_plain(wdt, n, rows, cols):
         got[impl] = core.kernel_gemm(x, w, wdt, bias=bias, impl=impl)
         assert got[impl].shape == (n, rows) and got[impl].dtype == np.float32
         assert_close_dot(got[impl], ref_pairs if bf16_pairs(impl, wdt) else ref, scale)
+    for impl in IMPLS:
         # against plain C: rounding x to bf16 moves each product by at most
         # 2^-9 |x w|, so the sum by at most 2^-9 sum |x||w| (plus fp32 sums)
         rel = 2.0 ** -9 + 2e-6 if bf16_pairs(impl, wdt) else 2e-6
