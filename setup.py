@@ -6,6 +6,8 @@ Environment knobs:
                                time, so the module runs on any x86-64; native is opt-in)
   CONVEYOR_SANITIZE=1          AddressSanitizer + UndefinedBehaviorSanitizer build (tests under ASan)
   CONVEYOR_DEBUG=1             -O0 -g
+  CONVEYOR_EMULATE_AVX512=1    development: AVX-512 intrinsics in portable C (SIMDe), so the
+                               AVX-512 kernels run and are tested on any CPU (slowly)
 At run time CONVEYOR_SIMD=scalar|avx2|avx512|avx512_bf16 forces one kernel path
 (CONVEYOR_FORCE_SCALAR=1 is an alias of scalar); conveyor._core.kernel_info() says which runs.
 """
@@ -59,6 +61,8 @@ class BuildExt(build_ext):
         else:
             march = "none"
         flags.append(f'-DCV_BUILD_MARCH="{march}"')
+        if os.environ.get("CONVEYOR_EMULATE_AVX512") == "1":  # development: tools/avx512_emulated.sh
+            flags += ["-DCV_EMULATE_AVX512", "-Wno-psabi", "-I" + os.path.join(ROOT, "tools", "avx512_emu")]
         link = ["-pthread", "-lm", "-ldl"]
         if sanitize:
             link += ["-fsanitize=address,undefined"]

@@ -439,6 +439,11 @@ static PyObject *paths_dict(cv_simd_level level) {
 #ifndef CV_BUILD_MARCH
 #define CV_BUILD_MARCH "unknown"
 #endif
+#ifdef CV_EMULATE_AVX512
+#define CV_EMULATED 1 /* development build: SIMD intrinsics in portable C */
+#else
+#define CV_EMULATED 0
+#endif
 #ifdef __AVX2__
 #define CV_BASELINE_AVX2 1 /* the whole module may use AVX2 (built with -march) */
 #else
@@ -464,11 +469,12 @@ static PyObject *py_kernel_info(PyObject *self, PyObject *noargs) {
     PyObject *feat = features_dict(), *paths = paths_dict(level);
     PyObject *r = NULL;
     if (levels && feat && paths)
-        r = Py_BuildValue("{s:s,s:s,s:O,s:O,s:O,s:z,s:s,s:O,s:i,s:i,s:i,s:i,s:O}", "simd", cv_simd_name(level),
+        r = Py_BuildValue("{s:s,s:s,s:O,s:O,s:O,s:z,s:s,s:O,s:O,s:i,s:i,s:i,s:i,s:O}", "simd", cv_simd_name(level),
                           "best", cv_simd_name(cv_simd_best()), "levels", levels, "cpu_features", feat,
                           "paths", paths, "simd_error",
                           rc == CV_SIMD_OK ? NULL : (rc == CV_SIMD_UNKNOWN ? "unknown level" : "unsupported level"),
                           "build_march", CV_BUILD_MARCH, "baseline_avx2", CV_BASELINE_AVX2 ? Py_True : Py_False,
+                          "emulated", CV_EMULATED ? Py_True : Py_False,
                           "cores", cv_cpu_count(), "gemm_nr", CV_NR, "gemm_mr", CV_MR,
                           "attention_max_head_dim", CV_ATT_TILE * CV_ATT_MAX_HD, "force_scalar",
                           level == CV_SIMD_SCALAR ? Py_True : Py_False);

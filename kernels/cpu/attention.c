@@ -193,7 +193,11 @@ static inline int group_size(int nv, int v0) {
 
 /* Keeps v in a register: stops the compiler from folding a reused load into
  * every FMA (which would cost a load per FMA). */
+#ifdef CV_EMULATE_AVX512
+#define CV_KEEP(v) ((void)0)
+#else
 #define CV_KEEP(v) __asm__("" : "+x"(v))
+#endif
 
 /* Scores of NV (<= 4) vectors against NK (<= 4) keys starting at key i0: a
  * register block of NV x NK dot products (NV * NK <= 12 accumulators), each

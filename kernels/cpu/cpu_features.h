@@ -61,7 +61,10 @@ int cv_simd_from_env(cv_simd_level *out, const char **requested);
 
 /* Brackets for the functions of one SIMD path (both GCC and clang): every
  * function defined between BEGIN and END is compiled for that target. */
-#if defined(__clang__)
+#if defined(CV_EMULATE_AVX512) /* portable intrinsics: no target needed */
+#define CV_TARGET_BEGIN(t)
+#define CV_TARGET_END
+#elif defined(__clang__)
 #define CV_PRAGMA(x) _Pragma(#x)
 #define CV_TARGET_BEGIN(t) CV_PRAGMA(clang attribute push(__attribute__((target(t))), apply_to = function))
 #define CV_TARGET_END CV_PRAGMA(clang attribute pop)

@@ -14,7 +14,11 @@
 /* The SIMD paths are compiled on every x86-64 build, each function for its
  * own target (CV_TARGET_*_BEGIN/END in cpu_features.h), and chosen at run
  * time from cv_cpu.simd; no -march is needed. */
-#if defined(__x86_64__) || defined(__i386__)
+#if defined(CV_EMULATE_AVX512) /* development: portable intrinsics (tools/avx512_emu) */
+#define CV_HAVE_AVX2 1
+#define CV_HAVE_AVX512 1
+#include "avx512_emu.h"
+#elif defined(__x86_64__) || defined(__i386__)
 #define CV_HAVE_AVX2 1
 #define CV_HAVE_AVX512 1
 #include <immintrin.h>
@@ -125,6 +129,12 @@ void cv_cpu_narrow(void *dst, cv_dtype dt, const float *src, int64_t n, int simd
 CV_TARGET_AVX2_BEGIN
 /* exp(x) for 8 lanes (relative error ~2 ulp; -inf gives 0). */
 __m256 cv_exp256(__m256 x);
+CV_TARGET_END
+#endif
+#if CV_HAVE_AVX512
+CV_TARGET_AVX512_BEGIN
+/* exp(x) for 16 lanes, as cv_exp256. */
+__m512 cv_exp512(__m512 x);
 CV_TARGET_END
 #endif
 

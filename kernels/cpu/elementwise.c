@@ -11,6 +11,132 @@
 #define ROW_GRAIN 16384.0
 
 /* ------------------------------------------------------------------------ */
+/* AVX-512 versions: the AVX2 ones 16 wide, tails by masks.                 */
+
+#if CV_HAVE_AVX512
+CV_TARGET_AVX512_BEGIN
+static CV_ALWAYS_INLINE __mmask16 tail_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+}
+
+static void widen_avx512(float *dst, const uint16_t *s, cv_dtype dt, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = tail_mask(n - i);
+        const __m256i h = _mm256_maskz_loadu_epi16(m, s + i);
+        const __m512 v = dt == CV_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+                                       : _mm512_cvtph_ps(h);
+        _mm512_mask_storeu_ps(dst + i, m, v);
+    }
+}
+
+/* Round-to-nearest-even float32 -> bfloat16 of 16 lanes (NaN stays a quiet
+ * NaN), as f32_to_bf16_8 and cv_f32_to_bf16. */
+static CV_ALWAYS_INLINE __m256i f32_to_bf16_16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+    const __m512i nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), nan);
+    return _mm512_cvtepi32_epi16(r); /* keeps the low 16 bits of each lane */
+}
+
+static void narrow_avx512(uint16_t *d, cv_dtype dt, const float *src, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = tail_mask(n - i);
+        const __m512 v = _mm512_maskz_loadu_ps(m, src + i);
+        const __m256i h = dt == CV_BF16 ? f32_to_bf16_16(v) : _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+        _mm256_mask_storeu_epi16(d + i, m, h);
+    }
+}
+
+/* exp(x) on 16 lanes: cv_exp256's method (same constants, same results). */
+__m512 cv_exp512(__m512 x) {
+    const __m512 hi = _mm512_set1_ps(88.3762626647949f);
+    const __m512 lo = _mm512_set1_ps(-87.3365447505531f);
+    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+    const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mov_ps((__mmask16)~under, _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
+}
+
+static void rms_row_avx512(float *out, const float *x, const float *w, int64_t dim, float eps) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= dim; i += 32) {
+        const __m512 v0 = _mm512_loadu_ps(x + i), v1 = _mm512_loadu_ps(x + i + 16);
+        a0 = _mm512_fmadd_ps(v0, v0, a0);
+        a1 = _mm512_fmadd_ps(v1, v1, a1);
+    }
+    for (; i < dim; i += 16) {
+        const __m512 v = _mm512_maskz_loadu_ps(tail_mask(dim - i), x + i);
+        a0 = _mm512_fmadd_ps(v, v, a0);
+    }
+    const float ss = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    const __m512 vi = _mm512_set1_ps((float)(1.0 / sqrt((double)ss / (double)dim + (double)eps)));
+    for (i = 0; i < dim; i += 16) {
+        const __mmask16 m = tail_mask(dim - i);
+        const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), vi);
+        _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, w + i)));
+    }
+}
+
+static void add_row_avx512(float *x, const float *r, int64_t dim) {
+    for (int64_t i = 0; i < dim; i += 16) {
+        const __mmask16 m = tail_mask(dim - i);
+        _mm512_mask_storeu_ps(x + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, x + i),
+                                                      _mm512_maskz_loadu_ps(m, r + i)));
+    }
+}
+
+/* As rope_head_avx2 (cs2/sn2 for PAIRS), 16 lanes. */
+static void rope_head_avx512(float *x, int64_t hd, cv_rope_layout layout, int64_t i0, int64_t m,
+                             const float *cs, const float *sn, const float *cs2, const float *sn2) {
+    if (layout == CV_ROPE_HALVES) {
+        float *xa = x + i0, *xb = x + i0 + hd / 2;
+        for (int64_t i = 0; i < m; i += 16) {
+            const __mmask16 k = tail_mask(m - i);
+            const __m512 a = _mm512_maskz_loadu_ps(k, xa + i), bb = _mm512_maskz_loadu_ps(k, xb + i);
+            const __m512 c = _mm512_maskz_loadu_ps(k, cs + i), s = _mm512_maskz_loadu_ps(k, sn + i);
+            _mm512_mask_storeu_ps(xa + i, k, _mm512_fmsub_ps(a, c, _mm512_mul_ps(bb, s)));
+            _mm512_mask_storeu_ps(xb + i, k, _mm512_fmadd_ps(bb, c, _mm512_mul_ps(a, s)));
+        }
+    } else {
+        float *xp = x + 2 * i0;
+        for (int64_t i = 0; i < 2 * m; i += 16) { /* 8 pairs per vector */
+            const __mmask16 k = tail_mask(2 * m - i);
+            const __m512 v = _mm512_maskz_loadu_ps(k, xp + i);
+            const __m512 sw = _mm512_permute_ps(v, 0xB1); /* (b, a) per pair */
+            _mm512_mask_storeu_ps(xp + i, k, _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(k, cs2 + i),
+                                                             _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(k, sn2 + i))));
+        }
+    }
+}
+
+static void swiglu_row_avx512(float *o, const float *g, const float *u, int64_t dim) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t i = 0; i < dim; i += 16) {
+        const __mmask16 m = tail_mask(dim - i);
+        const __m512 gv = _mm512_maskz_loadu_ps(m, g + i);
+        const __m512 e = cv_exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, e));
+        _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, u + i)));
+    }
+}
+CV_TARGET_END
+#endif
+
+/* ------------------------------------------------------------------------ */
 /* Conversions                                                               */
 
 #if CV_HAVE_AVX2
@@ -40,6 +166,10 @@ void cv_cpu_widen(float *dst, const void *src, cv_dtype dt, int64_t n, int simd)
     }
     const uint16_t *s = src; /* [n] */
 #if CV_HAVE_AVX2
+    if (simd >= CV_SIMD_AVX512) {
+        widen_avx512(dst, s, dt, n);
+        return;
+    }
     if (simd >= CV_SIMD_AVX2) i = widen_avx2(dst, s, dt, n);
 #else
     (void)simd;
@@ -91,6 +221,10 @@ void cv_cpu_narrow(void *dst, cv_dtype dt, const float *src, int64_t n, int simd
     }
     uint16_t *d = dst; /* [n] */
 #if CV_HAVE_AVX2
+    if (simd >= CV_SIMD_AVX512) {
+        narrow_avx512(d, dt, src, n);
+        return;
+    }
     if (simd >= CV_SIMD_AVX2) i = narrow_avx2(d, dt, src, n);
 #else
     (void)simd;
@@ -198,6 +332,13 @@ static void norm_fn(void *arg, int tid, int nth) {
     for (int64_t t = t0; t < t1; t++) {
         float *xr = j->x + (size_t)t * (size_t)j->dim;
         float *orow = j->out + (size_t)t * (size_t)j->dim;
+#if CV_HAVE_AVX512
+        if (j->simd >= CV_SIMD_AVX512) {
+            if (j->r) add_row_avx512(xr, j->r + (size_t)t * (size_t)j->dim, j->dim);
+            rms_row_avx512(orow, xr, j->w, j->dim, j->eps);
+            continue;
+        }
+#endif
 #if CV_HAVE_AVX2
         if (j->simd) {
             if (j->r) add_row_avx2(xr, j->r + (size_t)t * (size_t)j->dim, j->dim);
@@ -334,12 +475,17 @@ static void rope_fn(void *arg, int tid, int nth) {
                         sn2[2 * i] = -sn[i];
                         sn2[2 * i + 1] = sn[i];
                     }
+                void (*head)(float *, int64_t, cv_rope_layout, int64_t, int64_t, const float *,
+                             const float *, const float *, const float *) = rope_head_avx2;
+#if CV_HAVE_AVX512
+                if (j->simd >= CV_SIMD_AVX512) head = rope_head_avx512;
+#endif
                 for (int64_t h = 0; h < j->n_heads; h++)
-                    rope_head_avx2(j->q + (size_t)t * (size_t)j->q_stride + (size_t)(h * hd), hd,
-                                   layout, i0, m, cs, sn, cs2, sn2);
+                    head(j->q + (size_t)t * (size_t)j->q_stride + (size_t)(h * hd), hd, layout, i0, m,
+                         cs, sn, cs2, sn2);
                 for (int64_t h = 0; h < j->n_kv_heads; h++)
-                    rope_head_avx2(j->k + (size_t)t * (size_t)j->k_stride + (size_t)(h * hd), hd,
-                                   layout, i0, m, cs, sn, cs2, sn2);
+                    head(j->k + (size_t)t * (size_t)j->k_stride + (size_t)(h * hd), hd, layout, i0, m,
+                         cs, sn, cs2, sn2);
                 continue;
             }
 #endif
@@ -404,6 +550,12 @@ static void swiglu_fn(void *arg, int tid, int nth) {
         const float *u = g + j->dim;
         float *o = j->out + (size_t)t * (size_t)j->dim;
         int64_t i = 0;
+#if CV_HAVE_AVX512
+        if (j->simd >= CV_SIMD_AVX512) {
+            swiglu_row_avx512(o, g, u, j->dim);
+            continue;
+        }
+#endif
 #if CV_HAVE_AVX2
         if (j->simd >= CV_SIMD_AVX2) i = swiglu_row_avx2(o, g, u, j->dim);
 #endif
