@@ -10,7 +10,7 @@
 const cv_cpu_family cv_cpu_families[] = {
     {"gemm_f32", CV_SIMD_AVX512}, {"gemm_f16", CV_SIMD_AVX512}, {"gemm_bf16", CV_SIMD_AVX512_BF16},
     {"rmsnorm", CV_SIMD_AVX512},  {"rope", CV_SIMD_AVX512},     {"swiglu", CV_SIMD_AVX512},
-    {"attention", CV_SIMD_AVX2},  {"convert", CV_SIMD_AVX512},
+    {"attention", CV_SIMD_AVX512}, {"convert", CV_SIMD_AVX512},
 };
 const int cv_cpu_n_families = (int)(sizeof cv_cpu_families / sizeof cv_cpu_families[0]);
 
