@@ -161,3 +161,28 @@ def test_default_build_has_no_march_and_runs_avx2():
                "assert np.abs(got - ref).max() < 1e-4\n"
                "print('ok')\n", CONVEYOR_SIMD="avx2")
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+# --------------------------------------------------------------------------- compute peaks
+
+def test_measure_peak_names_the_instruction_of_each_kind():
+    want = {"scalar": "plain C", "avx2": "ymm", "avx512": "zmm", "avx512_bf16": "zmm"}
+    for level in INFO["levels"]:
+        for kind in ("fp32_fma", "bf16_dot", "int8_dot"):
+            r = core.measure_peak(kind, 1, 0.02, impl=level)
+            assert r["kind"] == kind and r["simd"] == level and r["threads"] == 1
+            assert r["gops"] > 0.05, r
+            assert want[level] in r["instruction"], r
+        if level == "avx512_bf16":
+            assert core.measure_peak("bf16_dot", 1, 0.02, impl=level)["instruction"].startswith("vdpbf16ps")
+    if INFO["cpu_features"]["avx512vnni"] and "avx512" in INFO["levels"]:
+        assert "vpdpbusd" in core.measure_peak("int8_dot", 1, 0.02, impl="avx512")["instruction"]
+
+
+def test_measure_peak_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="kind must be"):
+        core.measure_peak("fp64_fma")
+    with pytest.raises(ValueError, match="seconds"):
+        core.measure_peak("fp32_fma", 1, 0.0)
+    with pytest.raises(ValueError, match="threads"):
+        core.measure_peak("fp32_fma", -1)

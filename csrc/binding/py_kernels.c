@@ -408,6 +408,40 @@ static PyObject *py_kernel_read_bw(PyObject *self, PyObject *args, PyObject *kw)
     return bandwidth_hook(args, kw, 1);
 }
 
+static PyObject *py_measure_peak(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *kwlist[] = {"kind", "threads", "seconds", "impl", NULL};
+    static const char *const kinds[] = {"fp32_fma", "bf16_dot", "int8_dot"};
+    const char *kind, *impl = "simd";
+    int threads = 0;
+    double seconds = 0.2;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "s|ids", kwlist, &kind, &threads, &seconds, &impl)) return NULL;
+    int k = -1;
+    for (int i = 0; i < 3; i++)
+        if (strcmp(kind, kinds[i]) == 0) k = i;
+    if (k < 0) {
+        PyErr_Format(PyExc_ValueError, "kind must be 'fp32_fma', 'bf16_dot' or 'int8_dot', got '%s'", kind);
+        return NULL;
+    }
+    if (!(seconds > 0 && seconds <= 60)) {
+        PyErr_SetString(PyExc_ValueError, "seconds must be in (0, 60]");
+        return NULL;
+    }
+    kb_entry *e = get_backend(impl, threads);
+    if (!e) return NULL;
+    const char *instr = "";
+    double gops;
+    KB_RUN(e, gops = cv_cpu_measure_peak(e->b, (cv_peak_kind)k, threads, seconds, &instr));
+    if (gops < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "measure_peak: no time measured");
+        return NULL;
+    }
+    const cv_cpu *c = cv_cpu_of(e->b);
+    return Py_BuildValue("{s:s,s:s,s:s,s:i,s:d}", "kind", kind, "instruction", instr, "simd",
+                         cv_simd_name((cv_simd_level)c->simd), "threads",
+                         threads > 0 && threads < c->nthreads ? threads : c->nthreads, "gops", gops);
+}
+
 /* {feature: bool} of the CPU. */
 static PyObject *features_dict(void) {
     const cv_cpu_features *f = cv_cpu_features_get();
@@ -519,6 +553,10 @@ static PyMethodDef kernel_methods[] = {
      "kernel_triad(n_bytes, repeats=5, threads=0) -> GB/s of a = b + s*c over arrays of n_bytes each"},
     {"kernel_read_bw", (PyCFunction)(void (*)(void))py_kernel_read_bw, METH_VARARGS | METH_KEYWORDS,
      "kernel_read_bw(n_bytes, repeats=5, threads=0) -> GB/s of reading one array of n_bytes"},
+    {"measure_peak", (PyCFunction)(void (*)(void))py_measure_peak, METH_VARARGS | METH_KEYWORDS,
+     "measure_peak(kind, threads=0, seconds=0.2, impl='simd') -> {kind, instruction, simd, threads, gops}\n"
+     "Peak GFLOP/s (int8: GOP/s; 2 per multiply-add) of the instruction the kernels use for kind\n"
+     "('fp32_fma', 'bf16_dot', 'int8_dot'), by register-only loops on threads threads (0: all)."},
     {"kernel_info", (PyCFunction)py_kernel_info, METH_NOARGS, "kernel_info() -> dict: CPU features, the SIMD level chosen (simd), the best, the\n"
      "levels this CPU runs, and the path of each kernel family (paths)"},
     {NULL, NULL, 0, NULL},

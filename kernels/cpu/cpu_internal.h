@@ -148,6 +148,13 @@ void cv_cpu_paged_attention(cv_backend *b, float *out, const float *q, int64_t q
 size_t cv_cpu_att_scratch_floats(void);
 size_t cv_cpu_att_partial_floats(void);
 
+/* peak.c: the compute peak, in GFLOP/s (int8: GOP/s; 2 per multiply-add),
+ * of the instruction the backend's kernels use for kind, by register-only
+ * loops on nth threads (<= 0: all) for about `seconds`; *instr names it.
+ * < 0 on bad arguments. */
+typedef enum cv_peak_kind { CV_PEAK_FP32_FMA = 0, CV_PEAK_BF16_DOT = 1, CV_PEAK_INT8_DOT = 2 } cv_peak_kind;
+double cv_cpu_measure_peak(cv_backend *b, cv_peak_kind kind, int nth, double seconds, const char **instr);
+
 /* backend_cpu.c: STREAM-style triad a = b + s*c over n_bytes of arrays with
  * the backend's pool; returns GB/s (bytes moved: 3 arrays), or < 0 on error. */
 double cv_cpu_triad(cv_backend *b, size_t n_bytes, int repeats);
