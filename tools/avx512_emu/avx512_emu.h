@@ -118,5 +118,7 @@ EMU_FN __m512 emu_mm512_permute_ps(__m512 v, int imm) {
 #define _mm512_reduce_add_ps emu_mm512_reduce_add_ps
 #define _mm512_reduce_max_ps emu_mm512_reduce_max_ps
 #define _mm512_permute_ps emu_mm512_permute_ps
+#undef _mm512_madd_epi16 /* SIMDe 0.7.4's alias takes the wrong arguments */
+#define _mm512_madd_epi16(a, b) simde_mm512_madd_epi16(a, b)
 
 #endif

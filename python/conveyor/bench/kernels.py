@@ -203,7 +203,6 @@ def run_gemm_and_bandwidth(threads: Optional[int] = None,
                 "bf16_gflops": flops / t16 * 1e-9,
             }
             row["f32_vs_numpy"] = row["f32_gflops"] / row["numpy_gflops"]
-            row["_t32"], row["_t16"] = t32, t16
             row["bf16_vs_numpy"] = row["bf16_gflops"] / row["numpy_gflops"]
             if n == 1:
                 row["f32_gbs"] = rows * cols * 4 / t32 * 1e-9
@@ -213,7 +212,6 @@ def run_gemm_and_bandwidth(threads: Optional[int] = None,
         del m32, m16
     peaks = merge_peaks(peaks, compute_peaks(nthreads, peak_seconds))
     for row in rows_out:
-        row.pop("_t32"), row.pop("_t16")
         row["f32_of_peak"] = row["f32_gflops"] / peaks[PEAK_OF_DTYPE["float32"]]["all_gops"]
         row["bf16_of_peak"] = row["bf16_gflops"] / peaks[PEAK_OF_DTYPE["bfloat16"]]["all_gops"]
     return {
