@@ -106,6 +106,13 @@ EMU_FN __m512 emu_mm512_permute_ps(__m512 v, int imm) {
     for (int i = 0; i < 16; i++) o[i] = a[(i & ~3) + ((imm >> (2 * (i & 3))) & 3)];
     EMU_RET(__m512, o);
 }
+EMU_FN int emu_mm512_reduce_add_epi32(__m512i v) {
+    EMU_LANES(uint32_t, 16, v, a);
+    uint32_t s = 0;
+    for (int i = 0; i < 16; i++) s += a[i];
+    return (int)s;
+}
+#define _mm512_reduce_add_epi32 emu_mm512_reduce_add_epi32
 #define _mm512_maskz_loadu_ps emu_mm512_maskz_loadu_ps
 #define _mm512_mask_storeu_ps emu_mm512_mask_storeu_ps
 #define _mm256_maskz_loadu_epi16 emu_mm256_maskz_loadu_epi16
