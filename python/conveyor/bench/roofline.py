@@ -151,13 +151,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--prefill-len", type=int, default=512, help="tokens per prefill prompt")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(list(argv) if argv is not None else None)
     if a.model is None:
         from ..generate import default_model
 
         a.model = str(default_model())
-    r = run(a.model, a.threads, a.dtype, a.decode_tokens)
+    r = run(a.model, a.threads, a.dtype, a.decode_tokens, prefill_len=a.prefill_len)
     print(format_table(r))
     if a.json:
         with open(a.json, "w") as f:
