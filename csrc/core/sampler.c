@@ -16,6 +16,8 @@
  * nothing sorts the whole vocabulary. */
 #include "sampler.h"
 
+#include "../../kernels/cpu/cpu_features.h" /* CV_VECTOR_CLONES */
+
 #include <float.h>
 #include <math.h>
 #include <stdlib.h>
@@ -176,7 +178,7 @@ void cv_sampler_destroy(cv_sampler *s) {
 
 /* ---- vectorizable passes ---------------------------------------------- */
 
-static void sanitize(float *x /* [n] */, int64_t n) {
+CV_VECTOR_CLONES static void sanitize(float *x /* [n] */, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         float v = x[i];
         v = v != v ? -INFINITY : v;
@@ -185,7 +187,7 @@ static void sanitize(float *x /* [n] */, int64_t n) {
 }
 
 /* Largest value of x[0..n) (NaN-free), in eight lanes. */
-static float max_value(const float *x /* [n] */, int64_t n) {
+CV_VECTOR_CLONES static float max_value(const float *x /* [n] */, int64_t n) {
     float lane[8];
     int64_t i = 0;
     for (int j = 0; j < 8; j++) lane[j] = -INFINITY;
@@ -230,7 +232,7 @@ static inline float exp_nonpos(float x) {
 
 /* w[i] = exp((l[i] - m) * inv_t), 0 where that is below cut; bsum gets the
  * sums per block. Returns the total. */
-static double dense_weights(float *restrict w /* [n] */, double *restrict bsum /* [n/BLOCK] */,
+CV_VECTOR_CLONES static double dense_weights(float *restrict w /* [n] */, double *restrict bsum /* [n/BLOCK] */,
                             const float *restrict l /* [n] */, int64_t n, float m, float inv_t,
                             float cut) {
     for (int64_t i = 0; i < n; i++) {
@@ -254,7 +256,7 @@ static double dense_weights(float *restrict w /* [n] */, double *restrict bsum /
 }
 
 /* sum of exp(x[i] - m) over x[0..n) */
-static double sum_exp(const float *x /* [n] */, int64_t n, float m) {
+CV_VECTOR_CLONES static double sum_exp(const float *x /* [n] */, int64_t n, float m) {
     float lane[8] = {0};
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
@@ -444,7 +446,7 @@ static int64_t heap_top_k(int32_t *heap /* [k] */, const float *l /* [vocab] */,
 }
 
 /* Maximum of each block of 16 values: bm[b] = max x[16b .. 16b+16). */
-static void block_max16(float *restrict bm /* [n / 16] */, const float *restrict x /* [n] */,
+CV_VECTOR_CLONES static void block_max16(float *restrict bm /* [n / 16] */, const float *restrict x /* [n] */,
                         int64_t n) {
     for (int64_t b = 0; b < n / 16; b++) {
         const float *v = x + 16 * b;
