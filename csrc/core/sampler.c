@@ -199,10 +199,17 @@ CV_VECTOR_CLONES static float max_value(const float *x /* [n] */, int64_t n) {
     return m;
 }
 
-/* Lowest id among the largest values (all -inf: 0). */
-static int32_t argmax(const float *x /* [n] */, int64_t n) {
-    float m = max_value(x, n);
-    for (int64_t i = 0; i < n; i++)
+/* Lowest id among the largest values (all -inf: 0): the maximum, then the
+ * first block of 16 holding it (a test that vectorizes), then its id. */
+CV_VECTOR_CLONES static int32_t argmax(const float *x /* [n] */, int64_t n) {
+    const float m = max_value(x, n);
+    int64_t b = 0;
+    for (; b + 16 <= n; b += 16) {
+        int hit = 0;
+        for (int j = 0; j < 16; j++) hit |= x[b + j] == m;
+        if (hit) break;
+    }
+    for (int64_t i = b; i < n; i++)
         if (x[i] == m) return (int32_t)i;
     return 0;
 }

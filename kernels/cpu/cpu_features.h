@@ -78,6 +78,7 @@ int cv_simd_from_env(cv_simd_level *out, const char **requested);
  * the function, chosen once by the loader (ifunc). No FMA contraction in C11
  * mode, and explicit lanes in the source, so both copies give the same bits. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__AVX2__) && !defined(CV_EMULATE_AVX512) && \
+    !defined(CV_NO_VECTOR_CLONES) && \
     defined(__linux__)
 #define CV_VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
 #else
