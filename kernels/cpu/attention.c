@@ -785,7 +785,8 @@ void cv_cpu_paged_attention(cv_backend *b, float *out, const float *q, int64_t q
         }
     }
     const int64_t units = n_items * j.parts;
-    cv_pool_run(c->pool, (int)(units < nth ? units : nth), att_fn, &j);
+    /* items are claimed from j.next: a late worker only takes fewer */
+    cv_pool_run_dynamic(c->pool, (int)(units < nth ? units : nth), att_fn, &j, 1);
 }
 
 
@@ -798,6 +799,7 @@ typedef struct kvw_job {
     int64_t k_stride, v_stride, n;
     const int64_t *slots;      /* [n] */
     int simd;
+    cv_rows *rows;             /* claimed in chunks (dynamic region) */
 } kvw_job;
 
 static void kvw_fn(void *arg, int tid, int nth) {
@@ -805,7 +807,9 @@ static void kvw_fn(void *arg, int tid, int nth) {
     const cv_kv_layer *c = j->cache;
     const int64_t hd = c->head_dim, bs = c->block_size, nkv = c->n_kv_heads;
     const size_t esz = cv_dtype_size(c->dtype);
-    const int64_t t0 = j->n * tid / nth, t1 = j->n * (tid + 1) / nth;
+    (void)tid;
+    (void)nth;
+    for (int64_t t0, t1; cv_rows_claim(j->rows, &t0, &t1);)
     for (int64_t t = t0; t < t1; t++) {
         const int64_t slot = j->slots[t];
         if (slot < 0) continue;
@@ -829,5 +833,7 @@ void cv_cpu_kv_write(cv_backend *b, cv_kv_layer *cache, const float *k, int64_t 
                  .n = n, .slots = slot_mapping, .simd = c->simd};
     int nth = cv_threads_for(c, (double)n * (double)(cache->n_kv_heads * cache->head_dim) * 2.0, 65536.0);
     if (nth > n) nth = (int)n;
-    cv_pool_run(c->pool, nth, kvw_fn, &j);
+    cv_rows rows;
+    j.rows = &rows;
+    cv_cpu_run_rows(c, nth, &rows, n, kvw_fn, &j);
 }

@@ -93,6 +93,33 @@ static inline cv_simd_level cv_cpu_family_path(int family, cv_simd_level level) 
     return level < top ? level : top;
 }
 
+/* Rows [0, n) handed out in chunks from a shared counter, for the row
+ * kernels' dynamic pool regions: a thread that starts late (asleep, or
+ * descheduled on a busy machine) only takes fewer rows. */
+typedef struct cv_rows {
+    _Alignas(64) atomic_llong next;
+    int64_t n, chunk;
+} cv_rows;
+
+/* Next chunk [*t0, *t1); 0 when none is left. */
+static inline int cv_rows_claim(cv_rows *r, int64_t *t0, int64_t *t1) {
+    const int64_t s = atomic_fetch_add_explicit(&r->next, r->chunk, memory_order_relaxed);
+    if (s >= r->n) return 0;
+    *t0 = s;
+    *t1 = s + r->chunk < r->n ? s + r->chunk : r->n;
+    return 1;
+}
+
+/* Runs fn(job) on nth threads of a dynamic region over n rows (about four
+ * chunks per thread); fn takes its rows with cv_rows_claim(rows, ...). */
+static inline void cv_cpu_run_rows(cv_cpu *c, int nth, cv_rows *rows, int64_t n, cv_pool_fn fn, void *job) {
+    const int64_t chunk = n / (4 * (int64_t)(nth > 0 ? nth : 1));
+    rows->n = n;
+    rows->chunk = chunk > 0 ? chunk : 1;
+    atomic_init(&rows->next, 0);
+    cv_pool_run_dynamic(c->pool, nth, fn, job, 1);
+}
+
 /* backend_cpu.c: checks the arguments common to matrix_prepare and
  * table_prepare (src [rows][cols] of a float src_dtype, stored as float32,
  * float16 or bfloat16); `what` names the caller and `noun` the stored dtype

@@ -324,11 +324,14 @@ typedef struct norm_job {
     int64_t n, dim;
     float eps;
     int simd;
+    cv_rows *rows;      /* claimed in chunks (dynamic region) */
 } norm_job;
 
 static void norm_fn(void *arg, int tid, int nth) {
     const norm_job *j = arg;
-    const int64_t t0 = j->n * tid / nth, t1 = j->n * (tid + 1) / nth;
+    (void)tid;
+    (void)nth;
+    for (int64_t t0, t1; cv_rows_claim(j->rows, &t0, &t1);)
     for (int64_t t = t0; t < t1; t++) {
         float *xr = j->x + (size_t)t * (size_t)j->dim;
         float *orow = j->out + (size_t)t * (size_t)j->dim;
@@ -363,7 +366,9 @@ void cv_cpu_rmsnorm(cv_backend *b, float *out, const float *x, const float *weig
                   .eps = eps, .simd = c->simd};
     int nth = cv_threads_for(c, (double)n * (double)dim, ROW_GRAIN);
     if (nth > n) nth = (int)n;
-    cv_pool_run(c->pool, nth, norm_fn, &j);
+    cv_rows rows;
+    j.rows = &rows;
+    cv_cpu_run_rows(c, nth, &rows, n, norm_fn, &j);
 }
 
 void cv_cpu_add_rmsnorm(cv_backend *b, float *out, float *x, const float *r, const float *weight,
@@ -374,7 +379,9 @@ void cv_cpu_add_rmsnorm(cv_backend *b, float *out, float *x, const float *r, con
                   .simd = c->simd};
     int nth = cv_threads_for(c, (double)n * (double)dim, ROW_GRAIN);
     if (nth > n) nth = (int)n;
-    cv_pool_run(c->pool, nth, norm_fn, &j);
+    cv_rows rows;
+    j.rows = &rows;
+    cv_cpu_run_rows(c, nth, &rows, n, norm_fn, &j);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -389,6 +396,7 @@ typedef struct rope_job {
     const int32_t *pos; /* [n] */
     const cv_rope *rope;
     int simd;
+    cv_rows *rows;      /* claimed in chunks (dynamic region) */
 } rope_job;
 
 /* Rotates frequencies [i0, i0 + m) of one head x[head_dim] with cs/sn[m]. */
@@ -452,11 +460,13 @@ static void rope_fn(void *arg, int tid, int nth) {
     const rope_job *j = arg;
     const int64_t hd = j->rope->head_dim, nf = hd / 2;
     const cv_rope_layout layout = j->rope->layout;
-    const int64_t t0 = j->n * tid / nth, t1 = j->n * (tid + 1) / nth;
+    (void)tid;
+    (void)nth;
     float cs[ROPE_CHUNK], sn[ROPE_CHUNK];
 #if CV_HAVE_AVX2
     float cs2[2 * ROPE_CHUNK], sn2[2 * ROPE_CHUNK];
 #endif
+    for (int64_t t0, t1; cv_rows_claim(j->rows, &t0, &t1);)
     for (int64_t t = t0; t < t1; t++) {
         const double p = (double)j->pos[t];
         for (int64_t i0 = 0; i0 < nf; i0 += ROPE_CHUNK) {
@@ -512,7 +522,9 @@ void cv_cpu_rope(cv_backend *b, float *q, int64_t q_stride, int64_t n_heads, flo
     const double work = (double)n * (double)rope->head_dim * (double)(n_heads + n_kv_heads + 8);
     int nth = cv_threads_for(c, work, ROW_GRAIN);
     if (nth > n) nth = (int)n;
-    cv_pool_run(c->pool, nth, rope_fn, &j);
+    cv_rows rows;
+    j.rows = &rows;
+    cv_cpu_run_rows(c, nth, &rows, n, rope_fn, &j);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -523,6 +535,7 @@ typedef struct swiglu_job {
     const float *gu;  /* [n][2*dim]: gate then up */
     int64_t n, dim;
     int simd;
+    cv_rows *rows;      /* claimed in chunks (dynamic region) */
 } swiglu_job;
 
 #if CV_HAVE_AVX2
@@ -544,7 +557,9 @@ CV_TARGET_END
 
 static void swiglu_fn(void *arg, int tid, int nth) {
     const swiglu_job *j = arg;
-    const int64_t t0 = j->n * tid / nth, t1 = j->n * (tid + 1) / nth;
+    (void)tid;
+    (void)nth;
+    for (int64_t t0, t1; cv_rows_claim(j->rows, &t0, &t1);)
     for (int64_t t = t0; t < t1; t++) {
         const float *g = j->gu + (size_t)t * 2 * (size_t)j->dim;
         const float *u = g + j->dim;
@@ -569,7 +584,9 @@ void cv_cpu_swiglu(cv_backend *b, float *out, const float *gu, int64_t n, int64_
     swiglu_job j = {.out = out, .gu = gu, .n = n, .dim = dim, .simd = c->simd};
     int nth = cv_threads_for(c, (double)n * (double)dim * 4.0, ROW_GRAIN);
     if (nth > n) nth = (int)n;
-    cv_pool_run(c->pool, nth, swiglu_fn, &j);
+    cv_rows rows;
+    j.rows = &rows;
+    cv_cpu_run_rows(c, nth, &rows, n, swiglu_fn, &j);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -581,13 +598,16 @@ typedef struct embed_job {
     int64_t n;
     const cv_table *t;
     int simd;
+    cv_rows *rows;      /* claimed in chunks (dynamic region) */
 } embed_job;
 
 static void embed_fn(void *arg, int tid, int nth) {
     const embed_job *j = arg;
-    const int64_t t0 = j->n * tid / nth, t1 = j->n * (tid + 1) / nth;
+    (void)tid;
+    (void)nth;
     const int64_t cols = j->t->cols;
     const size_t esz = cv_dtype_size(j->t->dtype);
+    for (int64_t t0, t1; cv_rows_claim(j->rows, &t0, &t1);)
     for (int64_t i = t0; i < t1; i++) {
         const char *row = (const char *)j->t->data + (size_t)j->tokens[i] * (size_t)cols * esz;
         cv_cpu_widen(j->out + (size_t)i * (size_t)cols, row, j->t->dtype, cols, j->simd);
@@ -601,5 +621,7 @@ void cv_cpu_embedding(cv_backend *b, float *out, const int32_t *tokens, int64_t 
     embed_job j = {.out = out, .tokens = tokens, .n = n, .t = table, .simd = c->simd};
     int nth = cv_threads_for(c, (double)n * (double)table->cols, 4 * ROW_GRAIN);
     if (nth > n) nth = (int)n;
-    cv_pool_run(c->pool, nth, embed_fn, &j);
+    cv_rows rows;
+    j.rows = &rows;
+    cv_cpu_run_rows(c, nth, &rows, n, embed_fn, &j);
 }
