@@ -70,19 +70,21 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
                              "kv_cache_bytes", "gpu_memory_utilization", "kv_cache_dtype",
                              "enable_prefix_caching", "enable_chunked_prefill", "policy", "seed",
                              "eos_ids", "bos_id", "strip_space_after_bos", "token_bytes",
-                             "special_ids", NULL};
+                             "special_ids", "max_prefill_tokens_while_decoding",
+                             "max_queued_requests", NULL};
     PyObject *path_obj = NULL, *eos_obj = NULL, *tok_obj = NULL, *special_obj = NULL;
     const char *dtype_s = "auto", *device = "cpu", *kv_dtype_s = "auto", *policy = "continuous";
     int num_threads = 0, prefix = 1, chunked = 1, strip = 0, bos = -1;
     long long max_model_len = 0, max_num_seqs = 256, max_tokens = 0, block_size = 16;
+    long long prefill_cap = 0, max_queued = 0;
     unsigned long long kv_bytes = 0, seed = 0;
     double gpu_util = 0.9;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|$ssiLLLLKdsppsKOipOO", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|$ssiLLLLKdsppsKOipOOLL", kwlist,
                                      PyUnicode_FSConverter, &path_obj, &dtype_s, &device,
                                      &num_threads, &max_model_len, &max_num_seqs, &max_tokens,
                                      &block_size, &kv_bytes, &gpu_util, &kv_dtype_s, &prefix,
                                      &chunked, &policy, &seed, &eos_obj, &bos, &strip, &tok_obj,
-                                     &special_obj))
+                                     &special_obj, &prefill_cap, &max_queued))
         return -1;
     int rc = -1;
     int32_t *eos = NULL;
@@ -149,6 +151,8 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     cfg.gpu_memory_utilization = gpu_util;
     cfg.enable_prefix_caching = prefix;
     cfg.enable_chunked_prefill = chunked;
+    cfg.max_prefill_tokens_while_decoding = prefill_cap;
+    cfg.max_queued_requests = max_queued;
     cfg.seed = seed;
     cfg.eos_ids = eos;
     cfg.n_eos = (int)n_eos;
@@ -191,17 +195,18 @@ static PyObject *Engine_add_request(EngineObject *self, PyObject *args, PyObject
                              "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                              "presence_penalty", "frequency_penalty", "seed", "stop",
                              "include_stop_str_in_output", "stop_token_ids", "ignore_eos",
-                             "skip_special_tokens", "logprobs", "priority", NULL};
+                             "skip_special_tokens", "logprobs", "priority", "timeout", NULL};
     long long req_id, max_tokens = 16, min_tokens = 0;
     PyObject *prompt_obj, *seed_obj = Py_None, *stop_obj = Py_None, *stop_ids_obj = Py_None,
              *logprobs_obj = Py_None;
     int n = 1, top_k = 0, include_stop = 0, ignore_eos = 0, skip_special = 1, priority = 0;
     float temperature = 1.0f, top_p = 1.0f, min_p = 0.0f, rep = 1.0f, pres = 0.0f, freq = 0.0f;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "LO|$iLLffiffffOOpOppOi", kwlist, &req_id,
+    double timeout = 0.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LO|$iLLffiffffOOpOppOid", kwlist, &req_id,
                                      &prompt_obj, &n, &max_tokens, &min_tokens, &temperature,
                                      &top_p, &top_k, &min_p, &rep, &pres, &freq, &seed_obj,
                                      &stop_obj, &include_stop, &stop_ids_obj, &ignore_eos,
-                                     &skip_special, &logprobs_obj, &priority))
+                                     &skip_special, &logprobs_obj, &priority, &timeout))
         return NULL;
     if (check_open(self) < 0) return NULL;
     PyObject *result = NULL;
@@ -302,6 +307,7 @@ static PyObject *Engine_add_request(EngineObject *self, PyObject *args, PyObject
     p.ignore_eos = ignore_eos;
     p.skip_special_tokens = skip_special;
     p.priority = priority;
+    p.timeout = timeout;
     cv_err err = {0};
     if (cv_engine_add_request(self->e, req_id, (const int32_t *)PyArray_DATA(arr), PyArray_SIZE(arr),
                               &p, &err)) {
@@ -347,6 +353,7 @@ static const char *reason_name(int r) {
     case CV_FINISH_STOP: return "stop";
     case CV_FINISH_LENGTH: return "length";
     case CV_FINISH_ABORT: return "abort";
+    case CV_FINISH_TIMEOUT: return "timeout";
     default: return NULL;
     }
 }
@@ -454,6 +461,9 @@ static PyObject *Engine_stats(EngineObject *self, PyObject *Py_UNUSED(ignored)) 
         cv_py_put(d, "generation_tokens", PyLong_FromLongLong(st.generation_tokens)) < 0 ||
         cv_py_put(d, "requests_finished", PyLong_FromLongLong(st.requests_finished)) < 0 ||
         cv_py_put(d, "requests_aborted", PyLong_FromLongLong(st.requests_aborted)) < 0 ||
+        cv_py_put(d, "requests_timed_out", PyLong_FromLongLong(st.requests_timed_out)) < 0 ||
+        cv_py_put(d, "requests_rejected", PyLong_FromLongLong(st.requests_rejected)) < 0 ||
+        cv_py_put(d, "num_queued", PyLong_FromLongLong(st.num_queued)) < 0 ||
         cv_py_put(d, "steps", PyLong_FromLongLong(st.steps)) < 0 ||
         cv_py_put(d, "time_schedule", PyFloat_FromDouble(st.time_schedule)) < 0 ||
         cv_py_put(d, "time_build", PyFloat_FromDouble(st.time_build)) < 0 ||

@@ -20,6 +20,7 @@ from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 
 _SCHEDULING = ("continuous", "static", "priority")
+DEFAULT_PREFILL_CAP = {"cpu": 64, "cuda": 512}
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40,
@@ -42,6 +43,17 @@ def parse_bytes(value: Any, name: str = "kv_cache_memory") -> int:
     if n <= 0:
         raise ValueError(f"{name} must be positive, got {value!r}")
     return n
+
+
+def check_timeout(t) -> float:
+    """A request deadline in seconds from arrival: a positive finite number, or None."""
+    if t is None:
+        return 0.0
+    if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)):
+        raise TypeError(f"timeout must be a number of seconds or None, got {type(t).__name__}")
+    if not (0 < float(t) <= 1e9):
+        raise ValueError(f"timeout must be in (0, 1e9] seconds, got {t!r}")
+    return float(t)
 
 
 def check_priority(p) -> int:
@@ -72,6 +84,18 @@ class EngineArgs:
     device: str = "cpu"
     seed: int = 0
     gpu_memory_utilization: float = 0.9
+    # Stall-free mixed steps: while sequences decode, a step carries at most this many
+    # prompt tokens (chunked prefill only). None: 64 on the CPU (a step's time grows with
+    # every token), 512 on CUDA; 0: no cap.
+    max_prefill_tokens_while_decoding: Optional[int] = None
+    # Overload control: a request that would make more than this many wait to be
+    # scheduled is refused with EngineOverloadedError. None: no limit.
+    max_queued_requests: Optional[int] = None
+
+    def resolved_prefill_cap(self) -> int:
+        if self.max_prefill_tokens_while_decoding is not None:
+            return self.max_prefill_tokens_while_decoding
+        return DEFAULT_PREFILL_CAP[self.device]
 
     def validate(self):
         if not isinstance(self.model, (str, os.PathLike)):
@@ -94,6 +118,9 @@ class EngineArgs:
         pos_int("block_size", self.block_size, 1024)
         pos_int("num_threads", self.num_threads, 1024, allow_none=True)
         pos_int("seed", self.seed, (1 << 64) - 1, lo=0)
+        pos_int("max_prefill_tokens_while_decoding", self.max_prefill_tokens_while_decoding, 1 << 24,
+                allow_none=True, lo=0)
+        pos_int("max_queued_requests", self.max_queued_requests, 1 << 30, allow_none=True, lo=0)
         for name in ("dtype", "kv_cache_dtype"):
             v = getattr(self, name)
             if v not in _DTYPES:
@@ -173,7 +200,9 @@ class EngineCore:
             kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
             enable_chunked_prefill=args.enable_chunked_prefill, policy=args.scheduling,
             seed=args.seed, eos_ids=eos_ids, bos_id=bos_id, strip_space_after_bos=strip,
-            token_bytes=token_bytes, special_ids=special)
+            token_bytes=token_bytes, special_ids=special,
+            max_prefill_tokens_while_decoding=args.resolved_prefill_cap(),
+            max_queued_requests=args.max_queued_requests or 0)
         self.model_config = self._engine.model_config()
         st = self._engine.stats()
         self.max_model_len = st["max_model_len"]
@@ -244,11 +273,14 @@ class EngineCore:
         return mt
 
     def add_request(self, request_id: Optional[str], prompt_text, prompt_ids, params: SamplingParams,
-                    priority: int = 0, consumer=None) -> _Request:
+                    priority: int = 0, consumer=None, timeout: Optional[float] = None) -> _Request:
+        """timeout: seconds from arrival; past it the request ends with finish_reason
+        "timeout" and its KV blocks return to the pool."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         max_tokens = self.check_fits(len(prompt_ids), params)
         check_priority(priority)
+        timeout_s = check_timeout(timeout)
         try:
             stop = [s.encode("utf-8") for s in params.stop_strings]
         except UnicodeEncodeError as e:
@@ -275,7 +307,7 @@ class EngineCore:
                 include_stop_str_in_output=params.include_stop_str_in_output,
                 stop_token_ids=list(params.stop_token_ids or ()), ignore_eos=params.ignore_eos,
                 skip_special_tokens=params.skip_special_tokens, logprobs=params.logprobs,
-                priority=priority)
+                priority=priority, timeout=timeout_s)
             self._requests[internal] = req
             self._by_name[name] = req
         return req
