@@ -64,6 +64,11 @@ void cv_convert_from_f32(void *dst, cv_dtype dt, const float *src, size_t n);
 /* Monotonic clock in seconds, the same clock as Python's time.monotonic(). */
 double cv_now(void);
 
+/* Names the calling thread (Linux; a no-op elsewhere), so that per-thread CPU
+ * time tells the engine's threads from the frontend's (bench serve). At most
+ * 15 characters. */
+void cv_set_thread_name(const char *name);
+
 /* Checked size arithmetic: returns 0 on overflow. */
 int cv_mul_size(size_t a, size_t b, size_t *out);
 

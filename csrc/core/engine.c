@@ -848,6 +848,7 @@ int cv_engine_step(cv_engine *e, cv_err *err) {
 
 static void *loop_main(void *arg) {
     cv_engine *e = arg;
+    cv_set_thread_name("cv-engine");
     for (;;) {
         pthread_mutex_lock(&e->in_lock);
         while (!e->stop_flag && e->n_inbox == 0 && e->n_aborts == 0 && e->n_active == 0)
