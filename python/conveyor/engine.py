@@ -140,19 +140,43 @@ class EngineArgs:
 
 
 class _SeqState:
-    __slots__ = ("token_ids", "text", "decoder", "logprobs", "cum_logprob", "finish_reason",
-                 "stop_reason", "sent_tokens", "sent_text")
+    """One completion's output so far. Text arrives as pieces: `parts` (joined only when
+    the whole text is asked for) and `unsent` (the pieces not yet in a delta output), so
+    that no per-token work grows with the text."""
+
+    __slots__ = ("token_ids", "parts", "unsent", "decoder", "logprobs", "cum_logprob", "finish_reason",
+                 "stop_reason", "sent_tokens")
 
     def __init__(self, want_logprobs: bool):
         self.token_ids: list[int] = []
-        self.text = ""
+        self.parts: list[str] = []
+        self.unsent: list[str] = []
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.logprobs = [] if want_logprobs else None
         self.cum_logprob = 0.0 if want_logprobs else None
         self.finish_reason = None
         self.stop_reason = None
         self.sent_tokens = 0
-        self.sent_text = 0
+
+    def add_text(self, piece: str):
+        if piece:
+            self.parts.append(piece)
+            self.unsent.append(piece)
+
+    @property
+    def text(self) -> str:
+        parts = self.parts
+        if len(parts) > 1:
+            parts[:] = ["".join(parts)]
+        return parts[0] if parts else ""
+
+    def take_unsent(self) -> str:
+        u = self.unsent
+        if not u:
+            return ""
+        text = u[0] if len(u) == 1 else "".join(u)
+        u.clear()
+        return text
 
 
 class _Request:
@@ -351,9 +375,9 @@ class EngineCore:
                         st.logprobs.append(entry)
                         st.cum_logprob += logprob
                 if text:
-                    st.text += st.decoder.decode(text)
+                    st.add_text(st.decoder.decode(text))
                 if finished:
-                    st.text += st.decoder.decode(b"", final=True)
+                    st.add_text(st.decoder.decode(b"", final=True))
                     st.finish_reason = reason
                     if stop_kind == 1:
                         st.stop_reason = stop_value
@@ -381,11 +405,11 @@ class EngineCore:
         for i, st in enumerate(req.seqs):
             if delta:
                 toks = st.token_ids[st.sent_tokens:]
-                text = st.text[st.sent_text:]
+                text = st.take_unsent()
                 lps = st.logprobs[st.sent_tokens:] if st.logprobs is not None else None
                 st.sent_tokens = len(st.token_ids)
-                st.sent_text = len(st.text)
             else:
+                st.unsent.clear()
                 toks, text = list(st.token_ids), st.text
                 lps = list(st.logprobs) if st.logprobs is not None else None
             outs.append(CompletionOutput(i, text, toks, st.cum_logprob, lps, st.finish_reason,
