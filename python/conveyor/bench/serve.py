@@ -22,7 +22,13 @@ token minus AsyncLLM's.
 
 Rates: "auto" (default) first sends every request at once (rate inf), takes the request
 throughput X it reached as the capacity, then runs a light rate 0.25 X and a near-saturation
-rate 0.9 X. Each run uses the same requests (same seed) and the same server.
+rate 0.9 X; "0.9x,4x" names multiples of X, "2,inf" absolute rates. Each run uses the same
+requests (same seed) and the same server. Requests refused with 503 (overload control,
+`--server-args "--max-queued-requests 16"`) are counted apart from failures.
+
+Mixed steps: the in-process runner also takes the engine's step trace and reports step
+times (p50 / p99) of decode-only steps and of steps that carry prompt tokens, and the most
+prompt tokens in a step that also decoded (bounded by max_prefill_tokens_while_decoding).
 
 Per request: TTFT (send to first streamed token), E2E (send to last token), TPOT
 ((E2E - TTFT) / (output tokens - 1), for outputs longer than one token) and ITL (gaps
@@ -128,7 +134,8 @@ def summarize_records(recs: list, wall: float, rate: float) -> dict:
         "rate": rate,
         "duration_s": wall,
         "completed": len(ok),
-        "failed": len(recs) - len(ok),
+        "rejected": sum(1 for r in recs if r.get("status") == 503),  # overload control, not failures
+        "failed": sum(1 for r in recs if not r["ok"] and r.get("status") != 503),
         "errors": sorted({r["error"] for r in recs if r["error"]})[:5],
         "request_throughput": len(ok) / wall,
         "output_throughput": out_tok / wall,
@@ -182,6 +189,7 @@ def run_inprocess(model: str, engine: dict, reqs: list[dict], rate: float, seed:
     got = _collect(_child("inprocess", {"model": model, "engine": engine, "requests": reqs, "delays": delays}),
                    "in-process runner")
     res = summarize_records(got["records"], got["wall"], rate)
+    res["steps"] = got["steps"]
     res["cpu_s"] = got["cpu"]
     res["cpu_us_per_token"] = cpu_per_token(got["cpu"], res["output_tokens"])
     return res
@@ -302,7 +310,8 @@ def format_table(runs: list[dict]) -> str:
         paths = [("http", run)] + ([("in-process", run["inprocess"])] if run.get("inprocess") else [])
         lines.append(f"rate {rate} req/s")
         for name, r in paths:
-            lines.append(f"  {name}: {r['completed']} done, {r['failed']} failed in {r['duration_s']:.2f} s; "
+            lines.append(f"  {name}: {r['completed']} done, {r['rejected']} refused (503), {r['failed']} failed "
+                         f"in {r['duration_s']:.2f} s; "
                          f"{r['request_throughput']:.2f} req/s, output {r['output_throughput']:.1f} tok/s, "
                          f"total {r['total_throughput']:.1f} tok/s")
         lines.append(head)
@@ -315,6 +324,13 @@ def format_table(runs: list[dict]) -> str:
             if c:
                 lines.append(f"  CPU per output token, {name}: frontend {_us(c['frontend'])} us, engine "
                              f"{_us(c['engine'])} us, total {_us(c['total'])} us")
+        st = run.get("inprocess", {}).get("steps")
+        if st:
+            lines.append(f"  in-process step times: decode-only p50 {_ms(st['decode_only']['p50']).strip()} "
+                         f"p99 {_ms(st['decode_only']['p99']).strip()} ms ({st['decode_only']['n']} steps); "
+                         f"with prompt tokens p50 {_ms(st['with_prompts']['p50']).strip()} "
+                         f"p99 {_ms(st['with_prompts']['p99']).strip()} ms ({st['with_prompts']['n']}); "
+                         f"most prompt tokens in a decoding step {st['max_prompt_tokens_while_decoding']}")
         if run.get("http_overhead_us_per_token") is not None:
             lines.append(f"  HTTP overhead: {_us(run['http_overhead_us_per_token'])} us of CPU per streamed "
                          f"output token (server frontend - AsyncLLM frontend)")
@@ -357,15 +373,24 @@ def plot_cdf(runs: list[dict], path: str, title: str) -> bool:
 
 
 def _parse_rates(text: str):
+    """'auto' (= 0.25x,0.9x after the burst), or requests/s, 'inf', and multiples of the
+    saturation a burst measures first ('0.9x', '4x')."""
     if text.strip().lower() == "auto":
         return "auto"
     rates = []
     for part in text.split(","):
         part = part.strip().lower()
-        v = math.inf if part in ("inf", "infinity") else float(part)
+        try:
+            if part.endswith("x"):
+                v = float(part[:-1])
+                rates.append(("x", v))
+            else:
+                v = math.inf if part in ("inf", "infinity") else float(part)
+                rates.append(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"cannot read the rate {part!r} (examples: 2.5, inf, 0.9x)") from None
         if not v > 0:
             raise argparse.ArgumentTypeError(f"rates must be > 0, got {part}")
-        rates.append(v)
     return rates
 
 
@@ -382,7 +407,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128, help="P: prompt lengths uniform in [P/2, 3P/2]")
     ap.add_argument("--output-mean", type=float, default=64, help="M: mean output length (cap 12M)")
     ap.add_argument("--rates", type=_parse_rates, default="auto",
-                    help="'auto' or comma-separated requests/s ('inf' = all at once)")
+                    help="'auto', or comma-separated requests/s ('inf' = all at once) and multiples of the "
+                         "measured saturation ('0.9x', '4x')")
     ap.add_argument("--client-procs", type=int, default=1, help="load-generator processes")
     ap.add_argument("--no-inprocess", action="store_true",
                     help="skip the AsyncLLM in-process comparison (with --model)")
@@ -437,15 +463,21 @@ def main(argv=None) -> int:
                     res["http_overhead_us_per_token"] = a["frontend"] - b["frontend"]
             return res
 
-        if args.rates == "auto":
-            burst = one_run(math.inf)
+        rates = [("x", 0.25), ("x", 0.9)] if args.rates == "auto" else args.rates
+        saturation = None
+        if any(isinstance(r, tuple) for r in rates):
+            burst = one_run(math.inf)  # the saturation the multiples refer to
             runs.append(burst)
-            cap = burst["request_throughput"]
-            rates = [0.25 * cap, 0.9 * cap] if cap > 0 else []
-        else:
-            rates = args.rates
+            saturation = burst["request_throughput"]
         for r in rates:
-            runs.append(one_run(r))
+            if isinstance(r, tuple):
+                if not saturation:
+                    continue
+                res = one_run(r[1] * saturation)
+                res["saturation_multiple"] = r[1]
+                runs.append(res)
+            else:
+                runs.append(one_run(r))
     finally:
         if own is not None:
             own.stop()
@@ -454,7 +486,9 @@ def main(argv=None) -> int:
         "workload": "L", "num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
         "prompt_len_range": [max(1, args.prompt_len // 2), (3 * args.prompt_len) // 2],
         "output_mean": args.output_mean, "output_cap": 12 * args.output_mean, "seed": args.seed,
-        "rates": "auto" if args.rates == "auto" else args.rates, "client_procs": args.client_procs,
+        "rates": "auto" if args.rates == "auto" else [f"{r[1]:g}x" if isinstance(r, tuple) else r
+                                                        for r in args.rates],
+        "saturation_req_s": saturation, "client_procs": args.client_procs,
         "model": args.model or model, "served_model_name": model, "server": "own" if own else base,
         "server_args": args.server_args if own else None, "engine": knobs, "max_model_len": max_model_len,
         "temperature": 0, "ignore_eos": True,

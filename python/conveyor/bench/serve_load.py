@@ -66,7 +66,8 @@ def cpu_delta(before: dict, after: dict) -> dict:
 def new_record(req: dict) -> dict:
     return {"prompt_tokens": len(req["prompt"]), "max_tokens": req["max_tokens"], "ok": False,
             "ttft": None, "e2e": None, "tpot": None, "itl": [], "output_tokens": 0, "error": None,
-            "start": None, "status": None}
+            "start": None, "status": None, "answered": None, "retry_after": None, "text": "",
+            "finish_reason": None, "done": False}
 
 
 def close_record(rec: dict, start: float, first: Optional[float], last: Optional[float]) -> dict:
@@ -105,6 +106,9 @@ async def _read_chunks(reader: asyncio.StreamReader, chunked: bool):
 
 async def http_one(host: str, port: int, path: str, body: dict, api_key: Optional[str], req: dict,
                    delay: float, t0: float) -> dict:
+    """One streamed request. The record also keeps what a test checks: the status, when
+    the status line came (answered), Retry-After, the streamed text in order, the finish
+    reason and whether [DONE] arrived."""
     await asyncio.sleep(max(0.0, t0 + delay - time.perf_counter()))
     rec = new_record(req)
     payload = json.dumps(body).encode()
@@ -123,6 +127,7 @@ async def http_one(host: str, port: int, path: str, body: dict, api_key: Optiona
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         writer.write(head.encode() + b"\r\n" + payload)
         status = await reader.readline()
+        rec["answered"] = time.perf_counter() - start
         rec["status"] = int(status.split()[1])
         chunked = False
         while True:
@@ -130,11 +135,14 @@ async def http_one(host: str, port: int, path: str, body: dict, api_key: Optiona
             if h in (b"\r\n", b"\n", b""):
                 break
             k, _, v = h.decode("latin-1").partition(":")
-            if k.strip().lower() == "transfer-encoding" and "chunked" in v.lower():
+            k = k.strip().lower()
+            if k == "transfer-encoding" and "chunked" in v.lower():
                 chunked = True
+            elif k == "retry-after":
+                rec["retry_after"] = v.strip()
         if rec["status"] != 200:
             body_bytes = b"".join([c async for c in _read_chunks(reader, chunked)])
-            rec["error"] = f"HTTP {rec['status']}: {body_bytes[:200]!r}"
+            rec["error"] = f"HTTP {rec['status']}: {body_bytes[:300].decode('utf-8', 'replace')}"
             return rec
         buf = b""
         done = False
@@ -145,7 +153,7 @@ async def http_one(host: str, port: int, path: str, body: dict, api_key: Optiona
                 if not event.startswith(b"data: "):
                     continue
                 if event == b"data: [DONE]":
-                    done = True
+                    done = rec["done"] = True
                     break
                 now = time.perf_counter()
                 ev = json.loads(event[6:])
@@ -153,7 +161,10 @@ async def http_one(host: str, port: int, path: str, body: dict, api_key: Optiona
                     rec["error"] = str(ev["error"].get("message"))
                     continue
                 ch = ev.get("choices")
+                if ch and ch[0].get("finish_reason"):
+                    rec["finish_reason"] = ch[0]["finish_reason"]
                 if ch and ch[0].get("text"):
+                    rec["text"] += ch[0]["text"]
                     if first is None:
                         first = now
                     else:
@@ -180,7 +191,7 @@ async def http_run(job: dict) -> list:
     for req, delay in zip(job["requests"], job["delays"]):
         body = {"model": job["model"], "prompt": req["prompt"], "max_tokens": req["max_tokens"],
                 "ignore_eos": True, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}
+                "stream_options": {"include_usage": True}, **req.get("extra", {})}
         tasks.append(http_one(host, port, "/v1/completions", body, job.get("api_key"), req, delay, t0))
     return await asyncio.gather(*tasks)
 
@@ -223,15 +234,40 @@ async def inprocess_run(job: dict) -> dict:
         warm = [{"prompt": r["prompt"], "max_tokens": min(r["max_tokens"], 8)} for r in job["requests"][:4]]
         await asyncio.gather(*[inprocess_one(engine, r, 0.0, time.perf_counter()) for r in warm])
         pid = os.getpid()
+        engine._core._engine.set_trace(True)
         before = cpu_seconds(pid)
         t0 = time.perf_counter() + 0.05
         recs = await asyncio.gather(*[inprocess_one(engine, r, d, t0)
                                       for r, d in zip(job["requests"], job["delays"])])
         wall = time.perf_counter() - t0
         cpu = cpu_delta(before, cpu_seconds(pid))
+        trace = engine._core._engine.take_trace()
     finally:
         engine.close()
-    return {"records": recs, "wall": wall, "cpu": cpu}
+    return {"records": recs, "wall": wall, "cpu": cpu, "steps": step_times(trace)}
+
+
+def step_times(trace) -> dict:
+    """From the engine's step trace (step, t0, t1, request, seq, new tokens): the times of
+    decode-only steps and of steps with prompt work (an entry computing > 1 token; a
+    1-token prompt chunk passes for a decode), and the most prompt tokens in a step that
+    also decoded."""
+    import numpy as np
+
+    steps: dict = {}
+    for step, t0, t1, _rid, _idx, n_new in trace:
+        s = steps.setdefault(step, [t1 - t0, 0, 0])
+        if n_new > 1:
+            s[1] += n_new
+        else:
+            s[2] += 1
+    out = {}
+    for name, keep in (("decode_only", lambda s: s[1] == 0), ("with_prompts", lambda s: s[1] > 0)):
+        d = np.asarray([s[0] for s in steps.values() if keep(s)], dtype=np.float64)
+        out[name] = {"n": int(d.size), **({"p50": float(np.percentile(d, 50)), "p99": float(np.percentile(d, 99))}
+                                          if d.size else {"p50": None, "p99": None})}
+    out["max_prompt_tokens_while_decoding"] = max((s[1] for s in steps.values() if s[2] > 0), default=0)
+    return out
 
 
 def main(argv=None) -> int:
