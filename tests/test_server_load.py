@@ -148,14 +148,16 @@ def test_priority_request_overtakes_the_queue():
                        timeout=60.0)
     try:
         base = {"max_tokens": 60, "ignore_eos": True, "temperature": 0}
-        bodies = [{"prompt": "Once upon a time", **base, "max_tokens": 300, "priority": 0}]
+        # the blocker: 4 completions of 400 tokens, one at a time on the only seat
+        bodies = [{"prompt": "Once upon a time", **base, "max_tokens": 400, "n": 4, "priority": 0}]
         bodies += [{"prompt": f"Story {i}", **base, "priority": 10} for i in range(6)]
         bodies += [{"prompt": "The king", **base, "priority": -5}]
         # the blocker first; the low ones queue behind it; the high one comes last
         recs = send(server.url, bodies, delays=[0.0] + [0.2] * 6 + [0.4])
         assert all(r["status"] == 200 and r["done"] for r in recs), [r["error"] for r in recs]
         end = [r["start"] + r["e2e"] for r in recs]
-        assert all(end[7] < e for e in end[1:7])
+        assert end[0] > 0.4, "the blocker ended before the high-priority request arrived"
+        assert all(end[7] < e for e in end[1:7]), end
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "priority": "high"}, trust_env=False)
         assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
     finally:

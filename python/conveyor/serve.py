@@ -32,8 +32,10 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
 
 from .sampling_params import MAX_LOGPROBS, SamplingParams
+from .stream_encoder import ChunkEncoder, dumps
 
-DEFAULT_MAX_WAITING = 1024
+DEFAULT_MAX_QUEUED_REQUESTS = 1024
+RETRY_AFTER_S = 1           # the Retry-After of a 503 for a full queue
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 MAX_N = 128                 # choices per prompt
 MAX_PROMPTS = 256           # prompts in one batched completions request
@@ -50,9 +52,10 @@ class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
 
     def __init__(self, status: int, message: str, param: Optional[str] = None,
-                 type_: Optional[str] = None, code: Optional[str] = None):
+                 type_: Optional[str] = None, code: Optional[str] = None, headers: Optional[dict] = None):
         super().__init__(message)
         self.status = status
+        self.headers = headers
         self.message = message
         self.param = param
         self.type = type_ or {400: "invalid_request_error", 401: "authentication_error",
@@ -70,8 +73,7 @@ def _bad(param: str, message: str) -> APIError:
     return APIError(400, message, param=param, code="invalid_value")
 
 
-def _dumps(obj) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+_dumps = dumps  # compact, UTF-8 as is, no NaN
 
 
 # ---------------------------------------------------------------------------- validation
@@ -187,6 +189,8 @@ class _Parsed:
     logprobs: Optional[int] = None  # completions: top-N; chat: top_logprobs (when logprobs is on)
     echo: bool = False
     model: Optional[str] = None
+    priority: int = 0               # vLLM's extension: lower runs first under scheduling="priority"
+    timeout: Optional[float] = None # seconds from arrival; past it: finish_reason "timeout"
 
 
 def _parse_stop(f: _Fields):
@@ -253,6 +257,12 @@ def _make_params(kw: dict) -> SamplingParams:
         if msg.startswith("SamplingParams."):
             param = msg[len("SamplingParams."):].split(" ", 1)[0]
         raise _bad(param or "body", msg.replace("SamplingParams.", "")) from None
+
+
+def _load_fields(f: _Fields) -> dict:
+    """The serving-under-load fields of any generation request: priority and timeout."""
+    return {"priority": f.int("priority", 0, lo=-(2**31), hi=2**31 - 1),
+            "timeout": f.number("timeout", None, lo=0.0, hi=1e9, lo_open=True)}
 
 
 def _stream_flags(f: _Fields) -> tuple[bool, bool]:
@@ -352,7 +362,8 @@ class _Validator:
         for i, p in enumerate(prompts):
             self._fit("prompt" if len(prompts) == 1 else f"prompt[{i}]", len(p.ids), max_tokens, None)
         kw = _common_sampling(f, max_tokens, logprobs, n)
-        return _Parsed("completion", prompts, _make_params(kw), stream, include_usage, logprobs, echo, model)
+        return _Parsed("completion", prompts, _make_params(kw), stream, include_usage, logprobs, echo, model,
+                       **_load_fields(f))
 
     def _message_text(self, i: int, content) -> str:
         param = f"messages[{i}].content"
@@ -423,7 +434,7 @@ class _Validator:
         max_tokens = self._fit("messages", len(ids), max_tokens, DEFAULT_CHAT_MAX_TOKENS_CAP)
         kw = _common_sampling(f, max_tokens, logprobs, n)
         return _Parsed("chat", [_Prompt(text, ids)], _make_params(kw), stream, include_usage, logprobs,
-                       False, model)
+                       False, model, **_load_fields(f))
 
 
 # ---------------------------------------------------------------------------- metrics
@@ -516,6 +527,8 @@ class ServerMetrics:
         h = g("prefix_hits", 0) or 0
         metric("conveyor_num_requests_running", "gauge", "Requests in the running batch.", g("num_running", 0))
         metric("conveyor_num_requests_waiting", "gauge", "Requests waiting to be scheduled.", g("num_waiting", 0))
+        metric("conveyor_num_requests_queued", "gauge",
+               "Requests not yet scheduled once (what max_queued_requests limits).", g("num_queued", 0))
         metric("conveyor_num_preemptions_total", "counter", "Preemptions since start.", g("num_preemptions", 0))
         metric("conveyor_kv_cache_usage_perc", "gauge", "Fraction of KV blocks in use (1 = full).",
                float(used / total) if total else 0.0)
@@ -539,8 +552,11 @@ class ServerMetrics:
         for reason in sorted(set(self.finished) | {"stop", "length"}):
             lines.append(f'conveyor_request_success_total{{{L},finished_reason="{_label(reason)}"}} '
                          f"{self.finished.get(reason, 0)}")
-        metric("conveyor_requests_rejected_total", "counter", "Requests refused with 503 (queue full).",
-               self.rejected)
+        metric("conveyor_requests_rejected_total", "counter",
+               "Requests refused with 503 (queue full: max_queued_requests).", self.rejected)
+        metric("conveyor_requests_timed_out_total", "counter",
+               "Engine requests ended past their deadline (timeout, --request-timeout).",
+               g("requests_timed_out", 0))
         metric("conveyor_client_disconnects_total", "counter", "Requests whose client went away before the end.",
                self.disconnects)
         metric("conveyor_server_requests_in_flight", "gauge", "HTTP generation requests being served.", in_flight)
@@ -565,8 +581,10 @@ def _json_response(obj, status: int = 200, headers: Optional[dict] = None):
 
 
 def _error_response(err: APIError):
-    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
-    return _json_response(err.body(), err.status, headers)
+    headers = dict(err.headers or {})
+    if err.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return _json_response(err.body(), err.status, headers or None)
 
 
 async def _wait_disconnect(receive) -> None:
@@ -625,31 +643,13 @@ def _finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
 
 
-class _Admission:
-    """Engine requests admitted but not yet handed to the engine, counted in _Server.pending
-    so that a burst of arrivals cannot all slip past the waiting limit."""
-
-    def __init__(self, server: "_Server", count: int):
-        self.server = server
-        self.left = count
-        server.pending += count
-
-    def take(self):
-        if self.left > 0:
-            self.left -= 1
-            self.server.pending -= 1
-
-    def release(self):
-        self.server.pending -= self.left
-        self.left = 0
-
-
 class _Server:
-    def __init__(self, engine, model_name: str, api_key: Optional[str], max_waiting: int, max_body_bytes: int):
+    def __init__(self, engine, model_name: str, api_key: Optional[str], request_timeout: Optional[float],
+                 max_body_bytes: int):
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
-        self.max_waiting = int(max_waiting)
+        self.request_timeout = request_timeout
         self.max_body_bytes = int(max_body_bytes)
         self.tok = engine.tokenizer
         st = engine.stats()
@@ -658,7 +658,6 @@ class _Server:
         self.validator = _Validator(self.tok, self.vocab_size, self.max_model_len)
         self.metrics = ServerMetrics(model_name)
         self.created = int(time.time())
-        self.pending = 0     # engine requests admitted but not yet handed to the engine
         self.in_flight = 0   # HTTP generation requests being answered
         self._piece_cache: dict[int, tuple[str, list]] = {}
 
@@ -710,14 +709,30 @@ class _Server:
             raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
 
-    def admit(self, count: int) -> "_Admission":
-        """503 when the engine's waiting queue (plus what we are about to hand it) is past the limit."""
-        waiting = int(self.engine.stats().get("num_waiting", 0)) + self.pending
-        if waiting > self.max_waiting:
-            self.metrics.rejected += 1
-            raise APIError(503, f"the server is overloaded ({waiting} requests waiting, limit "
-                                f"{self.max_waiting}); retry later", code="server_overloaded")
-        return _Admission(self, count)
+    def start(self, parsed: _Parsed, rid: str, params: SamplingParams) -> list:
+        """Adds every prompt's request to the engine now, before any response starts, so
+        that a full queue is answered 503 (with Retry-After) at once and a refused request
+        400; all or nothing. Returns the RequestStreams; the caller closes them."""
+        from . import EngineOverloadedError
+
+        timeout = parsed.timeout if parsed.timeout is not None else self.request_timeout
+        streams = []
+        try:
+            for i, p in enumerate(parsed.prompts):
+                streams.append(self.engine.add_request({"prompt": p.text, "prompt_token_ids": p.ids}, params,
+                                                       request_id=f"{rid}-{i}", priority=parsed.priority,
+                                                       timeout=timeout))
+        except BaseException as e:
+            for s in streams:
+                s.close()
+            if isinstance(e, EngineOverloadedError):
+                self.metrics.rejected += 1
+                raise APIError(503, f"the server is overloaded: {e}", code="server_overloaded",
+                               headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+            if isinstance(e, (ValueError, TypeError)):  # the engine refused the request
+                raise _bad(getattr(e, "field", None) or "body", str(e)) from None
+            raise
+        return streams
 
     def piece(self, tid: int) -> tuple[str, list]:
         p = self._piece_cache.get(tid)
@@ -734,34 +749,26 @@ class _Server:
         return p
 
     # -- generation -------------------------------------------------------
-    async def _one(self, adm: _Admission, rid: str, prompt: _Prompt, params: SamplingParams):
-        adm.take()  # handed over now: generate's first step adds it to the engine with no await before
-        async with aclosing(self.engine.generate({"prompt": prompt.text, "prompt_token_ids": prompt.ids},
-                                                 params, request_id=rid)) as outs:
-            async for out in outs:
-                yield out
-
-    async def _merged(self, adm: _Admission, base: str, parsed: _Parsed, params: SamplingParams):
-        """Yields (prompt index, RequestOutput) from every prompt's generation."""
-        if len(parsed.prompts) == 1:
-            async with aclosing(self._one(adm, f"{base}-0", parsed.prompts[0], params)) as outs:
-                async for out in outs:
-                    yield 0, out
+    @staticmethod
+    async def _merged(streams: list):
+        """Yields (prompt index, RequestOutput) from every prompt's stream."""
+        if len(streams) == 1:
+            async for out in streams[0]:
+                yield 0, out
             return
         q: asyncio.Queue = asyncio.Queue()
 
-        async def feed(i, p):
+        async def feed(i, stream):
             try:
-                async with aclosing(self._one(adm, f"{base}-{i}", p, params)) as outs:
-                    async for out in outs:
-                        q.put_nowait((i, out, None))
+                async for out in stream:
+                    q.put_nowait((i, out, None))
                 q.put_nowait((i, None, None))
             except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
                 q.put_nowait((i, None, e))
                 if isinstance(e, asyncio.CancelledError):
                     raise
 
-        tasks = [asyncio.ensure_future(feed(i, p)) for i, p in enumerate(parsed.prompts)]
+        tasks = [asyncio.ensure_future(feed(i, s)) for i, s in enumerate(streams)]
         try:
             left = len(tasks)
             while left:
@@ -816,12 +823,11 @@ class _Server:
         reason = "length" if "length" in reasons else (reasons[0] if reasons else None)
         self.metrics.record(out.metrics, max(n_tokens) if n_tokens else 0, reason)
 
-    async def generate_full(self, adm: _Admission, parsed: _Parsed, rid: str):
+    async def generate_full(self, streams: list, parsed: _Parsed, rid: str):
         """Runs a request to the end; returns the response body."""
         n = parsed.params.n
-        params = parsed.params.clone(output_kind="final_only")
         finals: dict[int, Any] = {}
-        async with aclosing(self._merged(adm, rid, parsed, params)) as outs:
+        async with aclosing(self._merged(streams)) as outs:
             async for i, out in outs:
                 if out.finished:
                     finals[i] = out
@@ -885,9 +891,32 @@ class _Server:
                 done[j] = True
         return choices
 
-    async def generate_stream(self, adm: _Admission, parsed: _Parsed, rid: str) -> AsyncIterator[str]:
+    async def _single_events(self, stream, enc: ChunkEncoder, usage: list) -> AsyncIterator[str]:
+        """The common stream (one prompt, n=1, no logprobs): every output delivered since
+        the last write becomes one template-encoded event, and all of them one write."""
+        tokens = 0
+        done = False
+        while True:
+            outs = await stream.next_batch()
+            if not outs:
+                break
+            parts = []
+            for out in outs:
+                o = out.outputs[0]
+                fin = o.finish_reason if o.finish_reason not in (None, "abort") else None
+                if not done and (o.token_ids or o.text or fin is not None):
+                    tokens += len(o.token_ids)
+                    parts.append(enc.event(o.text, fin, o.stop_reason))
+                    done = fin is not None
+                if out.finished:
+                    usage[0] += len(out.prompt_token_ids)
+                    self._record(out, [tokens])
+            usage[1] = tokens
+            if parts:
+                yield "".join(parts)
+
+    async def generate_stream(self, streams: list, parsed: _Parsed, rid: str) -> AsyncIterator[str]:
         n = parsed.params.n
-        params = parsed.params.clone(output_kind="delta")
         chat = parsed.kind == "chat"
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -911,14 +940,22 @@ class _Server:
             elif parsed.echo:
                 yield chunk([{"index": i * n + k, "text": self._prompt_text(p), "logprobs": None,
                               "finish_reason": None} for i, p in enumerate(parsed.prompts) for k in range(n)])
-            async with aclosing(self._merged(adm, rid, parsed, params)) as outs:
-                async for i, out in outs:
-                    choices = self._stream_choices(parsed, i, out, tokens, offsets, done)
-                    if out.finished:
-                        prompt_tokens += len(out.prompt_token_ids)
-                        self._record(out, tokens[i * n:(i + 1) * n])
-                    if choices:
-                        yield chunk(choices)
+            if len(streams) == 1 and n == 1 and parsed.logprobs is None:
+                usage = [0, 0]
+                enc = ChunkEncoder(rid, created, self.model_name, chat, parsed.include_usage)
+                async with aclosing(self._single_events(streams[0], enc, usage)) as events:
+                    async for ev in events:
+                        yield ev
+                prompt_tokens, tokens[0] = usage
+            else:
+                async with aclosing(self._merged(streams)) as outs:
+                    async for i, out in outs:
+                        choices = self._stream_choices(parsed, i, out, tokens, offsets, done)
+                        if out.finished:
+                            prompt_tokens += len(out.prompt_token_ids)
+                            self._record(out, tokens[i * n:(i + 1) * n])
+                        if choices:
+                            yield chunk(choices)
             if parsed.include_usage:
                 comp = sum(tokens)
                 yield chunk([], {"prompt_tokens": prompt_tokens, "completion_tokens": comp,
@@ -951,12 +988,18 @@ class _Server:
         parsed = self.validator.completion(body) if kind == "completion" else self.validator.chat(body)
         if self.engine.closed:
             raise APIError(503, "the engine is shut down", code="engine_closed")
-        adm = self.admit(len(parsed.prompts))
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        streams = self.start(parsed, rid, parsed.params.clone(output_kind="delta" if parsed.stream else "final_only"))
         if parsed.stream:
-            return self._stream_response(adm, parsed, rid)
+            return self._stream_response(streams, parsed, rid)
         self.in_flight += 1
-        gen = asyncio.ensure_future(self.generate_full(adm, parsed, rid))
+        try:
+            gen = asyncio.ensure_future(self.generate_full(streams, parsed, rid))
+        except BaseException:
+            self.in_flight -= 1
+            for s in streams:
+                s.close()
+            raise
         watch = asyncio.ensure_future(_wait_disconnect(request.receive))
         try:
             done, _ = await asyncio.wait({gen, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -978,11 +1021,12 @@ class _Server:
             raise
         finally:
             self.in_flight -= 1
-            adm.release()
+            for s in streams:  # aborts what did not finish (a disconnect, an error)
+                s.close()
             if not watch.done():
                 watch.cancel()
 
-    def _stream_response(self, adm: _Admission, parsed: _Parsed, rid: str):
+    def _stream_response(self, streams: list, parsed: _Parsed, rid: str):
         server = self
 
         def on_disconnect():
@@ -990,19 +1034,21 @@ class _Server:
 
         def on_end():
             server.in_flight -= 1
-            adm.release()
+            for s in streams:  # also when the response never started streaming
+                s.close()
 
         server.in_flight += 1
-        return _SSEResponse(server.generate_stream(adm, parsed, rid), on_disconnect, on_end)
+        return _SSEResponse(server.generate_stream(streams, parsed, rid), on_disconnect, on_end)
 
 
-def build_app(engine, *, model_name: str, api_key: Optional[str] = None,
-              max_waiting: int = DEFAULT_MAX_WAITING, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+def build_app(engine, *, model_name: str, api_key: Optional[str] = None, request_timeout: Optional[float] = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
     """The ASGI app serving `engine` (an AsyncLLM) under the name `model_name`.
 
     api_key: when set, /v1/* needs "Authorization: Bearer <api_key>".
-    max_waiting: a generation request is refused with 503 while more than this many
-    engine requests wait to be scheduled. max_body_bytes: larger bodies get 413.
+    request_timeout: the deadline (seconds) of a request that names no "timeout".
+    max_body_bytes: larger bodies get 413. Overload control is the engine's: an AsyncLLM
+    made with max_queued_requests refuses the excess, answered 503 with Retry-After.
     """
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
@@ -1011,7 +1057,10 @@ def build_app(engine, *, model_name: str, api_key: Optional[str] = None,
 
     if not isinstance(model_name, str) or not model_name:
         raise ValueError("model_name must be a non-empty string")
-    server = _Server(engine, model_name, api_key, max_waiting, max_body_bytes)
+    if request_timeout is not None and not (isinstance(request_timeout, (int, float)) and
+                                            not isinstance(request_timeout, bool) and 0 < request_timeout <= 1e9):
+        raise ValueError(f"request_timeout must be a number of seconds in (0, 1e9], got {request_timeout!r}")
+    server = _Server(engine, model_name, api_key, request_timeout, max_body_bytes)
 
     def guarded(fn):
         async def endpoint(request):
@@ -1097,8 +1146,12 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $CONVEYOR_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
-    p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
-                   help="answer 503 while more than this many requests wait for the engine")
+    p.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
+                   help="answer 503 (with Retry-After) to a request that would make more than this many wait "
+                        "to be scheduled; 0: no limit")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="deadline in seconds of a request without 'timeout'; past it the request ends with "
+                        "finish_reason 'timeout' (default: none)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="answer 413 to larger request bodies")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -1119,12 +1172,22 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=None, choices=["cpu", "cuda"])
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=None)
+    g.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None,
+                   help="prompt tokens per step while sequences decode (default 64 on the CPU, 512 on CUDA; 0: "
+                        "no cap)")
     return p
 
 
 _ENGINE_KNOBS = ("tokenizer", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                  "kv_cache_memory", "kv_cache_dtype", "enable_prefix_caching", "enable_chunked_prefill",
-                 "scheduling", "num_threads", "device", "seed", "gpu_memory_utilization")
+                 "scheduling", "num_threads", "device", "seed", "gpu_memory_utilization",
+                 "max_prefill_tokens_while_decoding")
+
+
+def engine_kwargs(args) -> dict:
+    """The AsyncLLM keyword arguments of parsed `conveyor serve` arguments."""
+    knobs = engine_kwargs(args)
+    return knobs
 
 
 def main(argv=None) -> int:
@@ -1139,12 +1202,16 @@ def main(argv=None) -> int:
     if not (0 <= args.port <= 65535):
         print(f"conveyor serve: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
         return 2
-    if args.max_waiting < 0 or args.max_body_bytes < 1:
-        print("conveyor serve: --max-waiting must be >= 0 and --max-body-bytes >= 1", file=sys.stderr)
+    if args.max_queued_requests < 0 or args.max_body_bytes < 1:
+        print("conveyor serve: --max-queued-requests must be >= 0 and --max-body-bytes >= 1", file=sys.stderr)
+        return 2
+    if args.request_timeout is not None and not (0 < args.request_timeout <= 1e9):
+        print("conveyor serve: --request-timeout must be in (0, 1e9] seconds", file=sys.stderr)
         return 2
     from . import AsyncLLM, ConveyorError
 
     knobs = {k: getattr(args, k) for k in _ENGINE_KNOBS if getattr(args, k) is not None}
+    knobs["max_queued_requests"] = args.max_queued_requests or None
     try:
         engine = AsyncLLM(args.model, **knobs)
     except (OSError, ValueError, TypeError, ConveyorError) as e:
@@ -1153,7 +1220,7 @@ def main(argv=None) -> int:
     name = args.served_model_name or args.model
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"conveyor serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
-    app = build_app(engine, model_name=name, api_key=args.api_key, max_waiting=args.max_waiting,
+    app = build_app(engine, model_name=name, api_key=args.api_key, request_timeout=args.request_timeout,
                     max_body_bytes=args.max_body_bytes)
     try:
         # Bound here, not by uvicorn, so that --port 0 works: the line below names the real port.

@@ -199,8 +199,7 @@ def engine_knobs(model: str, server_args: Sequence[str]) -> dict:
     """The AsyncLLM keyword arguments a `conveyor serve MODEL *server_args` would use."""
     from .. import serve
 
-    args = serve.make_parser().parse_args([model, *server_args])
-    return {k: getattr(args, k) for k in serve._ENGINE_KNOBS if getattr(args, k, None) is not None}
+    return serve.engine_kwargs(serve.make_parser().parse_args([model, *server_args]))
 
 
 # ---------------------------------------------------------------------------- a server of our own

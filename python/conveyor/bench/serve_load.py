@@ -221,6 +221,10 @@ async def inprocess_one(engine, req: dict, delay: float, t0: float) -> dict:
                     rec["itl"].append(now - last)
                 last = now
     except Exception as e:  # noqa: BLE001
+        from .. import EngineOverloadedError
+
+        if isinstance(e, EngineOverloadedError):
+            rec["status"] = 503  # refused, as the server would answer
         rec["error"] = f"{type(e).__name__}: {e}"
         return rec
     return close_record(rec, start, first, last)
