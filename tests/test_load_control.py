@@ -81,7 +81,7 @@ def test_long_prompt_while_16_decode_is_capped_and_outputs_match_solo():
         assert out.outputs[0].token_ids == want
     assert outs[16].outputs[0].token_ids == solo_long
     by_step = {}
-    for step, _t0, _t1, rid, _idx, n_new in trace:
+    for step, _t0, _t1, rid, _idx, n_new, _n_prompt_work in trace:
         by_step.setdefault(step, {})[rid] = n_new
     long_steps = [s for s in sorted(by_step) if by_step[s].get(long_id, 0) > 1]
     assert len(long_steps) >= 300 // cap  # the prompt went in chunks

@@ -162,3 +162,29 @@ def test_priority_request_overtakes_the_queue():
         assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
     finally:
         server.stop()
+
+
+def test_bench_serve_compares_http_with_inprocess(tmp_path, capsys):
+    import json
+
+    from conveyor.bench.serve import main
+
+    out = tmp_path / "bench.json"
+    rc = main(["--model", str(MODEL), "--server-args", "--num-threads 1 --max-prefill-tokens-while-decoding 16",
+               "--num-prompts", "24", "--prompt-len", "48", "--output-mean", "12", "--rates", "inf",
+               "--client-procs", "2", "--json", str(out)])
+    assert rc == 0
+    run = json.loads(out.read_text())["runs"][0]
+    inproc = run["inprocess"]
+    for r in (run, inproc):
+        assert r["completed"] == 24 and r["failed"] == 0 and r["rejected"] == 0
+        assert r["ttft_s"]["p50"] > 0 and r["e2e_s"]["p99"] >= r["ttft_s"]["p50"]
+        assert set(r["cpu_us_per_token"]) == {"total", "engine", "frontend"}
+    assert run["output_tokens"] == inproc["output_tokens"]  # the same requests, EOS ignored
+    assert run["client_procs"] == 2
+    assert isinstance(run["http_overhead_us_per_token"], float)
+    steps = inproc["steps"]
+    assert steps["decode_only"]["n"] + steps["with_prompts"]["n"] > 0
+    assert steps["max_prompt_tokens_while_decoding"] <= 16
+    text = capsys.readouterr().out
+    assert "in-process" in text and "HTTP overhead" in text

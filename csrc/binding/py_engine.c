@@ -514,8 +514,9 @@ static PyObject *Engine_take_trace(EngineObject *self, PyObject *Py_UNUSED(ignor
     size_t n = cv_engine_take_trace(self->e, &t);
     PyObject *list = PyList_New((Py_ssize_t)n);
     for (size_t i = 0; list && i < n; i++) {
-        PyObject *item = Py_BuildValue("(LddLii)", (long long)t[i].step, t[i].t0, t[i].t1,
-                                       (long long)t[i].request_id, t[i].seq_index, t[i].n_new);
+        PyObject *item = Py_BuildValue("(LddLiii)", (long long)t[i].step, t[i].t0, t[i].t1,
+                                       (long long)t[i].request_id, t[i].seq_index, t[i].n_new,
+                                       t[i].n_prompt_work);
         if (!item) { Py_CLEAR(list); break; }
         PyList_SET_ITEM(list, (Py_ssize_t)i, item);
     }
@@ -537,7 +538,8 @@ static PyMethodDef Engine_methods[] = {
     {"stats", (PyCFunction)Engine_stats, METH_NOARGS, "Engine statistics."},
     {"model_config", (PyCFunction)Engine_model_config, METH_NOARGS, "The model's config."},
     {"set_trace", (PyCFunction)Engine_set_trace, METH_O, "Turns the step trace on or off."},
-    {"take_trace", (PyCFunction)Engine_take_trace, METH_NOARGS, "Takes the step trace."},
+    {"take_trace", (PyCFunction)Engine_take_trace, METH_NOARGS, "Takes the step trace: (step, t0, t1, request id, completion index, new tokens, "
+     "of them prompt tokens) per scheduled sequence."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -746,6 +746,8 @@ static void record_trace(cv_engine *e, const cv_sched_output *plan, double t0, d
         te->request_id = r->id;
         te->seq_index = idx;
         te->n_new = plan->num_new_tokens[i];
+        /* a decode: the prompt computed and one new token (as the scheduler counts it) */
+        te->n_prompt_work = (plan->start_pos[i] >= plan->seqs[i]->n_prompt && te->n_new == 1) ? 0 : te->n_new;
     }
 }
 

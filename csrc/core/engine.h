@@ -138,7 +138,11 @@ void cv_engine_weight_info(cv_engine *e, size_t *bytes, int64_t *n_params, cv_dt
 /* Step trace for the slot timeline: when on, each step records its scheduled
  * (request id, seq index, new tokens). */
 void cv_engine_set_trace(cv_engine *e, int on);
-typedef struct cv_trace_entry { int64_t step; double t0, t1; int64_t request_id; int32_t seq_index, n_new; } cv_trace_entry;
+/* n_prompt_work: of n_new, the tokens that are prompt work (a prefill chunk or a
+ * recomputation after preemption), 0 for a decode. */
+typedef struct cv_trace_entry {
+    int64_t step; double t0, t1; int64_t request_id; int32_t seq_index, n_new, n_prompt_work;
+} cv_trace_entry;
 size_t cv_engine_take_trace(cv_engine *e, cv_trace_entry **entries);
 
 #endif

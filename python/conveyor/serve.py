@@ -1186,7 +1186,8 @@ _ENGINE_KNOBS = ("tokenizer", "dtype", "max_model_len", "max_num_seqs", "max_num
 
 def engine_kwargs(args) -> dict:
     """The AsyncLLM keyword arguments of parsed `conveyor serve` arguments."""
-    knobs = engine_kwargs(args)
+    knobs = {k: getattr(args, k) for k in _ENGINE_KNOBS if getattr(args, k) is not None}
+    knobs["max_queued_requests"] = args.max_queued_requests or None
     return knobs
 
 
@@ -1210,8 +1211,7 @@ def main(argv=None) -> int:
         return 2
     from . import AsyncLLM, ConveyorError
 
-    knobs = {k: getattr(args, k) for k in _ENGINE_KNOBS if getattr(args, k) is not None}
-    knobs["max_queued_requests"] = args.max_queued_requests or None
+    knobs = engine_kwargs(args)
     try:
         engine = AsyncLLM(args.model, **knobs)
     except (OSError, ValueError, TypeError, ConveyorError) as e:

@@ -252,18 +252,16 @@ async def inprocess_run(job: dict) -> dict:
 
 
 def step_times(trace) -> dict:
-    """From the engine's step trace (step, t0, t1, request, seq, new tokens): the times of
-    decode-only steps and of steps with prompt work (an entry computing > 1 token; a
-    1-token prompt chunk passes for a decode), and the most prompt tokens in a step that
-    also decoded."""
+    """From the engine's step trace (step, t0, t1, request, seq, new tokens, of them prompt
+    tokens): the times of decode-only steps and of steps with prompt work, and the most
+    prompt tokens in a step that also decoded."""
     import numpy as np
 
     steps: dict = {}
-    for step, t0, t1, _rid, _idx, n_new in trace:
-        s = steps.setdefault(step, [t1 - t0, 0, 0])
-        if n_new > 1:
-            s[1] += n_new
-        else:
+    for step, t0, t1, _rid, _idx, n_new, n_prompt_work in trace:
+        s = steps.setdefault(step, [t1 - t0, 0, 0])  # time, prompt tokens, decodes
+        s[1] += n_prompt_work
+        if n_prompt_work == 0:
             s[2] += 1
     out = {}
     for name, keep in (("decode_only", lambda s: s[1] == 0), ("with_prompts", lambda s: s[1] > 0)):
