@@ -1,9 +1,11 @@
 #define _POSIX_C_SOURCE 200809L
-#include "common.h"
+#include "../kernels/common.h"
 
 #include <math.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #if defined(__linux__) && defined(_GNU_SOURCE)
@@ -25,6 +27,19 @@ int cv_set_err(cv_err *err, int code, const char *fmt, ...) {
         vsnprintf(err->msg, sizeof err->msg, fmt, ap);
         va_end(ap);
         err->code = code;
+        err->field[0] = '\0';
+    }
+    return code;
+}
+
+int cv_set_field_err(cv_err *err, int code, const char *field, const char *fmt, ...) {
+    if (err) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err->msg, sizeof err->msg, fmt, ap);
+        va_end(ap);
+        err->code = code;
+        snprintf(err->field, sizeof err->field, "%s", field ? field : "");
     }
     return code;
 }
@@ -129,5 +144,21 @@ double cv_now(void) {
 int cv_mul_size(size_t a, size_t b, size_t *out) {
     if (a != 0 && b > SIZE_MAX / a) return 0;
     *out = a * b;
+    return 1;
+}
+
+int cv_grow(void **p, size_t *cap, size_t need, size_t elem) {
+    if (need <= *cap) return 1;
+    size_t c = *cap ? *cap : 16;
+    while (c < need) {
+        if (c > SIZE_MAX / 2) return 0;
+        c *= 2;
+    }
+    size_t bytes;
+    if (!cv_mul_size(c, elem, &bytes)) return 0;
+    void *q = realloc(*p, bytes);
+    if (!q) return 0;
+    *p = q;
+    *cap = c;
     return 1;
 }

@@ -11,7 +11,7 @@
 #define CV_BACKEND_H
 
 #include <stdint.h>
-#include "../csrc/common.h"
+#include "common.h"
 
 typedef struct cv_backend cv_backend;
 
@@ -127,6 +127,13 @@ struct cv_backend {
     /* Free and total memory of the device in bytes (may be NULL: the engine
      * then asks the OS for host memory). */
     int (*mem_info)(cv_backend *b, size_t *free_bytes, size_t *total_bytes);
+    /* Failures of queued device work (bad indices, launch errors), reported
+     * after the fact: CV_OK or a code with err set. NULL: the kernels report
+     * nothing after the fact (the CPU). */
+    int (*last_error)(cv_backend *b, cv_err *err);
+    /* Non-zero when buffers from alloc() live in device memory: inputs must be
+     * copied there and logits back (0 on the CPU, whose table leaves it unset). */
+    int device_memory;
     void (*destroy)(cv_backend *b);
 };
 

@@ -125,7 +125,7 @@ cv_backend *cv_cuda_backend_create(int device, cv_err *err) {
                    L.err.msg[0] ? L.err.msg : "device='cuda': CUDA backend unavailable");
         return NULL;
     }
-    cv_err e = {0, {0}};
+    cv_err e = {0};
     cv_backend *b = L.create(device, &e);
     if (!b) {
         cv_set_err(err, e.code ? e.code : CV_ERR_UNSUPPORTED, "device='cuda': %s",

@@ -106,7 +106,7 @@ def test_abort_mid_stream_frees_blocks(engine):
         await gen.aclose()
         # the abort reaches the engine at its next step
         for _ in range(200):
-            if engine.stats()["blocks_used"] == 0 and engine._core._engine.num_unfinished() == 0:
+            if engine.stats()["blocks_used"] == 0 and engine.num_unfinished() == 0:
                 break
             await asyncio.sleep(0.01)
         return got
@@ -148,7 +148,7 @@ def test_explicit_abort_and_cancel(engine):
         with pytest.raises(asyncio.CancelledError):
             await t2
         for _ in range(200):
-            if engine.stats()["blocks_used"] == 0 and engine._core._engine.num_unfinished() == 0:
+            if engine.stats()["blocks_used"] == 0 and engine.num_unfinished() == 0:
                 break
             await asyncio.sleep(0.01)
 
@@ -194,7 +194,7 @@ def test_bad_input_raises_before_queueing(engine):
             await _collect(engine, [1] * 600, SamplingParams())
 
     run(go())
-    assert engine._core._engine.num_unfinished() == 0
+    assert engine.num_unfinished() == 0
 
 
 def test_closed_engine():

@@ -75,7 +75,7 @@ def assert_serves(m: LLM):
     assert len(out.outputs[0].token_ids) > 0
     st = m.stats()
     assert st["blocks_used"] == 0 and st["num_running"] == 0 and st["num_waiting"] == 0
-    assert m._core._engine.num_unfinished() == 0
+    assert m.num_unfinished() == 0
 
 
 def _open_fds() -> set:
@@ -350,6 +350,8 @@ SP_CASES = [
     Case("sp-logprobs-big", "logprobs=100", ValueError, r"logprobs must be in \[0, 20\]", dict(logprobs=100)),
     Case("sp-logprobs-negative", "logprobs=-1", ValueError, r"logprobs", dict(logprobs=-1)),
     Case("sp-stop-empty", 'stop=[""]', ValueError, r"stop must not contain an empty string", dict(stop=[""])),
+    Case("sp-stop-surrogate", 'stop=["\\ud800"] (not encodable text)', ValueError, r"surrogate",
+         dict(stop=["\ud800"])),
     Case("sp-stop-int", "stop=3", TypeError, r"stop must be a str or a list", dict(stop=3)),
     Case("sp-stop-list-int", "stop=[1]", TypeError, r"stop must contain only str", dict(stop=[1])),
     Case("sp-stop-ids-int", "stop_token_ids=5", TypeError, r"stop_token_ids must be a list", dict(stop_token_ids=5)),
@@ -415,8 +417,6 @@ GEN_CASES = [
          _gen([GOOD_PROMPT], SamplingParams(max_tokens=10**9))),
     Case("gen-stop-id-out-of-vocab", "stop_token_ids=[10**6]", ValueError,
          r"stop_token_ids contains 1000000, outside the vocabulary", _gen([GOOD_PROMPT], SamplingParams(stop_token_ids=[10**6]))),
-    Case("gen-stop-surrogate", 'stop=["\\ud800"]', ValueError, r"surrogate",
-         _gen([GOOD_PROMPT, GOOD_PROMPT], SamplingParams(stop=["\ud800"]))),
     Case("gen-params-count", "2 prompts, 1 SamplingParams in a list", ValueError,
          r"got 1 SamplingParams for 2 prompts", _gen(["a", "b"], [GOOD])),
     Case("gen-params-type", "sampling_params={'temperature': 0}", TypeError, r"sampling_params must be",
@@ -473,7 +473,7 @@ def assert_async_serves(e: AsyncLLM):
     asyncio.run(_good(e))
     st = e.stats()
     assert st["blocks_used"] == 0 and st["num_running"] == 0 and st["num_waiting"] == 0
-    assert e._core._engine.num_unfinished() == 0
+    assert e.num_unfinished() == 0
 
 
 LONG = SamplingParams(max_tokens=300, ignore_eos=True)
@@ -643,16 +643,16 @@ HTTP_CASES = [
     Case("http-huge-n", "n: 1000000", 400, r"'n' must be in \[1, \d+\]", _post(json={"prompt": "hi", "n": 10**6})),
     Case("http-n-times-prompts", "200 prompts x n=100", 400, r"more than \d+ sequences",
          _post(json={"prompt": ["a"] * 200, "n": 100})),
-    Case("http-huge-max-tokens", "max_tokens: 10**9", 400, r"'max_tokens' is 1000000000",
+    Case("http-huge-max-tokens", "max_tokens: 10**9", 400, r"max_tokens \(1000000000\) exceeds max_model_len",
          _post(json={"prompt": "hi", "max_tokens": 10**9})),
-    Case("http-temperature", "temperature: -1", 400, r"'temperature' must be a finite number",
+    Case("http-temperature", "temperature: -1", 400, r"temperature must be finite",
          _post(json={"prompt": "hi", "temperature": -1})),
     Case("http-stream-type", 'stream: "yes"', 400, r"'stream' must be a boolean", _post(json={"prompt": "hi", "stream": "yes"})),
-    Case("http-logprobs", "logprobs: 1000", 400, r"'logprobs' must be in", _post(json={"prompt": "hi", "logprobs": 1000})),
-    Case("http-seed-huge", "seed: 2**70", 400, r"'seed' must be in", _post(json={"prompt": "hi", "seed": 2**70})),
+    Case("http-logprobs", "logprobs: 1000", 400, r"logprobs must be in \[0, 20\]", _post(json={"prompt": "hi", "logprobs": 1000})),
+    Case("http-seed-huge", "seed: 2**70", 400, r"seed must be in", _post(json={"prompt": "hi", "seed": 2**70})),
     Case("http-stop-type", "stop: [1]", 400, r"'stop' must be a string or an array of strings",
          _post(json={"prompt": "hi", "stop": [1]})),
-    Case("http-token-out-of-vocab", "prompt: [1, 99999]", 400, r"token id 99999, outside the vocabulary",
+    Case("http-token-out-of-vocab", "prompt: [1, 99999]", 400, r"token id 99999 is outside the vocabulary",
          _post(json={"prompt": [1, 99999]})),
     Case("http-unknown-model", 'model: "gpt-9"', 404, r"the model 'gpt-9' does not exist",
          _post(json={"prompt": "hi", "model": "gpt-9"})),
@@ -763,3 +763,54 @@ def test_catalogue_is_complete():
 
 if __name__ == "__main__":
     print(catalogue_markdown())
+
+
+# The C engine is the one authority on ranges: its errors name the field in .field.
+FIELD_CASES = [
+    (dict(temperature=-1), ValueError, "temperature"),
+    (dict(top_k=-5), ValueError, "top_k"),
+    (dict(logprobs=100), ValueError, "logprobs"),
+    (dict(min_tokens=5, max_tokens=2), ValueError, "min_tokens"),
+    (dict(stop=[""]), ValueError, "stop"),
+    (dict(stop_token_ids=[-1]), ValueError, "stop_token_ids"),
+    (dict(seed=2**70), ValueError, "seed"),
+    (dict(n=True), TypeError, "n"),
+    (dict(top_k=2**40), ValueError, "top_k"),
+]
+
+
+@pytest.mark.parametrize("kw,exc,field", FIELD_CASES, ids=[c[2] + str(i) for i, c in enumerate(FIELD_CASES)])
+def test_sampling_error_names_field(kw, exc, field):
+    with pytest.raises(exc) as info:
+        SamplingParams(**kw)
+    assert info.value.field == field
+
+
+def test_check_request_names_field(llm):
+    cases = [([1, 99999], SamplingParams(), "prompt"),
+             ([1] * 600, SamplingParams(), "prompt"),
+             ([1, 2], SamplingParams(max_tokens=10**6), "max_tokens"),
+             ([1, 2], SamplingParams(stop_token_ids=[10**6]), "stop_token_ids")]
+    for ids, params, field in cases:
+        with pytest.raises(ValueError) as info:
+            llm.check_request(ids, params)
+        assert info.value.field == field, (ids, params)
+    llm.check_request([1, 2], SamplingParams(max_tokens=4))  # a good request passes and queues nothing
+    assert llm.stats()["num_waiting"] == 0
+
+
+def test_step_refused_while_background_loop_runs(aengine):
+    """The C engine enforces "not while the background loop runs"."""
+    with pytest.raises(RuntimeError, match="background loop"):
+        aengine._core.step()
+    assert_async_serves(aengine)
+
+
+def test_kv_cache_size_formula(llm):
+    """_core.kv_bytes_per_token is the engine's own formula: the pool it made
+    is a whole number of blocks of it."""
+    st, cfg = llm.stats(), llm.model_config
+    per_token = conveyor._core.kv_bytes_per_token(cfg["n_layers"], cfg["n_kv_heads"], cfg["head_dim"],
+                                                  cfg["kv_cache_dtype"])
+    assert per_token == 2 * cfg["n_layers"] * cfg["n_kv_heads"] * cfg["head_dim"] * 4  # float32 stories260K
+    assert st["kv_cache_bytes"] == st["num_blocks"] * st["block_size"] * per_token

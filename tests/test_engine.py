@@ -237,7 +237,7 @@ def test_bad_prompts_raise_before_queueing(llm, prompt, exc):
     with pytest.raises(exc):
         llm.generate([PROMPTS[0], prompt] if not isinstance(prompt, np.ndarray) else prompt,
                      GREEDY, use_tqdm=False)
-    assert llm._core._engine.num_unfinished() == 0
+    assert llm.num_unfinished() == 0
     assert llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].finished
 
 
@@ -303,9 +303,18 @@ def test_closed_llm_raises():
 
 
 def test_chat_applies_template(llm):
-    out = llm.chat([{"role": "user", "content": "Tell me a story"}],
-                   SamplingParams(temperature=0.0, max_tokens=10))
-    assert len(out) == 1 and out[0].outputs[0].token_ids
+    """chat() prompts with the tokenizer's own rendering of the conversation,
+    and answers as generate() does on that rendering."""
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story"}]
+    params = SamplingParams(temperature=0.0, max_tokens=10)
+    out = llm.chat(msgs, params, use_tqdm=False)
+    tok = llm.get_tokenizer()
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True)
+    assert text.endswith("assistant: ") and "Tell me a story" in text
+    assert out[0].prompt == text
+    assert out[0].prompt_token_ids == tok.encode(text)
+    ref = llm.generate([text], params, use_tqdm=False)[0]
+    assert out[0].outputs[0].token_ids == ref.outputs[0].token_ids and len(ref.outputs[0].token_ids) > 0
 
 
 def test_forced_plain_c_kernels_give_same_text(llm):

@@ -63,14 +63,14 @@ def test_long_prompt_while_16_decode_is_capped_and_outputs_match_solo():
     async def go():
         engine = AsyncLLM(str(STORIES), num_threads=1, max_prefill_tokens_while_decoding=cap)
         try:
-            engine._core._engine.set_trace(True)
+            engine._core.set_trace(True)
             streams = [engine.add_request(p, GREEDY) for p in prompts]
             for s in streams:  # every one decodes before the long prompt arrives
                 await _first_output(s)
             long = engine.add_request({"prompt_token_ids": long_ids},
                                       SamplingParams(temperature=0.0, max_tokens=8))
             outs = await asyncio.gather(*[_drain(s) for s in streams + [long]])
-            trace = engine._core._engine.take_trace()
+            trace = engine._core.take_trace()
             ids = [s._req.internal_id for s in streams]
             return outs, trace, ids, long._req.internal_id, await _wait_free(engine)
         finally:
@@ -117,13 +117,11 @@ def test_deadline_ends_running_and_queued_requests_and_frees_blocks():
         running = core.add_request(None, "a", tok.encode("Once upon a time"), LONG, timeout=0.3)
         queued = core.add_request(None, "b", tok.encode("The dog"), LONG, timeout=0.3)
         for _ in range(5):
-            core._engine.step()
-        core.process_events()
+            core.step()
         assert len(running.seqs[0].token_ids) == 5 and queued.seqs[0].token_ids == []
         assert core.stats()["blocks_used"] > 0
         time.sleep(0.35)
-        core._engine.step()
-        core.process_events()
+        core.step()
         for req in (running, queued):
             assert req.finished and req.seqs[0].finish_reason == "timeout"
         assert len(running.seqs[0].token_ids) == 5

@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from conveyor.stream_encoder import ChunkEncoder, dumps
+from conveyor.server.chunks import ChunkEncoder
+from conveyor.server.protocol import dumps
 
 TEXTS = ["", "Once", " upon a time", 'quote " and \\ backslash', "new\nline\ttab", "\u00e9t\u00e9 \u4e2d\u6587 \U0001f600",
          "\x00\x1f control", "\ufffd"]

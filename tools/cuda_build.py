@@ -83,7 +83,7 @@ def _nvcc_flags():
 def _deps():
     """Files every object depends on besides its own .cu."""
     return ([h for h in glob.glob(os.path.join(CUDA_DIR, "*.h")) if not h.endswith("cuda_emu.h")] +
-            [os.path.join(ROOT, "kernels", "backend.h"), os.path.join(ROOT, "csrc", "common.h")])
+            [os.path.join(ROOT, "kernels", "backend.h"), os.path.join(ROOT, "kernels", "common.h")])
 
 
 def _newer(target, sources):

@@ -221,7 +221,7 @@ def _wait_idle(engine, timeout=30.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         st = engine.stats()
-        if (engine._core._engine.num_unfinished() == 0 and st["blocks_used"] == 0) or time.monotonic() > deadline:
+        if (engine.num_unfinished() == 0 and st["blocks_used"] == 0) or time.monotonic() > deadline:
             return st
         time.sleep(0.01)
 

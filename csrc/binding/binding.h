@@ -13,7 +13,7 @@
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include <numpy/arrayobject.h>
 
-#include "../common.h"
+#include "../../kernels/common.h"
 
 /* Exception types (module attributes of conveyor._core). */
 extern PyObject *cv_ConveyorError;      /* base class of all conveyor errors */
@@ -23,7 +23,8 @@ extern PyObject *cv_EngineClosedError;  /* use after close (also a RuntimeError)
 extern PyObject *cv_EngineOverloadedError; /* the request queue is full (also a RuntimeError) */
 
 /* Raises the Python exception for a C status code with err's message and
- * returns NULL. */
+ * returns NULL; when err->field is set the exception's .field attribute
+ * names the request field at fault. */
 PyObject *cv_py_raise(const cv_err *err);
 
 /* Each part registers its types and functions on the module (0 ok, -1 error). */
@@ -33,6 +34,7 @@ int cv_py_add_kernels(PyObject *m);    /* py_kernels.c   */
 int cv_py_add_scheduler(PyObject *m);  /* py_scheduler.c */
 int cv_py_add_sampler(PyObject *m);    /* py_sampler.c   */
 int cv_py_add_engine(PyObject *m);     /* py_engine.c    */
+int cv_py_add_request_params(PyObject *m); /* request_params.c */
 int cv_py_add_cuda(PyObject *m);       /* py_cuda.c      */
 int cv_py_add_model(PyObject *m);      /* py_model.c     */
 

@@ -23,7 +23,22 @@ PyObject *cv_py_raise(const cv_err *err) {
     case CV_ERR_OVERLOADED: type = cv_EngineOverloadedError; break;
     default: type = cv_ConveyorError; break;
     }
-    PyErr_SetString(type, msg);
+    if (!(err && err->field[0])) {
+        PyErr_SetString(type, msg);
+        return NULL;
+    }
+    /* a request field is at fault: the exception carries it as .field */
+    PyObject *exc = PyObject_CallFunction(type, "s", msg);
+    if (!exc) return NULL;
+    PyObject *field = PyUnicode_FromString(err->field);
+    if (!field || PyObject_SetAttrString(exc, "field", field) < 0) {
+        Py_XDECREF(field);
+        Py_DECREF(exc);
+        return NULL;
+    }
+    Py_DECREF(field);
+    PyErr_SetObject(type, exc);
+    Py_DECREF(exc);
     return NULL;
 }
 

@@ -49,7 +49,7 @@ static cv_backend *get_cuda(void) {
         int device = 0;
         const char *env = getenv("CONVEYOR_CUDA_DEVICE");
         if (env && env[0]) device = atoi(env);
-        cv_err err = {0, {0}};
+        cv_err err = {0};
         /* With the GIL held (about a second, once): no other thread can see
          * `tried` set before the outcome is stored. */
         cv_backend *b = cv_cuda_backend_create(device, &err);
@@ -187,7 +187,7 @@ static PyObject *py_cuda_memcpy_bandwidth(PyObject *self, PyObject *args, PyObje
     }
     cv_backend *b = get_cuda();
     if (!b) return NULL;
-    cv_err err = {0, {0}};
+    cv_err err = {0};
     double gbs;
     CU_RUN(gbs = cv_cuda_memcpy_bandwidth(b, (size_t)n_bytes, repeats, &err));
     if (gbs < 0) return cv_py_raise(&err);
@@ -218,7 +218,7 @@ static PyObject *make_matrix(PyObject *w_obj, const char *wdt) {
     const int64_t rows = PyArray_DIM(w, 0), cols = PyArray_DIM(w, 1);
     cv_matrix *m = PyMem_Calloc(1, sizeof *m);
     if (!m) return PyErr_NoMemory();
-    cv_err err = {0, {0}};
+    cv_err err = {0};
     int rc;
     const void *src = PyArray_DATA(w);
     CU_RUN(rc = b->matrix_prepare(b, m, src, st, rows, cols, dt, &err));
@@ -252,7 +252,7 @@ static PyObject *run_matmul(cv_matrix *m, PyObject *x_obj, PyObject *bias_obj, P
     float *o = PyArray_DATA((PyArrayObject *)a.out); /* [n][rows] */
     const float *xp = PyArray_DATA(a.x), *bias = a.bias; /* [n][cols], [rows] */
     const size_t xb = (size_t)(n * cols) * 4, ob = (size_t)(n * rows) * 4;
-    cv_err err = {0, {0}};
+    cv_err err = {0};
     int rc;
     CU_RUN({
         dev d = {.b = b};
@@ -323,7 +323,7 @@ static PyObject *py_cuda_kernel_matmul_time(PyObject *self, PyObject *args, PyOb
     }
     const float *xp = PyArray_DATA(x);
     double best = 0.0;
-    cv_err err = {0, {0}};
+    cv_err err = {0};
     int rc;
     CU_RUN({
         dev d = {.b = b};
@@ -362,7 +362,7 @@ static PyObject *norm_hook(PyObject *args, PyObject *kw, int add) {
     cv_py_norm_args a;
     if (cv_py_want_norm_args(&a, x_obj, r_obj, w_obj) < 0) return NULL;
     const int64_t n = a.n, dim = a.dim;
-    cv_err err = {0, {0}};
+    cv_err err = {0};
     int rc = 0;
     if (n > 0 && dim > 0) {
         float *o = PyArray_DATA((PyArrayObject *)a.out);                          /* [n][dim] */
@@ -433,7 +433,7 @@ static PyObject *py_cuda_kernel_rope(PyObject *self, PyObject *args, PyObject *k
     const int32_t *pp = a.pos;
     const float *fp = a.rope.inv_freq;
     cv_rope rope = a.rope;
-    cv_err err = {0, {0}};
+    cv_err err = {0};
     int rc;
     CU_RUN({
         dev d = {.b = b};
@@ -471,7 +471,7 @@ static PyObject *py_cuda_kernel_swiglu(PyObject *self, PyObject *args, PyObject 
     if (!out || n == 0 || two == 0) return out;
     float *o = PyArray_DATA((PyArrayObject *)out);
     const float *gp = PyArray_DATA(gu);
-    cv_err err = {0, {0}};
+    cv_err err = {0};
     int rc;
     CU_RUN({
         dev d = {.b = b};
@@ -506,7 +506,7 @@ static PyObject *py_cuda_kernel_embedding(PyObject *self, PyObject *args, PyObje
     if (!out || n == 0) return out;
     float *o = PyArray_DATA((PyArrayObject *)out);
     const void *src = PyArray_DATA(t);
-    cv_err err = {0, {0}};
+    cv_err err = {0};
     int rc;
     CU_RUN({
         cv_table table;
@@ -553,7 +553,7 @@ static PyObject *py_cuda_kernel_kv_write(PyObject *self, PyObject *args, PyObjec
     pack_rows(host, stride, 0, &k);
     pack_rows(host, stride, row, &v);
     void *hk = PyArray_DATA(ka), *hv = PyArray_DATA(va);
-    cv_err err = {0, {0}};
+    cv_err err = {0};
     int rc;
     CU_RUN({
         dev d = {.b = b};
@@ -609,7 +609,7 @@ static PyObject *py_cuda_kernel_paged_attention(PyObject *self, PyObject *args, 
     pack_rows(host, qstride, 0, &q);
     float *o = PyArray_DATA((PyArrayObject *)out);
     const void *hk = PyArray_DATA(ka), *hv = PyArray_DATA(va);
-    cv_err err = {0, {0}};
+    cv_err err = {0};
     int rc;
     CU_RUN({
         dev d = {.b = b};

@@ -6,6 +6,8 @@
 #include <string.h>
 
 #include "../core/engine.h"
+#include "../core/kv_cache.h"
+#include "request_params.h"
 
 /* step() runs with the GIL released; `busy` keeps close() (from another thread,
  * or the interpreter's exit) from freeing the engine under a running step. */
@@ -190,138 +192,91 @@ static int check_open(EngineObject *self) {
     return 0;
 }
 
-static PyObject *Engine_add_request(EngineObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"request_id", "prompt", "n", "max_tokens", "min_tokens",
-                             "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                             "presence_penalty", "frequency_penalty", "seed", "stop",
-                             "include_stop_str_in_output", "stop_token_ids", "ignore_eos",
-                             "skip_special_tokens", "logprobs", "priority", "timeout", NULL};
-    long long req_id, max_tokens = 16, min_tokens = 0;
-    PyObject *prompt_obj, *seed_obj = Py_None, *stop_obj = Py_None, *stop_ids_obj = Py_None,
-             *logprobs_obj = Py_None;
-    int n = 1, top_k = 0, include_stop = 0, ignore_eos = 0, skip_special = 1, priority = 0;
-    float temperature = 1.0f, top_p = 1.0f, min_p = 0.0f, rep = 1.0f, pres = 0.0f, freq = 0.0f;
-    double timeout = 0.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "LO|$iLLffiffffOOpOppOid", kwlist, &req_id,
-                                     &prompt_obj, &n, &max_tokens, &min_tokens, &temperature,
-                                     &top_p, &top_k, &min_p, &rep, &pres, &freq, &seed_obj,
-                                     &stop_obj, &include_stop, &stop_ids_obj, &ignore_eos,
-                                     &skip_special, &logprobs_obj, &priority, &timeout))
-        return NULL;
-    if (check_open(self) < 0) return NULL;
-    PyObject *result = NULL;
+/* The prompt: any integer array-like, as int32. An int32 C-contiguous array is
+ * used in place (zero-copy); anything else goes through int64 so that ids too
+ * big for int32 are reported instead of wrapping. */
+static PyArrayObject *read_prompt(EngineObject *self, PyObject *prompt_obj) {
     PyArrayObject *arr = NULL;
-    PyObject *stop_seq = NULL;
-    int32_t *stop_ids = NULL;
-    Py_ssize_t n_stop_ids = 0, n_stop = 0;
-    const char **stop_ptrs = NULL;
-    size_t *stop_lens = NULL;
-    cv_request_params p;
-    memset(&p, 0, sizeof p);
-
-    /* The prompt: any integer array-like. An int32 C-contiguous array is used in
-     * place (zero-copy); anything else goes through int64 so that values too big
-     * for int32 are reported instead of wrapping. */
     if (PyArray_Check(prompt_obj) && !PyArray_ISINTEGER((PyArrayObject *)prompt_obj)) {
         PyErr_SetString(PyExc_TypeError, "prompt token array must have an integer dtype");
-        goto done;
+        return NULL;
     }
-    if (PyArray_Check(prompt_obj) && PyArray_TYPE((PyArrayObject *)prompt_obj) == NPY_INT32) {
-        arr = (PyArrayObject *)PyArray_FROMANY(prompt_obj, NPY_INT32, 1, 1,
-                                               NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED);
-    } else {
-        PyArrayObject *wide = (PyArrayObject *)PyArray_FROMANY(
-            prompt_obj, NPY_INT64, 1, 1, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED);
-        if (wide) {
-            npy_intp n = PyArray_SIZE(wide);
-            arr = (PyArrayObject *)PyArray_SimpleNew(1, &n, NPY_INT32);
-            if (arr) {
-                const int64_t *src = PyArray_DATA(wide);
-                int32_t *dst = PyArray_DATA(arr);
-                for (npy_intp i = 0; i < n; i++)
-                    dst[i] = (src[i] < INT32_MIN || src[i] > INT32_MAX) ? -1 : (int32_t)src[i];
+    if (PyArray_Check(prompt_obj) && PyArray_TYPE((PyArrayObject *)prompt_obj) == NPY_INT32)
+        return (PyArrayObject *)PyArray_FROMANY(prompt_obj, NPY_INT32, 1, 1,
+                                                NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED);
+    /* unsigned arrays go through uint64 so that ids >= 2**63 are reported as they are */
+    int is_unsigned = PyArray_Check(prompt_obj) && PyArray_ISUNSIGNED((PyArrayObject *)prompt_obj);
+    PyArrayObject *wide = (PyArrayObject *)PyArray_FROMANY(prompt_obj, is_unsigned ? NPY_UINT64 : NPY_INT64,
+                                                           1, 1, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED);
+    if (wide) {
+        npy_intp n = PyArray_SIZE(wide);
+        const int64_t *src = PyArray_DATA(wide);
+        const uint64_t *usrc = PyArray_DATA(wide);
+        for (npy_intp i = 0; i < n; i++)
+            if (is_unsigned ? usrc[i] > INT32_MAX : (src[i] < INT32_MIN || src[i] > INT32_MAX)) {
+                cv_err err = {0};
+                char id[32];
+                if (is_unsigned) snprintf(id, sizeof id, "%llu", (unsigned long long)usrc[i]);
+                else snprintf(id, sizeof id, "%lld", (long long)src[i]);
+                cv_set_field_err(&err, CV_ERR_INVALID, "prompt",
+                                 "prompt token id %s is outside the vocabulary [0, %lld) (at index %lld)", id,
+                                 (long long)self->vocab, (long long)i);
+                Py_DECREF(wide);
+                return (PyArrayObject *)cv_py_raise(&err);
             }
-            Py_DECREF(wide);
+        arr = (PyArrayObject *)PyArray_SimpleNew(1, &n, NPY_INT32);
+        if (arr) {
+            int32_t *dst = PyArray_DATA(arr);
+            for (npy_intp i = 0; i < n; i++) dst[i] = is_unsigned ? (int32_t)usrc[i] : (int32_t)src[i];
         }
+        Py_DECREF(wide);
     }
-    if (!arr) {
-        if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_ValueError) ||
-            PyErr_ExceptionMatches(PyExc_TypeError)) {
-            PyErr_Clear();
-            PyErr_SetString(PyExc_TypeError, "prompt must be a 1-D sequence of integer token ids");
-        }
-        goto done;
+    if (!arr && (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_ValueError) ||
+                 PyErr_ExceptionMatches(PyExc_TypeError))) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_TypeError, "prompt must be a 1-D sequence of integer token ids");
     }
-    if (read_int_list(stop_ids_obj, "stop_token_ids", &stop_ids, &n_stop_ids) < 0) goto done;
-    if (stop_obj != Py_None) {
-        stop_seq = PySequence_Fast(stop_obj, "stop must be a sequence of bytes");
-        if (!stop_seq) goto done;
-        n_stop = PySequence_Fast_GET_SIZE(stop_seq);
-        stop_ptrs = PyMem_Calloc((size_t)n_stop + 1, sizeof *stop_ptrs);
-        stop_lens = PyMem_Calloc((size_t)n_stop + 1, sizeof *stop_lens);
-        if (!stop_ptrs || !stop_lens) { PyErr_NoMemory(); goto done; }
-        for (Py_ssize_t i = 0; i < n_stop; i++) {
-            PyObject *b = PySequence_Fast_GET_ITEM(stop_seq, i);
-            char *s;
-            Py_ssize_t len;
-            if (!PyBytes_Check(b) || PyBytes_AsStringAndSize(b, &s, &len) < 0) {
-                PyErr_SetString(PyExc_TypeError, "stop strings must be given as bytes");
-                goto done;
-            }
-            stop_ptrs[i] = s;
-            stop_lens[i] = (size_t)len;
-        }
-    }
-    p.n = n;
-    p.max_tokens = max_tokens;
-    p.min_tokens = min_tokens;
-    p.sp.temperature = temperature;
-    p.sp.top_p = top_p;
-    p.sp.top_k = top_k;
-    p.sp.min_p = min_p;
-    p.sp.repetition_penalty = rep;
-    p.sp.presence_penalty = pres;
-    p.sp.frequency_penalty = freq;
-    p.sp.n_logprobs = -1;
-    if (logprobs_obj != Py_None) {
-        long lp = PyLong_AsLong(logprobs_obj);
-        if (lp == -1 && PyErr_Occurred()) goto done;
-        if (lp < 0 || lp > CV_MAX_LOGPROBS) {
-            PyErr_Format(PyExc_ValueError, "logprobs must be in [0, %d], got %ld", CV_MAX_LOGPROBS, lp);
-            goto done;
-        }
-        p.sp.n_logprobs = (int32_t)lp;
-    }
-    if (seed_obj != Py_None) {
-        unsigned long long sd = PyLong_AsUnsignedLongLongMask(seed_obj);
-        if (PyErr_Occurred()) goto done;
-        p.has_seed = 1;
-        p.seed = sd;
-    }
-    p.n_stop = (int)n_stop;
-    p.stop = stop_ptrs;
-    p.stop_lens = stop_lens;
-    p.include_stop_str = include_stop;
-    p.n_stop_token_ids = (int)n_stop_ids;
-    p.stop_token_ids = stop_ids;
-    p.ignore_eos = ignore_eos;
-    p.skip_special_tokens = skip_special;
-    p.priority = priority;
-    p.timeout = timeout;
+    return arr;
+}
+
+/* add_request (queue != 0) or check_request: the shared argument handling. */
+static PyObject *submit(EngineObject *self, int64_t req_id, PyObject *prompt_obj, PyObject *sp,
+                        int priority, double timeout, int queue) {
+    if (check_open(self) < 0) return NULL;
+    PyArrayObject *arr = read_prompt(self, prompt_obj);
+    if (!arr) return NULL;
+    cv_py_request r;
+    if (cv_py_request_read(&r, sp) < 0) { Py_DECREF(arr); return NULL; }
+    r.p.priority = priority;
+    r.p.timeout = timeout;
     cv_err err = {0};
-    if (cv_engine_add_request(self->e, req_id, (const int32_t *)PyArray_DATA(arr), PyArray_SIZE(arr),
-                              &p, &err)) {
-        cv_py_raise(&err);
-        goto done;
-    }
-    result = Py_NewRef(Py_None);
-done:
-    Py_XDECREF(arr);
-    Py_XDECREF(stop_seq);
-    PyMem_Free(stop_ids);
-    PyMem_Free(stop_ptrs);
-    PyMem_Free(stop_lens);
-    return result;
+    const int32_t *ids = (const int32_t *)PyArray_DATA(arr);
+    int rc = queue ? cv_engine_add_request(self->e, req_id, ids, PyArray_SIZE(arr), &r.p, &err)
+                   : cv_engine_check_request(self->e, ids, PyArray_SIZE(arr), &r.p, &err);
+    cv_py_request_free(&r);
+    Py_DECREF(arr);
+    if (rc) return cv_py_raise(&err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_add_request(EngineObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"request_id", "prompt", "params", "priority", "timeout", NULL};
+    long long req_id;
+    PyObject *prompt_obj, *sp;
+    int priority = 0;
+    double timeout = 0.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LOO|$id", kwlist, &req_id, &prompt_obj, &sp, &priority,
+                                     &timeout))
+        return NULL;
+    return submit(self, req_id, prompt_obj, sp, priority, timeout, 1);
+}
+
+static PyObject *Engine_check_request(EngineObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"prompt", "params", "timeout", NULL};
+    PyObject *prompt_obj, *sp;
+    double timeout = 0.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|$d", kwlist, &prompt_obj, &sp, &timeout)) return NULL;
+    return submit(self, 0, prompt_obj, sp, 0, timeout, 0);
 }
 
 static PyObject *Engine_abort(EngineObject *self, PyObject *arg) {
@@ -358,6 +313,86 @@ static const char *reason_name(int r) {
     }
 }
 
+/* Named records for the engine's outputs (heap types made at module init). */
+static PyTypeObject *EventType, *EventMetricsType;
+
+static PyStructSequence_Field event_fields[] = {
+    {"request_id", "the engine's request id (int)"},
+    {"seq_index", "completion index in [0, n)"},
+    {"token", "the sampled token, -1 when none (abort)"},
+    {"logprob", "log-probability of the sampled token"},
+    {"top_logprobs", "[(token id, logprob)] of the most likely tokens, or None"},
+    {"text", "newly visible UTF-8 bytes"},
+    {"finished", "this completion is done"},
+    {"finish_reason", "'stop', 'length', 'abort' or None"},
+    {"stop_kind", "STOP_NONE, STOP_TOKEN or STOP_STRING"},
+    {"stop_value", "the stop token id, or the stop string's index"},
+    {"metrics", "an EngineEventMetrics when the whole request finished, else None"},
+    {NULL, NULL}};
+static PyStructSequence_Desc event_desc = {"conveyor._core.EngineEvent",
+                                           "One output of one step for one completion.", event_fields, 11};
+
+static PyStructSequence_Field metrics_fields[] = {
+    {"arrival", "time.monotonic() when the request was queued"},
+    {"first_scheduled", "when it first ran (0: never)"},
+    {"first_token", "when its first token was sampled (0: never)"},
+    {"finished", "when it finished"},
+    {"n_prompt", "prompt tokens"},
+    {"n_cached_prompt", "prompt tokens found in the prefix cache"},
+    {NULL, NULL}};
+static PyStructSequence_Desc metrics_desc = {"conveyor._core.EngineEventMetrics",
+                                             "Timings of a finished request.", metrics_fields, 6};
+
+/* Sets item i of a struct sequence, taking the reference (NULL -> error). */
+static int set_item(PyObject *rec, Py_ssize_t i, PyObject *v) {
+    if (!v) return -1;
+    PyStructSequence_SetItem(rec, i, v);
+    return 0;
+}
+
+static PyObject *make_top(const cv_event *v) {
+    if (v->n_top <= 0) Py_RETURN_NONE;
+    PyObject *top = PyList_New(v->n_top);
+    if (!top) return NULL;
+    for (int k = 0; k < v->n_top; k++) {
+        PyObject *pair = Py_BuildValue("(if)", v->top_ids[k], (double)v->top_logprobs[k]);
+        if (!pair) { Py_DECREF(top); return NULL; }
+        PyList_SET_ITEM(top, k, pair);
+    }
+    return top;
+}
+
+static PyObject *make_metrics(const cv_event *v) {
+    if (!v->request_finished) Py_RETURN_NONE;
+    PyObject *m = PyStructSequence_New(EventMetricsType);
+    if (!m) return NULL;
+    if (set_item(m, 0, PyFloat_FromDouble(v->arrival)) || set_item(m, 1, PyFloat_FromDouble(v->first_scheduled)) ||
+        set_item(m, 2, PyFloat_FromDouble(v->first_token)) || set_item(m, 3, PyFloat_FromDouble(v->finished_time)) ||
+        set_item(m, 4, PyLong_FromLongLong(v->n_prompt)) || set_item(m, 5, PyLong_FromLongLong(v->n_cached_prompt))) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
+
+static PyObject *make_event(const cv_event *v, const char *text) {
+    PyObject *e = PyStructSequence_New(EventType);
+    if (!e) return NULL;
+    const char *reason = reason_name(v->finish_reason);
+    if (set_item(e, 0, PyLong_FromLongLong(v->request_id)) || set_item(e, 1, PyLong_FromLong(v->seq_index)) ||
+        set_item(e, 2, PyLong_FromLong(v->token)) || set_item(e, 3, PyFloat_FromDouble((double)v->logprob)) ||
+        set_item(e, 4, make_top(v)) ||
+        set_item(e, 5, PyBytes_FromStringAndSize(text ? text + v->text_off : "", (Py_ssize_t)v->text_len)) ||
+        set_item(e, 6, PyBool_FromLong(v->finished)) ||
+        set_item(e, 7, reason ? PyUnicode_FromString(reason) : Py_NewRef(Py_None)) ||
+        set_item(e, 8, PyLong_FromLong(v->stop_kind)) || set_item(e, 9, PyLong_FromLong(v->stop_value)) ||
+        set_item(e, 10, make_metrics(v))) {
+        Py_DECREF(e);
+        return NULL;
+    }
+    return e;
+}
+
 static PyObject *Engine_take_outputs(EngineObject *self, PyObject *Py_UNUSED(ignored)) {
     if (check_open(self) < 0) return NULL;
     cv_event *ev = NULL;
@@ -366,31 +401,7 @@ static PyObject *Engine_take_outputs(EngineObject *self, PyObject *Py_UNUSED(ign
     PyObject *list = PyList_New((Py_ssize_t)n);
     if (!list) goto done;
     for (size_t i = 0; i < n; i++) {
-        const cv_event *v = &ev[i];
-        PyObject *top = Py_None, *metrics = Py_None, *item;
-        Py_INCREF(Py_None);
-        Py_INCREF(Py_None);
-        if (v->n_top > 0) {
-            Py_DECREF(top);
-            top = PyList_New(v->n_top);
-            if (!top) { Py_DECREF(metrics); Py_CLEAR(list); goto done; }
-            for (int k = 0; k < v->n_top; k++) {
-                PyObject *pair = Py_BuildValue("(if)", v->top_ids[k], (double)v->top_logprobs[k]);
-                if (!pair) { Py_DECREF(top); Py_DECREF(metrics); Py_CLEAR(list); goto done; }
-                PyList_SET_ITEM(top, k, pair);
-            }
-        }
-        if (v->request_finished) {
-            Py_DECREF(metrics);
-            metrics = Py_BuildValue("(ddddLL)", v->arrival, v->first_scheduled, v->first_token,
-                                    v->finished_time, (long long)v->n_prompt, (long long)v->n_cached_prompt);
-            if (!metrics) { Py_DECREF(top); Py_CLEAR(list); goto done; }
-        }
-        const char *reason = reason_name(v->finish_reason);
-        item = Py_BuildValue("(LiifNy#OziiN)", (long long)v->request_id, v->seq_index, v->token,
-                             (double)v->logprob, top, text ? text + v->text_off : "",
-                             (Py_ssize_t)v->text_len, v->finished ? Py_True : Py_False, reason,
-                             v->stop_kind, v->stop_value, metrics);
+        PyObject *item = make_event(&ev[i], text);
         if (!item) { Py_CLEAR(list); goto done; }
         PyList_SET_ITEM(list, (Py_ssize_t)i, item);
     }
@@ -526,7 +537,12 @@ static PyObject *Engine_take_trace(EngineObject *self, PyObject *Py_UNUSED(ignor
 
 static PyMethodDef Engine_methods[] = {
     {"add_request", (PyCFunction)(void (*)(void))Engine_add_request, METH_VARARGS | METH_KEYWORDS,
-     "Validates and queues a request."},
+     "add_request(request_id, prompt, params, *, priority=0, timeout=0.0)\n\nValidates (as check_request) "
+     "and queues a request; params is a SamplingParams; timeout: seconds from arrival (0: none). "
+     "EngineOverloadedError when max_queued_requests requests wait."},
+    {"check_request", (PyCFunction)(void (*)(void))Engine_check_request, METH_VARARGS | METH_KEYWORDS,
+     "check_request(prompt, params, *, timeout=0.0)\n\nRaises what add_request would raise for this prompt and "
+     "SamplingParams (ValueError/TypeError with .field), queueing nothing."},
     {"abort", (PyCFunction)Engine_abort, METH_O, "Aborts a request by id."},
     {"step", (PyCFunction)Engine_step, METH_NOARGS, "Runs one engine step (GIL released)."},
     {"take_outputs", (PyCFunction)Engine_take_outputs, METH_NOARGS, "Takes the pending outputs."},
@@ -554,8 +570,44 @@ static PyTypeObject EngineType = {
     .tp_methods = Engine_methods,
 };
 
+static PyObject *py_kv_bytes_per_token(PyObject *Py_UNUSED(m), PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"n_layers", "n_kv_heads", "head_dim", "dtype", NULL};
+    long long n_layers, n_kv_heads, head_dim;
+    const char *dtype_s;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLs", kwlist, &n_layers, &n_kv_heads, &head_dim, &dtype_s))
+        return NULL;
+    if (n_layers < 1 || n_kv_heads < 1 || head_dim < 1) {
+        PyErr_SetString(PyExc_ValueError, "n_layers, n_kv_heads and head_dim must be >= 1");
+        return NULL;
+    }
+    cv_dtype dt;
+    if (cv_py_parse_dtype(dtype_s, "dtype", 0, &dt) < 0) return NULL;
+    return PyLong_FromSize_t(cv_kv_bytes_per_token(n_layers, n_kv_heads, head_dim, dt));
+}
+
+static PyMethodDef engine_functions[] = {
+    {"kv_bytes_per_token", (PyCFunction)(void (*)(void))py_kv_bytes_per_token, METH_VARARGS | METH_KEYWORDS,
+     "kv_bytes_per_token(n_layers, n_kv_heads, head_dim, dtype)\n\nK and V bytes one token takes in "
+     "the engine's KV cache (the engine's own formula)."},
+    {NULL, NULL, 0, NULL}};
+
 int cv_py_add_engine(PyObject *m) {
+    if (PyModule_AddFunctions(m, engine_functions) < 0) return -1;
     if (PyType_Ready(&EngineType) < 0) return -1;
+    if (!EventType && !(EventType = PyStructSequence_NewType(&event_desc))) return -1;
+    if (!EventMetricsType && !(EventMetricsType = PyStructSequence_NewType(&metrics_desc))) return -1;
+    if (PyModule_AddObjectRef(m, "EngineEvent", (PyObject *)EventType) < 0 ||
+        PyModule_AddObjectRef(m, "EngineEventMetrics", (PyObject *)EventMetricsType) < 0)
+        return -1;
+    /* the C enums, so Python never mirrors their values */
+    if (PyModule_AddIntConstant(m, "STOP_NONE", CV_STOP_NONE) < 0 ||
+        PyModule_AddIntConstant(m, "STOP_TOKEN", CV_STOP_TOKEN) < 0 ||
+        PyModule_AddIntConstant(m, "STOP_STRING", CV_STOP_STRING) < 0 ||
+        PyModule_AddIntConstant(m, "FINISH_NONE", CV_FINISH_NONE) < 0 ||
+        PyModule_AddIntConstant(m, "FINISH_STOP", CV_FINISH_STOP) < 0 ||
+        PyModule_AddIntConstant(m, "FINISH_LENGTH", CV_FINISH_LENGTH) < 0 ||
+        PyModule_AddIntConstant(m, "FINISH_ABORT", CV_FINISH_ABORT) < 0)
+        return -1;
     Py_INCREF(&EngineType);
     if (PyModule_AddObject(m, "Engine", (PyObject *)&EngineType) < 0) {
         Py_DECREF(&EngineType);

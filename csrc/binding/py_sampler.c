@@ -174,9 +174,9 @@ static int parse_args(sample_args *a, PyObject *args, PyObject *kw, int with_dra
                      INT32_MAX, top_k);
         return -1;
     }
-    if (n_logprobs < -1 || n_logprobs > CV_MAX_LOGPROBS) {
-        PyErr_Format(PyExc_ValueError, "n_logprobs must be in [-1, %d], got %lld", CV_MAX_LOGPROBS,
-                     n_logprobs);
+    if (n_logprobs < -1 || n_logprobs > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "n_logprobs must be -1 (none) or in [0, %d], got %lld",
+                     CV_MAX_LOGPROBS, n_logprobs);
         return -1;
     }
     if (n_draws < 1 || n_draws > MAX_DRAWS) {
@@ -192,7 +192,7 @@ static int parse_args(sample_args *a, PyObject *args, PyObject *kw, int with_dra
     a->p.presence_penalty = (float)pres;
     a->p.frequency_penalty = (float)freq;
     a->p.top_k = (int32_t)top_k;
-    a->p.n_logprobs = (int32_t)n_logprobs;
+    a->p.n_logprobs = n_logprobs == -1 ? CV_NO_LOGPROBS : (int32_t)n_logprobs;
     if (cv_sampling_params_check(&a->p, &err) != CV_OK) {
         cv_py_raise(&err);
         return -1;
@@ -340,6 +340,49 @@ static PyObject *py_rng_uniform(PyObject *self, PyObject *args, PyObject *kw) {
     return rng_stream(args, kw, "On:rng_uniform", 1);
 }
 
+/* The generators themselves, for checks against their published test vectors. */
+static PyObject *py_splitmix64(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *kwlist[] = {"seed", "n", NULL};
+    PyObject *seed_obj = NULL;
+    uint64_t x;
+    Py_ssize_t n = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "On:splitmix64", kwlist, &seed_obj, &n)) return NULL;
+    if (parse_seed(seed_obj, &x) < 0) return NULL;
+    if (n < 0 || n > 1000000) return PyErr_Format(PyExc_ValueError, "n must be in [0, 1000000], got %zd", n);
+    npy_intp dims[1] = {(npy_intp)n};
+    PyObject *r = PyArray_SimpleNew(1, dims, NPY_UINT64);
+    if (!r) return NULL;
+    uint64_t *out = PyArray_DATA((PyArrayObject *)r);
+    for (Py_ssize_t i = 0; i < n; i++) out[i] = cv_splitmix64(&x);
+    return r;
+}
+
+static PyObject *py_xoshiro256ss(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *kwlist[] = {"state", "n", NULL};
+    PyObject *state_obj = NULL;
+    Py_ssize_t n = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "On:xoshiro256ss", kwlist, &state_obj, &n)) return NULL;
+    if (n < 0 || n > 1000000) return PyErr_Format(PyExc_ValueError, "n must be in [0, 1000000], got %zd", n);
+    PyObject *seq = PySequence_Fast(state_obj, "state must be a sequence of 4 ints");
+    if (!seq) return NULL;
+    cv_rng rng;
+    int ok = PySequence_Fast_GET_SIZE(seq) == 4;
+    for (int i = 0; ok && i < 4; i++) ok = parse_seed(PySequence_Fast_GET_ITEM(seq, i), &rng.s[i]) == 0;
+    Py_DECREF(seq);
+    if (!ok) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "state must hold 4 ints");
+        return NULL;
+    }
+    npy_intp dims[1] = {(npy_intp)n};
+    PyObject *r = PyArray_SimpleNew(1, dims, NPY_UINT64);
+    if (!r) return NULL;
+    uint64_t *out = PyArray_DATA((PyArrayObject *)r);
+    for (Py_ssize_t i = 0; i < n; i++) out[i] = cv_rng_next(&rng);
+    return r;
+}
+
 /* ---- stop strings ----------------------------------------------------- */
 
 /* Builds a stop set from a sequence of bytes objects. */
@@ -459,6 +502,10 @@ static PyMethodDef sampler_methods[] = {
      "-inf elsewhere (greedy: only the argmax)."},
     {"rng_uint64", (PyCFunction)(void (*)(void))py_rng_uint64, METH_VARARGS | METH_KEYWORDS,
      "rng_uint64(seed, n) -> uint64 array: the first n outputs of a sequence's stream."},
+    {"splitmix64", (PyCFunction)(void (*)(void))py_splitmix64, METH_VARARGS | METH_KEYWORDS,
+     "splitmix64(seed, n) -> uint64 array: the generator's first n outputs."},
+    {"xoshiro256ss", (PyCFunction)(void (*)(void))py_xoshiro256ss, METH_VARARGS | METH_KEYWORDS,
+     "xoshiro256ss(state, n) -> uint64 array: xoshiro256** from a 4-word state."},
     {"rng_uniform", (PyCFunction)(void (*)(void))py_rng_uniform, METH_VARARGS | METH_KEYWORDS,
      "rng_uniform(seed, n) -> float64 array: the first n uniforms in [0, 1)."},
     {"stop_find", (PyCFunction)(void (*)(void))py_stop_find, METH_VARARGS | METH_KEYWORDS,

@@ -240,7 +240,8 @@ static PyObject *Sched_schedule(SchedObject *self, PyObject *Py_UNUSED(ignored))
     Py_END_ALLOW_THREADS
     self->pending = 1; /* even a partial plan (out of memory) holds blocks and must be committed */
     if (rc != CV_OK) {
-        cv_err err = {rc, "scheduler: out of memory growing a block table"};
+        cv_err err = {0};
+        cv_set_err(&err, rc, "scheduler: out of memory growing a block table");
         return cv_py_raise(&err);
     }
     return plan_dict(&self->plan);

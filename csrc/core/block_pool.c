@@ -124,11 +124,8 @@ void cv_block_pool_destroy(cv_block_pool *p) {
     free(p);
 }
 
-int64_t cv_block_pool_num_blocks(const cv_block_pool *p) { return p->num_blocks; }
-int64_t cv_block_pool_block_size(const cv_block_pool *p) { return p->block_size; }
 int64_t cv_block_pool_num_free(const cv_block_pool *p) { return p->n_free; }
 int64_t cv_block_pool_num_cached_free(const cv_block_pool *p) { return p->n_cached_free; }
-int cv_block_pool_caching(const cv_block_pool *p) { return p->caching; }
 
 /* ---- free queue ---- */
 

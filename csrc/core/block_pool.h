@@ -20,7 +20,7 @@
 #define CV_BLOCK_POOL_H
 
 #include <stdint.h>
-#include "../common.h"
+#include "../../kernels/common.h"
 
 typedef struct cv_block_pool cv_block_pool;
 
@@ -30,11 +30,8 @@ cv_block_pool *cv_block_pool_create(int64_t num_blocks, int64_t block_size,
                                     int enable_prefix_caching, cv_err *err);
 void cv_block_pool_destroy(cv_block_pool *p);
 
-int64_t cv_block_pool_num_blocks(const cv_block_pool *p);  /* including block 0 */
-int64_t cv_block_pool_block_size(const cv_block_pool *p);
 int64_t cv_block_pool_num_free(const cv_block_pool *p);    /* free, cached or not */
 int64_t cv_block_pool_num_cached_free(const cv_block_pool *p);
-int cv_block_pool_caching(const cv_block_pool *p);
 
 /* Takes the head of the free queue (evicting its cached prefix, if any) with
  * ref count 1. Returns -1 when no block is free. */

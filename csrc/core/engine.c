@@ -8,6 +8,8 @@
 
 #include "../../kernels/backend.h"
 #include "../model/model.h"
+#include "kv_cache.h"
+#include "output.h"
 #include "runner.h"
 #include "sequence.h"
 #include "stop.h"
@@ -43,17 +45,13 @@ typedef struct cv_request {
 
 struct cv_engine {
     /* fixed after create */
-    int64_t vocab, max_model_len, max_num_seqs, max_tokens_step, block_size, num_blocks;
-    size_t kv_bytes;
-    int32_t eos_ids[16]; int n_eos;
-    int32_t bos_id; int strip_space_after_bos;
-    char *tok_arena; size_t *tok_off; uint32_t *tok_len; uint8_t *tok_special;
+    int64_t vocab, max_model_len, max_num_seqs, max_tokens_step, block_size;
+    cv_detok detok;
     uint64_t seed;
 
     cv_backend *backend;
     cv_model *model;
-    cv_kv_layer *caches;
-    void *cache_mem;
+    cv_kv_cache kv;
     cv_scheduler *sched;
     cv_runner runner;
     cv_forward_ws ws;
@@ -83,8 +81,7 @@ struct cv_engine {
 
     /* outbox */
     pthread_mutex_t out_lock;
-    cv_event *ev; size_t n_ev, cap_ev;
-    char *ev_text; size_t ev_text_len, ev_text_cap;
+    cv_outbox outbox;
     cv_engine_stats stats_snapshot;
     int tracing;
     cv_trace_entry *trace; size_t n_trace, cap_trace;
@@ -99,24 +96,6 @@ struct cv_engine {
 };
 
 /* ------------------------------------------------------------------------- */
-
-static uint64_t splitmix64(uint64_t *x) {
-    uint64_t z = (*x += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-}
-
-static int grow(void **p, size_t *cap, size_t need, size_t elem) {
-    if (need <= *cap) return 1;
-    size_t c = *cap ? *cap : 16;
-    while (c < need) c *= 2;
-    void *q = realloc(*p, c * elem);
-    if (!q) return 0;
-    *p = q;
-    *cap = c;
-    return 1;
-}
 
 static void request_free(cv_request *r) {
     if (!r) return;
@@ -138,19 +117,7 @@ static void request_free(cv_request *r) {
 
 static cv_event *push_event(cv_engine *e, cv_request *r, int idx, const char *text, size_t len) {
     /* caller holds out_lock */
-    if (!grow((void **)&e->ev, &e->cap_ev, e->n_ev + 1, sizeof *e->ev)) return NULL;
-    if (len && !grow((void **)&e->ev_text, &e->ev_text_cap, e->ev_text_len + len, 1)) return NULL;
-    cv_event *ev = &e->ev[e->n_ev++];
-    memset(ev, 0, sizeof *ev);
-    ev->request_id = r->id;
-    ev->seq_index = idx;
-    ev->token = -1;
-    ev->stop_value = -1;
-    ev->text_off = e->ev_text_len;
-    ev->text_len = len;
-    if (len) memcpy(e->ev_text + e->ev_text_len, text, len);
-    e->ev_text_len += len;
-    return ev;
+    return cv_outbox_push(&e->outbox, r->id, idx, text, len);
 }
 
 static void fill_request_metrics(cv_event *ev, const cv_request *r) {
@@ -165,13 +132,7 @@ static void fill_request_metrics(cv_event *ev, const cv_request *r) {
 
 size_t cv_engine_take_events(cv_engine *e, cv_event **events, char **text) {
     pthread_mutex_lock(&e->out_lock);
-    size_t n = e->n_ev;
-    *events = e->ev;
-    *text = e->ev_text;
-    e->ev = NULL;
-    e->n_ev = e->cap_ev = 0;
-    e->ev_text = NULL;
-    e->ev_text_len = e->ev_text_cap = 0;
+    size_t n = cv_outbox_take(&e->outbox, events, text);
     pthread_mutex_unlock(&e->out_lock);
     return n;
 }
@@ -270,40 +231,15 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
 
     /* KV cache */
     cv_dtype kvt = cfg->kv_dtype == CV_DTYPE_INVALID ? e->model->dtype : cfg->kv_dtype;
-    size_t esz = cv_dtype_size(kvt);
-    size_t per_token = 2 * (size_t)mc->n_layers * (size_t)(mc->n_kv_heads * mc->head_dim) * esz;
+    size_t per_token = cv_kv_bytes_per_token(mc->n_layers, mc->n_kv_heads, mc->head_dim, kvt);
     size_t kv = cfg->kv_cache_bytes ? cfg->kv_cache_bytes
                                      : default_kv_bytes(e, per_token, cfg->gpu_memory_utilization);
-    size_t per_block = per_token * (size_t)e->block_size;
-    e->num_blocks = (int64_t)(kv / per_block) + 1; /* + reserved block 0 */
-    if (e->num_blocks < 2) {
-        rc = cv_set_err(err, CV_ERR_INVALID,
-                        "kv_cache_memory of %zu bytes holds no KV block (one block needs %zu bytes)",
-                        kv, per_block);
+    if ((rc = cv_kv_cache_create(&e->kv, e->backend, mc->n_layers, mc->n_kv_heads, mc->head_dim, kvt,
+                                 e->block_size, kv, err)))
         goto fail;
-    }
-    e->kv_bytes = (size_t)e->num_blocks * per_block;
-    e->caches = calloc((size_t)mc->n_layers, sizeof *e->caches);
-    if (!e->caches) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory"); goto fail; }
-    size_t layer_half = (size_t)e->num_blocks * per_block / (2 * (size_t)mc->n_layers);
-    e->cache_mem = e->backend->alloc(e->backend, e->kv_bytes);
-    if (!e->cache_mem) {
-        rc = cv_set_err(err, CV_ERR_NOMEM, "cannot allocate a KV cache of %zu bytes", e->kv_bytes);
-        goto fail;
-    }
-    for (int64_t l = 0; l < mc->n_layers; l++) {
-        cv_kv_layer *c = &e->caches[l];
-        c->k = (char *)e->cache_mem + (size_t)(2 * l) * layer_half;
-        c->v = (char *)e->cache_mem + (size_t)(2 * l + 1) * layer_half;
-        c->dtype = kvt;
-        c->num_blocks = e->num_blocks;
-        c->n_kv_heads = mc->n_kv_heads;
-        c->block_size = e->block_size;
-        c->head_dim = mc->head_dim;
-    }
 
     cv_scheduler_config sc = {
-        .num_blocks = e->num_blocks, .block_size = e->block_size, .max_num_seqs = e->max_num_seqs,
+        .num_blocks = e->kv.num_blocks, .block_size = e->block_size, .max_num_seqs = e->max_num_seqs,
         .max_num_batched_tokens = e->max_tokens_step, .max_model_len = e->max_model_len,
         .enable_prefix_caching = cfg->enable_prefix_caching,
         .enable_chunked_prefill = cfg->enable_chunked_prefill, .policy = cfg->policy,
@@ -317,39 +253,13 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
     e->sampler = cv_sampler_create(e->vocab);
     if (!e->sampler) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory for the sampler"); goto fail; }
 
-    /* Token bytes, copied into one arena. EOS/BOS default to the model config's. */
-    if (cfg->n_eos > 0) {
-        e->n_eos = cfg->n_eos < 16 ? cfg->n_eos : 16;
-        for (int i = 0; i < e->n_eos; i++) e->eos_ids[i] = cfg->eos_ids[i];
-    } else {
-        e->n_eos = mc->n_eos;
-        for (int i = 0; i < e->n_eos; i++) e->eos_ids[i] = mc->eos_ids[i];
-    }
-    e->bos_id = cfg->bos_id >= 0 ? cfg->bos_id : mc->bos_id;
-    e->strip_space_after_bos = cfg->strip_space_after_bos;
-    e->tok_off = calloc((size_t)e->vocab, sizeof *e->tok_off);
-    e->tok_len = calloc((size_t)e->vocab, sizeof *e->tok_len);
-    e->tok_special = calloc((size_t)e->vocab, 1);
-    if (!e->tok_off || !e->tok_len || !e->tok_special) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory"); goto fail; }
-    size_t total = 1;
-    int64_t nb = cfg->n_token_bytes < e->vocab ? cfg->n_token_bytes : e->vocab;
-    for (int64_t i = 0; i < nb; i++) total += cfg->token_lens[i];
-    e->tok_arena = malloc(total);
-    if (!e->tok_arena) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory"); goto fail; }
-    size_t off = 0;
-    for (int64_t i = 0; i < nb; i++) {
-        e->tok_off[i] = off;
-        e->tok_len[i] = (uint32_t)cfg->token_lens[i];
-        if (cfg->token_lens[i]) memcpy(e->tok_arena + off, cfg->token_bytes[i], cfg->token_lens[i]);
-        off += cfg->token_lens[i];
-        if (cfg->token_special) e->tok_special[i] = cfg->token_special[i];
-    }
-    e->stats_live.num_blocks = e->num_blocks;
+    if ((rc = cv_detok_init(&e->detok, e->vocab, cfg, mc, err))) goto fail;
+    e->stats_live.num_blocks = e->kv.num_blocks;
     e->stats_live.block_size = e->block_size;
     e->stats_live.max_model_len = e->max_model_len;
     e->stats_live.max_num_seqs = e->max_num_seqs;
     e->stats_live.max_num_batched_tokens = e->max_tokens_step;
-    e->stats_live.kv_cache_bytes = e->kv_bytes;
+    e->stats_live.kv_cache_bytes = e->kv.bytes;
     cv_scheduler_get_stats(e->sched, &e->stats_live.sched);
     e->stats_snapshot = e->stats_live;
     *out = e;
@@ -372,18 +282,13 @@ void cv_engine_destroy(cv_engine *e) {
     cv_sampler_destroy(e->sampler);
     cv_runner_free(&e->runner);
     if (e->ws_ready) cv_forward_ws_free(&e->ws, e->model);
-    if (e->backend) e->backend->free(e->backend, e->cache_mem);
-    free(e->caches);
+    cv_kv_cache_free(&e->kv, e->backend);
     cv_model_free(e->model);
     if (e->backend) e->backend->destroy(e->backend);
-    free(e->tok_arena);
-    free(e->tok_off);
-    free(e->tok_len);
-    free(e->tok_special);
+    cv_detok_free(&e->detok);
     free(e->banned);
     free(e->aborts);
-    free(e->ev);
-    free(e->ev_text);
+    cv_outbox_free(&e->outbox);
     free(e->trace);
     pthread_mutex_destroy(&e->in_lock);
     pthread_cond_destroy(&e->in_cond);
@@ -394,42 +299,91 @@ void cv_engine_destroy(cv_engine *e) {
 /* ------------------------------------------------------------------------- */
 /* Requests in */
 
-int cv_engine_add_request(cv_engine *e, int64_t request_id, const int32_t *prompt, int64_t n_prompt,
-                          const cv_request_params *p, cv_err *err) {
-    if (n_prompt < 1) return cv_set_err(err, CV_ERR_INVALID, "the prompt is empty");
+int cv_request_params_check(const cv_request_params *p, cv_err *err) {
+    if (!p) return cv_set_err(err, CV_ERR_INVALID, "request params: NULL");
+    if (p->n < 1 || p->n > CV_MAX_N)
+        return cv_set_field_err(err, CV_ERR_INVALID, "n", "n must be in [1, %d], got %d", CV_MAX_N, p->n);
+    if (p->max_tokens != CV_MAX_TOKENS_REST && p->max_tokens < 1)
+        return cv_set_field_err(err, CV_ERR_INVALID, "max_tokens", "max_tokens must be >= 1, got %lld",
+                                (long long)p->max_tokens);
+    if (p->min_tokens < 0)
+        return cv_set_field_err(err, CV_ERR_INVALID, "min_tokens", "min_tokens must be >= 0, got %lld",
+                                (long long)p->min_tokens);
+    if (p->max_tokens != CV_MAX_TOKENS_REST && p->min_tokens > p->max_tokens)
+        return cv_set_field_err(err, CV_ERR_INVALID, "min_tokens",
+                                "min_tokens (%lld) must be <= max_tokens (%lld)", (long long)p->min_tokens,
+                                (long long)p->max_tokens);
+    int rc = cv_sampling_params_check(&p->sp, err);
+    if (rc) return rc;
+    if (p->n_stop < 0 || (p->n_stop > 0 && (!p->stop || !p->stop_lens)))
+        return cv_set_field_err(err, CV_ERR_INVALID, "stop", "stop: bad list");
+    for (int i = 0; i < p->n_stop; i++)
+        if (p->stop_lens[i] == 0)
+            return cv_set_field_err(err, CV_ERR_INVALID, "stop", "stop must not contain an empty string");
+    if (p->n_stop_token_ids < 0 || (p->n_stop_token_ids > 0 && !p->stop_token_ids))
+        return cv_set_field_err(err, CV_ERR_INVALID, "stop_token_ids", "stop_token_ids: bad list");
+    for (int i = 0; i < p->n_stop_token_ids; i++)
+        if (p->stop_token_ids[i] < 0)
+            return cv_set_field_err(err, CV_ERR_INVALID, "stop_token_ids",
+                                    "stop_token_ids must be >= 0, got %d", p->stop_token_ids[i]);
+    if (!(p->timeout >= 0.0 && p->timeout <= 1e9)) /* also refuses NaN */
+        return cv_set_field_err(err, CV_ERR_INVALID, "timeout",
+                                "timeout must be in (0, 1e9] seconds (0: none), got %g", p->timeout);
+    return CV_OK;
+}
+
+/* max_tokens with CV_MAX_TOKENS_REST resolved against the context. */
+static int64_t resolved_max_tokens(const cv_engine *e, int64_t n_prompt, const cv_request_params *p) {
+    return p->max_tokens == CV_MAX_TOKENS_REST ? e->max_model_len - n_prompt : p->max_tokens;
+}
+
+int cv_engine_check_request(cv_engine *e, const int32_t *prompt, int64_t n_prompt,
+                            const cv_request_params *p, cv_err *err) {
+    int rc = cv_request_params_check(p, err);
+    if (rc) return rc;
+    if (n_prompt < 1 || !prompt) return cv_set_field_err(err, CV_ERR_INVALID, "prompt", "the prompt is empty");
     for (int64_t i = 0; i < n_prompt; i++)
         if (prompt[i] < 0 || prompt[i] >= e->vocab)
-            return cv_set_err(err, CV_ERR_INVALID,
-                              "prompt token %d at index %lld is outside the vocabulary [0, %lld)",
-                              prompt[i], (long long)i, (long long)e->vocab);
-    if (p->n < 1) return cv_set_err(err, CV_ERR_INVALID, "n must be >= 1, got %d", p->n);
-    if (p->max_tokens < 1) return cv_set_err(err, CV_ERR_INVALID, "max_tokens must be >= 1");
+            return cv_set_field_err(err, CV_ERR_INVALID, "prompt",
+                                    "prompt token id %d is outside the vocabulary [0, %lld) (at index %lld)",
+                                    prompt[i], (long long)e->vocab, (long long)i);
     if (n_prompt > e->max_model_len)
-        return cv_set_err(err, CV_ERR_INVALID,
-                          "the prompt has %lld tokens, more than max_model_len (%lld)",
-                          (long long)n_prompt, (long long)e->max_model_len);
-    if (n_prompt + p->max_tokens > e->max_model_len)
-        return cv_set_err(err, CV_ERR_INVALID,
-                          "prompt (%lld tokens) + max_tokens (%lld) exceeds max_model_len (%lld)",
-                          (long long)n_prompt, (long long)p->max_tokens, (long long)e->max_model_len);
-    int64_t need = (n_prompt + p->max_tokens + e->block_size - 1) / e->block_size;
-    if (need > e->num_blocks - 1)
-        return cv_set_err(err, CV_ERR_INVALID,
-                          "the request needs %lld KV blocks but the whole cache holds %lld; "
-                          "raise kv_cache_memory or lower max_tokens",
-                          (long long)need, (long long)(e->num_blocks - 1));
+        return cv_set_field_err(err, CV_ERR_INVALID, "prompt",
+                                "the prompt has %lld tokens, more than max_model_len (%lld)",
+                                (long long)n_prompt, (long long)e->max_model_len);
+    int64_t max_tokens = resolved_max_tokens(e, n_prompt, p);
+    if (max_tokens < 1)
+        return cv_set_field_err(err, CV_ERR_INVALID, "prompt",
+                                "the prompt has %lld tokens and leaves no room to generate within "
+                                "max_model_len (%lld)", (long long)n_prompt, (long long)e->max_model_len);
+    if (max_tokens > e->max_model_len - n_prompt)
+        return cv_set_field_err(err, CV_ERR_INVALID, "max_tokens",
+                                "prompt (%lld tokens) + max_tokens (%lld) exceeds max_model_len (%lld)",
+                                (long long)n_prompt, (long long)max_tokens, (long long)e->max_model_len);
+    int64_t need = (n_prompt + max_tokens + e->block_size - 1) / e->block_size;
+    if (need > e->kv.num_blocks - 1)
+        return cv_set_field_err(err, CV_ERR_INVALID, "max_tokens",
+                                "the request needs %lld KV blocks but the whole cache holds %lld; "
+                                "raise kv_cache_memory or lower max_tokens",
+                                (long long)need, (long long)(e->kv.num_blocks - 1));
     for (int i = 0; i < p->n_stop_token_ids; i++)
-        if (p->stop_token_ids[i] < 0 || p->stop_token_ids[i] >= e->vocab)
-            return cv_set_err(err, CV_ERR_INVALID, "stop_token_ids contains %d, outside the vocabulary",
-                              p->stop_token_ids[i]);
-    if (!(p->timeout >= 0.0 && p->timeout <= 1e9)) /* also refuses NaN */
-        return cv_set_err(err, CV_ERR_INVALID, "timeout must be in [0, 1e9] seconds (0: none), got %g",
-                          p->timeout);
+        if (p->stop_token_ids[i] >= e->vocab)
+            return cv_set_field_err(err, CV_ERR_INVALID, "stop_token_ids",
+                                    "stop_token_ids contains %d, outside the vocabulary [0, %lld)",
+                                    p->stop_token_ids[i], (long long)e->vocab);
+    return CV_OK;
+}
+
+int cv_engine_add_request(cv_engine *e, int64_t request_id, const int32_t *prompt, int64_t n_prompt,
+                          const cv_request_params *p, cv_err *err) {
+    int rc = cv_engine_check_request(e, prompt, n_prompt, p, err);
+    if (rc) return rc;
 
     cv_request *r = calloc(1, sizeof *r);
     if (!r) return cv_set_err(err, CV_ERR_NOMEM, "out of memory");
     r->id = request_id;
     r->p = *p;
+    r->p.max_tokens = resolved_max_tokens(e, n_prompt, p);
     r->p.stop = NULL;
     r->p.stop_lens = NULL;
     r->p.stop_token_ids = NULL;
@@ -482,7 +436,7 @@ nomem:
 int cv_engine_abort(cv_engine *e, int64_t request_id) {
     int rc = CV_OK;
     pthread_mutex_lock(&e->in_lock);
-    if (grow((void **)&e->aborts, &e->cap_aborts, e->n_aborts + 1, sizeof *e->aborts))
+    if (cv_grow((void **)&e->aborts, &e->cap_aborts, e->n_aborts + 1, sizeof *e->aborts))
         e->aborts[e->n_aborts++] = request_id;
     else
         rc = CV_ERR_NOMEM;
@@ -585,16 +539,10 @@ static void expire_deadlines(cv_engine *e, double now) {
 }
 
 static int text_append(seq_state *st, const char *b, size_t n) {
-    if (!grow((void **)&st->text, &st->text_cap, st->text_len + n + 1, 1)) return CV_ERR_NOMEM;
+    if (!cv_grow((void **)&st->text, &st->text_cap, st->text_len + n + 1, 1)) return CV_ERR_NOMEM;
     memcpy(st->text + st->text_len, b, n);
     st->text_len += n;
     return CV_OK;
-}
-
-static int is_eos(const cv_engine *e, int32_t t) {
-    for (int i = 0; i < e->n_eos; i++)
-        if (e->eos_ids[i] == t) return 1;
-    return 0;
 }
 
 static int new_sequence(cv_engine *e, cv_request *r, int idx, cv_sequence **out) {
@@ -607,7 +555,7 @@ static int new_sequence(cv_engine *e, cv_request *r, int idx, cv_sequence **out)
      * whatever else shares the batch. */
     uint64_t x = r->p.has_seed ? r->p.seed : e->seed ^ ((uint64_t)r->arrival_order * 0x2545f4914f6cdd1dULL);
     x += (uint64_t)idx * 0x632be59bd9b4e019ULL;
-    cv_rng_seed(&r->ss[idx].rng, splitmix64(&x));
+    cv_rng_seed(&r->ss[idx].rng, cv_splitmix64(&x));
     r->ss[idx].seq = s;
     *out = s;
     return CV_OK;
@@ -682,14 +630,14 @@ static void accept_token(cv_engine *e, cv_request *r, int idx, int32_t t, const 
     /* min_tokens already kept EOS and the stop tokens out of the sampler. */
     for (int i = 0; i < p->n_stop_token_ids && !reason; i++)
         if (r->stop_token_ids[i] == t) { reason = CV_FINISH_STOP; stop_kind = CV_STOP_TOKEN; stop_value = t; }
-    if (!reason && !p->ignore_eos && is_eos(e, t)) reason = CV_FINISH_STOP;
+    if (!reason && !p->ignore_eos && cv_detok_is_eos(&e->detok, t)) reason = CV_FINISH_STOP;
 
     if (!reason) {
         /* Detokenize on bytes; stop tokens and EOS add no text. */
-        if (t < e->vocab && !(p->skip_special_tokens && e->tok_special[t])) {
-            const char *b = e->tok_arena + e->tok_off[t];
-            size_t n = e->tok_len[t];
-            if (e->strip_space_after_bos && prev == e->bos_id && n > 0 && b[0] == ' ') { b++; n--; }
+        const char *b;
+        size_t n;
+        cv_detok_piece(&e->detok, prev, t, p->skip_special_tokens, &b, &n);
+        if (n > 0) {
             size_t old = st->text_len;
             if (text_append(st, b, n)) {
                 finish_seq(e, r, idx, CV_FINISH_ABORT, CV_STOP_NONE, -1, NULL);
@@ -730,15 +678,54 @@ static void accept_token(cv_engine *e, cv_request *r, int idx, int32_t t, const 
     if (reason) finish_seq(e, r, idx, reason, stop_kind, stop_value, ev);
 }
 
+/* Which completion of its request sequence s is. */
+static int completion_index(const cv_request *r, const cv_sequence *s) {
+    for (int k = 0; k < r->p.n; k++)
+        if (r->ss[k].seq == s) return k;
+    return 0;
+}
+
+/* The tokens min_tokens still holds off for completion st (EOS unless
+ * ignore_eos, and the stop tokens), in e->banned; returns how many. */
+static int64_t banned_tokens(cv_engine *e, const cv_request *r, const seq_state *st) {
+    if (st->n_out >= r->p.min_tokens) return 0;
+    size_t need = (size_t)(e->detok.n_eos + r->p.n_stop_token_ids);
+    if (!cv_grow((void **)&e->banned, &e->banned_cap, need, sizeof *e->banned)) return 0;
+    int64_t n = 0;
+    if (!r->p.ignore_eos)
+        for (int i = 0; i < e->detok.n_eos; i++) e->banned[n++] = e->detok.eos_ids[i];
+    for (int i = 0; i < r->p.n_stop_token_ids; i++) e->banned[n++] = r->stop_token_ids[i];
+    return n;
+}
+
+/* Samples one token for every logits row of the step and accepts it (stops,
+ * detokenization, events). Caller holds out_lock. */
+static void sample_batch(cv_engine *e, const cv_sched_output *plan) {
+    const cv_batch *bt = &e->runner.batch;
+    for (int64_t row = 0; row < bt->n_logits; row++) {
+        cv_sequence *s = plan->seqs[e->runner.sample_plan_index[row]];
+        cv_request *r = s->owner;
+        int idx = completion_index(r, s);
+        seq_state *st = &r->ss[idx];
+        if (st->finished) continue;
+        float *logits = e->ws.logits_host + row * e->vocab;
+        int64_t n_banned = banned_tokens(e, r, st);
+        cv_sample_info info;
+        int32_t t = cv_sampler_sample(e->sampler, logits, &r->p.sp, s->tokens, r->n_prompt,
+                                      s->tokens + r->n_prompt, s->n_tokens - r->n_prompt, e->banned,
+                                      n_banned, &st->rng, &info);
+        if (r->first_token == 0) r->first_token = cv_now();
+        accept_token(e, r, idx, t, &info);
+    }
+}
+
 static void record_trace(cv_engine *e, const cv_sched_output *plan, double t0, double t1) {
     if (!e->tracing) return;
-    if (!grow((void **)&e->trace, &e->cap_trace, e->n_trace + (size_t)plan->n_seqs, sizeof *e->trace))
+    if (!cv_grow((void **)&e->trace, &e->cap_trace, e->n_trace + (size_t)plan->n_seqs, sizeof *e->trace))
         return;
     for (int64_t i = 0; i < plan->n_seqs; i++) {
         cv_request *r = plan->seqs[i]->owner;
-        int idx = 0;
-        for (int k = 0; k < r->p.n; k++)
-            if (r->ss[k].seq == plan->seqs[i]) idx = k;
+        int idx = completion_index(r, plan->seqs[i]);
         cv_trace_entry *te = &e->trace[e->n_trace++];
         te->step = e->steps;
         te->t0 = t0;
@@ -751,7 +738,7 @@ static void record_trace(cv_engine *e, const cv_sched_output *plan, double t0, d
     }
 }
 
-int cv_engine_step(cv_engine *e, cv_err *err) {
+static int engine_step(cv_engine *e, cv_err *err) {
     double t0 = cv_now();
     drain_inbox(e);
     expire_deadlines(e, t0);
@@ -780,7 +767,7 @@ int cv_engine_step(cv_engine *e, cv_err *err) {
     }
     if ((rc = cv_runner_build(&e->runner, &plan, err))) return rc;
     double t1b = cv_now();
-    if ((rc = cv_model_forward(e->model, &e->ws, e->caches, &e->runner.batch, err))) return rc;
+    if ((rc = cv_model_forward(e->model, &e->ws, e->kv.layers, &e->runner.batch, err))) return rc;
     double t2 = cv_now();
     cv_scheduler_commit(e->sched, &plan);
 
@@ -793,33 +780,7 @@ int cv_engine_step(cv_engine *e, cv_err *err) {
     }
 
     pthread_mutex_lock(&e->out_lock);
-    const cv_batch *bt = &e->runner.batch;
-    for (int64_t row = 0; row < bt->n_logits; row++) {
-        cv_sequence *s = plan.seqs[e->runner.sample_plan_index[row]];
-        cv_request *r = s->owner;
-        int idx = 0;
-        for (int k = 0; k < r->p.n; k++)
-            if (r->ss[k].seq == s) idx = k;
-        seq_state *st = &r->ss[idx];
-        if (st->finished) continue;
-        float *logits = e->ws.logits_host + row * e->vocab;
-        /* min_tokens holds off EOS and the stop tokens */
-        int64_t n_banned = 0;
-        if (st->n_out < r->p.min_tokens) {
-            size_t need = (size_t)(e->n_eos + r->p.n_stop_token_ids);
-            if (grow((void **)&e->banned, &e->banned_cap, need, sizeof *e->banned)) {
-                if (!r->p.ignore_eos)
-                    for (int i = 0; i < e->n_eos; i++) e->banned[n_banned++] = e->eos_ids[i];
-                for (int i = 0; i < r->p.n_stop_token_ids; i++) e->banned[n_banned++] = r->stop_token_ids[i];
-            }
-        }
-        cv_sample_info info;
-        int32_t t = cv_sampler_sample(e->sampler, logits, &r->p.sp, s->tokens, r->n_prompt,
-                                      s->tokens + r->n_prompt, s->n_tokens - r->n_prompt, e->banned,
-                                      n_banned, &st->rng, &info);
-        if (r->first_token == 0) r->first_token = cv_now();
-        accept_token(e, r, idx, t, &info);
-    }
+    sample_batch(e, &plan);
     double t3 = cv_now();
     record_trace(e, &plan, t0, t3);
     e->steps++;
@@ -845,6 +806,13 @@ int cv_engine_step(cv_engine *e, cv_err *err) {
     return (int)plan.n_seqs;
 }
 
+int cv_engine_step(cv_engine *e, cv_err *err) {
+    /* loop_running changes only on the thread that owns the engine, the caller's */
+    if (e->loop_running)
+        return cv_set_err(err, CV_ERR_STATE, "cannot step the engine while its background loop runs");
+    return engine_step(e, err);
+}
+
 /* ------------------------------------------------------------------------- */
 /* Background loop */
 
@@ -859,7 +827,7 @@ static void *loop_main(void *arg) {
         pthread_mutex_unlock(&e->in_lock);
         if (stop) break;
         cv_err err;
-        int rc = cv_engine_step(e, &err);
+        int rc = engine_step(e, &err);
         if (rc < 0) {
             /* A failed step fails every request; the loop goes on serving new ones. */
             pthread_mutex_lock(&e->out_lock);
@@ -870,7 +838,7 @@ static void *loop_main(void *arg) {
             while (r) { cv_request *nx = r->next; abort_request(e, r); r = nx; }
         }
         pthread_mutex_lock(&e->out_lock);
-        int have = e->n_ev > 0;
+        int have = e->outbox.n_ev > 0;
         pthread_mutex_unlock(&e->out_lock);
         if (have && e->wake_fd >= 0) {
             uint64_t one = 1;
@@ -928,7 +896,7 @@ void cv_engine_weight_info(cv_engine *e, size_t *bytes, int64_t *n_params, cv_dt
     *bytes = e->model->weight_bytes;
     *n_params = e->model->n_params;
     *dtype = e->model->dtype;
-    *kv_dtype = e->caches[0].dtype;
+    *kv_dtype = e->kv.layers[0].dtype;
 }
 
 void cv_engine_set_trace(cv_engine *e, int on) {

@@ -10,7 +10,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
-#include "../common.h"
+#include "../../kernels/common.h"
 #include "sampler.h"
 #include "scheduler.h"
 
@@ -42,9 +42,13 @@ typedef struct cv_engine_config {
     const uint8_t *token_special;   /* [n_token_bytes] 1 for special tokens, or NULL */
 } cv_engine_config;
 
+#define CV_MAX_N 1024                   /* completions per request */
+#define CV_MAX_TOKENS_REST INT64_MIN    /* max_tokens: the rest of the context */
+
 typedef struct cv_request_params {
-    int32_t n;                      /* completions */
-    int64_t max_tokens, min_tokens;
+    int32_t n;                      /* completions, [1, CV_MAX_N] */
+    int64_t max_tokens;             /* >= 1, or CV_MAX_TOKENS_REST */
+    int64_t min_tokens;             /* [0, max_tokens] */
     cv_sampling_params sp;
     int has_seed; uint64_t seed;
     int n_stop; const char *const *stop; const size_t *stop_lens;
@@ -102,16 +106,26 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err);
 /* Stops the background loop if any and frees everything. */
 void cv_engine_destroy(cv_engine *e);
 
-/* Validates and queues a request (any thread). The prompt is copied.
- * CV_ERR_OVERLOADED when max_queued_requests requests already wait to be
- * scheduled for the first time. */
+/* The checks that need no engine: every field's range (sampling included).
+ * On failure err->field names the field (SamplingParams' names). */
+int cv_request_params_check(const cv_request_params *p, cv_err *err);
+
+/* Every check cv_engine_add_request makes, without queueing: the params, then
+ * the prompt against the vocabulary, the context (max_model_len) and the KV
+ * cache, and stop_token_ids against the vocabulary. Any thread. */
+int cv_engine_check_request(cv_engine *e, const int32_t *prompt, int64_t n_prompt,
+                            const cv_request_params *p, cv_err *err);
+
+/* Validates (cv_engine_check_request) and queues a request (any thread). The
+ * prompt is copied. CV_ERR_OVERLOADED when max_queued_requests requests
+ * already wait to be scheduled for the first time. */
 int cv_engine_add_request(cv_engine *e, int64_t request_id, const int32_t *prompt, int64_t n_prompt,
                           const cv_request_params *p, cv_err *err);
 /* Queues an abort (any thread); unknown ids are ignored at the next step. */
 int cv_engine_abort(cv_engine *e, int64_t request_id);
 
 /* Runs one step; returns the number of sequences that ran (0 when idle) or a
- * negative error. Not while the background loop runs. */
+ * negative error; CV_ERR_STATE while the background loop runs. */
 int cv_engine_step(cv_engine *e, cv_err *err);
 /* Requests queued or running. */
 int64_t cv_engine_num_unfinished(cv_engine *e);

@@ -47,7 +47,7 @@ struct cv_sampler {
 
 static uint64_t rotl64(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
 
-static uint64_t splitmix64(uint64_t *x) {
+uint64_t cv_splitmix64(uint64_t *x) {
     uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
@@ -56,7 +56,7 @@ static uint64_t splitmix64(uint64_t *x) {
 
 void cv_rng_seed(cv_rng *r, uint64_t seed) {
     uint64_t x = seed;
-    for (int i = 0; i < 4; i++) r->s[i] = splitmix64(&x);
+    for (int i = 0; i < 4; i++) r->s[i] = cv_splitmix64(&x);
 }
 
 uint64_t cv_rng_next(cv_rng *r) {
@@ -87,34 +87,38 @@ void cv_sampling_params_init(cv_sampling_params *p) {
     p->presence_penalty = 0.0f;
     p->frequency_penalty = 0.0f;
     p->top_k = 0;
-    p->n_logprobs = -1;
+    p->n_logprobs = CV_NO_LOGPROBS;
 }
 
 int cv_sampling_params_check(const cv_sampling_params *p, cv_err *err) {
     if (!p) return cv_set_err(err, CV_ERR_INVALID, "sampling params: NULL");
     /* the negated comparisons also reject NaN */
     if (!(p->temperature >= 0.0f && isfinite(p->temperature)))
-        return cv_set_err(err, CV_ERR_INVALID, "temperature must be finite and >= 0, got %g",
-                          (double)p->temperature);
+        return cv_set_field_err(err, CV_ERR_INVALID, "temperature",
+                                "temperature must be finite and >= 0, got %g", (double)p->temperature);
     if (!(p->top_p > 0.0f && p->top_p <= 1.0f))
-        return cv_set_err(err, CV_ERR_INVALID, "top_p must be in (0, 1], got %g", (double)p->top_p);
+        return cv_set_field_err(err, CV_ERR_INVALID, "top_p", "top_p must be in (0, 1], got %g",
+                                (double)p->top_p);
     if (!(p->min_p >= 0.0f && p->min_p <= 1.0f))
-        return cv_set_err(err, CV_ERR_INVALID, "min_p must be in [0, 1], got %g", (double)p->min_p);
+        return cv_set_field_err(err, CV_ERR_INVALID, "min_p", "min_p must be in [0, 1], got %g",
+                                (double)p->min_p);
     if (!(p->repetition_penalty > 0.0f && isfinite(p->repetition_penalty)))
-        return cv_set_err(err, CV_ERR_INVALID, "repetition_penalty must be finite and > 0, got %g",
-                          (double)p->repetition_penalty);
+        return cv_set_field_err(err, CV_ERR_INVALID, "repetition_penalty",
+                                "repetition_penalty must be finite and > 0, got %g",
+                                (double)p->repetition_penalty);
     if (!(p->presence_penalty >= -2.0f && p->presence_penalty <= 2.0f))
-        return cv_set_err(err, CV_ERR_INVALID, "presence_penalty must be in [-2, 2], got %g",
-                          (double)p->presence_penalty);
+        return cv_set_field_err(err, CV_ERR_INVALID, "presence_penalty",
+                                "presence_penalty must be in [-2, 2], got %g", (double)p->presence_penalty);
     if (!(p->frequency_penalty >= -2.0f && p->frequency_penalty <= 2.0f))
-        return cv_set_err(err, CV_ERR_INVALID, "frequency_penalty must be in [-2, 2], got %g",
-                          (double)p->frequency_penalty);
+        return cv_set_field_err(err, CV_ERR_INVALID, "frequency_penalty",
+                                "frequency_penalty must be in [-2, 2], got %g",
+                                (double)p->frequency_penalty);
     if (p->top_k < -1)
-        return cv_set_err(err, CV_ERR_INVALID, "top_k must be -1, 0 (off) or >= 1, got %d",
-                          (int)p->top_k);
-    if (p->n_logprobs < -1 || p->n_logprobs > CV_MAX_LOGPROBS)
-        return cv_set_err(err, CV_ERR_INVALID, "n_logprobs must be in [-1, %d], got %d",
-                          CV_MAX_LOGPROBS, (int)p->n_logprobs);
+        return cv_set_field_err(err, CV_ERR_INVALID, "top_k", "top_k must be -1, 0 (off) or >= 1, got %d",
+                                (int)p->top_k);
+    if (p->n_logprobs != CV_NO_LOGPROBS && (p->n_logprobs < 0 || p->n_logprobs > CV_MAX_LOGPROBS))
+        return cv_set_field_err(err, CV_ERR_INVALID, "logprobs", "logprobs must be in [0, %d], got %d",
+                                CV_MAX_LOGPROBS, (int)p->n_logprobs);
     return CV_OK;
 }
 

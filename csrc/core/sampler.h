@@ -4,9 +4,10 @@
 #define CV_SAMPLER_H
 
 #include <stdint.h>
-#include "../common.h"
+#include "../../kernels/common.h"
 
 #define CV_MAX_LOGPROBS 20
+#define CV_NO_LOGPROBS INT32_MIN /* n_logprobs: none wanted */
 
 typedef struct cv_sampling_params {
     float temperature;        /* 0: greedy (argmax) */
@@ -16,10 +17,14 @@ typedef struct cv_sampling_params {
     float presence_penalty;   /* [-2, 2]; applies to output tokens */
     float frequency_penalty;  /* [-2, 2]; applies to output tokens */
     int32_t top_k;            /* 0 or -1: off */
-    int32_t n_logprobs;       /* -1: none; 0..CV_MAX_LOGPROBS: sampled token plus that many top tokens */
+    int32_t n_logprobs;       /* CV_NO_LOGPROBS: none; 0..CV_MAX_LOGPROBS: sampled token plus that many top tokens */
 } cv_sampling_params;
 
-/* xoshiro256** stream. */
+/* splitmix64: advances *x and returns the next output. */
+uint64_t cv_splitmix64(uint64_t *x);
+
+/* xoshiro256** stream; cv_rng_seed fills the state with four splitmix64
+ * outputs of seed. */
 typedef struct cv_rng { uint64_t s[4]; } cv_rng;
 void cv_rng_seed(cv_rng *r, uint64_t seed);
 uint64_t cv_rng_next(cv_rng *r);
@@ -57,8 +62,8 @@ int32_t cv_sampler_sample(cv_sampler *s, float *logits, const cv_sampling_params
  * no logprobs. */
 void cv_sampling_params_init(cv_sampling_params *p);
 
-/* Checks every field's range; returns CV_OK or CV_ERR_INVALID with a message
- * that names the field. cv_sampler_sample itself never fails on bad values
+/* Checks every field's range; returns CV_OK or CV_ERR_INVALID with err->field
+ * set to the field (SamplingParams' name: "logprobs" for n_logprobs). cv_sampler_sample itself never fails on bad values
  * (it treats NaN/out-of-range fields as "off"), so callers check first. */
 int cv_sampling_params_check(const cv_sampling_params *p, cv_err *err);
 

@@ -6,7 +6,6 @@
 #include <string.h>
 
 #include "model.h"
-#include "../../kernels/cuda/cv_cuda.h"
 
 static void *ws_alloc(cv_backend *b, size_t n, size_t elem, int *ok) {
     void *p = b->alloc(b, n * elem);
@@ -33,7 +32,7 @@ int cv_forward_ws_init(cv_forward_ws *ws, const cv_model *m, int64_t max_tokens,
     ws->xlast = ws_alloc(b, S * (size_t)c->dim, sizeof(float), &ok);
     ws->xlast_n = ws_alloc(b, S * (size_t)c->dim, sizeof(float), &ok);
     ws->logits = ws_alloc(b, S * (size_t)c->vocab_size, sizeof(float), &ok);
-    ws->device_copies = strcmp(b->name, "cpu") != 0;
+    ws->device_copies = b->device_memory;
     if (ws->device_copies) {
         ws->d_tokens = ws_alloc(b, T, sizeof(int32_t), &ok);
         ws->d_positions = ws_alloc(b, T, sizeof(int32_t), &ok);
@@ -131,6 +130,6 @@ int cv_model_forward(const cv_model *m, cv_forward_ws *ws, cv_kv_layer *caches,
     }
     b->sync(b);
     /* Device kernels report failures (bad indices, launch errors) after the fact. */
-    int rc = cv_cuda_last_error(b, err);
+    int rc = b->last_error ? b->last_error(b, err) : CV_OK;
     return rc ? rc : CV_OK;
 }

@@ -12,7 +12,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
-#include "../common.h"
+#include "../../kernels/common.h"
 
 #define CV_JSON_MAX_DEPTH 64
 

@@ -4,7 +4,7 @@
 #define CV_MODEL_H
 
 #include <stdint.h>
-#include "../common.h"
+#include "../../kernels/common.h"
 #include "../../kernels/backend.h"
 #include "config.h"
 

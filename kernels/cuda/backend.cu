@@ -501,6 +501,8 @@ CV_CU_EXPORT cv_backend *cv_cuda_backend_create_impl(int device, cv_err *err) {
         return NULL;
     }
     b->name = "cuda";
+    b->device_memory = 1;
+    b->last_error = cv_cuda_last_error_impl;
     b->ctx = c;
     b->destroy = cvc_destroy; /* from here on, failures clean up with cvc_destroy */
     c->device = device;

@@ -18,7 +18,7 @@ from .llm import LLM  # noqa: F401
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput  # noqa: F401
 from .sampling_params import SamplingParams  # noqa: F401
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: F401
 
 __all__ = [
     "LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics",

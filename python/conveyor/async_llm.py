@@ -15,8 +15,7 @@ import threading
 import weakref
 from typing import AsyncIterator, Optional
 
-from .engine import EngineCore, EngineFrontend
-from .llm import _engine_kwargs
+from .engine import EngineArgs, EngineCore, EngineFrontend
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -144,13 +143,13 @@ class AsyncLLM(EngineFrontend):
     """Same constructor as LLM. `async for out in engine.generate(prompt, params)`."""
 
     def __init__(self, model, **kwargs):
-        self._core = EngineCore(_engine_kwargs(model, kwargs))
+        self._core = EngineCore(EngineArgs.from_kwargs(model, kwargs))
         self._rfd, self._wfd = _make_wake_fd()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=_dispatch_loop, name="conveyor-dispatch",
                                         args=(self._core, self._rfd, self._stopping), daemon=True)
         self._thread.start()
-        self._core._engine.start_loop(self._wfd)
+        self._core.start_background(self._wfd)
         self._finalizer = weakref.finalize(self, _shutdown, self._core, self._rfd, self._wfd,
                                            self._stopping, self._thread)
 

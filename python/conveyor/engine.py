@@ -10,6 +10,7 @@ import codecs
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -17,7 +18,7 @@ import numpy as np
 
 from . import _core
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, field_error
 
 _SCHEDULING = ("continuous", "static", "priority")
 DEFAULT_PREFILL_CAP = {"cpu": 64, "cuda": 512}
@@ -46,22 +47,24 @@ def parse_bytes(value: Any, name: str = "kv_cache_memory") -> int:
 
 
 def check_timeout(t) -> float:
-    """A request deadline in seconds from arrival: a positive finite number, or None."""
+    """A request deadline in seconds from arrival, as the C engine takes it (0.0: none).
+    The C engine checks the range; 0 is refused here, since C reads it as "none"."""
     if t is None:
         return 0.0
     if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)):
-        raise TypeError(f"timeout must be a number of seconds or None, got {type(t).__name__}")
-    if not (0 < float(t) <= 1e9):
-        raise ValueError(f"timeout must be in (0, 1e9] seconds, got {t!r}")
+        raise field_error(TypeError, "timeout", f"timeout must be a number of seconds or None, "
+                                                f"got {type(t).__name__}")
+    if t == 0:
+        raise field_error(ValueError, "timeout", "timeout must be > 0 seconds (None: no deadline), got 0")
     return float(t)
 
 
 def check_priority(p) -> int:
     """A request priority: an int in the int32 range (lower runs first)."""
     if not isinstance(p, (int, np.integer)) or isinstance(p, bool):
-        raise TypeError(f"priority must be an int, got {type(p).__name__}")
+        raise field_error(TypeError, "priority", f"priority must be an int, got {type(p).__name__}")
     if not -(1 << 31) <= p < (1 << 31):
-        raise ValueError(f"priority must be in [-2**31, 2**31), got {p}")
+        raise field_error(ValueError, "priority", f"priority must be in [-2**31, 2**31), got {p}")
     return int(p)
 
 
@@ -96,6 +99,14 @@ class EngineArgs:
         if self.max_prefill_tokens_while_decoding is not None:
             return self.max_prefill_tokens_while_decoding
         return DEFAULT_PREFILL_CAP[self.device]
+
+    @classmethod
+    def from_kwargs(cls, model, kwargs: dict) -> "EngineArgs":
+        """EngineArgs(model, **kwargs), naming unknown keywords in a TypeError."""
+        unknown = set(kwargs) - (set(cls.__dataclass_fields__) - {"model"})
+        if unknown:
+            raise TypeError(f"unknown keyword argument(s): {', '.join(sorted(unknown))}")
+        return cls(model=model, **kwargs)
 
     def validate(self):
         if not isinstance(self.model, (str, os.PathLike)):
@@ -257,6 +268,7 @@ class EngineCore:
         return None, self._check_ids(prompt)
 
     def _check_ids(self, ids):
+        """Shape and type only: the C engine checks ids against the vocabulary."""
         if isinstance(ids, np.ndarray):
             if ids.ndim != 1:
                 raise ValueError(f"a token-id array prompt must be 1-D, got shape {ids.shape}")
@@ -264,9 +276,6 @@ class EngineCore:
                 raise TypeError(f"a token-id array prompt must have an integer dtype, got {ids.dtype}")
             if ids.size == 0:
                 raise ValueError("the prompt is empty")
-            if ids.min() < 0 or ids.max() >= self.vocab_size:
-                bad = ids[(ids < 0) | (ids >= self.vocab_size)][0]
-                raise ValueError(f"prompt token id {int(bad)} is outside the vocabulary [0, {self.vocab_size})")
             return ids
         if not isinstance(ids, (list, tuple)):
             raise TypeError(f"a prompt must be a str, a list of token ids or a NumPy integer array, "
@@ -276,25 +285,14 @@ class EngineCore:
         for t in ids:
             if not isinstance(t, (int, np.integer)) or isinstance(t, bool):
                 raise TypeError(f"token ids must be ints, got {type(t).__name__}")
-            if t < 0 or t >= self.vocab_size:
-                raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {self.vocab_size})")
         return list(ids)
 
-    def check_fits(self, n_prompt: int, params: SamplingParams):
-        if n_prompt > self.max_model_len:
-            raise ValueError(f"the prompt has {n_prompt} tokens, more than max_model_len "
-                             f"({self.max_model_len})")
-        mt = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
-        if mt < 1:
-            raise ValueError(f"the prompt has {n_prompt} tokens and leaves no room to generate within "
-                             f"max_model_len ({self.max_model_len})")
-        if n_prompt + mt > self.max_model_len:
-            raise ValueError(f"prompt ({n_prompt} tokens) + max_tokens ({mt}) exceeds max_model_len "
-                             f"({self.max_model_len})")
-        for t in params.stop_token_ids or ():
-            if t >= self.vocab_size:
-                raise ValueError(f"stop_token_ids contains {t}, outside the vocabulary [0, {self.vocab_size})")
-        return mt
+    def check_request(self, prompt_ids, params: SamplingParams) -> None:
+        """Raises what add_request would (the C engine's checks: vocabulary,
+        context, KV cache, every sampling range), queueing nothing."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        self._engine.check_request(prompt_ids, params)
 
     def add_request(self, request_id: Optional[str], prompt_text, prompt_ids, params: SamplingParams,
                     priority: int = 0, consumer=None, timeout: Optional[float] = None) -> _Request:
@@ -302,36 +300,20 @@ class EngineCore:
         "timeout" and its KV blocks return to the pool."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        max_tokens = self.check_fits(len(prompt_ids), params)
         check_priority(priority)
         timeout_s = check_timeout(timeout)
-        try:
-            stop = [s.encode("utf-8") for s in params.stop_strings]
-        except UnicodeEncodeError as e:
-            raise ValueError(f"stop: a stop string is not valid text ({e.reason})") from None
         with self._lock:
             if self.closed:
                 raise _core.EngineClosedError("the engine is closed")
-            internal = self._next_id
-            self._next_id += 1
-            name = str(internal) if request_id is None else request_id
+            name = str(self._next_id) if request_id is None else request_id
             if name in self._by_name:
                 raise ValueError(f"request_id {name!r} is already in use")
-            import time
-
+            internal = self._next_id
+            self._engine.add_request(internal, prompt_ids, params, priority=priority, timeout=timeout_s)
+            self._next_id += 1
             req = _Request(name, internal, prompt_text, list(map(int, prompt_ids)), params,
                            time.monotonic())
             req.consumer = consumer
-            self._engine.add_request(
-                internal, prompt_ids, n=params.n, max_tokens=max_tokens, min_tokens=params.min_tokens,
-                temperature=float(params.temperature), top_p=float(params.top_p), top_k=params.top_k,
-                min_p=float(params.min_p), repetition_penalty=float(params.repetition_penalty),
-                presence_penalty=float(params.presence_penalty),
-                frequency_penalty=float(params.frequency_penalty), seed=params.seed, stop=stop or None,
-                include_stop_str_in_output=params.include_stop_str_in_output,
-                stop_token_ids=list(params.stop_token_ids or ()), ignore_eos=params.ignore_eos,
-                skip_special_tokens=params.skip_special_tokens, logprobs=params.logprobs,
-                priority=priority, timeout=timeout_s)
             self._requests[internal] = req
             self._by_name[name] = req
         return req
@@ -350,6 +332,53 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self._engine.num_unfinished() > 0
 
+    def num_unfinished(self) -> int:
+        """Requests queued or running in the C engine."""
+        return self._engine.num_unfinished()
+
+    # -- the loop ---------------------------------------------------------
+    def step(self) -> list[_Request]:
+        """Runs one engine step (GIL released) and applies its outputs; returns
+        the requests that changed. The C engine refuses it (EngineClosedError,
+        a RuntimeError) while the background loop runs."""
+        self._engine.step()
+        return self.process_events()
+
+    def run(self, requests, on_step=None) -> None:
+        """Steps until no request is left; on_step(changed requests) runs after
+        each step. Interrupted by any exception (KeyboardInterrupt too), it
+        aborts what is left of `requests` and drains, so the engine stays usable."""
+        try:
+            while self.has_unfinished():
+                changed = self.step()
+                if on_step is not None:
+                    on_step(changed)
+        except BaseException:
+            self.abort_requests(requests)
+            raise
+
+    def abort_requests(self, requests) -> None:
+        """Aborts every unfinished request of `requests`, then steps until the
+        engine is idle (synchronous use only)."""
+        for r in requests:
+            if not r.finished:
+                self.abort(r.request_id)
+        while self.has_unfinished():
+            self.step()
+
+    def start_background(self, wake_fd: int) -> None:
+        """Hands stepping to the C engine's own thread: after each step with
+        outputs it writes an 8-byte 1 to wake_fd; process_events() then applies
+        them. From here on step() is refused; close() stops the thread."""
+        self._engine.start_loop(wake_fd)
+
+    def set_trace(self, on: bool) -> None:
+        """Records each step's scheduled (request, completion, new tokens) for take_trace()."""
+        self._engine.set_trace(on)
+
+    def take_trace(self):
+        return self._engine.take_trace()
+
     # -- outputs ----------------------------------------------------------
     def process_events(self, on_event=None) -> list[_Request]:
         """Applies the pending C events; returns the requests that changed.
@@ -357,39 +386,40 @@ class EngineCore:
         events = self._engine.take_outputs()
         changed: dict[int, _Request] = {}
         with self._lock:
-            for (iid, idx, token, logprob, top, text, finished, reason, stop_kind, stop_value,
-                 metrics) in events:
+            for ev in events:  # _core.EngineEvent records
+                iid = ev.request_id
                 req = self._requests.get(iid)
                 if req is None:
                     continue
-                st = req.seqs[idx]
+                st = req.seqs[ev.seq_index]
+                token = ev.token
                 if token >= 0:
                     st.token_ids.append(token)
                     if st.logprobs is not None:
-                        entry = {token: Logprob(logprob)}
-                        for rank, (tid, lp) in enumerate(top or (), start=1):
+                        entry = {token: Logprob(ev.logprob)}
+                        for rank, (tid, lp) in enumerate(ev.top_logprobs or (), start=1):
                             if tid == token:
                                 entry[token].rank = rank
                             else:
                                 entry[tid] = Logprob(lp, rank)
                         st.logprobs.append(entry)
-                        st.cum_logprob += logprob
-                if text:
-                    st.add_text(st.decoder.decode(text))
-                if finished:
+                        st.cum_logprob += ev.logprob
+                if ev.text:
+                    st.add_text(st.decoder.decode(ev.text))
+                if ev.finished:
                     st.add_text(st.decoder.decode(b"", final=True))
-                    st.finish_reason = reason
-                    if stop_kind == 1:
-                        st.stop_reason = stop_value
-                    elif stop_kind == 2:
-                        st.stop_reason = req.params.stop_strings[stop_value]
-                if metrics is not None:
-                    arrival, first_sched, first_tok, fin, _n_prompt, n_cached = metrics
-                    m = req.metrics
-                    m.first_scheduled_time = first_sched or None
-                    m.first_token_time = first_tok or None
-                    m.finished_time = fin
-                    m.num_cached_tokens = n_cached
+                    st.finish_reason = ev.finish_reason
+                    if ev.stop_kind == _core.STOP_TOKEN:
+                        st.stop_reason = ev.stop_value
+                    elif ev.stop_kind == _core.STOP_STRING:
+                        st.stop_reason = req.params.stop_strings[ev.stop_value]
+                m = ev.metrics
+                if m is not None:
+                    rm = req.metrics
+                    rm.first_scheduled_time = m.first_scheduled or None
+                    rm.first_token_time = m.first_token or None
+                    rm.finished_time = m.finished
+                    rm.num_cached_tokens = m.n_cached_prompt
                     req.finished = True
                     del self._requests[iid]
                     if self._by_name.get(req.request_id) is req:
@@ -463,6 +493,16 @@ class EngineFrontend:
     @property
     def closed(self) -> bool:
         return self._core.closed
+
+    def check_request(self, prompt_token_ids, sampling_params: SamplingParams) -> None:
+        """Raises what generate would refuse this prompt (token ids) and
+        SamplingParams with: ValueError/TypeError whose .field names the field
+        ("prompt" for the prompt). Queues nothing."""
+        self._core.check_request(prompt_token_ids, sampling_params)
+
+    def num_unfinished(self) -> int:
+        """Requests queued or running."""
+        return self._core.num_unfinished()
 
     def stats(self) -> dict:
         """Engine statistics: queue sizes, KV blocks, prefix-cache hits, timings."""

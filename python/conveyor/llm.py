@@ -11,14 +11,6 @@ from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
 
-def _engine_kwargs(model, kwargs) -> EngineArgs:
-    allowed = set(EngineArgs.__dataclass_fields__) - {"model"}
-    unknown = set(kwargs) - allowed
-    if unknown:
-        raise TypeError(f"unknown keyword argument(s): {', '.join(sorted(unknown))}")
-    return EngineArgs(model=model, **kwargs)
-
-
 def normalize_prompts(prompts) -> list:
     """A str, a list of str, a list of token ids, a NumPy int array, or a list of those."""
     if isinstance(prompts, (str, dict)):
@@ -49,7 +41,7 @@ class LLM(EngineFrontend):
     """
 
     def __init__(self, model, **kwargs):
-        self._core = EngineCore(_engine_kwargs(model, kwargs))
+        self._core = EngineCore(EngineArgs.from_kwargs(model, kwargs))
         self._finalizer = weakref.finalize(self, EngineCore.close, self._core)
 
     def generate(self, prompts, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
@@ -82,7 +74,7 @@ class LLM(EngineFrontend):
         # Everything is validated before anything is queued.
         encoded = [core.tokenize_prompt(p) for p in items]
         for (_, ids), p in zip(encoded, params):
-            core.check_fits(len(ids), p)
+            core.check_request(ids, p)
 
         reqs = []
         try:
@@ -90,50 +82,30 @@ class LLM(EngineFrontend):
                 reqs.append(core.add_request(None, text, ids, p,
                                              priority=priority[i] if priority is not None else 0))
         except BaseException:
-            for r in reqs:
-                core.abort(r.request_id)
-            self._drain()
+            core.abort_requests(reqs)
             raise
         self._run(reqs, use_tqdm)
         return [EngineCore.build_output(r) for r in reqs]
 
-    def _drain(self):
-        while self._core.has_unfinished():
-            self._core._engine.step()
-            self._core.process_events()
-
     def _run(self, reqs, use_tqdm: bool):
         core = self._core
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
+        if not use_tqdm:
+            core.run(reqs)
+            return
+        import time
 
-            bar = tqdm(total=len(reqs), desc="Processed prompts", unit="req", dynamic_ncols=True)
-        n_out = 0
-        try:
-            import time
+        from tqdm.auto import tqdm
 
-            t0 = time.perf_counter()
-            while core.has_unfinished():
-                core._engine.step()
-                changed = core.process_events()
-                if bar is not None:
-                    done = sum(1 for r in changed if r.finished)
-                    n_out = core.stats()["generation_tokens"]
-                    el = max(time.perf_counter() - t0, 1e-9)
-                    bar.set_postfix_str(f"{n_out / el:.1f} tok/s", refresh=False)
-                    if done:
-                        bar.update(done)
-        except BaseException:
-            # Interrupted (e.g. KeyboardInterrupt): abort what is left so the engine stays usable.
-            for r in reqs:
-                if not r.finished:
-                    core.abort(r.request_id)
-            self._drain()
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
+        t0 = time.perf_counter()
+        with tqdm(total=len(reqs), desc="Processed prompts", unit="req", dynamic_ncols=True) as bar:
+            def on_step(changed):
+                done = sum(1 for r in changed if r.finished)
+                el = max(time.perf_counter() - t0, 1e-9)
+                bar.set_postfix_str(f"{core.stats()['generation_tokens'] / el:.1f} tok/s", refresh=False)
+                if done:
+                    bar.update(done)
+
+            core.run(reqs, on_step)
 
     def chat(self, messages, sampling_params: Optional[SamplingParams] = None, *,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:

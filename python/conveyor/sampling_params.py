@@ -1,43 +1,37 @@
 """SamplingParams: how one request is sampled and when it stops (vLLM's names)."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-MAX_LOGPROBS = 20
+from . import _core
+
+MAX_LOGPROBS = _core.MAX_LOGPROBS  # the C engine's limit (CV_MAX_LOGPROBS)
 _OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
+
+def field_error(exc_type: type, field_name: str, message: str) -> Exception:
+    """An exception naming the request field at fault in .field, as the C
+    engine's errors do (the server answers it as a 400 with that param)."""
+    e = exc_type(message)
+    e.field = field_name
+    return e
 
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _check_int(name, value, lo=None, hi=None, allow_none=False):
+def _check_int(name, value, allow_none=False):
     if value is None and allow_none:
         return
     if not _is_int(value):
-        raise TypeError(f"SamplingParams.{name} must be an int, got {type(value).__name__}")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
-        raise ValueError(f"SamplingParams.{name} must be in {rng}, got {value}")
+        raise field_error(TypeError, name, f"SamplingParams.{name} must be an int, got {type(value).__name__}")
 
 
-def _check_float(name, value, lo, hi, lo_open=False, hi_open=False):
+def _check_number(name, value):
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"SamplingParams.{name} must be a number, got {type(value).__name__}")
-    v = float(value)
-    ok = math.isfinite(v)
-    if ok and lo is not None:
-        ok = v > lo if lo_open else v >= lo
-    if ok and hi is not None:
-        ok = v < hi if hi_open else v <= hi
-    if not ok:
-        left = "(" if lo_open else "["
-        right = ")" if hi_open else "]"
-        raise ValueError(
-            f"SamplingParams.{name} must be a finite number in {left}{lo if lo is not None else '-inf'}, "
-            f"{hi if hi is not None else 'inf'}{right}, got {value!r}")
+        raise field_error(TypeError, name, f"SamplingParams.{name} must be a number, got {type(value).__name__}")
 
 
 @dataclass
@@ -71,27 +65,22 @@ class SamplingParams:
     _stop_list: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        _check_int("n", self.n, 1, 1024)
-        _check_float("temperature", self.temperature, 0.0, None)
-        _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        _check_int("top_k", self.top_k, -1)
-        _check_float("min_p", self.min_p, 0.0, 1.0)
-        _check_float("repetition_penalty", self.repetition_penalty, 0.0, None, lo_open=True)
-        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _check_int("seed", self.seed, -(2**63), 2**64 - 1, allow_none=True)
-        _check_int("max_tokens", self.max_tokens, 1, allow_none=True)
-        _check_int("min_tokens", self.min_tokens, 0)
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"SamplingParams.min_tokens ({self.min_tokens}) must be <= "
-                             f"max_tokens ({self.max_tokens})")
-        _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, allow_none=True)
+        # Types here; every range is the C engine's (conveyor._core.check_sampling_params).
+        _check_int("n", self.n)
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            _check_number(name, getattr(self, name))
+        _check_int("top_k", self.top_k)
+        _check_int("seed", self.seed, allow_none=True)
+        _check_int("max_tokens", self.max_tokens, allow_none=True)
+        _check_int("min_tokens", self.min_tokens)
+        _check_int("logprobs", self.logprobs, allow_none=True)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"SamplingParams.{name} must be a bool")
+                raise field_error(TypeError, name, f"SamplingParams.{name} must be a bool")
         if self.output_kind not in _OUTPUT_KINDS:
-            raise ValueError(f"SamplingParams.output_kind must be one of {_OUTPUT_KINDS}, "
-                             f"got {self.output_kind!r}")
+            raise field_error(ValueError, "output_kind", f"SamplingParams.output_kind must be one of "
+                              f"{_OUTPUT_KINDS}, got {self.output_kind!r}")
         if self.stop is None:
             stops = []
         elif isinstance(self.stop, str):
@@ -99,21 +88,22 @@ class SamplingParams:
         elif isinstance(self.stop, (list, tuple)):
             stops = list(self.stop)
         else:
-            raise TypeError("SamplingParams.stop must be a str or a list of str")
+            raise field_error(TypeError, "stop", "SamplingParams.stop must be a str or a list of str")
         for s in stops:
             if not isinstance(s, str):
-                raise TypeError("SamplingParams.stop must contain only str")
-            if s == "":
-                raise ValueError("SamplingParams.stop must not contain an empty string")
+                raise field_error(TypeError, "stop", "SamplingParams.stop must contain only str")
         self._stop_list = stops
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, (list, tuple)):
-                raise TypeError("SamplingParams.stop_token_ids must be a list of int")
+                raise field_error(TypeError, "stop_token_ids", "SamplingParams.stop_token_ids must be a list of int")
             for t in self.stop_token_ids:
                 if not _is_int(t):
-                    raise TypeError("SamplingParams.stop_token_ids must contain only int")
-                if t < 0:
-                    raise ValueError(f"SamplingParams.stop_token_ids must be >= 0, got {t}")
+                    raise field_error(TypeError, "stop_token_ids",
+                                      "SamplingParams.stop_token_ids must contain only int")
+        try:
+            _core.check_sampling_params(self)
+        except (TypeError, ValueError) as e:
+            raise field_error(type(e), getattr(e, "field", None), f"SamplingParams.{e}") from None
 
     @property
     def stop_strings(self) -> list[str]:

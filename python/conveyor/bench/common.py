@@ -77,12 +77,14 @@ def checkpoint_config(path: str) -> Dict[str, Any]:
 
 
 def kv_bytes_for(path: str, prompt_lens: Iterable[int], output_lens: Iterable[int],
-                 block_size: int = 16, dtype_bytes: int = 4) -> int:
+                 block_size: int = 16, dtype: str = "float32") -> int:
     """KV pool bytes that hold every request at full length at once (+ a spare block
-    each and 64 more), counting ``dtype_bytes`` per element (4 covers every dtype)."""
+    each and 64 more) in a cache of ``dtype`` (float32 covers every dtype)."""
+    from .. import _core
+
     cfg = checkpoint_config(path)
     head_dim = cfg.get("head_dim") or cfg["dim"] // cfg["n_heads"]
-    per_token = 2 * cfg["n_layers"] * cfg["n_kv_heads"] * head_dim * dtype_bytes
+    per_token = _core.kv_bytes_per_token(cfg["n_layers"], cfg["n_kv_heads"], head_dim, dtype)
     blocks = 64 + sum(-(-(int(p) + int(o)) // block_size) + 1 for p, o in zip(prompt_lens, output_lens))
     return int(blocks * block_size * per_token)
 
@@ -291,46 +293,36 @@ def throughputs(n_requests: int, prompt_tokens: int, output_tokens: int, wall: f
 def run_offline(llm, workload: Workload, *, sample_stats: bool = True, trace: bool = False,
                 temperature: float = 1.0) -> Dict[str, Any]:
     """Submits every request at once and steps the engine to completion, like
-    ``LLM.generate`` (same calls: add_request, step, process_events), sampling
+    ``LLM.generate`` (the same loop, ``EngineCore.run``), sampling
     ``llm.stats()`` after every step when ``sample_stats``. Returns the outputs,
     throughputs, latencies and the per-step samples (KV waste, running count)."""
     from ..engine import EngineCore
 
     core = llm._core
-    eng = core._engine
     params = workload.params(temperature)
     encoded = [core.tokenize_prompt(p) for p in workload.prompts]
     for (_, ids), p in zip(encoded, params):
-        core.check_fits(len(ids), p)
+        core.check_request(ids, p)
     s0 = llm.stats()
     if trace:
-        eng.set_trace(True)
-        eng.take_trace()  # drop anything older
+        core.set_trace(True)
+        core.take_trace()  # drop anything older
     waste, running, used, kv_tokens = [], [], [], []
+
+    def sample(_changed):
+        st = core.stats()
+        waste.append(st["kv_waste"])
+        running.append(st["num_running"])
+        used.append(st["blocks_used"])
+        kv_tokens.append(st["tokens_in_kv"])
+
     t0 = time.perf_counter()
     reqs = [core.add_request(None, text, ids, p) for (text, ids), p in zip(encoded, params)]
-    try:
-        while core.has_unfinished():
-            eng.step()
-            core.process_events()
-            if sample_stats:
-                st = eng.stats()
-                waste.append(st["kv_waste"])
-                running.append(st["num_running"])
-                used.append(st["blocks_used"])
-                kv_tokens.append(st["tokens_in_kv"])
-    except BaseException:
-        for r in reqs:
-            if not r.finished:
-                core.abort(r.request_id)
-        while core.has_unfinished():
-            eng.step()
-            core.process_events()
-        raise
+    core.run(reqs, sample if sample_stats else None)
     wall = time.perf_counter() - t0
-    steps_trace = eng.take_trace() if trace else None
+    steps_trace = core.take_trace() if trace else None
     if trace:
-        eng.set_trace(False)
+        core.set_trace(False)
     s1 = llm.stats()
     outputs = [EngineCore.build_output(r) for r in reqs]
     n_out = sum(len(o.outputs[0].token_ids) for o in outputs)

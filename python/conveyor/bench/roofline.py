@@ -38,7 +38,7 @@ def streamed_bytes_per_step(cfg: Dict[str, Any]) -> int:
 
 
 def kv_bytes_per_token(cfg: Dict[str, Any]) -> int:
-    return 2 * cfg["n_layers"] * cfg["n_kv_heads"] * cfg["head_dim"] * _DTYPE_BYTES[cfg["kv_cache_dtype"]]
+    return _core.kv_bytes_per_token(cfg["n_layers"], cfg["n_kv_heads"], cfg["head_dim"], cfg["kv_cache_dtype"])
 
 
 def _random_prompts(rng, n, length, vocab):

@@ -238,14 +238,14 @@ async def inprocess_run(job: dict) -> dict:
         warm = [{"prompt": r["prompt"], "max_tokens": min(r["max_tokens"], 8)} for r in job["requests"][:4]]
         await asyncio.gather(*[inprocess_one(engine, r, 0.0, time.perf_counter()) for r in warm])
         pid = os.getpid()
-        engine._core._engine.set_trace(True)
+        engine._core.set_trace(True)
         before = cpu_seconds(pid)
         t0 = time.perf_counter() + 0.05
         recs = await asyncio.gather(*[inprocess_one(engine, r, d, t0)
                                       for r, d in zip(job["requests"], job["delays"])])
         wall = time.perf_counter() - t0
         cpu = cpu_delta(before, cpu_seconds(pid))
-        trace = engine._core._engine.take_trace()
+        trace = engine._core.take_trace()
     finally:
         engine.close()
     return {"records": recs, "wall": wall, "cpu": cpu, "steps": step_times(trace)}

@@ -24,9 +24,14 @@ enum {
 };
 
 #define CV_ERR_MSG_LEN 512
+#define CV_ERR_FIELD_LEN 32
+/* A structured error: the status code, the request field at fault ("" when the
+ * error is not about one field; request fields use SamplingParams' names, and
+ * "prompt" for the prompt) and a message that reads on its own. */
 typedef struct cv_err {
     int code;
     char msg[CV_ERR_MSG_LEN];
+    char field[CV_ERR_FIELD_LEN];
 } cv_err;
 
 /* Formats msg into err (if non-NULL) and returns code, so callers can write
@@ -34,6 +39,12 @@ typedef struct cv_err {
 int cv_set_err(cv_err *err, int code, const char *fmt, ...)
 #if defined(__GNUC__)
     __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+/* The same, naming the request field at fault. */
+int cv_set_field_err(cv_err *err, int code, const char *field, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 4, 5)))
 #endif
     ;
 
@@ -68,6 +79,10 @@ double cv_now(void);
  * time tells the engine's threads from the frontend's (bench serve). At most
  * 15 characters. */
 void cv_set_thread_name(const char *name);
+
+/* Grows *p (an array of elem-byte items with *cap slots) to hold need items,
+ * doubling; returns 0 when out of memory (*p is then unchanged). */
+int cv_grow(void **p, size_t *cap, size_t need, size_t elem);
 
 /* Checked size arithmetic: returns 0 on overflow. */
 int cv_mul_size(size_t a, size_t b, size_t *out);

@@ -5,18 +5,14 @@ dict with json.dumps for each of them costs more than everything else the server
 per token, yet only the text and, at the end, the finish reason change. The encoder
 builds the constant head and tail of the event once and encodes just the text (the C
 string encoder of the json module). Its output is byte for byte what encoding the
-chunk dict gives (tests/test_stream_encoder.py checks it against json.dumps).
+chunk dict with protocol.dumps gives (tests/test_stream_encoder.py checks it).
 """
 from __future__ import annotations
 
-import json
 from json.encoder import encode_basestring  # the C encoder, as json.dumps(..., ensure_ascii=False)
 from typing import Optional, Union
 
-
-def dumps(obj) -> str:
-    """The server's JSON: compact, UTF-8 as is, no NaN."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+from .protocol import dumps
 
 
 class ChunkEncoder:

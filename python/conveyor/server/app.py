@@ -1,0 +1,260 @@
+"""The app: routes, middleware and the `conveyor serve` entry point.
+
+    conveyor serve MODEL [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine knobs]
+    python -m conveyor.serve MODEL ...
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (plain or streamed as
+server-sent events ending with ``data: [DONE]``), GET /v1/models, GET /health and
+GET /metrics (Prometheus text format).
+
+The app is plain Starlette (no request-model magic), so every error is ours: bad
+input gets 400 naming the field, never 422 or 500. A client that goes away has its
+request aborted at once: a task per response waits for the ASGI ``http.disconnect``
+message and cancels the generation, and cancelling AsyncLLM.generate's iterator
+aborts the engine request and frees its KV blocks.
+
+`build_app(engine, model_name=...)` returns the ASGI app for tests and embedding.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from typing import Optional
+
+from .protocol import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUED_REQUESTS, APIError
+from .serving import Server, error_response, json_response
+
+
+def build_app(engine, *, model_name: str, api_key: Optional[str] = None, request_timeout: Optional[float] = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+    """The ASGI app serving `engine` (an AsyncLLM) under the name `model_name`.
+
+    api_key: when set, /v1/* needs "Authorization: Bearer <api_key>".
+    request_timeout: the deadline (seconds) of a request that names no "timeout".
+    max_body_bytes: larger bodies get 413. Overload control is the engine's: an AsyncLLM
+    made with max_queued_requests refuses the excess, answered 503 with Retry-After.
+    """
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    if not isinstance(model_name, str) or not model_name:
+        raise ValueError("model_name must be a non-empty string")
+    if request_timeout is not None and not (isinstance(request_timeout, (int, float)) and
+                                            not isinstance(request_timeout, bool) and 0 < request_timeout <= 1e9):
+        raise ValueError(f"request_timeout must be a number of seconds in (0, 1e9], got {request_timeout!r}")
+    server = Server(engine, model_name, api_key, request_timeout, max_body_bytes)
+
+    def guarded(fn):
+        async def endpoint(request):
+            try:
+                return await fn(request)
+            except APIError as e:
+                if e.status >= 400:
+                    server.metrics.http_errors[e.status] = server.metrics.http_errors.get(e.status, 0) + 1
+                return error_response(e)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - never a bare 500 page
+                from .. import EngineClosedError
+
+                if isinstance(e, EngineClosedError):
+                    return error_response(APIError(503, "the engine is shut down", code="engine_closed"))
+                logging.getLogger("conveyor.serve").exception("internal error")
+                return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}",
+                                                type_="server_error"))
+        return endpoint
+
+    async def completions(request):
+        return await server.handle_generate(request, "completion")
+
+    async def chat_completions(request):
+        return await server.handle_generate(request, "chat")
+
+    def model_card():
+        return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "conveyor",
+                "root": server.model_name, "parent": None, "max_model_len": server.max_model_len,
+                "vocab_size": server.vocab_size}
+
+    async def models(request):
+        server.check_auth(request)
+        return json_response({"object": "list", "data": [model_card()]})
+
+    async def model_one(request):
+        server.check_auth(request)
+        server.check_model(request.path_params["model"])
+        return json_response(model_card())
+
+    async def health(request):
+        if engine.closed:
+            return json_response({"status": "closed"}, 503)
+        return json_response({"status": "ok"})
+
+    async def metrics(request):
+        try:
+            stats = engine.stats()
+        except Exception:  # noqa: BLE001 - a closed engine still answers /metrics
+            stats = {}
+        text = server.metrics.render(stats, server.in_flight)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def http_error(request, exc):
+        msg = {404: f"no route for {request.url.path}", 405: f"method {request.method} not allowed here"}
+        err = APIError(exc.status_code, msg.get(exc.status_code, str(exc.detail)))
+        if exc.status_code == 404:
+            err.type = "not_found_error"
+        return error_response(err)
+
+    routes = [
+        Route("/v1/completions", guarded(completions), methods=["POST"]),
+        Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
+        Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/v1/models/{model:path}", guarded(model_one), methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    app.state.server = server
+    return app
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="conveyor serve", description="Run the OpenAI-compatible HTTP server.")
+    p.add_argument("model", help="a HF model folder or a llama2.c .bin file")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $CONVEYOR_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
+    p.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
+                   help="answer 503 (with Retry-After) to a request that would make more than this many wait "
+                        "to be scheduled; 0: no limit")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="deadline in seconds of a request without 'timeout'; past it the request ends with "
+                        "finish_reason 'timeout' (default: none)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="answer 413 to larger request bodies")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--no-access-log", action="store_true", help="do not log each HTTP request")
+    g = p.add_argument_group("engine")
+    g.add_argument("--tokenizer", default=None)
+    g.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--kv-cache-memory", default=None, help="bytes or a size such as 4GiB")
+    g.add_argument("--kv-cache-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--scheduling", default=None, choices=["continuous", "static", "priority"])
+    g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--device", default=None, choices=["cpu", "cuda"])
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--gpu-memory-utilization", type=float, default=None)
+    g.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None,
+                   help="prompt tokens per step while sequences decode (default 64 on the CPU, 512 on CUDA; 0: "
+                        "no cap)")
+    return p
+
+
+_ENGINE_KNOBS = ("tokenizer", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                 "kv_cache_memory", "kv_cache_dtype", "enable_prefix_caching", "enable_chunked_prefill",
+                 "scheduling", "num_threads", "device", "seed", "gpu_memory_utilization",
+                 "max_prefill_tokens_while_decoding")
+
+
+def engine_kwargs(args) -> dict:
+    """The AsyncLLM keyword arguments of parsed `conveyor serve` arguments."""
+    knobs = {k: getattr(args, k) for k in _ENGINE_KNOBS if getattr(args, k) is not None}
+    knobs["max_queued_requests"] = args.max_queued_requests or None
+    return knobs
+
+
+def main(argv=None) -> int:
+    args = make_parser().parse_args(argv)
+    try:
+        import uvicorn
+        import starlette  # noqa: F401
+    except ImportError as e:
+        print(f"conveyor serve: needs the server extra ({e.name} is missing): pip install 'conveyor[server]'",
+              file=sys.stderr)
+        return 1
+    if not (0 <= args.port <= 65535):
+        print(f"conveyor serve: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
+        return 2
+    if args.max_queued_requests < 0 or args.max_body_bytes < 1:
+        print("conveyor serve: --max-queued-requests must be >= 0 and --max-body-bytes >= 1", file=sys.stderr)
+        return 2
+    if args.request_timeout is not None and not (0 < args.request_timeout <= 1e9):
+        print("conveyor serve: --request-timeout must be in (0, 1e9] seconds", file=sys.stderr)
+        return 2
+    from .. import AsyncLLM, ConveyorError
+
+    knobs = engine_kwargs(args)
+    try:
+        engine = AsyncLLM(args.model, **knobs)
+    except (OSError, ValueError, TypeError, ConveyorError) as e:
+        print(f"conveyor serve: cannot load the model: {e}", file=sys.stderr)
+        return 1
+    name = args.served_model_name or args.model
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"conveyor serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
+    app = build_app(engine, model_name=name, api_key=args.api_key, request_timeout=args.request_timeout,
+                    max_body_bytes=args.max_body_bytes)
+    try:
+        # Bound here, not by uvicorn, so that --port 0 works: the line below names the real port.
+        sock = _bind(args.host, args.port)
+    except OSError as e:
+        engine.close()
+        print(f"conveyor serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.no_access_log,
+                            timeout_graceful_shutdown=5)
+    print(f"conveyor serve: serving {name} at http://{shown}:{port}/v1", file=sys.stderr, flush=True)
+    import signal
+
+    def _exit(signum, frame):
+        raise SystemExit(0)
+
+    # uvicorn shuts down gracefully, then re-raises the signal it caught: exit through
+    # Python so that the engine below is closed.
+    signal.signal(signal.SIGTERM, _exit)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sock.close()
+        engine.close()
+    return 0
+
+
+def _bind(host: str, port: int):
+    import socket
+
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, socktype, proto, _, addr = infos[0]
+    # proto must be IPPROTO_TCP (not 0): asyncio sets TCP_NODELAY on accepted sockets only
+    # then, and without it Nagle holds each streamed chunk for the client's delayed ACK.
+    sock = socket.socket(family, socktype, proto or socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+        sock.set_inheritable(True)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+

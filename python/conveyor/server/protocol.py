@@ -1,0 +1,413 @@
+"""The server's protocol: OpenAI request fields read into SamplingParams and
+prompts, and errors in OpenAI's shape. Types and the server's own limits only:
+the engine (check_request) decides every range and answers with the field."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from ..sampling_params import SamplingParams
+
+DEFAULT_MAX_QUEUED_REQUESTS = 1024
+DEFAULT_MAX_BODY_BYTES = 16 << 20
+MAX_N = 128                 # choices per prompt
+MAX_PROMPTS = 256           # prompts in one batched completions request
+MAX_SEQUENCES = 1024        # prompts x n in one request
+MAX_STOP = 16
+DEFAULT_CHAT_MAX_TOKENS_CAP = 4096
+_CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 type_: Optional[str] = None, code: Optional[str] = None, headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status = status
+        self.headers = headers  # extra response headers (Retry-After)
+        self.message = message
+        self.param = param
+        self.type = type_ or {400: "invalid_request_error", 401: "authentication_error",
+                              404: "not_found_error", 405: "invalid_request_error",
+                              413: "invalid_request_error", 503: "service_unavailable_error"
+                              }.get(status, "server_error")
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+def dumps(obj) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+def type_name(v) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, int):
+        return "integer"
+    if isinstance(v, float):
+        return "number"
+    if isinstance(v, str):
+        return "string"
+    if isinstance(v, list):
+        return "array"
+    if isinstance(v, dict):
+        return "object"
+    return type(v).__name__
+
+
+def check_text(param: str, s: str) -> str:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request(param, f"'{param}' contains invalid Unicode (a lone surrogate)") from None
+    return s
+
+
+class Fields:
+    """Reads typed, range-checked fields from a JSON object; errors name the field."""
+
+    def __init__(self, obj: dict, prefix: str = ""):
+        self.obj = obj
+        self.prefix = prefix
+
+    def name(self, key: str) -> str:
+        return self.prefix + key
+
+    def int(self, key, default=None, lo=None, hi=None):
+        v = self.obj.get(key)
+        if v is None:
+            return default
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise bad_request(self.name(key), f"'{self.name(key)}' must be an integer, got {type_name(v)}")
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            raise bad_request(self.name(key), f"'{self.name(key)}' must be in [{lo if lo is not None else '-inf'}, "
+                                       f"{hi if hi is not None else 'inf'}], got {v}")
+        return v
+
+    def number(self, key, default=None, lo=None, hi=None, lo_open=False):
+        v = self.obj.get(key)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise bad_request(self.name(key), f"'{self.name(key)}' must be a number, got {type_name(v)}")
+        try:
+            f = float(v)
+        except OverflowError:
+            f = math.inf
+        ok = math.isfinite(f) and (lo is None or (f > lo if lo_open else f >= lo)) and (hi is None or f <= hi)
+        if not ok:
+            left = "(" if lo_open else "["
+            raise bad_request(self.name(key), f"'{self.name(key)}' must be a finite number in {left}"
+                                       f"{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}], "
+                                       f"got {v!r}")
+        return f
+
+    def bool(self, key, default=False):
+        v = self.obj.get(key)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            raise bad_request(self.name(key), f"'{self.name(key)}' must be a boolean, got {type_name(v)}")
+        return v
+
+    def str(self, key, default=None):
+        v = self.obj.get(key)
+        if v is None:
+            return default
+        if not isinstance(v, str):
+            raise bad_request(self.name(key), f"'{self.name(key)}' must be a string, got {type_name(v)}")
+        return check_text(self.name(key), v)
+
+    def obj_(self, key) -> Optional[dict]:
+        v = self.obj.get(key)
+        if v is None:
+            return None
+        if not isinstance(v, dict):
+            raise bad_request(self.name(key), f"'{self.name(key)}' must be an object, got {type_name(v)}")
+        return v
+
+
+@dataclass
+class Prompt:
+    text: Optional[str]
+    ids: list
+
+
+@dataclass
+class Parsed:
+    """A validated request: prompts, sampling, and how to answer."""
+
+    kind: str                       # "completion" or "chat"
+    prompts: list                   # [Prompt]
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: Optional[int] = None  # completions: top-N; chat: top_logprobs (when logprobs is on)
+    echo: bool = False
+    model: Optional[str] = None
+    priority: int = 0                # vLLM's extension: lower runs first under scheduling="priority"
+    timeout: Optional[float] = None  # seconds from arrival; past it: finish_reason "timeout"
+
+
+def _parse_stop(f: Fields):
+    v = f.obj.get("stop")
+    if v is None:
+        return None
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise bad_request("stop", "'stop' must be a string or an array of strings")
+    if len(v) > MAX_STOP:
+        raise bad_request("stop", f"'stop' has {len(v)} entries; at most {MAX_STOP} are allowed")
+    for s in v:
+        if s == "":
+            raise bad_request("stop", "'stop' must not contain an empty string")
+        check_text("stop", s)
+    return v or None
+
+
+def _common_sampling(f: Fields, max_tokens: Optional[int], logprobs: Optional[int], n: int) -> dict:
+    """The request fields every endpoint maps onto SamplingParams. Types only:
+    the C engine checks every range (see _make_params)."""
+    kw = dict(
+        n=n,
+        max_tokens=max_tokens,
+        temperature=f.number("temperature", 1.0),
+        top_p=f.number("top_p", 1.0),
+        top_k=f.int("top_k", 0),
+        min_p=f.number("min_p", 0.0),
+        repetition_penalty=f.number("repetition_penalty", 1.0),
+        presence_penalty=f.number("presence_penalty", 0.0),
+        frequency_penalty=f.number("frequency_penalty", 0.0),
+        seed=f.int("seed", None),
+        stop=_parse_stop(f),
+        ignore_eos=f.bool("ignore_eos", False),
+        min_tokens=f.int("min_tokens", 0),
+        include_stop_str_in_output=f.bool("include_stop_str_in_output", False),
+        skip_special_tokens=f.bool("skip_special_tokens", True),
+        logprobs=logprobs,
+    )
+    sti = f.obj.get("stop_token_ids")
+    if sti is not None:
+        if not isinstance(sti, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in sti):
+            raise bad_request("stop_token_ids", "'stop_token_ids' must be an array of integers")
+        if len(sti) > 64:
+            raise bad_request("stop_token_ids", "'stop_token_ids' may hold at most 64 ids")
+        kw["stop_token_ids"] = sti
+    lb = f.obj.get("logit_bias")
+    if lb is not None and lb != {}:
+        raise bad_request("logit_bias", "'logit_bias' is not supported by this server")
+    bo = f.obj.get("best_of")
+    if bo is not None and bo != n:
+        raise bad_request("best_of", "'best_of' is not supported (only best_of == n)")
+    return kw
+
+
+def refused(e: Exception, renames: Optional[dict] = None) -> APIError:
+    """The engine's refusal (ValueError/TypeError whose .field names the
+    request field) as a 400; renames maps engine fields to this endpoint's."""
+    field_name = getattr(e, "field", None)
+    return bad_request((renames or {}).get(field_name, field_name) or "body", str(e))
+
+
+def _make_params(kw: dict, renames: Optional[dict] = None) -> SamplingParams:
+    try:
+        return SamplingParams(**kw)
+    except (TypeError, ValueError) as e:
+        raise refused(e, renames) from None
+
+
+def _load_fields(f: Fields) -> dict:
+    """The serving-under-load fields of any generation request, types only (the engine
+    checks the ranges when the request is added): priority and timeout."""
+    return {"priority": f.int("priority", 0), "timeout": f.number("timeout", None)}
+
+
+def _stream_flags(f: Fields) -> tuple[bool, bool]:
+    stream = f.bool("stream", False)
+    so = f.obj_("stream_options")
+    include_usage = False
+    if so is not None:
+        if not stream:
+            raise bad_request("stream_options", "'stream_options' is only allowed when 'stream' is true")
+        include_usage = Fields(so, "stream_options.").bool("include_usage", False)
+    return stream, include_usage
+
+
+class Validator:
+    """Turns request JSON into a Parsed, tokenizing prompts; the engine's own
+    check (check_request) decides whether each prompt fits."""
+
+    def __init__(self, tokenizer, max_model_len: int, check_request):
+        self.tok = tokenizer
+        self.max_model_len = max_model_len
+        self.check_request = check_request
+
+    def _ids(self, param: str, ids: list) -> list:
+        if not ids:
+            raise bad_request(param, f"'{param}' is empty")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise bad_request(param, f"'{param}' must hold integer token ids, got {type_name(t)}")
+        return list(ids)
+
+    def _encode(self, param: str, text: str, add_special_tokens: bool = True) -> list:
+        check_text(param, text)
+        if self.tok is None:
+            raise bad_request(param, "this server has no tokenizer; send token ids")
+        if text == "":
+            raise bad_request(param, f"'{param}' is empty")
+        try:
+            return self.tok.encode(text, add_special_tokens=add_special_tokens)
+        except (TypeError, ValueError) as e:
+            raise bad_request(param, f"'{param}' could not be tokenized: {e}") from None
+
+    def _check(self, params: SamplingParams, prompts: list, names: list, renames: Optional[dict] = None):
+        """The engine's checks for each prompt; a prompt error names that prompt."""
+        for p, name in zip(prompts, names):
+            try:
+                self.check_request(p.ids, params)
+            except (TypeError, ValueError) as e:
+                raise refused(e, {**(renames or {}), "prompt": name}) from None
+
+    def completion(self, body: dict) -> Parsed:
+        f = Fields(body)
+        model = f.str("model")
+        n = f.int("n", 1, lo=1, hi=MAX_N)
+        max_tokens = f.int("max_tokens", 16)
+        logprobs = f.int("logprobs", None)
+        echo = f.bool("echo", False)
+        if echo and logprobs is not None:
+            raise bad_request("echo", "'echo' together with 'logprobs' is not supported (no prompt logprobs)")
+        if f.obj.get("suffix") not in (None, ""):
+            raise bad_request("suffix", "'suffix' is not supported by this server")
+        stream, include_usage = _stream_flags(f)
+
+        raw = body.get("prompt")
+        if raw is None:
+            raise bad_request("prompt", "'prompt' is required")
+        if isinstance(raw, str):
+            items = [raw]
+        elif isinstance(raw, list):
+            if not raw:
+                raise bad_request("prompt", "'prompt' is empty")
+            if all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+                items = [raw]
+            elif all(isinstance(p, (str, list)) for p in raw):
+                items = raw
+            else:
+                raise bad_request("prompt", "'prompt' must be a string, an array of strings, an array of token ids "
+                                     "or an array of token-id arrays")
+        else:
+            raise bad_request("prompt", f"'prompt' must be a string or an array, got {type_name(raw)}")
+        if len(items) > MAX_PROMPTS:
+            raise bad_request("prompt", f"'prompt' holds {len(items)} prompts; at most {MAX_PROMPTS} are allowed")
+        if len(items) * n > MAX_SEQUENCES:
+            raise bad_request("n", f"{len(items)} prompts x n={n} is more than {MAX_SEQUENCES} sequences")
+        prompts = []
+        for i, p in enumerate(items):
+            param = "prompt" if len(items) == 1 else f"prompt[{i}]"
+            if isinstance(p, str):
+                prompts.append(Prompt(p, self._encode(param, p)))
+            else:
+                prompts.append(Prompt(None, self._ids(param, p)))
+        params = _make_params(_common_sampling(f, max_tokens, logprobs, n))
+        self._check(params, prompts, ["prompt" if len(prompts) == 1 else f"prompt[{i}]" for i in range(len(prompts))])
+        return Parsed("completion", prompts, params, stream, include_usage, logprobs, echo, model,
+                      **_load_fields(f))
+
+    def _message_text(self, i: int, content) -> str:
+        param = f"messages[{i}].content"
+        if content is None:
+            return ""
+        if isinstance(content, str):
+            return check_text(param, content)
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                pp = f"{param}[{j}]"
+                if not isinstance(part, dict):
+                    raise bad_request(pp, f"'{pp}' must be an object, got {type_name(part)}")
+                if part.get("type") != "text":
+                    raise bad_request(pp, f"'{pp}': only content parts of type 'text' are supported, "
+                                   f"got {part.get('type')!r}")
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise bad_request(pp + ".text", f"'{pp}.text' must be a string")
+                parts.append(check_text(pp + ".text", text))
+            return "".join(parts)
+        raise bad_request(param, f"'{param}' must be a string or an array of content parts, got {type_name(content)}")
+
+    def chat(self, body: dict) -> Parsed:
+        f = Fields(body)
+        model = f.str("model")
+        n = f.int("n", 1, lo=1, hi=MAX_N)
+        mt = f.int("max_completion_tokens", None)
+        max_tokens = f.int("max_tokens", mt)
+        want_lp = f.bool("logprobs", False)
+        top = f.int("top_logprobs", None)
+        if top is not None and not want_lp:
+            raise bad_request("top_logprobs", "'top_logprobs' needs 'logprobs' set to true")
+        logprobs = (top or 0) if want_lp else None
+        stream, include_usage = _stream_flags(f)
+        for key in ("tools", "functions"):
+            if f.obj.get(key):
+                raise bad_request(key, f"'{key}' is not supported by this server")
+        rf = f.obj_("response_format")
+        if rf is not None and rf.get("type", "text") != "text":
+            raise bad_request("response_format", "only response_format type 'text' is supported")
+
+        msgs = body.get("messages")
+        if msgs is None:
+            raise bad_request("messages", "'messages' is required")
+        if not isinstance(msgs, list) or not msgs:
+            raise bad_request("messages", "'messages' must be a non-empty array of {role, content} objects")
+        conv = []
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict):
+                raise bad_request(f"messages[{i}]", f"'messages[{i}]' must be an object, got {type_name(m)}")
+            role = m.get("role")
+            if not isinstance(role, str) or role not in _CHAT_ROLES:
+                raise bad_request(f"messages[{i}].role", f"'messages[{i}].role' must be one of {', '.join(_CHAT_ROLES)}")
+            conv.append({"role": role, "content": self._message_text(i, m.get("content"))})
+        if self.tok is None:
+            raise bad_request("messages", "this server has no tokenizer, so chat is unavailable")
+        try:
+            text = self.tok.apply_chat_template(conv, add_generation_prompt=True)
+        except (TypeError, ValueError) as e:
+            raise bad_request("messages", f"the chat template failed: {e}") from None
+        except Exception as e:  # a template's own error (jinja2)
+            raise bad_request("messages", f"the chat template failed: {type(e).__name__}: {e}") from None
+        if getattr(self.tok, "chat_template", None):
+            ids = self._encode("messages", text, add_special_tokens=False)
+        else:
+            ids = self._encode("messages", text)
+        if max_tokens is None:  # the rest of the context, capped
+            max_tokens = max(1, min(self.max_model_len - len(ids), DEFAULT_CHAT_MAX_TOKENS_CAP))
+        renames = {"logprobs": "top_logprobs"}
+        params = _make_params(_common_sampling(f, max_tokens, logprobs, n), renames)
+        prompts = [Prompt(text, ids)]
+        self._check(params, prompts, ["messages"], renames)
+        return Parsed("chat", prompts, params, stream, include_usage, logprobs, False, model, **_load_fields(f))
+
+

@@ -1,0 +1,496 @@
+"""Serving: completions and chat answered by the engine (plain JSON or
+server-sent events), with admission control and client-disconnect aborts."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import time
+import uuid
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Optional
+
+from ..sampling_params import SamplingParams
+from .chunks import ChunkEncoder
+from .metrics import ServerMetrics
+from .protocol import (APIError, Parsed, Prompt, Validator, bad_request, check_text, dumps, refused,
+                       type_name)
+
+# ---------------------------------------------------------------------------- responses
+
+
+def json_response(obj, status: int = 200, headers: Optional[dict] = None):
+    from starlette.responses import Response
+
+    # "replace": a lone surrogate echoed from the request must not break the answer.
+    body = dumps(obj).encode("utf-8", errors="replace")
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
+def error_response(err: APIError):
+    headers = dict(err.headers or {})
+    if err.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return json_response(err.body(), err.status, headers or None)
+
+
+async def wait_disconnect(receive) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+class SSEResponse:
+    """Streams `data: ...` events from an async iterator of str; a client that goes away
+    cancels the stream (and with it the engine requests) at once."""
+
+    def __init__(self, events: AsyncIterator[str], on_disconnect=None, on_end=None):
+        self.events = events
+        self.on_disconnect = on_disconnect
+        self.on_end = on_end
+
+    async def _stream(self, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+        try:
+            async for ev in self.events:
+                await send({"type": "http.response.body", "body": ev.encode("utf-8"), "more_body": True})
+        finally:
+            await self.events.aclose()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def __call__(self, scope, receive, send):
+        stream = asyncio.ensure_future(self._stream(send))
+        watch = asyncio.ensure_future(wait_disconnect(receive))
+        try:
+            done, _ = await asyncio.wait({stream, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if stream not in done:
+                stream.cancel()
+                if self.on_disconnect is not None:
+                    self.on_disconnect()
+            try:
+                await stream
+            except (asyncio.CancelledError, OSError):
+                pass
+        finally:
+            for t in (stream, watch):
+                if not t.done():
+                    t.cancel()
+            await asyncio.gather(stream, watch, return_exceptions=True)
+            if self.on_end is not None:
+                self.on_end()
+
+
+# ---------------------------------------------------------------------------- the server
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else -9999.0
+
+
+RETRY_AFTER_S = 1  # the Retry-After of a 503 for a full queue
+
+
+class Server:
+    def __init__(self, engine, model_name: str, api_key: Optional[str], request_timeout: Optional[float],
+                 max_body_bytes: int):
+        self.engine = engine
+        self.model_name = model_name
+        self.api_key = api_key
+        self.request_timeout = request_timeout  # the deadline of a request that names none
+        self.max_body_bytes = int(max_body_bytes)
+        self.tok = engine.tokenizer
+        st = engine.stats()
+        self.max_model_len = int(st.get("max_model_len") or engine.model_config.get("max_pos") or 2048)
+        self.vocab_size = int(engine.model_config["vocab_size"])
+        self.validator = Validator(self.tok, self.max_model_len, engine.check_request)
+        self.metrics = ServerMetrics(model_name)
+        self.created = int(time.time())
+        self.in_flight = 0   # HTTP generation requests being answered
+        self._piece_cache: dict[int, tuple[str, list]] = {}
+
+    # -- request plumbing -------------------------------------------------
+    def check_auth(self, request):
+        if self.api_key is None:
+            return
+        h = request.headers.get("authorization", "")
+        scheme, _, token = h.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("utf-8", "replace"),
+                                                                  self.api_key.encode("utf-8")):
+            raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                           code="invalid_api_key")
+
+    async def read_json(self, request) -> dict:
+        cl = request.headers.get("content-length")
+        if cl is not None:
+            try:
+                n = int(cl)
+            except ValueError:
+                raise bad_request("body", "the Content-Length header is not an integer") from None
+            if n > self.max_body_bytes:
+                raise APIError(413, f"the request body has {n} bytes; the limit is {self.max_body_bytes}",
+                               code="body_too_large")
+        buf = bytearray()
+        async for chunk in request.stream():
+            buf += chunk
+            if len(buf) > self.max_body_bytes:
+                raise APIError(413, f"the request body is over the limit of {self.max_body_bytes} bytes",
+                               code="body_too_large")
+        try:
+            text = bytes(buf).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise bad_request("body", f"the request body is not valid UTF-8 (at byte {e.start})") from None
+
+        def no_constants(c):
+            raise ValueError(f"{c} is not valid JSON")
+
+        try:
+            body = json.loads(text, parse_constant=no_constants)
+        except (ValueError, RecursionError) as e:
+            raise bad_request("body", f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise bad_request("body", f"the request body must be a JSON object, got {type_name(body)}")
+        return body
+
+    def check_model(self, model: Optional[str]):
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    def start(self, parsed: Parsed, rid: str, params: SamplingParams) -> list:
+        """Adds every prompt's request to the engine now, before any response starts, so
+        that a full queue (the engine's max_queued_requests) is answered 503 with
+        Retry-After at once and a refused request 400; all or nothing. Returns the
+        RequestStreams; the caller closes them."""
+        from .. import EngineOverloadedError
+
+        timeout = parsed.timeout if parsed.timeout is not None else self.request_timeout
+        streams = []
+        try:
+            for i, p in enumerate(parsed.prompts):
+                streams.append(self.engine.add_request({"prompt": p.text, "prompt_token_ids": p.ids}, params,
+                                                       request_id=f"{rid}-{i}", priority=parsed.priority,
+                                                       timeout=timeout))
+        except BaseException as e:
+            for s in streams:
+                s.close()
+            if isinstance(e, EngineOverloadedError):
+                self.metrics.rejected += 1
+                raise APIError(503, f"the server is overloaded: {e}", code="server_overloaded",
+                               headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+            if isinstance(e, (ValueError, TypeError)):  # the engine refused the request
+                raise refused(e) from None
+            raise
+        return streams
+
+    def piece(self, tid: int) -> tuple[str, list]:
+        p = self._piece_cache.get(tid)
+        if p is None:
+            b = b""
+            if self.tok is not None:
+                try:
+                    b = self.tok.token_bytes(tid)
+                except Exception:
+                    b = b""
+            p = (b.decode("utf-8", errors="replace"), list(b))
+            if len(self._piece_cache) < 1_000_000:
+                self._piece_cache[tid] = p
+        return p
+
+    # -- generation -------------------------------------------------------
+    @staticmethod
+    async def _merged(streams: list):
+        """Yields (prompt index, RequestOutput) from every prompt's stream."""
+        if len(streams) == 1:
+            async for out in streams[0]:
+                yield 0, out
+            return
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def feed(i, stream):
+            try:
+                async for out in stream:
+                    q.put_nowait((i, out, None))
+                q.put_nowait((i, None, None))
+            except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+                q.put_nowait((i, None, e))
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+
+        tasks = [asyncio.ensure_future(feed(i, s)) for i, s in enumerate(streams)]
+        try:
+            left = len(tasks)
+            while left:
+                i, out, err = await q.get()
+                if err is not None:
+                    raise err
+                if out is None:
+                    left -= 1
+                    continue
+                yield i, out
+        finally:
+            started = [t for t in tasks if not t.done()]
+            for t in started:
+                t.cancel()
+            if started:
+                await asyncio.gather(*started, return_exceptions=True)
+
+    def _completion_logprobs(self, lps, token_ids, offset0: int):
+        if lps is None:
+            return None, offset0
+        tokens, token_lps, tops, offsets = [], [], [], []
+        off = offset0
+        for tid, entry in zip(token_ids, lps):
+            s = self.piece(tid)[0]
+            tokens.append(s)
+            lp = entry.get(tid)
+            token_lps.append(_finite(lp.logprob) if lp is not None else None)
+            tops.append({self.piece(t)[0]: _finite(v.logprob) for t, v in entry.items()})
+            offsets.append(off)
+            off += len(s)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+                "text_offset": offsets}, off
+
+    def _chat_logprobs(self, lps, token_ids, top_n: int):
+        if lps is None:
+            return None
+        content = []
+        for tid, entry in zip(token_ids, lps):
+            s, b = self.piece(tid)
+            lp = entry.get(tid)
+            ranked = sorted(((v.rank, t, v) for t, v in entry.items() if v.rank is not None),
+                            key=lambda x: x[0])[:top_n]
+            content.append({
+                "token": s, "logprob": _finite(lp.logprob) if lp is not None else -9999.0, "bytes": b,
+                "top_logprobs": [{"token": self.piece(t)[0], "logprob": _finite(v.logprob),
+                                  "bytes": self.piece(t)[1]} for _, t, v in ranked],
+            })
+        return {"content": content}
+
+    def _record(self, out, n_tokens: list[int]):
+        reasons = [o.finish_reason for o in out.outputs]
+        reason = "length" if "length" in reasons else (reasons[0] if reasons else None)
+        self.metrics.record(out.metrics, max(n_tokens) if n_tokens else 0, reason)
+
+    async def generate_full(self, streams: list, parsed: Parsed, rid: str):
+        """Runs a request to the end; returns the response body."""
+        n = parsed.params.n
+        finals: dict[int, Any] = {}
+        async with aclosing(self._merged(streams)) as outs:
+            async for i, out in outs:
+                if out.finished:
+                    finals[i] = out
+                    self._record(out, [len(o.token_ids) for o in out.outputs])
+        choices = []
+        prompt_tokens = completion_tokens = 0
+        chat = parsed.kind == "chat"
+        for i in range(len(parsed.prompts)):
+            out = finals[i]
+            prompt_tokens += len(out.prompt_token_ids)
+            for o in out.outputs:
+                completion_tokens += len(o.token_ids)
+                idx = i * n + o.index
+                if chat:
+                    choices.append({
+                        "index": idx, "message": {"role": "assistant", "content": o.text},
+                        "logprobs": self._chat_logprobs(o.logprobs, o.token_ids, parsed.logprobs or 0),
+                        "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+                else:
+                    text = o.text
+                    if parsed.echo:
+                        text = self._prompt_text(parsed.prompts[i]) + text
+                    lp, _ = self._completion_logprobs(o.logprobs, o.token_ids, 0)
+                    choices.append({"index": idx, "text": text, "logprobs": lp,
+                                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+        choices.sort(key=lambda c: c["index"])
+        return {
+            "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": self.model_name, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens},
+        }
+
+    def _prompt_text(self, p: Prompt) -> str:
+        if p.text is not None:
+            return p.text
+        return self.tok.decode(p.ids) if self.tok is not None else ""
+
+    def _stream_choices(self, parsed: Parsed, i: int, out, tokens, offsets, done) -> list:
+        """The chunk choices for one delta RequestOutput of prompt i; updates the per-choice state."""
+        n = parsed.params.n
+        chat = parsed.kind == "chat"
+        choices = []
+        for o in out.outputs:
+            j = i * n + o.index
+            if done[j]:
+                continue
+            fin = o.finish_reason if o.finish_reason not in (None, "abort") else None
+            if not o.token_ids and not o.text and fin is None:
+                continue
+            tokens[j] += len(o.token_ids)
+            tail = {"stop_reason": o.stop_reason} if fin else {}
+            if chat:
+                delta = {"content": o.text} if (o.text or fin is None) else {}
+                lp = self._chat_logprobs(o.logprobs, o.token_ids, parsed.logprobs or 0)
+                choices.append({"index": j, "delta": delta, "logprobs": lp, "finish_reason": fin, **tail})
+            else:
+                lp, offsets[j] = self._completion_logprobs(o.logprobs, o.token_ids, offsets[j])
+                choices.append({"index": j, "text": o.text, "logprobs": lp, "finish_reason": fin, **tail})
+            if fin is not None:
+                done[j] = True
+        return choices
+
+    async def _single_events(self, stream, enc: ChunkEncoder, usage: list) -> AsyncIterator[str]:
+        """The common stream (one prompt, n=1, no logprobs): every output delivered since
+        the last write becomes one template-encoded event, and all of them one write."""
+        tokens = 0
+        done = False
+        while True:
+            outs = await stream.next_batch()
+            if not outs:
+                break
+            parts = []
+            for out in outs:
+                o = out.outputs[0]
+                fin = o.finish_reason if o.finish_reason not in (None, "abort") else None
+                if not done and (o.token_ids or o.text or fin is not None):
+                    tokens += len(o.token_ids)
+                    parts.append(enc.event(o.text, fin, o.stop_reason))
+                    done = fin is not None
+                if out.finished:
+                    usage[0] += len(out.prompt_token_ids)
+                    self._record(out, [tokens])
+            usage[1] = tokens
+            if parts:
+                yield "".join(parts)
+
+    async def generate_stream(self, streams: list, parsed: Parsed, rid: str) -> AsyncIterator[str]:
+        n = parsed.params.n
+        chat = parsed.kind == "chat"
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        usage_null = parsed.include_usage
+        n_choices = len(parsed.prompts) * n
+        tokens = [0] * n_choices
+        offsets = [0] * n_choices
+        done = [False] * n_choices
+        prompt_tokens = 0
+
+        def chunk(choices, usage=None):
+            c = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
+            if usage is not None or usage_null:
+                c["usage"] = usage
+            return f"data: {dumps(c)}\n\n"
+
+        try:
+            if chat:
+                yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for j in range(n_choices)])
+            elif parsed.echo:
+                yield chunk([{"index": i * n + k, "text": self._prompt_text(p), "logprobs": None,
+                              "finish_reason": None} for i, p in enumerate(parsed.prompts) for k in range(n)])
+            if len(streams) == 1 and n == 1 and parsed.logprobs is None:
+                usage = [0, 0]
+                enc = ChunkEncoder(rid, created, self.model_name, chat, parsed.include_usage)
+                async with aclosing(self._single_events(streams[0], enc, usage)) as events:
+                    async for ev in events:
+                        yield ev
+                prompt_tokens, tokens[0] = usage
+            else:
+                async with aclosing(self._merged(streams)) as outs:
+                    async for i, out in outs:
+                        choices = self._stream_choices(parsed, i, out, tokens, offsets, done)
+                        if out.finished:
+                            prompt_tokens += len(out.prompt_token_ids)
+                            self._record(out, tokens[i * n:(i + 1) * n])
+                        if choices:
+                            yield chunk(choices)
+            if parsed.include_usage:
+                comp = sum(tokens)
+                yield chunk([], {"prompt_tokens": prompt_tokens, "completion_tokens": comp,
+                                 "total_tokens": prompt_tokens + comp})
+        except APIError as e:
+            yield f"data: {dumps(e.body())}\n\n"
+        except (ValueError, TypeError) as e:  # the engine refused the request
+            yield f"data: {dumps(refused(e).body())}\n\n"
+        except Exception as e:  # noqa: BLE001 - the stream has begun: report in-band, then end it
+            from .. import EngineClosedError
+
+            if isinstance(e, EngineClosedError):
+                err = APIError(503, "the engine is shut down", code="engine_closed")
+            else:
+                logging.getLogger("conveyor.serve").exception("internal error while streaming")
+                err = APIError(500, f"internal error: {type(e).__name__}: {e}")
+            yield f"data: {dumps(err.body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    # -- endpoints --------------------------------------------------------
+    async def handle_generate(self, request, kind: str):
+        self.check_auth(request)
+        body = await self.read_json(request)
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise bad_request("model", f"'model' must be a string, got {type_name(model)}")
+        if model is not None:
+            check_text("model", model)
+        self.check_model(model)
+        parsed = self.validator.completion(body) if kind == "completion" else self.validator.chat(body)
+        if self.engine.closed:
+            raise APIError(503, "the engine is shut down", code="engine_closed")
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        streams = self.start(parsed, rid, parsed.params.clone(output_kind="delta" if parsed.stream else "final_only"))
+        if parsed.stream:
+            return self._stream_response(streams, parsed, rid)
+        self.in_flight += 1
+        try:
+            gen = asyncio.ensure_future(self.generate_full(streams, parsed, rid))
+        except BaseException:
+            self.in_flight -= 1
+            for s in streams:
+                s.close()
+            raise
+        watch = asyncio.ensure_future(wait_disconnect(request.receive))
+        try:
+            done, _ = await asyncio.wait({gen, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if gen not in done:
+                # The client went away: cancelling aborts the engine requests.
+                self.metrics.disconnects += 1
+                gen.cancel()
+                await asyncio.gather(gen, return_exceptions=True)
+                return json_response({"error": {"message": "client disconnected", "type": "aborted",
+                                                  "param": None, "code": None}}, 499)
+            try:
+                result = gen.result()
+            except (ValueError, TypeError) as e:  # the engine refused the request
+                raise refused(e) from None
+            return json_response(result)
+        except BaseException:
+            if not gen.done():
+                gen.cancel()
+            raise
+        finally:
+            self.in_flight -= 1
+            for s in streams:  # aborts what did not finish (a disconnect, an error)
+                s.close()
+            if not watch.done():
+                watch.cancel()
+
+    def _stream_response(self, streams: list, parsed: Parsed, rid: str):
+        server = self
+
+        def on_disconnect():
+            server.metrics.disconnects += 1
+
+        def on_end():
+            server.in_flight -= 1
+            for s in streams:  # also when the response never started streaming
+                s.close()
+
+        server.in_flight += 1
+        return SSEResponse(server.generate_stream(streams, parsed, rid), on_disconnect, on_end)
+
+
