@@ -157,11 +157,15 @@ def test_variance_main(model, tmp_path, capsys):
             assert run["output_tokens"] == wl["output_tokens"]
             assert run["preemptions"] == 0
             assert _ordered(run["latency"]["e2e"])
-        assert row["ratio_vs_study"] > 0 and row["ratio_vs_best"] > 0
+        # the ratios are continuous throughput over each static run's
+        c_tp = row["continuous"]["throughput"]["output_tokens_per_s"]
+        assert row["ratio_vs_study"] == pytest.approx(c_tp / row["static_study"]["throughput"]["output_tokens_per_s"])
         # the best static size is taken below N; a batch of all N is reported apart
         assert row["static_best_batch_size"] < 10 and row["static_whole_batch_size"] == 10
-        assert row["ratio_vs_whole"] > 0
         best = row["static_sweep"][str(row["static_best_batch_size"])]
+        assert row["ratio_vs_best"] == pytest.approx(c_tp / best["throughput"]["output_tokens_per_s"])
+        whole = row["static_sweep"][str(row["static_whole_batch_size"])]
+        assert row["ratio_vs_whole"] == pytest.approx(c_tp / whole["throughput"]["output_tokens_per_s"])
         assert all(best["throughput"]["output_tokens_per_s"] >= x["throughput"]["output_tokens_per_s"]
                    for k, x in row["static_sweep"].items() if int(k) < 10)
         assert row["step_ratio_vs_study"] >= 1.0  # static never needs fewer steps here
