@@ -3,6 +3,7 @@
     conveyor info MODEL [--json] [--tensors]
     conveyor generate ...          -> conveyor.generate.main(argv)
     conveyor serve ...             -> conveyor.serve.main(argv)
+    conveyor serve ... --ray       -> conveyor.ray.serve.main(argv) (Ray Serve replicas)
     conveyor bench NAME ...        -> conveyor.bench.NAME.main(argv), NAME in BENCHMARKS
     conveyor fetch-model           -> conveyor.default_model.main(argv)
 
@@ -29,6 +30,7 @@ BENCHMARK_HELP: dict[str, str] = {
     "latency": "TTFT / TPOT / end-to-end latency under Poisson arrivals (in process)",
     "timeline": "which sequence sits in which batch slot at every step (a plot)",
     "serve": "latency under Poisson load against the HTTP server",
+    "study": "the study: HF static batching vs Conveyor static and continuous (and vLLM if present)",
 }
 BENCHMARKS: tuple[str, ...] = tuple(BENCHMARK_HELP)
 
@@ -131,7 +133,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         prog = f"conveyor {cmd}"
         try:
-            func = _resolve(SUBCOMMANDS[cmd][0], prog)
+            target = SUBCOMMANDS[cmd][0]
+            if cmd == "serve" and "--ray" in rest:  # replicas on Ray Serve (the `ray` extra)
+                target = "conveyor.ray.serve:main"
+            func = _resolve(target, prog)
         except _LoadError as e:
             print(f"{prog}: error: {e}", file=sys.stderr)
             return 1

@@ -146,12 +146,17 @@ class LLM(EngineFrontend):
                           "'role: content' lines, which the model was not trained on; pass "
                           "chat_template=... or use generate() for a base model", UserWarning, stacklevel=2)
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = []
-        for conv in convs:
-            for msg in conv:
-                if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
-                    raise ValueError("each chat message must be a dict with 'role' and 'content'")
-            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
-            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)
-                            if has_template else tok.encode(text)})
+        prompts = [chat_prompt(tok, conv, add_generation_prompt) for conv in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def chat_prompt(tok, conv, add_generation_prompt: bool = True) -> dict:
+    """One conversation (a list of {"role", "content"} dicts) as a prompt dict, through the
+    tokenizer's chat template."""
+    for msg in conv:
+        if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
+            raise ValueError("each chat message must be a dict with 'role' and 'content'")
+    text = tok.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt)
+    return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)
+            if getattr(tok, "chat_template", None) else tok.encode(text)}
+
