@@ -13,6 +13,9 @@ pytestmark = pytest.mark.skipif(not STORIES.exists(), reason="stories260K not fo
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+# Holds the only seat for seconds however fast the kernels are (16 completions of 500
+# tokens run one after another with max_num_seqs=1); tests close it when done with it.
+BLOCKER = SamplingParams(temperature=0.0, max_tokens=500, n=16, ignore_eos=True)
 
 
 def run(coro):
@@ -134,7 +137,7 @@ def test_deadline_through_async_generate():
     async def go():
         engine = AsyncLLM(str(STORIES), num_threads=1, max_num_seqs=1)
         try:
-            blocker = engine.add_request("Once upon a time", LONG)  # holds the only seat
+            blocker = engine.add_request("Once upon a time", BLOCKER)  # holds the only seat
             await _first_output(blocker)
             queued = await _drain(engine.generate("The dog", LONG, timeout=0.05))
             blocker.close()

@@ -120,12 +120,12 @@ def test_overload_refuses_the_excess_at_once():
 
 
 def test_deadlines_end_requests_with_timeout_and_free_blocks():
-    # One seat. A blocker (8 completions of 500 tokens, one at a time) holds it; requests
+    # One seat. A blocker (16 completions of 500 tokens, one at a time) holds it; requests
     # behind it pass their deadline: from the body, or the server's --request-timeout.
     server = OwnServer(str(MODEL), ["--num-threads", "1", "--max-num-seqs", "1", "--request-timeout", "0.5"],
                        timeout=60.0)
     try:
-        blocker = {"prompt": "Once upon a time", "max_tokens": 500, "n": 8, "ignore_eos": True, "timeout": 60}
+        blocker = {"prompt": "Once upon a time", "max_tokens": 500, "n": 16, "ignore_eos": True, "timeout": 60}
         short = {"prompt": "The dog", "max_tokens": 50, "ignore_eos": True, "timeout": 0.2}
         default = {"prompt": "The cat", "max_tokens": 50, "ignore_eos": True}
         recs = send(server.url, [blocker, short, default], delays=[0.0, 0.3, 0.3])
@@ -148,8 +148,9 @@ def test_priority_request_overtakes_the_queue():
                        timeout=60.0)
     try:
         base = {"max_tokens": 60, "ignore_eos": True, "temperature": 0}
-        # the blocker: 4 completions of 400 tokens, one at a time on the only seat
-        bodies = [{"prompt": "Once upon a time", **base, "max_tokens": 400, "n": 4, "priority": 0}]
+        # the blocker: 16 completions of 500 tokens, one at a time on the only seat (seconds
+        # with the fastest kernels: it must outlast the arrivals below)
+        bodies = [{"prompt": "Once upon a time", **base, "max_tokens": 500, "n": 16, "priority": 0}]
         bodies += [{"prompt": f"Story {i}", **base, "priority": 10} for i in range(6)]
         bodies += [{"prompt": "The king", **base, "priority": -5}]
         # the blocker first; the low ones queue behind it; the high one comes last
