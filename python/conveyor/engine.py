@@ -139,7 +139,7 @@ class _SeqState:
 
 class _Request:
     __slots__ = ("request_id", "internal_id", "prompt", "prompt_token_ids", "params", "seqs",
-                 "finished", "metrics", "consumer")
+                 "finished", "metrics", "consumer", "matchers")
 
     def __init__(self, request_id, internal_id, prompt, prompt_ids, params, arrival):
         self.request_id = request_id
@@ -151,6 +151,7 @@ class _Request:
         self.finished = False
         self.metrics = RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(prompt_ids))
         self.consumer = None  # AsyncLLM's per-request queue
+        self.matchers = None  # guided decoding: one grammar matcher per completion
 
 
 class EngineCore:
@@ -191,6 +192,7 @@ class EngineCore:
         self._requests: dict[int, _Request] = {}
         self._by_name: dict[str, _Request] = {}
         self._next_id = 0
+        self._guided = None  # conveyor.guided.GuidedDecoder, built on first use
         self.closed = False
 
     # -- requests ---------------------------------------------------------
@@ -251,14 +253,39 @@ class EngineCore:
             if name in self._by_name:
                 raise ValueError(f"request_id {name!r} is already in use")
             internal = self._next_id
+            matchers = self._new_matchers(params)
             self._engine.add_request(internal, prompt_ids, params, priority=priority)
             self._next_id += 1
             req = _Request(name, internal, prompt_text, list(map(int, prompt_ids)), params,
                            time.monotonic())
             req.consumer = consumer
+            if matchers is not None:
+                req.matchers = matchers
+                for i, m in enumerate(matchers):
+                    self._engine.set_token_mask(internal, i, 0, self._guided.mask(m))
             self._requests[internal] = req
             self._by_name[name] = req
         return req
+
+    def _new_matchers(self, params: SamplingParams):
+        """Guided decoding: a grammar matcher per completion (None when unconstrained)."""
+        if params.guided_decoding is None:
+            return None
+        if self._guided is None:
+            from .guided import GuidedDecoder
+
+            self._guided = GuidedDecoder(self.tokenizer, self.vocab_size)
+        return [self._guided.matcher(params.guided_decoding) for _ in range(params.n)]
+
+    def _advance_guided(self, pending) -> None:
+        """Each (request, completion, token): the matcher takes the token, and the
+        mask for the completion's next position goes to the engine (which, in
+        the background loop, is running the next forward pass meanwhile). A
+        matcher that fails ends its completion (aborted)."""
+        for req, idx, token, pos in pending:
+            m = req.matchers[idx]
+            mask = self._guided.mask(m) if m.consume_token(token) else None
+            self._engine.set_token_mask(req.internal_id, idx, pos, mask)
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
@@ -327,6 +354,7 @@ class EngineCore:
         on_event(req), if given, runs after each event (streaming snapshots)."""
         events = self._engine.take_outputs()
         changed: dict[int, _Request] = {}
+        guided = []
         with self._lock:
             for ev in events:  # _core.EngineEvent records
                 iid = ev.request_id
@@ -348,6 +376,8 @@ class EngineCore:
                         st.cum_logprob += ev.logprob
                 if ev.text:
                     st.text += st.decoder.decode(ev.text)
+                if req.matchers is not None and token >= 0 and not ev.finished:
+                    guided.append((req, ev.seq_index, token, len(st.token_ids)))
                 if ev.finished:
                     st.text += st.decoder.decode(b"", final=True)
                     st.finish_reason = ev.finish_reason
@@ -369,6 +399,8 @@ class EngineCore:
                 changed[iid] = req
                 if on_event is not None:
                     on_event(req)
+            if guided:
+                self._advance_guided(guided)
         return list(changed.values())
 
     @staticmethod

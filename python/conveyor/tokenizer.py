@@ -108,6 +108,11 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         raise NotImplementedError
 
+    def encode_exact_bytes(self, data: bytes) -> list[int]:
+        """Ids whose token bytes concatenate to exactly ``data``: no BOS, no dummy
+        prefix (what a grammar engine needs to tokenize forced text)."""
+        return self.encode(data.decode("utf-8", "replace"), add_special_tokens=False)
+
     def all_token_bytes(self, size: int | None = None) -> list[bytes]:
         """Raw bytes of ids 0..n-1, n = max(vocab_size, size); ids past the vocabulary are b""."""
         n = self.vocab_size if size is None else max(self.vocab_size, int(size))
@@ -217,6 +222,17 @@ class Llama2cTokenizer(Tokenizer):
             ids.append(self._lookup.get(b" ", 0x20 + 3))  # dummy prefix
         for ch in text:
             b = ch.encode("utf-8")
+            i = self._lookup.get(b)
+            if i is None:
+                ids.extend(x + 3 for x in b)  # byte fallback
+            else:
+                ids.append(i)
+        return self._merge(ids)
+
+    def encode_exact_bytes(self, data: bytes) -> list[int]:
+        ids: list[int] = []
+        for ch in data.decode("utf-8", "surrogateescape"):
+            b = ch.encode("utf-8", "surrogateescape")
             i = self._lookup.get(b)
             if i is None:
                 ids.extend(x + 3 for x in b)  # byte fallback
