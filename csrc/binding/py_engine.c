@@ -72,19 +72,20 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
                              "kv_cache_bytes", "gpu_memory_utilization", "kv_cache_dtype",
                              "enable_prefix_caching", "enable_chunked_prefill", "policy", "seed",
                              "eos_ids", "bos_id", "strip_space_after_bos", "token_bytes",
-                             "special_ids", NULL};
+                             "special_ids", "quantization", NULL};
     PyObject *path_obj = NULL, *eos_obj = NULL, *tok_obj = NULL, *special_obj = NULL;
     const char *dtype_s = "auto", *device = "cpu", *kv_dtype_s = "auto", *policy = "continuous";
+    const char *quant_s = NULL;
     int num_threads = 0, prefix = 1, chunked = 1, strip = 0, bos = -1;
     long long max_model_len = 0, max_num_seqs = 256, max_tokens = 0, block_size = 16;
     unsigned long long kv_bytes = 0, seed = 0;
     double gpu_util = 0.9;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|$ssiLLLLKdsppsKOipOO", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|$ssiLLLLKdsppsKOipOOz", kwlist,
                                      PyUnicode_FSConverter, &path_obj, &dtype_s, &device,
                                      &num_threads, &max_model_len, &max_num_seqs, &max_tokens,
                                      &block_size, &kv_bytes, &gpu_util, &kv_dtype_s, &prefix,
                                      &chunked, &policy, &seed, &eos_obj, &bos, &strip, &tok_obj,
-                                     &special_obj))
+                                     &special_obj, &quant_s))
         return -1;
     int rc = -1;
     int32_t *eos = NULL;
@@ -102,6 +103,7 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     }
     if (cv_py_parse_dtype(dtype_s, "dtype", 1, &cfg.dtype) < 0) goto done;
     if (cv_py_parse_dtype(kv_dtype_s, "kv_cache_dtype", 1, &cfg.kv_dtype) < 0) goto done;
+    if (cv_py_parse_quantization(quant_s, &cfg.quantization) < 0) goto done;
     if (!strcmp(device, "cpu")) cfg.use_cuda = 0;
     else if (!strcmp(device, "cuda")) cfg.use_cuda = 1;
     else { PyErr_Format(PyExc_ValueError, "device must be 'cpu' or 'cuda', got '%s'", device); goto done; }
@@ -522,6 +524,8 @@ static PyObject *Engine_model_config(EngineObject *self, PyObject *Py_UNUSED(ign
         cv_py_put(d, "n_params", PyLong_FromLongLong(nparams)) < 0 ||
         cv_py_put(d, "dtype", PyUnicode_FromString(cv_dtype_name(wdt))) < 0 ||
         cv_py_put(d, "kv_cache_dtype", PyUnicode_FromString(cv_dtype_name(kvdt))) < 0 ||
+        cv_py_put(d, "embed_bytes", PyLong_FromSize_t(cv_engine_embed_bytes(self->e))) < 0 ||
+        cv_py_put(d, "matrix_dtype", PyUnicode_FromString(cv_dtype_name(cv_engine_matrix_dtype(self->e)))) < 0 ||
         cv_py_put(d, "eos_ids", cv_py_int32_list(c->eos_ids, c->n_eos)) < 0) {
         Py_DECREF(d);
         return NULL;

@@ -1,4 +1,5 @@
 #include "engine.h"
+#include "../../kernels/quant_format.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -187,7 +188,8 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
         e->backend = cv_cpu_backend_create(cfg->num_threads, 0, err);
     }
     if (!e->backend) { rc = err ? err->code : CV_ERR_STATE; if (rc >= 0) rc = CV_ERR_STATE; goto fail; }
-    if ((rc = cv_model_load(&e->model, cfg->model_path, e->backend, cfg->dtype, err))) goto fail;
+    if ((rc = cv_model_load_quantized(&e->model, cfg->model_path, e->backend, cfg->dtype,
+                                       cv_dtype_is_quant(cfg->quantization) ? cfg->quantization : CV_DTYPE_INVALID, err))) goto fail;
 
     const cv_model_config *mc = &e->model->cfg;
     e->vocab = mc->vocab_size;
@@ -895,6 +897,12 @@ void cv_engine_weight_info(cv_engine *e, size_t *bytes, int64_t *n_params, cv_dt
     *n_params = e->model->n_params;
     *dtype = e->model->dtype;
     *kv_dtype = e->kv.layers[0].dtype;
+}
+
+size_t cv_engine_embed_bytes(cv_engine *e) { return e->model->embed.bytes; }
+
+cv_dtype cv_engine_matrix_dtype(cv_engine *e) {
+    return e->model->cfg.n_layers > 0 ? e->model->layers[0].w_gate_up.dtype : e->model->lm_head.dtype;
 }
 
 void cv_engine_set_trace(cv_engine *e, int on) {

@@ -4,6 +4,7 @@
     conveyor generate ...          -> conveyor.generate.main(argv)
     conveyor serve ...             -> conveyor.serve.main(argv)
     conveyor bench NAME ...        -> conveyor.bench.NAME.main(argv), NAME in BENCHMARKS
+    conveyor fetch-model           -> conveyor.default_model.main(argv)
 
 Subcommands live in SUBCOMMANDS as name -> ("module:function", help); the module is imported
 only when its subcommand runs, so a missing optional module (or one of its dependencies)
@@ -27,6 +28,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("conveyor.generate:main", "generate text from prompts"),
     "serve": ("conveyor.serve:main", "run the OpenAI-compatible HTTP server"),
     "bench": ("conveyor.cli:bench_main", "run a benchmark: " + ", ".join(BENCHMARKS)),
+    "fetch-model": ("conveyor.default_model:main", "download the default model (SmolLM2-135M-Instruct) once"),
 }
 
 
@@ -114,6 +116,15 @@ def bench_main(argv: Sequence[str]) -> int:
 # ---------------------------------------------------------------------------- info
 
 
+# bytes per block of 32 elements of the quantized (GGUF) types
+_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+
+
+def _nbytes(dtype, n: int) -> int:
+    d = str(dtype).lower()
+    return n // 32 * _BLOCK_BYTES[d] if d in _BLOCK_BYTES else n * _itemsize(d)
+
+
 def _itemsize(dtype) -> int:
     d = str(dtype).lower()
     for key, size in (("64", 8), ("32", 4), ("16", 2), ("8", 1)):
@@ -147,11 +158,18 @@ def summarize(path) -> dict:
         for s in shape:
             n *= int(s)
         params += n
-        nbytes += n * _itemsize(dtype)
+        nbytes += _nbytes(dtype, n)
         by_dtype[str(dtype)] = by_dtype.get(str(dtype), 0) + 1
+    meta = ck.metadata if hasattr(ck, "metadata") else {}
+    extra = {}
+    if ck.format == "gguf":  # what the GGUF file brings besides the weights
+        extra = {"tokenizer": meta.get("tokenizer.ggml.model"),
+                 "chat_template": "tokenizer.chat_template" in meta,
+                 "file_type": meta.get("general.file_type"), "name": meta.get("general.name")}
     return {
         "path": str(path),
         "format": ck.format,
+        **extra,
         "config": cfg,
         "n_tensors": len(tensors),
         "tensor_dtypes": by_dtype,
@@ -186,16 +204,21 @@ def _format_summary(info: dict, show_tensors: bool) -> str:
         f"weight bytes:    {info['weight_bytes']:,} ({info['weight_bytes'] / 2**20:.2f} MiB)",
         f"tensors:         {info['n_tensors']}",
     ]
+    if info["format"] == "gguf":
+        lines.append(f"tokenizer:       {info['tokenizer'] or 'none'}   chat template: {yn(info['chat_template'])}")
     if show_tensors:
         width = max((len(n) for n in info["tensors"]), default=0)
         for name, (d, shape) in info["tensors"].items():
-            lines.append(f"  {name:<{width}}  {d:>8}  {shape}")
+            n = 1
+            for s in shape:
+                n *= int(s)
+            lines.append(f"  {name:<{width}}  {d:>8}  {str(shape):<14} {_nbytes(d, n):>12,} B")
     return "\n".join(lines)
 
 
 def info_main(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="conveyor info", description=SUBCOMMANDS["info"][1])
-    p.add_argument("model", help="a HF model folder or a llama2.c .bin file")
+    p.add_argument("model", help="a HF model folder, a .gguf file or a llama2.c .bin file")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--tensors", action="store_true", help="list every tensor")
     args = p.parse_args(list(argv))

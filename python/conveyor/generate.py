@@ -1,8 +1,9 @@
 """`conveyor generate`: the main job. Generates for a few prompts and prints
-the outputs and the throughput. With no --model it uses a built-in default: a
-deterministic random-weight checkpoint of SmolLM-135M's shape, written on first
-use to a cache folder (no download). Random weights make random text; give
---model for a real checkpoint (HF directory or llama2.c .bin)."""
+the outputs and the throughput. With no --model it uses the built-in default model,
+SmolLM2-135M-Instruct (Q4_1 GGUF, fetched once into the cache: see
+conveyor.default_model); offline, a deterministic random-weight checkpoint of
+SmolLM-135M's shape (random text). Prompts go through the model's chat template
+when it has one (--no-chat sends them as plain text)."""
 from __future__ import annotations
 
 import argparse
@@ -47,7 +48,8 @@ def default_model(shape: str = DEFAULT_SHAPE, dtype: str = "bfloat16", seed: int
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="conveyor generate", description=__doc__)
-    ap.add_argument("--model", help="HF checkpoint directory or llama2.c .bin (default: built-in)")
+    ap.add_argument("--model", help="HF checkpoint directory, .gguf file or llama2.c .bin "
+                    "(default: SmolLM2-135M-Instruct)")
     ap.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     ap.add_argument("--num-prompts", type=int, default=None,
                     help="repeat the prompts up to this many requests")
@@ -57,26 +59,41 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default=None, choices=["q8_0", "q4_0", "q4_1"],
+                    help="quantize the weight matrices at load")
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--scheduling", default="continuous", choices=["continuous", "static", "priority"])
+    ap.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                    help="send each prompt as a user message through the chat template "
+                         "(default: when the model has a template)")
     args = ap.parse_args(argv)
 
     from . import LLM, SamplingParams
 
-    model = args.model or str(default_model())
+    if args.model:
+        model = args.model
+    else:
+        from .default_model import default_model_path
+
+        model = default_model_path()
     prompts = args.prompt or DEFAULT_PROMPTS
     if args.num_prompts:
         prompts = [prompts[i % len(prompts)] for i in range(args.num_prompts)]
     llm = LLM(model, dtype=args.dtype, num_threads=args.num_threads, device=args.device,
-              scheduling=args.scheduling)
+              scheduling=args.scheduling, quantization=args.quantization)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    tok = llm._core.tokenizer
+    chat = args.chat if args.chat is not None else bool(getattr(tok, "chat_template", None))
+    if chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t0
-    for o in outs[:8]:
-        print(f"--- {o.prompt!r}")
+    for p, o in list(zip(prompts, outs))[:8]:
+        print(f"--- {p!r}")
         print(o.outputs[0].text)
     n_gen = sum(len(o.outputs[0].token_ids) for o in outs)
     n_prompt = sum(len(o.prompt_token_ids) for o in outs)

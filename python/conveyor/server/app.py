@@ -123,7 +123,8 @@ def build_app(engine, *, model_name: str, api_key: Optional[str] = None,
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="conveyor serve", description="Run the OpenAI-compatible HTTP server.")
-    p.add_argument("model", help="a HF model folder or a llama2.c .bin file")
+    p.add_argument("model", nargs="?", default=None,
+                   help="a HF model folder, .gguf file or llama2.c .bin (default: SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
@@ -144,6 +145,7 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--kv-cache-memory", default=None, help="bytes or a size such as 4GiB")
     g.add_argument("--kv-cache-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--quantization", default=None, choices=["q8_0", "q4_0", "q4_1"])
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--scheduling", default=None, choices=["continuous", "static", "priority"])
@@ -156,7 +158,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 _ENGINE_KNOBS = ("tokenizer", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                  "kv_cache_memory", "kv_cache_dtype", "enable_prefix_caching", "enable_chunked_prefill",
-                 "scheduling", "num_threads", "device", "seed", "gpu_memory_utilization")
+                 "scheduling", "num_threads", "device", "seed", "gpu_memory_utilization", "quantization")
 
 
 def main(argv=None) -> int:
@@ -176,6 +178,10 @@ def main(argv=None) -> int:
         return 2
     from .. import AsyncLLM, ConveyorError
 
+    if args.model is None:
+        from ..default_model import default_model_path
+
+        args.model = default_model_path()
     knobs = {k: getattr(args, k) for k in _ENGINE_KNOBS if getattr(args, k) is not None}
     try:
         engine = AsyncLLM(args.model, **knobs)
