@@ -85,6 +85,23 @@ class SSEResponse:
 # ---------------------------------------------------------------------------- the server
 
 
+def tool_call_message(tc, text: str, finish: Optional[str]) -> tuple[dict, Optional[str]]:
+    """The assistant message for a guided tool call: the grammar made `text`
+    the arguments (named function) or {"name", "arguments"} ("required"). A
+    completion cut short (length, abort) is not valid JSON: it stays content."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {"role": "assistant", "content": text}, finish
+    if tc.name is not None:
+        name, args = tc.name, value
+    else:
+        name, args = value["name"], value["arguments"]
+    call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+    return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+
+
 def _finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
 
@@ -300,10 +317,13 @@ class Server:
                 completion_tokens += len(o.token_ids)
                 idx = i * n + o.index
                 if chat:
+                    message, finish = {"role": "assistant", "content": o.text}, o.finish_reason
+                    if parsed.tool_call is not None:
+                        message, finish = tool_call_message(parsed.tool_call, o.text, finish)
                     choices.append({
-                        "index": idx, "message": {"role": "assistant", "content": o.text},
+                        "index": idx, "message": message,
                         "logprobs": self._chat_logprobs(o.logprobs, o.token_ids, parsed.logprobs or 0),
-                        "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+                        "finish_reason": finish, "stop_reason": o.stop_reason})
                 else:
                     text = o.text
                     if parsed.echo:

@@ -1,0 +1,189 @@
+"""Structured output (guided decoding): real servers on stories260K (llama2.c
+tokenizer) and on a random-weight HF checkpoint (byte-level BPE tokenizer),
+talked to with the official `openai` client; outputs checked with `jsonschema`
+and `re`, independent of the grammar engine."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("llguidance")
+pytest.importorskip("uvicorn")
+
+import conveyor  # noqa: E402
+from conveyor import SamplingParams  # noqa: E402
+from conveyor.bench.serve import OwnServer  # noqa: E402
+from conveyor.guided import GuidedDecodingParams  # noqa: E402
+from conveyor.testing import write_hf_checkpoint  # noqa: E402
+
+STORIES = Path(__file__).resolve().parents[2] / "shared/models/stories260K/stories260K.bin"
+
+SCHEMA = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 6},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "pet": {"enum": ["cat", "dog"]}},
+          "required": ["name", "age", "pet"], "additionalProperties": False}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                            "unit": {"enum": ["c", "f"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+             "required": ["a", "b"], "additionalProperties": False}}}]
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf") / "tiny"
+    write_hf_checkpoint(path, shape="tiny", tokenizer=True)
+    return path
+
+
+@pytest.fixture(scope="module", params=["stories260K", "hf"])
+def client(request, hf_model):
+    if request.param == "stories260K":
+        if not STORIES.is_file():
+            pytest.skip(f"{STORIES} not found")
+        model = STORIES
+    else:
+        model = hf_model
+    server = OwnServer(str(model), (), timeout=60.0)
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                      http_client=httpx.Client(trust_env=False, timeout=60.0))
+    c.raw = httpx.Client(base_url=server.url, trust_env=False, timeout=60.0)
+    c.model = c.raw.get("/v1/models").json()["data"][0]["id"]
+    yield c
+    c.raw.close()
+    c.close()
+    server.stop()
+
+
+def test_json_schema_20_seeds(client):
+    for seed in range(20):
+        r = client.chat.completions.create(
+            model=client.model, messages=[{"role": "user", "content": "Who are you?"}], temperature=1.0,
+            seed=seed, max_tokens=200,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})
+        c = r.choices[0]
+        assert c.finish_reason == "stop", (seed, c.message.content)
+        jsonschema.validate(json.loads(c.message.content), SCHEMA)
+
+
+def test_json_object_and_guided_json_on_completions(client):
+    r = client.completions.create(model=client.model, prompt="Once upon a time", max_tokens=120, seed=1,
+                                  extra_body={"guided_json": WEATHER})
+    jsonschema.validate(json.loads(r.choices[0].text), WEATHER)
+    r = client.completions.create(model=client.model, prompt="Once upon a time", max_tokens=300, seed=2,
+                                  extra_body={"response_format": {"type": "json_object"}, "guided_json": None})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].text), dict)
+    else:  # cut at max_tokens: still a prefix of an object
+        assert r.choices[0].text.startswith("{")
+
+
+def test_choice_and_regex(client):
+    choices = ["yes", "no", "maybe so"]
+    for seed in range(5):
+        r = client.completions.create(model=client.model, prompt="Is it?", max_tokens=20, seed=seed,
+                                      temperature=1.0, extra_body={"guided_choice": choices})
+        assert r.choices[0].text in choices
+        r = client.completions.create(model=client.model, prompt="Call", max_tokens=30, seed=seed,
+                                      temperature=1.0, extra_body={"guided_regex": r"\d{3}-[a-z]{2,4}"})
+        assert re.fullmatch(r"\d{3}-[a-z]{2,4}", r.choices[0].text), r.choices[0].text
+
+
+def test_grammar_lark(client):
+    grammar = 'start: "(" num ("+" num)* ")"\nnum: /[1-9]/'
+    r = client.completions.create(model=client.model, prompt="Sum", max_tokens=40, seed=3,
+                                  extra_body={"guided_grammar": grammar})
+    text = r.choices[0].text
+    if r.choices[0].finish_reason == "stop":
+        assert re.fullmatch(r"\([1-9](\+[1-9])*\)", text), text
+
+
+def test_named_and_required_tool_calls(client):
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    for seed in range(5):
+        r = client.chat.completions.create(model=client.model, messages=msgs, tools=TOOLS, seed=seed,
+                                           max_tokens=120, temperature=1.0,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls", c.message
+        (call,) = c.message.tool_calls
+        assert call.type == "function" and call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+        r = client.chat.completions.create(model=client.model, messages=msgs, tools=TOOLS, seed=seed,
+                                           max_tokens=120, temperature=1.0, tool_choice="required")
+        (call,) = r.choices[0].message.tool_calls
+        schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+    # "none" ignores the tools: plain text
+    r = client.chat.completions.create(model=client.model, messages=msgs, tools=TOOLS, tool_choice="none",
+                                       max_tokens=5)
+    assert r.choices[0].message.tool_calls is None
+
+
+def test_unconstrained_request_unchanged_beside_constrained(client):
+    """A constrained request in the same batch leaves an unconstrained one's tokens alone."""
+    import concurrent.futures as cf
+
+    def plain():
+        return client.completions.create(model=client.model, prompt="Once upon a time", max_tokens=24,
+                                         seed=7, temperature=1.0).choices[0].text
+
+    alone = plain()
+    with cf.ThreadPoolExecutor(4) as ex:
+        futs = [ex.submit(plain)] + [ex.submit(lambda s=s: client.completions.create(
+            model=client.model, prompt="Once", max_tokens=60, seed=s,
+            extra_body={"guided_json": WEATHER})) for s in range(3)]
+        assert futs[0].result() == alone
+        for f in futs[1:]:
+            jsonschema.validate(json.loads(f.result().choices[0].text), WEATHER)
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
+    ("/v1/completions", {"guided_regex": "a(b"}, "guided_regex"),
+    ("/v1/completions", {"guided_json": "{not json"}, "guided_json"),
+    ("/v1/completions", {"guided_choice": []}, "guided_choice"),
+    ("/v1/completions", {"guided_grammar": "start: undefined_rule"}, "guided_grammar"),
+    ("/v1/completions", {"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
+    ("/v1/chat/completions", {"tools": TOOLS}, "tool_choice"),
+])
+def test_bad_structured_requests_400(client, path, body, param):
+    base = ({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})
+    r = client.raw.post(path, json={"model": client.model, **base, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_python_api_and_errors():
+    if not STORIES.is_file():
+        pytest.skip(f"{STORIES} not found")
+    with pytest.raises(ValueError) as ei:
+        SamplingParams(guided_decoding=GuidedDecodingParams(regex="(unclosed"))
+    assert ei.value.field == "guided_decoding"
+    with pytest.raises(ValueError) as ei:
+        SamplingParams(guided_decoding={"json": {"type": "object"}, "regex": "a"})
+    assert ei.value.field == "guided_decoding"
+    with conveyor.LLM(str(STORIES)) as llm:
+        sp = SamplingParams(n=3, temperature=1.0, max_tokens=150, seed=5,
+                            guided_decoding=GuidedDecodingParams(json=SCHEMA))
+        (out,) = llm.generate(["Hello"], sp, use_tqdm=False)
+        assert len(out.outputs) == 3
+        for o in out.outputs:
+            jsonschema.validate(json.loads(o.text), SCHEMA)
+        # unconstrained requests in the same batch are unaffected
+        plain = SamplingParams(temperature=1.0, max_tokens=20, seed=9)
+        (alone,) = llm.generate(["Hello"], plain, use_tqdm=False)
+        both = llm.generate(["Hello", "Hello"], [plain, sp], use_tqdm=False)
+        assert both[0].outputs[0].token_ids == alone.outputs[0].token_ids
