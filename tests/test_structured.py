@@ -34,7 +34,8 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLengt
            "required": ["city", "unit"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "add", "parameters": {
-             "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+             "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                            "b": {"type": "integer", "minimum": 0, "maximum": 99}},
              "required": ["a", "b"], "additionalProperties": False}}}]
 
 
@@ -119,7 +120,8 @@ def test_named_and_required_tool_calls(client):
         assert call.type == "function" and call.function.name == "get_weather"
         jsonschema.validate(json.loads(call.function.arguments), WEATHER)
         r = client.chat.completions.create(model=client.model, messages=msgs, tools=TOOLS, seed=seed,
-                                           max_tokens=120, temperature=1.0, tool_choice="required")
+                                           max_tokens=200, temperature=1.0, tool_choice="required")
+        assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
         (call,) = r.choices[0].message.tool_calls
         schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call.function.name]
         jsonschema.validate(json.loads(call.function.arguments), schema)
