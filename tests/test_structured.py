@@ -189,3 +189,40 @@ def test_python_api_and_errors():
         (alone,) = llm.generate(["Hello"], plain, use_tqdm=False)
         both = llm.generate(["Hello", "Hello"], [plain, sp], use_tqdm=False)
         assert both[0].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_engine_token_mask_contract():
+    """The C side directly: a mask of the wrong size is refused, a mask for a
+    request that is not guided/live is refused, a guided completion whose mask
+    was never posted before a synchronous step ends aborted, and the sampler
+    only ever picks allowed tokens."""
+    import numpy as np
+
+    if not STORIES.is_file():
+        pytest.skip(f"{STORIES} not found")
+    with conveyor.LLM(str(STORIES)) as llm:
+        eng = llm._core._engine
+        words = eng.token_mask_words()
+        assert words == (llm._core.vocab_size + 31) // 32
+        with pytest.raises(ValueError):
+            eng.set_token_mask(0, 0, 0, np.zeros(words + 1, np.uint32))
+        assert eng.set_token_mask(12345, 0, 0, np.zeros(words, np.uint32)) is False
+        # a guided request whose masks come from here: only tokens 300..309 allowed
+        sp = SamplingParams(temperature=1.0, max_tokens=4, seed=1, ignore_eos=True,
+                            guided_decoding=GuidedDecodingParams(regex="a"))
+        allowed = np.zeros(words, np.uint32)
+        for t in range(300, 310):
+            allowed[t // 32] |= np.uint32(1 << (t % 32))
+        eng.add_request(900, [1, 400, 401], sp)
+        for pos in range(4):
+            assert eng.set_token_mask(900, 0, pos, allowed) is True
+            eng.step()
+            (ev,) = [e for e in eng.take_outputs() if e.request_id == 900]
+            assert 300 <= ev.token < 310
+        assert ev.finished and ev.finish_reason == "length"
+        assert eng.set_token_mask(900, 0, 4, allowed) is False  # retired: refused
+        # no mask posted before the step: aborted, not hung
+        eng.add_request(901, [1, 400, 401], sp)
+        eng.step()
+        (ev,) = [e for e in eng.take_outputs() if e.request_id == 901]
+        assert ev.finished and ev.finish_reason == "abort"
