@@ -311,15 +311,23 @@ static PyObject *Engine_token_mask_words(EngineObject *self, PyObject *Py_UNUSED
     return PyLong_FromLongLong(cv_engine_token_mask_words(self->e));
 }
 
-static PyObject *Engine_step(EngineObject *self, PyObject *Py_UNUSED(ignored)) {
+static PyObject *Engine_step(EngineObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"wait_masks", NULL};
+    int wait_masks = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$p", kwlist, &wait_masks)) return NULL;
     if (check_open(self) < 0) return NULL;
     cv_err err = {0};
     int rc = 0, detached = 0;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&self->busy);
     /* close() may have detached the engine while this thread waited */
-    if (self->e) rc = cv_engine_step(self->e, &err);
-    else detached = 1;
+    if (self->e) {
+        cv_engine_set_mask_wait(self->e, wait_masks);
+        rc = cv_engine_step(self->e, &err);
+        cv_engine_set_mask_wait(self->e, 0);
+    } else {
+        detached = 1;
+    }
     pthread_mutex_unlock(&self->busy);
     Py_END_ALLOW_THREADS
     if (detached) return (void)check_open(self), NULL;
@@ -569,7 +577,9 @@ static PyMethodDef Engine_methods[] = {
      "bitmask (uint32 words, bit t = token t) for output position pos of a guided completion; None ends "
      "that completion (aborted). Returns False when no such guided completion is live."},
     {"token_mask_words", (PyCFunction)Engine_token_mask_words, METH_NOARGS, "uint32 words per token mask."},
-    {"step", (PyCFunction)Engine_step, METH_NOARGS, "Runs one engine step (GIL released)."},
+    {"step", (PyCFunction)(void (*)(void))Engine_step, METH_VARARGS | METH_KEYWORDS,
+     "step(*, wait_masks=False)\n\nRuns one engine step (GIL released). wait_masks: guided completions "
+     "wait for masks another thread is posting (as under the background loop)."},
     {"take_outputs", (PyCFunction)Engine_take_outputs, METH_NOARGS, "Takes the pending outputs."},
     {"num_unfinished", (PyCFunction)Engine_num_unfinished, METH_NOARGS, "Requests not finished."},
     {"start_loop", (PyCFunction)Engine_start_loop, METH_O, "Starts the background loop."},

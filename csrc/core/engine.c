@@ -64,6 +64,7 @@ struct cv_engine {
     int masks_ready;
     uint32_t *mask_scratch; /* [masks.words] */
     uint8_t *mask_failed;   /* [max_tokens_step] this step's guided rows left without a mask */
+    int mask_wait;          /* synchronous steps wait for masks too */
 
     /* owned by the stepping thread */
     cv_request *active;    /* doubly linked */
@@ -441,6 +442,8 @@ int cv_engine_set_token_mask(cv_engine *e, int64_t request_id, int32_t seq_index
 
 int64_t cv_engine_token_mask_words(cv_engine *e) { return e->masks.words; }
 
+void cv_engine_set_mask_wait(cv_engine *e, int on) { e->mask_wait = on; }
+
 int64_t cv_engine_num_unfinished(cv_engine *e) {
     pthread_mutex_lock(&e->in_lock);
     int64_t n = e->n_inbox + e->n_active;
@@ -686,7 +689,7 @@ static int64_t apply_guided_masks(cv_engine *e, const cv_sched_output *plan) {
         if (!r->p.guided) continue;
         int idx = completion_index(r, s);
         e->mask_failed[row] = (uint8_t)(cv_mask_box_take(&e->masks, r->id, idx, r->ss[idx].n_out,
-                                                         e->loop_running, e->mask_scratch) != 0);
+                                                         e->loop_running || e->mask_wait, e->mask_scratch) != 0);
         if (!e->mask_failed[row])
             cv_sampler_apply_token_mask(e->ws.logits_host + row * e->vocab, e->vocab, e->mask_scratch);
     }

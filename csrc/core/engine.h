@@ -130,6 +130,10 @@ int cv_engine_abort(cv_engine *e, int64_t request_id);
  * waits for it, so it can be computed while the next forward pass runs. */
 int cv_engine_set_token_mask(cv_engine *e, int64_t request_id, int32_t seq_index, int64_t pos,
                              const uint32_t *mask);
+/* Synchronous stepping: when on, cv_engine_step waits for guided masks as the
+ * background loop does (the caller posts them from another thread while the
+ * step's forward pass runs). Set only between steps, by the stepping thread. */
+void cv_engine_set_mask_wait(cv_engine *e, int on);
 /* uint32 words in one token mask: (vocab_size + 31) / 32. */
 int64_t cv_engine_token_mask_words(cv_engine *e);
 

@@ -1,7 +1,9 @@
 #include "token_mask.h"
 
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "../../kernels/common.h"
 
@@ -94,6 +96,9 @@ int cv_mask_box_put(cv_mask_box *b, int64_t request_id, int32_t seq_index, int64
 int cv_mask_box_take(cv_mask_box *b, int64_t request_id, int32_t seq_index, int64_t pos, int wait,
                      uint32_t *out) {
     int rc = -1;
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    deadline.tv_sec += CV_MASK_WAIT_SECONDS;
     pthread_mutex_lock(&b->lock);
     for (;;) {
         cv_mask_slot *s = find(b, request_id, seq_index); /* slots move when others close: look again */
@@ -105,7 +110,7 @@ int cv_mask_box_take(cv_mask_box *b, int64_t request_id, int32_t seq_index, int6
             break;
         }
         if (!wait || b->stop) break;
-        pthread_cond_wait(&b->cond, &b->lock);
+        if (pthread_cond_timedwait(&b->cond, &b->lock, &deadline) == ETIMEDOUT) wait = 0; /* one last look */
     }
     pthread_mutex_unlock(&b->lock);
     return rc;

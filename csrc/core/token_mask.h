@@ -48,9 +48,14 @@ void cv_mask_box_cancel(cv_mask_box *b, int64_t request_id);
  * constrained completion is live. */
 int cv_mask_box_put(cv_mask_box *b, int64_t request_id, int32_t seq_index, int64_t pos,
                     const uint32_t *mask);
-/* Copies the mask for position pos into out[words]; waits for it when wait is
- * set. Returns 0, or -1 when the completion is cancelled, has no slot, the box
- * is stopping, or (without wait) the mask is not there yet. */
+/* A waiting sampler gives up after this long: a mask that never comes ends
+ * its completion instead of hanging the engine. */
+#define CV_MASK_WAIT_SECONDS 30
+
+/* Copies the mask for position pos into out[words]; waits for it (at most
+ * CV_MASK_WAIT_SECONDS) when wait is set. Returns 0, or -1 when the completion
+ * is cancelled, has no slot, the box is stopping, or the mask is not there
+ * (yet, without wait; in time, with it). */
 int cv_mask_box_take(cv_mask_box *b, int64_t request_id, int32_t seq_index, int64_t pos, int wait,
                      uint32_t *out);
 void cv_mask_box_set_stop(cv_mask_box *b, int stop);

@@ -197,6 +197,8 @@ class EngineCore:
         self._by_name: dict[str, _Request] = {}
         self._next_id = 0
         self._guided = None  # conveyor.guided.GuidedDecoder, built on first use
+        self._deferred_masks: list = []  # synchronous stepping: masks the next step computes
+        self._mask_worker = None  # a thread that computes them while that step runs
         self.closed = False
 
     # -- requests ---------------------------------------------------------
@@ -287,9 +289,12 @@ class EngineCore:
         the background loop, is running the next forward pass meanwhile). A
         matcher that fails ends its completion (aborted)."""
         for req, idx, token, pos in pending:
-            m = req.matchers[idx]
-            mask = self._guided.mask(m) if m.consume_token(token) else None
-            self._engine.set_token_mask(req.internal_id, idx, pos, mask)
+            mask = None
+            try:
+                m = req.matchers[idx]
+                mask = self._guided.mask(m) if m.consume_token(token) else None
+            finally:  # always post (None ends the completion): the engine may be waiting
+                self._engine.set_token_mask(req.internal_id, idx, pos, mask)
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
@@ -314,8 +319,22 @@ class EngineCore:
         """Runs one engine step (GIL released) and applies its outputs; returns
         the requests that changed. The C engine refuses it (EngineClosedError,
         a RuntimeError) while the background loop runs."""
-        self._engine.step()
-        return self.process_events()
+        pending, self._deferred_masks = self._deferred_masks, []
+        if not pending:
+            self._engine.step()
+        else:
+            # Guided decoding: the masks for this step's positions are computed
+            # on a worker while the forward pass runs; the sampler waits for them.
+            if self._mask_worker is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="conveyor-guided")
+            fut = self._mask_worker.submit(self._advance_guided, pending)
+            try:
+                self._engine.step(wait_masks=True)
+            finally:
+                fut.result()
+        return self.process_events(defer_masks=True)
 
     def run(self, requests, on_step=None) -> None:
         """Steps until no request is left; on_step(changed requests) runs after
@@ -343,6 +362,9 @@ class EngineCore:
         """Hands stepping to the C engine's own thread: after each step with
         outputs it writes an 8-byte 1 to wake_fd; process_events() then applies
         them. From here on step() is refused; close() stops the thread."""
+        pending, self._deferred_masks = self._deferred_masks, []
+        if pending:
+            self._advance_guided(pending)
         self._engine.start_loop(wake_fd)
 
     def set_trace(self, on: bool) -> None:
@@ -353,9 +375,11 @@ class EngineCore:
         return self._engine.take_trace()
 
     # -- outputs ----------------------------------------------------------
-    def process_events(self, on_event=None) -> list[_Request]:
+    def process_events(self, on_event=None, defer_masks: bool = False) -> list[_Request]:
         """Applies the pending C events; returns the requests that changed.
-        on_event(req), if given, runs after each event (streaming snapshots)."""
+        on_event(req), if given, runs after each event (streaming snapshots).
+        Guided completions' next masks are computed here, or, with defer_masks
+        (synchronous stepping), by the next step() while its forward pass runs."""
         events = self._engine.take_outputs()
         changed: dict[int, _Request] = {}
         guided = []
@@ -403,7 +427,9 @@ class EngineCore:
                 changed[iid] = req
                 if on_event is not None:
                     on_event(req)
-            if guided:
+            if guided and defer_masks:
+                self._deferred_masks.extend(guided)
+            elif guided:
                 self._advance_guided(guided)
         return list(changed.values())
 
@@ -448,6 +474,8 @@ class EngineCore:
             self.closed = True
         self._engine.stop_loop()
         self._engine.close()
+        if self._mask_worker is not None:
+            self._mask_worker.shutdown(wait=True)
 
 
 class EngineFrontend:
