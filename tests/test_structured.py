@@ -226,3 +226,19 @@ def test_engine_token_mask_contract():
         eng.step()
         (ev,) = [e for e in eng.take_outputs() if e.request_id == 901]
         assert ev.finished and ev.finish_reason == "abort"
+
+
+def test_bench_structured_prints_ratio(capsys):
+    if not STORIES.is_file():
+        pytest.skip(f"{STORIES} not found")
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "tools/bench_structured.py"
+    spec = importlib.util.spec_from_file_location("bench_structured", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main([str(STORIES), "--n", "4", "--max-tokens", "4", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    n = re.findall(r"for (\d+) tokens", out)
+    assert n == ["16", "16"], out  # the grammar never ends early: same token counts
+    assert re.search(r"ratio \(per token\) guided/unconstrained: \d+\.\d\dx", out)
