@@ -242,3 +242,20 @@ def test_bench_structured_prints_ratio(capsys):
     n = re.findall(r"for (\d+) tokens", out)
     assert n == ["16", "16"], out  # the grammar never ends early: same token counts
     assert re.search(r"ratio \(per token\) guided/unconstrained: \d+\.\d\dx", out)
+
+
+@pytest.mark.parametrize("tokenizer", ["llama", "gpt2"])
+def test_gguf_tokenizers(tmp_path, tokenizer):
+    """GGUF models: SentencePiece-style (dummy prefix) and byte-level vocabularies."""
+    from conveyor.testing import write_gguf_checkpoint
+
+    path = write_gguf_checkpoint(tmp_path / "m.gguf", shape="tiny", tokenizer=tokenizer)
+    with conveyor.LLM(str(path)) as llm:
+        for data in (b"ab c", b'{"a": 1}', b" x"):
+            ids = llm.tokenizer.encode_exact_bytes(data)
+            assert b"".join(llm.tokenizer.token_bytes(i) for i in ids) == data
+        sp = SamplingParams(n=4, temperature=1.0, max_tokens=40, seed=2,
+                            guided_decoding=GuidedDecodingParams(regex=r"[0-9]{2}-[a-z]{3}"))
+        (out,) = llm.generate(["hello"], sp, use_tqdm=False)
+        for o in out.outputs:
+            assert o.finish_reason == "stop" and re.fullmatch(r"[0-9]{2}-[a-z]{3}", o.text), o
