@@ -259,3 +259,18 @@ def test_gguf_tokenizers(tmp_path, tokenizer):
         (out,) = llm.generate(["hello"], sp, use_tqdm=False)
         for o in out.outputs:
             assert o.finish_reason == "stop" and re.fullmatch(r"[0-9]{2}-[a-z]{3}", o.text), o
+
+
+def test_streamed_json_schema(client):
+    for seed in range(3):
+        stream = client.chat.completions.create(
+            model=client.model, messages=[{"role": "user", "content": "Who?"}], temperature=1.0, seed=seed,
+            max_tokens=200, stream=True,
+            response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}})
+        text, finish = "", None
+        for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+        assert finish == "stop"
+        jsonschema.validate(json.loads(text), SCHEMA)
