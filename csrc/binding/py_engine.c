@@ -321,10 +321,11 @@ static PyObject *Engine_step(EngineObject *self, PyObject *args, PyObject *kw) {
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&self->busy);
     /* close() may have detached the engine while this thread waited */
-    if (self->e) {
-        cv_engine_set_mask_wait(self->e, wait_masks);
-        rc = cv_engine_step(self->e, &err);
-        cv_engine_set_mask_wait(self->e, 0);
+    cv_engine *e = self->e; /* close() may clear self->e meanwhile; it waits for busy to free e */
+    if (e) {
+        cv_engine_set_mask_wait(e, wait_masks);
+        rc = cv_engine_step(e, &err);
+        cv_engine_set_mask_wait(e, 0);
     } else {
         detached = 1;
     }
