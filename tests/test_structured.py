@@ -274,3 +274,16 @@ def test_streamed_json_schema(client):
                 finish = chunk.choices[0].finish_reason or finish
         assert finish == "stop"
         jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_streamed_tool_call(client):
+    stream = client.chat.completions.create(
+        model=client.model, messages=[{"role": "user", "content": "Add"}], tools=TOOLS, seed=4, max_tokens=150,
+        tool_choice={"type": "function", "function": {"name": "add"}}, stream=True)
+    calls, finish = [], None
+    for chunk in stream:
+        if chunk.choices:
+            calls += chunk.choices[0].delta.tool_calls or []
+            finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and len(calls) == 1 and calls[0].function.name == "add"
+    jsonschema.validate(json.loads(calls[0].function.arguments), TOOLS[1]["function"]["parameters"])

@@ -480,8 +480,6 @@ class Validator:
         logprobs = (top or 0) if want_lp else None
         stream, include_usage = _stream_flags(f)
         tool = _tools(f)
-        if tool is not None and stream:
-            raise bad_request("stream", "streaming is not supported together with tool calls")
 
         text, ids = self.render_chat(body)
         if max_tokens is None:  # the rest of the context, capped

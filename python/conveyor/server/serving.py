@@ -344,8 +344,9 @@ class Server:
             return p.text
         return self.tok.decode(p.ids) if self.tok is not None else ""
 
-    def _stream_choices(self, parsed: Parsed, i: int, out, tokens, offsets, done) -> list:
-        """The chunk choices for one delta RequestOutput of prompt i; updates the per-choice state."""
+    def _stream_choices(self, parsed: Parsed, i: int, out, tokens, offsets, done, held) -> list:
+        """The chunk choices for one delta RequestOutput of prompt i; updates the per-choice state.
+        Tool calls are held back (held[j]) and sent whole with the finish."""
         n = parsed.params.n
         chat = parsed.kind == "chat"
         choices = []
@@ -358,7 +359,15 @@ class Server:
                 continue
             tokens[j] += len(o.token_ids)
             tail = {"stop_reason": o.stop_reason} if fin else {}
-            if chat:
+            if chat and parsed.tool_call is not None:
+                held[j] += o.text
+                if fin is None:
+                    continue
+                message, fin = tool_call_message(parsed.tool_call, held[j], fin)
+                delta = ({"tool_calls": [{"index": 0, **message["tool_calls"][0]}]} if "tool_calls" in message
+                         else {"content": message["content"]})
+                choices.append({"index": j, "delta": delta, "logprobs": None, "finish_reason": fin, **tail})
+            elif chat:
                 delta = {"content": o.text} if (o.text or fin is None) else {}
                 lp = self._chat_logprobs(o.logprobs, o.token_ids, parsed.logprobs or 0)
                 choices.append({"index": j, "delta": delta, "logprobs": lp, "finish_reason": fin, **tail})
@@ -380,6 +389,7 @@ class Server:
         tokens = [0] * n_choices
         offsets = [0] * n_choices
         done = [False] * n_choices
+        held = [""] * n_choices
         prompt_tokens = 0
 
         def chunk(choices, usage=None):
@@ -397,7 +407,7 @@ class Server:
                               "finish_reason": None} for i, p in enumerate(parsed.prompts) for k in range(n)])
             async with aclosing(self._merged(adm, rid, parsed, params)) as outs:
                 async for i, out in outs:
-                    choices = self._stream_choices(parsed, i, out, tokens, offsets, done)
+                    choices = self._stream_choices(parsed, i, out, tokens, offsets, done, held)
                     if out.finished:
                         prompt_tokens += len(out.prompt_token_ids)
                         self._record(out, tokens[i * n:(i + 1) * n])
