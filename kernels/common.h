@@ -19,6 +19,7 @@ enum {
     CV_ERR_STATE = -6,       /* wrong call order / closed      -> conveyor.EngineClosedError / RuntimeError */
     CV_ERR_NOTFOUND = -7,    /* file does not exist            -> FileNotFoundError */
     CV_ERR_TYPE = -8,        /* wrong type                     -> TypeError */
+    CV_ERR_CANCELLED = -9,   /* the caller asked to stop       -> KeyboardInterrupt (the signal's own error) */
     CV_RETRY = 1             /* soft: does not fit now, try later */
 };
 

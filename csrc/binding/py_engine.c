@@ -4,6 +4,7 @@
 
 #include <pthread.h>
 #include <string.h>
+#include <time.h>
 
 #include "../core/engine.h"
 #include "../core/kv_cache.h"
@@ -64,6 +65,93 @@ static void Engine_dealloc(EngineObject *self) {
         pthread_mutex_destroy(&self->busy);
     }
     Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Creating an engine loads weights and fills the KV cache: seconds for a big
+ * model. It runs on a helper thread while this one, every 50 ms, lets Python
+ * run its signal handlers; when one raises (Ctrl-C: KeyboardInterrupt) the
+ * build is cancelled and that error propagates. */
+typedef struct {
+    cv_engine *e;
+    const cv_engine_config *cfg;
+    cv_err *err;
+    atomic_int cancel;
+    int rc, finished;
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+} create_job;
+
+static void *create_thread(void *arg) {
+    create_job *j = arg;
+    cv_engine_config cfg = *j->cfg;
+    cfg.cancel = &j->cancel;
+    int rc = cv_engine_create(&j->e, &cfg, j->err);
+    pthread_mutex_lock(&j->lock);
+    j->rc = rc;
+    j->finished = 1;
+    pthread_cond_signal(&j->cond);
+    pthread_mutex_unlock(&j->lock);
+    return NULL;
+}
+
+/* Returns the status of cv_engine_create; CV_ERR_CANCELLED with a Python error
+ * set when a signal handler raised. Called with the GIL held. */
+static int create_interruptibly(cv_engine **out, const cv_engine_config *cfg, cv_err *err) {
+    create_job j;
+    memset(&j, 0, sizeof j);
+    j.cfg = cfg;
+    j.err = err;
+    atomic_init(&j.cancel, 0);
+    pthread_mutex_init(&j.lock, NULL);
+    pthread_cond_init(&j.cond, NULL);
+    pthread_t th;
+    int signalled = 0;
+    if (pthread_create(&th, NULL, create_thread, &j) != 0) {
+        /* No thread to spare: build here, uninterruptibly. */
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        rc = cv_engine_create(out, cfg, err);
+        Py_END_ALLOW_THREADS
+        pthread_mutex_destroy(&j.lock);
+        pthread_cond_destroy(&j.cond);
+        return rc;
+    }
+    for (;;) {
+        int finished;
+        Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(&j.lock);
+        if (!j.finished) {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            ts.tv_nsec += 50 * 1000 * 1000;
+            if (ts.tv_nsec >= 1000000000L) { ts.tv_sec++; ts.tv_nsec -= 1000000000L; }
+            pthread_cond_timedwait(&j.cond, &j.lock, &ts);
+        }
+        finished = j.finished;
+        pthread_mutex_unlock(&j.lock);
+        Py_END_ALLOW_THREADS
+        if (finished) break;
+        if (!signalled && PyErr_CheckSignals() < 0) {
+            signalled = 1;
+            atomic_store(&j.cancel, 1);
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    pthread_join(th, NULL);
+    pthread_mutex_destroy(&j.lock);
+    pthread_cond_destroy(&j.cond);
+    Py_END_ALLOW_THREADS
+    if (signalled) {
+        /* The handler raised: its error wins, even if the build just finished. */
+        if (j.rc == CV_OK) {
+            Py_BEGIN_ALLOW_THREADS
+            cv_engine_destroy(j.e);
+            Py_END_ALLOW_THREADS
+        }
+        return CV_ERR_CANCELLED;
+    }
+    *out = j.e;
+    return j.rc;
 }
 
 static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
@@ -164,10 +252,8 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     cfg.token_special = special;
     cv_err err = {0};
     cv_engine *e = NULL;
-    int crc;
-    Py_BEGIN_ALLOW_THREADS
-    crc = cv_engine_create(&e, &cfg, &err);
-    Py_END_ALLOW_THREADS
+    int crc = create_interruptibly(&e, &cfg, &err);
+    if (crc == CV_ERR_CANCELLED && PyErr_Occurred()) goto done; /* the signal handler's error */
     if (crc) { cv_py_raise(&err); goto done; }
     self->e = e;
     self->vocab = cv_engine_vocab_size(e);

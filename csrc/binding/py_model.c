@@ -152,7 +152,7 @@ static int build_state(runner_state *st, const char *path, cv_dtype dtype, cv_dt
     st->b = cv_cpu_backend_create(num_threads, force_scalar, err);
     if (!st->b) return err->code ? err->code : CV_ERR_NOMEM;
     cv_backend *b = st->b;
-    rc = cv_model_load_quantized(&st->m, path, b, dtype, quant, err);
+    rc = cv_model_load_quantized(&st->m, path, b, dtype, quant, NULL, err);
     if (rc) return rc;
     const cv_model_config *c = &st->m->cfg;
 

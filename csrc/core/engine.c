@@ -190,7 +190,9 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
     }
     if (!e->backend) { rc = err ? err->code : CV_ERR_STATE; if (rc >= 0) rc = CV_ERR_STATE; goto fail; }
     if ((rc = cv_model_load_quantized(&e->model, cfg->model_path, e->backend, cfg->dtype,
-                                       cv_dtype_is_quant(cfg->quantization) ? cfg->quantization : CV_DTYPE_INVALID, err))) goto fail;
+                                       cv_dtype_is_quant(cfg->quantization) ? cfg->quantization : CV_DTYPE_INVALID,
+                                       cfg->cancel, err)))
+        goto fail;
 
     const cv_model_config *mc = &e->model->cfg;
     e->vocab = mc->vocab_size;
@@ -229,7 +231,7 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
     size_t kv = cfg->kv_cache_bytes ? cfg->kv_cache_bytes
                                      : default_kv_bytes(e, per_token, cfg->gpu_memory_utilization);
     if ((rc = cv_kv_cache_create(&e->kv, e->backend, mc->n_layers, mc->n_kv_heads, mc->head_dim, kvt,
-                                 e->block_size, kv, err)))
+                                 e->block_size, kv, cfg->cancel, err)))
         goto fail;
 
     cv_scheduler_config sc = {

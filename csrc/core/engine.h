@@ -8,6 +8,7 @@
 #ifndef CV_ENGINE_H
 #define CV_ENGINE_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include "../../kernels/common.h"
@@ -39,6 +40,9 @@ typedef struct cv_engine_config {
     const char *const *token_bytes; /* [n_token_bytes] raw bytes of each token */
     const size_t *token_lens;       /* [n_token_bytes] */
     const uint8_t *token_special;   /* [n_token_bytes] 1 for special tokens, or NULL */
+    /* Polled while creating (between layers of weights and KV cache); nonzero
+     * makes cv_engine_create stop with CV_ERR_CANCELLED. NULL: never. */
+    const atomic_int *cancel;
 } cv_engine_config;
 
 #define CV_MAX_N 1024                   /* completions per request */

@@ -133,11 +133,11 @@ void cv_model_free(cv_model *m) {
 }
 
 int cv_model_load(cv_model **out, const char *path, cv_backend *b, cv_dtype dtype, cv_err *err) {
-    return cv_model_load_quantized(out, path, b, dtype, CV_DTYPE_INVALID, err);
+    return cv_model_load_quantized(out, path, b, dtype, CV_DTYPE_INVALID, NULL, err);
 }
 
 int cv_model_load_quantized(cv_model **out, const char *path, cv_backend *b, cv_dtype dtype, cv_dtype quant,
-                            cv_err *err) {
+                            const atomic_int *cancel, cv_err *err) {
     cv_checkpoint ck;
     memset(&ck, 0, sizeof ck);
     cv_model *m = NULL;
@@ -193,6 +193,10 @@ int cv_model_load_quantized(cv_model **out, const char *path, cv_backend *b, cv_
                   (ck.lm_head.data ? view_numel(&ck.lm_head) : 0);
 
     for (int64_t l = 0; l < c->n_layers; l++) {
+        if (cancel && atomic_load(cancel)) {
+            rc = cv_set_err(err, CV_ERR_CANCELLED, "loading the model was cancelled");
+            goto done;
+        }
         const cv_layer_views *v = &ck.layers[l];
         cv_layer *L = &m->layers[l];
         const cv_tensor_view *qkv[3] = {&v->wq, &v->wk, &v->wv};

@@ -3,6 +3,7 @@
 #ifndef CV_MODEL_H
 #define CV_MODEL_H
 
+#include <stdatomic.h>
 #include <stdint.h>
 #include "../../kernels/common.h"
 #include "../../kernels/backend.h"
@@ -41,9 +42,10 @@ int cv_model_load(cv_model **out, const char *path, cv_backend *b, cv_dtype dtyp
  * and the token embedding when their rows are a multiple of 32, at load
  * (deterministic, ggml's rounding: llama.cpp's pure quantization);
  * CV_DTYPE_INVALID keeps the file's types (a GGUF file's quantized matrices
- * stay quantized either way). */
+ * stay quantized either way). Polls *cancel (when not NULL) between layers:
+ * nonzero stops the load with CV_ERR_CANCELLED, so a caller can interrupt it. */
 int cv_model_load_quantized(cv_model **out, const char *path, cv_backend *b, cv_dtype dtype, cv_dtype quant,
-                            cv_err *err);
+                            const atomic_int *cancel, cv_err *err);
 void cv_model_free(cv_model *m);
 
 /* RoPE frequencies for head_dim/2 pairs, with llama3 scaling when configured. */

@@ -169,6 +169,9 @@ class EngineCore:
         eos_ids: list[int] = []
         bos_id = -1
         strip = False
+        # The model first: a wrong path or a broken checkpoint is the problem to report,
+        # not a tokenizer that happens to be missing beside it.
+        _core.Checkpoint(args.model).close()
         if not args.skip_tokenizer_init:
             from .tokenizer import load_tokenizer
 
