@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from . import _core
+from .guided import GuidedDecodingParams  # noqa: F401  (vLLM's import path)
 
 MAX_LOGPROBS = _core.MAX_LOGPROBS  # the C engine's limit (CV_MAX_LOGPROBS)
 _OUTPUT_KINDS = ("cumulative", "delta", "final_only")
