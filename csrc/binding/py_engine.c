@@ -375,15 +375,54 @@ static PyObject *Engine_abort(EngineObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-static PyObject *Engine_step(EngineObject *self, PyObject *Py_UNUSED(ignored)) {
+/* Guided decoding: set_token_mask(request_id, seq_index, pos, mask or None). */
+static PyObject *Engine_set_token_mask(EngineObject *self, PyObject *args) {
+    long long req_id, pos;
+    int seq_index;
+    PyObject *mask_obj;
+    if (!PyArg_ParseTuple(args, "LiLO", &req_id, &seq_index, &pos, &mask_obj)) return NULL;
+    if (check_open(self) < 0) return NULL;
+    int rc;
+    if (mask_obj == Py_None) {
+        rc = cv_engine_set_token_mask(self->e, req_id, seq_index, pos, NULL);
+    } else {
+        Py_buffer view;
+        if (PyObject_GetBuffer(mask_obj, &view, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+        int64_t words = cv_engine_token_mask_words(self->e);
+        if (view.len != (Py_ssize_t)(words * 4)) {
+            PyBuffer_Release(&view);
+            return PyErr_Format(PyExc_ValueError, "a token mask is %lld uint32 words (%lld bytes), got %zd bytes",
+                                (long long)words, (long long)(words * 4), view.len);
+        }
+        rc = cv_engine_set_token_mask(self->e, req_id, seq_index, pos, (const uint32_t *)view.buf);
+        PyBuffer_Release(&view);
+    }
+    return PyBool_FromLong(rc == CV_OK);
+}
+
+static PyObject *Engine_token_mask_words(EngineObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (check_open(self) < 0) return NULL;
+    return PyLong_FromLongLong(cv_engine_token_mask_words(self->e));
+}
+
+static PyObject *Engine_step(EngineObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"wait_masks", NULL};
+    int wait_masks = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$p", kwlist, &wait_masks)) return NULL;
     if (check_open(self) < 0) return NULL;
     cv_err err = {0};
     int rc = 0, detached = 0;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&self->busy);
     /* close() may have detached the engine while this thread waited */
-    if (self->e) rc = cv_engine_step(self->e, &err);
-    else detached = 1;
+    cv_engine *e = self->e; /* close() may clear self->e meanwhile; it waits for busy to free e */
+    if (e) {
+        cv_engine_set_mask_wait(e, wait_masks);
+        rc = cv_engine_step(e, &err);
+        cv_engine_set_mask_wait(e, 0);
+    } else {
+        detached = 1;
+    }
     pthread_mutex_unlock(&self->busy);
     Py_END_ALLOW_THREADS
     if (detached) return (void)check_open(self), NULL;
@@ -634,7 +673,14 @@ static PyMethodDef Engine_methods[] = {
      "check_request(prompt, params, *, timeout=0.0)\n\nRaises what add_request would raise for this prompt and "
      "SamplingParams (ValueError/TypeError with .field), queueing nothing."},
     {"abort", (PyCFunction)Engine_abort, METH_O, "Aborts a request by id."},
-    {"step", (PyCFunction)Engine_step, METH_NOARGS, "Runs one engine step (GIL released)."},
+    {"set_token_mask", (PyCFunction)Engine_set_token_mask, METH_VARARGS,
+     "set_token_mask(request_id, seq_index, pos, mask)\n\nGuided decoding: posts the allowed-token "
+     "bitmask (uint32 words, bit t = token t) for output position pos of a guided completion; None ends "
+     "that completion (aborted). Returns False when no such guided completion is live."},
+    {"token_mask_words", (PyCFunction)Engine_token_mask_words, METH_NOARGS, "uint32 words per token mask."},
+    {"step", (PyCFunction)(void (*)(void))Engine_step, METH_VARARGS | METH_KEYWORDS,
+     "step(*, wait_masks=False)\n\nRuns one engine step (GIL released). wait_masks: guided completions "
+     "wait for masks another thread is posting (as under the background loop)."},
     {"take_outputs", (PyCFunction)Engine_take_outputs, METH_NOARGS, "Takes the pending outputs."},
     {"num_unfinished", (PyCFunction)Engine_num_unfinished, METH_NOARGS, "Requests not finished."},
     {"start_loop", (PyCFunction)Engine_start_loop, METH_O, "Starts the background loop."},

@@ -205,6 +205,15 @@ int cv_py_request_read(cv_py_request *r, PyObject *sp) {
     r->p.min_tokens = min_tokens;
     r->p.sp.top_k = (int32_t)top_k;
     r->p.sp.n_logprobs = (int32_t)logprobs;
+    /* Guided decoding: the grammar runs in Python; C only learns the request is masked. */
+    PyObject *g = PyObject_HasAttrString(sp, "guided_decoding") ? get_attr(sp, "guided_decoding") : NULL;
+    if (g) {
+        r->p.guided = g != Py_None;
+        Py_DECREF(g);
+    } else if (PyErr_Occurred()) {
+        cv_py_request_free(r);
+        return -1;
+    }
     return 0;
 }
 

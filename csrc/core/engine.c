@@ -14,6 +14,7 @@
 #include "runner.h"
 #include "sequence.h"
 #include "stop.h"
+#include "token_mask.h"
 
 /* Per-completion state kept by the engine beside its cv_sequence. */
 typedef struct seq_state {
@@ -60,6 +61,12 @@ struct cv_engine {
     cv_sampler *sampler;
     int32_t *banned;       /* [16 + max stop ids] scratch */
     size_t banned_cap;
+    /* guided decoding: masks posted by the grammar's thread */
+    cv_mask_box masks;
+    int masks_ready;
+    uint32_t *mask_scratch; /* [masks.words] */
+    uint8_t *mask_failed;   /* [max_tokens_step] this step's guided rows left without a mask */
+    int mask_wait;          /* synchronous steps wait for masks too */
 
     /* owned by the stepping thread */
     cv_request *active;    /* doubly linked */
@@ -258,6 +265,14 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
     if (!e->sampler) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory for the sampler"); goto fail; }
 
     if ((rc = cv_detok_init(&e->detok, e->vocab, cfg, mc, err))) goto fail;
+    if (cv_mask_box_init(&e->masks, e->vocab)) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory"); goto fail; }
+    e->masks_ready = 1;
+    e->mask_scratch = malloc((size_t)e->masks.words * sizeof *e->mask_scratch);
+    e->mask_failed = calloc((size_t)e->max_tokens_step, 1);
+    if (!e->mask_scratch || !e->mask_failed) {
+        rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory for token masks");
+        goto fail;
+    }
     e->stats_live.num_blocks = e->kv.num_blocks;
     e->stats_live.block_size = e->block_size;
     e->stats_live.max_model_len = e->max_model_len;
@@ -291,6 +306,9 @@ void cv_engine_destroy(cv_engine *e) {
     if (e->backend) e->backend->destroy(e->backend);
     cv_detok_free(&e->detok);
     free(e->banned);
+    if (e->masks_ready) cv_mask_box_free(&e->masks);
+    free(e->mask_scratch);
+    free(e->mask_failed);
     free(e->aborts);
     cv_outbox_free(&e->outbox);
     free(e->trace);
@@ -411,6 +429,7 @@ int cv_engine_add_request(cv_engine *e, int64_t request_id, const int32_t *promp
         }
         if (src) goto nomem;
     }
+    if (p->guided && cv_mask_box_open(&e->masks, request_id, p->n)) goto nomem;
     pthread_mutex_lock(&e->in_lock);
     if (e->max_queued > 0 && e->n_queued >= e->max_queued) {
         int64_t queued = e->n_queued;
@@ -446,8 +465,18 @@ int cv_engine_abort(cv_engine *e, int64_t request_id) {
         rc = CV_ERR_NOMEM;
     pthread_cond_signal(&e->in_cond);
     pthread_mutex_unlock(&e->in_lock);
+    cv_mask_box_cancel(&e->masks, request_id); /* a sampler waiting on its mask gives up */
     return rc;
 }
+
+int cv_engine_set_token_mask(cv_engine *e, int64_t request_id, int32_t seq_index, int64_t pos,
+                             const uint32_t *mask) {
+    return cv_mask_box_put(&e->masks, request_id, seq_index, pos, mask);
+}
+
+int64_t cv_engine_token_mask_words(cv_engine *e) { return e->masks.words; }
+
+void cv_engine_set_mask_wait(cv_engine *e, int on) { e->mask_wait = on; }
 
 int64_t cv_engine_num_unfinished(cv_engine *e) {
     pthread_mutex_lock(&e->in_lock);
@@ -516,6 +545,7 @@ static void retire_if_done(cv_engine *e, cv_request *r) {
         leave_queue(e, r);
         if (r->deadline > 0) e->n_deadlines--;
         active_remove(e, r);
+        if (r->p.guided) cv_mask_box_close(&e->masks, r->id);
         request_free(r);
     }
 }
@@ -702,17 +732,48 @@ static int64_t banned_tokens(cv_engine *e, const cv_request *r, const seq_state 
     return n;
 }
 
-/* Samples one token for every logits row of the step and accepts it (stops,
- * detokenization, events). Caller holds out_lock. */
-static void sample_batch(cv_engine *e, const cv_sched_output *plan) {
+/* Guided decoding: applies each guided row's mask (its completion's next
+ * position) to its logits, in place; the background loop waits for masks not
+ * posted yet, without holding out_lock (the grammar's thread takes the events
+ * that let it compute them). A row without a mask (cancelled, or not
+ * posted before a synchronous step) is marked failed.
+ * Returns the number of guided rows. */
+static int64_t apply_guided_masks(cv_engine *e, const cv_sched_output *plan) {
+    const cv_batch *bt = &e->runner.batch;
+    int64_t n_guided = 0;
+    for (int64_t row = 0; row < bt->n_logits; row++)
+        n_guided += ((cv_request *)plan->seqs[e->runner.sample_plan_index[row]]->owner)->p.guided != 0;
+    if (n_guided == 0) return 0;
+    for (int64_t row = 0; row < bt->n_logits; row++) {
+        cv_sequence *s = plan->seqs[e->runner.sample_plan_index[row]];
+        cv_request *r = s->owner;
+        if (!r->p.guided) continue;
+        int idx = completion_index(r, s);
+        e->mask_failed[row] = (uint8_t)(cv_mask_box_take(&e->masks, r->id, idx, r->ss[idx].n_out,
+                                                         e->loop_running || e->mask_wait, e->mask_scratch) != 0);
+        if (!e->mask_failed[row])
+            cv_sampler_apply_token_mask(e->ws.logits_host + row * e->vocab, e->vocab, e->mask_scratch);
+    }
+    return n_guided;
+}
+
+/* Samples one token for every logits row of the step whose request is guided
+ * (or not, per `guided`) and accepts it (stops, detokenization, events).
+ * Caller holds out_lock. */
+static void sample_batch(cv_engine *e, const cv_sched_output *plan, int guided) {
     const cv_batch *bt = &e->runner.batch;
     for (int64_t row = 0; row < bt->n_logits; row++) {
         cv_sequence *s = plan->seqs[e->runner.sample_plan_index[row]];
         cv_request *r = s->owner;
+        if ((r->p.guided != 0) != guided) continue;
         int idx = completion_index(r, s);
         seq_state *st = &r->ss[idx];
         if (st->finished) continue;
         float *logits = e->ws.logits_host + row * e->vocab;
+        if (guided && e->mask_failed[row]) {
+            finish_seq(e, r, idx, CV_FINISH_ABORT, CV_STOP_NONE, -1, NULL);
+            continue;
+        }
         int64_t n_banned = banned_tokens(e, r, st);
         cv_sample_info info;
         int32_t t = cv_sampler_sample(e->sampler, logits, &r->p.sp, s->tokens, r->n_prompt,
@@ -783,8 +844,16 @@ static int engine_step(cv_engine *e, cv_err *err) {
             fork_children(e, r);
     }
 
+    /* Unconstrained rows first: they never wait on a grammar. */
     pthread_mutex_lock(&e->out_lock);
-    sample_batch(e, &plan);
+    sample_batch(e, &plan, 0);
+    pthread_mutex_unlock(&e->out_lock);
+    if (apply_guided_masks(e, &plan) > 0) {
+        pthread_mutex_lock(&e->out_lock);
+        sample_batch(e, &plan, 1);
+        pthread_mutex_unlock(&e->out_lock);
+    }
+    pthread_mutex_lock(&e->out_lock);
     double t3 = cv_now();
     record_trace(e, &plan, t0, t3);
     e->steps++;
@@ -869,7 +938,9 @@ void cv_engine_stop_loop(cv_engine *e) {
     e->stop_flag = 1;
     pthread_cond_signal(&e->in_cond);
     pthread_mutex_unlock(&e->in_lock);
+    cv_mask_box_set_stop(&e->masks, 1); /* a sampler waiting on a mask gives up */
     pthread_join(e->thread, NULL);
+    cv_mask_box_set_stop(&e->masks, 0);
     e->loop_running = 0;
 }
 

@@ -63,6 +63,9 @@ typedef struct cv_request_params {
     int skip_special_tokens;
     int32_t priority;
     double timeout;                 /* seconds from arrival to finish; 0: none */
+    /* Guided decoding: each completion samples under a token mask posted with
+     * cv_engine_set_token_mask for its next output position. */
+    int guided;
 } cv_request_params;
 
 enum { CV_FINISH_NONE = 0, CV_FINISH_STOP = 1, CV_FINISH_LENGTH = 2, CV_FINISH_ABORT = 3,
@@ -128,6 +131,23 @@ int cv_engine_add_request(cv_engine *e, int64_t request_id, const int32_t *promp
                           const cv_request_params *p, cv_err *err);
 /* Queues an abort (any thread); unknown ids are ignored at the next step. */
 int cv_engine_abort(cv_engine *e, int64_t request_id);
+
+/* Guided decoding: posts the mask (vocab_size bits, as uint32 words, bit t
+ * set = token t allowed) for output position pos (tokens generated so far) of
+ * completion seq_index of a guided request. mask NULL ends that completion
+ * (aborted: its grammar failed). Any thread. Returns CV_OK when stored, 1 when
+ * no such guided completion is live (it finished: nothing to do).
+ * Synchronous stepping needs the mask posted before the step that samples
+ * that position (otherwise the completion is aborted); the background loop
+ * waits for it, so it can be computed while the next forward pass runs. */
+int cv_engine_set_token_mask(cv_engine *e, int64_t request_id, int32_t seq_index, int64_t pos,
+                             const uint32_t *mask);
+/* Synchronous stepping: when on, cv_engine_step waits for guided masks as the
+ * background loop does (the caller posts them from another thread while the
+ * step's forward pass runs). Set only between steps, by the stepping thread. */
+void cv_engine_set_mask_wait(cv_engine *e, int on);
+/* uint32 words in one token mask: (vocab_size + 31) / 32. */
+int64_t cv_engine_token_mask_words(cv_engine *e);
 
 /* Runs one step; returns the number of sequences that ran (0 when idle) or a
  * negative error; CV_ERR_STATE while the background loop runs. */

@@ -823,3 +823,16 @@ void cv_sampler_process(cv_sampler *s, float *out, float *logits, const cv_sampl
     }
     for (int64_t i = 0; i < sup.n; i++) out[s->cand[i]] = logits[s->cand[i]] / e.temperature;
 }
+
+/* ------------------------------------------------------------------------- */
+/* Guided decoding: the grammar's token mask */
+
+void cv_sampler_apply_token_mask(float *logits, int64_t vocab, const uint32_t *mask) {
+    for (int64_t w = 0; w * 32 < vocab; w++) {
+        uint32_t m = mask[w];
+        if (m == UINT32_MAX) continue;
+        int64_t end = (w + 1) * 32 < vocab ? (w + 1) * 32 : vocab;
+        for (int64_t t = w * 32; t < end; t++)
+            if (!((m >> (t - w * 32)) & 1u)) logits[t] = -INFINITY;
+    }
+}

@@ -58,6 +58,11 @@ int32_t cv_sampler_sample(cv_sampler *s, float *logits, const cv_sampling_params
                           const int32_t *banned, int64_t n_banned,
                           cv_rng *rng, cv_sample_info *info);
 
+/* Guided decoding: logits[t] = -inf for every token t whose bit (bit t%32 of
+ * mask[t/32]) is clear; mask has (vocab + 31) / 32 words. Applied before
+ * cv_sampler_sample, only to constrained sequences. */
+void cv_sampler_apply_token_mask(float *logits, int64_t vocab, const uint32_t *mask);
+
 /* Neutral parameters: temperature 1, top_p 1, top_k off, min_p 0, penalties off,
  * no logprobs. */
 void cv_sampling_params_init(cv_sampling_params *p);

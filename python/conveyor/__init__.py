@@ -17,10 +17,11 @@ from .async_llm import AsyncLLM  # noqa: F401
 from .llm import LLM  # noqa: F401
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput  # noqa: F401
 from .sampling_params import SamplingParams  # noqa: F401
+from .guided import GuidedDecodingParams  # noqa: F401
 
 from ._version import __version__  # noqa: F401
 
 __all__ = [
-    "LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics",
+    "LLM", "AsyncLLM", "SamplingParams", "GuidedDecodingParams", "RequestOutput", "CompletionOutput", "RequestMetrics",
     "Logprob", "ConveyorError", "EngineClosedError", "EngineOverloadedError", "ModelFormatError", "UnsupportedError",
 ]

@@ -196,7 +196,7 @@ class _SeqState:
 
 class _Request:
     __slots__ = ("request_id", "internal_id", "prompt", "prompt_token_ids", "params", "seqs",
-                 "finished", "metrics", "consumer")
+                 "finished", "metrics", "consumer", "matchers")
 
     def __init__(self, request_id, internal_id, prompt, prompt_ids, params, arrival):
         self.request_id = request_id
@@ -208,6 +208,7 @@ class _Request:
         self.finished = False
         self.metrics = RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(prompt_ids))
         self.consumer = None  # AsyncLLM's per-request queue
+        self.matchers = None  # guided decoding: one grammar matcher per completion
 
 
 class EngineCore:
@@ -253,6 +254,9 @@ class EngineCore:
         self._requests: dict[int, _Request] = {}
         self._by_name: dict[str, _Request] = {}
         self._next_id = 0
+        self._guided = None  # conveyor.guided.GuidedDecoder, built on first use
+        self._deferred_masks: list = []  # synchronous stepping: masks the next step computes
+        self._mask_worker = None  # a thread that computes them while that step runs
         self.closed = False
 
     # -- requests ---------------------------------------------------------
@@ -316,14 +320,42 @@ class EngineCore:
             if name in self._by_name:
                 raise ValueError(f"request_id {name!r} is already in use")
             internal = self._next_id
+            matchers = self._new_matchers(params)
             self._engine.add_request(internal, prompt_ids, params, priority=priority, timeout=timeout_s)
             self._next_id += 1
             req = _Request(name, internal, prompt_text, list(map(int, prompt_ids)), params,
                            time.monotonic())
             req.consumer = consumer
+            if matchers is not None:
+                req.matchers = matchers
+                for i, m in enumerate(matchers):
+                    self._engine.set_token_mask(internal, i, 0, self._guided.mask(m))
             self._requests[internal] = req
             self._by_name[name] = req
         return req
+
+    def _new_matchers(self, params: SamplingParams):
+        """Guided decoding: a grammar matcher per completion (None when unconstrained)."""
+        if params.guided_decoding is None:
+            return None
+        if self._guided is None:
+            from .guided import GuidedDecoder
+
+            self._guided = GuidedDecoder(self.tokenizer, self.vocab_size)
+        return [self._guided.matcher(params.guided_decoding) for _ in range(params.n)]
+
+    def _advance_guided(self, pending) -> None:
+        """Each (request, completion, token): the matcher takes the token, and the
+        mask for the completion's next position goes to the engine (which, in
+        the background loop, is running the next forward pass meanwhile). A
+        matcher that fails ends its completion (aborted)."""
+        for req, idx, token, pos in pending:
+            mask = None
+            try:
+                m = req.matchers[idx]
+                mask = self._guided.mask(m) if m.consume_token(token) else None
+            finally:  # always post (None ends the completion): the engine may be waiting
+                self._engine.set_token_mask(req.internal_id, idx, pos, mask)
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
@@ -348,8 +380,22 @@ class EngineCore:
         """Runs one engine step (GIL released) and applies its outputs; returns
         the requests that changed. The C engine refuses it (EngineClosedError,
         a RuntimeError) while the background loop runs."""
-        self._engine.step()
-        return self.process_events()
+        pending, self._deferred_masks = self._deferred_masks, []
+        if not pending:
+            self._engine.step()
+        else:
+            # Guided decoding: the masks for this step's positions are computed
+            # on a worker while the forward pass runs; the sampler waits for them.
+            if self._mask_worker is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="conveyor-guided")
+            fut = self._mask_worker.submit(self._advance_guided, pending)
+            try:
+                self._engine.step(wait_masks=True)
+            finally:
+                fut.result()
+        return self.process_events(defer_masks=True)
 
     def run(self, requests, on_step=None) -> None:
         """Steps until no request is left; on_step(changed requests) runs after
@@ -377,6 +423,9 @@ class EngineCore:
         """Hands stepping to the C engine's own thread: after each step with
         outputs it writes an 8-byte 1 to wake_fd; process_events() then applies
         them. From here on step() is refused; close() stops the thread."""
+        pending, self._deferred_masks = self._deferred_masks, []
+        if pending:
+            self._advance_guided(pending)
         self._engine.start_loop(wake_fd)
 
     def set_trace(self, on: bool) -> None:
@@ -387,11 +436,14 @@ class EngineCore:
         return self._engine.take_trace()
 
     # -- outputs ----------------------------------------------------------
-    def process_events(self, on_event=None) -> list[_Request]:
+    def process_events(self, on_event=None, defer_masks: bool = False) -> list[_Request]:
         """Applies the pending C events; returns the requests that changed.
-        on_event(req), if given, runs after each event (streaming snapshots)."""
+        on_event(req), if given, runs after each event (streaming snapshots).
+        Guided completions' next masks are computed here, or, with defer_masks
+        (synchronous stepping), by the next step() while its forward pass runs."""
         events = self._engine.take_outputs()
         changed: dict[int, _Request] = {}
+        guided = []
         with self._lock:
             for ev in events:  # _core.EngineEvent records
                 iid = ev.request_id
@@ -413,6 +465,8 @@ class EngineCore:
                         st.cum_logprob += ev.logprob
                 if ev.text:
                     st.add_text(st.decoder.decode(ev.text))
+                if req.matchers is not None and token >= 0 and not ev.finished:
+                    guided.append((req, ev.seq_index, token, len(st.token_ids)))
                 if ev.finished:
                     st.add_text(st.decoder.decode(b"", final=True))
                     st.finish_reason = ev.finish_reason
@@ -434,6 +488,10 @@ class EngineCore:
                 changed[iid] = req
                 if on_event is not None:
                     on_event(req)
+            if guided and defer_masks:
+                self._deferred_masks.extend(guided)
+            elif guided:
+                self._advance_guided(guided)
         return list(changed.values())
 
     @staticmethod
@@ -477,6 +535,8 @@ class EngineCore:
             self.closed = True
         self._engine.stop_loop()
         self._engine.close()
+        if self._mask_worker is not None:
+            self._mask_worker.shutdown(wait=True)
 
 
 class EngineFrontend:

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from . import _core
+from .guided import GuidedDecodingParams  # noqa: F401  (vLLM's import path)
 
 MAX_LOGPROBS = _core.MAX_LOGPROBS  # the C engine's limit (CV_MAX_LOGPROBS)
 _OUTPUT_KINDS = ("cumulative", "delta", "final_only")
@@ -62,6 +63,8 @@ class SamplingParams:
     logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     output_kind: str = "cumulative"
+    # Guided decoding (conveyor.guided): a GuidedDecodingParams, or a dict of its fields.
+    guided_decoding: Optional[Any] = None
     _stop_list: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -100,6 +103,10 @@ class SamplingParams:
                 if not _is_int(t):
                     raise field_error(TypeError, "stop_token_ids",
                                       "SamplingParams.stop_token_ids must contain only int")
+        if self.guided_decoding is not None:
+            from .guided import coerce_guided
+
+            self.guided_decoding = coerce_guided(self.guided_decoding)
         try:
             _core.check_sampling_params(self)
         except (TypeError, ValueError) as e:

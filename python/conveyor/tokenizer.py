@@ -140,6 +140,37 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         raise NotImplementedError
 
+    def encode_exact_bytes(self, data: bytes) -> list[int]:
+        """Ids whose token bytes concatenate to exactly ``data``: no BOS, no dummy
+        prefix (what a grammar engine needs to tokenize forced text). The
+        tokenizer's own encoding when it is exact, else longest-match on bytes."""
+        ids = self.encode(data.decode("utf-8", "replace"), add_special_tokens=False)
+        if b"".join(self.token_bytes(i) for i in ids) == data:
+            return ids
+        return self._greedy_bytes(data)
+
+    def _greedy_bytes(self, data: bytes) -> list[int]:
+        table = getattr(self, "_bytes_table", None)
+        if table is None:
+            table = {}
+            for i in range(self.vocab_size):
+                b = self.token_bytes(i)
+                if b and i not in self.special_ids:
+                    table.setdefault(b, i)
+            self._bytes_table = table
+            self._bytes_max = max(map(len, table), default=1)
+        ids, at = [], 0
+        while at < len(data):
+            for n in range(min(self._bytes_max, len(data) - at), 0, -1):
+                i = table.get(data[at:at + n])
+                if i is not None:
+                    ids.append(i)
+                    at += n
+                    break
+            else:
+                raise ValueError(f"byte {data[at]:#04x} has no token in this vocabulary")
+        return ids
+
     def all_token_bytes(self, size: int | None = None) -> list[bytes]:
         """Raw bytes of ids 0..n-1, n = max(vocab_size, size); ids past the vocabulary are b""."""
         n = self.vocab_size if size is None else max(self.vocab_size, int(size))
@@ -243,6 +274,17 @@ class Llama2cTokenizer(Tokenizer):
             ids.append(self._lookup.get(b" ", 0x20 + 3))  # dummy prefix
         for ch in text:
             b = ch.encode("utf-8")
+            i = self._lookup.get(b)
+            if i is None:
+                ids.extend(x + 3 for x in b)  # byte fallback
+            else:
+                ids.append(i)
+        return self._merge(ids)
+
+    def encode_exact_bytes(self, data: bytes) -> list[int]:
+        ids: list[int] = []
+        for ch in data.decode("utf-8", "surrogateescape"):
+            b = ch.encode("utf-8", "surrogateescape")
             i = self._lookup.get(b)
             if i is None:
                 ids.extend(x + 3 for x in b)  # byte fallback

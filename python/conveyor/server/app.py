@@ -28,8 +28,19 @@ from .protocol import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUED_REQUESTS, APIEr
 from .serving import Server, error_response, json_response
 
 
+def load_chat_template(value: str) -> str:
+    """--chat-template: a file's path, or the template itself."""
+    if "{" not in value and os.path.isfile(value):
+        with open(value, encoding="utf-8") as fh:
+            return fh.read()
+    if "{" not in value:
+        raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+    return value
+
+
 def build_app(engine, *, model_name: str, api_key: Optional[str] = None, request_timeout: Optional[float] = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, chat_template: Optional[str] = None,
+              allowed_origins: Optional[list] = None):
     """The ASGI app serving `engine` (an AsyncLLM) under the name `model_name`.
 
     api_key: when set, /v1/* needs "Authorization: Bearer <api_key>".
@@ -44,6 +55,10 @@ def build_app(engine, *, model_name: str, api_key: Optional[str] = None, request
 
     if not isinstance(model_name, str) or not model_name:
         raise ValueError("model_name must be a non-empty string")
+    if chat_template is not None:
+        if engine.tokenizer is None:
+            raise ValueError("a chat template needs a tokenizer")
+        engine.tokenizer.chat_template = load_chat_template(chat_template)
     if request_timeout is not None and not (isinstance(request_timeout, (int, float)) and
                                             not isinstance(request_timeout, bool) and 0 < request_timeout <= 1e9):
         raise ValueError(f"request_timeout must be a number of seconds in (0, 1e9], got {request_timeout!r}")
@@ -74,6 +89,17 @@ def build_app(engine, *, model_name: str, api_key: Optional[str] = None, request
 
     async def chat_completions(request):
         return await server.handle_generate(request, "chat")
+
+    async def tokenize(request):
+        server.check_auth(request)
+        body = await server.read_json(request)
+        ids = server.validator.tokenize(body)
+        return json_response({"tokens": ids, "count": len(ids), "max_model_len": server.max_model_len})
+
+    async def detokenize(request):
+        server.check_auth(request)
+        body = await server.read_json(request)
+        return json_response({"prompt": server.validator.detokenize(body)})
 
     def model_card():
         return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "conveyor",
@@ -114,10 +140,19 @@ def build_app(engine, *, model_name: str, api_key: Optional[str] = None, request
         Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/v1/models/{model:path}", guarded(model_one), methods=["GET"]),
+        Route("/tokenize", guarded(tokenize), methods=["POST"]),
+        Route("/detokenize", guarded(detokenize), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    middleware = []
+    if allowed_origins:
+        from starlette.middleware import Middleware
+        from starlette.middleware.cors import CORSMiddleware
+
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                                     allow_headers=["*"], allow_credentials="*" not in allowed_origins))
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error}, middleware=middleware)
     app.state.server = server
     return app
 
@@ -146,6 +181,10 @@ def make_parser() -> argparse.ArgumentParser:
                         "finish_reason 'timeout' (default: none)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="answer 413 to larger request bodies")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or a file holding one, instead of the tokenizer's")
+    p.add_argument("--allowed-origins", default=None,
+                   help="comma-separated origins allowed by CORS ('*' for any; default: no CORS)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", action="store_true", help="do not log each HTTP request")
     g = p.add_argument_group("engine")
@@ -219,14 +258,21 @@ def main(argv=None) -> int:
     from ..model_name import model_name
 
     name = args.served_model_name or model_name(args.model)
-    if engine.tokenizer is not None and not getattr(engine.tokenizer, "chat_template", None):
+    if engine.tokenizer is not None and not args.chat_template and not getattr(engine.tokenizer, "chat_template", None):
         print("conveyor serve: warning: the model has no chat template; /v1/chat/completions formats "
               "conversations as plain 'role: content' lines, which the model was not trained on",
               file=sys.stderr)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"conveyor serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
-    app = build_app(engine, model_name=name, api_key=args.api_key, request_timeout=args.request_timeout,
-                    max_body_bytes=args.max_body_bytes)
+    origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()] if args.allowed_origins else None
+    try:
+        app = build_app(engine, model_name=name, api_key=args.api_key, request_timeout=args.request_timeout,
+                        max_body_bytes=args.max_body_bytes, chat_template=args.chat_template,
+                        allowed_origins=origins)
+    except (OSError, ValueError) as e:
+        engine.close()
+        print(f"conveyor serve: {e}", file=sys.stderr)
+        return 2
     try:
         # Bound here, not by uvicorn, so that --port 0 works: the line below names the real port.
         sock = _bind(args.host, args.port)

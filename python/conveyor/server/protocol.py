@@ -167,6 +167,17 @@ class Parsed:
     model: Optional[str] = None
     priority: int = 0                # vLLM's extension: lower runs first under scheduling="priority"
     timeout: Optional[float] = None  # seconds from arrival; past it: finish_reason "timeout"
+    tool_call: Optional["ToolCall"] = None  # chat: answer with tool_calls (named or required)
+
+
+@dataclass
+class ToolCall:
+    """Function calling through guided decoding: `name` set -> the output is
+    that function's arguments; None ("required") -> {"name", "arguments"} of
+    one of the tools."""
+
+    name: Optional[str]
+    tools: dict  # name -> parameters schema
 
 
 def _parse_stop(f: Fields):
@@ -221,6 +232,112 @@ def _common_sampling(f: Fields, max_tokens: Optional[int], logprobs: Optional[in
     if bo is not None and bo != n:
         raise bad_request("best_of", "'best_of' is not supported (only best_of == n)")
     return kw
+
+
+_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def _guided(f: Fields, tool_schema=None) -> tuple[Optional[dict], Optional[str]]:
+    """The guided-decoding request (vLLM's guided_* fields, OpenAI's
+    response_format, or a tool-call schema) as GuidedDecodingParams fields,
+    and the body field it came from."""
+    found = []
+    for key in _GUIDED_FIELDS:
+        if f.obj.get(key) is not None:
+            found.append(key)
+    rf = f.obj_("response_format")
+    rf_type = None
+    if rf is not None:
+        rf_type = rf.get("type", "text")
+        if rf_type not in ("text", "json_object", "json_schema"):
+            raise bad_request("response_format", "response_format type must be 'text', 'json_object' or "
+                                                 f"'json_schema', got {rf_type!r}")
+        if rf_type != "text":
+            found.append("response_format")
+    if tool_schema is not None:
+        found.append("tools")
+    if len(found) > 1:
+        raise bad_request(found[1], f"only one of {', '.join(found)} may be given")
+    if not found:
+        return None, None
+    key = found[0]
+    if key == "tools":
+        return {"json": tool_schema}, "tools"
+    if key == "response_format":
+        if rf_type == "json_object":
+            return {"json_object": True}, key
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+            raise bad_request("response_format", "response_format.json_schema must be an object with a 'schema' "
+                                                 "object (and a 'name')")
+        return {"json": js.get("schema", {"type": "object"})}, key
+    v = f.obj[key]
+    if key == "guided_json":
+        if not isinstance(v, (dict, str)):
+            raise bad_request(key, f"'{key}' must be a JSON schema (an object or a string)")
+        return {"json": v}, key
+    if key == "guided_choice":
+        if not isinstance(v, list) or not v or not all(isinstance(c, str) and c for c in v):
+            raise bad_request(key, f"'{key}' must be a non-empty array of non-empty strings")
+        return {"choice": v}, key
+    if not isinstance(v, str) or not v:
+        raise bad_request(key, f"'{key}' must be a non-empty string")
+    return {"regex" if key == "guided_regex" else "grammar": v}, key
+
+
+def _tools(f: Fields) -> Optional[ToolCall]:
+    """tools + tool_choice: a named function or "required" -> a ToolCall; "none"
+    (or no tools) -> None; "auto" is refused (no sound way to let a grammar
+    decide between text and a call here)."""
+    if f.obj.get("functions"):
+        raise bad_request("functions", "'functions' is deprecated and not supported; use 'tools'")
+    tools = f.obj.get("tools")
+    choice = f.obj.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice", "'tool_choice' needs 'tools'")
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("tools", "'tools' must be an array of {type: 'function', function: {...}} objects")
+    by_name: dict = {}
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_request("tools", f"'tools[{i}]' must be {{type: 'function', function: {{name, parameters}}}}")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise bad_request(f"tools[{i}].function.parameters", "function parameters must be a JSON schema object")
+        by_name[fn["name"]] = params
+    if choice == "none":
+        return None
+    if choice is None or choice == "auto":
+        raise bad_request("tool_choice", "tool_choice 'auto' is not supported; use 'required', 'none' or "
+                                         "{type: 'function', function: {name}}")
+    if choice == "required":
+        return ToolCall(None, by_name)
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in by_name:
+            raise bad_request("tool_choice", f"tool_choice names function {name!r}, which is not among 'tools'")
+        return ToolCall(name, by_name)
+    raise bad_request("tool_choice", "tool_choice must be 'none', 'required', 'auto' or "
+                                     "{type: 'function', function: {name}}")
+
+
+def _tool_schema(tc: ToolCall) -> dict:
+    if tc.name is not None:
+        return tc.tools[tc.name]
+    return {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "arguments": p},
+                       "required": ["name", "arguments"], "additionalProperties": False}
+                      for n, p in tc.tools.items()]}
+
+
+def _with_guided(kw: dict, f: Fields, tool: Optional[ToolCall] = None) -> tuple[dict, dict]:
+    """kw with guided_decoding set from the body; the rename of its error field."""
+    g, source = _guided(f, _tool_schema(tool) if tool is not None else None)
+    if g is None:
+        return kw, {}
+    return {**kw, "guided_decoding": g}, {"guided_decoding": source}
 
 
 def refused(e: Exception, renames: Optional[dict] = None) -> APIError:
@@ -331,8 +448,10 @@ class Validator:
                 prompts.append(Prompt(p, self._encode(param, p)))
             else:
                 prompts.append(Prompt(None, self._ids(param, p)))
-        params = _make_params(_common_sampling(f, max_tokens, logprobs, n))
-        self._check(params, prompts, ["prompt" if len(prompts) == 1 else f"prompt[{i}]" for i in range(len(prompts))])
+        kw, renames = _with_guided(_common_sampling(f, max_tokens, logprobs, n), f)
+        params = _make_params(kw, renames)
+        self._check(params, prompts, ["prompt" if len(prompts) == 1 else f"prompt[{i}]" for i in range(len(prompts))],
+                    renames)
         return Parsed("completion", prompts, params, stream, include_usage, logprobs, echo, model,
                       **_load_fields(f))
 
@@ -370,13 +489,21 @@ class Validator:
             raise bad_request("top_logprobs", "'top_logprobs' needs 'logprobs' set to true")
         logprobs = (top or 0) if want_lp else None
         stream, include_usage = _stream_flags(f)
-        for key in ("tools", "functions"):
-            if f.obj.get(key):
-                raise bad_request(key, f"'{key}' is not supported by this server")
-        rf = f.obj_("response_format")
-        if rf is not None and rf.get("type", "text") != "text":
-            raise bad_request("response_format", "only response_format type 'text' is supported")
+        tool = _tools(f)
 
+        text, ids = self.render_chat(body)
+        if max_tokens is None:  # the rest of the context, capped
+            max_tokens = max(1, min(self.max_model_len - len(ids), DEFAULT_CHAT_MAX_TOKENS_CAP))
+        kw, renames = _with_guided(_common_sampling(f, max_tokens, logprobs, n), f, tool)
+        renames["logprobs"] = "top_logprobs"
+        params = _make_params(kw, renames)
+        prompts = [Prompt(text, ids)]
+        self._check(params, prompts, ["messages"], renames)
+        return Parsed("chat", prompts, params, stream, include_usage, logprobs, False, model, tool_call=tool,
+                      **_load_fields(f))
+
+    def render_chat(self, body: dict, add_generation_prompt: bool = True) -> tuple[str, list]:
+        """body["messages"] through the chat template: (text, token ids)."""
         msgs = body.get("messages")
         if msgs is None:
             raise bad_request("messages", "'messages' is required")
@@ -393,7 +520,7 @@ class Validator:
         if self.tok is None:
             raise bad_request("messages", "this server has no tokenizer, so chat is unavailable")
         try:
-            text = self.tok.apply_chat_template(conv, add_generation_prompt=True)
+            text = self.tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
         except (TypeError, ValueError) as e:
             raise bad_request("messages", f"the chat template failed: {e}") from None
         except Exception as e:  # a template's own error (jinja2)
@@ -402,12 +529,29 @@ class Validator:
             ids = self._encode("messages", text, add_special_tokens=False)
         else:
             ids = self._encode("messages", text)
-        if max_tokens is None:  # the rest of the context, capped
-            max_tokens = max(1, min(self.max_model_len - len(ids), DEFAULT_CHAT_MAX_TOKENS_CAP))
-        renames = {"logprobs": "top_logprobs"}
-        params = _make_params(_common_sampling(f, max_tokens, logprobs, n), renames)
-        prompts = [Prompt(text, ids)]
-        self._check(params, prompts, ["messages"], renames)
-        return Parsed("chat", prompts, params, stream, include_usage, logprobs, False, model, **_load_fields(f))
+        return text, ids
 
+    def tokenize(self, body: dict) -> list:
+        """/tokenize: the ids of body["prompt"] or of the rendered body["messages"]."""
+        f = Fields(body)
+        f.str("model")
+        if body.get("messages") is not None:
+            return self.render_chat(body, f.bool("add_generation_prompt", True))[1]
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise bad_request("prompt", "'prompt' (a string) or 'messages' is required")
+        return self._encode("prompt", prompt, f.bool("add_special_tokens", True))
 
+    def detokenize(self, body: dict) -> str:
+        """/detokenize: the text of body["tokens"]."""
+        Fields(body).str("model")
+        ids = body.get("tokens")
+        if not isinstance(ids, list):
+            raise bad_request("tokens", "'tokens' must be an array of token ids")
+        ids = self._ids("tokens", ids)
+        if self.tok is None:
+            raise bad_request("tokens", "this server has no tokenizer")
+        for t in ids:
+            if not 0 <= t < self.tok.vocab_size:
+                raise bad_request("tokens", f"token id {t} is outside the vocabulary [0, {self.tok.vocab_size})")
+        return self.tok.decode(ids)

@@ -88,6 +88,23 @@ class SSEResponse:
 # ---------------------------------------------------------------------------- the server
 
 
+def tool_call_message(tc, text: str, finish: Optional[str]) -> tuple[dict, Optional[str]]:
+    """The assistant message for a guided tool call: the grammar made `text`
+    the arguments (named function) or {"name", "arguments"} ("required"). A
+    completion cut short (length, abort) is not valid JSON: it stays content."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {"role": "assistant", "content": text}, finish
+    if tc.name is not None:
+        name, args = tc.name, value
+    else:
+        name, args = value["name"], value["arguments"]
+    call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+    return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+
+
 def _finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
 
@@ -295,10 +312,13 @@ class Server:
                 completion_tokens += len(o.token_ids)
                 idx = i * n + o.index
                 if chat:
+                    message, finish = {"role": "assistant", "content": o.text}, o.finish_reason
+                    if parsed.tool_call is not None:
+                        message, finish = tool_call_message(parsed.tool_call, o.text, finish)
                     choices.append({
-                        "index": idx, "message": {"role": "assistant", "content": o.text},
+                        "index": idx, "message": message,
                         "logprobs": self._chat_logprobs(o.logprobs, o.token_ids, parsed.logprobs or 0),
-                        "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+                        "finish_reason": finish, "stop_reason": o.stop_reason})
                 else:
                     text = o.text
                     if parsed.echo:
@@ -319,8 +339,9 @@ class Server:
             return p.text
         return self.tok.decode(p.ids) if self.tok is not None else ""
 
-    def _stream_choices(self, parsed: Parsed, i: int, out, tokens, offsets, done) -> list:
-        """The chunk choices for one delta RequestOutput of prompt i; updates the per-choice state."""
+    def _stream_choices(self, parsed: Parsed, i: int, out, tokens, offsets, done, held) -> list:
+        """The chunk choices for one delta RequestOutput of prompt i; updates the per-choice state.
+        Tool calls are held back (held[j]) and sent whole with the finish."""
         n = parsed.params.n
         chat = parsed.kind == "chat"
         choices = []
@@ -333,7 +354,15 @@ class Server:
                 continue
             tokens[j] += len(o.token_ids)
             tail = {"stop_reason": o.stop_reason} if fin else {}
-            if chat:
+            if chat and parsed.tool_call is not None:
+                held[j] += o.text
+                if fin is None:
+                    continue
+                message, fin = tool_call_message(parsed.tool_call, held[j], fin)
+                delta = ({"tool_calls": [{"index": 0, **message["tool_calls"][0]}]} if "tool_calls" in message
+                         else {"content": message["content"]})
+                choices.append({"index": j, "delta": delta, "logprobs": None, "finish_reason": fin, **tail})
+            elif chat:
                 delta = {"content": o.text} if (o.text or fin is None) else {}
                 lp = self._chat_logprobs(o.logprobs, o.token_ids, parsed.logprobs or 0)
                 choices.append({"index": j, "delta": delta, "logprobs": lp, "finish_reason": fin, **tail})
@@ -378,6 +407,7 @@ class Server:
         tokens = [0] * n_choices
         offsets = [0] * n_choices
         done = [False] * n_choices
+        held = [""] * n_choices
         prompt_tokens = 0
 
         def chunk(choices, usage=None):
@@ -393,7 +423,7 @@ class Server:
             elif parsed.echo:
                 yield chunk([{"index": i * n + k, "text": self._prompt_text(p), "logprobs": None,
                               "finish_reason": None} for i, p in enumerate(parsed.prompts) for k in range(n)])
-            if len(streams) == 1 and n == 1 and parsed.logprobs is None:
+            if len(streams) == 1 and n == 1 and parsed.logprobs is None and parsed.tool_call is None:
                 usage = [0, 0]
                 enc = ChunkEncoder(rid, created, self.model_name, chat, parsed.include_usage)
                 async with aclosing(self._single_events(streams[0], enc, usage)) as events:
@@ -403,7 +433,7 @@ class Server:
             else:
                 async with aclosing(self._merged(streams)) as outs:
                     async for i, out in outs:
-                        choices = self._stream_choices(parsed, i, out, tokens, offsets, done)
+                        choices = self._stream_choices(parsed, i, out, tokens, offsets, done, held)
                         if out.finished:
                             prompt_tokens += len(out.prompt_token_ids)
                             self._record(out, tokens[i * n:(i + 1) * n])
