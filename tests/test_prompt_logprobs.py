@@ -101,3 +101,30 @@ def test_prompt_logprobs_range(bad):
     with pytest.raises(ValueError) as ei:
         SamplingParams(prompt_logprobs=bad)
     assert ei.value.field == "prompt_logprobs"
+
+
+def test_async_streams_prompt_logprobs_and_best_of(stories_dir):
+    import asyncio
+
+    from conveyor import AsyncLLM
+
+    path = str(stories_dir / "stories260K.bin")
+
+    async def run():
+        engine = AsyncLLM(path, num_threads=1, max_num_batched_tokens=8)
+        try:
+            got = []
+            sp = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1, output_kind="delta")
+            async for out in engine.generate(PROMPTS[0], sp):
+                got += out.prompt_logprobs
+            outs = []
+            async for out in engine.generate(PROMPTS[2], SamplingParams(n=1, best_of=3, seed=2, max_tokens=4)):
+                outs.append(out)
+            return got, outs, engine.tokenizer.encode(PROMPTS[0])
+        finally:
+            engine.close()
+
+    got, outs, ids = asyncio.run(run())
+    assert len(got) == len(ids) and got[0] is None  # every position once, across the deltas
+    assert [next(iter(e)) if e else None for e in got][1:] == ids[1:]
+    assert len(outs) == 1 and outs[0].finished and len(outs[0].outputs) == 1

@@ -139,7 +139,7 @@ class _SeqState:
 
 class _Request:
     __slots__ = ("request_id", "internal_id", "prompt", "prompt_token_ids", "params", "seqs",
-                 "finished", "metrics", "consumer", "prompt_logprobs")
+                 "finished", "metrics", "consumer", "prompt_logprobs", "sent_prompt_lp")
 
     def __init__(self, request_id, internal_id, prompt, prompt_ids, params, arrival):
         self.request_id = request_id
@@ -151,6 +151,7 @@ class _Request:
         n_run = max(params.n, params.best_of or 0)
         self.seqs = [_SeqState(params.logprobs is not None, n_run > params.n) for _ in range(n_run)]
         self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
+        self.sent_prompt_lp = 0
         self.finished = False
         self.metrics = RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(prompt_ids))
         self.consumer = None  # AsyncLLM's per-request queue
@@ -412,7 +413,12 @@ class EngineCore:
                                          st.stop_reason))
         out = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
                             req.metrics)
-        out.prompt_logprobs = list(req.prompt_logprobs) if req.prompt_logprobs is not None else None
+        if req.prompt_logprobs is not None:
+            # delta: only the prompt positions not sent yet
+            start = req.sent_prompt_lp if delta else 0
+            out.prompt_logprobs = req.prompt_logprobs[start:]
+            if delta:
+                req.sent_prompt_lp = len(req.prompt_logprobs)
         return out
 
     def stats(self) -> dict:
