@@ -377,6 +377,9 @@ class Validator:
             else:
                 prompts.append(Prompt(None, self._ids(param, p)))
         kw = _common_sampling(f, max_tokens, logprobs, n, allow_best_of=True)
+        if len(items) * max(n, kw.get("best_of") or 0) > MAX_SEQUENCES:
+            raise bad_request("best_of", f"{len(items)} prompts x best_of={kw['best_of']} is more than "
+                                         f"{MAX_SEQUENCES} sequences")
         if echo and logprobs is not None:
             kw["prompt_logprobs"] = logprobs  # the prompt's logprobs, answered in the legacy shape
         if max_tokens == 0:
