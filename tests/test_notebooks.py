@@ -67,3 +67,24 @@ def test_continuous_batching_notebook(kernel_env):
     assert len(images) >= 3  # timeline, variance, latency
     text = _text(outs)
     assert "slot 0" in text and "ratio" in text and "requests/s" in text
+
+
+def test_progress_bar_in_jupyter_does_not_warn(kernel_env):
+    """LLM.generate's default progress bar inside a kernel: the widget bar when ipywidgets
+    is installed, else tqdm's text bar, never tqdm's "IProgress not found" warning."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(
+        "import os\n"
+        "from conveyor import LLM, SamplingParams\n"
+        "p = os.environ['CONVEYOR_STORIES']\n"
+        "llm = LLM(p if p.endswith('.bin') else os.path.join(p, 'stories260K.bin'))\n"
+        "outs = llm.generate(['Once upon a time'] * 3, SamplingParams(max_tokens=8))\n"
+        "print('done', len(outs))\n")]
+    if "CONVEYOR_STORIES" not in os.environ:
+        pytest.skip("stories260K not found")
+    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3").execute()
+    outs = nb.cells[0].outputs
+    assert not [o for o in outs if o.output_type == "error"], outs
+    text = "".join(o.get("text", "") for o in outs if o.output_type == "stream")
+    assert "done 3" in text
+    assert "IProgress" not in text, text

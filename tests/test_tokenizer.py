@@ -1,7 +1,9 @@
 """Tokenizers: llama2.c (stories260K's tok512.bin and written ones) and HF tokenizer.json."""
 import json
 import random
+import re
 import struct
+import warnings
 
 import pytest
 
@@ -131,8 +133,11 @@ def test_llama2c_long_prompt(tok512):
 def test_llama2c_default_chat_format(tok512):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert tok512.chat_template is None
-    assert tok512.apply_chat_template(msgs) == "system: Be brief.\nuser: Hi\nassistant: "
-    assert tok512.apply_chat_template(msgs, add_generation_prompt=False) == "system: Be brief.\nuser: Hi\n"
+    with pytest.warns(UserWarning, match="no chat template"):  # stated, not silent
+        assert tok512.apply_chat_template(msgs) == "system: Be brief.\nuser: Hi\nassistant: "
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per tokenizer
+        assert tok512.apply_chat_template(msgs, add_generation_prompt=False) == "system: Be brief.\nuser: Hi\n"
 
 
 def test_llama2c_errors(tok512, tmp_path, stories_dir):
@@ -303,19 +308,242 @@ def test_hf_metaspace_byte_fallback(tmp_path):
     assert tok.token_bytes(tok.encode("hello", add_special_tokens=False)[0]) == b" hello"
 
 
-def test_chat_template_with_or_without_jinja(hf_tok, monkeypatch):
+def test_chat_template_rendered_with_jinja(hf_tok, monkeypatch):
     chatml = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     monkeypatch.setattr(hf_tok, "chat_template", chatml)
     msgs = [{"role": "user", "content": "Hi"}]
-    try:
-        import jinja2  # noqa: F401
-    except ImportError:
-        assert hf_tok.apply_chat_template(msgs) == "user: Hi\nassistant: "  # the built-in format
-    else:
-        assert hf_tok.apply_chat_template(msgs) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert hf_tok.apply_chat_template(msgs) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    monkeypatch.setattr(hf_tok, "chat_template", "{% for m in messages %}{{ m.role }")
+    with pytest.raises(conveyor.ModelFormatError, match="not valid Jinja"):
+        hf_tok.apply_chat_template(msgs)
+    monkeypatch.setattr(hf_tok, "chat_template", "{{ raise_exception('only user turns') }}")
+    with pytest.raises(ValueError, match="only user turns"):
+        hf_tok.apply_chat_template(msgs)
 
 
 def test_load_tokenizer_passes_instances_through(hf_tok, tiny_hf_dir):
     assert load_tokenizer(tiny_hf_dir, tokenizer=hf_tok) is hf_tok
     assert load_tokenizer(tiny_hf_dir, tokenizer=tiny_hf_dir / "tokenizer.json").encode("hi") == hf_tok.encode("hi")
+
+
+# ---------------------------------------------------------------------------- GGUF
+
+from conveyor.tokenizer import GGUFTokenizer, GGUF_PRE_TOKENIZERS  # noqa: E402
+
+GGUF_TEXTS = [
+    "Hello world! 12345  spaces\t\ttab\n\nnewline héllo 日本語 🙂",
+    "   leading spaces and trailing   ",
+    "snake_case_name = foo(bar, 42); x+=1 // it's what they've said",
+    "Ça va? Größe, naïve café — “quotes” and 'single' ones.\r\n",
+    "Once upon a time, there was a little girl named Lily.",
+    "",
+    " ",
+    "\n\n\n",
+]
+
+
+def _gguf_meta(tmp_path, **kw):
+    from conveyor.gguf import GGUFReader
+    from conveyor.testing import write_gguf_checkpoint
+
+    return GGUFReader(write_gguf_checkpoint(tmp_path / "m.gguf", **kw)).metadata
+
+
+def test_gguf_gpt2_matches_hf_tokenizer(tmp_path, hf_tok):
+    """The test vocabulary stored in GGUF metadata (pre-tokenizer "gpt2") encodes like the
+    same vocabulary in tokenizer.json (HF's ByteLevel with the GPT-2 regex)."""
+    tok = GGUFTokenizer(_gguf_meta(tmp_path, shape="tiny", tokenizer="gpt2"))
+    assert tok.kind == "gguf" and tok.vocab_size == hf_tok.vocab_size
+    assert (tok.bos_id, tok.eos_ids) == (hf_tok.bos_id, hf_tok.eos_ids)
+    from conveyor.testing import CORPUS
+
+    for text in GGUF_TEXTS + CORPUS.splitlines():
+        assert tok.encode(text) == hf_tok.encode(text), text
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.all_token_bytes() == hf_tok.all_token_bytes()
+    assert tok.chat_template == hf_tok.chat_template
+
+
+def test_gguf_llama_matches_llama2c_tokenizer(tmp_path, tiny_llama2c_path):
+    """The SentencePiece-style test vocabulary in GGUF form ("▁" spaces, scores, <0xNN>
+    bytes) encodes like the llama2.c tokenizer that holds the same pieces and scores."""
+    ref = Llama2cTokenizer(tiny_llama2c_path.parent / "tokenizer.bin", 512)
+    tok = GGUFTokenizer(_gguf_meta(tmp_path, shape="tiny", tokenizer="llama"))
+    assert (tok.bos_id, tok.eos_id, tok.unk_id) == (1, 2, 0)
+    from conveyor.testing import CORPUS
+
+    texts = [t for t in GGUF_TEXTS if t.strip()] + CORPUS.splitlines()
+    for text in texts:
+        assert tok.encode(text) == ref.encode(text), text
+        assert tok.decode(tok.encode(text)) == text, text
+    for i in range(3, 259):
+        assert tok.token_bytes(i) == bytes([i - 3])  # <0xNN> byte tokens
+    assert tok.strip_leading_space_after_bos
+    assert tok.encode("<s>hi", add_special_tokens=False)[0] == 1  # control token matched whole
+
+
+def test_gguf_pre_tokenizers(tmp_path):
+    md = _gguf_meta(tmp_path, shape="tiny", tokenizer="gpt2")
+    text = "Hello,world 12345 it's\n\n  x!?"
+
+    def pieces(pre):
+        tok = GGUFTokenizer(dict(md, **{"tokenizer.ggml.pre": pre}))
+        return [p for p, _ in tok._tok.pre_tokenizer.pre_tokenize_str(text)]
+
+    assert pieces("gpt2") == ["Hello", ",", "world", "Ġ12345", "Ġit", "'s", "ĊĊĠ", "Ġx", "!?"]
+    assert pieces("smollm") == ["Hello", ",", "world", "Ġ", "1", "2", "3", "4", "5", "Ġit", "'s", "ĊĊĠ", "Ġx", "!?"]
+    assert pieces("llama-bpe") == ["Hello", ",world", "Ġ", "123", "45", "Ġit", "'s", "ĊĊ", "Ġ", "Ġx", "!?"]
+    assert pieces("qwen2") == ["Hello", ",world", "Ġ", "1", "2", "3", "4", "5", "Ġit", "'s", "ĊĊ", "Ġ", "Ġx", "!?"]
+    assert "".join(pieces("default")) == "".join(pieces("gpt2"))
+    # Llama 3 vocabularies take a word that is a token whole, even with no merges to it
+    from conveyor.testing import SHAPES
+
+    big = _gguf_meta(tmp_path, shape=dict(SHAPES["tiny"], vocab_size=4000), tokenizer="gpt2")
+    last = len(big["tokenizer.ggml.tokens"]) - 1  # a padding word no merge leads to
+    word = GGUFTokenizer(big).token_bytes(last).decode()
+    llama3 = GGUFTokenizer(dict(big, **{"tokenizer.ggml.pre": "llama-bpe"}))
+    assert llama3.encode(word, add_special_tokens=False) == [last]
+    assert len(GGUFTokenizer(big).encode(word, add_special_tokens=False)) > 1
+    unsaid = {k: v for k, v in big.items() if k != "tokenizer.ggml.add_bos_token"}  # llama.cpp's defaults
+    assert GGUFTokenizer(dict(unsaid, **{"tokenizer.ggml.pre": "llama-bpe"})).add_bos_token
+    assert not GGUFTokenizer(unsaid).add_bos_token
+    assert {"default", "smollm", "llama-bpe", "qwen2"} <= set(GGUF_PRE_TOKENIZERS)
+    with pytest.raises(conveyor.UnsupportedError, match="pre-tokenizer 'nope'"):
+        GGUFTokenizer(dict(md, **{"tokenizer.ggml.pre": "nope"}))
+
+
+def test_gguf_tokenizer_bad_metadata(tmp_path):
+    md = _gguf_meta(tmp_path, shape="tiny", tokenizer="gpt2")
+    with pytest.raises(conveyor.ModelFormatError, match="no tokenizer"):
+        GGUFTokenizer({})
+    with pytest.raises(conveyor.UnsupportedError, match="'bert'"):
+        GGUFTokenizer(dict(md, **{"tokenizer.ggml.model": "bert"}))
+    with pytest.raises(conveyor.ModelFormatError, match="tokens must be a list"):
+        GGUFTokenizer(dict(md, **{"tokenizer.ggml.tokens": "abc"}))
+    with pytest.raises(conveyor.ModelFormatError, match="token types for"):
+        GGUFTokenizer(dict(md, **{"tokenizer.ggml.token_type": [1, 1]}))
+    with pytest.raises(conveyor.ModelFormatError, match="eos_token_id"):
+        GGUFTokenizer(dict(md, **{"tokenizer.ggml.eos_token_id": 10**6}))
+    with pytest.raises(conveyor.ModelFormatError, match="merges is missing"):
+        GGUFTokenizer({k: v for k, v in md.items() if k != "tokenizer.ggml.merges"})
+    with pytest.raises(TypeError):
+        GGUFTokenizer([1, 2])
+
+
+def test_gguf_without_template_warns_once(tmp_path):
+    tok = GGUFTokenizer(_gguf_meta(tmp_path, shape="tiny", tokenizer="gpt2", chat_template=None))
+    msgs = [{"role": "user", "content": "Hi"}]
+    with pytest.warns(UserWarning, match="no chat template"):
+        assert tok.apply_chat_template(msgs) == "user: Hi\nassistant: "
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tok.apply_chat_template(msgs)
+
+
+def test_load_tokenizer_reads_gguf(tmp_path):
+    from conveyor.testing import write_gguf_checkpoint
+
+    path = write_gguf_checkpoint(tmp_path / "m.gguf", shape="tiny", tokenizer="llama")
+    tok = load_tokenizer(path)
+    assert isinstance(tok, GGUFTokenizer) and tok.path == path and tok.model == "llama"
+    bare = write_gguf_checkpoint(tmp_path / "bare.gguf", shape="tiny", tokenizer=None)
+    with pytest.raises(conveyor.ModelFormatError, match="no tokenizer"):
+        load_tokenizer(bare)
+
+
+# The real SmolLM2 vocabulary, checked against an independent byte-level BPE written here
+# from the definitions (SmolLM's pre-tokenizer: digits one by one, then the GPT-2 regex;
+# Python's re stands in for \p{L}/\p{N} with [^\W\d_]/\d, exact for the texts used).
+
+_L, _N, _P = r"[^\W\d_]", r"\d", r"(?:[^\s\w]|_)"
+_GPT2_RE = re.compile(rf"'s|'t|'re|'ve|'m|'ll|'d| ?{_L}+| ?{_N}+| ?{_P}+|\s+(?!\S)|\s+")
+
+
+def _naive_smollm_encode(text, tokens, merges, specials):
+    from conveyor.tokenizer import _bytes_to_unicode
+
+    table = _bytes_to_unicode()
+    ids = {t: i for i, t in enumerate(tokens)}
+    rank = {tuple(m.split(" ", 1)): r for r, m in enumerate(merges)}
+    out = []
+    split = re.split("(" + "|".join(re.escape(s) for s in specials) + ")", text)
+    for k, part in enumerate(split):
+        if k % 2:
+            out.append(ids[part])
+            continue
+        for chunk in re.split(r"(\d)", part):
+            for word in _GPT2_RE.findall(chunk):
+                syms = [table[b] for b in word.encode("utf-8")]
+                while len(syms) > 1:
+                    best = min(range(len(syms) - 1), key=lambda i: rank.get((syms[i], syms[i + 1]), 1 << 30))
+                    if (syms[best], syms[best + 1]) not in rank:
+                        break
+                    syms[best:best + 2] = [syms[best] + syms[best + 1]]
+                out += [ids[s] for s in syms]
+    return out
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf):
+    from conveyor.gguf import GGUFReader
+
+    md = GGUFReader(smollm2_gguf).metadata
+    return GGUFTokenizer(md), md
+
+
+SMOLLM_TEXTS = GGUF_TEXTS + [
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+    "The year 2024 had 366 days;   three   spaces, tabs\t\tand\u00a0nbsp.",
+    "<|endoftext|><|im_end|>x<|im_start|>",
+]
+
+
+def test_smollm2_specials_are_single_ids(smollm2):
+    tok, md = smollm2
+    tokens = md["tokenizer.ggml.tokens"]
+    assert tok.encode("<|im_start|>") == [1] and tokens[1] == "<|im_start|>"
+    assert tok.encode("<|im_end|>") == [2] == tok.eos_ids
+    assert tok.encode("<|endoftext|>") == [0]
+    assert tok.bos_id == 1 and tok.pad_id == 2 and tok.add_bos_token is False
+    assert tok.encode("\n") == [tokens.index("Ċ")]
+    assert tok.encode(" Paris") == [tokens.index("ĠParis")]
+    assert tok.encode("x<|im_end|>y") == [tokens.index("x"), 2, tokens.index("y")]
+
+
+@pytest.mark.parametrize("text", SMOLLM_TEXTS)
+def test_smollm2_matches_independent_bpe(smollm2, text):
+    tok, md = smollm2
+    tokens = md["tokenizer.ggml.tokens"]
+    specials = [t for t, ty in zip(tokens, md["tokenizer.ggml.token_type"]) if ty == 3]
+    ids = tok.encode(text)
+    assert ids == _naive_smollm_encode(text, tokens, md["tokenizer.ggml.merges"], specials)
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
+
+
+def test_smollm2_chat_template_is_chatml(smollm2):
+    tok, md = smollm2
+    assert tok.chat_template == md["tokenizer.chat_template"]
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there!"}]
+    want = ("<|im_start|>system\nYou are terse.<|im_end|>\n"
+            "<|im_start|>user\nHi there!<|im_end|>\n"
+            "<|im_start|>assistant\n")
+    assert tok.apply_chat_template(msgs) == want
+    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == want[:-len("<|im_start|>assistant\n")]
+    # without a system message the template supplies SmolLM's own
+    text = tok.apply_chat_template(msgs[1:])
+    assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    ids = tok.encode(want)
+    assert ids.count(1) == 3 and ids.count(2) == 2  # each marker one id
+
+
+def test_gguf_llama_without_space_prefix(tmp_path):
+    md = _gguf_meta(tmp_path, shape="tiny", tokenizer="llama",
+                    extra_metadata={"tokenizer.ggml.add_space_prefix": False})
+    tok = GGUFTokenizer(md)
+    with_prefix = GGUFTokenizer(dict(md, **{"tokenizer.ggml.add_space_prefix": True}))
+    assert not tok.strip_leading_space_after_bos
+    assert tok.token_bytes(tok.encode("the", add_special_tokens=False)[0])[:1] != b" "
+    assert with_prefix.token_bytes(with_prefix.encode("the", add_special_tokens=False)[0])[:1] == b" "
+    assert tok.decode(tok.encode("the cat")) == "the cat" == with_prefix.decode(with_prefix.encode("the cat"))

@@ -9,6 +9,7 @@
 #   safetensors  the safetensors header reader (cv_st_parse)
 #   config       HF config.json parsing (cv_hf_config_parse, the JSON parser)
 #   llama2c      the llama2.c checkpoint reader (cv_llama2c_parse)
+#   gguf         the GGUF reader and checkpoint (cv_gguf_parse, cv_gguf_checkpoint_parse)
 #   stop         the stop-string matcher against brute-force references
 # Python target:
 #   tokenizer    conveyor.tokenizer.Llama2cTokenizer loading corrupted tokenizer.bin
@@ -32,7 +33,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 
-usage() { sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; }
 
 secs=10
 mode=fuzz
@@ -46,7 +47,7 @@ while [ $# -gt 0 ]; do
     *) targets+=("$1"); shift ;;
   esac
 done
-all=(safetensors config llama2c stop tokenizer)
+all=(safetensors config llama2c gguf stop tokenizer)
 [ ${#targets[@]} -eq 0 ] && targets=("${all[@]}")
 for t in "${targets[@]}"; do
   case " ${all[*]} " in *" $t "*) ;; *) echo "fuzz.sh: unknown target '$t' (${all[*]})" >&2; exit 2 ;; esac
@@ -279,7 +280,7 @@ EOF
 }
 
 model_srcs=(csrc/model/safetensors.c csrc/model/json.c csrc/model/checkpoint.c csrc/model/mapped_file.c csrc/model/checkpoint_hf.c
-            csrc/model/checkpoint_llama2c.c csrc/common.c)
+            csrc/model/checkpoint_llama2c.c csrc/model/gguf.c csrc/model/checkpoint_gguf.c csrc/common.c)
 stop_srcs=(csrc/core/stop.c)
 
 # newer SRC... than OUT?
@@ -296,7 +297,7 @@ obj() {
   local src=$1 o
   o="$bdir/obj/$(echo "$src" | tr / _).o"
   mkdir -p "$bdir/obj"
-  if stale "$o" "$src" csrc/*.h csrc/model/*.h csrc/core/*.h; then
+  if stale "$o" "$src" csrc/*.h csrc/model/*.h csrc/core/*.h kernels/*.h; then
     "$cc" "${cflags[@]}" "${objflags[@]}" -c "$src" -o "$o"
   fi
   echo "$o"

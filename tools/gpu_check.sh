@@ -2,13 +2,14 @@
 # One-shot check of the CUDA backend on a GPU machine: build with CUDA,
 # tests/test_cuda.py, then short benchmarks (device memcpy bandwidth, GEMM
 # against the HBM bound, batch-1 and batch-256 decode of a TinyLlama-1.1B
-# shaped random bf16 checkpoint, and Workload V at one cap). Every stage runs
-# under `timeout` so one failure does not eat the budget; the whole script is
-# sized for < 8 minutes on one H200.
+# shaped random bf16 checkpoint, Workload V at one cap, and `conveyor bench study`
+# against HF transformers on the GPU when torch and transformers are installed). Every
+# stage runs under `timeout` so one failure does not eat the budget; the whole script
+# is sized for < 8 minutes on one H200 (< 12 with the study).
 #
 # Results (logs, JSON, summary.txt) go to $OUT if set, else ./gpu_check_out.
 # Knobs: PYTHON (default python3), HBM_TBPS (nominal bandwidth, default 4.8 for H200),
-# GPU_CHECK_SKIP="test variance" (stages to skip), GPU_CHECK_SMALL=1 (tiny sizes: a dry
+# GPU_CHECK_SKIP="test variance study" (stages to skip), GPU_CHECK_SMALL=1 (tiny sizes: a dry
 # run of the script itself, e.g. on the CPU emulator with GPU_CHECK_SKIP=build,
 # GPU_CHECK_LIB=<a build folder> and CONVEYOR_CUDA_LIB=<emulated library>).
 set -u
@@ -228,6 +229,24 @@ if "$PY" -m conveyor bench variance --help 2>/dev/null | grep -q -- "--device" &
         --sweep "" --json "$OUT/variance.json" --plot ""
 else
     stage variance 150 "$PY" "$WORK/variance.py"
+fi
+
+# The study against the real baseline: HF transformers generate() on the GPU (naive static
+# batching), Conveyor static and continuous on the GPU, vLLM if importable; the same
+# SmolLM-135M-shaped bf16 checkpoint and token ids for all (conveyor bench study). Needs
+# torch with CUDA and transformers on the machine (the `peers` extra); skipped otherwise.
+if "$PY" -c "import torch, transformers, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    if [ "$GPU_CHECK_SMALL" = 1 ]; then
+        SARGS="--quick"
+    else
+        SARGS="--num-requests 64 --prompt-len 128 --mean-output 128 --caps 32,128,512 --batch-size 16"
+    fi
+    # shellcheck disable=SC2086
+    stage study 240 "$PY" -m conveyor bench study --device cuda $SARGS --markdown \
+        --json "$OUT/study.json" --plot "$OUT/study.png"
+else
+    echo "study skipped: torch with CUDA and transformers are not importable (pip install '.[peers]')" |
+        tee -a "$SUMMARY"
 fi
 
 echo "total $(( $(date +%s) - T_START ))s" | tee -a "$SUMMARY"

@@ -32,6 +32,18 @@ int cv_py_parse_dtype(const char *s, const char *what, int allow_auto, cv_dtype 
     return 0;
 }
 
+int cv_py_parse_quantization(const char *s, cv_dtype *out) {
+    if (!s) *out = CV_DTYPE_INVALID;
+    else if (strcmp(s, "q8_0") == 0) *out = CV_Q8_0;
+    else if (strcmp(s, "q4_0") == 0) *out = CV_Q4_0;
+    else if (strcmp(s, "q4_1") == 0) *out = CV_Q4_1;
+    else {
+        PyErr_Format(PyExc_ValueError, "quantization must be None, 'q8_0', 'q4_0' or 'q4_1', got '%s'", s);
+        return -1;
+    }
+    return 0;
+}
+
 /* o as an ndarray, or NULL with TypeError. */
 static PyArrayObject *as_ndarray(PyObject *o, const char *name) {
     if (PyArray_Check(o)) return (PyArrayObject *)o;

@@ -34,6 +34,8 @@ const char *cv_py_npy_name(int type);
 /* Parses "float32", "bfloat16" or "float16" (and "auto" -> CV_DTYPE_INVALID
  * when allow_auto) into *out; `what` names the argument in the ValueError. */
 int cv_py_parse_dtype(const char *s, const char *what, int allow_auto, cv_dtype *out);
+/* quantization=None | 'q8_0' | 'q4_0' | 'q4_1' (NULL is None); -1 with ValueError. */
+int cv_py_parse_quantization(const char *s, cv_dtype *out);
 
 /* o as a C-contiguous, aligned, native-order array of NumPy type `type` with
  * `ndim` dimensions (ndim < 0: any), writeable when asked. */

@@ -36,5 +36,6 @@ int cv_py_add_engine(PyObject *m);     /* py_engine.c    */
 int cv_py_add_request_params(PyObject *m); /* request_params.c */
 int cv_py_add_cuda(PyObject *m);       /* py_cuda.c      */
 int cv_py_add_model(PyObject *m);      /* py_model.c     */
+int cv_py_add_quant(PyObject *m);      /* py_quant.c     */
 
 #endif

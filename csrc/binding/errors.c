@@ -19,6 +19,7 @@ PyObject *cv_py_raise(const cv_err *err) {
     case CV_ERR_UNSUPPORTED: type = cv_UnsupportedError; break;
     case CV_ERR_NOMEM: type = PyExc_MemoryError; break;
     case CV_ERR_STATE: type = cv_EngineClosedError; break;
+    case CV_ERR_CANCELLED: type = PyExc_KeyboardInterrupt; break;
     default: type = cv_ConveyorError; break;
     }
     if (!(err && err->field[0])) {

@@ -1,7 +1,8 @@
 /* conveyor._core.Checkpoint: a checkpoint opened for inspection.
  *
- *   ck = Checkpoint(path)        # HF directory or llama2.c .bin
+ *   ck = Checkpoint(path)        # HF directory, llama2.c .bin or .gguf
  *   ck.format, ck.config, ck.path, ck.closed
+ *   ck.metadata -> dict of every GGUF key (arrays as lists; {} for other formats)
  *   ck.tensors() -> {name: (dtype, shape)}, ck.tensor(name) -> float32 ndarray
  *   ck.close(); also a context manager. */
 #include "arrays.h"
@@ -10,6 +11,7 @@
 #include <string.h>
 
 #include "../model/checkpoint.h"
+#include "../model/gguf.h"
 
 typedef struct {
     PyObject_HEAD
@@ -135,10 +137,105 @@ fail:
     return NULL;
 }
 
+static const char *format_name(cv_ckpt_format f) {
+    return f == CV_FMT_LLAMA2C ? "llama2c" : f == CV_FMT_GGUF ? "gguf" : "hf";
+}
+
+/* A GGUF string as str; ModelFormatError naming key when it is not UTF-8. */
+static PyObject *gguf_str(cv_gguf_str s, const cv_gguf_kv *kv) {
+    PyObject *o = PyUnicode_DecodeUTF8(s.p, (Py_ssize_t)s.len, "strict");
+    if (!o && PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
+        PyErr_Clear();
+        cv_err e;
+        cv_set_err(&e, CV_ERR_FORMAT, "GGUF metadata '%.*s' holds a string that is not valid UTF-8",
+                   (int)(kv->key.len > 200 ? 200 : kv->key.len), kv->key.p);
+        cv_py_raise(&e);
+    }
+    return o;
+}
+
+/* One scalar of type t at p (ints, floats, bools). */
+static PyObject *gguf_scalar(cv_gguf_type t, const cv_gguf_kv *kv, uint64_t i) {
+    int64_t v;
+    double f;
+    if (kv->type == CV_GGUF_ARRAY) {
+        if (t == CV_GGUF_BOOL) return PyBool_FromLong(kv->value[i] != 0);
+        if (cv_gguf_array_int(kv, i, &v)) return PyLong_FromLongLong(v);
+        if (cv_gguf_array_float(kv, i, &f)) return PyFloat_FromDouble(f);
+        /* a uint64 above INT64_MAX */
+        const unsigned char *p = kv->value + i * 8;
+        uint64_t u = 0;
+        for (int k = 7; k >= 0; k--) u = (u << 8) | p[k];
+        return PyLong_FromUnsignedLongLong(u);
+    }
+    int b;
+    if (cv_gguf_kv_bool(kv, &b)) return PyBool_FromLong(b);
+    if (cv_gguf_kv_int(kv, &v)) return PyLong_FromLongLong(v);
+    if (cv_gguf_kv_float(kv, &f)) return PyFloat_FromDouble(f);
+    const unsigned char *p = kv->value;
+    uint64_t u = 0;
+    for (int k = 7; k >= 0; k--) u = (u << 8) | p[k];
+    return PyLong_FromUnsignedLongLong(u);
+}
+
+static PyObject *gguf_value(const cv_gguf_kv *kv) {
+    cv_gguf_str s;
+    if (kv->type == CV_GGUF_STRING) {
+        cv_gguf_kv_string(kv, &s);
+        return gguf_str(s, kv);
+    }
+    if (kv->type != CV_GGUF_ARRAY) return gguf_scalar(kv->type, kv, 0);
+    if (kv->count > (uint64_t)PY_SSIZE_T_MAX) return PyErr_NoMemory();
+    PyObject *list = PyList_New((Py_ssize_t)kv->count);
+    if (!list) return NULL;
+    const unsigned char *cur = kv->value;
+    for (uint64_t i = 0; i < kv->count; i++) {
+        PyObject *o = kv->elem_type == CV_GGUF_STRING ? gguf_str(cv_gguf_next_string(&cur), kv)
+                                                      : gguf_scalar(kv->elem_type, kv, i);
+        if (!o) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, (Py_ssize_t)i, o);
+    }
+    return list;
+}
+
+static PyObject *Checkpoint_get_metadata(CheckpointObject *self, void *closure) {
+    (void)closure;
+    if (check_open(self) < 0) return NULL;
+    PyObject *d = PyDict_New();
+    const cv_gguf_file *f = self->ck.gguf;
+    if (!d || !f) return d;
+    /* in file order, as the Python reader gives them */
+    const cv_gguf_kv **order = PyMem_Calloc(f->n_kvs ? f->n_kvs : 1, sizeof *order);
+    if (!order) {
+        Py_DECREF(d);
+        return PyErr_NoMemory();
+    }
+    for (size_t i = 0; i < f->n_kvs; i++) order[f->kvs[i].index] = &f->kvs[i];
+    for (size_t i = 0; i < f->n_kvs; i++) {
+        const cv_gguf_kv *kv = order[i];
+        PyObject *key = gguf_str(kv->key, kv);
+        PyObject *val = key ? gguf_value(kv) : NULL;
+        if (!val || PyDict_SetItem(d, key, val) < 0) {
+            Py_XDECREF(key);
+            Py_XDECREF(val);
+            Py_DECREF(d);
+            PyMem_Free(order);
+            return NULL;
+        }
+        Py_DECREF(key);
+        Py_DECREF(val);
+    }
+    PyMem_Free(order);
+    return d;
+}
+
 static PyObject *Checkpoint_get_format(CheckpointObject *self, void *closure) {
     (void)closure;
     if (!self->path) return PyErr_Format(PyExc_ValueError, "checkpoint was never opened");
-    return PyUnicode_FromString(self->ck.format == CV_FMT_LLAMA2C ? "llama2c" : "hf");
+    return PyUnicode_FromString(format_name(self->ck.format));
 }
 
 static PyObject *Checkpoint_get_path(CheckpointObject *self, void *closure) {
@@ -211,7 +308,7 @@ static PyObject *Checkpoint_repr(CheckpointObject *self) {
     if (!self->is_open) return PyUnicode_FromFormat("<Checkpoint %R (closed)>", self->path ? self->path : Py_None);
     const cv_model_config *c = &self->ck.cfg;
     return PyUnicode_FromFormat("<Checkpoint %s %R dim=%lld layers=%lld vocab=%lld>",
-                                self->ck.format == CV_FMT_LLAMA2C ? "llama2c" : "hf", self->path,
+                                format_name(self->ck.format), self->path,
                                 (long long)c->dim, (long long)c->n_layers, (long long)c->vocab_size);
 }
 
@@ -227,7 +324,9 @@ static PyMethodDef Checkpoint_methods[] = {
 };
 
 static PyGetSetDef Checkpoint_getset[] = {
-    {"format", (getter)Checkpoint_get_format, NULL, "\"hf\" or \"llama2c\".", NULL},
+    {"format", (getter)Checkpoint_get_format, NULL, "\"hf\", \"llama2c\" or \"gguf\".", NULL},
+    {"metadata", (getter)Checkpoint_get_metadata, NULL,
+     "GGUF metadata: every key -> value (arrays as lists); {} for other formats.", NULL},
     {"config", (getter)Checkpoint_get_config, NULL, "The model hyper-parameters as a dict.", NULL},
     {"path", (getter)Checkpoint_get_path, NULL, "The path it was opened from.", NULL},
     {"closed", (getter)Checkpoint_get_closed, NULL, "True after close().", NULL},
@@ -239,7 +338,7 @@ static PyTypeObject CheckpointType = {
     .tp_name = "conveyor._core.Checkpoint",
     .tp_basicsize = sizeof(CheckpointObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Checkpoint(path): a HF checkpoint directory or a llama2.c .bin file, opened read-only.\n\n"
+    .tp_doc = "Checkpoint(path): a HF checkpoint directory, a llama2.c .bin or a GGUF file, opened read-only.\n\n"
               "Raises FileNotFoundError, conveyor.ModelFormatError or conveyor.UnsupportedError\n"
               "with a message naming the file and the problem.",
     .tp_new = PyType_GenericNew,

@@ -4,6 +4,7 @@
 
 #include <pthread.h>
 #include <string.h>
+#include <time.h>
 
 #include "../core/engine.h"
 #include "../core/kv_cache.h"
@@ -66,25 +67,113 @@ static void Engine_dealloc(EngineObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* Creating an engine loads weights and fills the KV cache: seconds for a big
+ * model. It runs on a helper thread while this one, every 50 ms, lets Python
+ * run its signal handlers; when one raises (Ctrl-C: KeyboardInterrupt) the
+ * build is cancelled and that error propagates. */
+typedef struct {
+    cv_engine *e;
+    const cv_engine_config *cfg;
+    cv_err *err;
+    atomic_int cancel;
+    int rc, finished;
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+} create_job;
+
+static void *create_thread(void *arg) {
+    create_job *j = arg;
+    cv_engine_config cfg = *j->cfg;
+    cfg.cancel = &j->cancel;
+    int rc = cv_engine_create(&j->e, &cfg, j->err);
+    pthread_mutex_lock(&j->lock);
+    j->rc = rc;
+    j->finished = 1;
+    pthread_cond_signal(&j->cond);
+    pthread_mutex_unlock(&j->lock);
+    return NULL;
+}
+
+/* Returns the status of cv_engine_create; CV_ERR_CANCELLED with a Python error
+ * set when a signal handler raised. Called with the GIL held. */
+static int create_interruptibly(cv_engine **out, const cv_engine_config *cfg, cv_err *err) {
+    create_job j;
+    memset(&j, 0, sizeof j);
+    j.cfg = cfg;
+    j.err = err;
+    atomic_init(&j.cancel, 0);
+    pthread_mutex_init(&j.lock, NULL);
+    pthread_cond_init(&j.cond, NULL);
+    pthread_t th;
+    int signalled = 0;
+    if (pthread_create(&th, NULL, create_thread, &j) != 0) {
+        /* No thread to spare: build here, uninterruptibly. */
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        rc = cv_engine_create(out, cfg, err);
+        Py_END_ALLOW_THREADS
+        pthread_mutex_destroy(&j.lock);
+        pthread_cond_destroy(&j.cond);
+        return rc;
+    }
+    for (;;) {
+        int finished;
+        Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(&j.lock);
+        if (!j.finished) {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            ts.tv_nsec += 50 * 1000 * 1000;
+            if (ts.tv_nsec >= 1000000000L) { ts.tv_sec++; ts.tv_nsec -= 1000000000L; }
+            pthread_cond_timedwait(&j.cond, &j.lock, &ts);
+        }
+        finished = j.finished;
+        pthread_mutex_unlock(&j.lock);
+        Py_END_ALLOW_THREADS
+        if (finished) break;
+        if (!signalled && PyErr_CheckSignals() < 0) {
+            signalled = 1;
+            atomic_store(&j.cancel, 1);
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    pthread_join(th, NULL);
+    pthread_mutex_destroy(&j.lock);
+    pthread_cond_destroy(&j.cond);
+    Py_END_ALLOW_THREADS
+    if (signalled) {
+        /* The handler raised: its error wins, even if the build just finished. */
+        if (j.rc == CV_OK) {
+            Py_BEGIN_ALLOW_THREADS
+            cv_engine_destroy(j.e);
+            Py_END_ALLOW_THREADS
+        }
+        return CV_ERR_CANCELLED;
+    }
+    *out = j.e;
+    return j.rc;
+}
+
 static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"model", "dtype", "device", "num_threads", "max_model_len",
                              "max_num_seqs", "max_num_batched_tokens", "block_size",
                              "kv_cache_bytes", "gpu_memory_utilization", "kv_cache_dtype",
                              "enable_prefix_caching", "enable_chunked_prefill", "policy", "seed",
                              "eos_ids", "bos_id", "strip_space_after_bos", "token_bytes",
-                             "special_ids", NULL};
+                             "special_ids", "quantization", NULL};
     PyObject *path_obj = NULL, *eos_obj = NULL, *tok_obj = NULL, *special_obj = NULL;
     const char *dtype_s = "auto", *device = "cpu", *kv_dtype_s = "auto", *policy = "continuous";
+    const char *quant_s = NULL;
     int num_threads = 0, prefix = 1, chunked = 1, strip = 0, bos = -1;
     long long max_model_len = 0, max_num_seqs = 256, max_tokens = 0, block_size = 16;
     unsigned long long kv_bytes = 0, seed = 0;
     double gpu_util = 0.9;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|$ssiLLLLKdsppsKOipOO", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|$ssiLLLLKdsppsKOipOOz", kwlist,
                                      PyUnicode_FSConverter, &path_obj, &dtype_s, &device,
                                      &num_threads, &max_model_len, &max_num_seqs, &max_tokens,
                                      &block_size, &kv_bytes, &gpu_util, &kv_dtype_s, &prefix,
                                      &chunked, &policy, &seed, &eos_obj, &bos, &strip, &tok_obj,
-                                     &special_obj))
+                                     &special_obj, &quant_s))
         return -1;
     int rc = -1;
     int32_t *eos = NULL;
@@ -102,6 +191,7 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     }
     if (cv_py_parse_dtype(dtype_s, "dtype", 1, &cfg.dtype) < 0) goto done;
     if (cv_py_parse_dtype(kv_dtype_s, "kv_cache_dtype", 1, &cfg.kv_dtype) < 0) goto done;
+    if (cv_py_parse_quantization(quant_s, &cfg.quantization) < 0) goto done;
     if (!strcmp(device, "cpu")) cfg.use_cuda = 0;
     else if (!strcmp(device, "cuda")) cfg.use_cuda = 1;
     else { PyErr_Format(PyExc_ValueError, "device must be 'cpu' or 'cuda', got '%s'", device); goto done; }
@@ -162,10 +252,8 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     cfg.token_special = special;
     cv_err err = {0};
     cv_engine *e = NULL;
-    int crc;
-    Py_BEGIN_ALLOW_THREADS
-    crc = cv_engine_create(&e, &cfg, &err);
-    Py_END_ALLOW_THREADS
+    int crc = create_interruptibly(&e, &cfg, &err);
+    if (crc == CV_ERR_CANCELLED && PyErr_Occurred()) goto done; /* the signal handler's error */
     if (crc) { cv_py_raise(&err); goto done; }
     self->e = e;
     self->vocab = cv_engine_vocab_size(e);
@@ -493,6 +581,8 @@ static PyObject *Engine_model_config(EngineObject *self, PyObject *Py_UNUSED(ign
         cv_py_put(d, "n_params", PyLong_FromLongLong(nparams)) < 0 ||
         cv_py_put(d, "dtype", PyUnicode_FromString(cv_dtype_name(wdt))) < 0 ||
         cv_py_put(d, "kv_cache_dtype", PyUnicode_FromString(cv_dtype_name(kvdt))) < 0 ||
+        cv_py_put(d, "embed_bytes", PyLong_FromSize_t(cv_engine_embed_bytes(self->e))) < 0 ||
+        cv_py_put(d, "matrix_dtype", PyUnicode_FromString(cv_dtype_name(cv_engine_matrix_dtype(self->e)))) < 0 ||
         cv_py_put(d, "eos_ids", cv_py_int32_list(c->eos_ids, c->n_eos)) < 0) {
         Py_DECREF(d);
         return NULL;

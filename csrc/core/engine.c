@@ -1,4 +1,5 @@
 #include "engine.h"
+#include "../../kernels/quant_format.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -187,7 +188,10 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
         e->backend = cv_cpu_backend_create(cfg->num_threads, 0, err);
     }
     if (!e->backend) { rc = err ? err->code : CV_ERR_STATE; if (rc >= 0) rc = CV_ERR_STATE; goto fail; }
-    if ((rc = cv_model_load(&e->model, cfg->model_path, e->backend, cfg->dtype, err))) goto fail;
+    if ((rc = cv_model_load_quantized(&e->model, cfg->model_path, e->backend, cfg->dtype,
+                                       cv_dtype_is_quant(cfg->quantization) ? cfg->quantization : CV_DTYPE_INVALID,
+                                       cfg->cancel, err)))
+        goto fail;
 
     const cv_model_config *mc = &e->model->cfg;
     e->vocab = mc->vocab_size;
@@ -226,7 +230,7 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
     size_t kv = cfg->kv_cache_bytes ? cfg->kv_cache_bytes
                                      : default_kv_bytes(e, per_token, cfg->gpu_memory_utilization);
     if ((rc = cv_kv_cache_create(&e->kv, e->backend, mc->n_layers, mc->n_kv_heads, mc->head_dim, kvt,
-                                 e->block_size, kv, err)))
+                                 e->block_size, kv, cfg->cancel, err)))
         goto fail;
 
     cv_scheduler_config sc = {
@@ -921,6 +925,12 @@ void cv_engine_weight_info(cv_engine *e, size_t *bytes, int64_t *n_params, cv_dt
     *n_params = e->model->n_params;
     *dtype = e->model->dtype;
     *kv_dtype = e->kv.layers[0].dtype;
+}
+
+size_t cv_engine_embed_bytes(cv_engine *e) { return e->model->embed.bytes; }
+
+cv_dtype cv_engine_matrix_dtype(cv_engine *e) {
+    return e->model->cfg.n_layers > 0 ? e->model->layers[0].w_gate_up.dtype : e->model->lm_head.dtype;
 }
 
 void cv_engine_set_trace(cv_engine *e, int on) {

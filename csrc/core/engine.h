@@ -8,6 +8,7 @@
 #ifndef CV_ENGINE_H
 #define CV_ENGINE_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include "../../kernels/common.h"
@@ -17,6 +18,7 @@
 typedef struct cv_engine_config {
     const char *model_path;
     cv_dtype dtype;                 /* CV_DTYPE_INVALID: the checkpoint's */
+    cv_dtype quantization;          /* CV_Q8_0/Q4_0/Q4_1: quantize at load; anything else: none */
     int use_cuda;                   /* 0: CPU */
     int num_threads;                /* <= 0: all cores */
     int64_t max_model_len;          /* 0: the model's */
@@ -38,6 +40,9 @@ typedef struct cv_engine_config {
     const char *const *token_bytes; /* [n_token_bytes] raw bytes of each token */
     const size_t *token_lens;       /* [n_token_bytes] */
     const uint8_t *token_special;   /* [n_token_bytes] 1 for special tokens, or NULL */
+    /* Polled while creating (between layers of weights and KV cache); nonzero
+     * makes cv_engine_create stop with CV_ERR_CANCELLED. NULL: never. */
+    const atomic_int *cancel;
 } cv_engine_config;
 
 #define CV_MAX_N 1024                   /* completions per request */
@@ -150,6 +155,10 @@ int64_t cv_engine_vocab_size(cv_engine *e);
  * weights' dtype and the KV cache's dtype. */
 void cv_engine_weight_info(cv_engine *e, size_t *bytes, int64_t *n_params, cv_dtype *dtype,
                            cv_dtype *kv_dtype);
+/* Bytes of the token embedding table (a decode step reads only a few rows),
+ * and the dtype the layers' matrices are kept in (q4_1 for a Q4_1 GGUF). */
+size_t cv_engine_embed_bytes(cv_engine *e);
+cv_dtype cv_engine_matrix_dtype(cv_engine *e);
 
 /* Step trace for the slot timeline: when on, each step records its scheduled
  * (request id, seq index, new tokens). */

@@ -9,7 +9,7 @@ size_t cv_kv_bytes_per_token(int64_t n_layers, int64_t n_kv_heads, int64_t head_
 
 int cv_kv_cache_create(cv_kv_cache *kv, cv_backend *b, int64_t n_layers, int64_t n_kv_heads,
                        int64_t head_dim, cv_dtype dtype, int64_t block_size, size_t budget_bytes,
-                       cv_err *err) {
+                       const atomic_int *cancel, cv_err *err) {
     memset(kv, 0, sizeof *kv);
     size_t per_block = cv_kv_bytes_per_token(n_layers, n_kv_heads, head_dim, dtype) * (size_t)block_size;
     if (per_block == 0) return cv_set_err(err, CV_ERR_INVALID, "the KV cache dtype has no size");
@@ -23,17 +23,20 @@ int cv_kv_cache_create(cv_kv_cache *kv, cv_backend *b, int64_t n_layers, int64_t
     kv->n_layers = n_layers;
     kv->num_blocks = num_blocks;
     kv->bytes = (size_t)num_blocks * per_block;
-    kv->mem = b->alloc(b, kv->bytes);
-    if (!kv->mem) {
-        size_t bytes = kv->bytes;
-        cv_kv_cache_free(kv, b);
-        return cv_set_err(err, CV_ERR_NOMEM, "cannot allocate a KV cache of %zu bytes", bytes);
-    }
     size_t layer_half = kv->bytes / (2 * (size_t)n_layers); /* one layer's K (or V) pool */
+    int rc = CV_OK;
     for (int64_t l = 0; l < n_layers; l++) {
+        if (cancel && atomic_load(cancel)) {
+            rc = cv_set_err(err, CV_ERR_CANCELLED, "creating the engine was cancelled");
+            goto fail;
+        }
         cv_kv_layer *c = &kv->layers[l];
-        c->k = (char *)kv->mem + (size_t)(2 * l) * layer_half;
-        c->v = (char *)kv->mem + (size_t)(2 * l + 1) * layer_half;
+        c->k = b->alloc(b, layer_half); /* the backend zeroes (touches) it */
+        c->v = c->k ? b->alloc(b, layer_half) : NULL;
+        if (!c->v) {
+            rc = cv_set_err(err, CV_ERR_NOMEM, "cannot allocate a KV cache of %zu bytes", kv->bytes);
+            goto fail;
+        }
         c->dtype = dtype;
         c->num_blocks = num_blocks;
         c->n_kv_heads = n_kv_heads;
@@ -41,10 +44,17 @@ int cv_kv_cache_create(cv_kv_cache *kv, cv_backend *b, int64_t n_layers, int64_t
         c->head_dim = head_dim;
     }
     return CV_OK;
+fail:
+    cv_kv_cache_free(kv, b);
+    return rc;
 }
 
 void cv_kv_cache_free(cv_kv_cache *kv, cv_backend *b) {
-    if (kv->mem && b) b->free(b, kv->mem);
+    if (kv->layers && b)
+        for (int64_t l = 0; l < kv->n_layers; l++) {
+            if (kv->layers[l].k) b->free(b, kv->layers[l].k);
+            if (kv->layers[l].v) b->free(b, kv->layers[l].v);
+        }
     free(kv->layers);
     memset(kv, 0, sizeof *kv);
 }

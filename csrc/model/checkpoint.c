@@ -4,6 +4,7 @@
 #define _GNU_SOURCE
 #endif
 #include "checkpoint.h"
+#include "gguf.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -17,6 +18,17 @@
 static int ends_with(const char *s, const char *suffix) {
     size_t n = strlen(s), m = strlen(suffix);
     return n >= m && strcmp(s + n - m, suffix) == 0;
+}
+
+/* 1 when the file's first four bytes are "GGUF" (an unreadable file is left
+ * to the llama2.c loader, which reports it). */
+static int starts_with_gguf_magic(const char *path) {
+    unsigned char magic[4];
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, magic, sizeof magic);
+    close(fd);
+    return n == 4 && cv_gguf_is_gguf(magic, 4);
 }
 
 int cv_checkpoint_open(cv_checkpoint *ck, const char *path, cv_err *err) {
@@ -37,6 +49,7 @@ int cv_checkpoint_open(cv_checkpoint *ck, const char *path, cv_err *err) {
         return cv_set_err(err, CV_ERR_FORMAT,
                           "%s: looks like part of a HF checkpoint; pass the directory that holds config.json",
                           path);
+    if (ends_with(path, ".gguf") || starts_with_gguf_magic(path)) return cv_checkpoint_open_gguf(ck, path, err);
     return cv_checkpoint_open_llama2c(ck, path, err);
 }
 
@@ -44,6 +57,10 @@ void cv_checkpoint_close(cv_checkpoint *ck) {
     if (!ck) return;
     for (int i = 0; i < ck->n_maps && i < CV_MAX_MAPS; i++) cv_unmap_file(ck->maps[i], ck->map_lens[i]);
     free(ck->layers);
+    if (ck->gguf) {
+        cv_gguf_close(ck->gguf);
+        free(ck->gguf);
+    }
     memset(ck, 0, sizeof *ck);
 }
 

@@ -13,7 +13,7 @@
 
 typedef struct cv_tensor_view {
     const void *data;   /* NULL when absent */
-    cv_dtype dtype;     /* CV_F32, CV_F16 or CV_BF16 */
+    cv_dtype dtype;     /* CV_F32, CV_F16, CV_BF16, or (GGUF) CV_Q8_0, CV_Q4_0, CV_Q4_1 */
     int ndim;           /* 1 or 2 */
     int64_t shape[2];   /* [rows][cols] for matrices, [n] for vectors */
 } cv_tensor_view;
@@ -31,7 +31,9 @@ typedef struct cv_layer_views {
     cv_tensor_view w_down;    /* [dim][hidden_dim]  (HF down_proj, llama2.c w2) */
 } cv_layer_views;
 
-typedef enum cv_ckpt_format { CV_FMT_HF = 0, CV_FMT_LLAMA2C = 1 } cv_ckpt_format;
+typedef enum cv_ckpt_format { CV_FMT_HF = 0, CV_FMT_LLAMA2C = 1, CV_FMT_GGUF = 2 } cv_ckpt_format;
+
+struct cv_gguf_file;
 
 #define CV_MAX_MAPS 256
 
@@ -42,6 +44,7 @@ typedef struct cv_checkpoint {
     cv_tensor_view final_norm; /* [dim] */
     cv_tensor_view lm_head;    /* [vocab][dim]; data NULL when tied to embed */
     cv_layer_views *layers;    /* [n_layers] */
+    struct cv_gguf_file *gguf; /* GGUF: the metadata directory (owned), else NULL */
     /* owned resources */
     void *maps[CV_MAX_MAPS];
     size_t map_lens[CV_MAX_MAPS];
@@ -53,7 +56,12 @@ typedef struct cv_checkpoint {
 int cv_checkpoint_open_hf(cv_checkpoint *ck, const char *dir, cv_err *err);
 /* Opens a llama2.c .bin checkpoint (version 0 format). */
 int cv_checkpoint_open_llama2c(cv_checkpoint *ck, const char *path, cv_err *err);
-/* Picks the format from the path: a directory is HF, a file is llama2.c. */
+/* Opens a GGUF file (llama, qwen2 and mistral-style llama architectures). */
+int cv_checkpoint_open_gguf(cv_checkpoint *ck, const char *path, cv_err *err);
+/* Builds a GGUF checkpoint over buf[len], owned by the caller (fuzzing). */
+int cv_gguf_checkpoint_parse(cv_checkpoint *ck, const void *buf, size_t len, const char *path, cv_err *err);
+/* Picks the format from the path: a directory is HF, a file starting with
+ * "GGUF" is GGUF, another file is llama2.c. */
 int cv_checkpoint_open(cv_checkpoint *ck, const char *path, cv_err *err);
 /* Releases everything; safe on a zeroed or failed checkpoint. */
 void cv_checkpoint_close(cv_checkpoint *ck);

@@ -33,6 +33,7 @@ typedef struct cv_model_config {
     float rope_low_freq_factor;
     float rope_high_freq_factor;
     int64_t rope_original_max_pos;
+    float rope_linear;      /* GGUF rope.scaling.type "linear": frequencies / factor (0: none) */
     int tie_embeddings;     /* lm_head shares the token embedding */
     int qkv_bias;           /* Qwen2 */
     int32_t bos_id;         /* -1 if none */

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "checkpoint.h"
+#include "../../kernels/quant_format.h"
 
 void cv_rope_inv_freq(float *out, const cv_model_config *cfg) {
     int64_t half = cfg->head_dim / 2;
@@ -27,6 +28,7 @@ void cv_rope_inv_freq(float *out, const cv_model_config *cfg) {
                 f = (1.0 - smooth) * f / cfg->rope_factor + smooth * f;
             }
         }
+        if (cfg->rope_linear > 0) f /= cfg->rope_linear;
         out[i] = (float)f;
     }
 }
@@ -46,16 +48,65 @@ static int upload_vector(cv_backend *b, float **out, const cv_tensor_view *v, fl
     return CV_OK;
 }
 
-/* Stacks the rows of parts[n] (same cols) into scratch as float32 and prepares one matrix. */
+/* Precision rank of a quantized type (the most precise wins when the parts
+ * of one stacked matrix are stored in different types). */
+static int quant_rank(cv_dtype t) { return t == CV_Q8_0 ? 3 : t == CV_Q4_1 ? 2 : t == CV_Q4_0 ? 1 : 0; }
+
+/* The dtype a matrix of parts[n] is kept in: the asked quantization when its
+ * rows can be block-quantized; else the file's quantized type (the most
+ * precise among the parts); else the model's float dtype. */
+static cv_dtype matrix_dtype(const cv_tensor_view *const *parts, int n, cv_dtype dtype, cv_dtype quant) {
+    if (parts[0]->shape[1] % CV_QK != 0) return dtype;
+    if (cv_dtype_is_quant(quant)) return quant;
+    cv_dtype best = CV_DTYPE_INVALID;
+    for (int i = 0; i < n; i++)
+        if (quant_rank(parts[i]->dtype) > quant_rank(best)) best = parts[i]->dtype;
+    return best == CV_DTYPE_INVALID ? dtype : best;
+}
+
+/* Stacks the rows of parts[n] (same cols) into scratch and prepares one
+ * matrix: quantized blocks are passed on as they are when every part is
+ * already of the target type, everything else goes through float32. */
 static int prepare_stacked(cv_backend *b, cv_matrix *out, const cv_tensor_view *const *parts, int n,
-                           cv_dtype dtype, float *scratch, cv_err *err) {
+                           cv_dtype dtype, cv_dtype quant, float *scratch, cv_err *err) {
     int64_t rows = 0, cols = parts[0]->shape[1];
+    const cv_dtype target = matrix_dtype(parts, n, dtype, quant);
+    int raw = cv_dtype_is_quant(target);
+    for (int i = 0; i < n; i++) raw = raw && parts[i]->dtype == target;
+    if (raw) {
+        size_t off = 0;
+        for (int i = 0; i < n; i++) {
+            size_t bytes = cv_dtype_bytes(target, (size_t)(parts[i]->shape[0] * cols));
+            memcpy((char *)scratch + off, parts[i]->data, bytes);
+            off += bytes;
+            rows += parts[i]->shape[0];
+        }
+        return b->matrix_prepare(b, out, scratch, target, rows, cols, target, err);
+    }
     for (int i = 0; i < n; i++) {
         const cv_tensor_view *p = parts[i];
         cv_convert_to_f32(scratch + rows * cols, p->data, p->dtype, (size_t)(p->shape[0] * cols));
         rows += p->shape[0];
     }
-    return b->matrix_prepare(b, out, scratch, CV_F32, rows, cols, dtype, err);
+    return b->matrix_prepare(b, out, scratch, CV_F32, rows, cols, target, err);
+}
+
+/* The token embedding under quantization=quant: rows converted to float32
+ * (scratch holds the whole table) and quantized like the matrices, so the
+ * model equals the same checkpoint quantized by llama.cpp's tools. */
+static int prepare_quantized_table(cv_backend *b, cv_table *out, const cv_tensor_view *v, cv_dtype quant,
+                                   float *scratch, cv_err *err) {
+    const size_t n = (size_t)(v->shape[0] * v->shape[1]);
+    cv_convert_to_f32(scratch, v->data, v->dtype, n);
+    for (size_t i = 0; i < n; i++)
+        if (!(scratch[i] - scratch[i] == 0.0f))
+            return cv_set_err(err, CV_ERR_INVALID, "the token embedding holds a non-finite value; cannot quantize it");
+    void *q = malloc(cv_dtype_bytes(quant, n));
+    if (!q) return cv_set_err(err, CV_ERR_NOMEM, "out of memory quantizing the token embedding");
+    cv_quantize(q, scratch, quant, n);
+    int rc = b->table_prepare(b, out, q, quant, v->shape[0], v->shape[1], quant, err);
+    free(q);
+    return rc;
 }
 
 void cv_model_free(cv_model *m) {
@@ -82,6 +133,11 @@ void cv_model_free(cv_model *m) {
 }
 
 int cv_model_load(cv_model **out, const char *path, cv_backend *b, cv_dtype dtype, cv_err *err) {
+    return cv_model_load_quantized(out, path, b, dtype, CV_DTYPE_INVALID, NULL, err);
+}
+
+int cv_model_load_quantized(cv_model **out, const char *path, cv_backend *b, cv_dtype dtype, cv_dtype quant,
+                            const atomic_int *cancel, cv_err *err) {
     cv_checkpoint ck;
     memset(&ck, 0, sizeof ck);
     cv_model *m = NULL;
@@ -92,6 +148,10 @@ int cv_model_load(cv_model **out, const char *path, cv_backend *b, cv_dtype dtyp
     const cv_model_config *c = &ck.cfg;
     if (dtype == CV_DTYPE_INVALID) dtype = c->torch_dtype;
     if (dtype != CV_F32 && dtype != CV_BF16 && dtype != CV_F16) dtype = CV_F32;
+    if (quant != CV_DTYPE_INVALID && !cv_dtype_is_quant(quant)) {
+        rc = cv_set_err(err, CV_ERR_INVALID, "quantization must be q8_0, q4_0 or q4_1, got %s", cv_dtype_name(quant));
+        goto done;
+    }
     if (c->head_dim % 2 != 0 || c->head_dim > 256) {
         rc = cv_set_err(err, CV_ERR_UNSUPPORTED, "head_dim %lld is not supported (even, at most 256)",
                         (long long)c->head_dim);
@@ -116,10 +176,16 @@ int cv_model_load(cv_model **out, const char *path, cv_backend *b, cv_dtype dtyp
     scratch = malloc((size_t)biggest * sizeof(float));
     if (!scratch) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory for load scratch"); goto done; }
 
-    rc = b->table_prepare(b, &m->embed, ck.embed.data, ck.embed.dtype, c->vocab_size, c->dim, dtype, err);
+    /* a quantized embedding (GGUF, or quantization=) stays quantized: rows are dequantized on lookup */
+    if (cv_dtype_is_quant(quant) && c->dim % CV_QK == 0 && ck.embed.dtype != quant) {
+        rc = prepare_quantized_table(b, &m->embed, &ck.embed, quant, scratch, err);
+    } else {
+        const cv_dtype table_dtype = cv_dtype_is_quant(ck.embed.dtype) ? ck.embed.dtype : dtype;
+        rc = b->table_prepare(b, &m->embed, ck.embed.data, ck.embed.dtype, c->vocab_size, c->dim, table_dtype, err);
+    }
     if (rc) goto done;
     const cv_tensor_view *head = ck.lm_head.data ? &ck.lm_head : &ck.embed;
-    rc = prepare_stacked(b, &m->lm_head, &head, 1, dtype, scratch, err);
+    rc = prepare_stacked(b, &m->lm_head, &head, 1, dtype, quant, scratch, err);
     if (rc) goto done;
     rc = upload_vector(b, &m->final_norm, &ck.final_norm, scratch, err);
     if (rc) goto done;
@@ -127,6 +193,10 @@ int cv_model_load(cv_model **out, const char *path, cv_backend *b, cv_dtype dtyp
                   (ck.lm_head.data ? view_numel(&ck.lm_head) : 0);
 
     for (int64_t l = 0; l < c->n_layers; l++) {
+        if (cancel && atomic_load(cancel)) {
+            rc = cv_set_err(err, CV_ERR_CANCELLED, "loading the model was cancelled");
+            goto done;
+        }
         const cv_layer_views *v = &ck.layers[l];
         cv_layer *L = &m->layers[l];
         const cv_tensor_view *qkv[3] = {&v->wq, &v->wk, &v->wv};
@@ -134,10 +204,10 @@ int cv_model_load(cv_model **out, const char *path, cv_backend *b, cv_dtype dtyp
         const cv_tensor_view *wo = &v->wo, *wd = &v->w_down;
         if ((rc = upload_vector(b, &L->attn_norm, &v->attn_norm, scratch, err))) goto done;
         if ((rc = upload_vector(b, &L->ffn_norm, &v->ffn_norm, scratch, err))) goto done;
-        if ((rc = prepare_stacked(b, &L->wqkv, qkv, 3, dtype, scratch, err))) goto done;
-        if ((rc = prepare_stacked(b, &L->wo, &wo, 1, dtype, scratch, err))) goto done;
-        if ((rc = prepare_stacked(b, &L->w_gate_up, gu, 2, dtype, scratch, err))) goto done;
-        if ((rc = prepare_stacked(b, &L->w_down, &wd, 1, dtype, scratch, err))) goto done;
+        if ((rc = prepare_stacked(b, &L->wqkv, qkv, 3, dtype, quant, scratch, err))) goto done;
+        if ((rc = prepare_stacked(b, &L->wo, &wo, 1, dtype, quant, scratch, err))) goto done;
+        if ((rc = prepare_stacked(b, &L->w_gate_up, gu, 2, dtype, quant, scratch, err))) goto done;
+        if ((rc = prepare_stacked(b, &L->w_down, &wd, 1, dtype, quant, scratch, err))) goto done;
         m->n_params += view_numel(&v->attn_norm) + view_numel(&v->ffn_norm) + view_numel(&v->wq) +
                        view_numel(&v->wk) + view_numel(&v->wv) + view_numel(&v->wo) +
                        view_numel(&v->w_gate) + view_numel(&v->w_up) + view_numel(&v->w_down);

@@ -3,6 +3,7 @@
 #ifndef CV_MODEL_H
 #define CV_MODEL_H
 
+#include <stdatomic.h>
 #include <stdint.h>
 #include "../../kernels/common.h"
 #include "../../kernels/backend.h"
@@ -37,6 +38,14 @@ typedef struct cv_model {
  * dtype: CV_F32, CV_BF16, CV_F16, or CV_DTYPE_INVALID for "auto" (the
  * checkpoint's own dtype). */
 int cv_model_load(cv_model **out, const char *path, cv_backend *b, cv_dtype dtype, cv_err *err);
+/* As cv_model_load; quant CV_Q8_0, CV_Q4_0 or CV_Q4_1 quantizes every matrix
+ * and the token embedding when their rows are a multiple of 32, at load
+ * (deterministic, ggml's rounding: llama.cpp's pure quantization);
+ * CV_DTYPE_INVALID keeps the file's types (a GGUF file's quantized matrices
+ * stay quantized either way). Polls *cancel (when not NULL) between layers:
+ * nonzero stops the load with CV_ERR_CANCELLED, so a caller can interrupt it. */
+int cv_model_load_quantized(cv_model **out, const char *path, cv_backend *b, cv_dtype dtype, cv_dtype quant,
+                            const atomic_int *cancel, cv_err *err);
 void cv_model_free(cv_model *m);
 
 /* RoPE frequencies for head_dim/2 pairs, with llama3 scaling when configured. */

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include "cpu_internal.h"
+#include "quant.h"
 
 /* ------------------------------------------------------------------------ */
 /* Buffers                                                                   */
@@ -58,11 +59,14 @@ static int cpu_table_prepare(cv_backend *b, cv_table *out, const void *src, cv_d
     void *data = NULL;
     float *row = NULL;
     memset(out, 0, sizeof *out);
-    rc = cv_cpu_check_prepare("table_prepare", "dtype", src, src_dtype, rows, cols, dtype, err);
+    /* a quantized table is kept as it is stored; rows are dequantized on lookup */
+    const int quant = cv_dtype_is_quant(dtype) && src_dtype == dtype && src && rows > 0 && cols > 0 &&
+                      cols % CV_QK == 0;
+    if (!quant) rc = cv_cpu_check_prepare("table_prepare", "dtype", src, src_dtype, rows, cols, dtype, err);
     if (rc) goto done;
     size_t elems, bytes;
     if (!cv_mul_size((size_t)rows, (size_t)cols, &elems) ||
-        !cv_mul_size(elems, cv_dtype_size(dtype), &bytes)) {
+        (bytes = cv_dtype_bytes(dtype, elems)) == 0) {
         rc = cv_set_err(err, CV_ERR_NOMEM, "table_prepare: [%lld][%lld] is too large",
                         (long long)rows, (long long)cols);
         goto done;
@@ -75,7 +79,8 @@ static int cpu_table_prepare(cv_backend *b, cv_table *out, const void *src, cv_d
         goto done;
     }
     const size_t ssz = cv_dtype_size(src_dtype), dsz = cv_dtype_size(dtype);
-    for (int64_t r = 0; r < rows; r++) {
+    if (quant) memcpy(data, src, bytes);
+    for (int64_t r = 0; r < rows && !quant; r++) {
         const char *s = (const char *)src + (size_t)r * (size_t)cols * ssz;
         char *d = (char *)data + (size_t)r * (size_t)cols * dsz;
         if (src_dtype == dtype) {
@@ -204,6 +209,7 @@ static void cpu_destroy(cv_backend *b) {
         free(c->att_partials);
         free(c->att_counters);
         free(c->gemm_xpack);
+        free(c->qx);
         free(c);
     }
     free(b);
@@ -222,6 +228,7 @@ cv_backend *cv_cpu_backend_create(int num_threads, int force_scalar, cv_err *err
     b->ctx = c;
     const char *fs = getenv("CONVEYOR_FORCE_SCALAR");
     c->simd = CV_HAVE_AVX2 && !force_scalar && !(fs && fs[0] && strcmp(fs, "0") != 0);
+    c->qlevel = cv_qlevel_best(!force_scalar && !(fs && fs[0] && strcmp(fs, "0") != 0));
     if (cv_pool_create(&c->pool, num_threads, err) < 0) {
         cpu_destroy(b);
         return NULL;

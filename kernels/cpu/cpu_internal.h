@@ -55,6 +55,9 @@ typedef struct cv_cpu {
     int gemm_order;          /* -1: choose; 0: token blocks outermost; 1: panels outermost */
     float *gemm_xpack;       /* [nthreads][gemm_xpack_floats] packed x blocks */
     size_t gemm_xpack_floats; /* >= max(xblock, CV_MR * cols) for every prepared matrix */
+    void *qx;                /* quantized activations of a token block (quant.c) */
+    size_t qx_bytes;
+    int qlevel;              /* cv_qlevel of the quantized kernels */
 } cv_cpu;
 
 static inline cv_cpu *cv_cpu_of(cv_backend *b) { return (cv_cpu *)b->ctx; }

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "cpu_internal.h"
+#include "quant.h"
 
 /* Elements per thread below which a row kernel stays on one thread. */
 #define ROW_GRAIN 16384.0
@@ -415,6 +416,10 @@ void cv_cpu_embedding(cv_backend *b, float *out, const int32_t *tokens, int64_t 
                       const cv_table *table) {
     cv_cpu *c = cv_cpu_of(b);
     if (n <= 0 || table->cols <= 0) return;
+    if (cv_dtype_is_quant(table->dtype)) {
+        cv_cpu_qembedding(b, out, tokens, n, table);
+        return;
+    }
     embed_job j = {.out = out, .tokens = tokens, .n = n, .t = table, .simd = c->simd};
     int nth = cv_threads_for(c, (double)n * (double)table->cols, 4 * ROW_GRAIN);
     if (nth > n) nth = (int)n;

@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "cpu_internal.h"
+#include "quant.h"
 
 /* Fewest panels in a thread's share for which packing x pays for itself. */
 #define GEMM_PACK_MIN_PANELS 48
@@ -76,6 +77,7 @@ int cv_cpu_matrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dty
     int rc = CV_OK;
     void *data = NULL;
     float *tmp = NULL;
+    if (cv_dtype_is_quant(dtype)) return cv_cpu_qmatrix_prepare(b, out, src, src_dtype, rows, cols, dtype, err);
     memset(out, 0, sizeof *out);
     rc = cv_cpu_check_prepare("matrix_prepare", "weight dtype", src, src_dtype, rows, cols, dtype, err);
     if (rc) goto done;
@@ -429,6 +431,10 @@ void cv_cpu_gemm(cv_backend *b, float *out, const float *x, int64_t n, const cv_
                  const float *bias, int accumulate) {
     cv_cpu *c = cv_cpu_of(b);
     if (n <= 0 || w->rows <= 0) return;
+    if (cv_dtype_is_quant(w->dtype)) {
+        cv_cpu_qgemm(b, out, x, n, w, bias, accumulate);
+        return;
+    }
     gemm_job j = {.out = out, .x = x, .n = n, .w = w, .bias = bias, .accumulate = accumulate,
                   .kc = c->gemm_kc, .xpack = c->gemm_xpack, .xpack_floats = c->gemm_xpack_floats};
     /* tokens per block: an x block of about gemm_xblock floats, whole tiles */

@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "cuda_internal.h"
+#include "../quant_format.h"
 
 /* Fixed scratch sizes, allocated once at creation so the engine's memory
  * sizing (mem_info after the model loads) already accounts for them. */
@@ -175,6 +176,9 @@ static const char *dtname(cv_dtype t) {
     case CV_F64: return "float64";
     case CV_I32: return "int32";
     case CV_I64: return "int64";
+    case CV_Q8_0: return "q8_0";
+    case CV_Q4_0: return "q4_0";
+    case CV_Q4_1: return "q4_1";
     default: return "invalid";
     }
 }
@@ -251,6 +255,32 @@ static int upload(cv_cuda_ctx *c, void *dst, cv_dtype dt, const void *src, cv_dt
     return CV_OK;
 }
 
+static int prepare_2d(cv_backend *b, void **data, size_t *bytes_out, const void *src,
+                      cv_dtype src_dtype, int64_t rows, int64_t cols, cv_dtype dtype,
+                      const char *what, cv_err *err);
+
+/* Block-quantized weights (GGUF Q8_0/Q4_0/Q4_1) are dequantized on the host at
+ * load and kept in bfloat16 (a quantized target dtype means bfloat16 here):
+ * the CUDA kernels read 16-bit weights only. */
+static int prepare_quantized(cv_backend *b, void **data, size_t *bytes_out, const void *src,
+                             cv_dtype src_dtype, int64_t rows, int64_t cols, cv_dtype dtype,
+                             const char *what, cv_err *err) {
+    if (cv_dtype_is_quant(dtype)) dtype = CV_BF16;
+    if (!cv_dtype_is_quant(src_dtype))
+        return prepare_2d(b, data, bytes_out, src, src_dtype, rows, cols, dtype, what, err);
+    if (!src || rows <= 0 || cols <= 0 || cols % CV_QK != 0 || rows > INT_MAX || cols > INT_MAX)
+        return set_err(err, CV_ERR_INVALID, "CUDA %s: bad %s shape [%lld][%lld] (cols a multiple of %d)", what,
+                       dtname(src_dtype), (long long)rows, (long long)cols, CV_QK);
+    const size_t count = (size_t)rows * (size_t)cols;
+    float *host = (float *)malloc(count * sizeof(float));
+    if (!host) return set_err(err, CV_ERR_NOMEM, "CUDA %s: out of host memory dequantizing [%lld][%lld]", what,
+                              (long long)rows, (long long)cols);
+    cv_dequantize(host, src, src_dtype, count);
+    int rc = prepare_2d(b, data, bytes_out, host, CV_F32, rows, cols, dtype, what, err);
+    free(host);
+    return rc;
+}
+
 /* Shared by matrix_prepare and table_prepare: both keep row-major [rows][cols]. */
 static int prepare_2d(cv_backend *b, void **data, size_t *bytes_out, const void *src,
                       cv_dtype src_dtype, int64_t rows, int64_t cols, cv_dtype dtype,
@@ -290,9 +320,9 @@ static int prepare_2d(cv_backend *b, void **data, size_t *bytes_out, const void 
 static int cvc_matrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dtype src_dtype,
                               int64_t rows, int64_t cols, cv_dtype dtype, cv_err *err) {
     memset(out, 0, sizeof *out);
-    int rc = prepare_2d(b, &out->data, &out->bytes, src, src_dtype, rows, cols, dtype, "matrix_prepare", err);
+    int rc = prepare_quantized(b, &out->data, &out->bytes, src, src_dtype, rows, cols, dtype, "matrix_prepare", err);
     if (rc != CV_OK) return rc;
-    out->dtype = dtype;
+    out->dtype = cv_dtype_is_quant(dtype) ? CV_BF16 : dtype;
     out->rows = rows;
     out->cols = cols;
     return CV_OK;
@@ -309,9 +339,9 @@ static void cvc_matrix_free(cv_backend *b, cv_matrix *m) {
 static int cvc_table_prepare(cv_backend *b, cv_table *out, const void *src, cv_dtype src_dtype,
                              int64_t rows, int64_t cols, cv_dtype dtype, cv_err *err) {
     memset(out, 0, sizeof *out);
-    int rc = prepare_2d(b, &out->data, &out->bytes, src, src_dtype, rows, cols, dtype, "table_prepare", err);
+    int rc = prepare_quantized(b, &out->data, &out->bytes, src, src_dtype, rows, cols, dtype, "table_prepare", err);
     if (rc != CV_OK) return rc;
-    out->dtype = dtype;
+    out->dtype = cv_dtype_is_quant(dtype) ? CV_BF16 : dtype;
     out->rows = rows;
     out->cols = cols;
     return CV_OK;

@@ -3,7 +3,9 @@
     conveyor info MODEL [--json] [--tensors]
     conveyor generate ...          -> conveyor.generate.main(argv)
     conveyor serve ...             -> conveyor.serve.main(argv)
+    conveyor serve ... --ray       -> conveyor.ray.serve.main(argv) (Ray Serve replicas)
     conveyor bench NAME ...        -> conveyor.bench.NAME.main(argv), NAME in BENCHMARKS
+    conveyor fetch-model           -> conveyor.default_model.main(argv)
 
 Subcommands live in SUBCOMMANDS as name -> ("module:function", help); the module is imported
 only when its subcommand runs, so a missing optional module (or one of its dependencies)
@@ -19,19 +21,50 @@ import os
 import sys
 from typing import Callable, Sequence
 
-BENCHMARKS: tuple[str, ...] = ("kernels", "roofline", "scheduler", "throughput", "variance", "latency",
-                               "timeline", "serve")
+BENCHMARK_HELP: dict[str, str] = {
+    "kernels": "GEMM and memory bandwidth of the CPU kernels against the machine's peaks",
+    "roofline": "a whole model's decode and large steps against the bandwidth and compute bounds",
+    "scheduler": "the cost of one scheduling step with many running sequences",
+    "throughput": "offline throughput: N requests at once, run to completion",
+    "variance": "static against continuous batching as output lengths vary more",
+    "latency": "TTFT / TPOT / end-to-end latency under Poisson arrivals (in process)",
+    "timeline": "which sequence sits in which batch slot at every step (a plot)",
+    "serve": "latency under Poisson load against the HTTP server",
+    "study": "the study: HF static batching vs Conveyor static and continuous (and vLLM if present)",
+}
+BENCHMARKS: tuple[str, ...] = tuple(BENCHMARK_HELP)
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "info": ("conveyor.cli:info_main", "summarize a checkpoint (format, shapes, parameters, bytes)"),
     "generate": ("conveyor.generate:main", "generate text from prompts"),
     "serve": ("conveyor.serve:main", "run the OpenAI-compatible HTTP server"),
     "bench": ("conveyor.cli:bench_main", "run a benchmark: " + ", ".join(BENCHMARKS)),
+    "fetch-model": ("conveyor.default_model:main", "download the default model (SmolLM2-135M-Instruct) once"),
 }
 
 
 class _LoadError(Exception):
     pass
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default unless its help already says it ("default:") or there
+    is nothing to show (None, False: a flag or a default the help describes)."""
+
+    def _get_help_string(self, action):
+        help_ = action.help or ""
+        if "default:" in help_ or action.default is None or action.default is False \
+                or action.default is argparse.SUPPRESS:
+            return help_
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line: `PROG: error: MESSAGE (see PROG --help)`,
+    exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
 def _resolve(target: str, what: str) -> Callable:
@@ -53,65 +86,130 @@ def _resolve(target: str, what: str) -> Callable:
 
 def _usage() -> str:
     width = max(len(n) for n in SUBCOMMANDS)
-    lines = ["usage: conveyor COMMAND [ARGS...]", "", "Conveyor: an LLM inference engine with a C core.",
-             "", "commands:"]
+    lines = ["usage: conveyor [--debug] COMMAND [ARGS...]", "",
+             "Conveyor: an LLM inference engine with a C core.", "", "commands:"]
     lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
-    lines += ["", "Run 'conveyor COMMAND --help' for a command's options."]
+    lines += ["", "Run 'conveyor COMMAND --help' for a command's options. --debug (anywhere, or",
+              "CONVEYOR_DEBUG=1) shows the Python traceback of an error."]
     return "\n".join(lines)
 
 
+# What a user can cause (a wrong path, a bad value, a model too big, no GPU...): one line.
+_USER_ERRORS = (OSError, ValueError, TypeError, MemoryError, RuntimeError, LookupError)
+
+
+def _silence_broken_pipe() -> int:
+    """stdout went to a reader that quit (`| head`): stop writing, quietly."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Runs one subcommand. Errors print `conveyor CMD: error: MESSAGE` and return 1 (2 for
+    usage errors, 130 for Ctrl-C); with --debug the traceback propagates instead."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        print(_usage())
-        return 0 if argv else 2
-    if argv[0] == "--version":
-        from . import __version__
-        print(f"conveyor {__version__}")
-        return 0
-    cmd, rest = argv[0], argv[1:]
-    if cmd not in SUBCOMMANDS:
-        print(f"conveyor: unknown command {cmd!r}; choose from {', '.join(SUBCOMMANDS)}", file=sys.stderr)
-        return 2
+    debug = os.environ.get("CONVEYOR_DEBUG", "") not in ("", "0")
+    if "--debug" in argv:
+        debug = True
+        argv = [a for a in argv if a != "--debug"]
+    prog = "conveyor"
     try:
-        func = _resolve(SUBCOMMANDS[cmd][0], f"conveyor {cmd}")
-    except _LoadError as e:
-        print(f"conveyor: {e}", file=sys.stderr)
-        return 1
-    try:
-        rc = func(rest)
-    except BrokenPipeError:  # output piped into `head` and the like
+        if not argv or argv[0] in ("-h", "--help", "help"):
+            print(_usage())
+            return 0 if argv else 2
+        if argv[0] == "--version":
+            from . import __version__
+            print(f"conveyor {__version__}")
+            return 0
+        cmd, rest = argv[0], argv[1:]
+        if cmd not in SUBCOMMANDS:
+            print(f"conveyor: error: unknown command {cmd!r}; choose from {', '.join(SUBCOMMANDS)}",
+                  file=sys.stderr)
+            return 2
+        prog = f"conveyor {cmd}"
         try:
-            sys.stdout = open(os.devnull, "w")
-        except OSError:
-            pass
-        return 0
-    return 0 if rc is None else int(rc)
+            target = SUBCOMMANDS[cmd][0]
+            if cmd == "serve" and "--ray" in rest:  # replicas on Ray Serve (the `ray` extra)
+                target = "conveyor.ray.serve:main"
+            func = _resolve(target, prog)
+        except _LoadError as e:
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            return 1
+        try:
+            rc = func(rest)
+        except _LoadError as e:
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            return 1
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
+        return 0 if rc is None else int(rc)
+    except BrokenPipeError:  # output piped into `head` and the like
+        return _silence_broken_pipe()
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"\n{prog}: interrupted", file=sys.stderr)
+        return 130
+    except SystemExit:
+        raise  # argparse: it printed "conveyor CMD: error: ..." and exits 2
+    except Exception as e:
+        from ._core import ConveyorError
+
+        if debug or not isinstance(e, _USER_ERRORS + (ConveyorError,)):
+            raise
+        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+        return 1
+
+
+def _one_line(e: BaseException) -> str:
+    msg = str(e).strip()
+    if isinstance(e, KeyError):
+        msg = f"missing key {msg}"
+    if isinstance(e, OSError) and e.filename and e.strerror and str(e.filename) not in msg:
+        msg = f"{e.strerror}: {e.filename}"
+    return " ".join(msg.split()) or type(e).__name__
 
 
 # ---------------------------------------------------------------------------- bench
 
 
+def _bench_usage() -> str:
+    width = max(len(n) for n in BENCHMARKS)
+    lines = ["usage: conveyor bench NAME [ARGS...]", "", "benchmarks:"]
+    lines += [f"  {name:<{width}}  {BENCHMARK_HELP[name]}" for name in BENCHMARKS]
+    lines += ["", "Run 'conveyor bench NAME --help' for a benchmark's options."]
+    return "\n".join(lines)
+
+
 def bench_main(argv: Sequence[str]) -> int:
     argv = list(argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: conveyor bench NAME [ARGS...]\n\nbenchmarks: " + ", ".join(BENCHMARKS))
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_bench_usage())
         return 0 if argv else 2
     name = argv[0]
     if name not in BENCHMARKS:
-        print(f"conveyor bench: unknown benchmark {name!r}; choose from {', '.join(BENCHMARKS)}",
+        print(f"conveyor bench: error: unknown benchmark {name!r}; choose from {', '.join(BENCHMARKS)}",
               file=sys.stderr)
         return 2
-    try:
-        func = _resolve(f"conveyor.bench.{name}:main", f"conveyor bench {name}")
-    except _LoadError as e:
-        print(f"conveyor: {e}", file=sys.stderr)
-        return 1
+    func = _resolve(f"conveyor.bench.{name}:main", f"conveyor bench {name}")
     rc = func(argv[1:])
     return 0 if rc is None else int(rc)
 
 
 # ---------------------------------------------------------------------------- info
+
+
+# bytes per block of 32 elements of the quantized (GGUF) types
+_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+
+
+def _nbytes(dtype, n: int) -> int:
+    d = str(dtype).lower()
+    return n // 32 * _BLOCK_BYTES[d] if d in _BLOCK_BYTES else n * _itemsize(d)
 
 
 def _itemsize(dtype) -> int:
@@ -147,11 +245,18 @@ def summarize(path) -> dict:
         for s in shape:
             n *= int(s)
         params += n
-        nbytes += n * _itemsize(dtype)
+        nbytes += _nbytes(dtype, n)
         by_dtype[str(dtype)] = by_dtype.get(str(dtype), 0) + 1
+    meta = ck.metadata if hasattr(ck, "metadata") else {}
+    extra = {}
+    if ck.format == "gguf":  # what the GGUF file brings besides the weights
+        extra = {"tokenizer": meta.get("tokenizer.ggml.model"),
+                 "chat_template": "tokenizer.chat_template" in meta,
+                 "file_type": meta.get("general.file_type"), "name": meta.get("general.name")}
     return {
         "path": str(path),
         "format": ck.format,
+        **extra,
         "config": cfg,
         "n_tensors": len(tensors),
         "tensor_dtypes": by_dtype,
@@ -186,16 +291,21 @@ def _format_summary(info: dict, show_tensors: bool) -> str:
         f"weight bytes:    {info['weight_bytes']:,} ({info['weight_bytes'] / 2**20:.2f} MiB)",
         f"tensors:         {info['n_tensors']}",
     ]
+    if info["format"] == "gguf":
+        lines.append(f"tokenizer:       {info['tokenizer'] or 'none'}   chat template: {yn(info['chat_template'])}")
     if show_tensors:
         width = max((len(n) for n in info["tensors"]), default=0)
         for name, (d, shape) in info["tensors"].items():
-            lines.append(f"  {name:<{width}}  {d:>8}  {shape}")
+            n = 1
+            for s in shape:
+                n *= int(s)
+            lines.append(f"  {name:<{width}}  {d:>8}  {str(shape):<14} {_nbytes(d, n):>12,} B")
     return "\n".join(lines)
 
 
 def info_main(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="conveyor info", description=SUBCOMMANDS["info"][1])
-    p.add_argument("model", help="a HF model folder or a llama2.c .bin file")
+    p = Parser(prog="conveyor info", description=SUBCOMMANDS["info"][1])
+    p.add_argument("model", help="a HF model folder, a .gguf file or a llama2.c .bin file")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--tensors", action="store_true", help="list every tensor")
     args = p.parse_args(list(argv))

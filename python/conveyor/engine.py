@@ -21,6 +21,7 @@ from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 
 _SCHEDULING = ("continuous", "static", "priority")
+_QUANTIZATIONS = (None, "q8_0", "q4_0", "q4_1")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40,
@@ -73,6 +74,7 @@ class EngineArgs:
     device: str = "cpu"
     seed: int = 0
     gpu_memory_utilization: float = 0.9
+    quantization: Optional[str] = None  # "q8_0" | "q4_0" | "q4_1": quantize the matrices at load
 
     @classmethod
     def from_kwargs(cls, model, kwargs: dict) -> "EngineArgs":
@@ -114,6 +116,8 @@ class EngineArgs:
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "skip_tokenizer_init"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool")
+        if self.quantization not in _QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {_QUANTIZATIONS}, got {self.quantization!r}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         g = self.gpu_memory_utilization
@@ -168,6 +172,9 @@ class EngineCore:
         eos_ids: list[int] = []
         bos_id = -1
         strip = False
+        # The model first: a wrong path or a broken checkpoint is the problem to report,
+        # not a tokenizer that happens to be missing beside it.
+        _core.Checkpoint(args.model).close()
         if not args.skip_tokenizer_init:
             from .tokenizer import load_tokenizer
 
@@ -186,7 +193,7 @@ class EngineCore:
             kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
             enable_chunked_prefill=args.enable_chunked_prefill, policy=args.scheduling,
             seed=args.seed, eos_ids=eos_ids, bos_id=bos_id, strip_space_after_bos=strip,
-            token_bytes=token_bytes, special_ids=special)
+            token_bytes=token_bytes, special_ids=special, quantization=args.quantization)
         self.model_config = self._engine.model_config()
         st = self._engine.stats()
         self.max_model_len = st["max_model_len"]

@@ -1,12 +1,16 @@
-"""`conveyor generate`: the main job. Generates for a few prompts and prints
-the outputs and the throughput. With no --model it uses a built-in default: a
-deterministic random-weight checkpoint of SmolLM-135M's shape, written on first
-use to a cache folder (no download). Random weights make random text; give
---model for a real checkpoint (HF directory or llama2.c .bin)."""
+"""`conveyor generate`: the main job. Generates for a few prompts and prints the
+outputs, the time spent generating and the total time. With no --model it uses the
+built-in default model, SmolLM2-135M-Instruct (Q4_1 GGUF, fetched once into the
+cache: see conveyor.default_model); offline, a deterministic random-weight
+checkpoint of SmolLM-135M's shape (random text). Prompts go through the model's
+chat template when it has one (--no-chat sends them as plain text). --model takes
+an HF checkpoint directory, a .gguf file, a llama2.c .bin, 'stories260K' (the small
+real model) or a shape name of conveyor.testing.SHAPES."""
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -18,6 +22,7 @@ DEFAULT_PROMPTS = [
     "In a small village by the sea,",
     "The best way to learn is",
 ]
+_TMP_MARK = ".tmp"
 
 
 def cache_dir() -> Path:
@@ -26,68 +31,230 @@ def cache_dir() -> Path:
     return Path(base)
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def remove_stale_partial_checkpoints(folder: Path) -> None:
+    """Removes `<name>.tmp<pid>` folders left by a writer that no longer runs
+    (killed before it could clean up after itself)."""
+    if not folder.is_dir():
+        return
+    for entry in folder.iterdir():
+        name, mark, pid = entry.name.rpartition(_TMP_MARK)
+        if mark and name and pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
 def default_model(shape: str = DEFAULT_SHAPE, dtype: str = "bfloat16", seed: int = 0) -> Path:
-    """The built-in default checkpoint, made once and cached."""
+    """The built-in default checkpoint, made once and cached. The checkpoint is
+    written to a temporary folder renamed into place when complete; an interrupted
+    write removes its folder (and a later start removes what a killed one left)."""
     from .testing import write_hf_checkpoint
 
     path = cache_dir() / "models" / f"{shape}-random-{dtype}-seed{seed}"
+    remove_stale_partial_checkpoints(path.parent)
     if not (path / "config.json").exists():
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        tmp = path.with_name(f"{path.name}{_TMP_MARK}{os.getpid()}")
         print(f"conveyor: writing the default random-weight {shape} checkpoint to {path} (first use)",
               file=sys.stderr)
-        write_hf_checkpoint(tmp, shape=shape, dtype=dtype, seed=seed)
         try:
+            write_hf_checkpoint(tmp, shape=shape, dtype=dtype, seed=seed)
             os.replace(tmp, path)
         except OSError:
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)  # another process made it first
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not (path / "config.json").exists():
+                raise
+            # else another process made it first
+        except BaseException:  # Ctrl-C or any failure: leave nothing half-written behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return path
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="conveyor generate", description=__doc__)
-    ap.add_argument("--model", help="HF checkpoint directory or llama2.c .bin (default: built-in)")
-    ap.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+def build_parser() -> argparse.ArgumentParser:
+    from .cli import DefaultsHelpFormatter, Parser
+    from .sampling_params import SamplingParams
+
+    d = SamplingParams()
+    ap = Parser(prog="conveyor generate", description=__doc__,
+                                 formatter_class=DefaultsHelpFormatter)
+    ap.add_argument("--model", default=None,
+                    help="HF checkpoint directory, .gguf file, llama2.c .bin, 'stories260K' or a shape "
+                         "name (default: SmolLM2-135M-Instruct, fetched once)")
+    ap.add_argument("--prompt", action="append", default=None,
+                    help="a prompt (repeat for several; default: four sample prompts)")
     ap.add_argument("--num-prompts", type=int, default=None,
-                    help="repeat the prompts up to this many requests")
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--ignore-eos", action="store_true")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--num-threads", type=int, default=None)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--scheduling", default="continuous", choices=["continuous", "static", "priority"])
+                    help="repeat the prompts up to this many requests (default: each once)")
+    g = ap.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per completion")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument("--top-p", type=float, default=d.top_p, help="nucleus sampling: keep this much mass")
+    g.add_argument("--top-k", type=int, default=d.top_k, help="keep the k likeliest tokens (0: all)")
+    g.add_argument("--n", type=int, default=1, help="completions per prompt")
+    g.add_argument("--stop", action="append", default=None,
+                   help="a stop string (repeatable; not included in the output)")
+    g.add_argument("--logprobs", type=int, default=None,
+                   help="print each generated token's log-probability and this many alternatives "
+                        "(default: none)")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    e = ap.add_argument_group("engine")
+    e.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weight dtype ('auto': the checkpoint's)")
+    e.add_argument("--quantization", default=None, choices=["q8_0", "q4_0", "q4_1"],
+                   help="quantize the weight matrices at load (default: the file's types)")
+    e.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run")
+    e.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: all cores)")
+    e.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence, prompt + output (default: the model's)")
+    e.add_argument("--max-num-seqs", type=int, default=None,
+                   help="sequences running at once (default: the number of completions asked for, "
+                        "at most 256)")
+    e.add_argument("--kv-cache-memory", default=None,
+                   help="KV cache size such as 512MiB or 2GiB (default: what --max-num-seqs "
+                        "sequences of --max-model-len need, capped by a share of free memory)")
+    e.add_argument("--scheduling", default="continuous", choices=["continuous", "static", "priority"],
+                   help="batching policy")
+    o = ap.add_argument_group("output")
+    o.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="send each prompt as a user message through the chat template "
+                        "(default: when the model has a template)")
+    o.add_argument("--stream", action="store_true",
+                   help="print tokens as they are generated (one prompt, n=1)")
+    o.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (there is one only when stderr is a terminal)")
+    return ap
+
+
+def _print_logprobs(tokenizer, completion) -> None:
+    for pos, entry in enumerate(completion.logprobs or ()):
+        chosen = completion.token_ids[pos]
+        cells = []
+        for tid, lp in sorted(entry.items(), key=lambda kv: -kv[1].logprob):
+            piece = tokenizer.decode([tid]) if tokenizer is not None else str(tid)
+            mark = "*" if tid == chosen else " "
+            cells.append(f"{mark}{piece!r} {lp.logprob:.3f}")
+        print(f"  [{pos}] " + "  ".join(cells))
+
+
+async def _stream(llm, shown: str, prompt, params) -> tuple[int, int]:
+    """Prints the completion of one prompt as it is generated; returns (prompt, generated) tokens."""
+    n_prompt = n_gen = 0
+    print(f"--- {shown!r}")
+    async for out in llm.generate(prompt, params):
+        n_prompt = len(out.prompt_token_ids)
+        n_gen += len(out.outputs[0].token_ids)
+        sys.stdout.write(out.outputs[0].text)
+        sys.stdout.flush()
+        if out.finished:
+            print(f"\n[{out.outputs[0].finish_reason}]")
+    return n_prompt, n_gen
+
+
+def main(argv=None) -> int:
+    t_start = time.perf_counter()
+    ap = build_parser()
     args = ap.parse_args(argv)
 
-    from . import LLM, SamplingParams
+    from . import AsyncLLM, LLM, SamplingParams
+    from .bench.common import resolve_model
 
-    model = args.model or str(default_model())
     prompts = args.prompt or DEFAULT_PROMPTS
-    if args.num_prompts:
+    if args.num_prompts is not None:
+        if args.num_prompts < 1:
+            ap.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
         prompts = [prompts[i % len(prompts)] for i in range(args.num_prompts)]
-    llm = LLM(model, dtype=args.dtype, num_threads=args.num_threads, device=args.device,
-              scheduling=args.scheduling)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    dt = time.perf_counter() - t0
-    for o in outs[:8]:
-        print(f"--- {o.prompt!r}")
-        print(o.outputs[0].text)
-    n_gen = sum(len(o.outputs[0].token_ids) for o in outs)
-    n_prompt = sum(len(o.prompt_token_ids) for o in outs)
-    cfg = llm.model_config
+    if args.stream and (len(prompts) != 1 or args.n != 1):
+        ap.error("--stream prints one completion: give exactly one --prompt and --n 1")
+    # Everything the user typed is checked before the model is loaded.
+    try:
+        params = SamplingParams(
+            n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, stop=args.stop, logprobs=args.logprobs, seed=args.seed,
+            ignore_eos=args.ignore_eos, output_kind="delta" if args.stream else "cumulative")
+        from .engine import parse_bytes
+
+        if args.kv_cache_memory is not None:
+            parse_bytes(args.kv_cache_memory, "--kv-cache-memory")
+    except (ValueError, TypeError) as exc:
+        ap.error(str(exc).replace("SamplingParams.", "--").replace("_", "-"))
+    for name in ("max_model_len", "max_num_seqs", "num_threads"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+
+    if args.model is None:
+        from .default_model import default_model_path
+
+        model = str(default_model_path())
+    else:
+        model = resolve_model(args.model)
+    max_num_seqs = args.max_num_seqs or min(256, len(prompts) * args.n)
+    kwargs = dict(dtype=args.dtype, num_threads=args.num_threads, device=args.device,
+                  scheduling=args.scheduling, max_model_len=args.max_model_len,
+                  max_num_seqs=max_num_seqs, kv_cache_memory=args.kv_cache_memory,
+                  quantization=args.quantization)
+    t_load = time.perf_counter()
+    if args.stream:
+        import asyncio
+
+        with AsyncLLM(model, **kwargs) as llm:
+            load_s = time.perf_counter() - t_load
+            cfg, st = llm.model_config, llm.stats()
+            t0 = time.perf_counter()
+            tok = llm.tokenizer
+            prompt = prompts[0]
+            if args.chat if args.chat is not None else bool(getattr(tok, "chat_template", None)):
+                text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+                prompt = {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+            n_prompt, n_gen = asyncio.run(_stream(llm, prompts[0], prompt, params))
+            gen_s = time.perf_counter() - t0
+        n_req = 1
+    else:
+        with LLM(model, **kwargs) as llm:
+            load_s = time.perf_counter() - t_load
+            cfg, st = llm.model_config, llm.stats()
+            progress = not args.no_progress and sys.stderr.isatty()
+            t0 = time.perf_counter()
+            tok = llm.tokenizer
+            if args.chat if args.chat is not None else bool(getattr(tok, "chat_template", None)):
+                outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=progress)
+            else:
+                outs = llm.generate(prompts, params, use_tqdm=progress)
+            gen_s = time.perf_counter() - t0
+            for shown, o in list(zip(prompts, outs))[:8]:
+                print(f"--- {shown!r}")
+                for c in o.outputs:
+                    if len(o.outputs) > 1:
+                        print(f"[{c.index}]", end=" ")
+                    print(c.text)
+                    if args.logprobs is not None:
+                        _print_logprobs(llm.tokenizer, c)
+            if len(outs) > 8:
+                print(f"... ({len(outs) - 8} more)")
+            n_gen = sum(len(c.token_ids) for o in outs for c in o.outputs)
+            n_prompt = sum(len(o.prompt_token_ids) for o in outs)
+            n_req = len(outs)
+    total_s = time.perf_counter() - t_start
     print(f"\nmodel: {model}\n  {cfg['arch']} dim={cfg['dim']} layers={cfg['n_layers']} "
           f"heads={cfg['n_heads']}/{cfg['n_kv_heads']} vocab={cfg['vocab_size']}")
-    print(f"{len(outs)} requests, {n_prompt} prompt + {n_gen} generated tokens in {dt:.2f} s: "
-          f"{n_gen / dt:.1f} output tok/s, {(n_prompt + n_gen) / dt:.1f} total tok/s")
-    llm.close()
+    print(f"  KV cache {st['kv_cache_bytes'] / 2**20:.0f} MiB: {st['max_num_seqs']} sequences of up to "
+          f"{st['max_model_len']} tokens")
+    print(f"{n_req} requests, {n_prompt} prompt + {n_gen} generated tokens")
+    print(f"generation: {gen_s:.2f} s ({n_gen / max(gen_s, 1e-9):.1f} output tok/s, "
+          f"{(n_prompt + n_gen) / max(gen_s, 1e-9):.1f} total tok/s)")
+    print(f"total:      {total_s:.2f} s (model load {load_s:.2f} s)")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .cli import main as _cli_main
+
+    sys.exit(_cli_main(["generate", *sys.argv[1:]]))

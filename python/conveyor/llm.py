@@ -1,6 +1,8 @@
 """LLM: offline batched generation (vLLM's LLM class, same names)."""
 from __future__ import annotations
 
+import copy
+import warnings
 import weakref
 from typing import Optional, Sequence, Union
 
@@ -31,6 +33,18 @@ def normalize_prompts(prompts) -> list:
         return list(prompts)
     raise TypeError(f"prompts must be a str, a list of str, token ids or NumPy integer arrays, "
                     f"got {type(prompts).__name__}")
+
+
+def _progress_bar_class():
+    """tqdm's notebook widget where it can draw (Jupyter with ipywidgets), else the plain
+    text bar: tqdm.auto without ipywidgets warns "IProgress not found" and shows nothing."""
+    try:
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        from tqdm import tqdm
+    else:
+        from tqdm.auto import tqdm
+    return tqdm
 
 
 class LLM(EngineFrontend):
@@ -94,7 +108,7 @@ class LLM(EngineFrontend):
             return
         import time
 
-        from tqdm.auto import tqdm
+        tqdm = _progress_bar_class()
 
         t0 = time.perf_counter()
         with tqdm(total=len(reqs), desc="Processed prompts", unit="req", dynamic_ncols=True) as bar:
@@ -108,22 +122,41 @@ class LLM(EngineFrontend):
             core.run(reqs, on_step)
 
     def chat(self, messages, sampling_params: Optional[SamplingParams] = None, *,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Applies the tokenizer's chat template to one conversation (a list of
-        {"role", "content"} dicts) or a list of conversations, then generates."""
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: Optional[str] = None) -> list[RequestOutput]:
+        """Applies a chat template to one conversation (a list of {"role", "content"}
+        dicts) or a list of conversations, then generates. The template is
+        ``chat_template`` (a Jinja template string) if given, else the tokenizer's. A
+        model without one (a base model, llama2.c) gets a plain "role: content" format
+        it was never trained on: that works but warns, once per LLM."""
         tok = self._core.tokenizer
         if tok is None:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init=True was given)")
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError("messages must be a non-empty list of {'role', 'content'} dicts")
+        if chat_template is not None:
+            if not isinstance(chat_template, str) or not chat_template.strip():
+                raise ValueError("chat_template must be a non-empty Jinja template string")
+            tok = copy.copy(tok)
+            tok.chat_template = chat_template
+        has_template = bool(getattr(tok, "chat_template", None))
+        if not has_template and not getattr(self, "_warned_no_chat_template", False):
+            self._warned_no_chat_template = True
+            warnings.warn("this model has no chat template: LLM.chat formats the conversation as plain "
+                          "'role: content' lines, which the model was not trained on; pass "
+                          "chat_template=... or use generate() for a base model", UserWarning, stacklevel=2)
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = []
-        for conv in convs:
-            for msg in conv:
-                if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
-                    raise ValueError("each chat message must be a dict with 'role' and 'content'")
-            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
-            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)
-                            if getattr(tok, "chat_template", None) else tok.encode(text)})
+        prompts = [chat_prompt(tok, conv, add_generation_prompt) for conv in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def chat_prompt(tok, conv, add_generation_prompt: bool = True) -> dict:
+    """One conversation (a list of {"role", "content"} dicts) as a prompt dict, through the
+    tokenizer's chat template."""
+    for msg in conv:
+        if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
+            raise ValueError("each chat message must be a dict with 'role' and 'content'")
+    text = tok.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt)
+    return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)
+            if getattr(tok, "chat_template", None) else tok.encode(text)}
 

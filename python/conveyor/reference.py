@@ -1,10 +1,11 @@
 """A NumPy oracle for the model: float64, full causal attention, no batching tricks.
 
 Written from the model definition, independent of the C engine: it reads checkpoints with
-its own small readers (safetensors and llama2.c), so a bug in the C loader cannot hide in
+its own small readers (safetensors, llama2.c, and GGUF via conveyor.gguf with NumPy
+dequantization), so a bug in the C loader cannot hide in
 both. Meant for tiny models in tests.
 
-    ref = ReferenceModel.load(path)           # HF folder or llama2.c .bin
+    ref = ReferenceModel.load(path)           # HF folder, llama2.c .bin or .gguf
     ref.logits([1, 403, 407])                 # float64 [3][vocab]
     ref.greedy([1], 20)                       # 20 new token ids (argmax each step)
 
@@ -13,8 +14,9 @@ The model (LLaMA family): x = embed[token]; per layer
     x += down(silu(gate(n)) * up(n)),                                     n = rmsnorm(x)
 logits = rmsnorm(x) @ lm_head.T (lm_head = embed when tied). RMSNorm: x / sqrt(mean(x^2) + eps) * w.
 Grouped-query attention: query head h reads kv head h // (n_heads / n_kv_heads); scores scaled
-by 1/sqrt(head_dim). RoPE rotates (i, i + head_dim/2) for HF checkpoints ("halves") and
-(2i, 2i+1) for llama2.c ("pairs") by angle pos * theta^(-2i/head_dim), with llama3 scaling of
+by 1/sqrt(head_dim). RoPE rotates (i, i + head_dim/2) for HF checkpoints and GGUF qwen2
+("halves") and (2i, 2i+1) for llama2.c and GGUF llama ("pairs": llama.cpp's converter
+permutes the q/k rows) by angle pos * theta^(-2i/head_dim), with llama3 scaling of
 the frequencies when the config asks for it. Biases (Qwen2 q/k/v, or any *_proj.bias in the
 file) are added. Mistral's sliding window is not applied (attention is always full causal).
 """
@@ -35,6 +37,7 @@ __all__ = [
     "read_safetensors_file",
     "read_hf_weights",
     "read_llama2c",
+    "read_gguf",
     "rope_inv_freq",
 ]
 
@@ -149,6 +152,89 @@ def read_llama2c(path) -> tuple[dict, dict]:
     weights = dict(embed=arrays["embed"], final_norm=arrays["rms_final"],
                    lm_head=None if shared else arrays["wcls"], layers=layers)
     return config, weights
+
+
+_GGUF_ROPE = {"llama": "pairs", "qwen2": "halves"}
+
+
+def read_gguf(path) -> tuple[dict, dict]:
+    """(config, weights) of a GGUF llama/qwen2 model, every tensor dequantized to float64."""
+    from .gguf import GGUFError, GGUFReader
+
+    try:
+        f = GGUFReader(path)
+    except GGUFError as e:
+        raise ModelFormatError(str(e)) from None
+    md = f.metadata
+    arch = md.get("general.architecture")
+    if arch not in _GGUF_ROPE:
+        raise UnsupportedError(f"{path}: GGUF architecture {arch!r} is not supported (llama, qwen2)")
+
+    def key(name, default=None):
+        v = md.get(f"{arch}.{name}", default)
+        if v is None:
+            raise ModelFormatError(f"{path}: metadata {arch}.{name} is missing")
+        return v
+
+    dim, n_heads = int(key("embedding_length")), int(key("attention.head_count"))
+    scaling = md.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none", "linear"):
+        raise UnsupportedError(f"{path}: rope scaling {scaling!r} is not supported")
+    tok = md.get("tokenizer.ggml.tokens")
+    cfg = dict(format="gguf", arch=arch, dim=dim, hidden_dim=int(key("feed_forward_length")),
+               n_layers=int(key("block_count")), n_heads=n_heads,
+               n_kv_heads=int(key("attention.head_count_kv", n_heads)),
+               head_dim=int(key("attention.key_length", dim // n_heads)),
+               vocab_size=int(md.get(f"{arch}.vocab_size") or (len(tok) if tok else
+                                                               f.tensors["token_embd.weight"].shape[0])),
+               max_pos=int(key("context_length", 2048)),
+               rms_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+               rope_theta=float(key("rope.freq_base", 10000.0)), rope_layout=_GGUF_ROPE[arch],
+               rope_scaling=({"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+                             if scaling == "linear" else None),
+               tie_embeddings="output.weight" not in f.tensors,
+               qkv_bias="blk.0.attn_q.bias" in f.tensors,
+               bos_id=md.get("tokenizer.ggml.bos_token_id"), dtype="gguf")
+    eos = md.get("tokenizer.ggml.eos_token_id")
+    cfg["eos_ids"] = [eos] if isinstance(eos, int) else []
+    if cfg["n_heads"] % cfg["n_kv_heads"]:
+        raise ModelFormatError(f"{path}: head_count {n_heads} is not a multiple of head_count_kv "
+                               f"{cfg['n_kv_heads']}")
+
+    def get(name, shape, required=True):
+        if name not in f.tensors:
+            if required:
+                raise ModelFormatError(f"{path}: tensor {name} is missing")
+            return None
+        info = f.tensors[name]
+        if tuple(info.shape) != tuple(shape):
+            raise ModelFormatError(f"{path}: tensor {name} has shape {list(info.shape)}, expected {list(shape)}")
+        return f.tensor(name).astype(np.float64)
+
+    hd, hid, V = cfg["head_dim"], cfg["hidden_dim"], cfg["vocab_size"]
+    q_dim, kv_dim = n_heads * hd, cfg["n_kv_heads"] * hd
+    bias = cfg["qkv_bias"]
+    layers = []
+    for i in range(cfg["n_layers"]):
+        p = f"blk.{i}."
+        layers.append(dict(
+            attn_norm=get(p + "attn_norm.weight", (dim,)),
+            wq=get(p + "attn_q.weight", (q_dim, dim)), wk=get(p + "attn_k.weight", (kv_dim, dim)),
+            wv=get(p + "attn_v.weight", (kv_dim, dim)), wo=get(p + "attn_output.weight", (dim, q_dim)),
+            bq=get(p + "attn_q.bias", (q_dim,), bias), bk=get(p + "attn_k.bias", (kv_dim,), bias),
+            bv=get(p + "attn_v.bias", (kv_dim,), bias), bo=get(p + "attn_output.bias", (dim,), False),
+            ffn_norm=get(p + "ffn_norm.weight", (dim,)),
+            w_gate=get(p + "ffn_gate.weight", (hid, dim)), w_up=get(p + "ffn_up.weight", (hid, dim)),
+            w_down=get(p + "ffn_down.weight", (dim, hid)),
+        ))
+    weights = dict(embed=get("token_embd.weight", (V, dim)), final_norm=get("output_norm.weight", (dim,)),
+                   lm_head=None if cfg["tie_embeddings"] else get("output.weight", (V, dim)), layers=layers)
+    return cfg, weights
+
+
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
 
 
 def _hf_config(folder: Path) -> dict:
@@ -298,7 +384,7 @@ class ReferenceModel:
             cfg = _hf_config(path)
             return cls(cfg, _hf_weights(path, cfg))
         if path.is_file():
-            return cls(*read_llama2c(path))
+            return cls(*(read_gguf(path) if _is_gguf(path) else read_llama2c(path)))
         raise FileNotFoundError(f"model not found: {path}")
 
     @property

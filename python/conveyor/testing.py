@@ -3,6 +3,7 @@
     from conveyor.testing import write_hf_checkpoint, write_llama2c_checkpoint, SHAPES
     d = write_hf_checkpoint(tmp / "tiny", shape="tiny", arch="qwen2", dtype="bfloat16")
     f = write_llama2c_checkpoint(tmp / "tiny.bin", shape="tiny")
+    g = write_gguf_checkpoint(tmp / "tiny.gguf", shape="tiny", arch="llama", ggml_type="Q4_0")
 
 Output is a pure function of the arguments (weights from ``np.random.default_rng(seed)``,
 tensors drawn in a fixed order, so the values do not depend on ``shards``). Tensors are
@@ -47,6 +48,11 @@ __all__ = [
     "f32_to_bf16_bits",
     "bf16_bits_to_f32",
     "round_to_dtype",
+    "GGUF_ARCHS",
+    "GGUF_TOKENIZERS",
+    "write_gguf_checkpoint",
+    "gguf_tensor_name",
+    "llama_qk_permute",
 ]
 
 # Named shapes. Keys follow conveyor._core.Checkpoint.config; optional keys: head_dim,
@@ -481,14 +487,11 @@ def _pseudo_word(k: int) -> str:
             return "\u0120" + s
 
 
-def write_hf_tokenizer(folder, vocab_size: int, *, bos_id: int = 0, eos_id: int = 1) -> None:
-    """tokenizer.json (byte-level BPE with exactly ``vocab_size`` ids: "<s>", "</s>", the
-    256 byte symbols, merges learned from CORPUS, then padding entries that encoding
-    never produces (made-up words with a leading space, no merges lead to them)),
-    tokenizer_config.json (BOS added, chat template)."""
+def _byte_level_vocab(vocab_size: int, bos_id: int = 0, eos_id: int = 1) -> tuple[dict, list]:
+    """The test byte-level BPE vocabulary: token -> id (exactly ``vocab_size`` ids) and
+    merges ("a b" strings, in rank order)."""
     from .tokenizer import _bytes_to_unicode
 
-    folder = Path(folder)
     if sorted((bos_id, eos_id)) != [0, 1]:
         raise ValueError("the test tokenizer puts <s>/</s> at ids 0 and 1")
     if vocab_size < 258:
@@ -511,6 +514,19 @@ def write_hf_tokenizer(folder, vocab_size: int, *, bos_id: int = 0, eos_id: int 
         if word not in vocab:
             vocab[word] = len(vocab)
         k += 1
+    return vocab, merges
+
+
+def write_hf_tokenizer(folder, vocab_size: int, *, bos_id: int = 0, eos_id: int = 1) -> None:
+    """tokenizer.json (byte-level BPE with exactly ``vocab_size`` ids: "<s>", "</s>", the
+    256 byte symbols, merges learned from CORPUS, then padding entries that encoding
+    never produces (made-up words with a leading space, no merges lead to them)),
+    tokenizer_config.json (BOS added, chat template)."""
+    from .tokenizer import _bytes_to_unicode
+
+    folder = Path(folder)
+    vocab, merges = _byte_level_vocab(vocab_size, bos_id, eos_id)
+    special = {bos_id: "<s>", eos_id: "</s>"}
     spec = {
         "version": "1.0",
         "truncation": None,
@@ -558,10 +574,8 @@ def _sentencepiece_merges(n_merges: int) -> tuple:
     return tuple(_train_merges(words, n_merges))
 
 
-def write_llama2c_tokenizer(path, vocab_size: int) -> Path:
-    """A llama2.c tokenizer.bin: <unk>, "\\n<s>\\n", "\\n</s>\\n", <0x00>..<0xFF>, the
-    characters of CORPUS (score -1e6), pieces merged from CORPUS (score -rank), then
-    padding pieces "<extra_N>" (score -1e9, never produced by encoding)."""
+def _llama2c_pieces(vocab_size: int) -> list[tuple[float, bytes]]:
+    """(score, piece) of the test SentencePiece-style vocabulary, by id."""
     if vocab_size < 259:
         raise ValueError(f"vocab_size {vocab_size} < 259 (3 special + 256 byte tokens)")
     pieces: list[tuple[float, bytes]] = [(0.0, b"<unk>"), (0.0, b"\n<s>\n"), (0.0, b"\n</s>\n")]
@@ -586,6 +600,14 @@ def write_llama2c_tokenizer(path, vocab_size: int) -> Path:
     while len(pieces) < vocab_size:
         pieces.append((-1e9, f"<extra_{k}>".encode()))
         k += 1
+    return pieces
+
+
+def write_llama2c_tokenizer(path, vocab_size: int) -> Path:
+    """A llama2.c tokenizer.bin: <unk>, "\\n<s>\\n", "\\n</s>\\n", <0x00>..<0xFF>, the
+    characters of CORPUS (score -1e6), pieces merged from CORPUS (score -rank), then
+    padding pieces "<extra_N>" (score -1e9, never produced by encoding)."""
+    pieces = _llama2c_pieces(vocab_size)
     path = Path(path)
     with open(path, "wb") as f:
         f.write(struct.pack("<i", max(len(p) for _, p in pieces)))
@@ -644,3 +666,170 @@ def write_llama2c_checkpoint(path, *, shape="tiny", seed: int = 0, tied: bool = 
     if tokenizer:
         write_llama2c_tokenizer(out.parent / "tokenizer.bin", V)
     return out
+
+
+# ---------------------------------------------------------------------------- GGUF
+
+GGUF_ARCHS = ("llama", "qwen2")
+GGUF_TOKENIZERS = ("gpt2", "llama")
+_GGUF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    """llama.cpp's name for a HF tensor name (model.layers.3.self_attn.q_proj.weight ->
+    blk.3.attn_q.weight)."""
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    if hf_name in fixed:
+        return fixed[hf_name]
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
+    if not m or m.group(2) not in _GGUF_LAYER_NAMES:
+        raise ValueError(f"no GGUF name for tensor {hf_name!r}")
+    return f"blk.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}"
+
+
+def llama_qk_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """The row permutation llama.cpp's converter applies to LLaMA q/k weights (and biases):
+    within each head, HF's rows (i, i + head_dim/2) become rows (2i, 2i+1), so the
+    interleaved-pairs RoPE of a GGUF llama model equals HF's rotate-half RoPE."""
+    w = np.asarray(w)
+    hd = w.shape[0] // n_heads
+    return w.reshape(n_heads, 2, hd // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_gpt2_tokenizer(vocab_size: int, bos_id: int, eos_id: int) -> dict:
+    vocab, merges = _byte_level_vocab(vocab_size, bos_id, eos_id)
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    types = [3 if i in (bos_id, eos_id) else 1 for i in range(len(tokens))]
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges,
+            "tokenizer.ggml.bos_token_id": bos_id, "tokenizer.ggml.eos_token_id": eos_id,
+            "tokenizer.ggml.add_bos_token": True}
+
+
+def _gguf_llama_tokenizer(vocab_size: int) -> dict:
+    """The llama2.c test vocabulary in llama.cpp's SentencePiece form: spaces as "▁",
+    <unk> (type 2), <s>/</s> (control, 3), <0xNN> byte tokens (6), the rest normal (1)."""
+    tokens, scores, types = [], [], []
+    for i, (score, piece) in enumerate(_llama2c_pieces(vocab_size)):
+        if i == 0:
+            tokens.append("<unk>"), types.append(2)
+        elif i in (1, 2):
+            tokens.append("<s>" if i == 1 else "</s>"), types.append(3)
+        elif i < 259:
+            tokens.append(piece.decode()), types.append(6)
+        else:
+            tokens.append(piece.decode("utf-8").replace(" ", "\u2581")), types.append(1)
+        scores.append(score)
+    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.scores": scores, "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+            "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.add_bos_token": True,
+            "tokenizer.ggml.add_space_prefix": True}
+
+
+def write_gguf_checkpoint(path, *, shape="tiny", arch: str | None = None, ggml_type="F32",
+                          embed_type=None, seed: int = 0, tie_embeddings: bool | None = None,
+                          tokenizer: str | None = "gpt2", chat_template: str | None = _HF_CHAT_TEMPLATE,
+                          alignment: int = 32, version: int = 3, context_length: int | None = None,
+                          rope_theta: float | None = None, rms_eps: float | None = None,
+                          extra_metadata: dict | None = None) -> Path:
+    """Writes a random-weight model as one GGUF file (llama.cpp's names and metadata keys)
+    and returns its path (``path``, or path/model.gguf for a folder).
+
+    The float32 weights are exactly those of ``write_hf_checkpoint`` with the same shape,
+    arch, seed and tying (same draw order), so the two files describe the same model. For
+    arch "llama" the q/k rows are permuted as llama.cpp's converter does (see
+    ``llama_qk_permute``; GGUF llama uses the interleaved-pairs RoPE); "qwen2" keeps HF's
+    order (rotate-half RoPE) and has q/k/v biases.
+
+    ``ggml_type``: the type of the 2-D weights (F32, F16, BF16, Q8_0, Q4_0, Q4_1);
+    ``embed_type``: token_embd/output (default: ``ggml_type``). A matrix whose rows are not a
+    multiple of 32 cannot be block-quantized and is stored as F32 (llama.cpp also falls
+    back for such tensors); norms and biases are always F32.
+    ``tokenizer``: "gpt2" (the byte-level BPE test vocabulary of ``write_hf_tokenizer``,
+    pre-tokenizer "gpt2"), "llama" (the SentencePiece-style vocabulary of
+    ``write_llama2c_tokenizer``, with scores) or None; ``chat_template`` is stored with it.
+    ``extra_metadata``: more entries, key -> value or (value, GGUFValueType), written last
+    (a key already set is replaced).
+    """
+    from .gguf import BLOCK_SIZE, GGMLType, GGUFValueType, GGUFWriter, _ggml_type, quantize
+
+    s = resolve_shape(shape)
+    arch = arch or s.get("arch", "llama")
+    if arch not in GGUF_ARCHS:
+        raise ValueError(f"unknown GGUF arch {arch!r}; use one of {GGUF_ARCHS}")
+    if tokenizer not in GGUF_TOKENIZERS + (None,):
+        raise ValueError(f"unknown tokenizer {tokenizer!r}; use one of {GGUF_TOKENIZERS} or None")
+    mat_type = _ggml_type(ggml_type)
+    emb_type = mat_type if embed_type is None else _ggml_type(embed_type)
+    tie = s.get("tie_embeddings", False) if tie_embeddings is None else bool(tie_embeddings)
+    out = Path(os.fspath(path))
+    if out.is_dir():
+        out = out / "model.gguf"
+    V, dim = s["vocab_size"], s["dim"]
+    w = GGUFWriter(out, alignment=alignment, version=version)
+    U32, F32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
+    w.add("general.architecture", arch)
+    w.add("general.name", f"conveyor-random-{arch}-{mat_type.name.lower()}")
+    w.add("general.file_type", {GGMLType.F32: 0, GGMLType.F16: 1, GGMLType.Q4_0: 2, GGMLType.Q4_1: 3,
+                                GGMLType.Q8_0: 7, GGMLType.BF16: 32}[mat_type], U32)
+    w.add(f"{arch}.context_length", int(context_length or s["max_pos"]), U32)
+    w.add(f"{arch}.embedding_length", dim, U32)
+    w.add(f"{arch}.feed_forward_length", s["hidden_dim"], U32)
+    w.add(f"{arch}.block_count", s["n_layers"], U32)
+    w.add(f"{arch}.attention.head_count", s["n_heads"], U32)
+    w.add(f"{arch}.attention.head_count_kv", s["n_kv_heads"], U32)
+    w.add(f"{arch}.rope.freq_base", float(s["rope_theta"] if rope_theta is None else rope_theta), F32)
+    w.add(f"{arch}.attention.layer_norm_rms_epsilon", float(s["rms_eps"] if rms_eps is None else rms_eps), F32)
+    w.add(f"{arch}.rope.dimension_count", s["head_dim"], U32)
+    w.add(f"{arch}.vocab_size", V, U32)
+    if s["_explicit_head_dim"]:
+        w.add(f"{arch}.attention.key_length", s["head_dim"], U32)
+        w.add(f"{arch}.attention.value_length", s["head_dim"], U32)
+    if tokenizer == "gpt2":
+        tok = _gguf_gpt2_tokenizer(V, s.get("bos_id", 0), s.get("eos_id", 1))
+    elif tokenizer == "llama":
+        tok = _gguf_llama_tokenizer(V)
+    else:
+        tok = {}
+    for key, value in tok.items():
+        if key.endswith("_id"):
+            w.add(key, value, U32)
+        else:
+            w.add(key, value)
+    if tokenizer and chat_template:
+        w.add("tokenizer.chat_template", chat_template)
+    for key, value in (extra_metadata or {}).items():
+        if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], GGUFValueType):
+            w.add(key, value[0], value[1])
+        else:
+            w.add(key, value)
+
+    gen = _Gen(seed)
+    for name, shp, kind, scale in hf_tensor_layout(s, arch, tie, arch == "qwen2"):
+        arr = gen.full(shp, kind, scale)
+        gname = gguf_tensor_name(name)
+        if arch == "llama" and gname.split(".")[-2] in ("attn_q", "attn_k"):
+            arr = llama_qk_permute(arr, s["n_heads"] if "attn_q" in gname else s["n_kv_heads"])
+        t = GGMLType.F32
+        if arr.ndim == 2:
+            t = emb_type if gname in ("token_embd.weight", "output.weight") else mat_type
+            if t in (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1) and arr.shape[1] % BLOCK_SIZE:
+                t = GGMLType.F32
+        data = quantize(arr, t)
+        w.add_tensor_producer(gname, arr.shape, t, lambda data=data: [data.tobytes()])
+    return w.write()

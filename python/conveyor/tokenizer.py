@@ -15,13 +15,15 @@ When ``strip_leading_space_after_bos`` is true, decoding drops one leading space
 token that directly follows BOS (llama2.c; SentencePiece-style HF tokenizers that add a
 dummy prefix); the engine applies the same rule when generated text follows a bare BOS.
 
-Chat templates: when a tokenizer has a chat template and jinja2 can be imported, the
-template is rendered (sandboxed, as HF does). Otherwise a plain built-in format is used:
-one ``"{role}: {content}\\n"`` line per message, then ``"assistant: "`` when
+Chat templates: a tokenizer's chat template (HF tokenizer_config.json, or
+``tokenizer.chat_template`` in a GGUF file) is rendered with jinja2 (sandboxed, as HF
+does). A model without a template gets a plain built-in format, with a warning the first
+time: one ``"{role}: {content}\\n"`` line per message, then ``"assistant: "`` when
 ``add_generation_prompt`` is true.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import json
 import os
@@ -29,6 +31,7 @@ import re
 import struct
 from pathlib import Path
 from typing import Iterable, Sequence
+import warnings
 
 from ._core import ModelFormatError
 
@@ -36,6 +39,8 @@ __all__ = [
     "Tokenizer",
     "Llama2cTokenizer",
     "HFTokenizer",
+    "GGUFTokenizer",
+    "GGUF_PRE_TOKENIZERS",
     "load_tokenizer",
     "render_default_chat",
 ]
@@ -49,6 +54,33 @@ def render_default_chat(messages: Sequence[dict], add_generation_prompt: bool = 
     if add_generation_prompt:
         out.append("assistant: ")
     return "".join(out)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_template(source: str):
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise ValueError(f"chat template: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(source)
+    except TemplateError as e:
+        raise ModelFormatError(f"the model's chat template is not valid Jinja: {e}") from None
+
+
+def _render_template(source: str, messages: list[dict], add_generation_prompt: bool,
+                     bos_token: str, eos_token: str) -> str:
+    from jinja2.exceptions import TemplateError
+
+    try:
+        return _compile_template(source).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                bos_token=bos_token, eos_token=eos_token)
+    except TemplateError as e:
+        raise ValueError(f"chat template failed to render: {e}") from None
 
 
 def _check_messages(messages) -> list[dict]:
@@ -114,25 +146,19 @@ class Tokenizer:
         return [self.token_bytes(i) if i < self.vocab_size else b"" for i in range(n)]
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        """The conversation as the model's prompt text: its chat template rendered with
+        jinja2 (sandboxed, as HF does), or for a model without a template the built-in
+        ``"{role}: {content}\\n"`` format, with a warning the first time."""
         msgs = _check_messages(messages)
-        if self.chat_template:
-            try:
-                from jinja2.sandbox import ImmutableSandboxedEnvironment
-            except ImportError:
-                ImmutableSandboxedEnvironment = None
-            if ImmutableSandboxedEnvironment is not None:
-                def raise_exception(message):
-                    raise ValueError(f"chat template: {message}")
-
-                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-                env.globals["raise_exception"] = raise_exception
-                return env.from_string(self.chat_template).render(
-                    messages=msgs,
-                    add_generation_prompt=add_generation_prompt,
-                    bos_token=self.bos_token or "",
-                    eos_token=self.eos_token or "",
-                )
-        return render_default_chat(msgs, add_generation_prompt)
+        if not self.chat_template:
+            if not getattr(self, "_warned_no_template", False):
+                self._warned_no_template = True
+                warnings.warn(f"{self!r} has no chat template; using the built-in "
+                              "'role: content' format, which the model was not trained on",
+                              UserWarning, stacklevel=2)
+            return render_default_chat(msgs, add_generation_prompt)
+        return _render_template(self.chat_template, msgs, add_generation_prompt,
+                                self.bos_token or "", self.eos_token or "")
 
     def __repr__(self) -> str:
         return (f"<{type(self).__name__} vocab_size={self.vocab_size} bos_id={self.bos_id} "
@@ -359,7 +385,14 @@ class HFTokenizer(Tokenizer):
         model_cfg = _read_json(model_cfg_path) if model_cfg_path.is_file() else {}
         gen_path = folder / "generation_config.json"
         gen_cfg = _read_json(gen_path) if gen_path.is_file() else {}
+        tmpl = cfg.get("chat_template")
+        if not tmpl and (folder / "chat_template.jinja").is_file():
+            cfg = dict(cfg, chat_template=(folder / "chat_template.jinja").read_text(encoding="utf-8"))
+        self._setup(spec, cfg, model_cfg, gen_cfg)
 
+    def _setup(self, spec: dict, cfg: dict, model_cfg: dict, gen_cfg: dict) -> None:
+        """Fills the attributes from tokenizer.json's ``spec`` (self._tok already loaded),
+        tokenizer_config ``cfg``, config.json ``model_cfg`` and generation_config ``gen_cfg``."""
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(max(vocab.values()) + 1 if vocab else 0,
                               self._tok.get_vocab_size(with_added_tokens=True))
@@ -400,8 +433,6 @@ class HFTokenizer(Tokenizer):
         if isinstance(tmpl, list):  # [{"name": ..., "template": ...}]
             named = {t.get("name"): t.get("template") for t in tmpl if isinstance(t, dict)}
             tmpl = named.get("default") or next(iter(named.values()), None)
-        if not tmpl and (folder / "chat_template.jinja").is_file():
-            tmpl = (folder / "chat_template.jinja").read_text(encoding="utf-8")
         self.chat_template = tmpl if isinstance(tmpl, str) and tmpl else None
 
         # How token strings map to bytes.
@@ -466,6 +497,205 @@ class HFTokenizer(Tokenizer):
         return self._tok.id_to_token(token_id)
 
 
+# ---------------------------------------------------------------------------- GGUF
+
+# Pre-tokenizer regexes by ``tokenizer.ggml.pre`` name, as llama.cpp applies them: each
+# regex in turn splits every piece into its matches and the text between them.
+_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_REGEX = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|"
+                 r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_REGEX = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|"
+                r"\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+GGUF_PRE_TOKENIZERS: dict[str, list[str]] = {
+    "default": [r"[\p{P}\$\+<=>\^~\|]+", _GPT2_REGEX, r"\p{N}+", r"[0-9][0-9][0-9]"],
+    "gpt2": [_GPT2_REGEX],
+    "smollm": [r"\p{N}", _GPT2_REGEX],
+    "starcoder": [r"\p{N}", _GPT2_REGEX],
+    "llama-bpe": [_LLAMA3_REGEX],
+    "llama3": [_LLAMA3_REGEX],
+    "qwen2": [_QWEN2_REGEX],
+    "qwen2.5": [_QWEN2_REGEX],
+}
+# Llama 3 vocabularies: a word that is itself a token is taken whole (merges not applied),
+# and BOS is added unless the file says otherwise (llama.cpp's behaviour for them).
+_LLAMA3_PRE = {"llama-bpe", "llama3"}
+# tokenizer.ggml.token_type values
+_TT_NORMAL, _TT_UNKNOWN, _TT_CONTROL, _TT_USER, _TT_UNUSED, _TT_BYTE = 1, 2, 3, 4, 5, 6
+
+
+def _meta_list(md: dict, key: str, kind, required: bool = True) -> list | None:
+    v = md.get(key)
+    if v is None:
+        if required:
+            raise ModelFormatError(f"GGUF tokenizer: metadata {key} is missing")
+        return None
+    if not isinstance(v, (list, tuple)) or not all(isinstance(x, kind) for x in v):
+        raise ModelFormatError(f"GGUF tokenizer: metadata {key} must be a list of {kind}")
+    return list(v)
+
+
+def _meta_id(md: dict, key: str, n: int) -> int | None:
+    v = md.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < n:
+        raise ModelFormatError(f"GGUF tokenizer: {key} = {v!r} is not a token id below {n}")
+    return v
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """BPE merges equivalent to SentencePiece's highest-score-first bigram merging: every
+    split (a, b) of a token t with a and b in the vocabulary, ordered by t's score (best
+    first), then by the ids of t, a, b."""
+    ids: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        ids.setdefault(t, i)
+    found = []
+    for i, t in enumerate(tokens):
+        if types[i] not in (_TT_NORMAL, _TT_USER) or len(t) < 2:
+            continue
+        for k in range(1, len(t)):
+            a, b = t[:k], t[k:]
+            if a in ids and b in ids:
+                found.append((-scores[i], i, ids[a], ids[b], a, b))
+    found.sort()
+    return [(a, b) for *_, a, b in found]
+
+
+def _gguf_spec(md: dict, tokens: list[str], types: list[int]) -> tuple[dict, bool]:
+    """tokenizer.json equivalent of GGUF tokenizer metadata, and whether a leading space
+    is added (SentencePiece dummy prefix)."""
+    model = md.get("tokenizer.ggml.model")
+    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": types[i] != _TT_USER}
+             for i, t in enumerate(tokens) if types[i] in (_TT_UNKNOWN, _TT_CONTROL, _TT_USER)]
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    spec = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+            "post_processor": None}
+    if model == "gpt2":
+        pre = md.get("tokenizer.ggml.pre", "default")
+        if pre not in GGUF_PRE_TOKENIZERS:
+            from ._core import UnsupportedError
+            raise UnsupportedError(f"GGUF tokenizer: pre-tokenizer {pre!r} is not supported; "
+                                   f"supported: {', '.join(GGUF_PRE_TOKENIZERS)}")
+        merges = []
+        for m in _meta_list(md, "tokenizer.ggml.merges", str):
+            cut = m.find(" ", 1)  # a merge is "left right"; the left part may begin with a space
+            if cut < 0:
+                raise ModelFormatError(f"GGUF tokenizer: merge {m!r} has no space")
+            merges.append((m[:cut], m[cut + 1:]))
+        splits = [{"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": False}
+                  for r in GGUF_PRE_TOKENIZERS[pre]]
+        spec.update(
+            normalizer=None,
+            pre_tokenizer={"type": "Sequence", "pretokenizers": splits + [
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]},
+            decoder={"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+            model={"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                   "ignore_merges": pre in _LLAMA3_PRE, "vocab": vocab, "merges": merges})
+        return spec, False
+    if model == "llama":
+        scores = _meta_list(md, "tokenizer.ggml.scores", (int, float))
+        if len(scores) != len(tokens):
+            raise ModelFormatError(f"GGUF tokenizer: {len(scores)} scores for {len(tokens)} tokens")
+        prefix = bool(md.get("tokenizer.ggml.add_space_prefix", True))
+        unk = _meta_id(md, "tokenizer.ggml.unknown_token_id", len(tokens))
+        norm = [{"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]
+        if prefix:
+            norm.insert(0, {"type": "Prepend", "prepend": "\u2581"})
+        dec = [{"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+               {"type": "ByteFallback"}, {"type": "Fuse"}]
+        if prefix:
+            dec.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+        spec.update(
+            normalizer={"type": "Sequence", "normalizers": norm}, pre_tokenizer=None,
+            decoder={"type": "Sequence", "decoders": dec},
+            model={"type": "BPE", "dropout": None, "unk_token": None if unk is None else tokens[unk],
+                   "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True,
+                   "byte_fallback": True, "ignore_merges": False, "vocab": vocab,
+                   "merges": _merges_from_scores(tokens, scores, types)})
+        return spec, prefix
+    from ._core import UnsupportedError
+    raise UnsupportedError(f"GGUF tokenizer model {model!r} is not supported (gpt2, llama)")
+
+
+class GGUFTokenizer(HFTokenizer):
+    """The tokenizer stored in a GGUF file's metadata, built in memory as a `tokenizers`
+    tokenizer. ``metadata`` is a plain dict (from conveyor.gguf.GGUFReader or the C reader's
+    ``Checkpoint.metadata``; arrays as lists).
+
+    ``tokenizer.ggml.model`` "gpt2": byte-level BPE (tokens, merges) with the pre-tokenizer
+    named by ``tokenizer.ggml.pre`` (see GGUF_PRE_TOKENIZERS); "llama": SentencePiece-style
+    (tokens, scores; "▁" for spaces, <0xNN> byte-fallback tokens, dummy prefix unless
+    ``add_space_prefix`` is false). Control, unknown and user-defined tokens are matched
+    whole in the text, never split."""
+
+    kind = "gguf"
+
+    def __init__(self, metadata: dict):
+        import tokenizers
+
+        if not isinstance(metadata, dict):
+            raise TypeError(f"metadata must be a dict, got {type(metadata).__name__}")
+        md = metadata
+        if "tokenizer.ggml.model" not in md:
+            raise ModelFormatError("GGUF file has no tokenizer (metadata tokenizer.ggml.model is missing)")
+        tokens = _meta_list(md, "tokenizer.ggml.tokens", str)
+        if not tokens:
+            raise ModelFormatError("GGUF tokenizer: tokenizer.ggml.tokens is empty")
+        types = _meta_list(md, "tokenizer.ggml.token_type", int, required=False) or [_TT_NORMAL] * len(tokens)
+        if len(types) != len(tokens):
+            raise ModelFormatError(f"GGUF tokenizer: {len(types)} token types for {len(tokens)} tokens")
+        spec, prefix = _gguf_spec(md, tokens, types)
+        try:
+            self._tok = tokenizers.Tokenizer.from_str(json.dumps(spec))
+        except Exception as e:  # the Rust side raises plain Exception
+            raise ModelFormatError(f"GGUF tokenizer: cannot build it ({e})") from None
+        self.path = None
+        self.model = md["tokenizer.ggml.model"]
+        self.pre = md.get("tokenizer.ggml.pre")
+        n = len(tokens)
+        bos = _meta_id(md, "tokenizer.ggml.bos_token_id", n)
+        eos = _meta_id(md, "tokenizer.ggml.eos_token_id", n)
+        eot = _meta_id(md, "tokenizer.ggml.eot_token_id", n)
+        self.pad_id = _meta_id(md, "tokenizer.ggml.padding_token_id", n)
+        self.unk_id = _meta_id(md, "tokenizer.ggml.unknown_token_id", n)
+        tmpl = md.get("tokenizer.chat_template")
+        cfg = {"bos_token": None if bos is None else tokens[bos],
+               "eos_token": None if eos is None else tokens[eos],
+               # llama.cpp's defaults: SentencePiece and Llama 3 vocabularies add BOS, other BPE ones do not
+               "add_bos_token": md.get("tokenizer.ggml.add_bos_token",
+                                       self.model == "llama" or self.pre in _LLAMA3_PRE),
+               "add_eos_token": md.get("tokenizer.ggml.add_eos_token", False),
+               "chat_template": tmpl if isinstance(tmpl, str) else None}
+        eos_ids = [i for i in (eos, eot) if i is not None]
+        self._setup(spec, cfg, {"bos_token_id": bos}, {"eos_token_id": eos_ids})
+        self.special_ids |= {i for i, t in enumerate(types) if t in (_TT_CONTROL, _TT_UNKNOWN)}
+        self.strip_leading_space_after_bos = prefix
+
+    @classmethod
+    def from_file(cls, path) -> "GGUFTokenizer":
+        from .gguf import GGUFError, GGUFReader
+
+        try:
+            tok = cls(GGUFReader(path).metadata)
+        except GGUFError as e:
+            raise ModelFormatError(str(e)) from None
+        tok.path = Path(os.fspath(path))
+        return tok
+
+
+def _is_gguf(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 # ---------------------------------------------------------------------------- loading
 
 
@@ -495,8 +725,9 @@ def _find_llama2c_tokenizer(model_file: Path) -> Path:
 def load_tokenizer(model_path, tokenizer=None) -> Tokenizer:
     """Loads the tokenizer of a model.
 
-    ``model_path``: a HF folder (tokenizer.json [+ tokenizer_config.json]) or a llama2.c
-    .bin (tokenizer.bin, else the first tok*.bin, from the same folder).
+    ``model_path``: a HF folder (tokenizer.json [+ tokenizer_config.json]), a .gguf file
+    (the tokenizer in its metadata) or a llama2.c .bin (tokenizer.bin, else the first
+    tok*.bin, from the same folder).
     ``tokenizer``: a Tokenizer (returned as is) or a path overriding the one found: a
     folder or tokenizer.json for HF, a .bin for llama2.c.
     """
@@ -505,7 +736,10 @@ def load_tokenizer(model_path, tokenizer=None) -> Tokenizer:
     model_path = Path(os.fspath(model_path))
     if not model_path.exists():
         raise FileNotFoundError(f"model not found: {model_path}")
-    vocab_size = _llama2c_vocab_size(model_path) if model_path.is_file() else None
+    gguf = model_path.is_file() and _is_gguf(model_path)
+    if gguf and tokenizer is None:
+        return GGUFTokenizer.from_file(model_path)
+    vocab_size = _llama2c_vocab_size(model_path) if model_path.is_file() and not gguf else None
 
     if tokenizer is not None:
         tpath = Path(os.fspath(tokenizer))

@@ -152,17 +152,24 @@ def run_study(model: str, **kw) -> Dict[str, Any]:
     return asyncio.run(run_study_async(model, **kw))
 
 
+def _ms_decimals(seconds: float) -> int:
+    """Decimals that keep about three significant digits of a time shown in ms (at most 3)."""
+    ms = abs(seconds) * 1000
+    return 0 if ms >= 100 else 1 if ms >= 10 else 2 if ms >= 1 else 3
+
+
 def format_table(r: Dict[str, Any]) -> str:
     hdr = (f"{'rate/s':>7} {'policy':<10} | {'TTFT p50':>8} {'p90':>7} {'p99':>7} {'mean':>7} | "
            f"{'TPOT p50':>8} {'p90':>7} {'p99':>7} {'mean':>7} | {'E2E p50':>8} {'p90':>7} {'p99':>7} "
            f"{'mean':>7} | {'out tok/s':>9}")
     lines = [hdr, "-" * len(hdr)]
     for run in r["runs"]:
-        def cells(m, scale=1.0):
-            return " ".join(f"{run[m][q] * scale:>{8 if q == 'p50' else 7}.3f}" for q in ("p50", "p90", "p99", "mean"))
+        def cells(m):  # milliseconds: seconds with 3 decimals round a tiny model's TPOT to 0.000
+            return " ".join(f"{1000 * run[m][q]:>{8 if q == 'p50' else 7}.{_ms_decimals(run[m][q])}f}"
+                            for q in ("p50", "p90", "p99", "mean"))
         lines.append(f"{run['rate']:>7.3f} {run['scheduling']:<10} | {cells('ttft')} | {cells('tpot')} | "
                      f"{cells('e2e')} | {run['throughput']['output_tokens_per_s']:>9.1f}")
-    lines.append("(seconds; TPOT per output token after the first)")
+    lines.append("(milliseconds; TPOT per output token after the first)")
     return "\n".join(lines)
 
 
@@ -200,7 +207,8 @@ def plot(r: Dict[str, Any], fig=None):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="conveyor bench latency", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="conveyor bench latency", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_engine_args(ap)
     ap.add_argument("--num-requests", type=int, default=100)
     ap.add_argument("--prompt-len", type=int, default=128, help="P: prompts uniform in [P/2, 3P/2]")

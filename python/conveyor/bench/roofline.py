@@ -33,8 +33,10 @@ def sgemm_peak_gflops(n: int = 1024, repeats: int = 5) -> float:
 def streamed_bytes_per_step(cfg: Dict[str, Any]) -> int:
     """Weight bytes a decode step reads: every matrix once; of the embedding
     table only a few rows (not counted)."""
-    esize = _DTYPE_BYTES[cfg["dtype"]]
-    return int(cfg["weight_bytes"] - cfg["vocab_size"] * cfg["dim"] * esize)
+    embed = cfg.get("embed_bytes")
+    if embed is None:
+        embed = cfg["vocab_size"] * cfg["dim"] * _DTYPE_BYTES[cfg["dtype"]]
+    return int(cfg["weight_bytes"] - embed)
 
 
 def kv_bytes_per_token(cfg: Dict[str, Any]) -> int:
@@ -47,7 +49,7 @@ def _random_prompts(rng, n, length, vocab):
 
 def run(model: str, threads: Optional[int] = None, dtype: str = "bfloat16",
         decode_tokens: int = 64, prefill_len: int = 512, n_prefill: int = 4,
-        n_running: int = 64) -> Dict[str, Any]:
+        n_running: int = 64, quantization: Optional[str] = None) -> Dict[str, Any]:
     threads = threads or 0
     triad = float(_core.kernel_triad(64 << 20, 5, threads))
     peak = sgemm_peak_gflops()
@@ -55,7 +57,7 @@ def run(model: str, threads: Optional[int] = None, dtype: str = "bfloat16",
     res: Dict[str, Any] = {"triad_gbs": triad, "sgemm_peak_gflops": peak, "model": model,
                            "threads": threads or _core.kernel_info()["cores"]}
     with LLM(model, dtype=dtype, num_threads=threads or None, max_num_seqs=max(n_running, 8),
-             enable_prefix_caching=False) as llm:
+             enable_prefix_caching=False, quantization=quantization) as llm:
         cfg = llm.model_config
         res["config"] = cfg
         vocab = cfg["vocab_size"]
@@ -109,7 +111,8 @@ def format_table(r: Dict[str, Any]) -> str:
     c = r["config"]
     d1, pf, d64 = r["decode_b1"], r["prefill"], r["decode_b64"]
     return "\n".join([
-        f"model: {r['model']} ({c['arch']}, {c['n_params'] / 1e6:.1f}M params, {c['dtype']} weights, "
+        f"model: {r['model']} ({c['arch']}, {c['n_params'] / 1e6:.1f}M params, "
+        f"{c.get('matrix_dtype', c['dtype'])} matrices, "
         f"{c['kv_cache_dtype']} KV), threads {r['threads']}",
         f"triad bandwidth {r['triad_gbs']:.1f} GB/s; numpy sgemm peak {r['sgemm_peak_gflops']:.1f} GFLOP/s",
         f"batch-1 decode: {d1['ms_per_token']:.2f} ms/token; bound {d1['bound_ms']:.2f} ms "
@@ -128,6 +131,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="conveyor bench roofline", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint (default: the built-in SmolLM-135M shape)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default=None, choices=["q8_0", "q4_0", "q4_1"],
+                    help="quantize the matrices at load (a GGUF file's quantized ones stay as they are)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--json", default=None)
@@ -136,7 +141,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from ..generate import default_model
 
         a.model = str(default_model())
-    r = run(a.model, a.threads, a.dtype, a.decode_tokens)
+    r = run(a.model, a.threads, a.dtype, a.decode_tokens, quantization=a.quantization)
     print(format_table(r))
     if a.json:
         with open(a.json, "w") as f:

@@ -88,7 +88,8 @@ def measure(n_waiting: int, n_running: int, steps: int, py_steps: int, block_siz
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="conveyor bench scheduler", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="conveyor bench scheduler", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--waiting", type=int, default=100_000, help="waiting sequences (default 100000)")
     ap.add_argument("--compare-waiting", type=int, default=1_000,
                     help="waiting sequences of the comparison run (default 1000)")

@@ -73,7 +73,8 @@ def format_result(r: Dict[str, Any]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="conveyor bench throughput", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="conveyor bench throughput", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_engine_args(ap)
     ap.add_argument("--num-requests", "--num-prompts", type=int, default=64, dest="num_requests")
     ap.add_argument("--input-len", type=int, default=128)

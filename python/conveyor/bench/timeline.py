@@ -187,7 +187,8 @@ def _sym(v: int) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="conveyor bench timeline", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="conveyor bench timeline", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_engine_args(ap)
     ap.add_argument("--slots", type=int, default=4, help="max_num_seqs = static batch size (default 4)")
     ap.add_argument("--output-lens", default=",".join(map(str, DEFAULT_OUTPUT_LENS)),

@@ -287,7 +287,8 @@ def print_report(r: Dict[str, Any]) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="conveyor bench variance", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="conveyor bench variance", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_engine_args(ap)
     ap.add_argument("--num-requests", type=int, default=48, help="N (default 48 on this CPU)")
     ap.add_argument("--prompt-len", type=int, default=128, help="P (default 128)")

@@ -122,13 +122,18 @@ def build_app(engine, *, model_name: str, api_key: Optional[str] = None,
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="conveyor serve", description="Run the OpenAI-compatible HTTP server.")
-    p.add_argument("model", help="a HF model folder or a llama2.c .bin file")
+    from ..cli import Parser
+
+    p = Parser(prog="conveyor serve", description="Run the OpenAI-compatible HTTP server "
+               "(needs the server extra: pip install 'conveyor[server]').")
+    p.add_argument("model", nargs="?", default=None,
+                   help="a HF model folder, .gguf file or llama2.c .bin (default: SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $CONVEYOR_API_KEY)")
-    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model's name: "
+                   "its folder's name, file stem, or a GGUF file's general.name)")
     p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
                    help="answer 503 while more than this many requests wait for the engine")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
@@ -144,6 +149,7 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--kv-cache-memory", default=None, help="bytes or a size such as 4GiB")
     g.add_argument("--kv-cache-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--quantization", default=None, choices=["q8_0", "q4_0", "q4_1"])
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--scheduling", default=None, choices=["continuous", "static", "priority"])
@@ -156,7 +162,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 _ENGINE_KNOBS = ("tokenizer", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                  "kv_cache_memory", "kv_cache_dtype", "enable_prefix_caching", "enable_chunked_prefill",
-                 "scheduling", "num_threads", "device", "seed", "gpu_memory_utilization")
+                 "scheduling", "num_threads", "device", "seed", "gpu_memory_utilization", "quantization")
 
 
 def main(argv=None) -> int:
@@ -165,24 +171,35 @@ def main(argv=None) -> int:
         import uvicorn
         import starlette  # noqa: F401
     except ImportError as e:
-        print(f"conveyor serve: needs the server extra ({e.name} is missing): pip install 'conveyor[server]'",
+        print(f"conveyor serve: error: needs the server extra ({e.name} is missing): "
+              "pip install 'conveyor[server]'",
               file=sys.stderr)
         return 1
     if not (0 <= args.port <= 65535):
-        print(f"conveyor serve: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
+        print(f"conveyor serve: error: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
         return 2
     if args.max_waiting < 0 or args.max_body_bytes < 1:
-        print("conveyor serve: --max-waiting must be >= 0 and --max-body-bytes >= 1", file=sys.stderr)
+        print("conveyor serve: error: --max-waiting must be >= 0 and --max-body-bytes >= 1", file=sys.stderr)
         return 2
     from .. import AsyncLLM, ConveyorError
 
+    if args.model is None:
+        from ..default_model import default_model_path
+
+        args.model = default_model_path()
     knobs = {k: getattr(args, k) for k in _ENGINE_KNOBS if getattr(args, k) is not None}
     try:
         engine = AsyncLLM(args.model, **knobs)
     except (OSError, ValueError, TypeError, ConveyorError) as e:
-        print(f"conveyor serve: cannot load the model: {e}", file=sys.stderr)
+        print(f"conveyor serve: error: cannot load the model: {e}", file=sys.stderr)
         return 1
-    name = args.served_model_name or args.model
+    from ..model_name import model_name
+
+    name = args.served_model_name or model_name(args.model)
+    if engine.tokenizer is not None and not getattr(engine.tokenizer, "chat_template", None):
+        print("conveyor serve: warning: the model has no chat template; /v1/chat/completions formats "
+              "conversations as plain 'role: content' lines, which the model was not trained on",
+              file=sys.stderr)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"conveyor serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
     app = build_app(engine, model_name=name, api_key=args.api_key, max_waiting=args.max_waiting,
@@ -192,7 +209,7 @@ def main(argv=None) -> int:
         sock = _bind(args.host, args.port)
     except OSError as e:
         engine.close()
-        print(f"conveyor serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        print(f"conveyor serve: error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host

@@ -1,0 +1,161 @@
+/* Test hooks of the quantized CPU kernels (kernels/cpu/quant.c):
+ *
+ *   kernel_quantize(w, qtype) -> uint8 [rows][row_bytes]   the C quantizer
+ *   kernel_qgemm(x, w_bytes, qtype, level="best", bias=None, accumulate=None, threads=0)
+ *       -> x[n][cols] . dequant(W)^T with activations quantized per block of 32
+ *   kernel_qlevels() -> {"scalar": True, "avx2": ..., "avx512vnni": ..., "avxvnni": ...,
+ *                        "best": the level the CPU backend uses}
+ *
+ * A level the CPU lacks raises conveyor.UnsupportedError naming it. One
+ * backend per thread count, kept for the life of the process, each with a
+ * lock taken with the GIL released. */
+#include "arrays.h"
+
+#include <string.h>
+
+#include "../../kernels/cpu/quant.h"
+
+#define QB_MAX_THREADS 64
+
+static struct {
+    cv_backend *b;
+    PyThread_type_lock lock;
+} g_qb[QB_MAX_THREADS + 1];
+
+static int get_qbackend(int threads) {
+    if (threads < 0 || threads > QB_MAX_THREADS) {
+        PyErr_Format(PyExc_ValueError, "threads must be in 0..%d (0: all cores), got %d", QB_MAX_THREADS, threads);
+        return -1;
+    }
+    if (g_qb[threads].b) return 0;
+    cv_err err = {0};
+    cv_backend *b = cv_cpu_backend_create(threads, 0, &err);
+    if (!b) {
+        cv_py_raise(&err);
+        return -1;
+    }
+    PyThread_type_lock lock = PyThread_allocate_lock();
+    if (!lock) {
+        b->destroy(b);
+        PyErr_NoMemory();
+        return -1;
+    }
+    g_qb[threads].b = b;
+    g_qb[threads].lock = lock;
+    return 0;
+}
+
+static int parse_qtype(const char *s, cv_dtype *out) {
+    cv_dtype t;
+    if (cv_py_parse_quantization(s, &t) < 0) return -1;
+    *out = t;
+    return 0;
+}
+
+static int parse_level(const char *s, cv_qlevel *out) {
+    if (strcmp(s, "best") == 0) {
+        *out = cv_qlevel_best(1);
+        return 0;
+    }
+    for (int l = CV_QL_SCALAR; l <= CV_QL_AVXVNNI; l++)
+        if (strcmp(s, cv_qlevel_name((cv_qlevel)l)) == 0) {
+            if (!cv_qlevel_supported((cv_qlevel)l)) {
+                cv_err e;
+                cv_set_err(&e, CV_ERR_UNSUPPORTED, "this CPU cannot run the %s kernels", s);
+                cv_py_raise(&e);
+                return -1;
+            }
+            *out = (cv_qlevel)l;
+            return 0;
+        }
+    PyErr_Format(PyExc_ValueError, "level must be 'best', 'scalar', 'avx2', 'avx512vnni' or 'avxvnni', got '%s'", s);
+    return -1;
+}
+
+static PyObject *py_kernel_quantize(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *kwlist[] = {"w", "qtype", NULL};
+    PyObject *w_obj;
+    const char *qs;
+    cv_dtype qt;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "Os", kwlist, &w_obj, &qs) || parse_qtype(qs, &qt) < 0)
+        return NULL;
+    PyArrayObject *w = cv_py_want_array(w_obj, "w", NPY_FLOAT32, 2, 0);
+    if (!w) return NULL;
+    const npy_intp rows = PyArray_DIM(w, 0), cols = PyArray_DIM(w, 1);
+    if (cols % CV_QK != 0) return PyErr_Format(PyExc_ValueError, "w must have a multiple of %d columns", CV_QK);
+    const float *src = PyArray_DATA(w);
+    for (npy_intp i = 0; i < rows * cols; i++)
+        if (!(src[i] - src[i] == 0.0f)) return PyErr_Format(PyExc_ValueError, "w holds a non-finite value");
+    npy_intp dims[2] = {rows, (npy_intp)cv_dtype_bytes(qt, (size_t)cols)};
+    PyObject *out = PyArray_SimpleNew(2, dims, NPY_UINT8);
+    if (!out) return NULL;
+    unsigned char *dst = PyArray_DATA((PyArrayObject *)out);
+    for (npy_intp r = 0; r < rows; r++) cv_quantize(dst + r * dims[1], src + r * cols, qt, (size_t)cols);
+    return out;
+}
+
+static PyObject *py_kernel_qgemm(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *kwlist[] = {"x", "w_bytes", "qtype", "level", "bias", "accumulate", "threads", NULL};
+    PyObject *x_obj, *w_obj, *bias = Py_None, *acc = Py_None;
+    const char *qs, *ls = "best";
+    int threads = 0;
+    cv_dtype qt;
+    cv_qlevel level;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOs|sOOi", kwlist, &x_obj, &w_obj, &qs, &ls, &bias, &acc,
+                                     &threads) ||
+        parse_qtype(qs, &qt) < 0 || parse_level(ls, &level) < 0 || get_qbackend(threads) < 0)
+        return NULL;
+    PyArrayObject *w = cv_py_want_array(w_obj, "w_bytes", NPY_UINT8, 2, 0);
+    PyArrayObject *x = w ? cv_py_want_array(x_obj, "x", NPY_FLOAT32, 2, 0) : NULL;
+    if (!x) return NULL;
+    const int64_t rows = PyArray_DIM(w, 0), cols = PyArray_DIM(x, 1);
+    if (cols <= 0 || cols % CV_QK != 0 || (size_t)PyArray_DIM(w, 1) != cv_dtype_bytes(qt, (size_t)cols))
+        return PyErr_Format(PyExc_ValueError, "w_bytes must be [rows][%zu] (%s rows of %lld columns)",
+                            cv_dtype_bytes(qt, (size_t)(cols > 0 ? cols : 0)), qs, (long long)cols);
+    cv_py_gemm_args a;
+    if (cv_py_want_gemm_args(&a, x_obj, bias, acc, rows, cols) < 0) return NULL;
+    cv_backend *b = g_qb[threads].b;
+    cv_matrix m;
+    cv_err err = {0};
+    int rc = 0;
+    float *o = PyArray_DATA((PyArrayObject *)a.out);
+    const float *xp = PyArray_DATA(a.x);
+    const void *src = PyArray_DATA(w);
+    CV_PY_RUN_LOCKED(g_qb[threads].lock, {
+        rc = b->matrix_prepare(b, &m, src, qt, rows, cols, qt, &err);
+        if (rc == 0) {
+            cv_cpu_qgemm_level(b, o, xp, a.n, &m, a.bias, a.accumulate, level);
+            b->matrix_free(b, &m);
+        }
+    });
+    if (rc < 0) {
+        Py_DECREF(a.out);
+        return cv_py_raise(&err);
+    }
+    return a.out;
+}
+
+static PyObject *py_kernel_qlevels(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    PyObject *d = PyDict_New();
+    for (int l = CV_QL_SCALAR; d && l <= CV_QL_AVXVNNI; l++)
+        if (cv_py_put(d, cv_qlevel_name((cv_qlevel)l), PyBool_FromLong(cv_qlevel_supported((cv_qlevel)l))) < 0)
+            Py_CLEAR(d);
+    if (d && cv_py_put(d, "best", PyUnicode_FromString(cv_qlevel_name(cv_qlevel_best(1)))) < 0) Py_CLEAR(d);
+    return d;
+}
+
+static PyMethodDef quant_methods[] = {
+    {"kernel_quantize", (PyCFunction)(void (*)(void))py_kernel_quantize, METH_VARARGS | METH_KEYWORDS,
+     "kernel_quantize(w, qtype) -> uint8 [rows][row_bytes]: the C quantizer (q8_0, q4_0, q4_1)"},
+    {"kernel_qgemm", (PyCFunction)(void (*)(void))py_kernel_qgemm, METH_VARARGS | METH_KEYWORDS,
+     "kernel_qgemm(x, w_bytes, qtype, level='best', bias=None, accumulate=None, threads=0) -> out[n][rows]"},
+    {"kernel_qlevels", (PyCFunction)py_kernel_qlevels, METH_NOARGS,
+     "kernel_qlevels() -> {level: supported} of the quantized kernels, and 'best': the one used"},
+    {NULL, NULL, 0, NULL},
+};
+
+int cv_py_add_quant(PyObject *m) { return PyModule_AddFunctions(m, quant_methods); }

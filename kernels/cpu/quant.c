@@ -1,0 +1,275 @@
+/* Quantized GEMM/GEMV on the CPU: preparation, activation quantization, the
+ * plain-C dot products, the threaded driver and quantized embedding rows.
+ * See quant.h; the SIMD dots are in quant_avx2.c and quant_vnni.c. */
+#include "quant.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* Tokens whose activations are quantized at once (bounds the scratch). */
+#define QX_TOKENS 64
+/* Output rows a thread takes at a time: their weights stay in L1/L2 while
+ * every token of the block reads them. */
+#define Q_ROW_CHUNK 16
+
+/* ---- plain C -------------------------------------------------------------- */
+
+static float dot_q8_0(const void *w, const cv_xq_block *x, int64_t nb) {
+    const cv_block_q8_0 *b = w;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < nb; i++) {
+        int32_t s = 0;
+        for (int j = 0; j < CV_QK; j++) s += (int32_t)b[i].qs[j] * x[i].q[j];
+        sum += cv_qh_to_f32(b[i].d) * x[i].d * (float)s;
+    }
+    return sum;
+}
+
+static float dot_q4_0(const void *w, const cv_xq_block *x, int64_t nb) {
+    const cv_block_q4_0 *b = w;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < nb; i++) {
+        int32_t s = 0;
+        for (int j = 0; j < CV_QK / 2; j++) {
+            s += ((b[i].qs[j] & 0xf) - 8) * x[i].q[j];
+            s += ((b[i].qs[j] >> 4) - 8) * x[i].q[j + CV_QK / 2];
+        }
+        sum += cv_qh_to_f32(b[i].d) * x[i].d * (float)s;
+    }
+    return sum;
+}
+
+static float dot_q4_1(const void *w, const cv_xq_block *x, int64_t nb) {
+    const cv_block_q4_1 *b = w;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < nb; i++) {
+        int32_t s = 0;
+        for (int j = 0; j < CV_QK / 2; j++) {
+            s += (b[i].qs[j] & 0xf) * x[i].q[j];
+            s += (b[i].qs[j] >> 4) * x[i].q[j + CV_QK / 2];
+        }
+        sum += cv_qh_to_f32(b[i].d) * x[i].d * (float)s + cv_qh_to_f32(b[i].m) * x[i].s;
+    }
+    return sum;
+}
+
+cv_qdot_fn cv_qdot_scalar(cv_dtype t) {
+    return t == CV_Q8_0 ? dot_q8_0 : t == CV_Q4_0 ? dot_q4_0 : t == CV_Q4_1 ? dot_q4_1 : NULL;
+}
+
+void cv_quantize_x(cv_xq_block *out, const float *x, int64_t n) {
+    for (int64_t i = 0; i < n / CV_QK; i++) {
+        const float *v = x + i * CV_QK;
+        float amax = 0.0f;
+        for (int j = 0; j < CV_QK; j++) {
+            const float a = v[j] < 0 ? -v[j] : v[j];
+            amax = a > amax ? a : amax;
+        }
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        int32_t sum = 0;
+        for (int j = 0; j < CV_QK; j++) {
+            const int q = (int)__builtin_roundf(v[j] * id);
+            out[i].q[j] = (int8_t)q;
+            sum += q;
+        }
+        out[i].d = d;
+        out[i].s = d * (float)sum;
+    }
+}
+
+/* ---- levels ------------------------------------------------------------- */
+
+int cv_qlevel_supported(cv_qlevel l) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    switch (l) {
+    case CV_QL_SCALAR: return 1;
+    case CV_QL_AVX2: return avx2;
+    case CV_QL_AVX512VNNI:
+        return avx2 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+               cv_qdot_vnni(CV_Q8_0, 1) != NULL;
+    case CV_QL_AVXVNNI: return avx2 && __builtin_cpu_supports("avxvnni") && cv_qdot_vnni(CV_Q8_0, 0) != NULL;
+    }
+    return 0;
+#else
+    return l == CV_QL_SCALAR;
+#endif
+}
+
+cv_qlevel cv_qlevel_best(int simd) {
+    if (!simd) return CV_QL_SCALAR;
+    if (cv_qlevel_supported(CV_QL_AVX512VNNI)) return CV_QL_AVX512VNNI;
+    if (cv_qlevel_supported(CV_QL_AVXVNNI)) return CV_QL_AVXVNNI;
+    if (cv_qlevel_supported(CV_QL_AVX2)) return CV_QL_AVX2;
+    return CV_QL_SCALAR;
+}
+
+const char *cv_qlevel_name(cv_qlevel l) {
+    static const char *const names[] = {"scalar", "avx2", "avx512vnni", "avxvnni"};
+    return (unsigned)l < 4 ? names[l] : "unknown";
+}
+
+static cv_qdot_fn dot_for(cv_dtype t, cv_qlevel l) {
+    cv_qdot_fn f = NULL;
+    if (l == CV_QL_AVX512VNNI || l == CV_QL_AVXVNNI) f = cv_qdot_vnni(t, l == CV_QL_AVX512VNNI);
+    else if (l == CV_QL_AVX2) f = cv_qdot_avx2(t);
+    return f ? f : cv_qdot_scalar(t);
+}
+
+/* ---- preparation ------------------------------------------------------------ */
+
+int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dtype src_dtype, int64_t rows,
+                           int64_t cols, cv_dtype dtype, cv_err *err) {
+    memset(out, 0, sizeof *out);
+    if (!src || rows <= 0 || cols <= 0)
+        return cv_set_err(err, CV_ERR_INVALID, "matrix_prepare: bad shape [%lld][%lld] or NULL source",
+                          (long long)rows, (long long)cols);
+    if (cols % CV_QK != 0)
+        return cv_set_err(err, CV_ERR_INVALID, "matrix_prepare: %s needs cols a multiple of %d, got %lld",
+                          cv_dtype_name(dtype), CV_QK, (long long)cols);
+    if (src_dtype != dtype && src_dtype != CV_F32 && src_dtype != CV_F16 && src_dtype != CV_BF16 &&
+        !cv_dtype_is_quant(src_dtype))
+        return cv_set_err(err, CV_ERR_TYPE, "matrix_prepare: source dtype %s cannot be quantized",
+                          cv_dtype_name(src_dtype));
+    size_t elems, bytes;
+    if (!cv_mul_size((size_t)rows, (size_t)cols, &elems) || (bytes = cv_dtype_bytes(dtype, elems)) == 0)
+        return cv_set_err(err, CV_ERR_NOMEM, "matrix_prepare: [%lld][%lld] is too large", (long long)rows,
+                          (long long)cols);
+    const size_t row_bytes = bytes / (size_t)rows;
+    unsigned char *data = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+    float *row = malloc((size_t)cols * sizeof(float));
+    int rc = CV_OK;
+    if (!data || !row) {
+        rc = cv_set_err(err, CV_ERR_NOMEM, "matrix_prepare: out of memory for [%lld][%lld] %s", (long long)rows,
+                        (long long)cols, cv_dtype_name(dtype));
+        goto done;
+    }
+    cv_cpu *c = cv_cpu_of(b);
+    const size_t qx_bytes = (size_t)QX_TOKENS * (size_t)(cols / CV_QK) * sizeof(cv_xq_block);
+    if (qx_bytes > c->qx_bytes) { /* activation scratch for the widest quantized matrix */
+        void *qx = realloc(c->qx, qx_bytes);
+        if (!qx) {
+            rc = cv_set_err(err, CV_ERR_NOMEM, "matrix_prepare: out of memory for activation scratch");
+            goto done;
+        }
+        c->qx = qx;
+        c->qx_bytes = qx_bytes;
+    }
+    if (src_dtype == dtype) {
+        memcpy(data, src, bytes);
+    } else {
+        const size_t src_row = cv_dtype_bytes(src_dtype, (size_t)cols);
+        for (int64_t r = 0; r < rows; r++) {
+            cv_convert_to_f32(row, (const char *)src + (size_t)r * src_row, src_dtype, (size_t)cols);
+            for (int64_t k = 0; k < cols; k++)
+                if (!(row[k] - row[k] == 0.0f)) {
+                    rc = cv_set_err(err, CV_ERR_INVALID, "matrix_prepare: row %lld holds a non-finite value; "
+                                    "cannot quantize to %s", (long long)r, cv_dtype_name(dtype));
+                    goto done;
+                }
+            cv_quantize(data + (size_t)r * row_bytes, row, dtype, (size_t)cols);
+        }
+    }
+    out->data = data;
+    out->dtype = dtype;
+    out->rows = rows;
+    out->cols = cols;
+    out->bytes = bytes;
+    data = NULL;
+done:
+    free(data);
+    free(row);
+    return rc;
+}
+
+/* ---- GEMM ------------------------------------------------------------------ */
+
+typedef struct qgemm_job {
+    float *out;
+    const cv_matrix *w;
+    const float *bias;
+    int accumulate;
+    const cv_xq_block *xq; /* [nt][nb] */
+    int64_t t0, nt, nb;
+    const float *x;        /* for the quantization region */
+    cv_xq_block *xq_w;
+    cv_qdot_fn dot;
+    cv_qdot4_fn dot4;      /* NULL: one token at a time */
+} qgemm_job;
+
+static void quantize_fn(void *arg, int tid, int nth) {
+    qgemm_job *j = arg;
+    const int64_t a = j->nt * tid / nth, z = j->nt * (tid + 1) / nth;
+    const int64_t cols = j->w->cols;
+    for (int64_t t = a; t < z; t++) cv_quantize_x(j->xq_w + t * j->nb, j->x + (j->t0 + t) * cols, cols);
+}
+
+static void rows_fn(void *arg, int tid, int nth) {
+    qgemm_job *j = arg;
+    const int64_t rows = j->w->rows, nb = j->nb;
+    const size_t row_bytes = cv_dtype_bytes(j->w->dtype, (size_t)j->w->cols);
+    const int64_t chunks = (rows + Q_ROW_CHUNK - 1) / Q_ROW_CHUNK;
+    const int64_t c0 = chunks * tid / nth, c1 = chunks * (tid + 1) / nth;
+    for (int64_t ch = c0; ch < c1; ch++) {
+        const int64_t r0 = ch * Q_ROW_CHUNK, r1 = r0 + Q_ROW_CHUNK < rows ? r0 + Q_ROW_CHUNK : rows;
+        int64_t t = 0;
+        for (; j->dot4 && t + 4 <= j->nt; t += 4) {
+            float *o = j->out + (j->t0 + t) * rows;
+            for (int64_t r = r0; r < r1; r++) {
+                float v[4];
+                j->dot4((const char *)j->w->data + (size_t)r * row_bytes, j->xq + t * nb, nb, nb, v);
+                for (int k = 0; k < 4; k++) {
+                    if (j->bias) v[k] += j->bias[r];
+                    o[k * rows + r] = j->accumulate ? o[k * rows + r] + v[k] : v[k];
+                }
+            }
+        }
+        for (; t < j->nt; t++) {
+            const cv_xq_block *xt = j->xq + t * nb;
+            float *o = j->out + (j->t0 + t) * rows;
+            for (int64_t r = r0; r < r1; r++) {
+                float v = j->dot((const char *)j->w->data + (size_t)r * row_bytes, xt, nb);
+                if (j->bias) v += j->bias[r];
+                o[r] = j->accumulate ? o[r] + v : v;
+            }
+        }
+    }
+}
+
+void cv_cpu_qgemm_level(cv_backend *b, float *out, const float *x, int64_t n, const cv_matrix *w,
+                        const float *bias, int accumulate, cv_qlevel level) {
+    cv_cpu *c = cv_cpu_of(b);
+    if (n <= 0 || w->rows <= 0) return;
+    const int64_t nb = w->cols / CV_QK;
+    /* the scratch is sized at prepare time for the widest matrix */
+    cv_xq_block *xq = c->qx;
+    qgemm_job j = {.out = out, .w = w, .bias = bias, .accumulate = accumulate, .nb = nb, .x = x,
+                   .dot = dot_for(w->dtype, level)};
+    /* the 4-token form where it exists for this level's dot (same bits as the dot) */
+    if (level == CV_QL_AVX2 && j.dot == cv_qdot_avx2(w->dtype)) j.dot4 = cv_qdot4_avx2(w->dtype);
+    for (int64_t t0 = 0; t0 < n; t0 += QX_TOKENS) {
+        j.t0 = t0;
+        j.nt = n - t0 < QX_TOKENS ? n - t0 : QX_TOKENS;
+        j.xq = j.xq_w = xq;
+        int nth = cv_threads_for(c, (double)(j.nt * w->cols), 16384.0);
+        cv_pool_run(c->pool, nth, quantize_fn, &j);
+        nth = cv_threads_for(c, (double)(j.nt * w->rows) * (double)w->cols, 65536.0);
+        cv_pool_run(c->pool, nth, rows_fn, &j);
+    }
+}
+
+void cv_cpu_qgemm(cv_backend *b, float *out, const float *x, int64_t n, const cv_matrix *w, const float *bias,
+                  int accumulate) {
+    cv_cpu_qgemm_level(b, out, x, n, w, bias, accumulate, cv_cpu_of(b)->qlevel);
+}
+
+/* ---- embedding rows ---------------------------------------------------------- */
+
+void cv_cpu_qembedding(cv_backend *b, float *out, const int32_t *tokens, int64_t n, const cv_table *t) {
+    (void)b;
+    const size_t row_bytes = cv_dtype_bytes(t->dtype, (size_t)t->cols);
+    for (int64_t i = 0; i < n; i++)
+        cv_dequantize(out + i * t->cols, (const char *)t->data + (size_t)tokens[i] * row_bytes, t->dtype,
+                      (size_t)t->cols);
+}

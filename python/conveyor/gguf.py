@@ -1,0 +1,578 @@
+"""GGUF files in pure Python: a reader, a writer, and NumPy (de)quantizers.
+
+Independent of the C reader (csrc/), so the NumPy reference and the tests check the C
+loader against a second implementation written from the format description:
+
+    header   magic b"GGUF", u32 version (2 or 3), u64 tensor count, u64 metadata count
+    metadata key (u64 length + UTF-8), u32 value type, value (arrays: u32 element type,
+             u64 count, elements; strings: u64 length + UTF-8)
+    tensors  name, u32 n_dims, u64 ne[n_dims] (ne[0] = the contiguous dimension),
+             u32 ggml type, u64 offset from the data start (a multiple of the alignment)
+    padding  to ``general.alignment`` (default 32); then the tensor data
+
+NumPy shapes here are row-major, i.e. ``ne`` reversed: a [out][in] matrix has ne = [in, out].
+
+Block formats (32 elements per block, little-endian, ``d``/``m`` are float16):
+    Q8_0  d, int8 q[32]                     x = d * q
+    Q4_0  d, u8 qs[16] (low nibbles are elements 0..15, high nibbles 16..31)   x = d * (q - 8)
+    Q4_1  d, m, u8 qs[16] (same nibble order)                                  x = d * q + m
+The quantizers round like ggml's reference ones (scale from float32 arithmetic, then the
+scale stored as float16): Q8_0 d = amax/127, q = round-half-away(x/d); Q4_0 d = -max/8
+where max is the element of largest magnitude, q = min(15, trunc(x/d + 8.5)); Q4_1
+d = (max-min)/15, m = min, q = min(15, trunc((x-min)/d + 0.5)).
+
+    f = GGUFReader("model.gguf")
+    f.metadata["general.architecture"]      # plain Python values; arrays are lists
+    f.tensor("blk.0.attn_q.weight")         # float32, dequantized
+    f.raw("blk.0.attn_q.weight")            # the stored bytes (a read-only memmap view)
+
+    w = GGUFWriter("out.gguf")
+    w.add("general.architecture", "llama")
+    w.add("llama.context_length", 2048, GGUFValueType.UINT32)
+    w.add_tensor("token_embd.weight", emb, GGMLType.Q8_0)
+    w.write()
+"""
+from __future__ import annotations
+
+import enum
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+__all__ = [
+    "GGUF_MAGIC",
+    "GGUFValueType",
+    "GGMLType",
+    "GGUFError",
+    "TensorInfo",
+    "GGUFReader",
+    "GGUFWriter",
+    "read_gguf_metadata",
+    "quantize",
+    "dequantize",
+    "type_nbytes",
+    "BLOCK_SIZE",
+]
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+BLOCK_SIZE = 32  # elements per block of Q8_0 / Q4_0 / Q4_1
+
+
+class GGUFError(ValueError):
+    """A malformed or unsupported GGUF file (or a bad argument to the writer)."""
+
+
+class GGUFValueType(enum.IntEnum):
+    UINT8 = 0
+    INT8 = 1
+    UINT16 = 2
+    INT16 = 3
+    UINT32 = 4
+    INT32 = 5
+    FLOAT32 = 6
+    BOOL = 7
+    STRING = 8
+    ARRAY = 9
+    UINT64 = 10
+    INT64 = 11
+    FLOAT64 = 12
+
+
+class GGMLType(enum.IntEnum):
+    F32 = 0
+    F16 = 1
+    Q4_0 = 2
+    Q4_1 = 3
+    Q8_0 = 8
+    BF16 = 30
+
+
+# Scalar value types: struct code. Arrays of these are read with NumPy (dtype from the code).
+_SCALAR = {
+    GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H",
+    GGUFValueType.INT16: "h", GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i",
+    GGUFValueType.FLOAT32: "f", GGUFValueType.BOOL: "?", GGUFValueType.UINT64: "Q",
+    GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d",
+}
+_INT_RANGE = {
+    GGUFValueType.UINT8: (0, 2**8), GGUFValueType.INT8: (-2**7, 2**7),
+    GGUFValueType.UINT16: (0, 2**16), GGUFValueType.INT16: (-2**15, 2**15),
+    GGUFValueType.UINT32: (0, 2**32), GGUFValueType.INT32: (-2**31, 2**31),
+    GGUFValueType.UINT64: (0, 2**64), GGUFValueType.INT64: (-2**63, 2**63),
+}
+
+# (block elements, block bytes) per tensor type.
+_TYPE_LAYOUT = {
+    GGMLType.F32: (1, 4), GGMLType.F16: (1, 2), GGMLType.BF16: (1, 2),
+    GGMLType.Q8_0: (32, 34), GGMLType.Q4_0: (32, 18), GGMLType.Q4_1: (32, 20),
+}
+
+
+def _ggml_type(t) -> GGMLType:
+    if isinstance(t, str):
+        try:
+            return GGMLType[t.upper()]
+        except KeyError:
+            raise GGUFError(f"unknown tensor type {t!r}; supported: "
+                            f"{', '.join(x.name for x in GGMLType)}") from None
+    try:
+        return GGMLType(int(t))
+    except ValueError:
+        raise GGUFError(f"tensor type {int(t)} is not supported; supported: "
+                        f"{', '.join(f'{x.name} ({int(x)})' for x in GGMLType)}") from None
+
+
+def type_nbytes(ggml_type, n_elements: int) -> int:
+    """Bytes that ``n_elements`` take in ``ggml_type`` (a multiple of the block size)."""
+    t = _ggml_type(ggml_type)
+    blk, size = _TYPE_LAYOUT[t]
+    if n_elements % blk:
+        raise GGUFError(f"{t.name} needs a multiple of {blk} elements, got {n_elements}")
+    return n_elements // blk * size
+
+
+# ---------------------------------------------------------------------------- numbers
+
+
+def _bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits, round to nearest even (NaN kept a NaN)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        rounded[nan] = ((u[nan] >> np.uint32(16)) | np.uint32(0x40)).astype(np.uint16)
+    return rounded
+
+
+def _blocks(x: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    if x.size % BLOCK_SIZE:
+        raise GGUFError(f"quantized types need a multiple of {BLOCK_SIZE} elements, got {x.size}")
+    return x.reshape(-1, BLOCK_SIZE)
+
+
+def _inverse(d: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore"):
+        return np.where(d != 0, np.float32(1.0) / np.where(d != 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """q: [blocks][32] uint8 in 0..15 -> [blocks][16]: element j low, element j+16 high."""
+    return (q[:, :16] | (q[:, 16:] << np.uint8(4))).astype(np.uint8)
+
+
+def _unpack_nibbles(qs: np.ndarray) -> np.ndarray:
+    return np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1)
+
+
+def quantize(x, ggml_type) -> np.ndarray:
+    """float array -> the stored bytes (uint8) of ``ggml_type``, in row-major element order."""
+    t = _ggml_type(ggml_type)
+    x = np.asarray(x, dtype=np.float32)
+    if t == GGMLType.F32:
+        return np.ascontiguousarray(x, dtype="<f4").reshape(-1).view(np.uint8)
+    if t == GGMLType.F16:
+        return np.ascontiguousarray(x).astype("<f2").reshape(-1).view(np.uint8)
+    if t == GGMLType.BF16:
+        return _bf16_bits(x.reshape(-1)).astype("<u2").view(np.uint8)
+    b = _blocks(x)
+    n = b.shape[0]
+    if not np.isfinite(b).all():
+        raise GGUFError(f"cannot quantize non-finite values to {t.name}")
+    if t == GGMLType.Q8_0:
+        d = (np.abs(b).max(axis=1) / np.float32(127)).astype(np.float32)
+        v = b * _inverse(d)[:, None]
+        q = (np.sign(v) * np.floor(np.abs(v) + np.float32(0.5))).astype(np.int8)  # roundf: half away
+        out = np.empty((n, 34), np.uint8)
+        out[:, :2] = d.astype("<f2").view(np.uint8).reshape(n, 2)
+        out[:, 2:] = q.view(np.uint8)
+        return out.reshape(-1)
+    if t == GGMLType.Q4_0:
+        idx = np.abs(b).argmax(axis=1)
+        mx = b[np.arange(n), idx]
+        d = (mx / np.float32(-8)).astype(np.float32)
+        v = b * _inverse(d)[:, None] + np.float32(8.5)
+        q = np.minimum(np.trunc(v), 15).astype(np.uint8)
+        out = np.empty((n, 18), np.uint8)
+        out[:, :2] = d.astype("<f2").view(np.uint8).reshape(n, 2)
+        out[:, 2:] = _pack_nibbles(q)
+        return out.reshape(-1)
+    if t == GGMLType.Q4_1:
+        lo, hi = b.min(axis=1), b.max(axis=1)
+        d = ((hi - lo) / np.float32(15)).astype(np.float32)
+        v = (b - lo[:, None]) * _inverse(d)[:, None] + np.float32(0.5)
+        q = np.minimum(np.trunc(v), 15).astype(np.uint8)
+        out = np.empty((n, 20), np.uint8)
+        out[:, 0:2] = d.astype("<f2").view(np.uint8).reshape(n, 2)
+        out[:, 2:4] = lo.astype("<f2").view(np.uint8).reshape(n, 2)
+        out[:, 4:] = _pack_nibbles(q)
+        return out.reshape(-1)
+    raise GGUFError(f"no quantizer for {t.name}")  # pragma: no cover (all GGMLType handled)
+
+
+def dequantize(data, ggml_type, shape=None) -> np.ndarray:
+    """Stored bytes of ``ggml_type`` -> float32 (reshaped to ``shape`` when given)."""
+    t = _ggml_type(ggml_type)
+    raw = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1)
+    blk, size = _TYPE_LAYOUT[t]
+    if raw.size % size:
+        raise GGUFError(f"{raw.size} bytes are not a whole number of {t.name} blocks ({size} bytes)")
+    if t == GGMLType.F32:
+        out = raw.view("<f4").astype(np.float32)
+    elif t == GGMLType.F16:
+        out = raw.view("<f2").astype(np.float32)
+    elif t == GGMLType.BF16:
+        out = (raw.view("<u2").astype(np.uint32) << np.uint32(16)).view(np.float32)
+    else:
+        b = raw.reshape(-1, size)
+        d = b[:, 0:2].copy().view("<f2").astype(np.float32)  # [n][1]
+        if t == GGMLType.Q8_0:
+            out = d * b[:, 2:].view(np.int8).astype(np.float32)
+        elif t == GGMLType.Q4_0:
+            out = d * (_unpack_nibbles(b[:, 2:]).astype(np.float32) - np.float32(8))
+        else:  # Q4_1
+            m = b[:, 2:4].copy().view("<f2").astype(np.float32)
+            out = d * _unpack_nibbles(b[:, 4:]).astype(np.float32) + m
+        out = out.reshape(-1)
+    if shape is not None:
+        out = out.reshape(shape)
+    return out
+
+
+# ---------------------------------------------------------------------------- reader
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple          # NumPy order (ne reversed)
+    ggml_type: GGMLType
+    offset: int           # absolute offset of the data in the file
+    nbytes: int
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+
+class _Cursor:
+    def __init__(self, buf, path: str):
+        self.buf, self.pos, self.path = buf, 0, path
+
+    def take(self, n: int, what: str):
+        if n < 0 or self.pos + n > len(self.buf):
+            raise GGUFError(f"{self.path}: truncated file (reading {what} at byte {self.pos})")
+        out = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def unpack(self, code: str, what: str):
+        s = struct.calcsize("<" + code)
+        return struct.unpack("<" + code, self.take(s, what))[0]
+
+    def string(self, what: str) -> str:
+        n = self.unpack("Q", what + " length")
+        raw = bytes(self.take(n, what))
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise GGUFError(f"{self.path}: {what} is not valid UTF-8") from None
+
+
+_MAX_COUNT = 1 << 40  # any count beyond this is a corrupt file, not a real model
+
+
+def _read_value(cur: _Cursor, vtype: int, key: str, depth: int = 0):
+    try:
+        vt = GGUFValueType(vtype)
+    except ValueError:
+        raise GGUFError(f"{cur.path}: metadata {key!r} has unknown value type {vtype}") from None
+    if vt == GGUFValueType.STRING:
+        return cur.string(f"metadata {key!r}")
+    if vt != GGUFValueType.ARRAY:
+        return cur.unpack(_SCALAR[vt], f"metadata {key!r}")
+    if depth > 8:
+        raise GGUFError(f"{cur.path}: metadata {key!r}: arrays nested too deep")
+    etype = cur.unpack("I", f"metadata {key!r} element type")
+    count = cur.unpack("Q", f"metadata {key!r} count")
+    if count > _MAX_COUNT:
+        raise GGUFError(f"{cur.path}: metadata {key!r}: array count {count} is implausible")
+    try:
+        et = GGUFValueType(etype)
+    except ValueError:
+        raise GGUFError(f"{cur.path}: metadata {key!r} has unknown element type {etype}") from None
+    if et in _SCALAR:
+        dt = np.dtype("<" + _SCALAR[et]) if et != GGUFValueType.BOOL else np.dtype(np.uint8)
+        raw = cur.take(count * dt.itemsize, f"metadata {key!r} array")
+        arr = np.frombuffer(raw, dtype=dt)
+        return [bool(v) for v in arr] if et == GGUFValueType.BOOL else arr.tolist()
+    if et == GGUFValueType.STRING:
+        return [cur.string(f"metadata {key!r}[{i}]") for i in range(count)]
+    return [_read_value(cur, et, f"{key}[{i}]", depth + 1) for i in range(count)]
+
+
+class GGUFReader:
+    """A GGUF file, mapped read-only. ``metadata``: key -> Python value (arrays as lists);
+    ``metadata_types``: key -> (GGUFValueType, element type or None); ``tensors``: name ->
+    TensorInfo, in file order."""
+
+    def __init__(self, path):
+        self.path = Path(os.fspath(path))
+        if not self.path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {self.path}")
+        size = self.path.stat().st_size
+        if size < 24:
+            raise GGUFError(f"{self.path}: too small to be a GGUF file ({size} bytes)")
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        cur = _Cursor(memoryview(self._map), str(self.path))
+        magic = bytes(cur.take(4, "magic"))
+        if magic != GGUF_MAGIC:
+            raise GGUFError(f"{self.path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+        self.version = cur.unpack("I", "version")
+        if self.version not in (2, 3):
+            raise GGUFError(f"{self.path}: GGUF version {self.version} is not supported (2 or 3)")
+        n_tensors = cur.unpack("Q", "tensor count")
+        n_kv = cur.unpack("Q", "metadata count")
+        if n_tensors > _MAX_COUNT or n_kv > _MAX_COUNT:
+            raise GGUFError(f"{self.path}: implausible counts ({n_tensors} tensors, {n_kv} metadata)")
+        self.metadata: dict[str, Any] = {}
+        self.metadata_types: dict[str, tuple] = {}
+        for _ in range(n_kv):
+            key = cur.string("metadata key")
+            vtype = cur.unpack("I", f"metadata {key!r} type")
+            start = cur.pos
+            self.metadata[key] = _read_value(cur, vtype, key)
+            etype = None
+            if vtype == GGUFValueType.ARRAY:
+                etype = GGUFValueType(struct.unpack_from("<I", cur.buf, start)[0])
+            self.metadata_types[key] = (GGUFValueType(vtype), etype)
+        align = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(align, int) or align <= 0 or align & (align - 1):
+            raise GGUFError(f"{self.path}: general.alignment {align!r} is not a power of two")
+        self.alignment = align
+        infos = []
+        for _ in range(n_tensors):
+            name = cur.string("tensor name")
+            n_dims = cur.unpack("I", f"tensor {name!r} n_dims")
+            if n_dims > 4:
+                raise GGUFError(f"{self.path}: tensor {name!r} has {n_dims} dimensions (at most 4)")
+            ne = [cur.unpack("Q", f"tensor {name!r} dims") for _ in range(n_dims)]
+            ttype = cur.unpack("I", f"tensor {name!r} type")
+            off = cur.unpack("Q", f"tensor {name!r} offset")
+            try:
+                t = _ggml_type(ttype)
+            except GGUFError as e:
+                raise GGUFError(f"{self.path}: tensor {name!r}: {e}") from None
+            infos.append((name, tuple(reversed(ne)), t, off))
+        self.data_offset = cur.pos + (-cur.pos % align)
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, shape, t, off in infos:
+            if name in self.tensors:
+                raise GGUFError(f"{self.path}: tensor {name!r} appears twice")
+            if off % align:
+                raise GGUFError(f"{self.path}: tensor {name!r} offset {off} is not aligned to {align}")
+            n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            try:
+                nbytes = type_nbytes(t, n)
+            except GGUFError as e:
+                raise GGUFError(f"{self.path}: tensor {name!r}: {e}") from None
+            start = self.data_offset + off
+            if start + nbytes > size:
+                raise GGUFError(f"{self.path}: tensor {name!r} data ends past the end of the file")
+            self.tensors[name] = TensorInfo(name, shape, t, start, nbytes)
+
+    def raw(self, name: str) -> np.ndarray:
+        """The stored bytes of a tensor (a read-only view into the mapped file)."""
+        info = self._info(name)
+        return self._map[info.offset:info.offset + info.nbytes]
+
+    def tensor(self, name: str) -> np.ndarray:
+        """The tensor as float32 in NumPy shape (dequantized)."""
+        info = self._info(name)
+        return dequantize(self.raw(name), info.ggml_type, info.shape)
+
+    def _info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise KeyError(f"{self.path}: no tensor {name!r}") from None
+
+
+def read_gguf_metadata(path) -> dict:
+    """The metadata of a GGUF file as a plain dict."""
+    return GGUFReader(path).metadata
+
+
+# ---------------------------------------------------------------------------- writer
+
+
+def _infer_type(value) -> GGUFValueType:
+    if isinstance(value, (bool, np.bool_)):
+        return GGUFValueType.BOOL
+    if isinstance(value, (int, np.integer)):
+        v = int(value)
+        if 0 <= v < 2**32:
+            return GGUFValueType.UINT32
+        if -2**31 <= v < 0:
+            return GGUFValueType.INT32
+        return GGUFValueType.UINT64 if v >= 0 else GGUFValueType.INT64
+    if isinstance(value, (float, np.floating)):
+        return GGUFValueType.FLOAT32
+    if isinstance(value, str):
+        return GGUFValueType.STRING
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return GGUFValueType.ARRAY
+    raise GGUFError(f"cannot store a {type(value).__name__} in GGUF metadata")
+
+
+def _infer_elem_type(values) -> GGUFValueType:
+    if isinstance(values, np.ndarray):
+        for vt, code in _SCALAR.items():
+            if vt != GGUFValueType.BOOL and np.dtype("<" + code) == values.dtype.newbyteorder("<"):
+                return vt
+        if values.dtype == np.bool_:
+            return GGUFValueType.BOOL
+    if len(values) == 0:
+        return GGUFValueType.INT32
+    first = values[0]
+    if isinstance(first, str):
+        return GGUFValueType.STRING
+    if isinstance(first, (bool, np.bool_)):
+        return GGUFValueType.BOOL
+    if isinstance(first, (int, np.integer)):
+        return GGUFValueType.INT32  # llama.cpp's choice for token_type and friends
+    if isinstance(first, (float, np.floating)):
+        return GGUFValueType.FLOAT32
+    if isinstance(first, (list, tuple)):
+        return GGUFValueType.ARRAY
+    raise GGUFError(f"cannot store a list of {type(first).__name__} in GGUF metadata")
+
+
+def _pack_string(s: str) -> bytes:
+    raw = s.encode("utf-8")
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _pack_value(key: str, value, vt: GGUFValueType, et: GGUFValueType | None = None) -> bytes:
+    if vt == GGUFValueType.STRING:
+        if not isinstance(value, str):
+            raise GGUFError(f"metadata {key!r}: expected a str, got {type(value).__name__}")
+        return _pack_string(value)
+    if vt == GGUFValueType.ARRAY:
+        et = _infer_elem_type(value) if et is None else GGUFValueType(et)
+        head = struct.pack("<IQ", et, len(value))
+        if et in (GGUFValueType.STRING, GGUFValueType.ARRAY):  # nested arrays: (type, count, items) each
+            return head + b"".join(_pack_value(f"{key}[{i}]", v, et) for i, v in enumerate(value))
+        if et in _SCALAR:
+            code = "B" if et == GGUFValueType.BOOL else _SCALAR[et]
+            arr = np.asarray(value)
+            if et in _INT_RANGE and arr.size:
+                lo, hi = _INT_RANGE[et]
+                if int(arr.min()) < lo or int(arr.max()) >= hi:
+                    raise GGUFError(f"metadata {key!r}: values out of range for {et.name}")
+            return head + arr.astype("<" + code).tobytes()
+        raise GGUFError(f"metadata {key!r}: unsupported element type {et!r}")
+    if vt in _INT_RANGE:
+        lo, hi = _INT_RANGE[vt]
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= int(value) < hi:
+            raise GGUFError(f"metadata {key!r}: {value!r} is not a {vt.name}")
+        return struct.pack("<" + _SCALAR[vt], int(value))
+    if vt in (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64):
+        return struct.pack("<" + _SCALAR[vt], float(value))
+    if vt == GGUFValueType.BOOL:
+        return struct.pack("<?", bool(value))
+    raise GGUFError(f"metadata {key!r}: unsupported value type {vt!r}")  # pragma: no cover
+
+
+class GGUFWriter:
+    """Collects metadata and tensors, then ``write()`` lays out the file (tensor data
+    aligned to ``alignment``, written through a temp file and renamed into place).
+
+    Tensors are added as float arrays (quantized here to ``ggml_type``) or as a producer:
+    ``add_tensor_producer(name, shape, ggml_type, chunks)`` where ``chunks()`` yields the
+    stored bytes in order (for models too large to hold in memory twice)."""
+
+    def __init__(self, path, *, alignment: int = DEFAULT_ALIGNMENT, version: int = 3):
+        if version not in (2, 3):
+            raise GGUFError(f"GGUF version must be 2 or 3, got {version!r}")
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise GGUFError(f"alignment must be a power of two, got {alignment!r}")
+        self.path = Path(os.fspath(path))
+        self.alignment, self.version = alignment, version
+        self._kv: dict[str, bytes] = {}
+        self._tensors: list[tuple[str, tuple, GGMLType, int, Callable[[], Iterable[bytes]]]] = []
+        if alignment != DEFAULT_ALIGNMENT:
+            self.add("general.alignment", alignment, GGUFValueType.UINT32)
+
+    def add(self, key: str, value, value_type=None, element_type=None) -> None:
+        """One metadata entry; the type is inferred when not given (int -> UINT32 or INT32,
+        float -> FLOAT32, list of int -> INT32 elements, list of float -> FLOAT32)."""
+        if not isinstance(key, str) or not key:
+            raise GGUFError(f"metadata key must be a non-empty str, got {key!r}")
+        vt = _infer_type(value) if value_type is None else GGUFValueType(value_type)
+        packed = _pack_value(key, value, vt, None if element_type is None else GGUFValueType(element_type))
+        self._kv[key] = struct.pack("<I", vt) + packed
+
+    def add_tensor(self, name: str, array, ggml_type=GGMLType.F32) -> None:
+        t = _ggml_type(ggml_type)
+        arr = np.asarray(array, dtype=np.float32)
+        if arr.ndim < 1 or arr.ndim > 4:
+            raise GGUFError(f"tensor {name!r}: 1 to 4 dimensions, got {arr.ndim}")
+        if t in (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1) and arr.shape[-1] % BLOCK_SIZE:
+            raise GGUFError(f"tensor {name!r}: {t.name} needs rows of a multiple of {BLOCK_SIZE} "
+                            f"elements, got shape {list(arr.shape)}")
+        data = quantize(arr, t)
+        self.add_tensor_producer(name, arr.shape, t, lambda: [data.tobytes()])
+
+    def add_tensor_producer(self, name: str, shape, ggml_type, chunks: Callable[[], Iterable[bytes]]) -> None:
+        t = _ggml_type(ggml_type)
+        if any(n == name for n, *_ in self._tensors):
+            raise GGUFError(f"tensor {name!r} added twice")
+        shape = tuple(int(s) for s in shape)
+        n = int(np.prod(shape, dtype=np.int64))
+        if t in _TYPE_LAYOUT and _TYPE_LAYOUT[t][0] > 1 and shape[-1] % _TYPE_LAYOUT[t][0]:
+            raise GGUFError(f"tensor {name!r}: {t.name} needs rows of a multiple of {BLOCK_SIZE} elements")
+        self._tensors.append((name, shape, t, type_nbytes(t, n), chunks))
+
+    def write(self) -> Path:
+        head = [GGUF_MAGIC, struct.pack("<IQQ", self.version, len(self._tensors), len(self._kv))]
+        for key, packed in self._kv.items():
+            head.append(_pack_string(key) + packed)
+        offsets, off = [], 0
+        for name, shape, t, nbytes, _ in self._tensors:
+            off += -off % self.alignment
+            offsets.append(off)
+            head.append(_pack_string(name) + struct.pack("<I", len(shape))
+                        + struct.pack(f"<{len(shape)}Q", *reversed(shape)) + struct.pack("<IQ", t, off))
+            off += nbytes
+        header = b"".join(head)
+        header += b"\0" * (-len(header) % self.alignment)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(header)
+                pos = 0
+                for (name, _, t, nbytes, chunks), start in zip(self._tensors, offsets):
+                    f.write(b"\0" * (start - pos))
+                    written = 0
+                    for piece in chunks():
+                        f.write(piece)
+                        written += len(piece)
+                    if written != nbytes:
+                        raise GGUFError(f"tensor {name!r}: producer gave {written} bytes, expected {nbytes}")
+                    pos = start + nbytes
+            os.replace(tmp, self.path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        return self.path

@@ -1,0 +1,371 @@
+"""The command line as a newcomer meets it, run as real subprocesses: one-line errors with
+the right exit status, Ctrl-C while the engine is built, an interrupted first use that
+leaves nothing behind, the KV cache sized to what the model can use, and `conveyor
+generate`'s report."""
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+PYTHON_DIR = Path(__file__).resolve().parents[1] / "python"
+
+
+def env_for(tmp_path, **extra) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(PYTHON_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["CONVEYOR_CACHE"] = str(tmp_path / "cache")
+    env.pop("CONVEYOR_DEBUG", None)
+    env.update(extra)
+    return env
+
+
+def conveyor(tmp_path, *args, timeout=120, **extra):
+    return subprocess.run([sys.executable, "-m", "conveyor", *map(str, args)], env=env_for(tmp_path, **extra),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def one_line_error(r, prog: str, rc: int, *words):
+    """The run failed with status rc and said so in one line naming the problem, no traceback."""
+    assert r.returncode == rc, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"{prog}: error: "), lines[0]
+    for w in words:
+        assert w.lower() in lines[0].lower(), (w, lines[0])
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def test_missing_model_path(tmp_path):
+    one_line_error(conveyor(tmp_path, "generate", "--model", tmp_path / "nope"), "conveyor generate", 1,
+                   "does not exist", "nope")
+
+
+def test_folder_without_config_names_config_not_tokenizer(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    line = one_line_error(conveyor(tmp_path, "generate", "--model", folder), "conveyor generate", 1,
+                          "config.json")
+    assert "tokenizer" not in line
+
+
+def test_corrupt_bin_beside_its_tokenizer_names_the_model(tmp_path, tiny_llama2c_path):
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    shutil.copy(tiny_llama2c_path.parent / "tokenizer.bin", folder / "tokenizer.bin")
+    (folder / "model.bin").write_bytes(tiny_llama2c_path.read_bytes()[:1000])
+    line = one_line_error(conveyor(tmp_path, "generate", "--model", folder / "model.bin"), "conveyor generate",
+                          1, "model.bin", "truncated")
+    assert "tokenizer" not in line
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--dtype", "int3"], ["--dtype", "int3"]),
+    (["--temperature", "-1"], ["temperature", "-1"]),
+    (["--top-k", "-7"], ["top-k"]),
+    (["--kv-cache-memory", "lots"], ["--kv-cache-memory", "lots"]),
+    (["--max-tokens", "0"], ["max-tokens"]),
+    (["--stream", "--prompt", "a", "--prompt", "b"], ["--stream"]),
+    (["--no-such-option"], ["--no-such-option"]),
+])
+def test_usage_errors_exit_2_before_loading(tmp_path, args, words):
+    # --model points nowhere: a usage error must be found before the model is looked at
+    r = conveyor(tmp_path, "generate", "--model", tmp_path / "nope", *args)
+    one_line_error(r, "conveyor generate", 2, *words)
+
+
+def test_cuda_without_a_gpu(tmp_path, stories_dir):
+    from conveyor import _core
+
+    if getattr(_core, "cuda_available", lambda: False)():
+        pytest.skip("a CUDA device is present")
+    r = conveyor(tmp_path, "generate", "--model", stories_dir / "stories260K.bin", "--device", "cuda")
+    if r.returncode == 0:
+        pytest.skip("this build runs on a CUDA device")
+    one_line_error(r, "conveyor generate", 1, "cuda")
+
+
+def test_other_subcommands(tmp_path):
+    one_line_error(conveyor(tmp_path, "info", tmp_path / "nope"), "conveyor info", 1, "nope")
+    one_line_error(conveyor(tmp_path, "info"), "conveyor info", 2, "model")
+    one_line_error(conveyor(tmp_path, "frobnicate"), "conveyor", 2, "frobnicate")
+    one_line_error(conveyor(tmp_path, "bench", "nope"), "conveyor bench", 2, "nope", "kernels")
+    one_line_error(conveyor(tmp_path, "serve", "model.bin", "--port", "70000"), "conveyor serve", 2, "--port")
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    r = conveyor(tmp_path, "--debug", "generate", "--model", tmp_path / "nope")
+    assert r.returncode == 1 and "Traceback" in r.stderr and "FileNotFoundError" in r.stderr
+
+
+# ---------------------------------------------------------------------------- help
+
+
+def test_help_texts(tmp_path):
+    r = conveyor(tmp_path, "generate", "--help")
+    assert r.returncode == 0
+    for opt in ("--n", "--stop", "--top-k", "--logprobs", "--max-model-len", "--kv-cache-memory", "--stream"):
+        assert opt in r.stdout, opt
+    assert "(default: 32)" in r.stdout  # defaults are shown
+    r = conveyor(tmp_path, "bench", "--help")
+    from conveyor.cli import BENCHMARKS
+
+    for name in BENCHMARKS:
+        assert re.search(rf"^\s+{name}\s+\S", r.stdout, re.M), name  # each one described
+
+
+def test_help_into_a_closed_pipe_is_quiet(tmp_path):
+    for args in (["--help"], ["generate", "--help"]):
+        p = subprocess.Popen([sys.executable, "-m", "conveyor", *args], env=env_for(tmp_path),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        p.stdout.close()  # the reader is gone before anything is written, like `| head` done early
+        err = p.stderr.read().decode()
+        assert p.wait(timeout=60) == 0, err
+        assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+# ---------------------------------------------------------------------------- Ctrl-C
+
+BUILD_LOOP = r"""
+import sys, time
+from conveyor import LLM
+print("ready", flush=True)
+while True:
+    building = True
+    try:
+        llm = LLM(sys.argv[1], kv_cache_memory="512MiB")
+        building = False
+        llm.close()
+    except KeyboardInterrupt:
+        print("interrupted", "building" if building else "elsewhere", flush=True)
+        sys.exit(130)
+"""
+
+
+def test_sigint_during_engine_construction_exits_within_1s(tmp_path, stories_dir):
+    """Engines are built over and over (each fills a 512 MiB KV cache); SIGINT lands
+    inside a build and the process is gone within a second."""
+    for attempt in range(5):
+        p = subprocess.Popen([sys.executable, "-c", BUILD_LOOP, str(stories_dir / "stories260K.bin")],
+                             env=env_for(tmp_path), stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "ready"
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        try:
+            said = p.stdout.readline()  # the KeyboardInterrupt reached Python code
+            t_said = time.monotonic() - t0
+            out, _ = p.communicate(timeout=30)
+        finally:
+            if p.poll() is None:
+                p.kill()
+        t_exit = time.monotonic() - t0
+        assert p.returncode == 130, said + out
+        if "building" in said:
+            assert t_said < 1.0, f"took {t_said:.2f} s to stop building"
+            # the interpreter's own exit comes on top (slower under ASan's leak check at exit)
+            limit = 1.0 if "asan" not in os.environ.get("LD_PRELOAD", "") else 10.0
+            assert t_exit < limit, f"took {t_exit:.2f} s to exit"
+            return
+    pytest.fail("SIGINT never arrived while an engine was being built")
+
+
+def test_generate_ctrl_c_is_one_line(tmp_path, stories_dir):
+    p = subprocess.Popen([sys.executable, "-m", "conveyor", "generate", "--model", str(stories_dir / "stories260K.bin"),
+                          "--kv-cache-memory", "2GiB", "--max-tokens", "200", "--num-prompts", "64",
+                          "--ignore-eos"],
+                         env=env_for(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    if p.returncode == 0:
+        pytest.skip("generate finished before the signal")
+    assert p.returncode == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "conveyor generate: interrupted"
+
+
+# ---------------------------------------------------------------------------- first use
+
+
+def _partials(cache: Path):
+    models = cache / "models"
+    return sorted(p.name for p in models.iterdir() if ".tmp" in p.name) if models.is_dir() else []
+
+
+WRITE_DEFAULT = "from conveyor.generate import default_model; default_model()"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_interrupted_first_use_leaves_no_partial_checkpoint(tmp_path, sig):
+    cache = tmp_path / "cache"
+    final = cache / "models" / "smollm-135m-random-bfloat16-seed0"
+    for attempt in range(3):
+        shutil.rmtree(cache, ignore_errors=True)
+        p = subprocess.Popen([sys.executable, "-c", WRITE_DEFAULT], env=env_for(tmp_path),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while not _partials(cache):  # the write has started
+            assert p.poll() is None, p.stderr.read()
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=60)
+        if p.returncode == 0 and final.is_dir():
+            assert _partials(cache) == []
+            continue  # the write won the race with the signal: try again
+        assert p.returncode != 0, err
+        break
+    else:
+        pytest.skip("the checkpoint write always finished before the signal")
+    if sig == signal.SIGINT:
+        assert "KeyboardInterrupt" in err
+        assert _partials(cache) == []  # cleaned up on the way out
+    else:
+        assert _partials(cache)  # a killed writer cannot clean up; the next start does
+        r = subprocess.run([sys.executable, "-c", "from conveyor.generate import default_model; "
+                            "print(default_model('tiny', dtype='float32'))"],
+                           env=env_for(tmp_path), capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert _partials(cache) == []
+    assert not final.exists()
+
+
+def test_a_partial_checkpoint_of_a_live_writer_is_kept(tmp_path):
+    from conveyor.generate import remove_stale_partial_checkpoints
+
+    live = tmp_path / f"x.tmp{os.getppid()}"
+    live.mkdir()
+    remove_stale_partial_checkpoints(tmp_path)
+    assert live.is_dir()
+
+
+# ---------------------------------------------------------------------------- KV sizing
+
+
+def _kv_bytes_per_token(llm) -> int:
+    cfg = llm.model_config
+    head_dim = cfg.get("head_dim") or cfg["dim"] // cfg["n_heads"]
+    kv_dtype = cfg.get("kv_cache_dtype") or cfg.get("dtype")
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}[str(kv_dtype)]
+    return 2 * cfg["n_layers"] * cfg["n_kv_heads"] * head_dim * size
+
+
+@pytest.mark.parametrize("max_num_seqs", [256, 4])
+def test_default_kv_cache_is_what_the_model_can_use(stories_dir, max_num_seqs):
+    from conveyor import LLM
+
+    with LLM(str(stories_dir / "stories260K.bin"), max_num_seqs=max_num_seqs) as llm:
+        st = llm.stats()
+        need = _kv_bytes_per_token(llm) * st["max_model_len"] * max_num_seqs
+        block = _kv_bytes_per_token(llm) * st["block_size"]
+        assert st["max_num_seqs"] == max_num_seqs
+        assert st["kv_cache_bytes"] <= need + 2 * block
+        assert st["kv_cache_bytes"] >= need  # stories260K is small: the cap of free memory does not bind
+
+
+# ---------------------------------------------------------------------------- generate
+
+
+def _report(stdout: str):
+    gen = re.search(r"^generation: ([0-9.]+) s", stdout, re.M)
+    total = re.search(r"^total: +([0-9.]+) s", stdout, re.M)
+    assert gen and total, stdout
+    return float(gen.group(1)), float(total.group(1))
+
+
+def test_generate_named_model_stream_and_options(tmp_path, stories_dir):
+    r = conveyor(tmp_path, "generate", "--model", "stories260K", "--prompt", "Once upon a time", "--stream",
+                 "--max-tokens", "16", CONVEYOR_STORIES=stories_dir)
+    assert r.returncode == 0, r.stderr
+    assert "--- 'Once upon a time'" in r.stdout and "[length]" in r.stdout or "[stop]" in r.stdout
+    _report(r.stdout)
+    r = conveyor(tmp_path, "generate", "--model", "stories260K", "--prompt", "Lily", "--n", "2",
+                 "--temperature", "0.8", "--seed", "3", "--top-k", "20", "--logprobs", "2", "--stop", ".",
+                 "--max-model-len", "128", "--kv-cache-memory", "8MiB", CONVEYOR_STORIES=stories_dir)
+    assert r.returncode == 0, r.stderr
+    assert "[0]" in r.stdout and "[1]" in r.stdout and "*" in r.stdout  # two completions, logprobs
+    assert "1 requests" in r.stdout
+
+
+def test_generate_with_no_arguments_reports_generation_and_total_time(tmp_path):
+    """The built-in default model (SmolLM2-135M-Instruct, linked into this test's cache from
+    the user's so nothing is downloaded): the report's total time is mostly generation, not
+    setup, and the KV cache holds the four requests at full length, not a share of the machine."""
+    from conveyor import _core
+    from conveyor.default_model import MODEL_FILE, find_default_model
+
+    real = find_default_model()
+    if real is None:
+        pytest.skip("the default model is not fetched here (python -m conveyor.default_model)")
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / MODEL_FILE).symlink_to(real)
+    r = conveyor(tmp_path, "generate", "--max-tokens", "16", timeout=600)
+    assert r.returncode == 0, r.stderr
+    gen, total = _report(r.stdout)
+    assert 0 < gen <= total <= 3 * gen + 15.0, (gen, total)
+    assert r.stdout.count("--- ") == 4
+    kv = re.search(r"KV cache (\d+) MiB: (\d+) sequences of up to (\d+) tokens", r.stdout)
+    assert kv, r.stdout
+    mib, seqs, max_len = map(int, kv.groups())
+    cfg = dict(_core.Checkpoint(str(real)).config)
+    per_token = _core.kv_bytes_per_token(cfg["n_layers"], cfg["n_kv_heads"], cfg["head_dim"], cfg["dtype"])
+    assert seqs == 4 and max_len == cfg["max_pos"]
+    assert mib * 2**20 <= per_token * max_len * seqs + 2 * 2**20  # + the reserved block, rounding
+
+
+# ---------------------------------------------------------------------------- served model name
+
+
+def _gguf_string(s: str) -> bytes:
+    import struct
+
+    b = s.encode()
+    return struct.pack("<Q", len(b)) + b
+
+
+def write_gguf_header(path: Path, kvs) -> None:
+    """A GGUF v3 file with no tensors: magic, version, counts, then (key, type, payload)."""
+    import struct
+
+    body = b"".join(_gguf_string(k) + struct.pack("<I", t) + payload for k, t, payload in kvs)
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(kvs)) + body)
+
+
+def test_model_name_defaults(tmp_path):
+    import struct
+
+    from conveyor.model_name import model_name
+
+    assert model_name("../shared/models/stories260K/stories260K.bin") == "stories260K"
+    folder = tmp_path / "SmolLM2-135M"
+    folder.mkdir()
+    assert model_name(str(folder) + "/") == "SmolLM2-135M"
+    gguf = tmp_path / "smol-q8.gguf"
+    write_gguf_header(gguf, [
+        ("general.architecture", 8, _gguf_string("llama")),
+        ("llama.block_count", 4, struct.pack("<I", 30)),
+        ("tokenizer.ggml.tokens", 9, struct.pack("<IQ", 8, 2) + _gguf_string("a") + _gguf_string("b")),
+        ("tokenizer.ggml.scores", 9, struct.pack("<IQ", 6, 2) + struct.pack("<2f", 0.5, 0.25)),
+        ("general.name", 8, _gguf_string("SmolLM2 135M Instruct")),
+    ])
+    assert model_name(gguf) == "SmolLM2 135M Instruct"
+    write_gguf_header(gguf, [("general.architecture", 8, _gguf_string("llama"))])
+    assert model_name(gguf) == "smol-q8"  # no general.name: the stem
+    gguf.write_bytes(b"GGUF\x03\x00")  # truncated: the stem, no error
+    assert model_name(gguf) == "smol-q8"
+
+
+def test_serve_parser_served_model_name():
+    from conveyor.serve import make_parser
+
+    assert make_parser().parse_args(["m.bin"]).served_model_name is None
+    assert make_parser().parse_args(["m.bin", "--served-model-name", "smol"]).served_model_name == "smol"

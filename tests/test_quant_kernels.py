@@ -1,0 +1,146 @@
+"""The quantized CPU kernels (kernels/cpu/quant*.c) against NumPy.
+
+* The C quantizer gives the same bytes as conveyor.gguf.quantize (ggml's reference rounding),
+  so a checkpoint quantized at load equals the same model quantized by llama.cpp's tools.
+* The quantized GEMM quantizes activations per block of 32 to int8 (scale amax/127, round half
+  away from zero) and sums integer block products times the two scales. NumPy emulates exactly
+  that (dequantized weights times dequantized activations, in float64): the kernel must agree to
+  float32 summation noise, bounded by 1e-5 * sum|w||x| per output (K <= 512 float32 adds with
+  per-block fp32 scaling: well under 1e-6 relative each, so 1e-5 has a 10x margin).
+* Against plain dequantize-then-multiply (activations not quantized) the difference is the
+  activation rounding only: each activation moves by at most half a step, amax_block/254, so
+  |error| <= sum_blocks amax_block/254 * sum|w| over the block. That bound is checked exactly.
+* Every SIMD level equals the plain-C level to the same 1e-5 bound, and one token alone gives
+  the same bits as that token inside a batch (the batch-invariance the engine relies on).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import conveyor
+from conveyor import _core
+from conveyor.gguf import dequantize, quantize
+
+QTYPES = ["q8_0", "q4_0", "q4_1"]
+LEVELS = ["scalar", "avx2", "avx512vnni", "avxvnni"]
+# (tokens, rows, cols): odd row and token counts; 70 tokens cross the 64-token quantization block
+SHAPES = [(1, 37, 64), (3, 19, 96), (70, 33, 160), (5, 129, 512)]
+
+
+def level_or_skip(level: str) -> str:
+    if _core.kernel_qlevels()[level] is not True:
+        pytest.skip(f"this CPU lacks the {level} instructions")
+    return level
+
+
+def random_weights(rng, rows, cols):
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    w[0, :32] = 0.0          # an all-zero block (scale 0)
+    w[-1, 32:64] *= 100.0    # a block with a large range
+    return w
+
+
+def x_quant_dequant(x: np.ndarray) -> np.ndarray:
+    """Activations as the kernel sees them: per block of 32, d = amax/127 (float32), q =
+    round-half-away(x * (1/d)), x' = d * q (float64)."""
+    b = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    d = (np.abs(b).max(axis=2) / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
+    v = (b * inv[:, :, None]).astype(np.float64)  # the float32 product, then exact rounding
+    q = np.sign(v) * np.floor(np.abs(v) + 0.5)
+    return (d.astype(np.float64)[:, :, None] * q).reshape(x.shape)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_c_quantizer_matches_numpy_bytes(qtype):
+    rng = np.random.default_rng(1)
+    w = random_weights(rng, 13, 96)
+    w[1, :] = np.linspace(-3, 3, 96, dtype=np.float32)  # ties and exact steps
+    got = _core.kernel_quantize(w, qtype)
+    ref = quantize(w, qtype).reshape(got.shape)
+    np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_qgemm_matches_numpy(qtype, shape):
+    n, rows, cols = shape
+    rng = np.random.default_rng(n * 1000 + rows)
+    w = random_weights(rng, rows, cols)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    wb = quantize(w, qtype).reshape(rows, -1)
+    wd = dequantize(wb, qtype, (rows, cols)).astype(np.float64)
+    out = _core.kernel_qgemm(x, wb, qtype, level="scalar", threads=2)
+    assert out.dtype == np.float32 and out.shape == (n, rows)
+
+    xd = x_quant_dequant(x)
+    exact = xd @ wd.T
+    noise = 1e-5 * (np.abs(xd) @ np.abs(wd).T) + 1e-30
+    assert np.all(np.abs(out - exact) <= noise), np.abs(out - exact).max()
+
+    # against unquantized activations: within the rounding bound of the activations
+    plain = x.astype(np.float64) @ wd.T
+    step = np.abs(x).reshape(n, -1, 32).max(axis=2) / 254.0  # [n][blocks]: half a step
+    wsum = np.abs(wd).reshape(rows, -1, 32).sum(axis=2)       # [rows][blocks]
+    bound = step @ wsum.T * (1 + 1e-4) + noise
+    assert np.all(np.abs(out - plain) <= bound)
+    # and the bound is not vacuous: the quantized result is close in relative terms
+    assert np.abs(out - plain).max() <= 0.02 * np.abs(plain).max()
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("level", LEVELS[1:])
+def test_simd_levels_equal_plain_c(qtype, level):
+    level_or_skip(level)
+    rng = np.random.default_rng(7)
+    for n, rows, cols in SHAPES:
+        w = random_weights(rng, rows, cols)
+        x = rng.standard_normal((n, cols)).astype(np.float32)
+        wb = quantize(w, qtype).reshape(rows, -1)
+        ref = _core.kernel_qgemm(x, wb, qtype, level="scalar")
+        got = _core.kernel_qgemm(x, wb, qtype, level=level)
+        xd = x_quant_dequant(x)
+        wd = dequantize(wb, qtype, (rows, cols)).astype(np.float64)
+        tol = 1e-5 * (np.abs(xd) @ np.abs(wd).T) + 1e-30
+        assert np.all(np.abs(got - ref) <= tol)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_bias_accumulate_threads_and_batch_invariance(qtype):
+    rng = np.random.default_rng(3)
+    n, rows, cols = 9, 45, 128
+    w = random_weights(rng, rows, cols)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    bias = rng.standard_normal(rows).astype(np.float32)
+    acc = rng.standard_normal((n, rows)).astype(np.float32)
+    wb = quantize(w, qtype).reshape(rows, -1)
+    base = _core.kernel_qgemm(x, wb, qtype)
+    full = _core.kernel_qgemm(x, wb, qtype, bias=bias, accumulate=acc)
+    np.testing.assert_allclose(full, acc + (base + bias), rtol=1e-6, atol=1e-5)
+    one = _core.kernel_qgemm(x, wb, qtype, threads=1)
+    np.testing.assert_array_equal(one, base)  # rows split over threads: same bits
+    for i in range(n):  # one token alone == the same token in the batch, bit for bit
+        np.testing.assert_array_equal(_core.kernel_qgemm(x[i:i + 1], wb, qtype)[0], base[i])
+
+
+def test_bad_arguments():
+    x = np.zeros((2, 64), np.float32)
+    wb = quantize(np.zeros((3, 64), np.float32), "q8_0").reshape(3, -1)
+    with pytest.raises(ValueError, match="quantization must be"):
+        _core.kernel_qgemm(x, wb, "q5_0")
+    with pytest.raises(ValueError, match="w_bytes must be"):
+        _core.kernel_qgemm(x, wb, "q4_0")  # q8_0 rows read as q4_0
+    with pytest.raises(ValueError, match="level must be"):
+        _core.kernel_qgemm(x, wb, "q8_0", level="sse9")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        _core.kernel_quantize(np.zeros((2, 40), np.float32), "q8_0")
+    with pytest.raises(ValueError, match="non-finite"):
+        _core.kernel_quantize(np.full((1, 32), np.inf, np.float32), "q4_1")
+    levels = _core.kernel_qlevels()
+    assert levels.pop("best") in levels
+    for level, ok in levels.items():
+        if not ok:
+            with pytest.raises(conveyor.UnsupportedError, match=level):
+                _core.kernel_qgemm(x, wb, "q8_0", level=level)
