@@ -1,10 +1,15 @@
 """Builds conveyor._core (C11) from csrc/ and kernels/cpu/.
 
 Environment knobs:
-  CONVEYOR_MARCH=native|none   SIMD for the build machine (default native when the compiler takes it)
+  CONVEYOR_MARCH=none|native   -march for the whole build (default none: every SIMD path is
+                               compiled with per-function target attributes and chosen at run
+                               time, so the module runs on any x86-64; native is opt-in)
   CONVEYOR_SANITIZE=1          AddressSanitizer + UndefinedBehaviorSanitizer build (tests under ASan)
   CONVEYOR_DEBUG=1             -O0 -g
-At run time CONVEYOR_FORCE_SCALAR=1 forces the plain-C kernels.
+  CONVEYOR_EMULATE_AVX512=1    development: AVX-512 intrinsics in portable C (SIMDe), so the
+                               AVX-512 kernels run and are tested on any CPU (slowly)
+At run time CONVEYOR_SIMD=scalar|avx2|avx512|avx512_bf16 forces one kernel path
+(CONVEYOR_FORCE_SCALAR=1 is an alias of scalar); conveyor._core.kernel_info() says which runs.
 """
 import os
 import glob
@@ -50,9 +55,14 @@ class BuildExt(build_ext):
         if sanitize:
             flags += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
                       "-fno-sanitize-recover=undefined", "-g"]
-        march = os.environ.get("CONVEYOR_MARCH", "native")
+        march = os.environ.get("CONVEYOR_MARCH", "none")
         if march != "none" and compiler_accepts(cc, f"-march={march}"):
             flags.append(f"-march={march}")
+        else:
+            march = "none"
+        flags.append(f'-DCV_BUILD_MARCH="{march}"')
+        if os.environ.get("CONVEYOR_EMULATE_AVX512") == "1":  # development: tools/avx512_emulated.sh
+            flags += ["-DCV_EMULATE_AVX512", "-Wno-psabi", "-I" + os.path.join(ROOT, "tools", "avx512_emu")]
         link = ["-pthread", "-lm", "-ldl"]
         if sanitize:
             link += ["-fsanitize=address,undefined"]

@@ -9,6 +9,17 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#if defined(__linux__) && defined(_GNU_SOURCE)
+#include <pthread.h>
+#endif
+
+void cv_set_thread_name(const char *name) {
+#if defined(__linux__) && defined(_GNU_SOURCE)
+    (void)pthread_setname_np(pthread_self(), name);
+#else
+    (void)name;
+#endif
+}
 
 int cv_set_err(cv_err *err, int code, const char *fmt, ...) {
     if (err) {

@@ -137,10 +137,16 @@ struct cv_backend {
     void (*destroy)(cv_backend *b);
 };
 
-/* CPU backend with num_threads workers (<= 0: all cores). Uses SIMD kernels
- * when built with AVX2/FMA/F16C, unless CONVEYOR_FORCE_SCALAR=1 is set in the
- * environment or force_scalar is non-zero. */
+/* CPU backend with num_threads workers (<= 0: all cores). Its kernels run at
+ * the SIMD level chosen at run time (kernels/cpu/cpu_features.h): the best
+ * the CPU supports, or CONVEYOR_SIMD=scalar|avx2|avx512|avx512_bf16 (a level
+ * the CPU lacks or an unknown name: NULL with CV_ERR_INVALID), or plain C when
+ * CONVEYOR_FORCE_SCALAR=1 is set or force_scalar is non-zero. */
 cv_backend *cv_cpu_backend_create(int num_threads, int force_scalar, cv_err *err);
+/* The same with the level named by simd (NULL: from the environment as above). */
+cv_backend *cv_cpu_backend_create_simd(int num_threads, const char *simd, cv_err *err);
+/* The SIMD level name a CPU backend runs at (NULL for other backends). */
+const char *cv_cpu_backend_simd(const cv_backend *b);
 
 /* CUDA backend (kernels/cuda), loaded on demand; NULL with err set when
  * CUDA is not built or no device is present. */

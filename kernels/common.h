@@ -20,6 +20,7 @@ enum {
     CV_ERR_NOTFOUND = -7,    /* file does not exist            -> FileNotFoundError */
     CV_ERR_TYPE = -8,        /* wrong type                     -> TypeError */
     CV_ERR_CANCELLED = -9,   /* the caller asked to stop       -> KeyboardInterrupt (the signal's own error) */
+    CV_ERR_OVERLOADED = -10, /* the request queue is full      -> conveyor.EngineOverloadedError */
     CV_RETRY = 1             /* soft: does not fit now, try later */
 };
 
@@ -80,6 +81,11 @@ void cv_convert_from_f32(void *dst, cv_dtype dt, const float *src, size_t n);
 
 /* Monotonic clock in seconds, the same clock as Python's time.monotonic(). */
 double cv_now(void);
+
+/* Names the calling thread (Linux; a no-op elsewhere), so that per-thread CPU
+ * time tells the engine's threads from the frontend's (bench serve). At most
+ * 15 characters. */
+void cv_set_thread_name(const char *name);
 
 /* Grows *p (an array of elem-byte items with *cap slots) to hold need items,
  * doubling; returns 0 when out of memory (*p is then unchanged). */

@@ -1,9 +1,11 @@
 """Shared fixtures: the real stories260K model and small random checkpoints."""
+import os
 from pathlib import Path
 
 import pytest
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+# the checkout's ../shared, or CONVEYOR_SHARED (a worktree elsewhere)
+SHARED = Path(os.environ.get("CONVEYOR_SHARED") or Path(__file__).resolve().parents[2] / "shared")
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,11 @@
 """CPU kernels (kernels/cpu) through the conveyor._core.kernel_* hooks.
 
-Every kernel runs in both implementations ("simd" and "plain"); each is held to
-a NumPy float64 computation on the same (dtype-rounded) inputs, and the SIMD
-one to the plain one. Sizes include odd ones that do not fill a SIMD register.
+Every kernel runs in every implementation this CPU has: "simd" (the level
+chosen at run time), "plain" (plain C) and each other SIMD level the CPU
+supports (avx2, avx512, avx512_bf16); each is held to a NumPy float64
+computation on the same (dtype-rounded) inputs, and the SIMD ones to the plain
+one. Sizes include odd ones that do not fill a SIMD register. Levels this CPU
+lacks are listed by test_levels_this_cpu_lacks, skipped naming the feature.
 """
 import math
 
@@ -11,7 +14,25 @@ import pytest
 
 core = pytest.importorskip("conveyor._core")
 
-IMPLS = ["simd", "plain"]
+INFO = core.kernel_info()
+LEVEL_FEATURES = {"avx2": "AVX2/FMA/F16C", "avx512": "AVX-512 F/BW/VL/DQ",
+                  "avx512_bf16": "AVX512_BF16"}
+IMPLS = ["simd", "plain"] + [lv for lv in LEVEL_FEATURES if lv in INFO["levels"] and lv != INFO["simd"]]
+
+
+def bf16_pairs(impl, wdt):
+    """True when impl runs bf16 weights on vdpbf16ps, which rounds the
+    activations to bfloat16 too (once per row)."""
+    level = INFO["simd"] if impl == "simd" else impl
+    return wdt == "bfloat16" and level == "avx512_bf16"
+
+
+@pytest.mark.parametrize("level", list(LEVEL_FEATURES))
+def test_levels_this_cpu_lacks(level):
+    if level in INFO["levels"]:
+        assert level in IMPLS or INFO["simd"] == level
+    else:
+        pytest.skip(f"CPU lacks {LEVEL_FEATURES[level]}: the {level} kernels are compiled in but not run")
 RNG_SEED = 1234
 
 
@@ -82,12 +103,20 @@ def test_gemm_matches_float64_and_plain(wdt, n, rows, cols):
     wr = round_to(w, wdt).astype(np.float64)
     ref = x.astype(np.float64) @ wr.T + bias
     scale = np.abs(x).astype(np.float64) @ np.abs(wr).T + np.abs(bias)
+    # vdpbf16ps rounds x to bf16: the exact products of the rounded values
+    xb = round_to(x, "bfloat16").astype(np.float64)
+    ref_pairs = xb @ wr.T + bias
     got = {}
     for impl in IMPLS:
         got[impl] = core.kernel_gemm(x, w, wdt, bias=bias, impl=impl)
         assert got[impl].shape == (n, rows) and got[impl].dtype == np.float32
-        assert_close_dot(got[impl], ref, scale)
-    assert_close_dot(got["simd"], got["plain"].astype(np.float64), scale)
+        assert_close_dot(got[impl], ref_pairs if bf16_pairs(impl, wdt) else ref, scale)
+    for impl in IMPLS:
+        # against plain C: rounding x to bf16 (8 significant bits) moves each
+        # product by at most 2^-8 |x w|, so the sum by at most 2^-8 sum |x||w|
+        # (plus the fp32 sums)
+        rel = 2.0 ** -8 + 2e-6 if bf16_pairs(impl, wdt) else 2e-6
+        assert_close_dot(got[impl], got["plain"].astype(np.float64), scale, rel=rel)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -138,7 +167,8 @@ def test_gemm_and_embedding_from_16_bit_sources(impl):
                            (w.astype(np.float64), "float16", round_to(w, "float16"))]:
         wref = wref.astype(np.float64)
         got = core.kernel_gemm(x, src, wdt, impl=impl)
-        assert_close_dot(got, x.astype(np.float64) @ wref.T, np.abs(x) @ np.abs(wref).T)
+        xr = round_to(x, "bfloat16") if bf16_pairs(impl, wdt) else x
+        assert_close_dot(got, xr.astype(np.float64) @ wref.T, np.abs(x) @ np.abs(wref).T)
         tokens = np.array([3, 0, 34], np.int32)
         np.testing.assert_array_equal(core.kernel_embedding(src, tokens, wdt, impl=impl),
                                       wref[tokens].astype(np.float32))
@@ -171,7 +201,8 @@ def test_gemm_prepared_matrix_reuse_and_timing():
         x = r.standard_normal((n, 45), dtype=np.float32)
         got = core.kernel_matmul(m, x)
         scale = np.abs(x).astype(np.float64) @ np.abs(wr).T
-        assert_close_dot(got, x.astype(np.float64) @ wr.T, scale)
+        xr = round_to(x, "bfloat16") if bf16_pairs("simd", "bfloat16") else x
+        assert_close_dot(got, xr.astype(np.float64) @ wr.T, scale)
     t = core.kernel_matmul_time(m, x, 3)
     assert 0 < t < 10
 

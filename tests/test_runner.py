@@ -221,6 +221,14 @@ def _rounded_reference(ref: ReferenceModel, dtype: str) -> ReferenceModel:
 LOOSE = {"bfloat16": 5e-2, "float16": 1e-2}
 
 
+def same_weights_tol(dtype):
+    """Bound vs a reference on the same (rounded) weights. On AVX512_BF16 the
+    bf16 GEMMs run on vdpbf16ps, which rounds the activations to bf16 too
+    (8 significant bits, 2^-8 relative per product): the loose bound applies."""
+    paths = conveyor._core.kernel_info()["paths"]
+    return LOOSE["bfloat16"] if dtype == "bfloat16" and paths["gemm_bf16"] == "avx512_bf16" else 1e-4
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("fmt", ["hf", "llama2c"])
 def test_16bit_weights(tmp_path, dtype, fmt):
@@ -235,7 +243,7 @@ def test_16bit_weights(tmp_path, dtype, fmt):
     got = PagedDriver(runner).prompt_in_chunks(0, toks, [17])
     err_same = rel_err(got, _rounded_reference(ref, dtype).logits(toks))
     err_f32 = rel_err(got, ref.logits(toks))
-    assert err_same < 1e-4, f"vs the reference on {dtype}-rounded weights: {err_same:.3g}"
+    assert err_same < same_weights_tol(dtype), f"vs the reference on {dtype}-rounded weights: {err_same:.3g}"
     assert err_f32 < LOOSE[dtype], f"vs the float32 reference: {err_f32:.3g}"
     assert err_f32 > 1e-6  # the weights really were rounded
 
@@ -251,7 +259,7 @@ def test_16bit_checkpoint_auto_dtype(tmp_path, dtype):
     ref = ReferenceModel.load(path)
     toks = random_prompt(rng, ref.vocab_size, 50)
     got = PagedDriver(runner).prompt_in_chunks(0, toks, [9, 30])
-    assert rel_err(got, ref.logits(toks)) < 1e-4
+    assert rel_err(got, ref.logits(toks)) < same_weights_tol(dtype)
 
 
 @pytest.mark.parametrize("kv", ["bfloat16", "float16"])

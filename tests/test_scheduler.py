@@ -46,6 +46,7 @@ class Driver:
         self.budget = cfg["max_num_batched_tokens"]
         self.cap = cfg["max_num_seqs"]
         self.chunked = cfg.get("enable_chunked_prefill", True)
+        self.prefill_cap = cfg.get("max_prefill_tokens_while_decoding", 0) if self.chunked else 0
         self.requests = sorted(requests, key=lambda r: r["arrival"])  # stable: ties keep list order
         self.aborts = sorted(aborts)
         self.forks = set(forks)  # request ids to fork when they sample their first token
@@ -144,7 +145,15 @@ class Driver:
             assert all(sid in running_before for sid in ids[:k])  # running ones first
             if pre:
                 assert not admitted  # no admission in a step that preempted
-        if self.chunked and plan["total_tokens"] < self.budget:
+        def is_decode(info):
+            return info["n_computed"] >= info["n_prompt"] and info["n_tokens"] - info["n_computed"] == 1
+
+        decoding = any(is_decode(before[sid]) for sid in running_before)
+        prefill = sum(n for sid, n in zip(ids, new) if not is_decode(before[sid]))
+        capped = self.prefill_cap > 0 and decoding
+        if capped:  # stall-free mixed steps: prompt work is capped while sequences decode
+            assert prefill <= self.prefill_cap
+        if self.chunked and plan["total_tokens"] < self.budget and not (capped and prefill == self.prefill_cap):
             # budget left over: every running sequence got its tokens
             assert running_before <= set(ids) | set(pre)
         for sid in admitted:
@@ -252,7 +261,7 @@ def workloads(draw):
     cfg = dict(num_blocks=num_blocks, block_size=bs, max_num_seqs=draw(st.integers(1, 6)),
                max_num_batched_tokens=budget, max_model_len=max_model_len,
                enable_prefix_caching=draw(st.sampled_from([True, True, False])), enable_chunked_prefill=chunked,
-               policy=policy)
+               policy=policy, max_prefill_tokens_while_decoding=draw(st.sampled_from([0, 0, 1, 3, 8])))
     aborts = draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 100)), max_size=3))
     forks = draw(st.lists(st.integers(0, n_req - 1), max_size=2, unique=True))
     return cfg, reqs, aborts, forks
@@ -414,6 +423,61 @@ def test_chunked_prefill_interleaves_with_decodes():
                 s.append_token(sid, 1)
         s.check()
     assert sum(chunks) == 60 and max(chunks) == 13 and len(chunks) >= 5
+
+
+def _decode_steps(s, steps):
+    """Runs `steps` plans with a fake runner that samples token 1; returns the plans."""
+    plans = []
+    for _ in range(steps):
+        plan = s.schedule()
+        s.commit()
+        for sid in plan["seq_ids"]:
+            info = s.seq_info(sid)
+            if info["n_computed"] == info["n_tokens"]:
+                s.append_token(sid, 1)
+        s.check()
+        plans.append(plan)
+    return plans
+
+
+@pytest.mark.parametrize("cap", [1, 7, 32])
+def test_prefill_capped_while_sequences_decode(cap):
+    # 16 sequences decode; a 300-token prompt arrives. Budget 512 would take it in one
+    # step; with the cap no step carries more than `cap` prompt tokens, and every
+    # decode keeps its token each step.
+    s = Scheduler(num_blocks=1600, block_size=4, max_num_seqs=32, max_num_batched_tokens=512,
+                  max_model_len=512, max_prefill_tokens_while_decoding=cap)
+    for i in range(16):
+        s.add(i, [i % 5 + 1] * 6, 310)
+    first = _decode_steps(s, 1)[0]  # nothing decodes yet: the prompts are not capped
+    assert sorted(first["seq_ids"]) == list(range(16)) and first["total_tokens"] == 96
+    s.add(99, [(t * 7) % 5 for t in range(300)], 4)
+    steps = 0
+    while s.seq_info(99)["n_computed"] < 300:
+        plan = _decode_steps(s, 1)[0]
+        got = dict(zip(plan["seq_ids"], plan["num_new_tokens"]))
+        assert all(got.get(i) == 1 for i in range(16)), got
+        assert got.get(99, 0) <= cap
+        steps += 1
+    assert steps == -(-300 // cap)
+
+
+def test_prefill_cap_off_without_decodes_and_when_zero():
+    # Nothing decodes: prompts take the whole budget. Cap 0: no cap at all.
+    for cap, want in ((4, 100), (0, 100)):
+        s = Scheduler(num_blocks=200, block_size=4, max_num_seqs=8, max_num_batched_tokens=128,
+                      max_model_len=256, max_prefill_tokens_while_decoding=cap)
+        s.add(1, [1] * 100, 4)
+        assert s.schedule()["num_new_tokens"] == [want]
+    s = Scheduler(num_blocks=200, block_size=4, max_num_seqs=8, max_num_batched_tokens=128,
+                  max_model_len=256, max_prefill_tokens_while_decoding=0)
+    s.add(1, [1] * 5, 50)
+    _decode_steps(s, 1)
+    s.add(2, [2] * 100, 4)
+    assert s.schedule()["num_new_tokens"] == [1, 100]
+    with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding"):
+        Scheduler(num_blocks=200, block_size=4, max_num_seqs=8, max_num_batched_tokens=128,
+                  max_model_len=256, max_prefill_tokens_while_decoding=-1)
 
 
 def test_chunked_prefill_off_waits_for_room():

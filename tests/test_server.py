@@ -46,7 +46,7 @@ def server():
 @pytest.fixture(scope="module")
 def limited():
     """Needs a key; one running sequence at a time and no waiting room."""
-    s = Server("--api-key", "sekrit", "--max-waiting", "0", "--max-num-seqs", "1")
+    s = Server("--api-key", "sekrit", "--max-queued-requests", "1", "--max-num-seqs", "1")
     yield s
     s.stop()
 

@@ -20,6 +20,7 @@ extern PyObject *cv_ConveyorError;      /* base class of all conveyor errors */
 extern PyObject *cv_ModelFormatError;   /* malformed model file (also a ValueError) */
 extern PyObject *cv_UnsupportedError;   /* valid but unsupported (also a ValueError) */
 extern PyObject *cv_EngineClosedError;  /* use after close (also a RuntimeError) */
+extern PyObject *cv_EngineOverloadedError; /* the request queue is full (also a RuntimeError) */
 
 /* Raises the Python exception for a C status code with err's message and
  * returns NULL; when err->field is set the exception's .field attribute

@@ -5,6 +5,7 @@ PyObject *cv_ConveyorError;
 PyObject *cv_ModelFormatError;
 PyObject *cv_UnsupportedError;
 PyObject *cv_EngineClosedError;
+PyObject *cv_EngineOverloadedError;
 
 PyObject *cv_py_raise(const cv_err *err) {
     const char *msg = (err && err->msg[0]) ? err->msg : "conveyor: unknown error";
@@ -20,6 +21,7 @@ PyObject *cv_py_raise(const cv_err *err) {
     case CV_ERR_NOMEM: type = PyExc_MemoryError; break;
     case CV_ERR_STATE: type = cv_EngineClosedError; break;
     case CV_ERR_CANCELLED: type = PyExc_KeyboardInterrupt; break;
+    case CV_ERR_OVERLOADED: type = cv_EngineOverloadedError; break;
     default: type = cv_ConveyorError; break;
     }
     if (!(err && err->field[0])) {
@@ -63,8 +65,10 @@ int cv_py_add_errors(PyObject *m) {
     bases = PyTuple_Pack(2, cv_ConveyorError, PyExc_RuntimeError);
     if (!bases) goto fail;
     cv_EngineClosedError = new_error(m, "EngineClosedError", bases, "The engine was closed.");
+    cv_EngineOverloadedError = new_error(m, "EngineOverloadedError", bases,
+                                         "The request queue is full (max_queued_requests); retry later.");
     Py_CLEAR(bases);
-    if (!cv_EngineClosedError) goto fail;
+    if (!cv_EngineClosedError || !cv_EngineOverloadedError) goto fail;
     return 0;
 fail:
     Py_XDECREF(bases);

@@ -1,6 +1,7 @@
 /* conveyor._core: module init; each part registers its own types and functions. */
 #define CV_BINDING_MAIN
 #include "binding.h"
+#include "../../kernels/cpu/cpu_features.h"
 
 static struct PyModuleDef core_module = {
     PyModuleDef_HEAD_INIT, "_core", "Conveyor's C core.", -1, NULL, NULL, NULL, NULL, NULL,
@@ -15,11 +16,10 @@ PyMODINIT_FUNC PyInit__core(void) {
         cv_py_add_sampler(m) < 0 || cv_py_add_engine(m) < 0 || cv_py_add_request_params(m) < 0 ||
         cv_py_add_cuda(m) < 0 || cv_py_add_model(m) < 0 || cv_py_add_quant(m) < 0)
         goto fail;
-#ifdef __AVX2__
-    PyModule_AddStringConstant(m, "simd", "avx2");
-#else
-    PyModule_AddStringConstant(m, "simd", "none");
-#endif
+    /* the kernel path chosen at run time (CONVEYOR_SIMD, else the CPU's best) */
+    cv_simd_level level;
+    if (cv_simd_from_env(&level, NULL) != CV_SIMD_OK) level = cv_simd_best();
+    PyModule_AddStringConstant(m, "simd", cv_simd_name(level));
     return m;
 fail:
     Py_DECREF(m);

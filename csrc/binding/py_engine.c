@@ -160,20 +160,22 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
                              "kv_cache_bytes", "gpu_memory_utilization", "kv_cache_dtype",
                              "enable_prefix_caching", "enable_chunked_prefill", "policy", "seed",
                              "eos_ids", "bos_id", "strip_space_after_bos", "token_bytes",
-                             "special_ids", "quantization", NULL};
+                             "special_ids", "quantization", "max_prefill_tokens_while_decoding",
+                             "max_queued_requests", NULL};
     PyObject *path_obj = NULL, *eos_obj = NULL, *tok_obj = NULL, *special_obj = NULL;
     const char *dtype_s = "auto", *device = "cpu", *kv_dtype_s = "auto", *policy = "continuous";
     const char *quant_s = NULL;
     int num_threads = 0, prefix = 1, chunked = 1, strip = 0, bos = -1;
     long long max_model_len = 0, max_num_seqs = 256, max_tokens = 0, block_size = 16;
+    long long prefill_cap = 0, max_queued = 0;
     unsigned long long kv_bytes = 0, seed = 0;
     double gpu_util = 0.9;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|$ssiLLLLKdsppsKOipOOz", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|$ssiLLLLKdsppsKOipOOzLL", kwlist,
                                      PyUnicode_FSConverter, &path_obj, &dtype_s, &device,
                                      &num_threads, &max_model_len, &max_num_seqs, &max_tokens,
                                      &block_size, &kv_bytes, &gpu_util, &kv_dtype_s, &prefix,
                                      &chunked, &policy, &seed, &eos_obj, &bos, &strip, &tok_obj,
-                                     &special_obj, &quant_s))
+                                     &special_obj, &quant_s, &prefill_cap, &max_queued))
         return -1;
     int rc = -1;
     int32_t *eos = NULL;
@@ -241,6 +243,8 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     cfg.gpu_memory_utilization = gpu_util;
     cfg.enable_prefix_caching = prefix;
     cfg.enable_chunked_prefill = chunked;
+    cfg.max_prefill_tokens_while_decoding = prefill_cap;
+    cfg.max_queued_requests = max_queued;
     cfg.seed = seed;
     cfg.eos_ids = eos;
     cfg.n_eos = (int)n_eos;
@@ -325,13 +329,14 @@ static PyArrayObject *read_prompt(EngineObject *self, PyObject *prompt_obj) {
 
 /* add_request (queue != 0) or check_request: the shared argument handling. */
 static PyObject *submit(EngineObject *self, int64_t req_id, PyObject *prompt_obj, PyObject *sp,
-                        int priority, int queue) {
+                        int priority, double timeout, int queue) {
     if (check_open(self) < 0) return NULL;
     PyArrayObject *arr = read_prompt(self, prompt_obj);
     if (!arr) return NULL;
     cv_py_request r;
     if (cv_py_request_read(&r, sp) < 0) { Py_DECREF(arr); return NULL; }
     r.p.priority = priority;
+    r.p.timeout = timeout;
     cv_err err = {0};
     const int32_t *ids = (const int32_t *)PyArray_DATA(arr);
     int rc = queue ? cv_engine_add_request(self->e, req_id, ids, PyArray_SIZE(arr), &r.p, &err)
@@ -343,20 +348,23 @@ static PyObject *submit(EngineObject *self, int64_t req_id, PyObject *prompt_obj
 }
 
 static PyObject *Engine_add_request(EngineObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"request_id", "prompt", "params", "priority", NULL};
+    static char *kwlist[] = {"request_id", "prompt", "params", "priority", "timeout", NULL};
     long long req_id;
     PyObject *prompt_obj, *sp;
     int priority = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "LOO|$i", kwlist, &req_id, &prompt_obj, &sp, &priority))
+    double timeout = 0.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LOO|$id", kwlist, &req_id, &prompt_obj, &sp, &priority,
+                                     &timeout))
         return NULL;
-    return submit(self, req_id, prompt_obj, sp, priority, 1);
+    return submit(self, req_id, prompt_obj, sp, priority, timeout, 1);
 }
 
 static PyObject *Engine_check_request(EngineObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"prompt", "params", NULL};
+    static char *kwlist[] = {"prompt", "params", "timeout", NULL};
     PyObject *prompt_obj, *sp;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO", kwlist, &prompt_obj, &sp)) return NULL;
-    return submit(self, 0, prompt_obj, sp, 0, 0);
+    double timeout = 0.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|$d", kwlist, &prompt_obj, &sp, &timeout)) return NULL;
+    return submit(self, 0, prompt_obj, sp, 0, timeout, 0);
 }
 
 static PyObject *Engine_abort(EngineObject *self, PyObject *arg) {
@@ -388,6 +396,7 @@ static const char *reason_name(int r) {
     case CV_FINISH_STOP: return "stop";
     case CV_FINISH_LENGTH: return "length";
     case CV_FINISH_ABORT: return "abort";
+    case CV_FINISH_TIMEOUT: return "timeout";
     default: return NULL;
     }
 }
@@ -552,6 +561,9 @@ static PyObject *Engine_stats(EngineObject *self, PyObject *Py_UNUSED(ignored)) 
         cv_py_put(d, "generation_tokens", PyLong_FromLongLong(st.generation_tokens)) < 0 ||
         cv_py_put(d, "requests_finished", PyLong_FromLongLong(st.requests_finished)) < 0 ||
         cv_py_put(d, "requests_aborted", PyLong_FromLongLong(st.requests_aborted)) < 0 ||
+        cv_py_put(d, "requests_timed_out", PyLong_FromLongLong(st.requests_timed_out)) < 0 ||
+        cv_py_put(d, "requests_rejected", PyLong_FromLongLong(st.requests_rejected)) < 0 ||
+        cv_py_put(d, "num_queued", PyLong_FromLongLong(st.num_queued)) < 0 ||
         cv_py_put(d, "steps", PyLong_FromLongLong(st.steps)) < 0 ||
         cv_py_put(d, "time_schedule", PyFloat_FromDouble(st.time_schedule)) < 0 ||
         cv_py_put(d, "time_build", PyFloat_FromDouble(st.time_build)) < 0 ||
@@ -604,8 +616,9 @@ static PyObject *Engine_take_trace(EngineObject *self, PyObject *Py_UNUSED(ignor
     size_t n = cv_engine_take_trace(self->e, &t);
     PyObject *list = PyList_New((Py_ssize_t)n);
     for (size_t i = 0; list && i < n; i++) {
-        PyObject *item = Py_BuildValue("(LddLii)", (long long)t[i].step, t[i].t0, t[i].t1,
-                                       (long long)t[i].request_id, t[i].seq_index, t[i].n_new);
+        PyObject *item = Py_BuildValue("(LddLiii)", (long long)t[i].step, t[i].t0, t[i].t1,
+                                       (long long)t[i].request_id, t[i].seq_index, t[i].n_new,
+                                       t[i].n_prompt_work);
         if (!item) { Py_CLEAR(list); break; }
         PyList_SET_ITEM(list, (Py_ssize_t)i, item);
     }
@@ -615,10 +628,11 @@ static PyObject *Engine_take_trace(EngineObject *self, PyObject *Py_UNUSED(ignor
 
 static PyMethodDef Engine_methods[] = {
     {"add_request", (PyCFunction)(void (*)(void))Engine_add_request, METH_VARARGS | METH_KEYWORDS,
-     "add_request(request_id, prompt, params, *, priority=0)\n\nValidates (as check_request) and "
-     "queues a request; params is a SamplingParams."},
+     "add_request(request_id, prompt, params, *, priority=0, timeout=0.0)\n\nValidates (as check_request) "
+     "and queues a request; params is a SamplingParams; timeout: seconds from arrival (0: none). "
+     "EngineOverloadedError when max_queued_requests requests wait."},
     {"check_request", (PyCFunction)(void (*)(void))Engine_check_request, METH_VARARGS | METH_KEYWORDS,
-     "check_request(prompt, params)\n\nRaises what add_request would raise for this prompt and "
+     "check_request(prompt, params, *, timeout=0.0)\n\nRaises what add_request would raise for this prompt and "
      "SamplingParams (ValueError/TypeError with .field), queueing nothing."},
     {"abort", (PyCFunction)Engine_abort, METH_O, "Aborts a request by id."},
     {"step", (PyCFunction)Engine_step, METH_NOARGS, "Runs one engine step (GIL released)."},
@@ -631,7 +645,8 @@ static PyMethodDef Engine_methods[] = {
     {"stats", (PyCFunction)Engine_stats, METH_NOARGS, "Engine statistics."},
     {"model_config", (PyCFunction)Engine_model_config, METH_NOARGS, "The model's config."},
     {"set_trace", (PyCFunction)Engine_set_trace, METH_O, "Turns the step trace on or off."},
-    {"take_trace", (PyCFunction)Engine_take_trace, METH_NOARGS, "Takes the step trace."},
+    {"take_trace", (PyCFunction)Engine_take_trace, METH_NOARGS, "Takes the step trace: (step, t0, t1, request id, completion index, new tokens, "
+     "of them prompt tokens) per scheduled sequence."},
     {NULL, NULL, 0, NULL},
 };
 

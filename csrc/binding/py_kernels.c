@@ -21,16 +21,20 @@ typedef struct kb_entry {
     PyThread_type_lock lock;
 } kb_entry;
 
-static kb_entry g_kb[2][KB_MAX_THREADS + 1]; /* [simd, plain][threads] */
+/* impl names: "simd" is the level the environment chooses (CONVEYOR_SIMD, else
+ * the best), "plain" the plain-C kernels; the others name one SIMD level. */
+static const char *const g_impls[] = {"simd", "plain", "scalar", "avx2", "avx512", "avx512_bf16"};
+#define KB_IMPLS ((int)(sizeof g_impls / sizeof g_impls[0]))
+static kb_entry g_kb[KB_IMPLS][KB_MAX_THREADS + 1]; /* [impl][threads] */
 
 static kb_entry *get_backend(const char *impl, int threads) {
-    int plain;
-    if (strcmp(impl, "simd") == 0)
-        plain = 0;
-    else if (strcmp(impl, "plain") == 0)
-        plain = 1;
-    else {
-        PyErr_Format(PyExc_ValueError, "impl must be 'simd' or 'plain', got '%s'", impl);
+    int ii = -1;
+    for (int i = 0; i < KB_IMPLS; i++)
+        if (strcmp(impl, g_impls[i]) == 0) ii = i;
+    if (ii < 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "impl must be 'simd', 'plain', 'scalar', 'avx2', 'avx512' or 'avx512_bf16', got '%s'",
+                     impl);
         return NULL;
     }
     if (threads < 0 || threads > KB_MAX_THREADS) {
@@ -38,10 +42,10 @@ static kb_entry *get_backend(const char *impl, int threads) {
                      KB_MAX_THREADS, threads);
         return NULL;
     }
-    kb_entry *e = &g_kb[plain][threads];
+    kb_entry *e = &g_kb[ii][threads];
     if (!e->b) {
         cv_err err = {0};
-        cv_backend *b = cv_cpu_backend_create(threads, plain, &err);
+        cv_backend *b = cv_cpu_backend_create_simd(threads, ii == 0 ? NULL : (ii == 1 ? "scalar" : impl), &err);
         if (!b) return (kb_entry *)cv_py_raise(&err);
         PyThread_type_lock lock = PyThread_allocate_lock();
         if (!lock) {
@@ -404,14 +408,114 @@ static PyObject *py_kernel_read_bw(PyObject *self, PyObject *args, PyObject *kw)
     return bandwidth_hook(args, kw, 1);
 }
 
+static PyObject *py_measure_peak(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *kwlist[] = {"kind", "threads", "seconds", "impl", NULL};
+    static const char *const kinds[] = {"fp32_fma", "bf16_dot", "int8_dot"};
+    const char *kind, *impl = "simd";
+    int threads = 0;
+    double seconds = 0.2;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "s|ids", kwlist, &kind, &threads, &seconds, &impl)) return NULL;
+    int k = -1;
+    for (int i = 0; i < 3; i++)
+        if (strcmp(kind, kinds[i]) == 0) k = i;
+    if (k < 0) {
+        PyErr_Format(PyExc_ValueError, "kind must be 'fp32_fma', 'bf16_dot' or 'int8_dot', got '%s'", kind);
+        return NULL;
+    }
+    if (!(seconds > 0 && seconds <= 60)) {
+        PyErr_SetString(PyExc_ValueError, "seconds must be in (0, 60]");
+        return NULL;
+    }
+    kb_entry *e = get_backend(impl, threads);
+    if (!e) return NULL;
+    const char *instr = "";
+    double gops;
+    KB_RUN(e, gops = cv_cpu_measure_peak(e->b, (cv_peak_kind)k, threads, seconds, &instr));
+    if (gops < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "measure_peak: no time measured");
+        return NULL;
+    }
+    const cv_cpu *c = cv_cpu_of(e->b);
+    return Py_BuildValue("{s:s,s:s,s:s,s:i,s:d}", "kind", kind, "instruction", instr, "simd",
+                         cv_simd_name((cv_simd_level)c->simd), "threads",
+                         threads > 0 && threads < c->nthreads ? threads : c->nthreads, "gops", gops);
+}
+
+/* {feature: bool} of the CPU. */
+static PyObject *features_dict(void) {
+    const cv_cpu_features *f = cv_cpu_features_get();
+    return Py_BuildValue("{s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N}", "avx2", PyBool_FromLong(f->avx2),
+                         "fma", PyBool_FromLong(f->fma), "f16c", PyBool_FromLong(f->f16c), "avx512f",
+                         PyBool_FromLong(f->avx512f), "avx512bw", PyBool_FromLong(f->avx512bw), "avx512vl",
+                         PyBool_FromLong(f->avx512vl), "avx512dq", PyBool_FromLong(f->avx512dq),
+                         "avx512bf16", PyBool_FromLong(f->avx512bf16), "avx512vnni",
+                         PyBool_FromLong(f->avx512vnni), "avxvnni", PyBool_FromLong(f->avxvnni),
+                         "os_avx512", PyBool_FromLong(f->os_avx512));
+}
+
+/* {family: path} of the kernels at level. */
+static PyObject *paths_dict(cv_simd_level level) {
+    PyObject *d = PyDict_New();
+    if (!d) return NULL;
+    for (int i = 0; i < cv_cpu_n_families; i++) {
+        PyObject *v = PyUnicode_FromString(cv_simd_name(cv_cpu_family_path(i, level)));
+        if (!v || PyDict_SetItemString(d, cv_cpu_families[i].name, v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(d);
+            return NULL;
+        }
+        Py_DECREF(v);
+    }
+    return d;
+}
+
+#ifndef CV_BUILD_MARCH
+#define CV_BUILD_MARCH "unknown"
+#endif
+#ifdef CV_EMULATE_AVX512
+#define CV_EMULATED 1 /* development build: SIMD intrinsics in portable C */
+#else
+#define CV_EMULATED 0
+#endif
+#ifdef __AVX2__
+#define CV_BASELINE_AVX2 1 /* the whole module may use AVX2 (built with -march) */
+#else
+#define CV_BASELINE_AVX2 0
+#endif
+
 static PyObject *py_kernel_info(PyObject *self, PyObject *noargs) {
     (void)self;
     (void)noargs;
-    const char *fs = getenv("CONVEYOR_FORCE_SCALAR");
-    return Py_BuildValue("{s:s,s:i,s:i,s:i,s:i,s:O}", "simd", CV_HAVE_AVX2 ? "avx2+fma+f16c" : "none",
-                         "cores", cv_cpu_count(), "gemm_nr", CV_NR, "gemm_mr", CV_MR,
-                         "attention_max_head_dim", CV_ATT_TILE * CV_ATT_MAX_HD, "force_scalar",
-                         (fs && fs[0] && strcmp(fs, "0") != 0) ? Py_True : Py_False);
+    cv_simd_level level;
+    const char *asked = NULL;
+    const int rc = cv_simd_from_env(&level, &asked);
+    const int supported[CV_SIMD_LEVELS] = {cv_simd_supported(CV_SIMD_SCALAR), cv_simd_supported(CV_SIMD_AVX2),
+                                           cv_simd_supported(CV_SIMD_AVX512),
+                                           cv_simd_supported(CV_SIMD_AVX512_BF16)};
+    PyObject *levels = PyList_New(0);
+    for (int l = 0; levels && l < CV_SIMD_LEVELS; l++) {
+        if (!supported[l]) continue;
+        PyObject *nm = PyUnicode_FromString(cv_simd_name((cv_simd_level)l));
+        if (!nm || PyList_Append(levels, nm) < 0) Py_CLEAR(levels);
+        Py_XDECREF(nm);
+    }
+    PyObject *feat = features_dict(), *paths = paths_dict(level);
+    PyObject *r = NULL;
+    if (levels && feat && paths)
+        r = Py_BuildValue("{s:s,s:s,s:O,s:O,s:O,s:z,s:s,s:O,s:O,s:i,s:i,s:i,s:i,s:O}", "simd", cv_simd_name(level),
+                          "best", cv_simd_name(cv_simd_best()), "levels", levels, "cpu_features", feat,
+                          "paths", paths, "simd_error",
+                          rc == CV_SIMD_OK ? NULL : (rc == CV_SIMD_UNKNOWN ? "unknown level" : "unsupported level"),
+                          "build_march", CV_BUILD_MARCH, "baseline_avx2", CV_BASELINE_AVX2 ? Py_True : Py_False,
+                          "emulated", CV_EMULATED ? Py_True : Py_False,
+                          "cores", cv_cpu_count(), "gemm_nr", CV_NR, "gemm_mr", CV_MR,
+                          "attention_max_head_dim", CV_ATT_TILE * CV_ATT_MAX_HD, "force_scalar",
+                          level == CV_SIMD_SCALAR ? Py_True : Py_False);
+    Py_XDECREF(levels);
+    Py_XDECREF(feat);
+    Py_XDECREF(paths);
+    return r;
 }
 
 static PyMethodDef kernel_methods[] = {
@@ -449,7 +553,12 @@ static PyMethodDef kernel_methods[] = {
      "kernel_triad(n_bytes, repeats=5, threads=0) -> GB/s of a = b + s*c over arrays of n_bytes each"},
     {"kernel_read_bw", (PyCFunction)(void (*)(void))py_kernel_read_bw, METH_VARARGS | METH_KEYWORDS,
      "kernel_read_bw(n_bytes, repeats=5, threads=0) -> GB/s of reading one array of n_bytes"},
-    {"kernel_info", (PyCFunction)py_kernel_info, METH_NOARGS, "kernel_info() -> dict about the CPU kernels"},
+    {"measure_peak", (PyCFunction)(void (*)(void))py_measure_peak, METH_VARARGS | METH_KEYWORDS,
+     "measure_peak(kind, threads=0, seconds=0.2, impl='simd') -> {kind, instruction, simd, threads, gops}\n"
+     "Peak GFLOP/s (int8: GOP/s; 2 per multiply-add) of the instruction the kernels use for kind\n"
+     "('fp32_fma', 'bf16_dot', 'int8_dot'), by register-only loops on threads threads (0: all)."},
+    {"kernel_info", (PyCFunction)py_kernel_info, METH_NOARGS, "kernel_info() -> dict: CPU features, the SIMD level chosen (simd), the best, the\n"
+     "levels this CPU runs, and the path of each kernel family (paths)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -84,12 +84,12 @@ static int has_seq(SchedObject *self, long long seq_id) {
 static PyObject *Sched_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
                              "max_model_len", "enable_prefix_caching", "enable_chunked_prefill",
-                             "policy", NULL};
-    long long nb, bs, mns, mbt, mml;
+                             "policy", "max_prefill_tokens_while_decoding", NULL};
+    long long nb, bs, mns, mbt, mml, prefill_cap = 0;
     int prefix = 1, chunked = 1;
     const char *policy = "continuous";
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLLL|pps:Scheduler", kwlist, &nb, &bs, &mns, &mbt,
-                                     &mml, &prefix, &chunked, &policy))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLLL|ppsL:Scheduler", kwlist, &nb, &bs, &mns, &mbt,
+                                     &mml, &prefix, &chunked, &policy, &prefill_cap))
         return NULL;
     cv_scheduler_config cfg = {0};
     cfg.num_blocks = nb;
@@ -99,6 +99,7 @@ static PyObject *Sched_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     cfg.max_model_len = mml;
     cfg.enable_prefix_caching = prefix;
     cfg.enable_chunked_prefill = chunked;
+    cfg.max_prefill_tokens_while_decoding = prefill_cap;
     if (strcmp(policy, "continuous") == 0) cfg.policy = CV_SCHED_CONTINUOUS;
     else if (strcmp(policy, "priority") == 0) cfg.policy = CV_SCHED_PRIORITY;
     else if (strcmp(policy, "static") == 0) cfg.policy = CV_SCHED_STATIC;
@@ -459,7 +460,7 @@ static PyTypeObject SchedType = {
     .tp_name = "conveyor._core.Scheduler",
     .tp_doc = PyDoc_STR("Scheduler(num_blocks, block_size, max_num_seqs, max_num_batched_tokens, "
                         "max_model_len, enable_prefix_caching=True, enable_chunked_prefill=True, "
-                        "policy='continuous'): the C scheduler with a fake-runner harness."),
+                        "policy='continuous', max_prefill_tokens_while_decoding=0): the C scheduler with a fake-runner harness."),
     .tp_basicsize = sizeof(SchedObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = Sched_new,

@@ -40,7 +40,9 @@ typedef struct cv_request {
     int n_done;
     int forked;
     int aborted_queued;
+    int queued;           /* counted in n_queued: added, not yet scheduled */
     double arrival, first_scheduled, first_token, finished_time;
+    double deadline;      /* cv_now() time past which it ends with CV_FINISH_TIMEOUT; 0: none */
     struct cv_request *prev, *next; /* active list, or inbox list */
 } cv_request;
 
@@ -69,6 +71,7 @@ struct cv_engine {
     int64_t n_active;
     int64_t next_seq_id;
     int64_t steps;
+    int64_t n_deadlines;   /* active requests with a deadline */
     cv_engine_stats stats_live;
 
     /* inbox */
@@ -78,6 +81,9 @@ struct cv_engine {
     int64_t *aborts; size_t n_aborts, cap_aborts;
     int64_t n_inbox;
     int64_t arrival_counter;
+    int64_t max_queued;    /* 0: no limit */
+    int64_t n_queued;      /* requests added and not yet scheduled (the inbox included) */
+    int64_t n_rejected;
 
     /* outbox */
     pthread_mutex_t out_lock;
@@ -171,6 +177,15 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
     pthread_mutex_init(&e->out_lock, NULL);
     e->wake_fd = -1;
     e->seed = cfg->seed;
+    e->max_queued = cfg->max_queued_requests;
+    if (cfg->max_queued_requests < 0 || cfg->max_prefill_tokens_while_decoding < 0) {
+        rc = cv_set_err(err, CV_ERR_INVALID,
+                        "max_queued_requests (%lld) and max_prefill_tokens_while_decoding (%lld) "
+                        "must be >= 0 (0: no limit)",
+                        (long long)cfg->max_queued_requests,
+                        (long long)cfg->max_prefill_tokens_while_decoding);
+        goto fail;
+    }
 
     if (cfg->block_size < 1 || cfg->block_size > 1024) {
         rc = cv_set_err(err, CV_ERR_INVALID, "block_size must be in [1, 1024], got %lld",
@@ -238,6 +253,7 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
         .max_num_batched_tokens = e->max_tokens_step, .max_model_len = e->max_model_len,
         .enable_prefix_caching = cfg->enable_prefix_caching,
         .enable_chunked_prefill = cfg->enable_chunked_prefill, .policy = cfg->policy,
+        .max_prefill_tokens_while_decoding = cfg->max_prefill_tokens_while_decoding,
     };
     e->sched = cv_scheduler_create(&sc, err);
     if (!e->sched) { rc = err ? err->code : CV_ERR_STATE; goto fail; }
@@ -336,6 +352,9 @@ int cv_request_params_check(const cv_request_params *p, cv_err *err) {
         if (p->stop_token_ids[i] < 0)
             return cv_set_field_err(err, CV_ERR_INVALID, "stop_token_ids",
                                     "stop_token_ids must be >= 0, got %d", p->stop_token_ids[i]);
+    if (!(p->timeout >= 0.0 && p->timeout <= 1e9)) /* also refuses NaN */
+        return cv_set_field_err(err, CV_ERR_INVALID, "timeout",
+                                "timeout must be in (0, 1e9] seconds (0: none), got %g", p->timeout);
     return CV_OK;
 }
 
@@ -402,6 +421,7 @@ int cv_engine_add_request(cv_engine *e, int64_t request_id, const int32_t *promp
     }
     r->prompt_lp_next = 1;
     r->arrival = cv_now();
+    if (p->timeout > 0) r->deadline = r->arrival + p->timeout;
     r->n_prompt = n_prompt;
     r->prompt = malloc((size_t)n_prompt * sizeof(int32_t));
     r->ss = calloc((size_t)r->p.n, sizeof *r->ss);
@@ -422,6 +442,18 @@ int cv_engine_add_request(cv_engine *e, int64_t request_id, const int32_t *promp
         if (src) goto nomem;
     }
     pthread_mutex_lock(&e->in_lock);
+    if (e->max_queued > 0 && e->n_queued >= e->max_queued) {
+        int64_t queued = e->n_queued;
+        e->n_rejected++;
+        pthread_mutex_unlock(&e->in_lock);
+        request_free(r);
+        return cv_set_err(err, CV_ERR_OVERLOADED,
+                          "the engine is overloaded: %lld requests already wait to be scheduled "
+                          "(max_queued_requests=%lld); retry later",
+                          (long long)queued, (long long)e->max_queued);
+    }
+    e->n_queued++;
+    r->queued = 1;
     r->arrival_order = e->arrival_counter++;
     if (e->in_tail) e->in_tail->next = r; else e->in_head = r;
     r->prev = e->in_tail;
@@ -495,23 +527,49 @@ static void finish_seq(cv_engine *e, cv_request *r, int idx, int reason, int sto
         r->finished_time = cv_now();
         fill_request_metrics(ev, r);
         if (reason == CV_FINISH_ABORT) e->stats_live.requests_aborted++;
+        else if (reason == CV_FINISH_TIMEOUT) e->stats_live.requests_timed_out++;
         else e->stats_live.requests_finished++;
     }
 }
 
+/* The request was scheduled or finished: it no longer counts as queued. */
+static void leave_queue(cv_engine *e, cv_request *r) {
+    if (!r->queued) return;
+    r->queued = 0;
+    pthread_mutex_lock(&e->in_lock);
+    e->n_queued--;
+    pthread_mutex_unlock(&e->in_lock);
+}
+
 static void retire_if_done(cv_engine *e, cv_request *r) {
     if (r->n_done == r->p.n) {
+        leave_queue(e, r);
+        if (r->deadline > 0) e->n_deadlines--;
         active_remove(e, r);
         request_free(r);
     }
 }
 
-static void abort_request(cv_engine *e, cv_request *r) {
+/* Ends every completion of r with reason (CV_FINISH_ABORT or CV_FINISH_TIMEOUT). */
+static void end_request(cv_engine *e, cv_request *r, int reason) {
     r->forked = 1; /* no forks after an abort */
     pthread_mutex_lock(&e->out_lock);
-    for (int i = 0; i < r->p.n; i++) finish_seq(e, r, i, CV_FINISH_ABORT, CV_STOP_NONE, -1, NULL);
+    for (int i = 0; i < r->p.n; i++) finish_seq(e, r, i, reason, CV_STOP_NONE, -1, NULL);
     pthread_mutex_unlock(&e->out_lock);
     retire_if_done(e, r);
+}
+
+static void abort_request(cv_engine *e, cv_request *r) { end_request(e, r, CV_FINISH_ABORT); }
+
+/* Ends the requests past their deadline; their blocks return to the pool. */
+static void expire_deadlines(cv_engine *e, double now) {
+    if (e->n_deadlines == 0) return;
+    cv_request *r = e->active;
+    while (r) {
+        cv_request *nx = r->next;
+        if (r->deadline > 0 && now >= r->deadline) end_request(e, r, CV_FINISH_TIMEOUT);
+        r = nx;
+    }
 }
 
 static int text_append(seq_state *st, const char *b, size_t n) {
@@ -558,6 +616,7 @@ static void drain_inbox(cv_engine *e) {
         r->next = e->active;
         if (e->active) e->active->prev = r;
         e->active = r;
+        if (r->deadline > 0) e->n_deadlines++;
         cv_sequence *s = NULL;
         cv_err err;
         if (new_sequence(e, r, 0, &s) || cv_scheduler_add(e->sched, s, &err)) {
@@ -771,12 +830,15 @@ static void record_trace(cv_engine *e, const cv_sched_output *plan, double t0, d
         te->request_id = r->id;
         te->seq_index = idx;
         te->n_new = plan->num_new_tokens[i];
+        /* a decode: the prompt computed and one new token (as the scheduler counts it) */
+        te->n_prompt_work = (plan->start_pos[i] >= plan->seqs[i]->n_prompt && te->n_new == 1) ? 0 : te->n_new;
     }
 }
 
 static int engine_step(cv_engine *e, cv_err *err) {
     double t0 = cv_now();
     drain_inbox(e);
+    expire_deadlines(e, t0);
     cv_sched_output plan;
     int rc = cv_scheduler_schedule(e->sched, &plan);
     if (rc < 0) return cv_set_err(err, rc, "scheduler failed");
@@ -790,7 +852,10 @@ static int engine_step(cv_engine *e, cv_err *err) {
     }
     for (int64_t i = 0; i < plan.n_seqs; i++) {
         cv_request *r = plan.seqs[i]->owner;
-        if (r->first_scheduled == 0) r->first_scheduled = t1;
+        if (r->first_scheduled == 0) {
+            r->first_scheduled = t1;
+            leave_queue(e, r);
+        }
         if (plan.start_pos[i] < plan.seqs[i]->n_prompt) {
             int64_t end = plan.start_pos[i] + plan.num_new_tokens[i];
             if (end > plan.seqs[i]->n_prompt) end = plan.seqs[i]->n_prompt;
@@ -851,6 +916,7 @@ int cv_engine_step(cv_engine *e, cv_err *err) {
 
 static void *loop_main(void *arg) {
     cv_engine *e = arg;
+    cv_set_thread_name("cv-engine");
     for (;;) {
         pthread_mutex_lock(&e->in_lock);
         while (!e->stop_flag && e->n_inbox == 0 && e->n_aborts == 0 && e->n_active == 0)
@@ -914,6 +980,10 @@ void cv_engine_get_stats(cv_engine *e, cv_engine_stats *st) {
     pthread_mutex_lock(&e->out_lock);
     *st = e->stats_snapshot;
     pthread_mutex_unlock(&e->out_lock);
+    pthread_mutex_lock(&e->in_lock);
+    st->num_queued = e->n_queued;
+    st->requests_rejected = e->n_rejected;
+    pthread_mutex_unlock(&e->in_lock);
 }
 
 const void *cv_engine_model_config(cv_engine *e) { return &e->model->cfg; }

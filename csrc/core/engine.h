@@ -31,6 +31,8 @@ typedef struct cv_engine_config {
     int enable_prefix_caching;
     int enable_chunked_prefill;
     cv_sched_policy policy;
+    int64_t max_prefill_tokens_while_decoding; /* see cv_scheduler_config; 0: no cap */
+    int64_t max_queued_requests;    /* refuse a request that would make more wait unscheduled; 0: no limit */
     uint64_t seed;
     /* Tokenizer facts the engine needs to stop and detokenize on bytes. */
     const int32_t *eos_ids; int n_eos;
@@ -60,6 +62,7 @@ typedef struct cv_request_params {
     int ignore_eos;
     int skip_special_tokens;
     int32_t priority;
+    double timeout;                 /* seconds from arrival to finish; 0: none */
     /* ---- issue 17 (b17a): prompt logprobs and best_of ---- */
     int32_t prompt_logprobs;        /* CV_NO_LOGPROBS: none; 0..CV_MAX_LOGPROBS: each prompt token's
                                      * logprob plus that many top tokens (the request then skips
@@ -69,7 +72,8 @@ typedef struct cv_request_params {
                                      * every token's logprob) */
 } cv_request_params;
 
-enum { CV_FINISH_NONE = 0, CV_FINISH_STOP = 1, CV_FINISH_LENGTH = 2, CV_FINISH_ABORT = 3 };
+enum { CV_FINISH_NONE = 0, CV_FINISH_STOP = 1, CV_FINISH_LENGTH = 2, CV_FINISH_ABORT = 3,
+       CV_FINISH_TIMEOUT = 4 /* past its deadline: aborted, blocks freed */ };
 enum { CV_STOP_NONE = 0, CV_STOP_TOKEN = 1, CV_STOP_STRING = 2 };
 
 /* One output of one step for one sequence. */
@@ -102,6 +106,9 @@ typedef struct cv_engine_stats {
     int64_t prompt_tokens_computed;  /* prompt tokens run through the model */
     int64_t generation_tokens;       /* tokens sampled */
     int64_t requests_finished, requests_aborted;
+    int64_t requests_timed_out;      /* finished past their deadline (also not in requests_finished) */
+    int64_t requests_rejected;       /* refused at add: the queue was full */
+    int64_t num_queued;              /* requests added but not yet scheduled */
     int64_t steps;
     /* seconds, cumulative: scheduling (with inbox), batch building, the model's
      * kernels, sampling and stop checks, and the whole step */
@@ -125,7 +132,8 @@ int cv_engine_check_request(cv_engine *e, const int32_t *prompt, int64_t n_promp
                             const cv_request_params *p, cv_err *err);
 
 /* Validates (cv_engine_check_request) and queues a request (any thread). The
- * prompt is copied. */
+ * prompt is copied. CV_ERR_OVERLOADED when max_queued_requests requests
+ * already wait to be scheduled for the first time. */
 int cv_engine_add_request(cv_engine *e, int64_t request_id, const int32_t *prompt, int64_t n_prompt,
                           const cv_request_params *p, cv_err *err);
 /* Queues an abort (any thread); unknown ids are ignored at the next step. */
@@ -163,7 +171,11 @@ cv_dtype cv_engine_matrix_dtype(cv_engine *e);
 /* Step trace for the slot timeline: when on, each step records its scheduled
  * (request id, seq index, new tokens). */
 void cv_engine_set_trace(cv_engine *e, int on);
-typedef struct cv_trace_entry { int64_t step; double t0, t1; int64_t request_id; int32_t seq_index, n_new; } cv_trace_entry;
+/* n_prompt_work: of n_new, the tokens that are prompt work (a prefill chunk or a
+ * recomputation after preemption), 0 for a decode. */
+typedef struct cv_trace_entry {
+    int64_t step; double t0, t1; int64_t request_id; int32_t seq_index, n_new, n_prompt_work;
+} cv_trace_entry;
 size_t cv_engine_take_trace(cv_engine *e, cv_trace_entry **entries);
 
 #endif

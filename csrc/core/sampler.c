@@ -16,6 +16,8 @@
  * nothing sorts the whole vocabulary. */
 #include "sampler.h"
 
+#include "../../kernels/cpu/cpu_features.h" /* CV_VECTOR_CLONES */
+
 #include <float.h>
 #include <math.h>
 #include <stdlib.h>
@@ -298,7 +300,7 @@ void cv_sampler_destroy(cv_sampler *s) {
 
 /* ---- vectorizable passes ---------------------------------------------- */
 
-static void sanitize(float *x /* [n] */, int64_t n) {
+CV_VECTOR_CLONES static void sanitize(float *x /* [n] */, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         float v = x[i];
         v = v != v ? -INFINITY : v;
@@ -307,7 +309,7 @@ static void sanitize(float *x /* [n] */, int64_t n) {
 }
 
 /* Largest value of x[0..n) (NaN-free), in eight lanes. */
-static float max_value(const float *x /* [n] */, int64_t n) {
+CV_VECTOR_CLONES static float max_value(const float *x /* [n] */, int64_t n) {
     float lane[8];
     int64_t i = 0;
     for (int j = 0; j < 8; j++) lane[j] = -INFINITY;
@@ -319,10 +321,17 @@ static float max_value(const float *x /* [n] */, int64_t n) {
     return m;
 }
 
-/* Lowest id among the largest values (all -inf: 0). */
-static int32_t argmax(const float *x /* [n] */, int64_t n) {
-    float m = max_value(x, n);
-    for (int64_t i = 0; i < n; i++)
+/* Lowest id among the largest values (all -inf: 0): the maximum, then the
+ * first block of 16 holding it (a test that vectorizes), then its id. */
+CV_VECTOR_CLONES static int32_t argmax(const float *x /* [n] */, int64_t n) {
+    const float m = max_value(x, n);
+    int64_t b = 0;
+    for (; b + 16 <= n; b += 16) {
+        int hit = 0;
+        for (int j = 0; j < 16; j++) hit |= x[b + j] == m;
+        if (hit) break;
+    }
+    for (int64_t i = b; i < n; i++)
         if (x[i] == m) return (int32_t)i;
     return 0;
 }
@@ -352,7 +361,7 @@ static inline float exp_nonpos(float x) {
 
 /* w[i] = exp((l[i] - m) * inv_t), 0 where that is below cut; bsum gets the
  * sums per block. Returns the total. */
-static double dense_weights(float *restrict w /* [n] */, double *restrict bsum /* [n/BLOCK] */,
+CV_VECTOR_CLONES static double dense_weights(float *restrict w /* [n] */, double *restrict bsum /* [n/BLOCK] */,
                             const float *restrict l /* [n] */, int64_t n, float m, float inv_t,
                             float cut) {
     for (int64_t i = 0; i < n; i++) {
@@ -376,7 +385,7 @@ static double dense_weights(float *restrict w /* [n] */, double *restrict bsum /
 }
 
 /* sum of exp(x[i] - m) over x[0..n) */
-static double sum_exp(const float *x /* [n] */, int64_t n, float m) {
+CV_VECTOR_CLONES static double sum_exp(const float *x /* [n] */, int64_t n, float m) {
     float lane[8] = {0};
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
@@ -566,7 +575,7 @@ static int64_t heap_top_k(int32_t *heap /* [k] */, const float *l /* [vocab] */,
 }
 
 /* Maximum of each block of 16 values: bm[b] = max x[16b .. 16b+16). */
-static void block_max16(float *restrict bm /* [n / 16] */, const float *restrict x /* [n] */,
+CV_VECTOR_CLONES static void block_max16(float *restrict bm /* [n / 16] */, const float *restrict x /* [n] */,
                         int64_t n) {
     for (int64_t b = 0; b < n / 16; b++) {
         const float *v = x + 16 * b;

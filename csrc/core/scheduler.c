@@ -19,6 +19,7 @@
 #include "scheduler.h"
 #include "block_pool.h"
 
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -340,6 +341,12 @@ cv_scheduler *cv_scheduler_create(const cv_scheduler_config *cfg, cv_err *err) {
         cv_set_err(err, CV_ERR_INVALID, "scheduler: unknown policy %d", (int)cfg->policy);
         goto fail;
     }
+    if (cfg->max_prefill_tokens_while_decoding < 0) {
+        cv_set_err(err, CV_ERR_INVALID,
+                   "scheduler: max_prefill_tokens_while_decoding must be >= 0 (0: no cap), got %lld",
+                   (long long)cfg->max_prefill_tokens_while_decoding);
+        goto fail;
+    }
     if (!cfg->enable_chunked_prefill && cfg->max_num_batched_tokens < cfg->max_model_len) {
         cv_set_err(err, CV_ERR_INVALID,
                    "scheduler: with enable_chunked_prefill off, max_num_batched_tokens (%lld) "
@@ -507,6 +514,22 @@ static int static_admit(cv_scheduler *s) {
     return CV_OK;
 }
 
+/* A decode: the prompt is computed and one new token remains. Everything else
+ * a step computes is prompt work (a prefill chunk or a recomputation). */
+static int is_decode(const cv_sequence *q) {
+    return q->n_computed >= q->n_prompt && q->n_tokens - q->n_computed == 1;
+}
+
+/* Prompt tokens this step may carry: the cap when a running sequence decodes
+ * (and chunked prefill can split the prompts), else unlimited. */
+static int64_t prefill_allowance(const cv_scheduler *s) {
+    int64_t cap = s->cfg.max_prefill_tokens_while_decoding;
+    if (cap <= 0 || !s->cfg.enable_chunked_prefill) return INT64_MAX;
+    for (int64_t i = 0; i < s->n_running; i++)
+        if (is_decode(s->running[i])) return cap;
+    return INT64_MAX;
+}
+
 int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out) {
     int rc = CV_OK;
     const int chunked = s->cfg.enable_chunked_prefill;
@@ -516,6 +539,7 @@ int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out) {
 
     if (s->cfg.policy == CV_SCHED_STATIC && s->n_running == 0 && s->n_waiting > 0)
         rc = static_admit(s);
+    int64_t prefill_left = prefill_allowance(s);
 
     /* Running sequences first, in order: each gets its remaining tokens. */
     for (int64_t i = 0; rc == CV_OK && i < s->n_running && budget > 0;) {
@@ -525,6 +549,11 @@ int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out) {
         if (n > budget) {
             if (!chunked) { i++; continue; } /* all or nothing; fits a later step */
             n = budget;
+        }
+        const int prefill = !is_decode(q);
+        if (prefill && n > prefill_left) { /* finite only when chunked */
+            if (prefill_left == 0) { i++; continue; }
+            n = prefill_left;
         }
         int64_t need = blocks_for(s, q->n_computed + n) - q->n_blocks;
         int self = 0;
@@ -547,13 +576,14 @@ int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out) {
         alloc_blocks(s, q, need);
         emit(s, &n_out, &total, q, n);
         budget -= n;
+        if (prefill) prefill_left -= n;
         i++;
     }
 
     /* Then waiting ones, in queue order, while budget, seat and blocks allow.
      * Stops at the first that does not fit: O(admitted), never O(waiting). */
     while (rc == CV_OK && n_pre == 0 && s->cfg.policy != CV_SCHED_STATIC && budget > 0 &&
-           s->n_running < s->cfg.max_num_seqs && s->n_waiting > 0) {
+           prefill_left > 0 && s->n_running < s->cfg.max_num_seqs && s->n_waiting > 0) {
         cv_sequence *q = wait_peek(s);
         int64_t n_hits = 0, n_free_hits = 0;
         int fresh = q->n_blocks == 0;
@@ -566,6 +596,7 @@ int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out) {
             if (!chunked) break; /* its whole prompt must fit this step */
             n = budget;
         }
+        if (n > prefill_left) n = prefill_left; /* finite only when chunked */
         int64_t need = blocks_for(s, computed + n) - held;
         if (need < 0) need = 0;
         if (need + n_free_hits > cv_block_pool_num_free(s->pool)) {
@@ -583,6 +614,7 @@ int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out) {
         running_insert(s, q);
         emit(s, &n_out, &total, q, n);
         budget -= n;
+        prefill_left -= n;
     }
 
     out->n_seqs = n_out;

@@ -23,6 +23,11 @@ typedef struct cv_scheduler_config {
     int enable_prefix_caching;
     int enable_chunked_prefill;
     cv_sched_policy policy;
+    /* Stall-free mixed steps (chunked prefill only): while any running
+     * sequence decodes, a step carries at most this many prompt tokens
+     * (prefill chunks, recomputation after preemption), so the decodes' time
+     * between tokens stays bounded while prompts arrive. 0: no cap. */
+    int64_t max_prefill_tokens_while_decoding;
 } cv_scheduler_config;
 
 /* The plan for one step: one plain struct, all the runner needs.

@@ -7,6 +7,14 @@
 #include "cpu_internal.h"
 #include "quant.h"
 
+/* Keep in step with the kernels: the highest level each family has code for. */
+const cv_cpu_family cv_cpu_families[] = {
+    {"gemm_f32", CV_SIMD_AVX512}, {"gemm_f16", CV_SIMD_AVX512}, {"gemm_bf16", CV_SIMD_AVX512_BF16},
+    {"rmsnorm", CV_SIMD_AVX512},  {"rope", CV_SIMD_AVX512},     {"swiglu", CV_SIMD_AVX512},
+    {"attention", CV_SIMD_AVX512}, {"convert", CV_SIMD_AVX512},
+};
+const int cv_cpu_n_families = (int)(sizeof cv_cpu_families / sizeof cv_cpu_families[0]);
+
 /* ------------------------------------------------------------------------ */
 /* Buffers                                                                   */
 
@@ -215,7 +223,29 @@ static void cpu_destroy(cv_backend *b) {
     free(b);
 }
 
+const char *cv_cpu_backend_simd(const cv_backend *b) {
+    if (!b || !b->name || strcmp(b->name, "cpu") != 0) return NULL;
+    return cv_simd_name((cv_simd_level)cv_cpu_of((cv_backend *)b)->simd);
+}
+
 cv_backend *cv_cpu_backend_create(int num_threads, int force_scalar, cv_err *err) {
+    return cv_cpu_backend_create_simd(num_threads, force_scalar ? "scalar" : NULL, err);
+}
+
+cv_backend *cv_cpu_backend_create_simd(int num_threads, const char *simd, cv_err *err) {
+    cv_simd_level level;
+    const char *asked = simd;
+    const int rc = simd ? cv_simd_resolve(simd, &level) : cv_simd_from_env(&level, &asked);
+    if (rc != CV_SIMD_OK) {
+        const char *src = simd ? "simd" : "CONVEYOR_SIMD";
+        if (rc == CV_SIMD_UNKNOWN)
+            cv_set_err(err, CV_ERR_INVALID,
+                       "%s='%s' is not a SIMD level (scalar, avx2, avx512 or avx512_bf16)", src, asked);
+        else
+            cv_set_err(err, CV_ERR_INVALID, "%s='%s': this CPU does not support it (best: %s)", src,
+                       asked, cv_simd_name(cv_simd_best()));
+        return NULL;
+    }
     cv_backend *b = calloc(1, sizeof *b); /* fields this file does not know stay NULL */
     cv_cpu *c = calloc(1, sizeof *c);
     if (!b || !c) {
@@ -226,9 +256,8 @@ cv_backend *cv_cpu_backend_create(int num_threads, int force_scalar, cv_err *err
     }
     b->name = "cpu";
     b->ctx = c;
-    const char *fs = getenv("CONVEYOR_FORCE_SCALAR");
-    c->simd = CV_HAVE_AVX2 && !force_scalar && !(fs && fs[0] && strcmp(fs, "0") != 0);
-    c->qlevel = cv_qlevel_best(!force_scalar && !(fs && fs[0] && strcmp(fs, "0") != 0));
+    c->simd = (int)level;
+    c->qlevel = cv_qlevel_best((int)level);
     if (cv_pool_create(&c->pool, num_threads, err) < 0) {
         cpu_destroy(b);
         return NULL;

@@ -9,11 +9,22 @@
 #include "../backend.h"
 #include "threadpool.h"
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include "cpu_features.h"
+
+/* The SIMD paths are compiled on every x86-64 build, each function for its
+ * own target (CV_TARGET_*_BEGIN/END in cpu_features.h), and chosen at run
+ * time from cv_cpu.simd; no -march is needed. */
+#if defined(CV_EMULATE_AVX512) /* development: portable intrinsics (tools/avx512_emu) */
 #define CV_HAVE_AVX2 1
+#define CV_HAVE_AVX512 1
+#include "avx512_emu.h"
+#elif defined(__x86_64__) || defined(__i386__)
+#define CV_HAVE_AVX2 1
+#define CV_HAVE_AVX512 1
 #include <immintrin.h>
 #else
 #define CV_HAVE_AVX2 0
+#define CV_HAVE_AVX512 0
 #endif
 
 #define CV_ALWAYS_INLINE inline __attribute__((always_inline))
@@ -42,7 +53,8 @@
 typedef struct cv_cpu {
     cv_pool *pool;
     int nthreads;
-    int simd;                /* 1: AVX2 kernels, 0: plain C */
+    int simd;                /* a cv_simd_level: CV_SIMD_SCALAR is plain C; a kernel without a
+                              * version at this level runs the best one below it */
     float *att_scratch;      /* [nthreads][att_scratch_floats] */
     size_t att_scratch_floats;
     float *att_partials;     /* [4*nthreads][att_partial_floats] (m, l, acc) of split parts */
@@ -69,6 +81,46 @@ static inline int cv_threads_for(const cv_cpu *c, double work, double grain) {
     if (t < 1) return 1;
     if (t >= c->nthreads) return c->nthreads;
     return (int)t;
+}
+
+/* Kernel families and the highest SIMD level each has code for: at level L a
+ * family runs min(L, top) (kernel_info reports it). */
+typedef struct cv_cpu_family {
+    const char *name;
+    cv_simd_level top;
+} cv_cpu_family;
+extern const cv_cpu_family cv_cpu_families[];
+extern const int cv_cpu_n_families;
+static inline cv_simd_level cv_cpu_family_path(int family, cv_simd_level level) {
+    const cv_simd_level top = cv_cpu_families[family].top;
+    return level < top ? level : top;
+}
+
+/* Rows [0, n) handed out in chunks from a shared counter, for the row
+ * kernels' dynamic pool regions: a thread that starts late (asleep, or
+ * descheduled on a busy machine) only takes fewer rows. */
+typedef struct cv_rows {
+    _Alignas(64) atomic_llong next;
+    int64_t n, chunk;
+} cv_rows;
+
+/* Next chunk [*t0, *t1); 0 when none is left. */
+static inline int cv_rows_claim(cv_rows *r, int64_t *t0, int64_t *t1) {
+    const int64_t s = atomic_fetch_add_explicit(&r->next, r->chunk, memory_order_relaxed);
+    if (s >= r->n) return 0;
+    *t0 = s;
+    *t1 = s + r->chunk < r->n ? s + r->chunk : r->n;
+    return 1;
+}
+
+/* Runs fn(job) on nth threads of a dynamic region over n rows (about four
+ * chunks per thread); fn takes its rows with cv_rows_claim(rows, ...). */
+static inline void cv_cpu_run_rows(cv_cpu *c, int nth, cv_rows *rows, int64_t n, cv_pool_fn fn, void *job) {
+    const int64_t chunk = n / (4 * (int64_t)(nth > 0 ? nth : 1));
+    rows->n = n;
+    rows->chunk = chunk > 0 ? chunk : 1;
+    atomic_init(&rows->next, 0);
+    cv_pool_run_dynamic(c->pool, nth, fn, job, 1);
 }
 
 /* backend_cpu.c: checks the arguments common to matrix_prepare and
@@ -104,8 +156,16 @@ void cv_cpu_widen(float *dst, const void *src, cv_dtype dt, int64_t n, int simd)
 /* Narrows n float32 values into dtype dt (round to nearest even). */
 void cv_cpu_narrow(void *dst, cv_dtype dt, const float *src, int64_t n, int simd);
 #if CV_HAVE_AVX2
+CV_TARGET_AVX2_BEGIN
 /* exp(x) for 8 lanes (relative error ~2 ulp; -inf gives 0). */
 __m256 cv_exp256(__m256 x);
+CV_TARGET_END
+#endif
+#if CV_HAVE_AVX512
+CV_TARGET_AVX512_BEGIN
+/* exp(x) for 16 lanes, as cv_exp256. */
+__m512 cv_exp512(__m512 x);
+CV_TARGET_END
 #endif
 
 /* attention.c */
@@ -117,6 +177,13 @@ void cv_cpu_paged_attention(cv_backend *b, float *out, const float *q, int64_t q
  * partial result (both multiples of 16). */
 size_t cv_cpu_att_scratch_floats(void);
 size_t cv_cpu_att_partial_floats(void);
+
+/* peak.c: the compute peak, in GFLOP/s (int8: GOP/s; 2 per multiply-add),
+ * of the instruction the backend's kernels use for kind, by register-only
+ * loops on nth threads (<= 0: all) for about `seconds`; *instr names it.
+ * < 0 on bad arguments. */
+typedef enum cv_peak_kind { CV_PEAK_FP32_FMA = 0, CV_PEAK_BF16_DOT = 1, CV_PEAK_INT8_DOT = 2 } cv_peak_kind;
+double cv_cpu_measure_peak(cv_backend *b, cv_peak_kind kind, int nth, double seconds, const char **instr);
 
 /* backend_cpu.c: STREAM-style triad a = b + s*c over n_bytes of arrays with
  * the backend's pool; returns GB/s (bytes moved: 3 arrays), or < 0 on error. */

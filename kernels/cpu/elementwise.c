@@ -12,7 +12,152 @@
 #define ROW_GRAIN 16384.0
 
 /* ------------------------------------------------------------------------ */
+/* AVX-512 versions: the AVX2 ones 16 wide, tails by masks.                 */
+
+#if CV_HAVE_AVX512
+CV_TARGET_AVX512_BEGIN
+static CV_ALWAYS_INLINE __mmask16 tail_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+}
+
+static void widen_avx512(float *dst, const uint16_t *s, cv_dtype dt, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = tail_mask(n - i);
+        const __m256i h = _mm256_maskz_loadu_epi16(m, s + i);
+        const __m512 v = dt == CV_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+                                       : _mm512_cvtph_ps(h);
+        _mm512_mask_storeu_ps(dst + i, m, v);
+    }
+}
+
+/* Round-to-nearest-even float32 -> bfloat16 of 16 lanes (NaN stays a quiet
+ * NaN), as f32_to_bf16_8 and cv_f32_to_bf16. */
+static CV_ALWAYS_INLINE __m256i f32_to_bf16_16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+    const __m512i nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), nan);
+    return _mm512_cvtepi32_epi16(r); /* keeps the low 16 bits of each lane */
+}
+
+static void narrow_avx512(uint16_t *d, cv_dtype dt, const float *src, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = tail_mask(n - i);
+        const __m512 v = _mm512_maskz_loadu_ps(m, src + i);
+        const __m256i h = dt == CV_BF16 ? f32_to_bf16_16(v) : _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+        _mm256_mask_storeu_epi16(d + i, m, h);
+    }
+}
+
+/* exp(x) on 16 lanes: cv_exp256's method (same constants, same results). */
+__m512 cv_exp512(__m512 x) {
+    const __m512 hi = _mm512_set1_ps(88.3762626647949f);
+    const __m512 lo = _mm512_set1_ps(-87.3365447505531f);
+    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+    const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mov_ps((__mmask16)~under, _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
+}
+
+static void rms_row_avx512(float *out, const float *x, const float *w, int64_t dim, float eps) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= dim; i += 32) {
+        const __m512 v0 = _mm512_loadu_ps(x + i), v1 = _mm512_loadu_ps(x + i + 16);
+        a0 = _mm512_fmadd_ps(v0, v0, a0);
+        a1 = _mm512_fmadd_ps(v1, v1, a1);
+    }
+    for (; i < dim; i += 16) {
+        const __m512 v = _mm512_maskz_loadu_ps(tail_mask(dim - i), x + i);
+        a0 = _mm512_fmadd_ps(v, v, a0);
+    }
+    const float ss = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    const __m512 vi = _mm512_set1_ps((float)(1.0 / sqrt((double)ss / (double)dim + (double)eps)));
+    for (i = 0; i < dim; i += 16) {
+        const __mmask16 m = tail_mask(dim - i);
+        const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), vi);
+        _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, w + i)));
+    }
+}
+
+static void add_row_avx512(float *x, const float *r, int64_t dim) {
+    for (int64_t i = 0; i < dim; i += 16) {
+        const __mmask16 m = tail_mask(dim - i);
+        _mm512_mask_storeu_ps(x + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, x + i),
+                                                      _mm512_maskz_loadu_ps(m, r + i)));
+    }
+}
+
+/* As rope_head_avx2 (cs2/sn2 for PAIRS), 16 lanes. */
+static void rope_head_avx512(float *x, int64_t hd, cv_rope_layout layout, int64_t i0, int64_t m,
+                             const float *cs, const float *sn, const float *cs2, const float *sn2) {
+    if (layout == CV_ROPE_HALVES) {
+        float *xa = x + i0, *xb = x + i0 + hd / 2;
+        for (int64_t i = 0; i < m; i += 16) {
+            const __mmask16 k = tail_mask(m - i);
+            const __m512 a = _mm512_maskz_loadu_ps(k, xa + i), bb = _mm512_maskz_loadu_ps(k, xb + i);
+            const __m512 c = _mm512_maskz_loadu_ps(k, cs + i), s = _mm512_maskz_loadu_ps(k, sn + i);
+            _mm512_mask_storeu_ps(xa + i, k, _mm512_fmsub_ps(a, c, _mm512_mul_ps(bb, s)));
+            _mm512_mask_storeu_ps(xb + i, k, _mm512_fmadd_ps(bb, c, _mm512_mul_ps(a, s)));
+        }
+    } else {
+        float *xp = x + 2 * i0;
+        for (int64_t i = 0; i < 2 * m; i += 16) { /* 8 pairs per vector */
+            const __mmask16 k = tail_mask(2 * m - i);
+            const __m512 v = _mm512_maskz_loadu_ps(k, xp + i);
+            const __m512 sw = _mm512_permute_ps(v, 0xB1); /* (b, a) per pair */
+            _mm512_mask_storeu_ps(xp + i, k, _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(k, cs2 + i),
+                                                             _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(k, sn2 + i))));
+        }
+    }
+}
+
+static void swiglu_row_avx512(float *o, const float *g, const float *u, int64_t dim) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t i = 0; i < dim; i += 16) {
+        const __mmask16 m = tail_mask(dim - i);
+        const __m512 gv = _mm512_maskz_loadu_ps(m, g + i);
+        const __m512 e = cv_exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, e));
+        _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, u + i)));
+    }
+}
+CV_TARGET_END
+#endif
+
+/* ------------------------------------------------------------------------ */
 /* Conversions                                                               */
+
+#if CV_HAVE_AVX2
+CV_TARGET_AVX2_BEGIN
+/* The 8-wide part of cv_cpu_widen from a 16-bit dtype; returns the count done. */
+static int64_t widen_avx2(float *dst, const uint16_t *s, cv_dtype dt, int64_t n) {
+    int64_t i = 0;
+    if (dt == CV_BF16) {
+        for (; i + 8 <= n; i += 8) {
+            __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + i)));
+            _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+        }
+    } else {
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+    }
+    return i;
+}
+CV_TARGET_END
+#endif
 
 void cv_cpu_widen(float *dst, const void *src, cv_dtype dt, int64_t n, int simd) {
     int64_t i = 0;
@@ -22,17 +167,11 @@ void cv_cpu_widen(float *dst, const void *src, cv_dtype dt, int64_t n, int simd)
     }
     const uint16_t *s = src; /* [n] */
 #if CV_HAVE_AVX2
-    if (simd) {
-        if (dt == CV_BF16) {
-            for (; i + 8 <= n; i += 8) {
-                __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + i)));
-                _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
-            }
-        } else {
-            for (; i + 8 <= n; i += 8)
-                _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
-        }
+    if (simd >= CV_SIMD_AVX512) {
+        widen_avx512(dst, s, dt, n);
+        return;
     }
+    if (simd >= CV_SIMD_AVX2) i = widen_avx2(dst, s, dt, n);
 #else
     (void)simd;
 #endif
@@ -43,6 +182,7 @@ void cv_cpu_widen(float *dst, const void *src, cv_dtype dt, int64_t n, int simd)
 }
 
 #if CV_HAVE_AVX2
+CV_TARGET_AVX2_BEGIN
 /* Round-to-nearest-even float32 -> bfloat16 of 8 lanes (NaN stays a quiet NaN). */
 static inline __m128i f32_to_bf16_8(__m256 x) {
     const __m256i u = _mm256_castps_si256(x);
@@ -57,6 +197,21 @@ static inline __m128i f32_to_bf16_8(__m256 x) {
     const __m256i packed = _mm256_packus_epi32(r, _mm256_setzero_si256());
     return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
 }
+
+/* The 8-wide part of cv_cpu_narrow into a 16-bit dtype; returns the count done. */
+static int64_t narrow_avx2(uint16_t *d, cv_dtype dt, const float *src, int64_t n) {
+    int64_t i = 0;
+    if (dt == CV_BF16) {
+        for (; i + 8 <= n; i += 8)
+            _mm_storeu_si128((__m128i *)(d + i), f32_to_bf16_8(_mm256_loadu_ps(src + i)));
+    } else {
+        for (; i + 8 <= n; i += 8)
+            _mm_storeu_si128((__m128i *)(d + i),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    }
+    return i;
+}
+CV_TARGET_END
 #endif
 
 void cv_cpu_narrow(void *dst, cv_dtype dt, const float *src, int64_t n, int simd) {
@@ -67,16 +222,11 @@ void cv_cpu_narrow(void *dst, cv_dtype dt, const float *src, int64_t n, int simd
     }
     uint16_t *d = dst; /* [n] */
 #if CV_HAVE_AVX2
-    if (simd) {
-        if (dt == CV_BF16) {
-            for (; i + 8 <= n; i += 8)
-                _mm_storeu_si128((__m128i *)(d + i), f32_to_bf16_8(_mm256_loadu_ps(src + i)));
-        } else {
-            for (; i + 8 <= n; i += 8)
-                _mm_storeu_si128((__m128i *)(d + i),
-                                 _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
-        }
+    if (simd >= CV_SIMD_AVX512) {
+        narrow_avx512(d, dt, src, n);
+        return;
     }
+    if (simd >= CV_SIMD_AVX2) i = narrow_avx2(d, dt, src, n);
 #else
     (void)simd;
 #endif
@@ -87,6 +237,7 @@ void cv_cpu_narrow(void *dst, cv_dtype dt, const float *src, int64_t n, int simd
 }
 
 #if CV_HAVE_AVX2
+CV_TARGET_AVX2_BEGIN
 /* exp(x) on 8 lanes: x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6
  * polynomial (Cephes expf coefficients), 2^n through the exponent bits.
  * Below about -87.3 the result is 0 (so -inf gives 0). */
@@ -118,6 +269,7 @@ static inline float hsum256(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+CV_TARGET_END
 #endif
 
 /* ------------------------------------------------------------------------ */
@@ -132,6 +284,7 @@ static void rms_row_plain(float *out, const float *x, const float *w, int64_t di
 }
 
 #if CV_HAVE_AVX2
+CV_TARGET_AVX2_BEGIN
 static void rms_row_avx2(float *out, const float *x, const float *w, int64_t dim, float eps) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     int64_t i = 0;
@@ -161,6 +314,7 @@ static void add_row_avx2(float *x, const float *r, int64_t dim) {
         _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(r + i)));
     for (; i < dim; i++) x[i] += r[i];
 }
+CV_TARGET_END
 #endif
 
 typedef struct norm_job {
@@ -171,14 +325,24 @@ typedef struct norm_job {
     int64_t n, dim;
     float eps;
     int simd;
+    cv_rows *rows;      /* claimed in chunks (dynamic region) */
 } norm_job;
 
 static void norm_fn(void *arg, int tid, int nth) {
     const norm_job *j = arg;
-    const int64_t t0 = j->n * tid / nth, t1 = j->n * (tid + 1) / nth;
+    (void)tid;
+    (void)nth;
+    for (int64_t t0, t1; cv_rows_claim(j->rows, &t0, &t1);)
     for (int64_t t = t0; t < t1; t++) {
         float *xr = j->x + (size_t)t * (size_t)j->dim;
         float *orow = j->out + (size_t)t * (size_t)j->dim;
+#if CV_HAVE_AVX512
+        if (j->simd >= CV_SIMD_AVX512) {
+            if (j->r) add_row_avx512(xr, j->r + (size_t)t * (size_t)j->dim, j->dim);
+            rms_row_avx512(orow, xr, j->w, j->dim, j->eps);
+            continue;
+        }
+#endif
 #if CV_HAVE_AVX2
         if (j->simd) {
             if (j->r) add_row_avx2(xr, j->r + (size_t)t * (size_t)j->dim, j->dim);
@@ -203,7 +367,9 @@ void cv_cpu_rmsnorm(cv_backend *b, float *out, const float *x, const float *weig
                   .eps = eps, .simd = c->simd};
     int nth = cv_threads_for(c, (double)n * (double)dim, ROW_GRAIN);
     if (nth > n) nth = (int)n;
-    cv_pool_run(c->pool, nth, norm_fn, &j);
+    cv_rows rows;
+    j.rows = &rows;
+    cv_cpu_run_rows(c, nth, &rows, n, norm_fn, &j);
 }
 
 void cv_cpu_add_rmsnorm(cv_backend *b, float *out, float *x, const float *r, const float *weight,
@@ -214,7 +380,9 @@ void cv_cpu_add_rmsnorm(cv_backend *b, float *out, float *x, const float *r, con
                   .simd = c->simd};
     int nth = cv_threads_for(c, (double)n * (double)dim, ROW_GRAIN);
     if (nth > n) nth = (int)n;
-    cv_pool_run(c->pool, nth, norm_fn, &j);
+    cv_rows rows;
+    j.rows = &rows;
+    cv_cpu_run_rows(c, nth, &rows, n, norm_fn, &j);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -229,6 +397,7 @@ typedef struct rope_job {
     const int32_t *pos; /* [n] */
     const cv_rope *rope;
     int simd;
+    cv_rows *rows;      /* claimed in chunks (dynamic region) */
 } rope_job;
 
 /* Rotates frequencies [i0, i0 + m) of one head x[head_dim] with cs/sn[m]. */
@@ -251,6 +420,7 @@ static void rope_head_plain(float *x, int64_t hd, cv_rope_layout layout, int64_t
 }
 
 #if CV_HAVE_AVX2
+CV_TARGET_AVX2_BEGIN
 /* cs2/sn2[2m] hold, for PAIRS, (c, c) and (-s, s) per frequency. */
 static void rope_head_avx2(float *x, int64_t hd, cv_rope_layout layout, int64_t i0, int64_t m,
                            const float *cs, const float *sn, const float *cs2, const float *sn2) {
@@ -284,17 +454,20 @@ static void rope_head_avx2(float *x, int64_t hd, cv_rope_layout layout, int64_t 
         }
     }
 }
+CV_TARGET_END
 #endif
 
 static void rope_fn(void *arg, int tid, int nth) {
     const rope_job *j = arg;
     const int64_t hd = j->rope->head_dim, nf = hd / 2;
     const cv_rope_layout layout = j->rope->layout;
-    const int64_t t0 = j->n * tid / nth, t1 = j->n * (tid + 1) / nth;
+    (void)tid;
+    (void)nth;
     float cs[ROPE_CHUNK], sn[ROPE_CHUNK];
 #if CV_HAVE_AVX2
     float cs2[2 * ROPE_CHUNK], sn2[2 * ROPE_CHUNK];
 #endif
+    for (int64_t t0, t1; cv_rows_claim(j->rows, &t0, &t1);)
     for (int64_t t = t0; t < t1; t++) {
         const double p = (double)j->pos[t];
         for (int64_t i0 = 0; i0 < nf; i0 += ROPE_CHUNK) {
@@ -313,12 +486,17 @@ static void rope_fn(void *arg, int tid, int nth) {
                         sn2[2 * i] = -sn[i];
                         sn2[2 * i + 1] = sn[i];
                     }
+                void (*head)(float *, int64_t, cv_rope_layout, int64_t, int64_t, const float *,
+                             const float *, const float *, const float *) = rope_head_avx2;
+#if CV_HAVE_AVX512
+                if (j->simd >= CV_SIMD_AVX512) head = rope_head_avx512;
+#endif
                 for (int64_t h = 0; h < j->n_heads; h++)
-                    rope_head_avx2(j->q + (size_t)t * (size_t)j->q_stride + (size_t)(h * hd), hd,
-                                   layout, i0, m, cs, sn, cs2, sn2);
+                    head(j->q + (size_t)t * (size_t)j->q_stride + (size_t)(h * hd), hd, layout, i0, m,
+                         cs, sn, cs2, sn2);
                 for (int64_t h = 0; h < j->n_kv_heads; h++)
-                    rope_head_avx2(j->k + (size_t)t * (size_t)j->k_stride + (size_t)(h * hd), hd,
-                                   layout, i0, m, cs, sn, cs2, sn2);
+                    head(j->k + (size_t)t * (size_t)j->k_stride + (size_t)(h * hd), hd, layout, i0, m,
+                         cs, sn, cs2, sn2);
                 continue;
             }
 #endif
@@ -345,7 +523,9 @@ void cv_cpu_rope(cv_backend *b, float *q, int64_t q_stride, int64_t n_heads, flo
     const double work = (double)n * (double)rope->head_dim * (double)(n_heads + n_kv_heads + 8);
     int nth = cv_threads_for(c, work, ROW_GRAIN);
     if (nth > n) nth = (int)n;
-    cv_pool_run(c->pool, nth, rope_fn, &j);
+    cv_rows rows;
+    j.rows = &rows;
+    cv_cpu_run_rows(c, nth, &rows, n, rope_fn, &j);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -356,26 +536,44 @@ typedef struct swiglu_job {
     const float *gu;  /* [n][2*dim]: gate then up */
     int64_t n, dim;
     int simd;
+    cv_rows *rows;      /* claimed in chunks (dynamic region) */
 } swiglu_job;
+
+#if CV_HAVE_AVX2
+CV_TARGET_AVX2_BEGIN
+/* The 8-wide part of a SwiGLU row; returns the count done. */
+static int64_t swiglu_row_avx2(float *o, const float *g, const float *u, int64_t dim) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    int64_t i = 0;
+    for (; i + 8 <= dim; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 e = cv_exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+    }
+    return i;
+}
+CV_TARGET_END
+#endif
 
 static void swiglu_fn(void *arg, int tid, int nth) {
     const swiglu_job *j = arg;
-    const int64_t t0 = j->n * tid / nth, t1 = j->n * (tid + 1) / nth;
+    (void)tid;
+    (void)nth;
+    for (int64_t t0, t1; cv_rows_claim(j->rows, &t0, &t1);)
     for (int64_t t = t0; t < t1; t++) {
         const float *g = j->gu + (size_t)t * 2 * (size_t)j->dim;
         const float *u = g + j->dim;
         float *o = j->out + (size_t)t * (size_t)j->dim;
         int64_t i = 0;
-#if CV_HAVE_AVX2
-        if (j->simd) {
-            const __m256 one = _mm256_set1_ps(1.0f);
-            for (; i + 8 <= j->dim; i += 8) {
-                const __m256 gv = _mm256_loadu_ps(g + i);
-                const __m256 e = cv_exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-                const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
-                _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
-            }
+#if CV_HAVE_AVX512
+        if (j->simd >= CV_SIMD_AVX512) {
+            swiglu_row_avx512(o, g, u, j->dim);
+            continue;
         }
+#endif
+#if CV_HAVE_AVX2
+        if (j->simd >= CV_SIMD_AVX2) i = swiglu_row_avx2(o, g, u, j->dim);
 #endif
         for (; i < j->dim; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
@@ -387,7 +585,9 @@ void cv_cpu_swiglu(cv_backend *b, float *out, const float *gu, int64_t n, int64_
     swiglu_job j = {.out = out, .gu = gu, .n = n, .dim = dim, .simd = c->simd};
     int nth = cv_threads_for(c, (double)n * (double)dim * 4.0, ROW_GRAIN);
     if (nth > n) nth = (int)n;
-    cv_pool_run(c->pool, nth, swiglu_fn, &j);
+    cv_rows rows;
+    j.rows = &rows;
+    cv_cpu_run_rows(c, nth, &rows, n, swiglu_fn, &j);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -399,13 +599,16 @@ typedef struct embed_job {
     int64_t n;
     const cv_table *t;
     int simd;
+    cv_rows *rows;      /* claimed in chunks (dynamic region) */
 } embed_job;
 
 static void embed_fn(void *arg, int tid, int nth) {
     const embed_job *j = arg;
-    const int64_t t0 = j->n * tid / nth, t1 = j->n * (tid + 1) / nth;
+    (void)tid;
+    (void)nth;
     const int64_t cols = j->t->cols;
     const size_t esz = cv_dtype_size(j->t->dtype);
+    for (int64_t t0, t1; cv_rows_claim(j->rows, &t0, &t1);)
     for (int64_t i = t0; i < t1; i++) {
         const char *row = (const char *)j->t->data + (size_t)j->tokens[i] * (size_t)cols * esz;
         cv_cpu_widen(j->out + (size_t)i * (size_t)cols, row, j->t->dtype, cols, j->simd);
@@ -423,5 +626,7 @@ void cv_cpu_embedding(cv_backend *b, float *out, const int32_t *tokens, int64_t 
     embed_job j = {.out = out, .tokens = tokens, .n = n, .t = table, .simd = c->simd};
     int nth = cv_threads_for(c, (double)n * (double)table->cols, 4 * ROW_GRAIN);
     if (nth > n) nth = (int)n;
-    cv_pool_run(c->pool, nth, embed_fn, &j);
+    cv_rows rows;
+    j.rows = &rows;
+    cv_cpu_run_rows(c, nth, &rows, n, embed_fn, &j);
 }

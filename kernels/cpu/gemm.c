@@ -17,24 +17,31 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_internal.h"
+#include "gemm_ukr.h"
 #include "quant.h"
 
 /* Fewest panels in a thread's share for which packing x pays for itself. */
 #define GEMM_PACK_MIN_PANELS 48
 
-static inline int bf16_slot(int j) { return j < 8 ? 2 * j : 2 * (j - 8) + 1; }
-
-static inline int dt_index(cv_dtype dt) { return dt == CV_F32 ? 0 : (dt == CV_BF16 ? 1 : 2); }
+/* bf16 weights of a backend at AVX512_BF16 use the pair layout (vdpbf16ps):
+ * panel p is [cols_pad/2][16][2], cols_pad = cols rounded up to even (the
+ * pad column is zero). Other matrices: [cols][16] (bf16 in slot order). */
+static inline int uses_pairs(const cv_cpu *c, cv_dtype dt) {
+    return CV_HAVE_AVX512 && c->simd >= CV_SIMD_AVX512_BF16 && dt == CV_BF16;
+}
+static inline int64_t panel_cols(const cv_cpu *c, cv_dtype dt, int64_t cols) {
+    return uses_pairs(c, dt) ? (cols + 1) & ~(int64_t)1 : cols;
+}
 
 /* ------------------------------------------------------------------------ */
 /* Packing                                                                   */
 
 typedef struct pack_job {
-    void *dst;          /* [n_panels][cols][16] of dt */
+    void *dst;          /* [n_panels][cols_pad][16] of dt */
     const void *src;    /* [rows][cols] of st */
     cv_dtype st, dt;
-    int64_t rows, cols, n_panels;
+    int64_t rows, cols, cols_pad, n_panels;
+    int pairs;          /* bf16 pair layout */
     float *tmp;         /* [nth][2 * cols]: a widened source row and its narrowed copy */
     int simd;
 } pack_job;
@@ -58,13 +65,19 @@ static void pack_fn(void *arg, int tid, int nth) {
                 else
                     cv_cpu_widen(row, srow, j->st, cols, j->simd);
             }
-            const size_t base = (size_t)p * (size_t)cols * CV_NR;
+            const size_t base = (size_t)p * (size_t)j->cols_pad * CV_NR;
             if (j->dt == CV_F32) {
                 float *d = (float *)j->dst + base + (size_t)jj;
                 for (int64_t k = 0; k < cols; k++) d[(size_t)k * CV_NR] = row[k];
                 continue;
             }
             cv_cpu_narrow(row16, j->dt, row, cols, j->simd);
+            if (j->pairs) { /* [k/2][16][2]: k even low, odd high */
+                uint16_t *d = (uint16_t *)j->dst + base + 2 * (size_t)jj;
+                for (int64_t k = 0; k < cols; k++) d[(size_t)(k / 2) * 2 * CV_NR + (size_t)(k & 1)] = row16[k];
+                if (j->cols_pad > cols) d[(size_t)(cols / 2) * 2 * CV_NR + 1] = 0;
+                continue;
+            }
             uint16_t *d = (uint16_t *)j->dst + base + (size_t)(j->dt == CV_BF16 ? bf16_slot(jj) : jj);
             for (int64_t k = 0; k < cols; k++) d[(size_t)k * CV_NR] = row16[k];
         }
@@ -82,8 +95,9 @@ int cv_cpu_matrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dty
     rc = cv_cpu_check_prepare("matrix_prepare", "weight dtype", src, src_dtype, rows, cols, dtype, err);
     if (rc) goto done;
     const int64_t n_panels = (rows + CV_NR - 1) / CV_NR;
+    const int64_t cols_pad = panel_cols(c, dtype, cols);
     size_t elems, bytes, tbytes;
-    if (!cv_mul_size((size_t)n_panels * CV_NR, (size_t)cols, &elems) ||
+    if (!cv_mul_size((size_t)n_panels * CV_NR, (size_t)cols_pad, &elems) ||
         !cv_mul_size(elems, cv_dtype_size(dtype), &bytes) || bytes > SIZE_MAX - 64) {
         rc = cv_set_err(err, CV_ERR_NOMEM, "matrix_prepare: [%lld][%lld] is too large",
                         (long long)rows, (long long)cols);
@@ -101,7 +115,8 @@ int cv_cpu_matrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dty
         goto done;
     }
     pack_job j = {.dst = data, .src = src, .st = src_dtype, .dt = dtype, .rows = rows,
-                  .cols = cols, .n_panels = n_panels, .tmp = tmp, .simd = c->simd};
+                  .cols = cols, .cols_pad = cols_pad, .n_panels = n_panels, .tmp = tmp,
+                  .simd = c->simd, .pairs = uses_pairs(c, dtype)};
     cv_pool_run(c->pool, nth, pack_fn, &j);
     out->data = data;
     out->dtype = dtype;
@@ -116,7 +131,8 @@ done:
 }
 
 int cv_cpu_gemm_reserve(cv_cpu *c, int64_t cols) {
-    if (c->gemm_pack != 1) return CV_OK;
+    /* the bf16 pair kernels always need it, for the rounded activations */
+    if (c->gemm_pack != 1 && !uses_pairs(c, CV_BF16)) return CV_OK;
     size_t need = (size_t)c->gemm_xblock;
     if ((size_t)cols * CV_MR > need) need = (size_t)cols * CV_MR;
     need = (need + 15) & ~(size_t)15; /* keep each thread's buffer 64-byte aligned */
@@ -139,28 +155,7 @@ void cv_cpu_matrix_free(cv_backend *b, cv_matrix *m) {
 }
 
 /* ------------------------------------------------------------------------ */
-/* Micro-kernels. Common contract:
- *   c[mr][ldc] (valid columns: nvalid <= 16) gets
- *     (load_c ? c : 0) + (bias ? bias[0..nvalid) : 0) + sum_k x[i][k] w[k][.]
- *   x: [mr][ldx] rows of activations (kc used), or when ldx == 0 a packed
- *      tile [kc][mr]; w: one panel chunk [kc][16]. */
-
-typedef void (*ukr_fn)(int64_t kc, const float *x, int64_t ldx, const void *w, float *c,
-                       int64_t ldc, int nvalid, const float *bias, int load_c);
-
-/* Instantiates GEN(mr, dtype, name) for tile heights 1..CV_MR (== 6) and the
- * three weight dtypes, as P##f32_1 .. P##f16_6, and TABLE[dt_index][mr] of
- * them (mr 0 unused): one place keeps the table in dt_index() order. */
-#define UKR_ROW(GEN, DT, P)                                                                     \
-    GEN(1, DT, P##1) GEN(2, DT, P##2) GEN(3, DT, P##3) GEN(4, DT, P##4) GEN(5, DT, P##5) GEN(6, DT, P##6)
-#define UKR_TABLE(GEN, P, TABLE)                                                                \
-    UKR_ROW(GEN, CV_F32, P##f32_) UKR_ROW(GEN, CV_BF16, P##bf16_) UKR_ROW(GEN, CV_F16, P##f16_)   \
-    static const ukr_fn TABLE[3][CV_MR + 1] = {                                                 \
-        {NULL, P##f32_1, P##f32_2, P##f32_3, P##f32_4, P##f32_5, P##f32_6},                     \
-        {NULL, P##bf16_1, P##bf16_2, P##bf16_3, P##bf16_4, P##bf16_5, P##bf16_6},               \
-        {NULL, P##f16_1, P##f16_2, P##f16_3, P##f16_4, P##f16_5, P##f16_6},                     \
-    };
-_Static_assert(CV_MR == 6, "UKR_ROW instantiates tile heights 1..6");
+/* Micro-kernels (contract in gemm_ukr.h) */
 
 /* Plain C: the reference every SIMD kernel is held to. */
 static void ukr_plain(int mr, cv_dtype dt, int64_t kc, const float *x, int64_t ldx, const void *w,
@@ -201,9 +196,10 @@ static void ukr_plain(int mr, cv_dtype dt, int64_t kc, const float *x, int64_t l
                      int64_t ldc, int nvalid, const float *bias, int load_c) {                  \
         ukr_plain(MR, DT, kc, x, ldx, w, c, ldc, nvalid, bias, load_c);                         \
     }
-UKR_TABLE(PLAIN_UKR, plain_, plain_table)
+UKR_TABLE(PLAIN_UKR, plain_, static, plain_table)
 
 #if CV_HAVE_AVX2
+CV_TARGET_AVX2_BEGIN
 /* Widens the 16 weights of panel row k into w0 (outputs 0..7) and w1 (8..15). */
 static CV_ALWAYS_INLINE void load_w16(const cv_dtype dt, const void *w, int64_t k, __m256 *w0,
                                       __m256 *w1) {
@@ -318,7 +314,8 @@ static CV_ALWAYS_INLINE void ukr_avx2(const int mr, const cv_dtype dt, const int
         else                                                                                    \
             ukr_avx2(MR, DT, 1, kc, x, ldx, w, c, ldc, nvalid, bias, load_c);                   \
     }
-UKR_TABLE(AVX_UKR, avx_, avx_table)
+UKR_TABLE(AVX_UKR, avx_, static, avx_table)
+CV_TARGET_END
 #endif
 
 /* ------------------------------------------------------------------------ */
@@ -341,6 +338,9 @@ typedef struct gemm_job {
     float *xpack;        /* [nthreads][xpack_floats] packed x blocks, or NULL: x in place */
     size_t xpack_floats;
     int panels_outer;    /* loop over panels outermost (weights >> L2, x fits L3) */
+    int pairs;           /* bf16 pair layout: xpack holds x rounded to bf16, [mlen][kcols] */
+    int64_t kcols;       /* columns of a panel (cols, or cols_pad for pairs) */
+    int simd;
     _Alignas(64) atomic_llong next; /* next work item to claim */
 } gemm_job;
 
@@ -359,13 +359,26 @@ static void pack_x(float *xp, const float *x, int64_t cols, int64_t m0, int64_t 
     }
 }
 
+/* Rounds x[m0 .. m0+mlen)[0 .. cols) to bf16 rows of kcols (even; the pad
+ * column zero) at xb: the activations of the pair kernels, rounded once per
+ * call and row. */
+static void round_x_bf16(uint16_t *xb, const float *x, int64_t cols, int64_t kcols, int64_t m0,
+                         int64_t mlen, int simd) {
+    for (int64_t t = 0; t < mlen; t++) {
+        uint16_t *d = xb + t * kcols;
+        cv_cpu_narrow(d, CV_BF16, x + (size_t)(m0 + t) * (size_t)cols, cols, simd);
+        for (int64_t k = cols; k < kcols; k++) d[k] = 0;
+    }
+}
+
 /* One panel over one token block [m0, m0 + mlen): cols in chunks of kc (the
  * panel chunk stays in L1 while the block's tiles pass over it). x comes
- * from the packed block xp, or in place when xp is NULL. */
+ * from the packed block xp, or in place when xp is NULL (pair layout: xp
+ * holds the block's bf16 rows). */
 static void panel_pass(const gemm_job *j, int64_t p, int64_t m0, int64_t mlen, int64_t kc,
                        const float *xp) {
     const cv_matrix *w = j->w;
-    const int64_t rows = w->rows, cols = w->cols;
+    const int64_t rows = w->rows, cols = j->kcols;
     const size_t esz = cv_dtype_size(w->dtype);
     const int64_t ntiles = (mlen + CV_MR - 1) / CV_MR;
     const int64_t r0 = p * CV_NR;
@@ -381,7 +394,11 @@ static void panel_pass(const gemm_job *j, int64_t p, int64_t m0, int64_t mlen, i
         for (int64_t ti = 0; ti < ntiles; ti++) {
             const int mr = (int)(mlen / ntiles + (ti < mlen % ntiles ? 1 : 0));
             float *o = j->out + (size_t)t * (size_t)rows + (size_t)r0;
-            if (xp)
+            if (j->pairs)
+                j->table[mr](klen, (const float *)(const void *)((const uint16_t *)(const void *)xp +
+                                                                 (t - m0) * cols + k0),
+                             cols, wp, o, rows, nvalid, bp, load_c);
+            else if (xp)
                 j->table[mr](klen, xp + (t - m0) * cols + k0 * mr, 0, wp, o, rows, nvalid, bp, load_c);
             else
                 j->table[mr](klen, j->x + (size_t)t * (size_t)cols + (size_t)k0, cols, wp, o, rows,
@@ -420,7 +437,10 @@ static void gemm_fn(void *arg, int tid, int nth) {
         const int64_t m0 = tb * mc, mlen = m0 + mc < n ? mc : n - m0;
         const int64_t p0 = pi * pc, p1 = p0 + pc < np ? p0 + pc : np;
         if (xp && packed_block != tb) {
-            pack_x(xp, j->x, j->w->cols, m0, mlen, (mlen + CV_MR - 1) / CV_MR);
+            if (j->pairs)
+                round_x_bf16((uint16_t *)(void *)xp, j->x, j->w->cols, j->kcols, m0, mlen, j->simd);
+            else
+                pack_x(xp, j->x, j->w->cols, m0, mlen, (mlen + CV_MR - 1) / CV_MR);
             packed_block = tb;
         }
         for (int64_t p = p0; p < p1; p++) panel_pass(j, p, m0, mlen, j->kc, xp);
@@ -441,11 +461,24 @@ void cv_cpu_gemm(cv_backend *b, float *out, const float *x, int64_t n, const cv_
     j.mc = (c->gemm_xblock / w->cols) / CV_MR * CV_MR;
     if (j.mc < CV_MR) j.mc = CV_MR;
     if (j.xpack && (size_t)(j.mc * w->cols) > j.xpack_floats) j.xpack = NULL; /* not prepared here */
+    j.pairs = uses_pairs(c, w->dtype);
+    j.kcols = panel_cols(c, w->dtype, w->cols);
+    j.simd = c->simd;
     const int di = dt_index(w->dtype);
-#if CV_HAVE_AVX2
-    j.table = c->simd ? avx_table[di] : plain_table[di];
-#else
     j.table = plain_table[di];
+#if CV_HAVE_AVX2
+    if (c->simd >= CV_SIMD_AVX2) j.table = avx_table[di];
+#endif
+#if CV_HAVE_AVX512
+    if (c->simd >= CV_SIMD_AVX512) j.table = cv_gemm_avx512_table[di];
+    if (j.pairs) {
+        j.table = cv_gemm_bf16dot_table;
+        /* the block's bf16 rows (kcols values each) fit the thread's buffer */
+        j.xpack = c->gemm_xpack;
+        const int64_t fit = (int64_t)(2 * j.xpack_floats) / j.kcols / CV_MR * CV_MR;
+        if (j.mc > fit) j.mc = fit;
+    }
+    if (j.pairs && (!j.xpack || j.mc < CV_MR)) return; /* not prepared by this backend */
 #endif
     /* Threads: at least ~128K multiply-adds (a few microseconds) each, so that
      * waking a worker never costs more than it saves. */
@@ -454,19 +487,20 @@ void cv_cpu_gemm(cv_backend *b, float *out, const float *x, int64_t n, const cv_
     const int nth = cv_threads_for(c, macs, 131072.0);
     if (n <= CV_MR) { /* one token tile (decode / GEMV): stream each panel whole, x in place */
         j.mc = n;
-        j.kc = cols;
-        j.xpack = NULL;
+        j.kc = j.kcols;
+        if (!j.pairs) j.xpack = NULL;
     } else {
-        const int64_t nkb = (cols + j.kc - 1) / j.kc;
-        j.kc = (cols + nkb - 1) / nkb;
+        const int64_t nkb = (j.kcols + j.kc - 1) / j.kc;
+        j.kc = (j.kcols + nkb - 1) / nkb;
+        if (j.pairs) j.kc = (j.kc + 1) & ~(int64_t)1; /* whole pairs */
     }
     j.n_tblocks = (n + j.mc - 1) / j.mc;
     const double w_share = (double)w->bytes / nth, x_bytes = (double)n * (double)cols * 4.0;
-    j.panels_outer = n > j.mc && (c->gemm_order >= 0 ? c->gemm_order
+    j.panels_outer = !j.pairs && n > j.mc && (c->gemm_order >= 0 ? c->gemm_order
                                                      : (w_share > 2.0 * (double)c->l2_bytes &&
                                                         x_bytes <= 0.5 * (double)c->l3_bytes));
     /* packing x pays off only when each thread runs it over many panels */
-    if (j.panels_outer || np < (int64_t)GEMM_PACK_MIN_PANELS * nth) j.xpack = NULL;
+    if (!j.pairs && (j.panels_outer || np < (int64_t)GEMM_PACK_MIN_PANELS * nth)) j.xpack = NULL;
     /* Items: at least ~64K multiply-adds each (the claim is ~0.1 us), and
      * about 6 per thread for balance when there is enough work. */
     const double item_tokens = j.panels_outer ? (double)n : (double)(n < j.mc ? n : j.mc);

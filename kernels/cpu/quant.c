@@ -98,8 +98,8 @@ int cv_qlevel_supported(cv_qlevel l) {
 }
 
 cv_qlevel cv_qlevel_best(int simd) {
-    if (!simd) return CV_QL_SCALAR;
-    if (cv_qlevel_supported(CV_QL_AVX512VNNI)) return CV_QL_AVX512VNNI;
+    if (simd <= CV_SIMD_SCALAR) return CV_QL_SCALAR;
+    if (simd >= CV_SIMD_AVX512 && cv_qlevel_supported(CV_QL_AVX512VNNI)) return CV_QL_AVX512VNNI;
     if (cv_qlevel_supported(CV_QL_AVXVNNI)) return CV_QL_AVXVNNI;
     if (cv_qlevel_supported(CV_QL_AVX2)) return CV_QL_AVX2;
     return CV_QL_SCALAR;

@@ -38,9 +38,9 @@ cv_qdot_fn cv_qdot_scalar(cv_dtype t);
 cv_qdot_fn cv_qdot_avx2(cv_dtype t);
 cv_qdot4_fn cv_qdot4_avx2(cv_dtype t);
 cv_qdot_fn cv_qdot_vnni(cv_dtype t, int avx512); /* avx512: EVEX vpdpbusd, else AVX-VNNI */
-/* The best level this CPU runs (CV_QL_SCALAR when simd == 0). Uses
- * __builtin_cpu_supports: kernels/cpu/cpu_features.h (branch b14) will
- * replace this one function. */
+/* The best quantized level this CPU runs within the backend's SIMD level
+ * (a cv_simd_level: scalar -> plain C; avx2 -> AVX2 or AVX-VNNI; avx512 and
+ * up -> AVX-512 VNNI where present), so CONVEYOR_SIMD bounds it too. */
 cv_qlevel cv_qlevel_best(int simd);
 /* Name of a level ("scalar", "avx2", "avx512vnni", "avxvnni"). */
 const char *cv_qlevel_name(cv_qlevel l);

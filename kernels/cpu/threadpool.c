@@ -114,6 +114,7 @@ static void *worker_main(void *varg) {
     cv_pool *p = w->pool;
     const int tid = w->tid;
     uint32_t seen = 0;
+    cv_set_thread_name("cv-worker");
     for (;;) {
         uint64_t s = spin_for_gen(p, seen);
         if (ST_GEN(s) == seen) {

@@ -9,6 +9,7 @@ Continuous batching (iteration-level scheduling) over a paged KV cache.
 from ._core import (  # noqa: F401
     ConveyorError,
     EngineClosedError,
+    EngineOverloadedError,
     ModelFormatError,
     UnsupportedError,
 )
@@ -21,5 +22,5 @@ from ._version import __version__  # noqa: F401
 
 __all__ = [
     "LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics",
-    "Logprob", "ConveyorError", "EngineClosedError", "ModelFormatError", "UnsupportedError",
+    "Logprob", "ConveyorError", "EngineClosedError", "EngineOverloadedError", "ModelFormatError", "UnsupportedError",
 ]

@@ -94,6 +94,53 @@ def _shutdown(core: EngineCore, rfd: int, wfd: int, stopping: threading.Event, t
             pass
 
 
+class RequestStream:
+    """The outputs of one request added with AsyncLLM.add_request: `async for out in
+    stream`, or `await stream.next_batch()` for every output already delivered (a
+    consumer that writes once per engine step). close() aborts it if unfinished."""
+
+    __slots__ = ("_core", "_req", "_queue", "_done")
+
+    def __init__(self, core: EngineCore, req, queue: asyncio.Queue):
+        self._core = core
+        self._req = req
+        self._queue = queue
+        self._done = False
+
+    @property
+    def request_id(self) -> str:
+        return self._req.request_id
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        out = await self._queue.get()
+        if out.finished:
+            self._done = True
+        return out
+
+    async def next_batch(self) -> list:
+        """Waits for at least one output and returns all that are ready, in order
+        ([] once the request has finished)."""
+        if self._done:
+            return []
+        outs = [await self._queue.get()]
+        q = self._queue
+        while not outs[-1].finished and not q.empty():
+            outs.append(q.get_nowait())
+        self._done = outs[-1].finished
+        return outs
+
+    def close(self):
+        """Aborts the request unless it finished; frees its KV blocks. Safe to call twice."""
+        self._done = True
+        if not self._req.finished:
+            self._core.abort(self._req.request_id)
+
+
 class AsyncLLM(EngineFrontend):
     """Same constructor as LLM. `async for out in engine.generate(prompt, params)`."""
 
@@ -109,12 +156,14 @@ class AsyncLLM(EngineFrontend):
                                            self._stopping, self._thread)
 
     # -- public API -----------------------------------------------------------
-    async def generate(self, prompt, sampling_params: Optional[SamplingParams] = None,
-                       request_id: Optional[str] = None, *, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yields RequestOutputs as tokens are produced: cumulative by default,
-        new tokens only with SamplingParams(output_kind="delta"), or just the
-        last one with output_kind="final_only". Closing or cancelling the
-        iterator aborts the request and frees its KV blocks."""
+    def add_request(self, prompt, sampling_params: Optional[SamplingParams] = None,
+                    request_id: Optional[str] = None, *, priority: int = 0,
+                    timeout: Optional[float] = None) -> "RequestStream":
+        """Adds a request now (from a running event loop) and returns its stream of
+        RequestOutputs. Raises at once what generate() raises at its first step:
+        ValueError/TypeError for a bad request, EngineOverloadedError when
+        max_queued_requests requests already wait. Close the stream (or let it
+        finish) to release the request."""
         if self._core.closed:
             from . import EngineClosedError
 
@@ -131,16 +180,27 @@ class AsyncLLM(EngineFrontend):
         text, ids = self._core.tokenize_prompt(prompt)
         queue: asyncio.Queue = asyncio.Queue()
         req = self._core.add_request(request_id, text, ids, params, priority=priority,
-                                     consumer=(loop, queue))
+                                     consumer=(loop, queue), timeout=timeout)
+        return RequestStream(self._core, req, queue)
+
+    async def generate(self, prompt, sampling_params: Optional[SamplingParams] = None,
+                       request_id: Optional[str] = None, *, priority: int = 0,
+                       timeout: Optional[float] = None) -> AsyncIterator[RequestOutput]:
+        """Yields RequestOutputs as tokens are produced: cumulative by default,
+        new tokens only with SamplingParams(output_kind="delta"), or just the
+        last one with output_kind="final_only". Closing or cancelling the
+        iterator aborts the request and frees its KV blocks.
+
+        priority: under scheduling="priority", lower values are scheduled first.
+        timeout: seconds from arrival; past it the request ends with
+        finish_reason "timeout" and its KV blocks return to the pool.
+        Raises EngineOverloadedError when max_queued_requests requests wait."""
+        stream = self.add_request(prompt, sampling_params, request_id, priority=priority, timeout=timeout)
         try:
-            while True:
-                out = await queue.get()
+            async for out in stream:
                 yield out
-                if out.finished:
-                    return
         finally:
-            if not req.finished:
-                self._core.abort(req.request_id)
+            stream.close()
 
     async def abort(self, request_id: str) -> bool:
         """Aborts a request; returns False when no such request is running."""

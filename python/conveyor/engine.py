@@ -18,10 +18,11 @@ import numpy as np
 
 from . import _core
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, field_error
 
 _SCHEDULING = ("continuous", "static", "priority")
 _QUANTIZATIONS = (None, "q8_0", "q4_0", "q4_1")
+DEFAULT_PREFILL_CAP = {"cpu": 64, "cuda": 512}
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40,
@@ -46,12 +47,25 @@ def parse_bytes(value: Any, name: str = "kv_cache_memory") -> int:
     return n
 
 
+def check_timeout(t) -> float:
+    """A request deadline in seconds from arrival, as the C engine takes it (0.0: none).
+    The C engine checks the range; 0 is refused here, since C reads it as "none"."""
+    if t is None:
+        return 0.0
+    if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)):
+        raise field_error(TypeError, "timeout", f"timeout must be a number of seconds or None, "
+                                                f"got {type(t).__name__}")
+    if t == 0:
+        raise field_error(ValueError, "timeout", "timeout must be > 0 seconds (None: no deadline), got 0")
+    return float(t)
+
+
 def check_priority(p) -> int:
     """A request priority: an int in the int32 range (lower runs first)."""
     if not isinstance(p, (int, np.integer)) or isinstance(p, bool):
-        raise TypeError(f"priority must be an int, got {type(p).__name__}")
+        raise field_error(TypeError, "priority", f"priority must be an int, got {type(p).__name__}")
     if not -(1 << 31) <= p < (1 << 31):
-        raise ValueError(f"priority must be in [-2**31, 2**31), got {p}")
+        raise field_error(ValueError, "priority", f"priority must be in [-2**31, 2**31), got {p}")
     return int(p)
 
 
@@ -75,6 +89,18 @@ class EngineArgs:
     seed: int = 0
     gpu_memory_utilization: float = 0.9
     quantization: Optional[str] = None  # "q8_0" | "q4_0" | "q4_1": quantize the matrices at load
+    # Stall-free mixed steps: while sequences decode, a step carries at most this many
+    # prompt tokens (chunked prefill only). None: 64 on the CPU (a step's time grows with
+    # every token), 512 on CUDA; 0: no cap.
+    max_prefill_tokens_while_decoding: Optional[int] = None
+    # Overload control: a request that would make more than this many wait to be
+    # scheduled is refused with EngineOverloadedError. None: no limit.
+    max_queued_requests: Optional[int] = None
+
+    def resolved_prefill_cap(self) -> int:
+        if self.max_prefill_tokens_while_decoding is not None:
+            return self.max_prefill_tokens_while_decoding
+        return DEFAULT_PREFILL_CAP[self.device]
 
     @classmethod
     def from_kwargs(cls, model, kwargs: dict) -> "EngineArgs":
@@ -105,6 +131,9 @@ class EngineArgs:
         pos_int("block_size", self.block_size, 1024)
         pos_int("num_threads", self.num_threads, 1024, allow_none=True)
         pos_int("seed", self.seed, (1 << 64) - 1, lo=0)
+        pos_int("max_prefill_tokens_while_decoding", self.max_prefill_tokens_while_decoding, 1 << 24,
+                allow_none=True, lo=0)
+        pos_int("max_queued_requests", self.max_queued_requests, 1 << 30, allow_none=True, lo=0)
         for name in ("dtype", "kv_cache_dtype"):
             v = getattr(self, name)
             if v not in _DTYPES:
@@ -126,19 +155,43 @@ class EngineArgs:
 
 
 class _SeqState:
-    __slots__ = ("token_ids", "text", "decoder", "logprobs", "cum_logprob", "finish_reason",
-                 "stop_reason", "sent_tokens", "sent_text")
+    """One completion's output so far. Text arrives as pieces: `parts` (joined only when
+    the whole text is asked for) and `unsent` (the pieces not yet in a delta output), so
+    that no per-token work grows with the text."""
+
+    __slots__ = ("token_ids", "parts", "unsent", "decoder", "logprobs", "cum_logprob", "finish_reason",
+                 "stop_reason", "sent_tokens")
 
     def __init__(self, want_logprobs: bool, want_cum: bool = False):
         self.token_ids: list[int] = []
-        self.text = ""
+        self.parts: list[str] = []
+        self.unsent: list[str] = []
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.logprobs = [] if want_logprobs else None
         self.cum_logprob = 0.0 if (want_logprobs or want_cum) else None
         self.finish_reason = None
         self.stop_reason = None
         self.sent_tokens = 0
-        self.sent_text = 0
+
+    def add_text(self, piece: str):
+        if piece:
+            self.parts.append(piece)
+            self.unsent.append(piece)
+
+    @property
+    def text(self) -> str:
+        parts = self.parts
+        if len(parts) > 1:
+            parts[:] = ["".join(parts)]
+        return parts[0] if parts else ""
+
+    def take_unsent(self) -> str:
+        u = self.unsent
+        if not u:
+            return ""
+        text = u[0] if len(u) == 1 else "".join(u)
+        u.clear()
+        return text
 
 
 class _Request:
@@ -193,7 +246,9 @@ class EngineCore:
             kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
             enable_chunked_prefill=args.enable_chunked_prefill, policy=args.scheduling,
             seed=args.seed, eos_ids=eos_ids, bos_id=bos_id, strip_space_after_bos=strip,
-            token_bytes=token_bytes, special_ids=special, quantization=args.quantization)
+            token_bytes=token_bytes, special_ids=special, quantization=args.quantization,
+            max_prefill_tokens_while_decoding=args.resolved_prefill_cap(),
+            max_queued_requests=args.max_queued_requests or 0)
         self.model_config = self._engine.model_config()
         st = self._engine.stats()
         self.max_model_len = st["max_model_len"]
@@ -255,10 +310,13 @@ class EngineCore:
         return params.with_bad_words_tokenized(self.tokenizer) if params.bad_words else params
 
     def add_request(self, request_id: Optional[str], prompt_text, prompt_ids, params: SamplingParams,
-                    priority: int = 0, consumer=None) -> _Request:
+                    priority: int = 0, consumer=None, timeout: Optional[float] = None) -> _Request:
+        """timeout: seconds from arrival; past it the request ends with finish_reason
+        "timeout" and its KV blocks return to the pool."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         check_priority(priority)
+        timeout_s = check_timeout(timeout)
         with self._lock:
             if self.closed:
                 raise _core.EngineClosedError("the engine is closed")
@@ -266,7 +324,8 @@ class EngineCore:
             if name in self._by_name:
                 raise ValueError(f"request_id {name!r} is already in use")
             internal = self._next_id
-            self._engine.add_request(internal, prompt_ids, self._engine_params(params), priority=priority)
+            self._engine.add_request(internal, prompt_ids, self._engine_params(params), priority=priority,
+                                     timeout=timeout_s)
             self._next_id += 1
             req = _Request(name, internal, prompt_text, list(map(int, prompt_ids)), params,
                            time.monotonic())
@@ -363,9 +422,9 @@ class EngineCore:
                     if st.cum_logprob is not None:
                         st.cum_logprob += ev.logprob
                 if ev.text:
-                    st.text += st.decoder.decode(ev.text)
+                    st.add_text(st.decoder.decode(ev.text))
                 if ev.finished:
-                    st.text += st.decoder.decode(b"", final=True)
+                    st.add_text(st.decoder.decode(b"", final=True))
                     st.finish_reason = ev.finish_reason
                     if ev.stop_kind == _core.STOP_TOKEN:
                         st.stop_reason = ev.stop_value
@@ -409,11 +468,11 @@ class EngineCore:
         for i, (_, st) in enumerate(seqs):
             if delta:
                 toks = st.token_ids[st.sent_tokens:]
-                text = st.text[st.sent_text:]
+                text = st.take_unsent()
                 lps = st.logprobs[st.sent_tokens:] if st.logprobs is not None else None
                 st.sent_tokens = len(st.token_ids)
-                st.sent_text = len(st.text)
             else:
+                st.unsent.clear()
                 toks, text = list(st.token_ids), st.text
                 lps = list(st.logprobs) if st.logprobs is not None else None
             outs.append(CompletionOutput(i, text, toks, st.cum_logprob, lps, st.finish_reason,

@@ -6,7 +6,7 @@
 A thin alias of the conveyor.server package (protocol, serving, app), kept so
 that `conveyor.serve.build_app` / `main` and `python -m conveyor.serve` work.
 """
-from .server.app import build_app, main, make_parser  # noqa: F401
+from .server.app import build_app, engine_kwargs, main, make_parser  # noqa: F401
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -8,6 +8,12 @@ ratio. With one token (decode GEMV) it also reports the weight bytes streamed
 per second, beside a STREAM-style triad and a plain read of a large array,
 both measured with Conveyor's thread pool. Weights that fit the caches
 (everything here but lm_head, on most machines) stream faster than memory.
+Each GEMM rate is also given as a fraction of the measured peak of the
+instruction it runs on (``compute_peaks``: register-only loops in C, per
+core and for all threads): the fp32 FMA peak for float32 weights, the
+vdpbf16ps peak for bfloat16 weights on AVX512_BF16 CPUs, else the fp32 FMA
+peak (bf16 widened to fp32). No rate can exceed its own peak, so no such
+fraction is above 1 except by measurement noise (flagged when it happens).
 
 Figures on a shared machine are noisy: compare the ratios, not absolute times.
 """
@@ -35,7 +41,10 @@ SMOLLM_135M_SHAPES: Dict[str, tuple] = {
 }
 TOKEN_COUNTS = (1, 8, 32, 128, 512)
 ENV_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-            "GOTO_NUM_THREADS", "CONVEYOR_FORCE_SCALAR", "CONVEYOR_SPIN_US")
+            "GOTO_NUM_THREADS", "CONVEYOR_FORCE_SCALAR", "CONVEYOR_SIMD", "CONVEYOR_SPIN_US")
+PEAK_KINDS = ("fp32_fma", "bf16_dot", "int8_dot")
+# the peak a GEMM with weights of this dtype is bounded by
+PEAK_OF_DTYPE = {"float32": "fp32_fma", "float16": "fp32_fma", "bfloat16": "bf16_dot"}
 
 
 def _core():
@@ -82,6 +91,48 @@ def machine_info() -> Dict[str, Any]:
     }
 
 
+def compute_peaks(threads: int = 0, seconds: float = 0.3) -> Dict[str, Dict[str, Any]]:
+    """{kind: {"instruction", "simd", "per_core_gops", "all_gops", "threads"}}
+    for kind in fp32_fma, bf16_dot, int8_dot: the measured peak (GFLOP/s;
+    int8 GOP/s, 2 per multiply-add) of the instruction Conveyor's kernels use
+    for it, on one thread and on `threads` (0: all cores)."""
+    core = _core()
+    out: Dict[str, Dict[str, Any]] = {}
+    for kind in PEAK_KINDS:
+        one = core.measure_peak(kind, 1, seconds)
+        every = core.measure_peak(kind, threads, seconds)
+        out[kind] = {"instruction": one["instruction"], "simd": one["simd"],
+                     "per_core_gops": one["gops"], "all_gops": every["gops"],
+                     "threads": every["threads"]}
+    if "widened" in out["bf16_dot"]["instruction"]:  # the same loop as fp32_fma: one figure for both
+        for key in ("per_core_gops", "all_gops"):
+            out["bf16_dot"][key] = out["fp32_fma"][key] = max(out["bf16_dot"][key], out["fp32_fma"][key])
+    return out
+
+
+def merge_peaks(a: Dict[str, Dict[str, Any]], b: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """The higher of two measurements of each peak (a peak measured while the
+    machine was busy is too low; the better one is closer to the truth)."""
+    out = {}
+    for kind, ra in a.items():
+        rb = b[kind]
+        out[kind] = dict(ra, per_core_gops=max(ra["per_core_gops"], rb["per_core_gops"]),
+                         all_gops=max(ra["all_gops"], rb["all_gops"]))
+    return out
+
+
+def format_peaks(peaks: Dict[str, Dict[str, Any]]) -> List[str]:
+    unit = {"int8_dot": "GOP/s"}
+    return [f"peak {kind:<9} {p['per_core_gops']:7.1f} per core, {p['all_gops']:7.1f} on {p['threads']} threads "
+            f"{unit.get(kind, 'GFLOP/s')}  ({p['instruction']})" for kind, p in peaks.items()]
+
+
+def fraction_text(value: float, bound: float) -> str:
+    """value / bound, flagged when above 1 (only noise can put it there)."""
+    f = value / bound if bound > 0 else float("nan")
+    return f"{f:.2f}" + (" (above its peak: noisy measurement, rerun on a quiet machine)" if f > 1.0 else "")
+
+
 def _repeats(flops: float, budget_flops: float = 3e9) -> int:
     return int(max(3, min(100, budget_flops / max(flops, 1.0))))
 
@@ -117,18 +168,23 @@ def _time_interleaved(fns, repeats: int) -> List[float]:
 def run_gemm_and_bandwidth(threads: Optional[int] = None,
                            tokens: Sequence[int] = TOKEN_COUNTS,
                            shapes: Optional[Dict[str, tuple]] = None,
-                           seed: int = 0, triad_bytes: int = 64 << 20) -> Dict[str, Any]:
+                           seed: int = 0, triad_bytes: int = 64 << 20,
+                           peak_seconds: float = 0.3) -> Dict[str, Any]:
     """Measures numpy sgemm vs Conveyor GEMM (f32 and bf16 weights) on the model's
     shapes for each token count, plus the triad and read bandwidths. Returns a
     dict {"machine", "blas", "threads", "triad_gbs", "read_gbs", "rows": [...]}
     where each row has shape, rows, cols, tokens, numpy/f32/bf16 GFLOP/s, the
-    ratios to numpy, and for one token the weight bytes per second (GB/s)."""
+    ratios to numpy, the fractions of the peak of the instruction each runs on
+    (f32_of_peak, bf16_of_peak), and for one token the weight bytes per second
+    (GB/s). "peaks" holds the measured peaks (compute_peaks), taken before and
+    after the GEMMs (the higher of the two)."""
     core = _core()
     nthreads = int(threads or 0)
     shapes = shapes or SMOLLM_135M_SHAPES
     rng = np.random.default_rng(seed)
     triad = measure_triad(nthreads, triad_bytes)
     read = measure_read_bw(nthreads, 2 * triad_bytes)
+    peaks = compute_peaks(nthreads, peak_seconds)
     rows_out: List[Dict[str, Any]] = []
     for name, (rows, cols) in shapes.items():
         w = (rng.standard_normal((rows, cols), dtype=np.float32) * 0.05).astype(np.float32)
@@ -157,12 +213,17 @@ def run_gemm_and_bandwidth(threads: Optional[int] = None,
                 row["numpy_gbs"] = rows * cols * 4 / t_np * 1e-9
             rows_out.append(row)
         del m32, m16
+    peaks = merge_peaks(peaks, compute_peaks(nthreads, peak_seconds))
+    for row in rows_out:
+        row["f32_of_peak"] = row["f32_gflops"] / peaks[PEAK_OF_DTYPE["float32"]]["all_gops"]
+        row["bf16_of_peak"] = row["bf16_gflops"] / peaks[PEAK_OF_DTYPE["bfloat16"]]["all_gops"]
     return {
         "machine": machine_info(),
         "blas": blas_info(),
         "threads": nthreads or core.kernel_info()["cores"],
         "triad_gbs": triad,
         "read_gbs": read,
+        "peaks": peaks,
         "rows": rows_out,
     }
 
@@ -175,19 +236,24 @@ def format_table(res: Dict[str, Any]) -> str:
         f"numpy BLAS: {json.dumps(res['blas'])}",
         f"memory (Conveyor pool): triad {res['triad_gbs']:.1f} GB/s (STREAM count), "
         f"read {res['read_gbs']:.1f} GB/s (a GEMV's pattern)",
+        *format_peaks(res["peaks"]),
         "timings: best of interleaved calls; the Conveyor time is measured in C around the call",
+        "'of pk': the fraction of the all-thread peak of the instruction the GEMM runs on",
         "",
-        f"{'shape':<20}{'tokens':>7}{'numpy GF/s':>12}{'f32 GF/s':>10}{'ratio':>7}"
-        f"{'bf16 GF/s':>11}{'ratio':>7}   GEMV GB/s (f32 / bf16 / numpy)",
+        f"{'shape':<20}{'tokens':>7}{'numpy GF/s':>12}{'f32 GF/s':>10}{'ratio':>7}{'of pk':>7}"
+        f"{'bf16 GF/s':>11}{'ratio':>7}{'of pk':>7}   GEMV GB/s (f32 / bf16 / numpy)",
     ]
     for r in res["rows"]:
         extra = ""
         if "bf16_gbs" in r:
             extra = (f"   {r['f32_gbs']:.1f} / {r['bf16_gbs']:.1f} / {r['numpy_gbs']:.1f}"
                      f"  (bf16 = {r['bf16_gbs'] / res['read_gbs']:.2f} x read)")
+        flag = " !" if max(r["f32_of_peak"], r["bf16_of_peak"]) > 1.0 else ""
         lines.append(f"{r['shape']:<20}{r['tokens']:>7}{r['numpy_gflops']:>12.1f}"
-                     f"{r['f32_gflops']:>10.1f}{r['f32_vs_numpy']:>7.2f}"
-                     f"{r['bf16_gflops']:>11.1f}{r['bf16_vs_numpy']:>7.2f}{extra}")
+                     f"{r['f32_gflops']:>10.1f}{r['f32_vs_numpy']:>7.2f}{r['f32_of_peak']:>7.2f}"
+                     f"{r['bf16_gflops']:>11.1f}{r['bf16_vs_numpy']:>7.2f}{r['bf16_of_peak']:>7.2f}{extra}{flag}")
+    if any(max(r["f32_of_peak"], r["bf16_of_peak"]) > 1.0 for r in res["rows"]):
+        lines.append("! above its peak: the peak was measured while the machine was busy; rerun when quiet")
     return "\n".join(lines)
 
 

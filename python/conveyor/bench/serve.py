@@ -1,7 +1,9 @@
-"""`conveyor bench serve`: latency under Poisson load against the HTTP server (Workload L).
+"""`conveyor bench serve`: the HTTP server under Poisson load (Workload L), against AsyncLLM
+in process on the same requests.
 
     conveyor bench serve --model MODEL [--num-prompts 100] [--prompt-len 128] [--output-mean 64]
-                         [--rates auto | 2,8,inf] [--json bench_serve.json] [--plot e2e_cdf.png]
+                         [--rates auto | 2,8,inf] [--client-procs 1] [--no-inprocess]
+                         [--json bench_serve.json] [--plot e2e_cdf.png]
     conveyor bench serve --url http://127.0.0.1:8000 ...
 
 N requests with prompt lengths uniform in [P/2, 3P/2] (random token ids) and output lengths
@@ -10,9 +12,23 @@ length), sent with Poisson arrivals to /v1/completions as streams. With --model 
 starts its own server on a free loopback port (engine knobs after --server-args) and stops it
 at the end; with --url it uses a running one.
 
+The load generator runs in its own process(es) (--client-procs, a light raw-socket client:
+conveyor.bench.serve_load). With --model each rate also runs the same requests, at the same
+arrival times, through AsyncLLM in a separate process with the same engine knobs, and both
+paths report throughput and TTFT / TPOT / ITL / E2E percentiles. CPU time: the server's and
+the in-process runner's, split by thread into the engine (the C core's named threads) and the
+frontend (everything else); the HTTP overhead is the server's frontend CPU per streamed output
+token minus AsyncLLM's.
+
 Rates: "auto" (default) first sends every request at once (rate inf), takes the request
 throughput X it reached as the capacity, then runs a light rate 0.25 X and a near-saturation
-rate 0.9 X. Each run uses the same requests (same seed) and the same server.
+rate 0.9 X; "0.9x,4x" names multiples of X, "2,inf" absolute rates. Each run uses the same
+requests (same seed) and the same server. Requests refused with 503 (overload control,
+`--server-args "--max-queued-requests 16"`) are counted apart from failures.
+
+Mixed steps: the in-process runner also takes the engine's step trace and reports step
+times (p50 / p99) of decode-only steps and of steps that carry prompt tokens, and the most
+prompt tokens in a step that also decoded (bounded by max_prefill_tokens_while_decoding).
 
 Per request: TTFT (send to first streamed token), E2E (send to last token), TPOT
 ((E2E - TTFT) / (output tokens - 1), for outputs longer than one token) and ITL (gaps
@@ -86,75 +102,31 @@ def summarize(values) -> dict:
     return {"n": int(a.size), "mean": float(a.mean()), **{f"p{p}": float(np.percentile(a, p)) for p in PCTS}}
 
 
-# ---------------------------------------------------------------------------- the client
+# ---------------------------------------------------------------------------- the clients
 
 
-async def _one(client, url: str, model: str, req: dict, delay: float, t0: float) -> dict:
-    await asyncio.sleep(max(0.0, t0 + delay - time.perf_counter()))
-    body = {"model": model, "prompt": req["prompt"], "max_tokens": req["max_tokens"], "ignore_eos": True,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    rec = {"prompt_tokens": len(req["prompt"]), "max_tokens": req["max_tokens"], "ok": False,
-           "ttft": None, "e2e": None, "tpot": None, "itl": [], "output_tokens": 0, "error": None}
-    start = time.perf_counter()
-    rec["start"] = start - t0
-    last = None
-    try:
-        async with client.stream("POST", url, json=body) as r:
-            if r.status_code != 200:
-                rec["error"] = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return rec
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    break
-                ev = json.loads(data)
-                if "error" in ev:
-                    rec["error"] = ev["error"].get("message")
-                    return rec
-                now = time.perf_counter()
-                if ev.get("choices") and ev["choices"][0].get("text"):
-                    if last is None:
-                        rec["ttft"] = now - start
-                    else:
-                        rec["itl"].append(now - last)
-                    last = now
-                if ev.get("usage"):
-                    rec["output_tokens"] = ev["usage"]["completion_tokens"]
-    except Exception as e:  # noqa: BLE001 - a failed request is data
-        rec["error"] = f"{type(e).__name__}: {e}"
-        return rec
-    if last is not None:
-        rec["e2e"] = last - start
-        if rec["output_tokens"] > 1:
-            rec["tpot"] = (rec["e2e"] - rec["ttft"]) / (rec["output_tokens"] - 1)
-        rec["ok"] = True
-    else:
-        rec["error"] = "no tokens streamed"
-    return rec
+def _child(mode: str, job: dict):
+    """Starts `python -m conveyor.bench.serve_load MODE` with the job on stdin."""
+    import conveyor
+
+    env = dict(os.environ)
+    pkg_root = str(Path(conveyor.__file__).parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    proc = subprocess.Popen([sys.executable, "-m", "conveyor.bench.serve_load", mode], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env=env, text=True)
+    proc.stdin.write(json.dumps(job))
+    proc.stdin.close()
+    return proc
 
 
-async def run_load(base_url: str, model: str, reqs: list[dict], rate: float, seed: int,
-                   max_concurrency: Optional[int], api_key: Optional[str], timeout: float) -> dict:
-    import socket
+def _collect(proc, what: str) -> dict:
+    out = proc.stdout.read()
+    if proc.wait() != 0:
+        raise RuntimeError(f"conveyor bench serve: the {what} process failed (status {proc.returncode})")
+    return json.loads(out)
 
-    import httpx
 
-    delays = arrival_times(len(reqs), rate, seed)
-    # One connection per request in flight (unless capped); TCP_NODELAY so that a small
-    # request body is not held back waiting for an ACK.
-    conns = max_concurrency or len(reqs) + 8
-    transport = httpx.AsyncHTTPTransport(
-        limits=httpx.Limits(max_connections=conns, max_keepalive_connections=conns),
-        socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(timeout), headers=headers,
-                                 trust_env=False, transport=transport) as client:
-        t0 = time.perf_counter()
-        recs = await asyncio.gather(*[_one(client, "/v1/completions", model, r, d, t0)
-                                      for r, d in zip(reqs, delays)])
-        wall = time.perf_counter() - t0
+def summarize_records(recs: list, wall: float, rate: float) -> dict:
     ok = [r for r in recs if r["ok"]]
     out_tok = sum(r["output_tokens"] for r in ok)
     in_tok = sum(r["prompt_tokens"] for r in ok)
@@ -162,7 +134,8 @@ async def run_load(base_url: str, model: str, reqs: list[dict], rate: float, see
         "rate": rate,
         "duration_s": wall,
         "completed": len(ok),
-        "failed": len(recs) - len(ok),
+        "rejected": sum(1 for r in recs if r.get("status") == 503),  # overload control, not failures
+        "failed": sum(1 for r in recs if not r["ok"] and r.get("status") != 503),
         "errors": sorted({r["error"] for r in recs if r["error"]})[:5],
         "request_throughput": len(ok) / wall,
         "output_throughput": out_tok / wall,
@@ -175,6 +148,58 @@ async def run_load(base_url: str, model: str, reqs: list[dict], rate: float, see
         "e2e_s": summarize(r["e2e"] for r in ok),
         "e2e_samples": sorted(r["e2e"] for r in ok),
     }
+
+
+def cpu_per_token(cpu: Optional[dict], tokens: int) -> Optional[dict]:
+    """CPU microseconds per output token, by part."""
+    if cpu is None or tokens <= 0:
+        return None
+    return {k: v * 1e6 / tokens for k, v in cpu.items()}
+
+
+def run_load(base_url: str, model: str, reqs: list[dict], rate: float, seed: int, api_key: Optional[str],
+             client_procs: int = 1, server_pid: Optional[int] = None) -> dict:
+    """Sends reqs to the server from client_procs processes; the server's CPU time is
+    sampled around the run when its pid is known (a server of our own)."""
+    from .serve_load import cpu_delta, cpu_seconds
+
+    delays = arrival_times(len(reqs), rate, seed)
+    k = max(1, min(client_procs, len(reqs)))
+    # the children start in well under a second; they all aim at the same t0
+    t0 = time.perf_counter() + 1.0 + 0.25 * k
+    before = cpu_seconds(server_pid) if server_pid else None
+    procs = [_child("http", {"url": base_url, "model": model, "api_key": api_key, "t0": t0,
+                             "requests": reqs[i::k], "delays": delays[i::k]}) for i in range(k)]
+    recs = []
+    for p in procs:
+        recs += _collect(p, "load generator")["records"]
+    wall = max((r["start"] + (r["e2e"] or 0.0)) for r in recs) if recs else 0.0
+    wall = max(wall, 1e-9)
+    cpu = cpu_delta(before, cpu_seconds(server_pid)) if server_pid else None
+    res = summarize_records(recs, wall, rate)
+    res["cpu_s"] = cpu
+    res["cpu_us_per_token"] = cpu_per_token(cpu, res["output_tokens"])
+    res["client_procs"] = k
+    return res
+
+
+def run_inprocess(model: str, engine: dict, reqs: list[dict], rate: float, seed: int) -> dict:
+    """The same requests at the same arrival times through AsyncLLM, in a process of its own."""
+    delays = arrival_times(len(reqs), rate, seed)
+    got = _collect(_child("inprocess", {"model": model, "engine": engine, "requests": reqs, "delays": delays}),
+                   "in-process runner")
+    res = summarize_records(got["records"], got["wall"], rate)
+    res["steps"] = got["steps"]
+    res["cpu_s"] = got["cpu"]
+    res["cpu_us_per_token"] = cpu_per_token(got["cpu"], res["output_tokens"])
+    return res
+
+
+def engine_knobs(model: str, server_args: Sequence[str]) -> dict:
+    """The AsyncLLM keyword arguments a `conveyor serve MODEL *server_args` would use."""
+    from .. import serve
+
+    return serve.engine_kwargs(serve.make_parser().parse_args([model, *server_args]))
 
 
 # ---------------------------------------------------------------------------- a server of our own
@@ -272,20 +297,45 @@ def _ms(v) -> str:
     return "-" if v is None else f"{v * 1e3:9.1f}"
 
 
+def _us(v) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
 def format_table(runs: list[dict]) -> str:
     lines = []
-    head = f"{'rate':>8} {'metric':>6} " + " ".join(f"{h:>9}" for h in ("p50 ms", "p90 ms", "p99 ms", "mean ms"))
+    head = f"{'path':>10} {'metric':>6} " + " ".join(f"{h:>9}" for h in ("p50 ms", "p90 ms", "p99 ms", "mean ms"))
     for run in runs:
         rate = "inf" if math.isinf(run["rate"]) else f"{run['rate']:.2f}"
-        lines.append(f"rate {rate} req/s: {run['completed']} done, {run['failed']} failed in "
-                     f"{run['duration_s']:.2f} s; {run['request_throughput']:.2f} req/s, output "
-                     f"{run['output_throughput']:.1f} tok/s, total {run['total_throughput']:.1f} tok/s")
+        paths = [("http", run)] + ([("in-process", run["inprocess"])] if run.get("inprocess") else [])
+        lines.append(f"rate {rate} req/s")
+        for name, r in paths:
+            lines.append(f"  {name}: {r['completed']} done, {r['rejected']} refused (503), {r['failed']} failed "
+                         f"in {r['duration_s']:.2f} s; "
+                         f"{r['request_throughput']:.2f} req/s, output {r['output_throughput']:.1f} tok/s, "
+                         f"total {r['total_throughput']:.1f} tok/s")
         lines.append(head)
-        for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E")):
-            s = run[key]
-            lines.append(f"{rate:>8} {name:>6} " + " ".join(_ms(s[k]) for k in ("p50", "p90", "p99", "mean")))
-        if run["errors"]:
-            lines.append(f"  errors: {run['errors']}")
+        for name, r in paths:
+            for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E")):
+                st = r[key]
+                lines.append(f"{name:>10} {label:>6} " + " ".join(_ms(st[k]) for k in ("p50", "p90", "p99", "mean")))
+        for name, r in paths:
+            c = r.get("cpu_us_per_token")
+            if c:
+                lines.append(f"  CPU per output token, {name}: frontend {_us(c['frontend'])} us, engine "
+                             f"{_us(c['engine'])} us, total {_us(c['total'])} us")
+        st = run.get("inprocess", {}).get("steps")
+        if st:
+            lines.append(f"  in-process step times: decode-only p50 {_ms(st['decode_only']['p50']).strip()} "
+                         f"p99 {_ms(st['decode_only']['p99']).strip()} ms ({st['decode_only']['n']} steps); "
+                         f"with prompt tokens p50 {_ms(st['with_prompts']['p50']).strip()} "
+                         f"p99 {_ms(st['with_prompts']['p99']).strip()} ms ({st['with_prompts']['n']}); "
+                         f"most prompt tokens in a decoding step {st['max_prompt_tokens_while_decoding']}")
+        if run.get("http_overhead_us_per_token") is not None:
+            lines.append(f"  HTTP overhead: {_us(run['http_overhead_us_per_token'])} us of CPU per streamed "
+                         f"output token (server frontend - AsyncLLM frontend)")
+        for name, r in paths:
+            if r["errors"]:
+                lines.append(f"  errors ({name}): {r['errors']}")
         lines.append("")
     return "\n".join(lines)
 
@@ -322,15 +372,24 @@ def plot_cdf(runs: list[dict], path: str, title: str) -> bool:
 
 
 def _parse_rates(text: str):
+    """'auto' (= 0.25x,0.9x after the burst), or requests/s, 'inf', and multiples of the
+    saturation a burst measures first ('0.9x', '4x')."""
     if text.strip().lower() == "auto":
         return "auto"
     rates = []
     for part in text.split(","):
         part = part.strip().lower()
-        v = math.inf if part in ("inf", "infinity") else float(part)
+        try:
+            if part.endswith("x"):
+                v = float(part[:-1])
+                rates.append(("x", v))
+            else:
+                v = math.inf if part in ("inf", "infinity") else float(part)
+                rates.append(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"cannot read the rate {part!r} (examples: 2.5, inf, 0.9x)") from None
         if not v > 0:
             raise argparse.ArgumentTypeError(f"rates must be > 0, got {part}")
-        rates.append(v)
     return rates
 
 
@@ -347,27 +406,31 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128, help="P: prompt lengths uniform in [P/2, 3P/2]")
     ap.add_argument("--output-mean", type=float, default=64, help="M: mean output length (cap 12M)")
     ap.add_argument("--rates", type=_parse_rates, default="auto",
-                    help="'auto' or comma-separated requests/s ('inf' = all at once)")
-    ap.add_argument("--max-concurrency", type=int, default=None, help="cap on open connections")
+                    help="'auto', or comma-separated requests/s ('inf' = all at once) and multiples of the "
+                         "measured saturation ('0.9x', '4x')")
+    ap.add_argument("--client-procs", type=int, default=1, help="load-generator processes")
+    ap.add_argument("--no-inprocess", action="store_true",
+                    help="skip the AsyncLLM in-process comparison (with --model)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     ap.add_argument("--json", default="bench_serve.json", help="where to write the results")
     ap.add_argument("--plot", default=None, help="write the E2E latency CDF here (PNG)")
     args = ap.parse_args(argv)
-    if args.num_prompts < 1 or args.prompt_len < 1 or args.output_mean <= 0:
-        ap.error("--num-prompts, --prompt-len and --output-mean must be positive")
+    if args.num_prompts < 1 or args.prompt_len < 1 or args.output_mean <= 0 or args.client_procs < 1:
+        ap.error("--num-prompts, --prompt-len, --output-mean and --client-procs must be positive")
     try:
         import httpx
     except ImportError:
         print("conveyor bench serve: needs httpx (pip install 'conveyor[bench]')", file=sys.stderr)
         return 1
 
+    import shlex
+
+    server_args = shlex.split(args.server_args)
     own = None
+    runs: list[dict] = []
     try:
         if args.model:
-            import shlex
-
-            own = OwnServer(args.model, shlex.split(args.server_args))
+            own = OwnServer(args.model, server_args)
             base = own.url
         else:
             base = args.url.rstrip("/")
@@ -380,6 +443,8 @@ def main(argv=None) -> int:
         vocab = int(card.get("vocab_size") or 259)
         # Skip the first ids (specials in llama2.c and most HF vocabularies).
         vocab_lo = min(3, vocab - 1)
+        inprocess = own is not None and not args.no_inprocess
+        knobs = engine_knobs(args.model, server_args) if inprocess else None
 
         def one_run(rate):
             reqs = make_workload(args.num_prompts, args.prompt_len, args.output_mean, vocab_lo, vocab,
@@ -387,20 +452,31 @@ def main(argv=None) -> int:
             label = "inf" if math.isinf(rate) else f"{rate:.2f}"
             print(f"conveyor bench serve: {len(reqs)} requests at rate {label} req/s ...", file=sys.stderr,
                   flush=True)
-            res = asyncio.run(run_load(base, model, reqs, rate, args.seed, args.max_concurrency, args.api_key,
-                                       args.timeout))
+            res = run_load(base, model, reqs, rate, args.seed, args.api_key, args.client_procs,
+                           own.proc.pid if own else None)
+            if inprocess:
+                print("conveyor bench serve: ... and through AsyncLLM in process", file=sys.stderr, flush=True)
+                res["inprocess"] = run_inprocess(args.model, knobs, reqs, rate, args.seed)
+                a, b = res["cpu_us_per_token"], res["inprocess"]["cpu_us_per_token"]
+                if a and b:
+                    res["http_overhead_us_per_token"] = a["frontend"] - b["frontend"]
             return res
 
-        runs = []
-        if args.rates == "auto":
-            burst = one_run(math.inf)
+        rates = [("x", 0.25), ("x", 0.9)] if args.rates == "auto" else args.rates
+        saturation = None
+        if any(isinstance(r, tuple) for r in rates):
+            burst = one_run(math.inf)  # the saturation the multiples refer to
             runs.append(burst)
-            cap = burst["request_throughput"]
-            rates = [0.25 * cap, 0.9 * cap] if cap > 0 else []
-        else:
-            rates = args.rates
+            saturation = burst["request_throughput"]
         for r in rates:
-            runs.append(one_run(r))
+            if isinstance(r, tuple):
+                if not saturation:
+                    continue
+                res = one_run(r[1] * saturation)
+                res["saturation_multiple"] = r[1]
+                runs.append(res)
+            else:
+                runs.append(one_run(r))
     finally:
         if own is not None:
             own.stop()
@@ -409,9 +485,11 @@ def main(argv=None) -> int:
         "workload": "L", "num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
         "prompt_len_range": [max(1, args.prompt_len // 2), (3 * args.prompt_len) // 2],
         "output_mean": args.output_mean, "output_cap": 12 * args.output_mean, "seed": args.seed,
-        "rates": "auto" if args.rates == "auto" else args.rates, "max_concurrency": args.max_concurrency,
+        "rates": "auto" if args.rates == "auto" else [f"{r[1]:g}x" if isinstance(r, tuple) else r
+                                                        for r in args.rates],
+        "saturation_req_s": saturation, "client_procs": args.client_procs,
         "model": args.model or model, "served_model_name": model, "server": "own" if own else base,
-        "server_args": args.server_args if own else None, "max_model_len": max_model_len,
+        "server_args": args.server_args if own else None, "engine": knobs, "max_model_len": max_model_len,
         "temperature": 0, "ignore_eos": True,
     }
     m = machine()
@@ -419,9 +497,13 @@ def main(argv=None) -> int:
           f"mean {args.output_mean:g} cap {12 * args.output_mean:g}; machine: {m.get('cpu', m['machine'])}, "
           f"{m['cores']} cores, SIMD {m.get('simd')}; server args: {args.server_args or '(defaults)'}")
     print(format_table(runs))
+
+    def clean(r):
+        return {k: (None if isinstance(v, float) and math.isinf(v) and k == "rate" else v)
+                for k, v in r.items()} | {"rate_label": "inf" if math.isinf(r["rate"]) else r["rate"]}
+
     out = {"config": config, "machine": m,
-           "runs": [{k: (None if isinstance(v, float) and math.isinf(v) and k == "rate" else v)
-                     for k, v in r.items()} | {"rate_label": "inf" if math.isinf(r["rate"]) else r["rate"]}
+           "runs": [clean(r) | ({"inprocess": clean(r["inprocess"])} if r.get("inprocess") else {})
                     for r in runs]}
     Path(args.json).write_text(json.dumps(out, indent=2))
     print(f"wrote {args.json}")
@@ -430,7 +512,8 @@ def main(argv=None) -> int:
                 f"M={args.output_mean:g}"
         if plot_cdf(runs, args.plot, title):
             print(f"wrote {args.plot}")
-    return 0 if all(r["failed"] == 0 for r in runs) else 1
+    failed = any(r["failed"] for r in runs) or any(r["inprocess"]["failed"] for r in runs if r.get("inprocess"))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

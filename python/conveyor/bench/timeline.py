@@ -31,7 +31,7 @@ def slots_from_trace(trace, n_slots: int, order: Optional[Dict[int, int]] = None
         return {"n_steps": 0, "n_slots": n_slots, "bars": [], "grid": [[] for _ in range(n_slots)],
                 "idle_slot_steps": 0, "idle_while_waiting": 0, "utilization": 0.0}
     s0 = steps[0]
-    for step, _t0, _t1, iid, idx, n_new in trace:
+    for step, _t0, _t1, iid, idx, n_new, *_ in trace:
         key = (int(iid), int(idx))
         d = seqs.setdefault(key, {"request": order.get(int(iid), int(iid)), "seq": int(idx),
                                   "start": int(step) - s0, "end": int(step) - s0,

@@ -144,7 +144,7 @@ def build(model: str, *, engine_kwargs: Optional[dict] = None, model_name: Optio
     queue_full_status (503 or 429) at once, with Retry-After when retry_after_s is set.
     ray_actor_options["num_cpus"] (default 1) also sets the engine's thread count unless
     engine_kwargs has num_threads. app_kwargs go to conveyor.serve.build_app
-    (max_waiting, max_body_bytes).
+    (request_timeout, max_body_bytes).
     """
     if not isinstance(model, str) or not model:
         raise ValueError("model must be a non-empty path")

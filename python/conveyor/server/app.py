@@ -24,17 +24,18 @@ import os
 import sys
 from typing import Optional
 
-from .protocol import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, APIError
+from .protocol import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUED_REQUESTS, APIError
 from .serving import Server, error_response, json_response
 
 
-def build_app(engine, *, model_name: str, api_key: Optional[str] = None,
-              max_waiting: int = DEFAULT_MAX_WAITING, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+def build_app(engine, *, model_name: str, api_key: Optional[str] = None, request_timeout: Optional[float] = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
     """The ASGI app serving `engine` (an AsyncLLM) under the name `model_name`.
 
     api_key: when set, /v1/* needs "Authorization: Bearer <api_key>".
-    max_waiting: a generation request is refused with 503 while more than this many
-    engine requests wait to be scheduled. max_body_bytes: larger bodies get 413.
+    request_timeout: the deadline (seconds) of a request that names no "timeout".
+    max_body_bytes: larger bodies get 413. Overload control is the engine's: an AsyncLLM
+    made with max_queued_requests refuses the excess, answered 503 with Retry-After.
     """
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
@@ -43,7 +44,10 @@ def build_app(engine, *, model_name: str, api_key: Optional[str] = None,
 
     if not isinstance(model_name, str) or not model_name:
         raise ValueError("model_name must be a non-empty string")
-    server = Server(engine, model_name, api_key, max_waiting, max_body_bytes)
+    if request_timeout is not None and not (isinstance(request_timeout, (int, float)) and
+                                            not isinstance(request_timeout, bool) and 0 < request_timeout <= 1e9):
+        raise ValueError(f"request_timeout must be a number of seconds in (0, 1e9], got {request_timeout!r}")
+    server = Server(engine, model_name, api_key, request_timeout, max_body_bytes)
 
     def guarded(fn):
         async def endpoint(request):
@@ -134,8 +138,12 @@ def make_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $CONVEYOR_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model's name: "
                    "its folder's name, file stem, or a GGUF file's general.name)")
-    p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
-                   help="answer 503 while more than this many requests wait for the engine")
+    p.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
+                   help="answer 503 (with Retry-After) to a request that would make more than this many wait "
+                        "to be scheduled; 0: no limit")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="deadline in seconds of a request without 'timeout'; past it the request ends with "
+                        "finish_reason 'timeout' (default: none)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="answer 413 to larger request bodies")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -157,12 +165,23 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=None, choices=["cpu", "cuda"])
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=None)
+    g.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None,
+                   help="prompt tokens per step while sequences decode (default 64 on the CPU, 512 on CUDA; 0: "
+                        "no cap)")
     return p
 
 
 _ENGINE_KNOBS = ("tokenizer", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                  "kv_cache_memory", "kv_cache_dtype", "enable_prefix_caching", "enable_chunked_prefill",
-                 "scheduling", "num_threads", "device", "seed", "gpu_memory_utilization", "quantization")
+                 "scheduling", "num_threads", "device", "seed", "gpu_memory_utilization", "quantization",
+                 "max_prefill_tokens_while_decoding")
+
+
+def engine_kwargs(args) -> dict:
+    """The AsyncLLM keyword arguments of parsed `conveyor serve` arguments."""
+    knobs = {k: getattr(args, k) for k in _ENGINE_KNOBS if getattr(args, k) is not None}
+    knobs["max_queued_requests"] = args.max_queued_requests or None
+    return knobs
 
 
 def main(argv=None) -> int:
@@ -178,8 +197,12 @@ def main(argv=None) -> int:
     if not (0 <= args.port <= 65535):
         print(f"conveyor serve: error: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
         return 2
-    if args.max_waiting < 0 or args.max_body_bytes < 1:
-        print("conveyor serve: error: --max-waiting must be >= 0 and --max-body-bytes >= 1", file=sys.stderr)
+    if args.max_queued_requests < 0 or args.max_body_bytes < 1:
+        print("conveyor serve: error: --max-queued-requests must be >= 0 and --max-body-bytes >= 1",
+              file=sys.stderr)
+        return 2
+    if args.request_timeout is not None and not (0 < args.request_timeout <= 1e9):
+        print("conveyor serve: error: --request-timeout must be in (0, 1e9] seconds", file=sys.stderr)
         return 2
     from .. import AsyncLLM, ConveyorError
 
@@ -187,7 +210,7 @@ def main(argv=None) -> int:
         from ..default_model import default_model_path
 
         args.model = default_model_path()
-    knobs = {k: getattr(args, k) for k in _ENGINE_KNOBS if getattr(args, k) is not None}
+    knobs = engine_kwargs(args)
     try:
         engine = AsyncLLM(args.model, **knobs)
     except (OSError, ValueError, TypeError, ConveyorError) as e:
@@ -202,7 +225,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"conveyor serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
-    app = build_app(engine, model_name=name, api_key=args.api_key, max_waiting=args.max_waiting,
+    app = build_app(engine, model_name=name, api_key=args.api_key, request_timeout=args.request_timeout,
                     max_body_bytes=args.max_body_bytes)
     try:
         # Bound here, not by uvicorn, so that --port 0 works: the line below names the real port.

@@ -94,6 +94,8 @@ class ServerMetrics:
         h = g("prefix_hits", 0) or 0
         metric("conveyor_num_requests_running", "gauge", "Requests in the running batch.", g("num_running", 0))
         metric("conveyor_num_requests_waiting", "gauge", "Requests waiting to be scheduled.", g("num_waiting", 0))
+        metric("conveyor_num_requests_queued", "gauge",
+               "Requests not yet scheduled once (what max_queued_requests limits).", g("num_queued", 0))
         metric("conveyor_num_preemptions_total", "counter", "Preemptions since start.", g("num_preemptions", 0))
         metric("conveyor_kv_cache_usage_perc", "gauge", "Fraction of KV blocks in use (1 = full).",
                float(used / total) if total else 0.0)
@@ -117,8 +119,11 @@ class ServerMetrics:
         for reason in sorted(set(self.finished) | {"stop", "length"}):
             lines.append(f'conveyor_request_success_total{{{L},finished_reason="{_label(reason)}"}} '
                          f"{self.finished.get(reason, 0)}")
-        metric("conveyor_requests_rejected_total", "counter", "Requests refused with 503 (queue full).",
-               self.rejected)
+        metric("conveyor_requests_rejected_total", "counter",
+               "Requests refused with 503 (queue full: max_queued_requests).", self.rejected)
+        metric("conveyor_requests_timed_out_total", "counter",
+               "Engine requests ended past their deadline (timeout, --request-timeout).",
+               g("requests_timed_out", 0))
         metric("conveyor_client_disconnects_total", "counter", "Requests whose client went away before the end.",
                self.disconnects)
         metric("conveyor_server_requests_in_flight", "gauge", "HTTP generation requests being served.", in_flight)

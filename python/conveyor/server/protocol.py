@@ -10,7 +10,7 @@ from typing import Optional
 
 from ..sampling_params import SamplingParams
 
-DEFAULT_MAX_WAITING = 1024
+DEFAULT_MAX_QUEUED_REQUESTS = 1024
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 MAX_N = 128                 # choices per prompt
 MAX_PROMPTS = 256           # prompts in one batched completions request
@@ -29,9 +29,10 @@ class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
 
     def __init__(self, status: int, message: str, param: Optional[str] = None,
-                 type_: Optional[str] = None, code: Optional[str] = None):
+                 type_: Optional[str] = None, code: Optional[str] = None, headers: Optional[dict] = None):
         super().__init__(message)
         self.status = status
+        self.headers = headers  # extra response headers (Retry-After)
         self.message = message
         self.param = param
         self.type = type_ or {400: "invalid_request_error", 401: "authentication_error",
@@ -166,6 +167,8 @@ class Parsed:
     logprobs: Optional[int] = None  # completions: top-N; chat: top_logprobs (when logprobs is on)
     echo: bool = False
     model: Optional[str] = None
+    priority: int = 0                # vLLM's extension: lower runs first under scheduling="priority"
+    timeout: Optional[float] = None  # seconds from arrival; past it: finish_reason "timeout"
     prompt_only: bool = False       # completions max_tokens 0 (with echo): no completion tokens
 
 
@@ -283,6 +286,12 @@ def _make_params(kw: dict, renames: Optional[dict] = None) -> SamplingParams:
         raise refused(e, renames) from None
 
 
+def _load_fields(f: Fields) -> dict:
+    """The serving-under-load fields of any generation request, types only (the engine
+    checks the ranges when the request is added): priority and timeout."""
+    return {"priority": f.int("priority", 0), "timeout": f.number("timeout", None)}
+
+
 def _stream_flags(f: Fields) -> tuple[bool, bool]:
     stream = f.bool("stream", False)
     so = f.obj_("stream_options")
@@ -388,7 +397,7 @@ class Validator:
         params = _make_params(kw)
         self._check(params, prompts, ["prompt" if len(prompts) == 1 else f"prompt[{i}]" for i in range(len(prompts))])
         return Parsed("completion", prompts, params, stream, include_usage, logprobs, echo, model,
-                      prompt_only=max_tokens == 0)
+                      prompt_only=max_tokens == 0, **_load_fields(f))
 
     def _message_text(self, i: int, content) -> str:
         param = f"messages[{i}].content"
@@ -462,6 +471,6 @@ class Validator:
         params = _make_params(_common_sampling(f, max_tokens, logprobs, n), renames)
         prompts = [Prompt(text, ids)]
         self._check(params, prompts, ["messages"], renames)
-        return Parsed("chat", prompts, params, stream, include_usage, logprobs, False, model)
+        return Parsed("chat", prompts, params, stream, include_usage, logprobs, False, model, **_load_fields(f))
 
 

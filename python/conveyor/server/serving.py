@@ -13,6 +13,7 @@ from contextlib import aclosing
 from typing import Any, AsyncIterator, Optional
 
 from ..sampling_params import SamplingParams
+from .chunks import ChunkEncoder
 from .metrics import ServerMetrics
 from .protocol import (APIError, Parsed, Prompt, Validator, bad_request, check_text, dumps, refused,
                        type_name)
@@ -29,8 +30,10 @@ def json_response(obj, status: int = 200, headers: Optional[dict] = None):
 
 
 def error_response(err: APIError):
-    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
-    return json_response(err.body(), err.status, headers)
+    headers = dict(err.headers or {})
+    if err.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return json_response(err.body(), err.status, headers or None)
 
 
 async def wait_disconnect(receive) -> None:
@@ -89,31 +92,16 @@ def _finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
 
 
-class _Admission:
-    """Engine requests admitted but not yet handed to the engine, counted in Server.pending
-    so that a burst of arrivals cannot all slip past the waiting limit."""
-
-    def __init__(self, server: "Server", count: int):
-        self.server = server
-        self.left = count
-        server.pending += count
-
-    def take(self):
-        if self.left > 0:
-            self.left -= 1
-            self.server.pending -= 1
-
-    def release(self):
-        self.server.pending -= self.left
-        self.left = 0
+RETRY_AFTER_S = 1  # the Retry-After of a 503 for a full queue
 
 
 class Server:
-    def __init__(self, engine, model_name: str, api_key: Optional[str], max_waiting: int, max_body_bytes: int):
+    def __init__(self, engine, model_name: str, api_key: Optional[str], request_timeout: Optional[float],
+                 max_body_bytes: int):
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
-        self.max_waiting = int(max_waiting)
+        self.request_timeout = request_timeout  # the deadline of a request that names none
         self.max_body_bytes = int(max_body_bytes)
         self.tok = engine.tokenizer
         st = engine.stats()
@@ -122,7 +110,6 @@ class Server:
         self.validator = Validator(self.tok, self.max_model_len, engine.check_request)
         self.metrics = ServerMetrics(model_name)
         self.created = int(time.time())
-        self.pending = 0     # engine requests admitted but not yet handed to the engine
         self.in_flight = 0   # HTTP generation requests being answered
         self._piece_cache: dict[int, tuple[str, list]] = {}
 
@@ -174,14 +161,31 @@ class Server:
             raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
 
-    def admit(self, count: int) -> "_Admission":
-        """503 when the engine's waiting queue (plus what we are about to hand it) is past the limit."""
-        waiting = int(self.engine.stats().get("num_waiting", 0)) + self.pending
-        if waiting > self.max_waiting:
-            self.metrics.rejected += 1
-            raise APIError(503, f"the server is overloaded ({waiting} requests waiting, limit "
-                                f"{self.max_waiting}); retry later", code="server_overloaded")
-        return _Admission(self, count)
+    def start(self, parsed: Parsed, rid: str, params: SamplingParams) -> list:
+        """Adds every prompt's request to the engine now, before any response starts, so
+        that a full queue (the engine's max_queued_requests) is answered 503 with
+        Retry-After at once and a refused request 400; all or nothing. Returns the
+        RequestStreams; the caller closes them."""
+        from .. import EngineOverloadedError
+
+        timeout = parsed.timeout if parsed.timeout is not None else self.request_timeout
+        streams = []
+        try:
+            for i, p in enumerate(parsed.prompts):
+                streams.append(self.engine.add_request({"prompt": p.text, "prompt_token_ids": p.ids}, params,
+                                                       request_id=f"{rid}-{i}", priority=parsed.priority,
+                                                       timeout=timeout))
+        except BaseException as e:
+            for s in streams:
+                s.close()
+            if isinstance(e, EngineOverloadedError):
+                self.metrics.rejected += 1
+                raise APIError(503, f"the server is overloaded: {e}", code="server_overloaded",
+                               headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+            if isinstance(e, (ValueError, TypeError)):  # the engine refused the request
+                raise refused(e) from None
+            raise
+        return streams
 
     def piece(self, tid: int) -> tuple[str, list]:
         p = self._piece_cache.get(tid)
@@ -198,34 +202,26 @@ class Server:
         return p
 
     # -- generation -------------------------------------------------------
-    async def _one(self, adm: _Admission, rid: str, prompt: Prompt, params: SamplingParams):
-        adm.take()  # handed over now: generate's first step adds it to the engine with no await before
-        async with aclosing(self.engine.generate({"prompt": prompt.text, "prompt_token_ids": prompt.ids},
-                                                 params, request_id=rid)) as outs:
-            async for out in outs:
-                yield out
-
-    async def _merged(self, adm: _Admission, base: str, parsed: Parsed, params: SamplingParams):
-        """Yields (prompt index, RequestOutput) from every prompt's generation."""
-        if len(parsed.prompts) == 1:
-            async with aclosing(self._one(adm, f"{base}-0", parsed.prompts[0], params)) as outs:
-                async for out in outs:
-                    yield 0, out
+    @staticmethod
+    async def _merged(streams: list):
+        """Yields (prompt index, RequestOutput) from every prompt's stream."""
+        if len(streams) == 1:
+            async for out in streams[0]:
+                yield 0, out
             return
         q: asyncio.Queue = asyncio.Queue()
 
-        async def feed(i, p):
+        async def feed(i, stream):
             try:
-                async with aclosing(self._one(adm, f"{base}-{i}", p, params)) as outs:
-                    async for out in outs:
-                        q.put_nowait((i, out, None))
+                async for out in stream:
+                    q.put_nowait((i, out, None))
                 q.put_nowait((i, None, None))
             except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
                 q.put_nowait((i, None, e))
                 if isinstance(e, asyncio.CancelledError):
                     raise
 
-        tasks = [asyncio.ensure_future(feed(i, p)) for i, p in enumerate(parsed.prompts)]
+        tasks = [asyncio.ensure_future(feed(i, s)) for i, s in enumerate(streams)]
         try:
             left = len(tasks)
             while left:
@@ -280,12 +276,11 @@ class Server:
         reason = "length" if "length" in reasons else (reasons[0] if reasons else None)
         self.metrics.record(out.metrics, max(n_tokens) if n_tokens else 0, reason)
 
-    async def generate_full(self, adm: _Admission, parsed: Parsed, rid: str):
+    async def generate_full(self, streams: list, parsed: Parsed, rid: str):
         """Runs a request to the end; returns the response body."""
         n = parsed.params.n
-        params = parsed.params.clone(output_kind="final_only")
         finals: dict[int, Any] = {}
-        async with aclosing(self._merged(adm, rid, parsed, params)) as outs:
+        async with aclosing(self._merged(streams)) as outs:
             async for i, out in outs:
                 if out.finished:
                     finals[i] = out
@@ -368,9 +363,32 @@ class Server:
                 done[j] = True
         return choices
 
-    async def generate_stream(self, adm: _Admission, parsed: Parsed, rid: str) -> AsyncIterator[str]:
+    async def _single_events(self, stream, enc: ChunkEncoder, usage: list) -> AsyncIterator[str]:
+        """The common stream (one prompt, n=1, no logprobs): every output delivered since
+        the last write becomes one template-encoded event, and all of them one write."""
+        tokens = 0
+        done = False
+        while True:
+            outs = await stream.next_batch()
+            if not outs:
+                break
+            parts = []
+            for out in outs:
+                o = out.outputs[0]
+                fin = o.finish_reason if o.finish_reason not in (None, "abort") else None
+                if not done and (o.token_ids or o.text or fin is not None):
+                    tokens += len(o.token_ids)
+                    parts.append(enc.event(o.text, fin, o.stop_reason))
+                    done = fin is not None
+                if out.finished:
+                    usage[0] += len(out.prompt_token_ids)
+                    self._record(out, [tokens])
+            usage[1] = tokens
+            if parts:
+                yield "".join(parts)
+
+    async def generate_stream(self, streams: list, parsed: Parsed, rid: str) -> AsyncIterator[str]:
         n = parsed.params.n
-        params = parsed.params.clone(output_kind="delta")
         chat = parsed.kind == "chat"
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -394,14 +412,22 @@ class Server:
             elif parsed.echo:
                 yield chunk([{"index": i * n + k, "text": self._prompt_text(p), "logprobs": None,
                               "finish_reason": None} for i, p in enumerate(parsed.prompts) for k in range(n)])
-            async with aclosing(self._merged(adm, rid, parsed, params)) as outs:
-                async for i, out in outs:
-                    choices = self._stream_choices(parsed, i, out, tokens, offsets, done)
-                    if out.finished:
-                        prompt_tokens += len(out.prompt_token_ids)
-                        self._record(out, tokens[i * n:(i + 1) * n])
-                    if choices:
-                        yield chunk(choices)
+            if len(streams) == 1 and n == 1 and parsed.logprobs is None:
+                usage = [0, 0]
+                enc = ChunkEncoder(rid, created, self.model_name, chat, parsed.include_usage)
+                async with aclosing(self._single_events(streams[0], enc, usage)) as events:
+                    async for ev in events:
+                        yield ev
+                prompt_tokens, tokens[0] = usage
+            else:
+                async with aclosing(self._merged(streams)) as outs:
+                    async for i, out in outs:
+                        choices = self._stream_choices(parsed, i, out, tokens, offsets, done)
+                        if out.finished:
+                            prompt_tokens += len(out.prompt_token_ids)
+                            self._record(out, tokens[i * n:(i + 1) * n])
+                        if choices:
+                            yield chunk(choices)
             if parsed.include_usage:
                 comp = sum(tokens)
                 yield chunk([], {"prompt_tokens": prompt_tokens, "completion_tokens": comp,
@@ -434,12 +460,18 @@ class Server:
         parsed = self.validator.completion(body) if kind == "completion" else self.validator.chat(body)
         if self.engine.closed:
             raise APIError(503, "the engine is shut down", code="engine_closed")
-        adm = self.admit(len(parsed.prompts))
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        streams = self.start(parsed, rid, parsed.params.clone(output_kind="delta" if parsed.stream else "final_only"))
         if parsed.stream:
-            return self._stream_response(adm, parsed, rid)
+            return self._stream_response(streams, parsed, rid)
         self.in_flight += 1
-        gen = asyncio.ensure_future(self.generate_full(adm, parsed, rid))
+        try:
+            gen = asyncio.ensure_future(self.generate_full(streams, parsed, rid))
+        except BaseException:
+            self.in_flight -= 1
+            for s in streams:
+                s.close()
+            raise
         watch = asyncio.ensure_future(wait_disconnect(request.receive))
         try:
             done, _ = await asyncio.wait({gen, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -461,11 +493,12 @@ class Server:
             raise
         finally:
             self.in_flight -= 1
-            adm.release()
+            for s in streams:  # aborts what did not finish (a disconnect, an error)
+                s.close()
             if not watch.done():
                 watch.cancel()
 
-    def _stream_response(self, adm: _Admission, parsed: Parsed, rid: str):
+    def _stream_response(self, streams: list, parsed: Parsed, rid: str):
         server = self
 
         def on_disconnect():
@@ -473,9 +506,10 @@ class Server:
 
         def on_end():
             server.in_flight -= 1
-            adm.release()
+            for s in streams:  # also when the response never started streaming
+                s.close()
 
         server.in_flight += 1
-        return SSEResponse(server.generate_stream(adm, parsed, rid), on_disconnect, on_end)
+        return SSEResponse(server.generate_stream(streams, parsed, rid), on_disconnect, on_end)
 
 

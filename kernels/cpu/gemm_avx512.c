@@ -1,0 +1,161 @@
+/* AVX-512 GEMM micro-kernels (contract in gemm_ukr.h), the counterparts of
+ * the AVX2 ones in gemm.c: one zmm holds the 16 outputs of a panel row, so a
+ * tile keeps mr zmm accumulators (times U independent sets when mr is small,
+ * so FMA latency does not bound the stream); partial panels use masks.
+ *
+ * Weights widened in registers: f32 as is, f16 by vcvtph2ps, bf16 (slot
+ * layout: a 32-bit lane holds outputs (j, j+8)) by a zero-extension and a
+ * shift, which leaves the outputs in slot order; the accumulators stay in
+ * slot order and are permuted once, at load and store of c.
+ *
+ * AVX512_BF16: bf16 weights packed as pairs along k ([kc/2][16][2]) and
+ * activations rounded to bf16 once per GEMM call and row; vdpbf16ps adds
+ * two exact products per lane into fp32 accumulators (two multiply-adds per
+ * lane per instruction, twice the fp32 FMA rate, half the weight bytes). */
+#include <string.h>
+
+#include "gemm_ukr.h"
+
+#if CV_HAVE_AVX512
+CV_TARGET_AVX512_BEGIN
+
+/* Accumulator sets: enough independent chains (mr * U >= 8) for small tiles. */
+#define UKR512_U(mr) ((mr) == 1 ? 8 : ((mr) == 2 ? 4 : ((mr) <= 4 ? 2 : 1)))
+
+/* Lane l of slot order holds output l/2 (l even) or l/2 + 8 (l odd). */
+static CV_ALWAYS_INLINE __m512i out_to_slot(void) {
+    return _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+}
+static CV_ALWAYS_INLINE __m512i slot_to_out(void) {
+    return _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
+/* The 16 weights of panel row k (bf16: in slot order). */
+static CV_ALWAYS_INLINE __m512 load_w512(const cv_dtype dt, const void *w, int64_t k) {
+    if (dt == CV_F32) return _mm512_loadu_ps((const float *)w + k * CV_NR);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k * CV_NR));
+    if (dt == CV_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+static CV_ALWAYS_INLINE void ukr_512(const int mr, const cv_dtype dt, const int packed, int64_t kc,
+                                     const float *x, int64_t ldx, const void *w, float *c,
+                                     int64_t ldc, int nvalid, const float *bias, int load_c) {
+    const int U = UKR512_U(mr);
+    const __mmask16 mask = (__mmask16)((1u << nvalid) - 1u);
+    __m512 acc[8][CV_MR];
+    __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+    if (dt == CV_BF16) b = _mm512_permutexvar_ps(out_to_slot(), b);
+#pragma GCC unroll 6
+    for (int i = 0; i < mr; i++) {
+        __m512 a = b;
+        if (load_c) {
+            __m512 ci = _mm512_maskz_loadu_ps(mask, c + i * ldc);
+            if (dt == CV_BF16) ci = _mm512_permutexvar_ps(out_to_slot(), ci);
+            a = _mm512_add_ps(ci, b);
+        }
+        acc[0][i] = a;
+#pragma GCC unroll 8
+        for (int u = 1; u < U; u++) acc[u][i] = _mm512_setzero_ps();
+    }
+    int64_t k = 0;
+    for (; k + U <= kc; k += U) {
+#pragma GCC unroll 8
+        for (int u = 0; u < U; u++) {
+            const __m512 wv = load_w512(dt, w, k + u);
+#pragma GCC unroll 6
+            for (int i = 0; i < mr; i++) {
+                const __m512 xb = _mm512_set1_ps(packed ? x[(k + u) * mr + i] : x[i * ldx + k + u]);
+                acc[u][i] = _mm512_fmadd_ps(xb, wv, acc[u][i]);
+            }
+        }
+    }
+    for (; k < kc; k++) {
+        const __m512 wv = load_w512(dt, w, k);
+#pragma GCC unroll 6
+        for (int i = 0; i < mr; i++) {
+            const __m512 xb = _mm512_set1_ps(packed ? x[k * mr + i] : x[i * ldx + k]);
+            acc[0][i] = _mm512_fmadd_ps(xb, wv, acc[0][i]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int i = 0; i < mr; i++) {
+#pragma GCC unroll 8
+        for (int u = 1; u < U; u++) acc[0][i] = _mm512_add_ps(acc[0][i], acc[u][i]);
+        __m512 r = acc[0][i];
+        if (dt == CV_BF16) r = _mm512_permutexvar_ps(slot_to_out(), r);
+        _mm512_mask_storeu_ps(c + i * ldc, mask, r);
+    }
+}
+
+#define AVX512_UKR(MR, DT, NAME)                                                                \
+    static void NAME(int64_t kc, const float *x, int64_t ldx, const void *w, float *c,         \
+                     int64_t ldc, int nvalid, const float *bias, int load_c) {                  \
+        if (ldx)                                                                                \
+            ukr_512(MR, DT, 0, kc, x, ldx, w, c, ldc, nvalid, bias, load_c);                    \
+        else                                                                                    \
+            ukr_512(MR, DT, 1, kc, x, ldx, w, c, ldc, nvalid, bias, load_c);                    \
+    }
+UKR_TABLE(AVX512_UKR, avx512_, , cv_gemm_avx512_table)
+CV_TARGET_END
+
+CV_TARGET_AVX512_BF16_BEGIN
+/* Pair layout: x bf16 [mr][ldx], w [kc/2][16][2] bf16, kc even. */
+static CV_ALWAYS_INLINE void ukr_dot(const int mr, int64_t kc, const float *xf, int64_t ldx,
+                                     const void *w, float *c, int64_t ldc, int nvalid,
+                                     const float *bias, int load_c) {
+    const int U = UKR512_U(mr);
+    const uint16_t *x = (const uint16_t *)(const void *)xf;
+    const uint16_t *wp = w;
+    const int64_t kp = kc / 2; /* pairs */
+    const __mmask16 mask = (__mmask16)((1u << nvalid) - 1u);
+    __m512 acc[8][CV_MR];
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+#pragma GCC unroll 6
+    for (int i = 0; i < mr; i++) {
+        acc[0][i] = load_c ? _mm512_add_ps(_mm512_maskz_loadu_ps(mask, c + i * ldc), b) : b;
+#pragma GCC unroll 8
+        for (int u = 1; u < U; u++) acc[u][i] = _mm512_setzero_ps();
+    }
+    int64_t q = 0;
+    for (; q + U <= kp; q += U) {
+#pragma GCC unroll 8
+        for (int u = 0; u < U; u++) {
+            const __m512i wv = _mm512_loadu_si512((const void *)(wp + (q + u) * 2 * CV_NR));
+#pragma GCC unroll 6
+            for (int i = 0; i < mr; i++) {
+                uint32_t xv; /* (x[k], x[k+1]) */
+                memcpy(&xv, x + i * ldx + 2 * (q + u), sizeof xv);
+                const __m512i xb = _mm512_set1_epi32((int)xv);
+                acc[u][i] = _mm512_dpbf16_ps(acc[u][i], (__m512bh)xb, (__m512bh)wv);
+            }
+        }
+    }
+    for (; q < kp; q++) {
+        const __m512i wv = _mm512_loadu_si512((const void *)(wp + q * 2 * CV_NR));
+#pragma GCC unroll 6
+        for (int i = 0; i < mr; i++) {
+            uint32_t xv;
+            memcpy(&xv, x + i * ldx + 2 * q, sizeof xv);
+            const __m512i xb = _mm512_set1_epi32((int)xv);
+            acc[0][i] = _mm512_dpbf16_ps(acc[0][i], (__m512bh)xb, (__m512bh)wv);
+        }
+    }
+#pragma GCC unroll 6
+    for (int i = 0; i < mr; i++) {
+#pragma GCC unroll 8
+        for (int u = 1; u < U; u++) acc[0][i] = _mm512_add_ps(acc[0][i], acc[u][i]);
+        _mm512_mask_storeu_ps(c + i * ldc, mask, acc[0][i]);
+    }
+}
+
+#define DOT_UKR(MR, NAME)                                                                       \
+    static void NAME(int64_t kc, const float *x, int64_t ldx, const void *w, float *c,         \
+                     int64_t ldc, int nvalid, const float *bias, int load_c) {                  \
+        ukr_dot(MR, kc, x, ldx, w, c, ldc, nvalid, bias, load_c);                               \
+    }
+DOT_UKR(1, dot_1) DOT_UKR(2, dot_2) DOT_UKR(3, dot_3) DOT_UKR(4, dot_4) DOT_UKR(5, dot_5)
+DOT_UKR(6, dot_6)
+const ukr_fn cv_gemm_bf16dot_table[CV_MR + 1] = UKR_LIST(dot_);
+CV_TARGET_END
+#endif

@@ -1,0 +1,41 @@
+/* The GEMM micro-kernel contract shared by gemm.c (driver, plain C, AVX2) and
+ * gemm_avx512.c (AVX-512 and AVX512_BF16).
+ *
+ *   c[mr][ldc] (valid columns: nvalid <= 16) gets
+ *     (load_c ? c : 0) + (bias ? bias[0..nvalid) : 0) + sum_k x[i][k] w[k][.]
+ *   x: [mr][ldx] rows of activations (kc used), or when ldx == 0 a packed
+ *      tile [kc][mr]; w: one panel chunk [kc][16].
+ * The bf16-pair kernels (AVX512_BF16) read x as bfloat16 [mr][ldx] (ldx in
+ * bf16 values, even, never 0) and w as pairs along k: [kc/2][16][2], kc even. */
+#ifndef CV_CPU_GEMM_UKR_H
+#define CV_CPU_GEMM_UKR_H
+
+#include "cpu_internal.h"
+
+typedef void (*ukr_fn)(int64_t kc, const float *x, int64_t ldx, const void *w, float *c,
+                       int64_t ldc, int nvalid, const float *bias, int load_c);
+
+/* bf16 panels (slot layout, all levels but the pair layout): output j at
+ * slot 2j (j < 8) or 2(j-8)+1, so a 32-bit lane holds outputs (j, j+8). */
+static inline int bf16_slot(int j) { return j < 8 ? 2 * j : 2 * (j - 8) + 1; }
+
+/* Index of a weight dtype in the kernel tables. */
+static inline int dt_index(cv_dtype dt) { return dt == CV_F32 ? 0 : (dt == CV_BF16 ? 1 : 2); }
+
+/* Instantiates GEN(mr, dtype, name) for tile heights 1..CV_MR (== 6) and the
+ * three weight dtypes, as P##f32_1 .. P##f16_6, and TABLE[dt_index][mr] of
+ * them (mr 0 unused; SC: its storage class): one place keeps the table in dt_index() order. */
+#define UKR_ROW(GEN, DT, P)                                                                     \
+    GEN(1, DT, P##1) GEN(2, DT, P##2) GEN(3, DT, P##3) GEN(4, DT, P##4) GEN(5, DT, P##5) GEN(6, DT, P##6)
+#define UKR_LIST(P) {NULL, P##1, P##2, P##3, P##4, P##5, P##6}
+#define UKR_TABLE(GEN, P, SC, TABLE)                                                            \
+    UKR_ROW(GEN, CV_F32, P##f32_) UKR_ROW(GEN, CV_BF16, P##bf16_) UKR_ROW(GEN, CV_F16, P##f16_)   \
+    SC const ukr_fn TABLE[3][CV_MR + 1] = {UKR_LIST(P##f32_), UKR_LIST(P##bf16_), UKR_LIST(P##f16_)};
+_Static_assert(CV_MR == 6, "UKR_ROW instantiates tile heights 1..6");
+
+/* gemm_avx512.c: AVX-512 kernels of the three weight dtypes (widened in
+ * registers), and the AVX512_BF16 kernels of the pair layout (vdpbf16ps). */
+extern const ukr_fn cv_gemm_avx512_table[3][CV_MR + 1];
+extern const ukr_fn cv_gemm_bf16dot_table[CV_MR + 1];
+
+#endif

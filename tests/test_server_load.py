@@ -1,0 +1,190 @@
+"""The server under load: 500 concurrent streams, overload (queue limit, 503 with
+Retry-After), deadlines and priorities, against real server processes on loopback.
+Clients: the light raw-socket client of the serving benchmark (conveyor.bench.serve_load)."""
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+pytest.importorskip("starlette")
+
+import conveyor  # noqa: E402
+from conveyor import SamplingParams  # noqa: E402
+from conveyor.bench.serve import OwnServer  # noqa: E402
+from conveyor.bench.serve_load import http_one  # noqa: E402
+
+MODEL = Path(__file__).resolve().parents[2] / "shared/models/stories260K/stories260K.bin"
+pytestmark = pytest.mark.skipif(not MODEL.is_file(), reason=f"{MODEL} not found")
+
+PROMPTS = ["Once upon a time", "The little dog", "Tom and Sue", "One day, a bird", "The sun was"]
+
+
+def metric(url, name, labels: str = "") -> float:
+    text = httpx.get(url + "/metrics", timeout=30.0, trust_env=False).text
+    m = re.search(rf"^{re.escape(name)}\{{[^}}]*{re.escape(labels)}[^}}]*\}} (\S+)$", text, re.M)
+    assert m, f"{name} {labels} not in /metrics"
+    return float(m.group(1))
+
+
+def wait_metric(url, name, pred, timeout=15.0) -> float:
+    deadline = time.monotonic() + timeout
+    v = metric(url, name)
+    while not pred(v) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        v = metric(url, name)
+    return v
+
+
+def send(url, bodies, delays=None):
+    """Streams every body at once (or after its delay); returns the records in order."""
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+
+    async def go():
+        t0 = time.perf_counter()
+        tasks = [http_one(u.hostname, u.port, "/v1/completions",
+                          {"stream": True, "stream_options": {"include_usage": True}, **b},
+                          None, {"prompt": [], "max_tokens": b.get("max_tokens", 16)},
+                          (delays or [0.0] * len(bodies))[i], t0)
+                 for i, b in enumerate(bodies)]
+        return await asyncio.gather(*tasks)
+
+    return asyncio.run(asyncio.wait_for(go(), 120))
+
+
+@pytest.fixture(scope="module")
+def llm():
+    engine = conveyor.LLM(str(MODEL), num_threads=1)
+    yield engine
+    engine.close()
+
+
+def test_500_concurrent_streams_match_generate(llm):
+    server = OwnServer(str(MODEL), ["--num-threads", "1"], timeout=60.0)
+    try:
+        cases = [(PROMPTS[i % len(PROMPTS)], 1 + (i * 7) % 32) for i in range(500)]
+        refs = {}
+        for p in PROMPTS:
+            ks = sorted({k for q, k in cases if q == p})
+            outs = llm.generate([p] * len(ks), [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True)
+                                                for k in ks], use_tqdm=False)
+            refs.update({(p, k): o.outputs[0].text for k, o in zip(ks, outs)})
+        finished0 = metric(server.url, "conveyor_requests_finished_total")
+        recs = send(server.url, [{"prompt": p, "max_tokens": k, "temperature": 0, "ignore_eos": True}
+                                 for p, k in cases])
+        for (p, k), r in zip(cases, recs):
+            assert r["status"] == 200 and r["error"] is None, r["error"]
+            assert r["done"] and r["finish_reason"] == "length"
+            assert r["output_tokens"] == k
+            assert r["text"] == refs[(p, k)]  # every chunk, in order
+        assert metric(server.url, "conveyor_requests_finished_total") - finished0 == 500
+        assert wait_metric(server.url, "conveyor_kv_cache_blocks_used", lambda v: v == 0) == 0
+        assert metric(server.url, "conveyor_requests_rejected_total") == 0
+    finally:
+        server.stop()
+
+
+def test_overload_refuses_the_excess_at_once():
+    # 2 seats and a queue of 8: of 64 simultaneous long requests at most 10 are admitted
+    # before the first of them could finish (500 tokens each); the rest get 503 at once.
+    server = OwnServer(str(MODEL), ["--num-threads", "1", "--max-num-seqs", "2", "--max-queued-requests", "8"],
+                       timeout=60.0)
+    try:
+        body = {"prompt": "Once upon a time", "max_tokens": 500, "temperature": 0, "ignore_eos": True}
+        recs = send(server.url, [body] * 64)
+        ok = [r for r in recs if r["status"] == 200]
+        refused = [r for r in recs if r["status"] == 503]
+        assert len(ok) + len(refused) == 64
+        assert len(ok) >= 10 and len(refused) >= 40, (len(ok), len(refused))
+        first_done = min(r["start"] + r["e2e"] for r in ok)
+        for r in refused:
+            assert r["start"] + r["answered"] < first_done  # answered before any admitted one finished
+            assert r["retry_after"] is not None and int(r["retry_after"]) >= 1
+            assert '"type":"service_unavailable_error"' in r["error"].replace(" ", "")
+            assert "max_queued_requests" in r["error"] or "overloaded" in r["error"]
+        for r in ok:
+            assert r["done"] and r["finish_reason"] == "length" and r["output_tokens"] == 500
+        assert metric(server.url, "conveyor_requests_rejected_total") == len(refused)
+        assert metric(server.url, "conveyor_http_errors_total", 'status="503"') == len(refused)
+        assert metric(server.url, "conveyor_requests_finished_total") == len(ok)
+        assert wait_metric(server.url, "conveyor_kv_cache_blocks_used", lambda v: v == 0) == 0
+    finally:
+        server.stop()
+
+
+def test_deadlines_end_requests_with_timeout_and_free_blocks():
+    # One seat. A blocker (8 completions of 500 tokens, one at a time) holds it; requests
+    # behind it pass their deadline: from the body, or the server's --request-timeout.
+    server = OwnServer(str(MODEL), ["--num-threads", "1", "--max-num-seqs", "1", "--request-timeout", "0.5"],
+                       timeout=60.0)
+    try:
+        blocker = {"prompt": "Once upon a time", "max_tokens": 500, "n": 8, "ignore_eos": True, "timeout": 60}
+        short = {"prompt": "The dog", "max_tokens": 50, "ignore_eos": True, "timeout": 0.2}
+        default = {"prompt": "The cat", "max_tokens": 50, "ignore_eos": True}
+        recs = send(server.url, [blocker, short, default], delays=[0.0, 0.3, 0.3])
+        b, s, d = recs
+        assert s["status"] == 200 and s["finish_reason"] == "timeout" and s["done"] and s["text"] == ""
+        assert d["status"] == 200 and d["finish_reason"] == "timeout" and d["done"]
+        assert b["status"] == 200 and b["done"]
+        assert metric(server.url, "conveyor_requests_timed_out_total") == 2
+        assert metric(server.url, "conveyor_request_success_total", 'finished_reason="timeout"') == 2
+        assert wait_metric(server.url, "conveyor_kv_cache_blocks_used", lambda v: v == 0) == 0
+        # bad values name the field
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "timeout": -1}, trust_env=False)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "timeout"
+    finally:
+        server.stop()
+
+
+def test_priority_request_overtakes_the_queue():
+    server = OwnServer(str(MODEL), ["--num-threads", "1", "--max-num-seqs", "1", "--scheduling", "priority"],
+                       timeout=60.0)
+    try:
+        base = {"max_tokens": 60, "ignore_eos": True, "temperature": 0}
+        # the blocker: 4 completions of 400 tokens, one at a time on the only seat
+        bodies = [{"prompt": "Once upon a time", **base, "max_tokens": 400, "n": 4, "priority": 0}]
+        bodies += [{"prompt": f"Story {i}", **base, "priority": 10} for i in range(6)]
+        bodies += [{"prompt": "The king", **base, "priority": -5}]
+        # the blocker first; the low ones queue behind it; the high one comes last
+        recs = send(server.url, bodies, delays=[0.0] + [0.2] * 6 + [0.4])
+        assert all(r["status"] == 200 and r["done"] for r in recs), [r["error"] for r in recs]
+        end = [r["start"] + r["e2e"] for r in recs]
+        assert end[0] > 0.4, "the blocker ended before the high-priority request arrived"
+        assert all(end[7] < e for e in end[1:7]), end
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "priority": "high"}, trust_env=False)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+    finally:
+        server.stop()
+
+
+def test_bench_serve_compares_http_with_inprocess(tmp_path, capsys):
+    import json
+
+    from conveyor.bench.serve import main
+
+    out = tmp_path / "bench.json"
+    rc = main(["--model", str(MODEL), "--server-args", "--num-threads 1 --max-prefill-tokens-while-decoding 16",
+               "--num-prompts", "24", "--prompt-len", "48", "--output-mean", "12", "--rates", "inf",
+               "--client-procs", "2", "--json", str(out)])
+    assert rc == 0
+    run = json.loads(out.read_text())["runs"][0]
+    inproc = run["inprocess"]
+    for r in (run, inproc):
+        assert r["completed"] == 24 and r["failed"] == 0 and r["rejected"] == 0
+        assert r["ttft_s"]["p50"] > 0 and r["e2e_s"]["p99"] >= r["ttft_s"]["p50"]
+        assert set(r["cpu_us_per_token"]) == {"total", "engine", "frontend"}
+    assert run["output_tokens"] == inproc["output_tokens"]  # the same requests, EOS ignored
+    assert run["client_procs"] == 2
+    assert isinstance(run["http_overhead_us_per_token"], float)
+    steps = inproc["steps"]
+    assert steps["decode_only"]["n"] + steps["with_prompts"]["n"] > 0
+    assert steps["max_prompt_tokens_while_decoding"] <= 16
+    text = capsys.readouterr().out
+    assert "in-process" in text and "HTTP overhead" in text

@@ -1,0 +1,131 @@
+/* Development only: the x86 intrinsics in portable C, so the AVX-512 and
+ * AVX512_BF16 kernels can run (slowly) and be tested on a CPU without them.
+ *
+ * Built with CONVEYOR_EMULATE_AVX512=1 (setup.py: -DCV_EMULATE_AVX512 -I
+ * tools/avx512_emu; needs SIMDe, Debian package libsimde-dev); see
+ * tools/avx512_emulated.sh. SIMDe supplies most intrinsics under their Intel
+ * names; the few SIMDe 0.7 lacks are written below, lane by lane, from the
+ * Intel definitions. cv_cpu_features then reports every level supported. */
+#ifndef CV_AVX512_EMU_H
+#define CV_AVX512_EMU_H
+
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#include <simde/x86/f16c.h>
+#include <string.h>
+
+#include "../../csrc/common.h" /* cv_f16_to_f32, cv_f32_to_f16 */
+
+#define EMU_FN static inline
+
+typedef simde__mmask16 __mmask16;
+#ifndef _MM_FROUND_NO_EXC
+#define _MM_FROUND_NO_EXC SIMDE_MM_FROUND_NO_EXC
+#endif
+#ifndef _MM_FROUND_TO_NEAREST_INT
+#define _MM_FROUND_TO_NEAREST_INT SIMDE_MM_FROUND_TO_NEAREST_INT
+#endif
+
+#define EMU_LANES(T, n, v, arr) \
+    T arr[n];                   \
+    memcpy(arr, &(v), sizeof arr)
+#define EMU_RET(type, arr) \
+    do {                   \
+        type r_;           \
+        memcpy(&r_, arr, sizeof r_); \
+        return r_;         \
+    } while (0)
+
+EMU_FN __m512 emu_mm512_maskz_loadu_ps(__mmask16 k, const void *p) {
+    float o[16];
+    for (int i = 0; i < 16; i++) o[i] = (k >> i) & 1 ? ((const float *)p)[i] : 0.0f;
+    EMU_RET(__m512, o);
+}
+EMU_FN void emu_mm512_mask_storeu_ps(void *p, __mmask16 k, __m512 v) {
+    EMU_LANES(float, 16, v, a);
+    for (int i = 0; i < 16; i++)
+        if ((k >> i) & 1) ((float *)p)[i] = a[i];
+}
+EMU_FN __m256i emu_mm256_maskz_loadu_epi16(__mmask16 k, const void *p) {
+    uint16_t o[16];
+    for (int i = 0; i < 16; i++) o[i] = (k >> i) & 1 ? ((const uint16_t *)p)[i] : 0;
+    EMU_RET(__m256i, o);
+}
+EMU_FN void emu_mm256_mask_storeu_epi16(void *p, __mmask16 k, __m256i v) {
+    EMU_LANES(uint16_t, 16, v, a);
+    for (int i = 0; i < 16; i++)
+        if ((k >> i) & 1) ((uint16_t *)p)[i] = a[i];
+}
+EMU_FN __m512 emu_mm512_cvtph_ps(__m256i v) {
+    EMU_LANES(uint16_t, 16, v, a);
+    float o[16];
+    for (int i = 0; i < 16; i++) o[i] = cv_f16_to_f32(a[i]);
+    EMU_RET(__m512, o);
+}
+EMU_FN __m256i emu_mm512_cvtps_ph(__m512 v, int rounding) {
+    (void)rounding; /* round to nearest even, the only mode the kernels use */
+    EMU_LANES(float, 16, v, a);
+    uint16_t o[16];
+    for (int i = 0; i < 16; i++) o[i] = cv_f32_to_f16(a[i]);
+    EMU_RET(__m256i, o);
+}
+EMU_FN __m512i emu_mm512_cvtepu16_epi32(__m256i v) {
+    EMU_LANES(uint16_t, 16, v, a);
+    uint32_t o[16];
+    for (int i = 0; i < 16; i++) o[i] = a[i];
+    EMU_RET(__m512i, o);
+}
+EMU_FN __m256i emu_mm512_cvtepi32_epi16(__m512i v) {
+    EMU_LANES(uint32_t, 16, v, a);
+    uint16_t o[16];
+    for (int i = 0; i < 16; i++) o[i] = (uint16_t)a[i];
+    EMU_RET(__m256i, o);
+}
+EMU_FN __m512i emu_mm512_cvtps_epi32(__m512 v) {
+    EMU_LANES(float, 16, v, a);
+    int32_t o[16];
+    for (int i = 0; i < 16; i++) o[i] = (int32_t)__builtin_nearbyintf(a[i]);
+    EMU_RET(__m512i, o);
+}
+EMU_FN float emu_mm512_reduce_add_ps(__m512 v) {
+    EMU_LANES(float, 16, v, a);
+    /* pairwise, as the real sequence of shuffles and adds */
+    for (int w = 8; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++) a[i] += a[i + w];
+    return a[0];
+}
+EMU_FN float emu_mm512_reduce_max_ps(__m512 v) {
+    EMU_LANES(float, 16, v, a);
+    float m = a[0];
+    for (int i = 1; i < 16; i++) m = a[i] > m ? a[i] : m;
+    return m;
+}
+EMU_FN __m512 emu_mm512_permute_ps(__m512 v, int imm) {
+    EMU_LANES(float, 16, v, a);
+    float o[16];
+    for (int i = 0; i < 16; i++) o[i] = a[(i & ~3) + ((imm >> (2 * (i & 3))) & 3)];
+    EMU_RET(__m512, o);
+}
+EMU_FN int emu_mm512_reduce_add_epi32(__m512i v) {
+    EMU_LANES(uint32_t, 16, v, a);
+    uint32_t s = 0;
+    for (int i = 0; i < 16; i++) s += a[i];
+    return (int)s;
+}
+#define _mm512_reduce_add_epi32 emu_mm512_reduce_add_epi32
+#define _mm512_maskz_loadu_ps emu_mm512_maskz_loadu_ps
+#define _mm512_mask_storeu_ps emu_mm512_mask_storeu_ps
+#define _mm256_maskz_loadu_epi16 emu_mm256_maskz_loadu_epi16
+#define _mm256_mask_storeu_epi16 emu_mm256_mask_storeu_epi16
+#define _mm512_cvtph_ps emu_mm512_cvtph_ps
+#define _mm512_cvtps_ph emu_mm512_cvtps_ph
+#define _mm512_cvtepu16_epi32 emu_mm512_cvtepu16_epi32
+#define _mm512_cvtepi32_epi16 emu_mm512_cvtepi32_epi16
+#define _mm512_cvtps_epi32 emu_mm512_cvtps_epi32
+#define _mm512_reduce_add_ps emu_mm512_reduce_add_ps
+#define _mm512_reduce_max_ps emu_mm512_reduce_max_ps
+#define _mm512_permute_ps emu_mm512_permute_ps
+#undef _mm512_madd_epi16 /* SIMDe 0.7.4's alias takes the wrong arguments */
+#define _mm512_madd_epi16(a, b) simde_mm512_madd_epi16(a, b)
+
+#endif
