@@ -360,6 +360,13 @@ SP_CASES = [
     Case("sp-bool-field", 'ignore_eos="yes"', TypeError, r"ignore_eos must be a bool", dict(ignore_eos="yes")),
     Case("sp-output-kind", 'output_kind="x"', ValueError, r"output_kind", dict(output_kind="x")),
     Case("sp-unknown", "SamplingParams(bogus=1)", TypeError, r"bogus", dict(bogus=1)),
+    Case("sp-logit-bias-range", 'logit_bias={5: 101}', ValueError, r"logit_bias values must be in \[-100, 100\]", dict(logit_bias={5: 101})),
+    Case("sp-logit-bias-key", 'logit_bias={"5": 1}', TypeError, r"logit_bias keys must be int token ids", dict(logit_bias={"5": 1})),
+    Case("sp-logit-bias-negative-id", 'logit_bias={-1: 1}', ValueError, r"logit_bias keys must be token ids >= 0", dict(logit_bias={-1: 1})),
+    Case("sp-allowed-empty", 'allowed_token_ids=[]', ValueError, r"allowed_token_ids must not be empty", dict(allowed_token_ids=[])),
+    Case("sp-bad-words-str", 'bad_words="dog"', TypeError, r"bad_words must be a list of str", dict(bad_words="dog")),
+    Case("sp-prompt-logprobs-big", 'prompt_logprobs=21', ValueError, r"prompt_logprobs must be in \[0, 20\]", dict(prompt_logprobs=21)),
+    Case("sp-best-of-lt-n", 'n=3, best_of=2', ValueError, r"best_of must be in \[n, 1024\]", dict(n=3, best_of=2)),
 ]
 
 

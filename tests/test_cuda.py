@@ -435,3 +435,23 @@ def test_256_sequences_at_once_complete():
         outs = gpu.generate([PROMPTS[i % len(PROMPTS)] for i in range(256)], params, use_tqdm=False)
     assert len(outs) == 256
     assert all(len(o.outputs[0].token_ids) == 64 for o in outs)
+
+
+@needs_cuda
+def test_prompt_logprobs_match_the_cpu():
+    """The LM head on prompt rows after the forward (cv_model_logits): the rows
+    go to the device, the logits come back, and the sampling rows are
+    recomputed; small groups (max_num_seqs 2) and chunks (8 tokens)."""
+    kw = dict(max_num_seqs=2, max_num_batched_tokens=8)
+    params = conveyor.SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2)
+    with _llm(device="cpu", **kw) as cpu:
+        want = cpu.generate(PROMPTS[:2], params, use_tqdm=False)
+    with _llm(device="cuda", **kw) as gpu:
+        got = gpu.generate(PROMPTS[:2], params, use_tqdm=False)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert len(g.prompt_logprobs) == len(w.prompt_logprobs) == len(w.prompt_token_ids)
+        for eg, ew in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:]):
+            assert sorted(eg) == sorted(ew)
+            for t in ew:
+                assert eg[t].logprob == pytest.approx(ew[t].logprob, abs=2e-3)

@@ -3,6 +3,7 @@
  * engine's to check (cv_request_params_check, cv_engine_check_request). */
 #include "request_params.h"
 
+#include <math.h>
 #include <string.h>
 
 #include "../core/engine.h"
@@ -177,10 +178,148 @@ done:
     return rc;
 }
 
+/* ---- issue 17 (b17a): logit controls ---------------------------------- */
+
+/* A Python int as int32, clamped so that the C check names an out-of-range
+ * value rather than a wrapped one. */
+static int as_token_id(PyObject *t, const char *field, int32_t *out) {
+    if (!PyLong_Check(t) || PyBool_Check(t)) {
+        char msg[96];
+        snprintf(msg, sizeof msg, "%s must contain only int token ids", field);
+        return field_error(PyExc_TypeError, field, msg);
+    }
+    int overflow = 0;
+    long long x = PyLong_AsLongLongAndOverflow(t, &overflow);
+    if (x == -1 && PyErr_Occurred()) return -1;
+    if (overflow > 0 || x > INT32_MAX) x = INT32_MAX;
+    if (overflow < 0 || x < INT32_MIN) x = INT32_MIN;
+    *out = (int32_t)x;
+    return 0;
+}
+
+/* A list of int token ids (None: *n = -1) into a PyMem array. */
+static int get_id_list(PyObject *obj, const char *name, int32_t **ids, int32_t *n) {
+    PyObject *v = get_attr(obj, name);
+    if (!v) return -1;
+    int rc = -1;
+    PyObject *seq = NULL;
+    *n = -1;
+    if (v == Py_None) { rc = 0; goto done; }
+    char msg[96];
+    snprintf(msg, sizeof msg, "%s must be a list of int", name);
+    seq = PySequence_Fast(v, msg);
+    if (!seq) goto done;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    if (len > INT32_MAX / 2) { field_error(PyExc_ValueError, name, "the list is too long"); goto done; }
+    *ids = PyMem_Malloc((size_t)(len ? len : 1) * sizeof(int32_t));
+    if (!*ids) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t i = 0; i < len; i++)
+        if (as_token_id(PySequence_Fast_GET_ITEM(seq, i), name, &(*ids)[i]) < 0) goto done;
+    *n = (int32_t)len;
+    rc = 0;
+done:
+    Py_XDECREF(seq);
+    Py_DECREF(v);
+    return rc;
+}
+
+/* logit_bias: None or a dict {int token id: number}. */
+static int get_logit_bias(PyObject *obj, cv_py_request *r) {
+    PyObject *v = get_attr(obj, "logit_bias");
+    if (!v) return -1;
+    int rc = -1;
+    if (v == Py_None) { rc = 0; goto done; }
+    if (!PyDict_Check(v)) { field_error(PyExc_TypeError, "logit_bias", "logit_bias must be a dict {token id: bias}"); goto done; }
+    Py_ssize_t n = PyDict_Size(v), pos = 0, i = 0;
+    if (n > INT32_MAX / 2) { field_error(PyExc_ValueError, "logit_bias", "logit_bias is too large"); goto done; }
+    r->bias_ids = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int32_t));
+    r->bias_values = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(float));
+    if (!r->bias_ids || !r->bias_values) { PyErr_NoMemory(); goto done; }
+    PyObject *key, *val;
+    while (PyDict_Next(v, &pos, &key, &val)) {
+        if (as_token_id(key, "logit_bias", &r->bias_ids[i]) < 0) goto done;
+        if (PyBool_Check(val) || !(PyLong_Check(val) || PyFloat_Check(val))) {
+            field_error(PyExc_TypeError, "logit_bias", "logit_bias values must be numbers");
+            goto done;
+        }
+        double d = PyFloat_AsDouble(val);
+        if (d == -1.0 && PyErr_Occurred()) {
+            PyErr_Clear();
+            d = NAN; /* beyond double: the range check names it */
+        }
+        r->bias_values[i++] = (float)d;
+    }
+    r->p.sp.ctl.n_bias = (int32_t)n;
+    r->p.sp.ctl.bias_ids = r->bias_ids;
+    r->p.sp.ctl.bias_values = r->bias_values;
+    rc = 0;
+done:
+    Py_DECREF(v);
+    return rc;
+}
+
+/* bad_words arrive tokenized (the engine's tokenizer runs in Python): the
+ * attribute _bad_words_token_ids, a list of lists of int, or None. */
+static int get_bad_words(PyObject *obj, cv_py_request *r) {
+    PyObject *v = PyObject_GetAttrString(obj, "_bad_words_token_ids");
+    if (!v) { PyErr_Clear(); return 0; } /* an object without it asks for none */
+    int rc = -1;
+    PyObject *seq = NULL;
+    if (v == Py_None) { rc = 0; goto done; }
+    seq = PySequence_Fast(v, "bad_words token ids must be a list of lists of int");
+    if (!seq) goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), total = 0;
+    if (n > INT32_MAX / 4) { field_error(PyExc_ValueError, "bad_words", "bad_words is too long"); goto done; }
+    for (Py_ssize_t w = 0; w < n; w++) {
+        Py_ssize_t len = PyObject_Length(PySequence_Fast_GET_ITEM(seq, w));
+        if (len < 0) goto done;
+        total += len;
+        if (total > INT32_MAX / 4) { field_error(PyExc_ValueError, "bad_words", "bad_words is too long"); goto done; }
+    }
+    r->bad_start = PyMem_Malloc((size_t)(n + 1) * sizeof(int32_t));
+    r->bad_tokens = PyMem_Malloc((size_t)(total ? total : 1) * sizeof(int32_t));
+    if (!r->bad_start || !r->bad_tokens) { PyErr_NoMemory(); goto done; }
+    int32_t at = 0;
+    for (Py_ssize_t w = 0; w < n; w++) {
+        r->bad_start[w] = at;
+        PyObject *word = PySequence_Fast(PySequence_Fast_GET_ITEM(seq, w), "bad_words token ids must be lists of int");
+        if (!word) goto done;
+        Py_ssize_t len = PySequence_Fast_GET_SIZE(word);
+        for (Py_ssize_t j = 0; j < len && at < total; j++)
+            if (as_token_id(PySequence_Fast_GET_ITEM(word, j), "bad_words", &r->bad_tokens[at++]) < 0) {
+                Py_DECREF(word);
+                goto done;
+            }
+        Py_DECREF(word);
+    }
+    r->bad_start[n] = at;
+    r->p.sp.ctl.n_bad_words = (int32_t)n;
+    r->p.sp.ctl.bad_word_start = r->bad_start;
+    r->p.sp.ctl.bad_word_tokens = r->bad_tokens;
+    rc = 0;
+done:
+    Py_XDECREF(seq);
+    Py_DECREF(v);
+    return rc;
+}
+
+static int get_logit_controls(PyObject *sp, cv_py_request *r) {
+    int32_t n_allowed;
+    if (get_logit_bias(sp, r) < 0 || get_id_list(sp, "allowed_token_ids", &r->allowed_ids, &n_allowed) < 0 ||
+        get_bad_words(sp, r) < 0)
+        return -1;
+    if (n_allowed >= 0) {
+        r->p.sp.ctl.has_allowed = 1;
+        r->p.sp.ctl.n_allowed = n_allowed;
+        r->p.sp.ctl.allowed_ids = r->allowed_ids;
+    }
+    return 0;
+}
+
 int cv_py_request_read(cv_py_request *r, PyObject *sp) {
     memset(r, 0, sizeof *r);
     cv_sampling_params_init(&r->p.sp);
-    long long n, max_tokens, min_tokens, top_k, logprobs;
+    long long n, max_tokens, min_tokens, top_k, logprobs, prompt_logprobs, best_of;
     if (get_int(sp, "n", INT32_MIN, INT32_MAX, 1, &n) < 0 ||
         get_int(sp, "max_tokens", INT64_MIN, INT64_MAX, CV_MAX_TOKENS_REST, &max_tokens) < 0 ||
         get_int(sp, "min_tokens", INT64_MIN, INT64_MAX, 0, &min_tokens) < 0 ||
@@ -196,7 +335,10 @@ int cv_py_request_read(cv_py_request *r, PyObject *sp) {
         get_bool(sp, "include_stop_str_in_output", &r->p.include_stop_str) < 0 ||
         get_bool(sp, "ignore_eos", &r->p.ignore_eos) < 0 ||
         get_bool(sp, "skip_special_tokens", &r->p.skip_special_tokens) < 0 ||
-        get_stop_ids(sp, r) < 0 || get_stops(sp, r) < 0) {
+        get_stop_ids(sp, r) < 0 || get_stops(sp, r) < 0 ||
+        /* issue 17 (b17a) */
+        get_int(sp, "prompt_logprobs", CV_NO_LOGPROBS, INT32_MAX, CV_NO_LOGPROBS, &prompt_logprobs) < 0 ||
+        get_int(sp, "best_of", INT32_MIN, INT32_MAX, 0, &best_of) < 0 || get_logit_controls(sp, r) < 0) {
         cv_py_request_free(r);
         return -1;
     }
@@ -214,6 +356,8 @@ int cv_py_request_read(cv_py_request *r, PyObject *sp) {
         cv_py_request_free(r);
         return -1;
     }
+    r->p.prompt_logprobs = (int32_t)prompt_logprobs;
+    r->p.best_of = (int32_t)best_of;
     return 0;
 }
 
@@ -223,6 +367,11 @@ void cv_py_request_free(cv_py_request *r) {
     PyMem_Free(r->stop_lens);
     Py_XDECREF(r->stop_bytes);
     Py_XDECREF(r->stop_list);
+    PyMem_Free(r->bias_ids);
+    PyMem_Free(r->bias_values);
+    PyMem_Free(r->allowed_ids);
+    PyMem_Free(r->bad_start);
+    PyMem_Free(r->bad_tokens);
     memset(r, 0, sizeof *r);
 }
 

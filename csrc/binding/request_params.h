@@ -12,6 +12,10 @@ typedef struct cv_py_request {
     const char **stop_ptrs;
     size_t *stop_lens;
     PyObject *stop_list, *stop_bytes;
+    /* issue 17 (b17a): logit controls' arrays */
+    int32_t *bias_ids; float *bias_values;
+    int32_t *allowed_ids;
+    int32_t *bad_start, *bad_tokens;
 } cv_py_request;
 
 /* Type conversion only (TypeError/ValueError with .field when a value has the

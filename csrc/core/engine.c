@@ -32,6 +32,8 @@ typedef struct cv_request {
     int64_t arrival_order;
     cv_request_params p;  /* pointers below are owned copies */
     int32_t *stop_token_ids;
+    void *ctl_block;      /* owned arrays of p.sp.ctl */
+    int64_t prompt_lp_next; /* prompt logprobs: next prompt position to emit (from 1) */
     cv_stop_set stops;
     int32_t *prompt;      /* [n_prompt] */
     int64_t n_prompt;
@@ -59,6 +61,9 @@ struct cv_engine {
     cv_forward_ws ws;
     int ws_ready;
     cv_sampler *sampler;
+    int32_t *pl_rows;      /* [max_num_seqs] prompt-logprob rows of one LM-head group */
+    cv_request **pl_req;   /* [max_num_seqs] their requests */
+    int64_t *pl_pos;       /* [max_num_seqs] the prompt position each row predicts */
     int32_t *banned;       /* [16 + max stop ids] scratch */
     size_t banned_cap;
     /* guided decoding: masks posted by the grammar's thread */
@@ -116,6 +121,7 @@ static void request_free(cv_request *r) {
     }
     cv_stop_set_free(&r->stops);
     free(r->stop_token_ids);
+    free(r->ctl_block);
     free(r->prompt);
     free(r);
 }
@@ -261,6 +267,13 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
     if ((rc = cv_runner_init(&e->runner, e->max_tokens_step, e->max_num_seqs, max_blocks_per_seq,
                              e->block_size, err)))
         goto fail;
+    e->pl_rows = malloc((size_t)e->max_num_seqs * sizeof *e->pl_rows);
+    e->pl_req = malloc((size_t)e->max_num_seqs * sizeof *e->pl_req);
+    e->pl_pos = malloc((size_t)e->max_num_seqs * sizeof *e->pl_pos);
+    if (!e->pl_rows || !e->pl_req || !e->pl_pos) {
+        rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory for the prompt-logprob rows");
+        goto fail;
+    }
     e->sampler = cv_sampler_create(e->vocab);
     if (!e->sampler) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory for the sampler"); goto fail; }
 
@@ -309,6 +322,9 @@ void cv_engine_destroy(cv_engine *e) {
     if (e->masks_ready) cv_mask_box_free(&e->masks);
     free(e->mask_scratch);
     free(e->mask_failed);
+    free(e->pl_rows);
+    free(e->pl_req);
+    free(e->pl_pos);
     free(e->aborts);
     cv_outbox_free(&e->outbox);
     free(e->trace);
@@ -337,6 +353,12 @@ int cv_request_params_check(const cv_request_params *p, cv_err *err) {
                                 (long long)p->max_tokens);
     int rc = cv_sampling_params_check(&p->sp, err);
     if (rc) return rc;
+    if (p->prompt_logprobs != CV_NO_LOGPROBS && (p->prompt_logprobs < 0 || p->prompt_logprobs > CV_MAX_LOGPROBS))
+        return cv_set_field_err(err, CV_ERR_INVALID, "prompt_logprobs", "prompt_logprobs must be in [0, %d], got %d",
+                                CV_MAX_LOGPROBS, (int)p->prompt_logprobs);
+    if (p->best_of != 0 && (p->best_of < p->n || p->best_of > CV_MAX_N))
+        return cv_set_field_err(err, CV_ERR_INVALID, "best_of", "best_of must be in [n, %d] (n = %d), got %d",
+                                CV_MAX_N, p->n, p->best_of);
     if (p->n_stop < 0 || (p->n_stop > 0 && (!p->stop || !p->stop_lens)))
         return cv_set_field_err(err, CV_ERR_INVALID, "stop", "stop: bad list");
     for (int i = 0; i < p->n_stop; i++)
@@ -393,7 +415,7 @@ int cv_engine_check_request(cv_engine *e, const int32_t *prompt, int64_t n_promp
             return cv_set_field_err(err, CV_ERR_INVALID, "stop_token_ids",
                                     "stop_token_ids contains %d, outside the vocabulary [0, %lld)",
                                     p->stop_token_ids[i], (long long)e->vocab);
-    return CV_OK;
+    return cv_logit_controls_check_vocab(&p->sp.ctl, e->vocab, err);
 }
 
 int cv_engine_add_request(cv_engine *e, int64_t request_id, const int32_t *prompt, int64_t n_prompt,
@@ -409,12 +431,20 @@ int cv_engine_add_request(cv_engine *e, int64_t request_id, const int32_t *promp
     r->p.stop = NULL;
     r->p.stop_lens = NULL;
     r->p.stop_token_ids = NULL;
+    memset(&r->p.sp.ctl, 0, sizeof r->p.sp.ctl);
+    /* best_of: every candidate runs as a completion and carries its logprobs */
+    if (p->best_of > p->n) {
+        r->p.n = p->best_of;
+        if (r->p.sp.n_logprobs == CV_NO_LOGPROBS) r->p.sp.n_logprobs = 0;
+    }
+    r->prompt_lp_next = 1;
     r->arrival = cv_now();
     if (p->timeout > 0) r->deadline = r->arrival + p->timeout;
     r->n_prompt = n_prompt;
     r->prompt = malloc((size_t)n_prompt * sizeof(int32_t));
-    r->ss = calloc((size_t)p->n, sizeof *r->ss);
+    r->ss = calloc((size_t)r->p.n, sizeof *r->ss);
     if (!r->prompt || !r->ss) goto nomem;
+    if (cv_logit_controls_copy(&r->p.sp.ctl, &p->sp.ctl, &r->ctl_block)) goto nomem;
     memcpy(r->prompt, prompt, (size_t)n_prompt * sizeof(int32_t));
     if (p->n_stop_token_ids > 0) {
         r->stop_token_ids = malloc((size_t)p->n_stop_token_ids * sizeof(int32_t));
@@ -585,6 +615,7 @@ static int new_sequence(cv_engine *e, cv_request *r, int idx, cv_sequence **out)
     s->arrival = r->arrival_order;
     s->priority = r->p.priority;
     s->owner = r;
+    s->skip_prefix_cache = r->p.prompt_logprobs != CV_NO_LOGPROBS;
     /* Each completion gets its own stream: seeded requests are reproducible
      * whatever else shares the batch. */
     uint64_t x = r->p.has_seed ? r->p.seed : e->seed ^ ((uint64_t)r->arrival_order * 0x2545f4914f6cdd1dULL);
@@ -784,6 +815,68 @@ static void sample_batch(cv_engine *e, const cv_sched_output *plan, int guided) 
     }
 }
 
+/* ---- prompt logprobs (issue 17) ---- */
+
+/* Runs the LM head on the n grouped rows and emits one prompt event per row. */
+static int flush_prompt_rows(cv_engine *e, int64_t n, cv_err *err) {
+    if (n == 0) return CV_OK;
+    int rc = cv_model_logits(e->model, &e->ws, e->pl_rows, n, e->runner.batch.n_tokens, err);
+    if (rc) return rc;
+    pthread_mutex_lock(&e->out_lock);
+    for (int64_t k = 0; k < n; k++) {
+        cv_request *r = e->pl_req[k];
+        int64_t pos = e->pl_pos[k];
+        cv_sample_info info;
+        cv_logprobs_of(e->ws.logits_host + k * e->vocab, e->vocab, r->prompt[pos], r->p.prompt_logprobs, &info);
+        cv_event *ev = push_event(e, r, 0, NULL, 0);
+        if (!ev) continue; /* out of memory for the event: the request still runs */
+        ev->prompt_pos = pos;
+        ev->token = r->prompt[pos];
+        ev->logprob = info.logprob;
+        ev->n_top = info.n_top;
+        memcpy(ev->top_ids, info.top_ids, sizeof ev->top_ids);
+        memcpy(ev->top_logprobs, info.top_logprobs, sizeof ev->top_logprobs);
+    }
+    pthread_mutex_unlock(&e->out_lock);
+    return CV_OK;
+}
+
+/* The logprob of every prompt token this step's chunks predict, for requests
+ * that ask for them: row p of a chunk predicts prompt token p + 1. Only those
+ * rows go through the LM head again (in groups of max_num_seqs), after the
+ * layers ran once for the whole ragged batch; the sampling rows' logits are
+ * then recomputed, since the groups overwrote them. Positions already sent
+ * (a preempted sequence recomputes its prompt) are skipped. */
+static int prompt_logprobs_pass(cv_engine *e, const cv_sched_output *plan, cv_err *err) {
+    const cv_batch *bt = &e->runner.batch;
+    int64_t n = 0, total = 0;
+    int rc;
+    for (int64_t i = 0; i < plan->n_seqs; i++) {
+        const cv_sequence *s = plan->seqs[i];
+        cv_request *r = s->owner;
+        if (r->p.prompt_logprobs == CV_NO_LOGPROBS || s != r->ss[0].seq) continue;
+        int64_t start = plan->start_pos[i], end = start + plan->num_new_tokens[i];
+        if (end > r->n_prompt - 1) end = r->n_prompt - 1;
+        int64_t from = start > r->prompt_lp_next - 1 ? start : r->prompt_lp_next - 1;
+        for (int64_t pos = from; pos < end; pos++) {
+            e->pl_rows[n] = bt->query_start[i] + (int32_t)(pos - start);
+            e->pl_req[n] = r;
+            e->pl_pos[n] = pos + 1;
+            r->prompt_lp_next = pos + 2;
+            if (++n == e->max_num_seqs) {
+                if ((rc = flush_prompt_rows(e, n, err))) return rc;
+                total += n;
+                n = 0;
+            }
+        }
+    }
+    if ((rc = flush_prompt_rows(e, n, err))) return rc;
+    total += n;
+    if (total > 0 && bt->n_logits > 0)
+        return cv_model_logits(e->model, &e->ws, bt->logits_rows, bt->n_logits, bt->n_tokens, err);
+    return CV_OK;
+}
+
 static void record_trace(cv_engine *e, const cv_sched_output *plan, double t0, double t1) {
     if (!e->tracing) return;
     if (!cv_grow((void **)&e->trace, &e->cap_trace, e->n_trace + (size_t)plan->n_seqs, sizeof *e->trace))
@@ -833,6 +926,7 @@ static int engine_step(cv_engine *e, cv_err *err) {
     if ((rc = cv_runner_build(&e->runner, &plan, err))) return rc;
     double t1b = cv_now();
     if ((rc = cv_model_forward(e->model, &e->ws, e->kv.layers, &e->runner.batch, err))) return rc;
+    if ((rc = prompt_logprobs_pass(e, &plan, err))) return rc;
     double t2 = cv_now();
     cv_scheduler_commit(e->sched, &plan);
 

@@ -66,6 +66,13 @@ typedef struct cv_request_params {
     /* Guided decoding: each completion samples under a token mask posted with
      * cv_engine_set_token_mask for its next output position. */
     int guided;
+    /* ---- issue 17 (b17a): prompt logprobs and best_of ---- */
+    int32_t prompt_logprobs;        /* CV_NO_LOGPROBS: none; 0..CV_MAX_LOGPROBS: each prompt token's
+                                     * logprob plus that many top tokens (the request then skips
+                                     * the prefix cache: a cached prefix has no logits) */
+    int32_t best_of;                /* 0: n; else [n, CV_MAX_N] completions run, the caller keeps
+                                     * the n with the highest cumulative logprob (events carry
+                                     * every token's logprob) */
 } cv_request_params;
 
 enum { CV_FINISH_NONE = 0, CV_FINISH_STOP = 1, CV_FINISH_LENGTH = 2, CV_FINISH_ABORT = 3,
@@ -90,6 +97,9 @@ typedef struct cv_event {
     /* request metrics, set when request_finished */
     double arrival, first_scheduled, first_token, finished_time;
     int64_t n_prompt, n_cached_prompt;
+    /* prompt logprobs: > 0 for an event that carries prompt token `token` at
+     * this position (logprob, top) and nothing else */
+    int64_t prompt_pos;
 } cv_event;
 
 typedef struct cv_engine_stats {

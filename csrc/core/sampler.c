@@ -2,7 +2,7 @@
  *
  * Order of work on one row of logits:
  *   sanitize (NaN -> -inf, +inf -> FLT_MAX), keep a raw copy when logprobs are
- *   asked for, repetition / frequency / presence penalties, bans, then either
+ *   asked for, logit controls (bias, allowed ids, bad words), repetition / frequency / presence penalties, bans, then either
  *   argmax (greedy) or: weights exp((l - max) / T), top_k, top_p, min_p, and
  *   one uniform draw inverted over the survivors in increasing id order.
  *
@@ -44,6 +44,8 @@ struct cv_sampler {
     float *vals;      /* [vocab] scratch copy of logits for the top_k threshold search */
     double *bsum;     /* [ceil(vocab / BLOCK)] sums of w per block of ids */
 };
+
+static float clamp_top(float v);
 
 /* ---- random stream ---------------------------------------------------- */
 
@@ -90,6 +92,7 @@ void cv_sampling_params_init(cv_sampling_params *p) {
     p->frequency_penalty = 0.0f;
     p->top_k = 0;
     p->n_logprobs = CV_NO_LOGPROBS;
+    memset(&p->ctl, 0, sizeof p->ctl);
 }
 
 int cv_sampling_params_check(const cv_sampling_params *p, cv_err *err) {
@@ -121,7 +124,122 @@ int cv_sampling_params_check(const cv_sampling_params *p, cv_err *err) {
     if (p->n_logprobs != CV_NO_LOGPROBS && (p->n_logprobs < 0 || p->n_logprobs > CV_MAX_LOGPROBS))
         return cv_set_field_err(err, CV_ERR_INVALID, "logprobs", "logprobs must be in [0, %d], got %d",
                                 CV_MAX_LOGPROBS, (int)p->n_logprobs);
+    return cv_logit_controls_check(&p->ctl, err);
+}
+
+/* ---- logit controls --------------------------------------------------- */
+
+int cv_logit_controls_check(const cv_logit_controls *c, cv_err *err) {
+    if (c->n_bias < 0 || (c->n_bias > 0 && (!c->bias_ids || !c->bias_values)))
+        return cv_set_field_err(err, CV_ERR_INVALID, "logit_bias", "logit_bias: bad table");
+    for (int32_t i = 0; i < c->n_bias; i++) {
+        if (c->bias_ids[i] < 0)
+            return cv_set_field_err(err, CV_ERR_INVALID, "logit_bias",
+                                    "logit_bias keys must be token ids >= 0, got %d", c->bias_ids[i]);
+        float v = c->bias_values[i];
+        if (!(v >= -CV_MAX_LOGIT_BIAS && v <= CV_MAX_LOGIT_BIAS))
+            return cv_set_field_err(err, CV_ERR_INVALID, "logit_bias",
+                                    "logit_bias values must be in [-100, 100], got %g for token %d",
+                                    (double)v, c->bias_ids[i]);
+    }
+    if (c->has_allowed && (c->n_allowed < 1 || !c->allowed_ids))
+        return cv_set_field_err(err, CV_ERR_INVALID, "allowed_token_ids",
+                                "allowed_token_ids must not be empty");
+    for (int32_t i = 0; c->has_allowed && i < c->n_allowed; i++)
+        if (c->allowed_ids[i] < 0)
+            return cv_set_field_err(err, CV_ERR_INVALID, "allowed_token_ids",
+                                    "allowed_token_ids must be token ids >= 0, got %d", c->allowed_ids[i]);
+    if (c->n_bad_words < 0 || (c->n_bad_words > 0 && (!c->bad_word_start || !c->bad_word_tokens)))
+        return cv_set_field_err(err, CV_ERR_INVALID, "bad_words", "bad_words: bad list");
+    for (int32_t w = 0; w < c->n_bad_words; w++) {
+        if (c->bad_word_start[w + 1] <= c->bad_word_start[w])
+            return cv_set_field_err(err, CV_ERR_INVALID, "bad_words",
+                                    "bad_words[%d] is empty (it has no tokens)", w);
+        for (int32_t j = c->bad_word_start[w]; j < c->bad_word_start[w + 1]; j++)
+            if (c->bad_word_tokens[j] < 0)
+                return cv_set_field_err(err, CV_ERR_INVALID, "bad_words", "bad_words: token id %d < 0",
+                                        c->bad_word_tokens[j]);
+    }
     return CV_OK;
+}
+
+int cv_logit_controls_check_vocab(const cv_logit_controls *c, int64_t vocab, cv_err *err) {
+    for (int32_t i = 0; i < c->n_bias; i++)
+        if (c->bias_ids[i] >= vocab)
+            return cv_set_field_err(err, CV_ERR_INVALID, "logit_bias",
+                                    "logit_bias key %d is outside the vocabulary [0, %lld)", c->bias_ids[i],
+                                    (long long)vocab);
+    for (int32_t i = 0; c->has_allowed && i < c->n_allowed; i++)
+        if (c->allowed_ids[i] >= vocab)
+            return cv_set_field_err(err, CV_ERR_INVALID, "allowed_token_ids",
+                                    "allowed_token_ids contains %d, outside the vocabulary [0, %lld)",
+                                    c->allowed_ids[i], (long long)vocab);
+    int32_t n_tok = c->n_bad_words > 0 ? c->bad_word_start[c->n_bad_words] : 0;
+    for (int32_t j = 0; j < n_tok; j++)
+        if (c->bad_word_tokens[j] >= vocab)
+            return cv_set_field_err(err, CV_ERR_INVALID, "bad_words",
+                                    "bad_words: token id %d is outside the vocabulary [0, %lld)",
+                                    c->bad_word_tokens[j], (long long)vocab);
+    return CV_OK;
+}
+
+int cv_logit_controls_copy(cv_logit_controls *dst, const cv_logit_controls *src, void **block) {
+    *dst = *src;
+    *block = NULL;
+    int32_t n_tok = src->n_bad_words > 0 ? src->bad_word_start[src->n_bad_words] : 0;
+    int32_t n_start = src->n_bad_words > 0 ? src->n_bad_words + 1 : 0;
+    size_t n_i32 = (size_t)src->n_bias + (size_t)(src->has_allowed ? src->n_allowed : 0) +
+                   (size_t)n_start + (size_t)n_tok;
+    size_t n_f = (size_t)src->n_bias;
+    if (n_i32 + n_f == 0) return CV_OK;
+    char *b = malloc(n_i32 * sizeof(int32_t) + n_f * sizeof(float));
+    if (!b) return CV_ERR_NOMEM;
+    int32_t *ip = (int32_t *)b;
+    float *fp = (float *)(ip + n_i32);
+#define CV_TAKE(field, n)                                              \
+    do {                                                               \
+        if ((n) > 0) memcpy(ip, src->field, (size_t)(n) * sizeof *ip); \
+        dst->field = ip;                                               \
+        ip += (n);                                                     \
+    } while (0)
+    CV_TAKE(bias_ids, src->n_bias);
+    CV_TAKE(allowed_ids, src->has_allowed ? src->n_allowed : 0);
+    CV_TAKE(bad_word_start, n_start);
+    CV_TAKE(bad_word_tokens, n_tok);
+#undef CV_TAKE
+    if (n_f) memcpy(fp, src->bias_values, n_f * sizeof *fp);
+    dst->bias_values = fp;
+    *block = b;
+    return CV_OK;
+}
+
+/* Applies c to logits[V]: bias, then the allowed set (counts[] marks the
+ * allowed ids and is left all zero), then the bad words against the output. */
+static void apply_logit_controls(cv_sampler *s, float *logits, const cv_logit_controls *c,
+                                 const int32_t *output, int64_t n_output) {
+    const int64_t V = s->vocab;
+    for (int32_t i = 0; i < c->n_bias; i++) {
+        int32_t t = c->bias_ids[i];
+        if (t >= 0 && t < V && logits[t] > -INFINITY) logits[t] = clamp_top(logits[t] + c->bias_values[i]);
+    }
+    if (c->has_allowed && c->n_allowed > 0) {
+        int32_t *mark = s->counts;
+        for (int32_t i = 0; i < c->n_allowed; i++)
+            if (c->allowed_ids[i] >= 0 && c->allowed_ids[i] < V) mark[c->allowed_ids[i]] = 1;
+        for (int64_t t = 0; t < V; t++) {
+            if (!mark[t]) logits[t] = -INFINITY;
+            mark[t] = 0;
+        }
+    }
+    for (int32_t w = 0; w < c->n_bad_words; w++) {
+        const int32_t *tok = c->bad_word_tokens + c->bad_word_start[w];
+        int64_t len = c->bad_word_start[w + 1] - c->bad_word_start[w];
+        if (len < 1 || len - 1 > n_output) continue;
+        int match = 1;
+        for (int64_t j = 0; j < len - 1 && match; j++)
+            match = output[n_output - (len - 1) + j] == tok[j];
+        if (match && tok[len - 1] >= 0 && tok[len - 1] < V) logits[tok[len - 1]] = -INFINITY;
+    }
 }
 
 /* What the parameters mean after out-of-range values are made harmless. */
@@ -761,6 +879,11 @@ static void fill_logprobs(cv_sample_info *info, const float *raw /* [vocab] */, 
     for (int64_t j = 0; j < n; j++) info->top_logprobs[j] = (float)((double)raw[top[j]] - lse);
 }
 
+void cv_logprobs_of(float *logits, int64_t vocab, int32_t token, int32_t n_top, cv_sample_info *info) {
+    sanitize(logits, vocab);
+    fill_logprobs(info, logits, vocab, token, n_top < 0 ? 0 : n_top);
+}
+
 /* ---- entry points ----------------------------------------------------- */
 
 int32_t cv_sampler_sample(cv_sampler *s, float *logits, const cv_sampling_params *p,
@@ -780,6 +903,7 @@ int32_t cv_sampler_sample(cv_sampler *s, float *logits, const cv_sampling_params
     sanitize(logits, V);
     const int want_lp = info && p->n_logprobs >= 0;
     if (want_lp) memcpy(s->raw, logits, (size_t)V * sizeof *logits);
+    apply_logit_controls(s, logits, &p->ctl, output, output ? n_output : 0);
     apply_penalties(s, logits, p, prompt, n_prompt, output, n_output, banned, n_banned);
     int32_t token;
     if (e.greedy) {
@@ -804,6 +928,7 @@ void cv_sampler_process(cv_sampler *s, float *out, float *logits, const cv_sampl
     eff_params e;
     effective(&e, p, V);
     sanitize(logits, V);
+    apply_logit_controls(s, logits, &p->ctl, output, output ? n_output : 0);
     apply_penalties(s, logits, p, prompt, n_prompt, output, n_output, banned, n_banned);
     for (int64_t i = 0; i < V; i++) out[i] = -INFINITY;
     if (e.greedy) {

@@ -9,6 +9,23 @@
 #define CV_MAX_LOGPROBS 20
 #define CV_NO_LOGPROBS INT32_MIN /* n_logprobs: none wanted */
 
+/* ---- logit controls (logit_bias, allowed_token_ids, bad_words) ---------- */
+#define CV_MAX_LOGIT_BIAS 100.0f /* |bias| limit, OpenAI's */
+
+/* Per-request edits of the logits before sampling; all zero: none. The arrays
+ * are borrowed (the engine keeps owned copies, cv_logit_controls_copy). */
+typedef struct cv_logit_controls {
+    int32_t n_bias;                 /* logit_bias: logits[bias_ids[i]] += bias_values[i] */
+    const int32_t *bias_ids;
+    const float *bias_values;       /* [-CV_MAX_LOGIT_BIAS, CV_MAX_LOGIT_BIAS] */
+    int has_allowed;                /* allowed_token_ids given: every other token -> -inf */
+    int32_t n_allowed;              /* >= 1 when has_allowed */
+    const int32_t *allowed_ids;
+    int32_t n_bad_words;            /* bad_words, as token sequences: word w is */
+    const int32_t *bad_word_start;  /* bad_word_tokens[bad_word_start[w] .. bad_word_start[w+1]) */
+    const int32_t *bad_word_tokens; /* its last token is banned when the output ends with the rest */
+} cv_logit_controls;
+
 typedef struct cv_sampling_params {
     float temperature;        /* 0: greedy (argmax) */
     float top_p;              /* (0, 1] */
@@ -18,6 +35,7 @@ typedef struct cv_sampling_params {
     float frequency_penalty;  /* [-2, 2]; applies to output tokens */
     int32_t top_k;            /* 0 or -1: off */
     int32_t n_logprobs;       /* CV_NO_LOGPROBS: none; 0..CV_MAX_LOGPROBS: sampled token plus that many top tokens */
+    cv_logit_controls ctl;    /* applied after the raw copy for logprobs, before penalties */
 } cv_sampling_params;
 
 /* splitmix64: advances *x and returns the next output. */
@@ -71,6 +89,19 @@ void cv_sampling_params_init(cv_sampling_params *p);
  * set to the field (SamplingParams' name: "logprobs" for n_logprobs). cv_sampler_sample itself never fails on bad values
  * (it treats NaN/out-of-range fields as "off"), so callers check first. */
 int cv_sampling_params_check(const cv_sampling_params *p, cv_err *err);
+
+/* Ranges that need no vocabulary (err->field: "logit_bias", "allowed_token_ids",
+ * "bad_words"); cv_sampling_params_check calls it. */
+int cv_logit_controls_check(const cv_logit_controls *c, cv_err *err);
+/* Every token id of c below vocab. */
+int cv_logit_controls_check_vocab(const cv_logit_controls *c, int64_t vocab, cv_err *err);
+/* Deep copy of src's arrays into *dst (one allocation, *block, to free()). */
+int cv_logit_controls_copy(cv_logit_controls *dst, const cv_logit_controls *src, void **block);
+
+/* Logprobs of token (and the n_top most likely tokens, n_top <= CV_MAX_LOGPROBS)
+ * under the log-softmax of logits[vocab] (sanitized in place: NaN -> -inf). */
+void cv_logprobs_of(float *logits, int64_t vocab, int32_t token, int32_t n_top,
+                    cv_sample_info *info);
 
 /* Test hook: runs the same processing as cv_sampler_sample without drawing and
  * writes the log-weights the draw would use to out[vocab]: logit / temperature

@@ -253,7 +253,7 @@ static void register_full(cv_scheduler *s, cv_sequence *q) {
  * many of them sit in the free queue (taking them uses up free blocks). */
 static int64_t prefix_lookup(cv_scheduler *s, const cv_sequence *q, int64_t *n_free_hits) {
     *n_free_hits = 0;
-    if (!s->cfg.enable_prefix_caching) return 0;
+    if (!s->cfg.enable_prefix_caching || q->skip_prefix_cache) return 0;
     int64_t max = (q->n_tokens - 1) / s->bs;
     if (max > s->max_hits) max = s->max_hits;
     uint64_t parent = 0;

@@ -42,6 +42,7 @@ typedef struct cv_sequence {
     int64_t n_preemptions;
 
     void *owner;            /* engine's per-request data; opaque to the scheduler */
+    int skip_prefix_cache;  /* never take cached blocks (prompt logprobs need every row's logits) */
 
     /* scheduler-private links */
     struct cv_sequence *q_prev, *q_next;

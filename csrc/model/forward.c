@@ -65,6 +65,42 @@ void cv_forward_ws_free(cv_forward_ws *ws, const cv_model *m) {
     memset(ws, 0, sizeof *ws);
 }
 
+/* Gathers rows[n_rows] (device indices) of the final residual stream (n
+ * tokens), norms and projects them into ws->logits, then to the host. */
+static void lm_head_rows(const cv_model *m, cv_forward_ws *ws, const int32_t *rows, int64_t n_rows,
+                         int64_t n) {
+    cv_backend *b = m->backend;
+    const cv_model_config *c = &m->cfg;
+    const int64_t dim = c->dim;
+    cv_table xs = {.data = ws->x, .dtype = CV_F32, .rows = n, .cols = dim,
+                   .bytes = (size_t)(n * dim) * sizeof(float)};
+    b->embedding(b, ws->xlast, rows, n_rows, &xs);
+    b->rmsnorm(b, ws->xlast_n, ws->xlast, m->final_norm, n_rows, dim, c->rms_eps);
+    b->gemm(b, ws->logits, ws->xlast_n, n_rows, &m->lm_head, NULL, 0);
+    if (ws->device_copies)
+        b->to_host(b, ws->logits_host, ws->logits, (size_t)(n_rows * c->vocab_size) * sizeof(float));
+}
+
+int cv_model_logits(const cv_model *m, cv_forward_ws *ws, const int32_t *rows, int64_t n_rows,
+                    int64_t n_tokens, cv_err *err) {
+    cv_backend *b = m->backend;
+    if (n_rows <= 0) return CV_OK;
+    if (n_rows > ws->max_seqs || n_tokens > ws->max_tokens)
+        return cv_set_err(err, CV_ERR_INVALID, "logits rows beyond the workspace");
+    for (int64_t i = 0; i < n_rows; i++)
+        if (rows[i] < 0 || rows[i] >= n_tokens)
+            return cv_set_err(err, CV_ERR_INVALID, "logits row %d outside the batch", rows[i]);
+    const int32_t *d_rows = rows;
+    if (ws->device_copies) {
+        b->to_device(b, ws->d_logits_rows, rows, (size_t)n_rows * sizeof(int32_t));
+        d_rows = ws->d_logits_rows;
+    }
+    lm_head_rows(m, ws, d_rows, n_rows, n_tokens);
+    b->sync(b);
+    int rc = b->last_error ? b->last_error(b, err) : CV_OK;
+    return rc ? rc : CV_OK;
+}
+
 int cv_model_forward(const cv_model *m, cv_forward_ws *ws, cv_kv_layer *caches,
                      const cv_batch *bt, cv_err *err) {
     cv_backend *b = m->backend;
@@ -117,17 +153,7 @@ int cv_model_forward(const cv_model *m, cv_forward_ws *ws, cv_kv_layer *caches,
         b->swiglu(b, ws->h, ws->gu, n, hid);
         b->gemm(b, ws->x, ws->h, n, &L->w_down, NULL, 1);
     }
-    if (bt->n_logits > 0) {
-        /* Gather only the rows that will be sampled, then norm and project them. */
-        cv_table xs = {.data = ws->x, .dtype = CV_F32, .rows = n, .cols = dim,
-                       .bytes = (size_t)(n * dim) * sizeof(float)};
-        b->embedding(b, ws->xlast, rows, bt->n_logits, &xs);
-        b->rmsnorm(b, ws->xlast_n, ws->xlast, m->final_norm, bt->n_logits, dim, c->rms_eps);
-        b->gemm(b, ws->logits, ws->xlast_n, bt->n_logits, &m->lm_head, NULL, 0);
-        if (ws->device_copies)
-            b->to_host(b, ws->logits_host, ws->logits,
-                       (size_t)(bt->n_logits * c->vocab_size) * sizeof(float));
-    }
+    if (bt->n_logits > 0) lm_head_rows(m, ws, rows, bt->n_logits, n);
     b->sync(b);
     /* Device kernels report failures (bad indices, launch errors) after the fact. */
     int rc = b->last_error ? b->last_error(b, err) : CV_OK;

@@ -95,4 +95,11 @@ void cv_forward_ws_free(cv_forward_ws *ws, const cv_model *m);
 int cv_model_forward(const cv_model *m, cv_forward_ws *ws, cv_kv_layer *caches,
                      const cv_batch *batch, cv_err *err);
 
+/* The LM head alone, after a forward: the logits of rows[n_rows] (token rows of
+ * that forward's batch of n_tokens, n_rows <= max_seqs) into
+ * ws->logits_host[n_rows][vocab], overwriting the forward's. Prompt logprobs
+ * use it to get every prompt row's logits without rerunning the layers. */
+int cv_model_logits(const cv_model *m, cv_forward_ws *ws, const int32_t *rows, int64_t n_rows,
+                    int64_t n_tokens, cv_err *err);
+
 #endif

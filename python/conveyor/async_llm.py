@@ -50,6 +50,8 @@ def _dispatch_loop(core: EngineCore, rfd: int, stopping: threading.Event):
             kind = req.params.output_kind
             if kind == "final_only" and not req.finished:
                 return
+            if len(req.seqs) > req.params.n and not req.finished:
+                return  # best_of > n: the n best are known only at the end
             # One output per step, so the consumer sees every step in order.
             out = EngineCore.build_output(req, delta=kind == "delta")
             loop, queue = req.consumer

@@ -162,13 +162,13 @@ class _SeqState:
     __slots__ = ("token_ids", "parts", "unsent", "decoder", "logprobs", "cum_logprob", "finish_reason",
                  "stop_reason", "sent_tokens")
 
-    def __init__(self, want_logprobs: bool):
+    def __init__(self, want_logprobs: bool, want_cum: bool = False):
         self.token_ids: list[int] = []
         self.parts: list[str] = []
         self.unsent: list[str] = []
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.logprobs = [] if want_logprobs else None
-        self.cum_logprob = 0.0 if want_logprobs else None
+        self.cum_logprob = 0.0 if (want_logprobs or want_cum) else None
         self.finish_reason = None
         self.stop_reason = None
         self.sent_tokens = 0
@@ -196,7 +196,7 @@ class _SeqState:
 
 class _Request:
     __slots__ = ("request_id", "internal_id", "prompt", "prompt_token_ids", "params", "seqs",
-                 "finished", "metrics", "consumer", "matchers")
+                 "finished", "metrics", "consumer", "matchers", "prompt_logprobs", "sent_prompt_lp")
 
     def __init__(self, request_id, internal_id, prompt, prompt_ids, params, arrival):
         self.request_id = request_id
@@ -204,7 +204,11 @@ class _Request:
         self.prompt = prompt
         self.prompt_token_ids = prompt_ids
         self.params = params
-        self.seqs = [_SeqState(params.logprobs is not None) for _ in range(params.n)]
+        # best_of > n: every candidate runs; build_output keeps the n best (issue 17)
+        n_run = max(params.n, params.best_of or 0)
+        self.seqs = [_SeqState(params.logprobs is not None, n_run > params.n) for _ in range(n_run)]
+        self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
+        self.sent_prompt_lp = 0
         self.finished = False
         self.metrics = RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(prompt_ids))
         self.consumer = None  # AsyncLLM's per-request queue
@@ -303,7 +307,11 @@ class EngineCore:
         context, KV cache, every sampling range), queueing nothing."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        self._engine.check_request(prompt_ids, params)
+        self._engine.check_request(prompt_ids, self._engine_params(params))
+
+    def _engine_params(self, params: SamplingParams) -> SamplingParams:
+        """What the C engine reads: bad_words tokenized with this engine's tokenizer."""
+        return params.with_bad_words_tokenized(self.tokenizer) if params.bad_words else params
 
     def add_request(self, request_id: Optional[str], prompt_text, prompt_ids, params: SamplingParams,
                     priority: int = 0, consumer=None, timeout: Optional[float] = None) -> _Request:
@@ -321,7 +329,8 @@ class EngineCore:
                 raise ValueError(f"request_id {name!r} is already in use")
             internal = self._next_id
             matchers = self._new_matchers(params)
-            self._engine.add_request(internal, prompt_ids, params, priority=priority, timeout=timeout_s)
+            self._engine.add_request(internal, prompt_ids, self._engine_params(params), priority=priority,
+                                     timeout=timeout_s)
             self._next_id += 1
             req = _Request(name, internal, prompt_text, list(map(int, prompt_ids)), params,
                            time.monotonic())
@@ -450,18 +459,19 @@ class EngineCore:
                 req = self._requests.get(iid)
                 if req is None:
                     continue
+                if ev.prompt_pos > 0:
+                    # a prompt token's logprob (prompt_logprobs), in prompt order
+                    if req.prompt_logprobs is not None:
+                        req.prompt_logprobs.append(self._logprob_entry(ev.token, ev.logprob, ev.top_logprobs))
+                    changed[iid] = req
+                    continue
                 st = req.seqs[ev.seq_index]
                 token = ev.token
                 if token >= 0:
                     st.token_ids.append(token)
                     if st.logprobs is not None:
-                        entry = {token: Logprob(ev.logprob)}
-                        for rank, (tid, lp) in enumerate(ev.top_logprobs or (), start=1):
-                            if tid == token:
-                                entry[token].rank = rank
-                            else:
-                                entry[tid] = Logprob(lp, rank)
-                        st.logprobs.append(entry)
+                        st.logprobs.append(self._logprob_entry(token, ev.logprob, ev.top_logprobs))
+                    if st.cum_logprob is not None:
                         st.cum_logprob += ev.logprob
                 if ev.text:
                     st.add_text(st.decoder.decode(ev.text))
@@ -495,9 +505,25 @@ class EngineCore:
         return list(changed.values())
 
     @staticmethod
+    def _logprob_entry(token: int, logprob: float, top) -> dict:
+        """{token: Logprob} for the chosen token, then the top alternatives with their ranks."""
+        entry = {token: Logprob(logprob)}
+        for rank, (tid, lp) in enumerate(top or (), start=1):
+            if tid == token:
+                entry[token].rank = rank
+            else:
+                entry[tid] = Logprob(lp, rank)
+        return entry
+
+    @staticmethod
     def build_output(req: _Request, delta: bool = False) -> RequestOutput:
         outs = []
-        for i, st in enumerate(req.seqs):
+        seqs = list(enumerate(req.seqs))
+        n = req.params.n
+        if len(seqs) > n:
+            # best_of: the n candidates with the highest cumulative logprob
+            seqs = sorted(seqs, key=lambda p: -p[1].cum_logprob)[:n]
+        for i, (_, st) in enumerate(seqs):
             if delta:
                 toks = st.token_ids[st.sent_tokens:]
                 text = st.take_unsent()
@@ -509,8 +535,15 @@ class EngineCore:
                 lps = list(st.logprobs) if st.logprobs is not None else None
             outs.append(CompletionOutput(i, text, toks, st.cum_logprob, lps, st.finish_reason,
                                          st.stop_reason))
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
-                             req.metrics)
+        out = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
+                            req.metrics)
+        if req.prompt_logprobs is not None:
+            # delta: only the prompt positions not sent yet
+            start = req.sent_prompt_lp if delta else 0
+            out.prompt_logprobs = req.prompt_logprobs[start:]
+            if delta:
+                req.sent_prompt_lp = len(req.prompt_logprobs)
+        return out
 
     def stats(self) -> dict:
         return self._engine.stats()

@@ -58,3 +58,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default=None)
+    # prompt_logprobs=k: None for the first prompt token, then {token id: Logprob}
+    # with the prompt token and the k most likely tokens at each position
+    prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None

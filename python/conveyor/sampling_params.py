@@ -65,6 +65,14 @@ class SamplingParams:
     output_kind: str = "cumulative"
     # Guided decoding (conveyor.guided): a GuidedDecodingParams, or a dict of its fields.
     guided_decoding: Optional[Any] = None
+    # ---- issue 17 (b17a): prompt logprobs, logit controls, best_of ----
+    prompt_logprobs: Optional[int] = None
+    logit_bias: Optional[dict[int, float]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    best_of: Optional[int] = None
+    _bad_words_token_ids: Optional[list[list[int]]] = field(default=None, init=False, repr=False,
+                                                            compare=False)
     _stop_list: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -107,10 +115,55 @@ class SamplingParams:
             from .guided import coerce_guided
 
             self.guided_decoding = coerce_guided(self.guided_decoding)
+        self._check_logit_controls()
         try:
             _core.check_sampling_params(self)
         except (TypeError, ValueError) as e:
             raise field_error(type(e), getattr(e, "field", None), f"SamplingParams.{e}") from None
+
+    def _check_logit_controls(self):
+        """Types only (issue 17); the ranges are the C engine's."""
+        _check_int("prompt_logprobs", self.prompt_logprobs, allow_none=True)
+        _check_int("best_of", self.best_of, allow_none=True)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise field_error(TypeError, "logit_bias", "SamplingParams.logit_bias must be a dict "
+                                  "{token id: bias}")
+            for k, v in self.logit_bias.items():
+                if not _is_int(k):
+                    raise field_error(TypeError, "logit_bias", f"SamplingParams.logit_bias keys must be "
+                                      f"int token ids, got {k!r}")
+                _check_number("logit_bias", v)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not all(
+                    _is_int(t) for t in self.allowed_token_ids):
+                raise field_error(TypeError, "allowed_token_ids",
+                                  "SamplingParams.allowed_token_ids must be a list of int")
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str) or not isinstance(self.bad_words, (list, tuple)) or \
+                    not all(isinstance(w, str) for w in self.bad_words):
+                raise field_error(TypeError, "bad_words", "SamplingParams.bad_words must be a list of str")
+            for w in self.bad_words:
+                if not w.strip():
+                    raise field_error(ValueError, "bad_words", "SamplingParams.bad_words must not contain "
+                                      "an empty word")
+
+    def with_bad_words_tokenized(self, tokenizer) -> "SamplingParams":
+        """A copy whose bad_words are token sequences (vLLM's rule: each word
+        as written and with a leading space, when that tokenizes differently)."""
+        out = self.clone()
+        if not self.bad_words:
+            return out
+        if tokenizer is None:
+            raise field_error(ValueError, "bad_words", "bad_words needs a tokenizer")
+        seqs: list[list[int]] = []
+        for w in self.bad_words:
+            for text in (w.lstrip(), " " + w.lstrip()):
+                ids = list(tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        out._bad_words_token_ids = seqs
+        return out
 
     @property
     def stop_strings(self) -> list[str]:

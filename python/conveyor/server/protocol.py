@@ -16,6 +16,8 @@ MAX_N = 128                 # choices per prompt
 MAX_PROMPTS = 256           # prompts in one batched completions request
 MAX_SEQUENCES = 1024        # prompts x n in one request
 MAX_STOP = 16
+MAX_LOGIT_BIAS = 1024       # logit_bias entries
+MAX_ALLOWED_IDS = 1 << 16   # allowed_token_ids entries
 DEFAULT_CHAT_MAX_TOKENS_CAP = 4096
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
@@ -168,6 +170,7 @@ class Parsed:
     priority: int = 0                # vLLM's extension: lower runs first under scheduling="priority"
     timeout: Optional[float] = None  # seconds from arrival; past it: finish_reason "timeout"
     tool_call: Optional["ToolCall"] = None  # chat: answer with tool_calls (named or required)
+    prompt_only: bool = False       # completions max_tokens 0 (with echo): no completion tokens
 
 
 @dataclass
@@ -197,7 +200,58 @@ def _parse_stop(f: Fields):
     return v or None
 
 
-def _common_sampling(f: Fields, max_tokens: Optional[int], logprobs: Optional[int], n: int) -> dict:
+def _int_list(f: Fields, key: str, limit: int) -> Optional[list]:
+    v = f.obj.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        raise bad_request(key, f"'{key}' must be an array of integers")
+    if len(v) > limit:
+        raise bad_request(key, f"'{key}' may hold at most {limit} entries")
+    return v
+
+
+def _logit_controls(f: Fields, n: int, allow_best_of: bool) -> dict:
+    """logit_bias (OpenAI sends token ids as string keys), allowed_token_ids,
+    bad_words, best_of (completions). Types only: the engine checks ranges."""
+    kw: dict = {}
+    lb = f.obj.get("logit_bias")
+    if lb is not None:
+        if not isinstance(lb, dict):
+            raise bad_request("logit_bias", f"'logit_bias' must be an object {{token id: bias}}, got {type_name(lb)}")
+        if len(lb) > MAX_LOGIT_BIAS:
+            raise bad_request("logit_bias", f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries")
+        bias = {}
+        for k, v in lb.items():
+            try:
+                tid = int(k, 10) if isinstance(k, str) else None
+            except ValueError:
+                tid = None
+            if tid is None or not k.strip().lstrip("-").isdigit():
+                raise bad_request("logit_bias", f"'logit_bias' keys must be token ids (integers), got {k!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise bad_request("logit_bias", f"'logit_bias' values must be numbers, got {type_name(v)} "
+                                                f"for {k!r}")
+            bias[tid] = v
+        kw["logit_bias"] = bias or None
+    ids = _int_list(f, "allowed_token_ids", MAX_ALLOWED_IDS)
+    if ids is not None:
+        kw["allowed_token_ids"] = ids
+    bw = f.obj.get("bad_words")
+    if bw is not None:
+        if not isinstance(bw, list) or not all(isinstance(w, str) for w in bw):
+            raise bad_request("bad_words", "'bad_words' must be an array of strings")
+        kw["bad_words"] = [check_text("bad_words", w) for w in bw] or None
+    bo = f.obj.get("best_of")
+    if bo is not None:
+        if not allow_best_of and bo != n:
+            raise bad_request("best_of", "'best_of' is only supported on /v1/completions")
+        kw["best_of"] = f.int("best_of", None, lo=1, hi=MAX_N)
+    return kw
+
+
+def _common_sampling(f: Fields, max_tokens: Optional[int], logprobs: Optional[int], n: int,
+                     allow_best_of: bool = False) -> dict:
     """The request fields every endpoint maps onto SamplingParams. Types only:
     the C engine checks every range (see _make_params)."""
     kw = dict(
@@ -225,12 +279,7 @@ def _common_sampling(f: Fields, max_tokens: Optional[int], logprobs: Optional[in
         if len(sti) > 64:
             raise bad_request("stop_token_ids", "'stop_token_ids' may hold at most 64 ids")
         kw["stop_token_ids"] = sti
-    lb = f.obj.get("logit_bias")
-    if lb is not None and lb != {}:
-        raise bad_request("logit_bias", "'logit_bias' is not supported by this server")
-    bo = f.obj.get("best_of")
-    if bo is not None and bo != n:
-        raise bad_request("best_of", "'best_of' is not supported (only best_of == n)")
+    kw.update(_logit_controls(f, n, allow_best_of))
     return kw
 
 
@@ -414,8 +463,13 @@ class Validator:
         max_tokens = f.int("max_tokens", 16)
         logprobs = f.int("logprobs", None)
         echo = f.bool("echo", False)
-        if echo and logprobs is not None:
-            raise bad_request("echo", "'echo' together with 'logprobs' is not supported (no prompt logprobs)")
+        stream_flag = f.obj.get("stream") is True
+        if max_tokens == 0 and not echo:
+            raise bad_request("max_tokens", "'max_tokens' 0 is only allowed with 'echo' (prompt logprobs)")
+        if echo and stream_flag and (logprobs is not None or max_tokens == 0):
+            raise bad_request("echo", "'echo' with 'logprobs' or max_tokens 0 is not supported when streaming")
+        if stream_flag and f.obj.get("best_of") not in (None, n):
+            raise bad_request("best_of", "'best_of' greater than 'n' cannot be streamed")
         if f.obj.get("suffix") not in (None, ""):
             raise bad_request("suffix", "'suffix' is not supported by this server")
         stream, include_usage = _stream_flags(f)
@@ -448,12 +502,21 @@ class Validator:
                 prompts.append(Prompt(p, self._encode(param, p)))
             else:
                 prompts.append(Prompt(None, self._ids(param, p)))
-        kw, renames = _with_guided(_common_sampling(f, max_tokens, logprobs, n), f)
+        kw = _common_sampling(f, max_tokens, logprobs, n, allow_best_of=True)
+        if len(items) * max(n, kw.get("best_of") or 0) > MAX_SEQUENCES:
+            raise bad_request("best_of", f"{len(items)} prompts x best_of={kw['best_of']} is more than "
+                                         f"{MAX_SEQUENCES} sequences")
+        if echo and logprobs is not None:
+            kw["prompt_logprobs"] = logprobs  # the prompt's logprobs, answered in the legacy shape
+        if max_tokens == 0:
+            # the engine always samples one token; the answer leaves it out
+            kw["max_tokens"] = 1
+        kw, renames = _with_guided(kw, f)
         params = _make_params(kw, renames)
         self._check(params, prompts, ["prompt" if len(prompts) == 1 else f"prompt[{i}]" for i in range(len(prompts))],
                     renames)
         return Parsed("completion", prompts, params, stream, include_usage, logprobs, echo, model,
-                      **_load_fields(f))
+                      prompt_only=max_tokens == 0, **_load_fields(f))
 
     def _message_text(self, i: int, content) -> str:
         param = f"messages[{i}].content"

@@ -309,7 +309,7 @@ class Server:
             out = finals[i]
             prompt_tokens += len(out.prompt_token_ids)
             for o in out.outputs:
-                completion_tokens += len(o.token_ids)
+                completion_tokens += 0 if parsed.prompt_only else len(o.token_ids)
                 idx = i * n + o.index
                 if chat:
                     message, finish = {"role": "assistant", "content": o.text}, o.finish_reason
@@ -320,12 +320,7 @@ class Server:
                         "logprobs": self._chat_logprobs(o.logprobs, o.token_ids, parsed.logprobs or 0),
                         "finish_reason": finish, "stop_reason": o.stop_reason})
                 else:
-                    text = o.text
-                    if parsed.echo:
-                        text = self._prompt_text(parsed.prompts[i]) + text
-                    lp, _ = self._completion_logprobs(o.logprobs, o.token_ids, 0)
-                    choices.append({"index": idx, "text": text, "logprobs": lp,
-                                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+                    choices.append(self._completion_choice(parsed, i, out, o, idx))
         choices.sort(key=lambda c: c["index"])
         return {
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
@@ -333,6 +328,30 @@ class Server:
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens},
         }
+
+    def _completion_choice(self, parsed: Parsed, i: int, out, o, idx: int) -> dict:
+        """One /v1/completions choice; with echo the prompt comes first, and with
+        echo + logprobs its tokens lead the legacy logprobs lists (the first
+        token has no logprob: null)."""
+        toks, lps = o.token_ids, o.logprobs
+        text, reason = o.text, o.finish_reason
+        if parsed.prompt_only:
+            toks, lps, text, reason = [], ([] if lps is not None else None), "", "length"
+        if not parsed.echo:
+            lp, _ = self._completion_logprobs(lps, toks, 0)
+            return {"index": idx, "text": text, "logprobs": lp, "finish_reason": reason,
+                    "stop_reason": o.stop_reason}
+        prompt_text = self._prompt_text(parsed.prompts[i])
+        lp = None
+        if parsed.logprobs is not None:
+            plp = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+            head, off = self._completion_logprobs([e or {} for e in plp], out.prompt_token_ids, 0)
+            head["token_logprobs"][0] = None
+            head["top_logprobs"][0] = None
+            tail, _ = self._completion_logprobs(lps or [], toks, off)
+            lp = {k: head[k] + tail[k] for k in head}
+        return {"index": idx, "text": prompt_text + text, "logprobs": lp, "finish_reason": reason,
+                "stop_reason": None if parsed.prompt_only else o.stop_reason}
 
     def _prompt_text(self, p: Prompt) -> str:
         if p.text is not None:
