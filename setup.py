@@ -13,6 +13,7 @@ At run time CONVEYOR_SIMD=scalar|avx2|avx512|avx512_bf16 forces one kernel path
 """
 import os
 import glob
+import itertools
 import subprocess
 import sys
 import tempfile
@@ -46,7 +47,9 @@ def compiler_accepts(cc, flag):
 
 class BuildExt(build_ext):
     def build_extensions(self):
-        cc = list(self.compiler.compiler_so[:1]) if hasattr(self.compiler, "compiler_so") else ["cc"]
+        # the compiler command's leading words ("ccache gcc" is two), before its flags
+        words = getattr(self.compiler, "compiler_so", None) or ["cc"]
+        cc = list(itertools.takewhile(lambda w: not w.startswith("-"), words)) or ["cc"]
         flags = ["-std=c11", "-Wall", "-Wextra", "-pthread", "-fvisibility=hidden",
                  "-D_GNU_SOURCE"]
         debug = os.environ.get("CONVEYOR_DEBUG") == "1"
