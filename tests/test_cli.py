@@ -13,13 +13,11 @@ from pathlib import Path
 
 import pytest
 
-PYTHON_DIR = Path(__file__).resolve().parents[1] / "python"
+from conveyor.testing import subprocess_env
 
 
 def env_for(tmp_path, **extra) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(PYTHON_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env["CONVEYOR_CACHE"] = str(tmp_path / "cache")
+    env = subprocess_env(CONVEYOR_CACHE=tmp_path / "cache")
     env.pop("CONVEYOR_DEBUG", None)
     env.update(extra)
     return env

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import conveyor
+from conveyor.testing import subprocess_env
 from conveyor.tokenizer import Llama2cTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,12 +33,10 @@ def fuzz_dir(tmp_path_factory) -> Path:
 
 
 def _env(fuzz_dir: Path) -> dict:
-    env = dict(os.environ)
+    env = subprocess_env()
     env.pop("LD_PRELOAD", None)  # a sanitizer runtime preloaded by tools/sanitize.sh
     env["CV_FUZZ_DIR"] = str(fuzz_dir)
     env["PYTHON"] = sys.executable
-    pkg_root = str(Path(conveyor.__file__).parent.parent)  # the conveyor imported here
-    env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     return env
 
 

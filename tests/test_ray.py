@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from conveyor.testing import subprocess_env
+
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'conveyor[ray]')")
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'conveyor[ray]')")
 pytest.importorskip("ray.data", reason="Ray Data is not installed (pip install 'conveyor[ray]')")
@@ -316,10 +318,9 @@ def test_threads_follow_cpus_and_builder_arguments(monkeypatch):
 
 
 def test_cli_dispatches_ray_options_and_checks_them_before_starting_ray():
-    import os
     import subprocess
 
-    env = dict(os.environ, PYTHONPATH=str(Path(conveyor.__file__).parents[1]))
+    env = subprocess_env()
 
     def run(*args):
         return subprocess.run([sys.executable, "-m", "conveyor", "serve", MODEL, "--ray", *args],

@@ -2,13 +2,14 @@
 reader pastes it into a .py file), from the repository root. A block preceded by the
 comment `<!-- readme-test: skip (REASON) -->` is not run (one needing a running server
 or the network); the test checks that every skip gives its reason."""
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conveyor.testing import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -44,8 +45,7 @@ def test_readme_python_block_runs(line, code, skip, tmp_path, stories_dir):
         pytest.skip("the README's ../shared/models/stories260K is not beside this checkout")
     script = tmp_path / "snippet.py"
     script.write_text(code, encoding="utf-8")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python")] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env = subprocess_env()
     r = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, f"README line {line} failed:\n{r.stderr}"

@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conveyor.testing import subprocess_env
+
 from conveyor.bench import common, study
 from conveyor.generate import default_model
 
@@ -195,8 +197,7 @@ def test_conveyor_greedy_tokens_equal_hf_greedy_tokens(hf_tiny, tiny):
 
 
 def _cli(*args, timeout=900):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT / "python") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env = subprocess_env()
     return subprocess.run([sys.executable, "-m", "conveyor", "bench", "study", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -244,7 +245,7 @@ def test_bench_study_quick_end_to_end(tmp_path):
     # re-rendering the saved result prints the same table
     p2 = subprocess.run([sys.executable, "-m", "conveyor", "bench", "study", "--from-json", str(out),
                          "--markdown", "--plot", ""], cwd=ROOT, capture_output=True, text=True,
-                        env={**os.environ, "PYTHONPATH": str(ROOT / "python")})
+                        env=subprocess_env())
     assert p2.returncode == 0, p2.stderr
     assert [ln for ln in p2.stdout.splitlines() if ln.startswith("|")] == md
 

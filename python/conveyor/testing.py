@@ -146,6 +146,20 @@ _HF_CHAT_TEMPLATE = (
 # ---------------------------------------------------------------------------- shapes
 
 
+def subprocess_env(**extra) -> dict:
+    """os.environ for a child Python that must import the same conveyor as this process
+    (an installed package, or the checkout's python/ after an in-place build): its
+    package root first on PYTHONPATH; ``extra`` overrides variables."""
+    import conveyor
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(conveyor.__file__)))
+    env = dict(os.environ)
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]
+    env["PYTHONPATH"] = os.pathsep.join([root] + rest)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
 def resolve_shape(shape) -> dict:
     """A shape name or dict -> a full shape dict (head_dim filled in)."""
     if isinstance(shape, str):
@@ -522,8 +536,6 @@ def write_hf_tokenizer(folder, vocab_size: int, *, bos_id: int = 0, eos_id: int 
     256 byte symbols, merges learned from CORPUS, then padding entries that encoding
     never produces (made-up words with a leading space, no merges lead to them)),
     tokenizer_config.json (BOS added, chat template)."""
-    from .tokenizer import _bytes_to_unicode
-
     folder = Path(folder)
     vocab, merges = _byte_level_vocab(vocab_size, bos_id, eos_id)
     special = {bos_id: "<s>", eos_id: "</s>"}
