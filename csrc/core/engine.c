@@ -247,7 +247,12 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
     e->ws_ready = 1;
 
     /* KV cache */
-    cv_dtype kvt = cfg->kv_dtype == CV_DTYPE_INVALID ? e->model->dtype : cfg->kv_dtype;
+    /* "auto": the activation dtype, except bf16 under quantized weights (their
+     * activations are fp32; bf16 keys and values halve the cache at a rounding
+     * error far below the weights' own). */
+    cv_dtype kvt = cfg->kv_dtype;
+    if (kvt == CV_DTYPE_INVALID)
+        kvt = cv_dtype_is_quant(cv_engine_matrix_dtype(e)) ? CV_BF16 : e->model->dtype;
     size_t per_token = cv_kv_bytes_per_token(mc->n_layers, mc->n_kv_heads, mc->head_dim, kvt);
     size_t kv = cfg->kv_cache_bytes ? cfg->kv_cache_bytes
                                      : default_kv_bytes(e, per_token, cfg->gpu_memory_utilization);

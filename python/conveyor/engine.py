@@ -80,7 +80,7 @@ class EngineArgs:
     max_num_batched_tokens: Optional[int] = None
     block_size: int = 16
     kv_cache_memory: Any = None
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # auto: the activation dtype; bfloat16 under quantized weights
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling: str = "continuous"
