@@ -5,8 +5,10 @@ YAML in the test's tmp dir. Each item's chosen answer must equal the one
 computed directly from LLM prompt logprobs, and each generation the LLM's.
 
 Loglikelihood needs a tokenizer on lm-eval's side (it counts the context's
-tokens), so that task runs on a random-weight HF checkpoint from
-conveyor.testing whose tokenizer.json transformers loads from disk; the
+tokens): that task runs on a random-weight HF checkpoint from conveyor.testing
+whose tokenizer.json transformers loads from disk, and on the default model
+(SmolLM2-135M-Instruct GGUF) with the tokenizer transformers builds from the
+same GGUF file, where the model must also get easy questions right; the
 generate_until task runs on stories260K with tokenizer_backend=None."""
 from __future__ import annotations
 
@@ -86,29 +88,28 @@ def encode_pair(tok, context: str, continuation: str):
     return ctx, whole[len(ctx):]
 
 
-def test_lm_eval_multiple_choice_matches_prompt_logprobs(tmp_path, monkeypatch):
-    from conveyor.testing import write_hf_checkpoint
-
-    offline_env(monkeypatch)
-    model = write_hf_checkpoint(tmp_path / "model", shape="tiny")
-    write_task(tmp_path, "conveyor_mc", MC_ITEMS,
+def run_multiple_choice(tmp_path, model: str, tokenizer: str, items: list, server_args=(), **llm_kwargs):
+    """lm-eval's multiple-choice task over items against `conveyor serve model`; each
+    item's per-choice loglikelihoods must equal the sums of LLM prompt logprobs over the
+    choice's tokens, and lm-eval's pick the argmax. Returns lm-eval's samples."""
+    write_task(tmp_path, "conveyor_mc", items,
                "output_type: multiple_choice\n"
                "doc_to_text: \"{{question}}\"\n"
                "doc_to_choice: \"{{choices}}\"\n"
                "doc_to_target: \"{{answer}}\"\n"
                "target_delimiter: \" \"\n"
                "metric_list:\n  - metric: acc\n")
-    server = OwnServer(str(model), (), timeout=120.0)
+    server = OwnServer(model, tuple(server_args), timeout=120.0)
     try:
         samples = evaluate(server.url, "conveyor_mc", tmp_path, tokenizer_backend="huggingface",
-                           tokenizer=str(model), tokenized_requests=True)
+                           tokenizer=tokenizer, tokenized_requests=True)
     finally:
         server.stop()
-    assert len(samples) == len(MC_ITEMS)
+    assert len(samples) == len(items)
 
-    with LLM(str(model), num_threads=1) as llm:
+    with LLM(model, num_threads=1, **llm_kwargs) as llm:
         tok = llm.get_tokenizer()
-        for s, item in zip(samples, MC_ITEMS):
+        for s, item in zip(samples, items):
             lls = []
             for choice in item["choices"]:
                 ctx, cont = encode_pair(tok, item["question"], " " + choice)
@@ -120,6 +121,43 @@ def test_lm_eval_multiple_choice_matches_prompt_logprobs(tmp_path, monkeypatch):
             assert got == pytest.approx(lls, abs=1e-4)
             assert int(np.argmax(got)) == int(np.argmax(lls))
             assert s["acc"] == float(int(np.argmax(lls)) == item["answer"])
+    return samples
+
+
+def test_lm_eval_multiple_choice_matches_prompt_logprobs(tmp_path, monkeypatch):
+    from conveyor.testing import write_hf_checkpoint
+
+    offline_env(monkeypatch)
+    model = write_hf_checkpoint(tmp_path / "model", shape="tiny")
+    run_multiple_choice(tmp_path, str(model), str(model), MC_ITEMS)
+
+
+# easy for any instruct model; SmolLM2-135M's margins are 0.4 to 14 nats
+EASY_ITEMS = [
+    {"question": "The capital of France is", "choices": ["Paris", "London", "Berlin"], "answer": 0},
+    {"question": "The opposite of hot is", "choices": ["blue", "cold", "fast"], "answer": 1},
+    {"question": "The sun rises in the", "choices": ["west", "north", "east"], "answer": 2},
+    {"question": "Water freezes at zero degrees", "choices": ["Celsius", "Kelvin", "Newton"], "answer": 0},
+    {"question": "A week has seven", "choices": ["apples", "days", "rivers"], "answer": 1},
+    {"question": "The color of the clear sky is", "choices": ["green", "purple", "blue"], "answer": 2},
+    {"question": "Two plus two equals", "choices": ["four", "nine", "seven"], "answer": 0},
+]
+
+
+def test_lm_eval_multiple_choice_on_the_default_model(tmp_path, monkeypatch, smollm2_gguf):
+    """The real model through lm-eval: its loglikelihoods are the engine's, and it answers
+    easy questions (chance would get about 2 of 7)."""
+    pytest.importorskip("torch", reason="transformers reads GGUF files only with torch installed")
+    pytest.importorskip("gguf")
+    from transformers import AutoTokenizer
+
+    offline_env(monkeypatch)
+    tok_dir = tmp_path / "hf_tokenizer"
+    AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name).save_pretrained(tok_dir)
+    samples = run_multiple_choice(tmp_path, str(smollm2_gguf), str(tok_dir), EASY_ITEMS,
+                                  ("--max-model-len", "256", "--kv-cache-memory", "64MiB"),
+                                  max_model_len=256, kv_cache_memory="64MiB")
+    assert sum(s["acc"] for s in samples) >= 6
 
 
 @pytest.mark.skipif(not STORIES.is_file(), reason=f"{STORIES} not found")

@@ -68,3 +68,28 @@ def test_generate_command_uses_the_default_model(smollm2_gguf, capsys):
     out = capsys.readouterr().out
     assert f"model: {smollm2_gguf}" in out
     assert "Paris" in out
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(smollm2_gguf):
+    """transformers' own tokenizer built from the same GGUF file (its converter, not ours);
+    needs torch and the gguf package (CI's peers step installs torch)."""
+    pytest.importorskip("torch", reason="transformers reads GGUF files only with torch installed")
+    pytest.importorskip("gguf")
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+
+
+TOKENIZER_TEXTS = [
+    "The cat sat on the mat.", "  two leading spaces\n\nand blank lines\t\ttabs  ",
+    "Numbers 1234567, 3.14159 and 2026-12-03", "emoji 🙂🚀, accents héllo wörld, 中文字符, ελληνικά",
+    "don't won't I'm you'll they've", "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "def f(x):\n    return x ** 2  # comment", "a" * 300, "",
+]
+
+
+@pytest.mark.parametrize("text", TOKENIZER_TEXTS, ids=range(len(TOKENIZER_TEXTS)))
+def test_tokenizer_matches_transformers_reading_the_same_gguf(hf_tokenizer, tok, text):
+    ids = hf_tokenizer.encode(text, add_special_tokens=False)
+    assert tok.encode(text, add_special_tokens=False) == ids
+    assert tok.decode(ids, skip_special_tokens=False) == hf_tokenizer.decode(ids, skip_special_tokens=False)

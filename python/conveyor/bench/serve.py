@@ -39,7 +39,6 @@ interpolation. Prints a table, writes JSON, and draws the E2E CDF per rate with 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import os
@@ -212,12 +211,10 @@ class OwnServer:
 
     def __init__(self, model: str, extra: Sequence[str] = (), timeout: float = 300.0,
                  python: str = sys.executable, log_prefix: str = "conveyor-serve-"):
-        import conveyor
+        from ..testing import subprocess_env
 
         self.log = tempfile.NamedTemporaryFile("w+", prefix=log_prefix, suffix=".log", delete=False)
-        env = dict(os.environ)
-        pkg_root = str(Path(conveyor.__file__).parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        env = subprocess_env()
         for k in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
             env.pop(k, None)
         cmd = [python, "-m", "conveyor.serve", str(model), "--host", "127.0.0.1", "--port", "0",
