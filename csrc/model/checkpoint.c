@@ -8,6 +8,8 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -69,6 +71,60 @@ int64_t cv_tensor_numel(const cv_tensor_view *v) {
     return v->ndim == 1 ? v->shape[0] : v->shape[0] * v->shape[1];
 }
 
+/* Dimensions a layer tensor's shape is made of. */
+enum { D_NONE, D_DIM, D_Q, D_KV, D_HID };
+
+static int64_t dim_of(const cv_model_config *c, int d) {
+    switch (d) {
+    case D_DIM: return c->dim;
+    case D_Q: return c->n_heads * c->head_dim;
+    case D_KV: return c->n_kv_heads * c->head_dim;
+    case D_HID: return c->hidden_dim;
+    default: return -1;
+    }
+}
+
+cv_layer_slot cv_layer_slot_at(const cv_model_config *c, cv_layer_views *l, int k) {
+    static const struct {
+        const char *name;
+        size_t off;
+        int rows, cols, bias;
+    } table[CV_LAYER_TENSORS] = {
+        {"attn_norm", offsetof(cv_layer_views, attn_norm), D_DIM, D_NONE, 0},
+        {"wq", offsetof(cv_layer_views, wq), D_Q, D_DIM, 0},
+        {"wk", offsetof(cv_layer_views, wk), D_KV, D_DIM, 0},
+        {"wv", offsetof(cv_layer_views, wv), D_KV, D_DIM, 0},
+        {"wo", offsetof(cv_layer_views, wo), D_DIM, D_Q, 0},
+        {"bq", offsetof(cv_layer_views, bq), D_Q, D_NONE, 1},
+        {"bk", offsetof(cv_layer_views, bk), D_KV, D_NONE, 1},
+        {"bv", offsetof(cv_layer_views, bv), D_KV, D_NONE, 1},
+        {"ffn_norm", offsetof(cv_layer_views, ffn_norm), D_DIM, D_NONE, 0},
+        {"w_gate", offsetof(cv_layer_views, w_gate), D_HID, D_DIM, 0},
+        {"w_up", offsetof(cv_layer_views, w_up), D_HID, D_DIM, 0},
+        {"w_down", offsetof(cv_layer_views, w_down), D_DIM, D_HID, 0},
+    };
+    cv_layer_slot s = {
+        .view = (cv_tensor_view *)((char *)l + table[k].off), .name = table[k].name,
+        .rows = dim_of(c, table[k].rows), .cols = dim_of(c, table[k].cols),
+        .present = !table[k].bias || c->qkv_bias,
+    };
+    return s;
+}
+
+int cv_checkpoint_bind_layers(cv_checkpoint *ck, const char *prefix, const char *const names[CV_LAYER_TENSORS],
+                              cv_bind_fn bind, void *loader) {
+    char name[160];
+    int rc;
+    for (int64_t i = 0; i < ck->cfg.n_layers; i++)
+        for (int k = 0; k < CV_LAYER_TENSORS; k++) {
+            cv_layer_slot s = cv_layer_slot_at(&ck->cfg, &ck->layers[i], k);
+            if (!s.present) continue;
+            snprintf(name, sizeof name, "%s%lld.%s", prefix, (long long)i, names[k]);
+            if ((rc = bind(loader, s.view, name, s.rows, s.cols, 1)) < 0) return rc;
+        }
+    return 0;
+}
+
 static const cv_tensor_view *present(const cv_tensor_view *v) { return v->data ? v : NULL; }
 
 const cv_tensor_view *cv_checkpoint_find(const cv_checkpoint *ck, const char *name) {
@@ -88,20 +144,9 @@ const cv_tensor_view *cv_checkpoint_find(const cv_checkpoint *ck, const char *na
     }
     if (*s != '.') return NULL;
     s++;
-    const cv_layer_views *l = &ck->layers[i];
-    static const struct {
-        const char *name;
-        size_t off;
-    } fields[] = {
-        {"attn_norm", offsetof(cv_layer_views, attn_norm)}, {"wq", offsetof(cv_layer_views, wq)},
-        {"wk", offsetof(cv_layer_views, wk)},               {"wv", offsetof(cv_layer_views, wv)},
-        {"wo", offsetof(cv_layer_views, wo)},               {"bq", offsetof(cv_layer_views, bq)},
-        {"bk", offsetof(cv_layer_views, bk)},               {"bv", offsetof(cv_layer_views, bv)},
-        {"ffn_norm", offsetof(cv_layer_views, ffn_norm)},   {"w_gate", offsetof(cv_layer_views, w_gate)},
-        {"w_up", offsetof(cv_layer_views, w_up)},           {"w_down", offsetof(cv_layer_views, w_down)},
-    };
-    for (size_t k = 0; k < sizeof fields / sizeof fields[0]; k++)
-        if (strcmp(s, fields[k].name) == 0)
-            return present((const cv_tensor_view *)((const char *)l + fields[k].off));
+    for (int k = 0; k < CV_LAYER_TENSORS; k++) {
+        cv_layer_slot slot = cv_layer_slot_at(&ck->cfg, &ck->layers[i], k);
+        if (strcmp(s, slot.name) == 0) return present(slot.view);
+    }
     return NULL;
 }

@@ -73,6 +73,24 @@ int cv_hf_config_parse(cv_model_config *cfg, const char *text, size_t len, const
 /* Builds a llama2.c checkpoint over buf[len], which stays owned by the caller
  * and must outlive ck (ck->n_maps is 0). */
 int cv_llama2c_parse(cv_checkpoint *ck, const void *buf, size_t len, const char *path, cv_err *err);
+/* The tensors of a layer, one table for every format: CV_LAYER_TENSORS of
+ * them in cv_layer_views' order (attn_norm, wq, wk, wv, wo, bq, bk, bv,
+ * ffn_norm, w_gate, w_up, w_down); a format names them in the same order. */
+#define CV_LAYER_TENSORS 12
+typedef struct cv_layer_slot {
+    cv_tensor_view *view;
+    const char *name;   /* canonical name ("wq") */
+    int64_t rows, cols; /* the shape the config implies; cols -1: a vector */
+    int present;        /* 0: the model has no such tensor (biases without qkv_bias) */
+} cv_layer_slot;
+/* Tensor k (< CV_LAYER_TENSORS) of the layer views l under config c. */
+cv_layer_slot cv_layer_slot_at(const cv_model_config *c, cv_layer_views *l, int k);
+/* Binds tensor k of every layer to "<prefix><layer>.<names[k]>" with bind(loader,
+ * view, name, rows, cols, required=1); names in the table's order. */
+typedef int (*cv_bind_fn)(void *loader, cv_tensor_view *out, const char *name, int64_t rows, int64_t cols,
+                          int required);
+int cv_checkpoint_bind_layers(cv_checkpoint *ck, const char *prefix, const char *const names[CV_LAYER_TENSORS],
+                              cv_bind_fn bind, void *loader);
 /* The view with canonical name "embed", "final_norm", "lm_head" or
  * "layers.{i}.{attn_norm,wq,wk,wv,wo,bq,bk,bv,ffn_norm,w_gate,w_up,w_down}";
  * NULL when the name is unknown or the tensor absent (a tied lm_head,

@@ -207,38 +207,34 @@ static int bind(gguf_loader *g, cv_tensor_view *out, const char *name, int64_t r
     return 0;
 }
 
+/* Layer tensor names in cv_layer_slot_at's order. */
+static const char *const LAYER_NAMES[CV_LAYER_TENSORS] = {
+    "attn_norm.weight",
+    "attn_q.weight",
+    "attn_k.weight",
+    "attn_v.weight",
+    "attn_output.weight",
+    "attn_q.bias",
+    "attn_k.bias",
+    "attn_v.bias",
+    "ffn_norm.weight",
+    "ffn_gate.weight",
+    "ffn_up.weight",
+    "ffn_down.weight",
+};
+
+static int bind_cb(void *loader, cv_tensor_view *out, const char *name, int64_t rows, int64_t cols, int required) {
+    return bind((gguf_loader *)loader, out, name, rows, cols, required);
+}
+
 static int bind_all(gguf_loader *g, cv_checkpoint *ck) {
     const cv_model_config *c = &ck->cfg;
-    const int64_t q_dim = c->n_heads * c->head_dim, kv_dim = c->n_kv_heads * c->head_dim;
-    char name[96];
     int rc;
     if ((rc = bind(g, &ck->embed, "token_embd.weight", c->vocab_size, c->dim, 1)) < 0 ||
         (rc = bind(g, &ck->final_norm, "output_norm.weight", c->dim, -1, 1)) < 0 ||
         (rc = bind(g, &ck->lm_head, "output.weight", c->vocab_size, c->dim, 0)) < 0)
         return rc;
-    for (int64_t i = 0; i < c->n_layers; i++) {
-        cv_layer_views *l = &ck->layers[i];
-        const struct { cv_tensor_view *v; const char *suffix; int64_t rows, cols; int on; } parts[] = {
-            {&l->attn_norm, "attn_norm.weight", c->dim, -1, 1},
-            {&l->wq, "attn_q.weight", q_dim, c->dim, 1},
-            {&l->wk, "attn_k.weight", kv_dim, c->dim, 1},
-            {&l->wv, "attn_v.weight", kv_dim, c->dim, 1},
-            {&l->wo, "attn_output.weight", c->dim, q_dim, 1},
-            {&l->bq, "attn_q.bias", q_dim, -1, c->qkv_bias},
-            {&l->bk, "attn_k.bias", kv_dim, -1, c->qkv_bias},
-            {&l->bv, "attn_v.bias", kv_dim, -1, c->qkv_bias},
-            {&l->ffn_norm, "ffn_norm.weight", c->dim, -1, 1},
-            {&l->w_gate, "ffn_gate.weight", c->hidden_dim, c->dim, 1},
-            {&l->w_up, "ffn_up.weight", c->hidden_dim, c->dim, 1},
-            {&l->w_down, "ffn_down.weight", c->dim, c->hidden_dim, 1},
-        };
-        for (size_t k = 0; k < sizeof parts / sizeof parts[0]; k++) {
-            if (!parts[k].on) continue;
-            snprintf(name, sizeof name, "blk.%lld.%s", (long long)i, parts[k].suffix);
-            if ((rc = bind(g, parts[k].v, name, parts[k].rows, parts[k].cols, 1)) < 0) return rc;
-        }
-    }
-    return 0;
+    return cv_checkpoint_bind_layers(ck, "blk.", LAYER_NAMES, bind_cb, g);
 }
 
 /* Config and views over an already parsed file f; on success ck->gguf takes f. */

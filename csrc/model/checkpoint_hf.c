@@ -512,39 +512,35 @@ static int bind(hf_loader *h, cv_tensor_view *out, const char *name, int64_t row
     return 0;
 }
 
+/* Layer tensor names in cv_layer_slot_at's order. */
+static const char *const LAYER_NAMES[CV_LAYER_TENSORS] = {
+    "input_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_proj.bias",
+    "self_attn.k_proj.bias",
+    "self_attn.v_proj.bias",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+};
+
+static int bind_cb(void *loader, cv_tensor_view *out, const char *name, int64_t rows, int64_t cols, int required) {
+    return bind((hf_loader *)loader, out, name, rows, cols, required);
+}
+
 static int bind_all(hf_loader *h, cv_checkpoint *ck) {
     const cv_model_config *c = &ck->cfg;
-    int64_t q_dim = c->n_heads * c->head_dim, kv_dim = c->n_kv_heads * c->head_dim;
-    char name[128];
     int rc;
     if ((rc = bind(h, &ck->embed, "model.embed_tokens.weight", c->vocab_size, c->dim, 1)) < 0) return rc;
     if ((rc = bind(h, &ck->final_norm, "model.norm.weight", c->dim, -1, 1)) < 0) return rc;
     if (!c->tie_embeddings) {
         if ((rc = bind(h, &ck->lm_head, "lm_head.weight", c->vocab_size, c->dim, 1)) < 0) return rc;
     }
-    for (int64_t i = 0; i < c->n_layers; i++) {
-        cv_layer_views *l = &ck->layers[i];
-        const struct { cv_tensor_view *v; const char *suffix; int64_t rows, cols; int on; } parts[] = {
-            {&l->attn_norm, "input_layernorm.weight", c->dim, -1, 1},
-            {&l->wq, "self_attn.q_proj.weight", q_dim, c->dim, 1},
-            {&l->wk, "self_attn.k_proj.weight", kv_dim, c->dim, 1},
-            {&l->wv, "self_attn.v_proj.weight", kv_dim, c->dim, 1},
-            {&l->wo, "self_attn.o_proj.weight", c->dim, q_dim, 1},
-            {&l->bq, "self_attn.q_proj.bias", q_dim, -1, c->qkv_bias},
-            {&l->bk, "self_attn.k_proj.bias", kv_dim, -1, c->qkv_bias},
-            {&l->bv, "self_attn.v_proj.bias", kv_dim, -1, c->qkv_bias},
-            {&l->ffn_norm, "post_attention_layernorm.weight", c->dim, -1, 1},
-            {&l->w_gate, "mlp.gate_proj.weight", c->hidden_dim, c->dim, 1},
-            {&l->w_up, "mlp.up_proj.weight", c->hidden_dim, c->dim, 1},
-            {&l->w_down, "mlp.down_proj.weight", c->dim, c->hidden_dim, 1},
-        };
-        for (size_t k = 0; k < sizeof parts / sizeof parts[0]; k++) {
-            if (!parts[k].on) continue;
-            snprintf(name, sizeof name, "model.layers.%lld.%s", (long long)i, parts[k].suffix);
-            if ((rc = bind(h, parts[k].v, name, parts[k].rows, parts[k].cols, 1)) < 0) return rc;
-        }
-    }
-    return 0;
+    return cv_checkpoint_bind_layers(ck, "model.layers.", LAYER_NAMES, bind_cb, h);
 }
 
 int cv_checkpoint_open_hf(cv_checkpoint *ck, const char *dir, cv_err *err) {
