@@ -23,6 +23,26 @@ def env_for(tmp_path, **extra) -> dict:
     return env
 
 
+def _default_sigint():
+    # a child of a background job starts with SIGINT ignored, and Python then installs no
+    # KeyboardInterrupt handler: the tests that send SIGINT restore the default first
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def spawn(tmp_path, argv, **kw):
+    """A child Python (argv after the interpreter) that SIGINT interrupts."""
+    return subprocess.Popen([sys.executable, *map(str, argv)], env=env_for(tmp_path), text=True,
+                            preexec_fn=_default_sigint, **kw)
+
+
+def readline(p, timeout: float) -> str:
+    """p's next stdout line, or "" when none comes within timeout (never hangs)."""
+    import select
+
+    ready, _, _ = select.select([p.stdout], [], [], timeout)
+    return p.stdout.readline() if ready else ""
+
+
 def conveyor(tmp_path, *args, timeout=120, **extra):
     return subprocess.run([sys.executable, "-m", "conveyor", *map(str, args)], env=env_for(tmp_path, **extra),
                           capture_output=True, text=True, timeout=timeout)
@@ -153,14 +173,13 @@ def test_sigint_during_engine_construction_exits_within_1s(tmp_path, stories_dir
     """Engines are built over and over (each fills a 512 MiB KV cache); SIGINT lands
     inside a build and the process is gone within a second."""
     for attempt in range(5):
-        p = subprocess.Popen([sys.executable, "-c", BUILD_LOOP, str(stories_dir / "stories260K.bin")],
-                             env=env_for(tmp_path), stdout=subprocess.PIPE, text=True)
-        assert p.stdout.readline().strip() == "ready"
+        p = spawn(tmp_path, ["-c", BUILD_LOOP, stories_dir / "stories260K.bin"], stdout=subprocess.PIPE)
+        assert readline(p, 120).strip() == "ready"
         time.sleep(1.0)
         t0 = time.monotonic()
         p.send_signal(signal.SIGINT)
         try:
-            said = p.stdout.readline()  # the KeyboardInterrupt reached Python code
+            said = readline(p, 30)  # the KeyboardInterrupt reached Python code
             t_said = time.monotonic() - t0
             out, _ = p.communicate(timeout=30)
         finally:
@@ -178,10 +197,9 @@ def test_sigint_during_engine_construction_exits_within_1s(tmp_path, stories_dir
 
 
 def test_generate_ctrl_c_is_one_line(tmp_path, stories_dir):
-    p = subprocess.Popen([sys.executable, "-m", "conveyor", "generate", "--model", str(stories_dir / "stories260K.bin"),
-                          "--kv-cache-memory", "2GiB", "--max-tokens", "200", "--num-prompts", "64",
-                          "--ignore-eos"],
-                         env=env_for(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = spawn(tmp_path, ["-m", "conveyor", "generate", "--model", stories_dir / "stories260K.bin",
+                         "--kv-cache-memory", "2GiB", "--max-tokens", "200", "--num-prompts", "64", "--ignore-eos"],
+              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     time.sleep(1.5)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=60)
@@ -208,8 +226,7 @@ def test_interrupted_first_use_leaves_no_partial_checkpoint(tmp_path, sig):
     final = cache / "models" / "smollm-135m-random-bfloat16-seed0"
     for attempt in range(3):
         shutil.rmtree(cache, ignore_errors=True)
-        p = subprocess.Popen([sys.executable, "-c", WRITE_DEFAULT], env=env_for(tmp_path),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        p = spawn(tmp_path, ["-c", WRITE_DEFAULT], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 120
         while not _partials(cache):  # the write has started
             assert p.poll() is None, p.stderr.read()
