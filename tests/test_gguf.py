@@ -149,6 +149,25 @@ def test_metadata_value_types(tmp_path):
     for k in extra:
         assert md[k] == want[k], k
     assert md["x.u64"] == 2**63 + 5 and md["x.arr_s"] == ["a", "", "ü"] and md["x.bool"] is True
+    # the metadata alone (what the tokenizer reads): every key, in file order, the same values
+    alone = conveyor._core.gguf_metadata(path)
+    assert list(alone) == list(want) and alone == want
+
+
+def test_metadata_alone_of_bad_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        conveyor._core.gguf_metadata(tmp_path / "nope.gguf")
+    with pytest.raises(TypeError):
+        conveyor._core.gguf_metadata(3)
+    p = tmp_path / "t.gguf"
+    p.write_bytes(b"GGML" + bytes(60))
+    with pytest.raises(conveyor.ModelFormatError, match="not a GGUF"):
+        conveyor._core.gguf_metadata(p)
+    good = tiny_gguf()
+    for cut in (8, 30, len(good) // 2):
+        p.write_bytes(good[:cut])
+        with pytest.raises(conveyor.ModelFormatError):
+            conveyor._core.gguf_metadata(p)
 
 
 # ---------------------------------------------------------------------------- engine

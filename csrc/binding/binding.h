@@ -38,5 +38,10 @@ int cv_py_add_request_params(PyObject *m); /* request_params.c */
 int cv_py_add_cuda(PyObject *m);       /* py_cuda.c      */
 int cv_py_add_model(PyObject *m);      /* py_model.c     */
 int cv_py_add_quant(PyObject *m);      /* py_quant.c     */
+int cv_py_add_gguf(PyObject *m);       /* py_gguf.c      */
+
+/* A GGUF file's key/values as a dict in file order (py_gguf.c). */
+struct cv_gguf_file;
+PyObject *cv_py_gguf_metadata(const struct cv_gguf_file *f);
 
 #endif

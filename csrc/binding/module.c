@@ -14,7 +14,8 @@ PyMODINIT_FUNC PyInit__core(void) {
     if (cv_py_add_errors(m) < 0) goto fail;
     if (cv_py_add_checkpoint(m) < 0 || cv_py_add_kernels(m) < 0 || cv_py_add_scheduler(m) < 0 ||
         cv_py_add_sampler(m) < 0 || cv_py_add_engine(m) < 0 || cv_py_add_request_params(m) < 0 ||
-        cv_py_add_cuda(m) < 0 || cv_py_add_model(m) < 0 || cv_py_add_quant(m) < 0)
+        cv_py_add_cuda(m) < 0 || cv_py_add_model(m) < 0 || cv_py_add_quant(m) < 0 ||
+        cv_py_add_gguf(m) < 0)
         goto fail;
     /* the kernel path chosen at run time (CONVEYOR_SIMD, else the CPU's best) */
     cv_simd_level level;

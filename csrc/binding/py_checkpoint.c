@@ -141,95 +141,10 @@ static const char *format_name(cv_ckpt_format f) {
     return f == CV_FMT_LLAMA2C ? "llama2c" : f == CV_FMT_GGUF ? "gguf" : "hf";
 }
 
-/* A GGUF string as str; ModelFormatError naming key when it is not UTF-8. */
-static PyObject *gguf_str(cv_gguf_str s, const cv_gguf_kv *kv) {
-    PyObject *o = PyUnicode_DecodeUTF8(s.p, (Py_ssize_t)s.len, "strict");
-    if (!o && PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
-        PyErr_Clear();
-        cv_err e;
-        cv_set_err(&e, CV_ERR_FORMAT, "GGUF metadata '%.*s' holds a string that is not valid UTF-8",
-                   (int)(kv->key.len > 200 ? 200 : kv->key.len), kv->key.p);
-        cv_py_raise(&e);
-    }
-    return o;
-}
-
-/* One scalar of type t at p (ints, floats, bools). */
-static PyObject *gguf_scalar(cv_gguf_type t, const cv_gguf_kv *kv, uint64_t i) {
-    int64_t v;
-    double f;
-    if (kv->type == CV_GGUF_ARRAY) {
-        if (t == CV_GGUF_BOOL) return PyBool_FromLong(kv->value[i] != 0);
-        if (cv_gguf_array_int(kv, i, &v)) return PyLong_FromLongLong(v);
-        if (cv_gguf_array_float(kv, i, &f)) return PyFloat_FromDouble(f);
-        /* a uint64 above INT64_MAX */
-        const unsigned char *p = kv->value + i * 8;
-        uint64_t u = 0;
-        for (int k = 7; k >= 0; k--) u = (u << 8) | p[k];
-        return PyLong_FromUnsignedLongLong(u);
-    }
-    int b;
-    if (cv_gguf_kv_bool(kv, &b)) return PyBool_FromLong(b);
-    if (cv_gguf_kv_int(kv, &v)) return PyLong_FromLongLong(v);
-    if (cv_gguf_kv_float(kv, &f)) return PyFloat_FromDouble(f);
-    const unsigned char *p = kv->value;
-    uint64_t u = 0;
-    for (int k = 7; k >= 0; k--) u = (u << 8) | p[k];
-    return PyLong_FromUnsignedLongLong(u);
-}
-
-static PyObject *gguf_value(const cv_gguf_kv *kv) {
-    cv_gguf_str s;
-    if (kv->type == CV_GGUF_STRING) {
-        cv_gguf_kv_string(kv, &s);
-        return gguf_str(s, kv);
-    }
-    if (kv->type != CV_GGUF_ARRAY) return gguf_scalar(kv->type, kv, 0);
-    if (kv->count > (uint64_t)PY_SSIZE_T_MAX) return PyErr_NoMemory();
-    PyObject *list = PyList_New((Py_ssize_t)kv->count);
-    if (!list) return NULL;
-    const unsigned char *cur = kv->value;
-    for (uint64_t i = 0; i < kv->count; i++) {
-        PyObject *o = kv->elem_type == CV_GGUF_STRING ? gguf_str(cv_gguf_next_string(&cur), kv)
-                                                      : gguf_scalar(kv->elem_type, kv, i);
-        if (!o) {
-            Py_DECREF(list);
-            return NULL;
-        }
-        PyList_SET_ITEM(list, (Py_ssize_t)i, o);
-    }
-    return list;
-}
-
 static PyObject *Checkpoint_get_metadata(CheckpointObject *self, void *closure) {
     (void)closure;
     if (check_open(self) < 0) return NULL;
-    PyObject *d = PyDict_New();
-    const cv_gguf_file *f = self->ck.gguf;
-    if (!d || !f) return d;
-    /* in file order, as the Python reader gives them */
-    const cv_gguf_kv **order = PyMem_Calloc(f->n_kvs ? f->n_kvs : 1, sizeof *order);
-    if (!order) {
-        Py_DECREF(d);
-        return PyErr_NoMemory();
-    }
-    for (size_t i = 0; i < f->n_kvs; i++) order[f->kvs[i].index] = &f->kvs[i];
-    for (size_t i = 0; i < f->n_kvs; i++) {
-        const cv_gguf_kv *kv = order[i];
-        PyObject *key = gguf_str(kv->key, kv);
-        PyObject *val = key ? gguf_value(kv) : NULL;
-        if (!val || PyDict_SetItem(d, key, val) < 0) {
-            Py_XDECREF(key);
-            Py_XDECREF(val);
-            Py_DECREF(d);
-            PyMem_Free(order);
-            return NULL;
-        }
-        Py_DECREF(key);
-        Py_DECREF(val);
-    }
-    PyMem_Free(order);
-    return d;
+    return self->ck.gguf ? cv_py_gguf_metadata(self->ck.gguf) : PyDict_New();
 }
 
 static PyObject *Checkpoint_get_format(CheckpointObject *self, void *closure) {

@@ -368,6 +368,9 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 _UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+# str.translate table from byte-level symbols to the latin-1 char of their byte; any other
+# char below 256 maps to one that latin-1 cannot encode, so such a token falls back to UTF-8
+_BYTELEVEL_TO_LATIN1 = {**{i: 0x100 for i in range(256)}, **{ord(c): b for c, b in _UNICODE_TO_BYTE.items()}}
 
 
 def _components(node) -> list[dict]:
@@ -505,8 +508,8 @@ class HFTokenizer(Tokenizer):
                 self._bytes[i] = t.encode("utf-8")
             elif self.style == "bytelevel":
                 try:
-                    self._bytes[i] = bytes(_UNICODE_TO_BYTE[c] for c in t)
-                except KeyError:
+                    self._bytes[i] = t.translate(_BYTELEVEL_TO_LATIN1).encode("latin-1")
+                except UnicodeEncodeError:  # not all byte-level symbols
                     self._bytes[i] = t.encode("utf-8")
             elif self.style == "metaspace":
                 m = _BYTE_PIECE.fullmatch(t.encode("utf-8")) if self.byte_fallback else None
@@ -720,12 +723,10 @@ class GGUFTokenizer(HFTokenizer):
 
     @classmethod
     def from_file(cls, path) -> "GGUFTokenizer":
-        from .gguf import GGUFError, GGUFReader
+        from . import _core
 
-        try:
-            tok = cls(GGUFReader(path).metadata)
-        except GGUFError as e:
-            raise ModelFormatError(str(e)) from None
+        # the C reader (conveyor.gguf, the Python one, is the tests' independent reference)
+        tok = cls(_core.gguf_metadata(os.fspath(path)))
         tok.path = Path(os.fspath(path))
         return tok
 
