@@ -110,7 +110,7 @@ struct cv_engine {
 
 /* ---- request.c: a request's life ---- */
 
-/* Frees a request that is in no list, with its sequences (NULL: nothing). */
+/* Frees r and its sequences (NULL: nothing); unlinking it is the caller's. */
 void cv_request_free(cv_request *r);
 /* Appends an event of completion idx carrying text[0..len). Caller holds out_lock. */
 cv_event *cv_request_push_event(cv_engine *e, cv_request *r, int idx, const char *text, size_t len);
@@ -124,7 +124,7 @@ void cv_request_finish_completion(cv_engine *e, cv_request *r, int idx, int reas
 void cv_request_accept_token(cv_engine *e, cv_request *r, int idx, int32_t t, const cv_sample_info *info);
 /* The request was scheduled or finished: it no longer counts as queued. */
 void cv_request_leave_queue(cv_engine *e, cv_request *r);
-/* Frees r (off the active list) once every completion finished. */
+/* Once every completion of r finished: takes it off the active list and frees it. */
 void cv_request_retire_if_done(cv_engine *e, cv_request *r);
 /* Ends every completion of an active request with CV_FINISH_ABORT and retires it. */
 void cv_request_abort(cv_engine *e, cv_request *r);

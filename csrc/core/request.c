@@ -219,8 +219,6 @@ int cv_engine_set_token_mask(cv_engine *e, int64_t request_id, int32_t seq_index
 
 int64_t cv_engine_token_mask_words(cv_engine *e) { return e->masks.words; }
 
-
-
 int64_t cv_engine_num_unfinished(cv_engine *e) {
     pthread_mutex_lock(&e->in_lock);
     int64_t n = e->n_inbox + e->n_active;
