@@ -813,6 +813,49 @@ def test_step_refused_while_background_loop_runs(aengine):
     assert_async_serves(aengine)
 
 
+def test_owner_calls_refused_while_background_loop_runs():
+    """Every call that must not overlap the background loop fails with an error
+    naming it (the binding's own Engine: step with or without mask waiting, a
+    second start); after stop_loop, stepping is the caller's again."""
+    eng = conveyor._core.Engine(str(STORIES), num_threads=1)
+    rfd, wfd = os.pipe()
+    try:
+        eng.start_loop(wfd)
+        for kw in ({}, {"wait_masks": True}):
+            with pytest.raises(RuntimeError, match="while its background loop runs"):
+                eng.step(**kw)
+        with pytest.raises(RuntimeError, match="already running"):
+            eng.start_loop(wfd)
+        eng.stop_loop()
+        eng.stop_loop()  # a second stop finds nothing to stop
+        assert eng.step(wait_masks=True) == 0  # idle: nothing queued
+    finally:
+        eng.close()
+        os.close(rfd)
+        os.close(wfd)
+
+
+def test_too_many_eos_ids_refused():
+    """eos_ids is a fixed array of CV_MAX_EOS (8) in C: more is an error, never a truncation."""
+    with pytest.raises(ValueError, match="eos_ids holds 9 ids; at most 8"):
+        conveyor._core.Engine(str(STORIES), num_threads=1, eos_ids=list(range(9)))
+
+    def greedy(eos_ids):
+        eng = conveyor._core.Engine(str(STORIES), num_threads=1, eos_ids=eos_ids)
+        try:
+            eng.add_request(1, [1, 403, 407], SamplingParams(temperature=0.0, max_tokens=8))
+            while eng.num_unfinished():
+                eng.step()
+            return [(ev.token, ev.finish_reason) for ev in eng.take_outputs()]
+        finally:
+            eng.close()
+
+    first = greedy([2])[0][0]
+    others = [t for t in range(300, 320) if t != first][:7]
+    # all 8 are kept: the last one of them ends the completion at its first token
+    assert greedy(others + [first]) == [(first, "stop")]
+
+
 def test_kv_cache_size_formula(llm):
     """_core.kv_bytes_per_token is the engine's own formula: the pool it made
     is a whole number of blocks of it."""

@@ -201,7 +201,8 @@ def test_high_priority_request_overtakes_the_queue():
     async def go():
         engine = AsyncLLM(str(STORIES), num_threads=1, max_num_seqs=1, scheduling="priority")
         try:
-            blocker = engine.add_request("Once upon a time", GREEDY, priority=5)
+            # LONG: it must outlast the seven arrivals below, however loaded the machine
+            blocker = engine.add_request("Once upon a time", LONG, priority=5)
             await _first_output(blocker)
             order = []
 

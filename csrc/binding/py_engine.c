@@ -2,6 +2,7 @@
  * Python holds request ids; C owns all sequence state. */
 #include "arrays.h"
 
+#include <limits.h>
 #include <pthread.h>
 #include <string.h>
 #include <time.h>
@@ -247,7 +248,7 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     cfg.max_queued_requests = max_queued;
     cfg.seed = seed;
     cfg.eos_ids = eos;
-    cfg.n_eos = (int)n_eos;
+    cfg.n_eos = n_eos > INT_MAX ? INT_MAX : (int)n_eos; /* too many: refused against CV_MAX_EOS */
     cfg.bos_id = bos;
     cfg.strip_space_after_bos = strip;
     cfg.n_token_bytes = n_tok;
@@ -417,9 +418,11 @@ static PyObject *Engine_step(EngineObject *self, PyObject *args, PyObject *kw) {
     /* close() may have detached the engine while this thread waited */
     cv_engine *e = self->e; /* close() may clear self->e meanwhile; it waits for busy to free e */
     if (e) {
-        cv_engine_set_mask_wait(e, wait_masks);
-        rc = cv_engine_step(e, &err);
-        cv_engine_set_mask_wait(e, 0);
+        rc = cv_engine_set_mask_wait(e, wait_masks, &err);
+        if (rc == CV_OK) {
+            rc = cv_engine_step(e, &err);
+            cv_engine_set_mask_wait(e, 0, NULL);
+        }
     } else {
         detached = 1;
     }
@@ -549,14 +552,25 @@ static PyObject *Engine_start_loop(EngineObject *self, PyObject *arg) {
     int fd = (int)PyLong_AsLong(arg);
     if (fd == -1 && PyErr_Occurred()) return NULL;
     cv_err err = {0};
-    if (cv_engine_start_loop(self->e, fd, &err)) return cv_py_raise(&err);
+    int rc = CV_OK;
+    /* busy: not while step() runs on another thread, whose loop check passed */
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->busy);
+    if (self->e) rc = cv_engine_start_loop(self->e, fd, &err);
+    pthread_mutex_unlock(&self->busy);
+    Py_END_ALLOW_THREADS
+    if (check_open(self) < 0) return NULL;
+    if (rc) return cv_py_raise(&err);
     Py_RETURN_NONE;
 }
 
 static PyObject *Engine_stop_loop(EngineObject *self, PyObject *Py_UNUSED(ignored)) {
     if (!self->e) Py_RETURN_NONE;
+    /* busy: one owner call at a time (two stops must not join one thread) */
     Py_BEGIN_ALLOW_THREADS
-    cv_engine_stop_loop(self->e);
+    pthread_mutex_lock(&self->busy);
+    if (self->e) cv_engine_stop_loop(self->e);
+    pthread_mutex_unlock(&self->busy);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }

@@ -4,7 +4,10 @@
  * Threads: the engine state is owned by whichever thread calls cv_engine_step
  * (the caller in synchronous use, or the engine's own background thread).
  * cv_engine_add_request and cv_engine_abort may be called from any thread: they
- * only touch an inbox under a lock. Outputs go to an outbox under another lock. */
+ * only touch an inbox under a lock. Outputs go to an outbox under another lock.
+ * The owner's calls (step, set_mask_wait, start/stop_loop, destroy) are made by
+ * one thread at a time; step and set_mask_wait fail with CV_ERR_STATE while the
+ * background loop runs, and start_loop while it already does. */
 #ifndef CV_ENGINE_H
 #define CV_ENGINE_H
 
@@ -154,8 +157,9 @@ int cv_engine_set_token_mask(cv_engine *e, int64_t request_id, int32_t seq_index
                              const uint32_t *mask);
 /* Synchronous stepping: when on, cv_engine_step waits for guided masks as the
  * background loop does (the caller posts them from another thread while the
- * step's forward pass runs). Set only between steps, by the stepping thread. */
-void cv_engine_set_mask_wait(cv_engine *e, int on);
+ * step's forward pass runs). Set only between steps, by the stepping thread;
+ * CV_ERR_STATE while the background loop runs. */
+int cv_engine_set_mask_wait(cv_engine *e, int on, cv_err *err);
 /* uint32 words in one token mask: (vocab_size + 31) / 32. */
 int64_t cv_engine_token_mask_words(cv_engine *e);
 

@@ -1,0 +1,149 @@
+/* The engine's private state, shared by its own files only (engine.c: step
+ * orchestration and the background loop; request.c: a request's life from add
+ * to retire, and its events; engine_sample.c: the sampling part of a step).
+ * Nothing outside csrc/core/engine*.c and request.c includes this. */
+#ifndef CV_ENGINE_INTERNAL_H
+#define CV_ENGINE_INTERNAL_H
+
+#include <pthread.h>
+
+#include "../../kernels/backend.h"
+#include "../model/model.h"
+#include "engine.h"
+#include "kv_cache.h"
+#include "output.h"
+#include "runner.h"
+#include "sequence.h"
+#include "stop.h"
+#include "token_mask.h"
+
+/* Per-completion state kept by the engine beside its cv_sequence. */
+typedef struct seq_state {
+    cv_sequence *seq;     /* NULL before a fork creates it, or after it finished */
+    cv_rng rng;
+    char *text;           /* detokenized output bytes */
+    size_t text_len, text_cap;
+    size_t emitted;       /* bytes already sent out */
+    int64_t n_out;        /* tokens generated */
+    int finished;
+} seq_state;
+
+typedef struct cv_request {
+    int64_t id;
+    int64_t arrival_order;
+    cv_request_params p;  /* pointers below are owned copies */
+    int32_t *stop_token_ids;
+    void *ctl_block;      /* owned arrays of p.sp.ctl */
+    int64_t prompt_lp_next; /* prompt logprobs: next prompt position to emit (from 1) */
+    cv_stop_set stops;
+    int32_t *prompt;      /* [n_prompt] */
+    int64_t n_prompt;
+    seq_state *ss;        /* [p.n] */
+    int n_done;
+    int forked;
+    int queued;           /* counted in n_queued: added, not yet scheduled */
+    double arrival, first_scheduled, first_token, finished_time;
+    double deadline;      /* cv_now() time past which it ends with CV_FINISH_TIMEOUT; 0: none */
+    struct cv_request *prev, *next; /* active list, or inbox list */
+} cv_request;
+
+struct cv_engine {
+    /* fixed after create */
+    int64_t vocab, max_model_len, max_num_seqs, max_tokens_step, block_size;
+    cv_detok detok;
+    uint64_t seed;
+
+    cv_backend *backend;
+    cv_model *model;
+    cv_kv_cache kv;
+    cv_scheduler *sched;
+    cv_runner runner;
+    cv_forward_ws ws;
+    int ws_ready;
+    cv_sampler *sampler;
+    int32_t *pl_rows;      /* [max_num_seqs] prompt-logprob rows of one LM-head group */
+    cv_request **pl_req;   /* [max_num_seqs] their requests */
+    int64_t *pl_pos;       /* [max_num_seqs] the prompt position each row predicts */
+    int32_t *banned;       /* [n_eos + stop ids] scratch (banned_cap) */
+    size_t banned_cap;
+    /* guided decoding: masks posted by the grammar's thread */
+    cv_mask_box masks;
+    int masks_ready;
+    uint32_t *mask_scratch; /* [masks.words] */
+    uint8_t *mask_failed;   /* [max_tokens_step] this step's guided rows left without a mask */
+    int mask_wait;          /* synchronous steps wait for masks too */
+
+    /* owned by the stepping thread */
+    cv_request *active;    /* doubly linked */
+    int64_t n_active;
+    int64_t next_seq_id;
+    int64_t steps;
+    int64_t n_deadlines;   /* active requests with a deadline */
+    cv_engine_stats stats_live;
+
+    /* inbox */
+    pthread_mutex_t in_lock;
+    pthread_cond_t in_cond;
+    cv_request *in_head, *in_tail;
+    int64_t *aborts; size_t n_aborts, cap_aborts;
+    int64_t n_inbox;
+    int64_t arrival_counter;
+    int64_t max_queued;    /* 0: no limit */
+    int64_t n_queued;      /* requests added and not yet scheduled (the inbox included) */
+    int64_t n_rejected;
+
+    /* outbox */
+    pthread_mutex_t out_lock;
+    cv_outbox outbox;
+    cv_engine_stats stats_snapshot;
+    int tracing;
+    cv_trace_entry *trace; size_t n_trace, cap_trace;
+
+    /* background loop */
+    pthread_t thread;
+    int loop_running;
+    int stop_flag;
+    int wake_fd;
+    cv_err loop_err;
+    int loop_failed;
+};
+
+/* ---- request.c: a request's life ---- */
+
+/* Frees r and its sequences (NULL: nothing); unlinking it is the caller's. */
+void cv_request_free(cv_request *r);
+/* Appends an event of completion idx carrying text[0..len). Caller holds out_lock. */
+cv_event *cv_request_push_event(cv_engine *e, cv_request *r, int idx, const char *text, size_t len);
+/* Which completion of its request sequence s is. */
+int cv_request_completion_index(const cv_request *r, const cv_sequence *s);
+/* Marks completion idx finished and emits its last event (ev_or_null, else a
+ * new one), with the request's metrics when it was the last. Caller holds out_lock. */
+void cv_request_finish_completion(cv_engine *e, cv_request *r, int idx, int reason, int stop_kind,
+                                  int32_t stop_value, cv_event *ev_or_null);
+/* Appends token t to completion idx, checks the stops and emits the event. Caller holds out_lock. */
+void cv_request_accept_token(cv_engine *e, cv_request *r, int idx, int32_t t, const cv_sample_info *info);
+/* The request was scheduled or finished: it no longer counts as queued. */
+void cv_request_leave_queue(cv_engine *e, cv_request *r);
+/* Once every completion of r finished: takes it off the active list and frees it. */
+void cv_request_retire_if_done(cv_engine *e, cv_request *r);
+/* Ends every completion of an active request with CV_FINISH_ABORT and retires it. */
+void cv_request_abort(cv_engine *e, cv_request *r);
+/* n > 1: once the first completion's prompt is computed, the others fork from it. */
+void cv_request_fork_children(cv_engine *e, cv_request *r);
+/* Moves added requests onto the active list (and into the scheduler) and applies queued aborts. */
+void cv_drain_inbox(cv_engine *e);
+/* Ends the requests past their deadline; their blocks return to the pool. */
+void cv_expire_deadlines(cv_engine *e, double now);
+
+/* ---- engine_sample.c: the sampling part of a step ---- */
+
+/* Prompt logprobs for this step's chunks that ask for them (events out);
+ * leaves the sampling rows' logits as the forward pass made them. */
+int cv_prompt_logprobs_pass(cv_engine *e, const cv_sched_output *plan, cv_err *err);
+/* Applies each guided row's token mask to its logits; returns the number of guided rows. */
+int64_t cv_apply_guided_masks(cv_engine *e, const cv_sched_output *plan);
+/* Samples and accepts one token for every logits row whose request is guided
+ * (or not, per `guided`). Caller holds out_lock. */
+void cv_sample_batch(cv_engine *e, const cv_sched_output *plan, int guided);
+
+#endif

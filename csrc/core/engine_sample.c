@@ -1,0 +1,133 @@
+/* The sampling part of a step: prompt logprobs for the chunks that ask for
+ * them, guided decoding's token masks, then one token sampled per logits row
+ * (min_tokens banning EOS and the stop tokens) and handed to its request. */
+#include "engine_internal.h"
+
+#include <string.h>
+
+/* The tokens min_tokens still holds off for completion st (EOS unless
+ * ignore_eos, and the stop tokens), in e->banned; returns how many. */
+static int64_t banned_tokens(cv_engine *e, const cv_request *r, const seq_state *st) {
+    if (st->n_out >= r->p.min_tokens) return 0;
+    size_t need = (size_t)(e->detok.n_eos + r->p.n_stop_token_ids);
+    if (!cv_grow((void **)&e->banned, &e->banned_cap, need, sizeof *e->banned)) return 0;
+    int64_t n = 0;
+    if (!r->p.ignore_eos)
+        for (int i = 0; i < e->detok.n_eos; i++) e->banned[n++] = e->detok.eos_ids[i];
+    for (int i = 0; i < r->p.n_stop_token_ids; i++) e->banned[n++] = r->stop_token_ids[i];
+    return n;
+}
+
+/* Guided decoding: applies each guided row's mask (its completion's next
+ * position) to its logits, in place; the background loop waits for masks not
+ * posted yet, without holding out_lock (the grammar's thread takes the events
+ * that let it compute them). A row without a mask (cancelled, or not
+ * posted before a synchronous step) is marked failed.
+ * Returns the number of guided rows. */
+int64_t cv_apply_guided_masks(cv_engine *e, const cv_sched_output *plan) {
+    const cv_batch *bt = &e->runner.batch;
+    int64_t n_guided = 0;
+    for (int64_t row = 0; row < bt->n_logits; row++)
+        n_guided += ((cv_request *)plan->seqs[e->runner.sample_plan_index[row]]->owner)->p.guided != 0;
+    if (n_guided == 0) return 0;
+    for (int64_t row = 0; row < bt->n_logits; row++) {
+        cv_sequence *s = plan->seqs[e->runner.sample_plan_index[row]];
+        cv_request *r = s->owner;
+        if (!r->p.guided) continue;
+        int idx = cv_request_completion_index(r, s);
+        e->mask_failed[row] = (uint8_t)(cv_mask_box_take(&e->masks, r->id, idx, r->ss[idx].n_out,
+                                                         e->loop_running || e->mask_wait, e->mask_scratch) != 0);
+        if (!e->mask_failed[row])
+            cv_sampler_apply_token_mask(e->ws.logits_host + row * e->vocab, e->vocab, e->mask_scratch);
+    }
+    return n_guided;
+}
+
+/* Samples one token for every logits row of the step whose request is guided
+ * (or not, per `guided`) and accepts it (stops, detokenization, events).
+ * Caller holds out_lock. */
+void cv_sample_batch(cv_engine *e, const cv_sched_output *plan, int guided) {
+    const cv_batch *bt = &e->runner.batch;
+    for (int64_t row = 0; row < bt->n_logits; row++) {
+        cv_sequence *s = plan->seqs[e->runner.sample_plan_index[row]];
+        cv_request *r = s->owner;
+        if ((r->p.guided != 0) != guided) continue;
+        int idx = cv_request_completion_index(r, s);
+        seq_state *st = &r->ss[idx];
+        if (st->finished) continue;
+        float *logits = e->ws.logits_host + row * e->vocab;
+        if (guided && e->mask_failed[row]) {
+            cv_request_finish_completion(e, r, idx, CV_FINISH_ABORT, CV_STOP_NONE, -1, NULL);
+            continue;
+        }
+        int64_t n_banned = banned_tokens(e, r, st);
+        cv_sample_info info;
+        int32_t t = cv_sampler_sample(e->sampler, logits, &r->p.sp, s->tokens, r->n_prompt,
+                                      s->tokens + r->n_prompt, s->n_tokens - r->n_prompt, e->banned,
+                                      n_banned, &st->rng, &info);
+        if (r->first_token == 0) r->first_token = cv_now();
+        cv_request_accept_token(e, r, idx, t, &info);
+    }
+}
+
+/* ---- prompt logprobs (issue 17) ---- */
+
+/* Runs the LM head on the n grouped rows and emits one prompt event per row. */
+static int flush_prompt_rows(cv_engine *e, int64_t n, cv_err *err) {
+    if (n == 0) return CV_OK;
+    int rc = cv_model_logits(e->model, &e->ws, e->pl_rows, n, e->runner.batch.n_tokens, err);
+    if (rc) return rc;
+    pthread_mutex_lock(&e->out_lock);
+    for (int64_t k = 0; k < n; k++) {
+        cv_request *r = e->pl_req[k];
+        int64_t pos = e->pl_pos[k];
+        cv_sample_info info;
+        cv_logprobs_of(e->ws.logits_host + k * e->vocab, e->vocab, r->prompt[pos], r->p.prompt_logprobs, &info);
+        cv_event *ev = cv_request_push_event(e, r, 0, NULL, 0);
+        if (!ev) continue; /* out of memory for the event: the request still runs */
+        ev->prompt_pos = pos;
+        ev->token = r->prompt[pos];
+        ev->logprob = info.logprob;
+        ev->n_top = info.n_top;
+        memcpy(ev->top_ids, info.top_ids, sizeof ev->top_ids);
+        memcpy(ev->top_logprobs, info.top_logprobs, sizeof ev->top_logprobs);
+    }
+    pthread_mutex_unlock(&e->out_lock);
+    return CV_OK;
+}
+
+/* The logprob of every prompt token this step's chunks predict, for requests
+ * that ask for them: row p of a chunk predicts prompt token p + 1. Only those
+ * rows go through the LM head again (in groups of max_num_seqs), after the
+ * layers ran once for the whole ragged batch; the sampling rows' logits are
+ * then recomputed, since the groups overwrote them. Positions already sent
+ * (a preempted sequence recomputes its prompt) are skipped. */
+int cv_prompt_logprobs_pass(cv_engine *e, const cv_sched_output *plan, cv_err *err) {
+    const cv_batch *bt = &e->runner.batch;
+    int64_t n = 0, total = 0;
+    int rc;
+    for (int64_t i = 0; i < plan->n_seqs; i++) {
+        const cv_sequence *s = plan->seqs[i];
+        cv_request *r = s->owner;
+        if (r->p.prompt_logprobs == CV_NO_LOGPROBS || s != r->ss[0].seq) continue;
+        int64_t start = plan->start_pos[i], end = start + plan->num_new_tokens[i];
+        if (end > r->n_prompt - 1) end = r->n_prompt - 1;
+        int64_t from = start > r->prompt_lp_next - 1 ? start : r->prompt_lp_next - 1;
+        for (int64_t pos = from; pos < end; pos++) {
+            e->pl_rows[n] = bt->query_start[i] + (int32_t)(pos - start);
+            e->pl_req[n] = r;
+            e->pl_pos[n] = pos + 1;
+            r->prompt_lp_next = pos + 2;
+            if (++n == e->max_num_seqs) {
+                if ((rc = flush_prompt_rows(e, n, err))) return rc;
+                total += n;
+                n = 0;
+            }
+        }
+    }
+    if ((rc = flush_prompt_rows(e, n, err))) return rc;
+    total += n;
+    if (total > 0 && bt->n_logits > 0)
+        return cv_model_logits(e->model, &e->ws, bt->logits_rows, bt->n_logits, bt->n_tokens, err);
+    return CV_OK;
+}
