@@ -261,7 +261,8 @@ PyObject *cv_py_fs_path(PyObject *arg, const char *what, PyObject **str) {
         goto done;
     }
     if (str) {
-        *str = PyUnicode_Check(fs) ? Py_NewRef(fs) : PyUnicode_DecodeFSDefault(cpath);
+        /* an exact str (a subclass is copied): holders need no GC support */
+        *str = PyUnicode_Check(fs) ? PyUnicode_FromObject(fs) : PyUnicode_DecodeFSDefault(cpath);
         if (!*str) goto done;
     }
     ret = bytes;

@@ -91,7 +91,7 @@ int cv_py_put_model_config(PyObject *d, const cv_model_config *c);
 
 /* A path argument (str, bytes or os.PathLike) as new bytes in the file
  * system encoding; ValueError "<what> path contains a NUL byte". When str is
- * not NULL, *str gets the path as a new str (as given, or decoded). */
+ * not NULL, *str gets the path as a new exact str (as given, or decoded). */
 PyObject *cv_py_fs_path(PyObject *arg, const char *what, PyObject **str);
 
 /* ------------------------------------------------------------------------ */
