@@ -1,5 +1,6 @@
-/* The CPU backend: its function table, lifetime, buffers and tables, and a
- * STREAM-style triad used by the benchmarks to measure memory bandwidth. */
+/* The CPU backend: its function table, lifetime, buffers and tables, what
+ * cpu_backend.h reports about it, and a STREAM-style triad used by the
+ * benchmarks to measure memory bandwidth. */
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -33,7 +34,8 @@ cv_simd_level cv_cpu_family_path(int i, cv_simd_level level) {
 
 cv_cpu_shapes cv_cpu_backend_shapes(void) {
     /* a head_dim over CV_ATT_MAX_HD runs with fewer vectors per tile */
-    return (cv_cpu_shapes){.gemm_nr = CV_NR, .gemm_mr = CV_MR, .attention_max_head_dim = CV_ATT_TILE * CV_ATT_MAX_HD};
+    return (cv_cpu_shapes){
+        .gemm_nr = CV_NR, .gemm_mr = CV_MR, .attention_max_head_dim = CV_ATT_TILE * CV_ATT_MAX_HD};
 }
 
 int cv_cpu_backend_cores(void) { return cv_cpu_count(); }
@@ -44,7 +46,9 @@ const char *cv_cpu_backend_simd(const cv_backend *b) {
     return is_cpu(b) ? cv_simd_name((cv_simd_level)cv_cpu_of((cv_backend *)b)->simd) : NULL;
 }
 
-int cv_cpu_backend_threads(const cv_backend *b) { return is_cpu(b) ? cv_cpu_of((cv_backend *)b)->nthreads : 0; }
+int cv_cpu_backend_threads(const cv_backend *b) {
+    return is_cpu(b) ? cv_cpu_of((cv_backend *)b)->nthreads : 0;
+}
 
 /* ------------------------------------------------------------------------ */
 /* Buffers                                                                   */
