@@ -100,9 +100,6 @@ struct cv_backend {
     /* out[n][dim] = x * rsqrt(mean(x^2) + eps) * weight */
     void (*rmsnorm)(cv_backend *b, float *out, const float *x, const float *weight, int64_t n,
                     int64_t dim, float eps);
-    /* x[n][dim] += r[n][dim]; out = rmsnorm(x) (fused residual add) */
-    void (*add_rmsnorm)(cv_backend *b, float *out, float *x, const float *r, const float *weight,
-                        int64_t n, int64_t dim, float eps);
     /* Rotates, in place, the n_heads query heads at q (row stride q_stride floats)
      * and n_kv_heads key heads at k (row stride k_stride) of n tokens at pos[n]. */
     void (*rope)(cv_backend *b, float *q, int64_t q_stride, int64_t n_heads, float *k,
@@ -143,10 +140,7 @@ struct cv_backend {
  * the CPU lacks or an unknown name: NULL with CV_ERR_INVALID), or plain C when
  * CONVEYOR_FORCE_SCALAR=1 is set or force_scalar is non-zero. */
 cv_backend *cv_cpu_backend_create(int num_threads, int force_scalar, cv_err *err);
-/* The same with the level named by simd (NULL: from the environment as above). */
-cv_backend *cv_cpu_backend_create_simd(int num_threads, const char *simd, cv_err *err);
-/* The SIMD level name a CPU backend runs at (NULL for other backends). */
-const char *cv_cpu_backend_simd(const cv_backend *b);
+/* Creation at a named level, measurements and introspection: kernels/cpu/cpu_backend.h. */
 
 /* CUDA backend (kernels/cuda), loaded on demand; NULL with err set when
  * CUDA is not built or no device is present. */

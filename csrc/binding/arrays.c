@@ -261,7 +261,8 @@ PyObject *cv_py_fs_path(PyObject *arg, const char *what, PyObject **str) {
         goto done;
     }
     if (str) {
-        *str = PyUnicode_Check(fs) ? Py_NewRef(fs) : PyUnicode_DecodeFSDefault(cpath);
+        /* an exact str (a subclass is copied): holders need no GC support */
+        *str = PyUnicode_Check(fs) ? PyUnicode_FromObject(fs) : PyUnicode_DecodeFSDefault(cpath);
         if (!*str) goto done;
     }
     ret = bytes;
@@ -313,23 +314,13 @@ int cv_py_want_gemm_args(cv_py_gemm_args *a, PyObject *x_obj, PyObject *bias_obj
     return a->out ? 0 : -1;
 }
 
-int cv_py_want_norm_args(cv_py_norm_args *a, PyObject *x_obj, PyObject *r_obj, PyObject *w_obj) {
+int cv_py_want_norm_args(cv_py_norm_args *a, PyObject *x_obj, PyObject *w_obj) {
     memset(a, 0, sizeof *a);
     a->x = cv_py_want_array(x_obj, "x", NPY_FLOAT32, 2, 0);
     if (!a->x) return -1;
     const int64_t n = a->n = PyArray_DIM(a->x, 0), dim = a->dim = PyArray_DIM(a->x, 1);
-    if (r_obj) {
-        a->r = cv_py_want_array(r_obj, "r", NPY_FLOAT32, 2, 0);
-        if (!a->r) return -1;
-    }
     a->w = cv_py_want_array(w_obj, "weight", NPY_FLOAT32, 1, 0);
     if (!a->w) return -1;
-    if (a->r && (PyArray_DIM(a->r, 0) != n || PyArray_DIM(a->r, 1) != dim)) {
-        PyErr_Format(PyExc_ValueError, "r must have x's shape [%lld][%lld], got [%lld][%lld]",
-                     (long long)n, (long long)dim, (long long)PyArray_DIM(a->r, 0),
-                     (long long)PyArray_DIM(a->r, 1));
-        return -1;
-    }
     if (PyArray_DIM(a->w, 0) != dim) {
         PyErr_Format(PyExc_ValueError, "weight has %lld entries, x rows %lld",
                      (long long)PyArray_DIM(a->w, 0), (long long)dim);
@@ -337,15 +328,7 @@ int cv_py_want_norm_args(cv_py_norm_args *a, PyObject *x_obj, PyObject *r_obj, P
     }
     npy_intp dims[2] = {(npy_intp)n, (npy_intp)dim};
     a->out = cv_py_new_f32(2, dims);
-    if (!a->out) return -1;
-    if (a->r) {
-        a->x_sum = PyArray_NewCopy(a->x, NPY_CORDER);
-        if (!a->x_sum) {
-            Py_CLEAR(a->out);
-            return -1;
-        }
-    }
-    return 0;
+    return a->out ? 0 : -1;
 }
 
 PyArrayObject *cv_py_want_gate_up(PyObject *o) {

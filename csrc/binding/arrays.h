@@ -91,7 +91,7 @@ int cv_py_put_model_config(PyObject *d, const cv_model_config *c);
 
 /* A path argument (str, bytes or os.PathLike) as new bytes in the file
  * system encoding; ValueError "<what> path contains a NUL byte". When str is
- * not NULL, *str gets the path as a new str (as given, or decoded). */
+ * not NULL, *str gets the path as a new exact str (as given, or decoded). */
 PyObject *cv_py_fs_path(PyObject *arg, const char *what, PyObject **str);
 
 /* ------------------------------------------------------------------------ */
@@ -109,16 +109,15 @@ typedef struct cv_py_gemm_args {
 int cv_py_want_gemm_args(cv_py_gemm_args *a, PyObject *x_obj, PyObject *bias_obj, PyObject *acc_obj,
                          int64_t rows, int64_t cols);
 
-/* rmsnorm (r_obj NULL) / add_rmsnorm: x [n][dim], r like x, weight [dim],
- * all float32, and the new arrays the hook returns (dropped on failure). */
+/* rmsnorm: x [n][dim] and weight [dim], float32, and the new array the hook
+ * returns. */
 typedef struct cv_py_norm_args {
-    PyArrayObject *x, *r, *w; /* x [n][dim]; r like x, or NULL; weight [dim] */
-    PyObject *out;            /* new [n][dim] float32 zeros */
-    PyObject *x_sum;          /* add_rmsnorm: new copy of x, to receive x + r; else NULL */
+    PyArrayObject *x, *w; /* x [n][dim]; weight [dim] */
+    PyObject *out;        /* new [n][dim] float32 zeros */
     int64_t n, dim;
 } cv_py_norm_args;
 
-int cv_py_want_norm_args(cv_py_norm_args *a, PyObject *x_obj, PyObject *r_obj, PyObject *w_obj);
+int cv_py_want_norm_args(cv_py_norm_args *a, PyObject *x_obj, PyObject *w_obj);
 
 /* swiglu: gu [n][2 * dim] float32, rows [gate | up]. */
 PyArrayObject *cv_py_want_gate_up(PyObject *o);

@@ -15,7 +15,11 @@
 
 #include "../../kernels/common.h"
 
-/* Exception types (module attributes of conveyor._core). */
+/* Exception types (module attributes of conveyor._core). They stay process
+ * globals rather than module state: the module is single-phase (m_size -1,
+ * loaded once per process, no subinterpreter support), and cv_py_raise is
+ * called from every helper without a module object at hand, so module state
+ * would mean threading the module through every call for no gain. */
 extern PyObject *cv_ConveyorError;      /* base class of all conveyor errors */
 extern PyObject *cv_ModelFormatError;   /* malformed model file (also a ValueError) */
 extern PyObject *cv_UnsupportedError;   /* valid but unsupported (also a ValueError) */
@@ -26,6 +30,22 @@ extern PyObject *cv_EngineOverloadedError; /* the request queue is full (also a 
  * returns NULL; when err->field is set the exception's .field attribute
  * names the request field at fault. */
 PyObject *cv_py_raise(const cv_err *err);
+
+/* Creates the heap type of spec (tied to module m) and adds it to m under its
+ * short name ("conveyor._core.Engine" -> Engine); 0 ok, -1 error. Every
+ * type's tp_dealloc frees the instance and then drops its reference to the
+ * type, as heap types require. */
+static inline int cv_py_add_type(PyObject *m, PyType_Spec *spec) {
+    PyObject *type = PyType_FromModuleAndSpec(m, spec, NULL);
+    const int rc = type ? PyModule_AddType(m, (PyTypeObject *)type) : -1;
+    Py_XDECREF(type);
+    return rc;
+}
+
+/* The flags of every conveyor._core class: like the static types they
+ * replaced, they are neither subclassable nor mutable. No Py_TPFLAGS_HAVE_GC:
+ * no instance holds a reference that could be part of a cycle. */
+#define CV_PY_TYPE_FLAGS (Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE)
 
 /* Each part registers its types and functions on the module (0 ok, -1 error). */
 int cv_py_add_errors(PyObject *m);     /* errors.c: the exception types */

@@ -18,7 +18,7 @@ typedef struct {
     cv_checkpoint ck;
     int is_open;
     int busy;        /* tensor() calls running without the GIL */
-    PyObject *path;  /* str, as given (after os.fspath) */
+    PyObject *path;  /* exact str, as given (after os.fspath) */
 } CheckpointObject;
 
 static const char *const layer_fields[] = {"attn_norm", "wq", "wk", "wv", "wo", "bq",
@@ -74,9 +74,11 @@ done:
 }
 
 static void Checkpoint_dealloc(CheckpointObject *self) {
+    PyTypeObject *type = Py_TYPE(self);
     close_now(self);
     Py_XDECREF(self->path);
-    Py_TYPE(self)->tp_free((PyObject *)self);
+    type->tp_free((PyObject *)self);
+    Py_DECREF(type);
 }
 
 static PyObject *Checkpoint_close(CheckpointObject *self, PyObject *Py_UNUSED(ignored)) {
@@ -248,24 +250,24 @@ static PyGetSetDef Checkpoint_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static PyTypeObject CheckpointType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "conveyor._core.Checkpoint",
-    .tp_basicsize = sizeof(CheckpointObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Checkpoint(path): a HF checkpoint directory, a llama2.c .bin or a GGUF file, opened read-only.\n\n"
-              "Raises FileNotFoundError, conveyor.ModelFormatError or conveyor.UnsupportedError\n"
-              "with a message naming the file and the problem.",
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)Checkpoint_init,
-    .tp_dealloc = (destructor)Checkpoint_dealloc,
-    .tp_repr = (reprfunc)Checkpoint_repr,
-    .tp_methods = Checkpoint_methods,
-    .tp_getset = Checkpoint_getset,
+static PyType_Slot Checkpoint_slots[] = {
+    {Py_tp_doc, "Checkpoint(path): a HF checkpoint directory, a llama2.c .bin or a GGUF file, opened read-only.\n\n"
+                "Raises FileNotFoundError, conveyor.ModelFormatError or conveyor.UnsupportedError\n"
+                "with a message naming the file and the problem."},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_init, Checkpoint_init},
+    {Py_tp_dealloc, Checkpoint_dealloc},
+    {Py_tp_repr, Checkpoint_repr},
+    {Py_tp_methods, Checkpoint_methods},
+    {Py_tp_getset, Checkpoint_getset},
+    {0, NULL},
 };
 
-int cv_py_add_checkpoint(PyObject *m) {
-    if (PyType_Ready(&CheckpointType) < 0) return -1;
-    if (PyModule_AddObjectRef(m, "Checkpoint", (PyObject *)&CheckpointType) < 0) return -1;
-    return 0;
-}
+static PyType_Spec Checkpoint_spec = {
+    .name = "conveyor._core.Checkpoint",
+    .basicsize = sizeof(CheckpointObject),
+    .flags = CV_PY_TYPE_FLAGS,
+    .slots = Checkpoint_slots,
+};
+
+int cv_py_add_checkpoint(PyObject *m) { return cv_py_add_type(m, &Checkpoint_spec); }

@@ -14,7 +14,6 @@
  *   cuda_kernel_matmul_time(mat, x, repeats=10, calls=1) -> best seconds per GEMM of `calls`
  *                               back-to-back GEMMs and one device sync
  *   cuda_kernel_rmsnorm(x, weight, eps=1e-5)
- *   cuda_kernel_add_rmsnorm(x, r, weight, eps=1e-5) -> (out, x + r)
  *   cuda_kernel_rope(q, k, pos, inv_freq, layout='halves', host_freq=False)
  *   cuda_kernel_swiglu(gu)
  *   cuda_kernel_embedding(table, tokens, table_dtype='float32', validate=True)
@@ -348,64 +347,39 @@ static PyObject *py_cuda_kernel_matmul_time(PyObject *self, PyObject *args, PyOb
 
 /* ------------------------------------------------------------ row kernels */
 
-/* rmsnorm (add 0): out; add_rmsnorm (add 1): (out, x + r). */
-static PyObject *norm_hook(PyObject *args, PyObject *kw, int add) {
-    static char *kw_norm[] = {"x", "weight", "eps", NULL};
-    static char *kw_add[] = {"x", "r", "weight", "eps", NULL};
-    PyObject *x_obj, *r_obj = NULL, *w_obj;
+static PyObject *py_cuda_kernel_rmsnorm(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *kwlist[] = {"x", "weight", "eps", NULL};
+    PyObject *x_obj, *w_obj;
     double eps = 1e-5;
-    const int ok = add ? PyArg_ParseTupleAndKeywords(args, kw, "OOO|d", kw_add, &x_obj, &r_obj, &w_obj, &eps)
-                       : PyArg_ParseTupleAndKeywords(args, kw, "OO|d", kw_norm, &x_obj, &w_obj, &eps);
-    if (!ok) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|d", kwlist, &x_obj, &w_obj, &eps)) return NULL;
     cv_backend *b = get_cuda();
     if (!b) return NULL;
     cv_py_norm_args a;
-    if (cv_py_want_norm_args(&a, x_obj, r_obj, w_obj) < 0) return NULL;
+    if (cv_py_want_norm_args(&a, x_obj, w_obj) < 0) return NULL;
     const int64_t n = a.n, dim = a.dim;
     cv_err err = {0};
     int rc = 0;
     if (n > 0 && dim > 0) {
-        float *o = PyArray_DATA((PyArrayObject *)a.out);                          /* [n][dim] */
-        float *xs = add ? PyArray_DATA((PyArrayObject *)a.x_sum) : NULL;          /* [n][dim] */
-        const float *xp = PyArray_DATA(a.x), *wp = PyArray_DATA(a.w);             /* [n][dim], [dim] */
-        const float *rp = add ? (const float *)PyArray_DATA(a.r) : NULL;          /* [n][dim] */
+        float *o = PyArray_DATA((PyArrayObject *)a.out);              /* [n][dim] */
+        const float *xp = PyArray_DATA(a.x), *wp = PyArray_DATA(a.w); /* [n][dim], [dim] */
         const size_t xb = (size_t)(n * dim) * 4;
         const float fe = (float)eps;
         CU_RUN({
             dev d = {.b = b};
             float *dx = dev_put(&d, xp, xb), *dw = dev_put(&d, wp, (size_t)dim * 4), *dout = dev_zero(&d, xb);
-            float *dr = add ? dev_put(&d, rp, xb) : NULL;
             if (!d.oom) {
-                if (add)
-                    b->add_rmsnorm(b, dout, dx, dr, dw, n, dim, fe);
-                else
-                    b->rmsnorm(b, dout, dx, dw, n, dim, fe);
+                b->rmsnorm(b, dout, dx, dw, n, dim, fe);
                 b->to_host(b, o, dout, xb);
-                if (add) b->to_host(b, xs, dx, xb); /* x + r */
             }
             rc = dev_finish(&d, &err);
         });
     }
     if (rc) {
         Py_DECREF(a.out);
-        Py_XDECREF(a.x_sum);
         return cv_py_raise(&err);
     }
-    if (!add) return a.out;
-    PyObject *res = PyTuple_Pack(2, a.out, a.x_sum);
-    Py_DECREF(a.out);
-    Py_DECREF(a.x_sum);
-    return res;
-}
-
-static PyObject *py_cuda_kernel_rmsnorm(PyObject *self, PyObject *args, PyObject *kw) {
-    (void)self;
-    return norm_hook(args, kw, 0);
-}
-
-static PyObject *py_cuda_kernel_add_rmsnorm(PyObject *self, PyObject *args, PyObject *kw) {
-    (void)self;
-    return norm_hook(args, kw, 1);
+    return a.out;
 }
 
 static PyObject *py_cuda_kernel_rope(PyObject *self, PyObject *args, PyObject *kw) {
@@ -654,8 +628,6 @@ static PyMethodDef cuda_methods[] = {
      "and one device sync."},
     {"cuda_kernel_rmsnorm", KW py_cuda_kernel_rmsnorm, METH_VARARGS | METH_KEYWORDS,
      "cuda_kernel_rmsnorm(x, weight, eps=1e-5) -> out"},
-    {"cuda_kernel_add_rmsnorm", KW py_cuda_kernel_add_rmsnorm, METH_VARARGS | METH_KEYWORDS,
-     "cuda_kernel_add_rmsnorm(x, r, weight, eps=1e-5) -> (out, x + r)"},
     {"cuda_kernel_rope", KW py_cuda_kernel_rope, METH_VARARGS | METH_KEYWORDS,
      "cuda_kernel_rope(q, k, pos, inv_freq, layout='halves', host_freq=False): rotates q and k in place."},
     {"cuda_kernel_swiglu", KW py_cuda_kernel_swiglu, METH_VARARGS | METH_KEYWORDS,

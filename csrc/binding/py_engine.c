@@ -61,11 +61,13 @@ static int read_int_list(PyObject *obj, const char *what, int32_t **out, Py_ssiz
 }
 
 static void Engine_dealloc(EngineObject *self) {
+    PyTypeObject *type = Py_TYPE(self);
     if (self->busy_ready) {
         engine_close(self);
         pthread_mutex_destroy(&self->busy);
     }
-    Py_TYPE(self)->tp_free((PyObject *)self);
+    type->tp_free((PyObject *)self);
+    Py_DECREF(type);
 }
 
 /* Creating an engine loads weights and fills the KV cache: seconds for a big
@@ -710,15 +712,20 @@ static PyMethodDef Engine_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static PyTypeObject EngineType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "conveyor._core.Engine",
-    .tp_basicsize = sizeof(EngineObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "The C engine.",
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)Engine_init,
-    .tp_dealloc = (destructor)Engine_dealloc,
-    .tp_methods = Engine_methods,
+static PyType_Slot Engine_slots[] = {
+    {Py_tp_doc, "The C engine."},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_init, Engine_init},
+    {Py_tp_dealloc, Engine_dealloc},
+    {Py_tp_methods, Engine_methods},
+    {0, NULL},
+};
+
+static PyType_Spec Engine_spec = {
+    .name = "conveyor._core.Engine",
+    .basicsize = sizeof(EngineObject),
+    .flags = CV_PY_TYPE_FLAGS,
+    .slots = Engine_slots,
 };
 
 static PyObject *py_kv_bytes_per_token(PyObject *Py_UNUSED(m), PyObject *args, PyObject *kw) {
@@ -744,7 +751,6 @@ static PyMethodDef engine_functions[] = {
 
 int cv_py_add_engine(PyObject *m) {
     if (PyModule_AddFunctions(m, engine_functions) < 0) return -1;
-    if (PyType_Ready(&EngineType) < 0) return -1;
     if (!EventType && !(EventType = PyStructSequence_NewType(&event_desc))) return -1;
     if (!EventMetricsType && !(EventMetricsType = PyStructSequence_NewType(&metrics_desc))) return -1;
     if (PyModule_AddObjectRef(m, "EngineEvent", (PyObject *)EventType) < 0 ||
@@ -759,10 +765,5 @@ int cv_py_add_engine(PyObject *m) {
         PyModule_AddIntConstant(m, "FINISH_LENGTH", CV_FINISH_LENGTH) < 0 ||
         PyModule_AddIntConstant(m, "FINISH_ABORT", CV_FINISH_ABORT) < 0)
         return -1;
-    Py_INCREF(&EngineType);
-    if (PyModule_AddObject(m, "Engine", (PyObject *)&EngineType) < 0) {
-        Py_DECREF(&EngineType);
-        return -1;
-    }
-    return 0;
+    return cv_py_add_type(m, &Engine_spec);
 }

@@ -12,7 +12,8 @@
 
 #include <string.h>
 
-#include "../../kernels/cpu/cpu_internal.h"
+#include "../../kernels/backend.h"
+#include "../../kernels/cpu/cpu_backend.h"
 
 #define KB_MAX_THREADS 256
 
@@ -221,37 +222,12 @@ static PyObject *py_kernel_rmsnorm(PyObject *self, PyObject *args, PyObject *kw)
     kb_entry *e = get_backend(impl, threads);
     if (!e) return NULL;
     cv_py_norm_args a;
-    if (cv_py_want_norm_args(&a, x_obj, NULL, w_obj) < 0) return NULL;
+    if (cv_py_want_norm_args(&a, x_obj, w_obj) < 0) return NULL;
     float *o = PyArray_DATA((PyArrayObject *)a.out);         /* [n][dim] */
     const float *xp = PyArray_DATA(a.x), *wp = PyArray_DATA(a.w); /* [n][dim], [dim] */
     const float fe = (float)eps;
     KB_RUN(e, e->b->rmsnorm(e->b, o, xp, wp, a.n, a.dim, fe));
     return a.out;
-}
-
-static PyObject *py_kernel_add_rmsnorm(PyObject *self, PyObject *args, PyObject *kw) {
-    (void)self;
-    static char *kwlist[] = {"x", "r", "weight", "eps", "impl", "threads", NULL};
-    PyObject *x_obj, *r_obj, *w_obj;
-    double eps = 1e-5;
-    const char *impl = "simd";
-    int threads = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|dsi", kwlist, &x_obj, &r_obj, &w_obj, &eps, &impl,
-                                     &threads))
-        return NULL;
-    kb_entry *e = get_backend(impl, threads);
-    if (!e) return NULL;
-    cv_py_norm_args a;
-    if (cv_py_want_norm_args(&a, x_obj, r_obj, w_obj) < 0) return NULL;
-    /* [n][dim] each, weight [dim] */
-    float *o = PyArray_DATA((PyArrayObject *)a.out), *xp = PyArray_DATA((PyArrayObject *)a.x_sum);
-    const float *rp = PyArray_DATA(a.r), *wp = PyArray_DATA(a.w);
-    const float fe = (float)eps;
-    KB_RUN(e, e->b->add_rmsnorm(e->b, o, xp, rp, wp, a.n, a.dim, fe));
-    PyObject *res = PyTuple_Pack(2, a.out, a.x_sum);
-    Py_DECREF(a.out);
-    Py_DECREF(a.x_sum);
-    return res;
 }
 
 static PyObject *py_kernel_rope(PyObject *self, PyObject *args, PyObject *kw) {
@@ -367,7 +343,7 @@ static PyObject *py_kernel_paged_attention(PyObject *self, PyObject *args, PyObj
     if (!e) return NULL;
     cv_py_attention_args a;
     if (cv_py_want_attention_args(&a, q_obj, kc_obj, vc_obj, bt_obj, cl_obj, qs_obj, scale_obj, Py_None, cdt,
-                                  1, 0, (int64_t)CV_ATT_TILE * CV_ATT_MAX_HD) < 0)
+                                  1, 0, cv_cpu_backend_shapes().attention_max_head_dim) < 0)
         return NULL;
     npy_intp dims[2] = {(npy_intp)a.q.n, (npy_intp)(a.q.h * a.q.d)};
     PyObject *out = cv_py_new_f32(2, dims);
@@ -436,10 +412,10 @@ static PyObject *py_measure_peak(PyObject *self, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_RuntimeError, "measure_peak: no time measured");
         return NULL;
     }
-    const cv_cpu *c = cv_cpu_of(e->b);
+    const int nthreads = cv_cpu_backend_threads(e->b);
     return Py_BuildValue("{s:s,s:s,s:s,s:i,s:d}", "kind", kind, "instruction", instr, "simd",
-                         cv_simd_name((cv_simd_level)c->simd), "threads",
-                         threads > 0 && threads < c->nthreads ? threads : c->nthreads, "gops", gops);
+                         cv_cpu_backend_simd(e->b), "threads", threads > 0 && threads < nthreads ? threads : nthreads,
+                         "gops", gops);
 }
 
 /* {feature: bool} of the CPU. */
@@ -458,9 +434,9 @@ static PyObject *features_dict(void) {
 static PyObject *paths_dict(cv_simd_level level) {
     PyObject *d = PyDict_New();
     if (!d) return NULL;
-    for (int i = 0; i < cv_cpu_n_families; i++) {
+    for (int i = 0; i < cv_cpu_family_count(); i++) {
         PyObject *v = PyUnicode_FromString(cv_simd_name(cv_cpu_family_path(i, level)));
-        if (!v || PyDict_SetItemString(d, cv_cpu_families[i].name, v) < 0) {
+        if (!v || PyDict_SetItemString(d, cv_cpu_family_name(i), v) < 0) {
             Py_XDECREF(v);
             Py_DECREF(d);
             return NULL;
@@ -501,6 +477,7 @@ static PyObject *py_kernel_info(PyObject *self, PyObject *noargs) {
         Py_XDECREF(nm);
     }
     PyObject *feat = features_dict(), *paths = paths_dict(level);
+    const cv_cpu_shapes shapes = cv_cpu_backend_shapes();
     PyObject *r = NULL;
     if (levels && feat && paths)
         r = Py_BuildValue("{s:s,s:s,s:O,s:O,s:O,s:z,s:s,s:O,s:O,s:i,s:i,s:i,s:i,s:O}", "simd", cv_simd_name(level),
@@ -509,8 +486,8 @@ static PyObject *py_kernel_info(PyObject *self, PyObject *noargs) {
                           rc == CV_SIMD_OK ? NULL : (rc == CV_SIMD_UNKNOWN ? "unknown level" : "unsupported level"),
                           "build_march", CV_BUILD_MARCH, "baseline_avx2", CV_BASELINE_AVX2 ? Py_True : Py_False,
                           "emulated", CV_EMULATED ? Py_True : Py_False,
-                          "cores", cv_cpu_count(), "gemm_nr", CV_NR, "gemm_mr", CV_MR,
-                          "attention_max_head_dim", CV_ATT_TILE * CV_ATT_MAX_HD, "force_scalar",
+                          "cores", cv_cpu_backend_cores(), "gemm_nr", shapes.gemm_nr, "gemm_mr", shapes.gemm_mr,
+                          "attention_max_head_dim", shapes.attention_max_head_dim, "force_scalar",
                           level == CV_SIMD_SCALAR ? Py_True : Py_False);
     Py_XDECREF(levels);
     Py_XDECREF(feat);
@@ -532,9 +509,6 @@ static PyMethodDef kernel_methods[] = {
      "kernel_matmul_time(mat, x, repeats=10, warmup=True) -> best seconds of one GEMM call."},
     {"kernel_rmsnorm", (PyCFunction)(void (*)(void))py_kernel_rmsnorm, METH_VARARGS | METH_KEYWORDS,
      "kernel_rmsnorm(x, weight, eps=1e-5, impl='simd', threads=0) -> out"},
-    {"kernel_add_rmsnorm", (PyCFunction)(void (*)(void))py_kernel_add_rmsnorm,
-     METH_VARARGS | METH_KEYWORDS,
-     "kernel_add_rmsnorm(x, r, weight, eps=1e-5, impl='simd', threads=0) -> (out, x + r)"},
     {"kernel_rope", (PyCFunction)(void (*)(void))py_kernel_rope, METH_VARARGS | METH_KEYWORDS,
      "kernel_rope(q, k, pos, inv_freq, layout='halves', impl='simd', threads=0)\n"
      "Rotates q[n][heads][hd] and k[n][kv_heads][hd] (or None) in place; rows may be strided views."},

@@ -277,8 +277,10 @@ done:
 }
 
 static void ModelRunner_dealloc(ModelRunnerObject *self) {
+    PyTypeObject *type = Py_TYPE(self);
     close_now(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
+    type->tp_free((PyObject *)self);
+    Py_DECREF(type);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -619,27 +621,27 @@ static PyGetSetDef ModelRunner_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static PyTypeObject ModelRunnerType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "conveyor._core.ModelRunner",
-    .tp_basicsize = sizeof(ModelRunnerObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "ModelRunner(path, *, dtype='auto', kv_cache_dtype='float32', block_size=16,\n"
+static PyType_Slot ModelRunner_slots[] = {
+    {Py_tp_doc, "ModelRunner(path, *, dtype='auto', kv_cache_dtype='float32', block_size=16,\n"
               "            num_blocks=64, max_tokens=512, max_seqs=16, num_threads=0,\n"
               "            force_scalar=False)\n\n"
               "A model on the CPU backend with its own paged KV cache\n"
               "([num_blocks][n_kv_heads][block_size][head_dim] per layer), run batch by batch\n"
-              "with forward(). A test hook for the model and kernels.",
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)ModelRunner_init,
-    .tp_dealloc = (destructor)ModelRunner_dealloc,
-    .tp_repr = (reprfunc)ModelRunner_repr,
-    .tp_methods = ModelRunner_methods,
-    .tp_getset = ModelRunner_getset,
+              "with forward(). A test hook for the model and kernels."},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_init, ModelRunner_init},
+    {Py_tp_dealloc, ModelRunner_dealloc},
+    {Py_tp_repr, ModelRunner_repr},
+    {Py_tp_methods, ModelRunner_methods},
+    {Py_tp_getset, ModelRunner_getset},
+    {0, NULL},
 };
 
-int cv_py_add_model(PyObject *m) {
-    if (PyType_Ready(&ModelRunnerType) < 0) return -1;
-    if (PyModule_AddObjectRef(m, "ModelRunner", (PyObject *)&ModelRunnerType) < 0) return -1;
-    return 0;
-}
+static PyType_Spec ModelRunner_spec = {
+    .name = "conveyor._core.ModelRunner",
+    .basicsize = sizeof(ModelRunnerObject),
+    .flags = CV_PY_TYPE_FLAGS,
+    .slots = ModelRunner_slots,
+};
+
+int cv_py_add_model(PyObject *m) { return cv_py_add_type(m, &ModelRunner_spec); }

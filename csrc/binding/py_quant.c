@@ -13,7 +13,9 @@
 
 #include <string.h>
 
-#include "../../kernels/cpu/quant.h"
+#include "../../kernels/backend.h"
+#include "../../kernels/cpu/cpu_backend.h"
+#include "../../kernels/quant_format.h"
 
 #define QB_MAX_THREADS 64
 

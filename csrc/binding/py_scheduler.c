@@ -17,7 +17,8 @@ typedef struct {
     PyObject_HEAD
     cv_scheduler *s;
     cv_scheduler_config cfg;
-    PyObject *seqs;       /* dict: seq_id (int) -> int, the address of a cv_sequence owned here */
+    PyObject *seqs;       /* private dict: seq_id (int) -> int, the address of a cv_sequence owned
+                           * here (ints only: no cycle, so no GC support) */
     cv_sched_output plan; /* the last plan (arrays owned by the scheduler) */
     int pending;          /* plan scheduled and not committed yet */
 } SchedObject;
@@ -123,6 +124,7 @@ fail:
 }
 
 static void Sched_dealloc(SchedObject *self) {
+    PyTypeObject *type = Py_TYPE(self);
     cv_scheduler_destroy(self->s);
     if (self->seqs) {
         Py_ssize_t pos = 0;
@@ -130,7 +132,8 @@ static void Sched_dealloc(SchedObject *self) {
         while (PyDict_Next(self->seqs, &pos, &k, &v)) cv_sequence_free(PyLong_AsVoidPtr(v));
         Py_DECREF(self->seqs);
     }
-    Py_TYPE(self)->tp_free((PyObject *)self);
+    type->tp_free((PyObject *)self);
+    Py_DECREF(type);
 }
 
 static PyObject *Sched_add(SchedObject *self, PyObject *args, PyObject *kw) {
@@ -455,20 +458,21 @@ static PyMethodDef Sched_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static PyTypeObject SchedType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "conveyor._core.Scheduler",
-    .tp_doc = PyDoc_STR("Scheduler(num_blocks, block_size, max_num_seqs, max_num_batched_tokens, "
+static PyType_Slot Sched_slots[] = {
+    {Py_tp_doc, PyDoc_STR("Scheduler(num_blocks, block_size, max_num_seqs, max_num_batched_tokens, "
                         "max_model_len, enable_prefix_caching=True, enable_chunked_prefill=True, "
-                        "policy='continuous', max_prefill_tokens_while_decoding=0): the C scheduler with a fake-runner harness."),
-    .tp_basicsize = sizeof(SchedObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_new = Sched_new,
-    .tp_dealloc = (destructor)Sched_dealloc,
-    .tp_methods = Sched_methods,
+                        "policy='continuous', max_prefill_tokens_while_decoding=0): the C scheduler with a fake-runner harness.")},
+    {Py_tp_new, Sched_new},
+    {Py_tp_dealloc, Sched_dealloc},
+    {Py_tp_methods, Sched_methods},
+    {0, NULL},
 };
 
-int cv_py_add_scheduler(PyObject *m) {
-    if (PyType_Ready(&SchedType) < 0) return -1;
-    return PyModule_AddObjectRef(m, "Scheduler", (PyObject *)&SchedType);
-}
+static PyType_Spec Sched_spec = {
+    .name = "conveyor._core.Scheduler",
+    .basicsize = sizeof(SchedObject),
+    .flags = CV_PY_TYPE_FLAGS,
+    .slots = Sched_slots,
+};
+
+int cv_py_add_scheduler(PyObject *m) { return cv_py_add_type(m, &Sched_spec); }

@@ -1,5 +1,6 @@
-/* The CPU backend: its function table, lifetime, buffers and tables, and a
- * STREAM-style triad used by the benchmarks to measure memory bandwidth. */
+/* The CPU backend: its function table, lifetime, buffers and tables, what
+ * cpu_backend.h reports about it, and a STREAM-style triad used by the
+ * benchmarks to measure memory bandwidth. */
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -7,13 +8,47 @@
 #include "cpu_internal.h"
 #include "quant.h"
 
-/* Keep in step with the kernels: the highest level each family has code for. */
-const cv_cpu_family cv_cpu_families[] = {
+/* ------------------------------------------------------------------------ */
+/* Introspection (cpu_backend.h)                                             */
+
+/* Kernel families and the highest SIMD level each has code for; keep in step
+ * with the kernels. */
+static const struct {
+    const char *name;
+    cv_simd_level top;
+} families[] = {
     {"gemm_f32", CV_SIMD_AVX512}, {"gemm_f16", CV_SIMD_AVX512}, {"gemm_bf16", CV_SIMD_AVX512_BF16},
     {"rmsnorm", CV_SIMD_AVX512},  {"rope", CV_SIMD_AVX512},     {"swiglu", CV_SIMD_AVX512},
     {"attention", CV_SIMD_AVX512}, {"convert", CV_SIMD_AVX512},
 };
-const int cv_cpu_n_families = (int)(sizeof cv_cpu_families / sizeof cv_cpu_families[0]);
+#define N_FAMILIES ((int)(sizeof families / sizeof families[0]))
+
+int cv_cpu_family_count(void) { return N_FAMILIES; }
+
+const char *cv_cpu_family_name(int i) { return i >= 0 && i < N_FAMILIES ? families[i].name : NULL; }
+
+cv_simd_level cv_cpu_family_path(int i, cv_simd_level level) {
+    if (i < 0 || i >= N_FAMILIES) return CV_SIMD_SCALAR;
+    return level < families[i].top ? level : families[i].top;
+}
+
+cv_cpu_shapes cv_cpu_backend_shapes(void) {
+    /* a head_dim over CV_ATT_MAX_HD runs with fewer vectors per tile */
+    return (cv_cpu_shapes){
+        .gemm_nr = CV_NR, .gemm_mr = CV_MR, .attention_max_head_dim = CV_ATT_TILE * CV_ATT_MAX_HD};
+}
+
+int cv_cpu_backend_cores(void) { return cv_cpu_count(); }
+
+static int is_cpu(const cv_backend *b) { return b && b->name && strcmp(b->name, "cpu") == 0; }
+
+const char *cv_cpu_backend_simd(const cv_backend *b) {
+    return is_cpu(b) ? cv_simd_name((cv_simd_level)cv_cpu_of((cv_backend *)b)->simd) : NULL;
+}
+
+int cv_cpu_backend_threads(const cv_backend *b) {
+    return is_cpu(b) ? cv_cpu_of((cv_backend *)b)->nthreads : 0;
+}
 
 /* ------------------------------------------------------------------------ */
 /* Buffers                                                                   */
@@ -223,11 +258,6 @@ static void cpu_destroy(cv_backend *b) {
     free(b);
 }
 
-const char *cv_cpu_backend_simd(const cv_backend *b) {
-    if (!b || !b->name || strcmp(b->name, "cpu") != 0) return NULL;
-    return cv_simd_name((cv_simd_level)cv_cpu_of((cv_backend *)b)->simd);
-}
-
 cv_backend *cv_cpu_backend_create(int num_threads, int force_scalar, cv_err *err) {
     return cv_cpu_backend_create_simd(num_threads, force_scalar ? "scalar" : NULL, err);
 }
@@ -293,7 +323,6 @@ cv_backend *cv_cpu_backend_create_simd(int num_threads, const char *simd, cv_err
     b->to_host = cpu_copy;
     b->gemm = cv_cpu_gemm;
     b->rmsnorm = cv_cpu_rmsnorm;
-    b->add_rmsnorm = cv_cpu_add_rmsnorm;
     b->rope = cv_cpu_rope;
     b->swiglu = cv_cpu_swiglu;
     b->embedding = cv_cpu_embedding;

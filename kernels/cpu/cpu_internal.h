@@ -7,9 +7,9 @@
 #include <stdint.h>
 
 #include "../backend.h"
-#include "threadpool.h"
-
+#include "cpu_backend.h"
 #include "cpu_features.h"
+#include "threadpool.h"
 
 /* The SIMD paths are compiled on every x86-64 build, each function for its
  * own target (CV_TARGET_*_BEGIN/END in cpu_features.h), and chosen at run
@@ -83,19 +83,6 @@ static inline int cv_threads_for(const cv_cpu *c, double work, double grain) {
     return (int)t;
 }
 
-/* Kernel families and the highest SIMD level each has code for: at level L a
- * family runs min(L, top) (kernel_info reports it). */
-typedef struct cv_cpu_family {
-    const char *name;
-    cv_simd_level top;
-} cv_cpu_family;
-extern const cv_cpu_family cv_cpu_families[];
-extern const int cv_cpu_n_families;
-static inline cv_simd_level cv_cpu_family_path(int family, cv_simd_level level) {
-    const cv_simd_level top = cv_cpu_families[family].top;
-    return level < top ? level : top;
-}
-
 /* Rows [0, n) handed out in chunks from a shared counter, for the row
  * kernels' dynamic pool regions: a thread that starts late (asleep, or
  * descheduled on a busy machine) only takes fewer rows. */
@@ -143,8 +130,6 @@ void cv_cpu_gemm(cv_backend *b, float *out, const float *x, int64_t n, const cv_
 /* elementwise.c */
 void cv_cpu_rmsnorm(cv_backend *b, float *out, const float *x, const float *weight, int64_t n,
                     int64_t dim, float eps);
-void cv_cpu_add_rmsnorm(cv_backend *b, float *out, float *x, const float *r, const float *weight,
-                        int64_t n, int64_t dim, float eps);
 void cv_cpu_rope(cv_backend *b, float *q, int64_t q_stride, int64_t n_heads, float *k,
                  int64_t k_stride, int64_t n_kv_heads, const int32_t *pos, int64_t n,
                  const cv_rope *rope);
@@ -178,17 +163,7 @@ void cv_cpu_paged_attention(cv_backend *b, float *out, const float *q, int64_t q
 size_t cv_cpu_att_scratch_floats(void);
 size_t cv_cpu_att_partial_floats(void);
 
-/* peak.c: the compute peak, in GFLOP/s (int8: GOP/s; 2 per multiply-add),
- * of the instruction the backend's kernels use for kind, by register-only
- * loops on nth threads (<= 0: all) for about `seconds`; *instr names it.
- * < 0 on bad arguments. */
-typedef enum cv_peak_kind { CV_PEAK_FP32_FMA = 0, CV_PEAK_BF16_DOT = 1, CV_PEAK_INT8_DOT = 2 } cv_peak_kind;
-double cv_cpu_measure_peak(cv_backend *b, cv_peak_kind kind, int nth, double seconds, const char **instr);
-
-/* backend_cpu.c: STREAM-style triad a = b + s*c over n_bytes of arrays with
- * the backend's pool; returns GB/s (bytes moved: 3 arrays), or < 0 on error. */
-double cv_cpu_triad(cv_backend *b, size_t n_bytes, int repeats);
-/* GB/s of reading one array of n_bytes (the access pattern of a GEMV). */
-double cv_cpu_read_bw(cv_backend *b, size_t n_bytes, int repeats);
+/* peak.c: cv_cpu_measure_peak; backend_cpu.c: cv_cpu_triad, cv_cpu_read_bw
+ * (declared in cpu_backend.h). */
 
 #endif

@@ -1,5 +1,5 @@
-/* Row-wise kernels of the CPU backend: rmsnorm, fused residual add + rmsnorm,
- * rotary embedding, SwiGLU, embedding lookup, and dtype widening/narrowing.
+/* Row-wise kernels of the CPU backend: rmsnorm, rotary embedding, SwiGLU,
+ * embedding lookup, and dtype widening/narrowing.
  * Each has a plain-C version and an AVX2 version; rows are split across the
  * pool only when there is enough work to pay for waking it. */
 #include <math.h>
@@ -89,14 +89,6 @@ static void rms_row_avx512(float *out, const float *x, const float *w, int64_t d
         const __mmask16 m = tail_mask(dim - i);
         const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), vi);
         _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, w + i)));
-    }
-}
-
-static void add_row_avx512(float *x, const float *r, int64_t dim) {
-    for (int64_t i = 0; i < dim; i += 16) {
-        const __mmask16 m = tail_mask(dim - i);
-        _mm512_mask_storeu_ps(x + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, x + i),
-                                                      _mm512_maskz_loadu_ps(m, r + i)));
     }
 }
 
@@ -307,20 +299,12 @@ static void rms_row_avx2(float *out, const float *x, const float *w, int64_t dim
     for (; i < dim; i++) out[i] = x[i] * inv * w[i];
 }
 
-/* x += r in place. */
-static void add_row_avx2(float *x, const float *r, int64_t dim) {
-    int64_t i = 0;
-    for (; i + 8 <= dim; i += 8)
-        _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(r + i)));
-    for (; i < dim; i++) x[i] += r[i];
-}
 CV_TARGET_END
 #endif
 
 typedef struct norm_job {
     float *out;         /* [n][dim] */
-    float *x;           /* [n][dim] (updated in place when r != NULL) */
-    const float *r;     /* [n][dim] residual to add, or NULL */
+    const float *x;     /* [n][dim] */
     const float *w;     /* [dim] */
     int64_t n, dim;
     float eps;
@@ -334,26 +318,20 @@ static void norm_fn(void *arg, int tid, int nth) {
     (void)nth;
     for (int64_t t0, t1; cv_rows_claim(j->rows, &t0, &t1);)
     for (int64_t t = t0; t < t1; t++) {
-        float *xr = j->x + (size_t)t * (size_t)j->dim;
+        const float *xr = j->x + (size_t)t * (size_t)j->dim;
         float *orow = j->out + (size_t)t * (size_t)j->dim;
 #if CV_HAVE_AVX512
         if (j->simd >= CV_SIMD_AVX512) {
-            if (j->r) add_row_avx512(xr, j->r + (size_t)t * (size_t)j->dim, j->dim);
             rms_row_avx512(orow, xr, j->w, j->dim, j->eps);
             continue;
         }
 #endif
 #if CV_HAVE_AVX2
         if (j->simd) {
-            if (j->r) add_row_avx2(xr, j->r + (size_t)t * (size_t)j->dim, j->dim);
             rms_row_avx2(orow, xr, j->w, j->dim, j->eps);
             continue;
         }
 #endif
-        if (j->r) {
-            const float *rr = j->r + (size_t)t * (size_t)j->dim;
-            for (int64_t i = 0; i < j->dim; i++) xr[i] += rr[i];
-        }
         rms_row_plain(orow, xr, j->w, j->dim, j->eps);
     }
 }
@@ -362,22 +340,8 @@ void cv_cpu_rmsnorm(cv_backend *b, float *out, const float *x, const float *weig
                     int64_t dim, float eps) {
     cv_cpu *c = cv_cpu_of(b);
     if (n <= 0 || dim <= 0) return;
-    /* x is only read when r == NULL */
-    norm_job j = {.out = out, .x = (float *)x, .r = NULL, .w = weight, .n = n, .dim = dim,
+    norm_job j = {.out = out, .x = x, .w = weight, .n = n, .dim = dim,
                   .eps = eps, .simd = c->simd};
-    int nth = cv_threads_for(c, (double)n * (double)dim, ROW_GRAIN);
-    if (nth > n) nth = (int)n;
-    cv_rows rows;
-    j.rows = &rows;
-    cv_cpu_run_rows(c, nth, &rows, n, norm_fn, &j);
-}
-
-void cv_cpu_add_rmsnorm(cv_backend *b, float *out, float *x, const float *r, const float *weight,
-                        int64_t n, int64_t dim, float eps) {
-    cv_cpu *c = cv_cpu_of(b);
-    if (n <= 0 || dim <= 0) return;
-    norm_job j = {.out = out, .x = x, .r = r, .w = weight, .n = n, .dim = dim, .eps = eps,
-                  .simd = c->simd};
     int nth = cv_threads_for(c, (double)n * (double)dim, ROW_GRAIN);
     if (nth > n) nth = (int)n;
     cv_rows rows;

@@ -30,23 +30,11 @@ typedef float (*cv_qdot_fn)(const void *w, const cv_xq_block *x, int64_t nb);
  * in the same order -- but each weight block is loaded and unpacked once. */
 typedef void (*cv_qdot4_fn)(const void *w, const cv_xq_block *x, int64_t x_stride, int64_t nb, float *out);
 
-/* SIMD levels of the quantized kernels. */
-typedef enum cv_qlevel { CV_QL_SCALAR = 0, CV_QL_AVX2 = 1, CV_QL_AVX512VNNI = 2, CV_QL_AVXVNNI = 3 } cv_qlevel;
-
 /* The dot for dtype at level (NULL when that level is not built). */
 cv_qdot_fn cv_qdot_scalar(cv_dtype t);
 cv_qdot_fn cv_qdot_avx2(cv_dtype t);
 cv_qdot4_fn cv_qdot4_avx2(cv_dtype t);
 cv_qdot_fn cv_qdot_vnni(cv_dtype t, int avx512); /* avx512: EVEX vpdpbusd, else AVX-VNNI */
-/* The best quantized level this CPU runs within the backend's SIMD level
- * (a cv_simd_level: scalar -> plain C; avx2 -> AVX2 or AVX-VNNI; avx512 and
- * up -> AVX-512 VNNI where present), so CONVEYOR_SIMD bounds it too. */
-cv_qlevel cv_qlevel_best(int simd);
-/* Name of a level ("scalar", "avx2", "avx512vnni", "avxvnni"). */
-const char *cv_qlevel_name(cv_qlevel l);
-/* 1 when this CPU can run level l. */
-int cv_qlevel_supported(cv_qlevel l);
-
 /* Quantizes the n activations x (n a multiple of CV_QK) into n/32 blocks. */
 void cv_quantize_x(cv_xq_block *out, const float *x, int64_t n);
 
@@ -55,9 +43,8 @@ int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dt
                            int64_t cols, cv_dtype dtype, cv_err *err);
 void cv_cpu_qgemm(cv_backend *b, float *out, const float *x, int64_t n, const cv_matrix *w, const float *bias,
                   int accumulate);
-/* As cv_cpu_qgemm, at an explicit level (tests compare the levels). */
-void cv_cpu_qgemm_level(cv_backend *b, float *out, const float *x, int64_t n, const cv_matrix *w,
-                        const float *bias, int accumulate, cv_qlevel level);
+/* cv_qlevel, cv_qlevel_best/name/supported and cv_cpu_qgemm_level (an explicit
+ * level) are public: cpu_backend.h. */
 /* out[n][cols] = dequantized rows tokens[n] of a quantized table. */
 void cv_cpu_qembedding(cv_backend *b, float *out, const int32_t *tokens, int64_t n, const cv_table *t);
 

@@ -608,7 +608,6 @@ CV_CU_EXPORT cv_backend *cv_cuda_backend_create_impl(int device, cv_err *err) {
     b->to_host = cvc_to_host;
     b->gemm = cvc_gemm;
     b->rmsnorm = cvc_rmsnorm;
-    b->add_rmsnorm = cvc_add_rmsnorm;
     b->rope = cvc_rope;
     b->swiglu = cvc_swiglu;
     b->embedding = cvc_embedding;

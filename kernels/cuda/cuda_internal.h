@@ -185,8 +185,6 @@ __device__ __forceinline__ float cvc_block_max(float v, float *sh) {
 /* Kernels of the table (elementwise.cu). */
 void cvc_rmsnorm(cv_backend *b, float *out, const float *x, const float *weight, int64_t n,
                  int64_t dim, float eps);
-void cvc_add_rmsnorm(cv_backend *b, float *out, float *x, const float *r, const float *weight,
-                     int64_t n, int64_t dim, float eps);
 void cvc_rope(cv_backend *b, float *q, int64_t q_stride, int64_t n_heads, float *k,
               int64_t k_stride, int64_t n_kv_heads, const int32_t *pos, int64_t n,
               const cv_rope *rope);

@@ -1,5 +1,4 @@
-/* Element-wise kernels of the CUDA backend: RMSNorm (plain and fused with the
- * residual add), RoPE, SwiGLU, embedding lookup, and the small helpers the
+/* Element-wise kernels of the CUDA backend: RMSNorm, RoPE, SwiGLU, embedding lookup, and the small helpers the
  * GEMM needs (activation narrowing, bias). Each row is computed by one block
  * in a fixed order, so a row's result does not depend on the batch. */
 #include <climits>
@@ -16,60 +15,35 @@ static unsigned grid_for(const cv_cuda_ctx *c, int64_t total, int threads) {
 
 /* ----------------------------------------------------------------- RMSNorm */
 
-/* One block per row: out = x * (1 / sqrt(mean(x^2) + eps)) * w. With r, first
- * x += r (written back). out may alias x or r: each element is read and then
- * written by the same thread. */
-__global__ void rmsnorm_kernel(float *out, float *x, const float *r, const float *w, int dim, float eps) {
+/* One block per row: out = x * (1 / sqrt(mean(x^2) + eps)) * w. out may
+ * alias x: each element is read and then written by the same thread. */
+__global__ void rmsnorm_kernel(float *out, const float *x, const float *w, int dim, float eps) {
     __shared__ float sh[33];
     const int64_t row = blockIdx.x;
-    float *xr = x + row * dim;
+    const float *xr = x + row * dim;
     float *orow = out + row * dim;
     float ss = 0.f;
-    if (r) {
-        const float *rr = r + row * dim;
-        for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-            float v = xr[i] + rr[i];
-            xr[i] = v;
-            ss = fmaf(v, v, ss);
-        }
-    } else {
-        for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-            float v = xr[i];
-            ss = fmaf(v, v, ss);
-        }
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float v = xr[i];
+        ss = fmaf(v, v, ss);
     }
     ss = cvc_block_sum(ss, sh);
     const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
     for (int i = threadIdx.x; i < dim; i += blockDim.x) orow[i] = xr[i] * inv * w[i];
 }
 
-static void launch_rmsnorm(cv_backend *b, float *out, float *x, const float *r, const float *weight,
-                           int64_t n, int64_t dim, float eps, const char *what) {
+void cvc_rmsnorm(cv_backend *b, float *out, const float *x, const float *weight, int64_t n, int64_t dim,
+                 float eps) {
     cv_cuda_ctx *c = cvc_of(b);
     if (n <= 0) return;
     if (cvc_enter(c) < 0) return;
     if (dim <= 0 || dim > INT_MAX || n > INT_MAX) {
-        cvc_fail(c, CV_ERR_INVALID, "CUDA %s: bad shape n=%lld dim=%lld", what, (long long)n, (long long)dim);
+        cvc_fail(c, CV_ERR_INVALID, "CUDA rmsnorm: bad shape n=%lld dim=%lld", (long long)n, (long long)dim);
         return;
     }
     const int threads = dim >= 2048 ? 256 : dim >= 512 ? 128 : 64;
-    rmsnorm_kernel<<<(unsigned)n, threads, 0, c->stream>>>(out, x, r, weight, (int)dim, eps);
-    cvc_check_launch(c, what);
-}
-
-void cvc_rmsnorm(cv_backend *b, float *out, const float *x, const float *weight, int64_t n, int64_t dim,
-                 float eps) {
-    /* x is only read when r is NULL. */
-    launch_rmsnorm(b, out, const_cast<float *>(x), nullptr, weight, n, dim, eps, "rmsnorm");
-}
-
-void cvc_add_rmsnorm(cv_backend *b, float *out, float *x, const float *r, const float *weight, int64_t n,
-                     int64_t dim, float eps) {
-    if (!r) {
-        cvc_fail(cvc_of(b), CV_ERR_INVALID, "CUDA add_rmsnorm: residual is NULL");
-        return;
-    }
-    launch_rmsnorm(b, out, x, r, weight, n, dim, eps, "add_rmsnorm");
+    rmsnorm_kernel<<<(unsigned)n, threads, 0, c->stream>>>(out, x, weight, (int)dim, eps);
+    cvc_check_launch(c, "rmsnorm");
 }
 
 /* -------------------------------------------------------------------- RoPE */
