@@ -254,3 +254,22 @@ def test_bench_study_quick_end_to_end(tmp_path):
 def test_bench_study_refuses_a_checkpoint_that_is_not_hf(tmp_path):
     p = _cli("--model", str(tmp_path), "--json", "", "--plot", "")
     assert p.returncode != 0 and "not a HF checkpoint" in p.stderr
+
+
+@needs_hf
+def test_bench_study_on_a_gguf_file(tmp_path):
+    """A quantized GGUF: HF transformers runs its dequantized weights, Conveyor the quantized
+    ones; same requests, same counts, one KV budget in the same dtype."""
+    pytest.importorskip("gguf")
+    from conveyor.testing import write_gguf_checkpoint
+
+    model = write_gguf_checkpoint(tmp_path / "m" / "tiny.gguf", shape="tiny", ggml_type="Q8_0")
+    out = tmp_path / "study.json"
+    p = _cli("--quick", "--model", str(model), "--caps", "8", "--num-threads", "1", "--json", str(out),
+             "--plot", "")
+    assert p.returncode == 0, p.stdout + p.stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    systems = row["systems"]
+    assert set(systems) == {"hf_static", "conveyor_static", "conveyor_continuous"}
+    assert len({s["output_tokens"] for s in systems.values()}) == 1
+    assert len({s["workload_hash"] for s in systems.values()}) == 1

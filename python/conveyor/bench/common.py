@@ -140,7 +140,8 @@ def make_llm(model: str, *, scheduling: str = "continuous", max_num_seqs: int = 
              max_num_batched_tokens: Optional[int] = None, block_size: int = 16,
              kv_cache_memory: Any = DEFAULT_KV_CACHE, workload: Optional["Workload"] = None,
              dtype: str = "auto", num_threads: Optional[int] = None, device: str = "cpu",
-             seed: int = 0, enable_prefix_caching: bool = True, asynchronous: bool = False):
+             seed: int = 0, enable_prefix_caching: bool = True, asynchronous: bool = False,
+             kv_cache_dtype: str = "auto"):
     """An LLM (or AsyncLLM) for token-id prompts. kv_cache_memory "fit" sizes the pool
     for ``workload`` (see kv_bytes_for); None leaves it to the engine."""
     from .. import LLM, AsyncLLM
@@ -155,7 +156,7 @@ def make_llm(model: str, *, scheduling: str = "continuous", max_num_seqs: int = 
                max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                kv_cache_memory=kv_cache_memory, dtype=dtype, num_threads=num_threads,
                device=device, seed=seed, enable_prefix_caching=enable_prefix_caching,
-               skip_tokenizer_init=True)
+               kv_cache_dtype=kv_cache_dtype, skip_tokenizer_init=True)
 
 
 # ----------------------------------------------------------------------------- workloads

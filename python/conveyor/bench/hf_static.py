@@ -13,6 +13,7 @@ the baseline, so the rest of the package never needs them.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 _TORCH_DTYPES = ("float32", "float16", "bfloat16")
@@ -25,15 +26,20 @@ def _torch_dtype(torch, name: str):
 
 
 def load_model(model_dir: str, *, dtype: str, device: str = "cpu"):
-    """The HF model in ``dtype`` on ``device``, in eval mode."""
+    """The HF model in ``dtype`` on ``device``, in eval mode: a HF folder, or a .gguf file
+    (transformers dequantizes its weights at load; needs the gguf package)."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
 
     td = _torch_dtype(torch, dtype)
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
-    kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"  # renamed in 4.56
-    model = AutoModelForCausalLM.from_pretrained(model_dir, **{kw: td})
+    kw = {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": td}  # renamed in 4.56
+    path = Path(model_dir)
+    if path.is_file():
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kw)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, **kw)
     return model.to(device=device, dtype=td).eval()
 
 

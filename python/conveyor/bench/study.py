@@ -170,8 +170,9 @@ def run_conveyor(spec: Dict[str, Any], prompts, output_lens, digest) -> Dict[str
     from .. import __version__
 
     sched = "static" if spec["system"] == "conveyor_static" else "continuous"
+    # the KV dtype is the one the budget was counted in (HF keeps its cache in the model dtype)
     engine = dict(dtype=spec["dtype"], device=spec["device"], num_threads=spec["threads"],
-                  block_size=spec["block_size"])
+                  block_size=spec["block_size"], kv_cache_dtype=spec["dtype"])
     common.warm_up(spec["model"], kv_cache_memory="fit", **engine)
     wl = common.Workload([np.asarray(p, dtype=np.int32) for p in prompts], list(output_lens))
     llm = common.make_llm(spec["model"], scheduling=sched, max_num_seqs=spec["batch_size"],
@@ -478,8 +479,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _worker_main(argv[1])
     ap = argparse.ArgumentParser(prog="conveyor bench study", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None,
-                    help="HF checkpoint folder; default: the SmolLM-135M-shaped random checkpoint "
-                         "(bf16), written once with conveyor.testing")
+                    help="HF checkpoint folder or .gguf file (HF transformers dequantizes a GGUF's weights; "
+                         "Conveyor keeps them quantized); default: the SmolLM-135M-shaped random "
+                         "checkpoint (bf16), written once with conveyor.testing")
     ap.add_argument("--quick", action="store_true",
                     help="a tiny model and workload (seconds): N=12, P=16, M=8, caps 4,8,32")
     ap.add_argument("--num-requests", type=int, default=128, help="N (default 128)")
@@ -524,9 +526,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         caps, kv = caps or list(q["caps"]), kv or q["kv_tokens"]
     else:
         model = args.model or str(default_model(shape="smollm-135m", dtype="bfloat16"))
-    if not (Path(model) / "config.json").is_file():
-        raise SystemExit(f"conveyor bench study: {model} is not a HF checkpoint folder (no config.json); "
-                         "every system loads the same HF checkpoint")
+    if not ((Path(model) / "config.json").is_file() or (Path(model).is_file() and model.endswith(".gguf"))):
+        raise SystemExit(f"conveyor bench study: {model} is not a HF checkpoint folder (no config.json) "
+                         "or a .gguf file; every system loads the same checkpoint")
 
     def say(s):
         print(s, file=sys.stderr, flush=True)
