@@ -15,8 +15,9 @@
  * take each block's int32 lanes times the two scales. The lanes' integers are
  * exact, and every (row, token) pair runs the same float operations in the
  * same order whatever R and T are: acc = fma(float(lanes_i), dw_i * dx_i, acc)
- * over the blocks i, then hsum8(acc) (+ the Q4_1 min terms, summed over the
- * blocks in order, each dm_i * sx_i, no FMA in C11). So a token's outputs are
+ * over the blocks i, then hsum8(acc) (+ the Q4 min terms, summed over the
+ * blocks in order, each dm_i * sx_i, no FMA in C11; Q4_0 is taken as Q4_1
+ * with dm = -8 dw, exact, so no token needs the sign trick). So a token's outputs are
  * the same bits alone or in any batch (the contract of quant.h). */
 
 #ifdef CV_EMULATE_AVX512 /* portable intrinsics (tools/avx512_emulated.sh): no target; they lack _cvtsh_ss */
@@ -46,7 +47,7 @@ QT_INLINE __m256i QT_NAME(nibbles)(const uint8_t *qs) {
 QT_INLINE void QT_NAME(tile)(cv_dtype type, int R, int T, const void *w, size_t w_stride, const cv_xq_block *x,
                              int64_t x_stride, int64_t nb, float *out) {
     __m256 acc[CV_QTILE_MAX_ROWS][CV_QTILE_MAX_TOKENS];
-    __m128 mins[CV_QTILE_MAX_ROWS]; /* Q4_1: lane t, token t's min terms */
+    __m128 mins[CV_QTILE_MAX_ROWS]; /* Q4: lane t, token t's min terms */
     for (int r = 0; r < R; r++) {
         mins[r] = _mm_setzero_ps();
         for (int t = 0; t < T; t++) acc[r][t] = _mm256_setzero_ps();
@@ -54,7 +55,10 @@ QT_INLINE void QT_NAME(tile)(cv_dtype type, int R, int T, const void *w, size_t 
     for (int64_t i = 0; i < nb; i++) {
         __m256i wu[CV_QTILE_MAX_ROWS], wsg[CV_QTILE_MAX_ROWS]; /* u8 operand; the sign source (signed types) */
         __m256 dw[CV_QTILE_MAX_ROWS];
-        __m128 sx = _mm_setzero_ps();
+        __m128 sx = _mm_setzero_ps(); /* Q4: the tokens' block sums s, lane t */
+        if (type != CV_Q8_0)
+            sx = _mm_setr_ps(x[i].s, T > 1 ? x[x_stride + i].s : 0.0f, T > 2 ? x[2 * x_stride + i].s : 0.0f,
+                             T > 3 ? x[3 * x_stride + i].s : 0.0f);
         for (int r = 0; r < R; r++) {
             const char *row = (const char *)w + (size_t)r * w_stride;
             if (type == CV_Q8_0) {
@@ -62,18 +66,16 @@ QT_INLINE void QT_NAME(tile)(cv_dtype type, int R, int T, const void *w, size_t 
                 wsg[r] = _mm256_loadu_si256((const __m256i *)b->qs);
                 wu[r] = _mm256_sign_epi8(wsg[r], wsg[r]);
                 dw[r] = _mm256_set1_ps(QT_H2F(b->d));
-            } else if (type == CV_Q4_0) {
+            } else if (type == CV_Q4_0) { /* d * (n - 8) = d * n + (-8 d): Q4_1's form, no sign per token */
                 const cv_block_q4_0 *b = (const cv_block_q4_0 *)row + i;
-                wsg[r] = _mm256_sub_epi8(QT_NAME(nibbles)(b->qs), _mm256_set1_epi8(8));
-                wu[r] = _mm256_sign_epi8(wsg[r], wsg[r]);
-                dw[r] = _mm256_set1_ps(QT_H2F(b->d));
+                const float d = QT_H2F(b->d);
+                wu[r] = QT_NAME(nibbles)(b->qs);
+                dw[r] = _mm256_set1_ps(d);
+                mins[r] = _mm_add_ps(mins[r], _mm_mul_ps(_mm_set1_ps(-8.0f * d), sx));
             } else {
                 const cv_block_q4_1 *b = (const cv_block_q4_1 *)row + i;
                 wu[r] = QT_NAME(nibbles)(b->qs);
                 dw[r] = _mm256_set1_ps(QT_H2F(b->d));
-                if (r == 0) /* the tokens' block sums, lane t */
-                    sx = _mm_setr_ps(x[i].s, T > 1 ? x[x_stride + i].s : 0.0f, T > 2 ? x[2 * x_stride + i].s : 0.0f,
-                                     T > 3 ? x[3 * x_stride + i].s : 0.0f);
                 mins[r] = _mm_add_ps(mins[r], _mm_mul_ps(_mm_set1_ps(QT_H2F(b->m)), sx));
             }
         }
@@ -82,7 +84,7 @@ QT_INLINE void QT_NAME(tile)(cv_dtype type, int R, int T, const void *w, size_t 
             const __m256i v = _mm256_loadu_si256((const __m256i *)xt->q);
             const __m256 dx = _mm256_broadcast_ss(&xt->d);
             for (int r = 0; r < R; r++) {
-                const __m256i p = type == CV_Q4_1 ? QT_DOT(wu[r], v) : QT_DOT(wu[r], _mm256_sign_epi8(v, wsg[r]));
+                const __m256i p = type != CV_Q8_0 ? QT_DOT(wu[r], v) : QT_DOT(wu[r], _mm256_sign_epi8(v, wsg[r]));
                 acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw[r], dx), acc[r][t]);
             }
         }
@@ -92,7 +94,7 @@ QT_INLINE void QT_NAME(tile)(cv_dtype type, int R, int T, const void *w, size_t 
         _mm_storeu_ps(m, mins[r]);
         for (int t = 0; t < T; t++) {
             const float h = QT_NAME(hsum8)(acc[r][t]);
-            out[r * T + t] = type == CV_Q4_1 ? h + m[t] : h;
+            out[r * T + t] = type != CV_Q8_0 ? h + m[t] : h;
         }
     }
 }
