@@ -199,3 +199,23 @@ def test_batch_invariance_every_level(qtype, level):
             np.testing.assert_array_equal(got, alone)
         perm = rng.permutation(len(x))[:11]  # the same tokens in another order and batch size
         np.testing.assert_array_equal(_core.kernel_qgemm(x[perm], wb, qtype, level=level), alone[perm])
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_activation_rounding_ties(level):
+    """Activations exactly halfway between two int8 steps round away from zero at every level
+    (the SIMD quantizer gives the bytes of the C one): amax 127 makes the scale 1, so x = k + 0.5
+    is a tie; a step off moves an output by d |w|, far past the noise bound."""
+    level_or_skip(level)
+    rng = np.random.default_rng(13)
+    k = np.arange(-63, 63, dtype=np.float32)
+    x = np.zeros((3, 128), np.float32)
+    x[0, 0], x[0, 1:127] = 127.0, k + 0.5
+    x[1, 0], x[1, 1:127] = -127.0, -(k + 0.5)
+    x[2, 0], x[2, 1:127] = 63.5, (k + 0.5) / 2  # scale 0.5: x / d = k + 0.5 again
+    for qtype in QTYPES:
+        w = random_weights(rng, 11, 128)
+        wb = quantize(w, qtype).reshape(11, -1)
+        exact, noise = qgemm_reference(x, wb, qtype, 11, 128)
+        out = _core.kernel_qgemm(x, wb, qtype, level=level)
+        assert np.all(np.abs(out - exact) <= noise), (qtype, np.abs(out - exact).max())

@@ -214,6 +214,7 @@ typedef struct qgemm_job {
     int64_t t0, nt, nb;
     const float *x;        /* for the quantization region */
     cv_xq_block *xq_w;
+    cv_quantize_x_fn quantize;
     cv_qtiles k;
 } qgemm_job;
 
@@ -221,7 +222,7 @@ static void quantize_fn(void *arg, int tid, int nth) {
     qgemm_job *j = arg;
     const int64_t a = j->nt * tid / nth, z = j->nt * (tid + 1) / nth;
     const int64_t cols = j->w->cols;
-    for (int64_t t = a; t < z; t++) cv_quantize_x(j->xq_w + t * j->nb, j->x + (j->t0 + t) * cols, cols);
+    for (int64_t t = a; t < z; t++) j->quantize(j->xq_w + t * j->nb, j->x + (j->t0 + t) * cols, cols);
 }
 
 /* Stores a rows x tokens tile v[r * tokens + t] at output rows r0.. of tokens t0.. */
@@ -272,6 +273,7 @@ void cv_cpu_qgemm_level(cv_backend *b, float *out, const float *x, int64_t n, co
     cv_xq_block *xq = c->qx;
     qgemm_job j = {.out = out, .w = w, .bias = bias, .accumulate = accumulate, .nb = nb, .x = x};
     tiles_for(w->dtype, level, &j.k);
+    j.quantize = level != CV_QL_SCALAR && cv_quantize_x_avx2() ? cv_quantize_x_avx2() : cv_quantize_x;
     for (int64_t t0 = 0; t0 < n; t0 += QX_TOKENS) {
         j.t0 = t0;
         j.nt = n - t0 < QX_TOKENS ? n - t0 : QX_TOKENS;
