@@ -32,6 +32,14 @@ def c_sources():
     return sorted(f for f in files if "/fuzz/" not in f)
 
 
+def c_headers():
+    # a changed header rebuilds the extension (setuptools compares sources only)
+    files = []
+    for pattern in ("csrc/**/*.h", "kernels/*.h", "kernels/cpu/**/*.h"):
+        files += glob.glob(pattern, recursive=True, root_dir=ROOT)
+    return sorted(files)
+
+
 def compiler_accepts(cc, flag):
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "t.c")
@@ -78,6 +86,7 @@ class BuildExt(build_ext):
 core = Extension(
     "conveyor._core",
     sources=c_sources(),
+    depends=c_headers(),
     include_dirs=[numpy.get_include(), "csrc", "kernels"],
     language="c",
 )

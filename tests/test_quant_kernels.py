@@ -12,6 +12,9 @@
   |error| <= sum_blocks amax_block/254 * sum|w| over the block. That bound is checked exactly.
 * Every SIMD level equals the plain-C level to the same 1e-5 bound, and one token alone gives
   the same bits as that token inside a batch (the batch-invariance the engine relies on).
+* The SIMD levels run a micro-kernel on tiles of up to 4 rows x 4 tokens inside chunks of 16
+  rows: row and token counts that are not multiples of the tile (and of the chunk), one block
+  of K, and 1..9 tokens exercise every tile shape and the leftover rows and tokens.
 """
 from __future__ import annotations
 
@@ -144,3 +147,75 @@ def test_bad_arguments():
         if not ok:
             with pytest.raises(conveyor.UnsupportedError, match=level):
                 _core.kernel_qgemm(x, wb, "q8_0", level=level)
+
+
+# rows: below, at and past the 2- and 4-row tiles and the 16-row chunk; cols: 1 block and 3
+EDGE_ROWS = [1, 2, 3, 5, 7, 17, 35]
+EDGE_COLS = [32, 96]
+
+
+def qgemm_reference(x, wb, qtype, rows, cols):
+    """The NumPy reference of the quantized GEMM and its float32 noise bound (see the docstring)."""
+    xd = x_quant_dequant(x)
+    wd = dequantize(wb, qtype, (rows, cols)).astype(np.float64)
+    return xd @ wd.T, 1e-5 * (np.abs(xd) @ np.abs(wd).T) + 1e-30
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("level", LEVELS)
+def test_tile_edges_match_numpy(qtype, level):
+    level_or_skip(level)
+    rng = np.random.default_rng(11)
+    for cols in EDGE_COLS:
+        for rows in EDGE_ROWS:
+            w = random_weights(rng, rows, cols) if rows > 1 else rng.standard_normal((1, cols)).astype(np.float32)
+            wb = quantize(w, qtype).reshape(rows, -1)
+            x = rng.standard_normal((9, cols)).astype(np.float32)
+            x[4, :32] = 0.0  # a token block of zeros (scale 0)
+            exact, noise = qgemm_reference(x, wb, qtype, rows, cols)
+            for n in range(1, 10):
+                out = _core.kernel_qgemm(x[:n], wb, qtype, level=level)
+                assert out.shape == (n, rows)
+                err = np.abs(out - exact[:n])
+                assert np.all(err <= noise[:n]), (cols, rows, n, err.max())
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("level", LEVELS)
+def test_batch_invariance_every_level(qtype, level):
+    """A token's outputs are the same bits alone, at any place in any batch (every tile shape,
+    the 64-token quantization blocks) and with any number of threads."""
+    level_or_skip(level)
+    rng = np.random.default_rng(5)
+    for rows, cols in [(35, 96), (16, 32), (7, 160)]:
+        w = random_weights(rng, rows, cols)
+        wb = quantize(w, qtype).reshape(rows, -1)
+        x = rng.standard_normal((70, cols)).astype(np.float32)
+        alone = np.stack([_core.kernel_qgemm(x[i:i + 1], wb, qtype, level=level)[0] for i in range(len(x))])
+        for n in list(range(1, 10)) + [70]:
+            np.testing.assert_array_equal(_core.kernel_qgemm(x[:n], wb, qtype, level=level), alone[:n])
+        for threads in (1, 2, 3):
+            got = _core.kernel_qgemm(x, wb, qtype, level=level, threads=threads)
+            np.testing.assert_array_equal(got, alone)
+        perm = rng.permutation(len(x))[:11]  # the same tokens in another order and batch size
+        np.testing.assert_array_equal(_core.kernel_qgemm(x[perm], wb, qtype, level=level), alone[perm])
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_activation_rounding_ties(level):
+    """Activations exactly halfway between two int8 steps round away from zero at every level
+    (the SIMD quantizer gives the bytes of the C one): amax 127 makes the scale 1, so x = k + 0.5
+    is a tie; a step off moves an output by d |w|, far past the noise bound."""
+    level_or_skip(level)
+    rng = np.random.default_rng(13)
+    k = np.arange(-63, 63, dtype=np.float32)
+    x = np.zeros((3, 128), np.float32)
+    x[0, 0], x[0, 1:127] = 127.0, k + 0.5
+    x[1, 0], x[1, 1:127] = -127.0, -(k + 0.5)
+    x[2, 0], x[2, 1:127] = 63.5, (k + 0.5) / 2  # scale 0.5: x / d = k + 0.5 again
+    for qtype in QTYPES:
+        w = random_weights(rng, 11, 128)
+        wb = quantize(w, qtype).reshape(11, -1)
+        exact, noise = qgemm_reference(x, wb, qtype, 11, 128)
+        out = _core.kernel_qgemm(x, wb, qtype, level=level)
+        assert np.all(np.abs(out - exact) <= noise), (qtype, np.abs(out - exact).max())

@@ -57,6 +57,25 @@ cv_qdot_fn cv_qdot_scalar(cv_dtype t) {
     return t == CV_Q8_0 ? dot_q8_0 : t == CV_Q4_0 ? dot_q4_0 : t == CV_Q4_1 ? dot_q4_1 : NULL;
 }
 
+/* The plain-C level as 1 x 1 tiles (the driver has one shape for every level). */
+#define SCALAR_TILE(TY)                                                                                      \
+    static void tile_##TY(const void *w, size_t w_stride, const cv_xq_block *x, int64_t x_stride, int64_t nb, \
+                          float *out) {                                                                      \
+        (void)w_stride;                                                                                      \
+        (void)x_stride;                                                                                      \
+        out[0] = dot_##TY(w, x, nb);                                                                         \
+    }
+SCALAR_TILE(q8_0)
+SCALAR_TILE(q4_0)
+SCALAR_TILE(q4_1)
+
+static int qtiles_scalar(cv_dtype t, cv_qtiles *out) {
+    const cv_qtile_fn f = t == CV_Q8_0 ? tile_q8_0 : t == CV_Q4_0 ? tile_q4_0 : t == CV_Q4_1 ? tile_q4_1 : NULL;
+    if (!f) return 0;
+    *out = (cv_qtiles){.max_tokens = 1, .rows = {0, 1}, .tile = {NULL, f}, .row = {NULL, f}};
+    return 1;
+}
+
 void cv_quantize_x(cv_xq_block *out, const float *x, int64_t n) {
     for (int64_t i = 0; i < n / CV_QK; i++) {
         const float *v = x + i * CV_QK;
@@ -80,21 +99,21 @@ void cv_quantize_x(cv_xq_block *out, const float *x, int64_t n) {
 /* ---- levels ------------------------------------------------------------- */
 
 int cv_qlevel_supported(cv_qlevel l) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    cv_qtiles k;
+    const cv_cpu_features *f = cv_cpu_features_get();
+    const int avx2 = f->avx2 && f->fma && f->f16c;
+#ifdef CV_EMULATE_AVX512 /* development: every level runs on portable intrinsics */
+    const int vnni512 = 1, vnni = 1;
+#else
+    const int vnni512 = f->avx512vnni && f->avx512vl && f->avx512f, vnni = f->avxvnni;
+#endif
     switch (l) {
     case CV_QL_SCALAR: return 1;
-    case CV_QL_AVX2: return avx2;
-    case CV_QL_AVX512VNNI:
-        return avx2 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-               cv_qdot_vnni(CV_Q8_0, 1) != NULL;
-    case CV_QL_AVXVNNI: return avx2 && __builtin_cpu_supports("avxvnni") && cv_qdot_vnni(CV_Q8_0, 0) != NULL;
+    case CV_QL_AVX2: return avx2 && cv_qtiles_avx2(CV_Q8_0, &k);
+    case CV_QL_AVX512VNNI: return avx2 && vnni512 && cv_qtiles_vnni(CV_Q8_0, 1, &k);
+    case CV_QL_AVXVNNI: return avx2 && vnni && cv_qtiles_vnni(CV_Q8_0, 0, &k);
     }
     return 0;
-#else
-    return l == CV_QL_SCALAR;
-#endif
 }
 
 cv_qlevel cv_qlevel_best(int simd) {
@@ -110,11 +129,12 @@ const char *cv_qlevel_name(cv_qlevel l) {
     return (unsigned)l < 4 ? names[l] : "unknown";
 }
 
-static cv_qdot_fn dot_for(cv_dtype t, cv_qlevel l) {
-    cv_qdot_fn f = NULL;
-    if (l == CV_QL_AVX512VNNI || l == CV_QL_AVXVNNI) f = cv_qdot_vnni(t, l == CV_QL_AVX512VNNI);
-    else if (l == CV_QL_AVX2) f = cv_qdot_avx2(t);
-    return f ? f : cv_qdot_scalar(t);
+/* The micro-kernels of dtype at level l (plain C where l has none). */
+static void tiles_for(cv_dtype t, cv_qlevel l, cv_qtiles *out) {
+    int ok = 0;
+    if (l == CV_QL_AVX512VNNI || l == CV_QL_AVXVNNI) ok = cv_qtiles_vnni(t, l == CV_QL_AVX512VNNI, out);
+    else if (l == CV_QL_AVX2) ok = cv_qtiles_avx2(t, out);
+    if (!ok) qtiles_scalar(t, out);
 }
 
 /* ---- preparation ------------------------------------------------------------ */
@@ -194,45 +214,52 @@ typedef struct qgemm_job {
     int64_t t0, nt, nb;
     const float *x;        /* for the quantization region */
     cv_xq_block *xq_w;
-    cv_qdot_fn dot;
-    cv_qdot4_fn dot4;      /* NULL: one token at a time */
+    cv_quantize_x_fn quantize;
+    cv_qtiles k;
 } qgemm_job;
 
 static void quantize_fn(void *arg, int tid, int nth) {
     qgemm_job *j = arg;
     const int64_t a = j->nt * tid / nth, z = j->nt * (tid + 1) / nth;
     const int64_t cols = j->w->cols;
-    for (int64_t t = a; t < z; t++) cv_quantize_x(j->xq_w + t * j->nb, j->x + (j->t0 + t) * cols, cols);
+    for (int64_t t = a; t < z; t++) j->quantize(j->xq_w + t * j->nb, j->x + (j->t0 + t) * cols, cols);
 }
 
+/* Stores a rows x tokens tile v[r * tokens + t] at output rows r0.. of tokens t0.. */
+static void store_tile(const qgemm_job *j, const float *v, int64_t r0, int rows, int64_t t0, int tokens) {
+    const int64_t n_out = j->w->rows;
+    for (int t = 0; t < tokens; t++) {
+        float *o = j->out + (j->t0 + t0 + t) * n_out + r0;
+        for (int r = 0; r < rows; r++) {
+            float y = v[r * tokens + t];
+            if (j->bias) y += j->bias[r0 + r];
+            o[r] = j->accumulate ? o[r] + y : y;
+        }
+    }
+}
+
+/* A thread's chunks of rows; in each, every token panel (activations in L1)
+ * meets every row tile (the chunk's weights stay in L1/L2 across panels). */
 static void rows_fn(void *arg, int tid, int nth) {
     qgemm_job *j = arg;
     const int64_t rows = j->w->rows, nb = j->nb;
     const size_t row_bytes = cv_dtype_bytes(j->w->dtype, (size_t)j->w->cols);
     const int64_t chunks = (rows + Q_ROW_CHUNK - 1) / Q_ROW_CHUNK;
     const int64_t c0 = chunks * tid / nth, c1 = chunks * (tid + 1) / nth;
+    float v[CV_QTILE_MAX_ROWS * CV_QTILE_MAX_TOKENS];
     for (int64_t ch = c0; ch < c1; ch++) {
         const int64_t r0 = ch * Q_ROW_CHUNK, r1 = r0 + Q_ROW_CHUNK < rows ? r0 + Q_ROW_CHUNK : rows;
-        int64_t t = 0;
-        for (; j->dot4 && t + 4 <= j->nt; t += 4) {
-            float *o = j->out + (j->t0 + t) * rows;
-            for (int64_t r = r0; r < r1; r++) {
-                float v[4];
-                j->dot4((const char *)j->w->data + (size_t)r * row_bytes, j->xq + t * nb, nb, nb, v);
-                for (int k = 0; k < 4; k++) {
-                    if (j->bias) v[k] += j->bias[r];
-                    o[k * rows + r] = j->accumulate ? o[k * rows + r] + v[k] : v[k];
-                }
+        for (int64_t t = 0; t < j->nt;) {
+            const int tokens = (int)(j->nt - t < j->k.max_tokens ? j->nt - t : j->k.max_tokens);
+            const int full = j->k.rows[tokens];
+            for (int64_t r = r0; r < r1;) {
+                const int nr = r1 - r >= full ? full : 1;
+                const cv_qtile_fn f = nr == full ? j->k.tile[tokens] : j->k.row[tokens];
+                f((const char *)j->w->data + (size_t)r * row_bytes, row_bytes, j->xq + t * nb, nb, nb, v);
+                store_tile(j, v, r, nr, t, tokens);
+                r += nr;
             }
-        }
-        for (; t < j->nt; t++) {
-            const cv_xq_block *xt = j->xq + t * nb;
-            float *o = j->out + (j->t0 + t) * rows;
-            for (int64_t r = r0; r < r1; r++) {
-                float v = j->dot((const char *)j->w->data + (size_t)r * row_bytes, xt, nb);
-                if (j->bias) v += j->bias[r];
-                o[r] = j->accumulate ? o[r] + v : v;
-            }
+            t += tokens;
         }
     }
 }
@@ -244,10 +271,9 @@ void cv_cpu_qgemm_level(cv_backend *b, float *out, const float *x, int64_t n, co
     const int64_t nb = w->cols / CV_QK;
     /* the scratch is sized at prepare time for the widest matrix */
     cv_xq_block *xq = c->qx;
-    qgemm_job j = {.out = out, .w = w, .bias = bias, .accumulate = accumulate, .nb = nb, .x = x,
-                   .dot = dot_for(w->dtype, level)};
-    /* the 4-token form where it exists for this level's dot (same bits as the dot) */
-    if (level == CV_QL_AVX2 && j.dot == cv_qdot_avx2(w->dtype)) j.dot4 = cv_qdot4_avx2(w->dtype);
+    qgemm_job j = {.out = out, .w = w, .bias = bias, .accumulate = accumulate, .nb = nb, .x = x};
+    tiles_for(w->dtype, level, &j.k);
+    j.quantize = level != CV_QL_SCALAR && cv_quantize_x_avx2() ? cv_quantize_x_avx2() : cv_quantize_x;
     for (int64_t t0 = 0; t0 < n; t0 += QX_TOKENS) {
         j.t0 = t0;
         j.nt = n - t0 < QX_TOKENS ? n - t0 : QX_TOKENS;

@@ -4,12 +4,15 @@
  * activations on the fly, per token and block of 32, to int8 with a float32
  * scale d and the block's sum s = d * sum(q) (for Q4_1's min term); each
  * output is then a sum over blocks of integer dot products times the two
- * scales. One dot function per (type, SIMD level) computes every (row, token)
- * pair, so a token's outputs do not depend on the batch it came in (decode
- * and batched steps give the same bits). */
+ * scales. A register-blocked micro-kernel (cv_qtile_fn, quant_tile.h) takes
+ * a tile of weight rows x tokens at a time; every (row, token) pair runs the
+ * same operations in the same order whatever tile or batch it is in, so a
+ * token's outputs do not depend on the batch it came in (decode and batched
+ * steps give the same bits). */
 #ifndef CV_CPU_QUANT_H
 #define CV_CPU_QUANT_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "../quant_format.h"
@@ -25,18 +28,37 @@ typedef struct cv_xq_block {
 /* Dot product of one weight row (nb blocks) with nb activation blocks. */
 typedef float (*cv_qdot_fn)(const void *w, const cv_xq_block *x, int64_t nb);
 
-/* The same dot for 4 tokens at once (x, x + x_stride, ... blocks apart):
- * out[t] is bit for bit dot(w, x + t * x_stride, nb) -- each token's sums run
- * in the same order -- but each weight block is loaded and unpacked once. */
-typedef void (*cv_qdot4_fn)(const void *w, const cv_xq_block *x, int64_t x_stride, int64_t nb, float *out);
+/* The largest tile: rows x tokens of a micro-kernel call. */
+#define CV_QTILE_MAX_ROWS 4
+#define CV_QTILE_MAX_TOKENS 4
 
-/* The dot for dtype at level (NULL when that level is not built). */
+/* One tile: out[r * T + t] = the dot of weight row r (at w + r * w_stride
+ * bytes) with token t (at x + t * x_stride blocks), for the kernel's R rows
+ * and T tokens; bit for bit the same as the pair in any other tile. */
+typedef void (*cv_qtile_fn)(const void *w, size_t w_stride, const cv_xq_block *x, int64_t x_stride, int64_t nb,
+                            float *out);
+
+/* A level's micro-kernels for one type: for T tokens (1..max_tokens),
+ * tile[T] takes rows[T] rows at once and row[T] one row (the rows left). */
+typedef struct cv_qtiles {
+    int max_tokens;
+    int rows[CV_QTILE_MAX_TOKENS + 1];
+    cv_qtile_fn tile[CV_QTILE_MAX_TOKENS + 1];
+    cv_qtile_fn row[CV_QTILE_MAX_TOKENS + 1];
+} cv_qtiles;
+
+/* The plain-C dot for dtype (NULL for a type that is not quantized). */
 cv_qdot_fn cv_qdot_scalar(cv_dtype t);
-cv_qdot_fn cv_qdot_avx2(cv_dtype t);
-cv_qdot4_fn cv_qdot4_avx2(cv_dtype t);
-cv_qdot_fn cv_qdot_vnni(cv_dtype t, int avx512); /* avx512: EVEX vpdpbusd, else AVX-VNNI */
+/* The micro-kernels for dtype at a SIMD level into *out: 1, or 0 when the
+ * level is not built or dtype is not quantized. */
+int cv_qtiles_avx2(cv_dtype t, cv_qtiles *out);
+int cv_qtiles_vnni(cv_dtype t, int avx512, cv_qtiles *out); /* avx512: EVEX vpdpbusd, else AVX-VNNI */
+
 /* Quantizes the n activations x (n a multiple of CV_QK) into n/32 blocks. */
 void cv_quantize_x(cv_xq_block *out, const float *x, int64_t n);
+typedef void (*cv_quantize_x_fn)(cv_xq_block *out, const float *x, int64_t n);
+/* The same bytes with AVX2 (NULL when not built). */
+cv_quantize_x_fn cv_quantize_x_avx2(void);
 
 /* gemm.c / backend_cpu.c hand quantized matrices and tables here. */
 int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dtype src_dtype, int64_t rows,

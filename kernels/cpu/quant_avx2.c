@@ -1,137 +1,74 @@
-/* AVX2 dot products of quantized weight rows with int8 activations
- * (quant.h): vpmaddubsw (u8 x s8 -> s16 pairs) then vpmaddwd (-> s32), with
- * the sign trick for signed weights (|w| x sign(x, w)). Per-function target
- * attributes: this file builds without -mavx2 and runs only where the CPU has
- * AVX2/FMA/F16C (cv_qlevel_supported). */
+/* The AVX2 quantized micro-kernels (quant.h, quant_tile.h): the block dot is
+ * vpmaddubsw (u8 x s8 -> s16 pairs) then vpmaddwd (-> s32), with the sign
+ * trick for signed weights (|w| x sign(x, w)); no pair saturates (|w| <= 128,
+ * |x| <= 127). Per-function target attributes: this file builds without
+ * -mavx2 and runs only where the CPU has AVX2/FMA/F16C (cv_qlevel_supported). */
 #include "quant.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
+#if CV_HAVE_AVX2
 
-#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+#define QT_TARGET "avx2,fma,f16c"
+#define QT_NAME(name) name##_avx2
+#define QT_DOT(a, b) _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1))
+#include "quant_tile.h"
 
-AVX2_TARGET static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+int cv_qtiles_avx2(cv_dtype t, cv_qtiles *out) {
+    const cv_qtiles *k = qtiles_for_avx2(t);
+    if (k) *out = *k;
+    return k != NULL;
 }
 
-/* 32 nibbles (element j low, j + 16 high) as bytes 0..15 in element order. */
-AVX2_TARGET static inline __m256i unpack_nibbles(const uint8_t *qs) {
-    const __m128i b = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(0x0f);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
-}
-
-/* sum of u8 a x s8 b in 8 int32 lanes, as floats */
-AVX2_TARGET static inline __m256 dot_us(__m256i a, __m256i b) {
-    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
-    return _mm256_cvtepi32_ps(p);
-}
-
-AVX2_TARGET static float dot_q8_0(const void *w, const cv_xq_block *x, int64_t nb) {
-    const cv_block_q8_0 *b = w;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; i++) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)b[i].qs);
-        const __m256i v = _mm256_loadu_si256((const __m256i *)x[i].q);
-        const __m256 d = _mm256_set1_ps(_cvtsh_ss(b[i].d) * x[i].d);
-        acc = _mm256_fmadd_ps(dot_us(_mm256_sign_epi8(q, q), _mm256_sign_epi8(v, q)), d, acc);
-    }
-    return hsum8(acc);
-}
-
-AVX2_TARGET static float dot_q4_0(const void *w, const cv_xq_block *x, int64_t nb) {
-    const cv_block_q4_0 *b = w;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; i++) {
-        const __m256i q = _mm256_sub_epi8(unpack_nibbles(b[i].qs), _mm256_set1_epi8(8));
-        const __m256i v = _mm256_loadu_si256((const __m256i *)x[i].q);
-        const __m256 d = _mm256_set1_ps(_cvtsh_ss(b[i].d) * x[i].d);
-        acc = _mm256_fmadd_ps(dot_us(_mm256_sign_epi8(q, q), _mm256_sign_epi8(v, q)), d, acc);
-    }
-    return hsum8(acc);
-}
-
-AVX2_TARGET static float dot_q4_1(const void *w, const cv_xq_block *x, int64_t nb) {
-    const cv_block_q4_1 *b = w;
-    __m256 acc = _mm256_setzero_ps();
-    float mins = 0.0f;
-    for (int64_t i = 0; i < nb; i++) {
-        const __m256i q = unpack_nibbles(b[i].qs);
-        const __m256i v = _mm256_loadu_si256((const __m256i *)x[i].q);
-        const __m256 d = _mm256_set1_ps(_cvtsh_ss(b[i].d) * x[i].d);
-        acc = _mm256_fmadd_ps(dot_us(q, v), d, acc);
-        mins += _cvtsh_ss(b[i].m) * x[i].s;
-    }
-    return hsum8(acc) + mins;
-}
-
-/* Four tokens per weight block: the per-token operations are exactly those of
- * the dots above (same order), so the results are the same bits. */
-AVX2_TARGET static void dot4_q8_0(const void *w, const cv_xq_block *x, int64_t xs, int64_t nb, float *out) {
-    const cv_block_q8_0 *b = w;
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t i = 0; i < nb; i++) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)b[i].qs), aq = _mm256_sign_epi8(q, q);
-        const float dw = _cvtsh_ss(b[i].d);
-        for (int t = 0; t < 4; t++) {
-            const cv_xq_block *xt = x + t * xs + i;
-            const __m256i v = _mm256_loadu_si256((const __m256i *)xt->q);
-            acc[t] = _mm256_fmadd_ps(dot_us(aq, _mm256_sign_epi8(v, q)), _mm256_set1_ps(dw * xt->d), acc[t]);
+/* cv_quantize_x, 32 activations at a time, the same bytes: the same float
+ * products v * (1/d), rounded half away from zero exactly (floor of |t|, plus
+ * one where the exact fraction is >= 0.5, the sign put back). */
+#ifdef CV_EMULATE_AVX512
+#define QX_TARGET
+#else
+#define QX_TARGET __attribute__((target(QT_TARGET)))
+#endif
+QX_TARGET static void quantize_x_avx2(cv_xq_block *out, const float *x, int64_t n) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+    for (int64_t i = 0; i < n / CV_QK; i++) {
+        const float *v = x + i * CV_QK;
+        __m256 a[4], m = _mm256_setzero_ps();
+        for (int k = 0; k < 4; k++) {
+            a[k] = _mm256_loadu_ps(v + 8 * k);
+            m = _mm256_max_ps(_mm256_andnot_ps(sign, a[k]), m); /* a NaN lane is skipped, as in C */
         }
-    }
-    for (int t = 0; t < 4; t++) out[t] = hsum8(acc[t]);
-}
-
-AVX2_TARGET static void dot4_q4_0(const void *w, const cv_xq_block *x, int64_t xs, int64_t nb, float *out) {
-    const cv_block_q4_0 *b = w;
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t i = 0; i < nb; i++) {
-        const __m256i q = _mm256_sub_epi8(unpack_nibbles(b[i].qs), _mm256_set1_epi8(8)), aq = _mm256_sign_epi8(q, q);
-        const float dw = _cvtsh_ss(b[i].d);
-        for (int t = 0; t < 4; t++) {
-            const cv_xq_block *xt = x + t * xs + i;
-            const __m256i v = _mm256_loadu_si256((const __m256i *)xt->q);
-            acc[t] = _mm256_fmadd_ps(dot_us(aq, _mm256_sign_epi8(v, q)), _mm256_set1_ps(dw * xt->d), acc[t]);
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float amax = _mm_cvtss_f32(h), d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        __m256i q[4], sum = _mm256_setzero_si256();
+        for (int k = 0; k < 4; k++) {
+            const __m256 t = _mm256_mul_ps(a[k], _mm256_set1_ps(id)), u = _mm256_andnot_ps(sign, t);
+            const __m256 f = _mm256_floor_ps(u);
+            const __m256 r = _mm256_add_ps(f, _mm256_and_ps(_mm256_cmp_ps(_mm256_sub_ps(u, f), half, _CMP_GE_OQ), one));
+            q[k] = _mm256_cvtps_epi32(_mm256_or_ps(r, _mm256_and_ps(t, sign)));
+            sum = _mm256_add_epi32(sum, q[k]);
         }
+        const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)out[i].q, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+        out[i].d = d;
+        out[i].s = d * (float)_mm_cvtsi128_si32(s);
     }
-    for (int t = 0; t < 4; t++) out[t] = hsum8(acc[t]);
 }
 
-AVX2_TARGET static void dot4_q4_1(const void *w, const cv_xq_block *x, int64_t xs, int64_t nb, float *out) {
-    const cv_block_q4_1 *b = w;
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    float mins[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int64_t i = 0; i < nb; i++) {
-        const __m256i q = unpack_nibbles(b[i].qs);
-        const float dw = _cvtsh_ss(b[i].d), mw = _cvtsh_ss(b[i].m);
-        for (int t = 0; t < 4; t++) {
-            const cv_xq_block *xt = x + t * xs + i;
-            const __m256i v = _mm256_loadu_si256((const __m256i *)xt->q);
-            acc[t] = _mm256_fmadd_ps(dot_us(q, v), _mm256_set1_ps(dw * xt->d), acc[t]);
-            mins[t] += mw * xt->s;
-        }
-    }
-    for (int t = 0; t < 4; t++) out[t] = hsum8(acc[t]) + mins[t];
-}
-
-cv_qdot_fn cv_qdot_avx2(cv_dtype t) {
-    return t == CV_Q8_0 ? dot_q8_0 : t == CV_Q4_0 ? dot_q4_0 : t == CV_Q4_1 ? dot_q4_1 : NULL;
-}
-
-cv_qdot4_fn cv_qdot4_avx2(cv_dtype t) {
-    return t == CV_Q8_0 ? dot4_q8_0 : t == CV_Q4_0 ? dot4_q4_0 : t == CV_Q4_1 ? dot4_q4_1 : NULL;
+cv_quantize_x_fn cv_quantize_x_avx2(void) {
+    return quantize_x_avx2;
 }
 
 #else
-cv_qdot_fn cv_qdot_avx2(cv_dtype t) {
+int cv_qtiles_avx2(cv_dtype t, cv_qtiles *out) {
     (void)t;
-    return NULL;
+    (void)out;
+    return 0;
 }
 
-cv_qdot4_fn cv_qdot4_avx2(cv_dtype t) {
-    (void)t;
+cv_quantize_x_fn cv_quantize_x_avx2(void) {
     return NULL;
 }
 #endif

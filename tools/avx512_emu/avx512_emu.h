@@ -14,7 +14,7 @@
 #include <simde/x86/f16c.h>
 #include <string.h>
 
-#include "../../csrc/common.h" /* cv_f16_to_f32, cv_f32_to_f16 */
+#include "../../kernels/common.h" /* cv_f16_to_f32, cv_f32_to_f16 */
 
 #define EMU_FN static inline
 

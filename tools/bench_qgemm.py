@@ -1,0 +1,72 @@
+#!/usr/bin/env python
+"""Quantized GEMM microbench: GOP/s of the quantized kernels against bf16 weights on the
+SmolLM-135M shapes, for several token counts, timed interleaved in one process (so the ratio
+to bf16 holds up on a loaded machine better than either figure).
+
+The quantized figure is one `_core.kernel_qgemm` call: it also copies the weights into a
+prepared matrix and quantizes the activations, so at 1 token (where the GEMM itself only
+streams the weights once) it understates the kernel; from 4 tokens on the copy is small.
+bf16 is `kernel_matrix` once, then `kernel_matmul_time`.
+
+To compare two builds, run it once with each on PYTHONPATH, back to back, e.g.
+    PYTHONPATH=/tmp/cv_old python tools/bench_qgemm.py --types q4_1
+    PYTHONPATH=python      python tools/bench_qgemm.py --types q4_1
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+SHAPES = {"qkv 960x576": (960, 576), "gate_up 3072x576": (3072, 576), "down 576x1536": (576, 1536)}
+
+
+def best_of(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> int:
+    from conveyor import _core
+    from conveyor.gguf import quantize
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--types", default="q8_0,q4_0,q4_1")
+    ap.add_argument("--tokens", default="1,4,16,64,256")
+    ap.add_argument("--level", default="best", help="quantized level (scalar, avx2, avx512vnni, avxvnni, best)")
+    ap.add_argument("--threads", type=int, default=0, help="0: all cores")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the best of each is kept")
+    args = ap.parse_args()
+    qtypes = [t for t in args.types.split(",") if t]
+    tokens = [int(t) for t in args.tokens.split(",") if t]
+    rng = np.random.default_rng(0)
+    print(f"level {args.level} (best here: {_core.kernel_qlevels()['best']}), threads {args.threads or 'all'}")
+    print(f"{'shape':18} {'n':>4} {'bf16 GF/s':>10} " + " ".join(f"{q + ' GOP/s':>11} {'/bf16':>6}" for q in qtypes))
+    for name, (rows, cols) in SHAPES.items():
+        w = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+        m16 = _core.kernel_matrix(w, "bfloat16", "simd", args.threads)
+        wq = {q: quantize(w, q).reshape(rows, -1) for q in qtypes}
+        for n in tokens:
+            x = rng.standard_normal((n, cols)).astype(np.float32)
+            ops = 2.0 * n * rows * cols
+            reps = max(1, int(2e8 / ops))
+            fns = [lambda: _core.kernel_matmul_time(m16, x, reps)]
+            fns += [lambda q=q: best_of(lambda: _core.kernel_qgemm(x, wq[q], q, level=args.level,
+                                                                threads=args.threads), reps) for q in qtypes]
+            best = [float("inf")] * len(fns)
+            for _ in range(args.rounds):
+                for i, f in enumerate(fns):
+                    best[i] = min(best[i], f())
+            rates = [ops / t * 1e-9 for t in best]
+            cells = " ".join(f"{r:11.1f} {r / rates[0]:6.2f}" for r in rates[1:])
+            print(f"{name:18} {n:4d} {rates[0]:10.1f} {cells}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
