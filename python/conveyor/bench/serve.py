@@ -106,11 +106,9 @@ def summarize(values) -> dict:
 
 def _child(mode: str, job: dict):
     """Starts `python -m conveyor.bench.serve_load MODE` with the job on stdin."""
-    import conveyor
+    from ..testing import subprocess_env
 
-    env = dict(os.environ)
-    pkg_root = str(Path(conveyor.__file__).parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env = subprocess_env()
     proc = subprocess.Popen([sys.executable, "-m", "conveyor.bench.serve_load", mode], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, env=env, text=True)
     proc.stdin.write(json.dumps(job))

@@ -255,9 +255,9 @@ def run_in_subprocess(spec: Dict[str, Any], workdir: str) -> Dict[str, Any]:
     path = os.path.join(workdir, f"spec-{spec['system']}-{spec['cap']}.json")
     with open(path, "w") as f:
         json.dump(spec, f)
-    env = dict(os.environ)
-    pkg_root = str(Path(__file__).resolve().parents[2])  # the folder holding conveyor/
-    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    from ..testing import subprocess_env
+
+    env = subprocess_env()  # the conveyor this process imported (symlinked build folders too)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env[var] = str(spec["threads"])
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
