@@ -261,6 +261,7 @@ def test_bench_study_on_a_gguf_file(tmp_path):
     """A quantized GGUF: HF transformers runs its dequantized weights, Conveyor the quantized
     ones; same requests, same counts, one KV budget in the same dtype."""
     pytest.importorskip("gguf")
+    pytest.importorskip("accelerate", reason="transformers loads a GGUF model only with accelerate")
     from conveyor.testing import write_gguf_checkpoint
 
     model = write_gguf_checkpoint(tmp_path / "m" / "tiny.gguf", shape="tiny", ggml_type="Q8_0")
