@@ -21,9 +21,6 @@ typedef struct {
     PyObject *path;  /* exact str, as given (after os.fspath) */
 } CheckpointObject;
 
-static const char *const layer_fields[] = {"attn_norm", "wq", "wk", "wv", "wo", "bq",
-                                           "bk", "bv", "ffn_norm", "w_gate", "w_up", "w_down"};
-
 static int check_open(CheckpointObject *self) {
     if (self->is_open) return 0;
     cv_err e;
@@ -185,8 +182,9 @@ static PyObject *Checkpoint_tensors(CheckpointObject *self, PyObject *Py_UNUSED(
     if (add_entry(self, d, "embed") < 0 || add_entry(self, d, "final_norm") < 0 || add_entry(self, d, "lm_head") < 0)
         goto fail;
     for (int64_t i = 0; i < self->ck.cfg.n_layers; i++) {
-        for (size_t k = 0; k < sizeof layer_fields / sizeof layer_fields[0]; k++) {
-            snprintf(name, sizeof name, "layers.%lld.%s", (long long)i, layer_fields[k]);
+        for (int k = 0; k < CV_LAYER_TENSORS; k++) {
+            const char *field = cv_layer_slot_at(&self->ck.cfg, &self->ck.layers[i], k).name;
+            snprintf(name, sizeof name, "layers.%lld.%s", (long long)i, field);
             if (add_entry(self, d, name) < 0) goto fail;
         }
     }
