@@ -153,6 +153,26 @@ def test_deadline_through_async_generate():
     assert st["requests_timed_out"] == 1 and st["blocks_used"] == 0
 
 
+def test_deadline_through_llm_generate():
+    # One seat: the blocker runs, the second request waits; both deadlines pass.
+    with LLM(str(STORIES), num_threads=1, max_num_seqs=1) as llm:
+        blocker, queued = llm.generate(["Once upon a time", "The dog"], [BLOCKER, GREEDY], timeout=0.3,
+                                       use_tqdm=False)
+        assert blocker.finished and queued.finished
+        reasons = [o.finish_reason for o in blocker.outputs]
+        assert "timeout" in reasons and len(blocker.outputs[0].token_ids) > 0  # keeps what it generated
+        assert queued.outputs[0].finish_reason == "timeout" and queued.outputs[0].token_ids == []
+        st = llm._core.stats()
+        assert st["requests_timed_out"] == 2 and st["blocks_used"] == 0
+        # no deadline: runs to its length; a bad deadline is refused before anything is queued
+        (ok,) = llm.generate(["A bird"], GREEDY, use_tqdm=False)
+        assert ok.outputs[0].finish_reason == "length" and len(ok.outputs[0].token_ids) == 60
+        for bad, exc in ((0, ValueError), ("1", TypeError)):
+            with pytest.raises(exc, match="timeout"):
+                llm.generate(["A bird"], GREEDY, use_tqdm=False, timeout=bad)
+        assert llm._core.stats()["num_queued"] == 0
+
+
 def test_timeout_argument_is_checked():
     async def go():
         with AsyncLLM(str(STORIES), num_threads=1) as engine:

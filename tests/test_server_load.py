@@ -187,5 +187,32 @@ def test_bench_serve_compares_http_with_inprocess(tmp_path, capsys):
     steps = inproc["steps"]
     assert steps["decode_only"]["n"] + steps["with_prompts"]["n"] > 0
     assert steps["max_prompt_tokens_while_decoding"] <= 16
+    mixed = steps["mixed"]  # against decode-only steps at the same batch size
+    if mixed is not None:
+        assert 0.0 <= mixed["prompt_share"] < 1.0 and mixed["tpot_p99_ratio"] > 0 and mixed["streams"] > 0
+    assert run["server_rss"]["start_mib"] > 10 and run["server_rss"]["max_mib"] >= run["server_rss"]["end_mib"]
     text = capsys.readouterr().out
-    assert "in-process" in text and "HTTP overhead" in text
+    assert "in-process" in text and "HTTP overhead" in text and "server memory (RSS)" in text
+
+
+def test_bench_serve_overload_reports_refusals_and_takes_a_given_saturation(tmp_path, capsys):
+    import json
+
+    from conveyor.bench.serve import main
+
+    out = tmp_path / "bench.json"
+    rc = main(["--model", str(MODEL), "--server-args", "--num-threads 1 --max-queued-requests 2",
+               "--num-prompts", "30", "--prompt-len", "48", "--output-mean", "12", "--rates", "inf,2x",
+               "--saturation", "40", "--duration", "0.5", "--no-inprocess", "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    burst, paced = doc["runs"]
+    assert doc["config"]["saturation_req_s"] == 40 and paced["saturation_multiple"] == 2
+    assert burst["completed"] + burst["rejected"] == 30  # --num-prompts for the burst
+    assert paced["completed"] + paced["rejected"] == 40  # 80 req/s for 0.5 s
+    assert burst["rejected"] > 0 and burst["failed"] == 0
+    assert burst["refusal_s"]["n"] == burst["rejected"] and 0 < burst["refusal_s"]["p99"] < 5.0
+    assert "503 answered after (http)" in capsys.readouterr().out
+    for bad in (["--saturation", "0"], ["--duration", "nan"]):
+        with pytest.raises(SystemExit):
+            main(["--model", str(MODEL), *bad])

@@ -8,7 +8,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from .engine import EngineArgs, EngineCore, EngineFrontend, check_priority
+from .engine import EngineArgs, EngineCore, EngineFrontend, check_priority, check_timeout
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -59,7 +59,11 @@ class LLM(EngineFrontend):
         self._finalizer = weakref.finalize(self, EngineCore.close, self._core)
 
     def generate(self, prompts, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 *, use_tqdm: bool = True, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
+                 *, use_tqdm: bool = True, priority: Optional[Sequence[int]] = None,
+                 timeout: Optional[float] = None) -> list[RequestOutput]:
+        """timeout: seconds from the call for each request; a request still running then
+        ends with finish_reason "timeout", keeping what it generated, and its KV blocks
+        return to the pool (the others go on)."""
         core = self._core
         if core.closed:
             from . import EngineClosedError
@@ -85,6 +89,7 @@ class LLM(EngineFrontend):
                 raise ValueError(f"got {len(priority)} priorities for {len(items)} prompts")
             for p in priority:
                 check_priority(p)
+        check_timeout(timeout)
         # Everything is validated before anything is queued.
         encoded = [core.tokenize_prompt(p) for p in items]
         for (_, ids), p in zip(encoded, params):
@@ -94,7 +99,8 @@ class LLM(EngineFrontend):
         try:
             for i, ((text, ids), p) in enumerate(zip(encoded, params)):
                 reqs.append(core.add_request(None, text, ids, p,
-                                             priority=priority[i] if priority is not None else 0))
+                                             priority=priority[i] if priority is not None else 0,
+                                             timeout=timeout))
         except BaseException:
             core.abort_requests(reqs)
             raise
@@ -123,7 +129,7 @@ class LLM(EngineFrontend):
 
     def chat(self, messages, sampling_params: Optional[SamplingParams] = None, *,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: Optional[str] = None) -> list[RequestOutput]:
+             chat_template: Optional[str] = None, timeout: Optional[float] = None) -> list[RequestOutput]:
         """Applies a chat template to one conversation (a list of {"role", "content"}
         dicts) or a list of conversations, then generates. The template is
         ``chat_template`` (a Jinja template string) if given, else the tokenizer's. A
@@ -147,7 +153,7 @@ class LLM(EngineFrontend):
                           "chat_template=... or use generate() for a base model", UserWarning, stacklevel=2)
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [chat_prompt(tok, conv, add_generation_prompt) for conv in convs]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, timeout=timeout)
 
 
 def chat_prompt(tok, conv, add_generation_prompt: bool = True) -> dict:

@@ -144,7 +144,48 @@ def summarize_records(recs: list, wall: float, rate: float) -> dict:
         "itl_s": summarize(x for r in ok for x in r["itl"]),
         "e2e_s": summarize(r["e2e"] for r in ok),
         "e2e_samples": sorted(r["e2e"] for r in ok),
+        # how long a refused request waited for its 503
+        "refusal_s": summarize(r["answered"] for r in recs if r.get("status") == 503 and r.get("answered") is not None),
     }
+
+
+class RssSampler:
+    """Samples a process's resident memory every `every` seconds on a thread while a run
+    lasts, to show whether memory stays flat under load."""
+
+    def __init__(self, pid: int, every: float = 0.25):
+        import threading
+
+        from .serve_load import rss_bytes
+
+        self._read = lambda: rss_bytes(pid)
+        self.samples: list = []
+        self._stop = threading.Event()
+        self._every = every
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while True:
+            v = self._read()
+            if v is not None:
+                self.samples.append(v)
+            if self._stop.wait(self._every):
+                return
+
+    def stop(self) -> Optional[dict]:
+        """Stops sampling; start, max and end in MiB, and the growth from the first to
+        the last quarter of the run (mean of each)."""
+        self._stop.set()
+        self._thread.join()
+        s = self.samples
+        if len(s) < 4:
+            return None
+        q = max(1, len(s) // 4)
+        mib = 1 << 20
+        return {"start_mib": s[0] / mib, "max_mib": max(s) / mib, "end_mib": s[-1] / mib,
+                "first_quarter_mib": sum(s[:q]) / q / mib, "last_quarter_mib": sum(s[-q:]) / q / mib,
+                "samples": len(s)}
 
 
 def cpu_per_token(cpu: Optional[dict], tokens: int) -> Optional[dict]:
@@ -165,6 +206,7 @@ def run_load(base_url: str, model: str, reqs: list[dict], rate: float, seed: int
     # the children start in well under a second; they all aim at the same t0
     t0 = time.perf_counter() + 1.0 + 0.25 * k
     before = cpu_seconds(server_pid) if server_pid else None
+    rss = RssSampler(server_pid) if server_pid else None
     procs = [_child("http", {"url": base_url, "model": model, "api_key": api_key, "t0": t0,
                              "requests": reqs[i::k], "delays": delays[i::k]}) for i in range(k)]
     recs = []
@@ -174,6 +216,7 @@ def run_load(base_url: str, model: str, reqs: list[dict], rate: float, seed: int
     wall = max(wall, 1e-9)
     cpu = cpu_delta(before, cpu_seconds(server_pid)) if server_pid else None
     res = summarize_records(recs, wall, rate)
+    res["server_rss"] = rss.stop() if rss else None
     res["cpu_s"] = cpu
     res["cpu_us_per_token"] = cpu_per_token(cpu, res["output_tokens"])
     res["client_procs"] = k
@@ -325,6 +368,22 @@ def format_table(runs: list[dict]) -> str:
                          f"with prompt tokens p50 {_ms(st['with_prompts']['p50']).strip()} "
                          f"p99 {_ms(st['with_prompts']['p99']).strip()} ms ({st['with_prompts']['n']}); "
                          f"most prompt tokens in a decoding step {st['max_prompt_tokens_while_decoding']}")
+        mx = st.get("mixed") if st else None
+        if mx:
+            lines.append(f"  prompts vs decode-only steps at the same batch size (t(B) = {mx['fit_ms'][0]:.2f} + "
+                         f"{mx['fit_ms'][1]:.3f}*B ms): stream TPOT p99 {_ms(mx['tpot_steps_p99']).strip()} vs "
+                         f"{_ms(mx['tpot_decode_only_same_batch_p99']).strip()} ms = {mx['tpot_p99_ratio']:.2f}x "
+                         f"(mean {mx['tpot_mean_ratio']:.2f}x); prompt share of decoding steps "
+                         f"{mx['prompt_share']:.2f} -> {mx['mean_ratio_if_spread']:.2f}x if spread evenly")
+        for name, r in paths:
+            if r["rejected"] and r["refusal_s"]["n"]:
+                f = r["refusal_s"]
+                lines.append(f"  503 answered after ({name}): p50 {_ms(f['p50']).strip()} p99 {_ms(f['p99']).strip()} ms")
+        m = run.get("server_rss")
+        if m:
+            lines.append(f"  server memory (RSS): start {m['start_mib']:.0f} MiB, max {m['max_mib']:.0f}, end "
+                         f"{m['end_mib']:.0f}; first quarter {m['first_quarter_mib']:.0f}, last quarter "
+                         f"{m['last_quarter_mib']:.0f}")
         if run.get("http_overhead_us_per_token") is not None:
             lines.append(f"  HTTP overhead: {_us(run['http_overhead_us_per_token'])} us of CPU per streamed "
                          f"output token (server frontend - AsyncLLM frontend)")
@@ -403,6 +462,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rates", type=_parse_rates, default="auto",
                     help="'auto', or comma-separated requests/s ('inf' = all at once) and multiples of the "
                          "measured saturation ('0.9x', '4x')")
+    ap.add_argument("--saturation", type=float, default=None,
+                    help="requests/s the multiples ('4x') refer to, instead of measuring it with a burst first")
+    ap.add_argument("--duration", type=float, default=None,
+                    help="for runs at a finite rate: send rate x this many seconds of requests "
+                         "(instead of --num-prompts)")
     ap.add_argument("--client-procs", type=int, default=1, help="load-generator processes")
     ap.add_argument("--no-inprocess", action="store_true",
                     help="skip the AsyncLLM in-process comparison (with --model)")
@@ -412,6 +476,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.num_prompts < 1 or args.prompt_len < 1 or args.output_mean <= 0 or args.client_procs < 1:
         ap.error("--num-prompts, --prompt-len, --output-mean and --client-procs must be positive")
+    for name in ("saturation", "duration"):
+        v = getattr(args, name)
+        if v is not None and not (v > 0 and math.isfinite(v)):
+            ap.error(f"--{name} must be a positive number of {'requests/s' if name == 'saturation' else 'seconds'}")
     try:
         import httpx
     except ImportError:
@@ -442,7 +510,10 @@ def main(argv=None) -> int:
         knobs = engine_knobs(args.model, server_args) if inprocess else None
 
         def one_run(rate):
-            reqs = make_workload(args.num_prompts, args.prompt_len, args.output_mean, vocab_lo, vocab,
+            n = args.num_prompts
+            if args.duration is not None and math.isfinite(rate):
+                n = max(1, math.ceil(rate * args.duration))
+            reqs = make_workload(n, args.prompt_len, args.output_mean, vocab_lo, vocab,
                                  max_model_len, args.seed, run=len(runs))
             label = "inf" if math.isinf(rate) else f"{rate:.2f}"
             print(f"conveyor bench serve: {len(reqs)} requests at rate {label} req/s ...", file=sys.stderr,
@@ -458,8 +529,8 @@ def main(argv=None) -> int:
             return res
 
         rates = [("x", 0.25), ("x", 0.9)] if args.rates == "auto" else args.rates
-        saturation = None
-        if any(isinstance(r, tuple) for r in rates):
+        saturation = args.saturation
+        if saturation is None and any(isinstance(r, tuple) for r in rates):
             burst = one_run(math.inf)  # the saturation the multiples refer to
             runs.append(burst)
             saturation = burst["request_throughput"]
@@ -480,6 +551,7 @@ def main(argv=None) -> int:
         "workload": "L", "num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
         "prompt_len_range": [max(1, args.prompt_len // 2), (3 * args.prompt_len) // 2],
         "output_mean": args.output_mean, "output_cap": 12 * args.output_mean, "seed": args.seed,
+        "duration_s": args.duration, "saturation_given": args.saturation is not None,
         "rates": "auto" if args.rates == "auto" else [f"{r[1]:g}x" if isinstance(r, tuple) else r
                                                         for r in args.rates],
         "saturation_req_s": saturation, "client_procs": args.client_procs,

@@ -60,6 +60,18 @@ def cpu_delta(before: dict, after: dict) -> dict:
     return {k: after[k] - before[k] for k in before}
 
 
+def rss_bytes(pid: int) -> Optional[int]:
+    """Resident memory of process pid (VmRSS), or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 # ---------------------------------------------------------------------------- records
 
 
@@ -225,6 +237,7 @@ async def inprocess_one(engine, req: dict, delay: float, t0: float) -> dict:
 
         if isinstance(e, EngineOverloadedError):
             rec["status"] = 503  # refused, as the server would answer
+            rec["answered"] = time.perf_counter() - start
         rec["error"] = f"{type(e).__name__}: {e}"
         return rec
     return close_record(rec, start, first, last)
@@ -253,8 +266,9 @@ async def inprocess_run(job: dict) -> dict:
 
 def step_times(trace) -> dict:
     """From the engine's step trace (step, t0, t1, request, seq, new tokens, of them prompt
-    tokens): the times of decode-only steps and of steps with prompt work, and the most
-    prompt tokens in a step that also decoded."""
+    tokens): the times of decode-only steps and of steps with prompt work, the most prompt
+    tokens in a step that also decoded, and what prompts cost the running streams
+    (mixed_step_cost)."""
     import numpy as np
 
     steps: dict = {}
@@ -269,7 +283,52 @@ def step_times(trace) -> dict:
         out[name] = {"n": int(d.size), **({"p50": float(np.percentile(d, 50)), "p99": float(np.percentile(d, 99))}
                                           if d.size else {"p50": None, "p99": None})}
     out["max_prompt_tokens_while_decoding"] = max((s[1] for s in steps.values() if s[2] > 0), default=0)
+    out["mixed"] = mixed_step_cost(trace, steps)
     return out
+
+
+def mixed_step_cost(trace, steps: dict) -> Optional[dict]:
+    """What prompt work costs the streams that decode alongside it, measured against
+    decode-only steps *at the same batch size*: a straight line t(B) = a + b*B fitted
+    to the decode-only steps (B = sequences decoding) says what each decoding step would
+    have taken without its prompt tokens. Per stream, the engine-side TPOT is the mean
+    time of the steps it decoded in, and its decode-only counterpart the mean of t(B)
+    over the same steps; their p99s and ratio are what the stall-free target compares.
+    prompt_share is the part of the decoding steps' time spent on prompt tokens: spread
+    evenly, the streams' mean TPOT ratio is 1 / (1 - prompt_share), whatever the cap."""
+    import numpy as np
+
+    dec = [(s[2], s[0]) for s in steps.values() if s[1] == 0 and s[2] > 0]
+    if len({b for b, _ in dec}) < 2:
+        return None  # cannot fit a line
+    b_arr = np.asarray([b for b, _ in dec], dtype=np.float64)
+    t_arr = np.asarray([t for _, t in dec], dtype=np.float64)
+    slope, intercept = np.polyfit(b_arr, t_arr, 1)
+
+    def alone(b: int) -> float:
+        return max(intercept + slope * b, 1e-9)
+
+    per_stream: dict = {}
+    for step, _t0, _t1, rid, idx, _n_new, n_prompt_work in trace:
+        if n_prompt_work == 0:
+            per_stream.setdefault((rid, idx), []).append(step)
+    actual, counter = [], []
+    for st in per_stream.values():
+        if len(st) < 2:
+            continue
+        actual.append(float(np.mean([steps[s][0] for s in st])))
+        counter.append(float(np.mean([alone(steps[s][2]) for s in st])))
+    decoding = [s for s in steps.values() if s[2] > 0]
+    busy = sum(s[0] for s in decoding)
+    prompt_time = sum(max(0.0, s[0] - alone(s[2])) for s in decoding if s[1] > 0)
+    if not actual or busy <= 0:
+        return None
+    a99, c99 = float(np.percentile(actual, 99)), float(np.percentile(counter, 99))
+    share = prompt_time / busy
+    return {"fit_ms": [float(intercept) * 1e3, float(slope) * 1e3], "streams": len(actual),
+            "tpot_steps_p99": a99, "tpot_decode_only_same_batch_p99": c99, "tpot_p99_ratio": a99 / c99,
+            "tpot_mean_ratio": float(np.mean(actual)) / float(np.mean(counter)),
+            "prompt_share": share, "mean_ratio_if_spread": 1.0 / max(1e-9, 1.0 - share)}
 
 
 def main(argv=None) -> int:
