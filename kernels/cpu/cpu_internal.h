@@ -119,9 +119,10 @@ int cv_cpu_check_prepare(const char *what, const char *noun, const void *src, cv
                          int64_t rows, int64_t cols, cv_dtype dtype, cv_err *err);
 
 /* The rows a GEMM multiplies, made on the fly by a prologue where the
- * fused kernels need them (rmsnorm_gemm, swiglu_gemm), so that they never go
- * through a buffer shared by the threads: each thread makes the rows of the
- * token block it works on, in its own L2-resident buffer. */
+ * fused kernels need them (rmsnorm_gemm, swiglu_gemm): each thread makes the
+ * rows of the token block it works on, in its own L2-resident buffer, so they
+ * never go through memory; with panels outermost (every thread reads all of
+ * x) the region first makes them once into the caller's scratch. */
 typedef enum cv_gemm_in_kind {
     CV_IN_X = 0,       /* src [n][cols] as it is */
     CV_IN_RMSNORM = 1, /* rmsnorm(src [n][cols]) * gain */

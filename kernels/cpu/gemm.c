@@ -14,6 +14,7 @@
  * descheduled (2 cores shared with other processes) costs only its share of
  * speed-up, never a wait. With one token tile (decode) the whole panel is
  * streamed once, unblocked: every weight byte is read once. */
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -356,6 +357,9 @@ typedef struct gemm_job {
     int64_t kcols;       /* columns of a panel (cols, or cols_pad for pairs) */
     int simd;
     const cv_cpu *cpu;   /* its per-thread rows buffers (prologue) */
+    float *shared;       /* [n][cols]: the prologue's rows made once for all threads, or NULL */
+    cv_rows shared_rows; /* rows of `shared` still to make */
+    _Alignas(64) atomic_llong shared_done; /* rows of `shared` made */
     _Alignas(64) atomic_llong next; /* next work item to claim */
 } gemm_job;
 
@@ -422,6 +426,19 @@ static void panel_pass(const gemm_job *j, int64_t p, int64_t m0, int64_t mlen, i
     }
 }
 
+/* The prologue's rows made once into j->shared by the threads of the region
+ * (claimed in chunks) before any panel starts. A thread waits only for chunks
+ * that threads already running hold, so a late or absent worker never stalls
+ * it. */
+static void make_shared_rows(gemm_job *j) {
+    const int64_t cols = j->w->cols;
+    for (int64_t t0, t1; cv_rows_claim(&j->shared_rows, &t0, &t1);) {
+        cv_cpu_gemm_in_rows(&j->in, j->shared + (size_t)(t0 * cols), t0, t1 - t0, cols, j->simd);
+        atomic_fetch_add_explicit(&j->shared_done, t1 - t0, memory_order_release);
+    }
+    while (atomic_load_explicit(&j->shared_done, memory_order_acquire) < j->n) sched_yield();
+}
+
 /* Threads claim work items from a shared counter, so a thread that starts
  * late (asleep, or descheduled on a busy machine) only does less of the work
  * instead of holding the others up. An item is a chunk of pc panels over one
@@ -437,8 +454,11 @@ static void gemm_fn(void *arg, int tid, int nth) {
     const int64_t n = j->n, mc = j->mc, pc = j->pc;
     const int64_t cols = j->w->cols;
     float *xp = j->xpack ? j->xpack + (size_t)tid * j->xpack_floats : NULL;
-    /* rows made by the prologue (the driver checked that a block fits) */
-    float *xr = j->in.kind != CV_IN_X ? cv_cpu_gemm_rows_buf(j->cpu, tid, (size_t)(j->mc * cols)) : NULL;
+    /* rows made by the prologue: once for all, or per thread and block (the
+     * driver checked that a block fits) */
+    if (j->shared) make_shared_rows(j);
+    float *xr = j->in.kind != CV_IN_X && !j->shared ? cv_cpu_gemm_rows_buf(j->cpu, tid, (size_t)(j->mc * cols))
+                                                    : NULL;
     int64_t ready_block = -1;
     for (;;) {
         const int64_t it = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
@@ -555,14 +575,17 @@ void cv_cpu_gemm_in(cv_backend *b, float *out, const cv_gemm_in *in, int64_t n, 
     j.n_pchunks = (np + pc - 1) / pc;
     j.n_items = j.panels_outer ? j.n_pchunks : j.n_tblocks * j.n_pchunks;
     /* Panels outermost, every thread reads all of x (from L3): rows made per
-     * thread would be made once per panel chunk, so they are made once, by
-     * the unfused kernel into scratch (also when a block does not fit the
-     * rows buffers: a matrix prepared by another backend). */
-    if (j.in.kind != CV_IN_X &&
-        (j.panels_outer || !cv_cpu_gemm_rows_buf(c, 0, (size_t)(j.mc * cols)))) {
-        cv_cpu_gemm_in_all(b, scratch, in, n, cols);
-        j.in = (cv_gemm_in){.kind = CV_IN_X, .src = scratch};
+     * thread would be made once per panel chunk, so the region first makes
+     * them once into scratch (also when a block does not fit the rows
+     * buffers: a matrix prepared by another backend). */
+    if (j.in.kind != CV_IN_X && (j.panels_outer || !cv_cpu_gemm_rows_buf(c, 0, (size_t)(j.mc * cols)))) {
+        j.shared = scratch;
         j.x = scratch;
+        const int64_t chunk = n / (4 * (int64_t)nth);
+        j.shared_rows.n = n;
+        j.shared_rows.chunk = chunk > 0 ? chunk : 1;
+        atomic_init(&j.shared_rows.next, 0);
+        atomic_init(&j.shared_done, 0);
     }
     atomic_init(&j.next, 0);
     /* Wake sleeping workers even for short calls: one that arrives too late
