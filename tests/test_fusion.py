@@ -93,7 +93,10 @@ def check_gemms(impls, shapes, ns, wdtypes, threads=(1, 2), seed=0):
                         for got, act in ((fused, rmsnorm_ref(x, g, eps)), (fused_h, swiglu_ref(gu))):
                             ref = act @ wr.T + bias + acc
                             scale = np.abs(act) @ np.abs(wr).T + np.abs(bias) + np.abs(acc)
-                            tol = (2e-2 if impl != "plain" and "bf16" in impl else 2e-5) * scale + 1e-5
+                            # the AVX512_BF16 kernels round the activations to bf16 too
+                            level = INFO["simd"] if impl == "simd" else impl
+                            pairs = wdt == "bfloat16" and level == "avx512_bf16"
+                            tol = (1e-2 if pairs else 2e-5) * scale + 1e-5
                             assert (np.abs(got - ref) <= tol).all(), what
 
 
