@@ -119,6 +119,25 @@ struct cv_backend {
     void (*paged_attention)(cv_backend *b, float *out, const float *q, int64_t q_stride,
                             const cv_kv_layer *cache, const cv_attn_batch *batch);
 
+    /* --- fused kernels: one pass where the unfused sequence in each comment
+     * takes two, with the same results bit for bit. NULL where a backend has
+     * none: the caller then runs that sequence. ---------------------------- */
+    /* rope(q, k) then kv_write(k, v): rotates q and k in place and writes the
+     * rotated k and v of each token into the cache (k must not be NULL). */
+    void (*rope_kv_write)(cv_backend *b, float *q, int64_t q_stride, int64_t n_heads, float *k,
+                          int64_t k_stride, int64_t n_kv_heads, const float *v, int64_t v_stride,
+                          const int32_t *pos, int64_t n, const cv_rope *rope, cv_kv_layer *cache,
+                          const int64_t *slot_mapping);
+    /* gemm(out, rmsnorm(x[n][w.cols], norm_weight, eps), n, w, bias, accumulate).
+     * scratch: [n][w.cols] floats the kernel may use for the normalized rows
+     * (its contents afterwards are unspecified). */
+    void (*rmsnorm_gemm)(cv_backend *b, float *out, const float *x, const float *norm_weight, float eps,
+                         int64_t n, const cv_matrix *w, const float *bias, int accumulate, float *scratch);
+    /* gemm(out, swiglu(gu[n][2 * w.cols]), n, w, bias, accumulate); scratch
+     * as for rmsnorm_gemm. */
+    void (*swiglu_gemm)(cv_backend *b, float *out, const float *gu, int64_t n, const cv_matrix *w,
+                        const float *bias, int accumulate, float *scratch);
+
     /* Waits for queued device work (no-op on the CPU). */
     void (*sync)(cv_backend *b);
     /* Free and total memory of the device in bytes (may be NULL: the engine

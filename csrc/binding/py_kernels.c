@@ -88,7 +88,9 @@ static PyObject *make_matrix(PyObject *w_obj, const char *wdt, const char *impl,
     kb_entry *e = get_backend(impl, threads);
     if (!e) return NULL;
     cv_dtype dt, st;
-    if (cv_py_parse_dtype(wdt, "weight_dtype", 0, &dt) < 0) return NULL;
+    /* q8_0, q4_0, q4_1: the matrix is quantized from float rows */
+    if ((wdt[0] == 'q' ? cv_py_parse_quantization(wdt, &dt) : cv_py_parse_dtype(wdt, "weight_dtype", 0, &dt)) < 0)
+        return NULL;
     PyArrayObject *w = cv_py_want_matrix(w_obj, "w", 1, &st);
     if (!w) return NULL;
     const int64_t rows = PyArray_DIM(w, 0), cols = PyArray_DIM(w, 1);
@@ -205,6 +207,65 @@ static PyObject *py_kernel_matmul_time(PyObject *self, PyObject *args, PyObject 
     });
     PyMem_Free(o);
     return PyFloat_FromDouble(best);
+}
+
+/* The fused GEMMs: out = f(src) . W^T (+ bias) (+ accumulate), where src has
+ * src_cols = w.cols * (swiglu ? 2 : 1) columns and f is rmsnorm with gain
+ * (gain non-NULL) or SwiGLU. */
+static PyObject *run_fused_matmul(kb_matrix *km, PyObject *src_obj, PyObject *gain_obj, double eps, int swiglu,
+                                  PyObject *bias_obj, PyObject *acc_obj) {
+    const int64_t cols = km->m.cols;
+    cv_py_gemm_args a;
+    if (cv_py_want_gemm_args(&a, src_obj, bias_obj, acc_obj, km->m.rows, swiglu ? 2 * cols : cols) < 0)
+        return NULL;
+    const float *gain = NULL;
+    if (!swiglu) {
+        PyArrayObject *g = cv_py_want_array(gain_obj, "weight", NPY_FLOAT32, 1, 0);
+        if (!g || PyArray_DIM(g, 0) != cols) {
+            if (g) PyErr_Format(PyExc_ValueError, "weight must have %lld entries (the matrix's columns)",
+                                (long long)cols);
+            Py_DECREF(a.out);
+            return NULL;
+        }
+        gain = PyArray_DATA(g);
+    }
+    if (a.n == 0) return a.out;
+    float *scratch = PyMem_Malloc((size_t)a.n * (size_t)cols * sizeof(float));
+    if (!scratch) {
+        Py_DECREF(a.out);
+        return PyErr_NoMemory();
+    }
+    float *o = PyArray_DATA((PyArrayObject *)a.out); /* [n][rows] */
+    const float *xp = PyArray_DATA(a.x);
+    const float fe = (float)eps;
+    kb_entry *e = km->e;
+    KB_RUN(e, {
+        if (swiglu)
+            e->b->swiglu_gemm(e->b, o, xp, a.n, &km->m, a.bias, a.accumulate, scratch);
+        else
+            e->b->rmsnorm_gemm(e->b, o, xp, gain, fe, a.n, &km->m, a.bias, a.accumulate, scratch);
+    });
+    PyMem_Free(scratch);
+    return a.out;
+}
+
+static PyObject *py_kernel_rmsnorm_matmul(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *kwlist[] = {"mat", "x", "weight", "eps", "bias", "accumulate", NULL};
+    PyObject *cap, *x, *g, *bias = Py_None, *acc = Py_None;
+    double eps = 1e-5;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|dOO", kwlist, &cap, &x, &g, &eps, &bias, &acc)) return NULL;
+    kb_matrix *km = get_matrix(cap);
+    return km ? run_fused_matmul(km, x, g, eps, 0, bias, acc) : NULL;
+}
+
+static PyObject *py_kernel_swiglu_matmul(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *kwlist[] = {"mat", "gu", "bias", "accumulate", NULL};
+    PyObject *cap, *gu, *bias = Py_None, *acc = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OO", kwlist, &cap, &gu, &bias, &acc)) return NULL;
+    kb_matrix *km = get_matrix(cap);
+    return km ? run_fused_matmul(km, gu, NULL, 0.0, 1, bias, acc) : NULL;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -326,6 +387,36 @@ static PyObject *py_kernel_kv_write(PyObject *self, PyObject *args, PyObject *kw
     cv_py_kv_write_args a;
     if (cv_py_want_kv_write_args(&a, kc_obj, vc_obj, k_obj, v_obj, s_obj, cdt, 1) < 0) return NULL;
     KB_RUN(e, e->b->kv_write(e->b, &a.cache, a.k.data, a.k.stride, a.v.data, a.v.stride, a.slots, a.k.n));
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_kernel_rope_kv_write(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *kwlist[] = {"q", "k", "v", "pos", "inv_freq", "k_cache", "v_cache", "slot_mapping", "layout",
+                             "cache_dtype", "impl", "threads", NULL};
+    PyObject *q_obj, *k_obj, *v_obj, *pos_obj, *f_obj, *kc_obj, *vc_obj, *s_obj;
+    const char *layout = "halves", *cdt = NULL, *impl = "simd";
+    int threads = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOO|szsi", kwlist, &q_obj, &k_obj, &v_obj, &pos_obj, &f_obj,
+                                     &kc_obj, &vc_obj, &s_obj, &layout, &cdt, &impl, &threads))
+        return NULL;
+    kb_entry *e = get_backend(impl, threads);
+    if (!e) return NULL;
+    if (k_obj == Py_None) {
+        PyErr_SetString(PyExc_ValueError, "k must be an array (the keys written to the cache)");
+        return NULL;
+    }
+    cv_py_rope_args r;
+    cv_py_kv_write_args a;
+    if (cv_py_want_rope_args(&r, q_obj, k_obj, pos_obj, f_obj, layout) < 0 ||
+        cv_py_want_kv_write_args(&a, kc_obj, vc_obj, k_obj, v_obj, s_obj, cdt, 1) < 0)
+        return NULL;
+    if (r.q.n != a.k.n) {
+        PyErr_Format(PyExc_ValueError, "q has %lld rows, k %lld", (long long)r.q.n, (long long)a.k.n);
+        return NULL;
+    }
+    KB_RUN(e, e->b->rope_kv_write(e->b, r.q.data, r.q.stride, r.q.h, r.k.data, r.k.stride, r.k.h, a.v.data,
+                                  a.v.stride, r.pos, r.q.n, &r.rope, &a.cache, a.slots));
     Py_RETURN_NONE;
 }
 
@@ -498,7 +589,8 @@ static PyObject *py_kernel_info(PyObject *self, PyObject *noargs) {
 static PyMethodDef kernel_methods[] = {
     {"kernel_gemm", (PyCFunction)(void (*)(void))py_kernel_gemm, METH_VARARGS | METH_KEYWORDS,
      "kernel_gemm(x, w, weight_dtype='float32', bias=None, accumulate=None, impl='simd', threads=0)\n"
-     "x[n][cols] . w[rows][cols]^T (+ bias) (+ accumulate), w stored as weight_dtype.\n"
+     "x[n][cols] . w[rows][cols]^T (+ bias) (+ accumulate), w stored as weight_dtype\n"
+     "(float32, bfloat16, float16, or q8_0, q4_0, q4_1: quantized from w).\n"
      "w may be float32, float64, float16, or uint16 holding bfloat16 bits."},
     {"kernel_matrix", (PyCFunction)(void (*)(void))py_kernel_matrix, METH_VARARGS | METH_KEYWORDS,
      "kernel_matrix(w, weight_dtype='float32', impl='simd', threads=0) -> a packed matrix."},
@@ -507,6 +599,16 @@ static PyMethodDef kernel_methods[] = {
     {"kernel_matmul_time", (PyCFunction)(void (*)(void))py_kernel_matmul_time,
      METH_VARARGS | METH_KEYWORDS,
      "kernel_matmul_time(mat, x, repeats=10, warmup=True) -> best seconds of one GEMM call."},
+    {"kernel_rmsnorm_matmul", (PyCFunction)(void (*)(void))py_kernel_rmsnorm_matmul, METH_VARARGS | METH_KEYWORDS,
+     "kernel_rmsnorm_matmul(mat, x, weight, eps=1e-5, bias=None, accumulate=None)\n"
+     "rmsnorm(x, weight, eps) . mat^T in one fused pass (the backend's rmsnorm_gemm)."},
+    {"kernel_swiglu_matmul", (PyCFunction)(void (*)(void))py_kernel_swiglu_matmul, METH_VARARGS | METH_KEYWORDS,
+     "kernel_swiglu_matmul(mat, gu, bias=None, accumulate=None)\n"
+     "swiglu(gu) . mat^T in one fused pass (the backend's swiglu_gemm); gu [n][2 * cols]."},
+    {"kernel_rope_kv_write", (PyCFunction)(void (*)(void))py_kernel_rope_kv_write, METH_VARARGS | METH_KEYWORDS,
+     "kernel_rope_kv_write(q, k, v, pos, inv_freq, k_cache, v_cache, slot_mapping, layout='halves',\n"
+     "                     cache_dtype=None, impl='simd', threads=0)\n"
+     "kernel_rope then kernel_kv_write in one fused pass (the backend's rope_kv_write)."},
     {"kernel_rmsnorm", (PyCFunction)(void (*)(void))py_kernel_rmsnorm, METH_VARARGS | METH_KEYWORDS,
      "kernel_rmsnorm(x, weight, eps=1e-5, impl='simd', threads=0) -> out"},
     {"kernel_rope", (PyCFunction)(void (*)(void))py_kernel_rope, METH_VARARGS | METH_KEYWORDS,

@@ -65,6 +65,45 @@ void cv_forward_ws_free(cv_forward_ws *ws, const cv_model *m) {
     memset(ws, 0, sizeof *ws);
 }
 
+/* The fused kernels where the backend has them (forward.c knows no device:
+ * a NULL entry means the backend wants the unfused pair, same results). */
+
+/* out (+)= rmsnorm(x) . W^T; xn: [n][w.cols] for the normalized rows. */
+static void norm_gemm(cv_backend *b, float *out, const float *x, const float *gain, float eps, int64_t n,
+                      const cv_matrix *w, const float *bias, int accumulate, float *xn) {
+    if (b->rmsnorm_gemm) {
+        b->rmsnorm_gemm(b, out, x, gain, eps, n, w, bias, accumulate, xn);
+        return;
+    }
+    b->rmsnorm(b, xn, x, gain, n, w->cols, eps);
+    b->gemm(b, out, xn, n, w, bias, accumulate);
+}
+
+/* out (+)= swiglu(gu) . W^T; h: [n][w.cols] for the activations. */
+static void swiglu_gemm(cv_backend *b, float *out, const float *gu, int64_t n, const cv_matrix *w,
+                        int accumulate, float *h) {
+    if (b->swiglu_gemm) {
+        b->swiglu_gemm(b, out, gu, n, w, NULL, accumulate, h);
+        return;
+    }
+    b->swiglu(b, h, gu, n, w->cols);
+    b->gemm(b, out, h, n, w, NULL, accumulate);
+}
+
+/* Rotates q and k of the fused qkv rows and writes k and v to the cache. */
+static void rope_kv(cv_backend *b, float *qkv, int64_t stride, const cv_model *m, const int32_t *pos, int64_t n,
+                    const cv_rope *rope, cv_kv_layer *cache, const int64_t *slots) {
+    const cv_model_config *c = &m->cfg;
+    float *q = qkv, *k = qkv + m->q_dim, *v = qkv + m->q_dim + m->kv_dim;
+    if (b->rope_kv_write) {
+        b->rope_kv_write(b, q, stride, c->n_heads, k, stride, c->n_kv_heads, v, stride, pos, n, rope, cache,
+                         slots);
+        return;
+    }
+    b->rope(b, q, stride, c->n_heads, k, stride, c->n_kv_heads, pos, n, rope);
+    b->kv_write(b, cache, k, stride, v, stride, slots, n);
+}
+
 /* Gathers rows[n_rows] (device indices) of the final residual stream (n
  * tokens), norms and projects them into ws->logits, then to the host. */
 static void lm_head_rows(const cv_model *m, cv_forward_ws *ws, const int32_t *rows, int64_t n_rows,
@@ -75,8 +114,7 @@ static void lm_head_rows(const cv_model *m, cv_forward_ws *ws, const int32_t *ro
     cv_table xs = {.data = ws->x, .dtype = CV_F32, .rows = n, .cols = dim,
                    .bytes = (size_t)(n * dim) * sizeof(float)};
     b->embedding(b, ws->xlast, rows, n_rows, &xs);
-    b->rmsnorm(b, ws->xlast_n, ws->xlast, m->final_norm, n_rows, dim, c->rms_eps);
-    b->gemm(b, ws->logits, ws->xlast_n, n_rows, &m->lm_head, NULL, 0);
+    norm_gemm(b, ws->logits, ws->xlast, m->final_norm, c->rms_eps, n_rows, &m->lm_head, NULL, 0, ws->xlast_n);
     if (ws->device_copies)
         b->to_host(b, ws->logits_host, ws->logits, (size_t)(n_rows * c->vocab_size) * sizeof(float));
 }
@@ -105,7 +143,7 @@ int cv_model_forward(const cv_model *m, cv_forward_ws *ws, cv_kv_layer *caches,
                      const cv_batch *bt, cv_err *err) {
     cv_backend *b = m->backend;
     const cv_model_config *c = &m->cfg;
-    const int64_t n = bt->n_tokens, dim = c->dim, hid = c->hidden_dim;
+    const int64_t n = bt->n_tokens;
     const int64_t qkv_dim = m->q_dim + 2 * m->kv_dim;
     if (n <= 0) return CV_OK;
     if (n > ws->max_tokens || bt->n_seqs > ws->max_seqs || bt->n_logits > ws->max_seqs ||
@@ -141,17 +179,12 @@ int cv_model_forward(const cv_model *m, cv_forward_ws *ws, cv_kv_layer *caches,
     b->embedding(b, ws->x, tokens, n, &m->embed);
     for (int64_t l = 0; l < c->n_layers; l++) {
         const cv_layer *L = &m->layers[l];
-        float *q = ws->qkv, *k = ws->qkv + m->q_dim, *v = ws->qkv + m->q_dim + m->kv_dim;
-        b->rmsnorm(b, ws->xn, ws->x, L->attn_norm, n, dim, c->rms_eps);
-        b->gemm(b, ws->qkv, ws->xn, n, &L->wqkv, L->bqkv, 0);
-        b->rope(b, q, qkv_dim, c->n_heads, k, qkv_dim, c->n_kv_heads, positions, n, &rope);
-        b->kv_write(b, &caches[l], k, qkv_dim, v, qkv_dim, slots, n);
-        b->paged_attention(b, ws->attn, q, qkv_dim, &caches[l], &ab);
+        norm_gemm(b, ws->qkv, ws->x, L->attn_norm, c->rms_eps, n, &L->wqkv, L->bqkv, 0, ws->xn);
+        rope_kv(b, ws->qkv, qkv_dim, m, positions, n, &rope, &caches[l], slots);
+        b->paged_attention(b, ws->attn, ws->qkv, qkv_dim, &caches[l], &ab);
         b->gemm(b, ws->x, ws->attn, n, &L->wo, NULL, 1); /* residual add in the GEMM */
-        b->rmsnorm(b, ws->xn, ws->x, L->ffn_norm, n, dim, c->rms_eps);
-        b->gemm(b, ws->gu, ws->xn, n, &L->w_gate_up, NULL, 0);
-        b->swiglu(b, ws->h, ws->gu, n, hid);
-        b->gemm(b, ws->x, ws->h, n, &L->w_down, NULL, 1);
+        norm_gemm(b, ws->gu, ws->x, L->ffn_norm, c->rms_eps, n, &L->w_gate_up, NULL, 0, ws->xn);
+        swiglu_gemm(b, ws->x, ws->gu, n, &L->w_down, 1, ws->h); /* residual add */
     }
     if (bt->n_logits > 0) lm_head_rows(m, ws, rows, bt->n_logits, n);
     b->sync(b);

@@ -802,27 +802,26 @@ typedef struct kvw_job {
     cv_rows *rows;             /* claimed in chunks (dynamic region) */
 } kvw_job;
 
-static void kvw_fn(void *arg, int tid, int nth) {
-    const kvw_job *j = arg;
-    const cv_kv_layer *c = j->cache;
+void cv_cpu_kv_write_token(const cv_kv_layer *c, const float *k, const float *v, int64_t slot, int simd) {
     const int64_t hd = c->head_dim, bs = c->block_size, nkv = c->n_kv_heads;
     const size_t esz = cv_dtype_size(c->dtype);
+    if (slot < 0) return;
+    const int64_t blk = slot / bs, off = slot % bs;
+    for (int64_t h = 0; h < nkv; h++) {
+        const size_t dst = (((size_t)blk * (size_t)nkv + (size_t)h) * (size_t)bs + (size_t)off) * (size_t)hd * esz;
+        cv_cpu_narrow((char *)c->k + dst, c->dtype, k + (size_t)(h * hd), hd, simd);
+        cv_cpu_narrow((char *)c->v + dst, c->dtype, v + (size_t)(h * hd), hd, simd);
+    }
+}
+
+static void kvw_fn(void *arg, int tid, int nth) {
+    const kvw_job *j = arg;
     (void)tid;
     (void)nth;
     for (int64_t t0, t1; cv_rows_claim(j->rows, &t0, &t1);)
-    for (int64_t t = t0; t < t1; t++) {
-        const int64_t slot = j->slots[t];
-        if (slot < 0) continue;
-        const int64_t blk = slot / bs, off = slot % bs;
-        for (int64_t h = 0; h < nkv; h++) {
-            const size_t dst = (((size_t)blk * (size_t)nkv + (size_t)h) * (size_t)bs + (size_t)off) *
-                               (size_t)hd * esz;
-            cv_cpu_narrow((char *)c->k + dst, c->dtype, j->k + (size_t)t * (size_t)j->k_stride + (size_t)(h * hd),
-                          hd, j->simd);
-            cv_cpu_narrow((char *)c->v + dst, c->dtype, j->v + (size_t)t * (size_t)j->v_stride + (size_t)(h * hd),
-                          hd, j->simd);
-        }
-    }
+        for (int64_t t = t0; t < t1; t++)
+            cv_cpu_kv_write_token(j->cache, j->k + (size_t)t * (size_t)j->k_stride,
+                                  j->v + (size_t)t * (size_t)j->v_stride, j->slots[t], j->simd);
 }
 
 void cv_cpu_kv_write(cv_backend *b, cv_kv_layer *cache, const float *k, int64_t k_stride,

@@ -252,6 +252,7 @@ static void cpu_destroy(cv_backend *b) {
         free(c->att_partials);
         free(c->att_counters);
         free(c->gemm_xpack);
+        free(c->gemm_xrows);
         free(c->qx);
         free(c);
     }
@@ -306,8 +307,8 @@ cv_backend *cv_cpu_backend_create_simd(int num_threads, const char *simd, cv_err
     c->gemm_kc = env_int("CONVEYOR_GEMM_KC", CV_GEMM_KC, 16, 1 << 20);
     c->gemm_xblock = env_int("CONVEYOR_GEMM_XBLOCK", CV_GEMM_XBLOCK, 1024, 1 << 26);
     c->gemm_pack = (int)env_int("CONVEYOR_GEMM_PACK", 1, 0, 1);
-    if (c->gemm_pack && cv_cpu_gemm_reserve(c, 0) < 0) c->gemm_pack = -1;
-    if (!c->att_scratch || !c->att_partials || !c->att_counters || c->gemm_pack < 0) {
+    const int reserved = cv_cpu_gemm_reserve(c, 0) == CV_OK;
+    if (!c->att_scratch || !c->att_partials || !c->att_counters || !reserved) {
         cpu_destroy(b);
         cv_set_err(err, CV_ERR_NOMEM, "out of memory for the scratch buffers of %d threads",
                    c->nthreads);
@@ -328,6 +329,9 @@ cv_backend *cv_cpu_backend_create_simd(int num_threads, const char *simd, cv_err
     b->embedding = cv_cpu_embedding;
     b->kv_write = cv_cpu_kv_write;
     b->paged_attention = cv_cpu_paged_attention;
+    b->rope_kv_write = cv_cpu_rope_kv_write;
+    b->rmsnorm_gemm = cv_cpu_rmsnorm_gemm;
+    b->swiglu_gemm = cv_cpu_swiglu_gemm;
     b->sync = cpu_sync;
     b->destroy = cpu_destroy;
     return b;

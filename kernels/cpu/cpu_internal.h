@@ -66,6 +66,7 @@ typedef struct cv_cpu {
     int gemm_pack;           /* pack x blocks (1) or read x in place (0) */
     int gemm_order;          /* -1: choose; 0: token blocks outermost; 1: panels outermost */
     float *gemm_xpack;       /* [nthreads][gemm_xpack_floats] packed x blocks */
+    float *gemm_xrows;       /* [nthreads][gemm_xpack_floats] input rows made by a prologue */
     size_t gemm_xpack_floats; /* >= max(xblock, CV_MR * cols) for every prepared matrix */
     void *qx;                /* quantized activations of a token block (quant.c) */
     size_t qx_bytes;
@@ -117,6 +118,24 @@ static inline void cv_cpu_run_rows(cv_cpu *c, int nth, cv_rows *rows, int64_t n,
 int cv_cpu_check_prepare(const char *what, const char *noun, const void *src, cv_dtype src_dtype,
                          int64_t rows, int64_t cols, cv_dtype dtype, cv_err *err);
 
+/* The rows a GEMM multiplies, made on the fly by a prologue where the
+ * fused kernels need them (rmsnorm_gemm, swiglu_gemm): each thread makes the
+ * rows of the token block it works on, in its own L2-resident buffer, so they
+ * never go through memory; with panels outermost (every thread reads all of
+ * x) the region first makes them once into the caller's scratch. */
+typedef enum cv_gemm_in_kind {
+    CV_IN_X = 0,       /* src [n][cols] as it is */
+    CV_IN_RMSNORM = 1, /* rmsnorm(src [n][cols]) * gain */
+    CV_IN_SWIGLU = 2   /* silu(gate) * up of src [n][2*cols] (gate, up) */
+} cv_gemm_in_kind;
+
+typedef struct cv_gemm_in {
+    cv_gemm_in_kind kind;
+    const float *src;
+    const float *gain; /* CV_IN_RMSNORM: [cols] */
+    float eps;         /* CV_IN_RMSNORM */
+} cv_gemm_in;
+
 /* gemm.c */
 int cv_cpu_matrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dtype src_dtype,
                           int64_t rows, int64_t cols, cv_dtype dtype, cv_err *err);
@@ -126,6 +145,17 @@ void cv_cpu_matrix_free(cv_backend *b, cv_matrix *m);
 int cv_cpu_gemm_reserve(cv_cpu *c, int64_t cols);
 void cv_cpu_gemm(cv_backend *b, float *out, const float *x, int64_t n, const cv_matrix *w,
                  const float *bias, int accumulate);
+/* The GEMM of the rows `in` makes; scratch [n][w.cols] is used only when
+ * the rows cannot be made per thread (backend.h: rmsnorm_gemm). */
+void cv_cpu_gemm_in(cv_backend *b, float *out, const cv_gemm_in *in, int64_t n, const cv_matrix *w,
+                    const float *bias, int accumulate, float *scratch);
+void cv_cpu_rmsnorm_gemm(cv_backend *b, float *out, const float *x, const float *norm_weight, float eps,
+                         int64_t n, const cv_matrix *w, const float *bias, int accumulate, float *scratch);
+void cv_cpu_swiglu_gemm(cv_backend *b, float *out, const float *gu, int64_t n, const cv_matrix *w,
+                        const float *bias, int accumulate, float *scratch);
+/* A thread's buffer for the rows of a token block (cv_gemm_in), or NULL
+ * when the backend has none of `floats` floats (matrix prepared elsewhere). */
+float *cv_cpu_gemm_rows_buf(const cv_cpu *c, int tid, size_t floats);
 
 /* elementwise.c */
 void cv_cpu_rmsnorm(cv_backend *b, float *out, const float *x, const float *weight, int64_t n,
@@ -134,6 +164,15 @@ void cv_cpu_rope(cv_backend *b, float *q, int64_t q_stride, int64_t n_heads, flo
                  int64_t k_stride, int64_t n_kv_heads, const int32_t *pos, int64_t n,
                  const cv_rope *rope);
 void cv_cpu_swiglu(cv_backend *b, float *out, const float *gu, int64_t n, int64_t dim);
+void cv_cpu_rope_kv_write(cv_backend *b, float *q, int64_t q_stride, int64_t n_heads, float *k,
+                          int64_t k_stride, int64_t n_kv_heads, const float *v, int64_t v_stride,
+                          const int32_t *pos, int64_t n, const cv_rope *rope, cv_kv_layer *cache,
+                          const int64_t *slot_mapping);
+/* Rows [t0, t0 + m) of the GEMM input `in` into dst[m][cols], with the row
+ * code of cv_cpu_rmsnorm / cv_cpu_swiglu (so bit for bit their results). */
+void cv_cpu_gemm_in_rows(const cv_gemm_in *in, float *dst, int64_t t0, int64_t m, int64_t cols, int simd);
+/* All n rows of `in` into dst[n][cols], by the unfused kernel (one region). */
+void cv_cpu_gemm_in_all(cv_backend *b, float *dst, const cv_gemm_in *in, int64_t n, int64_t cols);
 void cv_cpu_embedding(cv_backend *b, float *out, const int32_t *tokens, int64_t n,
                       const cv_table *table);
 /* Widens n values of dtype dt at src to float32 (SIMD when simd != 0). */
@@ -158,6 +197,8 @@ void cv_cpu_kv_write(cv_backend *b, cv_kv_layer *cache, const float *k, int64_t 
                      const float *v, int64_t v_stride, const int64_t *slot_mapping, int64_t n);
 void cv_cpu_paged_attention(cv_backend *b, float *out, const float *q, int64_t q_stride,
                             const cv_kv_layer *cache, const cv_attn_batch *batch);
+/* Writes one token's k and v (n_kv_heads x head_dim each) at slot (< 0: skipped). */
+void cv_cpu_kv_write_token(const cv_kv_layer *cache, const float *k, const float *v, int64_t slot, int simd);
 /* Floats of attention scratch each thread needs, and of one split part's
  * partial result (both multiples of 16). */
 size_t cv_cpu_att_scratch_floats(void);

@@ -312,28 +312,32 @@ typedef struct norm_job {
     cv_rows *rows;      /* claimed in chunks (dynamic region) */
 } norm_job;
 
+/* One row at the backend's level: the row code every RMSNorm runs, fused or not. */
+static void rms_row(float *out, const float *x, const float *w, int64_t dim, float eps, int simd) {
+#if CV_HAVE_AVX512
+    if (simd >= CV_SIMD_AVX512) {
+        rms_row_avx512(out, x, w, dim, eps);
+        return;
+    }
+#endif
+#if CV_HAVE_AVX2
+    if (simd) {
+        rms_row_avx2(out, x, w, dim, eps);
+        return;
+    }
+#endif
+    (void)simd;
+    rms_row_plain(out, x, w, dim, eps);
+}
+
 static void norm_fn(void *arg, int tid, int nth) {
     const norm_job *j = arg;
     (void)tid;
     (void)nth;
     for (int64_t t0, t1; cv_rows_claim(j->rows, &t0, &t1);)
-    for (int64_t t = t0; t < t1; t++) {
-        const float *xr = j->x + (size_t)t * (size_t)j->dim;
-        float *orow = j->out + (size_t)t * (size_t)j->dim;
-#if CV_HAVE_AVX512
-        if (j->simd >= CV_SIMD_AVX512) {
-            rms_row_avx512(orow, xr, j->w, j->dim, j->eps);
-            continue;
-        }
-#endif
-#if CV_HAVE_AVX2
-        if (j->simd) {
-            rms_row_avx2(orow, xr, j->w, j->dim, j->eps);
-            continue;
-        }
-#endif
-        rms_row_plain(orow, xr, j->w, j->dim, j->eps);
-    }
+        for (int64_t t = t0; t < t1; t++)
+            rms_row(j->out + (size_t)t * (size_t)j->dim, j->x + (size_t)t * (size_t)j->dim, j->w, j->dim,
+                    j->eps, j->simd);
 }
 
 void cv_cpu_rmsnorm(cv_backend *b, float *out, const float *x, const float *weight, int64_t n,
@@ -362,6 +366,12 @@ typedef struct rope_job {
     const cv_rope *rope;
     int simd;
     cv_rows *rows;      /* claimed in chunks (dynamic region) */
+    /* rope_kv_write: each token's rotated k and its v go to the cache while
+     * they are in L1 (cache NULL: rope alone) */
+    cv_kv_layer *cache;
+    const float *v;     /* [n][v_stride] */
+    int64_t v_stride;
+    const int64_t *slots; /* [n] */
 } rope_job;
 
 /* Rotates frequencies [i0, i0 + m) of one head x[head_dim] with cs/sn[m]. */
@@ -471,8 +481,23 @@ static void rope_fn(void *arg, int tid, int nth) {
                 rope_head_plain(j->k + (size_t)t * (size_t)j->k_stride + (size_t)(h * hd), hd, layout,
                                 i0, m, cs, sn);
         }
+        if (j->cache)
+            cv_cpu_kv_write_token(j->cache, j->k + (size_t)t * (size_t)j->k_stride,
+                                  j->v + (size_t)t * (size_t)j->v_stride, j->slots[t], j->simd);
     }
 }
+
+/* Runs rope_fn over n tokens on enough threads for `work`. */
+static void run_rope(cv_cpu *c, rope_job *j, double work) {
+    int nth = cv_threads_for(c, work, ROW_GRAIN);
+    if (nth > j->n) nth = (int)j->n;
+    cv_rows rows;
+    j->rows = &rows;
+    cv_cpu_run_rows(c, nth, &rows, j->n, rope_fn, j);
+}
+
+/* sin/cos cost about as much as rotating a few heads: count them in */
+static double rope_work(int64_t n, int64_t hd, int64_t heads) { return (double)n * (double)hd * (double)(heads + 8); }
 
 void cv_cpu_rope(cv_backend *b, float *q, int64_t q_stride, int64_t n_heads, float *k,
                  int64_t k_stride, int64_t n_kv_heads, const int32_t *pos, int64_t n,
@@ -483,13 +508,25 @@ void cv_cpu_rope(cv_backend *b, float *q, int64_t q_stride, int64_t n_heads, flo
     if (!k) n_kv_heads = 0;
     rope_job j = {.q = q, .k = k, .q_stride = q_stride, .k_stride = k_stride, .n_heads = n_heads,
                   .n_kv_heads = n_kv_heads, .n = n, .pos = pos, .rope = rope, .simd = c->simd};
-    /* sin/cos cost about as much as rotating a few heads: count them in */
-    const double work = (double)n * (double)rope->head_dim * (double)(n_heads + n_kv_heads + 8);
-    int nth = cv_threads_for(c, work, ROW_GRAIN);
-    if (nth > n) nth = (int)n;
-    cv_rows rows;
-    j.rows = &rows;
-    cv_cpu_run_rows(c, nth, &rows, n, rope_fn, &j);
+    run_rope(c, &j, rope_work(n, rope->head_dim, n_heads + n_kv_heads));
+}
+
+void cv_cpu_rope_kv_write(cv_backend *b, float *q, int64_t q_stride, int64_t n_heads, float *k,
+                          int64_t k_stride, int64_t n_kv_heads, const float *v, int64_t v_stride,
+                          const int32_t *pos, int64_t n, const cv_rope *rope, cv_kv_layer *cache,
+                          const int64_t *slot_mapping) {
+    cv_cpu *c = cv_cpu_of(b);
+    if (n <= 0) return;
+    if (rope->head_dim < 2) { /* nothing to rotate */
+        cv_cpu_kv_write(b, cache, k, k_stride, v, v_stride, slot_mapping, n);
+        return;
+    }
+    if (!q) n_heads = 0;
+    rope_job j = {.q = q, .k = k, .q_stride = q_stride, .k_stride = k_stride, .n_heads = n_heads,
+                  .n_kv_heads = n_kv_heads, .n = n, .pos = pos, .rope = rope, .simd = c->simd,
+                  .cache = cache, .v = v, .v_stride = v_stride, .slots = slot_mapping};
+    /* narrowing k and v into the cache costs about one rotation per kv head */
+    run_rope(c, &j, rope_work(n, rope->head_dim, n_heads + 2 * n_kv_heads));
 }
 
 /* ------------------------------------------------------------------------ */
@@ -520,27 +557,31 @@ static int64_t swiglu_row_avx2(float *o, const float *g, const float *u, int64_t
 CV_TARGET_END
 #endif
 
+/* One row at the backend's level: the row code every SwiGLU runs, fused or not. */
+static void swiglu_row(float *o, const float *g, const float *u, int64_t dim, int simd) {
+    int64_t i = 0;
+#if CV_HAVE_AVX512
+    if (simd >= CV_SIMD_AVX512) {
+        swiglu_row_avx512(o, g, u, dim);
+        return;
+    }
+#endif
+#if CV_HAVE_AVX2
+    if (simd >= CV_SIMD_AVX2) i = swiglu_row_avx2(o, g, u, dim);
+#endif
+    (void)simd;
+    for (; i < dim; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
 static void swiglu_fn(void *arg, int tid, int nth) {
     const swiglu_job *j = arg;
     (void)tid;
     (void)nth;
     for (int64_t t0, t1; cv_rows_claim(j->rows, &t0, &t1);)
-    for (int64_t t = t0; t < t1; t++) {
-        const float *g = j->gu + (size_t)t * 2 * (size_t)j->dim;
-        const float *u = g + j->dim;
-        float *o = j->out + (size_t)t * (size_t)j->dim;
-        int64_t i = 0;
-#if CV_HAVE_AVX512
-        if (j->simd >= CV_SIMD_AVX512) {
-            swiglu_row_avx512(o, g, u, j->dim);
-            continue;
+        for (int64_t t = t0; t < t1; t++) {
+            const float *g = j->gu + (size_t)t * 2 * (size_t)j->dim;
+            swiglu_row(j->out + (size_t)t * (size_t)j->dim, g, g + j->dim, j->dim, j->simd);
         }
-#endif
-#if CV_HAVE_AVX2
-        if (j->simd >= CV_SIMD_AVX2) i = swiglu_row_avx2(o, g, u, j->dim);
-#endif
-        for (; i < j->dim; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    }
 }
 
 void cv_cpu_swiglu(cv_backend *b, float *out, const float *gu, int64_t n, int64_t dim) {
@@ -552,6 +593,30 @@ void cv_cpu_swiglu(cv_backend *b, float *out, const float *gu, int64_t n, int64_
     cv_rows rows;
     j.rows = &rows;
     cv_cpu_run_rows(c, nth, &rows, n, swiglu_fn, &j);
+}
+
+/* ------------------------------------------------------------------------ */
+/* GEMM input rows made on the fly (the prologue of the fused GEMMs)         */
+
+void cv_cpu_gemm_in_rows(const cv_gemm_in *in, float *dst, int64_t t0, int64_t m, int64_t cols, int simd) {
+    for (int64_t t = t0; t < t0 + m; t++, dst += cols) {
+        if (in->kind == CV_IN_RMSNORM)
+            rms_row(dst, in->src + (size_t)t * (size_t)cols, in->gain, cols, in->eps, simd);
+        else if (in->kind == CV_IN_SWIGLU)
+            swiglu_row(dst, in->src + (size_t)t * 2 * (size_t)cols, in->src + ((size_t)t * 2 + 1) * (size_t)cols,
+                       cols, simd);
+        else
+            memcpy(dst, in->src + (size_t)t * (size_t)cols, (size_t)cols * sizeof(float));
+    }
+}
+
+void cv_cpu_gemm_in_all(cv_backend *b, float *dst, const cv_gemm_in *in, int64_t n, int64_t cols) {
+    if (in->kind == CV_IN_RMSNORM)
+        cv_cpu_rmsnorm(b, dst, in->src, in->gain, n, cols, in->eps);
+    else if (in->kind == CV_IN_SWIGLU)
+        cv_cpu_swiglu(b, dst, in->src, n, cols);
+    else if (n > 0)
+        memcpy(dst, in->src, (size_t)n * (size_t)cols * sizeof(float));
 }
 
 /* ------------------------------------------------------------------------ */

@@ -14,6 +14,7 @@
  * descheduled (2 cores shared with other processes) costs only its share of
  * speed-up, never a wait. With one token tile (decode) the whole panel is
  * streamed once, unblocked: every weight byte is read once. */
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -131,20 +132,33 @@ done:
 }
 
 int cv_cpu_gemm_reserve(cv_cpu *c, int64_t cols) {
-    /* the bf16 pair kernels always need it, for the rounded activations */
-    if (c->gemm_pack != 1 && !uses_pairs(c, CV_BF16)) return CV_OK;
+    /* packed x blocks when packing is on (the bf16 pair kernels always need
+     * them, for the rounded activations); the rows of a fused GEMM's prologue
+     * always */
+    const int pack = c->gemm_pack == 1 || uses_pairs(c, CV_BF16);
     size_t need = (size_t)c->gemm_xblock;
     if ((size_t)cols * CV_MR > need) need = (size_t)cols * CV_MR;
     need = (need + 15) & ~(size_t)15; /* keep each thread's buffer 64-byte aligned */
-    if (c->gemm_xpack && need <= c->gemm_xpack_floats) return CV_OK;
+    if (c->gemm_xrows && (c->gemm_xpack || !pack) && need <= c->gemm_xpack_floats) return CV_OK;
     size_t bytes;
     if (!cv_mul_size(need * sizeof(float), (size_t)c->nthreads, &bytes)) return CV_ERR_NOMEM;
-    float *p = aligned_alloc(64, bytes);
-    if (!p) return CV_ERR_NOMEM;
+    float *r = aligned_alloc(64, bytes), *p = pack ? aligned_alloc(64, bytes) : NULL;
+    if (!r || (pack && !p)) {
+        free(r);
+        free(p);
+        return CV_ERR_NOMEM;
+    }
     free(c->gemm_xpack);
+    free(c->gemm_xrows);
     c->gemm_xpack = p;
+    c->gemm_xrows = r;
     c->gemm_xpack_floats = need;
     return CV_OK;
+}
+
+float *cv_cpu_gemm_rows_buf(const cv_cpu *c, int tid, size_t floats) {
+    if (!c->gemm_xrows || floats > c->gemm_xpack_floats) return NULL;
+    return c->gemm_xrows + (size_t)tid * c->gemm_xpack_floats;
 }
 
 void cv_cpu_matrix_free(cv_backend *b, cv_matrix *m) {
@@ -323,7 +337,8 @@ CV_TARGET_END
 
 typedef struct gemm_job {
     float *out;          /* [n][rows] */
-    const float *x;      /* [n][cols] */
+    const float *x;      /* [n][cols] (in.kind == CV_IN_X) */
+    cv_gemm_in in;       /* otherwise: each thread makes its block's rows */
     int64_t n;
     const cv_matrix *w;
     const float *bias;   /* [rows] or NULL */
@@ -341,42 +356,45 @@ typedef struct gemm_job {
     int pairs;           /* bf16 pair layout: xpack holds x rounded to bf16, [mlen][kcols] */
     int64_t kcols;       /* columns of a panel (cols, or cols_pad for pairs) */
     int simd;
+    const cv_cpu *cpu;   /* its per-thread rows buffers (prologue) */
+    float *shared;       /* [n][cols]: the prologue's rows made once for all threads, or NULL */
+    cv_rows shared_rows; /* rows of `shared` still to make */
+    _Alignas(64) atomic_llong shared_done; /* rows of `shared` made */
     _Alignas(64) atomic_llong next; /* next work item to claim */
 } gemm_job;
 
-/* Copies x[m0 .. m0+mlen)[0 .. cols) into xp as the tiles the driver walks,
- * tile after tile (sizes as below), each tile [cols][mr]. */
-static void pack_x(float *xp, const float *x, int64_t cols, int64_t m0, int64_t mlen, int64_t ntiles) {
-    int64_t t = m0;
+/* Copies a block's rows xb[0 .. mlen)[0 .. cols) into xp as the tiles the
+ * driver walks, tile after tile (sizes as below), each tile [cols][mr]. */
+static void pack_x(float *xp, const float *xb, int64_t cols, int64_t mlen, int64_t ntiles) {
+    int64_t t = 0;
     for (int64_t ti = 0; ti < ntiles; ti++) {
         const int mr = (int)(mlen / ntiles + (ti < mlen % ntiles ? 1 : 0));
-        float *dst = xp + (t - m0) * cols;
+        float *dst = xp + t * cols;
         const float *src[CV_MR];
-        for (int i = 0; i < mr; i++) src[i] = x + (size_t)(t + i) * (size_t)cols;
+        for (int i = 0; i < mr; i++) src[i] = xb + (size_t)(t + i) * (size_t)cols;
         for (int64_t k = 0; k < cols; k++)
             for (int i = 0; i < mr; i++) dst[k * mr + i] = src[i][k];
         t += mr;
     }
 }
 
-/* Rounds x[m0 .. m0+mlen)[0 .. cols) to bf16 rows of kcols (even; the pad
- * column zero) at xb: the activations of the pair kernels, rounded once per
- * call and row. */
-static void round_x_bf16(uint16_t *xb, const float *x, int64_t cols, int64_t kcols, int64_t m0,
-                         int64_t mlen, int simd) {
+/* Rounds a block's rows xb[0 .. mlen)[0 .. cols) to bf16 rows of kcols
+ * (even; the pad column zero) at dst: the activations of the pair kernels,
+ * rounded once per call and row. */
+static void round_x_bf16(uint16_t *dst, const float *xb, int64_t cols, int64_t kcols, int64_t mlen, int simd) {
     for (int64_t t = 0; t < mlen; t++) {
-        uint16_t *d = xb + t * kcols;
-        cv_cpu_narrow(d, CV_BF16, x + (size_t)(m0 + t) * (size_t)cols, cols, simd);
+        uint16_t *d = dst + t * kcols;
+        cv_cpu_narrow(d, CV_BF16, xb + (size_t)t * (size_t)cols, cols, simd);
         for (int64_t k = cols; k < kcols; k++) d[k] = 0;
     }
 }
 
 /* One panel over one token block [m0, m0 + mlen): cols in chunks of kc (the
  * panel chunk stays in L1 while the block's tiles pass over it). x comes
- * from the packed block xp, or in place when xp is NULL (pair layout: xp
- * holds the block's bf16 rows). */
+ * from the packed block xp, or from the block's rows xb ([mlen][cols]) when
+ * xp is NULL (pair layout: xp holds the block's bf16 rows). */
 static void panel_pass(const gemm_job *j, int64_t p, int64_t m0, int64_t mlen, int64_t kc,
-                       const float *xp) {
+                       const float *xb, const float *xp) {
     const cv_matrix *w = j->w;
     const int64_t rows = w->rows, cols = j->kcols;
     const size_t esz = cv_dtype_size(w->dtype);
@@ -401,11 +419,24 @@ static void panel_pass(const gemm_job *j, int64_t p, int64_t m0, int64_t mlen, i
             else if (xp)
                 j->table[mr](klen, xp + (t - m0) * cols + k0 * mr, 0, wp, o, rows, nvalid, bp, load_c);
             else
-                j->table[mr](klen, j->x + (size_t)t * (size_t)cols + (size_t)k0, cols, wp, o, rows,
+                j->table[mr](klen, xb + (size_t)(t - m0) * (size_t)cols + (size_t)k0, cols, wp, o, rows,
                              nvalid, bp, load_c);
             t += mr;
         }
     }
+}
+
+/* The prologue's rows made once into j->shared by the threads of the region
+ * (claimed in chunks) before any panel starts. A thread waits only for chunks
+ * that threads already running hold, so a late or absent worker never stalls
+ * it. */
+static void make_shared_rows(gemm_job *j) {
+    const int64_t cols = j->w->cols;
+    for (int64_t t0, t1; cv_rows_claim(&j->shared_rows, &t0, &t1);) {
+        cv_cpu_gemm_in_rows(&j->in, j->shared + (size_t)(t0 * cols), t0, t1 - t0, cols, j->simd);
+        atomic_fetch_add_explicit(&j->shared_done, t1 - t0, memory_order_release);
+    }
+    while (atomic_load_explicit(&j->shared_done, memory_order_acquire) < j->n) sched_yield();
 }
 
 /* Threads claim work items from a shared counter, so a thread that starts
@@ -421,8 +452,14 @@ static void gemm_fn(void *arg, int tid, int nth) {
     (void)nth;
     const int64_t np = (j->w->rows + CV_NR - 1) / CV_NR;
     const int64_t n = j->n, mc = j->mc, pc = j->pc;
+    const int64_t cols = j->w->cols;
     float *xp = j->xpack ? j->xpack + (size_t)tid * j->xpack_floats : NULL;
-    int64_t packed_block = -1;
+    /* rows made by the prologue: once for all, or per thread and block (the
+     * driver checked that a block fits) */
+    if (j->shared) make_shared_rows(j);
+    float *xr = j->in.kind != CV_IN_X && !j->shared ? cv_cpu_gemm_rows_buf(j->cpu, tid, (size_t)(j->mc * cols))
+                                                    : NULL;
+    int64_t ready_block = -1;
     for (;;) {
         const int64_t it = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
         if (it >= j->n_items) break;
@@ -430,33 +467,56 @@ static void gemm_fn(void *arg, int tid, int nth) {
             const int64_t p0 = it * pc, p1 = p0 + pc < np ? p0 + pc : np;
             for (int64_t p = p0; p < p1; p++)
                 for (int64_t m0 = 0; m0 < n; m0 += mc)
-                    panel_pass(j, p, m0, m0 + mc < n ? mc : n - m0, j->kc, NULL);
+                    panel_pass(j, p, m0, m0 + mc < n ? mc : n - m0, j->kc, j->x + (size_t)(m0 * cols), NULL);
             continue;
         }
         const int64_t tb = it / j->n_pchunks, pi = it % j->n_pchunks;
         const int64_t m0 = tb * mc, mlen = m0 + mc < n ? mc : n - m0;
         const int64_t p0 = pi * pc, p1 = p0 + pc < np ? p0 + pc : np;
-        if (xp && packed_block != tb) {
-            if (j->pairs)
-                round_x_bf16((uint16_t *)(void *)xp, j->x, j->w->cols, j->kcols, m0, mlen, j->simd);
-            else
-                pack_x(xp, j->x, j->w->cols, m0, mlen, (mlen + CV_MR - 1) / CV_MR);
-            packed_block = tb;
+        const float *xb = xr ? xr : j->x + (size_t)(m0 * cols);
+        if (ready_block != tb) { /* a thread's consecutive items mostly share a block */
+            if (xr) cv_cpu_gemm_in_rows(&j->in, xr, m0, mlen, cols, j->simd);
+            if (xp && j->pairs)
+                round_x_bf16((uint16_t *)(void *)xp, xb, cols, j->kcols, mlen, j->simd);
+            else if (xp)
+                pack_x(xp, xb, cols, mlen, (mlen + CV_MR - 1) / CV_MR);
+            ready_block = tb;
         }
-        for (int64_t p = p0; p < p1; p++) panel_pass(j, p, m0, mlen, j->kc, xp);
+        for (int64_t p = p0; p < p1; p++) panel_pass(j, p, m0, mlen, j->kc, xb, xp);
     }
 }
 
 void cv_cpu_gemm(cv_backend *b, float *out, const float *x, int64_t n, const cv_matrix *w,
                  const float *bias, int accumulate) {
+    const cv_gemm_in in = {.kind = CV_IN_X, .src = x};
+    cv_cpu_gemm_in(b, out, &in, n, w, bias, accumulate, NULL);
+}
+
+void cv_cpu_rmsnorm_gemm(cv_backend *b, float *out, const float *x, const float *norm_weight, float eps,
+                         int64_t n, const cv_matrix *w, const float *bias, int accumulate, float *scratch) {
+    const cv_gemm_in in = {.kind = CV_IN_RMSNORM, .src = x, .gain = norm_weight, .eps = eps};
+    cv_cpu_gemm_in(b, out, &in, n, w, bias, accumulate, scratch);
+}
+
+void cv_cpu_swiglu_gemm(cv_backend *b, float *out, const float *gu, int64_t n, const cv_matrix *w,
+                        const float *bias, int accumulate, float *scratch) {
+    const cv_gemm_in in = {.kind = CV_IN_SWIGLU, .src = gu};
+    cv_cpu_gemm_in(b, out, &in, n, w, bias, accumulate, scratch);
+}
+
+/* The GEMM plan (blocking, loop order, packing and threads) depends only on
+ * the shapes, never on where the rows come from, so a fused call sums every
+ * output in the same order as the unfused one: bit-identical results. */
+void cv_cpu_gemm_in(cv_backend *b, float *out, const cv_gemm_in *in, int64_t n, const cv_matrix *w,
+                    const float *bias, int accumulate, float *scratch) {
     cv_cpu *c = cv_cpu_of(b);
     if (n <= 0 || w->rows <= 0) return;
     if (cv_dtype_is_quant(w->dtype)) {
-        cv_cpu_qgemm(b, out, x, n, w, bias, accumulate);
+        cv_cpu_qgemm_in(b, out, in, n, w, bias, accumulate, c->qlevel, scratch);
         return;
     }
-    gemm_job j = {.out = out, .x = x, .n = n, .w = w, .bias = bias, .accumulate = accumulate,
-                  .kc = c->gemm_kc, .xpack = c->gemm_xpack, .xpack_floats = c->gemm_xpack_floats};
+    gemm_job j = {.out = out, .x = in->src, .in = *in, .n = n, .w = w, .bias = bias, .accumulate = accumulate,
+                  .kc = c->gemm_kc, .xpack = c->gemm_xpack, .xpack_floats = c->gemm_xpack_floats, .cpu = c};
     /* tokens per block: an x block of about gemm_xblock floats, whole tiles */
     j.mc = (c->gemm_xblock / w->cols) / CV_MR * CV_MR;
     if (j.mc < CV_MR) j.mc = CV_MR;
@@ -514,6 +574,19 @@ void cv_cpu_gemm(cv_backend *b, float *out, const float *x, int64_t n, const cv_
     j.pc = pc;
     j.n_pchunks = (np + pc - 1) / pc;
     j.n_items = j.panels_outer ? j.n_pchunks : j.n_tblocks * j.n_pchunks;
+    /* Panels outermost, every thread reads all of x (from L3): rows made per
+     * thread would be made once per panel chunk, so the region first makes
+     * them once into scratch (also when a block does not fit the rows
+     * buffers: a matrix prepared by another backend). */
+    if (j.in.kind != CV_IN_X && (j.panels_outer || !cv_cpu_gemm_rows_buf(c, 0, (size_t)(j.mc * cols)))) {
+        j.shared = scratch;
+        j.x = scratch;
+        const int64_t chunk = n / (4 * (int64_t)nth);
+        j.shared_rows.n = n;
+        j.shared_rows.chunk = chunk > 0 ? chunk : 1;
+        atomic_init(&j.shared_rows.next, 0);
+        atomic_init(&j.shared_done, 0);
+    }
     atomic_init(&j.next, 0);
     /* Wake sleeping workers even for short calls: one that arrives too late
      * for this call finds it closed and then spins, ready for the next ones. */

@@ -176,6 +176,10 @@ int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dt
         c->qx = qx;
         c->qx_bytes = qx_bytes;
     }
+    if (cv_cpu_gemm_reserve(c, cols) < 0) { /* rows of a fused GEMM's prologue */
+        rc = cv_set_err(err, CV_ERR_NOMEM, "matrix_prepare: out of memory for activation scratch");
+        goto done;
+    }
     if (src_dtype == dtype) {
         memcpy(data, src, bytes);
     } else {
@@ -212,7 +216,9 @@ typedef struct qgemm_job {
     int accumulate;
     const cv_xq_block *xq; /* [nt][nb] */
     int64_t t0, nt, nb;
-    const float *x;        /* for the quantization region */
+    cv_gemm_in in;         /* the rows quantized by the quantization region */
+    const cv_cpu *cpu;     /* its per-thread rows buffers */
+    int simd;
     cv_xq_block *xq_w;
     cv_quantize_x_fn quantize;
     cv_qtiles k;
@@ -222,7 +228,15 @@ static void quantize_fn(void *arg, int tid, int nth) {
     qgemm_job *j = arg;
     const int64_t a = j->nt * tid / nth, z = j->nt * (tid + 1) / nth;
     const int64_t cols = j->w->cols;
-    for (int64_t t = a; t < z; t++) j->quantize(j->xq_w + t * j->nb, j->x + (j->t0 + t) * cols, cols);
+    float *row = j->in.kind != CV_IN_X ? cv_cpu_gemm_rows_buf(j->cpu, tid, (size_t)cols) : NULL;
+    for (int64_t t = a; t < z; t++) {
+        const float *x = j->in.src + (j->t0 + t) * cols;
+        if (row) { /* the prologue's row, made here and quantized at once */
+            cv_cpu_gemm_in_rows(&j->in, row, j->t0 + t, 1, cols, j->simd);
+            x = row;
+        }
+        j->quantize(j->xq_w + t * j->nb, x, cols);
+    }
 }
 
 /* Stores a rows x tokens tile v[r * tokens + t] at output rows r0.. of tokens t0.. */
@@ -264,14 +278,19 @@ static void rows_fn(void *arg, int tid, int nth) {
     }
 }
 
-void cv_cpu_qgemm_level(cv_backend *b, float *out, const float *x, int64_t n, const cv_matrix *w,
-                        const float *bias, int accumulate, cv_qlevel level) {
+void cv_cpu_qgemm_in(cv_backend *b, float *out, const cv_gemm_in *in, int64_t n, const cv_matrix *w,
+                     const float *bias, int accumulate, cv_qlevel level, float *scratch) {
     cv_cpu *c = cv_cpu_of(b);
     if (n <= 0 || w->rows <= 0) return;
     const int64_t nb = w->cols / CV_QK;
     /* the scratch is sized at prepare time for the widest matrix */
     cv_xq_block *xq = c->qx;
-    qgemm_job j = {.out = out, .w = w, .bias = bias, .accumulate = accumulate, .nb = nb, .x = x};
+    qgemm_job j = {.out = out, .w = w, .bias = bias, .accumulate = accumulate, .nb = nb, .in = *in, .cpu = c,
+                   .simd = c->simd};
+    if (in->kind != CV_IN_X && !cv_cpu_gemm_rows_buf(c, 0, (size_t)w->cols)) { /* prepared elsewhere */
+        cv_cpu_gemm_in_all(b, scratch, in, n, w->cols);
+        j.in = (cv_gemm_in){.kind = CV_IN_X, .src = scratch};
+    }
     tiles_for(w->dtype, level, &j.k);
     j.quantize = level != CV_QL_SCALAR && cv_quantize_x_avx2() ? cv_quantize_x_avx2() : cv_quantize_x;
     for (int64_t t0 = 0; t0 < n; t0 += QX_TOKENS) {
@@ -285,9 +304,10 @@ void cv_cpu_qgemm_level(cv_backend *b, float *out, const float *x, int64_t n, co
     }
 }
 
-void cv_cpu_qgemm(cv_backend *b, float *out, const float *x, int64_t n, const cv_matrix *w, const float *bias,
-                  int accumulate) {
-    cv_cpu_qgemm_level(b, out, x, n, w, bias, accumulate, cv_cpu_of(b)->qlevel);
+void cv_cpu_qgemm_level(cv_backend *b, float *out, const float *x, int64_t n, const cv_matrix *w,
+                        const float *bias, int accumulate, cv_qlevel level) {
+    const cv_gemm_in in = {.kind = CV_IN_X, .src = x};
+    cv_cpu_qgemm_in(b, out, &in, n, w, bias, accumulate, level, NULL);
 }
 
 /* ---- embedding rows ---------------------------------------------------------- */

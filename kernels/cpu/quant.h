@@ -63,8 +63,10 @@ cv_quantize_x_fn cv_quantize_x_avx2(void);
 /* gemm.c / backend_cpu.c hand quantized matrices and tables here. */
 int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dtype src_dtype, int64_t rows,
                            int64_t cols, cv_dtype dtype, cv_err *err);
-void cv_cpu_qgemm(cv_backend *b, float *out, const float *x, int64_t n, const cv_matrix *w, const float *bias,
-                  int accumulate);
+/* The GEMM of the rows `in` makes (gemm.c: cv_cpu_gemm_in) on a quantized
+ * matrix at `level`: each row is made where it is quantized. */
+void cv_cpu_qgemm_in(cv_backend *b, float *out, const cv_gemm_in *in, int64_t n, const cv_matrix *w,
+                     const float *bias, int accumulate, cv_qlevel level, float *scratch);
 /* cv_qlevel, cv_qlevel_best/name/supported and cv_cpu_qgemm_level (an explicit
  * level) are public: cpu_backend.h. */
 /* out[n][cols] = dequantized rows tokens[n] of a quantized table. */
