@@ -98,6 +98,16 @@ class Driver:
             return (m["priority"], m["arrival"], sid)
         return (m["arrival"], sid)
 
+    def priority_preemptions(self, pre, running_before, queue_before):
+        """1 when the step's first preemption made room for a better-ranked waiting
+        sequence (priority policy: the worst running one, ranked strictly below the
+        queue's head), which does not stop admissions; else 0."""
+        if self.policy != "priority" or not pre or not queue_before or not running_before:
+            return 0
+        worst = max(running_before, key=self.victim_key)
+        head = queue_before[0]
+        return int(pre[0] == worst and self.meta[worst]["priority"] > self.meta[head]["priority"])
+
     def ordered_queue(self):
         if self.policy == "priority":
             return sorted(self.queue, key=lambda sid: order_key(self.meta[sid], sid))
@@ -131,6 +141,7 @@ class Driver:
             assert info["status"] == "waiting" and info["n_computed"] == 0 and info["block_table"] == []
 
         # admission order: the admitted are a prefix of the waiting queue
+        n_prio = self.priority_preemptions(pre, running_before, queue_before)
         if self.policy == "static":
             admitted = []
             if not running_before:
@@ -143,12 +154,13 @@ class Driver:
             assert admitted == queue_before[: len(admitted)]
             k = len(ids) - len(admitted)
             assert all(sid in running_before for sid in ids[:k])  # running ones first
-            if pre:
-                assert not admitted  # no admission in a step that preempted
+            if len(pre) > n_prio:
+                assert not admitted  # no admission in a step that preempted for blocks
         def is_decode(info):
             return info["n_computed"] >= info["n_prompt"] and info["n_tokens"] - info["n_computed"] == 1
 
-        decoding = any(is_decode(before[sid]) for sid in running_before)
+        # a priority preemption comes before the step is planned: its victim does not decode in it
+        decoding = any(is_decode(before[sid]) for sid in running_before if sid not in pre[:n_prio])
         prefill = sum(n for sid, n in zip(ids, new) if not is_decode(before[sid]))
         capped = self.prefill_cap > 0 and decoding
         if capped:  # stall-free mixed steps: prompt work is capped while sequences decode
@@ -610,6 +622,36 @@ def test_priority_policy_admits_by_priority():
         for sid in plan["seq_ids"]:
             s.finish(sid, "length")
     assert order == [2, 1, 3]
+
+
+def _decode_step(s):
+    plan = s.schedule()
+    s.commit()
+    for sid in plan["seq_ids"]:
+        info = s.seq_info(sid)
+        if info["n_computed"] == info["n_tokens"]:
+            s.append_token(sid, 0)
+    return plan
+
+
+def test_priority_policy_preempts_a_worse_running_sequence_for_a_better_waiting_one():
+    s = Scheduler(num_blocks=200, block_size=4, max_num_seqs=1, max_num_batched_tokens=64,
+                  max_model_len=64, policy="priority")
+    s.add(1, [1] * 4, 40, priority=5)
+    for _ in range(3):
+        assert _decode_step(s)["seq_ids"] == [1]
+    s.add(2, [2] * 4, 40, priority=5)  # equal priority: waits for the seat
+    plan = _decode_step(s)
+    assert plan["seq_ids"] == [1] and plan["preempted"] == []
+    s.add(3, [3] * 4, 40, priority=0)  # better: takes the only seat
+    plan = _decode_step(s)
+    assert plan["preempted"] == [1] and plan["seq_ids"] == [3]  # in the same step
+    info = s.seq_info(1)
+    assert info["status"] == "waiting" and info["n_computed"] == 0 and info["n_preemptions"] == 1
+    s.finish(3, "length")
+    # then the preempted one (earlier arrival) before the other priority-5 one
+    assert _decode_step(s)["seq_ids"] == [1]
+    s.check()
 
 
 def test_preemption_newest_first_and_lone_sequence_progresses():

@@ -530,6 +530,25 @@ static int64_t prefill_allowance(const cv_scheduler *s) {
     return INT64_MAX;
 }
 
+/* Priority policy: when the best waiting sequence ranks strictly above the
+ * worst running one and cannot start for want of a seat or of blocks for its
+ * first chunk, the worst running one is preempted (it recomputes later), as
+ * vLLM does, so a high-priority arrival does not wait for low-priority work to
+ * end. One a step, and the same step admits the waiting one. Equal priorities
+ * never preempt each other, so two sequences cannot take turns evicting. */
+static const cv_sequence *priority_preempt(cv_scheduler *s, int64_t *n_pre) {
+    if (s->cfg.policy != CV_SCHED_PRIORITY || s->n_running == 0) return NULL;
+    const cv_sequence *head = wait_peek(s);
+    cv_sequence *worst = s->running[s->n_running - 1];
+    if (!head || worst->priority <= head->priority) return NULL;
+    int64_t chunk = head->n_tokens - head->n_computed;
+    if (chunk > s->cfg.max_num_batched_tokens) chunk = s->cfg.max_num_batched_tokens;
+    const int64_t need = blocks_for(s, head->n_computed + chunk) - head->n_blocks;
+    if (s->n_running < s->cfg.max_num_seqs && need <= cv_block_pool_num_free(s->pool)) return NULL;
+    preempt(s, worst, n_pre);
+    return worst;
+}
+
 int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out) {
     int rc = CV_OK;
     const int chunked = s->cfg.enable_chunked_prefill;
@@ -539,6 +558,9 @@ int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out) {
 
     if (s->cfg.policy == CV_SCHED_STATIC && s->n_running == 0 && s->n_waiting > 0)
         rc = static_admit(s);
+    /* it makes room for admissions, so it does not stop them; its victim waits a step */
+    const cv_sequence *victim = priority_preempt(s, &n_pre);
+    const int64_t n_pre_priority = n_pre;
     int64_t prefill_left = prefill_allowance(s);
 
     /* Running sequences first, in order: each gets its remaining tokens. */
@@ -582,9 +604,10 @@ int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out) {
 
     /* Then waiting ones, in queue order, while budget, seat and blocks allow.
      * Stops at the first that does not fit: O(admitted), never O(waiting). */
-    while (rc == CV_OK && n_pre == 0 && s->cfg.policy != CV_SCHED_STATIC && budget > 0 &&
+    while (rc == CV_OK && n_pre == n_pre_priority && s->cfg.policy != CV_SCHED_STATIC && budget > 0 &&
            prefill_left > 0 && s->n_running < s->cfg.max_num_seqs && s->n_waiting > 0) {
         cv_sequence *q = wait_peek(s);
+        if (q == victim) break; /* preempted this step: it cannot also run in it */
         int64_t n_hits = 0, n_free_hits = 0;
         int fresh = q->n_blocks == 0;
         if (fresh) n_hits = prefix_lookup(s, q, &n_free_hits);

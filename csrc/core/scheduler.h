@@ -10,7 +10,9 @@
 
 typedef enum cv_sched_policy {
     CV_SCHED_CONTINUOUS = 0, /* FCFS continuous batching */
-    CV_SCHED_PRIORITY = 1,   /* continuous, waiting queue ordered by (priority, arrival) */
+    CV_SCHED_PRIORITY = 1,   /* continuous, waiting queue ordered by (priority, arrival);
+                              * a better-ranked waiting sequence that cannot start
+                              * preempts the worst-ranked running one */
     CV_SCHED_STATIC = 2      /* admit only when nothing runs; run the batch to completion */
 } cv_sched_policy;
 

@@ -191,7 +191,9 @@ class AsyncLLM(EngineFrontend):
         last one with output_kind="final_only". Closing or cancelling the
         iterator aborts the request and frees its KV blocks.
 
-        priority: under scheduling="priority", lower values are scheduled first.
+        priority: under scheduling="priority", lower values are scheduled first, and a
+        waiting request that outranks a running one preempts it when no seat or KV
+        blocks are free.
         timeout: seconds from arrival; past it the request ends with
         finish_reason "timeout" and its KV blocks return to the pool.
         Raises EngineOverloadedError when max_queued_requests requests wait."""
