@@ -205,7 +205,7 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=None)
     g.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None,
-                   help="prompt tokens per step while sequences decode (default 64 on the CPU, 512 on CUDA; 0: "
+                   help="prompt tokens per step while sequences decode (default 96 on the CPU, 512 on CUDA; 0: "
                         "no cap)")
     return p
 
