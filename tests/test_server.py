@@ -45,8 +45,9 @@ def server():
 
 @pytest.fixture(scope="module")
 def limited():
-    """Needs a key; one running sequence at a time and no waiting room."""
-    s = Server("--api-key", "sekrit", "--max-queued-requests", "1", "--max-num-seqs", "1")
+    """Needs a key; one running sequence at a time and no waiting room; uvicorn's pure-Python
+    HTTP implementation (the default server has httptools, the server extra installs it)."""
+    s = Server("--api-key", "sekrit", "--max-queued-requests", "1", "--max-num-seqs", "1", "--http", "h11")
     yield s
     s.stop()
 
@@ -381,6 +382,33 @@ def test_401_auth(limited):
         r = c.post("/v1/completions", json=body, headers={"Authorization": "Bearer sekrit"})
         assert r.status_code == 200
         assert c.get("/health").status_code == 200
+
+
+def test_stream_over_h11_matches_the_default_server(limited, http, model_name, llm):
+    """The same streamed completion from the h11 server and the default one: the same events."""
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.Client(base_url=limited.url, timeout=30.0, trust_env=False,
+                      headers={"Authorization": "Bearer sekrit"}) as c:
+        r = c.post("/v1/completions", json=body)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    h11_events = sse_events(r.text)
+    default_events = sse_events(http.post("/v1/completions", json=body).text)
+
+    def strip(events):
+        return [{k: v for k, v in e.items() if k not in ("id", "created")} for e in events]
+
+    assert strip(h11_events) == strip(default_events)
+    assert "".join(e["choices"][0]["text"] for e in h11_events if e["choices"]) == \
+        greedy(llm, PROMPT, 12).outputs[0].text
+
+
+def test_serve_http_choice_is_checked():
+    from conveyor.serve import make_parser
+
+    assert make_parser().parse_args(["m.bin"]).http == "auto"
+    with pytest.raises(SystemExit):
+        make_parser().parse_args(["m.bin", "--http", "h2"])
 
 
 def test_503_when_queue_is_full(limited):

@@ -187,6 +187,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="comma-separated origins allowed by CORS ('*' for any; default: no CORS)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", action="store_true", help="do not log each HTTP request")
+    p.add_argument("--http", default="auto", choices=["auto", "httptools", "h11"],
+                   help="HTTP/1.1 implementation (default: httptools when installed, as the server extra "
+                        "does; h11, pure Python, costs more CPU per streamed chunk)")
     g = p.add_argument_group("engine")
     g.add_argument("--tokenizer", default=None)
     g.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
@@ -283,7 +286,7 @@ def main(argv=None) -> int:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.no_access_log,
-                            timeout_graceful_shutdown=5)
+                            http=args.http, timeout_graceful_shutdown=5)
     print(f"conveyor serve: serving {name} at http://{shown}:{port}/v1", file=sys.stderr, flush=True)
     import signal
 
