@@ -138,6 +138,15 @@ struct cv_backend {
     void (*swiglu_gemm)(cv_backend *b, float *out, const float *gu, int64_t n, const cv_matrix *w,
                         const float *bias, int accumulate, float *scratch);
 
+    /* --- host work ------------------------------------------------------ */
+    /* Calls fn(arg, i, worker) once for every i in [0, n) on up to
+     * host_workers threads of the host (worker in [0, host_workers)) and
+     * returns when all calls have finished. Items are claimed one at a time,
+     * so fn must not depend on which worker runs which item. NULL (and
+     * host_workers 0): the caller runs them itself, in order, as worker 0. */
+    void (*host_parallel)(cv_backend *b, int64_t n, void (*fn)(void *arg, int64_t i, int worker), void *arg);
+    int host_workers;
+
     /* Waits for queued device work (no-op on the CPU). */
     void (*sync)(cv_backend *b);
     /* Free and total memory of the device in bytes (may be NULL: the engine

@@ -137,8 +137,20 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
         rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory for the prompt-logprob rows");
         goto fail;
     }
-    e->sampler = cv_sampler_create(e->vocab);
-    if (!e->sampler) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory for the sampler"); goto fail; }
+    e->n_samplers = e->backend->host_parallel && e->backend->host_workers > 1 ? e->backend->host_workers : 1;
+    if (e->n_samplers > e->max_num_seqs) e->n_samplers = (int)e->max_num_seqs;
+    e->samplers = calloc((size_t)e->n_samplers, sizeof *e->samplers);
+    e->row_list = malloc((size_t)e->max_num_seqs * sizeof *e->row_list);
+    e->row_token = malloc((size_t)e->max_num_seqs * sizeof *e->row_token);
+    e->row_info = malloc((size_t)e->max_num_seqs * sizeof *e->row_info);
+    if (!e->samplers || !e->row_list || !e->row_token || !e->row_info) {
+        rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory for the sampler");
+        goto fail;
+    }
+    for (int i = 0; i < e->n_samplers; i++) {
+        e->samplers[i].sampler = cv_sampler_create(e->vocab);
+        if (!e->samplers[i].sampler) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory for the sampler"); goto fail; }
+    }
 
     if ((rc = cv_detok_init(&e->detok, e->vocab, cfg, mc, err))) goto fail;
     if (cv_mask_box_init(&e->masks, e->vocab)) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory"); goto fail; }
@@ -174,14 +186,20 @@ void cv_engine_destroy(cv_engine *e) {
     while (r) { cv_request *nx = r->next; cv_request_free(r); r = nx; }
     /* Sequences were freed with their requests; the scheduler holds no memory of them. */
     cv_scheduler_destroy(e->sched);
-    cv_sampler_destroy(e->sampler);
+    for (int i = 0; e->samplers && i < e->n_samplers; i++) {
+        cv_sampler_destroy(e->samplers[i].sampler);
+        free(e->samplers[i].banned);
+    }
+    free(e->samplers);
+    free(e->row_list);
+    free(e->row_token);
+    free(e->row_info);
     cv_runner_free(&e->runner);
     if (e->ws_ready) cv_forward_ws_free(&e->ws, e->model);
     cv_kv_cache_free(&e->kv, e->backend);
     cv_model_free(e->model);
     if (e->backend) e->backend->destroy(e->backend);
     cv_detok_free(&e->detok);
-    free(e->banned);
     if (e->masks_ready) cv_mask_box_free(&e->masks);
     free(e->mask_scratch);
     free(e->mask_failed);

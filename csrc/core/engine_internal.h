@@ -47,6 +47,14 @@ typedef struct cv_request {
     struct cv_request *prev, *next; /* active list, or inbox list */
 } cv_request;
 
+/* One sampling thread's scratch: rows of a step are sampled in parallel on
+ * the backend's host workers, each with its own sampler. */
+typedef struct cv_sample_worker {
+    cv_sampler *sampler;
+    int32_t *banned;       /* [n_eos + stop ids] (banned_cap) */
+    size_t banned_cap;
+} cv_sample_worker;
+
 struct cv_engine {
     /* fixed after create */
     int64_t vocab, max_model_len, max_num_seqs, max_tokens_step, block_size;
@@ -60,12 +68,14 @@ struct cv_engine {
     cv_runner runner;
     cv_forward_ws ws;
     int ws_ready;
-    cv_sampler *sampler;
+    cv_sample_worker *samplers; /* [n_samplers]: one per host worker of the backend */
+    int n_samplers;
+    int32_t *row_list;          /* [max_num_seqs] rows of this step sampled now */
+    int32_t *row_token;         /* [max_num_seqs] their tokens, by row */
+    cv_sample_info *row_info;   /* [max_num_seqs] their logprobs, by row */
     int32_t *pl_rows;      /* [max_num_seqs] prompt-logprob rows of one LM-head group */
     cv_request **pl_req;   /* [max_num_seqs] their requests */
     int64_t *pl_pos;       /* [max_num_seqs] the prompt position each row predicts */
-    int32_t *banned;       /* [n_eos + stop ids] scratch (banned_cap) */
-    size_t banned_cap;
     /* guided decoding: masks posted by the grammar's thread */
     cv_mask_box masks;
     int masks_ready;

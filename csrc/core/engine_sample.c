@@ -6,15 +6,16 @@
 #include <string.h>
 
 /* The tokens min_tokens still holds off for completion st (EOS unless
- * ignore_eos, and the stop tokens), in e->banned; returns how many. */
-static int64_t banned_tokens(cv_engine *e, const cv_request *r, const seq_state *st) {
+ * ignore_eos, and the stop tokens), in w->banned; returns how many. */
+static int64_t banned_tokens(const cv_engine *e, cv_sample_worker *w, const cv_request *r,
+                             const seq_state *st) {
     if (st->n_out >= r->p.min_tokens) return 0;
     size_t need = (size_t)(e->detok.n_eos + r->p.n_stop_token_ids);
-    if (!cv_grow((void **)&e->banned, &e->banned_cap, need, sizeof *e->banned)) return 0;
+    if (!cv_grow((void **)&w->banned, &w->banned_cap, need, sizeof *w->banned)) return 0;
     int64_t n = 0;
     if (!r->p.ignore_eos)
-        for (int i = 0; i < e->detok.n_eos; i++) e->banned[n++] = e->detok.eos_ids[i];
-    for (int i = 0; i < r->p.n_stop_token_ids; i++) e->banned[n++] = r->stop_token_ids[i];
+        for (int i = 0; i < e->detok.n_eos; i++) w->banned[n++] = e->detok.eos_ids[i];
+    for (int i = 0; i < r->p.n_stop_token_ids; i++) w->banned[n++] = r->stop_token_ids[i];
     return n;
 }
 
@@ -43,30 +44,72 @@ int64_t cv_apply_guided_masks(cv_engine *e, const cv_sched_output *plan) {
     return n_guided;
 }
 
+/* Whether this step samples logits row `row` in the pass for guided (or
+ * unguided) requests: its completion is still running and, if guided, got
+ * its mask. */
+static int samples_row(const cv_engine *e, const cv_sched_output *plan, int64_t row, int guided) {
+    cv_sequence *s = plan->seqs[e->runner.sample_plan_index[row]];
+    cv_request *r = s->owner;
+    if ((r->p.guided != 0) != guided) return 0;
+    if (r->ss[cv_request_completion_index(r, s)].finished) return 0;
+    return !(guided && e->mask_failed[row]);
+}
+
+typedef struct sample_job {
+    cv_engine *e;
+    const cv_sched_output *plan;
+} sample_job;
+
+/* Draws the token of row e->row_list[k] with the worker's own sampler. A row
+ * reads only its own logits, request parameters, sequence and random stream,
+ * so rows may run on any thread in any order with the same results.
+ * worker < n_samplers: host_parallel runs at most min(rows, host_workers)
+ * threads, and rows <= max_num_seqs. */
+static void sample_row(void *arg, int64_t k, int worker) {
+    sample_job *j = arg;
+    cv_engine *e = j->e;
+    cv_sample_worker *w = &e->samplers[worker];
+    const int64_t row = e->row_list[k];
+    cv_sequence *s = j->plan->seqs[e->runner.sample_plan_index[row]];
+    cv_request *r = s->owner;
+    seq_state *st = &r->ss[cv_request_completion_index(r, s)];
+    int64_t n_banned = banned_tokens(e, w, r, st);
+    e->row_token[row] = cv_sampler_sample(w->sampler, e->ws.logits_host + row * e->vocab, &r->p.sp, s->tokens,
+                                          r->n_prompt, s->tokens + r->n_prompt, s->n_tokens - r->n_prompt,
+                                          w->banned, n_banned, &st->rng, &e->row_info[row]);
+}
+
+/* A step's rows are worth waking the host workers for when they hold this
+ * many logits in all (a 49k vocabulary takes ~0.1 ms a row); a few small
+ * rows are not. */
+#define PARALLEL_SAMPLE_FLOATS ((int64_t)1 << 17)
+
 /* Samples one token for every logits row of the step whose request is guided
- * (or not, per `guided`) and accepts it (stops, detokenization, events).
- * Caller holds out_lock. */
+ * (or not, per `guided`) and accepts it (stops, detokenization, events):
+ * first every row's draw, in parallel on the backend's host workers, then the
+ * acceptances in row order. Caller holds out_lock. */
 void cv_sample_batch(cv_engine *e, const cv_sched_output *plan, int guided) {
     const cv_batch *bt = &e->runner.batch;
+    int64_t n = 0;
+    for (int64_t row = 0; row < bt->n_logits; row++)
+        if (samples_row(e, plan, row, guided)) e->row_list[n++] = (int32_t)row;
+    sample_job job = {e, plan};
+    if (e->n_samplers > 1 && n > 1 && n * e->vocab >= PARALLEL_SAMPLE_FLOATS)
+        e->backend->host_parallel(e->backend, n, sample_row, &job);
+    else
+        for (int64_t k = 0; k < n; k++) sample_row(&job, k, 0);
     for (int64_t row = 0; row < bt->n_logits; row++) {
         cv_sequence *s = plan->seqs[e->runner.sample_plan_index[row]];
         cv_request *r = s->owner;
         if ((r->p.guided != 0) != guided) continue;
         int idx = cv_request_completion_index(r, s);
-        seq_state *st = &r->ss[idx];
-        if (st->finished) continue;
-        float *logits = e->ws.logits_host + row * e->vocab;
+        if (r->ss[idx].finished) continue;
         if (guided && e->mask_failed[row]) {
             cv_request_finish_completion(e, r, idx, CV_FINISH_ABORT, CV_STOP_NONE, -1, NULL);
             continue;
         }
-        int64_t n_banned = banned_tokens(e, r, st);
-        cv_sample_info info;
-        int32_t t = cv_sampler_sample(e->sampler, logits, &r->p.sp, s->tokens, r->n_prompt,
-                                      s->tokens + r->n_prompt, s->n_tokens - r->n_prompt, e->banned,
-                                      n_banned, &st->rng, &info);
         if (r->first_token == 0) r->first_token = cv_now();
-        cv_request_accept_token(e, r, idx, t, &info);
+        cv_request_accept_token(e, r, idx, e->row_token[row], &e->row_info[row]);
     }
 }
 

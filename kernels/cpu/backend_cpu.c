@@ -81,6 +81,32 @@ static void cpu_copy(cv_backend *b, void *dst, const void *src, size_t bytes) {
 
 static void cpu_sync(cv_backend *b) { (void)b; }
 
+/* host_parallel: items claimed one at a time from a shared counter. */
+typedef struct host_job {
+    _Alignas(64) atomic_llong next;
+    int64_t n;
+    void (*fn)(void *arg, int64_t i, int worker);
+    void *arg;
+} host_job;
+
+static void host_items(void *p, int tid, int nth) {
+    (void)nth;
+    host_job *j = p;
+    for (;;) {
+        const int64_t i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (i >= j->n) return;
+        j->fn(j->arg, i, tid);
+    }
+}
+
+static void cpu_host_parallel(cv_backend *b, int64_t n, void (*fn)(void *arg, int64_t i, int worker),
+                              void *arg) {
+    if (n <= 0) return;
+    host_job j = {.n = n, .fn = fn, .arg = arg};
+    atomic_init(&j.next, 0);
+    cv_pool_run_dynamic(cv_cpu_of(b)->pool, n < INT32_MAX ? (int)n : 0, host_items, &j, 1);
+}
+
 int cv_cpu_check_prepare(const char *what, const char *noun, const void *src, cv_dtype src_dtype,
                          int64_t rows, int64_t cols, cv_dtype dtype, cv_err *err) {
     if (!src || rows <= 0 || cols <= 0)
@@ -332,6 +358,8 @@ cv_backend *cv_cpu_backend_create_simd(int num_threads, const char *simd, cv_err
     b->rope_kv_write = cv_cpu_rope_kv_write;
     b->rmsnorm_gemm = cv_cpu_rmsnorm_gemm;
     b->swiglu_gemm = cv_cpu_swiglu_gemm;
+    b->host_parallel = cpu_host_parallel;
+    b->host_workers = c->nthreads;
     b->sync = cpu_sync;
     b->destroy = cpu_destroy;
     return b;
