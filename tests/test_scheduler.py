@@ -407,18 +407,24 @@ def test_cached_blocks_evicted_lru_and_prefix_last():
     assert s.seq_info(5)["n_cached_prompt"] == 4
 
 
+def _decode_step(s, token: int = 0):
+    """One step: schedule, commit, and a new token for every sequence past its prompt."""
+    plan = s.schedule()
+    s.commit()
+    for sid in plan["seq_ids"]:
+        info = s.seq_info(sid)
+        if info["n_computed"] == info["n_tokens"]:
+            s.append_token(sid, token)
+    return plan
+
+
 def test_chunked_prefill_interleaves_with_decodes():
     s = Scheduler(num_blocks=200, block_size=4, max_num_seqs=8, max_num_batched_tokens=16,
                   max_model_len=128)
     for i in range(3):
         s.add(i, [i + 1] * 5, 50)
     for _ in range(3):  # prefill them, then they decode
-        plan = s.schedule()
-        s.commit()
-        for sid in plan["seq_ids"]:
-            info = s.seq_info(sid)
-            if info["n_computed"] == info["n_tokens"]:
-                s.append_token(sid, 1)
+        _decode_step(s, 1)
     assert all(s.seq_info(i)["status"] == "running" for i in range(3))
     s.add(99, list(range(60)), 4)  # a long prompt: 60 tokens, budget 16
     chunks = []
@@ -622,16 +628,6 @@ def test_priority_policy_admits_by_priority():
         for sid in plan["seq_ids"]:
             s.finish(sid, "length")
     assert order == [2, 1, 3]
-
-
-def _decode_step(s):
-    plan = s.schedule()
-    s.commit()
-    for sid in plan["seq_ids"]:
-        info = s.seq_info(sid)
-        if info["n_computed"] == info["n_tokens"]:
-            s.append_token(sid, 0)
-    return plan
 
 
 def test_priority_policy_preempts_a_worse_running_sequence_for_a_better_waiting_one():
