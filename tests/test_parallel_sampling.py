@@ -41,10 +41,10 @@ def record(out):
 
 
 def same(a, b):
-    """Equal tokens and top ids; logprobs within 1e-5: a request alone runs its rows
-    through the GEMV, in a batch through the GEMM micro-kernel, whose sums differ in
-    the last bit of the logits (measured 1e-6 in the logprobs, with or without
-    parallel sampling)."""
+    """Equal tokens and top ids; logprobs within 1e-5: a request's logits alone and in
+    a batch differ in the last bit (the single-row and batched GEMM paths sum in
+    different orders), measured 1e-6 in the logprobs, with parallel sampling and
+    without it (one thread)."""
     assert len(a) == len(b)
     for (ta, ia, la), (tb, ib, lb) in zip(a, b):
         assert (ta, ia) == (tb, ib)
