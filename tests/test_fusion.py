@@ -18,6 +18,8 @@ import pytest
 
 core = pytest.importorskip("conveyor._core")
 
+from conveyor.testing import bf16_bits_to_f32, f32_to_bf16_bits, round_to_dtype  # noqa: E402
+
 INFO = core.kernel_info()
 LEVELS = ("avx2", "avx512", "avx512_bf16")
 IMPLS = ["simd", "plain"] + [lv for lv in LEVELS if lv in INFO["levels"] and lv != INFO["simd"]]
@@ -27,24 +29,6 @@ QTYPES = ["q8_0", "q4_0", "q4_1"]
 # (rows, cols): few panels (rows read in place), and enough panels for one
 # thread to pack x (>= 48 panels of 16 rows)
 SHAPES = [(33, 67), (777, 45)]
-
-
-def bf16_bits(a):
-    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def bf16_to_f32(bits):
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
-def rounded(w, wdt):
-    """The weights as the kernels see them (float32 values)."""
-    if wdt == "float16":
-        return w.astype(np.float16).astype(np.float32)
-    if wdt == "bfloat16":
-        return bf16_to_f32(bf16_bits(w))
-    return w
 
 
 def rmsnorm_ref(x, g, eps):
@@ -89,7 +73,7 @@ def check_gemms(impls, shapes, ns, wdtypes, threads=(1, 2), seed=0):
                             np.testing.assert_array_equal(fused_h, plain_h, err_msg=f"swiglu {what}")
                         if quant:
                             continue
-                        wr = rounded(w, wdt).astype(np.float64)
+                        wr = round_to_dtype(w, wdt).astype(np.float64)
                         for got, act in ((fused, rmsnorm_ref(x, g, eps)), (fused_h, swiglu_ref(gu))):
                             ref = act @ wr.T + bias + acc
                             scale = np.abs(act) @ np.abs(wr).T + np.abs(bias) + np.abs(acc)
@@ -135,7 +119,7 @@ def test_fused_gemms_every_loop_order(env):
 
 def to_cache(a, cdt):
     if cdt == "bfloat16":
-        return bf16_bits(a)
+        return f32_to_bf16_bits(a)
     return np.ascontiguousarray(a, dtype=np.float16 if cdt == "float16" else np.float32)
 
 
@@ -193,7 +177,7 @@ def test_rope_kv_write_equals_rope_then_kv_write(cdt, layout, hd, nh, nkv):
                 k0 = base[:, nh * hd:(nh + nkv) * hd].reshape(n, nkv, hd)
                 np.testing.assert_allclose(buf[:, : nh * hd].reshape(n, nh, hd),
                                            rope_ref(q0, pos, inv_freq, layout), rtol=1e-5, atol=1e-5)
-                kf = bf16_to_f32(kc) if cdt == "bfloat16" else kc.astype(np.float32)
+                kf = bf16_bits_to_f32(kc) if cdt == "bfloat16" else kc.astype(np.float32)
                 rk = rope_ref(k0, pos, inv_freq, layout)
                 for t in range(n):
                     s = slots[t]
