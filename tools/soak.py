@@ -28,7 +28,6 @@ import asyncio
 import ctypes
 import gc
 import json
-import os
 import random
 import re
 import sys
@@ -38,6 +37,7 @@ from pathlib import Path
 from typing import Optional
 
 from conveyor.bench.serve import OwnServer
+from conveyor.bench.serve_load import rss_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "shared/models/stories260K/stories260K.bin"
@@ -48,11 +48,6 @@ TIGHT_MAX_MODEL_LEN = 128  # so one request always fits in the tight pool
 
 
 # ---------------------------------------------------------------------------- memory
-
-def rss_bytes(pid="self") -> int:
-    with open(f"/proc/{pid}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
 
 def settle_memory():
     """Collects garbage and hands free heap pages back to the OS, so that RSS shows
@@ -321,7 +316,10 @@ class ServerProc(OwnServer):
         return out
 
     def rss(self) -> int:
-        return rss_bytes(self.proc.pid)
+        rss = rss_bytes(self.proc.pid)
+        if rss is None:
+            raise RuntimeError(f"the server (pid {self.proc.pid}) is gone")
+        return rss
 
 
 async def _one_http(client, p: Plan, tally: Tally, watchdog: float):

@@ -22,7 +22,7 @@ import os
 import socket
 import sys
 import time
-from typing import Optional
+from typing import Optional, Union
 from urllib.parse import urlsplit
 
 ENGINE_THREADS = ("cv-engine", "cv-worker")  # thread names the C core gives its threads
@@ -60,16 +60,13 @@ def cpu_delta(before: dict, after: dict) -> dict:
     return {k: after[k] - before[k] for k in before}
 
 
-def rss_bytes(pid: int) -> Optional[int]:
-    """Resident memory of process pid (VmRSS), or None once it is gone."""
+def rss_bytes(pid: Union[int, str] = "self") -> Optional[int]:
+    """Resident memory of process pid (this one by default), or None once it is gone."""
     try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
-        pass
-    return None
+        return None
 
 
 # ---------------------------------------------------------------------------- records
