@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -409,6 +410,15 @@ def test_serve_http_choice_is_checked():
     assert make_parser().parse_args(["m.bin"]).http == "auto"
     with pytest.raises(SystemExit):
         make_parser().parse_args(["m.bin", "--http", "h2"])
+
+
+def test_serve_http_httptools_missing_is_one_line(monkeypatch, capsys):
+    from conveyor.serve import main
+
+    monkeypatch.setitem(sys.modules, "httptools", None)  # as if not installed
+    assert main(["m.bin", "--http", "httptools"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("conveyor serve: error:") and "httptools is missing" in err
 
 
 def test_503_when_queue_is_full(limited):

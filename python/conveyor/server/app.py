@@ -231,6 +231,8 @@ def main(argv=None) -> int:
     try:
         import uvicorn
         import starlette  # noqa: F401
+        if args.http == "httptools":
+            import httptools  # noqa: F401
     except ImportError as e:
         print(f"conveyor serve: error: needs the server extra ({e.name} is missing): "
               "pip install 'conveyor[server]'",
