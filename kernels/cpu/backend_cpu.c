@@ -269,6 +269,18 @@ static int64_t env_int(const char *name, int64_t def, int64_t lo, int64_t hi) {
     return v < lo ? lo : (v > hi ? hi : v);
 }
 
+int cv_cpu_att_partials_reserve(cv_cpu *c, size_t units) {
+    if (units <= c->att_partial_units) return CV_OK;
+    size_t bytes;
+    if (!cv_mul_size(units, c->att_partial_floats * sizeof(float), &bytes)) return CV_ERR_NOMEM;
+    float *p = aligned_alloc(64, bytes);
+    if (!p) return CV_ERR_NOMEM;
+    free(c->att_partials);
+    c->att_partials = p;
+    c->att_partial_units = units;
+    return CV_OK;
+}
+
 static void cpu_destroy(cv_backend *b) {
     if (!b) return;
     cv_cpu *c = b->ctx;
@@ -324,7 +336,8 @@ cv_backend *cv_cpu_backend_create_simd(int num_threads, const char *simd, cv_err
     c->att_scratch_floats = cv_cpu_att_scratch_floats();
     c->att_partial_floats = cv_cpu_att_partial_floats();
     c->att_scratch = aligned_alloc(64, nt * c->att_scratch_floats * sizeof(float));
-    c->att_partials = aligned_alloc(64, 4 * nt * c->att_partial_floats * sizeof(float));
+    c->att_partial_units = 4 * nt;
+    c->att_partials = aligned_alloc(64, c->att_partial_units * c->att_partial_floats * sizeof(float));
     c->att_counters = calloc(2 * nt, sizeof *c->att_counters);
     c->l2_bytes = cache_size(3, 1 << 20);
     c->l3_bytes = cache_size(4, 8 << 20);
