@@ -331,6 +331,10 @@ static void cpu_destroy(cv_backend *b) {
     free(b);
 }
 
+void cv_cpu_backend_set_exact_activations(cv_backend *b, int exact) {
+    if (is_cpu(b)) cv_cpu_of(b)->exact_activations = exact != 0;
+}
+
 cv_backend *cv_cpu_backend_create(int num_threads, int force_scalar, cv_err *err) {
     return cv_cpu_backend_create_simd(num_threads, force_scalar ? "scalar" : NULL, err);
 }

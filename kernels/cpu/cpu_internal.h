@@ -72,6 +72,7 @@ typedef struct cv_cpu {
     void *qx;                /* quantized activations of a token block (quant.c) */
     size_t qx_bytes;
     int qlevel;              /* cv_qlevel of the quantized kernels */
+    int exact_activations;   /* 1: no bf16 rounding of GEMM inputs (no vdpbf16ps path) */
 } cv_cpu;
 
 static inline cv_cpu *cv_cpu_of(cv_backend *b) { return (cv_cpu *)b->ctx; }

@@ -28,7 +28,7 @@
  * panel p is [cols_pad/2][16][2], cols_pad = cols rounded up to even (the
  * pad column is zero). Other matrices: [cols][16] (bf16 in slot order). */
 static inline int uses_pairs(const cv_cpu *c, cv_dtype dt) {
-    return CV_HAVE_AVX512 && c->simd >= CV_SIMD_AVX512_BF16 && dt == CV_BF16;
+    return CV_HAVE_AVX512 && c->simd >= CV_SIMD_AVX512_BF16 && dt == CV_BF16 && !c->exact_activations;
 }
 static inline int64_t panel_cols(const cv_cpu *c, cv_dtype dt, int64_t cols) {
     return uses_pairs(c, dt) ? (cols + 1) & ~(int64_t)1 : cols;

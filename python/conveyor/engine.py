@@ -92,6 +92,10 @@ class EngineArgs:
     seed: int = 0
     gpu_memory_utilization: float = 0.9
     quantization: Optional[str] = None  # "q8_0" | "q4_0" | "q4_1": quantize the matrices at load
+    # GEMM inputs over bf16 weights on the CPU. "auto": rounded to bf16 where the CPU has
+    # vdpbf16ps (AVX512_BF16; twice the fp32 FMA rate, as vLLM's and oneDNN's bf16 paths);
+    # "float32": exact float32 activations on every CPU (docs/performance.md: what it costs).
+    activation_dtype: str = "auto"
     # Stall-free mixed steps: while sequences decode, a step carries at most this many
     # prompt tokens (chunked prefill only). None: 96 on the CPU (a step's time grows with
     # every token), 512 on CUDA; 0: no cap.
@@ -148,6 +152,8 @@ class EngineArgs:
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "skip_tokenizer_init"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool")
+        if self.activation_dtype not in ("auto", "float32"):
+            raise ValueError(f"activation_dtype must be 'auto' or 'float32', got {self.activation_dtype!r}")
         if self.quantization not in _QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {_QUANTIZATIONS}, got {self.quantization!r}")
         if self.kv_cache_memory is not None:
@@ -252,7 +258,7 @@ class EngineCore:
             seed=args.seed, eos_ids=eos_ids, bos_id=bos_id, strip_space_after_bos=strip,
             token_bytes=token_bytes, special_ids=special, quantization=args.quantization,
             max_prefill_tokens_while_decoding=args.resolved_prefill_cap(),
-            max_queued_requests=args.max_queued_requests or 0)
+            max_queued_requests=args.max_queued_requests or 0, activation_dtype=args.activation_dtype)
         self.model_config = self._engine.model_config()
         st = self._engine.stats()
         self.max_model_len = st["max_model_len"]
