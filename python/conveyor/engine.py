@@ -26,6 +26,10 @@ _QUANTIZATIONS = (None, "q8_0", "q4_0", "q4_1")
 # 2 cores) keeps median TTFT within 10% of no cap while the p99 time between tokens drops
 # 1.8x; 64 cut it 2.4x but cost 12% of median TTFT.
 DEFAULT_PREFILL_CAP = {"cpu": 96, "cuda": 512}
+# LLM (offline: generate/chat run a batch to completion, nobody watches a stream) takes no
+# cap by default: the cap trades throughput for inter-token latency, which an offline batch
+# does not have (docs/performance.md, "The prefill cap offline and serving").
+OFFLINE_PREFILL_CAP = 0
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40,
