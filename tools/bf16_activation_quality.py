@@ -171,8 +171,12 @@ def compare_logits(ref: np.ndarray, other: np.ndarray, tokens: list[int]) -> dic
         return {"top1": float((raw[:-1].argmax(axis=1) == nxt).mean()),
                 "ppl": float(np.exp(-l[rows, nxt].mean()))}
 
+    a, b = ref.argmax(1), other.argmax(1)
+    moved = np.flatnonzero(a != b)  # how close ref's top two were where the argmax moved
+    gaps = lp[moved, a[moved]] - lp[moved, b[moved]]
     return {"positions": len(tokens), "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
-            "kl_max_at": int(kl.argmax()), "argmax_agree": float((ref.argmax(1) == other.argmax(1)).mean()),
+            "kl_max_at": int(kl.argmax()), "argmax_agree": float((a == b).mean()),
+            "argmax_moved_gap_max": float(gaps.max()) if len(gaps) else None,
             "ref": side(lp, ref), "other": side(lq, other)}
 
 
@@ -250,10 +254,13 @@ def main(argv=None) -> int:
         rows[f"  auto, {name} only"] = compare_logits(exact[s:e], auto[s:e], tokens[s:e])
     ref = rows["bf16 activations (auto)"]["ref"]
     print(f"reference: bf16 weights, float32 activations: top-1 {ref['top1']:.4f}, perplexity {ref['ppl']:.3f}")
-    print(f"{'against the reference':<28} {'KL mean':>9} {'KL max':>9} {'argmax =':>9} {'top-1':>7} {'ppl':>8}")
+    print("KL(reference || row) per position in nats; argmax =: share of positions with the same argmax;\n"
+          "gap: the largest log p gap (reference) between the two argmaxes where they differ")
+    print(f"{'against the reference':<28} {'KL mean':>9} {'KL max':>9} {'argmax =':>9} {'gap':>6} {'top-1':>7} {'ppl':>8}")
     for name, r in rows.items():
+        g = r["argmax_moved_gap_max"]
         print(f"{name:<28} {r['kl_mean']:9.2e} {r['kl_max']:9.2e} {r['argmax_agree']:9.4f} "
-              f"{r['other']['top1']:7.4f} {r['other']['ppl']:8.3f}")
+              f"{'-' if g is None else f'{g:.3f}':>6} {r['other']['top1']:7.4f} {r['other']['ppl']:8.3f}")
     results["text"] = {"tokens": len(tokens), "segments": {k: e - s for k, (s, e) in segments.items()},
                        "compare": rows}
 
