@@ -10,7 +10,9 @@ copied with its types. On that copy it measures:
   (a) one forward pass with all logits over ~650 tokens of real text (prose, code, numbers),
       once per setting: KL(p_fp32 || p_bf16) per position (mean, max), how often the argmax
       agrees, top-1 accuracy against the text's next token and perplexity of each setting;
-      plus the same against the original Q4_1 model, for scale (what 4-bit weights cost);
+      for scale, the same against an F32 copy (the exact dequantized weights: what the bf16
+      copy's own weight rounding costs) and against the Q4_1 original on its own path (which
+      quantizes GEMM inputs to 8 bits per block of 32);
   (b) greedy chat replies of up to 64 tokens to 10 prompts through conveyor.LLM, per
       setting: how many are identical token for token, where the others first differ, and
       how close the two candidate tokens were there (float32's log-probability gap); the
@@ -35,7 +37,6 @@ from conveyor import LLM, SamplingParams, _core
 from conveyor.gguf import GGMLType, GGUFReader, GGUFWriter, quantize
 from conveyor.tokenizer import load_tokenizer
 
-LLAMA_FTYPE_MOSTLY_BF16 = 32  # general.file_type of a bf16 model (llama.cpp's numbering)
 
 # The evaluation text, in segments scored together but reported apart. The prose is the
 # opening of Jane Austen's Pride and Prejudice (1813, public domain); the code and the
@@ -109,28 +110,39 @@ CHAT_PROMPTS = [
 # ---------------------------------------------------------------------------- the bf16 copy
 
 
-def write_bf16_copy(src: Path, dst: Path) -> Path:
-    """The model of ``src`` with every non-F32 tensor dequantized and stored as BF16; F32
-    tensors (the norms) and all metadata copied as they are, except general.file_type."""
+FILE_TYPE = {GGMLType.BF16: 32, GGMLType.F32: 0}  # general.file_type (llama.cpp's numbering)
+
+
+def write_dequantized_copy(src: Path, dst: Path, ggml_type=GGMLType.BF16) -> Path:
+    """The model of ``src`` with every non-F32 tensor dequantized and stored as ``ggml_type``
+    (BF16 or F32); F32 tensors (the norms) and all metadata copied as they are, except
+    general.file_type."""
     r = GGUFReader(src)
     w = GGUFWriter(dst, alignment=r.alignment, version=r.version)
     for key, value in r.metadata.items():
         vt, et = r.metadata_types[key]
         if key == "general.file_type":
-            value = LLAMA_FTYPE_MOSTLY_BF16
+            value = FILE_TYPE[ggml_type]
         w.add(key, value, vt, et)
     for name, info in r.tensors.items():
         if info.ggml_type == GGMLType.F32:
             w.add_tensor_producer(name, info.shape, GGMLType.F32, lambda n=name: [r.raw(n).tobytes()])
         else:  # one tensor in memory at a time (token_embd is 113 MB as float32)
-            w.add_tensor_producer(name, info.shape, GGMLType.BF16,
-                                  lambda n=name: [quantize(r.tensor(n), GGMLType.BF16).tobytes()])
+            w.add_tensor_producer(name, info.shape, ggml_type,
+                                  lambda n=name: [quantize(r.tensor(n), ggml_type).tobytes()])
     return w.write()
 
 
-def default_bf16_path(src: Path) -> Path:
+def copy_path(src: Path, ggml_type) -> Path:
     stem = src.name.split(".")[0]  # SmolLM2-135M-Instruct.Q4_1.gguf -> SmolLM2-135M-Instruct
-    return src.parent / "derived" / f"{stem}.BF16.gguf"
+    return src.parent / "derived" / f"{stem}.{ggml_type.name}.gguf"
+
+
+def ensure_copy(src: Path, dst: Path, ggml_type, rebuild: bool) -> Path:
+    if rebuild or not dst.is_file() or dst.stat().st_mtime < src.stat().st_mtime:
+        print(f"writing the {ggml_type.name} copy of {src} to {dst} ...", flush=True)
+        write_dequantized_copy(src, dst, ggml_type)
+    return dst
 
 
 # ---------------------------------------------------------------------------- (a) logits
@@ -224,17 +236,18 @@ def main(argv=None) -> int:
             print("no default model (offline?); pass --model", file=sys.stderr)
             return 2
     src = Path(os.fspath(a.model)).expanduser()
-    dst = Path(a.out).expanduser() if a.out else default_bf16_path(src)
-    if a.rebuild or not dst.is_file() or dst.stat().st_mtime < src.stat().st_mtime:
-        print(f"writing the bf16 copy of {src} to {dst} ...", flush=True)
-        write_bf16_copy(src, dst)
+    dst = ensure_copy(src, Path(a.out).expanduser() if a.out else copy_path(src, GGMLType.BF16),
+                      GGMLType.BF16, a.rebuild)
+    # the exact dequantized values, to tell the copy's weight rounding from the activations'
+    f32 = ensure_copy(src, dst.with_name(dst.name.replace(".BF16.", ".F32.")) if ".BF16." in dst.name
+                      else dst.with_suffix(".F32.gguf"), GGMLType.F32, a.rebuild)
     info = _core.kernel_info()
     print(f"bf16 copy: {dst} ({dst.stat().st_size / 1e6:.0f} MB)")
     print(f"SIMD {info['simd']}; gemm_bf16 path (what 'auto' runs on bf16 weights): "
           f"{info['paths']['gemm_bf16']}; gemm_f32 path: {info['paths']['gemm_f32']}")
     if info["paths"]["gemm_bf16"] != "avx512_bf16":
         print("note: no vdpbf16ps here, so 'auto' and 'float32' are the same path")
-    results = {"model": str(src), "bf16_copy": str(dst), "kernel_paths": info["paths"], "simd": info["simd"]}
+    results = {"model": str(src), "bf16_copy": str(dst), "f32_copy": str(f32), "kernel_paths": info["paths"], "simd": info["simd"]}
 
     # (a) one pass over the text, all logits
     tok = load_tokenizer(dst)
@@ -248,8 +261,10 @@ def main(argv=None) -> int:
     exact = all_logits(dst, tokens, "float32", a.threads)
     auto = all_logits(dst, tokens, "auto", a.threads)
     q4 = all_logits(src, tokens, "auto", a.threads)
+    f32_exact = all_logits(f32, tokens, "float32", a.threads)
     rows = {"bf16 activations (auto)": compare_logits(exact, auto, tokens),
-            "Q4_1 original (for scale)": compare_logits(exact, q4, tokens)}
+            "F32 copy, fp32 activations": compare_logits(exact, f32_exact, tokens),
+            "Q4_1 original (its path)": compare_logits(exact, q4, tokens)}
     for name, (s, e) in segments.items():
         rows[f"  auto, {name} only"] = compare_logits(exact[s:e], auto[s:e], tokens[s:e])
     ref = rows["bf16 activations (auto)"]["ref"]
