@@ -7,7 +7,7 @@ this first writes a bf16 copy of it: every quantized matrix dequantized and stor
 the norm vectors F32 as in the original, the metadata (tokenizer, chat template, arch keys)
 copied with its types. On that copy it measures:
 
-  (a) one forward pass with all logits over ~650 tokens of real text (prose, code, numbers),
+  (a) one forward pass with all logits over ~740 tokens of real text (prose, code, numbers),
       once per setting: KL(p_fp32 || p_bf16) per position (mean, max), how often the argmax
       agrees, top-1 accuracy against the text's next token and perplexity of each setting;
       for scale, the same against an F32 copy (the exact dequantized weights: what the bf16
