@@ -117,6 +117,9 @@ def run(model: str, threads: Optional[int] = None, dtype: str = "bfloat16",
     # quantized matrices (GGUF or quantization=) multiply on int8 dot products
     mdt = cfg.get("matrix_dtype", cfg["dtype"])
     kind = "int8_dot" if mdt in ("q8_0", "q4_0", "q4_1") else PEAK_OF_DTYPE[cfg["dtype"]]
+    if kind == "bf16_dot" and activation_dtype == "float32":  # bf16 weights widened onto the fp32 FMAs
+        kind = "fp32_fma"
+    res["activation_dtype"] = activation_dtype
     res["peaks"] = peaks
     res["compute_bound"] = {"kind": kind, "instruction": peaks[kind]["instruction"],
                             "gflops": peaks[kind]["all_gops"]}
