@@ -27,6 +27,55 @@ _QUANTIZATIONS = (None, "q8_0", "q4_0", "q4_1")
 # 1.8x; 64 cut it 2.4x but cost 12% of median TTFT.
 DEFAULT_PREFILL_CAP = {"cpu": 96, "cuda": 512}
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+# speculative_config: no proposals in a step while more sequences than this run
+# (docs/speculative.md: where verifying proposals stops paying on the CPU).
+DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = 8
+_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+              "disable_by_batch_size")
+
+
+def parse_speculative_config(cfg) -> Optional[dict]:
+    """speculative_config (a dict, or a JSON object string) as the engine takes it:
+    {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
+    "prompt_lookup_max": b, "disable_by_batch_size": n}. Types and keys are checked
+    here; the C engine checks every range and names the field at fault."""
+    if cfg is None:
+        return None
+    if isinstance(cfg, str):
+        import json
+
+        try:
+            cfg = json.loads(cfg)
+        except ValueError as e:
+            raise ValueError(f"speculative_config: not a JSON object: {e}") from None
+    if not isinstance(cfg, dict):
+        raise TypeError(f"speculative_config must be a dict, got {type(cfg).__name__}")
+    if "model" in cfg:
+        raise field_error(ValueError, "model", "speculative_config: draft models are not supported yet; "
+                                               "use {\"method\": \"ngram\", ...}")
+    unknown = sorted(set(cfg) - set(_SPEC_KEYS))
+    if unknown:
+        raise field_error(ValueError, unknown[0], f"speculative_config: unknown key(s) {', '.join(unknown)}; "
+                                                  f"known: {', '.join(_SPEC_KEYS)}")
+    method = cfg.get("method", "ngram")
+    if method != "ngram":
+        raise field_error(ValueError, "method", f"speculative_config: method must be 'ngram', got {method!r}")
+    if "num_speculative_tokens" not in cfg:
+        raise field_error(ValueError, "num_speculative_tokens",
+                          "speculative_config: num_speculative_tokens is required")
+    for key in _SPEC_KEYS[1:]:
+        v = cfg.get(key)
+        if v is not None and (not isinstance(v, (int, np.integer)) or isinstance(v, bool)):
+            raise field_error(TypeError, key, f"speculative_config: {key} must be an int, got {type(v).__name__}")
+    lo, hi = cfg.get("prompt_lookup_min"), cfg.get("prompt_lookup_max")
+    if lo is None:
+        lo = min(2, hi) if hi is not None else 2
+    if hi is None:
+        hi = max(4, lo)
+    disable = cfg.get("disable_by_batch_size")
+    return {"method": method, "num_speculative_tokens": int(cfg["num_speculative_tokens"]),
+            "prompt_lookup_min": int(lo), "prompt_lookup_max": int(hi),
+            "disable_by_batch_size": DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE if disable is None else int(disable)}
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40,
           "tb": 1000**4, "tib": 1 << 40}
@@ -99,6 +148,9 @@ class EngineArgs:
     # Overload control: a request that would make more than this many wait to be
     # scheduled is refused with EngineOverloadedError. None: no limit.
     max_queued_requests: Optional[int] = None
+    # Speculative decoding (issue 26): {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_min": a, "prompt_lookup_max": b, "disable_by_batch_size": n}. None: off.
+    speculative_config: Optional[Any] = None
 
     def resolved_prefill_cap(self) -> int:
         if self.max_prefill_tokens_while_decoding is not None:
@@ -155,6 +207,7 @@ class EngineArgs:
         g = self.gpu_memory_utilization
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not (0.0 < g <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {g!r}")
+        self.speculative_config = parse_speculative_config(self.speculative_config)
 
 
 class _SeqState:
@@ -252,7 +305,7 @@ class EngineCore:
             seed=args.seed, eos_ids=eos_ids, bos_id=bos_id, strip_space_after_bos=strip,
             token_bytes=token_bytes, special_ids=special, quantization=args.quantization,
             max_prefill_tokens_while_decoding=args.resolved_prefill_cap(),
-            max_queued_requests=args.max_queued_requests or 0)
+            max_queued_requests=args.max_queued_requests or 0, **self._spec_kwargs(args.speculative_config))
         self.model_config = self._engine.model_config()
         st = self._engine.stats()
         self.max_model_len = st["max_model_len"]
@@ -265,6 +318,14 @@ class EngineCore:
         self._deferred_masks: list = []  # synchronous stepping: masks the next step computes
         self._mask_worker = None  # a thread that computes them while that step runs
         self.closed = False
+
+    @staticmethod
+    def _spec_kwargs(spec: Optional[dict]) -> dict:
+        if spec is None:
+            return {}
+        return {"spec_method": spec["method"], "spec_num_tokens": spec["num_speculative_tokens"],
+                "spec_lookup_min": spec["prompt_lookup_min"], "spec_lookup_max": spec["prompt_lookup_max"],
+                "spec_disable_by_batch_size": spec["disable_by_batch_size"]}
 
     # -- requests ---------------------------------------------------------
     def tokenize_prompt(self, prompt) -> tuple[Optional[str], Any]:
@@ -549,7 +610,18 @@ class EngineCore:
         return out
 
     def stats(self) -> dict:
-        return self._engine.stats()
+        """The C engine's figures; with speculative decoding, the proposals
+        verified and accepted by position (lists of num_speculative_tokens) and
+        the acceptance rate at each position."""
+        st = self._engine.stats()
+        spec = self.args.speculative_config
+        k = spec["num_speculative_tokens"] if spec else 0
+        st["spec_proposed_at"] = st["spec_proposed_at"][:k]
+        st["spec_accepted_at"] = st["spec_accepted_at"][:k]
+        st["spec_acceptance_rate_at"] = [a / p if p else 0.0 for a, p in zip(st["spec_accepted_at"],
+                                                                              st["spec_proposed_at"])]
+        st["spec_acceptance_rate"] = st["spec_accepted"] / st["spec_proposed"] if st["spec_proposed"] else 0.0
+        return st
 
     def fail_pending(self) -> list[_Request]:
         """After close: marks every request still in flight aborted and returns them."""
