@@ -19,6 +19,7 @@ import numpy as np
 from . import _core
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams, field_error
+from .speculative import parse_speculative_config, spec_stats
 
 _SCHEDULING = ("continuous", "static", "priority")
 _QUANTIZATIONS = (None, "q8_0", "q4_0", "q4_1")
@@ -27,55 +28,7 @@ _QUANTIZATIONS = (None, "q8_0", "q4_0", "q4_1")
 # 1.8x; 64 cut it 2.4x but cost 12% of median TTFT.
 DEFAULT_PREFILL_CAP = {"cpu": 96, "cuda": 512}
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
-# speculative_config: no proposals in a step while more sequences than this run
-# (docs/speculative.md: where verifying proposals stops paying on the CPU).
-DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = 8
-_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-              "disable_by_batch_size")
 
-
-def parse_speculative_config(cfg) -> Optional[dict]:
-    """speculative_config (a dict, or a JSON object string) as the engine takes it:
-    {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
-    "prompt_lookup_max": b, "disable_by_batch_size": n}. Types and keys are checked
-    here; the C engine checks every range and names the field at fault."""
-    if cfg is None:
-        return None
-    if isinstance(cfg, str):
-        import json
-
-        try:
-            cfg = json.loads(cfg)
-        except ValueError as e:
-            raise ValueError(f"speculative_config: not a JSON object: {e}") from None
-    if not isinstance(cfg, dict):
-        raise TypeError(f"speculative_config must be a dict, got {type(cfg).__name__}")
-    if "model" in cfg:
-        raise field_error(ValueError, "model", "speculative_config: draft models are not supported yet; "
-                                               "use {\"method\": \"ngram\", ...}")
-    unknown = sorted(set(cfg) - set(_SPEC_KEYS))
-    if unknown:
-        raise field_error(ValueError, unknown[0], f"speculative_config: unknown key(s) {', '.join(unknown)}; "
-                                                  f"known: {', '.join(_SPEC_KEYS)}")
-    method = cfg.get("method", "ngram")
-    if method != "ngram":
-        raise field_error(ValueError, "method", f"speculative_config: method must be 'ngram', got {method!r}")
-    if "num_speculative_tokens" not in cfg:
-        raise field_error(ValueError, "num_speculative_tokens",
-                          "speculative_config: num_speculative_tokens is required")
-    for key in _SPEC_KEYS[1:]:
-        v = cfg.get(key)
-        if v is not None and (not isinstance(v, (int, np.integer)) or isinstance(v, bool)):
-            raise field_error(TypeError, key, f"speculative_config: {key} must be an int, got {type(v).__name__}")
-    lo, hi = cfg.get("prompt_lookup_min"), cfg.get("prompt_lookup_max")
-    if lo is None:
-        lo = min(2, hi) if hi is not None else 2
-    if hi is None:
-        hi = max(4, lo)
-    disable = cfg.get("disable_by_batch_size")
-    return {"method": method, "num_speculative_tokens": int(cfg["num_speculative_tokens"]),
-            "prompt_lookup_min": int(lo), "prompt_lookup_max": int(hi),
-            "disable_by_batch_size": DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE if disable is None else int(disable)}
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40,
           "tb": 1000**4, "tib": 1 << 40}
@@ -615,12 +568,7 @@ class EngineCore:
         the acceptance rate at each position."""
         st = self._engine.stats()
         spec = self.args.speculative_config
-        k = spec["num_speculative_tokens"] if spec else 0
-        st["spec_proposed_at"] = st["spec_proposed_at"][:k]
-        st["spec_accepted_at"] = st["spec_accepted_at"][:k]
-        st["spec_acceptance_rate_at"] = [a / p if p else 0.0 for a, p in zip(st["spec_accepted_at"],
-                                                                              st["spec_proposed_at"])]
-        st["spec_acceptance_rate"] = st["spec_accepted"] / st["spec_proposed"] if st["spec_proposed"] else 0.0
+        st.update(spec_stats(st, spec["num_speculative_tokens"] if spec else 0))
         return st
 
     def fail_pending(self) -> list[_Request]:
