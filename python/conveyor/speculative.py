@@ -13,7 +13,7 @@ from .sampling_params import field_error
 
 # speculative_config: no proposals in a step while more sequences than this run
 # (docs/speculative.md: where verifying proposals stops paying on the CPU).
-DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = 8
+DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = 4
 _SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
               "disable_by_batch_size")
 
