@@ -377,3 +377,33 @@ def test_server_flag_and_metrics():
                                       "spec_proposed_at": [6, 4], "spec_accepted_at": [3, 1]}, 0)
     assert "conveyor_spec_decode_num_draft_tokens_total{" in text and "} 10" in text
     assert 'conveyor_spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 1' in text
+
+
+def test_context_end_prompt_logprobs_and_best_of(stories):
+    """Up to max_model_len (proposals never pass a sequence's last position), prompt
+    logprobs computed in the same steps as verification rows, best_of candidates."""
+    sp_end = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    sp_plp = SamplingParams(temperature=0, max_tokens=40, prompt_logprobs=2)
+    sp_best = SamplingParams(temperature=0.9, seed=5, max_tokens=30, n=2, best_of=3)
+    prompts = [STORY, PROMPTS[1], PROMPTS[2]]
+    params = [sp_end, sp_plp, sp_best]
+
+    def run(**kw):
+        with LLM(stories, max_model_len=96, max_num_seqs=8, **kw) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            st = llm.stats()
+            check_all_free(llm)
+        return outs, st
+
+    ref, _ = run()
+    got, st = run(speculative_config=spec(6, 1, 3))
+    assert token_ids(got) == token_ids(ref)
+    assert len(got[0].prompt_token_ids) + len(got[0].outputs[0].token_ids) == 96
+    assert got[0].outputs[0].finish_reason == "length"
+    plp_a, plp_b = got[1].prompt_logprobs, ref[1].prompt_logprobs
+    assert len(plp_a) == len(plp_b) == len(got[1].prompt_token_ids)
+    for a, b in zip(plp_a[1:], plp_b[1:]):
+        assert a.keys() == b.keys()
+        for t in a:
+            assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4)
+    assert st["spec_accepted"] > 0
