@@ -407,3 +407,27 @@ def test_context_end_prompt_logprobs_and_best_of(stories):
         for t in a:
             assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4)
     assert st["spec_accepted"] > 0
+
+
+def test_guided_requests_beside_speculating_ones(stories, plain):
+    """A structured-output request does not speculate (its masks come one position at
+    a time) and keeps its schema; the speculating requests beside it keep their
+    tokens, and so does the guided one (same seed)."""
+    pytest.importorskip("llguidance")
+    jsonschema = pytest.importorskip("jsonschema")
+    from conveyor.guided import GuidedDecodingParams
+
+    schema = {"type": "object", "properties": {"pet": {"enum": ["cat", "dog"]},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["pet", "age"], "additionalProperties": False}
+    guided = SamplingParams(temperature=1.0, seed=3, max_tokens=60, guided_decoding=GuidedDecodingParams(json=schema))
+    greedy = SamplingParams(temperature=0, max_tokens=60)
+    prompts = [STORY, "Hello", PROMPTS[1]]
+    params = [greedy, guided, greedy]
+    ref = plain.generate(prompts, params, use_tqdm=False)
+    with LLM(stories, speculative_config=spec(4, 1, 3)) as llm:
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.stats()["spec_accepted"] > 0
+        check_all_free(llm)
+    assert token_ids(got) == token_ids(ref)
+    jsonschema.validate(json.loads(got[1].outputs[0].text), schema)
