@@ -168,6 +168,10 @@ struct cv_backend {
  * the CPU lacks or an unknown name: NULL with CV_ERR_INVALID), or plain C when
  * CONVEYOR_FORCE_SCALAR=1 is set or force_scalar is non-zero. */
 cv_backend *cv_cpu_backend_create(int num_threads, int force_scalar, cv_err *err);
+/* exact != 0: GEMMs over bf16 weights read float32 activations on every level
+ * (on AVX512_BF16 the vdpbf16ps path, which rounds them to bf16, is not used).
+ * Call it before preparing any matrix: it picks the packed layout. */
+void cv_cpu_backend_set_exact_activations(cv_backend *b, int exact);
 /* Creation at a named level, measurements and introspection: kernels/cpu/cpu_backend.h. */
 
 /* CUDA backend (kernels/cuda), loaded on demand; NULL with err set when

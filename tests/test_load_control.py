@@ -255,3 +255,19 @@ def test_high_priority_request_overtakes_the_queue_and_preempts_the_running_one(
     assert order == ["high", "blocker"] + [f"low{i}" for i in range(6)]
     assert st["num_preemptions"] >= 1
     assert blocker_out.outputs[0].token_ids == solo_blocker  # recomputed, same text
+
+
+def test_prefill_cap_defaults_per_frontend():
+    """LLM (offline batches) runs without the prefill cap; AsyncLLM (and so the server) keeps
+    the serving default (96 on the CPU). Either takes an explicit value."""
+    from conveyor.engine import DEFAULT_PREFILL_CAP, OFFLINE_PREFILL_CAP
+
+    with LLM(str(STORIES), num_threads=1) as llm:
+        assert llm._core.args.resolved_prefill_cap() == OFFLINE_PREFILL_CAP == 0
+    with LLM(str(STORIES), num_threads=1, max_prefill_tokens_while_decoding=32) as llm:
+        assert llm._core.args.resolved_prefill_cap() == 32
+    engine = AsyncLLM(str(STORIES), num_threads=1)
+    try:
+        assert engine._core.args.resolved_prefill_cap() == DEFAULT_PREFILL_CAP["cpu"] == 96
+    finally:
+        engine.close()

@@ -120,19 +120,41 @@ def test_overload_refuses_the_excess_at_once():
 
 
 def test_deadlines_end_requests_with_timeout_and_free_blocks():
-    # One seat. A blocker (16 completions of 500 tokens, one at a time) holds it; requests
-    # behind it pass their deadline: from the body, or the server's --request-timeout.
+    # One seat. A blocker holds it; requests behind it pass their deadline: from the body, or
+    # the server's --request-timeout. The blocker is sized in tokens, not in time: 128
+    # completions of 500 tokens, one at a time, are 64,000 decode steps (seconds even for the
+    # fastest CPU on this tiny model), and the test checks the order of events: both deadlines
+    # expire while the blocker still runs. Then the blocker is cancelled (its blocks freed).
+    # The blocker does not stream: on a fast CPU this model makes ~15,000 steps a second, one
+    # event each, more than the event loop delivers, which would delay the other requests.
     server = OwnServer(str(MODEL), ["--num-threads", "1", "--max-num-seqs", "1", "--request-timeout", "0.5"],
                        timeout=60.0)
     try:
-        blocker = {"prompt": "Once upon a time", "max_tokens": 500, "n": 16, "ignore_eos": True, "timeout": 60}
+        from urllib.parse import urlsplit
+
+        u = urlsplit(server.url)
+        blocker = {"prompt": "Once upon a time", "max_tokens": 500, "n": 128, "ignore_eos": True, "timeout": 120,
+                   "stream": False}
         short = {"prompt": "The dog", "max_tokens": 50, "ignore_eos": True, "timeout": 0.2}
         default = {"prompt": "The cat", "max_tokens": 50, "ignore_eos": True}
-        recs = send(server.url, [blocker, short, default], delays=[0.0, 0.3, 0.3])
-        b, s, d = recs
+
+        def one(body, delay, t0):
+            return http_one(u.hostname, u.port, "/v1/completions", {"stream": True, **body}, None,
+                            {"prompt": [], "max_tokens": body["max_tokens"]}, delay, t0)
+
+        async def go():
+            t0 = time.perf_counter()
+            blocking = asyncio.ensure_future(one(blocker, 0.0, t0))
+            s, d = await asyncio.gather(one(short, 0.3, t0), one(default, 0.3, t0))
+            still_running = not blocking.done()
+            blocking.cancel()
+            await asyncio.gather(blocking, return_exceptions=True)
+            return s, d, still_running
+
+        s, d, blocker_still_running = asyncio.run(asyncio.wait_for(go(), 120))
         assert s["status"] == 200 and s["finish_reason"] == "timeout" and s["done"] and s["text"] == ""
         assert d["status"] == 200 and d["finish_reason"] == "timeout" and d["done"]
-        assert b["status"] == 200 and b["done"]
+        assert blocker_still_running, "the blocker ended before the deadlines: the test needs a bigger one"
         assert metric(server.url, "conveyor_requests_timed_out_total") == 2
         assert metric(server.url, "conveyor_request_success_total", 'finished_reason="timeout"') == 2
         assert wait_metric(server.url, "conveyor_kv_cache_blocks_used", lambda v: v == 0) == 0

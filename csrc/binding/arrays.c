@@ -44,6 +44,16 @@ int cv_py_parse_quantization(const char *s, cv_dtype *out) {
     return 0;
 }
 
+int cv_py_parse_activation_dtype(const char *s, int *exact) {
+    if (strcmp(s, "auto") == 0) *exact = 0;
+    else if (strcmp(s, "float32") == 0) *exact = 1;
+    else {
+        PyErr_Format(PyExc_ValueError, "activation_dtype must be 'auto' or 'float32', got '%s'", s);
+        return -1;
+    }
+    return 0;
+}
+
 /* o as an ndarray, or NULL with TypeError. */
 static PyArrayObject *as_ndarray(PyObject *o, const char *name) {
     if (PyArray_Check(o)) return (PyArrayObject *)o;

@@ -36,6 +36,9 @@ const char *cv_py_npy_name(int type);
 int cv_py_parse_dtype(const char *s, const char *what, int allow_auto, cv_dtype *out);
 /* quantization=None | 'q8_0' | 'q4_0' | 'q4_1' (NULL is None); -1 with ValueError. */
 int cv_py_parse_quantization(const char *s, cv_dtype *out);
+/* activation_dtype='auto' (0: bf16 GEMM inputs where vdpbf16ps runs) | 'float32' (1: exact);
+ * -1 with ValueError. */
+int cv_py_parse_activation_dtype(const char *s, int *exact);
 
 /* o as a C-contiguous, aligned, native-order array of NumPy type `type` with
  * `ndim` dimensions (ndim < 0: any), writeable when asked. */

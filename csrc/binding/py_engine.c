@@ -164,11 +164,11 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
                              "enable_prefix_caching", "enable_chunked_prefill", "policy", "seed",
                              "eos_ids", "bos_id", "strip_space_after_bos", "token_bytes",
                              "special_ids", "quantization", "max_prefill_tokens_while_decoding",
-                             "max_queued_requests", "spec_method", "spec_num_tokens", "spec_lookup_min",
-                             "spec_lookup_max", "spec_disable_by_batch_size", NULL};
+                             "max_queued_requests", "activation_dtype", "spec_method", "spec_num_tokens",
+                             "spec_lookup_min", "spec_lookup_max", "spec_disable_by_batch_size", NULL};
     PyObject *path_obj = NULL, *eos_obj = NULL, *tok_obj = NULL, *special_obj = NULL;
     const char *dtype_s = "auto", *device = "cpu", *kv_dtype_s = "auto", *policy = "continuous";
-    const char *quant_s = NULL;
+    const char *quant_s = NULL, *act_s = "auto";
     int num_threads = 0, prefix = 1, chunked = 1, strip = 0, bos = -1;
     long long max_model_len = 0, max_num_seqs = 256, max_tokens = 0, block_size = 16;
     long long prefill_cap = 0, max_queued = 0;
@@ -176,12 +176,12 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     long long spec_k = 0, spec_min = 1, spec_max = 1, spec_disable = 0;
     unsigned long long kv_bytes = 0, seed = 0;
     double gpu_util = 0.9;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|$ssiLLLLKdsppsKOipOOzLLzLLLL", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|$ssiLLLLKdsppsKOipOOzLLszLLLL", kwlist,
                                      PyUnicode_FSConverter, &path_obj, &dtype_s, &device,
                                      &num_threads, &max_model_len, &max_num_seqs, &max_tokens,
                                      &block_size, &kv_bytes, &gpu_util, &kv_dtype_s, &prefix,
                                      &chunked, &policy, &seed, &eos_obj, &bos, &strip, &tok_obj,
-                                     &special_obj, &quant_s, &prefill_cap, &max_queued, &spec_method,
+                                     &special_obj, &quant_s, &prefill_cap, &max_queued, &act_s, &spec_method,
                                      &spec_k, &spec_min, &spec_max, &spec_disable))
         return -1;
     int rc = -1;
@@ -201,6 +201,7 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     if (cv_py_parse_dtype(dtype_s, "dtype", 1, &cfg.dtype) < 0) goto done;
     if (cv_py_parse_dtype(kv_dtype_s, "kv_cache_dtype", 1, &cfg.kv_dtype) < 0) goto done;
     if (cv_py_parse_quantization(quant_s, &cfg.quantization) < 0) goto done;
+    if (cv_py_parse_activation_dtype(act_s, &cfg.exact_activations) < 0) goto done;
     if (!strcmp(device, "cpu")) cfg.use_cuda = 0;
     else if (!strcmp(device, "cuda")) cfg.use_cuda = 1;
     else { PyErr_Format(PyExc_ValueError, "device must be 'cpu' or 'cuda', got '%s'", device); goto done; }

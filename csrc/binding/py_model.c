@@ -147,10 +147,11 @@ static int check_usable(ModelRunnerObject *self) {
 /* Builds the whole runner into st. Pure C: runs without the GIL. */
 static int build_state(runner_state *st, const char *path, cv_dtype dtype, cv_dtype quant, cv_dtype kv_dtype,
                        int64_t bs, int64_t nblocks, int64_t max_tokens, int64_t max_seqs,
-                       int num_threads, int force_scalar, size_t *kv_layer_bytes, cv_err *err) {
+                       int num_threads, int force_scalar, int exact, size_t *kv_layer_bytes, cv_err *err) {
     int rc = CV_OK;
     st->b = cv_cpu_backend_create(num_threads, force_scalar, err);
     if (!st->b) return err->code ? err->code : CV_ERR_NOMEM;
+    cv_cpu_backend_set_exact_activations(st->b, exact);
     cv_backend *b = st->b;
     rc = cv_model_load_quantized(&st->m, path, b, dtype, quant, NULL, err);
     if (rc) return rc;
@@ -202,19 +203,20 @@ static int build_state(runner_state *st, const char *path, cv_dtype dtype, cv_dt
 
 static int ModelRunner_init(ModelRunnerObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"path", "dtype", "kv_cache_dtype", "block_size", "num_blocks",
-                             "max_tokens", "max_seqs", "num_threads", "force_scalar", "quantization", NULL};
+                             "max_tokens", "max_seqs", "num_threads", "force_scalar", "quantization",
+                             "activation_dtype", NULL};
     PyObject *arg = NULL, *bytes = NULL;
-    const char *dtype_s = "auto", *kv_s = "float32", *quant_s = NULL;
+    const char *dtype_s = "auto", *kv_s = "float32", *quant_s = NULL, *act_s = "auto";
     cv_dtype quant;
     long long bs = 16, nblocks = 64, max_tokens = 512, max_seqs = 16;
-    int num_threads = 0, force_scalar = 0;
+    int num_threads = 0, force_scalar = 0, exact = 0;
     cv_dtype dtype, kv_dtype;
     runner_state st;
     memset(&st, 0, sizeof st);
     int ret = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|$ssLLLLipz:ModelRunner", kwlist, &arg, &dtype_s,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|$ssLLLLipzs:ModelRunner", kwlist, &arg, &dtype_s,
                                      &kv_s, &bs, &nblocks, &max_tokens, &max_seqs, &num_threads,
-                                     &force_scalar, &quant_s))
+                                     &force_scalar, &quant_s, &act_s))
         return -1;
     if (self->busy) {
         PyErr_SetString(PyExc_RuntimeError, "ModelRunner is in use by another thread");
@@ -222,7 +224,7 @@ static int ModelRunner_init(ModelRunnerObject *self, PyObject *args, PyObject *k
     }
     if (cv_py_parse_dtype(dtype_s, "dtype", 1, &dtype) < 0 ||
         cv_py_parse_dtype(kv_s, "kv_cache_dtype", 0, &kv_dtype) < 0 ||
-        cv_py_parse_quantization(quant_s, &quant) < 0)
+        cv_py_parse_quantization(quant_s, &quant) < 0 || cv_py_parse_activation_dtype(act_s, &exact) < 0)
         return -1;
     /* int32 fields of the batch (positions, context lengths, query rows) bound these */
     if (bs < 1 || bs > 65536) {
@@ -255,7 +257,7 @@ static int ModelRunner_init(ModelRunnerObject *self, PyObject *args, PyObject *k
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = build_state(&st, cpath, dtype, quant, kv_dtype, bs, nblocks, max_tokens, max_seqs, num_threads,
-                     force_scalar, &kv_layer_bytes, &err);
+                     force_scalar, exact, &kv_layer_bytes, &err);
     if (rc) state_free(&st);
     Py_END_ALLOW_THREADS
     if (rc) {

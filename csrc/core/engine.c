@@ -68,6 +68,7 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
         e->backend = cv_cuda_backend_create(0, err);
     } else {
         e->backend = cv_cpu_backend_create(cfg->num_threads, 0, err);
+        if (e->backend) cv_cpu_backend_set_exact_activations(e->backend, cfg->exact_activations);
     }
     if (!e->backend) { rc = err ? err->code : CV_ERR_STATE; if (rc >= 0) rc = CV_ERR_STATE; goto fail; }
     if ((rc = cv_model_load_quantized(&e->model, cfg->model_path, e->backend, cfg->dtype,

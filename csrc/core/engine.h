@@ -25,6 +25,7 @@ typedef struct cv_engine_config {
     cv_dtype quantization;          /* CV_Q8_0/Q4_0/Q4_1: quantize at load; anything else: none */
     int use_cuda;                   /* 0: CPU */
     int num_threads;                /* <= 0: all cores */
+    int exact_activations;          /* CPU: 1: float32 GEMM inputs over bf16 weights (no vdpbf16ps rounding) */
     int64_t max_model_len;          /* 0: the model's */
     int64_t max_num_seqs;
     int64_t max_num_batched_tokens; /* 0: default */

@@ -31,7 +31,7 @@ int cv_kv_cache_create(cv_kv_cache *kv, cv_backend *b, int64_t n_layers, int64_t
             goto fail;
         }
         cv_kv_layer *c = &kv->layers[l];
-        c->k = b->alloc(b, layer_half); /* the backend zeroes (touches) it */
+        c->k = b->alloc(b, layer_half); /* zeroed; the CPU backend commits pages as they are used */
         c->v = c->k ? b->alloc(b, layer_half) : NULL;
         if (!c->v) {
             rc = cv_set_err(err, CV_ERR_NOMEM, "cannot allocate a KV cache of %zu bytes", kv->bytes);

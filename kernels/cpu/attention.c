@@ -7,28 +7,40 @@
  * 0 .. (last position of the tile) through the block table in chunks of
  * CV_ATT_KCHUNK keys with an online softmax (running max m, sum l, unnormalized
  * acc), so no buffer of context length is needed. Items are handed out
- * dynamically, longest first. When there are fewer than two items per thread
- * and the contexts are long, each item's key range is split into parts (about
- * two per thread in all) that threads claim like items; each part keeps its
- * partial (m, l, acc) in a buffer of the backend and the last part of an item
- * to finish merges them. Scores and P.V are register-blocked micro-kernels
- * (up to 4 query vectors x 4 keys, or x 32 dims). */
+ * dynamically, longest first. Scores and P.V are register-blocked
+ * micro-kernels (up to 4 query vectors x 4 keys, or x 32 dims).
+ *
+ * Batch invariance: a vector's result depends only on its own queries, keys
+ * and values, never on the other sequences of the step or on the threads.
+ * Keys are cut into segments at fixed positions (multiples of ATT_SEG); each
+ * segment's (m, l, acc) is made by the online softmax over its chunks of
+ * CV_ATT_KCHUNK keys, and the segments are merged in increasing order by one
+ * formula (merge_state), whether one thread walks them all or, when the step
+ * has fewer than two items per thread, threads claim them as units (each
+ * segment's state in a partials buffer of the backend; the last unit of an
+ * item to finish merges them in order). A segment in which a vector has no
+ * key (past its causal position) leaves its state empty and the merge skips
+ * it, so the tile a vector shares with other tokens does not matter either.
+ * Within a chunk each vector's dot products and sums run in the same order
+ * whatever the other vectors of its tile. */
 #include <math.h>
 #include <string.h>
 
 #include "cpu_internal.h"
 
-/* Keys per part below which a long context is not split across threads. */
-#define ATT_MIN_SPLIT_KEYS 64
+/* Keys per segment (a multiple of CV_ATT_KCHUNK): the unit of the fixed
+ * merge order, and of the split across threads. */
+#define ATT_SEG 256
 
 /* Largest [vectors][head_dim] tile (head_dim <= CV_ATT_MAX_HD: CV_ATT_TILE vectors). */
 #define ATT_VF ((size_t)CV_ATT_TILE * CV_ATT_MAX_HD)
 #define ROUND16(x) (((x) + 15) & ~(size_t)15)
 
 /* Thread scratch: qt[ATT_VF] acc[ATT_VF] alpha[T] sc[T][KCHUNK] row[ATT_VF] m[T] l[T]
- * (T = CV_ATT_TILE); a split part's partial result: m[T] l[T] acc[ATT_VF]. */
+ * and the merged state: acc[ATT_VF] m[T] l[T] (T = CV_ATT_TILE); a segment's
+ * partial result (split mode): m[T] l[T] acc[ATT_VF]. */
 size_t cv_cpu_att_scratch_floats(void) {
-    return ROUND16(3 * ATT_VF + 3 * CV_ATT_TILE + (size_t)CV_ATT_TILE * CV_ATT_KCHUNK);
+    return ROUND16(4 * ATT_VF + 5 * CV_ATT_TILE + (size_t)CV_ATT_TILE * CV_ATT_KCHUNK);
 }
 
 size_t cv_cpu_att_partial_floats(void) { return ROUND16(ATT_VF + 2 * CV_ATT_TILE); }
@@ -44,10 +56,10 @@ typedef struct att_job {
     int64_t GT, n_gt;           /* heads per tile, head tiles per KV head */
     int64_t TQ;                 /* tokens per tile */
     int64_t n_items;
-    int64_t parts;              /* > 1: split mode, unit u is part u % parts of item u / parts */
+    int64_t parts;              /* > 1: split mode, unit u is segment u % parts of item u / parts */
     float *scratch;             /* [nthreads][scratch_floats] */
     size_t scratch_floats;
-    float *partials;            /* [n_items * parts][partial_floats] */
+    float *partials;            /* [n_items * parts][partial_floats] (split mode) */
     size_t partial_floats;
     atomic_int *counters;       /* [n_items] parts left (split mode) */
     atomic_llong next;          /* next item or unit to claim */
@@ -656,38 +668,57 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
     }
 }
 
-/* Writes the normalized result of tile t from the states of its parts
- * (one unless the item was split). */
-static void att_finish(const att_job *j, const att_tile *t, const att_state *parts, int nparts) {
+/* Merges segment state `seg` into `tot` (nv vectors): the one formula of
+ * the fixed merge order. An empty segment (m = -inf: no key of the vector in
+ * it) changes nothing; the first non-empty one is copied. */
+static void merge_state(const att_state *tot, const att_state *seg, int nv, int64_t hd) {
+    for (int v = 0; v < nv; v++) {
+        const float ms = seg->m[v], mt = tot->m[v];
+        float *at = tot->acc + (size_t)v * (size_t)hd;
+        const float *as = seg->acc + (size_t)v * (size_t)hd;
+        if (ms == -INFINITY) continue;
+        if (mt == -INFINITY) {
+            memcpy(at, as, (size_t)hd * sizeof(float));
+            tot->m[v] = ms;
+            tot->l[v] = seg->l[v];
+            continue;
+        }
+        const float mx = mt > ms ? mt : ms;
+        const float wt = expf(mt - mx), ws = expf(ms - mx);
+        tot->l[v] = tot->l[v] * wt + seg->l[v] * ws;
+        tot->m[v] = mx;
+        for (int64_t d = 0; d < hd; d++) at[d] = at[d] * wt + as[d] * ws;
+    }
+}
+
+static void clear_state(const att_state *st, int nv, int64_t hd) {
+    memset(st->acc, 0, (size_t)nv * (size_t)hd * sizeof(float));
+    for (int v = 0; v < nv; v++) {
+        st->m[v] = -INFINITY;
+        st->l[v] = 0.0f;
+    }
+}
+
+/* Keys of tile t: its last position + 1. */
+static int64_t tile_keys(const att_job *j, const att_tile *t) {
+    const int64_t nq = j->bt->query_start[t->s + 1] - j->bt->query_start[t->s];
+    return j->bt->context_lens[t->s] - nq + t->j1;
+}
+
+static int tile_vectors(const att_tile *t) { return (int)((t->j1 - t->j0) * (t->g1 - t->g0)); }
+
+/* Writes the normalized result of tile t from its merged state. */
+static void att_finish(const att_job *j, const att_tile *t, const att_state *st) {
     const cv_attn_batch *bt = j->bt;
     const int64_t hd = bt->head_dim, ng = t->g1 - t->g0;
-    const int nv = (int)((t->j1 - t->j0) * ng);
+    const int nv = tile_vectors(t);
     for (int v = 0; v < nv; v++) {
         const int64_t jt = t->j0 + v / ng, g = t->g0 + v % ng;
         float *o = j->out + (size_t)(bt->query_start[t->s] + jt) * (size_t)(bt->n_heads * hd) +
                    (size_t)((t->h * j->G + g) * hd);
-        if (nparts == 1) {
-            const float inv = parts[0].l[v] > 0.0f ? 1.0f / parts[0].l[v] : 0.0f;
-            const float *a = parts[0].acc + (size_t)v * (size_t)hd;
-            for (int64_t d = 0; d < hd; d++) o[d] = a[d] * inv;
-            continue;
-        }
-        float mx = -INFINITY;
-        for (int p = 0; p < nparts; p++) mx = parts[p].m[v] > mx ? parts[p].m[v] : mx;
-        float wsum = 0.0f, wts[64];
-        for (int p = 0; p < nparts; p++) {
-            const float mp = parts[p].m[v];
-            wts[p] = (mp == -INFINITY || mx == -INFINITY) ? 0.0f : expf(mp - mx);
-            wsum += wts[p] * parts[p].l[v];
-        }
-        const float inv = wsum > 0.0f ? 1.0f / wsum : 0.0f;
-        for (int p = 0; p < nparts; p++) wts[p] *= inv;
-        for (int64_t d = 0; d < hd; d++) o[d] = 0.0f;
-        for (int p = 0; p < nparts; p++) {
-            if (wts[p] == 0.0f) continue;
-            const float *a = parts[p].acc + (size_t)v * (size_t)hd;
-            for (int64_t d = 0; d < hd; d++) o[d] += wts[p] * a[d];
-        }
+        const float inv = st->l[v] > 0.0f ? 1.0f / st->l[v] : 0.0f;
+        const float *a = st->acc + (size_t)v * (size_t)hd;
+        for (int64_t d = 0; d < hd; d++) o[d] = a[d] * inv;
     }
 }
 
@@ -701,37 +732,52 @@ static void att_fn(void *arg, int tid, int nth) {
     att_job *j = arg;
     (void)nth;
     float *scr = j->scratch + (size_t)tid * j->scratch_floats;
+    const int64_t hd = j->bt->head_dim;
     att_cursor cur = {0, 0};
     att_tile t;
+    /* the thread's states: a segment's (acc after qt, m and l after the row
+     * buffer) and the merged one after them */
+    float *ml = scr + 3 * ATT_VF + CV_ATT_TILE + CV_ATT_TILE * CV_ATT_KCHUNK;
+    const att_state own = {.acc = scr + ATT_VF, .m = ml, .l = ml + CV_ATT_TILE};
+    float *tt = ml + 2 * CV_ATT_TILE;
+    const att_state tot = {.acc = tt, .m = tt + ATT_VF, .l = tt + ATT_VF + CV_ATT_TILE};
     if (j->parts > 1) {
-        /* split mode: units are (item, part); the last part of an item merges */
+        /* split mode: units are (item, segment); the last unit of an item merges */
         const int64_t n_units = j->n_items * j->parts;
         for (;;) {
             const int64_t u = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
             if (u >= n_units) break;
-            const int64_t item = u / j->parts, part = u % j->parts;
+            const int64_t item = u / j->parts, seg = u % j->parts;
             locate(j, &cur, item, &t);
-            const int64_t nq = j->bt->query_start[t.s + 1] - j->bt->query_start[t.s];
-            const int64_t keys = j->bt->context_lens[t.s] - nq + t.j1; /* last position + 1 */
             const att_state st = partial_state(j, u);
-            att_tile_run(j, scr, &st, &t, keys * part / j->parts, keys * (part + 1) / j->parts);
+            att_tile_run(j, scr, &st, &t, seg * ATT_SEG, (seg + 1) * ATT_SEG);
             if (atomic_fetch_sub_explicit(&j->counters[item], 1, memory_order_acq_rel) == 1) {
-                att_state parts[64];
-                for (int64_t p = 0; p < j->parts; p++) parts[p] = partial_state(j, item * j->parts + p);
-                att_finish(j, &t, parts, (int)j->parts);
+                const int nv = tile_vectors(&t);
+                clear_state(&tot, nv, hd);
+                for (int64_t p = 0; p < j->parts; p++) {
+                    const att_state ps = partial_state(j, item * j->parts + p);
+                    merge_state(&tot, &ps, nv, hd);
+                }
+                att_finish(j, &t, &tot);
             }
         }
         return;
     }
-    /* the thread's own state: acc after qt, m and l after the row buffer */
-    float *ml = scr + 3 * ATT_VF + CV_ATT_TILE + CV_ATT_TILE * CV_ATT_KCHUNK;
-    const att_state own = {.acc = scr + ATT_VF, .m = ml, .l = ml + CV_ATT_TILE};
     for (;;) {
         const int64_t item = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
         if (item >= j->n_items) break;
         locate(j, &cur, item, &t);
-        att_tile_run(j, scr, &own, &t, 0, INT64_MAX);
-        att_finish(j, &t, &own, 1);
+        const int64_t keys = tile_keys(j, &t);
+        if (keys <= ATT_SEG) { /* one segment: its state is the merged one */
+            att_tile_run(j, scr, &tot, &t, 0, keys);
+        } else {
+            clear_state(&tot, tile_vectors(&t), hd);
+            for (int64_t k0 = 0; k0 < keys; k0 += ATT_SEG) {
+                att_tile_run(j, scr, &own, &t, k0, k0 + ATT_SEG);
+                merge_state(&tot, &own, tile_vectors(&t), hd);
+            }
+        }
+        att_finish(j, &t, &tot);
     }
 }
 
@@ -771,18 +817,16 @@ void cv_cpu_paged_attention(cv_backend *b, float *out, const float *q, int64_t q
     /* as for the GEMM: at least ~64K multiply-adds per thread */
     const int64_t nth = cv_threads_for(c, work, 65536.0);
     j.parts = 1;
-    /* Few items for the threads and long contexts: split each item's keys into
-     * parts so that there are about two units per thread (room to balance);
-     * n_items < 2 nth keeps the units under 4 nth (the partials allocated). */
-    if (nth > 1 && n_items < 2 * nth) {
-        int64_t parts = (2 * nth + n_items - 1) / n_items;
-        if (parts > max_keys / ATT_MIN_SPLIT_KEYS) parts = max_keys / ATT_MIN_SPLIT_KEYS;
-        if (parts > 64) parts = 64;
-        if (parts >= 2) {
-            j.parts = parts;
-            for (int64_t i = 0; i < n_items; i++)
-                atomic_store_explicit(&c->att_counters[i], (int)parts, memory_order_relaxed);
-        }
+    /* Few items for the threads and contexts of several segments: threads
+     * claim (item, segment) units (the same result as one thread walking the
+     * segments: see the top of the file). n_items < 2 nth fits the counters;
+     * the partials grow to the units, and without memory the items run whole. */
+    const int64_t segs = (max_keys + ATT_SEG - 1) / ATT_SEG;
+    if (nth > 1 && n_items < 2 * nth && segs >= 2 && cv_cpu_att_partials_reserve(c, (size_t)(n_items * segs)) == 0) {
+        j.parts = segs;
+        j.partials = c->att_partials;
+        for (int64_t i = 0; i < n_items; i++)
+            atomic_store_explicit(&c->att_counters[i], (int)segs, memory_order_relaxed);
     }
     const int64_t units = n_items * j.parts;
     /* items are claimed from j.next: a late worker only takes fewer */

@@ -3,6 +3,7 @@
  * benchmarks to measure memory bandwidth. */
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "cpu_internal.h"
@@ -53,25 +54,58 @@ int cv_cpu_backend_threads(const cv_backend *b) {
 /* ------------------------------------------------------------------------ */
 /* Buffers                                                                   */
 
-/* Zeroed, 64-byte aligned memory, touched now: the KV cache is reserved at
- * start and really resident, so memory does not creep up while it fills (and
- * a cache too big for the machine fails here, not in the middle of serving).
- * The pointer malloc returned is kept just below the aligned one, for cpu_free. */
+/* Zeroed, 64-byte aligned memory, committed as it is used. Buffers of
+ * CPU_MAP_MIN bytes or more (the KV cache, a step's scratch) are anonymous
+ * mappings: the kernel hands out zeroed pages on first touch, so nothing is
+ * written now, engine start does not grow with kv_cache_memory and the
+ * resident memory is what the blocks in use touched (a block is written by
+ * the KV write of the step that first holds it before attention reads it).
+ * Huge pages are advised (fewer TLB misses over a pool of GiBs). A mapping
+ * larger than the kernel will ever back (its overcommit rules) fails here.
+ * A header just below the returned pointer says how to free it. */
+#define CPU_MAP_MIN ((size_t)1 << 20)
+
+typedef struct cpu_alloc_hdr {
+    void *raw;        /* malloc'd block, or NULL for a mapping */
+    size_t map_bytes; /* length of the mapping (raw == NULL) */
+} cpu_alloc_hdr;
+#define CPU_HDR_ROOM 64 /* >= sizeof(cpu_alloc_hdr), keeps the pointer 64-byte aligned */
+
 static void *cpu_alloc(cv_backend *b, size_t bytes) {
     (void)b;
-    const size_t extra = 64 + sizeof(void *);
-    if (bytes > SIZE_MAX - extra) return NULL;
-    char *raw = malloc(bytes + extra);
+    if (bytes > SIZE_MAX - 2 * CPU_HDR_ROOM) return NULL;
+    if (bytes >= CPU_MAP_MIN) {
+        const size_t total = bytes + CPU_HDR_ROOM;
+        void *base = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (base == MAP_FAILED) return NULL;
+#ifdef MADV_HUGEPAGE
+        (void)madvise(base, total, MADV_HUGEPAGE); /* advice only: no THP is fine */
+#endif
+        char *p = (char *)base + CPU_HDR_ROOM;
+        cpu_alloc_hdr *h = (cpu_alloc_hdr *)(void *)p - 1;
+        h->raw = NULL;
+        h->map_bytes = total;
+        return p;
+    }
+    char *raw = malloc(bytes + 2 * CPU_HDR_ROOM);
     if (!raw) return NULL;
-    uintptr_t aligned = ((uintptr_t)raw + sizeof(void *) + 63) & ~(uintptr_t)63;
-    ((void **)aligned)[-1] = raw;
+    uintptr_t aligned = ((uintptr_t)raw + CPU_HDR_ROOM + 63) & ~(uintptr_t)63;
+    cpu_alloc_hdr *h = (cpu_alloc_hdr *)aligned - 1;
+    h->raw = raw;
+    h->map_bytes = 0;
     memset((void *)aligned, 0, bytes);
     return (void *)aligned;
 }
 
 static void cpu_free(cv_backend *b, void *p) {
     (void)b;
-    if (p) free(((void **)p)[-1]);
+    if (!p) return;
+    const cpu_alloc_hdr *h = (const cpu_alloc_hdr *)p - 1;
+    if (h->raw) {
+        free(h->raw);
+        return;
+    }
+    munmap((char *)p - CPU_HDR_ROOM, h->map_bytes);
 }
 
 static void cpu_copy(cv_backend *b, void *dst, const void *src, size_t bytes) {
@@ -269,6 +303,18 @@ static int64_t env_int(const char *name, int64_t def, int64_t lo, int64_t hi) {
     return v < lo ? lo : (v > hi ? hi : v);
 }
 
+int cv_cpu_att_partials_reserve(cv_cpu *c, size_t units) {
+    if (units <= c->att_partial_units) return CV_OK;
+    size_t bytes;
+    if (!cv_mul_size(units, c->att_partial_floats * sizeof(float), &bytes)) return CV_ERR_NOMEM;
+    float *p = aligned_alloc(64, bytes);
+    if (!p) return CV_ERR_NOMEM;
+    free(c->att_partials);
+    c->att_partials = p;
+    c->att_partial_units = units;
+    return CV_OK;
+}
+
 static void cpu_destroy(cv_backend *b) {
     if (!b) return;
     cv_cpu *c = b->ctx;
@@ -283,6 +329,10 @@ static void cpu_destroy(cv_backend *b) {
         free(c);
     }
     free(b);
+}
+
+void cv_cpu_backend_set_exact_activations(cv_backend *b, int exact) {
+    if (is_cpu(b)) cv_cpu_of(b)->exact_activations = exact != 0;
 }
 
 cv_backend *cv_cpu_backend_create(int num_threads, int force_scalar, cv_err *err) {
@@ -324,7 +374,8 @@ cv_backend *cv_cpu_backend_create_simd(int num_threads, const char *simd, cv_err
     c->att_scratch_floats = cv_cpu_att_scratch_floats();
     c->att_partial_floats = cv_cpu_att_partial_floats();
     c->att_scratch = aligned_alloc(64, nt * c->att_scratch_floats * sizeof(float));
-    c->att_partials = aligned_alloc(64, 4 * nt * c->att_partial_floats * sizeof(float));
+    c->att_partial_units = 4 * nt;
+    c->att_partials = aligned_alloc(64, c->att_partial_units * c->att_partial_floats * sizeof(float));
     c->att_counters = calloc(2 * nt, sizeof *c->att_counters);
     c->l2_bytes = cache_size(3, 1 << 20);
     c->l3_bytes = cache_size(4, 8 << 20);

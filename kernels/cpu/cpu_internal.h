@@ -57,8 +57,9 @@ typedef struct cv_cpu {
                               * version at this level runs the best one below it */
     float *att_scratch;      /* [nthreads][att_scratch_floats] */
     size_t att_scratch_floats;
-    float *att_partials;     /* [4*nthreads][att_partial_floats] (m, l, acc) of split parts */
+    float *att_partials;     /* [att_partial_units][att_partial_floats] (m, l, acc) of split segments */
     size_t att_partial_floats;
+    size_t att_partial_units; /* grows to the units of a split step (cv_cpu_att_partials_reserve) */
     atomic_int *att_counters; /* [2*nthreads] parts still running per split item */
     size_t l2_bytes, l3_bytes; /* cache sizes (per core L2, shared L3) */
     int64_t gemm_kc;         /* GEMM blocking: about this many cols per block */
@@ -71,6 +72,7 @@ typedef struct cv_cpu {
     void *qx;                /* quantized activations of a token block (quant.c) */
     size_t qx_bytes;
     int qlevel;              /* cv_qlevel of the quantized kernels */
+    int exact_activations;   /* 1: no bf16 rounding of GEMM inputs (no vdpbf16ps path) */
 } cv_cpu;
 
 static inline cv_cpu *cv_cpu_of(cv_backend *b) { return (cv_cpu *)b->ctx; }
@@ -203,6 +205,8 @@ void cv_cpu_kv_write_token(const cv_kv_layer *cache, const float *k, const float
  * partial result (both multiples of 16). */
 size_t cv_cpu_att_scratch_floats(void);
 size_t cv_cpu_att_partial_floats(void);
+/* Room for `units` partial results; 0, or CV_ERR_NOMEM (the buffer unchanged). */
+int cv_cpu_att_partials_reserve(cv_cpu *c, size_t units);
 
 /* peak.c: cv_cpu_measure_peak; backend_cpu.c: cv_cpu_triad, cv_cpu_read_bw
  * (declared in cpu_backend.h). */

@@ -28,10 +28,14 @@
  * panel p is [cols_pad/2][16][2], cols_pad = cols rounded up to even (the
  * pad column is zero). Other matrices: [cols][16] (bf16 in slot order). */
 static inline int uses_pairs(const cv_cpu *c, cv_dtype dt) {
-    return CV_HAVE_AVX512 && c->simd >= CV_SIMD_AVX512_BF16 && dt == CV_BF16;
+    return CV_HAVE_AVX512 && c->simd >= CV_SIMD_AVX512_BF16 && dt == CV_BF16 && !c->exact_activations;
 }
 static inline int64_t panel_cols(const cv_cpu *c, cv_dtype dt, int64_t cols) {
     return uses_pairs(c, dt) ? (cols + 1) & ~(int64_t)1 : cols;
+}
+/* Groups of CV_GROUP panels of a matrix of `rows` outputs. */
+static inline int64_t matrix_groups(int64_t rows) {
+    return (rows + CV_GROUP * CV_NR - 1) / (CV_GROUP * CV_NR);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -95,7 +99,7 @@ int cv_cpu_matrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dty
     memset(out, 0, sizeof *out);
     rc = cv_cpu_check_prepare("matrix_prepare", "weight dtype", src, src_dtype, rows, cols, dtype, err);
     if (rc) goto done;
-    const int64_t n_panels = (rows + CV_NR - 1) / CV_NR;
+    const int64_t n_panels = matrix_groups(rows) * CV_GROUP; /* zero panels pad the last group */
     const int64_t cols_pad = panel_cols(c, dtype, cols);
     size_t elems, bytes, tbytes;
     if (!cv_mul_size((size_t)n_panels * CV_NR, (size_t)cols_pad, &elems) ||
@@ -171,7 +175,8 @@ void cv_cpu_matrix_free(cv_backend *b, cv_matrix *m) {
 /* ------------------------------------------------------------------------ */
 /* Micro-kernels (contract in gemm_ukr.h) */
 
-/* Plain C: the reference every SIMD kernel is held to. */
+/* Plain C: the reference every SIMD kernel is held to (one panel per call:
+ * the order of each output's sum is the same for any np). */
 static void ukr_plain(int mr, cv_dtype dt, int64_t kc, const float *x, int64_t ldx, const void *w,
                       float *c, int64_t ldc, int nvalid, const float *bias, int load_c) {
     float acc[CV_MR][CV_NR];
@@ -206,8 +211,9 @@ static void ukr_plain(int mr, cv_dtype dt, int64_t kc, const float *x, int64_t l
 }
 
 #define PLAIN_UKR(MR, DT, NAME)                                                                 \
-    static void NAME(int64_t kc, const float *x, int64_t ldx, const void *w, float *c,         \
-                     int64_t ldc, int nvalid, const float *bias, int load_c) {                  \
+    static void NAME(int64_t kc, const float *x, int64_t ldx, const void *w, size_t wstride,   \
+                     float *c, int64_t ldc, int nvalid, const float *bias, int load_c) {        \
+        (void)wstride;                                                                          \
         ukr_plain(MR, DT, kc, x, ldx, w, c, ldc, nvalid, bias, load_c);                         \
     }
 UKR_TABLE(PLAIN_UKR, plain_, static, plain_table)
@@ -233,100 +239,83 @@ static CV_ALWAYS_INLINE void load_w16(const cv_dtype dt, const void *w, int64_t 
     }
 }
 
-static CV_ALWAYS_INLINE void ukr_avx2(const int mr, const cv_dtype dt, const int packed, int64_t kc,
-                                      const float *x, int64_t ldx, const void *w, float *c,
-                                      int64_t ldc, int nvalid, const float *bias, int load_c) {
-    /* Few tokens: unroll k into independent accumulator sets so FMA latency
-     * does not bound the stream. */
-    const int U = mr == 1 ? 4 : (mr == 2 ? 2 : 1);
-    __m256 acc[4][CV_MR][2];
-    float tmp[CV_MR][CV_NR];
-    const int full = nvalid == CV_NR;
-    __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
-    if (bias) {
-        if (full) {
-            b0 = _mm256_loadu_ps(bias);
-            b1 = _mm256_loadu_ps(bias + 8);
-        } else {
-            float bt[CV_NR] = {0};
-            for (int j = 0; j < nvalid; j++) bt[j] = bias[j];
-            b0 = _mm256_loadu_ps(bt);
-            b1 = _mm256_loadu_ps(bt + 8);
-        }
+/* 16 values at p, of which the first nv (0..16) are read; the rest zero. */
+static CV_ALWAYS_INLINE void load16_part(const float *p, int nv, __m256 *v0, __m256 *v1) {
+    if (nv == CV_NR) {
+        *v0 = _mm256_loadu_ps(p);
+        *v1 = _mm256_loadu_ps(p + 8);
+        return;
     }
+    float t[CV_NR] = {0};
+    for (int j = 0; j < nv; j++) t[j] = p[j];
+    *v0 = _mm256_loadu_ps(t);
+    *v1 = _mm256_loadu_ps(t + 8);
+}
+
+/* mr rows x np panels, one accumulator chain per output (gemm_ukr.h). */
+static CV_ALWAYS_INLINE void ukr_avx2(const int mr, const int np, const cv_dtype dt, const int packed,
+                                      int64_t kc, const float *x, int64_t ldx, const void *w,
+                                      size_t wstride, float *c, int64_t ldc, int nvalid,
+                                      const float *bias, int load_c) {
+    __m256 acc[CV_MR][CV_GROUP][2];
+#pragma GCC unroll 4
+    for (int q = 0; q < np; q++) {
+        const int nv = panel_valid(nvalid, q);
+        __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+        if (bias) load16_part(bias + q * CV_NR, nv, &b0, &b1);
 #pragma GCC unroll 6
-    for (int i = 0; i < mr; i++) {
-        if (load_c) {
-            const float *ci = c + i * ldc;
-            if (full) {
-                acc[0][i][0] = _mm256_add_ps(_mm256_loadu_ps(ci), b0);
-                acc[0][i][1] = _mm256_add_ps(_mm256_loadu_ps(ci + 8), b1);
+        for (int i = 0; i < mr; i++) {
+            if (load_c) {
+                __m256 c0, c1;
+                load16_part(c + i * ldc + q * CV_NR, nv, &c0, &c1);
+                acc[i][q][0] = _mm256_add_ps(c0, b0);
+                acc[i][q][1] = _mm256_add_ps(c1, b1);
             } else {
-                for (int j = 0; j < CV_NR; j++) tmp[i][j] = j < nvalid ? ci[j] : 0.0f;
-                acc[0][i][0] = _mm256_add_ps(_mm256_loadu_ps(tmp[i]), b0);
-                acc[0][i][1] = _mm256_add_ps(_mm256_loadu_ps(tmp[i] + 8), b1);
-            }
-        } else {
-            acc[0][i][0] = b0;
-            acc[0][i][1] = b1;
-        }
-#pragma GCC unroll 4
-        for (int u = 1; u < U; u++) {
-            acc[u][i][0] = _mm256_setzero_ps();
-            acc[u][i][1] = _mm256_setzero_ps();
-        }
-    }
-    int64_t k = 0;
-    for (; k + U <= kc; k += U) {
-#pragma GCC unroll 4
-        for (int u = 0; u < U; u++) {
-            __m256 w0, w1;
-            load_w16(dt, w, k + u, &w0, &w1);
-#pragma GCC unroll 6
-            for (int i = 0; i < mr; i++) {
-                const __m256 xb = _mm256_broadcast_ss(packed ? x + (k + u) * mr + i
-                                                             : x + i * ldx + k + u);
-                acc[u][i][0] = _mm256_fmadd_ps(xb, w0, acc[u][i][0]);
-                acc[u][i][1] = _mm256_fmadd_ps(xb, w1, acc[u][i][1]);
+                acc[i][q][0] = b0;
+                acc[i][q][1] = b1;
             }
         }
     }
-    for (; k < kc; k++) {
-        __m256 w0, w1;
-        load_w16(dt, w, k, &w0, &w1);
+    for (int64_t k = 0; k < kc; k++) {
+        __m256 w0[CV_GROUP], w1[CV_GROUP];
+#pragma GCC unroll 4
+        for (int q = 0; q < np; q++) load_w16(dt, (const char *)w + (size_t)q * wstride, k, &w0[q], &w1[q]);
 #pragma GCC unroll 6
         for (int i = 0; i < mr; i++) {
             const __m256 xb = _mm256_broadcast_ss(packed ? x + k * mr + i : x + i * ldx + k);
-            acc[0][i][0] = _mm256_fmadd_ps(xb, w0, acc[0][i][0]);
-            acc[0][i][1] = _mm256_fmadd_ps(xb, w1, acc[0][i][1]);
+#pragma GCC unroll 4
+            for (int q = 0; q < np; q++) {
+                acc[i][q][0] = _mm256_fmadd_ps(xb, w0[q], acc[i][q][0]);
+                acc[i][q][1] = _mm256_fmadd_ps(xb, w1[q], acc[i][q][1]);
+            }
         }
     }
-#pragma GCC unroll 6
-    for (int i = 0; i < mr; i++) {
 #pragma GCC unroll 4
-        for (int u = 1; u < U; u++) {
-            acc[0][i][0] = _mm256_add_ps(acc[0][i][0], acc[u][i][0]);
-            acc[0][i][1] = _mm256_add_ps(acc[0][i][1], acc[u][i][1]);
-        }
-        float *ci = c + i * ldc;
-        if (full) {
-            _mm256_storeu_ps(ci, acc[0][i][0]);
-            _mm256_storeu_ps(ci + 8, acc[0][i][1]);
-        } else {
-            _mm256_storeu_ps(tmp[i], acc[0][i][0]);
-            _mm256_storeu_ps(tmp[i] + 8, acc[0][i][1]);
-            for (int j = 0; j < nvalid; j++) ci[j] = tmp[i][j];
+    for (int q = 0; q < np; q++) {
+        const int nv = panel_valid(nvalid, q);
+#pragma GCC unroll 6
+        for (int i = 0; i < mr; i++) {
+            float *ci = c + i * ldc + q * CV_NR;
+            if (nv == CV_NR) {
+                _mm256_storeu_ps(ci, acc[i][q][0]);
+                _mm256_storeu_ps(ci + 8, acc[i][q][1]);
+            } else {
+                float t[CV_NR];
+                _mm256_storeu_ps(t, acc[i][q][0]);
+                _mm256_storeu_ps(t + 8, acc[i][q][1]);
+                for (int j = 0; j < nv; j++) ci[j] = t[j];
+            }
         }
     }
 }
 
 #define AVX_UKR(MR, DT, NAME)                                                                   \
-    static void NAME(int64_t kc, const float *x, int64_t ldx, const void *w, float *c,         \
-                     int64_t ldc, int nvalid, const float *bias, int load_c) {                  \
+    static void NAME(int64_t kc, const float *x, int64_t ldx, const void *w, size_t wstride,   \
+                     float *c, int64_t ldc, int nvalid, const float *bias, int load_c) {        \
         if (ldx)                                                                                \
-            ukr_avx2(MR, DT, 0, kc, x, ldx, w, c, ldc, nvalid, bias, load_c);                   \
+            ukr_avx2(MR, UKR_NP_AVX2(MR), DT, 0, kc, x, ldx, w, wstride, c, ldc, nvalid, bias, load_c); \
         else                                                                                    \
-            ukr_avx2(MR, DT, 1, kc, x, ldx, w, c, ldc, nvalid, bias, load_c);                   \
+            ukr_avx2(MR, UKR_NP_AVX2(MR), DT, 1, kc, x, ldx, w, wstride, c, ldc, nvalid, bias, load_c); \
     }
 UKR_TABLE(AVX_UKR, avx_, static, avx_table)
 CV_TARGET_END
@@ -344,11 +333,12 @@ typedef struct gemm_job {
     const float *bias;   /* [rows] or NULL */
     int accumulate;
     const ukr_fn *table; /* [CV_MR + 1] kernels for w's dtype */
+    int np[CV_MR + 1];   /* panels per kernel call at each tile height */
     int64_t kc;          /* cols per block (balanced chunks of about the configured KC) */
     int64_t mc;          /* tokens per block (x block of mc x cols stays in L2) */
     int64_t n_tblocks;   /* token blocks of mc tokens */
-    int64_t pc;          /* panels per work item */
-    int64_t n_pchunks;   /* panel chunks of pc panels */
+    int64_t pc;          /* panel groups per work item */
+    int64_t n_pchunks;   /* chunks of pc panel groups */
     int64_t n_items;     /* work items: (token block, panel chunk), or panel chunks when panels_outer */
     float *xpack;        /* [nthreads][xpack_floats] packed x blocks, or NULL: x in place */
     size_t xpack_floats;
@@ -389,38 +379,45 @@ static void round_x_bf16(uint16_t *dst, const float *xb, int64_t cols, int64_t k
     }
 }
 
-/* One panel over one token block [m0, m0 + mlen): cols in chunks of kc (the
- * panel chunk stays in L1 while the block's tiles pass over it). x comes
- * from the packed block xp, or from the block's rows xb ([mlen][cols]) when
- * xp is NULL (pair layout: xp holds the block's bf16 rows). */
-static void panel_pass(const gemm_job *j, int64_t p, int64_t m0, int64_t mlen, int64_t kc,
+/* One group of CV_GROUP panels over one token block [m0, m0 + mlen): cols
+ * in chunks of kc (the group's chunk stays in L1 while the block's tiles pass
+ * over it), each tile's kernel taking np panels at a time. x comes from the
+ * packed block xp, or from the block's rows xb ([mlen][cols]) when xp is NULL
+ * (pair layout: xp holds the block's bf16 rows). */
+static void group_pass(const gemm_job *j, int64_t g, int64_t m0, int64_t mlen, int64_t kc,
                        const float *xb, const float *xp) {
     const cv_matrix *w = j->w;
     const int64_t rows = w->rows, cols = j->kcols;
     const size_t esz = cv_dtype_size(w->dtype);
+    const size_t pstride = (size_t)cols * CV_NR * esz; /* bytes from one panel to the next */
     const int64_t ntiles = (mlen + CV_MR - 1) / CV_MR;
-    const int64_t r0 = p * CV_NR;
-    const int nvalid = rows - r0 < CV_NR ? (int)(rows - r0) : CV_NR;
     for (int64_t k0 = 0; k0 < cols; k0 += kc) {
         const int64_t klen = k0 + kc < cols ? kc : cols - k0;
         const int first = k0 == 0;
         const int load_c = j->accumulate || !first;
-        const char *wp = (const char *)w->data + ((size_t)p * (size_t)cols + (size_t)k0) * CV_NR * esz;
-        const float *bp = (first && j->bias) ? j->bias + r0 : NULL;
         /* balanced tiles of at most CV_MR tokens */
         int64_t t = m0;
         for (int64_t ti = 0; ti < ntiles; ti++) {
             const int mr = (int)(mlen / ntiles + (ti < mlen % ntiles ? 1 : 0));
-            float *o = j->out + (size_t)t * (size_t)rows + (size_t)r0;
-            if (j->pairs)
-                j->table[mr](klen, (const float *)(const void *)((const uint16_t *)(const void *)xp +
-                                                                 (t - m0) * cols + k0),
-                             cols, wp, o, rows, nvalid, bp, load_c);
-            else if (xp)
-                j->table[mr](klen, xp + (t - m0) * cols + k0 * mr, 0, wp, o, rows, nvalid, bp, load_c);
-            else
-                j->table[mr](klen, xb + (size_t)(t - m0) * (size_t)cols + (size_t)k0, cols, wp, o, rows,
-                             nvalid, bp, load_c);
+            const int np = j->np[mr];
+            for (int q = 0; q < CV_GROUP; q += np) {
+                const int64_t p = g * CV_GROUP + q, r0 = p * CV_NR;
+                if (r0 >= rows) break;
+                const int nvalid = rows - r0 < np * CV_NR ? (int)(rows - r0) : np * CV_NR;
+                const char *wp = (const char *)w->data + (size_t)p * pstride + (size_t)k0 * CV_NR * esz;
+                const float *bp = (first && j->bias) ? j->bias + r0 : NULL;
+                float *o = j->out + (size_t)t * (size_t)rows + (size_t)r0;
+                if (j->pairs)
+                    j->table[mr](klen, (const float *)(const void *)((const uint16_t *)(const void *)xp +
+                                                                     (t - m0) * cols + k0),
+                                 cols, wp, pstride, o, rows, nvalid, bp, load_c);
+                else if (xp)
+                    j->table[mr](klen, xp + (t - m0) * cols + k0 * mr, 0, wp, pstride, o, rows, nvalid, bp,
+                                 load_c);
+                else
+                    j->table[mr](klen, xb + (size_t)(t - m0) * (size_t)cols + (size_t)k0, cols, wp, pstride, o,
+                                 rows, nvalid, bp, load_c);
+            }
             t += mr;
         }
     }
@@ -450,7 +447,7 @@ static void make_shared_rows(gemm_job *j) {
 static void gemm_fn(void *arg, int tid, int nth) {
     gemm_job *j = arg;
     (void)nth;
-    const int64_t np = (j->w->rows + CV_NR - 1) / CV_NR;
+    const int64_t np = matrix_groups(j->w->rows);
     const int64_t n = j->n, mc = j->mc, pc = j->pc;
     const int64_t cols = j->w->cols;
     float *xp = j->xpack ? j->xpack + (size_t)tid * j->xpack_floats : NULL;
@@ -467,7 +464,7 @@ static void gemm_fn(void *arg, int tid, int nth) {
             const int64_t p0 = it * pc, p1 = p0 + pc < np ? p0 + pc : np;
             for (int64_t p = p0; p < p1; p++)
                 for (int64_t m0 = 0; m0 < n; m0 += mc)
-                    panel_pass(j, p, m0, m0 + mc < n ? mc : n - m0, j->kc, j->x + (size_t)(m0 * cols), NULL);
+                    group_pass(j, p, m0, m0 + mc < n ? mc : n - m0, j->kc, j->x + (size_t)(m0 * cols), NULL);
             continue;
         }
         const int64_t tb = it / j->n_pchunks, pi = it % j->n_pchunks;
@@ -482,7 +479,7 @@ static void gemm_fn(void *arg, int tid, int nth) {
                 pack_x(xp, xb, cols, mlen, (mlen + CV_MR - 1) / CV_MR);
             ready_block = tb;
         }
-        for (int64_t p = p0; p < p1; p++) panel_pass(j, p, m0, mlen, j->kc, xb, xp);
+        for (int64_t p = p0; p < p1; p++) group_pass(j, p, m0, mlen, j->kc, xb, xp);
     }
 }
 
@@ -526,11 +523,18 @@ void cv_cpu_gemm_in(cv_backend *b, float *out, const cv_gemm_in *in, int64_t n, 
     j.simd = c->simd;
     const int di = dt_index(w->dtype);
     j.table = plain_table[di];
+    for (int mr = 0; mr <= CV_MR; mr++) j.np[mr] = 1;
 #if CV_HAVE_AVX2
-    if (c->simd >= CV_SIMD_AVX2) j.table = avx_table[di];
+    if (c->simd >= CV_SIMD_AVX2) {
+        j.table = avx_table[di];
+        for (int mr = 1; mr <= CV_MR; mr++) j.np[mr] = UKR_NP_AVX2(mr);
+    }
 #endif
 #if CV_HAVE_AVX512
-    if (c->simd >= CV_SIMD_AVX512) j.table = cv_gemm_avx512_table[di];
+    if (c->simd >= CV_SIMD_AVX512) {
+        j.table = cv_gemm_avx512_table[di];
+        for (int mr = 1; mr <= CV_MR; mr++) j.np[mr] = UKR_NP_AVX512(mr);
+    }
     if (j.pairs) {
         j.table = cv_gemm_bf16dot_table;
         /* the block's bf16 rows (kcols values each) fit the thread's buffer */
@@ -542,7 +546,7 @@ void cv_cpu_gemm_in(cv_backend *b, float *out, const cv_gemm_in *in, int64_t n, 
 #endif
     /* Threads: at least ~128K multiply-adds (a few microseconds) each, so that
      * waking a worker never costs more than it saves. */
-    const int64_t np = (w->rows + CV_NR - 1) / CV_NR, cols = w->cols;
+    const int64_t np = matrix_groups(w->rows), cols = w->cols; /* work is divided in panel groups */
     const double macs = (double)n * (double)w->rows * (double)cols;
     const int nth = cv_threads_for(c, macs, 131072.0);
     if (n <= CV_MR) { /* one token tile (decode / GEMV): stream each panel whole, x in place */
@@ -560,11 +564,11 @@ void cv_cpu_gemm_in(cv_backend *b, float *out, const cv_gemm_in *in, int64_t n, 
                                                      : (w_share > 2.0 * (double)c->l2_bytes &&
                                                         x_bytes <= 0.5 * (double)c->l3_bytes));
     /* packing x pays off only when each thread runs it over many panels */
-    if (!j.pairs && (j.panels_outer || np < (int64_t)GEMM_PACK_MIN_PANELS * nth)) j.xpack = NULL;
+    if (!j.pairs && (j.panels_outer || np * CV_GROUP < (int64_t)GEMM_PACK_MIN_PANELS * nth)) j.xpack = NULL;
     /* Items: at least ~64K multiply-adds each (the claim is ~0.1 us), and
      * about 6 per thread for balance when there is enough work. */
     const double item_tokens = j.panels_outer ? (double)n : (double)(n < j.mc ? n : j.mc);
-    int64_t pc_min = (int64_t)(65536.0 / (item_tokens * CV_NR * (double)cols)) + 1;
+    int64_t pc_min = (int64_t)(65536.0 / (item_tokens * CV_GROUP * CV_NR * (double)cols)) + 1;
     const int64_t blocks = j.panels_outer ? 1 : j.n_tblocks;
     const int64_t want_chunks = (6 * (int64_t)nth + blocks - 1) / blocks;
     int64_t pc = np / want_chunks;

@@ -1,7 +1,10 @@
-/* AVX-512 GEMM micro-kernels (contract in gemm_ukr.h), the counterparts of
- * the AVX2 ones in gemm.c: one zmm holds the 16 outputs of a panel row, so a
- * tile keeps mr zmm accumulators (times U independent sets when mr is small,
- * so FMA latency does not bound the stream); partial panels use masks.
+/* AVX-512 GEMM micro-kernels (contract and reduction-order rule in
+ * gemm_ukr.h), the counterparts of the AVX2 ones in gemm.c: one zmm holds the
+ * 16 outputs of a panel row, and a tile is mr rows x 4 panels (64 columns):
+ * up to 24 accumulators, each one output chain in k order, so FMA latency is
+ * covered by columns, never by splitting k. Each k step loads 4 weight
+ * vectors and broadcasts one x value per row (mr + 4 loads for 4 mr FMAs).
+ * The last group's missing outputs use masks.
  *
  * Weights widened in registers: f32 as is, f16 by vcvtph2ps, bf16 (slot
  * layout: a 32-bit lane holds outputs (j, j+8)) by a zero-extension and a
@@ -19,15 +22,16 @@
 #if CV_HAVE_AVX512
 CV_TARGET_AVX512_BEGIN
 
-/* Accumulator sets: enough independent chains (mr * U >= 8) for small tiles. */
-#define UKR512_U(mr) ((mr) == 1 ? 8 : ((mr) == 2 ? 4 : ((mr) <= 4 ? 2 : 1)))
-
 /* Lane l of slot order holds output l/2 (l even) or l/2 + 8 (l odd). */
 static CV_ALWAYS_INLINE __m512i out_to_slot(void) {
     return _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
 }
 static CV_ALWAYS_INLINE __m512i slot_to_out(void) {
     return _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
+static CV_ALWAYS_INLINE __mmask16 panel_mask(int nvalid, int q) {
+    return (__mmask16)((1u << panel_valid(nvalid, q)) - 1u);
 }
 
 /* The 16 weights of panel row k (bf16: in slot order). */
@@ -39,120 +43,108 @@ static CV_ALWAYS_INLINE __m512 load_w512(const cv_dtype dt, const void *w, int64
 }
 
 static CV_ALWAYS_INLINE void ukr_512(const int mr, const cv_dtype dt, const int packed, int64_t kc,
-                                     const float *x, int64_t ldx, const void *w, float *c,
-                                     int64_t ldc, int nvalid, const float *bias, int load_c) {
-    const int U = UKR512_U(mr);
-    const __mmask16 mask = (__mmask16)((1u << nvalid) - 1u);
-    __m512 acc[8][CV_MR];
-    __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
-    if (dt == CV_BF16) b = _mm512_permutexvar_ps(out_to_slot(), b);
+                                     const float *x, int64_t ldx, const void *w, size_t wstride,
+                                     float *c, int64_t ldc, int nvalid, const float *bias, int load_c) {
+    enum { NP = UKR_NP_AVX512(mr) };
+    __m512 acc[CV_MR][NP];
+    const char *wq[NP];
+#pragma GCC unroll 4
+    for (int q = 0; q < NP; q++) {
+        wq[q] = (const char *)w + (size_t)q * wstride;
+        const __mmask16 m = panel_mask(nvalid, q);
+        __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + q * CV_NR) : _mm512_setzero_ps();
+        if (dt == CV_BF16) b = _mm512_permutexvar_ps(out_to_slot(), b);
 #pragma GCC unroll 6
-    for (int i = 0; i < mr; i++) {
-        __m512 a = b;
-        if (load_c) {
-            __m512 ci = _mm512_maskz_loadu_ps(mask, c + i * ldc);
-            if (dt == CV_BF16) ci = _mm512_permutexvar_ps(out_to_slot(), ci);
-            a = _mm512_add_ps(ci, b);
-        }
-        acc[0][i] = a;
-#pragma GCC unroll 8
-        for (int u = 1; u < U; u++) acc[u][i] = _mm512_setzero_ps();
-    }
-    int64_t k = 0;
-    for (; k + U <= kc; k += U) {
-#pragma GCC unroll 8
-        for (int u = 0; u < U; u++) {
-            const __m512 wv = load_w512(dt, w, k + u);
-#pragma GCC unroll 6
-            for (int i = 0; i < mr; i++) {
-                const __m512 xb = _mm512_set1_ps(packed ? x[(k + u) * mr + i] : x[i * ldx + k + u]);
-                acc[u][i] = _mm512_fmadd_ps(xb, wv, acc[u][i]);
+        for (int i = 0; i < mr; i++) {
+            __m512 a = b;
+            if (load_c) {
+                __m512 ci = _mm512_maskz_loadu_ps(m, c + i * ldc + q * CV_NR);
+                if (dt == CV_BF16) ci = _mm512_permutexvar_ps(out_to_slot(), ci);
+                a = _mm512_add_ps(ci, b);
             }
+            acc[i][q] = a;
         }
     }
-    for (; k < kc; k++) {
-        const __m512 wv = load_w512(dt, w, k);
+    for (int64_t k = 0; k < kc; k++) {
+        __m512 wv[NP];
+#pragma GCC unroll 4
+        for (int q = 0; q < NP; q++) wv[q] = load_w512(dt, wq[q], k);
 #pragma GCC unroll 6
         for (int i = 0; i < mr; i++) {
             const __m512 xb = _mm512_set1_ps(packed ? x[k * mr + i] : x[i * ldx + k]);
-            acc[0][i] = _mm512_fmadd_ps(xb, wv, acc[0][i]);
+#pragma GCC unroll 4
+            for (int q = 0; q < NP; q++) acc[i][q] = _mm512_fmadd_ps(xb, wv[q], acc[i][q]);
         }
     }
+#pragma GCC unroll 4
+    for (int q = 0; q < NP; q++) {
+        const __mmask16 m = panel_mask(nvalid, q);
 #pragma GCC unroll 6
-    for (int i = 0; i < mr; i++) {
-#pragma GCC unroll 8
-        for (int u = 1; u < U; u++) acc[0][i] = _mm512_add_ps(acc[0][i], acc[u][i]);
-        __m512 r = acc[0][i];
-        if (dt == CV_BF16) r = _mm512_permutexvar_ps(slot_to_out(), r);
-        _mm512_mask_storeu_ps(c + i * ldc, mask, r);
+        for (int i = 0; i < mr; i++) {
+            __m512 r = acc[i][q];
+            if (dt == CV_BF16) r = _mm512_permutexvar_ps(slot_to_out(), r);
+            _mm512_mask_storeu_ps(c + i * ldc + q * CV_NR, m, r);
+        }
     }
 }
 
 #define AVX512_UKR(MR, DT, NAME)                                                                \
-    static void NAME(int64_t kc, const float *x, int64_t ldx, const void *w, float *c,         \
-                     int64_t ldc, int nvalid, const float *bias, int load_c) {                  \
+    static void NAME(int64_t kc, const float *x, int64_t ldx, const void *w, size_t wstride,   \
+                     float *c, int64_t ldc, int nvalid, const float *bias, int load_c) {        \
         if (ldx)                                                                                \
-            ukr_512(MR, DT, 0, kc, x, ldx, w, c, ldc, nvalid, bias, load_c);                    \
+            ukr_512(MR, DT, 0, kc, x, ldx, w, wstride, c, ldc, nvalid, bias, load_c);           \
         else                                                                                    \
-            ukr_512(MR, DT, 1, kc, x, ldx, w, c, ldc, nvalid, bias, load_c);                    \
+            ukr_512(MR, DT, 1, kc, x, ldx, w, wstride, c, ldc, nvalid, bias, load_c);           \
     }
 UKR_TABLE(AVX512_UKR, avx512_, , cv_gemm_avx512_table)
 CV_TARGET_END
 
 CV_TARGET_AVX512_BF16_BEGIN
-/* Pair layout: x bf16 [mr][ldx], w [kc/2][16][2] bf16, kc even. */
+/* Pair layout: x bf16 [mr][ldx], each panel [kc/2][16][2] bf16, kc even.
+ * Per k pair: 4 weight loads, mr broadcasts of (x[k], x[k+1]), 4 mr dots. */
 static CV_ALWAYS_INLINE void ukr_dot(const int mr, int64_t kc, const float *xf, int64_t ldx,
-                                     const void *w, float *c, int64_t ldc, int nvalid,
+                                     const void *w, size_t wstride, float *c, int64_t ldc, int nvalid,
                                      const float *bias, int load_c) {
-    const int U = UKR512_U(mr);
+    enum { NP = UKR_NP_AVX512(mr) };
     const uint16_t *x = (const uint16_t *)(const void *)xf;
-    const uint16_t *wp = w;
     const int64_t kp = kc / 2; /* pairs */
-    const __mmask16 mask = (__mmask16)((1u << nvalid) - 1u);
-    __m512 acc[8][CV_MR];
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+    __m512 acc[CV_MR][NP];
+    const uint16_t *wq[NP];
+#pragma GCC unroll 4
+    for (int q = 0; q < NP; q++) {
+        wq[q] = (const uint16_t *)(const void *)((const char *)w + (size_t)q * wstride);
+        const __mmask16 m = panel_mask(nvalid, q);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + q * CV_NR) : _mm512_setzero_ps();
 #pragma GCC unroll 6
-    for (int i = 0; i < mr; i++) {
-        acc[0][i] = load_c ? _mm512_add_ps(_mm512_maskz_loadu_ps(mask, c + i * ldc), b) : b;
-#pragma GCC unroll 8
-        for (int u = 1; u < U; u++) acc[u][i] = _mm512_setzero_ps();
+        for (int i = 0; i < mr; i++)
+            acc[i][q] = load_c ? _mm512_add_ps(_mm512_maskz_loadu_ps(m, c + i * ldc + q * CV_NR), b) : b;
     }
-    int64_t q = 0;
-    for (; q + U <= kp; q += U) {
-#pragma GCC unroll 8
-        for (int u = 0; u < U; u++) {
-            const __m512i wv = _mm512_loadu_si512((const void *)(wp + (q + u) * 2 * CV_NR));
-#pragma GCC unroll 6
-            for (int i = 0; i < mr; i++) {
-                uint32_t xv; /* (x[k], x[k+1]) */
-                memcpy(&xv, x + i * ldx + 2 * (q + u), sizeof xv);
-                const __m512i xb = _mm512_set1_epi32((int)xv);
-                acc[u][i] = _mm512_dpbf16_ps(acc[u][i], (__m512bh)xb, (__m512bh)wv);
-            }
-        }
-    }
-    for (; q < kp; q++) {
-        const __m512i wv = _mm512_loadu_si512((const void *)(wp + q * 2 * CV_NR));
+    for (int64_t p = 0; p < kp; p++) {
+        __m512i wv[NP];
+#pragma GCC unroll 4
+        for (int q = 0; q < NP; q++) wv[q] = _mm512_loadu_si512((const void *)(wq[q] + p * 2 * CV_NR));
 #pragma GCC unroll 6
         for (int i = 0; i < mr; i++) {
-            uint32_t xv;
-            memcpy(&xv, x + i * ldx + 2 * q, sizeof xv);
+            uint32_t xv; /* (x[k], x[k+1]) */
+            memcpy(&xv, x + i * ldx + 2 * p, sizeof xv);
             const __m512i xb = _mm512_set1_epi32((int)xv);
-            acc[0][i] = _mm512_dpbf16_ps(acc[0][i], (__m512bh)xb, (__m512bh)wv);
+#pragma GCC unroll 4
+            for (int q = 0; q < NP; q++)
+                acc[i][q] = _mm512_dpbf16_ps(acc[i][q], (__m512bh)xb, (__m512bh)wv[q]);
         }
     }
+#pragma GCC unroll 4
+    for (int q = 0; q < NP; q++) {
+        const __mmask16 m = panel_mask(nvalid, q);
 #pragma GCC unroll 6
-    for (int i = 0; i < mr; i++) {
-#pragma GCC unroll 8
-        for (int u = 1; u < U; u++) acc[0][i] = _mm512_add_ps(acc[0][i], acc[u][i]);
-        _mm512_mask_storeu_ps(c + i * ldc, mask, acc[0][i]);
+        for (int i = 0; i < mr; i++) _mm512_mask_storeu_ps(c + i * ldc + q * CV_NR, m, acc[i][q]);
     }
 }
 
 #define DOT_UKR(MR, NAME)                                                                       \
-    static void NAME(int64_t kc, const float *x, int64_t ldx, const void *w, float *c,         \
-                     int64_t ldc, int nvalid, const float *bias, int load_c) {                  \
-        ukr_dot(MR, kc, x, ldx, w, c, ldc, nvalid, bias, load_c);                               \
+    static void NAME(int64_t kc, const float *x, int64_t ldx, const void *w, size_t wstride,   \
+                     float *c, int64_t ldc, int nvalid, const float *bias, int load_c) {        \
+        ukr_dot(MR, kc, x, ldx, w, wstride, c, ldc, nvalid, bias, load_c);                      \
     }
 DOT_UKR(1, dot_1) DOT_UKR(2, dot_2) DOT_UKR(3, dot_3) DOT_UKR(4, dot_4) DOT_UKR(5, dot_5)
 DOT_UKR(6, dot_6)

@@ -1,19 +1,47 @@
 /* The GEMM micro-kernel contract shared by gemm.c (driver, plain C, AVX2) and
  * gemm_avx512.c (AVX-512 and AVX512_BF16).
  *
- *   c[mr][ldc] (valid columns: nvalid <= 16) gets
- *     (load_c ? c : 0) + (bias ? bias[0..nvalid) : 0) + sum_k x[i][k] w[k][.]
+ * A kernel computes an mr x (np * 16) tile: np consecutive panels of W (np is
+ * fixed per level and tile height, UKR_NP_*) over mr rows of x:
+ *   c[i][q*16 + j] (i < mr, q < np, q*16 + j < nvalid) gets
+ *     (load_c ? c : 0) + (bias ? bias : 0) + sum_k x[i][k] w_q[k][j]
  *   x: [mr][ldx] rows of activations (kc used), or when ldx == 0 a packed
- *      tile [kc][mr]; w: one panel chunk [kc][16].
+ *      tile [kc][mr]; w_q = (char *)w + q * wstride: panel q's chunk [kc][16];
+ *   nvalid in 1 .. np*16: outputs past it (the matrix's last rows, or zero
+ *   panels that pad the matrix to whole groups) are neither read nor written.
  * The bf16-pair kernels (AVX512_BF16) read x as bfloat16 [mr][ldx] (ldx in
- * bf16 values, even, never 0) and w as pairs along k: [kc/2][16][2], kc even. */
+ * bf16 values, even, never 0) and each w_q as pairs along k: [kc/2][16][2],
+ * kc even.
+ *
+ * THE REDUCTION-ORDER RULE (batch invariance). Every output is one fp32
+ * accumulator: its start value ((c + bias), bias or 0, as above), then the
+ * terms x[i][k] w[k][j] added in increasing k, one k at a time (one k pair
+ * per vdpbf16ps for the pair kernels), each kernel of a level doing the same
+ * operation per term (one FMA, or one dot instruction). No kernel splits k
+ * over several accumulators. Independent chains for latency come from more
+ * columns (np panels) and rows (mr), never from k. So a row's result does not
+ * depend on mr (the tile it falls in), np, the driver's k chunks (c is stored
+ * and reloaded exactly in fp32 between chunks), the thread that computes it,
+ * or the other rows of the batch: the same token gives the same bits alone
+ * and in any batch, at every level. tests/test_batch_invariance.py holds it. */
 #ifndef CV_CPU_GEMM_UKR_H
 #define CV_CPU_GEMM_UKR_H
 
 #include "cpu_internal.h"
 
-typedef void (*ukr_fn)(int64_t kc, const float *x, int64_t ldx, const void *w, float *c,
+typedef void (*ukr_fn)(int64_t kc, const float *x, int64_t ldx, const void *w, size_t wstride, float *c,
                        int64_t ldc, int nvalid, const float *bias, int load_c);
+
+/* Packed matrices hold whole groups of CV_GROUP panels (zero panels pad the
+ * last group), so every kernel call reads whole panels of its np. */
+#define CV_GROUP 4
+
+/* Panels per kernel call at a tile height, per level (each divides CV_GROUP):
+ * enough independent accumulators (mr * np * vectors per panel) to cover the
+ * FMA latency without spilling (AVX2: 16 ymm; AVX-512: 32 zmm, np = 4 gives
+ * 24 accumulators + 4 weights + 1 broadcast at mr = 6). */
+#define UKR_NP_AVX2(mr) ((mr) == 1 ? 4 : ((mr) == 2 ? 2 : 1))
+#define UKR_NP_AVX512(mr) 4
 
 /* bf16 panels (slot layout, all levels but the pair layout): output j at
  * slot 2j (j < 8) or 2(j-8)+1, so a 32-bit lane holds outputs (j, j+8). */
@@ -21,6 +49,12 @@ static inline int bf16_slot(int j) { return j < 8 ? 2 * j : 2 * (j - 8) + 1; }
 
 /* Index of a weight dtype in the kernel tables. */
 static inline int dt_index(cv_dtype dt) { return dt == CV_F32 ? 0 : (dt == CV_BF16 ? 1 : 2); }
+
+/* Valid outputs of panel q of a call with nvalid outputs: 0 .. 16. */
+static inline int panel_valid(int nvalid, int q) {
+    const int v = nvalid - q * CV_NR;
+    return v <= 0 ? 0 : (v >= CV_NR ? CV_NR : v);
+}
 
 /* Instantiates GEN(mr, dtype, name) for tile heights 1..CV_MR (== 6) and the
  * three weight dtypes, as P##f32_1 .. P##f16_6, and TABLE[dt_index][mr] of

@@ -31,6 +31,7 @@ BENCHMARK_HELP: dict[str, str] = {
     "timeline": "which sequence sits in which batch slot at every step (a plot)",
     "serve": "latency under Poisson load against the HTTP server",
     "study": "the study: HF static batching vs Conveyor static and continuous (and vLLM if present)",
+    "start": "engine start time and resident memory against the KV cache size",
     "speculative": "n-gram speculative decoding vs plain decoding on input-grounded prompts (batch 1)",
 }
 BENCHMARKS: tuple[str, ...] = tuple(BENCHMARK_HELP)

@@ -27,6 +27,10 @@ _QUANTIZATIONS = (None, "q8_0", "q4_0", "q4_1")
 # 2 cores) keeps median TTFT within 10% of no cap while the p99 time between tokens drops
 # 1.8x; 64 cut it 2.4x but cost 12% of median TTFT.
 DEFAULT_PREFILL_CAP = {"cpu": 96, "cuda": 512}
+# LLM (offline: generate/chat run a batch to completion, nobody watches a stream) takes no
+# cap by default: the cap trades throughput for inter-token latency, which an offline batch
+# does not have (docs/performance.md, "The prefill cap offline and serving").
+OFFLINE_PREFILL_CAP = 0
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
@@ -94,6 +98,10 @@ class EngineArgs:
     seed: int = 0
     gpu_memory_utilization: float = 0.9
     quantization: Optional[str] = None  # "q8_0" | "q4_0" | "q4_1": quantize the matrices at load
+    # GEMM inputs over bf16 weights on the CPU. "auto": rounded to bf16 where the CPU has
+    # vdpbf16ps (AVX512_BF16; twice the fp32 FMA rate, as vLLM's and oneDNN's bf16 paths);
+    # "float32": exact float32 activations on every CPU (docs/performance.md: what it costs).
+    activation_dtype: str = "auto"
     # Stall-free mixed steps: while sequences decode, a step carries at most this many
     # prompt tokens (chunked prefill only). None: 96 on the CPU (a step's time grows with
     # every token), 512 on CUDA; 0: no cap.
@@ -153,6 +161,8 @@ class EngineArgs:
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "skip_tokenizer_init"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool")
+        if self.activation_dtype not in ("auto", "float32"):
+            raise ValueError(f"activation_dtype must be 'auto' or 'float32', got {self.activation_dtype!r}")
         if self.quantization not in _QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {_QUANTIZATIONS}, got {self.quantization!r}")
         if self.kv_cache_memory is not None:
@@ -258,7 +268,8 @@ class EngineCore:
             seed=args.seed, eos_ids=eos_ids, bos_id=bos_id, strip_space_after_bos=strip,
             token_bytes=token_bytes, special_ids=special, quantization=args.quantization,
             max_prefill_tokens_while_decoding=args.resolved_prefill_cap(),
-            max_queued_requests=args.max_queued_requests or 0, **self._spec_kwargs(args.speculative_config))
+            max_queued_requests=args.max_queued_requests or 0, activation_dtype=args.activation_dtype,
+            **self._spec_kwargs(args.speculative_config))
         self.model_config = self._engine.model_config()
         st = self._engine.stats()
         self.max_model_len = st["max_model_len"]

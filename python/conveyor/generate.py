@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight dtype ('auto': the checkpoint's)")
     e.add_argument("--quantization", default=None, choices=["q8_0", "q4_0", "q4_1"],
                    help="quantize the weight matrices at load (default: the file's types)")
+    e.add_argument("--activation-dtype", default="auto", choices=["auto", "float32"],
+                   help="GEMM inputs over bf16 weights: 'auto' rounds them to bf16 where the CPU has "
+                        "vdpbf16ps (AVX512_BF16); 'float32' keeps them exact")
     e.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run")
     e.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: all cores)")
     e.add_argument("--max-model-len", type=int, default=None,
@@ -208,7 +211,8 @@ def main(argv=None) -> int:
     kwargs = dict(dtype=args.dtype, num_threads=args.num_threads, device=args.device,
                   scheduling=args.scheduling, max_model_len=args.max_model_len,
                   max_num_seqs=max_num_seqs, kv_cache_memory=args.kv_cache_memory,
-                  quantization=args.quantization, speculative_config=args.speculative_config)
+                  quantization=args.quantization, activation_dtype=args.activation_dtype,
+                  speculative_config=args.speculative_config)
     t_load = time.perf_counter()
     if args.stream:
         import asyncio

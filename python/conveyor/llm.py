@@ -8,7 +8,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from .engine import EngineArgs, EngineCore, EngineFrontend, check_priority, check_timeout
+from .engine import OFFLINE_PREFILL_CAP, EngineArgs, EngineCore, EngineFrontend, check_priority, check_timeout
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -55,6 +55,9 @@ class LLM(EngineFrontend):
     """
 
     def __init__(self, model, **kwargs):
+        # offline default: no prefill cap (a latency knob for watched streams; AsyncLLM and
+        # the server keep it)
+        kwargs.setdefault("max_prefill_tokens_while_decoding", OFFLINE_PREFILL_CAP)
         self._core = EngineCore(EngineArgs.from_kwargs(model, kwargs))
         self._finalizer = weakref.finalize(self, EngineCore.close, self._core)
 

@@ -372,20 +372,33 @@ class ReferenceModel:
     """config: dict with the keys of conveyor._core.Checkpoint.config (plus "format");
     weights: embed, final_norm, lm_head (None when tied), layers (list of dicts)."""
 
-    def __init__(self, config: dict, weights: dict):
+    def __init__(self, config: dict, weights: dict, gemm_inputs: str = "float32"):
+        if gemm_inputs not in ("float32", "bfloat16"):
+            raise ValueError(f"gemm_inputs must be 'float32' or 'bfloat16', got {gemm_inputs!r}")
         self.config = config
         self.weights = weights
+        self.gemm_inputs = gemm_inputs
         self.inv_freq = rope_inv_freq(config["head_dim"], config["rope_theta"], config.get("rope_scaling"))
 
     @classmethod
-    def load(cls, path) -> "ReferenceModel":
+    def load(cls, path, gemm_inputs: str = "float32") -> "ReferenceModel":
+        """gemm_inputs="bfloat16" rounds the input rows of every weight GEMM to bfloat16 (round
+        to nearest even), as the engine's vdpbf16ps path does for bf16 weights."""
         path = Path(os.fspath(path))
         if path.is_dir():
             cfg = _hf_config(path)
-            return cls(cfg, _hf_weights(path, cfg))
+            return cls(cfg, _hf_weights(path, cfg), gemm_inputs)
         if path.is_file():
-            return cls(*(read_gguf(path) if _is_gguf(path) else read_llama2c(path)))
+            return cls(*(read_gguf(path) if _is_gguf(path) else read_llama2c(path)), gemm_inputs)
         raise FileNotFoundError(f"model not found: {path}")
+
+    def _mm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """x @ w.T with x rounded as the engine's GEMM reads it."""
+        if self.gemm_inputs == "bfloat16":  # the float32 row (as the engine holds it), then bf16
+            u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+            u = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000))
+            x = u.view(np.float32).astype(x.dtype)
+        return x @ w.T
 
     @property
     def vocab_size(self) -> int:
@@ -414,7 +427,7 @@ class ReferenceModel:
         x = W["embed"][toks]  # [T][dim]
         for li, L in enumerate(W["layers"]):
             h = _rmsnorm(x, L["attn_norm"], c["rms_eps"])
-            q, k, v = h @ L["wq"].T, h @ L["wk"].T, h @ L["wv"].T
+            q, k, v = self._mm(h, L["wq"]), self._mm(h, L["wk"]), self._mm(h, L["wv"])
             if L.get("bq") is not None:
                 q, k, v = q + L["bq"], k + L["bk"], v + L["bv"]
             q = _rope(q.reshape(T, H, hd), pos, self.inv_freq, c["rope_layout"])
@@ -435,15 +448,15 @@ class ReferenceModel:
             p = np.exp(scores)
             p /= p.sum(axis=-1, keepdims=True)
             att = (p @ vh).transpose(1, 0, 2).reshape(T, H * hd)
-            out = att @ L["wo"].T
+            out = self._mm(att, L["wo"])
             if L.get("bo") is not None:
                 out = out + L["bo"]
             x = x + out
             h = _rmsnorm(x, L["ffn_norm"], c["rms_eps"])
-            x = x + (_silu(h @ L["w_gate"].T) * (h @ L["w_up"].T)) @ L["w_down"].T
+            x = x + self._mm(_silu(self._mm(h, L["w_gate"])) * self._mm(h, L["w_up"]), L["w_down"])
         x = _rmsnorm(x, W["final_norm"], c["rms_eps"])
         head = W["embed"] if W["lm_head"] is None else W["lm_head"]
-        return x @ head.T
+        return self._mm(x, head)
 
     def logits(self, tokens) -> np.ndarray:
         """float64 [len(tokens)][vocab]: row t predicts the token after tokens[:t+1]."""

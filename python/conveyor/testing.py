@@ -235,6 +235,20 @@ def bf16_bits_to_f32(bits) -> np.ndarray:
     return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
+def gemm_input_dtype(weight_dtype: str, info: dict | None = None) -> str:
+    """The dtype the CPU backend's GEMM rounds its input rows to for weights of
+    ``weight_dtype`` at the level that runs (``info``: conveyor._core.kernel_info(), read now
+    when None): "bfloat16" on the vdpbf16ps path (bf16 weights at the avx512_bf16 level),
+    else "float32". For ReferenceModel.load(gemm_inputs=...)."""
+    if info is None:
+        from conveyor import _core
+
+        info = _core.kernel_info()
+    if weight_dtype in ("bfloat16", "BF16") and info["paths"].get("gemm_bf16") == "avx512_bf16":
+        return "bfloat16"
+    return "float32"
+
+
 def round_to_dtype(a, dtype: str) -> np.ndarray:
     """The float32 values that ``a`` becomes once stored as ``dtype``."""
     a = np.asarray(a, dtype=np.float32)

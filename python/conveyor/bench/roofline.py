@@ -55,7 +55,8 @@ def _random_prompts(rng, n, length, vocab):
 
 def run(model: str, threads: Optional[int] = None, dtype: str = "bfloat16",
         decode_tokens: int = 64, prefill_len: int = 512, n_prefill: int = 4,
-        n_running: int = 64, quantization: Optional[str] = None) -> Dict[str, Any]:
+        n_running: int = 64, quantization: Optional[str] = None,
+        activation_dtype: str = "auto") -> Dict[str, Any]:
     threads = threads or 0
     triad = float(_core.kernel_triad(64 << 20, 5, threads))
     read = float(_core.kernel_read_bw(128 << 20, 5, threads))
@@ -65,7 +66,7 @@ def run(model: str, threads: Optional[int] = None, dtype: str = "bfloat16",
                            "model": model, "threads": threads or _core.kernel_info()["cores"],
                            "simd": _core.kernel_info()["simd"]}
     with LLM(model, dtype=dtype, num_threads=threads or None, max_num_seqs=max(n_running, 8),
-             enable_prefix_caching=False, quantization=quantization) as llm:
+             enable_prefix_caching=False, quantization=quantization, activation_dtype=activation_dtype) as llm:
         cfg = llm.model_config
         res["config"] = cfg
         vocab = cfg["vocab_size"]
@@ -116,6 +117,9 @@ def run(model: str, threads: Optional[int] = None, dtype: str = "bfloat16",
     # quantized matrices (GGUF or quantization=) multiply on int8 dot products
     mdt = cfg.get("matrix_dtype", cfg["dtype"])
     kind = "int8_dot" if mdt in ("q8_0", "q4_0", "q4_1") else PEAK_OF_DTYPE[cfg["dtype"]]
+    if kind == "bf16_dot" and activation_dtype == "float32":  # bf16 weights widened onto the fp32 FMAs
+        kind = "fp32_fma"
+    res["activation_dtype"] = activation_dtype
     res["peaks"] = peaks
     res["compute_bound"] = {"kind": kind, "instruction": peaks[kind]["instruction"],
                             "gflops": peaks[kind]["all_gops"]}
@@ -154,6 +158,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="conveyor bench roofline", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint (default: the built-in SmolLM-135M shape)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--activation-dtype", default="auto", choices=["auto", "float32"],
+                    help="GEMM inputs over bf16 weights (float32: not the vdpbf16ps path)")
     ap.add_argument("--quantization", default=None, choices=["q8_0", "q4_0", "q4_1"],
                     help="quantize the matrices at load (a GGUF file's quantized ones stay as they are)")
     ap.add_argument("--threads", type=int, default=None)
@@ -166,7 +172,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         a.model = str(default_model())
     r = run(a.model, a.threads, a.dtype, a.decode_tokens, prefill_len=a.prefill_len,
-            quantization=a.quantization)
+            quantization=a.quantization, activation_dtype=a.activation_dtype)
     print(format_table(r))
     if a.json:
         with open(a.json, "w") as f:

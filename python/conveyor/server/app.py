@@ -200,6 +200,9 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-memory", default=None, help="bytes or a size such as 4GiB")
     g.add_argument("--kv-cache-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--quantization", default=None, choices=["q8_0", "q4_0", "q4_1"])
+    g.add_argument("--activation-dtype", default=None, choices=["auto", "float32"],
+                   help="GEMM inputs over bf16 weights: 'auto' rounds them to bf16 where the CPU has "
+                        "vdpbf16ps; 'float32' keeps them exact (default: auto)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--scheduling", default=None, choices=["continuous", "static", "priority"])
@@ -219,7 +222,7 @@ def make_parser() -> argparse.ArgumentParser:
 _ENGINE_KNOBS = ("tokenizer", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                  "kv_cache_memory", "kv_cache_dtype", "enable_prefix_caching", "enable_chunked_prefill",
                  "scheduling", "num_threads", "device", "seed", "gpu_memory_utilization", "quantization",
-                 "max_prefill_tokens_while_decoding", "speculative_config")
+                 "max_prefill_tokens_while_decoding", "activation_dtype", "speculative_config")
 
 
 def engine_kwargs(args) -> dict:
