@@ -164,21 +164,25 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
                              "enable_prefix_caching", "enable_chunked_prefill", "policy", "seed",
                              "eos_ids", "bos_id", "strip_space_after_bos", "token_bytes",
                              "special_ids", "quantization", "max_prefill_tokens_while_decoding",
-                             "max_queued_requests", "activation_dtype", NULL};
+                             "max_queued_requests", "activation_dtype", "spec_method", "spec_num_tokens",
+                             "spec_lookup_min", "spec_lookup_max", "spec_disable_by_batch_size", NULL};
     PyObject *path_obj = NULL, *eos_obj = NULL, *tok_obj = NULL, *special_obj = NULL;
     const char *dtype_s = "auto", *device = "cpu", *kv_dtype_s = "auto", *policy = "continuous";
     const char *quant_s = NULL, *act_s = "auto";
     int num_threads = 0, prefix = 1, chunked = 1, strip = 0, bos = -1;
     long long max_model_len = 0, max_num_seqs = 256, max_tokens = 0, block_size = 16;
     long long prefill_cap = 0, max_queued = 0;
+    const char *spec_method = NULL;
+    long long spec_k = 0, spec_min = 1, spec_max = 1, spec_disable = 0;
     unsigned long long kv_bytes = 0, seed = 0;
     double gpu_util = 0.9;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|$ssiLLLLKdsppsKOipOOzLLs", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|$ssiLLLLKdsppsKOipOOzLLszLLLL", kwlist,
                                      PyUnicode_FSConverter, &path_obj, &dtype_s, &device,
                                      &num_threads, &max_model_len, &max_num_seqs, &max_tokens,
                                      &block_size, &kv_bytes, &gpu_util, &kv_dtype_s, &prefix,
                                      &chunked, &policy, &seed, &eos_obj, &bos, &strip, &tok_obj,
-                                     &special_obj, &quant_s, &prefill_cap, &max_queued, &act_s))
+                                     &special_obj, &quant_s, &prefill_cap, &max_queued, &act_s, &spec_method,
+                                     &spec_k, &spec_min, &spec_max, &spec_disable))
         return -1;
     int rc = -1;
     int32_t *eos = NULL;
@@ -249,6 +253,15 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     cfg.enable_chunked_prefill = chunked;
     cfg.max_prefill_tokens_while_decoding = prefill_cap;
     cfg.max_queued_requests = max_queued;
+    if (spec_method && !strcmp(spec_method, "ngram")) cfg.spec.method = CV_SPEC_NGRAM;
+    else if (spec_method) {
+        PyErr_Format(PyExc_ValueError, "speculative_config: method must be 'ngram', got '%s'", spec_method);
+        goto done;
+    }
+    cfg.spec.num_tokens = spec_k;
+    cfg.spec.lookup_min = spec_min;
+    cfg.spec.lookup_max = spec_max;
+    cfg.spec.disable_by_batch_size = spec_disable;
     cfg.seed = seed;
     cfg.eos_ids = eos;
     cfg.n_eos = n_eos > INT_MAX ? INT_MAX : (int)n_eos; /* too many: refused against CV_MAX_EOS */
@@ -596,6 +609,24 @@ static PyObject *Engine_stats(EngineObject *self, PyObject *Py_UNUSED(ignored)) 
     cv_engine_get_stats(self->e, &st);
     PyObject *d = PyDict_New();
     if (!d) return NULL;
+    PyObject *prop_at = PyList_New(CV_SPEC_MAX_TOKENS), *acc_at = PyList_New(CV_SPEC_MAX_TOKENS);
+    if (!prop_at || !acc_at) goto fail;
+    for (int i = 0; i < CV_SPEC_MAX_TOKENS; i++) {
+        PyObject *a = PyLong_FromLongLong(st.spec_proposed_at[i]), *b = PyLong_FromLongLong(st.spec_accepted_at[i]);
+        if (!a || !b) { Py_XDECREF(a); Py_XDECREF(b); goto fail; }
+        PyList_SET_ITEM(prop_at, i, a);
+        PyList_SET_ITEM(acc_at, i, b);
+    }
+    int put_rc = cv_py_put(d, "spec_proposed_at", prop_at); /* takes the reference */
+    prop_at = NULL;
+    if (put_rc < 0) goto fail;
+    put_rc = cv_py_put(d, "spec_accepted_at", acc_at);
+    acc_at = NULL;
+    if (put_rc < 0) goto fail;
+    if (cv_py_put(d, "spec_proposed", PyLong_FromLongLong(st.spec_proposed)) < 0 ||
+        cv_py_put(d, "spec_accepted", PyLong_FromLongLong(st.spec_accepted)) < 0 ||
+        cv_py_put(d, "spec_steps_disabled", PyLong_FromLongLong(st.spec_steps_disabled)) < 0)
+        goto fail;
     if (cv_py_put(d, "num_running", PyLong_FromLongLong(st.sched.n_running)) < 0 ||
         cv_py_put(d, "num_waiting", PyLong_FromLongLong(st.sched.n_waiting)) < 0 ||
         cv_py_put(d, "num_preemptions", PyLong_FromLongLong(st.sched.n_preempted_total)) < 0 ||
@@ -625,11 +656,21 @@ static PyObject *Engine_stats(EngineObject *self, PyObject *Py_UNUSED(ignored)) 
         cv_py_put(d, "time_build", PyFloat_FromDouble(st.time_build)) < 0 ||
         cv_py_put(d, "time_forward", PyFloat_FromDouble(st.time_forward)) < 0 ||
         cv_py_put(d, "time_sample", PyFloat_FromDouble(st.time_sample)) < 0 ||
-        cv_py_put(d, "time_step", PyFloat_FromDouble(st.time_step)) < 0) {
-        Py_DECREF(d);
-        return NULL;
-    }
+        cv_py_put(d, "time_step", PyFloat_FromDouble(st.time_step)) < 0)
+        goto fail;
     return d;
+fail:
+    Py_XDECREF(prop_at);
+    Py_XDECREF(acc_at);
+    Py_DECREF(d);
+    return NULL;
+}
+
+static PyObject *Engine_check_invariants(EngineObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (check_open(self) < 0) return NULL;
+    cv_err err = {0};
+    if (cv_engine_check_invariants(self->e, &err)) return cv_py_raise(&err);
+    Py_RETURN_NONE;
 }
 
 static PyObject *Engine_model_config(EngineObject *self, PyObject *Py_UNUSED(ignored)) {
@@ -706,6 +747,8 @@ static PyMethodDef Engine_methods[] = {
     {"loop_error", (PyCFunction)Engine_loop_error, METH_NOARGS, "Last background failure."},
     {"close", (PyCFunction)Engine_close, METH_NOARGS, "Frees the engine."},
     {"stats", (PyCFunction)Engine_stats, METH_NOARGS, "Engine statistics."},
+    {"check_invariants", (PyCFunction)Engine_check_invariants, METH_NOARGS,
+     "For tests: raises when a scheduler or KV block pool invariant is broken."},
     {"model_config", (PyCFunction)Engine_model_config, METH_NOARGS, "The model's config."},
     {"set_trace", (PyCFunction)Engine_set_trace, METH_O, "Turns the step trace on or off."},
     {"take_trace", (PyCFunction)Engine_take_trace, METH_NOARGS, "Takes the step trace: (step, t0, t1, request id, completion index, new tokens, "

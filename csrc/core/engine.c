@@ -52,6 +52,8 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
         goto fail;
     }
 
+    if ((rc = cv_spec_config_check(&cfg->spec, err))) goto fail;
+    e->spec = cfg->spec;
     if (cfg->block_size < 1 || cfg->block_size > 1024) {
         rc = cv_set_err(err, CV_ERR_INVALID, "block_size must be in [1, 1024], got %lld",
                         (long long)cfg->block_size);
@@ -97,10 +99,17 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
         e->max_tokens_step = e->max_model_len;
     }
     if (e->max_tokens_step < e->max_num_seqs) e->max_tokens_step = e->max_num_seqs;
+    /* a speculating sequence wants a logits row per proposal + 1 */
+    e->max_rows = e->max_num_seqs;
+    if (e->spec.method != CV_SPEC_NONE) {
+        int64_t want = e->max_num_seqs * (e->spec.num_tokens + 1);
+        e->max_rows = want < e->max_tokens_step ? want : e->max_tokens_step;
+        if (e->max_rows < e->max_num_seqs) e->max_rows = e->max_num_seqs;
+    }
 
     /* Activations before the KV cache, which takes a share of what is left. */
     int64_t max_blocks_per_seq = (e->max_model_len + e->block_size - 1) / e->block_size + 1;
-    if ((rc = cv_forward_ws_init(&e->ws, e->model, e->max_tokens_step, e->max_num_seqs,
+    if ((rc = cv_forward_ws_init(&e->ws, e->model, e->max_tokens_step, e->max_rows,
                                  max_blocks_per_seq, err)))
         goto fail;
     e->ws_ready = 1;
@@ -128,8 +137,8 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
     };
     e->sched = cv_scheduler_create(&sc, err);
     if (!e->sched) { rc = err ? err->code : CV_ERR_STATE; goto fail; }
-    if ((rc = cv_runner_init(&e->runner, e->max_tokens_step, e->max_num_seqs, max_blocks_per_seq,
-                             e->block_size, err)))
+    if ((rc = cv_runner_init(&e->runner, e->max_tokens_step, e->max_num_seqs, e->max_rows,
+                             max_blocks_per_seq, e->block_size, err)))
         goto fail;
     e->pl_rows = malloc((size_t)e->max_num_seqs * sizeof *e->pl_rows);
     e->pl_req = malloc((size_t)e->max_num_seqs * sizeof *e->pl_req);
@@ -141,10 +150,14 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
     e->n_samplers = e->backend->host_parallel && e->backend->host_workers > 1 ? e->backend->host_workers : 1;
     if (e->n_samplers > e->max_num_seqs) e->n_samplers = (int)e->max_num_seqs;
     e->samplers = calloc((size_t)e->n_samplers, sizeof *e->samplers);
-    e->row_list = malloc((size_t)e->max_num_seqs * sizeof *e->row_list);
-    e->row_token = malloc((size_t)e->max_num_seqs * sizeof *e->row_token);
-    e->row_info = malloc((size_t)e->max_num_seqs * sizeof *e->row_info);
-    if (!e->samplers || !e->row_list || !e->row_token || !e->row_info) {
+    e->row_list = malloc((size_t)e->max_rows * sizeof *e->row_list);
+    e->row_token = malloc((size_t)e->max_rows * sizeof *e->row_token);
+    e->row_take = malloc((size_t)e->max_rows * sizeof *e->row_take);
+    e->row_info = malloc((size_t)e->max_rows * sizeof *e->row_info);
+    e->spec_buf = malloc((size_t)(e->spec.num_tokens > 0 ? e->spec.num_tokens : 1) * sizeof *e->spec_buf);
+    e->plan_spec = calloc((size_t)e->max_num_seqs, sizeof *e->plan_spec);
+    if (!e->samplers || !e->row_list || !e->row_token || !e->row_take || !e->row_info || !e->spec_buf ||
+        !e->plan_spec) {
         rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory for the sampler");
         goto fail;
     }
@@ -195,6 +208,9 @@ void cv_engine_destroy(cv_engine *e) {
     free(e->row_list);
     free(e->row_token);
     free(e->row_info);
+    free(e->row_take);
+    free(e->spec_buf);
+    free(e->plan_spec);
     cv_runner_free(&e->runner);
     if (e->ws_ready) cv_forward_ws_free(&e->ws, e->model);
     cv_kv_cache_free(&e->kv, e->backend);
@@ -234,7 +250,38 @@ static void record_trace(cv_engine *e, const cv_sched_output *plan, double t0, d
         te->seq_index = idx;
         te->n_new = plan->num_new_tokens[i];
         /* a decode: the prompt computed and one new token (as the scheduler counts it) */
-        te->n_prompt_work = (plan->start_pos[i] >= plan->seqs[i]->n_prompt && te->n_new == 1) ? 0 : te->n_new;
+        te->n_prompt_work =
+            (plan->start_pos[i] >= plan->seqs[i]->n_prompt && te->n_new == 1 + e->plan_spec[i]) ? 0 : te->n_new;
+    }
+}
+
+/* Speculative decoding: appends proposals to every running sequence that
+ * decodes (its prompt computed, one token to compute), unless the batch is
+ * larger than disable_by_batch_size. The scheduler keeps those it can plan. */
+static void propose(cv_engine *e) {
+    if (e->spec.method == CV_SPEC_NONE) return;
+    if (e->spec.disable_by_batch_size > 0 && cv_scheduler_num_running(e->sched) > e->spec.disable_by_batch_size) {
+        e->stats_live.spec_steps_disabled++;
+        return;
+    }
+    for (cv_request *r = e->active; r; r = r->next) {
+        if (r->p.guided) continue; /* its masks are posted one position at a time */
+        for (int i = 0; i < r->p.n; i++) {
+            cv_sequence *s = r->ss[i].seq;
+            if (!s || r->ss[i].finished || s->status != CV_SEQ_RUNNING || s->n_spec != 0 ||
+                s->n_computed < s->n_prompt || s->n_tokens - s->n_computed != 1)
+                continue;
+            /* room for the proposals and the token after them */
+            int64_t k = s->max_total - s->n_tokens - 1;
+            if (k > e->spec.num_tokens) k = e->spec.num_tokens;
+            if (k <= 0) continue;
+            int64_t m = cv_spec_ngram_propose(e->spec_buf, s->tokens, s->n_tokens, e->spec.lookup_min,
+                                              e->spec.lookup_max, k);
+            for (int64_t j = 0; j < m; j++) {
+                if (cv_sequence_append(s, e->spec_buf[j])) break; /* out of memory: fewer proposals */
+                s->n_spec++;
+            }
+        }
     }
 }
 
@@ -242,6 +289,7 @@ static int engine_step(cv_engine *e, cv_err *err) {
     double t0 = cv_now();
     cv_drain_inbox(e);
     cv_expire_deadlines(e, t0);
+    propose(e);
     cv_sched_output plan;
     int rc = cv_scheduler_schedule(e->sched, &plan);
     if (rc < 0) return cv_set_err(err, rc, "scheduler failed");
@@ -265,6 +313,7 @@ static int engine_step(cv_engine *e, cv_err *err) {
             e->stats_live.prompt_tokens_computed += end - plan.start_pos[i];
         }
     }
+    for (int64_t i = 0; i < plan.n_seqs; i++) e->plan_spec[i] = (int32_t)plan.seqs[i]->n_spec;
     if ((rc = cv_runner_build(&e->runner, &plan, err))) return rc;
     double t1b = cv_now();
     if ((rc = cv_model_forward(e->model, &e->ws, e->kv.layers, &e->runner.batch, err))) return rc;
@@ -408,6 +457,11 @@ void cv_engine_get_stats(cv_engine *e, cv_engine_stats *st) {
     st->num_queued = e->n_queued;
     st->requests_rejected = e->n_rejected;
     pthread_mutex_unlock(&e->in_lock);
+}
+
+int cv_engine_check_invariants(cv_engine *e, cv_err *err) {
+    int rc = refuse_while_looping(e, "check the engine's invariants", err);
+    return rc ? rc : cv_scheduler_check(e->sched, err);
 }
 
 const void *cv_engine_model_config(cv_engine *e) { return &e->model->cfg; }

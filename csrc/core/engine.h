@@ -17,6 +17,7 @@
 #include "../../kernels/common.h"
 #include "sampler.h"
 #include "scheduler.h"
+#include "speculative.h"
 
 typedef struct cv_engine_config {
     const char *model_path;
@@ -37,6 +38,7 @@ typedef struct cv_engine_config {
     cv_sched_policy policy;
     int64_t max_prefill_tokens_while_decoding; /* see cv_scheduler_config; 0: no cap */
     int64_t max_queued_requests;    /* refuse a request that would make more wait unscheduled; 0: no limit */
+    cv_spec_config spec;            /* speculative decoding; method CV_SPEC_NONE: off */
     uint64_t seed;
     /* Tokenizer facts the engine needs to stop and detokenize on bytes. */
     const int32_t *eos_ids; int n_eos;
@@ -117,6 +119,11 @@ typedef struct cv_engine_stats {
     int64_t requests_rejected;       /* refused at add: the queue was full */
     int64_t num_queued;              /* requests added but not yet scheduled */
     int64_t steps;
+    /* speculative decoding: proposals verified, and of them accepted (the
+     * model produced the same token), in all and by position in the proposal */
+    int64_t spec_proposed, spec_accepted;
+    int64_t spec_proposed_at[CV_SPEC_MAX_TOKENS], spec_accepted_at[CV_SPEC_MAX_TOKENS];
+    int64_t spec_steps_disabled;     /* steps without proposals: more than disable_by_batch_size ran */
     /* seconds, cumulative: scheduling (with inbox), batch building, the model's
      * kernels, sampling and stop checks, and the whole step */
     double time_schedule, time_build, time_forward, time_sample, time_step;
@@ -182,6 +189,9 @@ void cv_engine_stop_loop(cv_engine *e);
 int cv_engine_loop_error(cv_engine *e, cv_err *err);
 
 void cv_engine_get_stats(cv_engine *e, cv_engine_stats *st);
+/* For tests: the scheduler's and block pool's invariants (cv_scheduler_check).
+ * CV_ERR_STATE while the background loop runs. */
+int cv_engine_check_invariants(cv_engine *e, cv_err *err);
 const void *cv_engine_model_config(cv_engine *e); /* const cv_model_config * */
 int64_t cv_engine_vocab_size(cv_engine *e);
 /* Bytes of the prepared weights, the checkpoint's parameter count, the

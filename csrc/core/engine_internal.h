@@ -70,9 +70,14 @@ struct cv_engine {
     int ws_ready;
     cv_sample_worker *samplers; /* [n_samplers]: one per host worker of the backend */
     int n_samplers;
-    int32_t *row_list;          /* [max_num_seqs] rows of this step sampled now */
-    int32_t *row_token;         /* [max_num_seqs] their tokens, by row */
-    cv_sample_info *row_info;   /* [max_num_seqs] their logprobs, by row */
+    int64_t max_rows;           /* logits rows a step may have: max_num_seqs, more when speculating */
+    int32_t *row_list;          /* [max_rows] first rows of the sequences sampled now */
+    int32_t *row_token;         /* [max_rows] their tokens, by row */
+    int32_t *row_take;          /* [max_rows] by first row: tokens its sequence accepts (1 + proposals kept) */
+    cv_sample_info *row_info;   /* [max_rows] their logprobs, by row */
+    cv_spec_config spec;
+    int32_t *spec_buf;          /* [spec.num_tokens] one sequence's proposals */
+    int32_t *plan_spec;         /* [max_num_seqs] proposals each plan entry verifies (trace) */
     int32_t *pl_rows;      /* [max_num_seqs] prompt-logprob rows of one LM-head group */
     cv_request **pl_req;   /* [max_num_seqs] their requests */
     int64_t *pl_pos;       /* [max_num_seqs] the prompt position each row predicts */
@@ -153,7 +158,8 @@ int cv_prompt_logprobs_pass(cv_engine *e, const cv_sched_output *plan, cv_err *e
 /* Applies each guided row's token mask to its logits; returns the number of guided rows. */
 int64_t cv_apply_guided_masks(cv_engine *e, const cv_sched_output *plan);
 /* Samples and accepts one token for every logits row whose request is guided
- * (or not, per `guided`). Caller holds out_lock. */
+ * (or not, per `guided`); a sequence with proposals accepts the longest prefix
+ * of them its own draws reproduce, plus the next draw. Caller holds out_lock. */
 void cv_sample_batch(cv_engine *e, const cv_sched_output *plan, int guided);
 
 #endif

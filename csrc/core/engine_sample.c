@@ -5,11 +5,10 @@
 
 #include <string.h>
 
-/* The tokens min_tokens still holds off for completion st (EOS unless
- * ignore_eos, and the stop tokens), in w->banned; returns how many. */
-static int64_t banned_tokens(const cv_engine *e, cv_sample_worker *w, const cv_request *r,
-                             const seq_state *st) {
-    if (st->n_out >= r->p.min_tokens) return 0;
+/* The tokens min_tokens still holds off for a completion with n_out tokens
+ * (EOS unless ignore_eos, and the stop tokens), in w->banned; returns how many. */
+static int64_t banned_tokens(const cv_engine *e, cv_sample_worker *w, const cv_request *r, int64_t n_out) {
+    if (n_out >= r->p.min_tokens) return 0;
     size_t need = (size_t)(e->detok.n_eos + r->p.n_stop_token_ids);
     if (!cv_grow((void **)&w->banned, &w->banned_cap, need, sizeof *w->banned)) return 0;
     int64_t n = 0;
@@ -44,10 +43,16 @@ int64_t cv_apply_guided_masks(cv_engine *e, const cv_sched_output *plan) {
     return n_guided;
 }
 
-/* Whether this step samples logits row `row` in the pass for guided (or
- * unguided) requests: its completion is still running and, if guided, got
- * its mask. */
+/* A sequence's rows are consecutive: its first one stands for them all. */
+static int first_row(const cv_engine *e, int64_t row) {
+    return row == 0 || e->runner.sample_plan_index[row] != e->runner.sample_plan_index[row - 1];
+}
+
+/* Whether this step samples logits row `row` (a sequence's first) in the pass
+ * for guided (or unguided) requests: its completion is still running and, if
+ * guided, got its mask. */
 static int samples_row(const cv_engine *e, const cv_sched_output *plan, int64_t row, int guided) {
+    if (!first_row(e, row)) return 0;
     cv_sequence *s = plan->seqs[e->runner.sample_plan_index[row]];
     cv_request *r = s->owner;
     if ((r->p.guided != 0) != guided) return 0;
@@ -60,23 +65,61 @@ typedef struct sample_job {
     const cv_sched_output *plan;
 } sample_job;
 
-/* Draws the token of row e->row_list[k] with the worker's own sampler. A row
- * reads only its own logits, request parameters, sequence and random stream,
- * so rows may run on any thread in any order with the same results.
- * worker < n_samplers: host_parallel runs at most min(rows, host_workers)
- * threads, and rows <= max_num_seqs. */
+/* Draws the tokens of the sequence whose first row is e->row_list[k] with the
+ * worker's own sampler. A sequence reads only its own logits, request
+ * parameters, tokens and random stream, so sequences may run on any thread in
+ * any order with the same results. worker < n_samplers: host_parallel runs at
+ * most min(sequences, host_workers) threads, and sequences <= max_num_seqs.
+ *
+ * With proposals d_1..d_m (the tokens after position L-1 = n_tokens-m-1), row
+ * j holds the model's distribution p_j for position L+j given the tokens
+ * before it. Row j draws t_j ~ p_j as a plain decode would; d_{j+1} is kept
+ * when t_j == d_{j+1}, and the draws stop at the first t_j that differs (or
+ * after the last row). A proposal is a point mass, so this is the standard
+ * rejection rule (accept d with probability min(1, p(d)/1) = p(d), else
+ * draw from p without d, renormalized): every kept token is distributed
+ * exactly as the model's own, and greedy draws keep exactly what greedy
+ * decoding would produce. */
 static void sample_row(void *arg, int64_t k, int worker) {
     sample_job *j = arg;
     cv_engine *e = j->e;
     cv_sample_worker *w = &e->samplers[worker];
-    const int64_t row = e->row_list[k];
-    cv_sequence *s = j->plan->seqs[e->runner.sample_plan_index[row]];
+    const int64_t row0 = e->row_list[k];
+    cv_sequence *s = j->plan->seqs[e->runner.sample_plan_index[row0]];
     cv_request *r = s->owner;
     seq_state *st = &r->ss[cv_request_completion_index(r, s)];
-    int64_t n_banned = banned_tokens(e, w, r, st);
-    e->row_token[row] = cv_sampler_sample(w->sampler, e->ws.logits_host + row * e->vocab, &r->p.sp, s->tokens,
-                                          r->n_prompt, s->tokens + r->n_prompt, s->n_tokens - r->n_prompt,
-                                          w->banned, n_banned, &st->rng, &e->row_info[row]);
+    const int64_t m = s->n_spec, base = s->n_tokens - m; /* base: position of d_1 */
+    int64_t i = 0;
+    for (;; i++) {
+        const int64_t row = row0 + i;
+        int64_t n_banned = banned_tokens(e, w, r, st->n_out + i);
+        e->row_token[row] = cv_sampler_sample(w->sampler, e->ws.logits_host + row * e->vocab, &r->p.sp, s->tokens,
+                                              r->n_prompt, s->tokens + r->n_prompt, base + i - r->n_prompt,
+                                              w->banned, n_banned, &st->rng, &e->row_info[row]);
+        if (i == m || e->row_token[row] != s->tokens[base + i]) break;
+    }
+    e->row_take[row0] = (int32_t)(i + 1);
+}
+
+/* Accepts the tokens sample_row drew for the sequence at first row row0:
+ * its proposals give way to them (the KV of rejected ones is rolled back),
+ * and the count stops at a finish (a stop, max_tokens). Caller holds out_lock. */
+static void accept_rows(cv_engine *e, cv_request *r, int idx, cv_sequence *s, int64_t row0) {
+    const int64_t m = s->n_spec, take = e->row_take[row0];
+    s->n_tokens -= m; /* the accepted tokens overwrite the proposals */
+    s->n_spec = 0;
+    for (int64_t i = 0; i < take && !r->ss[idx].finished; i++)
+        cv_request_accept_token(e, r, idx, e->row_token[row0 + i], &e->row_info[row0 + i]);
+    if (m == 0) return;
+    cv_engine_stats *sl = &e->stats_live;
+    sl->spec_proposed += m;
+    sl->spec_accepted += take - 1;
+    for (int64_t i = 0; i < m; i++) {
+        sl->spec_proposed_at[i]++;
+        if (i < take - 1) sl->spec_accepted_at[i]++;
+    }
+    /* still running: KV is valid up to the last kept proposal, the new last token is not computed */
+    if (!r->ss[idx].finished) cv_scheduler_verified(e->sched, s, s->n_tokens - 1);
 }
 
 /* A step's rows are worth waking the host workers for when they hold this
@@ -99,6 +142,7 @@ void cv_sample_batch(cv_engine *e, const cv_sched_output *plan, int guided) {
     else
         for (int64_t k = 0; k < n; k++) sample_row(&job, k, 0);
     for (int64_t row = 0; row < bt->n_logits; row++) {
+        if (!first_row(e, row)) continue;
         cv_sequence *s = plan->seqs[e->runner.sample_plan_index[row]];
         cv_request *r = s->owner;
         if ((r->p.guided != 0) != guided) continue;
@@ -109,7 +153,7 @@ void cv_sample_batch(cv_engine *e, const cv_sched_output *plan, int guided) {
             continue;
         }
         if (r->first_token == 0) r->first_token = cv_now();
-        cv_request_accept_token(e, r, idx, e->row_token[row], &e->row_info[row]);
+        accept_rows(e, r, idx, s, row);
     }
 }
 

@@ -238,9 +238,11 @@ static void alloc_blocks(cv_scheduler *s, cv_sequence *q, int64_t need) {
     for (int64_t k = 0; k < need; k++) q->block_table[q->n_blocks++] = cv_block_pool_alloc(s->pool);
 }
 
-/* Registers q's newly full, computed blocks in the prefix cache. */
+/* Registers q's newly full, computed blocks in the prefix cache; never one
+ * holding an unverified proposal. */
 static void register_full(cv_scheduler *s, cv_sequence *q) {
-    while ((q->n_hashed_blocks + 1) * s->bs <= q->n_computed && q->n_hashed_blocks < q->n_blocks) {
+    const int64_t verified = q->n_computed < q->n_tokens - q->n_spec ? q->n_computed : q->n_tokens - q->n_spec;
+    while ((q->n_hashed_blocks + 1) * s->bs <= verified && q->n_hashed_blocks < q->n_blocks) {
         int64_t j = q->n_hashed_blocks;
         q->last_hash = cv_block_pool_register(s->pool, q->block_table[j], q->last_hash,
                                               q->tokens + j * s->bs);
@@ -305,7 +307,14 @@ static void release_waiting_holders(cv_scheduler *s, const cv_sequence *keep) {
     }
 }
 
+/* Drops q's unverified proposals (not planned, or preempted). */
+static void drop_proposals(cv_sequence *q) {
+    q->n_tokens -= q->n_spec;
+    q->n_spec = 0;
+}
+
 static void preempt(cv_scheduler *s, cv_sequence *q, int64_t *n_pre) {
+    drop_proposals(q);
     running_remove(s, q);
     release_blocks(s, q);
     forget_kv(q); /* recompute everything it holds on resume */
@@ -488,6 +497,11 @@ int cv_scheduler_add_fork(cv_scheduler *s, cv_sequence *child, cv_sequence *pare
 /* ---- one step ---- */
 
 static void emit(cv_scheduler *s, int64_t *n_out, int64_t *total, cv_sequence *q, int64_t n) {
+    if (q->n_spec > 0) { /* proposals beyond the planned rows are dropped */
+        q->n_tokens = q->n_computed + n;
+        q->n_spec = n - 1;
+    }
+    q->planned_step = s->steps;
     s->out_seqs[*n_out] = q;
     s->out_new[*n_out] = (int32_t)n;
     s->out_start[*n_out] = q->n_computed;
@@ -517,7 +531,7 @@ static int static_admit(cv_scheduler *s) {
 /* A decode: the prompt is computed and one new token remains. Everything else
  * a step computes is prompt work (a prefill chunk or a recomputation). */
 static int is_decode(const cv_sequence *q) {
-    return q->n_computed >= q->n_prompt && q->n_tokens - q->n_computed == 1;
+    return q->n_computed >= q->n_prompt && q->n_tokens - q->n_spec - q->n_computed == 1;
 }
 
 /* Prompt tokens this step may carry: the cap when a running sequence decodes
@@ -568,6 +582,14 @@ int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out) {
         cv_sequence *q = s->running[i];
         int64_t n = q->n_tokens - q->n_computed;
         if (n <= 0) { i++; continue; } /* waits for its sampled token */
+        if (q->n_spec > 0) { /* proposals yield to the budget and to free blocks, never preempt */
+            int64_t spare = q->n_spec;
+            if (n > budget) { int64_t cut = n - budget < spare ? n - budget : spare; n -= cut; spare -= cut; }
+            while (spare > 0 && blocks_for(s, q->n_computed + n) - q->n_blocks > cv_block_pool_num_free(s->pool)) {
+                n--;
+                spare--;
+            }
+        }
         if (n > budget) {
             if (!chunked) { i++; continue; } /* all or nothing; fits a later step */
             n = budget;
@@ -640,6 +662,10 @@ int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out) {
         prefill_left -= n;
     }
 
+    /* proposals of running sequences this step did not plan */
+    for (int64_t i = 0; i < s->n_running; i++)
+        if (s->running[i]->n_spec > 0 && s->running[i]->planned_step != s->steps) drop_proposals(s->running[i]);
+
     out->n_seqs = n_out;
     out->seqs = s->out_seqs;
     out->num_new_tokens = s->out_new;
@@ -660,6 +686,17 @@ void cv_scheduler_commit(cv_scheduler *s, const cv_sched_output *out) {
     }
 }
 
+void cv_scheduler_verified(cv_scheduler *s, cv_sequence *q, int64_t n_valid) {
+    if (q->status != CV_SEQ_RUNNING) return;
+    q->n_spec = 0;
+    if (q->n_computed > n_valid) q->n_computed = n_valid;
+    if (q->n_computed > q->n_tokens) q->n_computed = q->n_tokens;
+    const int64_t keep = blocks_for(s, q->n_tokens);
+    for (int64_t j = q->n_blocks - 1; j >= keep; j--) cv_block_pool_decref(s->pool, q->block_table[j]);
+    if (q->n_blocks > keep) q->n_blocks = keep;
+    if (s->cfg.enable_prefix_caching) register_full(s, q);
+}
+
 void cv_scheduler_finish(cv_scheduler *s, cv_sequence *q, cv_seq_status status) {
     if (!q || CV_SEQ_IS_FINISHED(q->status)) return;
     if (!CV_SEQ_IS_FINISHED(status)) status = CV_SEQ_FINISHED_ABORTED;
@@ -676,6 +713,8 @@ void cv_scheduler_finish(cv_scheduler *s, cv_sequence *q, cv_seq_status status) 
 int64_t cv_scheduler_num_unfinished(const cv_scheduler *s) {
     return s->n_running + s->n_waiting;
 }
+
+int64_t cv_scheduler_num_running(const cv_scheduler *s) { return s->n_running; }
 
 int32_t cv_scheduler_block_refcount(const cv_scheduler *s, int64_t b) {
     if (b < 0 || b >= s->cfg.num_blocks) return -1;
@@ -743,11 +782,12 @@ static int check_waiting_seq(const cv_scheduler *s, const cv_sequence *q, int32_
     if (q->status != CV_SEQ_WAITING || q->sched_index != -1)
         return cv_set_err(err, CV_ERR_STATE, "waiting sequence %lld has status %d, running index %lld",
                           (long long)q->seq_id, (int)q->status, (long long)q->sched_index);
-    if (q->n_computed != q->n_blocks * s->bs || q->n_computed >= q->n_tokens)
+    if (q->n_computed != q->n_blocks * s->bs || q->n_computed >= q->n_tokens || q->n_spec != 0)
         return cv_set_err(err, CV_ERR_STATE,
-                          "waiting sequence %lld: %lld computed with %lld blocks, %lld tokens",
+                          "waiting sequence %lld: %lld computed with %lld blocks, %lld tokens "
+                          "(%lld unverified proposals)",
                           (long long)q->seq_id, (long long)q->n_computed, (long long)q->n_blocks,
-                          (long long)q->n_tokens);
+                          (long long)q->n_tokens, (long long)q->n_spec);
     if (q->n_blocks > 0) (*holding)++;
     return check_table(s, q, refs, stamp, tag, err);
 }

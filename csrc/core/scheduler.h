@@ -84,11 +84,19 @@ int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out);
  * sampled tokens. */
 void cv_scheduler_commit(cv_scheduler *s, const cv_sched_output *out);
 
+/* Speculative decoding, after commit: the engine set q's tokens to the
+ * verified ones (n_spec proposals replaced by the accepted tokens); the KV of
+ * positions >= n_valid holds rejected proposals. Lowers n_computed to n_valid,
+ * frees the block-table tail beyond n_tokens and caches the newly full,
+ * verified blocks. Nothing for a sequence no longer running. */
+void cv_scheduler_verified(cv_scheduler *s, cv_sequence *q, int64_t n_valid);
+
 /* Removes a sequence (running or waiting) with a final status and frees its
  * blocks. The scheduler drops every reference to it. */
 void cv_scheduler_finish(cv_scheduler *s, cv_sequence *seq, cv_seq_status status);
 
 int64_t cv_scheduler_num_unfinished(const cv_scheduler *s);
+int64_t cv_scheduler_num_running(const cv_scheduler *s);
 
 /* For tests: the reference count of KV block b, -1 when b is out of range. */
 int32_t cv_scheduler_block_refcount(const cv_scheduler *s, int64_t b);

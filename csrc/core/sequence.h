@@ -43,11 +43,17 @@ typedef struct cv_sequence {
 
     void *owner;            /* engine's per-request data; opaque to the scheduler */
     int skip_prefix_cache;  /* never take cached blocks (prompt logprobs need every row's logits) */
+    /* Speculative decoding: the last n_spec tokens are proposals, not yet
+     * verified. Nonzero only from the engine's proposal, before a schedule,
+     * to that step's verification; the scheduler trims or drops them (they
+     * never cause a preemption) and never caches a block holding one. */
+    int64_t n_spec;
 
     /* scheduler-private links */
     struct cv_sequence *q_prev, *q_next;
     int64_t sched_index;    /* position in the running array, -1 when not running */
     int64_t heap_index;     /* position in the priority heap, -1 when not in it */
+    int64_t planned_step;   /* the scheduler step that last planned it */
 } cv_sequence;
 
 /* Creates a sequence holding a copy of prompt[n_prompt]; max_tokens more may

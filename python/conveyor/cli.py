@@ -32,6 +32,7 @@ BENCHMARK_HELP: dict[str, str] = {
     "serve": "latency under Poisson load against the HTTP server",
     "study": "the study: HF static batching vs Conveyor static and continuous (and vLLM if present)",
     "start": "engine start time and resident memory against the KV cache size",
+    "speculative": "n-gram speculative decoding vs plain decoding on input-grounded prompts (batch 1)",
 }
 BENCHMARKS: tuple[str, ...] = tuple(BENCHMARK_HELP)
 

@@ -19,6 +19,7 @@ import numpy as np
 from . import _core
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams, field_error
+from .speculative import parse_speculative_config, spec_stats
 
 _SCHEDULING = ("continuous", "static", "priority")
 _QUANTIZATIONS = (None, "q8_0", "q4_0", "q4_1")
@@ -31,6 +32,7 @@ DEFAULT_PREFILL_CAP = {"cpu": 96, "cuda": 512}
 # does not have (docs/performance.md, "The prefill cap offline and serving").
 OFFLINE_PREFILL_CAP = 0
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40,
           "tb": 1000**4, "tib": 1 << 40}
@@ -107,6 +109,9 @@ class EngineArgs:
     # Overload control: a request that would make more than this many wait to be
     # scheduled is refused with EngineOverloadedError. None: no limit.
     max_queued_requests: Optional[int] = None
+    # Speculative decoding (issue 26): {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_min": a, "prompt_lookup_max": b, "disable_by_batch_size": n}. None: off.
+    speculative_config: Optional[Any] = None
 
     def resolved_prefill_cap(self) -> int:
         if self.max_prefill_tokens_while_decoding is not None:
@@ -165,6 +170,7 @@ class EngineArgs:
         g = self.gpu_memory_utilization
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not (0.0 < g <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {g!r}")
+        self.speculative_config = parse_speculative_config(self.speculative_config)
 
 
 class _SeqState:
@@ -262,7 +268,8 @@ class EngineCore:
             seed=args.seed, eos_ids=eos_ids, bos_id=bos_id, strip_space_after_bos=strip,
             token_bytes=token_bytes, special_ids=special, quantization=args.quantization,
             max_prefill_tokens_while_decoding=args.resolved_prefill_cap(),
-            max_queued_requests=args.max_queued_requests or 0, activation_dtype=args.activation_dtype)
+            max_queued_requests=args.max_queued_requests or 0, activation_dtype=args.activation_dtype,
+            **self._spec_kwargs(args.speculative_config))
         self.model_config = self._engine.model_config()
         st = self._engine.stats()
         self.max_model_len = st["max_model_len"]
@@ -275,6 +282,14 @@ class EngineCore:
         self._deferred_masks: list = []  # synchronous stepping: masks the next step computes
         self._mask_worker = None  # a thread that computes them while that step runs
         self.closed = False
+
+    @staticmethod
+    def _spec_kwargs(spec: Optional[dict]) -> dict:
+        if spec is None:
+            return {}
+        return {"spec_method": spec["method"], "spec_num_tokens": spec["num_speculative_tokens"],
+                "spec_lookup_min": spec["prompt_lookup_min"], "spec_lookup_max": spec["prompt_lookup_max"],
+                "spec_disable_by_batch_size": spec["disable_by_batch_size"]}
 
     # -- requests ---------------------------------------------------------
     def tokenize_prompt(self, prompt) -> tuple[Optional[str], Any]:
@@ -559,7 +574,13 @@ class EngineCore:
         return out
 
     def stats(self) -> dict:
-        return self._engine.stats()
+        """The C engine's figures; with speculative decoding, the proposals
+        verified and accepted by position (lists of num_speculative_tokens) and
+        the acceptance rate at each position."""
+        st = self._engine.stats()
+        spec = self.args.speculative_config
+        st.update(spec_stats(st, spec["num_speculative_tokens"] if spec else 0))
+        return st
 
     def fail_pending(self) -> list[_Request]:
         """After close: marks every request still in flight aborted and returns them."""

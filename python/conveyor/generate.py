@@ -123,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--kv-cache-memory", default=None,
                    help="KV cache size such as 512MiB or 2GiB (default: what --max-num-seqs "
                         "sequences of --max-model-len need, capped by a share of free memory)")
+    e.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4}')
     e.add_argument("--scheduling", default="continuous", choices=["continuous", "static", "priority"],
                    help="batching policy")
     o = ap.add_argument_group("output")
@@ -188,6 +190,12 @@ def main(argv=None) -> int:
             parse_bytes(args.kv_cache_memory, "--kv-cache-memory")
     except (ValueError, TypeError) as exc:
         ap.error(str(exc).replace("SamplingParams.", "--").replace("_", "-"))
+    try:
+        from .speculative import parse_speculative_config
+
+        parse_speculative_config(args.speculative_config)
+    except (ValueError, TypeError) as exc:
+        ap.error(f"--speculative-config: {exc}")
     for name in ("max_model_len", "max_num_seqs", "num_threads"):
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -203,7 +211,8 @@ def main(argv=None) -> int:
     kwargs = dict(dtype=args.dtype, num_threads=args.num_threads, device=args.device,
                   scheduling=args.scheduling, max_model_len=args.max_model_len,
                   max_num_seqs=max_num_seqs, kv_cache_memory=args.kv_cache_memory,
-                  quantization=args.quantization, activation_dtype=args.activation_dtype)
+                  quantization=args.quantization, activation_dtype=args.activation_dtype,
+                  speculative_config=args.speculative_config)
     t_load = time.perf_counter()
     if args.stream:
         import asyncio
@@ -219,6 +228,7 @@ def main(argv=None) -> int:
                 prompt = {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
             n_prompt, n_gen = asyncio.run(_stream(llm, prompts[0], prompt, params))
             gen_s = time.perf_counter() - t0
+            st_end = llm.stats()
         n_req = 1
     else:
         with LLM(model, **kwargs) as llm:
@@ -232,6 +242,7 @@ def main(argv=None) -> int:
             else:
                 outs = llm.generate(prompts, params, use_tqdm=progress)
             gen_s = time.perf_counter() - t0
+            st_end = llm.stats()
             for shown, o in list(zip(prompts, outs))[:8]:
                 print(f"--- {shown!r}")
                 for c in o.outputs:
@@ -253,6 +264,10 @@ def main(argv=None) -> int:
     print(f"{n_req} requests, {n_prompt} prompt + {n_gen} generated tokens")
     print(f"generation: {gen_s:.2f} s ({n_gen / max(gen_s, 1e-9):.1f} output tok/s, "
           f"{(n_prompt + n_gen) / max(gen_s, 1e-9):.1f} total tok/s)")
+    if args.speculative_config is not None:
+        from .speculative import format_spec
+
+        print(format_spec(st_end))
     print(f"total:      {total_s:.2f} s (model load {load_s:.2f} s)")
     return 0
 

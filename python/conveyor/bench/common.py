@@ -141,7 +141,7 @@ def make_llm(model: str, *, scheduling: str = "continuous", max_num_seqs: int = 
              kv_cache_memory: Any = DEFAULT_KV_CACHE, workload: Optional["Workload"] = None,
              dtype: str = "auto", num_threads: Optional[int] = None, device: str = "cpu",
              seed: int = 0, enable_prefix_caching: bool = True, asynchronous: bool = False,
-             kv_cache_dtype: str = "auto"):
+             kv_cache_dtype: str = "auto", speculative_config=None):
     """An LLM (or AsyncLLM) for token-id prompts. kv_cache_memory "fit" sizes the pool
     for ``workload`` (see kv_bytes_for); None leaves it to the engine."""
     from .. import LLM, AsyncLLM
@@ -156,7 +156,8 @@ def make_llm(model: str, *, scheduling: str = "continuous", max_num_seqs: int = 
                max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                kv_cache_memory=kv_cache_memory, dtype=dtype, num_threads=num_threads,
                device=device, seed=seed, enable_prefix_caching=enable_prefix_caching,
-               kv_cache_dtype=kv_cache_dtype, skip_tokenizer_init=True)
+               kv_cache_dtype=kv_cache_dtype, skip_tokenizer_init=True,
+               speculative_config=speculative_config)
 
 
 # ----------------------------------------------------------------------------- workloads
@@ -337,6 +338,11 @@ def run_offline(llm, workload: Workload, *, sample_stats: bool = True, trace: bo
         "time_forward_s": s1["time_forward"] - s0["time_forward"],
         "latency": latency_summary(outputs),
     }
+    spec = core.args.speculative_config
+    if spec is not None:
+        from ..speculative import spec_delta
+
+        res["speculative"] = spec_delta(s0, s1, spec["num_speculative_tokens"])
     if sample_stats and waste:
         w = np.asarray(waste)
         u = np.asarray(used)
@@ -453,9 +459,17 @@ def add_engine_args(ap) -> None:
                     help="KV pool size such as 1GiB; 'fit' (default): room for the whole workload "
                          "at once; 'auto': the engine's default")
     ap.add_argument("--seed", type=int, default=0, help="workload seed")
+    ap.add_argument("--speculative-config", default=None, metavar="JSON",
+                    help='speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4}; '
+                         "the output then reports proposals and acceptance")
 
 
 def engine_kwargs(args) -> Dict[str, Any]:
     kv = None if str(args.kv_cache_memory).lower() in ("auto", "none", "") else args.kv_cache_memory
-    return dict(dtype=args.dtype, device=args.device, num_threads=args.num_threads,
-                block_size=args.block_size, kv_cache_memory=kv)
+    kw = dict(dtype=args.dtype, device=args.device, num_threads=args.num_threads,
+              block_size=args.block_size, kv_cache_memory=kv)
+    if getattr(args, "speculative_config", None) is not None:
+        from ..speculative import parse_speculative_config
+
+        kw["speculative_config"] = parse_speculative_config(args.speculative_config)
+    return kw

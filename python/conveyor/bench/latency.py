@@ -91,7 +91,14 @@ async def run_policy(model: str, wl: common.Workload, arrivals: Sequence[float],
         "preemptions": st["num_preemptions"], "steps": st["steps"],
         "arrival_lag_max_s": max(lags) if lags else 0.0,
         "all_finished": all(o is not None and o.finished for o in outs),
+        **({"speculative": spec_stats_of(st)} if engine.get("speculative_config") else {}),
     }
+
+
+def spec_stats_of(st: Dict[str, Any]) -> Dict[str, Any]:
+    """A fresh engine's speculative figures (proposed, accepted, rates by position)."""
+    return {k: st[k] for k in ("spec_proposed", "spec_accepted", "spec_steps_disabled", "spec_proposed_at",
+                               "spec_accepted_at", "spec_acceptance_rate_at", "spec_acceptance_rate")}
 
 
 async def run_study_async(model: str, *, num_requests: int = 100, prompt_len: int = 128,
@@ -170,6 +177,11 @@ def format_table(r: Dict[str, Any]) -> str:
         lines.append(f"{run['rate']:>7.3f} {run['scheduling']:<10} | {cells('ttft')} | {cells('tpot')} | "
                      f"{cells('e2e')} | {run['throughput']['output_tokens_per_s']:>9.1f}")
     lines.append("(milliseconds; TPOT per output token after the first)")
+    from ..speculative import format_spec
+
+    for run in r["runs"]:
+        if run.get("speculative"):
+            lines.append(f"{run['rate']:>7.3f} {run['scheduling']:<10} {format_spec(run['speculative'])}")
     return "\n".join(lines)
 
 

@@ -66,6 +66,10 @@ def format_result(r: Dict[str, Any]) -> str:
         f"Throughput: {t['requests_per_s']:.2f} requests/s, {t['total_tokens_per_s']:.1f} total tokens/s, "
         f"{t['output_tokens_per_s']:.1f} output tokens/s",
     ]
+    if r.get("speculative"):
+        from ..speculative import format_spec
+
+        lines.append(format_spec(r["speculative"]))
     if kv:
         lines.append(f"KV waste:        mean {100 * kv['waste_mean']:.2f}%, max {100 * kv['waste_max']:.2f}% "
                      f"(block size {kv['block_size']}, peak {kv['blocks_used_peak']} blocks)")

@@ -213,13 +213,16 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None,
                    help="prompt tokens per step while sequences decode (default 96 on the CPU, 512 on CUDA; 0: "
                         "no cap)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 4} (docs/speculative.md)')
     return p
 
 
 _ENGINE_KNOBS = ("tokenizer", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                  "kv_cache_memory", "kv_cache_dtype", "enable_prefix_caching", "enable_chunked_prefill",
                  "scheduling", "num_threads", "device", "seed", "gpu_memory_utilization", "quantization",
-                 "max_prefill_tokens_while_decoding", "activation_dtype")
+                 "max_prefill_tokens_while_decoding", "activation_dtype", "speculative_config")
 
 
 def engine_kwargs(args) -> dict:

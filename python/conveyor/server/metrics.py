@@ -110,6 +110,21 @@ class ServerMetrics:
                float(h / q) if q else 0.0)
         metric("conveyor_prompt_tokens_total", "counter", "Prompt tokens processed.", g("prompt_tokens", 0))
         metric("conveyor_generation_tokens_total", "counter", "Tokens generated.", g("generation_tokens", 0))
+        metric("conveyor_spec_decode_num_draft_tokens_total", "counter",
+               "Speculative proposals verified.", g("spec_proposed", 0))
+        metric("conveyor_spec_decode_num_accepted_tokens_total", "counter",
+               "Speculative proposals accepted.", g("spec_accepted", 0))
+        metric("conveyor_spec_decode_acceptance_rate", "gauge", "spec_accepted / spec_proposed.",
+               float(g("spec_acceptance_rate", 0.0)))
+        for name, key, help_ in (("conveyor_spec_decode_num_draft_tokens_per_pos_total", "spec_proposed_at",
+                                  "Speculative proposals verified, by position in the proposal."),
+                                 ("conveyor_spec_decode_num_accepted_tokens_per_pos_total", "spec_accepted_at",
+                                  "Speculative proposals accepted, by position in the proposal.")):
+            if g(key):
+                lines.append(f"# HELP {name} {help_}")
+                lines.append(f"# TYPE {name} counter")
+                for pos, v in enumerate(g(key)):
+                    lines.append(f'{name}{{{L},position="{pos}"}} {v}')
         metric("conveyor_requests_finished_total", "counter", "Engine requests finished.",
                g("requests_finished", 0))
         metric("conveyor_requests_aborted_total", "counter", "Engine requests aborted (e.g. disconnects).",
