@@ -46,7 +46,14 @@ GRID = [
     ("llama-q4_0-tied", dict(dim=128, hidden_dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=288), "llama", "Q4_0", "Q8_0", True),
     ("llama-q4_1-smollm-like", dict(dim=96, hidden_dim=256, n_layers=3, n_heads=3, n_kv_heads=1, vocab_size=320), "llama", "Q4_1", "Q8_0", True),
     ("qwen2-q4_1-untied", dict(dim=64, hidden_dim=176, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=264), "qwen2", "Q4_1", "Q4_1", False),
+    # K-quant and Q5 files: rows of whole 256-element super-blocks
+    ("llama-q4_k-tied", dict(dim=256, hidden_dim=512, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=264), "llama", "Q4_K", "Q6_K", True),
+    ("llama-q5_k", dict(dim=256, hidden_dim=512, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=264), "llama", "Q5_K", "Q8_0", False),
+    ("qwen2-q5_0-q5_1", dict(dim=128, hidden_dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=264), "qwen2", "Q5_0", "Q5_1", False),
 ]
+# A Q4_K_M-like mix: stacked q/k/v and gate/up of different types (computed as Q8_F)
+MIXED_TYPES = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q4_K",
+               "ffn_gate": "Q4_K", "ffn_up": "Q5_K", "ffn_down": "Q6_K"}
 
 
 def rel_err(got, ref) -> float:
@@ -80,7 +87,23 @@ def models(tmp_path_factory):
     for gid, shape, arch, t, et, tied in GRID:
         out[gid] = write_gguf_checkpoint(d / f"{gid}.gguf", shape=shape, arch=arch, ggml_type=t, embed_type=et,
                                          tie_embeddings=tied, seed=len(out))
+    out["llama-k-mix"] = write_gguf_checkpoint(
+        d / "k-mix.gguf", shape=dict(dim=256, hidden_dim=512, n_layers=2, n_heads=4, n_kv_heads=1, vocab_size=264),
+        ggml_type="Q4_K", embed_type="Q8_0", tie_embeddings=True, tensor_types=MIXED_TYPES, seed=9)
     return out
+
+
+def test_k_quant_mix_matches_reference(models):
+    """A file like a downloaded Q4_K_M one: every stacked matrix mixes types."""
+    from conveyor.gguf import GGUFReader
+
+    path = models["llama-k-mix"]
+    kinds = {i.ggml_type.name for i in GGUFReader(path).tensors.values()}
+    assert {"Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"} <= kinds
+    tokens = [int(x) for x in np.random.default_rng(2).integers(0, 264, 29)]
+    got, ref = all_logits(path, tokens), ReferenceModel.load(path).logits(tokens)
+    assert rel_err(got, ref) < QUANT_TOL and rms_err(got, ref) < QUANT_RMS_TOL
+    assert (got.argmax(axis=1) == ref.argmax(axis=1)).mean() >= 0.85
 
 
 @pytest.mark.parametrize("case", GRID, ids=[g[0] for g in GRID])
@@ -310,7 +333,9 @@ BAD = [
      "claims 1000000000000000 bytes"),
     ("unknown-value-type", dict(kvs=[_kv("general.architecture", 77, b"")]), "unknown value type 77"),
     ("unknown-tensor-type", dict(tensors=_tensors(types={"blk.0.attn_q.weight": 99})), "unknown tensor type 99"),
-    ("unsupported-tensor-type", dict(tensors=_tensors(types={"blk.0.attn_q.weight": 12})), "Q4_K"),
+    ("unsupported-tensor-type", dict(tensors=_tensors(types={"blk.0.attn_q.weight": 11})), "Q3_K"),
+    ("k-quant-rows-not-whole-super-blocks", dict(tensors=_tensors(types={"blk.0.attn_q.weight": 12})),
+     "'blk.0.attn_q.weight' of type Q4_K has rows of .* not a multiple of the block size 256"),
     ("misaligned-data", dict(offsets={3: 4}), "not a multiple of the alignment"),
     ("data-past-end", dict(offsets={3: 1 << 40}), "runs past the end"),
     ("missing-tensor", dict(tensors=_tensors(drop=("blk.0.ffn_up.weight",))), "'blk.0.ffn_up.weight' is missing"),

@@ -53,14 +53,25 @@ static int upload_vector(cv_backend *b, float **out, const cv_tensor_view *v, fl
 static int quant_rank(cv_dtype t) { return t == CV_Q8_0 ? 3 : t == CV_Q4_1 ? 2 : t == CV_Q4_0 ? 1 : 0; }
 
 /* The dtype a matrix of parts[n] is kept in: the asked quantization when its
- * rows can be block-quantized; else the file's quantized type (the most
- * precise among the parts); else the model's float dtype. */
+ * rows can be block-quantized; else the type the kernels compute the file's
+ * quantized parts in when they share it (cv_quant_compute_type); else, for
+ * parts of the Q5/K formats mixed with others, Q8_F, which holds every
+ * format exactly; else the most precise of Q8_0/Q4_1/Q4_0 among the parts;
+ * else the model's float dtype. */
 static cv_dtype matrix_dtype(const cv_tensor_view *const *parts, int n, cv_dtype dtype, cv_dtype quant) {
     if (parts[0]->shape[1] % CV_QK != 0) return dtype;
     if (cv_dtype_is_quant(quant)) return quant;
     cv_dtype best = CV_DTYPE_INVALID;
-    for (int i = 0; i < n; i++)
-        if (quant_rank(parts[i]->dtype) > quant_rank(best)) best = parts[i]->dtype;
+    int same = 1, all_quant = 1, newer = 0;
+    for (int i = 0; i < n; i++) {
+        const cv_dtype t = parts[i]->dtype;
+        all_quant = all_quant && cv_dtype_is_quant(t);
+        same = same && all_quant && cv_quant_compute_type(t) == cv_quant_compute_type(parts[0]->dtype);
+        newer = newer || (cv_dtype_is_quant(t) && cv_quant_compute_type(t) != t);
+        if (quant_rank(t) > quant_rank(best)) best = t;
+    }
+    if (same) return cv_quant_compute_type(parts[0]->dtype);
+    if (newer && all_quant) return CV_Q8_F;
     return best == CV_DTYPE_INVALID ? dtype : best;
 }
 
@@ -72,13 +83,16 @@ static int prepare_stacked(cv_backend *b, cv_matrix *out, const cv_tensor_view *
     int64_t rows = 0, cols = parts[0]->shape[1];
     const cv_dtype target = matrix_dtype(parts, n, dtype, quant);
     int raw = cv_dtype_is_quant(target);
-    for (int i = 0; i < n; i++) raw = raw && parts[i]->dtype == target;
-    if (raw) {
+    for (int i = 0; i < n; i++)
+        raw = raw && cv_dtype_is_quant(parts[i]->dtype) &&
+              (parts[i]->dtype == target || (target == CV_Q8_F && quant == CV_DTYPE_INVALID) ||
+               cv_quant_compute_type(parts[i]->dtype) == target);
+    if (raw) { /* the file's blocks, repacked exactly where the kernels compute another type */
         size_t off = 0;
         for (int i = 0; i < n; i++) {
-            size_t bytes = cv_dtype_bytes(target, (size_t)(parts[i]->shape[0] * cols));
-            memcpy((char *)scratch + off, parts[i]->data, bytes);
-            off += bytes;
+            size_t elems = (size_t)(parts[i]->shape[0] * cols);
+            cv_quant_repack((char *)scratch + off, target, parts[i]->data, parts[i]->dtype, elems);
+            off += cv_dtype_bytes(target, elems);
             rows += parts[i]->shape[0];
         }
         return b->matrix_prepare(b, out, scratch, target, rows, cols, target, err);
@@ -148,7 +162,7 @@ int cv_model_load_quantized(cv_model **out, const char *path, cv_backend *b, cv_
     const cv_model_config *c = &ck.cfg;
     if (dtype == CV_DTYPE_INVALID) dtype = c->torch_dtype;
     if (dtype != CV_F32 && dtype != CV_BF16 && dtype != CV_F16) dtype = CV_F32;
-    if (quant != CV_DTYPE_INVALID && !cv_dtype_is_quant(quant)) {
+    if (quant != CV_DTYPE_INVALID && !cv_dtype_can_quantize(quant)) {
         rc = cv_set_err(err, CV_ERR_INVALID, "quantization must be q8_0, q4_0 or q4_1, got %s", cv_dtype_name(quant));
         goto done;
     }

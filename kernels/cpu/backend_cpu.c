@@ -130,7 +130,7 @@ static int cpu_table_prepare(cv_backend *b, cv_table *out, const void *src, cv_d
     memset(out, 0, sizeof *out);
     /* a quantized table is kept as it is stored; rows are dequantized on lookup */
     const int quant = cv_dtype_is_quant(dtype) && src_dtype == dtype && src && rows > 0 && cols > 0 &&
-                      cols % CV_QK == 0;
+                      cols % (int64_t)cv_quant_block_elems(dtype) == 0;
     if (!quant) rc = cv_cpu_check_prepare("table_prepare", "dtype", src, src_dtype, rows, cols, dtype, err);
     if (rc) goto done;
     size_t elems, bytes;
