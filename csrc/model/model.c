@@ -33,6 +33,17 @@ void cv_rope_inv_freq(float *out, const cv_model_config *cfg) {
     }
 }
 
+int cv_layer_is_local(const cv_model_config *cfg, int64_t l) {
+    return cfg->sliding_window > 0 && cfg->swa_period > 0 && (l + 1) % cfg->swa_period != 0;
+}
+
+/* Gemma 3's local layers: the local base, no scaling (HF scales only the
+ * global layers' frequencies). */
+static void rope_inv_freq_local(float *out, const cv_model_config *cfg) {
+    for (int64_t i = 0; i < cfg->head_dim / 2; i++)
+        out[i] = (float)pow((double)cfg->rope_local_theta, -2.0 * (double)i / (double)cfg->head_dim);
+}
+
 static int64_t view_numel(const cv_tensor_view *v) {
     return v->ndim == 1 ? v->shape[0] : v->shape[0] * v->shape[1];
 }
@@ -132,6 +143,10 @@ void cv_model_free(cv_model *m) {
             b->free(b, L->attn_norm);
             b->free(b, L->ffn_norm);
             b->free(b, L->bqkv);
+            b->free(b, L->q_norm);
+            b->free(b, L->k_norm);
+            b->free(b, L->post_attn_norm);
+            b->free(b, L->post_ffn_norm);
             b->matrix_free(b, &L->wqkv);
             b->matrix_free(b, &L->wo);
             b->matrix_free(b, &L->w_gate_up);
@@ -143,6 +158,7 @@ void cv_model_free(cv_model *m) {
     b->matrix_free(b, &m->lm_head);
     b->free(b, m->final_norm);
     b->free(b, m->inv_freq);
+    b->free(b, m->inv_freq_local);
     free(m);
 }
 
@@ -164,6 +180,12 @@ int cv_model_load_quantized(cv_model **out, const char *path, cv_backend *b, cv_
     if (dtype != CV_F32 && dtype != CV_BF16 && dtype != CV_F16) dtype = CV_F32;
     if (quant != CV_DTYPE_INVALID && !cv_dtype_can_quantize(quant)) {
         rc = cv_set_err(err, CV_ERR_INVALID, "quantization must be q8_0, q4_0 or q4_1, got %s", cv_dtype_name(quant));
+        goto done;
+    }
+    if ((c->qk_norm && !b->head_rmsnorm) ||
+        (c->gemma && (!b->add_rmsnorm || !b->geglu || !b->scale))) {
+        rc = cv_set_err(err, CV_ERR_UNSUPPORTED, "the %s backend lacks the kernels of this architecture (%s)", b->name,
+                        c->gemma ? "gemma3" : "qwen3");
         goto done;
     }
     if (c->head_dim % 2 != 0 || c->head_dim > 256) {
@@ -218,6 +240,14 @@ int cv_model_load_quantized(cv_model **out, const char *path, cv_backend *b, cv_
         const cv_tensor_view *wo = &v->wo, *wd = &v->w_down;
         if ((rc = upload_vector(b, &L->attn_norm, &v->attn_norm, scratch, err))) goto done;
         if ((rc = upload_vector(b, &L->ffn_norm, &v->ffn_norm, scratch, err))) goto done;
+        if (c->qk_norm && ((rc = upload_vector(b, &L->q_norm, &v->q_norm, scratch, err)) ||
+                           (rc = upload_vector(b, &L->k_norm, &v->k_norm, scratch, err))))
+            goto done;
+        if (c->gemma && ((rc = upload_vector(b, &L->post_attn_norm, &v->post_attn_norm, scratch, err)) ||
+                         (rc = upload_vector(b, &L->post_ffn_norm, &v->post_ffn_norm, scratch, err))))
+            goto done;
+        m->n_params += view_numel(&v->q_norm) + view_numel(&v->k_norm) + view_numel(&v->post_attn_norm) +
+                       view_numel(&v->post_ffn_norm);
         if ((rc = prepare_stacked(b, &L->wqkv, qkv, 3, dtype, quant, scratch, err))) goto done;
         if ((rc = prepare_stacked(b, &L->wo, &wo, 1, dtype, quant, scratch, err))) goto done;
         if ((rc = prepare_stacked(b, &L->w_gate_up, gu, 2, dtype, quant, scratch, err))) goto done;
@@ -244,9 +274,27 @@ int cv_model_load_quantized(cv_model **out, const char *path, cv_backend *b, cv_
     m->weight_bytes += m->embed.bytes + m->lm_head.bytes + (size_t)c->dim * sizeof(float);
 
     cv_rope_inv_freq(scratch, c);
+    if (ck.rope_freqs.data) { /* llama 3.x in GGUF: each frequency divided by its factor */
+        float *f = scratch + c->head_dim / 2;
+        cv_convert_to_f32(f, ck.rope_freqs.data, ck.rope_freqs.dtype, (size_t)(c->head_dim / 2));
+        for (int64_t i = 0; i < c->head_dim / 2; i++) {
+            if (!(f[i] > 0.0f) || f[i] > 1e30f) {
+                rc = cv_set_err(err, CV_ERR_FORMAT, "%s: rope_freqs.weight[%lld] is %g; must be positive", path,
+                                (long long)i, (double)f[i]);
+                goto done;
+            }
+            scratch[i] /= f[i];
+        }
+    }
     m->inv_freq = b->alloc(b, (size_t)(c->head_dim / 2) * sizeof(float));
     if (!m->inv_freq) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory"); goto done; }
     b->to_device(b, m->inv_freq, scratch, (size_t)(c->head_dim / 2) * sizeof(float));
+    if (c->sliding_window > 0) {
+        rope_inv_freq_local(scratch, c);
+        m->inv_freq_local = b->alloc(b, (size_t)(c->head_dim / 2) * sizeof(float));
+        if (!m->inv_freq_local) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory"); goto done; }
+        b->to_device(b, m->inv_freq_local, scratch, (size_t)(c->head_dim / 2) * sizeof(float));
+    }
     rc = CV_OK;
 
 done:

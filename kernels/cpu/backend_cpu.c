@@ -352,6 +352,10 @@ cv_backend *cv_cpu_backend_create_simd(int num_threads, const char *simd, cv_err
     b->rmsnorm = cv_cpu_rmsnorm;
     b->rope = cv_cpu_rope;
     b->swiglu = cv_cpu_swiglu;
+    b->head_rmsnorm = cv_cpu_head_rmsnorm;
+    b->add_rmsnorm = cv_cpu_add_rmsnorm;
+    b->geglu = cv_cpu_geglu;
+    b->scale = cv_cpu_scale;
     b->embedding = cv_cpu_embedding;
     b->kv_write = cv_cpu_kv_write;
     b->paged_attention = cv_cpu_paged_attention;
