@@ -682,7 +682,7 @@ def write_llama2c_checkpoint(path, *, shape="tiny", seed: int = 0, tied: bool = 
 
 # ---------------------------------------------------------------------------- GGUF
 
-GGUF_ARCHS = ("llama", "qwen2")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 GGUF_TOKENIZERS = ("gpt2", "llama")
 _GGUF_LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -766,7 +766,11 @@ def write_gguf_checkpoint(path, *, shape="tiny", arch: str | None = None, ggml_t
     arch, seed and tying (same draw order), so the two files describe the same model. For
     arch "llama" the q/k rows are permuted as llama.cpp's converter does (see
     ``llama_qk_permute``; GGUF llama uses the interleaved-pairs RoPE); "qwen2" keeps HF's
-    order (rotate-half RoPE) and has q/k/v biases.
+    order (rotate-half RoPE) and has q/k/v biases. "qwen3" and "gemma3" (HF order, no
+    biases) add each layer's attn_q_norm/attn_k_norm ([head_dim]) after its FFN, and gemma3
+    its post_attention_norm and post_ffw_norm (the values stored are the (1 + w) llama.cpp's
+    converter writes); pass "gemma3.attention.sliding_window" in ``extra_metadata`` for
+    its local layers.
 
     ``ggml_type``: the type of the 2-D weights (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
     Q5_1, Q4_K, Q5_K, Q6_K); ``embed_type``: token_embd/output (default: ``ggml_type``);
@@ -835,9 +839,18 @@ def write_gguf_checkpoint(path, *, shape="tiny", arch: str | None = None, ggml_t
             w.add(key, value)
 
     gen = _Gen(seed)
-    for name, shp, kind, scale in hf_tensor_layout(s, arch, tie, arch == "qwen2"):
+    layout = []
+    for entry in hf_tensor_layout(s, arch, tie, arch == "qwen2"):
+        layout.append(entry)
+        m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", entry[0])
+        if m and arch in ("qwen3", "gemma3"):  # the layer's extra norms, by their GGUF names
+            extra = ["attn_q_norm", "attn_k_norm"] + (["post_attention_norm", "post_ffw_norm"] if arch == "gemma3" else [])
+            for e in extra:
+                layout.append((f"blk.{m.group(1)}.{e}.weight", (s["head_dim"] if "_k_" in e or "_q_" in e else s["dim"],),
+                               "norm", 1.0))
+    for name, shp, kind, scale in layout:
         arr = gen.full(shp, kind, scale)
-        gname = gguf_tensor_name(name)
+        gname = name if name.startswith("blk.") else gguf_tensor_name(name)
         if arch == "llama" and gname.split(".")[-2] in ("attn_q", "attn_k"):
             arr = llama_qk_permute(arr, s["n_heads"] if "attn_q" in gname else s["n_kv_heads"])
         t = GGMLType.F32
