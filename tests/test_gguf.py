@@ -409,6 +409,28 @@ def test_conveyor_info_on_gguf(models, capsys):
     assert info["weight_bytes"] == total and info["chat_template"] is True and info["tokenizer"] == "gpt2"
 
 
+def test_conveyor_info_lists_each_tensor_type(models, capsys):
+    """A K-quant mix: each type's tensor count and bytes, summing to the file's tensor bytes."""
+    from conveyor.cli import main
+
+    path = models["llama-k-mix"]
+    assert main(["info", str(path), "--json"]) == 0
+    import json
+
+    info = json.loads(capsys.readouterr().out)
+    want_n, want_b = {}, {}
+    for r in GGUFReader(path).tensors.values():
+        name = r.ggml_type.name.lower().replace("f32", "float32")
+        want_n[name] = want_n.get(name, 0) + 1
+        want_b[name] = want_b.get(name, 0) + r.nbytes
+    assert info["tensor_dtypes"] == want_n and info["tensor_dtype_bytes"] == want_b
+    assert {"q5_0", "q4_k", "q5_k", "q6_k", "q8_0"} <= set(want_n)
+    assert main(["info", str(path)]) == 0
+    out = capsys.readouterr().out
+    for name in want_n:
+        assert f"{want_n[name]:>5} tensors {want_b[name]:>14,} bytes" in out, name
+
+
 def test_linear_rope_scaling(tmp_path):
     from conveyor.gguf import GGUFValueType as T
 
