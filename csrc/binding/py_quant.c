@@ -5,6 +5,8 @@
  *       -> x[n][cols] . dequant(W)^T with activations quantized per block of 32
  *       (qtype any stored block format: the GGUF Q5/K ones are repacked into
  *       the type the kernels compute them in, as the model loader does)
+ *   kernel_qgemm_time(x, w_bytes, qtype, level="best", threads=0, repeats=10) -> best seconds
+ *       of one GEMM on the matrix prepared once (the benchmark's kernel-only figure)
  *   kernel_dequantize(w_bytes, qtype, repacked=False) -> float32 [rows][cols]
  *       the C dequantizer; repacked: of the blocks repacked for the kernels
  *   kernel_qlevels() -> {"scalar": True, "avx2": ..., "avx512vnni": ..., "avxvnni": ...,
@@ -149,6 +151,52 @@ static PyObject *py_kernel_qgemm(PyObject *self, PyObject *args, PyObject *kw) {
     return a.out;
 }
 
+static PyObject *py_kernel_qgemm_time(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *kwlist[] = {"x", "w_bytes", "qtype", "level", "threads", "repeats", NULL};
+    PyObject *x_obj, *w_obj;
+    const char *qs, *ls = "best";
+    int threads = 0, repeats = 10;
+    cv_dtype qt;
+    cv_qlevel level;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOs|sii", kwlist, &x_obj, &w_obj, &qs, &ls, &threads, &repeats) ||
+        parse_stored_qtype(qs, &qt) < 0 || parse_level(ls, &level) < 0 || get_qbackend(threads) < 0)
+        return NULL;
+    if (repeats < 1) return PyErr_Format(PyExc_ValueError, "repeats must be >= 1, got %d", repeats);
+    PyArrayObject *w = cv_py_want_array(w_obj, "w_bytes", NPY_UINT8, 2, 0);
+    PyArrayObject *x = w ? cv_py_want_array(x_obj, "x", NPY_FLOAT32, 2, 0) : NULL;
+    if (!x) return NULL;
+    const int64_t rows = PyArray_DIM(w, 0), n = PyArray_DIM(x, 0), cols = PyArray_DIM(x, 1);
+    const int64_t blk = (int64_t)cv_quant_block_elems(qt);
+    if (n <= 0 || cols <= 0 || cols % blk != 0 || (size_t)PyArray_DIM(w, 1) != cv_dtype_bytes(qt, (size_t)cols))
+        return PyErr_Format(PyExc_ValueError, "w_bytes must be [rows][%zu] (%s rows of %lld columns)",
+                            cv_dtype_bytes(qt, (size_t)(cols > 0 ? cols : 0)), qs, (long long)cols);
+    float *out = PyMem_Malloc((size_t)(n * rows) * sizeof(float));
+    if (!out) return PyErr_NoMemory();
+    cv_backend *b = g_qb[threads].b;
+    cv_matrix m;
+    cv_err err = {0};
+    int rc = 0;
+    double best = 1e300;
+    const float *xp = PyArray_DATA(x);
+    const void *src = PyArray_DATA(w);
+    CV_PY_RUN_LOCKED(g_qb[threads].lock, {
+        rc = b->matrix_prepare(b, &m, src, qt, rows, cols, cv_quant_compute_type(qt), &err);
+        if (rc == 0) {
+            for (int r = 0; r < repeats; r++) {
+                const double t0 = cv_now();
+                cv_cpu_qgemm_level(b, out, xp, n, &m, NULL, 0, level);
+                const double t = cv_now() - t0;
+                best = t < best ? t : best;
+            }
+            b->matrix_free(b, &m);
+        }
+    });
+    PyMem_Free(out);
+    if (rc < 0) return cv_py_raise(&err);
+    return PyFloat_FromDouble(best);
+}
+
 static PyObject *py_kernel_dequantize(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
     static char *kwlist[] = {"w_bytes", "qtype", "repacked", NULL};
@@ -207,6 +255,8 @@ static PyMethodDef quant_methods[] = {
      "kernel_quantize(w, qtype) -> uint8 [rows][row_bytes]: the C quantizer (q8_0, q4_0, q4_1)"},
     {"kernel_qgemm", (PyCFunction)(void (*)(void))py_kernel_qgemm, METH_VARARGS | METH_KEYWORDS,
      "kernel_qgemm(x, w_bytes, qtype, level='best', bias=None, accumulate=None, threads=0) -> out[n][rows]"},
+    {"kernel_qgemm_time", (PyCFunction)(void (*)(void))py_kernel_qgemm_time, METH_VARARGS | METH_KEYWORDS,
+     "kernel_qgemm_time(x, w_bytes, qtype, level='best', threads=0, repeats=10) -> best seconds of one GEMM"},
     {"kernel_dequantize", (PyCFunction)(void (*)(void))py_kernel_dequantize, METH_VARARGS | METH_KEYWORDS,
      "kernel_dequantize(w_bytes, qtype, repacked=False) -> float32 [rows][cols]: the C dequantizer"},
     {"kernel_qlevels", (PyCFunction)py_kernel_qlevels, METH_NOARGS,
