@@ -294,6 +294,13 @@ def _tensors(drop=(), shapes=None, types=None):
     return out
 
 
+def _default_kvs(arch="llama"):
+    return [_str("general.architecture", arch), _u32(f"{arch}.embedding_length", DIM),
+            _u32(f"{arch}.feed_forward_length", HID), _u32(f"{arch}.block_count", 1),
+            _u32(f"{arch}.attention.head_count", 2), _u32(f"{arch}.context_length", 64),
+            _f32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)]
+
+
 def tiny_gguf(*, magic=b"GGUF", version=3, kvs=None, tensors=None, offsets=None, n_tensors=None, n_kvs=None,
               alignment=32) -> bytes:
     """A one-layer llama GGUF built byte by byte (F32 tensors)."""
@@ -345,14 +352,20 @@ BAD = [
     ("duplicate-key", dict(kvs=[_str("general.architecture", "llama")] * 2), "appears twice"),
     ("bad-alignment", dict(kvs=[_u32("general.alignment", 3)]), "general.alignment"),
     ("nested-array", dict(kvs=[_kv("x.a", 9, struct.pack("<IQ", 9, 1))]), "array of arrays"),
+    ("unread-arch-key", dict(kvs=_default_kvs() + [_u32("llama.expert_count", 8)]),
+     "metadata 'llama.expert_count' is not supported for llama"),
+    ("gemma3-window-not-integer", dict(kvs=_default_kvs("gemma3") + [_str("gemma3.attention.sliding_window", "512")]),
+     "'gemma3.attention.sliding_window' must be an integer"),
+    ("gemma3-missing-qk-norm", dict(kvs=_default_kvs("gemma3")), "tensor 'blk.0.attn_q_norm.weight' is missing"),
 ]
+UNSUPPORTED = ("nested-array", "unsupported-tensor-type", "unread-arch-key")
 
 
 @pytest.mark.parametrize("name,kw,msg", BAD, ids=[b[0] for b in BAD])
 def test_bad_files_raise_clear_errors(tmp_path, name, kw, msg):
     p = tmp_path / f"{name}.gguf"
     p.write_bytes(tiny_gguf(**kw))
-    exc = conveyor.UnsupportedError if name in ("nested-array", "unsupported-tensor-type") else conveyor.ModelFormatError
+    exc = conveyor.UnsupportedError if name in UNSUPPORTED else conveyor.ModelFormatError
     with pytest.raises(exc, match=msg):
         Checkpoint(p)
     with pytest.raises(exc, match=msg):
