@@ -211,7 +211,7 @@ def test_real_gemma3_batch_and_preemption_invariance(gemma3_file, gemma3_llm):
     assert tight == alone
 
 
-TOKENIZER_TEXTS = ["The capital of France is", "digits 1234567890 and 3.14159", "emoji 😀🎉👍🏽 ok",
+TOKENIZER_TEXTS = ["The capital of France is", "digits 1234567890 and 3.14159", "emoji 😀🎉👍🏽 ok", "   ", "\n\n\n",
                    "CJK 你好，世界 日本語のテキスト 한국어", "def f(x):\n    return x ** 2  # code\n",
                    "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n", "  two spaces\tand tab",
                    "Ünïcödé çàfé naïve", "a" * 40]
@@ -225,11 +225,31 @@ def test_real_gemma3_tokenizer(gemma3_file):
     assert ids[:3] == [2, 105, 2364] and 106 in ids  # <bos>, the turn markers as single ids
     for text in TOKENIZER_TEXTS:
         assert tok.decode(tok.encode(text), skip_special_tokens=False).replace("<bos>", "", 1) == text
+    hf = _transformers_gguf_tokenizer(gemma3_file)
+    for text in TOKENIZER_TEXTS:
+        assert tok.encode(text, add_special_tokens=False) == hf(text), text
+
+
+def _transformers_gguf_tokenizer(path):
+    """transformers' tokenizer built from the GGUF: AutoTokenizer(gguf_file=...) where it
+    works; without torch (its GGUF reader imports it) the same converter,
+    convert_gguf_tokenizer, fed the file's tokenizer metadata through conveyor.gguf's reader.
+    Returns text -> ids (no special tokens added); skips when transformers has neither."""
     try:
         from transformers import AutoTokenizer
 
-        hf = AutoTokenizer.from_pretrained(str(gemma3_file.parent), gguf_file=gemma3_file.name)
-    except Exception as e:  # noqa: BLE001 (no transformers, or its GGUF reader lacks torch/gguf)
-        pytest.skip(f"transformers cannot build the tokenizer from the GGUF here: {type(e).__name__}: {e}")
-    for text in TOKENIZER_TEXTS:
-        assert tok.encode(text) == hf.encode(text), text
+        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return lambda text: hf.encode(text, add_special_tokens=False)
+    except Exception:  # noqa: BLE001 (no transformers, or no torch for its GGUF reader)
+        pass
+    try:
+        from transformers.integrations.gguf import gguf_tokenizer_mapping as m
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"transformers cannot build a tokenizer from a GGUF here: {type(e).__name__}: {e}")
+    from conveyor.gguf import read_gguf_metadata
+
+    md = read_gguf_metadata(path)
+    grouped = {group: {name: md[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in md}
+               for group, renames in m.GGUF_TOKENIZER_MAPPING.items()}
+    hf, _ = m.convert_gguf_tokenizer(md["general.architecture"], grouped["tokenizer"])
+    return lambda text: hf.encode(text, add_special_tokens=False).ids
