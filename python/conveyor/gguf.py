@@ -255,30 +255,35 @@ def dequantize(data, ggml_type, shape=None) -> np.ndarray:
     elif t == GGMLType.BF16:
         out = (raw.view("<u2").astype(np.uint32) << np.uint32(16)).view(np.float32)
     else:
-        b = raw.reshape(-1, size)
-        d = b[:, 0:2].copy().view("<f2").astype(np.float32)  # [n][1]
-        if t == GGMLType.Q8_0:
-            out = d * b[:, 2:].view(np.int8).astype(np.float32)
-        elif t == GGMLType.Q4_0:
-            out = d * (_unpack_nibbles(b[:, 2:]).astype(np.float32) - np.float32(8))
-        elif t == GGMLType.Q4_1:
-            m = b[:, 2:4].copy().view("<f2").astype(np.float32)
-            out = d * _unpack_nibbles(b[:, 4:]).astype(np.float32) + m
-        elif t == GGMLType.Q5_0:
-            q = _unpack_nibbles(b[:, 6:]) | (_bits32(b[:, 2:6]) << np.uint8(4))
-            out = d * (q.astype(np.float32) - np.float32(16))
-        elif t == GGMLType.Q5_1:
-            m = b[:, 2:4].copy().view("<f2").astype(np.float32)
-            q = _unpack_nibbles(b[:, 8:]) | (_bits32(b[:, 4:8]) << np.uint8(4))
-            out = d * q.astype(np.float32) + m
-        elif t in (GGMLType.Q4_K, GGMLType.Q5_K):
-            out = _dequantize_q45_k(b, t)
-        else:
-            out = _dequantize_q6_k(b)
-        out = out.reshape(-1)
+        with np.errstate(invalid="ignore", over="ignore"):  # blocks of any bits: inf * 0 is NaN, as in C
+            out = _dequantize_blocks(raw.reshape(-1, size), t)
     if shape is not None:
         out = out.reshape(shape)
     return out
+
+
+def _dequantize_blocks(b: np.ndarray, t: GGMLType) -> np.ndarray:
+    """[n][block bytes] of a block type -> its n * block elements, float32."""
+    d = b[:, 0:2].copy().view("<f2").astype(np.float32)  # [n][1]
+    if t == GGMLType.Q8_0:
+        out = d * b[:, 2:].view(np.int8).astype(np.float32)
+    elif t == GGMLType.Q4_0:
+        out = d * (_unpack_nibbles(b[:, 2:]).astype(np.float32) - np.float32(8))
+    elif t == GGMLType.Q4_1:
+        m = b[:, 2:4].copy().view("<f2").astype(np.float32)
+        out = d * _unpack_nibbles(b[:, 4:]).astype(np.float32) + m
+    elif t == GGMLType.Q5_0:
+        q = _unpack_nibbles(b[:, 6:]) | (_bits32(b[:, 2:6]) << np.uint8(4))
+        out = d * (q.astype(np.float32) - np.float32(16))
+    elif t == GGMLType.Q5_1:
+        m = b[:, 2:4].copy().view("<f2").astype(np.float32)
+        q = _unpack_nibbles(b[:, 8:]) | (_bits32(b[:, 4:8]) << np.uint8(4))
+        out = d * q.astype(np.float32) + m
+    elif t in (GGMLType.Q4_K, GGMLType.Q5_K):
+        out = _dequantize_q45_k(b, t)
+    else:
+        out = _dequantize_q6_k(b)
+    return out.reshape(-1)
 
 
 def _f16_bytes(v: np.ndarray) -> np.ndarray:
