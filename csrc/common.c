@@ -73,6 +73,7 @@ const char *cv_dtype_name(cv_dtype t) {
     case CV_Q4_K: return "q4_k";
     case CV_Q5_K: return "q5_k";
     case CV_Q6_K: return "q6_k";
+    case CV_Q3_K: return "q3_k";
     case CV_Q4_F: return "q4_f32";
     case CV_Q8_F: return "q8_f32";
     default: return "invalid";

@@ -68,10 +68,11 @@ typedef enum cv_dtype {
     CV_Q4_K = 11,
     CV_Q5_K = 12,
     CV_Q6_K = 13,
+    CV_Q3_K = 14,
     /* the CPU kernels' exact repackings of those, 32 elements a block with
      * float32 scales (quant_format.h) */
-    CV_Q4_F = 14,
-    CV_Q8_F = 15,
+    CV_Q4_F = 15,
+    CV_Q8_F = 16,
     CV_DTYPE_INVALID = -1
 } cv_dtype;
 

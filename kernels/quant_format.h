@@ -1,5 +1,5 @@
 /* Block-quantized weight formats: GGUF's Q8_0, Q4_0, Q4_1 (quantized here
- * too), Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (read from files), and the two exact
+ * too), Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K (read from files), and the two exact
  * repackings the CPU kernels compute the latter in; the block layouts, the
  * scalar dequantizers and the quantizers.
  *
@@ -34,7 +34,12 @@
  * qh[l] as the fifth bit). Q6_K's element 128h + 32k + l (h half, k 0..3,
  * l 0..31) takes 4 bits from ql[64h + l + 32(k&1)] (low nibble for k < 2,
  * high else) and 2 from qh[32h + l] (bits 2k, 2k+1):
- *   x = d * sc[8h + 2k + l/16] * (q - 32), sc signed 8-bit. */
+ *   x = d * sc[8h + 2k + l/16] * (q - 32), sc signed 8-bit.
+ * Q3_K: 16 sub-blocks of 16 with 6-bit scales sc (low 4 bits: byte i of
+ * scales[0..7] for i < 8, else the high nibble of byte i - 8; top 2 bits:
+ * bits 2(i/4), +1 of scales[8 + i%4]); element 128h + 32k + l takes 2 bits
+ * (2k, 2k+1) of qs[32h + l] and one of hmask[l] (bit 4h + k; clear means
+ * minus 4):  x = d * (sc[8h + 2k + l/16] - 32) * q, q in -4..3. */
 #define CV_QK_K 256
 
 typedef struct cv_block_q5_0 {
@@ -62,6 +67,13 @@ typedef struct cv_block_q5_k {
     uint8_t qs[CV_QK_K / 2];
 } cv_block_q5_k;
 
+typedef struct cv_block_q3_k {
+    uint8_t hmask[CV_QK_K / 8];
+    uint8_t qs[CV_QK_K / 4];
+    uint8_t scales[12];
+    uint16_t d;
+} cv_block_q3_k;
+
 typedef struct cv_block_q6_k {
     uint8_t ql[CV_QK_K / 2];
     uint8_t qh[CV_QK_K / 4];
@@ -77,8 +89,9 @@ typedef struct cv_block_q6_k {
  *   Q4_F  d, m (float32), u8 qs[16] in Q4_0's nibble order    x = d * q + m
  *         (Q4_K: the 4-bit sub-blocks, m = -(dmin * mn))
  *   Q8_F  d[2], m (float32), int8 q[32]       x = d[j / 16] * q_j (+ m)
- *         (every other format: Q5_0 q - 16, Q6_K q - 32 with a scale per
- *         16, Q5_1/Q5_K q with their min; m = 0 where the format has none)
+ *         (every other format: Q5_0 q - 16, Q6_K q - 32 and Q3_K's -4..3
+ *         with a scale per 16, Q5_1/Q5_K q with their min; m = 0 where the
+ *         format has none)
  * The dequantized values are the same floats as the format's own
  * (cv_dequantize computes both the same way); the GEMM's integer dot
  * products are exact, so only its float32 scaling and summation differ
@@ -116,6 +129,7 @@ typedef char cv_q5_0_is_22_bytes[sizeof(cv_block_q5_0) == 22 ? 1 : -1];
 typedef char cv_q5_1_is_24_bytes[sizeof(cv_block_q5_1) == 24 ? 1 : -1];
 typedef char cv_q4_k_is_144_bytes[sizeof(cv_block_q4_k) == 144 ? 1 : -1];
 typedef char cv_q5_k_is_176_bytes[sizeof(cv_block_q5_k) == 176 ? 1 : -1];
+typedef char cv_q3_k_is_110_bytes[sizeof(cv_block_q3_k) == 110 ? 1 : -1];
 typedef char cv_q6_k_is_210_bytes[sizeof(cv_block_q6_k) == 210 ? 1 : -1];
 
 static inline int cv_dtype_is_quant(cv_dtype t) { return t >= CV_Q8_0 && t <= CV_Q8_F; }
@@ -125,7 +139,7 @@ static inline int cv_dtype_can_quantize(cv_dtype t) { return t == CV_Q8_0 || t =
 
 /* Elements of one block (0 for a type that is not block-quantized). */
 static inline size_t cv_quant_block_elems(cv_dtype t) {
-    return t == CV_Q4_K || t == CV_Q5_K || t == CV_Q6_K ? CV_QK_K : cv_dtype_is_quant(t) ? CV_QK : 0;
+    return t == CV_Q3_K || t == CV_Q4_K || t == CV_Q5_K || t == CV_Q6_K ? CV_QK_K : cv_dtype_is_quant(t) ? CV_QK : 0;
 }
 
 /* Bytes of one block (0 for a type that is not block-quantized). */
@@ -139,6 +153,7 @@ static inline size_t cv_quant_block_bytes(cv_dtype t) {
     case CV_Q4_K: return sizeof(cv_block_q4_k);
     case CV_Q5_K: return sizeof(cv_block_q5_k);
     case CV_Q6_K: return sizeof(cv_block_q6_k);
+    case CV_Q3_K: return sizeof(cv_block_q3_k);
     case CV_Q4_F: return sizeof(cv_block_q4_f);
     case CV_Q8_F: return sizeof(cv_block_q8_f);
     default: return 0;
@@ -148,7 +163,8 @@ static inline size_t cv_quant_block_bytes(cv_dtype t) {
 /* The type the CPU kernels compute a stored type in: Q8_0, Q4_0, Q4_1 and
  * the repackings as they are, Q4_K as Q4_F, the others as Q8_F. */
 static inline cv_dtype cv_quant_compute_type(cv_dtype t) {
-    return t == CV_Q4_K ? CV_Q4_F : t == CV_Q5_0 || t == CV_Q5_1 || t == CV_Q5_K || t == CV_Q6_K ? CV_Q8_F : t;
+    return t == CV_Q4_K ? CV_Q4_F
+         : t == CV_Q5_0 || t == CV_Q5_1 || t == CV_Q5_K || t == CV_Q6_K || t == CV_Q3_K ? CV_Q8_F : t;
 }
 
 /* Bytes of n elements of any weight dtype (n a multiple of the block for
@@ -322,6 +338,23 @@ static inline void cv_quant_block32(const void *src, cv_dtype t, size_t i, int q
             const int lo = k < 2 ? ql[l] & 0xf : ql[l] >> 4;
             q[l] = (lo | ((qh[l] >> (2 * k)) & 3) << 4) - 32;
         }
+        break;
+    }
+    case CV_Q3_K: {
+        const cv_block_q3_k *b = (const cv_block_q3_k *)src + i / 8;
+        const int s = (int)(i % 8), h = s / 4, k = s % 4; /* elements 128h + 32k + l */
+        uint16_t dh;
+        memcpy(&dh, &b->d, 2);
+        const float sd = cv_qh_to_f32(dh);
+        for (int half = 0; half < 2; half++) {
+            const int si = 8 * h + 2 * k + half; /* the 6-bit scale of this 16 */
+            const int lo = si < 8 ? b->scales[si] & 0xf : b->scales[si - 8] >> 4;
+            const int hi = (b->scales[8 + si % 4] >> (2 * (si / 4))) & 3;
+            d[half] = sd * (float)((lo | hi << 4) - 32); /* exact */
+        }
+        const uint8_t *qs = b->qs + 32 * h;
+        for (int l = 0; l < CV_QK; l++)
+            q[l] = ((qs[l] >> (2 * k)) & 3) - ((b->hmask[l] >> (4 * h + k)) & 1 ? 0 : 4);
         break;
     }
     case CV_Q4_F: {

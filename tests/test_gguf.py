@@ -50,6 +50,7 @@ GRID = [
     ("llama-q4_k-tied", dict(dim=256, hidden_dim=512, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=264), "llama", "Q4_K", "Q6_K", True),
     ("llama-q5_k", dict(dim=256, hidden_dim=512, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=264), "llama", "Q5_K", "Q8_0", False),
     ("qwen2-q5_0-q5_1", dict(dim=128, hidden_dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=264), "qwen2", "Q5_0", "Q5_1", False),
+    ("llama-q3_k", dict(dim=256, hidden_dim=512, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=264), "llama", "Q3_K", "Q6_K", False),
 ]
 # A Q4_K_M-like mix: stacked q/k/v and gate/up of different types (computed as Q8_F)
 MIXED_TYPES = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q4_K",
@@ -340,7 +341,7 @@ BAD = [
      "claims 1000000000000000 bytes"),
     ("unknown-value-type", dict(kvs=[_kv("general.architecture", 77, b"")]), "unknown value type 77"),
     ("unknown-tensor-type", dict(tensors=_tensors(types={"blk.0.attn_q.weight": 99})), "unknown tensor type 99"),
-    ("unsupported-tensor-type", dict(tensors=_tensors(types={"blk.0.attn_q.weight": 11})), "Q3_K"),
+    ("unsupported-tensor-type", dict(tensors=_tensors(types={"blk.0.attn_q.weight": 10})), "Q2_K"),
     ("k-quant-rows-not-whole-super-blocks", dict(tensors=_tensors(types={"blk.0.attn_q.weight": 12})),
      "'blk.0.attn_q.weight' of type Q4_K has rows of .* not a multiple of the block size 256"),
     ("misaligned-data", dict(offsets={3: 4}), "not a multiple of the alignment"),

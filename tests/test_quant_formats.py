@@ -1,11 +1,12 @@
-"""GGUF's Q5_0, Q5_1, Q4_K, Q5_K and Q6_K: the C dequantizer, the exact repacking the CPU
+"""GGUF's Q5_0, Q5_1, Q3_K, Q4_K, Q5_K and Q6_K: the C dequantizer, the exact repacking the CPU
 kernels compute them in (kernels/quant_format.h: Q4_K as Q4_F, the others as Q8_F), and the
 quantized GEMM on them at every SIMD level, against the independent NumPy reader in
 conveyor.gguf.
 
 * Dequantization: the C reader and NumPy give the same bits on random bytes (every bit
   pattern of the scales: subnormal, huge, infinite and NaN halves) and on crafted extreme
-  scales; the repacked blocks dequantize to the same values.
+  scales; the repacked blocks dequantize to the same values; llama.cpp's gguf-py (where
+  installed) gives the same values too.
 * GEMM: the NumPy emulation of the kernel (dequantized weights times the int8-rounded
   activations, float64) bounds the kernel's result by float32 noise, 1e-5 * sum|w||x| (see
   tests/test_quant_kernels.py), at odd row and token counts and at every level; one token
@@ -23,7 +24,7 @@ from conveyor.gguf import _TYPE_LAYOUT, GGMLType, dequantize, quantize
 
 from test_quant_kernels import LEVELS, level_or_skip, qgemm_reference
 
-NEW_TYPES = ["q5_0", "q5_1", "q4_k", "q5_k", "q6_k"]
+NEW_TYPES = ["q5_0", "q5_1", "q3_k", "q4_k", "q5_k", "q6_k"]
 
 
 def layout(qtype):
@@ -32,7 +33,7 @@ def layout(qtype):
 
 def scale_offsets(qtype):
     """Byte offsets of the float16 scales in one block."""
-    return {"q5_0": [0], "q5_1": [0, 2], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]}[qtype]
+    return {"q5_0": [0], "q5_1": [0, 2], "q3_k": [108], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]}[qtype]
 
 
 def sane_blocks(rng, qtype, rows, cols, scale=0.02):
@@ -40,7 +41,7 @@ def sane_blocks(rng, qtype, rows, cols, scale=0.02):
     blk, size = layout(qtype)
     raw = rng.integers(0, 256, (rows, cols // blk, size), dtype=np.uint8)
     for off in scale_offsets(qtype):
-        d = rng.uniform(-scale if qtype in ("q5_0", "q5_1", "q6_k") else 0, scale, raw.shape[:2])
+        d = rng.uniform(-scale if qtype in ("q5_0", "q5_1", "q3_k", "q6_k") else 0, scale, raw.shape[:2])
         raw[:, :, off:off + 2] = d.astype("<f2").view(np.uint8).reshape(raw.shape[:2] + (2,))
     return raw.reshape(rows, -1)
 
@@ -63,6 +64,25 @@ def test_dequantize_equals_numpy_bit_for_bit_on_random_bytes(qtype):
     assert_same_bits(got, ref)
     # the blocks the kernels compute in hold the same values (a zero may lose its sign)
     np.testing.assert_array_equal(_core.kernel_dequantize(raw, qtype, repacked=True), ref)
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1"] + NEW_TYPES)
+def test_dequantize_equals_llama_cpp_gguf_py(qtype):
+    """A third implementation: llama.cpp's own gguf-py (the `gguf` package, in the peers
+    extra) dequantizes random blocks of every format to the same values."""
+    gguf = pytest.importorskip("gguf", reason="the gguf package (llama.cpp's gguf-py) is not installed")
+    from gguf import quants
+
+    rng = np.random.default_rng(31)
+    gt = getattr(gguf.GGMLQuantizationType, qtype.upper())
+    blk, size = quants.GGML_QUANT_SIZES[gt]
+    raw = rng.integers(0, 256, (7, 3 * size), dtype=np.uint8)
+    with np.errstate(invalid="ignore", over="ignore"):
+        ref = quants.dequantize(raw, gt).astype(np.float32).reshape(7, 3 * blk)
+    got = _core.kernel_dequantize(raw, qtype)
+    nan = np.isnan(ref)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got[~nan], ref[~nan])  # equal values (a zero's sign aside)
 
 
 @pytest.mark.parametrize("qtype", NEW_TYPES)
@@ -97,7 +117,7 @@ def test_numpy_quantizer_round_trips(qtype):
     x[1] *= 100.0
     q = quantize(x, qtype)
     back = dequantize(q, qtype, x.shape)
-    bits = {"q5_0": 5, "q5_1": 5, "q4_k": 4, "q5_k": 5, "q6_k": 6}[qtype]
+    bits = {"q5_0": 5, "q5_1": 5, "q3_k": 3, "q4_k": 4, "q5_k": 5, "q6_k": 6}[qtype]
     spread = np.abs(x).reshape(6, -1, 16).max(axis=2).repeat(16, axis=1)  # per 16 elements
     assert np.all(np.abs(back - x) <= 4 * spread / 2 ** bits + 1e-6)
     np.testing.assert_array_equal(back[0, :64], 0.0)
@@ -144,7 +164,7 @@ def test_bad_arguments():
     x = np.zeros((2, 256), np.float32)
     wb = quantize(np.zeros((3, 256), np.float32), "q4_k").reshape(3, -1)
     with pytest.raises(ValueError, match="qtype must be"):
-        _core.kernel_qgemm(x, wb, "q3_k")
+        _core.kernel_qgemm(x, wb, "q2_k")
     with pytest.raises(ValueError, match="w_bytes must be"):
         _core.kernel_qgemm(x, wb, "q6_k")  # q4_k rows read as q6_k
     with pytest.raises(ValueError, match="w_bytes must be"):

@@ -13,7 +13,7 @@
 
 typedef struct cv_tensor_view {
     const void *data;   /* NULL when absent */
-    cv_dtype dtype;     /* CV_F32, CV_F16, CV_BF16, or (GGUF) CV_Q8_0, CV_Q4_0, CV_Q4_1 */
+    cv_dtype dtype;     /* CV_F32, CV_F16, CV_BF16, or (GGUF) a block-quantized type (quant_format.h) */
     int ndim;           /* 1 or 2 */
     int64_t shape[2];   /* [rows][cols] for matrices, [n] for vectors */
 } cv_tensor_view;

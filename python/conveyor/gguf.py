@@ -27,6 +27,11 @@ K-quant super-blocks of 256 elements (read only; no quantizer here):
     Q6_K  u8 ql[128], u8 qh[64], int8 scales[16], d: element 128h + 32k + l takes 4 bits
           of ql[64h + 32(k % 2) + l] (low nibble for k < 2) and bits 2k, 2k+1 of
           qh[32h + l]                                   x = (d * scales[8h + 2k + l // 16]) * (q - 32)
+    Q3_K  u8 hmask[32], u8 qs[64], u8 scales[12], d: 16 sub-blocks of 16 with 6-bit scales sc
+          (low 4 bits: scales[i] & 15 for i < 8, scales[i - 8] >> 4 else; top 2 bits: bits
+          2(i // 4) of scales[8 + i % 4]); element 128h + 32k + l is bits 2k, 2k+1 of
+          qs[32h + l], minus 4 unless bit 4h + k of hmask[l] is set
+                                                        x = (d * (sc[8h + 2k + l // 16] - 32)) * q
 All products above are exact in float32 (at most 24 significant bits); only the final
 ``- dmin * mn`` / ``+ m`` rounds, once. The quantizers of these five types are plain
 round-to-nearest ones (not ggml's search for the best scales): valid files for tests.
@@ -107,6 +112,7 @@ class GGMLType(enum.IntEnum):
     Q5_0 = 6
     Q5_1 = 7
     Q8_0 = 8
+    Q3_K = 11
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
@@ -132,7 +138,7 @@ _TYPE_LAYOUT = {
     GGMLType.F32: (1, 4), GGMLType.F16: (1, 2), GGMLType.BF16: (1, 2),
     GGMLType.Q8_0: (32, 34), GGMLType.Q4_0: (32, 18), GGMLType.Q4_1: (32, 20),
     GGMLType.Q5_0: (32, 22), GGMLType.Q5_1: (32, 24),
-    GGMLType.Q4_K: (256, 144), GGMLType.Q5_K: (256, 176), GGMLType.Q6_K: (256, 210),
+    GGMLType.Q3_K: (256, 110), GGMLType.Q4_K: (256, 144), GGMLType.Q5_K: (256, 176), GGMLType.Q6_K: (256, 210),
 }
 QUANTIZABLE = tuple(t for t in GGMLType if _TYPE_LAYOUT[t][0] > 1)  # block types quantize() makes
 
@@ -204,7 +210,7 @@ def quantize(x, ggml_type) -> np.ndarray:
         return np.ascontiguousarray(x).astype("<f2").reshape(-1).view(np.uint8)
     if t == GGMLType.BF16:
         return _bf16_bits(x.reshape(-1)).astype("<u2").view(np.uint8)
-    if t in (GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K):
+    if t in (GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K):
         return _quantize_simple(x, t)
     b = _blocks(x)
     n = b.shape[0]
@@ -281,9 +287,35 @@ def _dequantize_blocks(b: np.ndarray, t: GGMLType) -> np.ndarray:
         out = d * q.astype(np.float32) + m
     elif t in (GGMLType.Q4_K, GGMLType.Q5_K):
         out = _dequantize_q45_k(b, t)
+    elif t == GGMLType.Q3_K:
+        out = _dequantize_q3_k(b)
     else:
         out = _dequantize_q6_k(b)
     return out.reshape(-1)
+
+
+def _q3_k_scales(s: np.ndarray) -> np.ndarray:
+    """Q3_K: [n][12] scale bytes -> the sixteen 6-bit scales, [n][16] (0..63)."""
+    low = np.concatenate([s[:, 0:8] & 0x0F, s[:, 0:8] >> 4], axis=1).astype(np.int32)
+    i = np.arange(16)
+    high = (s[:, 8 + i % 4].astype(np.int32) >> (2 * (i // 4))) & 3
+    return low | (high << 4)
+
+
+def _dequantize_q3_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    hmask, qs = b[:, 0:32], b[:, 32:96]
+    sc = (_q3_k_scales(b[:, 96:108]) - 32).astype(np.float32)  # [n][16]
+    d = b[:, 108:110].copy().view("<f2").astype(np.float32)  # [n][1]
+    out = np.empty((n, 2, 4, 32), np.float32)                 # element 128h + 32k + l
+    for h in range(2):
+        for k in range(4):
+            low = (qs[:, 32 * h:32 * h + 32] >> (2 * k)) & 3
+            high = (hmask >> (4 * h + k)) & 1
+            q = low.astype(np.float32) - np.where(high == 1, 0, 4).astype(np.float32)
+            scale = d * sc[:, 8 * h + 2 * k:8 * h + 2 * k + 2]   # [n][2]: exact
+            out[:, h, k] = np.repeat(scale, 16, axis=1) * q
+    return out
 
 
 def _f16_bytes(v: np.ndarray) -> np.ndarray:
@@ -342,6 +374,26 @@ def _quantize_simple(x: np.ndarray, t: GGMLType) -> np.ndarray:
         if t == GGMLType.Q5_K:
             hb = ((q >> 4) & 1) << np.arange(8)[None, :, None]  # [n][8][32]: bit s of qh[l]
             out[:, 16:48] = hb.sum(axis=1).astype(np.uint8)
+        return out.reshape(-1)
+    if t == GGMLType.Q3_K:  # 16 sub-blocks of 16, q in -4..3, scales sc - 32 in -32..31
+        sub = b.reshape(n, 16, 16)
+        idx = np.abs(sub).argmax(axis=2)
+        scale = np.take_along_axis(sub, idx[:, :, None], axis=2)[:, :, 0] / np.float32(-4)
+        d = f16(np.abs(scale).max(axis=1) / np.float32(31))
+        sc = _round_clip(scale * _inverse(d)[:, None], -32, 31)
+        eff = (d[:, None] * sc).astype(np.float32)
+        u = (_round_clip(sub * _inverse(eff.reshape(-1)).reshape(n, 16)[:, :, None], -4, 3) + 4).reshape(n, 2, 4, 32)
+        for h in range(2):
+            for k in range(4):
+                out[:, 32 + 32 * h:64 + 32 * h] |= ((u[:, h, k] & 3) << (2 * k)).astype(np.uint8)
+                out[:, 0:32] |= ((u[:, h, k] >> 2) << (4 * h + k)).astype(np.uint8)
+        sc6 = sc + 32
+        s12 = np.zeros((n, 12), np.int32)
+        s12[:, 0:8] = (sc6[:, 0:8] & 15) | ((sc6[:, 8:16] & 15) << 4)
+        for i in range(16):
+            s12[:, 8 + i % 4] |= (sc6[:, i] >> 4) << (2 * (i // 4))
+        out[:, 96:108] = s12.astype(np.uint8)
+        out[:, 108:110] = _f16_bytes(d)
         return out.reshape(-1)
     # Q6_K: 16 sub-blocks of 16, signed scales
     sub = b.reshape(n, 16, 16)

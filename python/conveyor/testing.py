@@ -804,7 +804,7 @@ def write_gguf_checkpoint(path, *, shape="tiny", arch: str | None = None, ggml_t
     w.add("general.architecture", arch)
     w.add("general.name", f"conveyor-random-{arch}-{mat_type.name.lower()}")
     w.add("general.file_type", {GGMLType.F32: 0, GGMLType.F16: 1, GGMLType.Q4_0: 2, GGMLType.Q4_1: 3,
-                                GGMLType.Q8_0: 7, GGMLType.Q5_0: 8, GGMLType.Q5_1: 9, GGMLType.Q4_K: 15,
+                                GGMLType.Q8_0: 7, GGMLType.Q5_0: 8, GGMLType.Q5_1: 9, GGMLType.Q3_K: 12, GGMLType.Q4_K: 15,
                                 GGMLType.Q5_K: 17, GGMLType.Q6_K: 18, GGMLType.BF16: 32}[mat_type], U32)
     w.add(f"{arch}.context_length", int(context_length or s["max_pos"]), U32)
     w.add(f"{arch}.embedding_length", dim, U32)
