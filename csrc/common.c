@@ -68,6 +68,14 @@ const char *cv_dtype_name(cv_dtype t) {
     case CV_Q8_0: return "q8_0";
     case CV_Q4_0: return "q4_0";
     case CV_Q4_1: return "q4_1";
+    case CV_Q5_0: return "q5_0";
+    case CV_Q5_1: return "q5_1";
+    case CV_Q4_K: return "q4_k";
+    case CV_Q5_K: return "q5_k";
+    case CV_Q6_K: return "q6_k";
+    case CV_Q3_K: return "q3_k";
+    case CV_Q4_F: return "q4_f32";
+    case CV_Q8_F: return "q8_f32";
     default: return "invalid";
     }
 }
@@ -125,8 +133,10 @@ void cv_convert_to_f32(float *dst, const void *src, cv_dtype st, size_t n) {
     case CV_F16: { const uint16_t *s = src; for (i = 0; i < n; i++) dst[i] = cv_f16_to_f32(s[i]); } break;
     case CV_BF16: { const uint16_t *s = src; for (i = 0; i < n; i++) dst[i] = cv_bf16_to_f32(s[i]); } break;
     case CV_F64: { const double *s = src; for (i = 0; i < n; i++) dst[i] = (float)s[i]; } break;
-    case CV_Q8_0: case CV_Q4_0: case CV_Q4_1: cv_dequantize(dst, src, st, n); break;
-    default: memset(dst, 0, n * 4); break;
+    default:
+        if (cv_dtype_is_quant(st)) cv_dequantize(dst, src, st, n);
+        else memset(dst, 0, n * 4);
+        break;
     }
 }
 

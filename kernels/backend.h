@@ -71,6 +71,8 @@ typedef struct cv_attn_batch {
     int64_t max_context_len;     /* max over context_lens (sizing hint) */
     int64_t n_heads, n_kv_heads, head_dim;
     float scale;                 /* usually 1/sqrt(head_dim) */
+    int64_t window;              /* sliding window: 0 none, else a query at position p
+                                    sees only the keys at positions p - window + 1 .. p */
 } cv_attn_batch;
 
 struct cv_backend {
@@ -119,6 +121,19 @@ struct cv_backend {
     void (*paged_attention)(cv_backend *b, float *out, const float *q, int64_t q_stride,
                             const cv_kv_layer *cache, const cv_attn_batch *batch);
 
+    /* --- the extra kernels of Qwen3 and Gemma 3 (NULL where a backend lacks
+     * them: the model loader then refuses those architectures) ------------ */
+    /* In place, for each of n rows of x (row stride x_stride floats), each of
+     * its n_heads heads of head_dim floats = rmsnorm(head) * weight[head_dim]. */
+    void (*head_rmsnorm)(cv_backend *b, float *x, int64_t x_stride, int64_t n_heads, int64_t n,
+                         int64_t head_dim, const float *weight, float eps);
+    /* x[n][dim] += rmsnorm(y) * weight; y is overwritten (with the normed rows). */
+    void (*add_rmsnorm)(cv_backend *b, float *x, float *y, const float *weight, int64_t n, int64_t dim,
+                        float eps);
+    /* out[n][dim] = gelu_tanh(gate) * up, gu as for swiglu. */
+    void (*geglu)(cv_backend *b, float *out, const float *gu, int64_t n, int64_t dim);
+    /* x[n] *= s */
+    void (*scale)(cv_backend *b, float *x, int64_t n, float s);
     /* --- fused kernels: one pass where the unfused sequence in each comment
      * takes two, with the same results bit for bit. NULL where a backend has
      * none: the caller then runs that sequence. ---------------------------- */

@@ -61,6 +61,18 @@ typedef enum cv_dtype {
     CV_Q8_0 = 6,
     CV_Q4_0 = 7,
     CV_Q4_1 = 8,
+    /* GGUF's other block formats, as stored in files (Q5_*: 32 elements a
+     * block; K-quants: super-blocks of 256) */
+    CV_Q5_0 = 9,
+    CV_Q5_1 = 10,
+    CV_Q4_K = 11,
+    CV_Q5_K = 12,
+    CV_Q6_K = 13,
+    CV_Q3_K = 14,
+    /* the CPU kernels' exact repackings of those, 32 elements a block with
+     * float32 scales (quant_format.h) */
+    CV_Q4_F = 15,
+    CV_Q8_F = 16,
     CV_DTYPE_INVALID = -1
 } cv_dtype;
 

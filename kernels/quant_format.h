@@ -1,5 +1,7 @@
-/* Block-quantized weight formats (GGUF's Q8_0, Q4_0, Q4_1): the block
- * layouts and the scalar quantizers and dequantizers.
+/* Block-quantized weight formats: GGUF's Q8_0, Q4_0, Q4_1 (quantized here
+ * too), Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K (read from files), and the two exact
+ * repackings the CPU kernels compute the latter in; the block layouts, the
+ * scalar dequantizers and the quantizers.
  *
  * Header-only so that the CPU backend, the model loader and the CUDA backend
  * (a separate library that dequantizes at load) share one definition. Every
@@ -23,6 +25,87 @@
 
 #define CV_QK 32 /* elements per block */
 
+/* K-quant super-blocks: 256 elements, 8 sub-blocks of 32 (Q4_K, Q5_K) or
+ * 16 of 16 (Q6_K). Q4_K/Q5_K's 12 scale bytes hold eight 6-bit scales sc
+ * and eight 6-bit mins mn (cv_kq_scale_min); sub-block s is
+ *   x = (d * sc_s) * q - (dmin * mn_s)
+ * with q 4 bits (Q4_K: sub-blocks 2c and 2c+1 are the low and high nibbles
+ * of qs[32c..32c+31]) or 5 (Q5_K: the same nibbles plus bit 2c / 2c+1 of
+ * qh[l] as the fifth bit). Q6_K's element 128h + 32k + l (h half, k 0..3,
+ * l 0..31) takes 4 bits from ql[64h + l + 32(k&1)] (low nibble for k < 2,
+ * high else) and 2 from qh[32h + l] (bits 2k, 2k+1):
+ *   x = d * sc[8h + 2k + l/16] * (q - 32), sc signed 8-bit.
+ * Q3_K: 16 sub-blocks of 16 with 6-bit scales sc (low 4 bits: byte i of
+ * scales[0..7] for i < 8, else the high nibble of byte i - 8; top 2 bits:
+ * bits 2(i/4), +1 of scales[8 + i%4]); element 128h + 32k + l takes 2 bits
+ * (2k, 2k+1) of qs[32h + l] and one of hmask[l] (bit 4h + k; clear means
+ * minus 4):  x = d * (sc[8h + 2k + l/16] - 32) * q, q in -4..3. */
+#define CV_QK_K 256
+
+typedef struct cv_block_q5_0 {
+    uint16_t d;
+    uint8_t qh[4];          /* bit j: the fifth bit of element j */
+    uint8_t qs[CV_QK / 2];  /* Q4_0's nibble order */
+} cv_block_q5_0;            /* x = d * (q - 16) */
+
+typedef struct cv_block_q5_1 {
+    uint16_t d, m;
+    uint8_t qh[4];
+    uint8_t qs[CV_QK / 2];
+} cv_block_q5_1;            /* x = d * q + m */
+
+typedef struct cv_block_q4_k {
+    uint16_t d, dmin;
+    uint8_t scales[12];
+    uint8_t qs[CV_QK_K / 2];
+} cv_block_q4_k;
+
+typedef struct cv_block_q5_k {
+    uint16_t d, dmin;
+    uint8_t scales[12];
+    uint8_t qh[CV_QK_K / 8];
+    uint8_t qs[CV_QK_K / 2];
+} cv_block_q5_k;
+
+typedef struct cv_block_q3_k {
+    uint8_t hmask[CV_QK_K / 8];
+    uint8_t qs[CV_QK_K / 4];
+    uint8_t scales[12];
+    uint16_t d;
+} cv_block_q3_k;
+
+typedef struct cv_block_q6_k {
+    uint8_t ql[CV_QK_K / 2];
+    uint8_t qh[CV_QK_K / 4];
+    int8_t scales[CV_QK_K / 16];
+    uint16_t d;
+} cv_block_q6_k;
+
+/* The repackings (CPU only, never in files). A K-quant sub-block's scale
+ * d * sc and min dmin * mn are exact in float32 (11-bit half mantissas
+ * times 6- or 8-bit integers: at most 19 significant bits), and so is each
+ * product scale * q (at most 24 bits). Keeping those products as float32
+ * gives every block the form x = scale * q + min with small integers q:
+ *   Q4_F  d, m (float32), u8 qs[16] in Q4_0's nibble order    x = d * q + m
+ *         (Q4_K: the 4-bit sub-blocks, m = -(dmin * mn))
+ *   Q8_F  d[2], m (float32), int8 q[32]       x = d[j / 16] * q_j (+ m)
+ *         (every other format: Q5_0 q - 16, Q6_K q - 32 and Q3_K's -4..3
+ *         with a scale per 16, Q5_1/Q5_K q with their min; m = 0 where the
+ *         format has none)
+ * The dequantized values are the same floats as the format's own
+ * (cv_dequantize computes both the same way); the GEMM's integer dot
+ * products are exact, so only its float32 scaling and summation differ
+ * from a dot over the dequantized values. */
+typedef struct cv_block_q4_f {
+    float d, m;
+    uint8_t qs[CV_QK / 2];
+} cv_block_q4_f;
+
+typedef struct cv_block_q8_f {
+    float d[2], m;
+    int8_t qs[CV_QK];
+} cv_block_q8_f;
+
 typedef struct cv_block_q8_0 {
     uint16_t d;
     int8_t qs[CV_QK];
@@ -42,21 +125,53 @@ typedef struct cv_block_q4_1 {
 typedef char cv_q8_0_is_34_bytes[sizeof(cv_block_q8_0) == 34 ? 1 : -1];
 typedef char cv_q4_0_is_18_bytes[sizeof(cv_block_q4_0) == 18 ? 1 : -1];
 typedef char cv_q4_1_is_20_bytes[sizeof(cv_block_q4_1) == 20 ? 1 : -1];
+typedef char cv_q5_0_is_22_bytes[sizeof(cv_block_q5_0) == 22 ? 1 : -1];
+typedef char cv_q5_1_is_24_bytes[sizeof(cv_block_q5_1) == 24 ? 1 : -1];
+typedef char cv_q4_k_is_144_bytes[sizeof(cv_block_q4_k) == 144 ? 1 : -1];
+typedef char cv_q5_k_is_176_bytes[sizeof(cv_block_q5_k) == 176 ? 1 : -1];
+typedef char cv_q3_k_is_110_bytes[sizeof(cv_block_q3_k) == 110 ? 1 : -1];
+typedef char cv_q6_k_is_210_bytes[sizeof(cv_block_q6_k) == 210 ? 1 : -1];
 
-static inline int cv_dtype_is_quant(cv_dtype t) { return t == CV_Q8_0 || t == CV_Q4_0 || t == CV_Q4_1; }
+static inline int cv_dtype_is_quant(cv_dtype t) { return t >= CV_Q8_0 && t <= CV_Q8_F; }
+
+/* The types cv_quantize makes (quantization at load). */
+static inline int cv_dtype_can_quantize(cv_dtype t) { return t == CV_Q8_0 || t == CV_Q4_0 || t == CV_Q4_1; }
+
+/* Elements of one block (0 for a type that is not block-quantized). */
+static inline size_t cv_quant_block_elems(cv_dtype t) {
+    return t == CV_Q3_K || t == CV_Q4_K || t == CV_Q5_K || t == CV_Q6_K ? CV_QK_K : cv_dtype_is_quant(t) ? CV_QK : 0;
+}
 
 /* Bytes of one block (0 for a type that is not block-quantized). */
 static inline size_t cv_quant_block_bytes(cv_dtype t) {
-    return t == CV_Q8_0 ? sizeof(cv_block_q8_0)
-         : t == CV_Q4_0 ? sizeof(cv_block_q4_0)
-         : t == CV_Q4_1 ? sizeof(cv_block_q4_1) : 0;
+    switch (t) {
+    case CV_Q8_0: return sizeof(cv_block_q8_0);
+    case CV_Q4_0: return sizeof(cv_block_q4_0);
+    case CV_Q4_1: return sizeof(cv_block_q4_1);
+    case CV_Q5_0: return sizeof(cv_block_q5_0);
+    case CV_Q5_1: return sizeof(cv_block_q5_1);
+    case CV_Q4_K: return sizeof(cv_block_q4_k);
+    case CV_Q5_K: return sizeof(cv_block_q5_k);
+    case CV_Q6_K: return sizeof(cv_block_q6_k);
+    case CV_Q3_K: return sizeof(cv_block_q3_k);
+    case CV_Q4_F: return sizeof(cv_block_q4_f);
+    case CV_Q8_F: return sizeof(cv_block_q8_f);
+    default: return 0;
+    }
 }
 
-/* Bytes of n elements of any weight dtype (n a multiple of CV_QK for the
- * quantized ones); 0 on overflow or an unknown dtype. */
+/* The type the CPU kernels compute a stored type in: Q8_0, Q4_0, Q4_1 and
+ * the repackings as they are, Q4_K as Q4_F, the others as Q8_F. */
+static inline cv_dtype cv_quant_compute_type(cv_dtype t) {
+    return t == CV_Q4_K ? CV_Q4_F
+         : t == CV_Q5_0 || t == CV_Q5_1 || t == CV_Q5_K || t == CV_Q6_K || t == CV_Q3_K ? CV_Q8_F : t;
+}
+
+/* Bytes of n elements of any weight dtype (n a multiple of the block for
+ * the quantized ones); 0 on overflow or an unknown dtype. */
 static inline size_t cv_dtype_bytes(cv_dtype t, size_t n) {
     size_t unit = cv_dtype_is_quant(t) ? cv_quant_block_bytes(t) : cv_dtype_size(t);
-    size_t count = cv_dtype_is_quant(t) ? n / CV_QK : n;
+    size_t count = cv_dtype_is_quant(t) ? n / cv_quant_block_elems(t) : n;
     if (unit == 0 || (count != 0 && unit > SIZE_MAX / count)) return 0;
     return count * unit;
 }
@@ -104,34 +219,213 @@ static inline uint16_t cv_qh_from_f32(float f) {
 
 /* ---- dequantize ------------------------------------------------------------ */
 
-/* dst[n] = the n elements (a multiple of CV_QK) stored at src in type t. */
+/* Sub-block j's 6-bit scale and min from Q4_K/Q5_K's 12 scale bytes: the
+ * first four pairs are the low 6 bits of bytes 0..3 and 4..7; the last four
+ * take their low 4 bits from bytes 8..11 and their top 2 from the top bits
+ * of bytes 0..3 (scales) and 4..7 (mins). */
+static inline void cv_kq_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0xf) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* Block i (of 32 elements) of a row stored in type t as integers q with
+ * x_j = d[j / 16] * q_j + m (*has_min: 0 where the format has no min, and
+ * then x_j = d[j / 16] * q_j exactly as the format computes it, so that a
+ * zero keeps its sign). For every format these are the same float32
+ * operations as the format's own dequantization, hence the same values. */
+static inline void cv_quant_block32(const void *src, cv_dtype t, size_t i, int q[CV_QK], float d[2], float *m,
+                                    int *has_min) {
+    *m = 0.0f;
+    *has_min = 0;
+    switch (t) {
+    case CV_Q8_0: {
+        const cv_block_q8_0 *b = (const cv_block_q8_0 *)src + i;
+        d[0] = d[1] = cv_qh_to_f32(b->d);
+        for (int j = 0; j < CV_QK; j++) q[j] = b->qs[j];
+        break;
+    }
+    case CV_Q4_0: {
+        const cv_block_q4_0 *b = (const cv_block_q4_0 *)src + i;
+        d[0] = d[1] = cv_qh_to_f32(b->d);
+        for (int j = 0; j < CV_QK / 2; j++) {
+            q[j] = (b->qs[j] & 0xf) - 8;
+            q[j + CV_QK / 2] = (b->qs[j] >> 4) - 8;
+        }
+        break;
+    }
+    case CV_Q4_1: {
+        const cv_block_q4_1 *b = (const cv_block_q4_1 *)src + i;
+        d[0] = d[1] = cv_qh_to_f32(b->d);
+        *m = cv_qh_to_f32(b->m);
+        *has_min = 1;
+        for (int j = 0; j < CV_QK / 2; j++) {
+            q[j] = b->qs[j] & 0xf;
+            q[j + CV_QK / 2] = b->qs[j] >> 4;
+        }
+        break;
+    }
+    case CV_Q5_0:
+    case CV_Q5_1: {
+        const uint8_t *qh, *qs;
+        if (t == CV_Q5_0) {
+            const cv_block_q5_0 *b = (const cv_block_q5_0 *)src + i;
+            d[0] = d[1] = cv_qh_to_f32(b->d);
+            qh = b->qh;
+            qs = b->qs;
+        } else {
+            const cv_block_q5_1 *b = (const cv_block_q5_1 *)src + i;
+            d[0] = d[1] = cv_qh_to_f32(b->d);
+            *m = cv_qh_to_f32(b->m);
+            *has_min = 1;
+            qh = b->qh;
+            qs = b->qs;
+        }
+        const uint32_t h = (uint32_t)qh[0] | (uint32_t)qh[1] << 8 | (uint32_t)qh[2] << 16 | (uint32_t)qh[3] << 24;
+        const int off = t == CV_Q5_0 ? 16 : 0;
+        for (int j = 0; j < CV_QK / 2; j++) {
+            q[j] = ((qs[j] & 0xf) | (int)((h >> j) & 1) << 4) - off;
+            q[j + CV_QK / 2] = ((qs[j] >> 4) | (int)((h >> (j + 16)) & 1) << 4) - off;
+        }
+        break;
+    }
+    case CV_Q4_K:
+    case CV_Q5_K: {
+        const size_t sb = i / 8;
+        const int s = (int)(i % 8), c = s / 2, shift = (s & 1) * 4;
+        const uint16_t *dd;
+        const uint8_t *scales, *qs, *qh = NULL;
+        if (t == CV_Q4_K) {
+            const cv_block_q4_k *b = (const cv_block_q4_k *)src + sb;
+            dd = &b->d;
+            scales = b->scales;
+            qs = b->qs;
+        } else {
+            const cv_block_q5_k *b = (const cv_block_q5_k *)src + sb;
+            dd = &b->d;
+            scales = b->scales;
+            qs = b->qs;
+            qh = b->qh;
+        }
+        uint16_t dh, dminh;
+        memcpy(&dh, dd, 2);
+        memcpy(&dminh, dd + 1, 2);
+        int sc, mn;
+        cv_kq_scale_min(scales, s, &sc, &mn);
+        d[0] = d[1] = cv_qh_to_f32(dh) * (float)sc; /* exact */
+        *m = -(cv_qh_to_f32(dminh) * (float)mn);     /* exact */
+        *has_min = 1;
+        for (int l = 0; l < CV_QK; l++) {
+            q[l] = (qs[32 * c + l] >> shift) & 0xf;
+            if (qh) q[l] |= ((qh[l] >> s) & 1) << 4;
+        }
+        break;
+    }
+    case CV_Q6_K: {
+        const cv_block_q6_k *b = (const cv_block_q6_k *)src + i / 8;
+        const int s = (int)(i % 8), h = s / 4, k = s % 4; /* elements 128h + 32k + l */
+        uint16_t dh;
+        memcpy(&dh, &b->d, 2);
+        const float sd = cv_qh_to_f32(dh);
+        d[0] = sd * (float)b->scales[8 * h + 2 * k];     /* exact */
+        d[1] = sd * (float)b->scales[8 * h + 2 * k + 1];
+        const uint8_t *ql = b->ql + 64 * h + 32 * (k & 1), *qh = b->qh + 32 * h;
+        for (int l = 0; l < CV_QK; l++) {
+            const int lo = k < 2 ? ql[l] & 0xf : ql[l] >> 4;
+            q[l] = (lo | ((qh[l] >> (2 * k)) & 3) << 4) - 32;
+        }
+        break;
+    }
+    case CV_Q3_K: {
+        const cv_block_q3_k *b = (const cv_block_q3_k *)src + i / 8;
+        const int s = (int)(i % 8), h = s / 4, k = s % 4; /* elements 128h + 32k + l */
+        uint16_t dh;
+        memcpy(&dh, &b->d, 2);
+        const float sd = cv_qh_to_f32(dh);
+        for (int half = 0; half < 2; half++) {
+            const int si = 8 * h + 2 * k + half; /* the 6-bit scale of this 16 */
+            const int lo = si < 8 ? b->scales[si] & 0xf : b->scales[si - 8] >> 4;
+            const int hi = (b->scales[8 + si % 4] >> (2 * (si / 4))) & 3;
+            d[half] = sd * (float)((lo | hi << 4) - 32); /* exact */
+        }
+        const uint8_t *qs = b->qs + 32 * h;
+        for (int l = 0; l < CV_QK; l++)
+            q[l] = ((qs[l] >> (2 * k)) & 3) - ((b->hmask[l] >> (4 * h + k)) & 1 ? 0 : 4);
+        break;
+    }
+    case CV_Q4_F: {
+        const cv_block_q4_f *b = (const cv_block_q4_f *)src + i;
+        d[0] = d[1] = b->d;
+        *m = b->m;
+        *has_min = 1;
+        for (int j = 0; j < CV_QK / 2; j++) {
+            q[j] = b->qs[j] & 0xf;
+            q[j + CV_QK / 2] = b->qs[j] >> 4;
+        }
+        break;
+    }
+    case CV_Q8_F: {
+        const cv_block_q8_f *b = (const cv_block_q8_f *)src + i;
+        d[0] = b->d[0];
+        d[1] = b->d[1];
+        *m = b->m;
+        *has_min = 1;
+        for (int j = 0; j < CV_QK; j++) q[j] = b->qs[j];
+        break;
+    }
+    default:
+        d[0] = d[1] = 0.0f;
+        for (int j = 0; j < CV_QK; j++) q[j] = 0;
+        break;
+    }
+}
+
+/* dst[n] = the n elements (a multiple of the type's block) stored at src in type t. */
 static inline void cv_dequantize(float *dst, const void *src, cv_dtype t, size_t n) {
-    const size_t nb = n / CV_QK;
-    if (t == CV_Q8_0) {
-        const cv_block_q8_0 *b = (const cv_block_q8_0 *)src;
-        for (size_t i = 0; i < nb; i++) {
-            const float d = cv_qh_to_f32(b[i].d);
-            for (int j = 0; j < CV_QK; j++) dst[i * CV_QK + j] = d * (float)b[i].qs[j];
-        }
-    } else if (t == CV_Q4_0) {
-        const cv_block_q4_0 *b = (const cv_block_q4_0 *)src;
-        for (size_t i = 0; i < nb; i++) {
-            const float d = cv_qh_to_f32(b[i].d);
-            for (int j = 0; j < CV_QK / 2; j++) {
-                dst[i * CV_QK + j] = d * (float)((b[i].qs[j] & 0xf) - 8);
-                dst[i * CV_QK + j + CV_QK / 2] = d * (float)((b[i].qs[j] >> 4) - 8);
-            }
-        }
-    } else if (t == CV_Q4_1) {
-        const cv_block_q4_1 *b = (const cv_block_q4_1 *)src;
-        for (size_t i = 0; i < nb; i++) {
-            const float d = cv_qh_to_f32(b[i].d), m = cv_qh_to_f32(b[i].m);
-            for (int j = 0; j < CV_QK / 2; j++) {
-                dst[i * CV_QK + j] = d * (float)(b[i].qs[j] & 0xf) + m;
-                dst[i * CV_QK + j + CV_QK / 2] = d * (float)(b[i].qs[j] >> 4) + m;
-            }
+    int q[CV_QK], has_min;
+    float d[2], m;
+    for (size_t i = 0; i < n / CV_QK; i++) {
+        cv_quant_block32(src, t, i, q, d, &m, &has_min);
+        float *y = dst + i * CV_QK;
+        if (has_min)
+            for (int j = 0; j < CV_QK; j++) y[j] = d[j / 16] * (float)q[j] + m;
+        else
+            for (int j = 0; j < CV_QK; j++) y[j] = d[j / 16] * (float)q[j];
+    }
+}
+
+/* Repacks n elements (a multiple of the source's block) of a row stored in
+ * type src_t into dst_t = cv_quant_compute_type(src_t), or into Q8_F from
+ * any quantized type (every format's blocks fit it exactly: |q| <= 128,
+ * scales and mins as above). Returns 0 when dst_t cannot hold src_t. */
+static inline int cv_quant_repack(void *dst, cv_dtype dst_t, const void *src, cv_dtype src_t, size_t n) {
+    if (!cv_dtype_is_quant(src_t) || (dst_t != CV_Q8_F && dst_t != cv_quant_compute_type(src_t))) return 0;
+    if (dst_t == src_t) {
+        memcpy(dst, src, cv_dtype_bytes(src_t, n));
+        return 1;
+    }
+    int q[CV_QK], has_min;
+    float d[2], m;
+    for (size_t i = 0; i < n / CV_QK; i++) {
+        cv_quant_block32(src, src_t, i, q, d, &m, &has_min);
+        if (dst_t == CV_Q4_F) { /* from Q4_K: q in 0..15 */
+            cv_block_q4_f *b = (cv_block_q4_f *)dst + i;
+            b->d = d[0];
+            b->m = m;
+            for (int j = 0; j < CV_QK / 2; j++) b->qs[j] = (uint8_t)(q[j] | q[j + CV_QK / 2] << 4);
+        } else {
+            cv_block_q8_f *b = (cv_block_q8_f *)dst + i;
+            b->d[0] = d[0];
+            b->d[1] = d[1];
+            b->m = m;
+            for (int j = 0; j < CV_QK; j++) b->qs[j] = (int8_t)q[j];
         }
     }
+    return 1;
 }
 
 /* ---- quantize (ggml reference rounding) ------------------------------------- */

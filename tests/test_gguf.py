@@ -47,7 +47,15 @@ GRID = [
     ("llama-q4_0-tied", dict(dim=128, hidden_dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=288), "llama", "Q4_0", "Q8_0", True),
     ("llama-q4_1-smollm-like", dict(dim=96, hidden_dim=256, n_layers=3, n_heads=3, n_kv_heads=1, vocab_size=320), "llama", "Q4_1", "Q8_0", True),
     ("qwen2-q4_1-untied", dict(dim=64, hidden_dim=176, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=264), "qwen2", "Q4_1", "Q4_1", False),
+    # K-quant and Q5 files: rows of whole 256-element super-blocks
+    ("llama-q4_k-tied", dict(dim=256, hidden_dim=512, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=264), "llama", "Q4_K", "Q6_K", True),
+    ("llama-q5_k", dict(dim=256, hidden_dim=512, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=264), "llama", "Q5_K", "Q8_0", False),
+    ("qwen2-q5_0-q5_1", dict(dim=128, hidden_dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=264), "qwen2", "Q5_0", "Q5_1", False),
+    ("llama-q3_k", dict(dim=256, hidden_dim=512, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=264), "llama", "Q3_K", "Q6_K", False),
 ]
+# A Q4_K_M-like mix: stacked q/k/v and gate/up of different types (computed as Q8_F)
+MIXED_TYPES = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q4_K",
+               "ffn_gate": "Q4_K", "ffn_up": "Q5_K", "ffn_down": "Q6_K"}
 
 
 def rel_err(got, ref) -> float:
@@ -81,7 +89,23 @@ def models(tmp_path_factory):
     for gid, shape, arch, t, et, tied in GRID:
         out[gid] = write_gguf_checkpoint(d / f"{gid}.gguf", shape=shape, arch=arch, ggml_type=t, embed_type=et,
                                          tie_embeddings=tied, seed=len(out))
+    out["llama-k-mix"] = write_gguf_checkpoint(
+        d / "k-mix.gguf", shape=dict(dim=256, hidden_dim=512, n_layers=2, n_heads=4, n_kv_heads=1, vocab_size=264),
+        ggml_type="Q4_K", embed_type="Q8_0", tie_embeddings=True, tensor_types=MIXED_TYPES, seed=9)
     return out
+
+
+def test_k_quant_mix_matches_reference(models):
+    """A file like a downloaded Q4_K_M one: every stacked matrix mixes types."""
+    from conveyor.gguf import GGUFReader
+
+    path = models["llama-k-mix"]
+    kinds = {i.ggml_type.name for i in GGUFReader(path).tensors.values()}
+    assert {"Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"} <= kinds
+    tokens = [int(x) for x in np.random.default_rng(2).integers(0, 264, 29)]
+    got, ref = all_logits(path, tokens), ReferenceModel.load(path).logits(tokens)
+    assert rel_err(got, ref) < QUANT_TOL and rms_err(got, ref) < QUANT_RMS_TOL
+    assert (got.argmax(axis=1) == ref.argmax(axis=1)).mean() >= 0.85
 
 
 @pytest.mark.parametrize("case", GRID, ids=[g[0] for g in GRID])
@@ -303,6 +327,13 @@ def _tensors(drop=(), shapes=None, types=None):
     return out
 
 
+def _default_kvs(arch="llama"):
+    return [_str("general.architecture", arch), _u32(f"{arch}.embedding_length", DIM),
+            _u32(f"{arch}.feed_forward_length", HID), _u32(f"{arch}.block_count", 1),
+            _u32(f"{arch}.attention.head_count", 2), _u32(f"{arch}.context_length", 64),
+            _f32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)]
+
+
 def tiny_gguf(*, magic=b"GGUF", version=3, kvs=None, tensors=None, offsets=None, n_tensors=None, n_kvs=None,
               alignment=32) -> bytes:
     """A one-layer llama GGUF built byte by byte (F32 tensors)."""
@@ -342,7 +373,9 @@ BAD = [
      "claims 1000000000000000 bytes"),
     ("unknown-value-type", dict(kvs=[_kv("general.architecture", 77, b"")]), "unknown value type 77"),
     ("unknown-tensor-type", dict(tensors=_tensors(types={"blk.0.attn_q.weight": 99})), "unknown tensor type 99"),
-    ("unsupported-tensor-type", dict(tensors=_tensors(types={"blk.0.attn_q.weight": 12})), "Q4_K"),
+    ("unsupported-tensor-type", dict(tensors=_tensors(types={"blk.0.attn_q.weight": 10})), "Q2_K"),
+    ("k-quant-rows-not-whole-super-blocks", dict(tensors=_tensors(types={"blk.0.attn_q.weight": 12})),
+     "'blk.0.attn_q.weight' of type Q4_K has rows of .* not a multiple of the block size 256"),
     ("misaligned-data", dict(offsets={3: 4}), "not a multiple of the alignment"),
     ("data-past-end", dict(offsets={3: 1 << 40}), "runs past the end"),
     ("missing-tensor", dict(tensors=_tensors(drop=("blk.0.ffn_up.weight",))), "'blk.0.ffn_up.weight' is missing"),
@@ -352,14 +385,20 @@ BAD = [
     ("duplicate-key", dict(kvs=[_str("general.architecture", "llama")] * 2), "appears twice"),
     ("bad-alignment", dict(kvs=[_u32("general.alignment", 3)]), "general.alignment"),
     ("nested-array", dict(kvs=[_kv("x.a", 9, struct.pack("<IQ", 9, 1))]), "array of arrays"),
+    ("unread-arch-key", dict(kvs=_default_kvs() + [_u32("llama.expert_count", 8)]),
+     "metadata 'llama.expert_count' is not supported for llama"),
+    ("gemma3-window-not-integer", dict(kvs=_default_kvs("gemma3") + [_str("gemma3.attention.sliding_window", "512")]),
+     "'gemma3.attention.sliding_window' must be an integer"),
+    ("gemma3-missing-qk-norm", dict(kvs=_default_kvs("gemma3")), "tensor 'blk.0.attn_q_norm.weight' is missing"),
 ]
+UNSUPPORTED = ("nested-array", "unsupported-tensor-type", "unread-arch-key")
 
 
 @pytest.mark.parametrize("name,kw,msg", BAD, ids=[b[0] for b in BAD])
 def test_bad_files_raise_clear_errors(tmp_path, name, kw, msg):
     p = tmp_path / f"{name}.gguf"
     p.write_bytes(tiny_gguf(**kw))
-    exc = conveyor.UnsupportedError if name in ("nested-array", "unsupported-tensor-type") else conveyor.ModelFormatError
+    exc = conveyor.UnsupportedError if name in UNSUPPORTED else conveyor.ModelFormatError
     with pytest.raises(exc, match=msg):
         Checkpoint(p)
     with pytest.raises(exc, match=msg):
@@ -414,6 +453,28 @@ def test_conveyor_info_on_gguf(models, capsys):
     info = json.loads(capsys.readouterr().out)
     total = sum(r.nbytes for r in GGUFReader(path).tensors.values())
     assert info["weight_bytes"] == total and info["chat_template"] is True and info["tokenizer"] == "gpt2"
+
+
+def test_conveyor_info_lists_each_tensor_type(models, capsys):
+    """A K-quant mix: each type's tensor count and bytes, summing to the file's tensor bytes."""
+    from conveyor.cli import main
+
+    path = models["llama-k-mix"]
+    assert main(["info", str(path), "--json"]) == 0
+    import json
+
+    info = json.loads(capsys.readouterr().out)
+    want_n, want_b = {}, {}
+    for r in GGUFReader(path).tensors.values():
+        name = r.ggml_type.name.lower().replace("f32", "float32")
+        want_n[name] = want_n.get(name, 0) + 1
+        want_b[name] = want_b.get(name, 0) + r.nbytes
+    assert info["tensor_dtypes"] == want_n and info["tensor_dtype_bytes"] == want_b
+    assert {"q5_0", "q4_k", "q5_k", "q6_k", "q8_0"} <= set(want_n)
+    assert main(["info", str(path)]) == 0
+    out = capsys.readouterr().out
+    for name in want_n:
+        assert f"{want_n[name]:>5} tensors {want_b[name]:>14,} bytes" in out, name
 
 
 def test_linear_rope_scaling(tmp_path):

@@ -406,7 +406,7 @@ def make_attention_case(r, *, n_seqs, nkv, G, hd, bs, cdt, max_prefix=40, max_ne
                 nkv=nkv, G=G, hd=hd, bs=bs, cdt=cdt)
 
 
-def attention_ref(c, scale):
+def attention_ref(c, scale, window=0):
     kf, vf = from_cache_array(c["kc"], c["cdt"]), from_cache_array(c["vc"], c["cdt"])
     q, bs, G = c["q"].astype(np.float64), c["bs"], c["G"]
     out = np.zeros((q.shape[0], q.shape[1] * q.shape[2]))
@@ -418,18 +418,19 @@ def attention_ref(c, scale):
         V = vf[blocks, :, idx % bs, :]
         for j in range(nq):
             p = L - nq + j
+            lo = max(0, p - window + 1) if window else 0  # a sliding window: the last `window` positions
             for h in range(q.shape[1]):
-                sc = K[: p + 1, h // G, :] @ q[q0 + j, h] * scale
+                sc = K[lo: p + 1, h // G, :] @ q[q0 + j, h] * scale
                 w = np.exp(sc - sc.max())
                 w /= w.sum()
-                out[q0 + j, h * c["hd"]:(h + 1) * c["hd"]] = w @ V[: p + 1, h // G, :]
+                out[q0 + j, h * c["hd"]:(h + 1) * c["hd"]] = w @ V[lo: p + 1, h // G, :]
     return out
 
 
-def run_attention(c, impl, threads=0, scale=None):
+def run_attention(c, impl, threads=0, scale=None, window=0):
     return core.kernel_paged_attention(
         c["q"], c["kc"], c["vc"], c["tables"], c["ctx"], c["qs"], scale=scale,
-        cache_dtype=c["cdt"] if c["cdt"] == "bfloat16" else None, impl=impl, threads=threads)
+        cache_dtype=c["cdt"] if c["cdt"] == "bfloat16" else None, impl=impl, threads=threads, window=window)
 
 
 ATT_CASES = [  # (n_seqs, nkv, G, hd, bs)
@@ -455,6 +456,27 @@ def test_paged_attention_matches_dense(cdt, n_seqs, nkv, G, hd, bs):
         assert o.shape == ref.shape
         np.testing.assert_allclose(o, ref, rtol=1e-4, atol=2e-5, err_msg=impl)
     np.testing.assert_allclose(outs["simd"], outs["plain"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 3, 8, 33])
+@pytest.mark.parametrize("n_seqs,nkv,G,hd,bs", ATT_CASES[:6])
+def test_paged_attention_sliding_window(window, n_seqs, nkv, G, hd, bs):
+    """Gemma 3's local layers: window w, each query sees positions p - w + 1 .. p. Windows
+    shorter and longer than a block, a key chunk and the prompts (prefill rows whose windows
+    start at different keys), at both levels; a long context split across threads too."""
+    r = rng(window, n_seqs, nkv, G, hd, bs)
+    c = make_attention_case(r, n_seqs=n_seqs, nkv=nkv, G=G, hd=hd, bs=bs, cdt="float32", max_prefix=70, max_new=20)
+    ref = attention_ref(c, 1 / math.sqrt(hd), window)
+    for impl in IMPLS:
+        np.testing.assert_allclose(run_attention(c, impl, window=window), ref, rtol=1e-4, atol=2e-5, err_msg=impl)
+    if window < c["ctx"].max():  # the window matters in this case
+        assert np.abs(attention_ref(c, 1 / math.sqrt(hd)) - ref).max() > 1e-3
+    long = make_attention_case(r, n_seqs=1, nkv=1, G=2, hd=48, bs=16, cdt="float32", prefixes=[2000], news=[2])
+    for threads in (1, 3, 8):
+        np.testing.assert_allclose(run_attention(long, "simd", threads, window=window * 17),
+                                   attention_ref(long, 1 / math.sqrt(48), window * 17), rtol=1e-4, atol=2e-5)
+    with pytest.raises(ValueError, match="window"):
+        run_attention(c, "simd", window=-1)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -3,10 +3,13 @@
 SmolLM-135M shapes, for several token counts, timed interleaved in one process (so the ratio
 to bf16 holds up on a loaded machine better than either figure).
 
-The quantized figure is one `_core.kernel_qgemm` call: it also copies the weights into a
-prepared matrix and quantizes the activations, so at 1 token (where the GEMM itself only
-streams the weights once) it understates the kernel; from 4 tokens on the copy is small.
-bf16 is `kernel_matrix` once, then `kernel_matmul_time`.
+The quantized figure is `_core.kernel_qgemm_time`: the matrix is prepared (copied, or
+repacked for the Q5/K formats) once, then the best of the GEMMs (activation quantization
+included) is kept. bf16 is `kernel_matrix` once, then `kernel_matmul_time`.
+
+K-quants need rows of whole 256-element super-blocks: ``--shapes gemma`` takes Gemma 3
+270M's matrices whose columns are (attn_output 640x1024, ffn_down 640x2048), e.g.
+    python tools/bench_qgemm.py --shapes gemma --types q4_1,q4_k,q5_0,q6_k
 
 To compare two builds, run it once with each on PYTHONPATH, back to back, e.g.
     PYTHONPATH=/tmp/cv_old python tools/bench_qgemm.py --types q4_1
@@ -15,20 +18,12 @@ To compare two builds, run it once with each on PYTHONPATH, back to back, e.g.
 from __future__ import annotations
 
 import argparse
-import time
-
 import numpy as np
 
-SHAPES = {"qkv 960x576": (960, 576), "gate_up 3072x576": (3072, 576), "down 576x1536": (576, 1536)}
-
-
-def best_of(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+SHAPE_SETS = {
+    "smollm": {"qkv 960x576": (960, 576), "gate_up 3072x576": (3072, 576), "down 576x1536": (576, 1536)},
+    "gemma": {"attn_out 640x1024": (640, 1024), "down 640x2048": (640, 2048)},
+}
 
 
 def main() -> int:
@@ -41,13 +36,14 @@ def main() -> int:
     ap.add_argument("--level", default="best", help="quantized level (scalar, avx2, avx512vnni, avxvnni, best)")
     ap.add_argument("--threads", type=int, default=0, help="0: all cores")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the best of each is kept")
+    ap.add_argument("--shapes", default="smollm", choices=sorted(SHAPE_SETS), help="which model's matrices")
     args = ap.parse_args()
     qtypes = [t for t in args.types.split(",") if t]
     tokens = [int(t) for t in args.tokens.split(",") if t]
     rng = np.random.default_rng(0)
     print(f"level {args.level} (best here: {_core.kernel_qlevels()['best']}), threads {args.threads or 'all'}")
     print(f"{'shape':18} {'n':>4} {'bf16 GF/s':>10} " + " ".join(f"{q + ' GOP/s':>11} {'/bf16':>6}" for q in qtypes))
-    for name, (rows, cols) in SHAPES.items():
+    for name, (rows, cols) in SHAPE_SETS[args.shapes].items():
         w = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
         m16 = _core.kernel_matrix(w, "bfloat16", "simd", args.threads)
         wq = {q: quantize(w, q).reshape(rows, -1) for q in qtypes}
@@ -56,8 +52,8 @@ def main() -> int:
             ops = 2.0 * n * rows * cols
             reps = max(1, int(2e8 / ops))
             fns = [lambda: _core.kernel_matmul_time(m16, x, reps)]
-            fns += [lambda q=q: best_of(lambda: _core.kernel_qgemm(x, wq[q], q, level=args.level,
-                                                                threads=args.threads), reps) for q in qtypes]
+            fns += [lambda q=q: _core.kernel_qgemm_time(x, wq[q], q, level=args.level, threads=args.threads,
+                                                        repeats=reps) for q in qtypes]
             best = [float("inf")] * len(fns)
             for _ in range(args.rounds):
                 for i, f in enumerate(fns):

@@ -227,7 +227,7 @@ PyObject *cv_py_int32_list(const int32_t *v, int64_t n) { return int_list(v, NUL
 PyObject *cv_py_int64_list(const int64_t *v, int64_t n) { return int_list(NULL, v, n); }
 
 const char *cv_py_arch_name(int arch) {
-    static const char *const names[] = {"llama", "mistral", "qwen2"};
+    static const char *const names[] = {"llama", "mistral", "qwen2", "qwen3", "gemma3"};
     return arch >= 0 && arch < (int)(sizeof names / sizeof names[0]) ? names[arch] : "unknown";
 }
 

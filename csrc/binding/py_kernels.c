@@ -423,19 +423,22 @@ static PyObject *py_kernel_rope_kv_write(PyObject *self, PyObject *args, PyObjec
 static PyObject *py_kernel_paged_attention(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
     static char *kwlist[] = {"q", "k_cache", "v_cache", "block_tables", "context_lens", "query_start",
-                             "scale", "cache_dtype", "impl", "threads", NULL};
+                             "scale", "cache_dtype", "impl", "threads", "window", NULL};
     PyObject *q_obj, *kc_obj, *vc_obj, *bt_obj, *cl_obj, *qs_obj, *scale_obj = Py_None;
     const char *cdt = NULL, *impl = "simd";
     int threads = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|Ozsi", kwlist, &q_obj, &kc_obj, &vc_obj, &bt_obj,
-                                     &cl_obj, &qs_obj, &scale_obj, &cdt, &impl, &threads))
+    long long window = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|OzsiL", kwlist, &q_obj, &kc_obj, &vc_obj, &bt_obj,
+                                     &cl_obj, &qs_obj, &scale_obj, &cdt, &impl, &threads, &window))
         return NULL;
+    if (window < 0) return PyErr_Format(PyExc_ValueError, "window must be >= 0 (0: none), got %lld", window);
     kb_entry *e = get_backend(impl, threads);
     if (!e) return NULL;
     cv_py_attention_args a;
     if (cv_py_want_attention_args(&a, q_obj, kc_obj, vc_obj, bt_obj, cl_obj, qs_obj, scale_obj, Py_None, cdt,
                                   1, 0, cv_cpu_backend_shapes().attention_max_head_dim) < 0)
         return NULL;
+    a.ab.window = window;
     npy_intp dims[2] = {(npy_intp)a.q.n, (npy_intp)(a.q.h * a.q.d)};
     PyObject *out = cv_py_new_f32(2, dims);
     if (!out) return NULL;
@@ -624,7 +627,8 @@ static PyMethodDef kernel_methods[] = {
     {"kernel_paged_attention", (PyCFunction)(void (*)(void))py_kernel_paged_attention,
      METH_VARARGS | METH_KEYWORDS,
      "kernel_paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start,\n"
-     "                       scale=None, cache_dtype=None, impl='simd', threads=0) -> out[rows][heads*hd]"},
+     "                       scale=None, cache_dtype=None, impl='simd', threads=0, window=0)\n"
+     "    -> out[rows][heads*hd]; window > 0: each query sees its last `window` positions only"},
     {"kernel_triad", (PyCFunction)(void (*)(void))py_kernel_triad, METH_VARARGS | METH_KEYWORDS,
      "kernel_triad(n_bytes, repeats=5, threads=0) -> GB/s of a = b + s*c over arrays of n_bytes each"},
     {"kernel_read_bw", (PyCFunction)(void (*)(void))py_kernel_read_bw, METH_VARARGS | METH_KEYWORDS,

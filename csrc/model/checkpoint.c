@@ -72,7 +72,7 @@ int64_t cv_tensor_numel(const cv_tensor_view *v) {
 }
 
 /* Dimensions a layer tensor's shape is made of. */
-enum { D_NONE, D_DIM, D_Q, D_KV, D_HID };
+enum { D_NONE, D_DIM, D_Q, D_KV, D_HID, D_HEAD };
 
 static int64_t dim_of(const cv_model_config *c, int d) {
     switch (d) {
@@ -80,6 +80,7 @@ static int64_t dim_of(const cv_model_config *c, int d) {
     case D_Q: return c->n_heads * c->head_dim;
     case D_KV: return c->n_kv_heads * c->head_dim;
     case D_HID: return c->hidden_dim;
+    case D_HEAD: return c->head_dim;
     default: return -1;
     }
 }
@@ -88,7 +89,7 @@ cv_layer_slot cv_layer_slot_at(const cv_model_config *c, cv_layer_views *l, int 
     static const struct {
         const char *name;
         size_t off;
-        int rows, cols, bias;
+        int rows, cols, kind; /* kind: 0 always, 1 qkv_bias, 2 qk_norm, 3 gemma */
     } table[CV_LAYER_TENSORS] = {
         {"attn_norm", offsetof(cv_layer_views, attn_norm), D_DIM, D_NONE, 0},
         {"wq", offsetof(cv_layer_views, wq), D_Q, D_DIM, 0},
@@ -102,11 +103,16 @@ cv_layer_slot cv_layer_slot_at(const cv_model_config *c, cv_layer_views *l, int 
         {"w_gate", offsetof(cv_layer_views, w_gate), D_HID, D_DIM, 0},
         {"w_up", offsetof(cv_layer_views, w_up), D_HID, D_DIM, 0},
         {"w_down", offsetof(cv_layer_views, w_down), D_DIM, D_HID, 0},
+        {"q_norm", offsetof(cv_layer_views, q_norm), D_HEAD, D_NONE, 2},
+        {"k_norm", offsetof(cv_layer_views, k_norm), D_HEAD, D_NONE, 2},
+        {"post_attn_norm", offsetof(cv_layer_views, post_attn_norm), D_DIM, D_NONE, 3},
+        {"post_ffn_norm", offsetof(cv_layer_views, post_ffn_norm), D_DIM, D_NONE, 3},
     };
+    const int kind = table[k].kind;
     cv_layer_slot s = {
         .view = (cv_tensor_view *)((char *)l + table[k].off), .name = table[k].name,
         .rows = dim_of(c, table[k].rows), .cols = dim_of(c, table[k].cols),
-        .present = !table[k].bias || c->qkv_bias,
+        .present = kind == 0 || (kind == 1 && c->qkv_bias) || (kind == 2 && c->qk_norm) || (kind == 3 && c->gemma),
     };
     return s;
 }
@@ -118,7 +124,7 @@ int cv_checkpoint_bind_layers(cv_checkpoint *ck, const char *prefix, const char 
     for (int64_t i = 0; i < ck->cfg.n_layers; i++)
         for (int k = 0; k < CV_LAYER_TENSORS; k++) {
             cv_layer_slot s = cv_layer_slot_at(&ck->cfg, &ck->layers[i], k);
-            if (!s.present) continue;
+            if (!s.present || !names[k]) continue;
             snprintf(name, sizeof name, "%s%lld.%s", prefix, (long long)i, names[k]);
             if ((rc = bind(loader, s.view, name, s.rows, s.cols, 1)) < 0) return rc;
         }

@@ -13,7 +13,7 @@
 
 typedef struct cv_tensor_view {
     const void *data;   /* NULL when absent */
-    cv_dtype dtype;     /* CV_F32, CV_F16, CV_BF16, or (GGUF) CV_Q8_0, CV_Q4_0, CV_Q4_1 */
+    cv_dtype dtype;     /* CV_F32, CV_F16, CV_BF16, or (GGUF) a block-quantized type (quant_format.h) */
     int ndim;           /* 1 or 2 */
     int64_t shape[2];   /* [rows][cols] for matrices, [n] for vectors */
 } cv_tensor_view;
@@ -29,6 +29,9 @@ typedef struct cv_layer_views {
     cv_tensor_view w_gate;    /* [hidden_dim][dim]  (HF gate_proj, llama2.c w1) */
     cv_tensor_view w_up;      /* [hidden_dim][dim]  (HF up_proj,   llama2.c w3) */
     cv_tensor_view w_down;    /* [dim][hidden_dim]  (HF down_proj, llama2.c w2) */
+    cv_tensor_view q_norm, k_norm;  /* qk_norm: [head_dim] each */
+    cv_tensor_view post_attn_norm;  /* gemma: [dim], on the attention output */
+    cv_tensor_view post_ffn_norm;   /* gemma: [dim], on the FFN output */
 } cv_layer_views;
 
 typedef enum cv_ckpt_format { CV_FMT_HF = 0, CV_FMT_LLAMA2C = 1, CV_FMT_GGUF = 2 } cv_ckpt_format;
@@ -43,6 +46,7 @@ typedef struct cv_checkpoint {
     cv_tensor_view embed;      /* [vocab][dim] */
     cv_tensor_view final_norm; /* [dim] */
     cv_tensor_view lm_head;    /* [vocab][dim]; data NULL when tied to embed */
+    cv_tensor_view rope_freqs; /* GGUF llama 3.x: [head_dim/2] divisors of the RoPE frequencies, or absent */
     cv_layer_views *layers;    /* [n_layers] */
     struct cv_gguf_file *gguf; /* GGUF: the metadata directory (owned), else NULL */
     /* owned resources */
@@ -75,13 +79,15 @@ int cv_hf_config_parse(cv_model_config *cfg, const char *text, size_t len, const
 int cv_llama2c_parse(cv_checkpoint *ck, const void *buf, size_t len, const char *path, cv_err *err);
 /* The tensors of a layer, one table for every format: CV_LAYER_TENSORS of
  * them in cv_layer_views' order (attn_norm, wq, wk, wv, wo, bq, bk, bv,
- * ffn_norm, w_gate, w_up, w_down); a format names them in the same order. */
-#define CV_LAYER_TENSORS 12
+ * ffn_norm, w_gate, w_up, w_down, q_norm, k_norm, post_attn_norm,
+ * post_ffn_norm); a format names them in the same order (NULL past the
+ * ones it has). */
+#define CV_LAYER_TENSORS 16
 typedef struct cv_layer_slot {
     cv_tensor_view *view;
     const char *name;   /* canonical name ("wq") */
     int64_t rows, cols; /* the shape the config implies; cols -1: a vector */
-    int present;        /* 0: the model has no such tensor (biases without qkv_bias) */
+    int present;        /* 0: the model has no such tensor (biases without qkv_bias, ...) */
 } cv_layer_slot;
 /* Tensor k (< CV_LAYER_TENSORS) of the layer views l under config c. */
 cv_layer_slot cv_layer_slot_at(const cv_model_config *c, cv_layer_views *l, int k);
@@ -92,7 +98,8 @@ typedef int (*cv_bind_fn)(void *loader, cv_tensor_view *out, const char *name, i
 int cv_checkpoint_bind_layers(cv_checkpoint *ck, const char *prefix, const char *const names[CV_LAYER_TENSORS],
                               cv_bind_fn bind, void *loader);
 /* The view with canonical name "embed", "final_norm", "lm_head" or
- * "layers.{i}.{attn_norm,wq,wk,wv,wo,bq,bk,bv,ffn_norm,w_gate,w_up,w_down}";
+ * "layers.{i}.{attn_norm,wq,wk,wv,wo,bq,bk,bv,ffn_norm,w_gate,w_up,w_down,q_norm,k_norm,
+ * post_attn_norm,post_ffn_norm}";
  * NULL when the name is unknown or the tensor absent (a tied lm_head,
  * biases of a model without them). */
 const cv_tensor_view *cv_checkpoint_find(const cv_checkpoint *ck, const char *name);

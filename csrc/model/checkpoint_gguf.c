@@ -2,10 +2,19 @@
  * views of llama.cpp's tensor names, each checked for type and shape.
  *
  * Architectures: "llama" (LLaMA, SmolLM2, and Mistral files, which llama.cpp
- * writes as llama), "mistral", and "qwen2" (q/k/v biases). llama.cpp's
- * converter permutes the q/k rows of llama models so that rotating adjacent
- * pairs gives HF's rotate-half result: those files use CV_ROPE_PAIRS; qwen2
- * files keep HF's row order (CV_ROPE_HALVES). */
+ * writes as llama; Llama 3.x's RoPE scaling comes as the rope_freqs.weight
+ * tensor of frequency divisors), "mistral", "qwen2" (q/k/v biases), "qwen3"
+ * (q/k RMSNorm per head) and "gemma3". llama.cpp's converter permutes the q/k
+ * rows of llama models so that rotating adjacent pairs gives HF's
+ * rotate-half result: those files use CV_ROPE_PAIRS; qwen and gemma files
+ * keep HF's row order (CV_ROPE_HALVES).
+ *
+ * Gemma 3 as llama.cpp writes it: every "*norm.weight" already holds HF's
+ * (1 + w) (its converter adds the 1), so the norms multiply by the stored
+ * weight like any other; no metadata names the local layers' RoPE base
+ * (10000) or the layer pattern (every 6th layer global), which llama.cpp also
+ * hard-codes; "attention.sliding_window_pattern", when present, sets the
+ * period. Every "<arch>." key a file carries is read or refused by name. */
 #include "checkpoint.h"
 
 #include <math.h>
@@ -75,6 +84,54 @@ static int get_token_id(const gguf_loader *g, const char *key, int64_t vocab, in
     return 0;
 }
 
+/* The "<arch>." keys this loader reads (every architecture), and those of
+ * gemma3 only. rope.scaling.original_context_length and .finetuned describe
+ * a linear scaling, whose frequencies do not depend on them. */
+static const char *const ARCH_KEYS[] = {
+    "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
+    "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
+    "attention.key_length", "attention.value_length", "rope.freq_base", "rope.dimension_count",
+    "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length", "rope.scaling.finetuned",
+};
+static const char *const GEMMA3_KEYS[] = {"attention.sliding_window", "attention.sliding_window_pattern"};
+
+static int key_in(const cv_gguf_str *k, size_t prefix, const char *const *list, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (k->len - prefix == strlen(list[i]) && memcmp(k->p + prefix, list[i], k->len - prefix) == 0) return 1;
+    return 0;
+}
+
+/* Refuses, by name, a "<arch>." key this loader does not read: a file that
+ * needs a feature we lack (softcapping, experts, ...) fails loudly. */
+static int check_arch_keys(const gguf_loader *g) {
+    const size_t pl = strlen(g->arch);
+    for (size_t i = 0; i < g->f->n_kvs; i++) {
+        const cv_gguf_str *k = &g->f->kvs[i].key;
+        if (k->len <= pl + 1 || memcmp(k->p, g->arch, pl) != 0 || k->p[pl] != '.') continue;
+        if (key_in(k, pl + 1, ARCH_KEYS, sizeof ARCH_KEYS / sizeof ARCH_KEYS[0])) continue;
+        if (strcmp(g->arch, "gemma3") == 0 && key_in(k, pl + 1, GEMMA3_KEYS, sizeof GEMMA3_KEYS / sizeof GEMMA3_KEYS[0]))
+            continue;
+        return cv_set_err(g->err, CV_ERR_UNSUPPORTED, "%s: metadata '%.*s' is not supported for %s models", g->path,
+                          (int)(k->len > 100 ? 100 : k->len), k->p, g->arch);
+    }
+    return 0;
+}
+
+/* Gemma 3's own settings (see the top of the file). */
+static int parse_gemma3(gguf_loader *g, cv_model_config *c) {
+    int rc;
+    c->gemma = 1;
+    c->embed_scale = sqrtf((float)c->dim);
+    /* HF's query_pre_attn_scalar: head_dim, except the 27B model (62 layers),
+     * which uses dim / n_heads; no GGUF key carries it (llama.cpp decides the same way) */
+    c->attn_scale = c->n_layers == 62 ? 1.0f / sqrtf((float)(c->dim / c->n_heads)) : 0.0f;
+    c->rope_local_theta = 10000.0f;
+    if ((rc = get_size(g, "attention.sliding_window", 0, 0, INT32_MAX, &c->sliding_window)) < 0 ||
+        (rc = get_size(g, "attention.sliding_window_pattern", 0, 6, CV_MAX_LAYERS, &c->swa_period)) < 0)
+        return rc;
+    return 0;
+}
+
 static int parse_config(gguf_loader *g, cv_model_config *c) {
     int rc;
     const int64_t big = INT32_MAX;
@@ -90,10 +147,13 @@ static int parse_config(gguf_loader *g, cv_model_config *c) {
     if (strcmp(g->arch, "llama") == 0) c->arch = CV_ARCH_LLAMA;
     else if (strcmp(g->arch, "mistral") == 0) c->arch = CV_ARCH_MISTRAL;
     else if (strcmp(g->arch, "qwen2") == 0) c->arch = CV_ARCH_QWEN2;
+    else if (strcmp(g->arch, "qwen3") == 0) c->arch = CV_ARCH_QWEN3;
+    else if (strcmp(g->arch, "gemma3") == 0) c->arch = CV_ARCH_GEMMA3;
     else
         return cv_set_err(g->err, CV_ERR_UNSUPPORTED,
-                          "%s: GGUF architecture '%.*s' is not supported (llama, mistral, qwen2)", g->path,
-                          (int)(a.len > 60 ? 60 : a.len), a.p);
+                          "%s: GGUF architecture '%.*s' is not supported (llama, mistral, qwen2, qwen3, gemma3)",
+                          g->path, (int)(a.len > 60 ? 60 : a.len), a.p);
+    if ((rc = check_arch_keys(g)) < 0) return rc;
     if ((rc = get_size(g, "embedding_length", 1, 0, big, &c->dim)) < 0 ||
         (rc = get_size(g, "feed_forward_length", 1, 0, big, &c->hidden_dim)) < 0 ||
         (rc = get_size(g, "block_count", 1, 0, CV_MAX_LAYERS, &c->n_layers)) < 0 ||
@@ -125,7 +185,7 @@ static int parse_config(gguf_loader *g, cv_model_config *c) {
         return cv_set_err(g->err, CV_ERR_FORMAT, "%s: head dimension %lld must be even for RoPE", g->path,
                           (long long)c->head_dim);
     double eps, theta;
-    if ((rc = get_float(g, "attention.layer_norm_rms_epsilon", 1e-5, &eps)) < 0 ||
+    if ((rc = get_float(g, "attention.layer_norm_rms_epsilon", c->arch == CV_ARCH_GEMMA3 ? 1e-6 : 1e-5, &eps)) < 0 ||
         (rc = get_float(g, "rope.freq_base", 10000.0, &theta)) < 0)
         return rc;
     if (!(eps > 0) || eps >= 1 || !((float)eps > 0))
@@ -136,7 +196,7 @@ static int parse_config(gguf_loader *g, cv_model_config *c) {
                           g->arch, theta);
     c->rms_eps = (float)eps;
     c->rope_theta = (float)theta;
-    c->rope_layout = c->arch == CV_ARCH_QWEN2 ? CV_ROPE_HALVES : CV_ROPE_PAIRS;
+    c->rope_layout = c->arch == CV_ARCH_LLAMA || c->arch == CV_ARCH_MISTRAL ? CV_ROPE_PAIRS : CV_ROPE_HALVES;
     const cv_gguf_kv *st = cv_gguf_find_kv(g->f, arch_key(g, "rope.scaling.type", key, sizeof key));
     cv_gguf_str stype = {"none", 4};
     if (st && !cv_gguf_kv_string(st, &stype))
@@ -152,10 +212,11 @@ static int parse_config(gguf_loader *g, cv_model_config *c) {
         return cv_set_err(g->err, CV_ERR_UNSUPPORTED, "%s: rope scaling '%.*s' is not supported (none, linear)",
                           g->path, (int)(stype.len > 40 ? 40 : stype.len), stype.p);
     }
-    if (cv_gguf_find_tensor(g->f, "rope_freqs.weight"))
+    if (cv_gguf_find_tensor(g->f, "rope_freqs.weight") && c->arch != CV_ARCH_LLAMA)
         return cv_set_err(g->err, CV_ERR_UNSUPPORTED,
-                          "%s: tensor 'rope_freqs.weight' (per-frequency RoPE scaling, llama3) is not supported",
+                          "%s: tensor 'rope_freqs.weight' (per-frequency RoPE scaling) is supported for llama only",
                           g->path);
+    if (c->arch == CV_ARCH_GEMMA3 && (rc = parse_gemma3(g, c)) < 0) return rc;
 
     /* vocabulary: <arch>.vocab_size, else the embedding's rows */
     const cv_gguf_tensor *emb = cv_gguf_find_tensor(g->f, "token_embd.weight");
@@ -164,6 +225,7 @@ static int parse_config(gguf_loader *g, cv_model_config *c) {
     if ((rc = get_size(g, "vocab_size", 0, emb_rows > 0 ? emb_rows : 1, big, &c->vocab_size)) < 0) return rc;
     c->tie_embeddings = cv_gguf_find_tensor(g->f, "output.weight") == NULL;
     c->qkv_bias = c->arch == CV_ARCH_QWEN2;
+    c->qk_norm = c->arch == CV_ARCH_QWEN3 || c->arch == CV_ARCH_GEMMA3;
     if ((rc = get_token_id(g, "tokenizer.ggml.bos_token_id", c->vocab_size, &c->bos_id)) < 0) return rc;
     int32_t eos;
     if ((rc = get_token_id(g, "tokenizer.ggml.eos_token_id", c->vocab_size, &eos)) < 0) return rc;
@@ -221,6 +283,10 @@ static const char *const LAYER_NAMES[CV_LAYER_TENSORS] = {
     "ffn_gate.weight",
     "ffn_up.weight",
     "ffn_down.weight",
+    "attn_q_norm.weight",
+    "attn_k_norm.weight",
+    "post_attention_norm.weight",
+    "post_ffw_norm.weight",
 };
 
 static int bind_cb(void *loader, cv_tensor_view *out, const char *name, int64_t rows, int64_t cols, int required) {
@@ -232,7 +298,8 @@ static int bind_all(gguf_loader *g, cv_checkpoint *ck) {
     int rc;
     if ((rc = bind(g, &ck->embed, "token_embd.weight", c->vocab_size, c->dim, 1)) < 0 ||
         (rc = bind(g, &ck->final_norm, "output_norm.weight", c->dim, -1, 1)) < 0 ||
-        (rc = bind(g, &ck->lm_head, "output.weight", c->vocab_size, c->dim, 0)) < 0)
+        (rc = bind(g, &ck->lm_head, "output.weight", c->vocab_size, c->dim, 0)) < 0 ||
+        (rc = bind(g, &ck->rope_freqs, "rope_freqs.weight", c->head_dim / 2, -1, 0)) < 0)
         return rc;
     return cv_checkpoint_bind_layers(ck, "blk.", LAYER_NAMES, bind_cb, g);
 }

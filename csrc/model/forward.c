@@ -172,19 +172,38 @@ int cv_model_forward(const cv_model *m, cv_forward_ws *ws, cv_kv_layer *caches,
         .n_seqs = bt->n_seqs, .query_start = qs, .context_lens = ctx, .block_tables = tables,
         .max_blocks_per_seq = bt->max_blocks_per_seq, .max_context_len = bt->max_context_len,
         .n_heads = c->n_heads, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
-        .scale = 1.0f / sqrtf((float)c->head_dim),
+        .scale = c->attn_scale > 0 ? c->attn_scale : 1.0f / sqrtf((float)c->head_dim),
     };
     cv_rope rope = {.inv_freq = m->inv_freq, .head_dim = c->head_dim, .layout = c->rope_layout};
+    cv_rope rope_local = rope;
+    if (m->inv_freq_local) rope_local.inv_freq = m->inv_freq_local;
 
     b->embedding(b, ws->x, tokens, n, &m->embed);
+    if (c->embed_scale > 0) b->scale(b, ws->x, n * c->dim, c->embed_scale);
     for (int64_t l = 0; l < c->n_layers; l++) {
         const cv_layer *L = &m->layers[l];
+        const int local = cv_layer_is_local(c, l);
+        ab.window = local ? c->sliding_window : 0;
         norm_gemm(b, ws->qkv, ws->x, L->attn_norm, c->rms_eps, n, &L->wqkv, L->bqkv, 0, ws->xn);
-        rope_kv(b, ws->qkv, qkv_dim, m, positions, n, &rope, &caches[l], slots);
+        if (c->qk_norm) { /* each q and k head, before RoPE */
+            b->head_rmsnorm(b, ws->qkv, qkv_dim, c->n_heads, n, c->head_dim, L->q_norm, c->rms_eps);
+            b->head_rmsnorm(b, ws->qkv + m->q_dim, qkv_dim, c->n_kv_heads, n, c->head_dim, L->k_norm, c->rms_eps);
+        }
+        rope_kv(b, ws->qkv, qkv_dim, m, positions, n, local ? &rope_local : &rope, &caches[l], slots);
         b->paged_attention(b, ws->attn, ws->qkv, qkv_dim, &caches[l], &ab);
-        b->gemm(b, ws->x, ws->attn, n, &L->wo, NULL, 1); /* residual add in the GEMM */
+        if (!c->gemma) {
+            b->gemm(b, ws->x, ws->attn, n, &L->wo, NULL, 1); /* residual add in the GEMM */
+            norm_gemm(b, ws->gu, ws->x, L->ffn_norm, c->rms_eps, n, &L->w_gate_up, NULL, 0, ws->xn);
+            swiglu_gemm(b, ws->x, ws->gu, n, &L->w_down, 1, ws->h); /* residual add */
+            continue;
+        }
+        /* Gemma: x += norm(attn . Wo); x += norm(down(gelu(gate) * up)) */
+        b->gemm(b, ws->xn, ws->attn, n, &L->wo, NULL, 0);
+        b->add_rmsnorm(b, ws->x, ws->xn, L->post_attn_norm, n, c->dim, c->rms_eps);
         norm_gemm(b, ws->gu, ws->x, L->ffn_norm, c->rms_eps, n, &L->w_gate_up, NULL, 0, ws->xn);
-        swiglu_gemm(b, ws->x, ws->gu, n, &L->w_down, 1, ws->h); /* residual add */
+        b->geglu(b, ws->h, ws->gu, n, c->hidden_dim);
+        b->gemm(b, ws->xn, ws->h, n, &L->w_down, NULL, 0);
+        b->add_rmsnorm(b, ws->x, ws->xn, L->post_ffn_norm, n, c->dim, c->rms_eps);
     }
     if (bt->n_logits > 0) lm_head_rows(m, ws, rows, bt->n_logits, n);
     b->sync(b);

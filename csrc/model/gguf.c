@@ -92,7 +92,13 @@ static cv_dtype ggml_dtype(uint32_t t) {
     case 1: return CV_F16;
     case 2: return CV_Q4_0;
     case 3: return CV_Q4_1;
+    case 6: return CV_Q5_0;
+    case 7: return CV_Q5_1;
     case 8: return CV_Q8_0;
+    case 11: return CV_Q3_K;
+    case 12: return CV_Q4_K;
+    case 13: return CV_Q5_K;
+    case 14: return CV_Q6_K;
     case 30: return CV_BF16;
     default: return CV_DTYPE_INVALID;
     }
@@ -206,15 +212,15 @@ static int parse_tensor_info(cursor *c, cv_gguf_tensor *t, uint64_t index) {
         if (tn)
             return cv_set_err(c->err, CV_ERR_UNSUPPORTED,
                               "%s: tensor '%.*s' has type %s, which is not supported (F32, F16, BF16, Q8_0, "
-                              "Q4_0, Q4_1)", c->label, nl, t->name.p, tn);
+                              "Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K)", c->label, nl, t->name.p, tn);
         return cv_set_err(c->err, CV_ERR_FORMAT, "%s: tensor '%.*s' has unknown tensor type %u", c->label, nl,
                           t->name.p, t->ggml_type);
     }
-    if (cv_dtype_is_quant(t->dtype) && t->ne[0] % CV_QK != 0)
+    if (cv_dtype_is_quant(t->dtype) && t->ne[0] % (int64_t)cv_quant_block_elems(t->dtype) != 0)
         return cv_set_err(c->err, CV_ERR_FORMAT,
                           "%s: tensor '%.*s' of type %s has rows of %lld elements, not a multiple of the "
-                          "block size %d", c->label, nl, t->name.p, cv_gguf_ggml_type_name(t->ggml_type),
-                          (long long)t->ne[0], CV_QK);
+                          "block size %zu", c->label, nl, t->name.p, cv_gguf_ggml_type_name(t->ggml_type),
+                          (long long)t->ne[0], cv_quant_block_elems(t->dtype));
     t->nbytes = cv_dtype_bytes(t->dtype, (size_t)numel);
     if (t->nbytes == 0 || numel > SIZE_MAX)
         return cv_set_err(c->err, CV_ERR_FORMAT, "%s: tensor '%.*s' is too large", c->label, nl, t->name.p);

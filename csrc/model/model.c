@@ -33,6 +33,17 @@ void cv_rope_inv_freq(float *out, const cv_model_config *cfg) {
     }
 }
 
+int cv_layer_is_local(const cv_model_config *cfg, int64_t l) {
+    return cfg->sliding_window > 0 && cfg->swa_period > 0 && (l + 1) % cfg->swa_period != 0;
+}
+
+/* Gemma 3's local layers: the local base, no scaling (HF scales only the
+ * global layers' frequencies). */
+static void rope_inv_freq_local(float *out, const cv_model_config *cfg) {
+    for (int64_t i = 0; i < cfg->head_dim / 2; i++)
+        out[i] = (float)pow((double)cfg->rope_local_theta, -2.0 * (double)i / (double)cfg->head_dim);
+}
+
 static int64_t view_numel(const cv_tensor_view *v) {
     return v->ndim == 1 ? v->shape[0] : v->shape[0] * v->shape[1];
 }
@@ -53,14 +64,25 @@ static int upload_vector(cv_backend *b, float **out, const cv_tensor_view *v, fl
 static int quant_rank(cv_dtype t) { return t == CV_Q8_0 ? 3 : t == CV_Q4_1 ? 2 : t == CV_Q4_0 ? 1 : 0; }
 
 /* The dtype a matrix of parts[n] is kept in: the asked quantization when its
- * rows can be block-quantized; else the file's quantized type (the most
- * precise among the parts); else the model's float dtype. */
+ * rows can be block-quantized; else the type the kernels compute the file's
+ * quantized parts in when they share it (cv_quant_compute_type); else, for
+ * parts of the Q5/K formats mixed with others, Q8_F, which holds every
+ * format exactly; else the most precise of Q8_0/Q4_1/Q4_0 among the parts;
+ * else the model's float dtype. */
 static cv_dtype matrix_dtype(const cv_tensor_view *const *parts, int n, cv_dtype dtype, cv_dtype quant) {
     if (parts[0]->shape[1] % CV_QK != 0) return dtype;
     if (cv_dtype_is_quant(quant)) return quant;
     cv_dtype best = CV_DTYPE_INVALID;
-    for (int i = 0; i < n; i++)
-        if (quant_rank(parts[i]->dtype) > quant_rank(best)) best = parts[i]->dtype;
+    int same = 1, all_quant = 1, newer = 0;
+    for (int i = 0; i < n; i++) {
+        const cv_dtype t = parts[i]->dtype;
+        all_quant = all_quant && cv_dtype_is_quant(t);
+        same = same && all_quant && cv_quant_compute_type(t) == cv_quant_compute_type(parts[0]->dtype);
+        newer = newer || (cv_dtype_is_quant(t) && cv_quant_compute_type(t) != t);
+        if (quant_rank(t) > quant_rank(best)) best = t;
+    }
+    if (same) return cv_quant_compute_type(parts[0]->dtype);
+    if (newer && all_quant) return CV_Q8_F;
     return best == CV_DTYPE_INVALID ? dtype : best;
 }
 
@@ -72,13 +94,16 @@ static int prepare_stacked(cv_backend *b, cv_matrix *out, const cv_tensor_view *
     int64_t rows = 0, cols = parts[0]->shape[1];
     const cv_dtype target = matrix_dtype(parts, n, dtype, quant);
     int raw = cv_dtype_is_quant(target);
-    for (int i = 0; i < n; i++) raw = raw && parts[i]->dtype == target;
-    if (raw) {
+    for (int i = 0; i < n; i++)
+        raw = raw && cv_dtype_is_quant(parts[i]->dtype) &&
+              (parts[i]->dtype == target || (target == CV_Q8_F && quant == CV_DTYPE_INVALID) ||
+               cv_quant_compute_type(parts[i]->dtype) == target);
+    if (raw) { /* the file's blocks, repacked exactly where the kernels compute another type */
         size_t off = 0;
         for (int i = 0; i < n; i++) {
-            size_t bytes = cv_dtype_bytes(target, (size_t)(parts[i]->shape[0] * cols));
-            memcpy((char *)scratch + off, parts[i]->data, bytes);
-            off += bytes;
+            size_t elems = (size_t)(parts[i]->shape[0] * cols);
+            cv_quant_repack((char *)scratch + off, target, parts[i]->data, parts[i]->dtype, elems);
+            off += cv_dtype_bytes(target, elems);
             rows += parts[i]->shape[0];
         }
         return b->matrix_prepare(b, out, scratch, target, rows, cols, target, err);
@@ -118,6 +143,10 @@ void cv_model_free(cv_model *m) {
             b->free(b, L->attn_norm);
             b->free(b, L->ffn_norm);
             b->free(b, L->bqkv);
+            b->free(b, L->q_norm);
+            b->free(b, L->k_norm);
+            b->free(b, L->post_attn_norm);
+            b->free(b, L->post_ffn_norm);
             b->matrix_free(b, &L->wqkv);
             b->matrix_free(b, &L->wo);
             b->matrix_free(b, &L->w_gate_up);
@@ -129,6 +158,7 @@ void cv_model_free(cv_model *m) {
     b->matrix_free(b, &m->lm_head);
     b->free(b, m->final_norm);
     b->free(b, m->inv_freq);
+    b->free(b, m->inv_freq_local);
     free(m);
 }
 
@@ -148,8 +178,14 @@ int cv_model_load_quantized(cv_model **out, const char *path, cv_backend *b, cv_
     const cv_model_config *c = &ck.cfg;
     if (dtype == CV_DTYPE_INVALID) dtype = c->torch_dtype;
     if (dtype != CV_F32 && dtype != CV_BF16 && dtype != CV_F16) dtype = CV_F32;
-    if (quant != CV_DTYPE_INVALID && !cv_dtype_is_quant(quant)) {
+    if (quant != CV_DTYPE_INVALID && !cv_dtype_can_quantize(quant)) {
         rc = cv_set_err(err, CV_ERR_INVALID, "quantization must be q8_0, q4_0 or q4_1, got %s", cv_dtype_name(quant));
+        goto done;
+    }
+    if ((c->qk_norm && !b->head_rmsnorm) ||
+        (c->gemma && (!b->add_rmsnorm || !b->geglu || !b->scale))) {
+        rc = cv_set_err(err, CV_ERR_UNSUPPORTED, "the %s backend lacks the kernels of this architecture (%s)", b->name,
+                        c->gemma ? "gemma3" : "qwen3");
         goto done;
     }
     if (c->head_dim % 2 != 0 || c->head_dim > 256) {
@@ -204,6 +240,14 @@ int cv_model_load_quantized(cv_model **out, const char *path, cv_backend *b, cv_
         const cv_tensor_view *wo = &v->wo, *wd = &v->w_down;
         if ((rc = upload_vector(b, &L->attn_norm, &v->attn_norm, scratch, err))) goto done;
         if ((rc = upload_vector(b, &L->ffn_norm, &v->ffn_norm, scratch, err))) goto done;
+        if (c->qk_norm && ((rc = upload_vector(b, &L->q_norm, &v->q_norm, scratch, err)) ||
+                           (rc = upload_vector(b, &L->k_norm, &v->k_norm, scratch, err))))
+            goto done;
+        if (c->gemma && ((rc = upload_vector(b, &L->post_attn_norm, &v->post_attn_norm, scratch, err)) ||
+                         (rc = upload_vector(b, &L->post_ffn_norm, &v->post_ffn_norm, scratch, err))))
+            goto done;
+        m->n_params += view_numel(&v->q_norm) + view_numel(&v->k_norm) + view_numel(&v->post_attn_norm) +
+                       view_numel(&v->post_ffn_norm);
         if ((rc = prepare_stacked(b, &L->wqkv, qkv, 3, dtype, quant, scratch, err))) goto done;
         if ((rc = prepare_stacked(b, &L->wo, &wo, 1, dtype, quant, scratch, err))) goto done;
         if ((rc = prepare_stacked(b, &L->w_gate_up, gu, 2, dtype, quant, scratch, err))) goto done;
@@ -230,9 +274,27 @@ int cv_model_load_quantized(cv_model **out, const char *path, cv_backend *b, cv_
     m->weight_bytes += m->embed.bytes + m->lm_head.bytes + (size_t)c->dim * sizeof(float);
 
     cv_rope_inv_freq(scratch, c);
+    if (ck.rope_freqs.data) { /* llama 3.x in GGUF: each frequency divided by its factor */
+        float *f = scratch + c->head_dim / 2;
+        cv_convert_to_f32(f, ck.rope_freqs.data, ck.rope_freqs.dtype, (size_t)(c->head_dim / 2));
+        for (int64_t i = 0; i < c->head_dim / 2; i++) {
+            if (!(f[i] > 0.0f) || f[i] > 1e30f) {
+                rc = cv_set_err(err, CV_ERR_FORMAT, "%s: rope_freqs.weight[%lld] is %g; must be positive", path,
+                                (long long)i, (double)f[i]);
+                goto done;
+            }
+            scratch[i] /= f[i];
+        }
+    }
     m->inv_freq = b->alloc(b, (size_t)(c->head_dim / 2) * sizeof(float));
     if (!m->inv_freq) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory"); goto done; }
     b->to_device(b, m->inv_freq, scratch, (size_t)(c->head_dim / 2) * sizeof(float));
+    if (c->sliding_window > 0) {
+        rope_inv_freq_local(scratch, c);
+        m->inv_freq_local = b->alloc(b, (size_t)(c->head_dim / 2) * sizeof(float));
+        if (!m->inv_freq_local) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory"); goto done; }
+        b->to_device(b, m->inv_freq_local, scratch, (size_t)(c->head_dim / 2) * sizeof(float));
+    }
     rc = CV_OK;
 
 done:

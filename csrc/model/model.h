@@ -17,6 +17,8 @@ typedef struct cv_layer {
     float *ffn_norm;      /* [dim] (device) */
     cv_matrix w_gate_up;  /* [2*hidden][dim]: gate rows, then up rows */
     cv_matrix w_down;     /* [dim][hidden] */
+    float *q_norm, *k_norm;           /* qk_norm: [head_dim] (device), else NULL */
+    float *post_attn_norm, *post_ffn_norm; /* gemma: [dim] (device), else NULL */
 } cv_layer;
 
 typedef struct cv_model {
@@ -30,6 +32,7 @@ typedef struct cv_model {
     float *final_norm;    /* [dim] (device) */
     cv_matrix lm_head;    /* [vocab][dim] */
     float *inv_freq;      /* [head_dim/2] (device) */
+    float *inv_freq_local;/* gemma: [head_dim/2] of the sliding-window layers (device), else NULL */
     size_t weight_bytes;  /* bytes of all prepared weights */
     int64_t n_params;     /* parameters in the checkpoint */
 } cv_model;
@@ -50,6 +53,8 @@ void cv_model_free(cv_model *m);
 
 /* RoPE frequencies for head_dim/2 pairs, with llama3 scaling when configured. */
 void cv_rope_inv_freq(float *out, const cv_model_config *cfg);
+/* Whether layer l attends over a sliding window (Gemma 3's local layers). */
+int cv_layer_is_local(const cv_model_config *cfg, int64_t l);
 
 /* One step's batch, in host memory (filled by the runner). */
 typedef struct cv_batch {

@@ -594,6 +594,18 @@ static void softmax_step_avx512(float *sc, int nk, float *m, float *l, float *al
 CV_TARGET_END
 #endif
 
+/* Sliding window: scores of the chunk's keys (from position c0) before
+ * vector v's window (positions < vpos[v] - window + 1) become -inf, which
+ * every softmax_step turns into probability 0. A vector whose valid keys all
+ * lie before its window has nval 0 already, so each vector with nval > 0
+ * keeps at least one finite score (its running max stays finite). */
+static void window_mask(float *sc, int nv, const int *nval, const int64_t *vpos, int64_t c0, int64_t window) {
+    for (int v = 0; v < nv; v++) {
+        const int64_t first = vpos[v] - window + 1 - c0; /* first key of the chunk inside the window */
+        for (int64_t i = 0; i < first && i < nval[v]; i++) sc[v * CV_ATT_KCHUNK + i] = -INFINITY;
+    }
+}
+
 /* ------------------------------------------------------------------------ */
 /* One item (or one part of it): keys [k_lo, k_hi) of tile t, into st. */
 static void att_tile_run(const att_job *j, float *scr, const att_state *st, const att_tile *t,
@@ -629,6 +641,9 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
     /* keys past the tile's last position are masked for every vector */
     const int64_t last = ctx - nq + t->j1 - 1;
     if (k_hi > last + 1) k_hi = last + 1;
+    /* sliding window (bt->window > 0): keys before the first vector's window
+     * are masked for every vector; the others per vector (window_mask) */
+    if (bt->window > 0 && k_lo < ctx - nq + t->j0 - bt->window + 1) k_lo = ctx - nq + t->j0 - bt->window + 1;
     for (int64_t c0 = k_lo; c0 < k_hi; c0 += CV_ATT_KCHUNK) {
         const int nk = (int)(k_hi - c0 < CV_ATT_KCHUNK ? k_hi - c0 : CV_ATT_KCHUNK);
         for (int i = 0; i < nk; i++) {
@@ -642,10 +657,12 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
         for (int v = 0; v < nv; v++) {
             const int64_t n_ok = vpos[v] - c0 + 1;
             nval[v] = n_ok <= 0 ? 0 : (n_ok >= nk ? nk : (int)n_ok);
+            if (bt->window > 0 && c0 + nval[v] <= vpos[v] - bt->window + 1) nval[v] = 0; /* all before the window */
         }
 #if CV_HAVE_AVX512
         if (j->simd >= CV_SIMD_AVX512) {
             scores_avx512(sc, qt, hd, nv, nval, kp, kv->dtype);
+            if (bt->window > 0) window_mask(sc, nv, nval, vpos, c0, bt->window);
             for (int v = 0; v < nv; v++)
                 softmax_step_avx512(sc + v * CV_ATT_KCHUNK, nk, &m[v], &l[v], &alpha[v], nval[v]);
             pv_avx512(acc, sc, alpha, hd, nv, nval, vp, kv->dtype);
@@ -655,6 +672,7 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
 #if CV_HAVE_AVX2
         if (j->simd) {
             scores_avx2(sc, qt, hd, nv, nval, kp, kv->dtype);
+            if (bt->window > 0) window_mask(sc, nv, nval, vpos, c0, bt->window);
             for (int v = 0; v < nv; v++)
                 softmax_step_avx2(sc + v * CV_ATT_KCHUNK, nk, &m[v], &l[v], &alpha[v], nval[v]);
             pv_avx2(acc, sc, alpha, hd, nv, nval, vp, kv->dtype);
@@ -662,6 +680,7 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
         }
 #endif
         scores_plain(sc, qt, hd, nv, nval, kp, kv->dtype, row);
+        if (bt->window > 0) window_mask(sc, nv, nval, vpos, c0, bt->window);
         for (int v = 0; v < nv; v++)
             softmax_step_plain(sc + v * CV_ATT_KCHUNK, nk, &m[v], &l[v], &alpha[v], nval[v]);
         pv_plain(acc, sc, alpha, hd, nv, nval, vp, kv->dtype, row);

@@ -164,7 +164,7 @@ static int cpu_table_prepare(cv_backend *b, cv_table *out, const void *src, cv_d
     memset(out, 0, sizeof *out);
     /* a quantized table is kept as it is stored; rows are dequantized on lookup */
     const int quant = cv_dtype_is_quant(dtype) && src_dtype == dtype && src && rows > 0 && cols > 0 &&
-                      cols % CV_QK == 0;
+                      cols % (int64_t)cv_quant_block_elems(dtype) == 0;
     if (!quant) rc = cv_cpu_check_prepare("table_prepare", "dtype", src, src_dtype, rows, cols, dtype, err);
     if (rc) goto done;
     size_t elems, bytes;
@@ -403,6 +403,10 @@ cv_backend *cv_cpu_backend_create_simd(int num_threads, const char *simd, cv_err
     b->rmsnorm = cv_cpu_rmsnorm;
     b->rope = cv_cpu_rope;
     b->swiglu = cv_cpu_swiglu;
+    b->head_rmsnorm = cv_cpu_head_rmsnorm;
+    b->add_rmsnorm = cv_cpu_add_rmsnorm;
+    b->geglu = cv_cpu_geglu;
+    b->scale = cv_cpu_scale;
     b->embedding = cv_cpu_embedding;
     b->kv_write = cv_cpu_kv_write;
     b->paged_attention = cv_cpu_paged_attention;

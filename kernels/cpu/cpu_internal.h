@@ -166,6 +166,12 @@ void cv_cpu_rope(cv_backend *b, float *q, int64_t q_stride, int64_t n_heads, flo
                  int64_t k_stride, int64_t n_kv_heads, const int32_t *pos, int64_t n,
                  const cv_rope *rope);
 void cv_cpu_swiglu(cv_backend *b, float *out, const float *gu, int64_t n, int64_t dim);
+void cv_cpu_head_rmsnorm(cv_backend *b, float *x, int64_t x_stride, int64_t n_heads, int64_t n, int64_t head_dim,
+                         const float *weight, float eps);
+void cv_cpu_add_rmsnorm(cv_backend *b, float *x, float *y, const float *weight, int64_t n, int64_t dim,
+                        float eps);
+void cv_cpu_geglu(cv_backend *b, float *out, const float *gu, int64_t n, int64_t dim);
+void cv_cpu_scale(cv_backend *b, float *x, int64_t n, float s);
 void cv_cpu_rope_kv_write(cv_backend *b, float *q, int64_t q_stride, int64_t n_heads, float *k,
                           int64_t k_stride, int64_t n_kv_heads, const float *v, int64_t v_stride,
                           const int32_t *pos, int64_t n, const cv_rope *rope, cv_kv_layer *cache,

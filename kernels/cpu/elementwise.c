@@ -529,6 +529,81 @@ void cv_cpu_rope_kv_write(cv_backend *b, float *q, int64_t q_stride, int64_t n_h
     run_rope(c, &j, rope_work(n, rope->head_dim, n_heads + 2 * n_kv_heads));
 }
 
+/* Per-head RMSNorm (Qwen3 and Gemma 3 q/k norms), in place; rows claimed as
+ * tokens, each token's heads normed by the row code of cv_cpu_rmsnorm. */
+typedef struct head_norm_job {
+    float *x;           /* [n] rows, x_stride apart, of n_heads heads of hd */
+    const float *w;     /* [hd] */
+    int64_t x_stride, n_heads, hd;
+    float eps;
+    int simd;
+    cv_rows *rows;
+} head_norm_job;
+
+static void head_norm_fn(void *arg, int tid, int nth) {
+    const head_norm_job *j = arg;
+    (void)tid;
+    (void)nth;
+    for (int64_t t0, t1; cv_rows_claim(j->rows, &t0, &t1);)
+        for (int64_t t = t0; t < t1; t++)
+            for (int64_t h = 0; h < j->n_heads; h++) {
+                float *v = j->x + (size_t)t * (size_t)j->x_stride + (size_t)(h * j->hd);
+                rms_row(v, v, j->w, j->hd, j->eps, j->simd);
+            }
+}
+
+void cv_cpu_head_rmsnorm(cv_backend *b, float *x, int64_t x_stride, int64_t n_heads, int64_t n, int64_t head_dim,
+                         const float *weight, float eps) {
+    cv_cpu *c = cv_cpu_of(b);
+    if (n <= 0 || n_heads <= 0 || head_dim <= 0) return;
+    head_norm_job j = {.x = x, .w = weight, .x_stride = x_stride, .n_heads = n_heads, .hd = head_dim,
+                       .eps = eps, .simd = c->simd};
+    int nth = cv_threads_for(c, (double)n * (double)(n_heads * head_dim), ROW_GRAIN);
+    if (nth > n) nth = (int)n;
+    cv_rows rows;
+    j.rows = &rows;
+    cv_cpu_run_rows(c, nth, &rows, n, head_norm_fn, &j);
+}
+
+/* x += rmsnorm(y) * w (Gemma's norms after attention and after the FFN). */
+typedef struct add_norm_job {
+    float *x, *y;       /* [n][dim] */
+    const float *w;     /* [dim] */
+    int64_t dim;
+    float eps;
+    int simd;
+    cv_rows *rows;
+} add_norm_job;
+
+static void add_norm_fn(void *arg, int tid, int nth) {
+    const add_norm_job *j = arg;
+    (void)tid;
+    (void)nth;
+    for (int64_t t0, t1; cv_rows_claim(j->rows, &t0, &t1);)
+        for (int64_t t = t0; t < t1; t++) {
+            float *y = j->y + (size_t)t * (size_t)j->dim, *x = j->x + (size_t)t * (size_t)j->dim;
+            rms_row(y, y, j->w, j->dim, j->eps, j->simd);
+            for (int64_t i = 0; i < j->dim; i++) x[i] += y[i];
+        }
+}
+
+void cv_cpu_add_rmsnorm(cv_backend *b, float *x, float *y, const float *weight, int64_t n, int64_t dim,
+                        float eps) {
+    cv_cpu *c = cv_cpu_of(b);
+    if (n <= 0 || dim <= 0) return;
+    add_norm_job j = {.x = x, .y = y, .w = weight, .dim = dim, .eps = eps, .simd = c->simd};
+    int nth = cv_threads_for(c, (double)n * (double)dim, ROW_GRAIN);
+    if (nth > n) nth = (int)n;
+    cv_rows rows;
+    j.rows = &rows;
+    cv_cpu_run_rows(c, nth, &rows, n, add_norm_fn, &j);
+}
+
+void cv_cpu_scale(cv_backend *b, float *x, int64_t n, float s) {
+    (void)b;
+    for (int64_t i = 0; i < n; i++) x[i] *= s;
+}
+
 /* ------------------------------------------------------------------------ */
 /* SwiGLU                                                                    */
 
@@ -593,6 +668,63 @@ void cv_cpu_swiglu(cv_backend *b, float *out, const float *gu, int64_t n, int64_
     cv_rows rows;
     j.rows = &rows;
     cv_cpu_run_rows(c, nth, &rows, n, swiglu_fn, &j);
+}
+
+/* GELU (tanh form, PyTorch's gelu(approximate="tanh")) gated by up: Gemma's
+ * FFN. 0.5 x (1 + tanh(y)) = x / (1 + exp(-2y)) with y = sqrt(2/pi) (x +
+ * 0.044715 x^3): SwiGLU's form with the exponent -2y, so the same exp. */
+#define GELU_K 0.7978845608028654f
+#define GELU_C 0.044715f
+
+#if CV_HAVE_AVX2
+CV_TARGET_AVX2_BEGIN
+/* The 8-wide part of a GeGLU row; returns the count done. */
+static int64_t geglu_row_avx2(float *o, const float *g, const float *u, int64_t dim) {
+    const __m256 one = _mm256_set1_ps(1.0f), k2 = _mm256_set1_ps(-2.0f * GELU_K), c = _mm256_set1_ps(GELU_C);
+    int64_t i = 0;
+    for (; i + 8 <= dim; i += 8) {
+        const __m256 x = _mm256_loadu_ps(g + i);
+        const __m256 y = _mm256_fmadd_ps(_mm256_mul_ps(c, x), _mm256_mul_ps(x, x), x); /* x + c x^3 */
+        const __m256 e = cv_exp256(_mm256_mul_ps(k2, y));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    }
+    return i;
+}
+CV_TARGET_END
+#endif
+
+static void geglu_row(float *o, const float *g, const float *u, int64_t dim, int simd) {
+    int64_t i = 0;
+#if CV_HAVE_AVX2
+    if (simd >= CV_SIMD_AVX2) i = geglu_row_avx2(o, g, u, dim);
+#endif
+    (void)simd;
+    for (; i < dim; i++) {
+        const float x = g[i];
+        o[i] = x / (1.0f + expf(-2.0f * GELU_K * (x + GELU_C * x * x * x))) * u[i];
+    }
+}
+
+static void geglu_fn(void *arg, int tid, int nth) {
+    const swiglu_job *j = arg;
+    (void)tid;
+    (void)nth;
+    for (int64_t t0, t1; cv_rows_claim(j->rows, &t0, &t1);)
+        for (int64_t t = t0; t < t1; t++) {
+            const float *g = j->gu + (size_t)t * 2 * (size_t)j->dim;
+            geglu_row(j->out + (size_t)t * (size_t)j->dim, g, g + j->dim, j->dim, j->simd);
+        }
+}
+
+void cv_cpu_geglu(cv_backend *b, float *out, const float *gu, int64_t n, int64_t dim) {
+    cv_cpu *c = cv_cpu_of(b);
+    if (n <= 0 || dim <= 0) return;
+    swiglu_job j = {.out = out, .gu = gu, .n = n, .dim = dim, .simd = c->simd};
+    int nth = cv_threads_for(c, (double)n * (double)dim * 8.0, ROW_GRAIN);
+    if (nth > n) nth = (int)n;
+    cv_rows rows;
+    j.rows = &rows;
+    cv_cpu_run_rows(c, nth, &rows, n, geglu_fn, &j);
 }
 
 /* ------------------------------------------------------------------------ */

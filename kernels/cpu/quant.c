@@ -53,8 +53,43 @@ static float dot_q4_1(const void *w, const cv_xq_block *x, int64_t nb) {
     return sum;
 }
 
+static float dot_q4_f(const void *w, const cv_xq_block *x, int64_t nb) {
+    const cv_block_q4_f *b = w;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < nb; i++) {
+        int32_t s = 0;
+        for (int j = 0; j < CV_QK / 2; j++) {
+            s += (b[i].qs[j] & 0xf) * x[i].q[j];
+            s += (b[i].qs[j] >> 4) * x[i].q[j + CV_QK / 2];
+        }
+        sum += b[i].d * x[i].d * (float)s + b[i].m * x[i].s;
+    }
+    return sum;
+}
+
+static float dot_q8_f(const void *w, const cv_xq_block *x, int64_t nb) {
+    const cv_block_q8_f *b = w;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < nb; i++) {
+        int32_t s0 = 0, s1 = 0; /* the two halves have their own scales */
+        for (int j = 0; j < CV_QK / 2; j++) {
+            s0 += (int32_t)b[i].qs[j] * x[i].q[j];
+            s1 += (int32_t)b[i].qs[j + CV_QK / 2] * x[i].q[j + CV_QK / 2];
+        }
+        sum += (b[i].d[0] * (float)s0 + b[i].d[1] * (float)s1) * x[i].d + b[i].m * x[i].s;
+    }
+    return sum;
+}
+
 cv_qdot_fn cv_qdot_scalar(cv_dtype t) {
-    return t == CV_Q8_0 ? dot_q8_0 : t == CV_Q4_0 ? dot_q4_0 : t == CV_Q4_1 ? dot_q4_1 : NULL;
+    switch (t) {
+    case CV_Q8_0: return dot_q8_0;
+    case CV_Q4_0: return dot_q4_0;
+    case CV_Q4_1: return dot_q4_1;
+    case CV_Q4_F: return dot_q4_f;
+    case CV_Q8_F: return dot_q8_f;
+    default: return NULL;
+    }
 }
 
 /* The plain-C level as 1 x 1 tiles (the driver has one shape for every level). */
@@ -68,9 +103,12 @@ cv_qdot_fn cv_qdot_scalar(cv_dtype t) {
 SCALAR_TILE(q8_0)
 SCALAR_TILE(q4_0)
 SCALAR_TILE(q4_1)
+SCALAR_TILE(q4_f)
+SCALAR_TILE(q8_f)
 
 static int qtiles_scalar(cv_dtype t, cv_qtiles *out) {
-    const cv_qtile_fn f = t == CV_Q8_0 ? tile_q8_0 : t == CV_Q4_0 ? tile_q4_0 : t == CV_Q4_1 ? tile_q4_1 : NULL;
+    const cv_qtile_fn f = t == CV_Q8_0 ? tile_q8_0 : t == CV_Q4_0 ? tile_q4_0 : t == CV_Q4_1 ? tile_q4_1
+                        : t == CV_Q4_F ? tile_q4_f : t == CV_Q8_F ? tile_q8_f : NULL;
     if (!f) return 0;
     *out = (cv_qtiles){.max_tokens = 1, .rows = {0, 1}, .tile = {NULL, f}, .row = {NULL, f}};
     return 1;
@@ -148,10 +186,19 @@ int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dt
     if (cols % CV_QK != 0)
         return cv_set_err(err, CV_ERR_INVALID, "matrix_prepare: %s needs cols a multiple of %d, got %lld",
                           cv_dtype_name(dtype), CV_QK, (long long)cols);
-    if (src_dtype != dtype && src_dtype != CV_F32 && src_dtype != CV_F16 && src_dtype != CV_BF16 &&
-        !cv_dtype_is_quant(src_dtype))
-        return cv_set_err(err, CV_ERR_TYPE, "matrix_prepare: source dtype %s cannot be quantized",
-                          cv_dtype_name(src_dtype));
+    if (dtype != cv_quant_compute_type(dtype))
+        return cv_set_err(err, CV_ERR_TYPE, "matrix_prepare: the CPU computes %s as %s; ask for that",
+                          cv_dtype_name(dtype), cv_dtype_name(cv_quant_compute_type(dtype)));
+    /* from a quantized source: its blocks as they are, or repacked exactly */
+    const int repack = cv_dtype_is_quant(src_dtype) && (src_dtype == dtype || dtype == CV_Q8_F ||
+                                                        cv_quant_compute_type(src_dtype) == dtype);
+    if (!repack && (!cv_dtype_can_quantize(dtype) ||
+                    (src_dtype != CV_F32 && src_dtype != CV_F16 && src_dtype != CV_BF16 && !cv_dtype_is_quant(src_dtype))))
+        return cv_set_err(err, CV_ERR_TYPE, "matrix_prepare: source dtype %s cannot be made %s",
+                          cv_dtype_name(src_dtype), cv_dtype_name(dtype));
+    if (cv_dtype_is_quant(src_dtype) && cols % (int64_t)cv_quant_block_elems(src_dtype) != 0)
+        return cv_set_err(err, CV_ERR_INVALID, "matrix_prepare: %s needs cols a multiple of %zu, got %lld",
+                          cv_dtype_name(src_dtype), cv_quant_block_elems(src_dtype), (long long)cols);
     size_t elems, bytes;
     if (!cv_mul_size((size_t)rows, (size_t)cols, &elems) || (bytes = cv_dtype_bytes(dtype, elems)) == 0)
         return cv_set_err(err, CV_ERR_NOMEM, "matrix_prepare: [%lld][%lld] is too large", (long long)rows,
@@ -180,8 +227,11 @@ int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dt
         rc = cv_set_err(err, CV_ERR_NOMEM, "matrix_prepare: out of memory for activation scratch");
         goto done;
     }
-    if (src_dtype == dtype) {
-        memcpy(data, src, bytes);
+    if (repack) {
+        const size_t src_row = cv_dtype_bytes(src_dtype, (size_t)cols);
+        for (int64_t r = 0; r < rows; r++)
+            cv_quant_repack(data + (size_t)r * row_bytes, dtype, (const char *)src + (size_t)r * src_row, src_dtype,
+                            (size_t)cols);
     } else {
         const size_t src_row = cv_dtype_bytes(src_dtype, (size_t)cols);
         for (int64_t r = 0; r < rows; r++) {

@@ -16,7 +16,10 @@
  * exact, and every (row, token) pair runs the same float operations in the
  * same order whatever R and T are: acc = fma(float(lanes_i), dw_i * dx_i, acc)
  * over the blocks i, then hsum8(acc) (+ the Q4 min terms, summed over the
- * blocks in order, each dm_i * sx_i, no FMA in C11; Q4_0 is taken as Q4_1
+ * blocks in order, each dm_i * sx_i, no FMA in C11; Q4_F and Q8_F (the
+ * exact float32-scale repackings of GGUF's Q5 and K formats) take the
+ * same path with their float scales, Q8_F one per half block (lanes 0..3
+ * and 4..7); Q4_0 is taken as Q4_1
  * with dm = -8 dw, exact, so no token needs the sign trick). So a token's outputs are
  * the same bits alone or in any batch (the contract of quant.h). */
 
@@ -30,8 +33,13 @@
 #define QT_H2F(h) _cvtsh_ss(h)
 #endif
 #define QT_INLINE QT_ATTR static inline __attribute__((always_inline))
-#define QT_BLOCK_BYTES(type) \
-    ((type) == CV_Q8_0 ? sizeof(cv_block_q8_0) : (type) == CV_Q4_0 ? sizeof(cv_block_q4_0) : sizeof(cv_block_q4_1))
+#define QT_BLOCK_BYTES(type)                                                                      \
+    ((type) == CV_Q8_0 ? sizeof(cv_block_q8_0) : (type) == CV_Q4_0 ? sizeof(cv_block_q4_0)         \
+     : (type) == CV_Q4_1 ? sizeof(cv_block_q4_1) : (type) == CV_Q4_F ? sizeof(cv_block_q4_f)        \
+     : sizeof(cv_block_q8_f))
+/* Signed weights take the sign trick; the others have a min term. */
+#define QT_SIGNED(type) ((type) == CV_Q8_0 || (type) == CV_Q8_F)
+#define QT_HAS_MIN(type) ((type) != CV_Q8_0)
 /* Weight blocks each row prefetches ahead: with several rows interleaved the
  * hardware prefetcher alone falls behind on weights streamed from memory (a
  * prefetch past the row's end only touches the next row; it never faults). */
@@ -64,7 +72,7 @@ QT_INLINE void QT_NAME(tile)(cv_dtype type, int R, int T, const void *w, size_t 
         __m256i wu[CV_QTILE_MAX_ROWS], wsg[CV_QTILE_MAX_ROWS]; /* u8 operand; the sign source (signed types) */
         __m256 dw[CV_QTILE_MAX_ROWS];
         __m128 sx = _mm_setzero_ps(); /* Q4: the tokens' block sums s, lane t */
-        if (type != CV_Q8_0)
+        if (QT_HAS_MIN(type))
             sx = _mm_setr_ps(x[i].s, T > 1 ? x[x_stride + i].s : 0.0f, T > 2 ? x[2 * x_stride + i].s : 0.0f,
                              T > 3 ? x[3 * x_stride + i].s : 0.0f);
         for (int r = 0; r < R; r++) {
@@ -81,6 +89,17 @@ QT_INLINE void QT_NAME(tile)(cv_dtype type, int R, int T, const void *w, size_t 
                 wu[r] = QT_NAME(nibbles)(b->qs);
                 dw[r] = _mm256_set1_ps(d);
                 mins[r] = _mm_add_ps(mins[r], _mm_mul_ps(_mm_set1_ps(-8.0f * d), sx));
+            } else if (type == CV_Q4_F) { /* Q4_1 with float32 d and m */
+                const cv_block_q4_f *b = (const cv_block_q4_f *)row + i;
+                wu[r] = QT_NAME(nibbles)(b->qs);
+                dw[r] = _mm256_set1_ps(b->d);
+                mins[r] = _mm_add_ps(mins[r], _mm_mul_ps(_mm_set1_ps(b->m), sx));
+            } else if (type == CV_Q8_F) { /* lanes 0..3 are elements 0..15: scale d[0]; lanes 4..7 d[1] */
+                const cv_block_q8_f *b = (const cv_block_q8_f *)row + i;
+                wsg[r] = _mm256_loadu_si256((const __m256i *)b->qs);
+                wu[r] = _mm256_sign_epi8(wsg[r], wsg[r]);
+                dw[r] = _mm256_set_m128(_mm_set1_ps(b->d[1]), _mm_set1_ps(b->d[0]));
+                mins[r] = _mm_add_ps(mins[r], _mm_mul_ps(_mm_set1_ps(b->m), sx));
             } else {
                 const cv_block_q4_1 *b = (const cv_block_q4_1 *)row + i;
                 uint32_t dm_h; /* d and m, adjacent: converted together */
@@ -96,7 +115,7 @@ QT_INLINE void QT_NAME(tile)(cv_dtype type, int R, int T, const void *w, size_t 
             const __m256i v = _mm256_loadu_si256((const __m256i *)xt->q);
             const __m256 dx = _mm256_broadcast_ss(&xt->d);
             for (int r = 0; r < R; r++) {
-                const __m256i p = type != CV_Q8_0 ? QT_DOT(wu[r], v) : QT_DOT(wu[r], _mm256_sign_epi8(v, wsg[r]));
+                const __m256i p = !QT_SIGNED(type) ? QT_DOT(wu[r], v) : QT_DOT(wu[r], _mm256_sign_epi8(v, wsg[r]));
                 acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw[r], dx), acc[r][t]);
             }
         }
@@ -106,7 +125,7 @@ QT_INLINE void QT_NAME(tile)(cv_dtype type, int R, int T, const void *w, size_t 
         _mm_storeu_ps(m, mins[r]);
         for (int t = 0; t < T; t++) {
             const float h = QT_NAME(hsum8)(acc[r][t]);
-            out[r * T + t] = type != CV_Q8_0 ? h + m[t] : h;
+            out[r * T + t] = QT_HAS_MIN(type) ? h + m[t] : h;
         }
     }
 }
@@ -138,9 +157,18 @@ QT_INLINE void QT_NAME(tile)(cv_dtype type, int R, int T, const void *w, size_t 
 QT_TYPE(q8_0, CV_Q8_0, 1)
 QT_TYPE(q4_0, CV_Q4_0, 4)
 QT_TYPE(q4_1, CV_Q4_1, 4)
+QT_TYPE(q4_f, CV_Q4_F, 4)
+QT_TYPE(q8_f, CV_Q8_F, 1)
 
 static const cv_qtiles *QT_NAME(qtiles_for)(cv_dtype t) {
-    return t == CV_Q8_0 ? &QT_NAME(tiles_q8_0) : t == CV_Q4_0 ? &QT_NAME(tiles_q4_0) : t == CV_Q4_1 ? &QT_NAME(tiles_q4_1) : NULL;
+    switch (t) {
+    case CV_Q8_0: return &QT_NAME(tiles_q8_0);
+    case CV_Q4_0: return &QT_NAME(tiles_q4_0);
+    case CV_Q4_1: return &QT_NAME(tiles_q4_1);
+    case CV_Q4_F: return &QT_NAME(tiles_q4_f);
+    case CV_Q8_F: return &QT_NAME(tiles_q8_f);
+    default: return NULL;
+    }
 }
 
 #undef QT_ATTR
@@ -150,4 +178,6 @@ static const cv_qtiles *QT_NAME(qtiles_for)(cv_dtype t) {
 #undef QT_ONE
 #undef QT_TYPE
 #undef QT_BLOCK_BYTES
+#undef QT_SIGNED
+#undef QT_HAS_MIN
 #undef QT_PREFETCH_BLOCKS

@@ -179,6 +179,14 @@ static const char *dtname(cv_dtype t) {
     case CV_Q8_0: return "q8_0";
     case CV_Q4_0: return "q4_0";
     case CV_Q4_1: return "q4_1";
+    case CV_Q5_0: return "q5_0";
+    case CV_Q5_1: return "q5_1";
+    case CV_Q4_K: return "q4_k";
+    case CV_Q5_K: return "q5_k";
+    case CV_Q6_K: return "q6_k";
+    case CV_Q3_K: return "q3_k";
+    case CV_Q4_F: return "q4_f32";
+    case CV_Q8_F: return "q8_f32";
     default: return "invalid";
     }
 }
@@ -259,7 +267,8 @@ static int prepare_2d(cv_backend *b, void **data, size_t *bytes_out, const void 
                       cv_dtype src_dtype, int64_t rows, int64_t cols, cv_dtype dtype,
                       const char *what, cv_err *err);
 
-/* Block-quantized weights (GGUF Q8_0/Q4_0/Q4_1) are dequantized on the host at
+/* Block-quantized weights (GGUF Q8_0/Q4_0/Q4_1, Q5_0/Q5_1, the K-quants and
+ * the CPU's repackings of them) are dequantized on the host at
  * load and kept in bfloat16 (a quantized target dtype means bfloat16 here):
  * the CUDA kernels read 16-bit weights only. */
 static int prepare_quantized(cv_backend *b, void **data, size_t *bytes_out, const void *src,

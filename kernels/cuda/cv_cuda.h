@@ -26,7 +26,7 @@ extern "C" {
 
 /* Bumped whenever the table or the entry points below change, so that a
  * stale _conveyor_cuda.so is refused instead of misused. */
-#define CV_CUDA_ABI_VERSION 5
+#define CV_CUDA_ABI_VERSION 6 /* 6: cv_attn_batch.window, the qwen3/gemma3 kernels, the GGUF Q5/K dtypes */
 #define CV_CUDA_LIB_NAME "_conveyor_cuda.so"
 
 /* --- implemented by the loader (kernels/cuda_loader.c, inside _core) ------ */

@@ -205,13 +205,17 @@ def bench_main(argv: Sequence[str]) -> int:
 # ---------------------------------------------------------------------------- info
 
 
-# bytes per block of 32 elements of the quantized (GGUF) types
-_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
-
-
 def _nbytes(dtype, n: int) -> int:
+    """Bytes of n elements: the block layout of a quantized GGUF type (q8_0 ... q6_k), else
+    the item size."""
+    from .gguf import _TYPE_LAYOUT, GGMLType
+
     d = str(dtype).lower()
-    return n // 32 * _BLOCK_BYTES[d] if d in _BLOCK_BYTES else n * _itemsize(d)
+    t = GGMLType.__members__.get(d.upper())
+    if t is not None and _TYPE_LAYOUT[t][0] > 1:
+        blk, size = _TYPE_LAYOUT[t]
+        return n // blk * size
+    return n * _itemsize(d)
 
 
 def _itemsize(dtype) -> int:
@@ -242,13 +246,16 @@ def summarize(path) -> dict:
     params = 0
     nbytes = 0
     by_dtype: dict[str, int] = {}
+    bytes_by_dtype: dict[str, int] = {}
     for dtype, shape in tensors.values():
         n = 1
         for s in shape:
             n *= int(s)
         params += n
-        nbytes += _nbytes(dtype, n)
+        b = _nbytes(dtype, n)
+        nbytes += b
         by_dtype[str(dtype)] = by_dtype.get(str(dtype), 0) + 1
+        bytes_by_dtype[str(dtype)] = bytes_by_dtype.get(str(dtype), 0) + b
     meta = ck.metadata if hasattr(ck, "metadata") else {}
     extra = {}
     if ck.format == "gguf":  # what the GGUF file brings besides the weights
@@ -262,6 +269,7 @@ def summarize(path) -> dict:
         "config": cfg,
         "n_tensors": len(tensors),
         "tensor_dtypes": by_dtype,
+        "tensor_dtype_bytes": bytes_by_dtype,
         "parameters": params,
         "weight_bytes": nbytes,
         "tensors": {name: [str(d), [int(s) for s in shape]] for name, (d, shape) in tensors.items()},
@@ -285,7 +293,8 @@ def _format_summary(info: dict, show_tensors: bool) -> str:
         f"vocab_size:      {g('vocab_size')}   max positions: {g('max_pos')}",
         f"rope:            theta {g('rope_theta'):g}, layout {g('rope_layout')}, scaling {scaling or 'none'}",
         f"rms_eps:         {g('rms_eps'):.6g}",
-        f"tied embeddings: {yn(g('tie_embeddings'))}   qkv bias: {yn(g('qkv_bias'))}",
+        f"tied embeddings: {yn(g('tie_embeddings'))}   qkv bias: {yn(g('qkv_bias'))}   qk norm: {yn(g('qk_norm'))}"
+        + (f"   sliding window: {g('sliding_window')}" if g("sliding_window") else ""),
         f"bos / eos ids:   {g('bos_id')} / {g('eos_ids')}",
         f"dtype:           {g('dtype')}   (tensors: "
         + ", ".join(f"{n} {d}" for d, n in sorted(info["tensor_dtypes"].items())) + ")",
@@ -293,6 +302,9 @@ def _format_summary(info: dict, show_tensors: bool) -> str:
         f"weight bytes:    {info['weight_bytes']:,} ({info['weight_bytes'] / 2**20:.2f} MiB)",
         f"tensors:         {info['n_tensors']}",
     ]
+    for d, n in sorted(info["tensor_dtypes"].items(), key=lambda kv: -info["tensor_dtype_bytes"][kv[0]]):
+        b = info["tensor_dtype_bytes"][d]
+        lines.append(f"  {d:<9} {n:>5} tensors {b:>14,} bytes ({b / 2**20:8.2f} MiB)")
     if info["format"] == "gguf":
         lines.append(f"tokenizer:       {info['tokenizer'] or 'none'}   chat template: {yn(info['chat_template'])}")
     if show_tensors:

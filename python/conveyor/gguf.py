@@ -16,6 +16,25 @@ Block formats (32 elements per block, little-endian, ``d``/``m`` are float16):
     Q8_0  d, int8 q[32]                     x = d * q
     Q4_0  d, u8 qs[16] (low nibbles are elements 0..15, high nibbles 16..31)   x = d * (q - 8)
     Q4_1  d, m, u8 qs[16] (same nibble order)                                  x = d * q + m
+    Q5_0  d, u32 qh (bit j: element j's fifth bit), u8 qs[16] as Q4_0           x = d * (q - 16)
+    Q5_1  d, m, u32 qh, u8 qs[16]                                               x = d * q + m
+K-quant super-blocks of 256 elements (read only; no quantizer here):
+    Q4_K  d, dmin, u8 scales[12], u8 qs[128]: 8 sub-blocks of 32, each with a 6-bit scale
+          sc and min mn packed in ``scales``; sub-blocks 2c and 2c+1 are the low and high
+          nibbles of qs[32c:32c+32]                     x = (d * sc) * q - (dmin * mn)
+    Q5_K  d, dmin, scales[12], u8 qh[32] (bit s of qh[l]: sub-block s's element l's fifth
+          bit), qs[128] as Q4_K                         x = (d * sc) * q - (dmin * mn)
+    Q6_K  u8 ql[128], u8 qh[64], int8 scales[16], d: element 128h + 32k + l takes 4 bits
+          of ql[64h + 32(k % 2) + l] (low nibble for k < 2) and bits 2k, 2k+1 of
+          qh[32h + l]                                   x = (d * scales[8h + 2k + l // 16]) * (q - 32)
+    Q3_K  u8 hmask[32], u8 qs[64], u8 scales[12], d: 16 sub-blocks of 16 with 6-bit scales sc
+          (low 4 bits: scales[i] & 15 for i < 8, scales[i - 8] >> 4 else; top 2 bits: bits
+          2(i // 4) of scales[8 + i % 4]); element 128h + 32k + l is bits 2k, 2k+1 of
+          qs[32h + l], minus 4 unless bit 4h + k of hmask[l] is set
+                                                        x = (d * (sc[8h + 2k + l // 16] - 32)) * q
+All products above are exact in float32 (at most 24 significant bits); only the final
+``- dmin * mn`` / ``+ m`` rounds, once. The quantizers of these five types are plain
+round-to-nearest ones (not ggml's search for the best scales): valid files for tests.
 The quantizers round like ggml's reference ones (scale from float32 arithmetic, then the
 scale stored as float16): Q8_0 d = amax/127, q = round-half-away(x/d); Q4_0 d = -max/8
 where max is the element of largest magnitude, q = min(15, trunc(x/d + 8.5)); Q4_1
@@ -57,6 +76,7 @@ __all__ = [
     "dequantize",
     "type_nbytes",
     "BLOCK_SIZE",
+    "QUANTIZABLE",
 ]
 
 GGUF_MAGIC = b"GGUF"
@@ -89,7 +109,13 @@ class GGMLType(enum.IntEnum):
     F16 = 1
     Q4_0 = 2
     Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
     Q8_0 = 8
+    Q3_K = 11
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
     BF16 = 30
 
 
@@ -111,7 +137,10 @@ _INT_RANGE = {
 _TYPE_LAYOUT = {
     GGMLType.F32: (1, 4), GGMLType.F16: (1, 2), GGMLType.BF16: (1, 2),
     GGMLType.Q8_0: (32, 34), GGMLType.Q4_0: (32, 18), GGMLType.Q4_1: (32, 20),
+    GGMLType.Q5_0: (32, 22), GGMLType.Q5_1: (32, 24),
+    GGMLType.Q3_K: (256, 110), GGMLType.Q4_K: (256, 144), GGMLType.Q5_K: (256, 176), GGMLType.Q6_K: (256, 210),
 }
+QUANTIZABLE = tuple(t for t in GGMLType if _TYPE_LAYOUT[t][0] > 1)  # block types quantize() makes
 
 
 def _ggml_type(t) -> GGMLType:
@@ -181,6 +210,8 @@ def quantize(x, ggml_type) -> np.ndarray:
         return np.ascontiguousarray(x).astype("<f2").reshape(-1).view(np.uint8)
     if t == GGMLType.BF16:
         return _bf16_bits(x.reshape(-1)).astype("<u2").view(np.uint8)
+    if t in (GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K):
+        return _quantize_simple(x, t)
     b = _blocks(x)
     n = b.shape[0]
     if not np.isfinite(b).all():
@@ -213,7 +244,7 @@ def quantize(x, ggml_type) -> np.ndarray:
         out[:, 2:4] = lo.astype("<f2").view(np.uint8).reshape(n, 2)
         out[:, 4:] = _pack_nibbles(q)
         return out.reshape(-1)
-    raise GGUFError(f"no quantizer for {t.name}")  # pragma: no cover (all GGMLType handled)
+    raise GGUFError(f"no quantizer for {t.name} (quantizers: {', '.join(x.name for x in QUANTIZABLE)})")
 
 
 def dequantize(data, ggml_type, shape=None) -> np.ndarray:
@@ -230,18 +261,202 @@ def dequantize(data, ggml_type, shape=None) -> np.ndarray:
     elif t == GGMLType.BF16:
         out = (raw.view("<u2").astype(np.uint32) << np.uint32(16)).view(np.float32)
     else:
-        b = raw.reshape(-1, size)
-        d = b[:, 0:2].copy().view("<f2").astype(np.float32)  # [n][1]
-        if t == GGMLType.Q8_0:
-            out = d * b[:, 2:].view(np.int8).astype(np.float32)
-        elif t == GGMLType.Q4_0:
-            out = d * (_unpack_nibbles(b[:, 2:]).astype(np.float32) - np.float32(8))
-        else:  # Q4_1
-            m = b[:, 2:4].copy().view("<f2").astype(np.float32)
-            out = d * _unpack_nibbles(b[:, 4:]).astype(np.float32) + m
-        out = out.reshape(-1)
+        with np.errstate(invalid="ignore", over="ignore"):  # blocks of any bits: inf * 0 is NaN, as in C
+            out = _dequantize_blocks(raw.reshape(-1, size), t)
     if shape is not None:
         out = out.reshape(shape)
+    return out
+
+
+def _dequantize_blocks(b: np.ndarray, t: GGMLType) -> np.ndarray:
+    """[n][block bytes] of a block type -> its n * block elements, float32."""
+    d = b[:, 0:2].copy().view("<f2").astype(np.float32)  # [n][1]
+    if t == GGMLType.Q8_0:
+        out = d * b[:, 2:].view(np.int8).astype(np.float32)
+    elif t == GGMLType.Q4_0:
+        out = d * (_unpack_nibbles(b[:, 2:]).astype(np.float32) - np.float32(8))
+    elif t == GGMLType.Q4_1:
+        m = b[:, 2:4].copy().view("<f2").astype(np.float32)
+        out = d * _unpack_nibbles(b[:, 4:]).astype(np.float32) + m
+    elif t == GGMLType.Q5_0:
+        q = _unpack_nibbles(b[:, 6:]) | (_bits32(b[:, 2:6]) << np.uint8(4))
+        out = d * (q.astype(np.float32) - np.float32(16))
+    elif t == GGMLType.Q5_1:
+        m = b[:, 2:4].copy().view("<f2").astype(np.float32)
+        q = _unpack_nibbles(b[:, 8:]) | (_bits32(b[:, 4:8]) << np.uint8(4))
+        out = d * q.astype(np.float32) + m
+    elif t in (GGMLType.Q4_K, GGMLType.Q5_K):
+        out = _dequantize_q45_k(b, t)
+    elif t == GGMLType.Q3_K:
+        out = _dequantize_q3_k(b)
+    else:
+        out = _dequantize_q6_k(b)
+    return out.reshape(-1)
+
+
+def _q3_k_scales(s: np.ndarray) -> np.ndarray:
+    """Q3_K: [n][12] scale bytes -> the sixteen 6-bit scales, [n][16] (0..63)."""
+    low = np.concatenate([s[:, 0:8] & 0x0F, s[:, 0:8] >> 4], axis=1).astype(np.int32)
+    i = np.arange(16)
+    high = (s[:, 8 + i % 4].astype(np.int32) >> (2 * (i // 4))) & 3
+    return low | (high << 4)
+
+
+def _dequantize_q3_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    hmask, qs = b[:, 0:32], b[:, 32:96]
+    sc = (_q3_k_scales(b[:, 96:108]) - 32).astype(np.float32)  # [n][16]
+    d = b[:, 108:110].copy().view("<f2").astype(np.float32)  # [n][1]
+    out = np.empty((n, 2, 4, 32), np.float32)                 # element 128h + 32k + l
+    for h in range(2):
+        for k in range(4):
+            low = (qs[:, 32 * h:32 * h + 32] >> (2 * k)) & 3
+            high = (hmask >> (4 * h + k)) & 1
+            q = low.astype(np.float32) - np.where(high == 1, 0, 4).astype(np.float32)
+            scale = d * sc[:, 8 * h + 2 * k:8 * h + 2 * k + 2]   # [n][2]: exact
+            out[:, h, k] = np.repeat(scale, 16, axis=1) * q
+    return out
+
+
+def _f16_bytes(v: np.ndarray) -> np.ndarray:
+    return v.astype("<f2").view(np.uint8).reshape(v.shape[0], 2)
+
+
+def _round_clip(v: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    return np.clip(np.rint(v), lo, hi).astype(np.int32)
+
+
+def _quantize_simple(x: np.ndarray, t: GGMLType) -> np.ndarray:
+    """Round-to-nearest quantizers of the Q5 and K formats (layouts in the module docstring)."""
+    blk, size = _TYPE_LAYOUT[t]
+    flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    if flat.size % blk:
+        raise GGUFError(f"{t.name} needs a multiple of {blk} elements, got {flat.size}")
+    if not np.isfinite(flat).all():
+        raise GGUFError(f"cannot quantize non-finite values to {t.name}")
+    b = flat.reshape(-1, blk)
+    n = b.shape[0]
+    out = np.zeros((n, size), np.uint8)
+    f16 = lambda v: v.astype(np.float16).astype(np.float32)  # noqa: E731 (the stored scale)
+    if t in (GGMLType.Q5_0, GGMLType.Q5_1):
+        if t == GGMLType.Q5_0:
+            idx = np.abs(b).argmax(axis=1)
+            d = f16(b[np.arange(n), idx] / np.float32(-16))
+            q = _round_clip(b * _inverse(d)[:, None] + 16, 0, 31)
+            out[:, 0:2], qh_at, qs_at = _f16_bytes(d), 2, 6
+        else:
+            lo, hi = b.min(axis=1), b.max(axis=1)
+            d, m = f16((hi - lo) / np.float32(31)), f16(lo)
+            q = _round_clip((b - m[:, None]) * _inverse(d)[:, None], 0, 31)
+            out[:, 0:2], out[:, 2:4], qh_at, qs_at = _f16_bytes(d), _f16_bytes(m), 4, 8
+        h = ((q >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)
+        out[:, qh_at:qh_at + 4] = h.sum(axis=1, dtype=np.uint32).astype("<u4").view(np.uint8).reshape(n, 4)
+        out[:, qs_at:qs_at + 16] = _pack_nibbles((q & 15).astype(np.uint8))
+        return out.reshape(-1)
+    if t in (GGMLType.Q4_K, GGMLType.Q5_K):
+        top = 15 if t == GGMLType.Q4_K else 31
+        sub = b.reshape(n, 8, 32)
+        lo = np.minimum(sub.min(axis=2), 0)                   # x = scale * q - min, min >= 0
+        scale, mins = (sub.max(axis=2) - lo) / np.float32(top), -lo
+        d, dmin = f16(scale.max(axis=1) / np.float32(63)), f16(mins.max(axis=1) / np.float32(63))
+        sc = _round_clip(scale * _inverse(d)[:, None], 0, 63)
+        mn = _round_clip(np.ceil(mins * _inverse(dmin)[:, None]), 0, 63)
+        eff_d, eff_m = (d[:, None] * sc).astype(np.float32), (dmin[:, None] * mn).astype(np.float32)
+        q = _round_clip((sub + eff_m[:, :, None]) * _inverse(eff_d.reshape(-1)).reshape(n, 8)[:, :, None], 0, top)
+        out[:, 0:2], out[:, 2:4] = _f16_bytes(d), _f16_bytes(dmin)
+        s12 = np.zeros((n, 12), np.int32)
+        s12[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+        s12[:, 4:8] = mn[:, :4] | ((mn[:, 4:] >> 4) << 6)
+        s12[:, 8:12] = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
+        out[:, 4:16] = s12.astype(np.uint8)
+        pairs = q.reshape(n, 4, 2, 32)                         # sub-blocks 2c (low) and 2c+1 (high)
+        out[:, -128:] = ((pairs[:, :, 0] & 15) | ((pairs[:, :, 1] & 15) << 4)).reshape(n, 128).astype(np.uint8)
+        if t == GGMLType.Q5_K:
+            hb = ((q >> 4) & 1) << np.arange(8)[None, :, None]  # [n][8][32]: bit s of qh[l]
+            out[:, 16:48] = hb.sum(axis=1).astype(np.uint8)
+        return out.reshape(-1)
+    if t == GGMLType.Q3_K:  # 16 sub-blocks of 16, q in -4..3, scales sc - 32 in -32..31
+        sub = b.reshape(n, 16, 16)
+        idx = np.abs(sub).argmax(axis=2)
+        scale = np.take_along_axis(sub, idx[:, :, None], axis=2)[:, :, 0] / np.float32(-4)
+        d = f16(np.abs(scale).max(axis=1) / np.float32(31))
+        sc = _round_clip(scale * _inverse(d)[:, None], -32, 31)
+        eff = (d[:, None] * sc).astype(np.float32)
+        u = (_round_clip(sub * _inverse(eff.reshape(-1)).reshape(n, 16)[:, :, None], -4, 3) + 4).reshape(n, 2, 4, 32)
+        for h in range(2):
+            for k in range(4):
+                out[:, 32 + 32 * h:64 + 32 * h] |= ((u[:, h, k] & 3) << (2 * k)).astype(np.uint8)
+                out[:, 0:32] |= ((u[:, h, k] >> 2) << (4 * h + k)).astype(np.uint8)
+        sc6 = sc + 32
+        s12 = np.zeros((n, 12), np.int32)
+        s12[:, 0:8] = (sc6[:, 0:8] & 15) | ((sc6[:, 8:16] & 15) << 4)
+        for i in range(16):
+            s12[:, 8 + i % 4] |= (sc6[:, i] >> 4) << (2 * (i // 4))
+        out[:, 96:108] = s12.astype(np.uint8)
+        out[:, 108:110] = _f16_bytes(d)
+        return out.reshape(-1)
+    # Q6_K: 16 sub-blocks of 16, signed scales
+    sub = b.reshape(n, 16, 16)
+    idx = np.abs(sub).argmax(axis=2)
+    scale = np.take_along_axis(sub, idx[:, :, None], axis=2)[:, :, 0] / np.float32(-32)
+    d = f16(np.abs(scale).max(axis=1) / np.float32(127))
+    sc = _round_clip(scale * _inverse(d)[:, None], -128, 127)
+    eff = (d[:, None] * sc).astype(np.float32)
+    q = _round_clip(sub * _inverse(eff.reshape(-1)).reshape(n, 16)[:, :, None], -32, 31) + 32  # [n][16][16]
+    q = q.reshape(n, 2, 4, 32)                                 # element 128h + 32k + l
+    for h in range(2):
+        for k in range(4):
+            lo = q[:, h, k] & 15
+            col = 64 * h + 32 * (k % 2)
+            out[:, col:col + 32] |= (lo if k < 2 else lo << 4).astype(np.uint8)
+            out[:, 128 + 32 * h:128 + 32 * h + 32] |= (((q[:, h, k] >> 4) & 3) << (2 * k)).astype(np.uint8)
+    out[:, 192:208] = sc.astype(np.int8).view(np.uint8)
+    out[:, 208:210] = _f16_bytes(d)
+    return out.reshape(-1)
+
+
+def _bits32(qh: np.ndarray) -> np.ndarray:
+    """[n][4] bytes (a little-endian u32) -> [n][32] bits, bit j at column j."""
+    h = qh.copy().view("<u4").astype(np.uint32)  # [n][1]
+    return ((h >> np.arange(32, dtype=np.uint32)) & np.uint32(1)).astype(np.uint8)
+
+
+def _k_scales(s: np.ndarray):
+    """Q4_K/Q5_K: [n][12] scale bytes -> the eight 6-bit scales and mins, [n][8] each."""
+    sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 0x0F) | ((s[:, 0:4] >> 6) << 4)], axis=1)
+    mn = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _dequantize_q45_k(b: np.ndarray, t: GGMLType) -> np.ndarray:
+    n = b.shape[0]
+    d = b[:, 0:2].copy().view("<f2").astype(np.float32)      # [n][1]
+    dmin = b[:, 2:4].copy().view("<f2").astype(np.float32)
+    sc, mn = _k_scales(b[:, 4:16])
+    qs = b[:, -128:].reshape(n, 4, 32)
+    q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, 8, 32)  # sub-block 2c low, 2c+1 high
+    if t == GGMLType.Q5_K:
+        qh = b[:, 16:48]
+        q = q | (((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) << 4).astype(np.uint8)
+    scale = (d * sc)[:, :, None]                              # exact float32 products
+    low = (dmin * mn)[:, :, None]
+    return scale * q.astype(np.float32) - low
+
+
+def _dequantize_q6_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    ql, qh = b[:, 0:128], b[:, 128:192]
+    sc = b[:, 192:208].view(np.int8).astype(np.float32)       # [n][16]
+    d = b[:, 208:210].copy().view("<f2").astype(np.float32)  # [n][1]
+    out = np.empty((n, 2, 4, 32), np.float32)                 # element 128h + 32k + l
+    for h in range(2):
+        for k in range(4):
+            part = ql[:, 64 * h + 32 * (k % 2):64 * h + 32 * (k % 2) + 32]
+            lo = part & 0x0F if k < 2 else part >> 4
+            hi = (qh[:, 32 * h:32 * h + 32] >> (2 * k)) & 3
+            q = (lo | (hi << 4)).astype(np.float32) - np.float32(32)
+            scale = d * sc[:, 8 * h + 2 * k:8 * h + 2 * k + 2]   # [n][2]: the two 16-element halves
+            out[:, h, k] = np.repeat(scale, 16, axis=1) * q
     return out
 
 
@@ -524,7 +739,7 @@ class GGUFWriter:
         arr = np.asarray(array, dtype=np.float32)
         if arr.ndim < 1 or arr.ndim > 4:
             raise GGUFError(f"tensor {name!r}: 1 to 4 dimensions, got {arr.ndim}")
-        if t in (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1) and arr.shape[-1] % BLOCK_SIZE:
+        if t in QUANTIZABLE and arr.shape[-1] % BLOCK_SIZE:
             raise GGUFError(f"tensor {name!r}: {t.name} needs rows of a multiple of {BLOCK_SIZE} "
                             f"elements, got shape {list(arr.shape)}")
         data = quantize(arr, t)
@@ -537,7 +752,7 @@ class GGUFWriter:
         shape = tuple(int(s) for s in shape)
         n = int(np.prod(shape, dtype=np.int64))
         if t in _TYPE_LAYOUT and _TYPE_LAYOUT[t][0] > 1 and shape[-1] % _TYPE_LAYOUT[t][0]:
-            raise GGUFError(f"tensor {name!r}: {t.name} needs rows of a multiple of {BLOCK_SIZE} elements")
+            raise GGUFError(f"tensor {name!r}: {t.name} needs rows of a multiple of {_TYPE_LAYOUT[t][0]} elements")
         self._tensors.append((name, shape, t, type_nbytes(t, n), chunks))
 
     def write(self) -> Path:

@@ -154,7 +154,7 @@ def read_llama2c(path) -> tuple[dict, dict]:
     return config, weights
 
 
-_GGUF_ROPE = {"llama": "pairs", "qwen2": "halves"}
+_GGUF_ROPE = {"llama": "pairs", "qwen2": "halves", "qwen3": "halves", "gemma3": "halves"}
 
 
 def read_gguf(path) -> tuple[dict, dict]:
@@ -168,7 +168,7 @@ def read_gguf(path) -> tuple[dict, dict]:
     md = f.metadata
     arch = md.get("general.architecture")
     if arch not in _GGUF_ROPE:
-        raise UnsupportedError(f"{path}: GGUF architecture {arch!r} is not supported (llama, qwen2)")
+        raise UnsupportedError(f"{path}: GGUF architecture {arch!r} is not supported ({', '.join(_GGUF_ROPE)})")
 
     def key(name, default=None):
         v = md.get(f"{arch}.{name}", default)
@@ -188,7 +188,7 @@ def read_gguf(path) -> tuple[dict, dict]:
                vocab_size=int(md.get(f"{arch}.vocab_size") or (len(tok) if tok else
                                                                f.tensors["token_embd.weight"].shape[0])),
                max_pos=int(key("context_length", 2048)),
-               rms_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+               rms_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6 if arch == "gemma3" else 1e-5)),
                rope_theta=float(key("rope.freq_base", 10000.0)), rope_layout=_GGUF_ROPE[arch],
                rope_scaling=({"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
                              if scaling == "linear" else None),
@@ -197,6 +197,15 @@ def read_gguf(path) -> tuple[dict, dict]:
                bos_id=md.get("tokenizer.ggml.bos_token_id"), dtype="gguf")
     eos = md.get("tokenizer.ggml.eos_token_id")
     cfg["eos_ids"] = [eos] if isinstance(eos, int) else []
+    cfg["qk_norm"] = arch in ("qwen3", "gemma3")
+    if arch == "gemma3":
+        # HF Gemma3: embeddings * sqrt(dim); the GGUF norms already hold (1 + w); local layers
+        # (all but every pattern-th) use base 10000 and a sliding window; GELU-tanh gating
+        cfg.update(gemma=True, embed_scale=math.sqrt(dim), rope_local_theta=10000.0,
+                   sliding_window=int(md.get("gemma3.attention.sliding_window", 0)),
+                   swa_period=int(md.get("gemma3.attention.sliding_window_pattern", 6)),
+                   # HF's query_pre_attn_scalar: head_dim, but dim / heads for the 27B model (62 layers)
+                   attn_scale=1.0 / math.sqrt(dim // n_heads) if cfg["n_layers"] == 62 else None)
     if cfg["n_heads"] % cfg["n_kv_heads"]:
         raise ModelFormatError(f"{path}: head_count {n_heads} is not a multiple of head_count_kv "
                                f"{cfg['n_kv_heads']}")
@@ -226,7 +235,13 @@ def read_gguf(path) -> tuple[dict, dict]:
             ffn_norm=get(p + "ffn_norm.weight", (dim,)),
             w_gate=get(p + "ffn_gate.weight", (hid, dim)), w_up=get(p + "ffn_up.weight", (hid, dim)),
             w_down=get(p + "ffn_down.weight", (dim, hid)),
+            q_norm=get(p + "attn_q_norm.weight", (hd,), cfg["qk_norm"]),
+            k_norm=get(p + "attn_k_norm.weight", (hd,), cfg["qk_norm"]),
+            post_attn_norm=get(p + "post_attention_norm.weight", (dim,), arch == "gemma3"),
+            post_ffn_norm=get(p + "post_ffw_norm.weight", (dim,), arch == "gemma3"),
         ))
+    if "rope_freqs.weight" in f.tensors:  # llama 3.x: per-frequency divisors
+        cfg["rope_freqs"] = get("rope_freqs.weight", (hd // 2,))
     weights = dict(embed=get("token_embd.weight", (V, dim)), final_norm=get("output_norm.weight", (dim,)),
                    lm_head=None if cfg["tie_embeddings"] else get("output.weight", (V, dim)), layers=layers)
     return cfg, weights
@@ -368,6 +383,10 @@ def _silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
 class ReferenceModel:
     """config: dict with the keys of conveyor._core.Checkpoint.config (plus "format");
     weights: embed, final_norm, lm_head (None when tied), layers (list of dicts)."""
@@ -379,6 +398,14 @@ class ReferenceModel:
         self.weights = weights
         self.gemm_inputs = gemm_inputs
         self.inv_freq = rope_inv_freq(config["head_dim"], config["rope_theta"], config.get("rope_scaling"))
+        if config.get("rope_freqs") is not None:
+            self.inv_freq = self.inv_freq / config["rope_freqs"]
+        # Gemma 3's local layers: their own base, no scaling
+        self.inv_freq_local = rope_inv_freq(config["head_dim"], config.get("rope_local_theta", 10000.0))
+
+    def _is_local(self, layer: int) -> bool:
+        c = self.config
+        return c.get("sliding_window", 0) > 0 and (layer + 1) % c.get("swa_period", 6) != 0
 
     @classmethod
     def load(cls, path, gemm_inputs: str = "float32") -> "ReferenceModel":
@@ -425,13 +452,20 @@ class ReferenceModel:
         H, KV, hd = c["n_heads"], c["n_kv_heads"], c["head_dim"]
         group = H // KV
         x = W["embed"][toks]  # [T][dim]
+        if c.get("embed_scale"):
+            x = x * np.float64(np.float32(c["embed_scale"]))
         for li, L in enumerate(W["layers"]):
+            local = self._is_local(li)
+            inv_freq = self.inv_freq_local if local else self.inv_freq
             h = _rmsnorm(x, L["attn_norm"], c["rms_eps"])
             q, k, v = self._mm(h, L["wq"]), self._mm(h, L["wk"]), self._mm(h, L["wv"])
             if L.get("bq") is not None:
                 q, k, v = q + L["bq"], k + L["bk"], v + L["bv"]
-            q = _rope(q.reshape(T, H, hd), pos, self.inv_freq, c["rope_layout"])
-            k = _rope(k.reshape(T, KV, hd), pos, self.inv_freq, c["rope_layout"])
+            q, k = q.reshape(T, H, hd), k.reshape(T, KV, hd)
+            if L.get("q_norm") is not None:  # per head, before RoPE
+                q, k = _rmsnorm(q, L["q_norm"], c["rms_eps"]), _rmsnorm(k, L["k_norm"], c["rms_eps"])
+            q = _rope(q, pos, inv_freq, c["rope_layout"])
+            k = _rope(k, pos, inv_freq, c["rope_layout"])
             v = v.reshape(T, KV, hd)
             if len(cache) <= li:
                 cache.append((k, v))
@@ -441,9 +475,13 @@ class ReferenceModel:
             S = K.shape[0]
             kh = np.repeat(K, group, axis=1).transpose(1, 2, 0)  # [H][hd][S]
             vh = np.repeat(V, group, axis=1).transpose(1, 0, 2)  # [H][S][hd]
-            scores = q.transpose(1, 0, 2) @ kh / math.sqrt(hd)   # [H][T][S]
+            scale = c.get("attn_scale") or 1.0 / math.sqrt(hd)
+            scores = q.transpose(1, 0, 2) @ kh * scale           # [H][T][S]
             key_pos = np.arange(S)
-            scores = np.where(key_pos[None, None, :] <= pos[None, :, None], scores, -np.inf)
+            visible = key_pos[None, None, :] <= pos[None, :, None]
+            if local:  # the sliding window: the last `window` positions, this one included
+                visible &= key_pos[None, None, :] > pos[None, :, None] - c["sliding_window"]
+            scores = np.where(visible, scores, -np.inf)
             scores -= scores.max(axis=-1, keepdims=True)
             p = np.exp(scores)
             p /= p.sum(axis=-1, keepdims=True)
@@ -451,9 +489,15 @@ class ReferenceModel:
             out = self._mm(att, L["wo"])
             if L.get("bo") is not None:
                 out = out + L["bo"]
+            if L.get("post_attn_norm") is not None:
+                out = _rmsnorm(out, L["post_attn_norm"], c["rms_eps"])
             x = x + out
             h = _rmsnorm(x, L["ffn_norm"], c["rms_eps"])
-            x = x + self._mm(_silu(self._mm(h, L["w_gate"])) * self._mm(h, L["w_up"]), L["w_down"])
+            act = _gelu_tanh if c.get("gemma") else _silu
+            out = self._mm(act(self._mm(h, L["w_gate"])) * self._mm(h, L["w_up"]), L["w_down"])
+            if L.get("post_ffn_norm") is not None:
+                out = _rmsnorm(out, L["post_ffn_norm"], c["rms_eps"])
+            x = x + out
         x = _rmsnorm(x, W["final_norm"], c["rms_eps"])
         head = W["embed"] if W["lm_head"] is None else W["lm_head"]
         return self._mm(x, head)

@@ -696,7 +696,7 @@ def write_llama2c_checkpoint(path, *, shape="tiny", seed: int = 0, tied: bool = 
 
 # ---------------------------------------------------------------------------- GGUF
 
-GGUF_ARCHS = ("llama", "qwen2")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 GGUF_TOKENIZERS = ("gpt2", "llama")
 _GGUF_LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -772,7 +772,7 @@ def write_gguf_checkpoint(path, *, shape="tiny", arch: str | None = None, ggml_t
                           tokenizer: str | None = "gpt2", chat_template: str | None = _HF_CHAT_TEMPLATE,
                           alignment: int = 32, version: int = 3, context_length: int | None = None,
                           rope_theta: float | None = None, rms_eps: float | None = None,
-                          extra_metadata: dict | None = None) -> Path:
+                          extra_metadata: dict | None = None, tensor_types: dict | None = None) -> Path:
     """Writes a random-weight model as one GGUF file (llama.cpp's names and metadata keys)
     and returns its path (``path``, or path/model.gguf for a folder).
 
@@ -780,19 +780,25 @@ def write_gguf_checkpoint(path, *, shape="tiny", arch: str | None = None, ggml_t
     arch, seed and tying (same draw order), so the two files describe the same model. For
     arch "llama" the q/k rows are permuted as llama.cpp's converter does (see
     ``llama_qk_permute``; GGUF llama uses the interleaved-pairs RoPE); "qwen2" keeps HF's
-    order (rotate-half RoPE) and has q/k/v biases.
+    order (rotate-half RoPE) and has q/k/v biases. "qwen3" and "gemma3" (HF order, no
+    biases) add each layer's attn_q_norm/attn_k_norm ([head_dim]) after its FFN, and gemma3
+    its post_attention_norm and post_ffw_norm (the values stored are the (1 + w) llama.cpp's
+    converter writes); pass "gemma3.attention.sliding_window" in ``extra_metadata`` for
+    its local layers.
 
-    ``ggml_type``: the type of the 2-D weights (F32, F16, BF16, Q8_0, Q4_0, Q4_1);
-    ``embed_type``: token_embd/output (default: ``ggml_type``). A matrix whose rows are not a
-    multiple of 32 cannot be block-quantized and is stored as F32 (llama.cpp also falls
-    back for such tensors); norms and biases are always F32.
+    ``ggml_type``: the type of the 2-D weights (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
+    Q5_1, Q4_K, Q5_K, Q6_K); ``embed_type``: token_embd/output (default: ``ggml_type``);
+    ``tensor_types``: per-matrix types by llama.cpp's short name ("attn_k", "ffn_down", ...),
+    as a K-quant mix stores them. A matrix whose rows are not a multiple of the type's
+    block cannot be block-quantized and is stored as F32 (llama.cpp also falls back for
+    such tensors); norms and biases are always F32.
     ``tokenizer``: "gpt2" (the byte-level BPE test vocabulary of ``write_hf_tokenizer``,
     pre-tokenizer "gpt2"), "llama" (the SentencePiece-style vocabulary of
     ``write_llama2c_tokenizer``, with scores) or None; ``chat_template`` is stored with it.
     ``extra_metadata``: more entries, key -> value or (value, GGUFValueType), written last
     (a key already set is replaced).
     """
-    from .gguf import BLOCK_SIZE, GGMLType, GGUFValueType, GGUFWriter, _ggml_type, quantize
+    from .gguf import _TYPE_LAYOUT, GGMLType, GGUFValueType, GGUFWriter, _ggml_type, quantize
 
     s = resolve_shape(shape)
     arch = arch or s.get("arch", "llama")
@@ -812,7 +818,8 @@ def write_gguf_checkpoint(path, *, shape="tiny", arch: str | None = None, ggml_t
     w.add("general.architecture", arch)
     w.add("general.name", f"conveyor-random-{arch}-{mat_type.name.lower()}")
     w.add("general.file_type", {GGMLType.F32: 0, GGMLType.F16: 1, GGMLType.Q4_0: 2, GGMLType.Q4_1: 3,
-                                GGMLType.Q8_0: 7, GGMLType.BF16: 32}[mat_type], U32)
+                                GGMLType.Q8_0: 7, GGMLType.Q5_0: 8, GGMLType.Q5_1: 9, GGMLType.Q3_K: 12, GGMLType.Q4_K: 15,
+                                GGMLType.Q5_K: 17, GGMLType.Q6_K: 18, GGMLType.BF16: 32}[mat_type], U32)
     w.add(f"{arch}.context_length", int(context_length or s["max_pos"]), U32)
     w.add(f"{arch}.embedding_length", dim, U32)
     w.add(f"{arch}.feed_forward_length", s["hidden_dim"], U32)
@@ -846,15 +853,27 @@ def write_gguf_checkpoint(path, *, shape="tiny", arch: str | None = None, ggml_t
             w.add(key, value)
 
     gen = _Gen(seed)
-    for name, shp, kind, scale in hf_tensor_layout(s, arch, tie, arch == "qwen2"):
+    layout = []
+    for entry in hf_tensor_layout(s, arch, tie, arch == "qwen2"):
+        layout.append(entry)
+        m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", entry[0])
+        if m and arch in ("qwen3", "gemma3"):  # the layer's extra norms, by their GGUF names
+            extra = ["attn_q_norm", "attn_k_norm"] + (["post_attention_norm", "post_ffw_norm"] if arch == "gemma3" else [])
+            for e in extra:
+                layout.append((f"blk.{m.group(1)}.{e}.weight", (s["head_dim"] if "_k_" in e or "_q_" in e else s["dim"],),
+                               "norm", 1.0))
+    for name, shp, kind, scale in layout:
         arr = gen.full(shp, kind, scale)
-        gname = gguf_tensor_name(name)
+        gname = name if name.startswith("blk.") else gguf_tensor_name(name)
         if arch == "llama" and gname.split(".")[-2] in ("attn_q", "attn_k"):
             arr = llama_qk_permute(arr, s["n_heads"] if "attn_q" in gname else s["n_kv_heads"])
         t = GGMLType.F32
         if arr.ndim == 2:
             t = emb_type if gname in ("token_embd.weight", "output.weight") else mat_type
-            if t in (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1) and arr.shape[1] % BLOCK_SIZE:
+            short = gname.split(".")[-2]
+            if tensor_types and short in tensor_types:
+                t = _ggml_type(tensor_types[short])
+            if arr.shape[1] % _TYPE_LAYOUT[t][0]:
                 t = GGMLType.F32
         data = quantize(arr, t)
         w.add_tensor_producer(gname, arr.shape, t, lambda data=data: [data.tobytes()])

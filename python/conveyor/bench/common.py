@@ -54,7 +54,9 @@ def stories_path() -> Optional[Path]:
 def resolve_model(name: Optional[str]) -> str:
     """A model argument: None -> the built-in SmolLM-135M-shaped random checkpoint;
     "stories260K" -> the shared real tiny model; a shape name of conveyor.testing.SHAPES
-    ("tiny", "smollm-135m", ...) -> a cached random checkpoint of that shape; else a path."""
+    ("tiny", "smollm-135m", ...) -> a cached random checkpoint of that shape;
+    "gemma-3-270m-q4_k_m.gguf" not found here -> that file from the cache (fetched once,
+    conveyor.gemma3_model); else a path."""
     from ..generate import default_model
     from ..testing import SHAPES
 
@@ -67,7 +69,9 @@ def resolve_model(name: Optional[str]) -> str:
         return str(p)
     if not os.path.exists(name) and name in SHAPES:
         return str(default_model(shape=name))
-    return name
+    from ..gemma3_model import resolve_model_name
+
+    return resolve_model_name(name)  # the Gemma 3 Q4_K_M file by its bare name: from the cache
 
 
 def checkpoint_config(path: str) -> Dict[str, Any]:

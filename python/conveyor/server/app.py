@@ -260,6 +260,10 @@ def main(argv=None) -> int:
         from ..default_model import default_model_path
 
         args.model = default_model_path()
+    else:
+        from ..gemma3_model import resolve_model_name
+
+        args.model = resolve_model_name(args.model)  # the Gemma 3 Q4_K_M file by its bare name
     knobs = engine_kwargs(args)
     try:
         engine = AsyncLLM(args.model, **knobs)
