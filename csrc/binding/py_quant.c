@@ -67,7 +67,7 @@ static int parse_stored_qtype(const char *s, cv_dtype *out) {
 
 static int parse_level(const char *s, cv_qlevel *out) {
     if (strcmp(s, "best") == 0) {
-        *out = cv_qlevel_best(1);
+        *out = cv_qlevel_best((int)cv_simd_best());
         return 0;
     }
     for (int l = CV_QL_SCALAR; l <= CV_QL_AVXVNNI; l++)
@@ -246,7 +246,7 @@ static PyObject *py_kernel_qlevels(PyObject *self, PyObject *noargs) {
     for (int l = CV_QL_SCALAR; d && l <= CV_QL_AVXVNNI; l++)
         if (cv_py_put(d, cv_qlevel_name((cv_qlevel)l), PyBool_FromLong(cv_qlevel_supported((cv_qlevel)l))) < 0)
             Py_CLEAR(d);
-    if (d && cv_py_put(d, "best", PyUnicode_FromString(cv_qlevel_name(cv_qlevel_best(1)))) < 0) Py_CLEAR(d);
+    if (d && cv_py_put(d, "best", PyUnicode_FromString(cv_qlevel_name(cv_qlevel_best((int)cv_simd_best())))) < 0) Py_CLEAR(d);
     return d;
 }
 
