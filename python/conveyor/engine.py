@@ -310,7 +310,11 @@ class EngineCore:
         context, KV cache, every sampling range), queueing nothing."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        self._engine.check_request(prompt_ids, self._engine_params(params))
+        engine_params = self._engine_params(params)
+        with self._lock:  # close() waits: the C engine is not freed under the check
+            if self.closed:
+                raise _core.EngineClosedError("the engine is closed")
+            self._engine.check_request(prompt_ids, engine_params)
 
     def _engine_params(self, params: SamplingParams) -> SamplingParams:
         """What the C engine reads: bad_words tokenized with this engine's tokenizer."""
@@ -354,7 +358,8 @@ class EngineCore:
             from .guided import GuidedDecoder
 
             self._guided = GuidedDecoder(self.tokenizer, self.vocab_size)
-        return [self._guided.matcher(params.guided_decoding) for _ in range(params.n)]
+        n_run = max(params.n, params.best_of or 0)  # best_of: every candidate is constrained
+        return [self._guided.matcher(params.guided_decoding) for _ in range(n_run)]
 
     def _advance_guided(self, pending) -> None:
         """Each (request, completion, token): the matcher takes the token, and the

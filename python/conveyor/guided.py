@@ -37,6 +37,19 @@ def _llguidance():
     return llguidance
 
 
+def _gbnf_to_lark(llg):
+    """llguidance's GBNF -> Lark converter: a function of the package in some
+    releases, the function of a submodule of that name in others (1.9)."""
+    conv = getattr(llg, "gbnf_to_lark", None)
+    if conv is not None and not callable(conv):
+        conv = getattr(conv, "gbnf_to_lark", None)
+    if conv is None:
+        import importlib
+
+        conv = importlib.import_module("llguidance.gbnf_to_lark").gbnf_to_lark
+    return conv
+
+
 @dataclass
 class GuidedDecodingParams:
     """Exactly one of: json (a JSON schema, dict or str), regex, choice (list of
@@ -107,8 +120,8 @@ class GuidedDecodingParams:
             text = self.grammar
             if "::=" in text:
                 try:
-                    text = llg.gbnf_to_lark(text)
-                except Exception as e:  # the converter raises plain exceptions
+                    text = _gbnf_to_lark(llg)(text)
+                except Exception as e:  # the converter raises its own error classes
                     raise _error(f"guided_decoding.grammar: cannot read the GBNF grammar: {e}") from None
             g = M.grammar_from_lark(text)
         problem = M.validate_grammar(g)
