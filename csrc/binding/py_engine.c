@@ -323,6 +323,15 @@ static PyArrayObject *read_prompt(EngineObject *self, PyObject *prompt_obj) {
         }
         Py_DECREF(wide);
     }
+    if (!arr && PyErr_ExceptionMatches(PyExc_OverflowError)) {
+        /* an int past 64 bits: no vocabulary holds it */
+        PyErr_Clear();
+        cv_err err = {0};
+        cv_set_field_err(&err, CV_ERR_INVALID, "prompt",
+                         "a prompt token id does not fit in 64 bits: it is outside the vocabulary [0, %lld)",
+                         (long long)self->vocab);
+        return (PyArrayObject *)cv_py_raise(&err);
+    }
     if (!arr && (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_ValueError) ||
                  PyErr_ExceptionMatches(PyExc_TypeError))) {
         PyErr_Clear();

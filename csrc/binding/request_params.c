@@ -415,6 +415,7 @@ static PyMethodDef methods[] = {
 int cv_py_add_request_params(PyObject *m) {
     if (PyModule_AddFunctions(m, methods) < 0) return -1;
     if (PyModule_AddIntConstant(m, "MAX_LOGPROBS", CV_MAX_LOGPROBS) < 0) return -1;
+    if (PyModule_AddIntConstant(m, "MAX_BAD_WORDS", CV_MAX_BAD_WORDS) < 0) return -1;
     if (PyModule_AddIntConstant(m, "MAX_N", CV_MAX_N) < 0) return -1;
     return 0;
 }

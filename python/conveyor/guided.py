@@ -29,6 +29,16 @@ def _error(message: str, field: str = "guided_decoding") -> ValueError:
     return e
 
 
+def _first_line(text: str) -> str:
+    """llguidance's errors carry the parser state after the first line."""
+    return (text or "").strip().split("\n", 1)[0][:500]
+
+
+# guided_choice entries: each becomes an alternative of one grammar rule, built and
+# searched per token; 20,000 took seconds to build.
+MAX_CHOICES = 1024
+
+
 def _llguidance():
     try:
         import llguidance
@@ -112,6 +122,8 @@ class GuidedDecodingParams:
             c = self.choice
             if not isinstance(c, (list, tuple)) or not c or not all(isinstance(x, str) and x for x in c):
                 raise _error("guided_decoding.choice must be a non-empty list of non-empty str")
+            if len(c) > MAX_CHOICES:
+                raise _error(f"guided_decoding.choice has {len(c)} entries; at most {MAX_CHOICES} are allowed")
             # Lark string literals take JSON's escapes.
             g = M.grammar_from_lark("start: " + " | ".join(json.dumps(x) for x in c))
         else:
@@ -176,8 +188,25 @@ class GuidedDecoder:
     def matcher(self, params: GuidedDecodingParams):
         m = self._llg.LLMatcher(self.lltok, params.lark_or_json_grammar, log_level=0)
         if m.is_error():
-            raise _error(f"guided_decoding: {m.get_error()}")
+            raise _error(f"guided_decoding: {_first_line(m.get_error())}")
         return m
+
+    def start(self, params: GuidedDecodingParams, n: int):
+        """(n matchers, the first token's mask): one grammar built and its first mask
+        computed (where a grammar past the grammar engine's limits usually fails:
+        ValueError, field "guided_decoding"), then copied for the other completions."""
+        m = self.matcher(params)
+        mask = self.mask(m)
+        if mask is None:
+            raise _error("guided_decoding: the grammar engine gave up on this grammar at the first token: "
+                         f"{_first_line(m.get_error())}")
+        return [m] + [m.deep_copy() for _ in range(n - 1)], mask
+
+    @staticmethod
+    def error_of(matcher, index: int, pos: int) -> str:
+        """Why matcher failed, for the client: the grammar engine's first line."""
+        return (f"guided_decoding: the grammar engine gave up on completion {index} after {pos} tokens: "
+                f"{_first_line(matcher.get_error()) or 'the sampled token was not allowed'}")
 
     def mask(self, matcher) -> Optional[np.ndarray]:
         """The next token's allowed-token bitmask, or None when the matcher failed."""

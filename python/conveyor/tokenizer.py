@@ -72,15 +72,37 @@ def _compile_template(source: str):
         raise ModelFormatError(f"the model's chat template is not valid Jinja: {e}") from None
 
 
+# A chat template is code from the model file (or the request) run on every chat
+# request: the sandbox keeps it from the host, these caps keep it from the CPU and
+# memory. Real templates render a conversation in well under a millisecond, and their
+# output is about the size of the messages.
+CHAT_TEMPLATE_MAX_SECONDS = 2.0
+CHAT_TEMPLATE_MAX_OUTPUT = 1 << 20  # characters beyond the messages' own
+
+
 def _render_template(source: str, messages: list[dict], add_generation_prompt: bool,
                      bos_token: str, eos_token: str) -> str:
-    from jinja2.exceptions import TemplateError
+    from .deadline import call_with_deadline
+
+    limit = CHAT_TEMPLATE_MAX_OUTPUT + sum(len(m["content"]) for m in messages)
+
+    def render():
+        parts, size = [], 0
+        for piece in _compile_template(source).generate(
+                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos_token,
+                eos_token=eos_token):
+            size += len(piece)
+            if size > limit:
+                raise ValueError(f"chat template output is over {limit} characters")
+            parts.append(piece)
+        return "".join(parts)
 
     try:
-        return _compile_template(source).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                bos_token=bos_token, eos_token=eos_token)
-    except TemplateError as e:
+        return call_with_deadline(CHAT_TEMPLATE_MAX_SECONDS, "rendering the chat template", render)
+    except ValueError as e:  # raise_exception() in the template, or the output cap
         raise ValueError(f"chat template failed to render: {e}") from None
+    except Exception as e:  # jinja's own errors, and OverflowError, RecursionError, TimeoutError...
+        raise ValueError(f"chat template failed to render: {type(e).__name__}: {e}") from None
 
 
 def _check_messages(messages) -> list[dict]:
