@@ -6,6 +6,7 @@ overflow would take the test runner down with it."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import subprocess
 import sys
 import textwrap
@@ -251,3 +252,141 @@ def test_gguf_alignment_below_8_or_not_a_power_of_two(tmp_path, alignment):
         GGUFReader(p)
     with pytest.raises(conveyor.ModelFormatError, match="general.alignment must be a uint32 power of two in \\[8,"):
         conveyor._core.gguf_metadata(str(p))
+
+
+# ---------------------------------------------------------------- items 11, 12, 14: model files
+
+
+def _peak_child(code: str) -> tuple[str, float, float]:
+    """Runs code in a child; (its stdout, wall seconds, peak RSS in MiB)."""
+    t0 = time.monotonic()
+    r = run_child(code + "\nimport resource\nprint('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    took = time.monotonic() - t0
+    assert r.returncode == 0, r.stderr[-2000:]
+    rss = float(r.stdout.rsplit("RSS", 1)[1]) / 1024
+    return r.stdout, took, rss
+
+
+def test_gguf_merges_from_scores_bounded(tmp_path):
+    """The issue's bomb: a ~2 MB GGUF whose tokens are "a" * 1..2000, so that every split
+    of every token is a merge (37 s and 11.4 GB before). It loads within 5 s and 512 MiB
+    (tokens past MERGE_MAX_TOKEN_CHARS get no merges)."""
+    from conveyor.gguf import GGUFValueType as VT, GGUFWriter
+
+    w = GGUFWriter(tmp_path / "bomb.gguf")
+    w.add("general.architecture", "llama")
+    w.add("tokenizer.ggml.model", "llama")
+    toks = ["<unk>", "<s>", "</s>"] + ["a" * k for k in range(1, 2001)]
+    w.add("tokenizer.ggml.tokens", toks, VT.ARRAY, VT.STRING)
+    w.add("tokenizer.ggml.scores", [0.0] * 3 + [float(k) for k in range(1, 2001)], VT.ARRAY, VT.FLOAT32)
+    w.add("tokenizer.ggml.token_type", [2, 3, 3] + [1] * 2000, VT.ARRAY, VT.INT32)
+    path = w.write()
+    assert path.stat().st_size < 2_100_000
+    out, took, rss = _peak_child(f"""
+from conveyor.tokenizer import GGUFTokenizer
+tok = GGUFTokenizer.from_file({str(path)!r})
+print("ids", tok.encode("aaaaaaaaaa", add_special_tokens=False))
+""")
+    assert "ids [" in out
+    assert took < 5.0 + 2.0, f"{took:.1f} s (the child's start included)"
+    assert rss < 512, f"peak RSS {rss:.0f} MiB"
+
+
+def test_gguf_unused_metadata_array_not_listed(tmp_path):
+    """A big metadata array the tokenizer does not read is left out of the tokenizer's
+    metadata (array_limit), while the tokenizer's own arrays are read whole."""
+    from conveyor import _core
+    from conveyor.gguf import GGUFValueType as VT, GGUFWriter
+
+    w = GGUFWriter(tmp_path / "junk.gguf")
+    w.add("general.architecture", "llama")
+    w.add("tokenizer.ggml.model", "gpt2")
+    toks = [f"t{i}" for i in range(70000)]
+    w.add("tokenizer.ggml.tokens", toks, VT.ARRAY, VT.STRING)
+    w.add("junk.array", [0] * 4_000_000, VT.ARRAY, VT.UINT8)
+    path = w.write()
+    md = _core.gguf_metadata(str(path), array_limit=1 << 16)
+    assert "junk.array" not in md and len(md["tokenizer.ggml.tokens"]) == 70000
+    assert len(_core.gguf_metadata(str(path))["junk.array"]) == 4_000_000  # the default reads all
+
+
+def _tokenizer_json(vocab: dict) -> str:
+    return json.dumps({"version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+                       "normalizer": None, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None,
+                       "decoder": None, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "a"}})
+
+
+@pytest.mark.parametrize("big_id", [200_000_000, 4_000_000_000])
+def test_tokenizer_json_huge_token_id(tmp_path, big_id):
+    """A ~300-byte tokenizer.json naming token id 200,000,000 (3 GB of tables before) or
+    4e9 (a MemoryError traceback): ModelFormatError naming the id, at once."""
+    from conveyor.tokenizer import HFTokenizer
+
+    p = tmp_path / "tokenizer.json"
+    p.write_text(_tokenizer_json({"a": 0, "b": 1, "c": big_id}))
+    t0 = time.monotonic()
+    with pytest.raises((conveyor.ModelFormatError, ValueError)) as ei:
+        HFTokenizer(p)
+    assert time.monotonic() - t0 < 2.0
+    if isinstance(ei.value, conveyor.ModelFormatError):
+        assert str(big_id) in str(ei.value)
+
+
+def test_deep_tokenizer_config(tmp_path):
+    """A tokenizer_config.json nested 100,000 deep: ModelFormatError, not RecursionError."""
+    from conveyor.tokenizer import HFTokenizer
+
+    (tmp_path / "tokenizer.json").write_text(_tokenizer_json({"a": 0, "b": 1}))
+    (tmp_path / "tokenizer_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(conveyor.ModelFormatError, match="nested too deeply"):
+        HFTokenizer(tmp_path / "tokenizer.json", tmp_path)
+
+
+def test_json_size_caps(tmp_path, tiny_hf_dir):
+    """config.json (C reader) and tokenizer_config.json (Python) past their caps: a
+    ModelFormatError naming the file and its size, before parsing."""
+    import shutil
+
+    from conveyor.tokenizer import HFTokenizer
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_hf_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["padding"] = "x" * (2 << 20)
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(conveyor.ModelFormatError, match="config.json: \\d+ bytes, more than the 1048576"):
+        conveyor._core.Checkpoint(str(d))
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    tc["padding"] = "x" * (5 << 20)
+    (d / "tokenizer_config.json").write_text(json.dumps(tc))
+    with pytest.raises(conveyor.ModelFormatError, match="tokenizer_config.json: \\d+ bytes, more than"):
+        HFTokenizer(d / "tokenizer.json", d)
+
+
+def test_chat_template_symlink_out_of_the_folder(tmp_path, tiny_hf_dir):
+    """chat_template.jinja linking out of the model folder is refused; the Hugging Face
+    cache's snapshots/REV -> ../../blobs link is followed."""
+    import shutil
+
+    from conveyor.tokenizer import HFTokenizer
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("host secret {{ messages }}")
+    d = tmp_path / "m"
+    shutil.copytree(tiny_hf_dir, d)
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    tc.pop("chat_template", None)
+    (d / "tokenizer_config.json").write_text(json.dumps(tc))
+    (d / "chat_template.jinja").symlink_to(secret)
+    with pytest.raises(conveyor.ModelFormatError, match="outside the model folder"):
+        HFTokenizer(d / "tokenizer.json", d)
+    # the HF cache layout
+    repo = tmp_path / "models--x--y"
+    snap = repo / "snapshots" / "abc123"
+    shutil.copytree(d, snap, symlinks=True)
+    (snap / "chat_template.jinja").unlink()
+    (repo / "blobs").mkdir()
+    (repo / "blobs" / "h1").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    (snap / "chat_template.jinja").symlink_to(Path("../../blobs/h1"))
+    tok = HFTokenizer(snap / "tokenizer.json", snap)
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
