@@ -390,3 +390,33 @@ def test_chat_template_symlink_out_of_the_folder(tmp_path, tiny_hf_dir):
     (snap / "chat_template.jinja").symlink_to(Path("../../blobs/h1"))
     tok = HFTokenizer(snap / "tokenizer.json", snap)
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
+
+
+def test_ray_deployment_name_and_key_warning(stories_dir):
+    """A Ray Serve deployment serves the model's name, not its full path, and warns when
+    it answers without an API key (as `conveyor serve` does)."""
+    from conveyor.ray import serve as ray_serve
+
+    path = str(stories_dir / "stories260K.bin")
+    assert ray_serve._served_name(path) == "stories260K"
+    assert ray_serve._served_name("/only/on/the/replica/model-dir/") == "model-dir"
+    with pytest.warns(UserWarning, match="without an API key"):
+        try:
+            ray_serve.build(path)
+        except Exception:  # noqa: BLE001 - without ray installed, build stops after the warning
+            pass
+
+
+def test_grammar_given_up_midway_is_said(stories_llm):
+    """A grammar llguidance gives up on after the first token: LLM.generate warns and
+    RequestOutput.guided_error says why (AsyncLLM's stream raises it: the server's 400)."""
+    from conveyor.guided import GuidedDecodingParams
+
+    sp = SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(regex="((a{100}){100}){100}"))
+    try:
+        with pytest.warns(UserWarning, match="grammar engine gave up"):
+            (out,) = stories_llm.generate(["Once"], sp, use_tqdm=False)
+    except ValueError as e:  # or it is refused at the first token already
+        assert getattr(e, "field", None) == "guided_decoding" and "gave up" in str(e)
+        return
+    assert out.outputs[0].finish_reason == "abort" and "gave up" in out.guided_error

@@ -105,7 +105,12 @@ class LLM(EngineFrontend):
             core.abort_requests(reqs)
             raise
         self._run(reqs, use_tqdm)
-        return [EngineCore.build_output(r) for r in reqs]
+        outs = [EngineCore.build_output(r) for r in reqs]
+        for o in outs:  # the other prompts' results stand; this one's is said, not silent
+            if o.guided_error:
+                warnings.warn(f"request {o.request_id}: {o.guided_error} (its completion ended 'abort'; "
+                              "RequestOutput.guided_error)", UserWarning, stacklevel=2)
+        return outs
 
     def _run(self, reqs, use_tqdm: bool):
         core = self._core
