@@ -405,11 +405,11 @@ static int open_shards(hf_loader *h) {
     if (!h->shards) { rc = cv_set_err(err, CV_ERR_NOMEM, "%s: out of memory", h->index_path); goto done; }
     for (size_t i = 0; i < wm->len; i++) {
         const cv_json *v = wm->items[i];
-        if (v->type != CV_JSON_STRING || v->len == 0 || strlen(v->str) != v->len || strchr(v->str, '/') ||
-            strcmp(v->str, ".") == 0 || strcmp(v->str, "..") == 0) {
+        if (v->type != CV_JSON_STRING || v->len == 0 || v->len > 255 /* NAME_MAX */ || strlen(v->str) != v->len ||
+            strchr(v->str, '/') || strcmp(v->str, ".") == 0 || strcmp(v->str, "..") == 0) {
             rc = cv_set_err(err, CV_ERR_FORMAT,
-                            "%s: weight_map entry for '%.200s' must be a plain file name in the same directory",
-                            h->index_path, v->key);
+                            "%s: weight_map entry for '%.200s' must be a plain file name (at most 255 bytes) in "
+                            "the same directory", h->index_path, v->key);
             goto done;
         }
         h->shards[i] = v->str;
