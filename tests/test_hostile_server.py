@@ -165,3 +165,30 @@ def test_health_p99_under_hostile_mix(server):
     print(f"/health under the hostile mix: {len(lat)} polls, median {lat[len(lat) // 2] * 1000:.1f} ms, "
           f"p99 {p99 * 1000:.1f} ms, max {lat[-1] * 1000:.1f} ms")
     assert p99 < 0.100, f"/health p99 {p99 * 1000:.0f} ms, max {lat[-1] * 1000:.0f} ms over {len(lat)} polls"
+
+
+def test_one_request_takes_at_most_a_quarter_of_the_queue():
+    """With --max-queued-requests 8, one request may queue 2 prompts: 3 is a 400 naming
+    'prompt', so that one client cannot fill the queue for everyone."""
+    s = OwnServer(str(MODEL), ["--max-queued-requests", "8"], timeout=120.0)
+    try:
+        with httpx.Client(base_url=s.url, trust_env=False, timeout=120.0) as c:
+            expect_400(completion(c, prompt=["a", "b", "c"]), "prompt", "at most 2 (a quarter of max_queued_requests=8)")
+            r = completion(c, prompt=["Once", "The dog"], max_tokens=2)
+            assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    finally:
+        s.stop()
+
+
+def test_streamed_grammar_given_up_midway_ends_with_the_error(server):
+    """Streaming: a grammar the grammar engine gives up on after tokens were sent ends
+    the stream with an error event naming the field (or, given up at once, a 400)."""
+    r = server.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4, "stream": True,
+                                             "guided_regex": "((a{100}){100}){100}"})
+    if r.status_code == 400:
+        expect_400(r, "guided_regex", "gave up")
+        return
+    events = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert events and "error" in events[-1], r.text[-500:]
+    assert events[-1]["error"]["param"] == "guided_regex" and "gave up" in events[-1]["error"]["message"]

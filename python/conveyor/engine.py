@@ -641,6 +641,11 @@ class EngineFrontend:
         """Requests queued or running."""
         return self._core.num_unfinished()
 
+    @property
+    def max_queued_requests(self) -> Optional[int]:
+        """The engine's queue limit (None: unbounded)."""
+        return self._core.args.max_queued_requests or None
+
     def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list:
         """A prompt text's token ids; a text too long for max_model_len is refused
         (ValueError, .field "prompt") before the tokenizer runs."""

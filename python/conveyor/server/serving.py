@@ -211,6 +211,12 @@ class Server:
         from .. import EngineOverloadedError
 
         timeout = parsed.timeout if parsed.timeout is not None else self.request_timeout
+        limit = getattr(self.engine, "max_queued_requests", None)
+        share = max(1, limit // 4) if limit else None
+        if share is not None and len(parsed.prompts) > share:
+            # one request must not fill the queue for everyone
+            raise bad_request("prompt", f"'prompt' holds {len(parsed.prompts)} prompts; one request may queue "
+                                        f"at most {share} (a quarter of max_queued_requests={limit})")
         streams = []
         try:
             for i, p in enumerate(parsed.prompts):
