@@ -85,10 +85,11 @@ def _render_template(source: str, messages: list[dict], add_generation_prompt: b
     from .deadline import call_with_deadline
 
     limit = CHAT_TEMPLATE_MAX_OUTPUT + sum(len(m["content"]) for m in messages)
+    template = _compile_template(source)  # a template that does not compile: ModelFormatError
 
     def render():
         parts, size = [], 0
-        for piece in _compile_template(source).generate(
+        for piece in template.generate(
                 messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos_token,
                 eos_token=eos_token):
             size += len(piece)
