@@ -537,8 +537,11 @@ class EngineCore:
                     on_event(req)
             if guided and defer_masks:
                 self._deferred_masks.extend(guided)
-            elif guided:
-                self._advance_guided(guided)
+                guided = None
+        if guided:
+            # after the lock: a mask can take a grammar's whole fuel (a second), and
+            # add_request/check_request on the event loop must not wait for it
+            self._advance_guided(guided)
         return list(changed.values())
 
     @staticmethod
