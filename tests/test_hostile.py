@@ -422,3 +422,37 @@ def test_grammar_given_up_midway_is_said(stories_llm):
         assert getattr(e, "field", None) == "guided_decoding" and "gave up" in str(e)
         return
     assert out.outputs[0].finish_reason == "abort" and "gave up" in out.guided_error
+
+
+def test_internal_error_is_counted_and_not_echoed(stories_dir):
+    """A 500 (here: a bug stand-in raised while the request is read) says only its type,
+    the details go to the log, and it is counted in conveyor_http_errors_total."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("starlette")
+    import asyncio
+
+    from conveyor import AsyncLLM
+    from conveyor.serve import build_app
+
+    engine = AsyncLLM(str(stories_dir / "stories260K.bin"), num_threads=1)
+    try:
+        app = build_app(engine, model_name="stories260K")
+
+        def broken(body):
+            raise RuntimeError("secret detail /home/someone/.keys")
+
+        app.state.server.validator.completion = broken
+
+        async def go():
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+                r = await c.post("/v1/completions", json={"prompt": "hi"})
+                m = await c.get("/metrics")
+            return r, m
+
+        r, m = asyncio.run(go())
+        assert r.status_code == 500
+        assert "RuntimeError" in r.json()["error"]["message"] and "secret" not in r.text
+        assert 'status="500"} 1' in m.text
+    finally:
+        engine.close()
