@@ -5,6 +5,7 @@ under 100 ms at the 99th percentile while they arrive."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -164,6 +165,8 @@ def test_health_p99_under_hostile_mix(server):
     p99 = lat[int(0.99 * (len(lat) - 1))]
     print(f"/health under the hostile mix: {len(lat)} polls, median {lat[len(lat) // 2] * 1000:.1f} ms, "
           f"p99 {p99 * 1000:.1f} ms, max {lat[-1] * 1000:.1f} ms")
+    if os.environ.get("CONVEYOR_SANITIZED") == "1":
+        return  # under ASan (tools/sanitize.sh) every answer is checked, not the timing
     assert p99 < 0.100, f"/health p99 {p99 * 1000:.0f} ms, max {lat[-1] * 1000:.0f} ms over {len(lat)} polls"
 
 
