@@ -28,6 +28,9 @@ from .protocol import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUED_REQUESTS, APIEr
 from .serving import Server, error_response, json_response
 
 
+SWITCH_INTERVAL_S = 0.001  # the server process's GIL switch interval (see main)
+
+
 def load_chat_template(value: str) -> str:
     """--chat-template: a file's path, or the template itself."""
     if "{" not in value and os.path.isfile(value):
@@ -292,6 +295,12 @@ def main(argv=None) -> int:
     shown = f"[{host}]" if ":" in host else host
     config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.no_access_log,
                             http=args.http, timeout_graceful_shutdown=5)
+    # A request's preparation (a chat template, a tokenizer in Python) runs on worker
+    # threads that hold the GIL while they compute; the event loop waits for it up to
+    # the switch interval each time it needs it. 5 ms (Python's default) x the few
+    # handoffs of one /health answer came to 100-250 ms under hostile templates; 1 ms
+    # keeps it near 30 ms (docs/reliability.md, section 6).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     print(f"conveyor serve: serving {name} at http://{shown}:{port}/v1", file=sys.stderr, flush=True)
     import signal
 
