@@ -16,6 +16,12 @@
 #                files (atheris when importable, else a plain random mutation loop);
 #                only ModelFormatError/ValueError may come out, and a file that loads
 #                must encode and decode.
+# Python targets of tools/fuzz_model_files.py (issue 29), each input under a 5 s and a
+# 512 MiB limit so that a blow-up is a failure:
+#   gguf_tokenizer  GGUF metadata (py_gguf.c) -> the GGUF tokenizer; the Python GGUFReader
+#   hf_tokenizer    tokenizer.json + tokenizer_config.json -> HFTokenizer
+#   chat_template   chat templates built from hostile pieces -> the template renderer
+#   shard_index     model.safetensors.index.json -> the C checkpoint reader
 #
 # With clang and libFuzzer (-fsanitize=fuzzer) the C targets are built with
 # -fsanitize=fuzzer,address,undefined. Without them, with gcc (or any compiler with
@@ -47,7 +53,8 @@ while [ $# -gt 0 ]; do
     *) targets+=("$1"); shift ;;
   esac
 done
-all=(safetensors config llama2c gguf stop tokenizer)
+py_targets=(gguf_tokenizer hf_tokenizer chat_template shard_index)
+all=(safetensors config llama2c gguf stop tokenizer "${py_targets[@]}")
 [ ${#targets[@]} -eq 0 ] && targets=("${all[@]}")
 for t in "${targets[@]}"; do
   case " ${all[*]} " in *" $t "*) ;; *) echo "fuzz.sh: unknown target '$t' (${all[*]})" >&2; exit 2 ;; esac
@@ -438,7 +445,18 @@ for t in "${targets[@]}"; do
   log=$out/$t.log
   mkdir -p "$work" "$crashes"
   t0=$(date +%s)
-  if [ "$t" = tokenizer ]; then
+  if [[ " ${py_targets[*]} " == *" $t "* ]]; then
+    if ! "$py" -c "import conveyor.tokenizer" >/dev/null 2>&1; then
+      echo "fuzz.sh: $t: conveyor is not importable with $py (set PYTHON/PYTHONPATH); skipped" >&2
+      summary+=("$t skipped (conveyor not importable)")
+      continue
+    fi
+    set +e
+    "$py" "$root/tools/fuzz_model_files.py" "$t" "$([ "$mode" = replay ] && echo 0 || echo "$secs")" \
+      "$work" "$crashes" "$seeds" > "$log" 2>&1
+    rc=$?
+    set -e
+  elif [ "$t" = tokenizer ]; then
     if ! "$py" -c "import conveyor.tokenizer" >/dev/null 2>&1; then
       echo "fuzz.sh: tokenizer: conveyor is not importable with $py (set PYTHON/PYTHONPATH); skipped" >&2
       summary+=("tokenizer skipped (conveyor not importable)")

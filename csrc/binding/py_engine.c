@@ -38,7 +38,7 @@ static int read_int_list(PyObject *obj, const char *what, int32_t **out, Py_ssiz
     *out = NULL;
     *n = 0;
     if (obj == NULL || obj == Py_None) return 0;
-    PyObject *seq = PySequence_Fast(obj, what);
+    PyObject *seq = PySequence_Tuple(obj); /* a copy: __index__ below may change a list */
     if (!seq) return -1;
     Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
     int32_t *buf = PyMem_Malloc((size_t)(len ? len : 1) * sizeof(int32_t));
@@ -214,7 +214,8 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     }
     if (read_int_list(eos_obj, "eos_ids", &eos, &n_eos) < 0) goto done;
     if (tok_obj && tok_obj != Py_None) {
-        tok_seq = PySequence_Fast(tok_obj, "token_bytes must be a sequence of bytes");
+        /* a tuple copy: it keeps every bytes object (pointed into below) alive */
+        tok_seq = PySequence_Tuple(tok_obj);
         if (!tok_seq) goto done;
         n_tok = PySequence_Fast_GET_SIZE(tok_seq);
         tok_ptrs = PyMem_Calloc((size_t)n_tok + 1, sizeof *tok_ptrs);
@@ -336,6 +337,15 @@ static PyArrayObject *read_prompt(EngineObject *self, PyObject *prompt_obj) {
         }
         Py_DECREF(wide);
     }
+    if (!arr && PyErr_ExceptionMatches(PyExc_OverflowError)) {
+        /* an int past 64 bits: no vocabulary holds it */
+        PyErr_Clear();
+        cv_err err = {0};
+        cv_set_field_err(&err, CV_ERR_INVALID, "prompt",
+                         "a prompt token id does not fit in 64 bits: it is outside the vocabulary [0, %lld)",
+                         (long long)self->vocab);
+        return (PyArrayObject *)cv_py_raise(&err);
+    }
     if (!arr && (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_ValueError) ||
                  PyErr_ExceptionMatches(PyExc_TypeError))) {
         PyErr_Clear();
@@ -354,6 +364,14 @@ static PyObject *submit(EngineObject *self, int64_t req_id, PyObject *prompt_obj
     if (cv_py_request_read(&r, sp) < 0) { Py_DECREF(arr); return NULL; }
     r.p.priority = priority;
     r.p.timeout = timeout;
+    /* Reading the prompt and the params ran Python code (attributes, __index__,
+     * __float__, the GC), during which another thread may have closed the
+     * engine: look again. From here on the GIL is held, so close() waits. */
+    if (check_open(self) < 0) {
+        cv_py_request_free(&r);
+        Py_DECREF(arr);
+        return NULL;
+    }
     cv_err err = {0};
     const int32_t *ids = (const int32_t *)PyArray_DATA(arr);
     int rc = queue ? cv_engine_add_request(self->e, req_id, ids, PyArray_SIZE(arr), &r.p, &err)
@@ -385,9 +403,9 @@ static PyObject *Engine_check_request(EngineObject *self, PyObject *args, PyObje
 }
 
 static PyObject *Engine_abort(EngineObject *self, PyObject *arg) {
-    if (check_open(self) < 0) return NULL;
-    long long id = PyLong_AsLongLong(arg);
+    long long id = PyLong_AsLongLong(arg); /* may run __index__: the open check comes after */
     if (id == -1 && PyErr_Occurred()) return NULL;
+    if (check_open(self) < 0) return NULL;
     if (cv_engine_abort(self->e, id)) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
@@ -405,6 +423,10 @@ static PyObject *Engine_set_token_mask(EngineObject *self, PyObject *args) {
     } else {
         Py_buffer view;
         if (PyObject_GetBuffer(mask_obj, &view, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+        if (check_open(self) < 0) { /* the buffer export may have run Python code */
+            PyBuffer_Release(&view);
+            return NULL;
+        }
         int64_t words = cv_engine_token_mask_words(self->e);
         if (view.len != (Py_ssize_t)(words * 4)) {
             PyBuffer_Release(&view);
@@ -700,9 +722,9 @@ static PyObject *Engine_model_config(EngineObject *self, PyObject *Py_UNUSED(ign
 }
 
 static PyObject *Engine_set_trace(EngineObject *self, PyObject *arg) {
-    if (check_open(self) < 0) return NULL;
-    int on = PyObject_IsTrue(arg);
+    int on = PyObject_IsTrue(arg); /* may run __bool__: the open check comes after */
     if (on < 0) return NULL;
+    if (check_open(self) < 0) return NULL;
     cv_engine_set_trace(self->e, on);
     Py_RETURN_NONE;
 }

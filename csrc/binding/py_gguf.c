@@ -3,6 +3,8 @@
  * reader takes 0.1 s for a 49k vocabulary), and Checkpoint.metadata. */
 #include "binding.h"
 
+#include <string.h>
+
 #include "../model/gguf.h"
 
 /* A GGUF string as str; ModelFormatError naming key when it is not UTF-8. */
@@ -65,7 +67,21 @@ static PyObject *gguf_value(const cv_gguf_kv *kv) {
     return list;
 }
 
-PyObject *cv_py_gguf_metadata(const struct cv_gguf_file *f) {
+/* The arrays a GGUF tokenizer is built from: gguf_metadata(path, array_limit=N)
+ * converts these whatever their length, and leaves out every other array of more
+ * than N elements (a Python list costs ~10x the file's bytes: a 64 MiB array of
+ * nothing the tokenizer reads took 700 MiB). */
+static const char *const tokenizer_arrays[] = {"tokenizer.ggml.tokens", "tokenizer.ggml.scores",
+                                               "tokenizer.ggml.token_type", "tokenizer.ggml.merges", NULL};
+
+static int kept_whole(const cv_gguf_kv *kv) {
+    for (int i = 0; tokenizer_arrays[i]; i++)
+        if (kv->key.len == strlen(tokenizer_arrays[i]) && !memcmp(kv->key.p, tokenizer_arrays[i], kv->key.len))
+            return 1;
+    return 0;
+}
+
+static PyObject *metadata_dict(const struct cv_gguf_file *f, long long array_limit) {
     PyObject *d = PyDict_New();
     if (!d) return NULL;
     /* in file order, as the Python reader gives them */
@@ -77,6 +93,8 @@ PyObject *cv_py_gguf_metadata(const struct cv_gguf_file *f) {
     for (size_t i = 0; i < f->n_kvs; i++) order[f->kvs[i].index] = &f->kvs[i];
     for (size_t i = 0; i < f->n_kvs; i++) {
         const cv_gguf_kv *kv = order[i];
+        if (array_limit >= 0 && kv->type == CV_GGUF_ARRAY && kv->count > (uint64_t)array_limit && !kept_whole(kv))
+            continue;
         PyObject *key = gguf_str(kv->key, kv);
         PyObject *val = key ? gguf_value(kv) : NULL;
         if (!val || PyDict_SetItem(d, key, val) < 0) {
@@ -93,10 +111,15 @@ PyObject *cv_py_gguf_metadata(const struct cv_gguf_file *f) {
     return d;
 }
 
-static PyObject *py_gguf_metadata(PyObject *self, PyObject *arg) {
+PyObject *cv_py_gguf_metadata(const struct cv_gguf_file *f) { return metadata_dict(f, -1); }
+
+static PyObject *py_gguf_metadata(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
+    static char *kwlist[] = {"path", "array_limit", NULL};
     PyObject *bytes = NULL;
-    if (!PyUnicode_FSConverter(arg, &bytes)) return NULL;
+    long long array_limit = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|$L", kwlist, PyUnicode_FSConverter, &bytes, &array_limit))
+        return NULL;
     const char *path = PyBytes_AS_STRING(bytes);
     cv_gguf_file f;
     cv_err err;
@@ -104,15 +127,17 @@ static PyObject *py_gguf_metadata(PyObject *self, PyObject *arg) {
     Py_BEGIN_ALLOW_THREADS
     rc = cv_gguf_open(&f, path, path, &err);
     Py_END_ALLOW_THREADS
-    PyObject *d = rc < 0 ? cv_py_raise(&err) : cv_py_gguf_metadata(&f);
+    PyObject *d = rc < 0 ? cv_py_raise(&err) : metadata_dict(&f, array_limit);
     if (rc >= 0) cv_gguf_close(&f);
     Py_DECREF(bytes);
     return d;
 }
 
 static PyMethodDef gguf_methods[] = {
-    {"gguf_metadata", py_gguf_metadata, METH_O,
-     "gguf_metadata(path) -> dict of every GGUF key/value in file order (arrays as lists)"},
+    {"gguf_metadata", (PyCFunction)(void (*)(void))py_gguf_metadata, METH_VARARGS | METH_KEYWORDS,
+     "gguf_metadata(path, *, array_limit=-1) -> dict of the GGUF key/values in file order (arrays as "
+     "lists). array_limit >= 0: arrays longer than that are left out, except the tokenizer's "
+     "(tokenizer.ggml.tokens, scores, token_type, merges)."},
     {NULL, NULL, 0, NULL},
 };
 

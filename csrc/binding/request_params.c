@@ -22,6 +22,18 @@ static PyObject *get_attr(PyObject *obj, const char *name) {
     return PyObject_GetAttrString(obj, name);
 }
 
+/* A tuple copy of a sequence: what it holds cannot change while it is read
+ * (a caller's list could, through any Python code a conversion or the GC
+ * runs). A non-iterable raises TypeError(msg). */
+static PyObject *snapshot(PyObject *v, const char *msg) {
+    PyObject *t = PySequence_Tuple(v);
+    if (!t && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_TypeError, msg);
+    }
+    return t;
+}
+
 /* An int attribute within [lo, hi] (the C type's range; lo itself may be a
  * reserved "unset" value, so it is excluded). None -> none_value. */
 static int get_int(PyObject *obj, const char *name, long long lo, long long hi, long long none_value,
@@ -111,7 +123,7 @@ static int get_stop_ids(PyObject *obj, cv_py_request *r) {
     int rc = -1;
     PyObject *seq = NULL;
     if (v == Py_None) { rc = 0; goto done; }
-    seq = PySequence_Fast(v, "stop_token_ids must be a list of int");
+    seq = snapshot(v, "stop_token_ids must be a list of int");
     if (!seq) goto done;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     if (n > INT32_MAX) { field_error(PyExc_ValueError, "stop_token_ids", "stop_token_ids is too long"); goto done; }
@@ -145,7 +157,7 @@ static int get_stops(PyObject *obj, cv_py_request *r) {
     PyObject *v = get_attr(obj, "stop_strings");
     if (!v) return -1;
     int rc = -1;
-    r->stop_list = PySequence_Fast(v, "stop must be a list of str");
+    r->stop_list = snapshot(v, "stop must be a list of str");
     Py_DECREF(v);
     if (!r->stop_list) return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(r->stop_list);
@@ -207,7 +219,7 @@ static int get_id_list(PyObject *obj, const char *name, int32_t **ids, int32_t *
     if (v == Py_None) { rc = 0; goto done; }
     char msg[96];
     snprintf(msg, sizeof msg, "%s must be a list of int", name);
-    seq = PySequence_Fast(v, msg);
+    seq = snapshot(v, msg);
     if (!seq) goto done;
     Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
     if (len > INT32_MAX / 2) { field_error(PyExc_ValueError, name, "the list is too long"); goto done; }
@@ -223,20 +235,26 @@ done:
     return rc;
 }
 
-/* logit_bias: None or a dict {int token id: number}. */
+/* logit_bias: None or a dict {int token id: number}. The items are copied
+ * first: converting a value may run Python code (an int subclass's
+ * __float__) that changes the dict, and the arrays are sized from the copy. */
 static int get_logit_bias(PyObject *obj, cv_py_request *r) {
     PyObject *v = get_attr(obj, "logit_bias");
     if (!v) return -1;
     int rc = -1;
+    PyObject *items = NULL;
     if (v == Py_None) { rc = 0; goto done; }
     if (!PyDict_Check(v)) { field_error(PyExc_TypeError, "logit_bias", "logit_bias must be a dict {token id: bias}"); goto done; }
-    Py_ssize_t n = PyDict_Size(v), pos = 0, i = 0;
+    items = PyDict_Items(v);
+    if (!items) goto done;
+    Py_ssize_t n = PyList_GET_SIZE(items);
     if (n > INT32_MAX / 2) { field_error(PyExc_ValueError, "logit_bias", "logit_bias is too large"); goto done; }
     r->bias_ids = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int32_t));
     r->bias_values = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(float));
     if (!r->bias_ids || !r->bias_values) { PyErr_NoMemory(); goto done; }
-    PyObject *key, *val;
-    while (PyDict_Next(v, &pos, &key, &val)) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *pair = PyList_GET_ITEM(items, i); /* (key, value): the copy keeps both alive */
+        PyObject *key = PyTuple_GET_ITEM(pair, 0), *val = PyTuple_GET_ITEM(pair, 1);
         if (as_token_id(key, "logit_bias", &r->bias_ids[i]) < 0) goto done;
         if (PyBool_Check(val) || !(PyLong_Check(val) || PyFloat_Check(val))) {
             field_error(PyExc_TypeError, "logit_bias", "logit_bias values must be numbers");
@@ -247,33 +265,42 @@ static int get_logit_bias(PyObject *obj, cv_py_request *r) {
             PyErr_Clear();
             d = NAN; /* beyond double: the range check names it */
         }
-        r->bias_values[i++] = (float)d;
+        r->bias_values[i] = (float)d;
     }
     r->p.sp.ctl.n_bias = (int32_t)n;
     r->p.sp.ctl.bias_ids = r->bias_ids;
     r->p.sp.ctl.bias_values = r->bias_values;
     rc = 0;
 done:
+    Py_XDECREF(items);
     Py_DECREF(v);
     return rc;
 }
 
 /* bad_words arrive tokenized (the engine's tokenizer runs in Python): the
- * attribute _bad_words_token_ids, a list of lists of int, or None. */
+ * attribute _bad_words_token_ids, a list of lists of int, or None. The outer
+ * list and every word are copied to tuples before anything is sized, so that
+ * a __len__ or an iterator that changes the lists cannot make the counts stale. */
 static int get_bad_words(PyObject *obj, cv_py_request *r) {
     PyObject *v = PyObject_GetAttrString(obj, "_bad_words_token_ids");
     if (!v) { PyErr_Clear(); return 0; } /* an object without it asks for none */
     int rc = -1;
-    PyObject *seq = NULL;
+    PyObject *words = NULL;
     if (v == Py_None) { rc = 0; goto done; }
-    seq = PySequence_Fast(v, "bad_words token ids must be a list of lists of int");
-    if (!seq) goto done;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), total = 0;
+    PyObject *outer = snapshot(v, "bad_words token ids must be a list of lists of int");
+    if (!outer) goto done;
+    Py_ssize_t n = PyTuple_GET_SIZE(outer), total = 0;
+    words = PyTuple_New(n);
+    if (!words) { Py_DECREF(outer); goto done; }
+    for (Py_ssize_t w = 0; w < n; w++) {
+        PyObject *word = snapshot(PyTuple_GET_ITEM(outer, w), "bad_words token ids must be lists of int");
+        if (!word) { Py_DECREF(outer); goto done; }
+        PyTuple_SET_ITEM(words, w, word);
+    }
+    Py_DECREF(outer);
     if (n > INT32_MAX / 4) { field_error(PyExc_ValueError, "bad_words", "bad_words is too long"); goto done; }
     for (Py_ssize_t w = 0; w < n; w++) {
-        Py_ssize_t len = PyObject_Length(PySequence_Fast_GET_ITEM(seq, w));
-        if (len < 0) goto done;
-        total += len;
+        total += PyTuple_GET_SIZE(PyTuple_GET_ITEM(words, w));
         if (total > INT32_MAX / 4) { field_error(PyExc_ValueError, "bad_words", "bad_words is too long"); goto done; }
     }
     r->bad_start = PyMem_Malloc((size_t)(n + 1) * sizeof(int32_t));
@@ -282,15 +309,9 @@ static int get_bad_words(PyObject *obj, cv_py_request *r) {
     int32_t at = 0;
     for (Py_ssize_t w = 0; w < n; w++) {
         r->bad_start[w] = at;
-        PyObject *word = PySequence_Fast(PySequence_Fast_GET_ITEM(seq, w), "bad_words token ids must be lists of int");
-        if (!word) goto done;
-        Py_ssize_t len = PySequence_Fast_GET_SIZE(word);
-        for (Py_ssize_t j = 0; j < len && at < total; j++)
-            if (as_token_id(PySequence_Fast_GET_ITEM(word, j), "bad_words", &r->bad_tokens[at++]) < 0) {
-                Py_DECREF(word);
-                goto done;
-            }
-        Py_DECREF(word);
+        PyObject *word = PyTuple_GET_ITEM(words, w);
+        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(word); j++)
+            if (as_token_id(PyTuple_GET_ITEM(word, j), "bad_words", &r->bad_tokens[at++]) < 0) goto done;
     }
     r->bad_start[n] = at;
     r->p.sp.ctl.n_bad_words = (int32_t)n;
@@ -298,7 +319,7 @@ static int get_bad_words(PyObject *obj, cv_py_request *r) {
     r->p.sp.ctl.bad_word_tokens = r->bad_tokens;
     rc = 0;
 done:
-    Py_XDECREF(seq);
+    Py_XDECREF(words);
     Py_DECREF(v);
     return rc;
 }
@@ -394,6 +415,7 @@ static PyMethodDef methods[] = {
 int cv_py_add_request_params(PyObject *m) {
     if (PyModule_AddFunctions(m, methods) < 0) return -1;
     if (PyModule_AddIntConstant(m, "MAX_LOGPROBS", CV_MAX_LOGPROBS) < 0) return -1;
+    if (PyModule_AddIntConstant(m, "MAX_BAD_WORDS", CV_MAX_BAD_WORDS) < 0) return -1;
     if (PyModule_AddIntConstant(m, "MAX_N", CV_MAX_N) < 0) return -1;
     return 0;
 }

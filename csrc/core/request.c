@@ -172,7 +172,8 @@ int cv_engine_add_request(cv_engine *e, int64_t request_id, const int32_t *promp
         }
         if (src) goto nomem;
     }
-    if (p->guided && cv_mask_box_open(&e->masks, request_id, p->n)) goto nomem;
+    /* every completion that runs (best_of of them) is masked */
+    if (p->guided && cv_mask_box_open(&e->masks, request_id, r->p.n)) goto nomem;
     pthread_mutex_lock(&e->in_lock);
     if (e->max_queued > 0 && e->n_queued >= e->max_queued) {
         int64_t queued = e->n_queued;
@@ -333,6 +334,25 @@ static int new_sequence(cv_engine *e, cv_request *r, int idx, cv_sequence **out)
     return CV_OK;
 }
 
+static int cmp_id(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Aborts every active request whose id is in ids (which it sorts): one pass
+ * over the active list with a binary search each, so that N aborts cost
+ * O((N + active) log N), not N x active. */
+static void apply_aborts(cv_engine *e, int64_t *ids, size_t n) {
+    if (n == 0) return;
+    qsort(ids, n, sizeof *ids, cmp_id);
+    cv_request *r = e->active;
+    while (r) {
+        cv_request *nx = r->next; /* an abort frees r */
+        if (bsearch(&r->id, ids, n, sizeof *ids, cmp_id)) cv_request_abort(e, r);
+        r = nx;
+    }
+}
+
 void cv_drain_inbox(cv_engine *e) {
     pthread_mutex_lock(&e->in_lock);
     cv_request *head = e->in_head;
@@ -360,11 +380,7 @@ void cv_drain_inbox(cv_engine *e) {
             cv_request_abort(e, r); /* validated at add: only out of memory lands here */
         }
     }
-    for (size_t i = 0; i < n_aborts; i++) {
-        for (cv_request *r = e->active; r; r = r->next) {
-            if (r->id == aborts[i]) { cv_request_abort(e, r); break; }
-        }
-    }
+    apply_aborts(e, aborts, n_aborts);
     free(aborts);
 }
 

@@ -151,6 +151,10 @@ int cv_logit_controls_check(const cv_logit_controls *c, cv_err *err) {
                                     "allowed_token_ids must be token ids >= 0, got %d", c->allowed_ids[i]);
     if (c->n_bad_words < 0 || (c->n_bad_words > 0 && (!c->bad_word_start || !c->bad_word_tokens)))
         return cv_set_field_err(err, CV_ERR_INVALID, "bad_words", "bad_words: bad list");
+    if (c->n_bad_words > 2 * CV_MAX_BAD_WORDS)
+        return cv_set_field_err(err, CV_ERR_INVALID, "bad_words",
+                                "bad_words gives %d token sequences; at most %d (%d words) are allowed",
+                                (int)c->n_bad_words, 2 * CV_MAX_BAD_WORDS, CV_MAX_BAD_WORDS);
     for (int32_t w = 0; w < c->n_bad_words; w++) {
         if (c->bad_word_start[w + 1] <= c->bad_word_start[w])
             return cv_set_field_err(err, CV_ERR_INVALID, "bad_words",

@@ -11,6 +11,11 @@
 
 /* ---- logit controls (logit_bias, allowed_token_ids, bad_words) ---------- */
 #define CV_MAX_LOGIT_BIAS 100.0f /* |bias| limit, OpenAI's */
+/* bad_words per request; each word becomes up to two token sequences (as
+ * written and with a leading space), so n_bad_words <= 2 * CV_MAX_BAD_WORDS.
+ * Every sampled token checks every sequence, and the words are tokenized
+ * before the request is queued: the cap bounds both. */
+#define CV_MAX_BAD_WORDS 1024
 
 /* Per-request edits of the logits before sampling; all zero: none. The arrays
  * are borrowed (the engine keeps owned copies, cv_logit_controls_copy). */

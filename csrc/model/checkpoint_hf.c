@@ -17,6 +17,10 @@
 #include "safetensors.h"
 
 #define CV_MAX_LAYERS 65536
+/* JSON files are parsed whole and the parser's tree takes ~60x the text: caps far
+ * above real files (config.json: a few kB; the shard index of a 671B model: ~9 MB). */
+#define CV_MAX_CONFIG_JSON_BYTES ((size_t)1 << 20)
+#define CV_MAX_INDEX_JSON_BYTES ((size_t)16 << 20)
 
 /* ---- config.json ---------------------------------------------------------- */
 
@@ -378,6 +382,11 @@ static int open_shards(hf_loader *h) {
     size_t len = 0;
     cv_err *err = h->err;
     if ((rc = cv_map_file(&map, &len, h->index_path, err)) < 0) goto done;
+    if (len > CV_MAX_INDEX_JSON_BYTES) {
+        rc = cv_set_err(err, CV_ERR_FORMAT, "%s: %zu bytes, more than the %zu a shard index may have", h->index_path,
+                        len, CV_MAX_INDEX_JSON_BYTES);
+        goto done;
+    }
     if ((rc = cv_json_parse(&h->index, map, len, h->index_path, err)) < 0) goto done;
     const cv_json *root = h->index.root;
     const cv_json *wm = cv_json_get(root, "weight_map");
@@ -396,11 +405,11 @@ static int open_shards(hf_loader *h) {
     if (!h->shards) { rc = cv_set_err(err, CV_ERR_NOMEM, "%s: out of memory", h->index_path); goto done; }
     for (size_t i = 0; i < wm->len; i++) {
         const cv_json *v = wm->items[i];
-        if (v->type != CV_JSON_STRING || v->len == 0 || strlen(v->str) != v->len || strchr(v->str, '/') ||
-            strcmp(v->str, ".") == 0 || strcmp(v->str, "..") == 0) {
+        if (v->type != CV_JSON_STRING || v->len == 0 || v->len > 255 /* NAME_MAX */ || strlen(v->str) != v->len ||
+            strchr(v->str, '/') || strcmp(v->str, ".") == 0 || strcmp(v->str, "..") == 0) {
             rc = cv_set_err(err, CV_ERR_FORMAT,
-                            "%s: weight_map entry for '%.200s' must be a plain file name in the same directory",
-                            h->index_path, v->key);
+                            "%s: weight_map entry for '%.200s' must be a plain file name (at most 255 bytes) in "
+                            "the same directory", h->index_path, v->key);
             goto done;
         }
         h->shards[i] = v->str;
@@ -565,6 +574,11 @@ int cv_checkpoint_open_hf(cv_checkpoint *ck, const char *dir, cv_err *err) {
     if ((rc = cv_map_file(&cfg_map, &cfg_len, cfg_path, err)) < 0) {
         if (rc == CV_ERR_NOTFOUND)
             cv_set_err(err, CV_ERR_NOTFOUND, "%s: no config.json in this directory (not a HF checkpoint?)", cfg_path);
+        goto done;
+    }
+    if (cfg_len > CV_MAX_CONFIG_JSON_BYTES) {
+        rc = cv_set_err(err, CV_ERR_FORMAT, "%s: %zu bytes, more than the %zu a config.json may have", cfg_path,
+                        cfg_len, CV_MAX_CONFIG_JSON_BYTES);
         goto done;
     }
     if ((rc = cv_hf_config_parse(&ck->cfg, cfg_map, cfg_len, cfg_path, err)) < 0) goto done;

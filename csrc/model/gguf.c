@@ -10,6 +10,7 @@
 #include "mapped_file.h"
 
 #define GGUF_DEFAULT_ALIGNMENT 32
+#define GGUF_MIN_ALIGNMENT 8 /* the spec: a multiple of 8 (and, as ggml reads it, a power of two) */
 #define GGUF_MAX_ALIGNMENT (1u << 20)
 
 typedef struct cursor {
@@ -275,10 +276,10 @@ int cv_gguf_parse(cv_gguf_file *f, const void *buf, size_t len, const char *labe
     const cv_gguf_kv *al = cv_gguf_find_kv(f, "general.alignment");
     if (al) {
         int64_t a;
-        if (al->type != CV_GGUF_U32 || !cv_gguf_kv_int(al, &a) || a <= 0 || (a & (a - 1)) != 0 ||
+        if (al->type != CV_GGUF_U32 || !cv_gguf_kv_int(al, &a) || a < GGUF_MIN_ALIGNMENT || (a & (a - 1)) != 0 ||
             a > GGUF_MAX_ALIGNMENT) {
-            rc = cv_set_err(err, CV_ERR_FORMAT, "%s: general.alignment must be a uint32 power of two up to %u",
-                            label, GGUF_MAX_ALIGNMENT);
+            rc = cv_set_err(err, CV_ERR_FORMAT, "%s: general.alignment must be a uint32 power of two in [%u, %u]",
+                            label, GGUF_MIN_ALIGNMENT, GGUF_MAX_ALIGNMENT);
             goto fail;
         }
         f->alignment = (uint64_t)a;

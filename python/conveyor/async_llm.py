@@ -13,6 +13,7 @@ import asyncio
 import os
 import threading
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Optional
 
 from .engine import EngineArgs, EngineCore, EngineFrontend
@@ -70,7 +71,9 @@ def _dispatch_loop(core: EngineCore, rfd: int, stopping: threading.Event):
                 pass  # that loop is closed: nobody is waiting for these outputs
 
 
-def _shutdown(core: EngineCore, rfd: int, wfd: int, stopping: threading.Event, thread):
+def _shutdown(core: EngineCore, rfd: int, wfd: int, stopping: threading.Event, thread, prepare_pool=None):
+    if prepare_pool is not None:
+        prepare_pool.shutdown(wait=False, cancel_futures=True)
     core.close()  # stops the C loop first, so nothing writes to the fd any more
     stopping.set()
     try:
@@ -92,6 +95,15 @@ def _shutdown(core: EngineCore, rfd: int, wfd: int, stopping: threading.Event, t
             os.close(fd)
         except OSError:
             pass
+
+
+def _raise_guided_error(out: RequestOutput) -> None:
+    """A grammar the grammar engine gave up on midway is the request's error, not a
+    silent "abort": ValueError with .field "guided_decoding"."""
+    if out.guided_error:
+        e = ValueError(out.guided_error)
+        e.field = "guided_decoding"
+        raise e
 
 
 class RequestStream:
@@ -120,6 +132,7 @@ class RequestStream:
         out = await self._queue.get()
         if out.finished:
             self._done = True
+            _raise_guided_error(out)
         return out
 
     async def next_batch(self) -> list:
@@ -132,6 +145,8 @@ class RequestStream:
         while not outs[-1].finished and not q.empty():
             outs.append(q.get_nowait())
         self._done = outs[-1].finished
+        if self._done:
+            _raise_guided_error(outs[-1])
         return outs
 
     def close(self):
@@ -152,18 +167,36 @@ class AsyncLLM(EngineFrontend):
                                         args=(self._core, self._rfd, self._stopping), daemon=True)
         self._thread.start()
         self._core.start_background(self._wfd)
+        # Work a request brings that can take long (tokenizing, rendering a chat template,
+        # building grammar matchers) runs here, not on the event loop; two threads, so
+        # that the loop keeps its share of the GIL.
+        self._prepare_pool = ThreadPoolExecutor(2, thread_name_prefix="conveyor-prepare")
         self._finalizer = weakref.finalize(self, _shutdown, self._core, self._rfd, self._wfd,
-                                           self._stopping, self._thread)
+                                           self._stopping, self._thread, self._prepare_pool)
 
     # -- public API -----------------------------------------------------------
+    async def run_off_loop(self, fn, *args):
+        """fn(*args) on this engine's preparation threads (tokenizing, chat templates,
+        grammar matchers: work that must not hold up the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, fn, *args)
+
+    def prepare_guided(self, params: SamplingParams):
+        """The grammar matchers of a guided request (None when unconstrained), for
+        add_request(guided=...): seconds for a hard grammar, so call it through
+        run_off_loop. ValueError (.field "guided_decoding") for a grammar the grammar
+        engine refuses or gives up on at once."""
+        return self._core.prepare_guided(params)
+
     def add_request(self, prompt, sampling_params: Optional[SamplingParams] = None,
                     request_id: Optional[str] = None, *, priority: int = 0,
-                    timeout: Optional[float] = None) -> "RequestStream":
+                    timeout: Optional[float] = None, guided=None) -> "RequestStream":
         """Adds a request now (from a running event loop) and returns its stream of
         RequestOutputs. Raises at once what generate() raises at its first step:
         ValueError/TypeError for a bad request, EngineOverloadedError when
         max_queued_requests requests already wait. Close the stream (or let it
-        finish) to release the request."""
+        finish) to release the request. A text prompt is tokenized and a guided one's
+        grammar built here, on the loop: generate() does both on worker threads, and
+        so can a caller (run_off_loop: token ids, prepare_guided -> guided)."""
         if self._core.closed:
             from . import EngineClosedError
 
@@ -180,7 +213,7 @@ class AsyncLLM(EngineFrontend):
         text, ids = self._core.tokenize_prompt(prompt)
         queue: asyncio.Queue = asyncio.Queue()
         req = self._core.add_request(request_id, text, ids, params, priority=priority,
-                                     consumer=(loop, queue), timeout=timeout)
+                                     consumer=(loop, queue), timeout=timeout, guided=guided)
         return RequestStream(self._core, req, queue)
 
     async def generate(self, prompt, sampling_params: Optional[SamplingParams] = None,
@@ -197,7 +230,16 @@ class AsyncLLM(EngineFrontend):
         timeout: seconds from arrival; past it the request ends with
         finish_reason "timeout" and its KV blocks return to the pool.
         Raises EngineOverloadedError when max_queued_requests requests wait."""
-        stream = self.add_request(prompt, sampling_params, request_id, priority=priority, timeout=timeout)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        guided = None
+        if isinstance(params, SamplingParams) and not self._core.closed:
+            if isinstance(prompt, str) and prompt and self._core.tokenizer is not None:
+                prompt = {"prompt": prompt, "prompt_token_ids": await self.run_off_loop(self._core.encode_prompt,
+                                                                                         prompt)}
+            if params.guided_decoding is not None:
+                guided = await self.run_off_loop(self._core.prepare_guided, params)
+        stream = self.add_request(prompt, sampling_params, request_id, priority=priority, timeout=timeout,
+                                  guided=guided)
         try:
             async for out in stream:
                 yield out

@@ -215,7 +215,8 @@ class _SeqState:
 
 class _Request:
     __slots__ = ("request_id", "internal_id", "prompt", "prompt_token_ids", "params", "seqs",
-                 "finished", "metrics", "consumer", "matchers", "prompt_logprobs", "sent_prompt_lp")
+                 "finished", "metrics", "consumer", "matchers", "prompt_logprobs", "sent_prompt_lp",
+                 "guided_error")
 
     def __init__(self, request_id, internal_id, prompt, prompt_ids, params, arrival):
         self.request_id = request_id
@@ -232,6 +233,7 @@ class _Request:
         self.metrics = RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(prompt_ids))
         self.consumer = None  # AsyncLLM's per-request queue
         self.matchers = None  # guided decoding: one grammar matcher per completion
+        self.guided_error = None  # why the grammar engine ended a completion (it ends "abort")
 
 
 class EngineCore:
@@ -279,6 +281,13 @@ class EngineCore:
         self._by_name: dict[str, _Request] = {}
         self._next_id = 0
         self._guided = None  # conveyor.guided.GuidedDecoder, built on first use
+        self._guided_init = threading.Lock()  # matchers are built on worker threads too
+        # A prompt of more bytes than this cannot fit in max_model_len whatever its
+        # tokenization (each token covers at most the longest token's bytes; x2 leaves
+        # room for normalizers that drop characters), so it is refused before the
+        # tokenizer runs: tokenizing megabytes costs seconds.
+        longest = max(map(len, token_bytes), default=0) if token_bytes else 0
+        self.max_prompt_bytes = 2 * self.max_model_len * max(longest, 4)
         self._deferred_masks: list = []  # synchronous stepping: masks the next step computes
         self._mask_worker = None  # a thread that computes them while that step runs
         self.closed = False
@@ -307,8 +316,18 @@ class EngineCore:
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer (skip_tokenizer_init=True was given); "
                                  "pass token ids instead")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.encode_prompt(prompt)
         return None, self._check_ids(prompt)
+
+    def encode_prompt(self, text: str, add_special_tokens: bool = True, field: str = "prompt") -> list:
+        """The tokenizer's ids for a prompt text, after a byte-length bound that refuses a
+        text too long for max_model_len without tokenizing it (ValueError, .field=field)."""
+        n = len(text)
+        if n > self.max_prompt_bytes or len(text.encode("utf-8", "surrogatepass")) > self.max_prompt_bytes:
+            raise field_error(ValueError, field, f"the prompt has {n} characters, more than can fit in "
+                              f"max_model_len ({self.max_model_len}) tokens of this vocabulary "
+                              f"(at most {self.max_prompt_bytes} bytes)")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _check_ids(self, ids):
         """Shape and type only: the C engine checks ids against the vocabulary."""
@@ -335,20 +354,28 @@ class EngineCore:
         context, KV cache, every sampling range), queueing nothing."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        self._engine.check_request(prompt_ids, self._engine_params(params))
+        engine_params = self._engine_params(params)
+        with self._lock:  # close() waits: the C engine is not freed under the check
+            if self.closed:
+                raise _core.EngineClosedError("the engine is closed")
+            self._engine.check_request(prompt_ids, engine_params)
 
     def _engine_params(self, params: SamplingParams) -> SamplingParams:
         """What the C engine reads: bad_words tokenized with this engine's tokenizer."""
         return params.with_bad_words_tokenized(self.tokenizer) if params.bad_words else params
 
     def add_request(self, request_id: Optional[str], prompt_text, prompt_ids, params: SamplingParams,
-                    priority: int = 0, consumer=None, timeout: Optional[float] = None) -> _Request:
+                    priority: int = 0, consumer=None, timeout: Optional[float] = None,
+                    guided=None) -> _Request:
         """timeout: seconds from arrival; past it the request ends with finish_reason
-        "timeout" and its KV blocks return to the pool."""
+        "timeout" and its KV blocks return to the pool. guided: prepare_guided(params)'s
+        result when the caller built it already (off its event loop)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         check_priority(priority)
         timeout_s = check_timeout(timeout)
+        if guided is None:
+            guided = self.prepare_guided(params)  # seconds for a hard grammar: not under the lock
         with self._lock:
             if self.closed:
                 raise _core.EngineClosedError("the engine is closed")
@@ -356,30 +383,35 @@ class EngineCore:
             if name in self._by_name:
                 raise ValueError(f"request_id {name!r} is already in use")
             internal = self._next_id
-            matchers = self._new_matchers(params)
             self._engine.add_request(internal, prompt_ids, self._engine_params(params), priority=priority,
                                      timeout=timeout_s)
             self._next_id += 1
             req = _Request(name, internal, prompt_text, list(map(int, prompt_ids)), params,
                            time.monotonic())
             req.consumer = consumer
-            if matchers is not None:
-                req.matchers = matchers
-                for i, m in enumerate(matchers):
-                    self._engine.set_token_mask(internal, i, 0, self._guided.mask(m))
+            if guided is not None:
+                req.matchers, first_mask = guided
+                for i in range(len(req.matchers)):
+                    self._engine.set_token_mask(internal, i, 0, first_mask)
             self._requests[internal] = req
             self._by_name[name] = req
         return req
 
-    def _new_matchers(self, params: SamplingParams):
-        """Guided decoding: a grammar matcher per completion (None when unconstrained)."""
+    def prepare_guided(self, params: SamplingParams):
+        """Guided decoding: (a grammar matcher per completion that runs, the first
+        token's mask), or None when unconstrained. Building them can take seconds for a
+        hard grammar (llguidance releases the GIL meanwhile): servers call this on a
+        worker thread. A grammar the grammar engine refuses, or gives up on at the first
+        token, raises ValueError with .field "guided_decoding"."""
         if params.guided_decoding is None:
             return None
-        if self._guided is None:
-            from .guided import GuidedDecoder
+        with self._guided_init:
+            if self._guided is None:
+                from .guided import GuidedDecoder
 
-            self._guided = GuidedDecoder(self.tokenizer, self.vocab_size)
-        return [self._guided.matcher(params.guided_decoding) for _ in range(params.n)]
+                self._guided = GuidedDecoder(self.tokenizer, self.vocab_size)
+        n_run = max(params.n, params.best_of or 0)  # best_of: every candidate is constrained
+        return self._guided.start(params.guided_decoding, n_run)
 
     def _advance_guided(self, pending) -> None:
         """Each (request, completion, token): the matcher takes the token, and the
@@ -391,6 +423,8 @@ class EngineCore:
             try:
                 m = req.matchers[idx]
                 mask = self._guided.mask(m) if m.consume_token(token) else None
+                if mask is None and req.guided_error is None:
+                    req.guided_error = self._guided.error_of(m, idx, pos)
             finally:  # always post (None ends the completion): the engine may be waiting
                 self._engine.set_token_mask(req.internal_id, idx, pos, mask)
 
@@ -528,8 +562,11 @@ class EngineCore:
                     on_event(req)
             if guided and defer_masks:
                 self._deferred_masks.extend(guided)
-            elif guided:
-                self._advance_guided(guided)
+                guided = None
+        if guided:
+            # after the lock: a mask can take a grammar's whole fuel (a second), and
+            # add_request/check_request on the event loop must not wait for it
+            self._advance_guided(guided)
         return list(changed.values())
 
     @staticmethod
@@ -564,7 +601,7 @@ class EngineCore:
             outs.append(CompletionOutput(i, text, toks, st.cum_logprob, lps, st.finish_reason,
                                          st.stop_reason))
         out = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
-                            req.metrics)
+                            req.metrics, guided_error=req.guided_error)
         if req.prompt_logprobs is not None:
             # delta: only the prompt positions not sent yet
             start = req.sent_prompt_lp if delta else 0
@@ -637,6 +674,19 @@ class EngineFrontend:
     def num_unfinished(self) -> int:
         """Requests queued or running."""
         return self._core.num_unfinished()
+
+    @property
+    def max_queued_requests(self) -> Optional[int]:
+        """The engine's queue limit (None: unbounded)."""
+        return self._core.args.max_queued_requests or None
+
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list:
+        """A prompt text's token ids; a text too long for max_model_len is refused
+        (ValueError, .field "prompt") before the tokenizer runs."""
+        if self._core.tokenizer is None:
+            raise field_error(ValueError, "prompt", "text prompts need a tokenizer (skip_tokenizer_init=True "
+                                                    "was given); pass token ids instead")
+        return self._core.encode_prompt(text, add_special_tokens)
 
     def stats(self) -> dict:
         """Engine statistics: queue sizes, KV blocks, prefix-cache hits, timings."""

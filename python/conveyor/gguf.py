@@ -54,6 +54,7 @@ d = (max-min)/15, m = min, q = min(15, trunc((x-min)/d + 0.5)).
 from __future__ import annotations
 
 import enum
+import math
 import os
 import struct
 import tempfile
@@ -81,7 +82,15 @@ __all__ = [
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
+# The spec: general.alignment is a multiple of 8; ggml reads only powers of two. The C
+# reader takes the same range (csrc/model/gguf.c).
+MIN_ALIGNMENT, MAX_ALIGNMENT = 8, 1 << 20
 BLOCK_SIZE = 32  # elements per block of Q8_0 / Q4_0 / Q4_1
+
+
+def _valid_alignment(a) -> bool:
+    return isinstance(a, int) and not isinstance(a, bool) and MIN_ALIGNMENT <= a <= MAX_ALIGNMENT \
+        and a & (a - 1) == 0
 
 
 class GGUFError(ValueError):
@@ -568,16 +577,22 @@ class GGUFReader:
                 etype = GGUFValueType(struct.unpack_from("<I", cur.buf, start)[0])
             self.metadata_types[key] = (GGUFValueType(vtype), etype)
         align = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-        if not isinstance(align, int) or align <= 0 or align & (align - 1):
-            raise GGUFError(f"{self.path}: general.alignment {align!r} is not a power of two")
+        if not _valid_alignment(align):
+            raise GGUFError(f"{self.path}: general.alignment {align!r} is not a power of two in "
+                            f"[{MIN_ALIGNMENT}, {MAX_ALIGNMENT}]")
         self.alignment = align
         infos = []
         for _ in range(n_tensors):
             name = cur.string("tensor name")
             n_dims = cur.unpack("I", f"tensor {name!r} n_dims")
-            if n_dims > 4:
-                raise GGUFError(f"{self.path}: tensor {name!r} has {n_dims} dimensions (at most 4)")
+            if not 1 <= n_dims <= 4:
+                raise GGUFError(f"{self.path}: tensor {name!r} has {n_dims} dimensions (1 to 4 are valid)")
             ne = [cur.unpack("Q", f"tensor {name!r} dims") for _ in range(n_dims)]
+            numel = 1
+            for d in ne:  # the C reader's rule: each dimension and the product within int64
+                numel *= d
+                if d == 0 or numel >= 1 << 63:
+                    raise GGUFError(f"{self.path}: tensor {name!r} has a bad dimension {d}")
             ttype = cur.unpack("I", f"tensor {name!r} type")
             off = cur.unpack("Q", f"tensor {name!r} offset")
             try:
@@ -592,7 +607,7 @@ class GGUFReader:
                 raise GGUFError(f"{self.path}: tensor {name!r} appears twice")
             if off % align:
                 raise GGUFError(f"{self.path}: tensor {name!r} offset {off} is not aligned to {align}")
-            n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            n = math.prod(shape)
             try:
                 nbytes = type_nbytes(t, n)
             except GGUFError as e:
@@ -716,8 +731,9 @@ class GGUFWriter:
     def __init__(self, path, *, alignment: int = DEFAULT_ALIGNMENT, version: int = 3):
         if version not in (2, 3):
             raise GGUFError(f"GGUF version must be 2 or 3, got {version!r}")
-        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-            raise GGUFError(f"alignment must be a power of two, got {alignment!r}")
+        if not _valid_alignment(alignment):
+            raise GGUFError(f"alignment must be a power of two in [{MIN_ALIGNMENT}, {MAX_ALIGNMENT}], "
+                            f"got {alignment!r}")
         self.path = Path(os.fspath(path))
         self.alignment, self.version = alignment, version
         self._kv: dict[str, bytes] = {}

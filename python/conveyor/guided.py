@@ -29,12 +29,35 @@ def _error(message: str, field: str = "guided_decoding") -> ValueError:
     return e
 
 
+def _first_line(text: str) -> str:
+    """llguidance's errors carry the parser state after the first line."""
+    return (text or "").strip().split("\n", 1)[0][:500]
+
+
+# guided_choice entries: each becomes an alternative of one grammar rule, built and
+# searched per token; 20,000 took seconds to build.
+MAX_CHOICES = 1024
+
+
 def _llguidance():
     try:
         import llguidance
     except ImportError:  # pragma: no cover - a dependency, but say what is missing
         raise _error("guided decoding needs the llguidance package (pip install llguidance)") from None
     return llguidance
+
+
+def _gbnf_to_lark(llg):
+    """llguidance's GBNF -> Lark converter: a function of the package in some
+    releases, the function of a submodule of that name in others (1.9)."""
+    conv = getattr(llg, "gbnf_to_lark", None)
+    if conv is not None and not callable(conv):
+        conv = getattr(conv, "gbnf_to_lark", None)
+    if conv is None:
+        import importlib
+
+        conv = importlib.import_module("llguidance.gbnf_to_lark").gbnf_to_lark
+    return conv
 
 
 @dataclass
@@ -99,6 +122,8 @@ class GuidedDecodingParams:
             c = self.choice
             if not isinstance(c, (list, tuple)) or not c or not all(isinstance(x, str) and x for x in c):
                 raise _error("guided_decoding.choice must be a non-empty list of non-empty str")
+            if len(c) > MAX_CHOICES:
+                raise _error(f"guided_decoding.choice has {len(c)} entries; at most {MAX_CHOICES} are allowed")
             # Lark string literals take JSON's escapes.
             g = M.grammar_from_lark("start: " + " | ".join(json.dumps(x) for x in c))
         else:
@@ -107,8 +132,8 @@ class GuidedDecodingParams:
             text = self.grammar
             if "::=" in text:
                 try:
-                    text = llg.gbnf_to_lark(text)
-                except Exception as e:  # the converter raises plain exceptions
+                    text = _gbnf_to_lark(llg)(text)
+                except Exception as e:  # the converter raises its own error classes
                     raise _error(f"guided_decoding.grammar: cannot read the GBNF grammar: {e}") from None
             g = M.grammar_from_lark(text)
         problem = M.validate_grammar(g)
@@ -163,8 +188,25 @@ class GuidedDecoder:
     def matcher(self, params: GuidedDecodingParams):
         m = self._llg.LLMatcher(self.lltok, params.lark_or_json_grammar, log_level=0)
         if m.is_error():
-            raise _error(f"guided_decoding: {m.get_error()}")
+            raise _error(f"guided_decoding: {_first_line(m.get_error())}")
         return m
+
+    def start(self, params: GuidedDecodingParams, n: int):
+        """(n matchers, the first token's mask): one grammar built and its first mask
+        computed (where a grammar past the grammar engine's limits usually fails:
+        ValueError, field "guided_decoding"), then copied for the other completions."""
+        m = self.matcher(params)
+        mask = self.mask(m)
+        if mask is None:
+            raise _error("guided_decoding: the grammar engine gave up on this grammar at the first token: "
+                         f"{_first_line(m.get_error())}")
+        return [m] + [m.deep_copy() for _ in range(n - 1)], mask
+
+    @staticmethod
+    def error_of(matcher, index: int, pos: int) -> str:
+        """Why matcher failed, for the client: the grammar engine's first line."""
+        return (f"guided_decoding: the grammar engine gave up on completion {index} after {pos} tokens: "
+                f"{_first_line(matcher.get_error()) or 'the sampled token was not allowed'}")
 
     def mask(self, matcher) -> Optional[np.ndarray]:
         """The next token's allowed-token bitmask, or None when the matcher failed."""

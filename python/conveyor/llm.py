@@ -108,7 +108,12 @@ class LLM(EngineFrontend):
             core.abort_requests(reqs)
             raise
         self._run(reqs, use_tqdm)
-        return [EngineCore.build_output(r) for r in reqs]
+        outs = [EngineCore.build_output(r) for r in reqs]
+        for o in outs:  # the other prompts' results stand; this one's is said, not silent
+            if o.guided_error:
+                warnings.warn(f"request {o.request_id}: {o.guided_error} (its completion ended 'abort'; "
+                              "RequestOutput.guided_error)", UserWarning, stacklevel=2)
+        return outs
 
     def _run(self, reqs, use_tqdm: bool):
         core = self._core
@@ -155,17 +160,18 @@ class LLM(EngineFrontend):
                           "'role: content' lines, which the model was not trained on; pass "
                           "chat_template=... or use generate() for a base model", UserWarning, stacklevel=2)
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = [chat_prompt(tok, conv, add_generation_prompt) for conv in convs]
+        prompts = [chat_prompt(tok, conv, add_generation_prompt, self.encode_prompt) for conv in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, timeout=timeout)
 
 
-def chat_prompt(tok, conv, add_generation_prompt: bool = True) -> dict:
+def chat_prompt(tok, conv, add_generation_prompt: bool = True, encode=None) -> dict:
     """One conversation (a list of {"role", "content"} dicts) as a prompt dict, through the
-    tokenizer's chat template."""
+    tokenizer's chat template. encode(text, add_special_tokens): the tokenizing to use (an
+    engine's encode_prompt, with its length bound); tok.encode by default."""
     for msg in conv:
         if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
             raise ValueError("each chat message must be a dict with 'role' and 'content'")
     text = tok.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt)
-    return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)
-            if getattr(tok, "chat_template", None) else tok.encode(text)}
+    encode = encode or tok.encode
+    return {"prompt": text, "prompt_token_ids": encode(text, not getattr(tok, "chat_template", None))}
 

@@ -61,3 +61,6 @@ class RequestOutput:
     # prompt_logprobs=k: None for the first prompt token, then {token id: Logprob}
     # with the prompt token and the k most likely tokens at each position
     prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
+    # guided decoding: why the grammar engine ended a completion ("abort") midway, a
+    # grammar past its limits; AsyncLLM's streams raise it as a ValueError
+    guided_error: Optional[str] = None

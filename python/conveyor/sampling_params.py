@@ -8,6 +8,7 @@ from . import _core
 from .guided import GuidedDecodingParams  # noqa: F401  (vLLM's import path)
 
 MAX_LOGPROBS = _core.MAX_LOGPROBS  # the C engine's limit (CV_MAX_LOGPROBS)
+MAX_BAD_WORDS = _core.MAX_BAD_WORDS  # the C engine's limit (CV_MAX_BAD_WORDS), checked before tokenizing
 _OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
@@ -143,6 +144,9 @@ class SamplingParams:
             if isinstance(self.bad_words, str) or not isinstance(self.bad_words, (list, tuple)) or \
                     not all(isinstance(w, str) for w in self.bad_words):
                 raise field_error(TypeError, "bad_words", "SamplingParams.bad_words must be a list of str")
+            if len(self.bad_words) > MAX_BAD_WORDS:
+                raise field_error(ValueError, "bad_words", f"SamplingParams.bad_words has {len(self.bad_words)} "
+                                  f"words; at most {MAX_BAD_WORDS} are allowed")
             for w in self.bad_words:
                 if not w.strip():
                     raise field_error(ValueError, "bad_words", "SamplingParams.bad_words must not contain "
@@ -157,10 +161,12 @@ class SamplingParams:
         if tokenizer is None:
             raise field_error(ValueError, "bad_words", "bad_words needs a tokenizer")
         seqs: list[list[int]] = []
+        seen: set[tuple] = set()  # a set: de-duplicating stays linear in the number of words
         for w in self.bad_words:
             for text in (w.lstrip(), " " + w.lstrip()):
                 ids = list(tokenizer.encode(text, add_special_tokens=False))
-                if ids and ids not in seqs:
+                if ids and tuple(ids) not in seen:
+                    seen.add(tuple(ids))
                     seqs.append(ids)
         out._bad_words_token_ids = seqs
         return out

@@ -72,15 +72,38 @@ def _compile_template(source: str):
         raise ModelFormatError(f"the model's chat template is not valid Jinja: {e}") from None
 
 
+# A chat template is code from the model file (or the request) run on every chat
+# request: the sandbox keeps it from the host, these caps keep it from the CPU and
+# memory. Real templates render a conversation in well under a millisecond, and their
+# output is about the size of the messages.
+CHAT_TEMPLATE_MAX_SECONDS = 2.0
+CHAT_TEMPLATE_MAX_OUTPUT = 1 << 20  # characters beyond the messages' own
+
+
 def _render_template(source: str, messages: list[dict], add_generation_prompt: bool,
                      bos_token: str, eos_token: str) -> str:
-    from jinja2.exceptions import TemplateError
+    from .deadline import call_with_deadline
+
+    limit = CHAT_TEMPLATE_MAX_OUTPUT + sum(len(m["content"]) for m in messages)
+    template = _compile_template(source)  # a template that does not compile: ModelFormatError
+
+    def render():
+        parts, size = [], 0
+        for piece in template.generate(
+                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos_token,
+                eos_token=eos_token):
+            size += len(piece)
+            if size > limit:
+                raise ValueError(f"chat template output is over {limit} characters")
+            parts.append(piece)
+        return "".join(parts)
 
     try:
-        return _compile_template(source).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                bos_token=bos_token, eos_token=eos_token)
-    except TemplateError as e:
+        return call_with_deadline(CHAT_TEMPLATE_MAX_SECONDS, "rendering the chat template", render)
+    except ValueError as e:  # raise_exception() in the template, or the output cap
         raise ValueError(f"chat template failed to render: {e}") from None
+    except Exception as e:  # jinja's own errors, and OverflowError, RecursionError, TimeoutError...
+        raise ValueError(f"chat template failed to render: {type(e).__name__}: {e}") from None
 
 
 def _check_messages(messages) -> list[dict]:
@@ -392,17 +415,50 @@ def _token_content(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _read_json(path: Path) -> dict:
+# Size caps on the JSON files of a model folder, far above real ones (tokenizer.json:
+# 33 MB for Gemma 3's 262k vocabulary; the others a few kB, chat templates included):
+# a JSON file costs ~10x its size in Python objects.
+MAX_TOKENIZER_JSON_BYTES = 128 << 20
+MAX_SMALL_JSON_BYTES = 4 << 20  # tokenizer_config.json, config.json, generation_config.json
+MAX_CHAT_TEMPLATE_BYTES = 1 << 20
+# Token ids: at most this many ids past the number of entries (holes, reserved ids), so
+# that one entry with id 200,000,000 cannot make the id tables gigabytes.
+MAX_VOCAB_HOLES = 1 << 16
+
+
+def _read_json(path: Path, limit: int = MAX_SMALL_JSON_BYTES) -> dict:
     try:
+        size = os.path.getsize(path)
+        if size > limit:
+            raise ModelFormatError(f"{path}: {size} bytes, more than the {limit} this file may have")
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except json.JSONDecodeError as e:
         raise ModelFormatError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise ModelFormatError(f"{path}: JSON nested too deeply") from None
     except UnicodeDecodeError as e:
         raise ModelFormatError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
     if not isinstance(data, dict):
         raise ModelFormatError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
+
+
+def _read_model_text(folder: Path, name: str, limit: int) -> str:
+    """A text file of the model folder, refused when a symlink takes it out of the folder
+    (a model from elsewhere must not read the host's files into prompts). The Hugging
+    Face cache's layout, snapshots/REV/NAME -> ../../blobs/HASH, stays allowed."""
+    path = folder / name
+    root = folder.resolve()
+    if root.parent.name == "snapshots":
+        root = root.parent.parent
+    real = path.resolve()
+    if root != real and root not in real.parents:
+        raise ModelFormatError(f"{path}: a link to {real}, outside the model folder")
+    size = real.stat().st_size
+    if size > limit:
+        raise ModelFormatError(f"{path}: {size} bytes, more than the {limit} this file may have")
+    return real.read_text(encoding="utf-8")
 
 
 class HFTokenizer(Tokenizer):
@@ -418,7 +474,7 @@ class HFTokenizer(Tokenizer):
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer file not found: {path}")
         folder = Path(config_dir) if config_dir is not None else path.parent
-        spec = _read_json(path)
+        spec = _read_json(path, MAX_TOKENIZER_JSON_BYTES)
         try:
             self._tok = tokenizers.Tokenizer.from_file(str(path))
         except Exception as e:  # the Rust side raises plain Exception
@@ -432,15 +488,18 @@ class HFTokenizer(Tokenizer):
         gen_cfg = _read_json(gen_path) if gen_path.is_file() else {}
         tmpl = cfg.get("chat_template")
         if not tmpl and (folder / "chat_template.jinja").is_file():
-            cfg = dict(cfg, chat_template=(folder / "chat_template.jinja").read_text(encoding="utf-8"))
+            cfg = dict(cfg, chat_template=_read_model_text(folder, "chat_template.jinja", MAX_CHAT_TEMPLATE_BYTES))
         self._setup(spec, cfg, model_cfg, gen_cfg)
 
     def _setup(self, spec: dict, cfg: dict, model_cfg: dict, gen_cfg: dict) -> None:
         """Fills the attributes from tokenizer.json's ``spec`` (self._tok already loaded),
         tokenizer_config ``cfg``, config.json ``model_cfg`` and generation_config ``gen_cfg``."""
         vocab = self._tok.get_vocab(with_added_tokens=True)
-        self.vocab_size = max(max(vocab.values()) + 1 if vocab else 0,
-                              self._tok.get_vocab_size(with_added_tokens=True))
+        top = max(vocab.values()) if vocab else -1
+        if top >= len(vocab) + MAX_VOCAB_HOLES:
+            raise ModelFormatError(f"tokenizer: token id {top} with {len(vocab)} tokens in the vocabulary "
+                                   f"(ids may run at most {MAX_VOCAB_HOLES} past the number of tokens)")
+        self.vocab_size = max(top + 1, self._tok.get_vocab_size(with_added_tokens=True))
         id_to_tok: list[str | None] = [None] * self.vocab_size
         for t, i in vocab.items():
             id_to_tok[i] = t
@@ -588,23 +647,37 @@ def _meta_id(md: dict, key: str, n: int) -> int | None:
     return v
 
 
+# Bounds on building SentencePiece merges from a GGUF file's scores, which tries every
+# split of every token (time ~ tokens x length^2): SentencePiece's own pieces are at most
+# 16 characters by default and real vocabularies stay well under MERGE_MAX_TOKEN_CHARS;
+# a longer token gets no merges (it is still matched whole when it is a control or
+# user-defined token). MAX_MERGES bounds the list handed to `tokenizers`.
+MERGE_MAX_TOKEN_CHARS = 128
+MAX_MERGES = 4_000_000
+# gguf_metadata(array_limit=...): other arrays longer than this are not read into lists.
+GGUF_METADATA_ARRAY_LIMIT = 1 << 16
+
+
 def _merges_from_scores(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
     """BPE merges equivalent to SentencePiece's highest-score-first bigram merging: every
     split (a, b) of a token t with a and b in the vocabulary, ordered by t's score (best
-    first), then by the ids of t, a, b."""
+    first), then by the ids of t, a, b. Tokens longer than MERGE_MAX_TOKEN_CHARS are not
+    split; more than MAX_MERGES merges is a ModelFormatError."""
     ids: dict[str, int] = {}
     for i, t in enumerate(tokens):
         ids.setdefault(t, i)
-    found = []
+    found = []  # (-score, id, id of a, id of b): ints and floats only, strings looked up at the end
     for i, t in enumerate(tokens):
-        if types[i] not in (_TT_NORMAL, _TT_USER) or len(t) < 2:
+        if types[i] not in (_TT_NORMAL, _TT_USER) or not 2 <= len(t) <= MERGE_MAX_TOKEN_CHARS:
             continue
         for k in range(1, len(t)):
-            a, b = t[:k], t[k:]
-            if a in ids and b in ids:
-                found.append((-scores[i], i, ids[a], ids[b], a, b))
+            ia, ib = ids.get(t[:k]), ids.get(t[k:])
+            if ia is not None and ib is not None:
+                found.append((-scores[i], i, ia, ib))
+        if len(found) > MAX_MERGES:
+            raise ModelFormatError(f"GGUF tokenizer: the scores give more than {MAX_MERGES} merges")
     found.sort()
-    return [(a, b) for *_, a, b in found]
+    return [(tokens[ia], tokens[ib]) for _, _, ia, ib in found]
 
 
 def _gguf_spec(md: dict, tokens: list[str], types: list[int]) -> tuple[dict, bool]:
@@ -726,7 +799,8 @@ class GGUFTokenizer(HFTokenizer):
         from . import _core
 
         # the C reader (conveyor.gguf, the Python one, is the tests' independent reference)
-        tok = cls(_core.gguf_metadata(os.fspath(path)))
+        # arrays the tokenizer does not read are left out when long (their lists cost ~10x the file)
+        tok = cls(_core.gguf_metadata(os.fspath(path), array_limit=GGUF_METADATA_ARRAY_LIMIT))
         tok.path = Path(os.fspath(path))
         return tok
 

@@ -26,6 +26,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from typing import Any, Optional
 
 from . import require_ray, threads_for
@@ -179,8 +180,24 @@ def build(model: str, *, engine_kwargs: Optional[dict] = None, model_name: Optio
         options["health_check_period_s"] = health_check_period_s
     if health_check_timeout_s is not None:
         options["health_check_timeout_s"] = health_check_timeout_s
+    if api_key is None:
+        # as `conveyor serve` does when it listens without a key
+        warnings.warn("conveyor.ray.serve: the deployment answers without an API key (pass api_key=...)",
+                      UserWarning, stacklevel=2)
+    # the served id: the model's own name (as `conveyor serve` gives it), never the
+    # full path of the model on the replica's disk
+    served = model_name or _served_name(model)
     return _deployment_class().options(**options).bind(
-        model, engine_kwargs, model_name=model_name or model, api_key=api_key, app_kwargs=app_kwargs)
+        model, engine_kwargs, model_name=served, api_key=api_key, app_kwargs=app_kwargs)
+
+
+def _served_name(model: str) -> str:
+    from ..model_name import model_name as name_of
+
+    try:
+        return name_of(model)
+    except (OSError, ValueError):  # the path exists only on the replicas' nodes
+        return os.path.basename(os.path.normpath(model)) or DEFAULT_NAME
 
 
 def app_builder(args: dict):

@@ -28,6 +28,9 @@ from .protocol import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUED_REQUESTS, APIEr
 from .serving import Server, error_response, json_response
 
 
+SWITCH_INTERVAL_S = 0.001  # the server process's GIL switch interval (see main)
+
+
 def load_chat_template(value: str) -> str:
     """--chat-template: a file's path, or the template itself."""
     if "{" not in value and os.path.isfile(value):
@@ -68,20 +71,23 @@ def build_app(engine, *, model_name: str, api_key: Optional[str] = None, request
         async def endpoint(request):
             try:
                 return await fn(request)
-            except APIError as e:
-                if e.status >= 400:
-                    server.metrics.http_errors[e.status] = server.metrics.http_errors.get(e.status, 0) + 1
-                return error_response(e)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - never a bare 500 page
                 from .. import EngineClosedError
 
-                if isinstance(e, EngineClosedError):
-                    return error_response(APIError(503, "the engine is shut down", code="engine_closed"))
-                logging.getLogger("conveyor.serve").exception("internal error")
-                return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}",
-                                                type_="server_error"))
+                if isinstance(e, APIError):
+                    err = e
+                elif isinstance(e, EngineClosedError):
+                    err = APIError(503, "the engine is shut down", code="engine_closed")
+                else:
+                    # the details go to the log, not to the client
+                    logging.getLogger("conveyor.serve").exception("internal error")
+                    err = APIError(500, f"internal error ({type(e).__name__}); see the server log",
+                                   type_="server_error")
+                if err.status >= 400:
+                    server.metrics.http_errors[err.status] = server.metrics.http_errors.get(err.status, 0) + 1
+                return error_response(err)
         return endpoint
 
     async def completions(request):
@@ -93,13 +99,13 @@ def build_app(engine, *, model_name: str, api_key: Optional[str] = None, request
     async def tokenize(request):
         server.check_auth(request)
         body = await server.read_json(request)
-        ids = server.validator.tokenize(body)
+        ids = await server.off_loop(server.validator.tokenize, body)
         return json_response({"tokens": ids, "count": len(ids), "max_model_len": server.max_model_len})
 
     async def detokenize(request):
         server.check_auth(request)
         body = await server.read_json(request)
-        return json_response({"prompt": server.validator.detokenize(body)})
+        return json_response({"prompt": await server.off_loop(server.validator.detokenize, body)})
 
     def model_card():
         return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "conveyor",
@@ -299,6 +305,12 @@ def main(argv=None) -> int:
     shown = f"[{host}]" if ":" in host else host
     config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.no_access_log,
                             http=args.http, timeout_graceful_shutdown=5)
+    # A request's preparation (a chat template, a tokenizer in Python) runs on worker
+    # threads that hold the GIL while they compute; the event loop waits for it up to
+    # the switch interval each time it needs it. 5 ms (Python's default) x the few
+    # handoffs of one /health answer came to 100-250 ms under hostile templates; 1 ms
+    # keeps it near 30 ms (docs/reliability.md, section 6).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     print(f"conveyor serve: serving {name} at http://{shown}:{port}/v1", file=sys.stderr, flush=True)
     import signal
 

@@ -171,6 +171,8 @@ class Parsed:
     timeout: Optional[float] = None  # seconds from arrival; past it: finish_reason "timeout"
     tool_call: Optional["ToolCall"] = None  # chat: answer with tool_calls (named or required)
     prompt_only: bool = False       # completions max_tokens 0 (with echo): no completion tokens
+    renames: Optional[dict] = None  # engine error fields -> this request's fields (guided_decoding -> guided_regex)
+    guided: Optional[list] = None   # per prompt: AsyncLLM.prepare_guided's matchers (built off the loop)
 
 
 @dataclass
@@ -321,6 +323,12 @@ def _guided(f: Fields, tool_schema=None) -> tuple[Optional[dict], Optional[str]]
                                                  "object (and a 'name')")
         return {"json": js.get("schema", {"type": "object"})}, key
     v = f.obj[key]
+    if isinstance(v, str):
+        check_text(key, v)
+    elif isinstance(v, list):
+        for c in v:
+            if isinstance(c, str):
+                check_text(key, c)
     if key == "guided_json":
         if not isinstance(v, (dict, str)):
             raise bad_request(key, f"'{key}' must be a JSON schema (an object or a string)")
@@ -366,7 +374,7 @@ def _tools(f: Fields) -> Optional[ToolCall]:
         return ToolCall(None, by_name)
     if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
-        if name not in by_name:
+        if not isinstance(name, str) or name not in by_name:
             raise bad_request("tool_choice", f"tool_choice names function {name!r}, which is not among 'tools'")
         return ToolCall(name, by_name)
     raise bad_request("tool_choice", "tool_choice must be 'none', 'required', 'auto' or "
@@ -424,10 +432,12 @@ class Validator:
     """Turns request JSON into a Parsed, tokenizing prompts; the engine's own
     check (check_request) decides whether each prompt fits."""
 
-    def __init__(self, tokenizer, max_model_len: int, check_request):
+    def __init__(self, tokenizer, max_model_len: int, check_request, encode_prompt=None):
         self.tok = tokenizer
         self.max_model_len = max_model_len
         self.check_request = check_request
+        # the engine's tokenizing, with its byte-length bound first (EngineCore.encode_prompt)
+        self.encode_prompt = encode_prompt
 
     def _ids(self, param: str, ids: list) -> list:
         if not ids:
@@ -443,6 +453,13 @@ class Validator:
             raise bad_request(param, "this server has no tokenizer; send token ids")
         if text == "":
             raise bad_request(param, f"'{param}' is empty")
+        if self.encode_prompt is not None:
+            try:
+                return self.encode_prompt(text, add_special_tokens)
+            except (TypeError, ValueError) as e:
+                if getattr(e, "field", None) == "prompt":  # the length bound
+                    raise bad_request(param, f"'{param}': {e}") from None
+                raise bad_request(param, f"'{param}' could not be tokenized: {e}") from None
         try:
             return self.tok.encode(text, add_special_tokens=add_special_tokens)
         except (TypeError, ValueError) as e:
@@ -516,7 +533,7 @@ class Validator:
         self._check(params, prompts, ["prompt" if len(prompts) == 1 else f"prompt[{i}]" for i in range(len(prompts))],
                     renames)
         return Parsed("completion", prompts, params, stream, include_usage, logprobs, echo, model,
-                      prompt_only=max_tokens == 0, **_load_fields(f))
+                      prompt_only=max_tokens == 0, renames=renames, **_load_fields(f))
 
     def _message_text(self, i: int, content) -> str:
         param = f"messages[{i}].content"
@@ -563,7 +580,7 @@ class Validator:
         prompts = [Prompt(text, ids)]
         self._check(params, prompts, ["messages"], renames)
         return Parsed("chat", prompts, params, stream, include_usage, logprobs, False, model, tool_call=tool,
-                      **_load_fields(f))
+                      renames=renames, **_load_fields(f))
 
     def render_chat(self, body: dict, add_generation_prompt: bool = True) -> tuple[str, list]:
         """body["messages"] through the chat template: (text, token ids)."""

@@ -124,7 +124,8 @@ class Server:
         st = engine.stats()
         self.max_model_len = int(st.get("max_model_len") or engine.model_config.get("max_pos") or 2048)
         self.vocab_size = int(engine.model_config["vocab_size"])
-        self.validator = Validator(self.tok, self.max_model_len, engine.check_request)
+        self.validator = Validator(self.tok, self.max_model_len, engine.check_request,
+                                   getattr(engine, "encode_prompt", None))
         self.metrics = ServerMetrics(model_name)
         self.created = int(time.time())
         self.in_flight = 0   # HTTP generation requests being answered
@@ -173,6 +174,30 @@ class Server:
             raise bad_request("body", f"the request body must be a JSON object, got {type_name(body)}")
         return body
 
+    async def off_loop(self, fn, *args):
+        """fn(*args) on the engine's preparation threads (AsyncLLM.run_off_loop), so that
+        a request's tokenizing, chat template and grammar never hold up the event loop."""
+        run = getattr(self.engine, "run_off_loop", None)
+        return await run(fn, *args) if run is not None else fn(*args)
+
+    def prepare(self, body: dict, kind: str) -> Parsed:
+        """The request read, tokenized and checked, its params for the engine and, when
+        guided, its grammar matchers built (one set per prompt): all the work that grows
+        with what the client sent. Runs on a worker thread."""
+        parsed = self.validator.completion(body) if kind == "completion" else self.validator.chat(body)
+        parsed.params = parsed.params.clone(output_kind="delta" if parsed.stream else "final_only")
+        if parsed.params.guided_decoding is not None:
+            prepare = getattr(self.engine, "prepare_guided", None)
+            if prepare is not None:
+                try:
+                    first = prepare(parsed.params)
+                except (ValueError, TypeError) as e:
+                    raise refused(e, parsed.renames) from None
+                matchers, mask = first
+                parsed.guided = [first] + [([m.deep_copy() for m in matchers], mask)
+                                           for _ in parsed.prompts[1:]]
+        return parsed
+
     def check_model(self, model: Optional[str]):
         if model is not None and model != self.model_name:
             raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
@@ -186,12 +211,19 @@ class Server:
         from .. import EngineOverloadedError
 
         timeout = parsed.timeout if parsed.timeout is not None else self.request_timeout
+        limit = getattr(self.engine, "max_queued_requests", None)
+        share = max(1, limit // 4) if limit else None
+        if share is not None and len(parsed.prompts) > share:
+            # one request must not fill the queue for everyone
+            raise bad_request("prompt", f"'prompt' holds {len(parsed.prompts)} prompts; one request may queue "
+                                        f"at most {share} (a quarter of max_queued_requests={limit})")
         streams = []
         try:
             for i, p in enumerate(parsed.prompts):
+                guided = {"guided": parsed.guided[i]} if parsed.guided is not None else {}
                 streams.append(self.engine.add_request({"prompt": p.text, "prompt_token_ids": p.ids}, params,
                                                        request_id=f"{rid}-{i}", priority=parsed.priority,
-                                                       timeout=timeout))
+                                                       timeout=timeout, **guided))
         except BaseException as e:
             for s in streams:
                 s.close()
@@ -200,7 +232,7 @@ class Server:
                 raise APIError(503, f"the server is overloaded: {e}", code="server_overloaded",
                                headers={"Retry-After": str(RETRY_AFTER_S)}) from None
             if isinstance(e, (ValueError, TypeError)):  # the engine refused the request
-                raise refused(e) from None
+                raise refused(e, parsed.renames) from None
             raise
         return streams
 
@@ -464,8 +496,8 @@ class Server:
                                  "total_tokens": prompt_tokens + comp})
         except APIError as e:
             yield f"data: {dumps(e.body())}\n\n"
-        except (ValueError, TypeError) as e:  # the engine refused the request
-            yield f"data: {dumps(refused(e).body())}\n\n"
+        except (ValueError, TypeError) as e:  # the engine refused the request (or its grammar)
+            yield f"data: {dumps(refused(e, parsed.renames).body())}\n\n"
         except Exception as e:  # noqa: BLE001 - the stream has begun: report in-band, then end it
             from .. import EngineClosedError
 
@@ -487,11 +519,11 @@ class Server:
         if model is not None:
             check_text("model", model)
         self.check_model(model)
-        parsed = self.validator.completion(body) if kind == "completion" else self.validator.chat(body)
+        parsed = await self.off_loop(self.prepare, body, kind)
         if self.engine.closed:
             raise APIError(503, "the engine is shut down", code="engine_closed")
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        streams = self.start(parsed, rid, parsed.params.clone(output_kind="delta" if parsed.stream else "final_only"))
+        streams = self.start(parsed, rid, parsed.params)
         if parsed.stream:
             return self._stream_response(streams, parsed, rid)
         self.in_flight += 1
@@ -514,8 +546,8 @@ class Server:
                                                   "param": None, "code": None}}, 499)
             try:
                 result = gen.result()
-            except (ValueError, TypeError) as e:  # the engine refused the request
-                raise refused(e) from None
+            except (ValueError, TypeError) as e:  # the engine refused the request (or its grammar)
+                raise refused(e, parsed.renames) from None
             return json_response(result)
         except BaseException:
             if not gen.done():

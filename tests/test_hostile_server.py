@@ -1,0 +1,197 @@
+"""Issue 29 against a real `conveyor serve` (stories260K, --api-key, a chat template
+with traps) on loopback: every hostile request of the issue's list gets a clear 4xx
+or a bounded answer, and /health, polled every 50 ms by a separate process, stays
+under 100 ms at the 99th percentile while they arrive."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+pytest.importorskip("llguidance")
+
+from conveyor.bench.serve import OwnServer  # noqa: E402
+
+MODEL = Path(__file__).resolve().parents[2] / "shared/models/stories260K/stories260K.bin"
+pytestmark = pytest.mark.skipif(not MODEL.is_file(), reason=f"{MODEL} not found")
+KEY = "hostile-test-key"
+
+# A template that is fine for ordinary messages and springs a trap on a keyword: CPU
+# without output, output without end, and jinja's own OverflowError (range past its cap).
+TEMPLATE = textwrap.dedent("""\
+    {%- set first = messages[0]['content'] -%}
+    {%- if first == 'spin' -%}{%- for i in range(100000) -%}{%- for j in range(100000) -%}{%- endfor -%}{%- endfor -%}
+    {%- elif first == 'flood' -%}{%- for i in range(100000) -%}{%- for j in range(100000) -%}xxxxxxxxxx{%- endfor -%}{%- endfor -%}
+    {%- elif first == 'overflow' -%}{%- for i in range(10 ** 9) -%}{%- endfor -%}
+    {%- endif -%}
+    {%- for m in messages -%}{{ m['role'] }}: {{ m['content'] }}
+    {% endfor -%}assistant:""")
+
+HEALTH_POLLER = """
+import http.client, json, sys, time
+host, port, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+lat = []
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+    t0 = time.perf_counter()
+    c = http.client.HTTPConnection(host, port, timeout=30)
+    c.request("GET", "/health")
+    r = c.getresponse(); r.read(); c.close()
+    lat.append(time.perf_counter() - t0)
+    time.sleep(0.05)
+print(json.dumps(lat))
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmpl = tmp_path_factory.mktemp("tmpl") / "trap.jinja"
+    tmpl.write_text(TEMPLATE)
+    s = OwnServer(str(MODEL), ["--api-key", KEY, "--chat-template", str(tmpl)], timeout=120.0)
+    c = httpx.Client(base_url=s.url, trust_env=False, timeout=120.0, headers={"Authorization": f"Bearer {KEY}"})
+    c.url_ = s.url
+    yield c
+    c.close()
+    s.stop()
+
+
+def completion(c, **body):
+    return c.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 8, **body})
+
+
+def chat(c, content, **body):
+    return c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}],
+                                                "max_tokens": 8, **body})
+
+
+def expect_400(r, param, match=""):
+    assert r.status_code == 400, (r.status_code, r.text[:500])
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    assert match in err["message"], err
+
+
+# Each hostile request of the issue and what it must get. Item numbers are the issue's.
+HOSTILE = {
+    # 2, 3: a regex past llguidance's limits, n=16: 400 naming the field, not 200 "abort"
+    "regex-past-limits": (lambda c: completion(c, guided_regex="((a{100}){100}){100}", n=16, max_tokens=4),
+                          lambda r: expect_400(r, "guided_regex", "grammar engine gave up")),
+    # 3: 20,000 choices
+    "choice-20k": (lambda c: completion(c, guided_choice=[f"w{i}" for i in range(20000)]),
+                   lambda r: expect_400(r, "guided_choice", "at most 1024")),
+    # 5: 8k bad words: over the cap, refused before tokenizing
+    "bad-words-8k": (lambda c: completion(c, bad_words=[f"word{i}" for i in range(8000)]),
+                     lambda r: expect_400(r, "bad_words", "at most 1024")),
+    # 5: 1,000 bad words (under the cap) are served
+    "bad-words-1k": (lambda c: completion(c, bad_words=[f"w{i}" for i in range(1000)]),
+                     lambda r: r.status_code == 200 or pytest.fail(r.text[:300])),
+    # 6: a 4 MB prompt: 400 before tokenizing
+    "prompt-4mb": (lambda c: completion(c, prompt="ab " * 1_400_000),
+                   lambda r: expect_400(r, "prompt", "more than can fit in max_model_len")),
+    # 7: a template that spins, one that floods, one that overflows jinja's range cap
+    "template-spin": (lambda c: chat(c, "spin"), lambda r: expect_400(r, "messages", "TimeoutError")),
+    "template-flood": (lambda c: chat(c, "flood"), lambda r: expect_400(r, "messages", "output is over")),
+    "template-overflow": (lambda c: chat(c, "overflow"), lambda r: expect_400(r, "messages", "OverflowError")),
+    # 14: a token id past 64 bits, a list as the tool name, a lone surrogate in a regex
+    "prompt-id-huge": (lambda c: completion(c, prompt=[99999999999999999999]),
+                       lambda r: expect_400(r, "prompt", "outside the vocabulary")),
+    "tool-name-list": (lambda c: c.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        "tool_choice": {"type": "function", "function": {"name": ["f"]}}}),
+        lambda r: expect_400(r, "tool_choice", "not among")),
+    "regex-surrogate": (lambda c: c.post("/v1/completions", content=b'{"prompt": "hi", "guided_regex": "a\\ud800"}',
+                                         headers={"Content-Type": "application/json"}),
+                        lambda r: expect_400(r, "guided_regex", "invalid Unicode")),
+    # 1: GBNF; 4: guided + best_of > n
+    "gbnf": (lambda c: completion(c, guided_grammar='root ::= "yes" | "no"', max_tokens=5),
+             lambda r: r.json()["choices"][0]["text"] in ("yes", "no") or pytest.fail(r.text)),
+    "guided-best-of": (lambda c: completion(c, guided_choice=["red", "blue"], n=1, best_of=3, max_tokens=5,
+                                            temperature=1.0),
+                       lambda r: (r.json()["choices"][0]["text"] in ("red", "blue")
+                                  and r.json()["choices"][0]["finish_reason"] == "stop") or pytest.fail(r.text)),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_hostile_request_answered(server, name):
+    send, check = HOSTILE[name]
+    t0 = time.monotonic()
+    r = send(server)
+    took = time.monotonic() - t0
+    check(r)
+    assert took < 10.0, f"{name} took {took:.1f} s"
+    assert server.get("/health").status_code == 200
+
+
+def test_errors_are_counted(server):
+    """4xx answers are counted in conveyor_http_errors_total (500s go the same way)."""
+    before = server.get("/metrics").text
+    expect_400(completion(server, prompt=[99999999999999999999]), "prompt")
+    after = server.get("/metrics").text
+
+    def count(text):
+        for line in text.splitlines():
+            if line.startswith("conveyor_http_errors_total") and 'status="400"' in line:
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    assert count(after) == count(before) + 1
+
+
+def test_health_p99_under_hostile_mix(server):
+    """Every hostile request above, three times over from six client threads, while a
+    separate process polls /health every 50 ms: its p99 stays under 100 ms."""
+    host, port = server.url_.split("//")[1].split(":")
+    poller = subprocess.Popen([sys.executable, "-c", HEALTH_POLLER, host, port, "20"], stdout=subprocess.PIPE,
+                              text=True)
+    time.sleep(0.5)
+    with ThreadPoolExecutor(6) as ex:
+        futs = [ex.submit(HOSTILE[name][0], server) for _ in range(3) for name in HOSTILE]
+        for f in futs:
+            assert f.result().status_code in (200, 400)
+    out, _ = poller.communicate(timeout=120)
+    lat = sorted(json.loads(out))
+    assert len(lat) > 100
+    p99 = lat[int(0.99 * (len(lat) - 1))]
+    print(f"/health under the hostile mix: {len(lat)} polls, median {lat[len(lat) // 2] * 1000:.1f} ms, "
+          f"p99 {p99 * 1000:.1f} ms, max {lat[-1] * 1000:.1f} ms")
+    if os.environ.get("CONVEYOR_SANITIZED") == "1":
+        return  # under ASan (tools/sanitize.sh) every answer is checked, not the timing
+    assert p99 < 0.100, f"/health p99 {p99 * 1000:.0f} ms, max {lat[-1] * 1000:.0f} ms over {len(lat)} polls"
+
+
+def test_one_request_takes_at_most_a_quarter_of_the_queue():
+    """With --max-queued-requests 8, one request may queue 2 prompts: 3 is a 400 naming
+    'prompt', so that one client cannot fill the queue for everyone."""
+    s = OwnServer(str(MODEL), ["--max-queued-requests", "8"], timeout=120.0)
+    try:
+        with httpx.Client(base_url=s.url, trust_env=False, timeout=120.0) as c:
+            expect_400(completion(c, prompt=["a", "b", "c"]), "prompt", "at most 2 (a quarter of max_queued_requests=8)")
+            r = completion(c, prompt=["Once", "The dog"], max_tokens=2)
+            assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    finally:
+        s.stop()
+
+
+def test_streamed_grammar_given_up_midway_ends_with_the_error(server):
+    """Streaming: a grammar the grammar engine gives up on after tokens were sent ends
+    the stream with an error event naming the field (or, given up at once, a 400)."""
+    r = server.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4, "stream": True,
+                                             "guided_regex": "((a{100}){100}){100}"})
+    if r.status_code == 400:
+        expect_400(r, "guided_regex", "gave up")
+        return
+    events = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert events and "error" in events[-1], r.text[-500:]
+    assert events[-1]["error"]["param"] == "guided_regex" and "gave up" in events[-1]["error"]["message"]
