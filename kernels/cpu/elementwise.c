@@ -607,13 +607,40 @@ void cv_cpu_scale(cv_backend *b, float *x, int64_t n, float s) {
 /* ------------------------------------------------------------------------ */
 /* SwiGLU                                                                    */
 
-typedef struct swiglu_job {
+/* A gated activation (SwiGLU, GeGLU) over rows: out = act(gate) * up. */
+typedef void (*gated_row_fn)(float *o, const float *g, const float *u, int64_t dim, int simd);
+typedef struct gated_job {
     float *out;       /* [n][dim] */
     const float *gu;  /* [n][2*dim]: gate then up */
     int64_t n, dim;
     int simd;
+    gated_row_fn row;
     cv_rows *rows;      /* claimed in chunks (dynamic region) */
-} swiglu_job;
+} gated_job;
+
+static void gated_fn(void *arg, int tid, int nth) {
+    const gated_job *j = arg;
+    (void)tid;
+    (void)nth;
+    for (int64_t t0, t1; cv_rows_claim(j->rows, &t0, &t1);)
+        for (int64_t t = t0; t < t1; t++) {
+            const float *g = j->gu + (size_t)t * 2 * (size_t)j->dim;
+            j->row(j->out + (size_t)t * (size_t)j->dim, g, g + j->dim, j->dim, j->simd);
+        }
+}
+
+/* flops_per: rough cost of one output, for the thread count. */
+static void run_gated(cv_backend *b, float *out, const float *gu, int64_t n, int64_t dim, gated_row_fn row,
+                      double flops_per) {
+    cv_cpu *c = cv_cpu_of(b);
+    if (n <= 0 || dim <= 0) return;
+    gated_job j = {.out = out, .gu = gu, .n = n, .dim = dim, .simd = c->simd, .row = row};
+    int nth = cv_threads_for(c, (double)n * (double)dim * flops_per, ROW_GRAIN);
+    if (nth > n) nth = (int)n;
+    cv_rows rows;
+    j.rows = &rows;
+    cv_cpu_run_rows(c, nth, &rows, n, gated_fn, &j);
+}
 
 #if CV_HAVE_AVX2
 CV_TARGET_AVX2_BEGIN
@@ -648,26 +675,8 @@ static void swiglu_row(float *o, const float *g, const float *u, int64_t dim, in
     for (; i < dim; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
-static void swiglu_fn(void *arg, int tid, int nth) {
-    const swiglu_job *j = arg;
-    (void)tid;
-    (void)nth;
-    for (int64_t t0, t1; cv_rows_claim(j->rows, &t0, &t1);)
-        for (int64_t t = t0; t < t1; t++) {
-            const float *g = j->gu + (size_t)t * 2 * (size_t)j->dim;
-            swiglu_row(j->out + (size_t)t * (size_t)j->dim, g, g + j->dim, j->dim, j->simd);
-        }
-}
-
 void cv_cpu_swiglu(cv_backend *b, float *out, const float *gu, int64_t n, int64_t dim) {
-    cv_cpu *c = cv_cpu_of(b);
-    if (n <= 0 || dim <= 0) return;
-    swiglu_job j = {.out = out, .gu = gu, .n = n, .dim = dim, .simd = c->simd};
-    int nth = cv_threads_for(c, (double)n * (double)dim * 4.0, ROW_GRAIN);
-    if (nth > n) nth = (int)n;
-    cv_rows rows;
-    j.rows = &rows;
-    cv_cpu_run_rows(c, nth, &rows, n, swiglu_fn, &j);
+    run_gated(b, out, gu, n, dim, swiglu_row, 4.0);
 }
 
 /* GELU (tanh form, PyTorch's gelu(approximate="tanh")) gated by up: Gemma's
@@ -705,26 +714,8 @@ static void geglu_row(float *o, const float *g, const float *u, int64_t dim, int
     }
 }
 
-static void geglu_fn(void *arg, int tid, int nth) {
-    const swiglu_job *j = arg;
-    (void)tid;
-    (void)nth;
-    for (int64_t t0, t1; cv_rows_claim(j->rows, &t0, &t1);)
-        for (int64_t t = t0; t < t1; t++) {
-            const float *g = j->gu + (size_t)t * 2 * (size_t)j->dim;
-            geglu_row(j->out + (size_t)t * (size_t)j->dim, g, g + j->dim, j->dim, j->simd);
-        }
-}
-
 void cv_cpu_geglu(cv_backend *b, float *out, const float *gu, int64_t n, int64_t dim) {
-    cv_cpu *c = cv_cpu_of(b);
-    if (n <= 0 || dim <= 0) return;
-    swiglu_job j = {.out = out, .gu = gu, .n = n, .dim = dim, .simd = c->simd};
-    int nth = cv_threads_for(c, (double)n * (double)dim * 8.0, ROW_GRAIN);
-    if (nth > n) nth = (int)n;
-    cv_rows rows;
-    j.rows = &rows;
-    cv_cpu_run_rows(c, nth, &rows, n, geglu_fn, &j);
+    run_gated(b, out, gu, n, dim, geglu_row, 8.0);
 }
 
 /* ------------------------------------------------------------------------ */
