@@ -49,3 +49,21 @@ def test_the_kv_pool_is_not_resident_after_construction():
     assert big["built"] - big["before"] < 256 * 2**20, big
     assert abs((big["built"] - big["before"]) - (small["built"] - small["before"])) < 32 * 2**20, (big, small)
     assert abs((big["used"] - big["before"]) - (small["used"] - small["before"])) < 32 * 2**20, (big, small)
+
+
+@pytest.mark.skipif(not STORIES.is_file(), reason=f"{STORIES} not found")
+def test_blocks_touched_counts_the_committed_part_of_the_pool():
+    """stats()["blocks_touched"]: blocks ever handed out, the part of the pool that is
+    resident. None before the first request; it grows with use and never past the pool."""
+    import conveyor
+    from conveyor import SamplingParams
+
+    with conveyor.LLM(str(STORIES), num_threads=1, kv_cache_memory="64MiB", block_size=16) as llm:
+        st = llm.stats()
+        assert st["blocks_touched"] == 0
+        llm.generate(["Once upon a time"] * 4, SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False)
+        first = llm.stats()["blocks_touched"]
+        assert 4 <= first <= st["num_blocks"] - 1
+        llm.generate(["The little dog"] * 8, SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False)
+        assert first < llm.stats()["blocks_touched"] <= st["num_blocks"] - 1
+        assert llm.stats()["blocks_used"] == 0

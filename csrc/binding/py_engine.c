@@ -656,6 +656,7 @@ static PyObject *Engine_stats(EngineObject *self, PyObject *Py_UNUSED(ignored)) 
         cv_py_put(d, "blocks_used", PyLong_FromLongLong(st.sched.blocks_used)) < 0 ||
         cv_py_put(d, "blocks_free", PyLong_FromLongLong(st.sched.blocks_free)) < 0 ||
         cv_py_put(d, "blocks_cached_free", PyLong_FromLongLong(st.sched.blocks_cached_free)) < 0 ||
+        cv_py_put(d, "blocks_touched", PyLong_FromLongLong(st.sched.blocks_touched)) < 0 ||
         cv_py_put(d, "tokens_in_kv", PyLong_FromLongLong(st.sched.tokens_in_kv)) < 0 ||
         cv_py_put(d, "kv_waste", PyFloat_FromDouble(st.sched.kv_waste)) < 0 ||
         cv_py_put(d, "prefix_queries", PyLong_FromLongLong(st.sched.prefix_queries)) < 0 ||

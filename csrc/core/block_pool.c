@@ -17,6 +17,8 @@ struct cv_block_pool {
     int32_t head, tail;
     int64_t n_free;
     int64_t n_cached_free;
+    uint8_t *touched;   /* [num_blocks] 1 once handed out: its KV memory has been written */
+    int64_t n_touched;
 
     /* prefix cache (NULL when caching is off) */
     uint64_t *key;     /* [num_blocks] cache key, 0 = holds no cached prefix */
@@ -75,7 +77,8 @@ cv_block_pool *cv_block_pool_create(int64_t num_blocks, int64_t block_size,
     p->ref = calloc(nb, sizeof *p->ref);
     p->fprev = malloc(nb * sizeof *p->fprev);
     p->fnext = malloc(nb * sizeof *p->fnext);
-    if (!p->ref || !p->fprev || !p->fnext) goto nomem;
+    p->touched = calloc(nb, 1);
+    if (!p->ref || !p->fprev || !p->fnext || !p->touched) goto nomem;
     if (p->caching) {
         size_t ntok;
         if (!cv_mul_size(nb, (size_t)block_size, &ntok) || !cv_mul_size(ntok, sizeof(int32_t), &ntok))
@@ -115,6 +118,7 @@ void cv_block_pool_destroy(cv_block_pool *p) {
     free(p->ref);
     free(p->fprev);
     free(p->fnext);
+    free(p->touched);
     free(p->key);
     free(p->parent);
     free(p->hash);
@@ -126,6 +130,7 @@ void cv_block_pool_destroy(cv_block_pool *p) {
 
 int64_t cv_block_pool_num_free(const cv_block_pool *p) { return p->n_free; }
 int64_t cv_block_pool_num_cached_free(const cv_block_pool *p) { return p->n_cached_free; }
+int64_t cv_block_pool_num_touched(const cv_block_pool *p) { return p->n_touched; }
 
 /* ---- free queue ---- */
 
@@ -212,6 +217,10 @@ int32_t cv_block_pool_alloc(cv_block_pool *p) {
         p->n_cached_free--;
     }
     p->ref[b] = 1;
+    if (!p->touched[b]) {
+        p->touched[b] = 1;
+        p->n_touched++;
+    }
     return b;
 }
 

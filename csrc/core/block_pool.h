@@ -32,6 +32,9 @@ void cv_block_pool_destroy(cv_block_pool *p);
 
 int64_t cv_block_pool_num_free(const cv_block_pool *p);    /* free, cached or not */
 int64_t cv_block_pool_num_cached_free(const cv_block_pool *p);
+/* Blocks ever handed out: on the CPU, where the KV pool is committed as it is
+ * used, the part of the pool that is resident. */
+int64_t cv_block_pool_num_touched(const cv_block_pool *p);
 
 /* Takes the head of the free queue (evicting its cached prefix, if any) with
  * ref count 1. Returns -1 when no block is free. */

@@ -730,6 +730,7 @@ void cv_scheduler_get_stats(const cv_scheduler *s, cv_sched_stats *st) {
     st->blocks_free = cv_block_pool_num_free(s->pool);
     st->blocks_used = st->blocks_total - st->blocks_free;
     st->blocks_cached_free = cv_block_pool_num_cached_free(s->pool);
+    st->blocks_touched = cv_block_pool_num_touched(s->pool);
     /* Shared blocks are always full, so counting the empty slots of each
      * sequence's unshared tail blocks counts every block once. Waiting forks
      * hold only full blocks. */

@@ -51,6 +51,7 @@ typedef struct cv_sched_stats {
     int64_t blocks_used;           /* referenced by at least one sequence */
     int64_t blocks_free;           /* free (including evictable cached ones) */
     int64_t blocks_cached_free;    /* free blocks still holding a cached prefix */
+    int64_t blocks_touched;        /* blocks ever handed out (their KV memory written) */
     int64_t tokens_in_kv;          /* sum over running sequences of held tokens */
     double kv_waste;               /* 1 - tokens_in_kv / (blocks_used * block_size), 0 when none used */
     int64_t prefix_queries;        /* prompt tokens looked up in the prefix cache */

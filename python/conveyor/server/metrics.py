@@ -101,6 +101,9 @@ class ServerMetrics:
                float(used / total) if total else 0.0)
         metric("conveyor_kv_cache_blocks_used", "gauge", "KV blocks held by requests.", used)
         metric("conveyor_kv_cache_blocks_total", "gauge", "KV blocks in the pool.", total)
+        metric("conveyor_kv_cache_blocks_touched", "gauge",
+               "KV blocks ever handed out (on the CPU the pool is committed as used: its resident part).",
+               g("blocks_touched", 0))
         metric("conveyor_kv_cache_blocks_cached_free", "gauge", "Free KV blocks still holding cached prefixes.",
                g("blocks_cached_free", 0))
         metric("conveyor_kv_cache_waste", "gauge", "1 - tokens held / allocated slots.", float(g("kv_waste", 0.0)))
