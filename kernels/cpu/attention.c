@@ -408,6 +408,37 @@ CV_TARGET_END
 #endif
 
 /* ------------------------------------------------------------------------ */
+/* Where the K and V rows of a chunk lie in a tile's cache. */
+typedef struct att_rows {
+    const char *k, *v;       /* the caches */
+    const int32_t *table;    /* the sequence's block table */
+    int64_t bs;              /* block size */
+    size_t head_off;         /* bytes to the KV head within a block */
+    size_t blk_bytes, row_bytes;
+} att_rows;
+
+/* Row pointers of keys [c0, c0 + nk): the block table walked from c0 (one
+ * division per chunk, not per key). With prefetch, also asks for their
+ * cache lines: the rows of the next chunk arrive while this one computes. */
+static void chunk_rows(const att_rows *r, int64_t c0, int nk, const void **kp, const void **vp, int prefetch) {
+    int64_t bi = c0 / r->bs, bo = c0 % r->bs;
+    size_t off = (size_t)r->table[bi] * r->blk_bytes + r->head_off + (size_t)bo * r->row_bytes;
+    for (int i = 0; i < nk; i++) {
+        kp[i] = r->k + off;
+        vp[i] = r->v + off;
+        if (prefetch)
+            for (size_t b = 0; b < r->row_bytes; b += 64) {
+                __builtin_prefetch(r->k + off + b);
+                __builtin_prefetch(r->v + off + b);
+            }
+        off += r->row_bytes;
+        if (++bo == r->bs && i + 1 < nk) {
+            bo = 0;
+            off = (size_t)r->table[++bi] * r->blk_bytes + r->head_off;
+        }
+    }
+}
+
 /* One item (or one part of it): keys [k_lo, k_hi) of tile t, into st. */
 static void att_tile_run(const att_job *j, float *scr, const att_state *st, const att_tile *t,
                          int64_t k_lo, int64_t k_hi) {
@@ -426,7 +457,6 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
     float *row = sc + CV_ATT_TILE * CV_ATT_KCHUNK; /* [hd] widened K or V row (plain) */
     float *acc = st->acc, *m = st->m, *l = st->l;
     int64_t vpos[CV_ATT_TILE];
-    const void *kp[CV_ATT_KCHUNK], *vp[CV_ATT_KCHUNK];
     int nval[CV_ATT_TILE];
 
     for (int v = 0; v < nv; v++) {
@@ -447,23 +477,22 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
 #endif
     /* keys past the tile's last position are masked for every vector */
     const int64_t last = ctx - nq + t->j1 - 1;
-    const size_t head_off = (size_t)t->h * (size_t)bs * (size_t)hd * esz;
-    const size_t blk_bytes = (size_t)nkv * (size_t)bs * (size_t)hd * esz, row_bytes = (size_t)hd * esz;
     if (k_hi > last + 1) k_hi = last + 1;
-    for (int64_t c0 = k_lo; c0 < k_hi; c0 += CV_ATT_KCHUNK) {
+    const att_rows rows = {.k = kv->k, .v = kv->v, .table = table, .bs = bs,
+                           .head_off = (size_t)t->h * (size_t)bs * (size_t)hd * esz,
+                           .blk_bytes = (size_t)nkv * (size_t)bs * (size_t)hd * esz,
+                           .row_bytes = (size_t)hd * esz};
+    /* row pointers of this chunk (kp2[cur]) and of the next (kp2[!cur]) */
+    const void *kp2[2][CV_ATT_KCHUNK], *vp2[2][CV_ATT_KCHUNK];
+    int cur = 0;
+    if (k_lo < k_hi)
+        chunk_rows(&rows, k_lo, (int)(k_hi - k_lo < CV_ATT_KCHUNK ? k_hi - k_lo : CV_ATT_KCHUNK), kp2[0], vp2[0], 0);
+    for (int64_t c0 = k_lo; c0 < k_hi; c0 += CV_ATT_KCHUNK, cur = !cur) {
         const int nk = (int)(k_hi - c0 < CV_ATT_KCHUNK ? k_hi - c0 : CV_ATT_KCHUNK);
-        /* the chunk's rows: walk the block table from c0 (one division per chunk) */
-        int64_t bi = c0 / bs, bo = c0 % bs;
-        size_t off = (size_t)table[bi] * blk_bytes + head_off + (size_t)bo * row_bytes;
-        for (int i = 0; i < nk; i++) {
-            kp[i] = (const char *)kv->k + off;
-            vp[i] = (const char *)kv->v + off;
-            off += row_bytes;
-            if (++bo == bs && i + 1 < nk) {
-                bo = 0;
-                off = (size_t)table[++bi] * blk_bytes + head_off;
-            }
-        }
+        const void *const *kp = kp2[cur], *const *vp = vp2[cur];
+        const int64_t c1 = c0 + CV_ATT_KCHUNK;
+        if (c1 < k_hi)
+            chunk_rows(&rows, c1, (int)(k_hi - c1 < CV_ATT_KCHUNK ? k_hi - c1 : CV_ATT_KCHUNK), kp2[!cur], vp2[!cur], 1);
         for (int v = 0; v < nv; v++) {
             const int64_t n_ok = vpos[v] - c0 + 1;
             nval[v] = n_ok <= 0 ? 0 : (n_ok >= nk ? nk : (int)n_ok);
