@@ -500,6 +500,27 @@ def test_paged_attention_long_context_split(impl, threads):
         assert_attention_close(run_attention(c, impl, threads, scale=0.3), ref, bound, impl, cdt)
 
 
+# context lengths around the kernels' boundaries: 16-key score blocks, 32-key
+# chunks, 256-key segments (the fixed merge order)
+BOUNDARY_CONTEXTS = [1, 2, 15, 16, 17, 31, 32, 33, 63, 255, 256, 257, 288, 511, 512, 513]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("hd", [8, 20, 33, 64, 128, 256])
+@pytest.mark.parametrize("cdt,G", [("float32", 3), ("bfloat16", 3), ("bfloat16", 4)])
+def test_paged_attention_at_chunk_and_segment_boundaries(impl, hd, cdt, G):
+    # every context above as a decode token, and ending a 5-token prefill
+    # chunk (vector groups of 4, or of 2 and 1 for G = 3, whose keys end at
+    # different places), all in one step and with two threads
+    r = rng(hd, G, len(cdt), len(impl))
+    ctx = np.array(BOUNDARY_CONTEXTS * 2)
+    news = np.array([1] * len(BOUNDARY_CONTEXTS) + [min(5, n) for n in BOUNDARY_CONTEXTS])
+    c = make_attention_case(r, n_seqs=len(ctx), nkv=2, G=G, hd=hd, bs=16, cdt=cdt,
+                            prefixes=ctx - news, news=news)
+    ref, bound = attention_ref(c, 1 / math.sqrt(hd), with_bf16_bound=True)
+    assert_attention_close(run_attention(c, impl, threads=2), ref, bound, impl, cdt, msg=f"hd {hd}")
+
+
 def test_paged_attention_chunked_prefill_equals_whole():
     # a prompt computed in two chunks (second chunk attends to the cached first)
     # gives the same rows as computing it at once
