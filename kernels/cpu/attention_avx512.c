@@ -334,6 +334,33 @@ void cv_att_scores_bf16(float *sc, const uint16_t *qb, int64_t hd, int nv, const
 }
 #undef SC_BF16_BLK
 
+/* One key pair into the NV x 2 DB accumulators of dims [d0, d0 + 32 DB):
+ * rows ra and rb (HAS_B 0: zero) interleaved as (ra[d], rb[d]) pairs, times
+ * each vector's pair of probabilities pb[v * 16]. */
+static CV_ALWAYS_INLINE void pv_pair_bf16(__m512 *a, const uint32_t *pb, const uint16_t *ra, const uint16_t *rb, const int HAS_B,
+                                          int64_t d0, const int NV, const int DB, const __mmask32 *mk,
+                                          __m512i ilo, __m512i ihi) {
+    __m512i pr[4];
+#pragma GCC unroll 2
+    for (int b = 0; b < DB; b++) {
+        const __m512i va = _mm512_maskz_loadu_epi16(mk[b], ra + d0 + 32 * b);
+        const __m512i vb = HAS_B ? _mm512_maskz_loadu_epi16(mk[b], rb + d0 + 32 * b) : _mm512_setzero_si512();
+        pr[2 * b] = _mm512_permutex2var_epi16(va, ilo, vb);
+        pr[2 * b + 1] = _mm512_permutex2var_epi16(va, ihi, vb);
+        if (NV > 1) {
+            CV_KEEP512(pr[2 * b]);
+            CV_KEEP512(pr[2 * b + 1]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++) {
+        const __m512i p = _mm512_set1_epi32((int)pb[v * (CV_ATT_KCHUNK / 2)]);
+#pragma GCC unroll 4
+        for (int b = 0; b < 2 * DB; b++)
+            a[v * 2 * DB + b] = _mm512_dpbf16_ps(a[v * 2 * DB + b], (__m512bh)p, (__m512bh)pr[b]);
+    }
+}
+
 /* dims [d0, d0 + 32 DB) of NV vectors: acc = acc * alpha + sum over key
  * pairs of (p_2m, p_2m+1) . (V_2m[d], V_2m+1[d]). pb[v][m] is the pair m of
  * vector v; a missing V_2m+1 (odd nk) is zero. */
@@ -345,6 +372,7 @@ static CV_ALWAYS_INLINE void pv_blk_bf16(float *acc, const uint32_t *pb, const f
                                             8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
     const __m512i ilo = _mm512_loadu_si512((const void *)interleave);
     const __m512i ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
+    const __mmask32 mk[2] = {att_mask32(hd - d0), att_mask32(hd - d0 - 32)};
     __m512 a[2 * 2 * 4];
 #pragma GCC unroll 4
     for (int v = 0; v < NV; v++) {
@@ -354,29 +382,9 @@ static CV_ALWAYS_INLINE void pv_blk_bf16(float *acc, const uint32_t *pb, const f
             a[v * 2 * DB + b] = _mm512_mul_ps(
                 _mm512_maskz_loadu_ps(att_mask(hd - d0 - 16 * b), acc + v * hd + d0 + 16 * b), al);
     }
-    for (int i = 0; i < nk; i += 2) {
-        const uint16_t *ra = vp[i], *rb = i + 1 < nk ? vp[i + 1] : NULL;
-        __m512i pr[4];
-#pragma GCC unroll 2
-        for (int b = 0; b < DB; b++) {
-            const __mmask32 m = att_mask32(hd - d0 - 32 * b);
-            const __m512i va = _mm512_maskz_loadu_epi16(m, ra + d0 + 32 * b);
-            const __m512i vb = rb ? _mm512_maskz_loadu_epi16(m, rb + d0 + 32 * b) : _mm512_setzero_si512();
-            pr[2 * b] = _mm512_permutex2var_epi16(va, ilo, vb);
-            pr[2 * b + 1] = _mm512_permutex2var_epi16(va, ihi, vb);
-            if (NV > 1) {
-                CV_KEEP512(pr[2 * b]);
-                CV_KEEP512(pr[2 * b + 1]);
-            }
-        }
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; v++) {
-            const __m512i p = _mm512_set1_epi32((int)pb[v * (CV_ATT_KCHUNK / 2) + i / 2]);
-#pragma GCC unroll 4
-            for (int b = 0; b < 2 * DB; b++)
-                a[v * 2 * DB + b] = _mm512_dpbf16_ps(a[v * 2 * DB + b], (__m512bh)p, (__m512bh)pr[b]);
-        }
-    }
+    int i = 0;
+    for (; i + 1 < nk; i += 2) pv_pair_bf16(a, pb + i / 2, vp[i], vp[i + 1], 1, d0, NV, DB, mk, ilo, ihi);
+    if (i < nk) pv_pair_bf16(a, pb + i / 2, vp[i], NULL, 0, d0, NV, DB, mk, ilo, ihi);
 #pragma GCC unroll 4
     for (int v = 0; v < NV; v++)
 #pragma GCC unroll 4
