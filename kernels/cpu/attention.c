@@ -8,7 +8,11 @@
  * CV_ATT_KCHUNK keys with an online softmax (running max m, sum l, unnormalized
  * acc), so no buffer of context length is needed. Items are handed out
  * dynamically, longest first. Scores and P.V are register-blocked
- * micro-kernels (up to 4 query vectors x 4 keys, or x 32 dims).
+ * micro-kernels (plain C and AVX2 here: up to 4 query vectors x 4 keys, or x
+ * 32 dims; AVX-512 and AVX512_BF16 in attention_avx512.c: 16 scores per
+ * transpose-add tree, and vdpbf16ps over a bf16 cache). A chunk's row
+ * pointers come from one walk of the block table, and the next chunk's rows
+ * are prefetched while this one computes (decode reads each row once).
  *
  * Batch invariance: a vector's result depends only on its own queries, keys
  * and values, never on the other sequences of the step or on the threads.
