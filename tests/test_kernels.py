@@ -410,6 +410,8 @@ def bf16_dot_attention(impl, cdt):
     """True when impl runs attention over a bf16 cache on vdpbf16ps: the
     scaled queries and the probabilities are rounded to bfloat16."""
     level = INFO["simd"] if impl == "simd" else impl
+    if impl == "simd":
+        assert INFO["paths"]["attention_bf16"] == level  # what kernel_info reports is what runs
     return cdt == "bfloat16" and level == "avx512_bf16"
 
 
