@@ -80,9 +80,9 @@ def test_gemm_rows_do_not_depend_on_threads(level, wdt):
 # ---------------------------------------------------------------------------- attention
 
 
-def paged_case(rng, prefixes, news, *, nkv=2, G=4, hd=64, bs=16):
+def paged_case(rng, prefixes, news, *, nkv=2, G=4, hd=64, bs=16, cdt="float32"):
     """Random K/V in a paged cache with shuffled blocks: sequence s has prefixes[s] cached
-    keys and news[s] new query tokens."""
+    keys and news[s] new query tokens; a bfloat16 cache holds the top 16 bits of each value."""
     ctx = np.asarray(prefixes) + np.asarray(news)
     blocks = (ctx + bs - 1) // bs
     nb = int(blocks.sum()) + 2
@@ -94,23 +94,33 @@ def paged_case(rng, prefixes, news, *, nkv=2, G=4, hd=64, bs=16):
         used += nbk
     kc = rng.standard_normal((nb, nkv, bs, hd)).astype(np.float32)
     vc = rng.standard_normal((nb, nkv, bs, hd)).astype(np.float32)
+    if cdt == "bfloat16":
+        kc, vc = ((a.view(np.uint32) >> 16).astype(np.uint16) for a in (kc, vc))
     qs = np.concatenate([[0], np.cumsum(news)]).astype(np.int32)
     q = rng.standard_normal((int(qs[-1]), nkv * G, hd)).astype(np.float32)
     return q, kc, vc, tables, ctx.astype(np.int32), qs
 
 
 def attention(impl, q, kc, vc, tables, ctx, qs, threads=0):
-    return _core.kernel_paged_attention(q, kc, vc, tables, ctx, qs, impl=impl, threads=threads)
+    cdt = "bfloat16" if kc.dtype == np.uint16 else None
+    return _core.kernel_paged_attention(q, kc, vc, tables, ctx, qs, impl=impl, threads=threads,
+                                        cache_dtype=cdt)
 
 
+# cache dtype, query heads per KV head, head_dim: a bf16 cache runs the vdpbf16ps kernels at
+# the avx512_bf16 level; G = 3 splits a tile's vectors into groups of 2 and 1, G = 4 into 4s
+ATT_SHAPES = [("float32", 4, 64), ("bfloat16", 4, 64), ("bfloat16", 3, 33)]
+
+
+@pytest.mark.parametrize("cdt,G,hd", ATT_SHAPES)
 @pytest.mark.parametrize("level", ALL_LEVELS)
-def test_attention_of_a_sequence_does_not_depend_on_the_others(level):
+def test_attention_of_a_sequence_does_not_depend_on_the_others(level, cdt, G, hd):
     """Each sequence alone (where a long context is split over the threads by key segments)
     equals the same sequence among others (where it is not), in any order and thread count."""
     impl = impl_of(level_or_skip(level))
     rng = np.random.default_rng(3)
     prefixes, news = [700, 3, 260, 40, 1500, 0], [1, 1, 5, 1, 1, 9]
-    q, kc, vc, tables, ctx, qs = paged_case(rng, prefixes, news)
+    q, kc, vc, tables, ctx, qs = paged_case(rng, prefixes, news, G=G, hd=hd, cdt=cdt)
     together = attention(impl, q, kc, vc, tables, ctx, qs)
     for s in range(len(ctx)):
         rows = slice(qs[s], qs[s + 1])
@@ -126,19 +136,40 @@ def test_attention_of_a_sequence_does_not_depend_on_the_others(level):
         np.testing.assert_array_equal(rev[qs2[i]:qs2[i + 1]], together[qs[s]:qs[s + 1]])
 
 
+@pytest.mark.parametrize("cdt,G,hd", ATT_SHAPES)
 @pytest.mark.parametrize("level", ALL_LEVELS)
-def test_attention_of_a_token_does_not_depend_on_its_chunk(level):
+def test_attention_of_a_token_does_not_depend_on_its_chunk(level, cdt, G, hd):
     """A token's output is the same whether it is decoded alone or computed inside a prompt
     chunk of any size (other tokens in its tile, tiles crossing key segments)."""
     impl = impl_of(level_or_skip(level))
     rng = np.random.default_rng(4)
     total = 530  # crosses two segment boundaries (256, 512)
-    q, kc, vc, tables, ctx, qs = paged_case(rng, [0], [total])
+    q, kc, vc, tables, ctx, qs = paged_case(rng, [0], [total], G=G, hd=hd, cdt=cdt)
     whole = attention(impl, q, kc, vc, tables, ctx, qs)
     for start, n in [(0, 1), (250, 13), (255, 2), (500, 30), (529, 1), (100, 300)]:
         got = attention(impl, q[start:start + n], kc, vc, tables, np.array([start + n], np.int32),
                         np.array([0, n], np.int32))
         np.testing.assert_array_equal(got, whole[start:start + n], err_msg=f"{level} chunk {start}+{n}")
+
+
+@pytest.mark.parametrize("window", [1, 40, 300])
+@pytest.mark.parametrize("level", ALL_LEVELS)
+def test_sliding_window_attention_of_a_token_does_not_depend_on_its_chunk(level, window):
+    """The same with a sliding window (Gemma 3's local layers): the chunks a vector walks stay on
+    the fixed grid whatever the first token of its tile."""
+    impl = impl_of(level_or_skip(level))
+    rng = np.random.default_rng(5)
+    total = 530
+    q, kc, vc, tables, ctx, qs = paged_case(rng, [0], [total], G=3, hd=64, cdt="bfloat16")
+
+    def run(qq, c, s):
+        return _core.kernel_paged_attention(qq, kc, vc, tables, c, s, impl=impl, window=window,
+                                            cache_dtype="bfloat16")
+
+    whole = run(q, ctx, qs)
+    for start, n in [(0, 1), (250, 13), (255, 2), (500, 30), (529, 1), (100, 300), (47, 5)]:
+        got = run(q[start:start + n], np.array([start + n], np.int32), np.array([0, n], np.int32))
+        np.testing.assert_array_equal(got, whole[start:start + n], err_msg=f"{level} window {window} {start}+{n}")
 
 
 # ---------------------------------------------------------------------------- the engine

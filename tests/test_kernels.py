@@ -406,10 +406,27 @@ def make_attention_case(r, *, n_seqs, nkv, G, hd, bs, cdt, max_prefix=40, max_ne
                 nkv=nkv, G=G, hd=hd, bs=bs, cdt=cdt)
 
 
-def attention_ref(c, scale, window=0):
+def bf16_dot_attention(impl, cdt):
+    """True when impl runs attention over a bf16 cache on vdpbf16ps: the
+    scaled queries and the probabilities are rounded to bfloat16."""
+    level = INFO["simd"] if impl == "simd" else impl
+    if impl == "simd":
+        assert INFO["paths"]["attention_bf16"] == level  # what kernel_info reports is what runs
+    return cdt == "bfloat16" and level == "avx512_bf16"
+
+
+def attention_ref(c, scale, window=0, with_bf16_bound=False):
+    """float64 attention (window > 0: a sliding window of that many positions); with with_bf16_bound, also the bound of the
+    vdpbf16ps path per output element (kernels/cpu/attention_avx512.h):
+    rounding q to bf16 (unit roundoff u = 2^-9) moves score i by at most
+    E = u sum_d |q_d k_id| (products and sums in fp32), so each weight by a
+    factor within exp(+-2E); rounding p to bf16 moves each term by u more:
+    |out - ref| <= (exp(2E) - 1 + u exp(2E)) sum_i w_i |v_i|."""
     kf, vf = from_cache_array(c["kc"], c["cdt"]), from_cache_array(c["vc"], c["cdt"])
     q, bs, G = c["q"].astype(np.float64), c["bs"], c["G"]
     out = np.zeros((q.shape[0], q.shape[1] * q.shape[2]))
+    bound = np.zeros_like(out)
+    u = 2.0 ** -9
     for s in range(len(c["ctx"])):
         L, nq, q0 = int(c["ctx"][s]), int(c["news"][s]), int(c["qs"][s])
         idx = np.arange(L)
@@ -423,8 +440,22 @@ def attention_ref(c, scale, window=0):
                 sc = K[lo: p + 1, h // G, :] @ q[q0 + j, h] * scale
                 w = np.exp(sc - sc.max())
                 w /= w.sum()
-                out[q0 + j, h * c["hd"]:(h + 1) * c["hd"]] = w @ V[lo: p + 1, h // G, :]
-    return out
+                cols = slice(h * c["hd"], (h + 1) * c["hd"])
+                out[q0 + j, cols] = w @ V[lo: p + 1, h // G, :]
+                if with_bf16_bound:
+                    E = 1.01 * u * (np.abs(K[lo: p + 1, h // G, :]) @ np.abs(q[q0 + j, h] * scale)).max()
+                    bound[q0 + j, cols] = (np.expm1(2 * E) + u * np.exp(2 * E)) * (w @ np.abs(V[lo: p + 1, h // G, :]))
+    return (out, bound) if with_bf16_bound else out
+
+
+def assert_attention_close(got, ref, bound, impl, cdt, rtol=1e-4, atol=2e-5, msg=""):
+    """got within the fp32 tolerance of ref, plus the bf16 bound when impl
+    runs the vdpbf16ps path."""
+    tol = rtol * np.abs(ref) + atol
+    if bf16_dot_attention(impl, cdt):
+        tol = tol + bound
+    err = np.abs(got - ref)
+    assert np.all(err <= tol), f"{impl} {cdt} {msg}: worst excess {np.max(err - tol):.3g} at {np.argmax(err - tol)}"
 
 
 def run_attention(c, impl, threads=0, scale=None, window=0):
@@ -450,12 +481,13 @@ ATT_CASES = [  # (n_seqs, nkv, G, hd, bs)
 def test_paged_attention_matches_dense(cdt, n_seqs, nkv, G, hd, bs):
     r = rng(n_seqs, nkv, G, hd, bs, len(cdt))
     c = make_attention_case(r, n_seqs=n_seqs, nkv=nkv, G=G, hd=hd, bs=bs, cdt=cdt)
-    ref = attention_ref(c, 1 / math.sqrt(hd))
+    ref, bound = attention_ref(c, 1 / math.sqrt(hd), with_bf16_bound=True)
     outs = {impl: run_attention(c, impl) for impl in IMPLS}
     for impl, o in outs.items():
         assert o.shape == ref.shape
-        np.testing.assert_allclose(o, ref, rtol=1e-4, atol=2e-5, err_msg=impl)
-    np.testing.assert_allclose(outs["simd"], outs["plain"], rtol=1e-4, atol=1e-5)
+        assert_attention_close(o, ref, bound, impl, cdt)
+        # against plain C: the bound plus the fp32 error of both
+        assert_attention_close(o, outs["plain"], bound, impl, cdt, rtol=2e-4, atol=4e-5, msg="vs plain")
 
 
 @pytest.mark.parametrize("window", [1, 3, 8, 33])
@@ -488,9 +520,29 @@ def test_paged_attention_long_context_split(impl, threads):
     for cdt, news in [("float32", [1]), ("bfloat16", [3]), ("float16", [1, 2])]:
         c = make_attention_case(r, n_seqs=len(news), nkv=1, G=2, hd=48, bs=16, cdt=cdt,
                                 prefixes=[3000] * len(news), news=news)
-        ref = attention_ref(c, 0.3)
-        np.testing.assert_allclose(run_attention(c, impl, threads, scale=0.3), ref,
-                                   rtol=1e-4, atol=2e-5)
+        ref, bound = attention_ref(c, 0.3, with_bf16_bound=True)
+        assert_attention_close(run_attention(c, impl, threads, scale=0.3), ref, bound, impl, cdt)
+
+
+# context lengths around the kernels' boundaries: 16-key score blocks, 32-key
+# chunks, 256-key segments (the fixed merge order)
+BOUNDARY_CONTEXTS = [1, 2, 15, 16, 17, 31, 32, 33, 63, 255, 256, 257, 288, 511, 512, 513]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("hd", [8, 20, 33, 64, 128, 256])
+@pytest.mark.parametrize("cdt,G", [("float32", 3), ("bfloat16", 3), ("bfloat16", 4)])
+def test_paged_attention_at_chunk_and_segment_boundaries(impl, hd, cdt, G):
+    # every context above as a decode token, and ending a 5-token prefill
+    # chunk (vector groups of 4, or of 2 and 1 for G = 3, whose keys end at
+    # different places), all in one step and with two threads
+    r = rng(hd, G, len(cdt), len(impl))
+    ctx = np.array(BOUNDARY_CONTEXTS * 2)
+    news = np.array([1] * len(BOUNDARY_CONTEXTS) + [min(5, n) for n in BOUNDARY_CONTEXTS])
+    c = make_attention_case(r, n_seqs=len(ctx), nkv=2, G=G, hd=hd, bs=16, cdt=cdt,
+                            prefixes=ctx - news, news=news)
+    ref, bound = attention_ref(c, 1 / math.sqrt(hd), with_bf16_bound=True)
+    assert_attention_close(run_attention(c, impl, threads=2), ref, bound, impl, cdt, msg=f"hd {hd}")
 
 
 def test_paged_attention_chunked_prefill_equals_whole():

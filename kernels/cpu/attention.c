@@ -8,7 +8,11 @@
  * CV_ATT_KCHUNK keys with an online softmax (running max m, sum l, unnormalized
  * acc), so no buffer of context length is needed. Items are handed out
  * dynamically, longest first. Scores and P.V are register-blocked
- * micro-kernels (up to 4 query vectors x 4 keys, or x 32 dims).
+ * micro-kernels (plain C and AVX2 here: up to 4 query vectors x 4 keys, or x
+ * 32 dims; AVX-512 and AVX512_BF16 in attention_avx512.c: 16 scores per
+ * transpose-add tree, and vdpbf16ps over a bf16 cache). A chunk's row
+ * pointers come from one walk of the block table, and the next chunk's rows
+ * are prefetched while this one computes (decode reads each row once).
  *
  * Batch invariance: a vector's result depends only on its own queries, keys
  * and values, never on the other sequences of the step or on the threads.
@@ -26,6 +30,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "attention_avx512.h"
 #include "cpu_internal.h"
 
 /* Keys per segment (a multiple of CV_ATT_KCHUNK): the unit of the fixed
@@ -406,194 +411,6 @@ static void softmax_step_avx2(float *sc, int nk, float *m, float *l, float *alph
 CV_TARGET_END
 #endif
 
-#if CV_HAVE_AVX512
-CV_TARGET_AVX512_BEGIN
-/* The AVX-512 chunk kernels: the AVX2 ones with 16-lane vectors; head_dim
- * tails and short chunks by masks instead of scalar loops. */
-
-#ifdef CV_EMULATE_AVX512
-#define CV_KEEP512(v) ((void)0)
-#else
-#define CV_KEEP512(v) __asm__("" : "+v"(v))
-#endif
-
-static CV_ALWAYS_INLINE __mmask16 att_mask(int64_t left) {
-    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-}
-
-/* 16 values of a K or V row from d, lanes outside m zero. */
-static CV_ALWAYS_INLINE __m512 kv_load16(const void *p, cv_dtype dt, int64_t d, __mmask16 m) {
-    if (dt == CV_F32) return _mm512_maskz_loadu_ps(m, (const float *)p + d);
-    const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)p + d);
-    if (dt == CV_F16) return _mm512_cvtph_ps(h);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-/* As scores_blk: NV x NK dot products over all of head_dim. */
-static CV_ALWAYS_INLINE void scores_blk512(float *sc, const float *qt, int64_t hd, const int NV,
-                                           const int NK, int i0, const void *const *kp,
-                                           const cv_dtype dt) {
-    __m512 a[16];
-#pragma GCC unroll 16
-    for (int x = 0; x < NV * NK; x++) a[x] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < hd; d += 16) {
-        const __mmask16 m = att_mask(hd - d);
-        __m512 kv[4];
-#pragma GCC unroll 4
-        for (int k = 0; k < NK; k++) {
-            kv[k] = kv_load16(kp[i0 + k], dt, d, m);
-            if (NV > 1) CV_KEEP512(kv[k]);
-        }
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; v++) {
-            __m512 q = _mm512_maskz_loadu_ps(m, qt + v * hd + d);
-            if (NK > 1) CV_KEEP512(q);
-#pragma GCC unroll 4
-            for (int k = 0; k < NK; k++) a[v * NK + k] = _mm512_fmadd_ps(q, kv[k], a[v * NK + k]);
-        }
-    }
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; v++)
-#pragma GCC unroll 4
-        for (int k = 0; k < NK; k++) sc[v * CV_ATT_KCHUNK + i0 + k] = _mm512_reduce_add_ps(a[v * NK + k]);
-}
-
-#define SCB512_DT(NV, NK)                                                                       \
-    do {                                                                                        \
-        if (dt == CV_F32) scores_blk512(s, q, hd, NV, NK, i0, kp, CV_F32);                      \
-        else if (dt == CV_F16) scores_blk512(s, q, hd, NV, NK, i0, kp, CV_F16);                 \
-        else scores_blk512(s, q, hd, NV, NK, i0, kp, CV_BF16);                                  \
-    } while (0)
-#define SCB512_NK(NV)                                                                           \
-    do {                                                                                        \
-        switch (nkb) {                                                                          \
-        case 4: SCB512_DT(NV, (NV == 4 ? 3 : 4)); break;                                        \
-        case 3: SCB512_DT(NV, 3); break;                                                        \
-        case 2: SCB512_DT(NV, 2); break;                                                        \
-        default: SCB512_DT(NV, 1); break;                                                       \
-        }                                                                                       \
-    } while (0)
-
-static void scores_avx512(float *sc, const float *qt, int64_t hd, int nv, const int *nval,
-                          const void *const *kp, cv_dtype dt) {
-    for (int v0 = 0; v0 < nv;) {
-        const int nvg = group_size(nv, v0);
-        const int nk = max_valid(nval, v0, nvg);
-        const int kb = nvg == 4 ? 3 : 4;
-        float *s = sc + v0 * CV_ATT_KCHUNK;
-        const float *q = qt + v0 * hd;
-        for (int i0 = 0; i0 < nk; i0 += kb) {
-            const int nkb = nk - i0 < kb ? nk - i0 : kb;
-            switch (nvg) {
-            case 1: SCB512_NK(1); break;
-            case 2: SCB512_NK(2); break;
-            case 3: SCB512_NK(3); break;
-            default: SCB512_NK(4); break;
-            }
-        }
-        v0 += nvg;
-    }
-}
-#undef SCB512_NK
-#undef SCB512_DT
-
-/* As pv_blk: dims [d0, d0 + 16 DB) of NV vectors, lanes outside m untouched. */
-static CV_ALWAYS_INLINE void pv_blk512(float *acc, const float *sc, const float *alpha, int64_t hd,
-                                       int64_t d0, const int NV, const int DB, int nk,
-                                       const void *const *vp, const cv_dtype dt, __mmask16 m) {
-    __m512 a[12];
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; v++) {
-        const __m512 al = _mm512_set1_ps(alpha[v]);
-#pragma GCC unroll 4
-        for (int b = 0; b < DB; b++)
-            a[v * DB + b] = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, acc + v * hd + d0 + 16 * b), al);
-    }
-    for (int i = 0; i < nk; i++) {
-        __m512 vv[4];
-#pragma GCC unroll 4
-        for (int b = 0; b < DB; b++) {
-            vv[b] = kv_load16(vp[i], dt, d0 + 16 * b, m);
-            if (NV > 1) CV_KEEP512(vv[b]);
-        }
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; v++) {
-            const __m512 p = _mm512_set1_ps(sc[v * CV_ATT_KCHUNK + i]);
-#pragma GCC unroll 4
-            for (int b = 0; b < DB; b++) a[v * DB + b] = _mm512_fmadd_ps(p, vv[b], a[v * DB + b]);
-        }
-    }
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; v++)
-#pragma GCC unroll 4
-        for (int b = 0; b < DB; b++) _mm512_mask_storeu_ps(acc + v * hd + d0 + 16 * b, m, a[v * DB + b]);
-}
-
-/* All of head_dim for one group: blocks of 16 * DB dims, then masked 16-dim blocks. */
-static CV_ALWAYS_INLINE void pv_group512(float *acc, const float *sc, const float *alpha, int64_t hd,
-                                         const int NV, int nk, const void *const *vp, const cv_dtype dt) {
-    const int DB = NV == 4 ? 3 : 4;
-    int64_t d = 0;
-    for (; d + 16 * DB <= hd; d += 16 * DB)
-        pv_blk512(acc, sc, alpha, hd, d, NV, DB, nk, vp, dt, (__mmask16)0xffff);
-    for (; d < hd; d += 16) pv_blk512(acc, sc, alpha, hd, d, NV, 1, nk, vp, dt, att_mask(hd - d));
-}
-
-#define PV512_DT(NV)                                                                            \
-    do {                                                                                        \
-        if (dt == CV_F32) pv_group512(a, s, al, hd, NV, nk, vp, CV_F32);                        \
-        else if (dt == CV_F16) pv_group512(a, s, al, hd, NV, nk, vp, CV_F16);                   \
-        else pv_group512(a, s, al, hd, NV, nk, vp, CV_BF16);                                    \
-    } while (0)
-
-static void pv_avx512(float *acc, const float *sc, const float *alpha, int64_t hd, int nv,
-                      const int *nval, const void *const *vp, cv_dtype dt) {
-    for (int v0 = 0; v0 < nv;) {
-        const int nvg = group_size(nv, v0);
-        const int nk = max_valid(nval, v0, nvg);
-        float *a = acc + v0 * hd;
-        const float *s = sc + v0 * CV_ATT_KCHUNK;
-        const float *al = alpha + v0;
-        switch (nvg) {
-        case 1: PV512_DT(1); break;
-        case 2: PV512_DT(2); break;
-        case 3: PV512_DT(3); break;
-        default: PV512_DT(4); break;
-        }
-        v0 += nvg;
-    }
-}
-#undef PV512_DT
-
-static void softmax_step_avx512(float *sc, int nk, float *m, float *l, float *alpha, int nval) {
-    if (nval > 0) {
-        __m512 vmx = _mm512_set1_ps(-INFINITY);
-        for (int i = 0; i < nval; i += 16) {
-            const __mmask16 k = att_mask(nval - i);
-            vmx = _mm512_mask_max_ps(vmx, k, vmx, _mm512_maskz_loadu_ps(k, sc + i));
-        }
-        const float mx = _mm512_reduce_max_ps(vmx);
-        const float mn = *m > mx ? *m : mx;
-        const float a = *m == -INFINITY ? 0.0f : expf(*m - mn);
-        const __m512 vm = _mm512_set1_ps(mn);
-        __m512 vs = _mm512_setzero_ps();
-        for (int i = 0; i < nval; i += 16) {
-            const __mmask16 k = att_mask(nval - i);
-            const __m512 e = cv_exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + i), vm));
-            _mm512_mask_storeu_ps(sc + i, k, e);
-            vs = _mm512_mask_add_ps(vs, k, vs, e);
-        }
-        *l = *l * a + _mm512_reduce_add_ps(vs);
-        *m = mn;
-        *alpha = a;
-    } else {
-        *alpha = 1.0f;
-    }
-    for (int i = nval > 0 ? nval : 0; i < nk; i++) sc[i] = 0.0f;
-}
-CV_TARGET_END
-#endif
-
 /* Sliding window: scores of the chunk's keys (from position c0) before
  * vector v's window (positions < vpos[v] - window + 1) become -inf, which
  * every softmax_step turns into probability 0. A vector whose valid keys all
@@ -607,6 +424,37 @@ static void window_mask(float *sc, int nv, const int *nval, const int64_t *vpos,
 }
 
 /* ------------------------------------------------------------------------ */
+/* Where the K and V rows of a chunk lie in a tile's cache. */
+typedef struct att_rows {
+    const char *k, *v;       /* the caches */
+    const int32_t *table;    /* the sequence's block table */
+    int64_t bs;              /* block size */
+    size_t head_off;         /* bytes to the KV head within a block */
+    size_t blk_bytes, row_bytes;
+} att_rows;
+
+/* Row pointers of keys [c0, c0 + nk): the block table walked from c0 (one
+ * division per chunk, not per key). With prefetch, also asks for their
+ * cache lines: the rows of the next chunk arrive while this one computes. */
+static void chunk_rows(const att_rows *r, int64_t c0, int nk, const void **kp, const void **vp, int prefetch) {
+    int64_t bi = c0 / r->bs, bo = c0 % r->bs;
+    size_t off = (size_t)r->table[bi] * r->blk_bytes + r->head_off + (size_t)bo * r->row_bytes;
+    for (int i = 0; i < nk; i++) {
+        kp[i] = r->k + off;
+        vp[i] = r->v + off;
+        if (prefetch)
+            for (size_t b = 0; b < r->row_bytes; b += 64) {
+                __builtin_prefetch(r->k + off + b);
+                __builtin_prefetch(r->v + off + b);
+            }
+        off += r->row_bytes;
+        if (++bo == r->bs && i + 1 < nk) {
+            bo = 0;
+            off = (size_t)r->table[++bi] * r->blk_bytes + r->head_off;
+        }
+    }
+}
+
 /* One item (or one part of it): keys [k_lo, k_hi) of tile t, into st. */
 static void att_tile_run(const att_job *j, float *scr, const att_state *st, const att_tile *t,
                          int64_t k_lo, int64_t k_hi) {
@@ -625,7 +473,6 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
     float *row = sc + CV_ATT_TILE * CV_ATT_KCHUNK; /* [hd] widened K or V row (plain) */
     float *acc = st->acc, *m = st->m, *l = st->l;
     int64_t vpos[CV_ATT_TILE];
-    const void *kp[CV_ATT_KCHUNK], *vp[CV_ATT_KCHUNK];
     int nval[CV_ATT_TILE];
 
     for (int v = 0; v < nv; v++) {
@@ -638,34 +485,59 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
         l[v] = 0.0f;
         vpos[v] = ctx - nq + jt;
     }
+#if CV_HAVE_AVX512
+    /* bf16 cache on AVX512_BF16: the scaled queries as bf16, once per tile */
+    const int bf16_dot = j->simd >= CV_SIMD_AVX512_BF16 && kv->dtype == CV_BF16;
+    uint16_t *qb = (uint16_t *)row;
+    if (bf16_dot) cv_att_round_q_bf16(qb, qt, hd, nv);
+#endif
     /* keys past the tile's last position are masked for every vector */
     const int64_t last = ctx - nq + t->j1 - 1;
     if (k_hi > last + 1) k_hi = last + 1;
-    /* sliding window (bt->window > 0): keys before the first vector's window
-     * are masked for every vector; the others per vector (window_mask) */
-    if (bt->window > 0 && k_lo < ctx - nq + t->j0 - bt->window + 1) k_lo = ctx - nq + t->j0 - bt->window + 1;
-    for (int64_t c0 = k_lo; c0 < k_hi; c0 += CV_ATT_KCHUNK) {
+    /* sliding window (bt->window > 0): chunks wholly before the first vector's
+     * window are skipped, the start kept on the fixed chunk grid (a multiple
+     * of CV_ATT_KCHUNK, so a vector's chunks do not depend on its tile); the
+     * keys before each vector's own window are masked per vector (window_mask) */
+    if (bt->window > 0) {
+        int64_t w0 = ctx - nq + t->j0 - bt->window + 1;
+        w0 = w0 > 0 ? w0 - w0 % CV_ATT_KCHUNK : 0;
+        if (k_lo < w0) k_lo = w0;
+    }
+    const att_rows rows = {.k = kv->k, .v = kv->v, .table = table, .bs = bs,
+                           .head_off = (size_t)t->h * (size_t)bs * (size_t)hd * esz,
+                           .blk_bytes = (size_t)nkv * (size_t)bs * (size_t)hd * esz,
+                           .row_bytes = (size_t)hd * esz};
+    /* row pointers of this chunk (kp2[cur]) and of the next (kp2[!cur]) */
+    const void *kp2[2][CV_ATT_KCHUNK], *vp2[2][CV_ATT_KCHUNK];
+    int cur = 0;
+    if (k_lo < k_hi)
+        chunk_rows(&rows, k_lo, (int)(k_hi - k_lo < CV_ATT_KCHUNK ? k_hi - k_lo : CV_ATT_KCHUNK), kp2[0], vp2[0], 0);
+    for (int64_t c0 = k_lo; c0 < k_hi; c0 += CV_ATT_KCHUNK, cur = !cur) {
         const int nk = (int)(k_hi - c0 < CV_ATT_KCHUNK ? k_hi - c0 : CV_ATT_KCHUNK);
-        for (int i = 0; i < nk; i++) {
-            const int64_t kpos = c0 + i;
-            const int64_t blk = table[kpos / bs];
-            const size_t off = (((size_t)blk * (size_t)nkv + (size_t)t->h) * (size_t)bs +
-                                (size_t)(kpos % bs)) * (size_t)hd * esz;
-            kp[i] = (const char *)kv->k + off;
-            vp[i] = (const char *)kv->v + off;
-        }
+        const void *const *kp = kp2[cur], *const *vp = vp2[cur];
+        const int64_t c1 = c0 + CV_ATT_KCHUNK;
+        if (c1 < k_hi)
+            chunk_rows(&rows, c1, (int)(k_hi - c1 < CV_ATT_KCHUNK ? k_hi - c1 : CV_ATT_KCHUNK), kp2[!cur], vp2[!cur], 1);
         for (int v = 0; v < nv; v++) {
             const int64_t n_ok = vpos[v] - c0 + 1;
             nval[v] = n_ok <= 0 ? 0 : (n_ok >= nk ? nk : (int)n_ok);
             if (bt->window > 0 && c0 + nval[v] <= vpos[v] - bt->window + 1) nval[v] = 0; /* all before the window */
         }
 #if CV_HAVE_AVX512
-        if (j->simd >= CV_SIMD_AVX512) {
-            scores_avx512(sc, qt, hd, nv, nval, kp, kv->dtype);
+        if (bf16_dot) {
+            cv_att_scores_bf16(sc, qb, hd, nv, nval, kp);
             if (bt->window > 0) window_mask(sc, nv, nval, vpos, c0, bt->window);
             for (int v = 0; v < nv; v++)
-                softmax_step_avx512(sc + v * CV_ATT_KCHUNK, nk, &m[v], &l[v], &alpha[v], nval[v]);
-            pv_avx512(acc, sc, alpha, hd, nv, nval, vp, kv->dtype);
+                cv_att_softmax_avx512(sc + v * CV_ATT_KCHUNK, nk, &m[v], &l[v], &alpha[v], nval[v]);
+            cv_att_pv_bf16(acc, sc, alpha, hd, nv, nval, vp);
+            continue;
+        }
+        if (j->simd >= CV_SIMD_AVX512) {
+            cv_att_scores_avx512(sc, qt, hd, nv, nval, kp, kv->dtype);
+            if (bt->window > 0) window_mask(sc, nv, nval, vpos, c0, bt->window);
+            for (int v = 0; v < nv; v++)
+                cv_att_softmax_avx512(sc + v * CV_ATT_KCHUNK, nk, &m[v], &l[v], &alpha[v], nval[v]);
+            cv_att_pv_avx512(acc, sc, alpha, hd, nv, nval, vp, kv->dtype);
             continue;
         }
 #endif

@@ -21,6 +21,7 @@ static const struct {
     {"gemm_f32", CV_SIMD_AVX512}, {"gemm_f16", CV_SIMD_AVX512}, {"gemm_bf16", CV_SIMD_AVX512_BF16},
     {"rmsnorm", CV_SIMD_AVX512},  {"rope", CV_SIMD_AVX512},     {"swiglu", CV_SIMD_AVX512},
     {"attention", CV_SIMD_AVX512}, {"convert", CV_SIMD_AVX512},
+    {"attention_bf16", CV_SIMD_AVX512_BF16}, /* over a bf16 cache: vdpbf16ps (attention_avx512.h) */
 };
 #define N_FAMILIES ((int)(sizeof families / sizeof families[0]))
 

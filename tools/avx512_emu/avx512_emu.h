@@ -19,6 +19,7 @@
 #define EMU_FN static inline
 
 typedef simde__mmask16 __mmask16;
+typedef simde__mmask32 __mmask32;
 #ifndef _MM_FROUND_NO_EXC
 #define _MM_FROUND_NO_EXC SIMDE_MM_FROUND_NO_EXC
 #endif
@@ -50,6 +51,22 @@ EMU_FN __m256i emu_mm256_maskz_loadu_epi16(__mmask16 k, const void *p) {
     uint16_t o[16];
     for (int i = 0; i < 16; i++) o[i] = (k >> i) & 1 ? ((const uint16_t *)p)[i] : 0;
     EMU_RET(__m256i, o);
+}
+EMU_FN __m512i emu_mm512_maskz_loadu_epi16(__mmask32 k, const void *p) {
+    uint16_t o[32];
+    for (int i = 0; i < 32; i++) o[i] = (k >> i) & 1 ? ((const uint16_t *)p)[i] : 0;
+    EMU_RET(__m512i, o);
+}
+/* bf16 (round to nearest even) of b in words 0..15, of a in 16..31 */
+EMU_FN __m512bh emu_mm512_cvtne2ps_pbh(__m512 a, __m512 b) {
+    EMU_LANES(float, 16, a, fa);
+    EMU_LANES(float, 16, b, fb);
+    uint16_t o[32];
+    for (int i = 0; i < 16; i++) {
+        o[i] = cv_f32_to_bf16(fb[i]);
+        o[16 + i] = cv_f32_to_bf16(fa[i]);
+    }
+    EMU_RET(__m512bh, o);
 }
 EMU_FN void emu_mm256_mask_storeu_epi16(void *p, __mmask16 k, __m256i v) {
     EMU_LANES(uint16_t, 16, v, a);
@@ -117,6 +134,11 @@ EMU_FN int emu_mm512_reduce_add_epi32(__m512i v) {
 #define _mm512_mask_storeu_ps emu_mm512_mask_storeu_ps
 #define _mm256_maskz_loadu_epi16 emu_mm256_maskz_loadu_epi16
 #define _mm256_mask_storeu_epi16 emu_mm256_mask_storeu_epi16
+#define _mm512_maskz_loadu_epi16 emu_mm512_maskz_loadu_epi16
+#define _mm512_cvtne2ps_pbh emu_mm512_cvtne2ps_pbh
+#ifndef _mm512_shuffle_f32x4 /* SIMDe 0.7 has it without the alias */
+#define _mm512_shuffle_f32x4(a, b, imm8) simde_mm512_shuffle_f32x4(a, b, imm8)
+#endif
 #define _mm512_cvtph_ps emu_mm512_cvtph_ps
 #define _mm512_cvtps_ph emu_mm512_cvtps_ph
 #define _mm512_cvtepu16_epi32 emu_mm512_cvtepu16_epi32

@@ -1,0 +1,428 @@
+/* AVX-512 chunk kernels of paged attention (contract: attention_avx512.h).
+ *
+ * Scores. A dot product of head_dim 64 is only 4 FMAs (2 vdpbf16ps) per
+ * (vector, key); reducing each 16-lane accumulator on its own costs more than
+ * the FMAs. Instead a block of 16 (vector, key) accumulators is summed by one
+ * transpose-add tree: each level adds the lanes at distance h (8, 4, 2, 1) of
+ * two registers into one, so 15 folds (a shuffle, a blend and an add each)
+ * give 16 scores in one register. Every lane goes through the same tree
+ * whatever the block holds, so a score depends only on its own q and k.
+ *
+ * P.V on vdpbf16ps. The pair in a 32-bit lane is two keys at one dim:
+ * (V_i[d], V_i+1[d]) comes from two rows by one word permute per 16 dims,
+ * shared by the vectors of the group; (p_i, p_i+1) is one broadcast. */
+#include <math.h>
+#include <string.h>
+
+#include "attention_avx512.h"
+
+#if CV_HAVE_AVX512
+CV_TARGET_AVX512_BEGIN
+
+#ifdef CV_EMULATE_AVX512
+#define CV_KEEP512(v) ((void)0)
+#else
+/* Keeps v in a register: stops the compiler from folding a reused load into
+ * every FMA (a load per FMA). */
+#define CV_KEEP512(v) __asm__("" : "+v"(v))
+#endif
+
+static CV_ALWAYS_INLINE __mmask16 att_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1u);
+}
+
+static int max_valid(const int *nval, int v0, int nvg) {
+    int nk = 0;
+    for (int v = v0; v < v0 + nvg; v++) nk = nval[v] > nk ? nval[v] : nk;
+    return nk;
+}
+
+/* 16 values of a K or V row from d, lanes outside m zero. */
+static CV_ALWAYS_INLINE __m512 kv_load16(const void *p, cv_dtype dt, int64_t d, __mmask16 m) {
+    if (dt == CV_F32) return _mm512_maskz_loadu_ps(m, (const float *)p + d);
+    const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)p + d);
+    if (dt == CV_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* One level of the tree: lanes of a block of 2h are x's pair sums
+ * x[j] + x[j+h] in its first h lanes and y's in its last h. */
+static CV_ALWAYS_INLINE __m512 fold(__m512 x, __m512 y, const int h) {
+    __m512 u; /* the partner of each lane of blend(x, y) */
+    if (h == 8) {
+        u = _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(1, 0, 3, 2));
+    } else if (h == 2) {
+        u = _mm512_shuffle_ps(x, y, _MM_SHUFFLE(1, 0, 3, 2));
+    } else if (h == 4) {
+        const __m512i i4 = _mm512_setr_epi32(4, 5, 6, 7, 16, 17, 18, 19, 12, 13, 14, 15, 24, 25, 26, 27);
+        u = _mm512_permutex2var_ps(x, i4, y);
+    } else {
+        const __m512i i1 = _mm512_setr_epi32(1, 16, 3, 18, 5, 20, 7, 22, 9, 24, 11, 26, 13, 28, 15, 30);
+        u = _mm512_permutex2var_ps(x, i1, y);
+    }
+    const __mmask16 from_y = h == 8 ? 0xff00 : h == 4 ? 0xf0f0 : h == 2 ? 0xcccc : 0xaaaa;
+    return _mm512_add_ps(_mm512_mask_blend_ps(from_y, x, y), u);
+}
+
+/* The lane sums of a[0..15]: lane j holds the sum of a[rev4(j)] (rev4
+ * reverses the 4 bits of j). a is clobbered. */
+static CV_ALWAYS_INLINE __m512 tree16(__m512 *a) {
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) a[i] = fold(a[2 * i], a[2 * i + 1], 8);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) a[i] = fold(a[2 * i], a[2 * i + 1], 4);
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; i++) a[i] = fold(a[2 * i], a[2 * i + 1], 2);
+    return fold(a[0], a[1], 1);
+}
+
+static CV_ALWAYS_INLINE int rev4(int j) {
+    return ((j & 1) << 3) | ((j & 2) << 1) | ((j & 4) >> 1) | ((j & 8) >> 3);
+}
+
+/* Stores the 16 scores r of NV vectors x KB keys (lane v * KB + k) at
+ * sc[v][i0 + k]. */
+static CV_ALWAYS_INLINE void store_scores(float *sc, __m512 r, const int NV, int i0) {
+    const int KB = 16 / NV;
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++)
+        _mm512_mask_storeu_ps(sc + v * CV_ATT_KCHUNK + i0 - v * KB,
+                              (__mmask16)(((1u << KB) - 1u) << (v * KB)), r);
+}
+
+/* Scores of NV (1, 2 or 4) vectors against the KB = 16 / NV keys from i0
+ * (keys past nkb repeat key i0: their scores land past the chunk's valid
+ * keys, which nothing reads). Accumulator x holds the pair rev4(x), so the
+ * tree leaves pair (v, k) in lane v * KB + k. */
+static CV_ALWAYS_INLINE void scores_blk(float *sc, const float *qt, int64_t hd, const int NV, int i0,
+                                        int nkb, const void *const *kp, const cv_dtype dt) {
+    const int KB = 16 / NV;
+    const void *rows[16];
+#pragma GCC unroll 16
+    for (int k = 0; k < KB; k++) rows[k] = kp[i0 + (k < nkb ? k : 0)];
+    __m512 a[16];
+#pragma GCC unroll 16
+    for (int x = 0; x < 16; x++) a[x] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < hd; d += 16) {
+        const __mmask16 m = att_mask(hd - d);
+        __m512 q[4];
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) {
+            q[v] = _mm512_maskz_loadu_ps(m, qt + v * hd + d);
+            CV_KEEP512(q[v]);
+        }
+#pragma GCC unroll 16
+        for (int k = 0; k < KB; k++) {
+            const __m512 kv = kv_load16(rows[k], dt, d, m);
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; v++) {
+                const int x = rev4(v * KB + k);
+                a[x] = _mm512_fmadd_ps(q[v], kv, a[x]);
+            }
+        }
+    }
+    store_scores(sc, tree16(a), NV, i0);
+}
+
+/* Vector groups of the score kernels: 4, then 2, then 1. */
+static inline int pow2_group(int left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; }
+
+#define SCORES_GROUP(BLK, NV)                                                                   \
+    do {                                                                                        \
+        for (int i0 = 0; i0 < nk; i0 += 16 / (NV)) BLK(NV);                                     \
+    } while (0)
+
+#define SC_F32_BLK(NV)                                                                          \
+    do {                                                                                        \
+        const int nkb = nk - i0;                                                                \
+        if (dt == CV_F32) scores_blk(s, q, hd, NV, i0, nkb, kp, CV_F32);                        \
+        else if (dt == CV_F16) scores_blk(s, q, hd, NV, i0, nkb, kp, CV_F16);                   \
+        else scores_blk(s, q, hd, NV, i0, nkb, kp, CV_BF16);                                    \
+    } while (0)
+
+void cv_att_scores_avx512(float *sc, const float *qt, int64_t hd, int nv, const int *nval,
+                          const void *const *kp, cv_dtype dt) {
+    for (int v0 = 0; v0 < nv;) {
+        const int nvg = pow2_group(nv - v0);
+        const int nk = max_valid(nval, v0, nvg);
+        float *s = sc + v0 * CV_ATT_KCHUNK;
+        const float *q = qt + v0 * hd;
+        if (nvg == 4) SCORES_GROUP(SC_F32_BLK, 4);
+        else if (nvg == 2) SCORES_GROUP(SC_F32_BLK, 2);
+        else SCORES_GROUP(SC_F32_BLK, 1);
+        v0 += nvg;
+    }
+}
+#undef SC_F32_BLK
+
+/* Vector groups of the P.V kernels: groups of 4 when nv is a multiple of 4,
+ * else groups of 3 (a tile of t tokens x 3 heads splits evenly), then the
+ * rest. Returns the size of the group starting at v0. */
+static inline int group_size(int nv, int v0) {
+    const int g = (nv % 4 == 0) ? 4 : 3;
+    return nv - v0 < g ? nv - v0 : g;
+}
+
+/* acc[v][d0 .. d0 + 16 DB) = acc * alpha[v] + sum_i p[v][i] V_i for NV
+ * vectors, lanes outside m untouched: NV x DB accumulators, each V row chunk
+ * loaded once for all NV vectors. */
+static CV_ALWAYS_INLINE void pv_blk(float *acc, const float *sc, const float *alpha, int64_t hd,
+                                    int64_t d0, const int NV, const int DB, int nk,
+                                    const void *const *vp, const cv_dtype dt, __mmask16 m) {
+    __m512 a[12];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++) {
+        const __m512 al = _mm512_set1_ps(alpha[v]);
+#pragma GCC unroll 4
+        for (int b = 0; b < DB; b++)
+            a[v * DB + b] = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, acc + v * hd + d0 + 16 * b), al);
+    }
+    for (int i = 0; i < nk; i++) {
+        __m512 vv[4];
+#pragma GCC unroll 4
+        for (int b = 0; b < DB; b++) {
+            vv[b] = kv_load16(vp[i], dt, d0 + 16 * b, m);
+            if (NV > 1) CV_KEEP512(vv[b]);
+        }
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) {
+            const __m512 p = _mm512_set1_ps(sc[v * CV_ATT_KCHUNK + i]);
+#pragma GCC unroll 4
+            for (int b = 0; b < DB; b++) a[v * DB + b] = _mm512_fmadd_ps(p, vv[b], a[v * DB + b]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++)
+#pragma GCC unroll 4
+        for (int b = 0; b < DB; b++) _mm512_mask_storeu_ps(acc + v * hd + d0 + 16 * b, m, a[v * DB + b]);
+}
+
+/* All of head_dim for one group: blocks of 16 * DB dims, then masked 16-dim blocks. */
+static CV_ALWAYS_INLINE void pv_group(float *acc, const float *sc, const float *alpha, int64_t hd,
+                                      const int NV, int nk, const void *const *vp, const cv_dtype dt) {
+    const int DB = NV == 4 ? 3 : 4;
+    int64_t d = 0;
+    for (; d + 16 * DB <= hd; d += 16 * DB)
+        pv_blk(acc, sc, alpha, hd, d, NV, DB, nk, vp, dt, (__mmask16)0xffff);
+    for (; d < hd; d += 16) pv_blk(acc, sc, alpha, hd, d, NV, 1, nk, vp, dt, att_mask(hd - d));
+}
+
+#define PV_DT(NV)                                                                               \
+    do {                                                                                        \
+        if (dt == CV_F32) pv_group(a, s, al, hd, NV, nk, vp, CV_F32);                           \
+        else if (dt == CV_F16) pv_group(a, s, al, hd, NV, nk, vp, CV_F16);                      \
+        else pv_group(a, s, al, hd, NV, nk, vp, CV_BF16);                                       \
+    } while (0)
+
+void cv_att_pv_avx512(float *acc, const float *sc, const float *alpha, int64_t hd, int nv,
+                      const int *nval, const void *const *vp, cv_dtype dt) {
+    for (int v0 = 0; v0 < nv;) {
+        const int nvg = group_size(nv, v0);
+        const int nk = max_valid(nval, v0, nvg);
+        float *a = acc + v0 * hd;
+        const float *s = sc + v0 * CV_ATT_KCHUNK;
+        const float *al = alpha + v0;
+        switch (nvg) {
+        case 1: PV_DT(1); break;
+        case 2: PV_DT(2); break;
+        case 3: PV_DT(3); break;
+        default: PV_DT(4); break;
+        }
+        v0 += nvg;
+    }
+}
+#undef PV_DT
+
+void cv_att_softmax_avx512(float *sc, int nk, float *m, float *l, float *alpha, int nval) {
+    if (nval > 0) {
+        __m512 vmx = _mm512_set1_ps(-INFINITY);
+        for (int i = 0; i < nval; i += 16) {
+            const __mmask16 k = att_mask(nval - i);
+            vmx = _mm512_mask_max_ps(vmx, k, vmx, _mm512_maskz_loadu_ps(k, sc + i));
+        }
+        const float mx = _mm512_reduce_max_ps(vmx);
+        const float mn = *m > mx ? *m : mx;
+        const float a = *m == -INFINITY ? 0.0f : expf(*m - mn);
+        const __m512 vm = _mm512_set1_ps(mn);
+        __m512 vs = _mm512_setzero_ps();
+        for (int i = 0; i < nval; i += 16) {
+            const __mmask16 k = att_mask(nval - i);
+            const __m512 e = cv_exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + i), vm));
+            _mm512_mask_storeu_ps(sc + i, k, e);
+            vs = _mm512_mask_add_ps(vs, k, vs, e);
+        }
+        *l = *l * a + _mm512_reduce_add_ps(vs);
+        *m = mn;
+        *alpha = a;
+    } else {
+        *alpha = 1.0f;
+    }
+    for (int i = nval > 0 ? nval : 0; i < nk; i++) sc[i] = 0.0f;
+}
+CV_TARGET_END
+
+/* ------------------------------------------------------------------------ */
+/* AVX512_BF16 over a bf16 cache                                             */
+
+CV_TARGET_AVX512_BF16_BEGIN
+
+static CV_ALWAYS_INLINE __mmask32 att_mask32(int64_t left) {
+    return left >= 32 ? (__mmask32)0xffffffffu : left <= 0 ? 0 : (__mmask32)((1u << left) - 1u);
+}
+
+int64_t cv_att_qb_stride(int64_t hd) { return (hd + 31) & ~(int64_t)31; }
+
+void cv_att_round_q_bf16(uint16_t *qb, const float *qt, int64_t hd, int nv) {
+    const int64_t st = cv_att_qb_stride(hd);
+    for (int v = 0; v < nv; v++)
+        for (int64_t d = 0; d < st; d += 32) {
+            const __m512 lo = _mm512_maskz_loadu_ps(att_mask(hd - d), qt + v * hd + d);
+            const __m512 hi = _mm512_maskz_loadu_ps(att_mask(hd - d - 16), qt + v * hd + d + 16);
+            _mm512_storeu_si512((void *)(qb + v * st + d), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+}
+
+/* As scores_blk, on vdpbf16ps: lane j of an accumulator sums the dims
+ * (2j, 2j + 1) of each 32-dim step. */
+static CV_ALWAYS_INLINE void scores_blk_bf16(float *sc, const uint16_t *qb, int64_t hd, const int NV,
+                                             int i0, int nkb, const void *const *kp) {
+    const int KB = 16 / NV;
+    const int64_t st = cv_att_qb_stride(hd);
+    const uint16_t *rows[16];
+#pragma GCC unroll 16
+    for (int k = 0; k < KB; k++) rows[k] = kp[i0 + (k < nkb ? k : 0)];
+    __m512 a[16];
+#pragma GCC unroll 16
+    for (int x = 0; x < 16; x++) a[x] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < hd; d += 32) {
+        const __mmask32 m = att_mask32(hd - d);
+        __m512i q[4];
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) {
+            q[v] = _mm512_loadu_si512((const void *)(qb + v * st + d));
+            if (KB > 1) CV_KEEP512(q[v]);
+        }
+#pragma GCC unroll 16
+        for (int k = 0; k < KB; k++) {
+            __m512i kv = _mm512_maskz_loadu_epi16(m, rows[k] + d);
+            if (NV > 1) CV_KEEP512(kv);
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; v++) {
+                const int x = rev4(v * KB + k);
+                a[x] = _mm512_dpbf16_ps(a[x], (__m512bh)q[v], (__m512bh)kv);
+            }
+        }
+    }
+    store_scores(sc, tree16(a), NV, i0);
+}
+
+#define SC_BF16_BLK(NV) scores_blk_bf16(s, q, hd, NV, i0, nk - i0, kp)
+
+void cv_att_scores_bf16(float *sc, const uint16_t *qb, int64_t hd, int nv, const int *nval,
+                        const void *const *kp) {
+    const int64_t st = cv_att_qb_stride(hd);
+    for (int v0 = 0; v0 < nv;) {
+        const int nvg = pow2_group(nv - v0);
+        const int nk = max_valid(nval, v0, nvg);
+        float *s = sc + v0 * CV_ATT_KCHUNK;
+        const uint16_t *q = qb + v0 * st;
+        if (nvg == 4) SCORES_GROUP(SC_BF16_BLK, 4);
+        else if (nvg == 2) SCORES_GROUP(SC_BF16_BLK, 2);
+        else SCORES_GROUP(SC_BF16_BLK, 1);
+        v0 += nvg;
+    }
+}
+#undef SC_BF16_BLK
+
+/* One key pair into the NV x 2 DB accumulators of dims [d0, d0 + 32 DB):
+ * rows ra and rb (HAS_B 0: zero) interleaved as (ra[d], rb[d]) pairs, times
+ * each vector's pair of probabilities pb[v * 16]. */
+static CV_ALWAYS_INLINE void pv_pair_bf16(__m512 *a, const uint32_t *pb, const uint16_t *ra, const uint16_t *rb, const int HAS_B,
+                                          int64_t d0, const int NV, const int DB, const __mmask32 *mk,
+                                          __m512i ilo, __m512i ihi) {
+    __m512i pr[4];
+#pragma GCC unroll 2
+    for (int b = 0; b < DB; b++) {
+        const __m512i va = _mm512_maskz_loadu_epi16(mk[b], ra + d0 + 32 * b);
+        const __m512i vb = HAS_B ? _mm512_maskz_loadu_epi16(mk[b], rb + d0 + 32 * b) : _mm512_setzero_si512();
+        pr[2 * b] = _mm512_permutex2var_epi16(va, ilo, vb);
+        pr[2 * b + 1] = _mm512_permutex2var_epi16(va, ihi, vb);
+        if (NV > 1) {
+            CV_KEEP512(pr[2 * b]);
+            CV_KEEP512(pr[2 * b + 1]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++) {
+        const __m512i p = _mm512_set1_epi32((int)pb[v * (CV_ATT_KCHUNK / 2)]);
+#pragma GCC unroll 4
+        for (int b = 0; b < 2 * DB; b++)
+            a[v * 2 * DB + b] = _mm512_dpbf16_ps(a[v * 2 * DB + b], (__m512bh)p, (__m512bh)pr[b]);
+    }
+}
+
+/* dims [d0, d0 + 32 DB) of NV vectors: acc = acc * alpha + sum over key
+ * pairs of (p_2m, p_2m+1) . (V_2m[d], V_2m+1[d]). pb[v][m] is the pair m of
+ * vector v; a missing V_2m+1 (odd nk) is zero. */
+static CV_ALWAYS_INLINE void pv_blk_bf16(float *acc, const uint32_t *pb, const float *alpha, int64_t hd,
+                                         int64_t d0, const int NV, const int DB, int nk,
+                                         const void *const *vp) {
+    /* word 2j of a pair register from row a, word 2j + 1 from row b */
+    static const uint16_t interleave[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                            8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i ilo = _mm512_loadu_si512((const void *)interleave);
+    const __m512i ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
+    const __mmask32 mk[2] = {att_mask32(hd - d0), att_mask32(hd - d0 - 32)};
+    __m512 a[2 * 2 * 4];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++) {
+        const __m512 al = _mm512_set1_ps(alpha[v]);
+#pragma GCC unroll 4
+        for (int b = 0; b < 2 * DB; b++)
+            a[v * 2 * DB + b] = _mm512_mul_ps(
+                _mm512_maskz_loadu_ps(att_mask(hd - d0 - 16 * b), acc + v * hd + d0 + 16 * b), al);
+    }
+    int i = 0;
+    for (; i + 1 < nk; i += 2) pv_pair_bf16(a, pb + i / 2, vp[i], vp[i + 1], 1, d0, NV, DB, mk, ilo, ihi);
+    if (i < nk) pv_pair_bf16(a, pb + i / 2, vp[i], NULL, 0, d0, NV, DB, mk, ilo, ihi);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++)
+#pragma GCC unroll 4
+        for (int b = 0; b < 2 * DB; b++)
+            _mm512_mask_storeu_ps(acc + v * hd + d0 + 16 * b, att_mask(hd - d0 - 16 * b), a[v * 2 * DB + b]);
+}
+
+static CV_ALWAYS_INLINE void pv_group_bf16(float *acc, const uint32_t *pb, const float *alpha, int64_t hd,
+                                           const int NV, int nk, const void *const *vp) {
+    int64_t d = 0;
+    for (; d + 64 <= hd; d += 64) pv_blk_bf16(acc, pb, alpha, hd, d, NV, 2, nk, vp);
+    for (; d < hd; d += 32) pv_blk_bf16(acc, pb, alpha, hd, d, NV, 1, nk, vp);
+}
+
+void cv_att_pv_bf16(float *acc, const float *sc, const float *alpha, int64_t hd, int nv,
+                    const int *nval, const void *const *vp) {
+    /* probabilities as bf16 pairs of keys; zero past the chunk's valid keys */
+    uint32_t pb[CV_ATT_TILE * CV_ATT_KCHUNK / 2];
+    const int nk_all = max_valid(nval, 0, nv);
+    for (int v = 0; v < nv; v++) {
+        const __m512 lo = _mm512_maskz_loadu_ps(att_mask(nk_all), sc + v * CV_ATT_KCHUNK);
+        const __m512 hi = _mm512_maskz_loadu_ps(att_mask(nk_all - 16), sc + v * CV_ATT_KCHUNK + 16);
+        _mm512_storeu_si512((void *)(pb + v * (CV_ATT_KCHUNK / 2)), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+    for (int v0 = 0; v0 < nv;) {
+        const int nvg = group_size(nv, v0);
+        const int nk = max_valid(nval, v0, nvg);
+        float *a = acc + v0 * hd;
+        const uint32_t *p = pb + v0 * (CV_ATT_KCHUNK / 2);
+        const float *al = alpha + v0;
+        switch (nvg) {
+        case 1: pv_group_bf16(a, p, al, hd, 1, nk, vp); break;
+        case 2: pv_group_bf16(a, p, al, hd, 2, nk, vp); break;
+        case 3: pv_group_bf16(a, p, al, hd, 3, nk, vp); break;
+        default: pv_group_bf16(a, p, al, hd, 4, nk, vp); break;
+        }
+        v0 += nvg;
+    }
+}
+CV_TARGET_END
+#endif
