@@ -475,8 +475,10 @@ def test_disconnect_mid_stream_frees_blocks(server, http, model_name):
 
 def test_disconnect_while_waiting_non_streaming(server, http, model_name):
     aborted0 = metric(http, "conveyor_requests_aborted_total")
-    body = {"model": model_name, "prompt": PROMPT, "max_tokens": 500, "ignore_eos": True, "n": 24}
-    with httpx.Client(base_url=server.url, timeout=httpx.Timeout(30.0, read=0.3), trust_env=False) as c:
+    # sized in tokens: 128 x 500 = 64,000 tokens, over a second on this model even on a fast
+    # CPU; the client gives up after 0.1 s, long before
+    body = {"model": model_name, "prompt": PROMPT, "max_tokens": 500, "ignore_eos": True, "n": 128}
+    with httpx.Client(base_url=server.url, timeout=httpx.Timeout(30.0, read=0.1), trust_env=False) as c:
         with pytest.raises(httpx.ReadTimeout):
             c.post("/v1/completions", json=body)
     assert _wait_metric(http, "conveyor_requests_aborted_total", lambda v: v > aborted0) == aborted0 + 1

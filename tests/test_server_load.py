@@ -102,7 +102,9 @@ def test_overload_refuses_the_excess_at_once():
         ok = [r for r in recs if r["status"] == 200]
         refused = [r for r in recs if r["status"] == 503]
         assert len(ok) + len(refused) == 64
-        assert len(ok) >= 10 and len(refused) >= 40, (len(ok), len(refused))
+        # the queue's 8 at least; the 2 seats too when the engine scheduled some before the
+        # rest arrived (timing: not asserted)
+        assert len(ok) >= 8 and len(refused) >= 40, (len(ok), len(refused))
         first_done = min(r["start"] + r["e2e"] for r in ok)
         for r in refused:
             assert r["start"] + r["answered"] < first_done  # answered before any admitted one finished
@@ -169,18 +171,40 @@ def test_priority_request_overtakes_the_queue():
     server = OwnServer(str(MODEL), ["--num-threads", "1", "--max-num-seqs", "1", "--scheduling", "priority"],
                        timeout=60.0)
     try:
+        from urllib.parse import urlsplit
+
+        u = urlsplit(server.url)
         base = {"max_tokens": 60, "ignore_eos": True, "temperature": 0}
-        # the blocker: 16 completions of 500 tokens, one at a time on the only seat (seconds
-        # with the fastest kernels: it must outlast the arrivals below)
-        bodies = [{"prompt": "Once upon a time", **base, "max_tokens": 500, "n": 16, "priority": 0}]
-        bodies += [{"prompt": f"Story {i}", **base, "priority": 10} for i in range(6)]
-        bodies += [{"prompt": "The king", **base, "priority": -5}]
-        # the blocker first; the low ones queue behind it; the high one comes last
-        recs = send(server.url, bodies, delays=[0.0] + [0.2] * 6 + [0.4])
-        assert all(r["status"] == 200 and r["done"] for r in recs), [r["error"] for r in recs]
-        end = [r["start"] + r["e2e"] for r in recs]
-        assert end[0] > 0.4, "the blocker ended before the high-priority request arrived"
-        assert all(end[7] < e for e in end[1:7]), end
+        # The blocker, sized in tokens and not in time: 128 completions of 500 tokens on the
+        # only seat (64,000 decode steps, seconds even on a fast CPU; not streamed, so the event
+        # loop is not busy delivering them). The low ones queue behind it, the high one comes
+        # last; the test checks the order of events, then cancels the blocker.
+        blocker = {"prompt": "Once upon a time", **base, "max_tokens": 500, "n": 128, "priority": 0,
+                   "stream": False}
+        low = [{"prompt": f"Story {i}", **base, "priority": 10} for i in range(6)]
+        high = {"prompt": "The king", **base, "priority": -5}
+
+        def one(body, delay, t0):
+            return http_one(u.hostname, u.port, "/v1/completions", {"stream": True, **body}, None,
+                            {"prompt": [], "max_tokens": body["max_tokens"]}, delay, t0)
+
+        async def go():
+            t0 = time.perf_counter()
+            blocking = asyncio.ensure_future(one(blocker, 0.0, t0))
+            lows = [asyncio.ensure_future(one(b, 0.2, t0)) for b in low]
+            king = await one(high, 0.4, t0)
+            lows_done_before_king = sum(t.done() for t in lows)
+            blocker_running = not blocking.done()
+            blocking.cancel()
+            await asyncio.gather(blocking, return_exceptions=True)
+            return king, await asyncio.gather(*lows), lows_done_before_king, blocker_running
+
+        king, lows, lows_done_first, blocker_running = asyncio.run(asyncio.wait_for(go(), 120))
+        assert blocker_running, "the blocker ended before the high-priority request: the test needs a bigger one"
+        assert lows_done_first == 0
+        for r in [king] + lows:
+            assert r["status"] == 200 and r["done"] and r["finish_reason"] == "length", r["error"]
+        assert all(king["start"] + king["e2e"] < r["start"] + r["e2e"] for r in lows)
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "priority": "high"}, trust_env=False)
         assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
     finally:
