@@ -168,6 +168,8 @@ def llama2c_bytes(dim=8, hidden=12, layers=2, heads=2, kv=1, vocab=10, seq=4, ti
 
 def test_stories260k_config_and_values():
     path = STORIES / "stories260K.bin"
+    if not path.is_file():
+        pytest.skip(f"{path} not found")
     with Checkpoint(path) as ck:  # os.PathLike accepted
         assert ck.format == "llama2c"
         c = ck.config

@@ -62,6 +62,8 @@ def test_quickstart_notebook(kernel_env):
 
 
 def test_continuous_batching_notebook(kernel_env):
+    if "CONVEYOR_STORIES" not in os.environ:
+        pytest.skip(f"the notebook runs on stories260K: not found at {STORIES} (set $CONVEYOR_STORIES)")
     nb, outs = _run("continuous_batching.ipynb")
     images = [o for o in outs if o.output_type == "display_data" and "image/png" in o.get("data", {})]
     assert len(images) >= 3  # timeline, variance, latency
