@@ -59,6 +59,16 @@ def send(url, bodies, delays=None):
     return asyncio.run(asyncio.wait_for(go(), 120))
 
 
+def one_request(url, body, delay, t0):
+    """One request (streamed unless the body says "stream": False) sent at t0 + delay: the
+    coroutine of the load generator's record."""
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    return http_one(u.hostname, u.port, "/v1/completions", {"stream": True, **body}, None,
+                    {"prompt": [], "max_tokens": body["max_tokens"]}, delay, t0)
+
+
 @pytest.fixture(scope="module")
 def llm():
     engine = conveyor.LLM(str(MODEL), num_threads=1)
@@ -132,17 +142,13 @@ def test_deadlines_end_requests_with_timeout_and_free_blocks():
     server = OwnServer(str(MODEL), ["--num-threads", "1", "--max-num-seqs", "1", "--request-timeout", "0.5"],
                        timeout=60.0)
     try:
-        from urllib.parse import urlsplit
-
-        u = urlsplit(server.url)
         blocker = {"prompt": "Once upon a time", "max_tokens": 500, "n": 128, "ignore_eos": True, "timeout": 120,
                    "stream": False}
         short = {"prompt": "The dog", "max_tokens": 50, "ignore_eos": True, "timeout": 0.2}
         default = {"prompt": "The cat", "max_tokens": 50, "ignore_eos": True}
 
         def one(body, delay, t0):
-            return http_one(u.hostname, u.port, "/v1/completions", {"stream": True, **body}, None,
-                            {"prompt": [], "max_tokens": body["max_tokens"]}, delay, t0)
+            return one_request(server.url, body, delay, t0)
 
         async def go():
             t0 = time.perf_counter()
@@ -171,9 +177,6 @@ def test_priority_request_overtakes_the_queue():
     server = OwnServer(str(MODEL), ["--num-threads", "1", "--max-num-seqs", "1", "--scheduling", "priority"],
                        timeout=60.0)
     try:
-        from urllib.parse import urlsplit
-
-        u = urlsplit(server.url)
         base = {"max_tokens": 60, "ignore_eos": True, "temperature": 0}
         # The blocker, sized in tokens and not in time: 128 completions of 500 tokens on the
         # only seat (64,000 decode steps, seconds even on a fast CPU; not streamed, so the event
@@ -185,8 +188,7 @@ def test_priority_request_overtakes_the_queue():
         high = {"prompt": "The king", **base, "priority": -5}
 
         def one(body, delay, t0):
-            return http_one(u.hostname, u.port, "/v1/completions", {"stream": True, **body}, None,
-                            {"prompt": [], "max_tokens": body["max_tokens"]}, delay, t0)
+            return one_request(server.url, body, delay, t0)
 
         async def go():
             t0 = time.perf_counter()
