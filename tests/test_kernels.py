@@ -603,7 +603,8 @@ def test_force_scalar_env_selects_plain_kernels():
         "                      c.kernel_gemm(x, w, 'bfloat16', impl='plain'))\n"
         "assert np.array_equal(c.kernel_swiglu(g, impl='simd'), c.kernel_swiglu(g, impl='plain'))\n"
         "print('ok')\n")
-    env = dict(os.environ, CONVEYOR_FORCE_SCALAR="1")
+    env = {k: v for k, v in os.environ.items() if k != "CONVEYOR_SIMD"}  # (which would win)
+    env["CONVEYOR_FORCE_SCALAR"] = "1"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
