@@ -456,3 +456,14 @@ def test_internal_error_is_counted_and_not_echoed(stories_dir):
         assert 'status="500"} 1' in m.text
     finally:
         engine.close()
+
+
+def test_chat_template_nested_past_the_parsers_depth_is_a_clear_error():
+    """Found by the chat_template fuzz target: a template nesting { past Python's recursion
+    limit made jinja's parser raise RecursionError, which escaped as a crash."""
+    from conveyor import ModelFormatError
+    from conveyor.tokenizer import _render_template
+
+    source = "{% for m in messages %}{{ m['content'] }}: {{ " + "{ " * 2000 + "}}{% endfor %}"
+    with pytest.raises(ModelFormatError, match="cannot be compiled"):
+        _render_template(source, [{"role": "user", "content": "hi"}], True, "<s>", "</s>")

@@ -70,6 +70,8 @@ def _compile_template(source: str):
         return env.from_string(source)
     except TemplateError as e:
         raise ModelFormatError(f"the model's chat template is not valid Jinja: {e}") from None
+    except (RecursionError, MemoryError, OverflowError) as e:  # nesting past the parser's depth, ...
+        raise ModelFormatError(f"the model's chat template cannot be compiled: {type(e).__name__}") from None
 
 
 # A chat template is code from the model file (or the request) run on every chat
