@@ -422,9 +422,9 @@ class ReferenceModel:
     def _mm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         """x @ w.T with x rounded as the engine's GEMM reads it."""
         if self.gemm_inputs == "bfloat16":  # the float32 row (as the engine holds it), then bf16
-            u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-            u = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000))
-            x = u.view(np.float32).astype(x.dtype)
+            from .testing import round_to_dtype
+
+            x = round_to_dtype(x, "bfloat16").astype(x.dtype)
         return x @ w.T
 
     @property
