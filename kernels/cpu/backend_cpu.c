@@ -56,11 +56,13 @@ int cv_cpu_backend_threads(const cv_backend *b) {
 /* Buffers                                                                   */
 
 /* Zeroed, 64-byte aligned memory, committed as it is used. Buffers of
- * CPU_MAP_MIN bytes or more (the KV cache, a step's scratch) are anonymous
- * mappings: the kernel hands out zeroed pages on first touch, so nothing is
- * written now, engine start does not grow with kv_cache_memory and the
- * resident memory is what the blocks in use touched (a block is written by
- * the KV write of the step that first holds it before attention reads it).
+ * CPU_MAP_MIN bytes or more (the KV cache above all) are anonymous mappings:
+ * the kernel hands out zeroed pages on first touch, so nothing is written
+ * now, engine start does not grow with kv_cache_memory and the resident
+ * memory is what the blocks in use touched (a block is written by the KV
+ * write of the step that first holds it before attention reads it). A
+ * caller that wants its buffer resident writes it (forward.c: a step's
+ * scratch).
  * Huge pages are advised (fewer TLB misses over a pool of GiBs). A mapping
  * larger than the kernel will ever back (its overcommit rules) fails here.
  * A header just below the returned pointer says how to free it. */
