@@ -29,7 +29,7 @@ _QUANTIZATIONS = (None, "q8_0", "q4_0", "q4_1")
 DEFAULT_PREFILL_CAP = {"cpu": 96, "cuda": 512}
 # LLM (offline: generate/chat run a batch to completion, nobody watches a stream) takes no
 # cap by default: the cap trades throughput for inter-token latency, which an offline batch
-# does not have (docs/performance.md, "The prefill cap offline and serving").
+# does not have (docs/performance.md, "Offline batches end to end").
 OFFLINE_PREFILL_CAP = 0
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
