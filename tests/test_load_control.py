@@ -193,8 +193,10 @@ def test_queue_limit_refuses_the_excess_at_once():
     async def go():
         engine = AsyncLLM(str(STORIES), num_threads=1, max_num_seqs=1, max_queued_requests=3)
         try:
-            blocker = engine.add_request("Once upon a time", GREEDY)
-            await _first_output(blocker)  # scheduled: it no longer counts as queued
+            # scheduled: it no longer counts as queued; 400 tokens keep the only seat
+            # busy while the eight requests below arrive, however fast the CPU
+            blocker = engine.add_request("Once upon a time", LONG)
+            await _first_output(blocker)
             admitted, refused = [blocker], []
             for i in range(8):
                 try:
@@ -210,7 +212,8 @@ def test_queue_limit_refuses_the_excess_at_once():
     outs, refused, later, st = run(go())
     assert len(outs) == 4 and len(refused) == 5
     assert "max_queued_requests=3" in refused[0]
-    assert all(o.finished and len(o.outputs[0].token_ids) == 60 for o in outs)
+    assert all(o.finished for o in outs) and len(outs[0].outputs[0].token_ids) == 400
+    assert all(len(o.outputs[0].token_ids) == 60 for o in outs[1:])
     assert later.outputs[0].finish_reason == "length"
     assert st["requests_rejected"] == 5 and st["num_queued"] == 0 and st["blocks_used"] == 0
     assert issubclass(conveyor.EngineOverloadedError, conveyor.ConveyorError)

@@ -30,6 +30,7 @@ from conveyor.ray.data import ConveyorPredictor, build_processor  # noqa: E402
 from conveyor.ray.serve import NODE_HEADER, REPLICA_HEADER, build  # noqa: E402
 
 MODEL = str(Path(__file__).resolve().parents[2] / "shared/models/stories260K/stories260K.bin")
+SERVED = "stories260K"  # what a deployment answers to: the model's name, never its path on disk
 pytestmark = [pytest.mark.skipif(not Path(MODEL).is_file(), reason=f"{MODEL} not found"),
               pytest.mark.timeout(300)]
 
@@ -106,7 +107,7 @@ def replicas_seen(http, n=24) -> dict:
     lock = threading.Lock()
 
     def one():
-        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 4})
+        r = http.post("/v1/completions", json={"model": SERVED, "prompt": "Hello", "max_tokens": 4})
         assert r.status_code == 200, r.text
         with lock:
             seen[r.headers[REPLICA]] = r.headers[NODE]
@@ -122,9 +123,9 @@ def replicas_seen(http, n=24) -> dict:
 def test_openai_client_gets_llm_generate_greedy_text(client, llm):
     want = greedy(llm, PROMPTS, 24)
     for prompt, text in zip(PROMPTS, want):
-        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+        r = client.completions.create(model=SERVED, prompt=prompt, max_tokens=24, temperature=0)
         assert r.choices[0].text == text
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+    chat = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "Hi"}],
                                           max_tokens=8, temperature=0)
     assert chat.choices[0].finish_reason in ("length", "stop") and chat.usage.completion_tokens <= 8
 
@@ -132,7 +133,7 @@ def test_openai_client_gets_llm_generate_greedy_text(client, llm):
 def test_streaming(client, llm):
     want = greedy(llm, [PROMPTS[0]], 32)[0]
     pieces = [c.choices[0].text for c in client.completions.create(
-        model=MODEL, prompt=PROMPTS[0], max_tokens=32, temperature=0, stream=True) if c.choices]
+        model=SERVED, prompt=PROMPTS[0], max_tokens=32, temperature=0, stream=True) if c.choices]
     assert len(pieces) > 1 and "".join(pieces) == want
 
 
@@ -158,7 +159,7 @@ def test_health_check_and_stats_call_into_each_engine(http, llm):
 def _hold_request(port: int, path: str) -> socket.socket:
     """Sends a request's headers and half its body: Serve has routed it to a replica, whose
     app waits for the rest of the body, so it stays ongoing until the socket closes."""
-    body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2}).encode()
+    body = json.dumps({"model": SERVED, "prompt": "Hi", "max_tokens": 2}).encode()
     s = socket.create_connection(("127.0.0.1", port))
     s.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body[:5])
@@ -175,12 +176,12 @@ def test_over_max_queued_requests_get_the_status_at_once(url, http):
     try:
         time.sleep(2.0)  # the held request reaches the replica
         queued = threading.Thread(target=lambda: results.append(
-            http.post(path, json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}).status_code))
+            http.post(path, json={"model": SERVED, "prompt": "Hi", "max_tokens": 2}).status_code))
         results: list = []
         queued.start()
         time.sleep(2.0)  # the second one waits in the router's queue
         t0 = time.monotonic()
-        rejected = [http.post(path, json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}) for _ in range(3)]
+        rejected = [http.post(path, json={"model": SERVED, "prompt": "Hi", "max_tokens": 2}) for _ in range(3)]
         elapsed = time.monotonic() - t0
         assert [r.status_code for r in rejected] == [429] * 3, [r.text for r in rejected]
         assert all(r.headers.get("retry-after") == "2" for r in rejected)
@@ -190,7 +191,7 @@ def test_over_max_queued_requests_get_the_status_at_once(url, http):
         c = openai.OpenAI(base_url=url + "/limited/v1", api_key="unused", max_retries=0,
                           http_client=httpx.Client(trust_env=False, timeout=30.0))
         with pytest.raises(openai.RateLimitError):
-            c.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+            c.completions.create(model=SERVED, prompt="Hi", max_tokens=2)
         c.close()
     finally:
         held.close()  # frees the replica: the queued request runs
@@ -209,7 +210,7 @@ def _replica_actor(replica_id: str):
 def test_killed_replica_ends_its_streams_and_is_replaced(url, http):
     before = replicas_seen(http)
     assert len(before) == 2
-    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
+    body = {"model": SERVED, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
             "n": 64, "stream": True}
     with httpx.Client(base_url=url, timeout=60.0, trust_env=False) as c:
         with c.stream("POST", "/v1/completions", json=body) as r:
@@ -224,7 +225,7 @@ def test_killed_replica_ends_its_streams_and_is_replaced(url, http):
                 list(lines)
     # New requests succeed at once, on the survivor.
     for _ in range(4):
-        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 4})
+        r = http.post("/v1/completions", json={"model": SERVED, "prompt": "Hello", "max_tokens": 4})
         assert r.status_code == 200 and r.headers[REPLICA] != victim
     # Serve replaces the killed replica, and the new one serves.
     deadline = time.monotonic() + 120
