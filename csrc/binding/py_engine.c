@@ -165,7 +165,7 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
                              "eos_ids", "bos_id", "strip_space_after_bos", "token_bytes",
                              "special_ids", "quantization", "max_prefill_tokens_while_decoding",
                              "max_queued_requests", "activation_dtype", "spec_method", "spec_num_tokens",
-                             "spec_lookup_min", "spec_lookup_max", "spec_disable_by_batch_size", NULL};
+                             "spec_lookup_min", "spec_lookup_max", "spec_disable_by_batch_size", "spec_draft_model", NULL};
     PyObject *path_obj = NULL, *eos_obj = NULL, *tok_obj = NULL, *special_obj = NULL;
     const char *dtype_s = "auto", *device = "cpu", *kv_dtype_s = "auto", *policy = "continuous";
     const char *quant_s = NULL, *act_s = "auto";
@@ -173,16 +173,17 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     long long max_model_len = 0, max_num_seqs = 256, max_tokens = 0, block_size = 16;
     long long prefill_cap = 0, max_queued = 0;
     const char *spec_method = NULL;
+    PyObject *draft_obj = NULL, *draft_bytes = NULL;
     long long spec_k = 0, spec_min = 1, spec_max = 1, spec_disable = 0;
     unsigned long long kv_bytes = 0, seed = 0;
     double gpu_util = 0.9;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|$ssiLLLLKdsppsKOipOOzLLszLLLL", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|$ssiLLLLKdsppsKOipOOzLLszLLLLO", kwlist,
                                      PyUnicode_FSConverter, &path_obj, &dtype_s, &device,
                                      &num_threads, &max_model_len, &max_num_seqs, &max_tokens,
                                      &block_size, &kv_bytes, &gpu_util, &kv_dtype_s, &prefix,
                                      &chunked, &policy, &seed, &eos_obj, &bos, &strip, &tok_obj,
                                      &special_obj, &quant_s, &prefill_cap, &max_queued, &act_s, &spec_method,
-                                     &spec_k, &spec_min, &spec_max, &spec_disable))
+                                     &spec_k, &spec_min, &spec_max, &spec_disable, &draft_obj))
         return -1;
     int rc = -1;
     int32_t *eos = NULL;
@@ -255,9 +256,15 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     cfg.max_prefill_tokens_while_decoding = prefill_cap;
     cfg.max_queued_requests = max_queued;
     if (spec_method && !strcmp(spec_method, "ngram")) cfg.spec.method = CV_SPEC_NGRAM;
+    else if (spec_method && !strcmp(spec_method, "draft_model")) cfg.spec.method = CV_SPEC_DRAFT;
     else if (spec_method) {
-        PyErr_Format(PyExc_ValueError, "speculative_config: method must be 'ngram', got '%s'", spec_method);
+        PyErr_Format(PyExc_ValueError, "speculative_config: method must be 'ngram' or 'draft_model', got '%s'",
+                     spec_method);
         goto done;
+    }
+    if (draft_obj && draft_obj != Py_None) {
+        if (!PyUnicode_FSConverter(draft_obj, &draft_bytes)) goto done;
+        cfg.spec.draft_model = PyBytes_AS_STRING(draft_bytes);
     }
     cfg.spec.num_tokens = spec_k;
     cfg.spec.lookup_min = spec_min;
@@ -282,6 +289,7 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     rc = 0;
 done:
     Py_XDECREF(path_obj);
+    Py_XDECREF(draft_bytes);
     Py_XDECREF(tok_seq);
     PyMem_Free(eos);
     PyMem_Free(tok_ptrs);
@@ -647,7 +655,9 @@ static PyObject *Engine_stats(EngineObject *self, PyObject *Py_UNUSED(ignored)) 
     if (put_rc < 0) goto fail;
     if (cv_py_put(d, "spec_proposed", PyLong_FromLongLong(st.spec_proposed)) < 0 ||
         cv_py_put(d, "spec_accepted", PyLong_FromLongLong(st.spec_accepted)) < 0 ||
-        cv_py_put(d, "spec_steps_disabled", PyLong_FromLongLong(st.spec_steps_disabled)) < 0)
+        cv_py_put(d, "spec_steps_disabled", PyLong_FromLongLong(st.spec_steps_disabled)) < 0 ||
+        cv_py_put(d, "spec_draft_tokens", PyLong_FromLongLong(st.spec_draft_tokens)) < 0 ||
+        cv_py_put(d, "spec_draft_blocks_used", PyLong_FromLongLong(st.spec_draft_blocks_used)) < 0)
         goto fail;
     if (cv_py_put(d, "num_running", PyLong_FromLongLong(st.sched.n_running)) < 0 ||
         cv_py_put(d, "num_waiting", PyLong_FromLongLong(st.sched.n_waiting)) < 0 ||
@@ -679,7 +689,8 @@ static PyObject *Engine_stats(EngineObject *self, PyObject *Py_UNUSED(ignored)) 
         cv_py_put(d, "time_build", PyFloat_FromDouble(st.time_build)) < 0 ||
         cv_py_put(d, "time_forward", PyFloat_FromDouble(st.time_forward)) < 0 ||
         cv_py_put(d, "time_sample", PyFloat_FromDouble(st.time_sample)) < 0 ||
-        cv_py_put(d, "time_step", PyFloat_FromDouble(st.time_step)) < 0)
+        cv_py_put(d, "time_step", PyFloat_FromDouble(st.time_step)) < 0 ||
+        cv_py_put(d, "time_propose", PyFloat_FromDouble(st.time_propose)) < 0)
         goto fail;
     return d;
 fail:

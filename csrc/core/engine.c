@@ -154,10 +154,27 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
     e->row_token = malloc((size_t)e->max_rows * sizeof *e->row_token);
     e->row_take = malloc((size_t)e->max_rows * sizeof *e->row_take);
     e->row_info = malloc((size_t)e->max_rows * sizeof *e->row_info);
-    e->spec_buf = malloc((size_t)(e->spec.num_tokens > 0 ? e->spec.num_tokens : 1) * sizeof *e->spec_buf);
+    if (e->spec.method == CV_SPEC_DRAFT) {
+        e->draft_max_seqs = e->max_num_seqs;
+        if (e->spec.disable_by_batch_size > 0 && e->spec.disable_by_batch_size < e->draft_max_seqs)
+            e->draft_max_seqs = e->spec.disable_by_batch_size;
+        cv_draft_config dc = {
+            .path = cfg->spec.draft_model, .dtype = cfg->dtype, .quantization = cfg->quantization,
+            .target_vocab = e->vocab, .max_model_len = e->max_model_len, .max_seqs = e->draft_max_seqs,
+            .max_tokens = e->max_tokens_step, .block_size = e->block_size, .max_k = e->spec.num_tokens,
+            .kv_bytes_cap = e->kv.bytes,
+        };
+        if ((rc = cv_draft_create(&e->draft, &dc, e->backend, cfg->cancel, err))) goto fail;
+    }
+    e->spec.draft_model = NULL; /* the caller's string; the draft is loaded */
+    int64_t spec_seqs = e->draft_max_seqs > 0 ? e->draft_max_seqs : 1;
+    e->spec_buf = malloc((size_t)(spec_seqs * (e->spec.num_tokens > 0 ? e->spec.num_tokens : 1)) * sizeof *e->spec_buf);
+    e->draft_seqs = malloc((size_t)spec_seqs * sizeof *e->draft_seqs);
+    e->draft_want = malloc((size_t)spec_seqs * sizeof *e->draft_want);
+    e->draft_got = malloc((size_t)spec_seqs * sizeof *e->draft_got);
     e->plan_spec = calloc((size_t)e->max_num_seqs, sizeof *e->plan_spec);
     if (!e->samplers || !e->row_list || !e->row_token || !e->row_take || !e->row_info || !e->spec_buf ||
-        !e->plan_spec) {
+        !e->plan_spec || !e->draft_seqs || !e->draft_want || !e->draft_got) {
         rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory for the sampler");
         goto fail;
     }
@@ -211,6 +228,10 @@ void cv_engine_destroy(cv_engine *e) {
     free(e->row_take);
     free(e->spec_buf);
     free(e->plan_spec);
+    free(e->draft_seqs);
+    free(e->draft_want);
+    free(e->draft_got);
+    cv_draft_destroy(e->draft);
     cv_runner_free(&e->runner);
     if (e->ws_ready) cv_forward_ws_free(&e->ws, e->model);
     cv_kv_cache_free(&e->kv, e->backend);
@@ -255,43 +276,73 @@ static void record_trace(cv_engine *e, const cv_sched_output *plan, double t0, d
     }
 }
 
+/* Whether sequence s of request r may get proposals now: it decodes (its
+ * prompt computed, one token to compute) and has room for at least one
+ * proposal and the token after it. Returns how many it may take. */
+static int64_t proposal_room(const cv_engine *e, const cv_request *r, int i) {
+    const cv_sequence *s = r->ss[i].seq;
+    if (!s || r->ss[i].finished || s->status != CV_SEQ_RUNNING || s->n_spec != 0 || s->n_computed < s->n_prompt ||
+        s->n_tokens - s->n_computed != 1)
+        return 0;
+    int64_t k = s->max_total - s->n_tokens - 1;
+    return k > e->spec.num_tokens ? e->spec.num_tokens : k;
+}
+
+static void append_proposals(cv_sequence *s, const int32_t *t, int64_t m) {
+    for (int64_t j = 0; j < m; j++) {
+        if (cv_sequence_append(s, t[j])) break; /* out of memory: fewer proposals */
+        s->n_spec++;
+    }
+}
+
 /* Speculative decoding: appends proposals to every running sequence that
- * decodes (its prompt computed, one token to compute), unless the batch is
- * larger than disable_by_batch_size. The scheduler keeps those it can plan. */
-static void propose(cv_engine *e) {
-    if (e->spec.method == CV_SPEC_NONE) return;
+ * decodes, unless the batch is larger than disable_by_batch_size. The
+ * scheduler keeps those it can plan. A failure of the draft model fails the
+ * step. */
+static int propose(cv_engine *e, cv_err *err) {
+    if (e->spec.method == CV_SPEC_NONE) return CV_OK;
     if (e->spec.disable_by_batch_size > 0 && cv_scheduler_num_running(e->sched) > e->spec.disable_by_batch_size) {
         e->stats_live.spec_steps_disabled++;
-        return;
+        cv_draft_release_all(e->draft);
+        return CV_OK;
     }
+    int64_t n = 0;
     for (cv_request *r = e->active; r; r = r->next) {
         if (r->p.guided) continue; /* its masks are posted one position at a time */
         for (int i = 0; i < r->p.n; i++) {
-            cv_sequence *s = r->ss[i].seq;
-            if (!s || r->ss[i].finished || s->status != CV_SEQ_RUNNING || s->n_spec != 0 ||
-                s->n_computed < s->n_prompt || s->n_tokens - s->n_computed != 1)
-                continue;
-            /* room for the proposals and the token after them */
-            int64_t k = s->max_total - s->n_tokens - 1;
-            if (k > e->spec.num_tokens) k = e->spec.num_tokens;
+            int64_t k = proposal_room(e, r, i);
             if (k <= 0) continue;
-            int64_t m = cv_spec_ngram_propose(e->spec_buf, s->tokens, s->n_tokens, e->spec.lookup_min,
-                                              e->spec.lookup_max, k);
-            for (int64_t j = 0; j < m; j++) {
-                if (cv_sequence_append(s, e->spec_buf[j])) break; /* out of memory: fewer proposals */
-                s->n_spec++;
+            cv_sequence *s = r->ss[i].seq;
+            if (e->spec.method == CV_SPEC_NGRAM) {
+                append_proposals(s, e->spec_buf,
+                                 cv_spec_ngram_propose(e->spec_buf, s->tokens, s->n_tokens, e->spec.lookup_min,
+                                                       e->spec.lookup_max, k));
+            } else if (n < e->draft_max_seqs) {
+                e->draft_seqs[n] = s;
+                e->draft_want[n++] = k;
             }
         }
     }
+    if (e->spec.method != CV_SPEC_DRAFT) return CV_OK;
+    int64_t before = cv_draft_tokens_computed(e->draft);
+    int rc = cv_draft_propose(e->draft, e->draft_seqs, e->draft_want, n, e->spec_buf, e->draft_got, err);
+    e->stats_live.spec_draft_tokens += cv_draft_tokens_computed(e->draft) - before;
+    if (rc) return rc;
+    for (int64_t i = 0; i < n; i++)
+        append_proposals(e->draft_seqs[i], e->spec_buf + i * e->spec.num_tokens, e->draft_got[i]);
+    return CV_OK;
 }
 
 static int engine_step(cv_engine *e, cv_err *err) {
     double t0 = cv_now();
     cv_drain_inbox(e);
     cv_expire_deadlines(e, t0);
-    propose(e);
+    int rc = propose(e, err);
+    if (rc) return rc;
+    double tp = cv_now();
+    e->stats_live.time_propose += tp - t0;
     cv_sched_output plan;
-    int rc = cv_scheduler_schedule(e->sched, &plan);
+    rc = cv_scheduler_schedule(e->sched, &plan);
     if (rc < 0) return cv_set_err(err, rc, "scheduler failed");
     double t1 = cv_now();
     if (plan.n_seqs == 0) {
@@ -357,6 +408,8 @@ static int engine_step(cv_engine *e, cv_err *err) {
         cv_request_retire_if_done(e, r);
         r = nx;
     }
+    if (!e->active) cv_draft_release_all(e->draft); /* idle: the draft's blocks back too */
+    e->stats_live.spec_draft_blocks_used = cv_draft_blocks_used(e->draft);
     pthread_mutex_lock(&e->out_lock);
     cv_scheduler_get_stats(e->sched, &e->stats_live.sched);
     e->stats_snapshot = e->stats_live;
@@ -461,7 +514,8 @@ void cv_engine_get_stats(cv_engine *e, cv_engine_stats *st) {
 
 int cv_engine_check_invariants(cv_engine *e, cv_err *err) {
     int rc = refuse_while_looping(e, "check the engine's invariants", err);
-    return rc ? rc : cv_scheduler_check(e->sched, err);
+    if (!rc) rc = cv_scheduler_check(e->sched, err);
+    return rc ? rc : cv_draft_check(e->draft, err);
 }
 
 const void *cv_engine_model_config(cv_engine *e) { return &e->model->cfg; }

@@ -124,9 +124,12 @@ typedef struct cv_engine_stats {
     int64_t spec_proposed, spec_accepted;
     int64_t spec_proposed_at[CV_SPEC_MAX_TOKENS], spec_accepted_at[CV_SPEC_MAX_TOKENS];
     int64_t spec_steps_disabled;     /* steps without proposals: more than disable_by_batch_size ran */
+    int64_t spec_draft_tokens;       /* tokens the draft model computed (its catch-ups and proposals) */
+    int64_t spec_draft_blocks_used;  /* KV blocks of the draft model's cache in use */
     /* seconds, cumulative: scheduling (with inbox), batch building, the model's
      * kernels, sampling and stop checks, and the whole step */
     double time_schedule, time_build, time_forward, time_sample, time_step;
+    double time_propose;             /* of time_schedule: making proposals (the draft model's passes) */
 } cv_engine_stats;
 
 typedef struct cv_engine cv_engine;

@@ -9,6 +9,7 @@
 
 #include "../../kernels/backend.h"
 #include "../model/model.h"
+#include "draft.h"
 #include "engine.h"
 #include "kv_cache.h"
 #include "output.h"
@@ -76,7 +77,11 @@ struct cv_engine {
     int32_t *row_take;          /* [max_rows] by first row: tokens its sequence accepts (1 + proposals kept) */
     cv_sample_info *row_info;   /* [max_rows] their logprobs, by row */
     cv_spec_config spec;
-    int32_t *spec_buf;          /* [spec.num_tokens] one sequence's proposals */
+    int32_t *spec_buf;          /* [spec.num_tokens], per draft sequence: proposals */
+    cv_draft *draft;            /* method CV_SPEC_DRAFT: the draft model, else NULL */
+    int64_t draft_max_seqs;     /* sequences the draft proposes for in one step */
+    cv_sequence **draft_seqs;   /* [draft_max_seqs] this step's */
+    int64_t *draft_want, *draft_got; /* [draft_max_seqs] */
     int32_t *plan_spec;         /* [max_num_seqs] proposals each plan entry verifies (trace) */
     int32_t *pl_rows;      /* [max_num_seqs] prompt-logprob rows of one LM-head group */
     cv_request **pl_req;   /* [max_num_seqs] their requests */

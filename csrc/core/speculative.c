@@ -5,13 +5,22 @@
 int cv_spec_config_check(const cv_spec_config *c, cv_err *err) {
     if (!c) return cv_set_err(err, CV_ERR_INVALID, "speculative_config: NULL");
     if (c->method == CV_SPEC_NONE) return CV_OK;
-    if (c->method != CV_SPEC_NGRAM)
+    if (c->method != CV_SPEC_NGRAM && c->method != CV_SPEC_DRAFT)
         return cv_set_field_err(err, CV_ERR_INVALID, "method", "speculative_config: unknown method %d",
                                 (int)c->method);
     if (c->num_tokens < 1 || c->num_tokens > CV_SPEC_MAX_TOKENS)
         return cv_set_field_err(err, CV_ERR_INVALID, "num_speculative_tokens",
                                 "speculative_config: num_speculative_tokens must be in [1, %d], got %lld",
                                 CV_SPEC_MAX_TOKENS, (long long)c->num_tokens);
+    if (c->disable_by_batch_size < 0)
+        return cv_set_field_err(err, CV_ERR_INVALID, "disable_by_batch_size",
+                                "speculative_config: disable_by_batch_size must be >= 0 (0: never), got %lld",
+                                (long long)c->disable_by_batch_size);
+    if (c->method == CV_SPEC_DRAFT) {
+        if (!c->draft_model || !c->draft_model[0])
+            return cv_set_field_err(err, CV_ERR_INVALID, "model", "speculative_config: model must name a checkpoint");
+        return CV_OK;
+    }
     if (c->lookup_min < 1 || c->lookup_min > CV_SPEC_MAX_NGRAM)
         return cv_set_field_err(err, CV_ERR_INVALID, "prompt_lookup_min",
                                 "speculative_config: prompt_lookup_min must be in [1, %d], got %lld",
@@ -24,10 +33,6 @@ int cv_spec_config_check(const cv_spec_config *c, cv_err *err) {
         return cv_set_field_err(err, CV_ERR_INVALID, "prompt_lookup_min",
                                 "speculative_config: prompt_lookup_min (%lld) must be <= prompt_lookup_max (%lld)",
                                 (long long)c->lookup_min, (long long)c->lookup_max);
-    if (c->disable_by_batch_size < 0)
-        return cv_set_field_err(err, CV_ERR_INVALID, "disable_by_batch_size",
-                                "speculative_config: disable_by_batch_size must be >= 0 (0: never), got %lld",
-                                (long long)c->disable_by_batch_size);
     return CV_OK;
 }
 

@@ -14,12 +14,14 @@
 #define CV_SPEC_MAX_TOKENS 16   /* most proposals per sequence and step */
 #define CV_SPEC_MAX_NGRAM 64    /* longest suffix n-gram looked up */
 
-typedef enum cv_spec_method { CV_SPEC_NONE = 0, CV_SPEC_NGRAM = 1 } cv_spec_method;
+/* NGRAM: prompt lookup; DRAFT: a draft model's greedy tokens (draft.h) */
+typedef enum cv_spec_method { CV_SPEC_NONE = 0, CV_SPEC_NGRAM = 1, CV_SPEC_DRAFT = 2 } cv_spec_method;
 
 typedef struct cv_spec_config {
     cv_spec_method method;
     int64_t num_tokens;            /* k: proposals per sequence and step, [1, CV_SPEC_MAX_TOKENS] */
-    int64_t lookup_min, lookup_max;/* n-gram lengths tried, longest first, 1 <= min <= max <= CV_SPEC_MAX_NGRAM */
+    int64_t lookup_min, lookup_max;/* NGRAM: lengths tried, longest first, 1 <= min <= max <= CV_SPEC_MAX_NGRAM */
+    const char *draft_model;       /* DRAFT: the draft checkpoint's path */
     int64_t disable_by_batch_size; /* no proposals in a step while more sequences run; 0: never */
 } cv_spec_config;
 

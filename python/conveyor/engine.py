@@ -110,7 +110,8 @@ class EngineArgs:
     # scheduled is refused with EngineOverloadedError. None: no limit.
     max_queued_requests: Optional[int] = None
     # Speculative decoding (issue 26): {"method": "ngram", "num_speculative_tokens": k,
-    # "prompt_lookup_min": a, "prompt_lookup_max": b, "disable_by_batch_size": n}. None: off.
+    # "prompt_lookup_min": a, "prompt_lookup_max": b, "disable_by_batch_size": n}, or a draft
+    # model: {"model": PATH, "num_speculative_tokens": k, "disable_by_batch_size": n}. None: off.
     speculative_config: Optional[Any] = None
 
     def resolved_prefill_cap(self) -> int:
@@ -296,9 +297,13 @@ class EngineCore:
     def _spec_kwargs(spec: Optional[dict]) -> dict:
         if spec is None:
             return {}
-        return {"spec_method": spec["method"], "spec_num_tokens": spec["num_speculative_tokens"],
-                "spec_lookup_min": spec["prompt_lookup_min"], "spec_lookup_max": spec["prompt_lookup_max"],
-                "spec_disable_by_batch_size": spec["disable_by_batch_size"]}
+        kw = {"spec_method": spec["method"], "spec_num_tokens": spec["num_speculative_tokens"],
+              "spec_disable_by_batch_size": spec["disable_by_batch_size"]}
+        if spec["method"] == "draft_model":
+            kw["spec_draft_model"] = spec["model"]
+        else:
+            kw.update(spec_lookup_min=spec["prompt_lookup_min"], spec_lookup_max=spec["prompt_lookup_max"])
+        return kw
 
     # -- requests ---------------------------------------------------------
     def tokenize_prompt(self, prompt) -> tuple[Optional[str], Any]:

@@ -5,6 +5,7 @@ rolls back; docs/speculative.md describes how.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import numpy as np
@@ -14,15 +15,21 @@ from .sampling_params import field_error
 # speculative_config: no proposals in a step while more sequences than this run
 # (docs/speculative.md: where verifying proposals stops paying on the CPU).
 DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = 4
-_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-              "disable_by_batch_size")
+_NGRAM_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+               "disable_by_batch_size")
+_DRAFT_KEYS = ("method", "model", "num_speculative_tokens", "disable_by_batch_size")
+_SPEC_KEYS = tuple(dict.fromkeys(_NGRAM_KEYS + _DRAFT_KEYS))
+_METHODS = ("ngram", "draft_model")
 
 
 def parse_speculative_config(cfg) -> Optional[dict]:
     """speculative_config (a dict, or a JSON object string) as the engine takes it:
     {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
-    "prompt_lookup_max": b, "disable_by_batch_size": n}. Types and keys are checked
-    here; the C engine checks every range and names the field at fault."""
+    "prompt_lookup_max": b, "disable_by_batch_size": n}, or a draft model:
+    {"model": PATH, "num_speculative_tokens": k, "disable_by_batch_size": n}
+    ("method": "draft_model" is implied by "model"). Types, keys and the draft's
+    path are checked here; the C engine checks every range and the draft's
+    vocabulary, and names the field at fault."""
     if cfg is None:
         return None
     if isinstance(cfg, str):
@@ -34,32 +41,57 @@ def parse_speculative_config(cfg) -> Optional[dict]:
             raise ValueError(f"speculative_config: not a JSON object: {e}") from None
     if not isinstance(cfg, dict):
         raise TypeError(f"speculative_config must be a dict, got {type(cfg).__name__}")
-    if "model" in cfg:
-        raise field_error(ValueError, "model", "speculative_config: draft models are not supported yet; "
-                                               "use {\"method\": \"ngram\", ...}")
-    unknown = sorted(set(cfg) - set(_SPEC_KEYS))
+    unknown = sorted(set(cfg) - set(_SPEC_KEYS), key=str)
     if unknown:
-        raise field_error(ValueError, unknown[0], f"speculative_config: unknown key(s) {', '.join(unknown)}; "
-                                                  f"known: {', '.join(_SPEC_KEYS)}")
-    method = cfg.get("method", "ngram")
-    if method != "ngram":
-        raise field_error(ValueError, "method", f"speculative_config: method must be 'ngram', got {method!r}")
+        raise field_error(ValueError, str(unknown[0]), f"speculative_config: unknown key(s) "
+                                                       f"{', '.join(map(str, unknown))}; known: {', '.join(_SPEC_KEYS)}")
+    method = cfg.get("method", "draft_model" if "model" in cfg else "ngram")
+    if method not in _METHODS:
+        raise field_error(ValueError, "method", f"speculative_config: method must be one of {_METHODS}, "
+                                                f"got {method!r}")
+    allowed = _DRAFT_KEYS if method == "draft_model" else _NGRAM_KEYS
+    wrong = sorted(set(cfg) - set(allowed))
+    if wrong:
+        raise field_error(ValueError, wrong[0], f"speculative_config: {wrong[0]} does not apply to method "
+                                                f"{method!r} (its keys: {', '.join(allowed)})")
     if "num_speculative_tokens" not in cfg:
         raise field_error(ValueError, "num_speculative_tokens",
                           "speculative_config: num_speculative_tokens is required")
-    for key in _SPEC_KEYS[1:]:
+    for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
         v = cfg.get(key)
         if v is not None and (not isinstance(v, (int, np.integer)) or isinstance(v, bool)):
             raise field_error(TypeError, key, f"speculative_config: {key} must be an int, got {type(v).__name__}")
+    disable = cfg.get("disable_by_batch_size")
+    out = {"method": method, "num_speculative_tokens": int(cfg["num_speculative_tokens"]),
+           "disable_by_batch_size": DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE if disable is None else int(disable)}
+    if method == "draft_model":
+        out["model"] = _draft_path(cfg.get("model"))
+        return out
     lo, hi = cfg.get("prompt_lookup_min"), cfg.get("prompt_lookup_max")
     if lo is None:
         lo = min(2, hi) if hi is not None else 2
     if hi is None:
         hi = max(4, lo)
-    disable = cfg.get("disable_by_batch_size")
-    return {"method": method, "num_speculative_tokens": int(cfg["num_speculative_tokens"]),
-            "prompt_lookup_min": int(lo), "prompt_lookup_max": int(hi),
-            "disable_by_batch_size": DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE if disable is None else int(disable)}
+    out.update(prompt_lookup_min=int(lo), prompt_lookup_max=int(hi))
+    return out
+
+
+def _draft_path(model) -> str:
+    """The draft checkpoint's path: a file or directory that exists (the Gemma 3
+    default file by its bare name, as for the target)."""
+    if model is None:
+        raise field_error(ValueError, "model", "speculative_config: method 'draft_model' needs a model path")
+    if not isinstance(model, (str, os.PathLike)):
+        raise field_error(TypeError, "model", f"speculative_config: model must be a path, got {type(model).__name__}")
+    path = os.fspath(model)
+    if not os.path.exists(path):
+        from .gemma3_model import resolve_model_name
+
+        resolved = resolve_model_name(path)
+        if not os.path.exists(resolved):
+            raise field_error(ValueError, "model", f"speculative_config: draft model {path!r} does not exist")
+        path = resolved
+    return path
 
 
 def spec_stats(st: dict, k: int) -> dict:

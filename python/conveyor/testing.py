@@ -694,6 +694,64 @@ def write_llama2c_checkpoint(path, *, shape="tiny", seed: int = 0, tied: bool = 
     return out
 
 
+def truncate_checkpoint(src, dst, n_layers: int) -> Path:
+    """Writes a copy of checkpoint ``src`` (llama2.c .bin or GGUF) keeping only its
+    first ``n_layers`` layers: a draft model for speculative decoding that shares the
+    target's vocabulary and embeddings and proposes roughly what the target would.
+    Returns the written path (``dst``)."""
+    src, dst = Path(os.fspath(src)), Path(os.fspath(dst))
+    if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 1:
+        raise ValueError(f"n_layers must be a positive int, got {n_layers!r}")
+    with open(src, "rb") as f:
+        magic = f.read(4)
+    if magic == b"GGUF":
+        return _truncate_gguf(src, dst, n_layers)
+    return _truncate_llama2c(src, dst, n_layers)
+
+
+def _truncate_llama2c(src: Path, dst: Path, n_layers: int) -> Path:
+    raw = np.fromfile(src, dtype=np.uint8)
+    dim, hid, L, nh, nkv, v, seq = struct.unpack_from("<7i", raw, 0)
+    if not 1 <= n_layers <= L:
+        raise ValueError(f"{src}: has {L} layers, cannot keep {n_layers}")
+    V, hd = abs(v), dim // nh
+    per_layer = [dim, dim * dim, nkv * hd * dim, nkv * hd * dim, dim * dim, dim, hid * dim, dim * hid, hid * dim]
+    w = raw[28:].view("<f4")
+    out, pos = [w[:V * dim]], V * dim
+    for n in per_layer:  # rms_att, wq, wk, wv, wo, rms_ffn, w1, w2, w3: each all layers, layer-major
+        out.append(w[pos:pos + n * n_layers])
+        pos += n * L
+    out.append(w[pos:])  # rms_final, the RoPE tables, and the classifier when untied
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with open(dst, "wb") as f:
+        f.write(struct.pack("<7i", dim, hid, n_layers, nh, nkv, v, seq))
+        for a in out:
+            f.write(a.tobytes())
+    return dst
+
+
+def _truncate_gguf(src: Path, dst: Path, n_layers: int) -> Path:
+    from .gguf import GGUFReader, GGUFWriter
+
+    r = GGUFReader(src)
+    arch = r.metadata.get("general.architecture")
+    key = f"{arch}.block_count"
+    L = r.metadata.get(key)
+    if not isinstance(L, int) or not 1 <= n_layers <= L:
+        raise ValueError(f"{src}: has {L} layers ({key}), cannot keep {n_layers}")
+    w = GGUFWriter(dst, alignment=r.alignment)
+    for k, value in r.metadata.items():
+        if k == "general.alignment":
+            continue
+        vt, et = r.metadata_types[k]
+        w.add(k, n_layers if k == key else value, vt, et)
+    for name, info in r.tensors.items():
+        if name.startswith("blk.") and int(name.split(".")[1]) >= n_layers:
+            continue
+        w.add_tensor_producer(name, info.shape, info.ggml_type, lambda name=name: [r.raw(name).tobytes()])
+    return w.write()
+
+
 # ---------------------------------------------------------------------------- GGUF
 
 GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
