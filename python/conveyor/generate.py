@@ -124,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache size such as 512MiB or 2GiB (default: what --max-num-seqs "
                         "sequences of --max-model-len need, capped by a share of free memory)")
     e.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4}')
+                   help='speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4} or '
+                        '{"model": DRAFT_PATH, "num_speculative_tokens": 4}')
     e.add_argument("--scheduling", default="continuous", choices=["continuous", "static", "priority"],
                    help="batching policy")
     o = ap.add_argument_group("output")

@@ -1,4 +1,5 @@
-"""`conveyor bench speculative`: n-gram speculative decoding against plain decoding.
+"""`conveyor bench speculative`: speculative decoding (n-gram, or a draft model) against
+plain decoding.
 
 Batch 1 (or ``--batch``), greedy, on input-grounded prompts: "repeat this passage"
 (a built-in passage of about 300 tokens) and "rewrite this code with one change".
@@ -7,12 +8,21 @@ back, ``--reps`` times, alternating, so that a shared machine's noise falls on b
 alike. Reports output tokens/s (the decode part: the time of the same requests with
 max_tokens=1, their prefill, is subtracted; prefix caching is off so that it repeats),
 the ratio, the acceptance by position, and whether the text is identical.
+
+A draft model: ``--speculative-config '{"model": PATH, "num_speculative_tokens": k}'``,
+or ``--draft-layers N`` for a copy of the target cut to its first N layers (written to a
+temporary folder; the mechanics on a model that has no smaller sibling). The report
+then explains the speedup: tokens per verification step (1 + accepted proposals) over
+the cost of a step (the target's pass over k + 1 rows, plus k draft passes, whose share
+of the time is measured).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -76,7 +86,7 @@ def _timed(llm, prompts: List[Dict[str, Any]], max_tokens: int):
 
 def run(model: str, *, workload: str = "repeat", batch: int = 1, max_tokens: int = 256, reps: int = 3,
         speculative_config: Optional[dict] = None, num_threads: Optional[int] = None,
-        max_model_len: int = 2048) -> Dict[str, Any]:
+        max_model_len: Optional[int] = None) -> Dict[str, Any]:
     from .. import LLM
     from ..speculative import parse_speculative_config, spec_delta
 
@@ -84,6 +94,11 @@ def run(model: str, *, workload: str = "repeat", batch: int = 1, max_tokens: int
     spec["disable_by_batch_size"] = 0  # this benchmark measures speculation itself
     kw = dict(max_model_len=max_model_len, max_num_seqs=max(batch, 1), enable_prefix_caching=False,
               num_threads=num_threads)
+    if max_model_len is None:  # the model's own, at most 2048 (the prompts and outputs here fit)
+        from .._core import Checkpoint
+
+        with Checkpoint(model) as ck:
+            kw["max_model_len"] = min(2048, int(ck.config["max_pos"]))
     plain = LLM(model, **kw)
     specd = LLM(model, speculative_config=spec, **kw)
     try:
@@ -91,16 +106,19 @@ def run(model: str, *, workload: str = "repeat", batch: int = 1, max_tokens: int
         runs = []
         for _ in range(reps):
             row = {}
-            for name, llm in (("plain", plain), ("ngram", specd)):
+            for name, llm in (("plain", plain), ("spec", specd)):
                 dec, wall, outs, s0, s1 = _timed(llm, prompts, max_tokens)
                 n = sum(len(o.outputs[0].token_ids) for o in outs)
                 row[name] = {"decode_tok_s": (n - batch) / dec, "e2e_tok_s": n / wall, "tokens": n,
                              "texts": [o.outputs[0].text for o in outs]}
-                if name == "ngram":
+                row[name]["steps"] = s1["steps"] - s0["steps"]
+                if name == "spec":
                     row["speculative"] = spec_delta(s0, s1, spec["num_speculative_tokens"])
-            row["ratio_decode"] = row["ngram"]["decode_tok_s"] / row["plain"]["decode_tok_s"]
-            row["ratio_e2e"] = row["ngram"]["e2e_tok_s"] / row["plain"]["e2e_tok_s"]
-            row["identical"] = row["ngram"]["texts"] == row["plain"]["texts"]
+                    step_time = s1["time_step"] - s0["time_step"]
+                    row["propose_share"] = (s1["time_propose"] - s0["time_propose"]) / max(step_time, 1e-9)
+            row["ratio_decode"] = row["spec"]["decode_tok_s"] / row["plain"]["decode_tok_s"]
+            row["ratio_e2e"] = row["spec"]["e2e_tok_s"] / row["plain"]["e2e_tok_s"]
+            row["identical"] = row["spec"]["texts"] == row["plain"]["texts"]
             runs.append(row)
         cfg = plain.model_config
     finally:
@@ -119,11 +137,17 @@ def format_result(r: Dict[str, Any]) -> str:
 
     lines = []
     for i, run_ in enumerate(r["runs"]):
-        p, s = run_["plain"], run_["ngram"]
-        lines.append(f"rep {i}: plain {p['decode_tok_s']:.1f} tok/s, ngram {s['decode_tok_s']:.1f} tok/s "
+        p, s = run_["plain"], run_["spec"]
+        lines.append(f"rep {i}: plain {p['decode_tok_s']:.1f} tok/s, {r['speculative_config']['method']} "
+                     f"{s['decode_tok_s']:.1f} tok/s "
                      f"(decode) -> {run_['ratio_decode']:.2f}x; end to end {run_['ratio_e2e']:.2f}x; "
                      f"{s['tokens']} tokens, identical text: {run_['identical']}")
-    lines.append(format_spec(r["runs"][-1]["speculative"]))
+    last = r["runs"][-1]
+    lines.append(format_spec(last["speculative"]))
+    per_step = last["spec"]["tokens"] / max(last["spec"]["steps"], 1)
+    lines.append(f"tokens per step: {per_step:.2f} with speculation, "
+                 f"{last['plain']['tokens'] / max(last['plain']['steps'], 1):.2f} without; proposing took "
+                 f"{last['propose_share']:.1%} of the step time")
     lines.append(f"median ratio: {r['ratio_decode_median']:.2f}x decode, {r['ratio_e2e_median']:.2f}x end to end; "
                  f"identical text in every run: {r['identical']}")
     return "\n".join(lines)
@@ -139,6 +163,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--speculative-config", default=json.dumps(DEFAULT_SPEC), metavar="JSON")
+    ap.add_argument("--draft-layers", type=int, default=None, metavar="N",
+                    help="draft model: the target's first N layers (overrides the config's method; "
+                         "num_speculative_tokens is kept)")
     ap.add_argument("--json", default=None, help="write the result as JSON to this file")
     a = ap.parse_args(argv)
     if a.model is None:
@@ -147,8 +174,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         model = str(default_model_path())
     else:
         model = common.resolve_model(a.model)
-    r = run(model, workload=a.workload, batch=a.batch, max_tokens=a.max_tokens, reps=a.reps,
-            speculative_config=json.loads(a.speculative_config), num_threads=a.num_threads)
+    try:
+        cfg = json.loads(a.speculative_config)
+    except ValueError as e:
+        ap.error(f"--speculative-config: {e}")
+    if not isinstance(cfg, dict):
+        ap.error("--speculative-config must be a JSON object")
+    with tempfile.TemporaryDirectory(prefix="conveyor-draft-") as tmp:
+        if a.draft_layers is not None:
+            from ..testing import truncate_checkpoint
+
+            try:
+                draft = truncate_checkpoint(model, os.path.join(tmp, "draft" + os.path.splitext(model)[1]),
+                                            a.draft_layers)
+            except (ValueError, OSError) as e:
+                ap.error(f"--draft-layers: {e}")
+            cfg = {"model": str(draft), "num_speculative_tokens": cfg.get("num_speculative_tokens", 4)}
+        r = run(model, workload=a.workload, batch=a.batch, max_tokens=a.max_tokens, reps=a.reps,
+                speculative_config=cfg, num_threads=a.num_threads)
     print(f"conveyor bench speculative: {r['workload']}, batch {r['batch']}, greedy, up to {r['max_tokens']} "
           f"tokens, {r['speculative_config']}")
     print(format_result(r), flush=True)

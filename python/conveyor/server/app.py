@@ -221,7 +221,8 @@ def make_parser() -> argparse.ArgumentParser:
                         "no cap)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_min": 2, "prompt_lookup_max": 4} (docs/speculative.md)')
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}, or a draft model: {"model": PATH, '
+                        '"num_speculative_tokens": 4} (docs/speculative.md)')
     return p
 
 
