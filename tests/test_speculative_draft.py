@@ -280,3 +280,27 @@ def test_bad_configs_name_the_field(stories, drafts, tmp_path, make, field):
     with pytest.raises(ValueError, match=field) as ei:
         LLM(stories, speculative_config=make(d))
     assert getattr(ei.value, "field", None) == field
+
+
+def test_server_with_a_draft_answers_the_openai_client_and_reports_metrics(stories, plain, drafts):
+    """`conveyor serve --speculative-config '{"model": ...}'` as a process: the OpenAI
+    client's greedy completion equals LLM.generate's, and /metrics counts the
+    proposals the draft made."""
+    httpx = pytest.importorskip("httpx")
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    from conveyor.bench.serve import OwnServer
+
+    want = plain.generate([STORY], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0].outputs[0].text
+    s = OwnServer(stories, ("--speculative-config", json.dumps(draft(drafts["same"], 4))), timeout=60.0)
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0,
+                               http_client=httpx.Client(trust_env=False, timeout=60.0))
+        r = client.completions.create(model="stories260K", prompt=STORY, max_tokens=32, temperature=0)
+        assert r.choices[0].text == want
+        metrics = httpx.get(s.url + "/metrics", trust_env=False, timeout=30.0).text
+        drafted = [line for line in metrics.splitlines()
+                   if line.startswith("conveyor_spec_decode_num_draft_tokens_total{")]
+        assert drafted and float(drafted[0].rsplit(" ", 1)[1]) > 0
+    finally:
+        s.stop()
