@@ -483,7 +483,8 @@ class EngineCore:
                 if on_step is not None:
                     on_step(changed)
         except BaseException:
-            self.abort_requests(requests)
+            if not self.closed:  # closed underneath (another thread, or the interpreter's exit): nothing to drain
+                self.abort_requests(requests)
             raise
 
     def abort_requests(self, requests) -> None:
