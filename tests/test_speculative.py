@@ -304,23 +304,27 @@ def test_sampled_distribution_matches_without_speculation(stories, plain, temper
 # ---------------------------------------------------------------- frontends, load switch, config errors
 
 
-def test_async_llm_matches(stories, plain):
+def async_outputs(model, speculative_config, prompts, sp):
+    """The final outputs of prompts run at once through an AsyncLLM, and its stats."""
     import asyncio
 
-    sp = SamplingParams(temperature=0, max_tokens=64)
-    ref = token_ids(plain.generate(PROMPTS, sp, use_tqdm=False))
-
     async def run():
-        with AsyncLLM(stories, speculative_config=json.dumps(spec(4))) as llm:
+        with AsyncLLM(model, speculative_config=speculative_config) as llm:
             async def one(i, p):
                 final = None
                 async for out in llm.generate(p, sp, request_id=f"r{i}"):
                     final = out
                 return final
-            outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+            outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
             return outs, llm.stats()
 
-    outs, st = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_async_llm_matches(stories, plain):
+    sp = SamplingParams(temperature=0, max_tokens=64)
+    ref = token_ids(plain.generate(PROMPTS, sp, use_tqdm=False))
+    outs, st = async_outputs(stories, json.dumps(spec(4)), PROMPTS, sp)
     assert token_ids(outs) == ref
     assert st["spec_accepted"] > 0 and st["blocks_used"] == 0
 

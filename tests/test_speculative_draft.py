@@ -10,15 +10,14 @@ field; the sampled distribution is the target's for a draft deliberately
 different from it (a chi-square test with its power stated, as in
 test_speculative.py).
 """
-import asyncio
 import json
 
 import numpy as np
 import pytest
 
-from conveyor import LLM, AsyncLLM, SamplingParams
+from conveyor import LLM, SamplingParams
 from conveyor.testing import truncate_checkpoint, write_llama2c_checkpoint
-from test_speculative import PROMPTS, STORY, categories, token_ids, two_sample_chi2
+from test_speculative import PROMPTS, STORY, async_outputs, categories, token_ids, two_sample_chi2
 
 
 def draft(model, k, **kw):
@@ -229,18 +228,7 @@ def test_sampled_distribution_matches_without_speculation(stories, plain, drafts
 def test_async_llm_matches(stories, plain, drafts):
     sp = SamplingParams(temperature=0, max_tokens=64)
     ref = token_ids(plain.generate(PROMPTS, sp, use_tqdm=False))
-
-    async def run():
-        with AsyncLLM(stories, speculative_config=json.dumps(draft(drafts["short"], 4))) as llm:
-            async def one(i, p):
-                final = None
-                async for out in llm.generate(p, sp, request_id=f"r{i}"):
-                    final = out
-                return final
-            outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
-            return outs, llm.stats()
-
-    outs, st = asyncio.run(run())
+    outs, st = async_outputs(stories, json.dumps(draft(drafts["short"], 4)), PROMPTS, sp)
     assert token_ids(outs) == ref
     assert st["spec_accepted"] > 0 and st["blocks_used"] == 0
 
