@@ -199,6 +199,29 @@ def test_seeded_sampling_is_the_same_draw_for_draw(stories, plain, drafts):
         assert llm.stats()["spec_accepted"] > 0
 
 
+def test_stops_max_tokens_and_logprobs_keep_their_meaning(stories, plain, drafts):
+    cases = [SamplingParams(temperature=0, max_tokens=7),
+             SamplingParams(temperature=0, max_tokens=90, stop=["park"], include_stop_str_in_output=True),
+             SamplingParams(temperature=0, max_tokens=90, stop_token_ids=[13]),
+             SamplingParams(temperature=0, max_tokens=40, min_tokens=30),
+             SamplingParams(temperature=0, max_tokens=30, logprobs=3)]
+    with LLM(stories, speculative_config=draft(drafts["short"], 5)) as llm:
+        for sp in cases:
+            ref = plain.generate(PROMPTS, sp, use_tqdm=False)
+            got = llm.generate(PROMPTS, sp, use_tqdm=False)
+            for a, b in zip(got, ref):
+                ca, cb = a.outputs[0], b.outputs[0]
+                assert (ca.token_ids, ca.text, ca.finish_reason, ca.stop_reason) == \
+                       (cb.token_ids, cb.text, cb.finish_reason, cb.stop_reason), sp
+                if sp.logprobs:
+                    assert [la.keys() for la in ca.logprobs] == [lb.keys() for lb in cb.logprobs]
+                    for la, lb in zip(ca.logprobs, cb.logprobs):
+                        for t in la:
+                            assert la[t].logprob == pytest.approx(lb[t].logprob, abs=1e-4)
+        assert llm.stats()["spec_accepted"] > 0
+        check_all_free(llm)
+
+
 def test_sampled_distribution_matches_without_speculation(stories, plain, drafts):
     """The first three tokens after STORY over N seeds with the truncated draft
     against N other seeds without: a chi-square homogeneity test on their joint
