@@ -198,6 +198,12 @@ def test_conveyor_greedy_tokens_equal_hf_greedy_tokens(hf_tiny, tiny):
 
 def _cli(*args, timeout=900):
     env = subprocess_env()
+    if SANITIZED:
+        # LeakSanitizer's stop-the-world at this CLI's exit failed now and then in CI
+        # ("LeakSanitizer has encountered a fatal error": a fatal error, not a leak),
+        # failing the exit code; the engines it runs are leak-checked in process by the
+        # rest of the suite.
+        env["ASAN_OPTIONS"] = env.get("ASAN_OPTIONS", "") + ":detect_leaks=0"
     return subprocess.run([sys.executable, "-m", "conveyor", "bench", "study", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
