@@ -73,6 +73,8 @@ typedef enum cv_dtype {
      * float32 scales (quant_format.h) */
     CV_Q4_F = 15,
     CV_Q8_F = 16,
+    /* GGUF's Q2_K (super-blocks of 256; computed as stored: quant_format.h) */
+    CV_Q2_K = 17,
     CV_DTYPE_INVALID = -1
 } cv_dtype;
 

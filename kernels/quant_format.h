@@ -39,7 +39,14 @@
  * scales[0..7] for i < 8, else the high nibble of byte i - 8; top 2 bits:
  * bits 2(i/4), +1 of scales[8 + i%4]); element 128h + 32k + l takes 2 bits
  * (2k, 2k+1) of qs[32h + l] and one of hmask[l] (bit 4h + k; clear means
- * minus 4):  x = d * (sc[8h + 2k + l/16] - 32) * q, q in -4..3. */
+ * minus 4):  x = d * (sc[8h + 2k + l/16] - 32) * q, q in -4..3.
+ * Q2_K: 16 sub-blocks of 16, each with a 4-bit scale (low nibble of
+ * scales[i]) and a 4-bit min (high nibble); element 128h + 32k + l is bits
+ * 2k, 2k+1 of qs[32h + l] (Q3_K's low bits), in sub-block i = 8h + 2k + l/16:
+ *   x = (d * sc_i) * q - (dmin * mn_i), q in 0..3.
+ * Its two mins per 32 elements do not fit Q8_F (one min a block): the
+ * kernels compute Q2_K as stored (cv_quant_compute_type), with the
+ * activations' sums per 16 for the mins. */
 #define CV_QK_K 256
 
 typedef struct cv_block_q5_0 {
@@ -73,6 +80,12 @@ typedef struct cv_block_q3_k {
     uint8_t scales[12];
     uint16_t d;
 } cv_block_q3_k;
+
+typedef struct cv_block_q2_k {
+    uint8_t scales[CV_QK_K / 16]; /* low nibble scale, high nibble min */
+    uint8_t qs[CV_QK_K / 4];
+    uint16_t d, dmin;
+} cv_block_q2_k;
 
 typedef struct cv_block_q6_k {
     uint8_t ql[CV_QK_K / 2];
@@ -131,14 +144,16 @@ typedef char cv_q4_k_is_144_bytes[sizeof(cv_block_q4_k) == 144 ? 1 : -1];
 typedef char cv_q5_k_is_176_bytes[sizeof(cv_block_q5_k) == 176 ? 1 : -1];
 typedef char cv_q3_k_is_110_bytes[sizeof(cv_block_q3_k) == 110 ? 1 : -1];
 typedef char cv_q6_k_is_210_bytes[sizeof(cv_block_q6_k) == 210 ? 1 : -1];
+typedef char cv_q2_k_is_84_bytes[sizeof(cv_block_q2_k) == 84 ? 1 : -1];
 
-static inline int cv_dtype_is_quant(cv_dtype t) { return t >= CV_Q8_0 && t <= CV_Q8_F; }
+static inline int cv_dtype_is_quant(cv_dtype t) { return (t >= CV_Q8_0 && t <= CV_Q8_F) || t == CV_Q2_K; }
 
 /* The types cv_quantize makes (quantization at load). */
 static inline int cv_dtype_can_quantize(cv_dtype t) { return t == CV_Q8_0 || t == CV_Q4_0 || t == CV_Q4_1; }
 
 /* Elements of one block (0 for a type that is not block-quantized). */
 static inline size_t cv_quant_block_elems(cv_dtype t) {
+    if (t == CV_Q2_K) return CV_QK_K;
     return t == CV_Q3_K || t == CV_Q4_K || t == CV_Q5_K || t == CV_Q6_K ? CV_QK_K : cv_dtype_is_quant(t) ? CV_QK : 0;
 }
 
@@ -154,6 +169,7 @@ static inline size_t cv_quant_block_bytes(cv_dtype t) {
     case CV_Q5_K: return sizeof(cv_block_q5_k);
     case CV_Q6_K: return sizeof(cv_block_q6_k);
     case CV_Q3_K: return sizeof(cv_block_q3_k);
+    case CV_Q2_K: return sizeof(cv_block_q2_k);
     case CV_Q4_F: return sizeof(cv_block_q4_f);
     case CV_Q8_F: return sizeof(cv_block_q8_f);
     default: return 0;
@@ -384,10 +400,31 @@ static inline void cv_quant_block32(const void *src, cv_dtype t, size_t i, int q
     }
 }
 
+/* dst[n] = the n elements (a multiple of 256) of Q2_K blocks at src, as the
+ * format computes them: (d * sc) * q - (dmin * mn), both products exact. */
+static inline void cv_dequantize_q2_k(float *dst, const void *src, size_t n) {
+    for (size_t sb = 0; sb < n / CV_QK_K; sb++) {
+        const cv_block_q2_k *b = (const cv_block_q2_k *)src + sb;
+        uint16_t dh, dminh;
+        memcpy(&dh, &b->d, 2);
+        memcpy(&dminh, &b->dmin, 2);
+        const float d = cv_qh_to_f32(dh), dmin = cv_qh_to_f32(dminh);
+        for (int e = 0; e < CV_QK_K; e++) {
+            const int h = e / 128, k = (e / 32) % 4, l = e % 32, i = 8 * h + 2 * k + l / 16;
+            const float scale = d * (float)(b->scales[i] & 0xf), low = dmin * (float)(b->scales[i] >> 4);
+            dst[sb * CV_QK_K + (size_t)e] = scale * (float)((b->qs[32 * h + l] >> (2 * k)) & 3) - low;
+        }
+    }
+}
+
 /* dst[n] = the n elements (a multiple of the type's block) stored at src in type t. */
 static inline void cv_dequantize(float *dst, const void *src, cv_dtype t, size_t n) {
     int q[CV_QK], has_min;
     float d[2], m;
+    if (t == CV_Q2_K) {
+        cv_dequantize_q2_k(dst, src, n);
+        return;
+    }
     for (size_t i = 0; i < n / CV_QK; i++) {
         cv_quant_block32(src, t, i, q, d, &m, &has_min);
         float *y = dst + i * CV_QK;
@@ -400,10 +437,12 @@ static inline void cv_dequantize(float *dst, const void *src, cv_dtype t, size_t
 
 /* Repacks n elements (a multiple of the source's block) of a row stored in
  * type src_t into dst_t = cv_quant_compute_type(src_t), or into Q8_F from
- * any quantized type (every format's blocks fit it exactly: |q| <= 128,
- * scales and mins as above). Returns 0 when dst_t cannot hold src_t. */
+ * any quantized type but Q2_K (every other format's blocks fit it exactly:
+ * |q| <= 128, scales and mins as above). Returns 0 when dst_t cannot hold
+ * src_t. */
 static inline int cv_quant_repack(void *dst, cv_dtype dst_t, const void *src, cv_dtype src_t, size_t n) {
     if (!cv_dtype_is_quant(src_t) || (dst_t != CV_Q8_F && dst_t != cv_quant_compute_type(src_t))) return 0;
+    if (src_t == CV_Q2_K && dst_t != CV_Q2_K) return 0; /* two mins a block: not Q8_F */
     if (dst_t == src_t) {
         memcpy(dst, src, cv_dtype_bytes(src_t, n));
         return 1;

@@ -1,5 +1,5 @@
-"""GGUF's Q5_0, Q5_1, Q3_K, Q4_K, Q5_K and Q6_K: the C dequantizer, the exact repacking the CPU
-kernels compute them in (kernels/quant_format.h: Q4_K as Q4_F, the others as Q8_F), and the
+"""GGUF's Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K: the C dequantizer, the exact repacking the
+CPU kernels compute them in (kernels/quant_format.h: Q4_K as Q4_F, Q2_K as stored, the others as Q8_F), and the
 quantized GEMM on them at every SIMD level, against the independent NumPy reader in
 conveyor.gguf.
 
@@ -24,7 +24,7 @@ from conveyor.gguf import _TYPE_LAYOUT, GGMLType, dequantize, quantize
 
 from test_quant_kernels import LEVELS, level_or_skip, qgemm_reference
 
-NEW_TYPES = ["q5_0", "q5_1", "q3_k", "q4_k", "q5_k", "q6_k"]
+NEW_TYPES = ["q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
 
 
 def layout(qtype):
@@ -33,7 +33,7 @@ def layout(qtype):
 
 def scale_offsets(qtype):
     """Byte offsets of the float16 scales in one block."""
-    return {"q5_0": [0], "q5_1": [0, 2], "q3_k": [108], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]}[qtype]
+    return {"q5_0": [0], "q5_1": [0, 2], "q2_k": [80, 82], "q3_k": [108], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]}[qtype]
 
 
 def sane_blocks(rng, qtype, rows, cols, scale=0.02):
@@ -117,7 +117,7 @@ def test_numpy_quantizer_round_trips(qtype):
     x[1] *= 100.0
     q = quantize(x, qtype)
     back = dequantize(q, qtype, x.shape)
-    bits = {"q5_0": 5, "q5_1": 5, "q3_k": 3, "q4_k": 4, "q5_k": 5, "q6_k": 6}[qtype]
+    bits = {"q5_0": 5, "q5_1": 5, "q2_k": 2, "q3_k": 3, "q4_k": 4, "q5_k": 5, "q6_k": 6}[qtype]
     spread = np.abs(x).reshape(6, -1, 16).max(axis=2).repeat(16, axis=1)  # per 16 elements
     assert np.all(np.abs(back - x) <= 4 * spread / 2 ** bits + 1e-6)
     np.testing.assert_array_equal(back[0, :64], 0.0)
@@ -164,7 +164,7 @@ def test_bad_arguments():
     x = np.zeros((2, 256), np.float32)
     wb = quantize(np.zeros((3, 256), np.float32), "q4_k").reshape(3, -1)
     with pytest.raises(ValueError, match="qtype must be"):
-        _core.kernel_qgemm(x, wb, "q2_k")
+        _core.kernel_qgemm(x, wb, "q8_1")
     with pytest.raises(ValueError, match="w_bytes must be"):
         _core.kernel_qgemm(x, wb, "q6_k")  # q4_k rows read as q6_k
     with pytest.raises(ValueError, match="w_bytes must be"):

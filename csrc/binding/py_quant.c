@@ -55,13 +55,13 @@ static int get_qbackend(int threads) {
 
 /* Any stored block format by its lower-case name (q8_0 ... q6_k). */
 static int parse_stored_qtype(const char *s, cv_dtype *out) {
-    for (int t = CV_Q8_0; t <= CV_Q3_K; t++)
-        if (strcmp(s, cv_dtype_name((cv_dtype)t)) == 0) {
+    for (int t = CV_Q8_0; t <= CV_Q2_K; t++)
+        if ((t <= CV_Q3_K || t == CV_Q2_K) && strcmp(s, cv_dtype_name((cv_dtype)t)) == 0) {
             *out = (cv_dtype)t;
             return 0;
         }
-    PyErr_Format(PyExc_ValueError, "qtype must be one of q8_0, q4_0, q4_1, q5_0, q5_1, q3_k, q4_k, q5_k, q6_k; got '%s'",
-                 s);
+    PyErr_Format(PyExc_ValueError,
+                 "qtype must be one of q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k; got '%s'", s);
     return -1;
 }
 

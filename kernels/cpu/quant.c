@@ -81,8 +81,38 @@ static float dot_q8_f(const void *w, const cv_xq_block *x, int64_t nb) {
     return sum;
 }
 
+/* Q2_K as stored (quant_format.h): per 32-element activation block i of a
+ * super-block, the exact integers A = sc0 * dot0 + sc1 * dot1 (weights 0..3
+ * times the int8 activations, per 16) and B = mn0 * sum0 + mn1 * sum1 (the
+ * activations' sums per 16); the block adds x.d * (d * A - dmin * B). */
+float cv_q2k_dot_scalar(const void *w, const cv_xq_block *x, int64_t nb) {
+    const cv_block_q2_k *b = w;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < nb; i++) {
+        const cv_block_q2_k *s = b + i / 8;
+        const int h = (int)(i % 8) / 4, k = (int)(i % 4);
+        uint16_t dh, dminh;
+        memcpy(&dh, &s->d, 2);
+        memcpy(&dminh, &s->dmin, 2);
+        int32_t a = 0, m = 0;
+        for (int half = 0; half < 2; half++) {
+            int32_t dot = 0, xs = 0;
+            for (int l = 16 * half; l < 16 * half + 16; l++) {
+                dot += ((s->qs[32 * h + l] >> (2 * k)) & 3) * x[i].q[l];
+                xs += x[i].q[l];
+            }
+            const uint8_t sc = s->scales[8 * h + 2 * k + half];
+            a += (sc & 0xf) * dot;
+            m += (sc >> 4) * xs;
+        }
+        sum += x[i].d * (cv_qh_to_f32(dh) * (float)a - cv_qh_to_f32(dminh) * (float)m);
+    }
+    return sum;
+}
+
 cv_qdot_fn cv_qdot_scalar(cv_dtype t) {
     switch (t) {
+    case CV_Q2_K: return cv_q2k_dot_scalar;
     case CV_Q8_0: return dot_q8_0;
     case CV_Q4_0: return dot_q4_0;
     case CV_Q4_1: return dot_q4_1;
@@ -106,9 +136,16 @@ SCALAR_TILE(q4_1)
 SCALAR_TILE(q4_f)
 SCALAR_TILE(q8_f)
 
+static void tile_q2_k(const void *w, size_t w_stride, const cv_xq_block *x, int64_t x_stride, int64_t nb,
+                      float *out) {
+    (void)w_stride;
+    (void)x_stride;
+    out[0] = cv_q2k_dot_scalar(w, x, nb);
+}
+
 static int qtiles_scalar(cv_dtype t, cv_qtiles *out) {
     const cv_qtile_fn f = t == CV_Q8_0 ? tile_q8_0 : t == CV_Q4_0 ? tile_q4_0 : t == CV_Q4_1 ? tile_q4_1
-                        : t == CV_Q4_F ? tile_q4_f : t == CV_Q8_F ? tile_q8_f : NULL;
+                        : t == CV_Q4_F ? tile_q4_f : t == CV_Q8_F ? tile_q8_f : t == CV_Q2_K ? tile_q2_k : NULL;
     if (!f) return 0;
     *out = (cv_qtiles){.max_tokens = 1, .rows = {0, 1}, .tile = {NULL, f}, .row = {NULL, f}};
     return 1;
@@ -170,7 +207,8 @@ const char *cv_qlevel_name(cv_qlevel l) {
 /* The micro-kernels of dtype at level l (plain C where l has none). */
 static void tiles_for(cv_dtype t, cv_qlevel l, cv_qtiles *out) {
     int ok = 0;
-    if (l == CV_QL_AVX512VNNI || l == CV_QL_AVXVNNI) ok = cv_qtiles_vnni(t, l == CV_QL_AVX512VNNI, out);
+    if (t == CV_Q2_K && l != CV_QL_SCALAR) ok = cv_qtiles_q2k(out); /* quant_q2k.c: every SIMD level */
+    else if (l == CV_QL_AVX512VNNI || l == CV_QL_AVXVNNI) ok = cv_qtiles_vnni(t, l == CV_QL_AVX512VNNI, out);
     else if (l == CV_QL_AVX2) ok = cv_qtiles_avx2(t, out);
     if (!ok) qtiles_scalar(t, out);
 }
