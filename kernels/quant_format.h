@@ -102,9 +102,11 @@ typedef struct cv_block_q6_k {
  *   Q4_F  d, m (float32), u8 qs[16] in Q4_0's nibble order    x = d * q + m
  *         (Q4_K: the 4-bit sub-blocks, m = -(dmin * mn))
  *   Q8_F  d[2], m (float32), int8 q[32]       x = d[j / 16] * q_j (+ m)
- *         (every other format: Q5_0 q - 16, Q6_K q - 32 and Q3_K's -4..3
- *         with a scale per 16, Q5_1/Q5_K q with their min; m = 0 where the
- *         format has none)
+ *         (the other formats: Q6_K q - 32 and Q3_K's -4..3 with a scale
+ *         per 16, Q5_1/Q5_K q with their min; m = 0 where the format has
+ *         none; Q5_0 too in a stack mixed with those)
+ * Q5_0 alone is computed as Q8_0: its x = d * (q - 16), d float16, is a
+ * Q8_0 block with the int8 q - 16 (34 bytes a block against Q8_F's 44).
  * The dequantized values are the same floats as the format's own
  * (cv_dequantize computes both the same way); the GEMM's integer dot
  * products are exact, so only its float32 scaling and summation differ
@@ -177,10 +179,12 @@ static inline size_t cv_quant_block_bytes(cv_dtype t) {
 }
 
 /* The type the CPU kernels compute a stored type in: Q8_0, Q4_0, Q4_1 and
- * the repackings as they are, Q4_K as Q4_F, the others as Q8_F. */
+ * the repackings as they are, Q4_K as Q4_F, Q5_0 as Q8_0, the others as
+ * Q8_F. */
 static inline cv_dtype cv_quant_compute_type(cv_dtype t) {
     return t == CV_Q4_K ? CV_Q4_F
-         : t == CV_Q5_0 || t == CV_Q5_1 || t == CV_Q5_K || t == CV_Q6_K || t == CV_Q3_K ? CV_Q8_F : t;
+         : t == CV_Q5_0 ? CV_Q8_0
+         : t == CV_Q5_1 || t == CV_Q5_K || t == CV_Q6_K || t == CV_Q3_K ? CV_Q8_F : t;
 }
 
 /* Bytes of n elements of any weight dtype (n a multiple of the block for
@@ -451,7 +455,11 @@ static inline int cv_quant_repack(void *dst, cv_dtype dst_t, const void *src, cv
     float d[2], m;
     for (size_t i = 0; i < n / CV_QK; i++) {
         cv_quant_block32(src, src_t, i, q, d, &m, &has_min);
-        if (dst_t == CV_Q4_F) { /* from Q4_K: q in 0..15 */
+        if (dst_t == CV_Q8_0) { /* from Q5_0: the same float16 scale, q - 16 in -16..15 */
+            cv_block_q8_0 *b = (cv_block_q8_0 *)dst + i;
+            memcpy(&b->d, &((const cv_block_q5_0 *)src + i)->d, 2);
+            for (int j = 0; j < CV_QK; j++) b->qs[j] = (int8_t)q[j];
+        } else if (dst_t == CV_Q4_F) { /* from Q4_K: q in 0..15 */
             cv_block_q4_f *b = (cv_block_q4_f *)dst + i;
             b->d = d[0];
             b->m = m;
