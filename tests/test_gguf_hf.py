@@ -98,10 +98,14 @@ FILES += [
 ]
 
 
+TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+
+
 def hf_logits(path, tokens, **kwargs) -> np.ndarray:
+    kwargs = copy.deepcopy(kwargs)  # from_pretrained writes into the dicts it is given
+    kwargs["dtype" if TRANSFORMERS_5 else "torch_dtype"] = torch.float32
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager",
-        **copy.deepcopy(kwargs)).eval()  # from_pretrained writes into the dicts it is given
+        str(path.parent), gguf_file=path.name, attn_implementation="eager", **kwargs).eval()
     with torch.no_grad():
         return model(torch.tensor([tokens])).logits[0].double().numpy()
 
@@ -148,7 +152,10 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     w.add_tensor("rope_freqs.weight", factors)
     path = w.write()
     tokens = list(range(3, 60))
-    hf = hf_logits(path, tokens, rope_parameters={**LLAMA3_SCALING, "rope_theta": 10000.0})
+    if TRANSFORMERS_5:
+        hf = hf_logits(path, tokens, rope_parameters={**LLAMA3_SCALING, "rope_theta": 10000.0})
+    else:  # transformers 4: rope_scaling beside rope_theta
+        hf = hf_logits(path, tokens, rope_scaling=dict(LLAMA3_SCALING), rope_theta=10000.0)
     check(path, tokens, hf, quantized=False)
     assert rel_err(all_logits(plain, tokens, activation_dtype="float32"), hf) > 1e-3  # the scaling matters here
 
