@@ -121,6 +121,16 @@ typedef struct cv_block_q8_f {
     int8_t qs[CV_QK];
 } cv_block_q8_f;
 
+/* Q8_M (CPU only): a scale and a min per 16, the form of a stacked matrix
+ * that mixes Q2_K (two mins a block) with other formats; every format fits
+ * it exactly (Q8_F's values, and Q2_K's d * sc, -(dmin * mn)):
+ *   x = d[j / 16] * q_j + m[j / 16]
+ * computed like Q2_K, with the activations' sums per 16. */
+typedef struct cv_block_q8_m {
+    float d[2], m[2];
+    int8_t qs[CV_QK];
+} cv_block_q8_m;
+
 typedef struct cv_block_q8_0 {
     uint16_t d;
     int8_t qs[CV_QK];
@@ -147,8 +157,9 @@ typedef char cv_q5_k_is_176_bytes[sizeof(cv_block_q5_k) == 176 ? 1 : -1];
 typedef char cv_q3_k_is_110_bytes[sizeof(cv_block_q3_k) == 110 ? 1 : -1];
 typedef char cv_q6_k_is_210_bytes[sizeof(cv_block_q6_k) == 210 ? 1 : -1];
 typedef char cv_q2_k_is_84_bytes[sizeof(cv_block_q2_k) == 84 ? 1 : -1];
+typedef char cv_q8_m_is_48_bytes[sizeof(cv_block_q8_m) == 48 ? 1 : -1];
 
-static inline int cv_dtype_is_quant(cv_dtype t) { return (t >= CV_Q8_0 && t <= CV_Q8_F) || t == CV_Q2_K; }
+static inline int cv_dtype_is_quant(cv_dtype t) { return (t >= CV_Q8_0 && t <= CV_Q8_F) || t == CV_Q2_K || t == CV_Q8_M; }
 
 /* The types cv_quantize makes (quantization at load). */
 static inline int cv_dtype_can_quantize(cv_dtype t) { return t == CV_Q8_0 || t == CV_Q4_0 || t == CV_Q4_1; }
@@ -172,6 +183,7 @@ static inline size_t cv_quant_block_bytes(cv_dtype t) {
     case CV_Q6_K: return sizeof(cv_block_q6_k);
     case CV_Q3_K: return sizeof(cv_block_q3_k);
     case CV_Q2_K: return sizeof(cv_block_q2_k);
+    case CV_Q8_M: return sizeof(cv_block_q8_m);
     case CV_Q4_F: return sizeof(cv_block_q4_f);
     case CV_Q8_F: return sizeof(cv_block_q8_f);
     default: return 0;
@@ -429,6 +441,13 @@ static inline void cv_dequantize(float *dst, const void *src, cv_dtype t, size_t
         cv_dequantize_q2_k(dst, src, n);
         return;
     }
+    if (t == CV_Q8_M) {
+        for (size_t i = 0; i < n / CV_QK; i++) {
+            const cv_block_q8_m *b = (const cv_block_q8_m *)src + i;
+            for (int j = 0; j < CV_QK; j++) dst[i * CV_QK + (size_t)j] = b->d[j / 16] * (float)b->qs[j] + b->m[j / 16];
+        }
+        return;
+    }
     for (size_t i = 0; i < n / CV_QK; i++) {
         cv_quant_block32(src, t, i, q, d, &m, &has_min);
         float *y = dst + i * CV_QK;
@@ -439,16 +458,51 @@ static inline void cv_dequantize(float *dst, const void *src, cv_dtype t, size_t
     }
 }
 
+/* Repacks n elements of any quantized type (a multiple of its block) into
+ * Q8_M: Q2_K's sub-block scales and mins as they are, every other format's
+ * Q8_F values with its one min twice. */
+static inline void cv_quant_repack_q8_m(void *dst, const void *src, cv_dtype src_t, size_t n) {
+    int q[CV_QK], has_min;
+    float d[2], m;
+    for (size_t i = 0; i < n / CV_QK; i++) {
+        cv_block_q8_m *b = (cv_block_q8_m *)dst + i;
+        if (src_t == CV_Q2_K) {
+            const cv_block_q2_k *s = (const cv_block_q2_k *)src + i / 8;
+            const int h = (int)(i % 8) / 4, k = (int)(i % 4);
+            uint16_t dh, dminh;
+            memcpy(&dh, &s->d, 2);
+            memcpy(&dminh, &s->dmin, 2);
+            for (int half = 0; half < 2; half++) {
+                const uint8_t sc = s->scales[8 * h + 2 * k + half];
+                b->d[half] = cv_qh_to_f32(dh) * (float)(sc & 0xf);     /* exact */
+                b->m[half] = -(cv_qh_to_f32(dminh) * (float)(sc >> 4)); /* exact */
+            }
+            for (int l = 0; l < CV_QK; l++) b->qs[l] = (int8_t)((s->qs[32 * h + l] >> (2 * k)) & 3);
+        } else {
+            cv_quant_block32(src, src_t, i, q, d, &m, &has_min);
+            b->d[0] = d[0];
+            b->d[1] = d[1];
+            b->m[0] = b->m[1] = m;
+            for (int j = 0; j < CV_QK; j++) b->qs[j] = (int8_t)q[j];
+        }
+    }
+}
+
 /* Repacks n elements (a multiple of the source's block) of a row stored in
- * type src_t into dst_t = cv_quant_compute_type(src_t), or into Q8_F from
- * any quantized type but Q2_K (every other format's blocks fit it exactly:
- * |q| <= 128, scales and mins as above). Returns 0 when dst_t cannot hold
- * src_t. */
+ * type src_t into dst_t = cv_quant_compute_type(src_t), into Q8_F from any
+ * quantized type but Q2_K (every other format's blocks fit it exactly:
+ * |q| <= 128, scales and mins as above), or into Q8_M from any. Returns 0
+ * when dst_t cannot hold src_t. */
 static inline int cv_quant_repack(void *dst, cv_dtype dst_t, const void *src, cv_dtype src_t, size_t n) {
-    if (!cv_dtype_is_quant(src_t) || (dst_t != CV_Q8_F && dst_t != cv_quant_compute_type(src_t))) return 0;
-    if (src_t == CV_Q2_K && dst_t != CV_Q2_K) return 0; /* two mins a block: not Q8_F */
+    if (!cv_dtype_is_quant(src_t) || (dst_t != CV_Q8_F && dst_t != CV_Q8_M && dst_t != cv_quant_compute_type(src_t)))
+        return 0;
+    if ((src_t == CV_Q2_K || src_t == CV_Q8_M) && dst_t == CV_Q8_F) return 0; /* two mins a block: not Q8_F */
     if (dst_t == src_t) {
         memcpy(dst, src, cv_dtype_bytes(src_t, n));
+        return 1;
+    }
+    if (dst_t == CV_Q8_M) {
+        cv_quant_repack_q8_m(dst, src, src_t, n);
         return 1;
     }
     int q[CV_QK], has_min;

@@ -111,8 +111,8 @@ def test_k_quant_mix_matches_reference(models):
 
 def test_q2_k_mix_matches_reference(tmp_path):
     """A file like llama.cpp's Q2_K mixes: Q2_K matrices and embedding, attn_v in Q4_K and
-    ffn_down in Q3_K, the output in Q6_K. The q/k/v stack mixes Q2_K with Q4_K (no exact
-    common block form: kept in float32), gate/up stay Q2_K as stored."""
+    ffn_down in Q3_K, the output in Q6_K. The q/k/v stack mixes Q2_K with Q4_K (computed as
+    Q8_M, a scale and a min per 16), gate/up stay Q2_K as stored."""
     from conveyor.gguf import GGUFReader
 
     shape = dict(dim=256, hidden_dim=512, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=264)

@@ -83,6 +83,8 @@ def _hf_kwargs(arch, shape, extra):
 FILES = [(gid, arch, shape, dict(ggml_type=t, embed_type=et, tie_embeddings=tied)) for gid, shape, arch, t, et, tied in GRID]
 FILES.append(("llama-k-mix", "llama", dict(dim=256, hidden_dim=512, n_layers=2, n_heads=4, n_kv_heads=1, vocab_size=264),
               dict(ggml_type="Q4_K", embed_type="Q8_0", tie_embeddings=True, tensor_types=MIXED_TYPES)))
+FILES.append(("llama-q2_k-mix", "llama", dict(dim=256, hidden_dim=512, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=264),
+              dict(ggml_type="Q2_K", embed_type="Q2_K", tensor_types={"attn_v": "Q4_K", "ffn_down": "Q3_K", "output": "Q6_K"})))
 FILES += [(cid, arch, shape, dict(ggml_type=t, embed_type="Q8_0" if t != "F32" else None, tensor_types=types,
                                   tie_embeddings=tied, extra_metadata=extra))
           for cid, arch, shape, t, types, tied, extra in ARCH_CASES]

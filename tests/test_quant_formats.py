@@ -160,11 +160,42 @@ def test_qgemm_batch_invariance(qtype, level):
     np.testing.assert_array_equal(_core.kernel_qgemm(x, wb, qtype, level=level, threads=3), alone)
 
 
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1"] + NEW_TYPES)
+def test_q8_m_holds_every_format(qtype):
+    """Q8_M, the form of a stack mixing Q2_K with other formats (a float32 scale and min per
+    16): every format's blocks repacked into it dequantize to the format's values, and the
+    GEMM on it matches NumPy at odd sizes at every level, one token alone giving the same bits
+    as in a batch."""
+    rng = np.random.default_rng(41)
+    blk, size = layout(qtype)
+    raw = sane_blocks(rng, qtype, 5, 2 * max(blk, 256)) if qtype in NEW_TYPES else \
+        quantize(rng.standard_normal((5, 512)).astype(np.float32), qtype).reshape(5, -1)
+    cols = raw.shape[1] // size * blk
+    np.testing.assert_array_equal(_core.kernel_dequantize(raw, qtype, compute="q8_m32"),
+                                  dequantize(raw, qtype, (5, cols)))
+    for level in LEVELS:
+        if not _core.kernel_qlevels().get(level):
+            continue
+        for n, rows in [(1, 37), (3, 19), (70, 5), (9, 1)]:
+            wb = sane_blocks(rng, qtype, rows, cols) if qtype in NEW_TYPES else \
+                quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype).reshape(rows, -1)
+            x = rng.standard_normal((n, cols)).astype(np.float32)
+            exact, noise = qgemm_reference(x, wb, qtype, rows, cols)
+            out = _core.kernel_qgemm(x, wb, qtype, level=level, compute="q8_m32")
+            assert np.all(np.abs(out - exact) <= noise), (level, n, rows)
+            alone = np.stack([_core.kernel_qgemm(x[i:i + 1], wb, qtype, level=level, compute="q8_m32")[0]
+                              for i in range(min(n, 9))])
+            np.testing.assert_array_equal(out[:len(alone)], alone)
+
+
 def test_bad_arguments():
     x = np.zeros((2, 256), np.float32)
     wb = quantize(np.zeros((3, 256), np.float32), "q4_k").reshape(3, -1)
     with pytest.raises(ValueError, match="qtype must be"):
         _core.kernel_qgemm(x, wb, "q8_1")
+    with pytest.raises(ValueError, match="compute must be"):  # two mins a block do not fit Q8_F
+        _core.kernel_qgemm(x, quantize(np.zeros((3, 256), np.float32), "q2_k").reshape(3, -1), "q2_k",
+                           compute="q8_f32")
     with pytest.raises(ValueError, match="w_bytes must be"):
         _core.kernel_qgemm(x, wb, "q6_k")  # q4_k rows read as q6_k
     with pytest.raises(ValueError, match="w_bytes must be"):

@@ -1,5 +1,5 @@
-/* GGUF's Q2_K computed as stored (quant_format.h has the layout; quant.h the
- * tile contract), on AVX2: every SIMD level takes these tiles for Q2_K.
+/* GGUF's Q2_K computed as stored, and Q8_M (quant_format.h has the layouts;
+ * quant.h the tile contract), on AVX2: every SIMD level takes these tiles.
  *
  * Per 32-element activation block of a super-block, the weights are bits
  * 2k, 2k+1 of 32 qs bytes (u8 0..3); vpmaddubsw with the int8 activations
@@ -112,22 +112,84 @@ Q2K_TILE(1, 2)
 Q2K_TILE(1, 3)
 Q2K_TILE(1, 4)
 
-int cv_qtiles_q2k(cv_qtiles *out) {
+/* Q8_M (quant_format.h: a float scale and min per 16, int8 weights): per
+ * block and pair, the sign trick (|w| x sign(x, w), |w| <= 128) into pair
+ * sums, vpmaddwd with ones into eight int32 lanes of 4-element dots (lanes
+ * 0..3 the first 16 elements); the token's sums the same way (shared by the
+ * rows). v = fma(float(dot), d, float(sum) * m) with d, m the lanes' scale
+ * and min, then acc = fma(v, dx_i, acc): the same operations for a pair in
+ * every tile. */
+Q2_ATTR static inline __attribute__((always_inline)) void q8m_tile(const void *w, size_t w_stride,
+                                                                   const cv_xq_block *x, int64_t x_stride,
+                                                                   int64_t nb, int R, int T, float *out) {
+    const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+    const __m256i lo = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), hi = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+    __m256 acc[4][CV_QTILE_MAX_TOKENS];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) acc[r][t] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        __m256i xv[CV_QTILE_MAX_TOKENS];
+        __m256 xs[CV_QTILE_MAX_TOKENS], dx[CV_QTILE_MAX_TOKENS];
+        for (int t = 0; t < T; t++) {
+            const cv_xq_block *xb = x + (int64_t)t * x_stride + i;
+            xv[t] = _mm256_loadu_si256((const __m256i *)xb->q);
+            xs[t] = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(ones8, xv[t]), ones16));
+            dx[t] = _mm256_set1_ps(xb->d);
+        }
+        for (int r = 0; r < R; r++) {
+            const cv_block_q8_m *b = (const cv_block_q8_m *)((const char *)w + (size_t)r * w_stride) + i;
+            _mm_prefetch((const char *)(b + 4), _MM_HINT_T0);
+            const __m256 dm = _mm256_castps128_ps256(_mm_loadu_ps(b->d)); /* d0 d1 m0 m1 */
+            const __m256 dv = _mm256_permutevar8x32_ps(dm, lo), mv = _mm256_permutevar8x32_ps(dm, hi);
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)b->qs), aw = _mm256_abs_epi8(wv);
+            for (int t = 0; t < T; t++) {
+                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv[t], wv)), ones16);
+                const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), dv, _mm256_mul_ps(xs[t], mv));
+                acc[r][t] = _mm256_fmadd_ps(v, dx[t], acc[r][t]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) out[r * T + t] = q2k_hsum8(acc[r][t]);
+}
+
+#define Q8M_TILE(R, T)                                                                                         \
+    Q2_ATTR static void q8m_tile_##R##x##T(const void *w, size_t w_stride, const cv_xq_block *x,              \
+                                           int64_t x_stride, int64_t nb, float *out) {                        \
+        q8m_tile(w, w_stride, x, x_stride, nb, R, T, out);                                                     \
+    }
+Q8M_TILE(4, 1)
+Q8M_TILE(2, 2)
+Q8M_TILE(1, 1)
+Q8M_TILE(1, 2)
+Q8M_TILE(1, 3)
+Q8M_TILE(1, 4)
+
+int cv_qtiles_q2k(cv_dtype t, cv_qtiles *out) {
     const cv_cpu_features *f = cv_cpu_features_get();
 #ifndef CV_EMULATE_AVX512
     if (!(f->avx2 && f->fma && f->f16c)) return 0;
 #else
     (void)f;
 #endif
-    *out = (cv_qtiles){.max_tokens = 4,
-                       .rows = {0, 4, 2, 1, 1},
-                       .tile = {NULL, q2k_tile_4x1, q2k_tile_2x2, q2k_tile_1x3, q2k_tile_1x4},
-                       .row = {NULL, q2k_tile_1x1, q2k_tile_1x2, q2k_tile_1x3, q2k_tile_1x4}};
+    if (t == CV_Q2_K)
+        *out = (cv_qtiles){.max_tokens = 4,
+                           .rows = {0, 4, 2, 1, 1},
+                           .tile = {NULL, q2k_tile_4x1, q2k_tile_2x2, q2k_tile_1x3, q2k_tile_1x4},
+                           .row = {NULL, q2k_tile_1x1, q2k_tile_1x2, q2k_tile_1x3, q2k_tile_1x4}};
+    else if (t == CV_Q8_M)
+        *out = (cv_qtiles){.max_tokens = 4,
+                           .rows = {0, 4, 2, 1, 1},
+                           .tile = {NULL, q8m_tile_4x1, q8m_tile_2x2, q8m_tile_1x3, q8m_tile_1x4},
+                           .row = {NULL, q8m_tile_1x1, q8m_tile_1x2, q8m_tile_1x3, q8m_tile_1x4}};
+    else
+        return 0;
     return 1;
 }
 
 #else
-int cv_qtiles_q2k(cv_qtiles *out) {
+int cv_qtiles_q2k(cv_dtype t, cv_qtiles *out) {
+    (void)t;
     (void)out;
     return 0;
 }
