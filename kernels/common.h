@@ -73,6 +73,10 @@ typedef enum cv_dtype {
      * float32 scales (quant_format.h) */
     CV_Q4_F = 15,
     CV_Q8_F = 16,
+    /* GGUF's Q2_K (super-blocks of 256; computed as stored: quant_format.h) */
+    CV_Q2_K = 17,
+    /* the CPU kernels' form of a stack mixing Q2_K with other formats (quant_format.h) */
+    CV_Q8_M = 18,
     CV_DTYPE_INVALID = -1
 } cv_dtype;
 

@@ -39,7 +39,14 @@
  * scales[0..7] for i < 8, else the high nibble of byte i - 8; top 2 bits:
  * bits 2(i/4), +1 of scales[8 + i%4]); element 128h + 32k + l takes 2 bits
  * (2k, 2k+1) of qs[32h + l] and one of hmask[l] (bit 4h + k; clear means
- * minus 4):  x = d * (sc[8h + 2k + l/16] - 32) * q, q in -4..3. */
+ * minus 4):  x = d * (sc[8h + 2k + l/16] - 32) * q, q in -4..3.
+ * Q2_K: 16 sub-blocks of 16, each with a 4-bit scale (low nibble of
+ * scales[i]) and a 4-bit min (high nibble); element 128h + 32k + l is bits
+ * 2k, 2k+1 of qs[32h + l] (Q3_K's low bits), in sub-block i = 8h + 2k + l/16:
+ *   x = (d * sc_i) * q - (dmin * mn_i), q in 0..3.
+ * Its two mins per 32 elements do not fit Q8_F (one min a block): the
+ * kernels compute Q2_K as stored (cv_quant_compute_type), with the
+ * activations' sums per 16 for the mins. */
 #define CV_QK_K 256
 
 typedef struct cv_block_q5_0 {
@@ -74,6 +81,12 @@ typedef struct cv_block_q3_k {
     uint16_t d;
 } cv_block_q3_k;
 
+typedef struct cv_block_q2_k {
+    uint8_t scales[CV_QK_K / 16]; /* low nibble scale, high nibble min */
+    uint8_t qs[CV_QK_K / 4];
+    uint16_t d, dmin;
+} cv_block_q2_k;
+
 typedef struct cv_block_q6_k {
     uint8_t ql[CV_QK_K / 2];
     uint8_t qh[CV_QK_K / 4];
@@ -89,9 +102,11 @@ typedef struct cv_block_q6_k {
  *   Q4_F  d, m (float32), u8 qs[16] in Q4_0's nibble order    x = d * q + m
  *         (Q4_K: the 4-bit sub-blocks, m = -(dmin * mn))
  *   Q8_F  d[2], m (float32), int8 q[32]       x = d[j / 16] * q_j (+ m)
- *         (every other format: Q5_0 q - 16, Q6_K q - 32 and Q3_K's -4..3
- *         with a scale per 16, Q5_1/Q5_K q with their min; m = 0 where the
- *         format has none)
+ *         (the other formats: Q6_K q - 32 and Q3_K's -4..3 with a scale
+ *         per 16, Q5_1/Q5_K q with their min; m = 0 where the format has
+ *         none; Q5_0 too in a stack mixed with those)
+ * Q5_0 alone is computed as Q8_0: its x = d * (q - 16), d float16, is a
+ * Q8_0 block with the int8 q - 16 (34 bytes a block against Q8_F's 44).
  * The dequantized values are the same floats as the format's own
  * (cv_dequantize computes both the same way); the GEMM's integer dot
  * products are exact, so only its float32 scaling and summation differ
@@ -105,6 +120,16 @@ typedef struct cv_block_q8_f {
     float d[2], m;
     int8_t qs[CV_QK];
 } cv_block_q8_f;
+
+/* Q8_M (CPU only): a scale and a min per 16, the form of a stacked matrix
+ * that mixes Q2_K (two mins a block) with other formats; every format fits
+ * it exactly (Q8_F's values, and Q2_K's d * sc, -(dmin * mn)):
+ *   x = d[j / 16] * q_j + m[j / 16]
+ * computed like Q2_K, with the activations' sums per 16. */
+typedef struct cv_block_q8_m {
+    float d[2], m[2];
+    int8_t qs[CV_QK];
+} cv_block_q8_m;
 
 typedef struct cv_block_q8_0 {
     uint16_t d;
@@ -131,14 +156,17 @@ typedef char cv_q4_k_is_144_bytes[sizeof(cv_block_q4_k) == 144 ? 1 : -1];
 typedef char cv_q5_k_is_176_bytes[sizeof(cv_block_q5_k) == 176 ? 1 : -1];
 typedef char cv_q3_k_is_110_bytes[sizeof(cv_block_q3_k) == 110 ? 1 : -1];
 typedef char cv_q6_k_is_210_bytes[sizeof(cv_block_q6_k) == 210 ? 1 : -1];
+typedef char cv_q2_k_is_84_bytes[sizeof(cv_block_q2_k) == 84 ? 1 : -1];
+typedef char cv_q8_m_is_48_bytes[sizeof(cv_block_q8_m) == 48 ? 1 : -1];
 
-static inline int cv_dtype_is_quant(cv_dtype t) { return t >= CV_Q8_0 && t <= CV_Q8_F; }
+static inline int cv_dtype_is_quant(cv_dtype t) { return (t >= CV_Q8_0 && t <= CV_Q8_F) || t == CV_Q2_K || t == CV_Q8_M; }
 
 /* The types cv_quantize makes (quantization at load). */
 static inline int cv_dtype_can_quantize(cv_dtype t) { return t == CV_Q8_0 || t == CV_Q4_0 || t == CV_Q4_1; }
 
 /* Elements of one block (0 for a type that is not block-quantized). */
 static inline size_t cv_quant_block_elems(cv_dtype t) {
+    if (t == CV_Q2_K) return CV_QK_K;
     return t == CV_Q3_K || t == CV_Q4_K || t == CV_Q5_K || t == CV_Q6_K ? CV_QK_K : cv_dtype_is_quant(t) ? CV_QK : 0;
 }
 
@@ -154,6 +182,8 @@ static inline size_t cv_quant_block_bytes(cv_dtype t) {
     case CV_Q5_K: return sizeof(cv_block_q5_k);
     case CV_Q6_K: return sizeof(cv_block_q6_k);
     case CV_Q3_K: return sizeof(cv_block_q3_k);
+    case CV_Q2_K: return sizeof(cv_block_q2_k);
+    case CV_Q8_M: return sizeof(cv_block_q8_m);
     case CV_Q4_F: return sizeof(cv_block_q4_f);
     case CV_Q8_F: return sizeof(cv_block_q8_f);
     default: return 0;
@@ -161,10 +191,12 @@ static inline size_t cv_quant_block_bytes(cv_dtype t) {
 }
 
 /* The type the CPU kernels compute a stored type in: Q8_0, Q4_0, Q4_1 and
- * the repackings as they are, Q4_K as Q4_F, the others as Q8_F. */
+ * the repackings as they are, Q4_K as Q4_F, Q5_0 as Q8_0, the others as
+ * Q8_F. */
 static inline cv_dtype cv_quant_compute_type(cv_dtype t) {
     return t == CV_Q4_K ? CV_Q4_F
-         : t == CV_Q5_0 || t == CV_Q5_1 || t == CV_Q5_K || t == CV_Q6_K || t == CV_Q3_K ? CV_Q8_F : t;
+         : t == CV_Q5_0 ? CV_Q8_0
+         : t == CV_Q5_1 || t == CV_Q5_K || t == CV_Q6_K || t == CV_Q3_K ? CV_Q8_F : t;
 }
 
 /* Bytes of n elements of any weight dtype (n a multiple of the block for
@@ -384,10 +416,38 @@ static inline void cv_quant_block32(const void *src, cv_dtype t, size_t i, int q
     }
 }
 
+/* dst[n] = the n elements (a multiple of 256) of Q2_K blocks at src, as the
+ * format computes them: (d * sc) * q - (dmin * mn), both products exact. */
+static inline void cv_dequantize_q2_k(float *dst, const void *src, size_t n) {
+    for (size_t sb = 0; sb < n / CV_QK_K; sb++) {
+        const cv_block_q2_k *b = (const cv_block_q2_k *)src + sb;
+        uint16_t dh, dminh;
+        memcpy(&dh, &b->d, 2);
+        memcpy(&dminh, &b->dmin, 2);
+        const float d = cv_qh_to_f32(dh), dmin = cv_qh_to_f32(dminh);
+        for (int e = 0; e < CV_QK_K; e++) {
+            const int h = e / 128, k = (e / 32) % 4, l = e % 32, i = 8 * h + 2 * k + l / 16;
+            const float scale = d * (float)(b->scales[i] & 0xf), low = dmin * (float)(b->scales[i] >> 4);
+            dst[sb * CV_QK_K + (size_t)e] = scale * (float)((b->qs[32 * h + l] >> (2 * k)) & 3) - low;
+        }
+    }
+}
+
 /* dst[n] = the n elements (a multiple of the type's block) stored at src in type t. */
 static inline void cv_dequantize(float *dst, const void *src, cv_dtype t, size_t n) {
     int q[CV_QK], has_min;
     float d[2], m;
+    if (t == CV_Q2_K) {
+        cv_dequantize_q2_k(dst, src, n);
+        return;
+    }
+    if (t == CV_Q8_M) {
+        for (size_t i = 0; i < n / CV_QK; i++) {
+            const cv_block_q8_m *b = (const cv_block_q8_m *)src + i;
+            for (int j = 0; j < CV_QK; j++) dst[i * CV_QK + (size_t)j] = b->d[j / 16] * (float)b->qs[j] + b->m[j / 16];
+        }
+        return;
+    }
     for (size_t i = 0; i < n / CV_QK; i++) {
         cv_quant_block32(src, t, i, q, d, &m, &has_min);
         float *y = dst + i * CV_QK;
@@ -398,21 +458,62 @@ static inline void cv_dequantize(float *dst, const void *src, cv_dtype t, size_t
     }
 }
 
+/* Repacks n elements of any quantized type (a multiple of its block) into
+ * Q8_M: Q2_K's sub-block scales and mins as they are, every other format's
+ * Q8_F values with its one min twice. */
+static inline void cv_quant_repack_q8_m(void *dst, const void *src, cv_dtype src_t, size_t n) {
+    int q[CV_QK], has_min;
+    float d[2], m;
+    for (size_t i = 0; i < n / CV_QK; i++) {
+        cv_block_q8_m *b = (cv_block_q8_m *)dst + i;
+        if (src_t == CV_Q2_K) {
+            const cv_block_q2_k *s = (const cv_block_q2_k *)src + i / 8;
+            const int h = (int)(i % 8) / 4, k = (int)(i % 4);
+            uint16_t dh, dminh;
+            memcpy(&dh, &s->d, 2);
+            memcpy(&dminh, &s->dmin, 2);
+            for (int half = 0; half < 2; half++) {
+                const uint8_t sc = s->scales[8 * h + 2 * k + half];
+                b->d[half] = cv_qh_to_f32(dh) * (float)(sc & 0xf);     /* exact */
+                b->m[half] = -(cv_qh_to_f32(dminh) * (float)(sc >> 4)); /* exact */
+            }
+            for (int l = 0; l < CV_QK; l++) b->qs[l] = (int8_t)((s->qs[32 * h + l] >> (2 * k)) & 3);
+        } else {
+            cv_quant_block32(src, src_t, i, q, d, &m, &has_min);
+            b->d[0] = d[0];
+            b->d[1] = d[1];
+            b->m[0] = b->m[1] = m;
+            for (int j = 0; j < CV_QK; j++) b->qs[j] = (int8_t)q[j];
+        }
+    }
+}
+
 /* Repacks n elements (a multiple of the source's block) of a row stored in
- * type src_t into dst_t = cv_quant_compute_type(src_t), or into Q8_F from
- * any quantized type (every format's blocks fit it exactly: |q| <= 128,
- * scales and mins as above). Returns 0 when dst_t cannot hold src_t. */
+ * type src_t into dst_t = cv_quant_compute_type(src_t), into Q8_F from any
+ * quantized type but Q2_K (every other format's blocks fit it exactly:
+ * |q| <= 128, scales and mins as above), or into Q8_M from any. Returns 0
+ * when dst_t cannot hold src_t. */
 static inline int cv_quant_repack(void *dst, cv_dtype dst_t, const void *src, cv_dtype src_t, size_t n) {
-    if (!cv_dtype_is_quant(src_t) || (dst_t != CV_Q8_F && dst_t != cv_quant_compute_type(src_t))) return 0;
+    if (!cv_dtype_is_quant(src_t) || (dst_t != CV_Q8_F && dst_t != CV_Q8_M && dst_t != cv_quant_compute_type(src_t)))
+        return 0;
+    if ((src_t == CV_Q2_K || src_t == CV_Q8_M) && dst_t == CV_Q8_F) return 0; /* two mins a block: not Q8_F */
     if (dst_t == src_t) {
         memcpy(dst, src, cv_dtype_bytes(src_t, n));
+        return 1;
+    }
+    if (dst_t == CV_Q8_M) {
+        cv_quant_repack_q8_m(dst, src, src_t, n);
         return 1;
     }
     int q[CV_QK], has_min;
     float d[2], m;
     for (size_t i = 0; i < n / CV_QK; i++) {
         cv_quant_block32(src, src_t, i, q, d, &m, &has_min);
-        if (dst_t == CV_Q4_F) { /* from Q4_K: q in 0..15 */
+        if (dst_t == CV_Q8_0) { /* from Q5_0: the same float16 scale, q - 16 in -16..15 */
+            cv_block_q8_0 *b = (cv_block_q8_0 *)dst + i;
+            memcpy(&b->d, &((const cv_block_q5_0 *)src + i)->d, 2);
+            for (int j = 0; j < CV_QK; j++) b->qs[j] = (int8_t)q[j];
+        } else if (dst_t == CV_Q4_F) { /* from Q4_K: q in 0..15 */
             cv_block_q4_f *b = (cv_block_q4_f *)dst + i;
             b->d = d[0];
             b->m = m;

@@ -52,6 +52,7 @@ GRID = [
     ("llama-q5_k", dict(dim=256, hidden_dim=512, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=264), "llama", "Q5_K", "Q8_0", False),
     ("qwen2-q5_0-q5_1", dict(dim=128, hidden_dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=264), "qwen2", "Q5_0", "Q5_1", False),
     ("llama-q3_k", dict(dim=256, hidden_dim=512, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=264), "llama", "Q3_K", "Q6_K", False),
+    ("qwen2-q2_k-tied", dict(dim=256, hidden_dim=512, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=264), "qwen2", "Q2_K", "Q2_K", True),
 ]
 # A Q4_K_M-like mix: stacked q/k/v and gate/up of different types (computed as Q8_F)
 MIXED_TYPES = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q4_K",
@@ -102,6 +103,23 @@ def test_k_quant_mix_matches_reference(models):
     path = models["llama-k-mix"]
     kinds = {i.ggml_type.name for i in GGUFReader(path).tensors.values()}
     assert {"Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"} <= kinds
+    tokens = [int(x) for x in np.random.default_rng(2).integers(0, 264, 29)]
+    got, ref = all_logits(path, tokens), ReferenceModel.load(path).logits(tokens)
+    assert rel_err(got, ref) < QUANT_TOL and rms_err(got, ref) < QUANT_RMS_TOL
+    assert (got.argmax(axis=1) == ref.argmax(axis=1)).mean() >= 0.85
+
+
+def test_q2_k_mix_matches_reference(tmp_path):
+    """A file like llama.cpp's Q2_K mixes: Q2_K matrices and embedding, attn_v in Q4_K and
+    ffn_down in Q3_K, the output in Q6_K. The q/k/v stack mixes Q2_K with Q4_K (computed as
+    Q8_M, a scale and a min per 16), gate/up stay Q2_K as stored."""
+    from conveyor.gguf import GGUFReader
+
+    shape = dict(dim=256, hidden_dim=512, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=264)
+    path = write_gguf_checkpoint(tmp_path / "q2_k-mix.gguf", shape=shape, ggml_type="Q2_K", embed_type="Q2_K",
+                                 tensor_types={"attn_v": "Q4_K", "ffn_down": "Q3_K", "output": "Q6_K"}, seed=4)
+    kinds = {i.ggml_type.name for i in GGUFReader(path).tensors.values()}
+    assert {"Q2_K", "Q3_K", "Q4_K", "Q6_K"} <= kinds
     tokens = [int(x) for x in np.random.default_rng(2).integers(0, 264, 29)]
     got, ref = all_logits(path, tokens), ReferenceModel.load(path).logits(tokens)
     assert rel_err(got, ref) < QUANT_TOL and rms_err(got, ref) < QUANT_RMS_TOL
@@ -373,9 +391,11 @@ BAD = [
      "claims 1000000000000000 bytes"),
     ("unknown-value-type", dict(kvs=[_kv("general.architecture", 77, b"")]), "unknown value type 77"),
     ("unknown-tensor-type", dict(tensors=_tensors(types={"blk.0.attn_q.weight": 99})), "unknown tensor type 99"),
-    ("unsupported-tensor-type", dict(tensors=_tensors(types={"blk.0.attn_q.weight": 10})), "Q2_K"),
+    ("unsupported-tensor-type", dict(tensors=_tensors(types={"blk.0.attn_q.weight": 16})), "IQ2_XXS"),
     ("k-quant-rows-not-whole-super-blocks", dict(tensors=_tensors(types={"blk.0.attn_q.weight": 12})),
      "'blk.0.attn_q.weight' of type Q4_K has rows of .* not a multiple of the block size 256"),
+    ("q2_k-rows-not-whole-super-blocks", dict(tensors=_tensors(types={"blk.0.attn_q.weight": 10})),
+     "'blk.0.attn_q.weight' of type Q2_K has rows of .* not a multiple of the block size 256"),
     ("misaligned-data", dict(offsets={3: 4}), "not a multiple of the alignment"),
     ("data-past-end", dict(offsets={3: 1 << 40}), "runs past the end"),
     ("missing-tensor", dict(tensors=_tensors(drop=("blk.0.ffn_up.weight",))), "'blk.0.ffn_up.weight' is missing"),
@@ -455,11 +475,13 @@ def test_conveyor_info_on_gguf(models, capsys):
     assert info["weight_bytes"] == total and info["chat_template"] is True and info["tokenizer"] == "gpt2"
 
 
-def test_conveyor_info_lists_each_tensor_type(models, capsys):
+@pytest.mark.parametrize("gid,kinds", [("llama-k-mix", {"q5_0", "q4_k", "q5_k", "q6_k", "q8_0"}),
+                                      ("qwen2-q2_k-tied", {"q2_k", "float32"})])
+def test_conveyor_info_lists_each_tensor_type(models, capsys, gid, kinds):
     """A K-quant mix: each type's tensor count and bytes, summing to the file's tensor bytes."""
     from conveyor.cli import main
 
-    path = models["llama-k-mix"]
+    path = models[gid]
     assert main(["info", str(path), "--json"]) == 0
     import json
 
@@ -470,7 +492,7 @@ def test_conveyor_info_lists_each_tensor_type(models, capsys):
         want_n[name] = want_n.get(name, 0) + 1
         want_b[name] = want_b.get(name, 0) + r.nbytes
     assert info["tensor_dtypes"] == want_n and info["tensor_dtype_bytes"] == want_b
-    assert {"q5_0", "q4_k", "q5_k", "q6_k", "q8_0"} <= set(want_n)
+    assert kinds <= set(want_n)
     assert main(["info", str(path)]) == 0
     out = capsys.readouterr().out
     for name in want_n:

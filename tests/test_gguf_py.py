@@ -140,7 +140,7 @@ def test_reader_rejects_bad_files(tmp_path):
     i = raw.index(struct.pack("<Q", 1) + b"k") + 9  # key "k": its value type
     bad(raw[:i] + struct.pack("<I", 99) + raw[i + 4:], "unknown value type 99")
     j = raw.index(struct.pack("<Q", 1) + b"w") + 9 + 4 + 16  # tensor "w": its ggml type
-    bad(raw[:j] + struct.pack("<I", 10) + raw[j + 4:], "type 10 is not supported")
+    bad(raw[:j] + struct.pack("<I", 16) + raw[j + 4:], "type 16 is not supported")
     bad(raw[:j + 4] + struct.pack("<Q", 3) + raw[j + 12:], "not aligned")
     with pytest.raises(FileNotFoundError):
         GGUFReader(tmp_path / "missing.gguf")
@@ -155,7 +155,7 @@ def test_writer_rejects_bad_input(tmp_path):
     with pytest.raises(GGUFError, match="out of range"):
         w.add("k", [1, -1], VT.ARRAY, VT.UINT32)
     with pytest.raises(GGUFError, match="unknown tensor type"):
-        w.add_tensor("q", np.ones(32, np.float32), "Q2_K")
+        w.add_tensor("q", np.ones(32, np.float32), "IQ2_XXS")
     with pytest.raises(GGUFError, match="non-finite"):
         w.add_tensor("q", np.full(32, np.inf, np.float32), "Q8_0")
     with pytest.raises(GGUFError, match="power of two"):

@@ -1,5 +1,5 @@
-"""GGUF's Q5_0, Q5_1, Q3_K, Q4_K, Q5_K and Q6_K: the C dequantizer, the exact repacking the CPU
-kernels compute them in (kernels/quant_format.h: Q4_K as Q4_F, the others as Q8_F), and the
+"""GGUF's Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K: the C dequantizer, the exact repacking the
+CPU kernels compute them in (kernels/quant_format.h: Q4_K as Q4_F, Q2_K as stored, the others as Q8_F), and the
 quantized GEMM on them at every SIMD level, against the independent NumPy reader in
 conveyor.gguf.
 
@@ -24,7 +24,7 @@ from conveyor.gguf import _TYPE_LAYOUT, GGMLType, dequantize, quantize
 
 from test_quant_kernels import LEVELS, level_or_skip, qgemm_reference
 
-NEW_TYPES = ["q5_0", "q5_1", "q3_k", "q4_k", "q5_k", "q6_k"]
+NEW_TYPES = ["q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
 
 
 def layout(qtype):
@@ -33,7 +33,7 @@ def layout(qtype):
 
 def scale_offsets(qtype):
     """Byte offsets of the float16 scales in one block."""
-    return {"q5_0": [0], "q5_1": [0, 2], "q3_k": [108], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]}[qtype]
+    return {"q5_0": [0], "q5_1": [0, 2], "q2_k": [80, 82], "q3_k": [108], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]}[qtype]
 
 
 def sane_blocks(rng, qtype, rows, cols, scale=0.02):
@@ -117,7 +117,7 @@ def test_numpy_quantizer_round_trips(qtype):
     x[1] *= 100.0
     q = quantize(x, qtype)
     back = dequantize(q, qtype, x.shape)
-    bits = {"q5_0": 5, "q5_1": 5, "q3_k": 3, "q4_k": 4, "q5_k": 5, "q6_k": 6}[qtype]
+    bits = {"q5_0": 5, "q5_1": 5, "q2_k": 2, "q3_k": 3, "q4_k": 4, "q5_k": 5, "q6_k": 6}[qtype]
     spread = np.abs(x).reshape(6, -1, 16).max(axis=2).repeat(16, axis=1)  # per 16 elements
     assert np.all(np.abs(back - x) <= 4 * spread / 2 ** bits + 1e-6)
     np.testing.assert_array_equal(back[0, :64], 0.0)
@@ -160,11 +160,42 @@ def test_qgemm_batch_invariance(qtype, level):
     np.testing.assert_array_equal(_core.kernel_qgemm(x, wb, qtype, level=level, threads=3), alone)
 
 
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1"] + NEW_TYPES)
+def test_q8_m_holds_every_format(qtype):
+    """Q8_M, the form of a stack mixing Q2_K with other formats (a float32 scale and min per
+    16): every format's blocks repacked into it dequantize to the format's values, and the
+    GEMM on it matches NumPy at odd sizes at every level, one token alone giving the same bits
+    as in a batch."""
+    rng = np.random.default_rng(41)
+    blk, size = layout(qtype)
+    raw = sane_blocks(rng, qtype, 5, 2 * max(blk, 256)) if qtype in NEW_TYPES else \
+        quantize(rng.standard_normal((5, 512)).astype(np.float32), qtype).reshape(5, -1)
+    cols = raw.shape[1] // size * blk
+    np.testing.assert_array_equal(_core.kernel_dequantize(raw, qtype, compute="q8_m32"),
+                                  dequantize(raw, qtype, (5, cols)))
+    for level in LEVELS:
+        if not _core.kernel_qlevels().get(level):
+            continue
+        for n, rows in [(1, 37), (3, 19), (70, 5), (9, 1)]:
+            wb = sane_blocks(rng, qtype, rows, cols) if qtype in NEW_TYPES else \
+                quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype).reshape(rows, -1)
+            x = rng.standard_normal((n, cols)).astype(np.float32)
+            exact, noise = qgemm_reference(x, wb, qtype, rows, cols)
+            out = _core.kernel_qgemm(x, wb, qtype, level=level, compute="q8_m32")
+            assert np.all(np.abs(out - exact) <= noise), (level, n, rows)
+            alone = np.stack([_core.kernel_qgemm(x[i:i + 1], wb, qtype, level=level, compute="q8_m32")[0]
+                              for i in range(min(n, 9))])
+            np.testing.assert_array_equal(out[:len(alone)], alone)
+
+
 def test_bad_arguments():
     x = np.zeros((2, 256), np.float32)
     wb = quantize(np.zeros((3, 256), np.float32), "q4_k").reshape(3, -1)
     with pytest.raises(ValueError, match="qtype must be"):
-        _core.kernel_qgemm(x, wb, "q2_k")
+        _core.kernel_qgemm(x, wb, "q8_1")
+    with pytest.raises(ValueError, match="compute must be"):  # two mins a block do not fit Q8_F
+        _core.kernel_qgemm(x, quantize(np.zeros((3, 256), np.float32), "q2_k").reshape(3, -1), "q2_k",
+                           compute="q8_f32")
     with pytest.raises(ValueError, match="w_bytes must be"):
         _core.kernel_qgemm(x, wb, "q6_k")  # q4_k rows read as q6_k
     with pytest.raises(ValueError, match="w_bytes must be"):

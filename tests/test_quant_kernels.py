@@ -132,7 +132,7 @@ def test_bad_arguments():
     x = np.zeros((2, 64), np.float32)
     wb = quantize(np.zeros((3, 64), np.float32), "q8_0").reshape(3, -1)
     with pytest.raises(ValueError, match="qtype must be"):
-        _core.kernel_qgemm(x, wb, "q2_k")
+        _core.kernel_qgemm(x, wb, "q8_1")
     with pytest.raises(ValueError, match="w_bytes must be"):
         _core.kernel_qgemm(x, wb, "q4_0")  # q8_0 rows read as q4_0
     with pytest.raises(ValueError, match="level must be"):

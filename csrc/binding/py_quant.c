@@ -1,14 +1,16 @@
 /* Test hooks of the quantized CPU kernels (kernels/cpu/quant.c):
  *
  *   kernel_quantize(w, qtype) -> uint8 [rows][row_bytes]   the C quantizer
- *   kernel_qgemm(x, w_bytes, qtype, level="best", bias=None, accumulate=None, threads=0)
+ *   kernel_qgemm(x, w_bytes, qtype, level="best", bias=None, accumulate=None, threads=0, compute=None)
  *       -> x[n][cols] . dequant(W)^T with activations quantized per block of 32
  *       (qtype any stored block format: the GGUF Q5/K ones are repacked into
- *       the type the kernels compute them in, as the model loader does)
+ *       the type the kernels compute them in, as the model loader does;
+ *       compute "q8_f32" / "q8_m32": into the form of a mixed stack instead)
  *   kernel_qgemm_time(x, w_bytes, qtype, level="best", threads=0, repeats=10) -> best seconds
  *       of one GEMM on the matrix prepared once (the benchmark's kernel-only figure)
- *   kernel_dequantize(w_bytes, qtype, repacked=False) -> float32 [rows][cols]
+ *   kernel_dequantize(w_bytes, qtype, repacked=False, compute=None) -> float32 [rows][cols]
  *       the C dequantizer; repacked: of the blocks repacked for the kernels
+ *       (compute: into that form, as kernel_qgemm)
  *   kernel_qlevels() -> {"scalar": True, "avx2": ..., "avx512vnni": ..., "avxvnni": ...,
  *                        "best": the level the CPU backend uses}
  *
@@ -55,13 +57,26 @@ static int get_qbackend(int threads) {
 
 /* Any stored block format by its lower-case name (q8_0 ... q6_k). */
 static int parse_stored_qtype(const char *s, cv_dtype *out) {
-    for (int t = CV_Q8_0; t <= CV_Q3_K; t++)
-        if (strcmp(s, cv_dtype_name((cv_dtype)t)) == 0) {
+    for (int t = CV_Q8_0; t <= CV_Q2_K; t++)
+        if ((t <= CV_Q3_K || t == CV_Q2_K) && strcmp(s, cv_dtype_name((cv_dtype)t)) == 0) {
             *out = (cv_dtype)t;
             return 0;
         }
-    PyErr_Format(PyExc_ValueError, "qtype must be one of q8_0, q4_0, q4_1, q5_0, q5_1, q3_k, q4_k, q5_k, q6_k; got '%s'",
-                 s);
+    PyErr_Format(PyExc_ValueError,
+                 "qtype must be one of q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k; got '%s'", s);
+    return -1;
+}
+
+/* The form a stored type is computed in: its own (NULL), or "q8_f32" / "q8_m32"
+ * (the forms of mixed stacks; Q2_K fits only the latter). */
+static int parse_compute(const char *s, cv_dtype stored, cv_dtype *out) {
+    *out = cv_quant_compute_type(stored);
+    if (!s) return 0;
+    if (strcmp(s, "q8_m32") == 0 || (strcmp(s, "q8_f32") == 0 && stored != CV_Q2_K)) {
+        *out = strcmp(s, "q8_m32") == 0 ? CV_Q8_M : CV_Q8_F;
+        return 0;
+    }
+    PyErr_Format(PyExc_ValueError, "compute must be None, 'q8_f32' (not for q2_k) or 'q8_m32', got '%s'", s);
     return -1;
 }
 
@@ -110,15 +125,16 @@ static PyObject *py_kernel_quantize(PyObject *self, PyObject *args, PyObject *kw
 
 static PyObject *py_kernel_qgemm(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
-    static char *kwlist[] = {"x", "w_bytes", "qtype", "level", "bias", "accumulate", "threads", NULL};
+    static char *kwlist[] = {"x", "w_bytes", "qtype", "level", "bias", "accumulate", "threads", "compute", NULL};
     PyObject *x_obj, *w_obj, *bias = Py_None, *acc = Py_None;
-    const char *qs, *ls = "best";
+    const char *qs, *ls = "best", *cs = NULL;
     int threads = 0;
-    cv_dtype qt;
+    cv_dtype qt, ct;
     cv_qlevel level;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOs|sOOi", kwlist, &x_obj, &w_obj, &qs, &ls, &bias, &acc,
-                                     &threads) ||
-        parse_stored_qtype(qs, &qt) < 0 || parse_level(ls, &level) < 0 || get_qbackend(threads) < 0)
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOs|sOOiz", kwlist, &x_obj, &w_obj, &qs, &ls, &bias, &acc,
+                                     &threads, &cs) ||
+        parse_stored_qtype(qs, &qt) < 0 || parse_compute(cs, qt, &ct) < 0 || parse_level(ls, &level) < 0 ||
+        get_qbackend(threads) < 0)
         return NULL;
     PyArrayObject *w = cv_py_want_array(w_obj, "w_bytes", NPY_UINT8, 2, 0);
     PyArrayObject *x = w ? cv_py_want_array(x_obj, "x", NPY_FLOAT32, 2, 0) : NULL;
@@ -138,7 +154,7 @@ static PyObject *py_kernel_qgemm(PyObject *self, PyObject *args, PyObject *kw) {
     const float *xp = PyArray_DATA(a.x);
     const void *src = PyArray_DATA(w);
     CV_PY_RUN_LOCKED(g_qb[threads].lock, {
-        rc = b->matrix_prepare(b, &m, src, qt, rows, cols, cv_quant_compute_type(qt), &err);
+        rc = b->matrix_prepare(b, &m, src, qt, rows, cols, ct, &err);
         if (rc == 0) {
             cv_cpu_qgemm_level(b, o, xp, a.n, &m, a.bias, a.accumulate, level);
             b->matrix_free(b, &m);
@@ -199,14 +215,15 @@ static PyObject *py_kernel_qgemm_time(PyObject *self, PyObject *args, PyObject *
 
 static PyObject *py_kernel_dequantize(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
-    static char *kwlist[] = {"w_bytes", "qtype", "repacked", NULL};
+    static char *kwlist[] = {"w_bytes", "qtype", "repacked", "compute", NULL};
     PyObject *w_obj;
-    const char *qs;
+    const char *qs, *cs = NULL;
     int repacked = 0;
-    cv_dtype qt;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "Os|p", kwlist, &w_obj, &qs, &repacked) ||
-        parse_stored_qtype(qs, &qt) < 0)
+    cv_dtype qt, ct;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "Os|pz", kwlist, &w_obj, &qs, &repacked, &cs) ||
+        parse_stored_qtype(qs, &qt) < 0 || parse_compute(cs, qt, &ct) < 0)
         return NULL;
+    if (cs) repacked = 1;
     PyArrayObject *w = cv_py_want_array(w_obj, "w_bytes", NPY_UINT8, 2, 0);
     if (!w) return NULL;
     const size_t bb = cv_quant_block_bytes(qt), be = cv_quant_block_elems(qt);
@@ -215,7 +232,6 @@ static PyObject *py_kernel_dequantize(PyObject *self, PyObject *args, PyObject *
         return PyErr_Format(PyExc_ValueError, "w_bytes rows must be whole %s blocks (%zu bytes), got %lld bytes", qs,
                             bb, (long long)row_bytes);
     const size_t cols = (size_t)row_bytes / bb * be;
-    const cv_dtype ct = cv_quant_compute_type(qt);
     npy_intp dims[2] = {rows, (npy_intp)cols};
     PyObject *out = PyArray_SimpleNew(2, dims, NPY_FLOAT32);
     void *tmp = repacked ? malloc(cv_dtype_bytes(ct, cols)) : NULL;
@@ -254,11 +270,11 @@ static PyMethodDef quant_methods[] = {
     {"kernel_quantize", (PyCFunction)(void (*)(void))py_kernel_quantize, METH_VARARGS | METH_KEYWORDS,
      "kernel_quantize(w, qtype) -> uint8 [rows][row_bytes]: the C quantizer (q8_0, q4_0, q4_1)"},
     {"kernel_qgemm", (PyCFunction)(void (*)(void))py_kernel_qgemm, METH_VARARGS | METH_KEYWORDS,
-     "kernel_qgemm(x, w_bytes, qtype, level='best', bias=None, accumulate=None, threads=0) -> out[n][rows]"},
+     "kernel_qgemm(x, w_bytes, qtype, level='best', bias=None, accumulate=None, threads=0, compute=None) -> out[n][rows]"},
     {"kernel_qgemm_time", (PyCFunction)(void (*)(void))py_kernel_qgemm_time, METH_VARARGS | METH_KEYWORDS,
      "kernel_qgemm_time(x, w_bytes, qtype, level='best', threads=0, repeats=10) -> best seconds of one GEMM"},
     {"kernel_dequantize", (PyCFunction)(void (*)(void))py_kernel_dequantize, METH_VARARGS | METH_KEYWORDS,
-     "kernel_dequantize(w_bytes, qtype, repacked=False) -> float32 [rows][cols]: the C dequantizer"},
+     "kernel_dequantize(w_bytes, qtype, repacked=False, compute=None) -> float32 [rows][cols]: the C dequantizer"},
     {"kernel_qlevels", (PyCFunction)py_kernel_qlevels, METH_NOARGS,
      "kernel_qlevels() -> {level: supported} of the quantized kernels, and 'best': the one used"},
     {NULL, NULL, 0, NULL},

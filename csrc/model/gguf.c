@@ -96,6 +96,7 @@ static cv_dtype ggml_dtype(uint32_t t) {
     case 6: return CV_Q5_0;
     case 7: return CV_Q5_1;
     case 8: return CV_Q8_0;
+    case 10: return CV_Q2_K;
     case 11: return CV_Q3_K;
     case 12: return CV_Q4_K;
     case 13: return CV_Q5_K;
@@ -213,7 +214,7 @@ static int parse_tensor_info(cursor *c, cv_gguf_tensor *t, uint64_t index) {
         if (tn)
             return cv_set_err(c->err, CV_ERR_UNSUPPORTED,
                               "%s: tensor '%.*s' has type %s, which is not supported (F32, F16, BF16, Q8_0, "
-                              "Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K)", c->label, nl, t->name.p, tn);
+                              "Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)", c->label, nl, t->name.p, tn);
         return cv_set_err(c->err, CV_ERR_FORMAT, "%s: tensor '%.*s' has unknown tensor type %u", c->label, nl,
                           t->name.p, t->ggml_type);
     }

@@ -48,7 +48,7 @@ typedef struct cv_gguf_tensor {
     int n_dims;
     int64_t ne[CV_GGUF_MAX_DIMS]; /* ne[0] is the contiguous dimension */
     uint32_t ggml_type;
-    cv_dtype dtype;         /* F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K or Q6_K */
+    cv_dtype dtype;         /* F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K */
     uint64_t offset;        /* from the start of the data section */
     size_t nbytes;
     const void *data;

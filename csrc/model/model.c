@@ -67,8 +67,9 @@ static int quant_rank(cv_dtype t) { return t == CV_Q8_0 ? 3 : t == CV_Q4_1 ? 2 :
  * rows can be block-quantized; else the type the kernels compute the file's
  * quantized parts in when they share it (cv_quant_compute_type); else, for
  * parts of the Q5/K formats mixed with others, Q8_F, which holds every
- * format exactly; else the most precise of Q8_0/Q4_1/Q4_0 among the parts;
- * else the model's float dtype. */
+ * format exactly but Q2_K (two mins a block: Q8_M, a scale and a min per 16,
+ * for a stack mixing Q2_K with other formats); else the most precise of
+ * Q8_0/Q4_1/Q4_0 among the parts; else the model's float dtype. */
 static cv_dtype matrix_dtype(const cv_tensor_view *const *parts, int n, cv_dtype dtype, cv_dtype quant) {
     if (parts[0]->shape[1] % CV_QK != 0) return dtype;
     if (cv_dtype_is_quant(quant)) return quant;
@@ -82,6 +83,8 @@ static cv_dtype matrix_dtype(const cv_tensor_view *const *parts, int n, cv_dtype
         if (quant_rank(t) > quant_rank(best)) best = t;
     }
     if (same) return cv_quant_compute_type(parts[0]->dtype);
+    for (int i = 0; i < n; i++)
+        if (parts[i]->dtype == CV_Q2_K) return all_quant ? CV_Q8_M : dtype;
     if (newer && all_quant) return CV_Q8_F;
     return best == CV_DTYPE_INVALID ? dtype : best;
 }
@@ -96,7 +99,7 @@ static int prepare_stacked(cv_backend *b, cv_matrix *out, const cv_tensor_view *
     int raw = cv_dtype_is_quant(target);
     for (int i = 0; i < n; i++)
         raw = raw && cv_dtype_is_quant(parts[i]->dtype) &&
-              (parts[i]->dtype == target || (target == CV_Q8_F && quant == CV_DTYPE_INVALID) ||
+              (parts[i]->dtype == target || ((target == CV_Q8_F || target == CV_Q8_M) && quant == CV_DTYPE_INVALID) ||
                cv_quant_compute_type(parts[i]->dtype) == target);
     if (raw) { /* the file's blocks, repacked exactly where the kernels compute another type */
         size_t off = 0;

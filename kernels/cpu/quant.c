@@ -81,8 +81,57 @@ static float dot_q8_f(const void *w, const cv_xq_block *x, int64_t nb) {
     return sum;
 }
 
+/* Q2_K as stored (quant_format.h): per 32-element activation block i of a
+ * super-block, the exact integers A = sc0 * dot0 + sc1 * dot1 (weights 0..3
+ * times the int8 activations, per 16) and B = mn0 * sum0 + mn1 * sum1 (the
+ * activations' sums per 16); the block adds x.d * (d * A - dmin * B). */
+float cv_q2k_dot_scalar(const void *w, const cv_xq_block *x, int64_t nb) {
+    const cv_block_q2_k *b = w;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < nb; i++) {
+        const cv_block_q2_k *s = b + i / 8;
+        const int h = (int)(i % 8) / 4, k = (int)(i % 4);
+        uint16_t dh, dminh;
+        memcpy(&dh, &s->d, 2);
+        memcpy(&dminh, &s->dmin, 2);
+        int32_t a = 0, m = 0;
+        for (int half = 0; half < 2; half++) {
+            int32_t dot = 0, xs = 0;
+            for (int l = 16 * half; l < 16 * half + 16; l++) {
+                dot += ((s->qs[32 * h + l] >> (2 * k)) & 3) * x[i].q[l];
+                xs += x[i].q[l];
+            }
+            const uint8_t sc = s->scales[8 * h + 2 * k + half];
+            a += (sc & 0xf) * dot;
+            m += (sc >> 4) * xs;
+        }
+        sum += x[i].d * (cv_qh_to_f32(dh) * (float)a - cv_qh_to_f32(dminh) * (float)m);
+    }
+    return sum;
+}
+
+/* Q8_M: per half h, the exact integers dot_h (weights times activations)
+ * and sum_h (the activations); the block adds
+ * x.d * ((d0 * dot0 + d1 * dot1) + (m0 * sum0 + m1 * sum1)). */
+float cv_q8m_dot_scalar(const void *w, const cv_xq_block *x, int64_t nb) {
+    const cv_block_q8_m *b = w;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < nb; i++) {
+        int32_t dot[2] = {0, 0}, xs[2] = {0, 0};
+        for (int j = 0; j < CV_QK; j++) {
+            dot[j / 16] += (int32_t)b[i].qs[j] * x[i].q[j];
+            xs[j / 16] += x[i].q[j];
+        }
+        sum += x[i].d * ((b[i].d[0] * (float)dot[0] + b[i].d[1] * (float)dot[1]) +
+                         (b[i].m[0] * (float)xs[0] + b[i].m[1] * (float)xs[1]));
+    }
+    return sum;
+}
+
 cv_qdot_fn cv_qdot_scalar(cv_dtype t) {
     switch (t) {
+    case CV_Q2_K: return cv_q2k_dot_scalar;
+    case CV_Q8_M: return cv_q8m_dot_scalar;
     case CV_Q8_0: return dot_q8_0;
     case CV_Q4_0: return dot_q4_0;
     case CV_Q4_1: return dot_q4_1;
@@ -106,9 +155,24 @@ SCALAR_TILE(q4_1)
 SCALAR_TILE(q4_f)
 SCALAR_TILE(q8_f)
 
+static void tile_q2_k(const void *w, size_t w_stride, const cv_xq_block *x, int64_t x_stride, int64_t nb,
+                      float *out) {
+    (void)w_stride;
+    (void)x_stride;
+    out[0] = cv_q2k_dot_scalar(w, x, nb);
+}
+
+static void tile_q8_m(const void *w, size_t w_stride, const cv_xq_block *x, int64_t x_stride, int64_t nb,
+                      float *out) {
+    (void)w_stride;
+    (void)x_stride;
+    out[0] = cv_q8m_dot_scalar(w, x, nb);
+}
+
 static int qtiles_scalar(cv_dtype t, cv_qtiles *out) {
     const cv_qtile_fn f = t == CV_Q8_0 ? tile_q8_0 : t == CV_Q4_0 ? tile_q4_0 : t == CV_Q4_1 ? tile_q4_1
-                        : t == CV_Q4_F ? tile_q4_f : t == CV_Q8_F ? tile_q8_f : NULL;
+                        : t == CV_Q4_F ? tile_q4_f : t == CV_Q8_F ? tile_q8_f : t == CV_Q2_K ? tile_q2_k
+                        : t == CV_Q8_M ? tile_q8_m : NULL;
     if (!f) return 0;
     *out = (cv_qtiles){.max_tokens = 1, .rows = {0, 1}, .tile = {NULL, f}, .row = {NULL, f}};
     return 1;
@@ -170,7 +234,8 @@ const char *cv_qlevel_name(cv_qlevel l) {
 /* The micro-kernels of dtype at level l (plain C where l has none). */
 static void tiles_for(cv_dtype t, cv_qlevel l, cv_qtiles *out) {
     int ok = 0;
-    if (l == CV_QL_AVX512VNNI || l == CV_QL_AVXVNNI) ok = cv_qtiles_vnni(t, l == CV_QL_AVX512VNNI, out);
+    if ((t == CV_Q2_K || t == CV_Q8_M) && l != CV_QL_SCALAR) ok = cv_qtiles_q2k(t, out); /* quant_q2k.c */
+    else if (l == CV_QL_AVX512VNNI || l == CV_QL_AVXVNNI) ok = cv_qtiles_vnni(t, l == CV_QL_AVX512VNNI, out);
     else if (l == CV_QL_AVX2) ok = cv_qtiles_avx2(t, out);
     if (!ok) qtiles_scalar(t, out);
 }
@@ -190,8 +255,9 @@ int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dt
         return cv_set_err(err, CV_ERR_TYPE, "matrix_prepare: the CPU computes %s as %s; ask for that",
                           cv_dtype_name(dtype), cv_dtype_name(cv_quant_compute_type(dtype)));
     /* from a quantized source: its blocks as they are, or repacked exactly */
-    const int repack = cv_dtype_is_quant(src_dtype) && (src_dtype == dtype || dtype == CV_Q8_F ||
-                                                        cv_quant_compute_type(src_dtype) == dtype);
+    const int repack = cv_dtype_is_quant(src_dtype) && (src_dtype == dtype || dtype == CV_Q8_F || dtype == CV_Q8_M ||
+                                                        cv_quant_compute_type(src_dtype) == dtype) &&
+                       !(dtype == CV_Q8_F && (src_dtype == CV_Q2_K || src_dtype == CV_Q8_M)); /* two mins a block */
     if (!repack && (!cv_dtype_can_quantize(dtype) ||
                     (src_dtype != CV_F32 && src_dtype != CV_F16 && src_dtype != CV_BF16 && !cv_dtype_is_quant(src_dtype))))
         return cv_set_err(err, CV_ERR_TYPE, "matrix_prepare: source dtype %s cannot be made %s",

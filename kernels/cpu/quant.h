@@ -53,6 +53,11 @@ cv_qdot_fn cv_qdot_scalar(cv_dtype t);
  * level is not built or dtype is not quantized. */
 int cv_qtiles_avx2(cv_dtype t, cv_qtiles *out);
 int cv_qtiles_vnni(cv_dtype t, int avx512, cv_qtiles *out); /* avx512: EVEX vpdpbusd, else AVX-VNNI */
+/* Q2_K (computed as stored) and Q8_M (quant_format.h): the plain-C dots, and
+ * the AVX2 tiles every SIMD level uses (quant_q2k.c; 0 when not built). */
+float cv_q2k_dot_scalar(const void *w, const cv_xq_block *x, int64_t nb);
+float cv_q8m_dot_scalar(const void *w, const cv_xq_block *x, int64_t nb);
+int cv_qtiles_q2k(cv_dtype t, cv_qtiles *out);
 
 /* Quantizes the n activations x (n a multiple of CV_QK) into n/32 blocks. */
 void cv_quantize_x(cv_xq_block *out, const float *x, int64_t n);

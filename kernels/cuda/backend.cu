@@ -187,6 +187,8 @@ static const char *dtname(cv_dtype t) {
     case CV_Q3_K: return "q3_k";
     case CV_Q4_F: return "q4_f32";
     case CV_Q8_F: return "q8_f32";
+    case CV_Q2_K: return "q2_k";
+    case CV_Q8_M: return "q8_m32";
     default: return "invalid";
     }
 }

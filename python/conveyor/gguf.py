@@ -32,9 +32,14 @@ K-quant super-blocks of 256 elements (read only; no quantizer here):
           2(i // 4) of scales[8 + i % 4]); element 128h + 32k + l is bits 2k, 2k+1 of
           qs[32h + l], minus 4 unless bit 4h + k of hmask[l] is set
                                                         x = (d * (sc[8h + 2k + l // 16] - 32)) * q
+    Q2_K  u8 scales[16], u8 qs[64], d, dmin: 16 sub-blocks of 16, sub-block i with scale
+          sc = scales[i] & 15 and min mn = scales[i] >> 4; element 128h + 32k + l is bits 2k,
+          2k+1 of qs[32h + l] (as Q3_K's), in sub-block 8h + 2k + l // 16
+                                                        x = (d * sc) * q - (dmin * mn)
 All products above are exact in float32 (at most 24 significant bits); only the final
 ``- dmin * mn`` / ``+ m`` rounds, once. The quantizers of these five types are plain
-round-to-nearest ones (not ggml's search for the best scales): valid files for tests.
+round-to-nearest ones (not ggml's search for the best scales): valid files for tests
+(Q2_K's too).
 The quantizers round like ggml's reference ones (scale from float32 arithmetic, then the
 scale stored as float16): Q8_0 d = amax/127, q = round-half-away(x/d); Q4_0 d = -max/8
 where max is the element of largest magnitude, q = min(15, trunc(x/d + 8.5)); Q4_1
@@ -121,6 +126,7 @@ class GGMLType(enum.IntEnum):
     Q5_0 = 6
     Q5_1 = 7
     Q8_0 = 8
+    Q2_K = 10
     Q3_K = 11
     Q4_K = 12
     Q5_K = 13
@@ -147,7 +153,7 @@ _TYPE_LAYOUT = {
     GGMLType.F32: (1, 4), GGMLType.F16: (1, 2), GGMLType.BF16: (1, 2),
     GGMLType.Q8_0: (32, 34), GGMLType.Q4_0: (32, 18), GGMLType.Q4_1: (32, 20),
     GGMLType.Q5_0: (32, 22), GGMLType.Q5_1: (32, 24),
-    GGMLType.Q3_K: (256, 110), GGMLType.Q4_K: (256, 144), GGMLType.Q5_K: (256, 176), GGMLType.Q6_K: (256, 210),
+    GGMLType.Q2_K: (256, 84), GGMLType.Q3_K: (256, 110), GGMLType.Q4_K: (256, 144), GGMLType.Q5_K: (256, 176), GGMLType.Q6_K: (256, 210),
 }
 QUANTIZABLE = tuple(t for t in GGMLType if _TYPE_LAYOUT[t][0] > 1)  # block types quantize() makes
 
@@ -219,7 +225,8 @@ def quantize(x, ggml_type) -> np.ndarray:
         return np.ascontiguousarray(x).astype("<f2").reshape(-1).view(np.uint8)
     if t == GGMLType.BF16:
         return _bf16_bits(x.reshape(-1)).astype("<u2").view(np.uint8)
-    if t in (GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K):
+    if t in (GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K,
+             GGMLType.Q6_K):
         return _quantize_simple(x, t)
     b = _blocks(x)
     n = b.shape[0]
@@ -298,6 +305,8 @@ def _dequantize_blocks(b: np.ndarray, t: GGMLType) -> np.ndarray:
         out = _dequantize_q45_k(b, t)
     elif t == GGMLType.Q3_K:
         out = _dequantize_q3_k(b)
+    elif t == GGMLType.Q2_K:
+        out = _dequantize_q2_k(b)
     else:
         out = _dequantize_q6_k(b)
     return out.reshape(-1)
@@ -324,6 +333,23 @@ def _dequantize_q3_k(b: np.ndarray) -> np.ndarray:
             q = low.astype(np.float32) - np.where(high == 1, 0, 4).astype(np.float32)
             scale = d * sc[:, 8 * h + 2 * k:8 * h + 2 * k + 2]   # [n][2]: exact
             out[:, h, k] = np.repeat(scale, 16, axis=1) * q
+    return out
+
+
+def _dequantize_q2_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    sc = (b[:, 0:16] & 0x0F).astype(np.float32)              # [n][16]
+    mn = (b[:, 0:16] >> 4).astype(np.float32)
+    qs = b[:, 16:80]
+    d = b[:, 80:82].copy().view("<f2").astype(np.float32)    # [n][1]
+    dmin = b[:, 82:84].copy().view("<f2").astype(np.float32)
+    out = np.empty((n, 2, 4, 32), np.float32)                 # element 128h + 32k + l
+    for h in range(2):
+        for k in range(4):
+            q = ((qs[:, 32 * h:32 * h + 32] >> (2 * k)) & 3).astype(np.float32)
+            i = slice(8 * h + 2 * k, 8 * h + 2 * k + 2)       # the two 16-element halves
+            scale, low = d * sc[:, i], dmin * mn[:, i]         # [n][2]: exact
+            out[:, h, k] = np.repeat(scale, 16, axis=1) * q - np.repeat(low, 16, axis=1)
     return out
 
 
@@ -383,6 +409,22 @@ def _quantize_simple(x: np.ndarray, t: GGMLType) -> np.ndarray:
         if t == GGMLType.Q5_K:
             hb = ((q >> 4) & 1) << np.arange(8)[None, :, None]  # [n][8][32]: bit s of qh[l]
             out[:, 16:48] = hb.sum(axis=1).astype(np.uint8)
+        return out.reshape(-1)
+    if t == GGMLType.Q2_K:  # 16 sub-blocks of 16: x = (d * sc) * q - (dmin * mn), q in 0..3, sc and mn 0..15
+        sub = b.reshape(n, 16, 16)
+        lo = np.minimum(sub.min(axis=2), 0)
+        scale, mins = (sub.max(axis=2) - lo) / np.float32(3), -lo
+        d, dmin = f16(scale.max(axis=1) / np.float32(15)), f16(mins.max(axis=1) / np.float32(15))
+        sc = _round_clip(scale * _inverse(d)[:, None], 0, 15)
+        mn = _round_clip(np.ceil(mins * _inverse(dmin)[:, None]), 0, 15)
+        eff_d, eff_m = (d[:, None] * sc).astype(np.float32), (dmin[:, None] * mn).astype(np.float32)
+        q = _round_clip((sub + eff_m[:, :, None]) * _inverse(eff_d.reshape(-1)).reshape(n, 16)[:, :, None], 0, 3)
+        q = q.reshape(n, 2, 4, 32)                              # element 128h + 32k + l
+        for h in range(2):
+            for k in range(4):
+                out[:, 16 + 32 * h:48 + 32 * h] |= (q[:, h, k] << (2 * k)).astype(np.uint8)
+        out[:, 0:16] = (sc | (mn << 4)).astype(np.uint8)
+        out[:, 80:82], out[:, 82:84] = _f16_bytes(d), _f16_bytes(dmin)
         return out.reshape(-1)
     if t == GGMLType.Q3_K:  # 16 sub-blocks of 16, q in -4..3, scales sc - 32 in -32..31
         sub = b.reshape(n, 16, 16)

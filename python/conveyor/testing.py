@@ -845,7 +845,7 @@ def write_gguf_checkpoint(path, *, shape="tiny", arch: str | None = None, ggml_t
     its local layers.
 
     ``ggml_type``: the type of the 2-D weights (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
-    Q5_1, Q4_K, Q5_K, Q6_K); ``embed_type``: token_embd/output (default: ``ggml_type``);
+    Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K); ``embed_type``: token_embd/output (default: ``ggml_type``);
     ``tensor_types``: per-matrix types by llama.cpp's short name ("attn_k", "ffn_down", ...),
     as a K-quant mix stores them. A matrix whose rows are not a multiple of the type's
     block cannot be block-quantized and is stored as F32 (llama.cpp also falls back for
@@ -876,7 +876,7 @@ def write_gguf_checkpoint(path, *, shape="tiny", arch: str | None = None, ggml_t
     w.add("general.architecture", arch)
     w.add("general.name", f"conveyor-random-{arch}-{mat_type.name.lower()}")
     w.add("general.file_type", {GGMLType.F32: 0, GGMLType.F16: 1, GGMLType.Q4_0: 2, GGMLType.Q4_1: 3,
-                                GGMLType.Q8_0: 7, GGMLType.Q5_0: 8, GGMLType.Q5_1: 9, GGMLType.Q3_K: 12, GGMLType.Q4_K: 15,
+                                GGMLType.Q8_0: 7, GGMLType.Q5_0: 8, GGMLType.Q5_1: 9, GGMLType.Q2_K: 10, GGMLType.Q3_K: 12, GGMLType.Q4_K: 15,
                                 GGMLType.Q5_K: 17, GGMLType.Q6_K: 18, GGMLType.BF16: 32}[mat_type], U32)
     w.add(f"{arch}.context_length", int(context_length or s["max_pos"]), U32)
     w.add(f"{arch}.embedding_length", dim, U32)
