@@ -23,6 +23,7 @@ typedef struct cv_xq_block {
     int8_t q[CV_QK];
     float d; /* x = d * q */
     float s; /* d * sum(q) */
+    int32_t sum; /* sum(q) */
 } cv_xq_block;
 
 /* Dot product of one weight row (nb blocks) with nb activation blocks. */
@@ -53,6 +54,41 @@ cv_qdot_fn cv_qdot_scalar(cv_dtype t);
  * level is not built or dtype is not quantized. */
 int cv_qtiles_avx2(cv_dtype t, cv_qtiles *out);
 int cv_qtiles_vnni(cv_dtype t, int avx512, cv_qtiles *out); /* avx512: EVEX vpdpbusd, else AVX-VNNI */
+
+/* The panel layout (cv_matrix.layout CV_QLAYOUT_P16) of the AVX512-VNNI
+ * level, for Q8_0, Q4_0, Q4_1 and Q4_F (cv_qp16_packs): rows in panels of
+ * 16 (zero rows pad the last), each panel `stride` bytes (a multiple of 64)
+ *   qs [nb][QB]  block i's weights as u8 operands of vpdpbusd: 64-byte
+ *                vector g holds, for row r, bytes 4r..4r+3:
+ *                Q8_0 (QB 512, g 0..7): w + 128 of elements 4g..4g+3;
+ *                Q4 (QB 256, g 0..3): GGUF's bytes 4g..4g+3 of the row's
+ *                block (low nibbles elements 4g.., high ones 16 + 4g..);
+ *   d  [nb][16]  the rows' scales (float16; Q4_F float32);
+ *   m  [nb][16]  Q4_1 / Q4_F: the rows' mins, as d.
+ * Each output lane (row, token) runs, over the blocks i in order:
+ *   acc = fma(float(idot_i), dw_i * dx_i, acc) [; acc = fma(m_i, s_i, acc)]
+ * where idot_i is the exact integer block dot (Q8_0's +128 and Q4_0's -8
+ * taken out exactly, in the integer start value), whatever the tile, so a
+ * token's outputs are the same bits alone or in any batch. The other levels
+ * read such a matrix through cv_qp16_unpack (exact: the GGUF blocks). */
+enum { CV_QLAYOUT_ROWS = 0, CV_QLAYOUT_P16 = 1 };
+#define CV_QP16_ROWS 16
+#define CV_QP16_MAX_TOKENS 8
+int cv_qp16_packs(cv_dtype t);
+size_t cv_qp16_stride(cv_dtype t, int64_t nb);
+/* Packs rows x (nb blocks) of row-major blocks of type t into dst
+ * (panels(rows) * stride bytes). */
+void cv_qp16_pack(void *dst, const void *src, cv_dtype t, int64_t rows, int64_t nb);
+/* Rows [0, n) (n <= 16) of one panel back into row-major blocks (row_bytes apart). */
+void cv_qp16_unpack(void *dst, size_t row_bytes, const void *panel, cv_dtype t, int n, int64_t nb);
+/* out[t * P * 16 + lane]: P panels (stride bytes apart) x T tokens (x_stride
+ * blocks apart). */
+typedef void (*cv_qp16_fn)(const void *w, size_t stride, int64_t nb, const cv_xq_block *x, int64_t x_stride,
+                           float *out);
+/* The kernel of P panels (1, 2 or 4) x T tokens (1..8) for dtype; NULL when not built. */
+cv_qp16_fn cv_qp16_kernel(cv_dtype t, int panels, int tokens);
+/* Panels of a full tile at T tokens. */
+static inline int cv_qp16_panels_for(int tokens) { return tokens <= 2 ? 4 : tokens <= 4 ? 2 : 1; }
 
 /* Quantizes the n activations x (n a multiple of CV_QK) into n/32 blocks. */
 void cv_quantize_x(cv_xq_block *out, const float *x, int64_t n);

@@ -1,0 +1,273 @@
+/* The AVX512-VNNI quantized GEMM on panel-packed weights (the P16 layout and
+ * its per-lane contract: quant.h). Output lanes are weight rows: a 64-byte
+ * vector holds 4 consecutive weights of 16 rows, so one vpdpbusd with the 4
+ * activation bytes of one token broadcast adds 64 products into the 16 rows'
+ * exact int32 block dots. A tile is P panels (16 P rows) x T tokens: per
+ * group of 4 columns it loads (and, for 4 bits, unpacks) each panel's vector
+ * once for the T tokens and broadcasts each token's 4 bytes once for the P
+ * panels; per block of 32 it turns each int32 dot into the float accumulator
+ * with one conversion, one multiply (the two scales) and one FMA (plus one
+ * FMA for a min). P x T independent dot chains cover vpdpbusd's latency: 4 x
+ * 1 and 4 x 2 for decode (the weights stream from memory, four streams), 2 x
+ * 3..4 and 1 x 5..8 for batched steps (a panel's weights stay in L1 while
+ * every token tile of the block meets them). The layout's packing and
+ * unpacking are plain C and built everywhere. */
+#include "quant.h"
+
+#include <string.h>
+
+/* ---- the layout ------------------------------------------------------------ */
+
+int cv_qp16_packs(cv_dtype t) { return t == CV_Q8_0 || t == CV_Q4_0 || t == CV_Q4_1 || t == CV_Q4_F; }
+
+static size_t qp_qbytes(cv_dtype t) { return t == CV_Q8_0 ? 512 : 256; }
+static size_t qp_sbytes(cv_dtype t) { return t == CV_Q4_F ? 64 : 32; }
+static int qp_has_min(cv_dtype t) { return t == CV_Q4_1 || t == CV_Q4_F; }
+
+size_t cv_qp16_stride(cv_dtype t, int64_t nb) {
+    const size_t per = qp_qbytes(t) + qp_sbytes(t) * (qp_has_min(t) ? 2 : 1);
+    return ((size_t)nb * per + 63) & ~(size_t)63;
+}
+
+/* Row r's scale (and min) of block i, as stored: 2 or 4 bytes each. */
+static void qp_scales_of(const void *blk, cv_dtype t, void *d, void *m) {
+    switch (t) {
+    case CV_Q8_0: memcpy(d, &((const cv_block_q8_0 *)blk)->d, 2); break;
+    case CV_Q4_0: memcpy(d, &((const cv_block_q4_0 *)blk)->d, 2); break;
+    case CV_Q4_1:
+        memcpy(d, &((const cv_block_q4_1 *)blk)->d, 2);
+        memcpy(m, &((const cv_block_q4_1 *)blk)->m, 2);
+        break;
+    default:
+        memcpy(d, &((const cv_block_q4_f *)blk)->d, 4);
+        memcpy(m, &((const cv_block_q4_f *)blk)->m, 4);
+        break;
+    }
+}
+
+static const uint8_t *qp_qs_of(const void *blk, cv_dtype t) {
+    switch (t) {
+    case CV_Q8_0: return (const uint8_t *)((const cv_block_q8_0 *)blk)->qs;
+    case CV_Q4_0: return ((const cv_block_q4_0 *)blk)->qs;
+    case CV_Q4_1: return ((const cv_block_q4_1 *)blk)->qs;
+    default: return ((const cv_block_q4_f *)blk)->qs;
+    }
+}
+
+void cv_qp16_pack(void *dst, const void *src, cv_dtype t, int64_t rows, int64_t nb) {
+    const size_t stride = cv_qp16_stride(t, nb), qb = qp_qbytes(t), sb = qp_sbytes(t), ss = sb / 16;
+    const size_t bb = cv_quant_block_bytes(t), row_bytes = (size_t)nb * bb;
+    const int64_t panels = (rows + CV_QP16_ROWS - 1) / CV_QP16_ROWS;
+    memset(dst, 0, (size_t)panels * stride);
+    for (int64_t p = 0; p < panels; p++) {
+        uint8_t *qs = (uint8_t *)dst + (size_t)p * stride, *d = qs + (size_t)nb * qb, *m = d + (size_t)nb * sb;
+        for (int r = 0; r < CV_QP16_ROWS; r++) {
+            const int64_t row = p * CV_QP16_ROWS + r;
+            for (int64_t i = 0; i < nb; i++) {
+                uint8_t *q = qs + (size_t)i * qb + 4 * (size_t)r;
+                if (row >= rows) { /* padding: zero weights (Q8_0: 128), zero scales */
+                    if (t == CV_Q8_0)
+                        for (int g = 0; g < 8; g++) memset(q + 64 * g, 128, 4);
+                    continue;
+                }
+                const void *blk = (const char *)src + (size_t)row * row_bytes + (size_t)i * bb;
+                const uint8_t *w = qp_qs_of(blk, t);
+                if (t == CV_Q8_0)
+                    for (int g = 0; g < 8; g++)
+                        for (int b = 0; b < 4; b++) q[64 * g + b] = (uint8_t)((int8_t)w[4 * g + b] + 128);
+                else
+                    for (int g = 0; g < 4; g++) memcpy(q + 64 * g, w + 4 * g, 4);
+                qp_scales_of(blk, t, d + (size_t)i * sb + (size_t)r * ss, m + (size_t)i * sb + (size_t)r * ss);
+            }
+        }
+    }
+}
+
+void cv_qp16_unpack(void *dst, size_t row_bytes, const void *panel, cv_dtype t, int n, int64_t nb) {
+    const size_t qb = qp_qbytes(t), sb = qp_sbytes(t), ss = sb / 16, bb = cv_quant_block_bytes(t);
+    const uint8_t *qs = panel, *d = qs + (size_t)nb * qb, *m = d + (size_t)nb * sb;
+    for (int r = 0; r < n; r++)
+        for (int64_t i = 0; i < nb; i++) {
+            char *blk = (char *)dst + (size_t)r * row_bytes + (size_t)i * bb;
+            const uint8_t *q = qs + (size_t)i * qb + 4 * (size_t)r;
+            const uint8_t *dr = d + (size_t)i * sb + (size_t)r * ss, *mr = m + (size_t)i * sb + (size_t)r * ss;
+            switch (t) {
+            case CV_Q8_0: {
+                cv_block_q8_0 *b = (cv_block_q8_0 *)(void *)blk;
+                memcpy(&b->d, dr, 2);
+                for (int g = 0; g < 8; g++)
+                    for (int k = 0; k < 4; k++) b->qs[4 * g + k] = (int8_t)(q[64 * g + k] - 128);
+                break;
+            }
+            case CV_Q4_0: {
+                cv_block_q4_0 *b = (cv_block_q4_0 *)(void *)blk;
+                memcpy(&b->d, dr, 2);
+                for (int g = 0; g < 4; g++) memcpy(b->qs + 4 * g, q + 64 * g, 4);
+                break;
+            }
+            case CV_Q4_1: {
+                cv_block_q4_1 *b = (cv_block_q4_1 *)(void *)blk;
+                memcpy(&b->d, dr, 2);
+                memcpy(&b->m, mr, 2);
+                for (int g = 0; g < 4; g++) memcpy(b->qs + 4 * g, q + 64 * g, 4);
+                break;
+            }
+            default: {
+                cv_block_q4_f *b = (cv_block_q4_f *)(void *)blk;
+                memcpy(&b->d, dr, 4);
+                memcpy(&b->m, mr, 4);
+                for (int g = 0; g < 4; g++) memcpy(b->qs + 4 * g, q + 64 * g, 4);
+                break;
+            }
+            }
+        }
+}
+
+/* ---- the kernels ------------------------------------------------------------ */
+
+#if CV_HAVE_AVX512 && (defined(CV_EMULATE_AVX512) || (defined(__GNUC__) && (__GNUC__ >= 11 || \
+    (defined(__clang_major__) && __clang_major__ >= 12))))
+
+CV_TARGET_BEGIN("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+
+static CV_ALWAYS_INLINE __m512i qp_bcast4(const int8_t *q) {
+    int32_t v;
+    memcpy(&v, q, sizeof v);
+    return _mm512_set1_epi32(v);
+}
+
+/* P panels x T tokens of type `type` (P, T and type constants at each call). */
+static CV_ALWAYS_INLINE void qp_tile(const cv_dtype type, const int P, const int T, const void *w, size_t stride,
+                                     int64_t nb, const cv_xq_block *x, int64_t xs, float *out) {
+    const size_t qb = type == CV_Q8_0 ? 512 : 256, sb = type == CV_Q4_F ? 64 : 32;
+    const int has_min = type == CV_Q4_1 || type == CV_Q4_F;
+    const uint8_t *base = w;
+    __m512 acc[4][CV_QP16_MAX_TOKENS];
+#pragma GCC unroll 4
+    for (int p = 0; p < P; p++)
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) acc[p][t] = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    for (int64_t i = 0; i < nb; i++) {
+        __m512 dw[4], mw[4];
+        const uint8_t *qs[4];
+#pragma GCC unroll 4
+        for (int p = 0; p < P; p++) {
+            const uint8_t *pp = base + (size_t)p * stride;
+            qs[p] = pp + (size_t)i * qb;
+            const uint8_t *sc = pp + (size_t)nb * qb + (size_t)i * sb;
+            if (type == CV_Q4_F) {
+                dw[p] = _mm512_loadu_ps((const void *)sc);
+                mw[p] = _mm512_loadu_ps((const void *)(sc + (size_t)nb * sb));
+            } else {
+                dw[p] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)sc));
+                if (has_min)
+                    mw[p] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(sc + (size_t)nb * sb)));
+                else
+                    mw[p] = _mm512_setzero_ps();
+            }
+        }
+        __m512i dot[4][CV_QP16_MAX_TOKENS];
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) { /* the exact integer start: Q8_0's +128, Q4_0's -8 taken out */
+            const int32_t s = x[t * xs + i].sum;
+            const __m512i b = _mm512_set1_epi32(type == CV_Q8_0 ? -128 * s : type == CV_Q4_0 ? -8 * s : 0);
+#pragma GCC unroll 4
+            for (int p = 0; p < P; p++) dot[p][t] = b;
+        }
+        if (type == CV_Q8_0) {
+#pragma GCC unroll 8
+            for (int g = 0; g < 8; g++) {
+                __m512i wv[4];
+#pragma GCC unroll 4
+                for (int p = 0; p < P; p++) wv[p] = _mm512_loadu_si512((const void *)(qs[p] + 64 * g));
+#pragma GCC unroll 8
+                for (int t = 0; t < T; t++) {
+                    const __m512i xb = qp_bcast4(x[t * xs + i].q + 4 * g);
+#pragma GCC unroll 4
+                    for (int p = 0; p < P; p++) dot[p][t] = _mm512_dpbusd_epi32(dot[p][t], wv[p], xb);
+                }
+            }
+        } else {
+#pragma GCC unroll 4
+            for (int g = 0; g < 4; g++) {
+                __m512i lo[4], hi[4];
+#pragma GCC unroll 4
+                for (int p = 0; p < P; p++) {
+                    const __m512i v = _mm512_loadu_si512((const void *)(qs[p] + 64 * g));
+                    lo[p] = _mm512_and_si512(v, low4);
+                    hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                }
+#pragma GCC unroll 8
+                for (int t = 0; t < T; t++) {
+                    const __m512i xl = qp_bcast4(x[t * xs + i].q + 4 * g);
+                    const __m512i xh = qp_bcast4(x[t * xs + i].q + 16 + 4 * g);
+#pragma GCC unroll 4
+                    for (int p = 0; p < P; p++) {
+                        dot[p][t] = _mm512_dpbusd_epi32(dot[p][t], lo[p], xl);
+                        dot[p][t] = _mm512_dpbusd_epi32(dot[p][t], hi[p], xh);
+                    }
+                }
+            }
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) {
+            const __m512 dx = _mm512_set1_ps(x[t * xs + i].d);
+#pragma GCC unroll 4
+            for (int p = 0; p < P; p++) {
+                acc[p][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[p][t]), _mm512_mul_ps(dw[p], dx), acc[p][t]);
+                if (has_min) acc[p][t] = _mm512_fmadd_ps(mw[p], _mm512_set1_ps(x[t * xs + i].s), acc[p][t]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < T; t++)
+#pragma GCC unroll 4
+        for (int p = 0; p < P; p++) _mm512_storeu_ps(out + (size_t)(t * P + p) * CV_QP16_ROWS, acc[p][t]);
+}
+
+#define QP_FN(TY, P, T) qp_##TY##_##P##x##T
+#define QP_ONE(TY, TYPE, P, T)                                                                               \
+    static void QP_FN(TY, P, T)(const void *w, size_t stride, int64_t nb, const cv_xq_block *x, int64_t xs, \
+                                float *out) {                                                              \
+        qp_tile(TYPE, P, T, w, stride, nb, x, xs, out);                                                    \
+    }
+#define QP_TYPE(TY, TYPE)                                                                                    \
+    QP_ONE(TY, TYPE, 4, 1) QP_ONE(TY, TYPE, 4, 2) QP_ONE(TY, TYPE, 2, 3) QP_ONE(TY, TYPE, 2, 4)                \
+    QP_ONE(TY, TYPE, 1, 1) QP_ONE(TY, TYPE, 1, 2) QP_ONE(TY, TYPE, 1, 3) QP_ONE(TY, TYPE, 1, 4)                \
+    QP_ONE(TY, TYPE, 1, 5) QP_ONE(TY, TYPE, 1, 6) QP_ONE(TY, TYPE, 1, 7) QP_ONE(TY, TYPE, 1, 8)                \
+    static const cv_qp16_fn qp_##TY[9][2] = {                                                                \
+        {NULL, NULL},                                                                                        \
+        {QP_FN(TY, 1, 1), QP_FN(TY, 4, 1)}, {QP_FN(TY, 1, 2), QP_FN(TY, 4, 2)},                                \
+        {QP_FN(TY, 1, 3), QP_FN(TY, 2, 3)}, {QP_FN(TY, 1, 4), QP_FN(TY, 2, 4)},                                \
+        {QP_FN(TY, 1, 5), QP_FN(TY, 1, 5)}, {QP_FN(TY, 1, 6), QP_FN(TY, 1, 6)},                                \
+        {QP_FN(TY, 1, 7), QP_FN(TY, 1, 7)}, {QP_FN(TY, 1, 8), QP_FN(TY, 1, 8)},                                \
+    };
+QP_TYPE(q8_0, CV_Q8_0)
+QP_TYPE(q4_0, CV_Q4_0)
+QP_TYPE(q4_1, CV_Q4_1)
+QP_TYPE(q4_f, CV_Q4_F)
+
+CV_TARGET_END
+
+cv_qp16_fn cv_qp16_kernel(cv_dtype t, int panels, int tokens) {
+    if (tokens < 1 || tokens > CV_QP16_MAX_TOKENS) return NULL;
+    const int full = panels == cv_qp16_panels_for(tokens);
+    if (panels != 1 && !full) return NULL;
+    switch (t) {
+    case CV_Q8_0: return qp_q8_0[tokens][full];
+    case CV_Q4_0: return qp_q4_0[tokens][full];
+    case CV_Q4_1: return qp_q4_1[tokens][full];
+    case CV_Q4_F: return qp_q4_f[tokens][full];
+    default: return NULL;
+    }
+}
+
+#else
+cv_qp16_fn cv_qp16_kernel(cv_dtype t, int panels, int tokens) {
+    (void)t;
+    (void)panels;
+    (void)tokens;
+    return NULL;
+}
+#endif
