@@ -278,6 +278,7 @@ done:
 /* ---- GEMM ------------------------------------------------------------------ */
 
 typedef struct qgemm_job {
+    cv_rows units;         /* the P16 path's dynamic regions: tokens to quantize, then chunks of panels */
     float *out;
     const cv_matrix *w;
     const float *bias;
@@ -292,9 +293,8 @@ typedef struct qgemm_job {
     cv_qtiles k;
 } qgemm_job;
 
-static void quantize_fn(void *arg, int tid, int nth) {
-    qgemm_job *j = arg;
-    const int64_t a = j->nt * tid / nth, z = j->nt * (tid + 1) / nth;
+/* Tokens [a, z) of the block: quantized (their prologue rows made first). */
+static void quantize_range(qgemm_job *j, int tid, int64_t a, int64_t z) {
     const int64_t cols = j->w->cols;
     float *row = j->in.kind != CV_IN_X ? cv_cpu_gemm_rows_buf(j->cpu, tid, (size_t)cols) : NULL;
     for (int64_t t = a; t < z; t++) {
@@ -305,6 +305,17 @@ static void quantize_fn(void *arg, int tid, int nth) {
         }
         j->quantize(j->xq_w + t * j->nb, x, cols);
     }
+}
+
+static void quantize_fn(void *arg, int tid, int nth) {
+    qgemm_job *j = arg;
+    quantize_range(j, tid, j->nt * tid / nth, j->nt * (tid + 1) / nth);
+}
+
+static void quantize_dyn_fn(void *arg, int tid, int nth) {
+    (void)nth;
+    qgemm_job *j = arg;
+    for (int64_t a, z; cv_rows_claim(&j->units, &a, &z);) quantize_range(j, tid, a, z);
 }
 
 /* Stores a rows x tokens tile v[r * tokens + t] at output rows r0.. of tokens t0.. */
@@ -359,15 +370,17 @@ static void rows_fn(void *arg, int tid, int nth) {
  * each, every token tile meets every panel (tiles of P panels x T tokens). */
 #define QP_CHUNK 4
 static void panels_fn(void *arg, int tid, int nth) {
+    (void)tid;
+    (void)nth;
     qgemm_job *j = arg;
     const int64_t rows = j->w->rows, nb = j->nb, n_out = rows;
     const int64_t panels = (rows + CV_QP16_ROWS - 1) / CV_QP16_ROWS;
-    const int64_t p0 = panels * tid / nth, p1 = panels * (tid + 1) / nth;
     const size_t stride = cv_qp16_stride(j->w->dtype, nb);
     const cv_dtype dt = j->w->dtype;
     float v[4 * CV_QP16_ROWS * CV_QP16_MAX_TOKENS];
-    for (int64_t c0 = p0; c0 < p1; c0 += QP_CHUNK) {
-        const int64_t c1 = c0 + QP_CHUNK < p1 ? c0 + QP_CHUNK : p1;
+    for (int64_t u0, u1; cv_rows_claim(&j->units, &u0, &u1);)
+    for (int64_t c0 = u0 * QP_CHUNK; c0 < u1 * QP_CHUNK && c0 < panels; c0 += QP_CHUNK) {
+        const int64_t c1 = c0 + QP_CHUNK < panels ? c0 + QP_CHUNK : panels;
         for (int64_t t = 0; t < j->nt;) {
             const int T = (int)(j->nt - t < CV_QP16_MAX_TOKENS ? j->nt - t : CV_QP16_MAX_TOKENS);
             const int full = cv_qp16_panels_for(T);
@@ -380,11 +393,14 @@ static void panels_fn(void *arg, int tid, int nth) {
                 for (int tt = 0; tt < T; tt++) {
                     float *o = j->out + (j->t0 + t + tt) * n_out + r0;
                     const float *vt = v + (size_t)tt * np * CV_QP16_ROWS;
-                    for (int r = 0; r < nr; r++) {
-                        float y = vt[r];
-                        if (j->bias) y += j->bias[r0 + r];
-                        o[r] = j->accumulate ? o[r] + y : y;
-                    }
+                    if (!j->bias && !j->accumulate)
+                        memcpy(o, vt, (size_t)nr * sizeof *o);
+                    else
+                        for (int r = 0; r < nr; r++) {
+                            float y = vt[r];
+                            if (j->bias) y += j->bias[r0 + r];
+                            o[r] = j->accumulate ? o[r] + y : y;
+                        }
                 }
                 p += np;
             }
@@ -414,9 +430,16 @@ void cv_cpu_qgemm_in(cv_backend *b, float *out, const cv_gemm_in *in, int64_t n,
         j.nt = n - t0 < QX_TOKENS ? n - t0 : QX_TOKENS;
         j.xq = j.xq_w = xq;
         int nth = cv_threads_for(c, (double)(j.nt * w->cols), 16384.0);
-        cv_pool_run(c->pool, nth, quantize_fn, &j);
+        if (panels && nth > 1) /* dynamic: a descheduled thread does not hold the others */
+            cv_cpu_run_rows(c, nth, &j.units, j.nt, quantize_dyn_fn, &j);
+        else
+            cv_pool_run(c->pool, nth, quantize_fn, &j);
         nth = cv_threads_for(c, (double)(j.nt * w->rows) * (double)w->cols, 65536.0);
-        cv_pool_run(c->pool, nth, panels ? panels_fn : rows_fn, &j);
+        if (panels)
+            cv_cpu_run_rows(c, nth, &j.units, (w->rows + QP_CHUNK * CV_QP16_ROWS - 1) / (QP_CHUNK * CV_QP16_ROWS),
+                            panels_fn, &j);
+        else
+            cv_pool_run(c->pool, nth, rows_fn, &j);
     }
 }
 

@@ -8,9 +8,12 @@
  * panels; per block of 32 it turns each int32 dot into the float accumulator
  * with one conversion, one multiply (the two scales) and one FMA (plus one
  * FMA for a min). P x T independent dot chains cover vpdpbusd's latency: 4 x
- * 1 and 4 x 2 for decode (the weights stream from memory, four streams), 2 x
- * 3..4 and 1 x 5..8 for batched steps (a panel's weights stay in L1 while
- * every token tile of the block meets them). The layout's packing and
+ * 1 and 4 x 2 for decode (the weights stream from memory, four streams),
+ * 2 x 3 and 2 x 4 for batched steps: 2 weight loads and 4 broadcasts per 8
+ * dots, measured best on Zen 4 among 1 x 6..8, 2 x 5..6, 3 x 3..4 and 4 x 3
+ * (tools/qtile_bench.c's P16 part: about 0.8 of the vpdpbusd peak for Q8_0
+ * with the weights in L1; the conversion, the scale product and the FMA of
+ * each block take the rest). The layout's packing and
  * unpacking are plain C and built everywhere. */
 #include "quant.h"
 
@@ -20,12 +23,20 @@
 
 int cv_qp16_packs(cv_dtype t) { return t == CV_Q8_0 || t == CV_Q4_0 || t == CV_Q4_1 || t == CV_Q4_F; }
 
-static size_t qp_qbytes(cv_dtype t) { return t == CV_Q8_0 ? 512 : 256; }
 static size_t qp_sbytes(cv_dtype t) { return t == CV_Q4_F ? 64 : 32; }
-static int qp_has_min(cv_dtype t) { return t == CV_Q4_1 || t == CV_Q4_F; }
+/* Bytes from block i to i + 1 in the qs array (Q4: the block's scales follow
+ * its weights, one stream a panel: 256 + 2 x 32 (Q4_0: the m slot unused) or
+ * 256 + 2 x 64 bytes, whole cache lines). */
+static size_t qp_bbytes(cv_dtype t) { return t == CV_Q8_0 ? 512 : t == CV_Q4_F ? 384 : 320; }
+
+/* Offsets in a panel of block i's scales and mins. */
+static size_t qp_doff(cv_dtype t, int64_t nb, int64_t i) {
+    return t == CV_Q8_0 ? (size_t)nb * 512 + (size_t)i * 32 : (size_t)i * qp_bbytes(t) + 256;
+}
+static size_t qp_moff(cv_dtype t, int64_t nb, int64_t i) { return qp_doff(t, nb, i) + qp_sbytes(t); }
 
 size_t cv_qp16_stride(cv_dtype t, int64_t nb) {
-    const size_t per = qp_qbytes(t) + qp_sbytes(t) * (qp_has_min(t) ? 2 : 1);
+    const size_t per = t == CV_Q8_0 ? 512 + 32 : qp_bbytes(t);
     return ((size_t)nb * per + 63) & ~(size_t)63;
 }
 
@@ -55,12 +66,12 @@ static const uint8_t *qp_qs_of(const void *blk, cv_dtype t) {
 }
 
 void cv_qp16_pack(void *dst, const void *src, cv_dtype t, int64_t rows, int64_t nb) {
-    const size_t stride = cv_qp16_stride(t, nb), qb = qp_qbytes(t), sb = qp_sbytes(t), ss = sb / 16;
+    const size_t stride = cv_qp16_stride(t, nb), qb = qp_bbytes(t), ss = qp_sbytes(t) / 16;
     const size_t bb = cv_quant_block_bytes(t), row_bytes = (size_t)nb * bb;
     const int64_t panels = (rows + CV_QP16_ROWS - 1) / CV_QP16_ROWS;
     memset(dst, 0, (size_t)panels * stride);
     for (int64_t p = 0; p < panels; p++) {
-        uint8_t *qs = (uint8_t *)dst + (size_t)p * stride, *d = qs + (size_t)nb * qb, *m = d + (size_t)nb * sb;
+        uint8_t *qs = (uint8_t *)dst + (size_t)p * stride;
         for (int r = 0; r < CV_QP16_ROWS; r++) {
             const int64_t row = p * CV_QP16_ROWS + r;
             for (int64_t i = 0; i < nb; i++) {
@@ -77,20 +88,20 @@ void cv_qp16_pack(void *dst, const void *src, cv_dtype t, int64_t rows, int64_t 
                         for (int b = 0; b < 4; b++) q[64 * g + b] = (uint8_t)((int8_t)w[4 * g + b] + 128);
                 else
                     for (int g = 0; g < 4; g++) memcpy(q + 64 * g, w + 4 * g, 4);
-                qp_scales_of(blk, t, d + (size_t)i * sb + (size_t)r * ss, m + (size_t)i * sb + (size_t)r * ss);
+                qp_scales_of(blk, t, qs + qp_doff(t, nb, i) + (size_t)r * ss, qs + qp_moff(t, nb, i) + (size_t)r * ss);
             }
         }
     }
 }
 
 void cv_qp16_unpack(void *dst, size_t row_bytes, const void *panel, cv_dtype t, int n, int64_t nb) {
-    const size_t qb = qp_qbytes(t), sb = qp_sbytes(t), ss = sb / 16, bb = cv_quant_block_bytes(t);
-    const uint8_t *qs = panel, *d = qs + (size_t)nb * qb, *m = d + (size_t)nb * sb;
+    const size_t qb = qp_bbytes(t), ss = qp_sbytes(t) / 16, bb = cv_quant_block_bytes(t);
+    const uint8_t *qs = panel;
     for (int r = 0; r < n; r++)
         for (int64_t i = 0; i < nb; i++) {
             char *blk = (char *)dst + (size_t)r * row_bytes + (size_t)i * bb;
             const uint8_t *q = qs + (size_t)i * qb + 4 * (size_t)r;
-            const uint8_t *dr = d + (size_t)i * sb + (size_t)r * ss, *mr = m + (size_t)i * sb + (size_t)r * ss;
+            const uint8_t *dr = qs + qp_doff(t, nb, i) + (size_t)r * ss, *mr = qs + qp_moff(t, nb, i) + (size_t)r * ss;
             switch (t) {
             case CV_Q8_0: {
                 cv_block_q8_0 *b = (cv_block_q8_0 *)(void *)blk;
@@ -139,10 +150,11 @@ static CV_ALWAYS_INLINE __m512i qp_bcast4(const int8_t *q) {
 /* P panels x T tokens of type `type` (P, T and type constants at each call). */
 static CV_ALWAYS_INLINE void qp_tile(const cv_dtype type, const int P, const int T, const void *w, size_t stride,
                                      int64_t nb, const cv_xq_block *x, int64_t xs, float *out) {
-    const size_t qb = type == CV_Q8_0 ? 512 : 256, sb = type == CV_Q4_F ? 64 : 32;
+    const size_t qb = qp_bbytes(type);
     const int has_min = type == CV_Q4_1 || type == CV_Q4_F;
     const uint8_t *base = w;
     __m512 acc[4][CV_QP16_MAX_TOKENS];
+    _Static_assert(CV_QP16_MAX_TOKENS == 4, "the kernels below are instantiated for 1..4 tokens");
 #pragma GCC unroll 4
     for (int p = 0; p < P; p++)
 #pragma GCC unroll 8
@@ -155,14 +167,14 @@ static CV_ALWAYS_INLINE void qp_tile(const cv_dtype type, const int P, const int
         for (int p = 0; p < P; p++) {
             const uint8_t *pp = base + (size_t)p * stride;
             qs[p] = pp + (size_t)i * qb;
-            const uint8_t *sc = pp + (size_t)nb * qb + (size_t)i * sb;
+            const uint8_t *sc = pp + qp_doff(type, nb, i), *mc = pp + qp_moff(type, nb, i);
             if (type == CV_Q4_F) {
                 dw[p] = _mm512_loadu_ps((const void *)sc);
-                mw[p] = _mm512_loadu_ps((const void *)(sc + (size_t)nb * sb));
+                mw[p] = _mm512_loadu_ps((const void *)mc);
             } else {
                 dw[p] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)sc));
                 if (has_min)
-                    mw[p] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(sc + (size_t)nb * sb)));
+                    mw[p] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)mc));
                 else
                     mw[p] = _mm512_setzero_ps();
             }
@@ -235,13 +247,10 @@ static CV_ALWAYS_INLINE void qp_tile(const cv_dtype type, const int P, const int
 #define QP_TYPE(TY, TYPE)                                                                                    \
     QP_ONE(TY, TYPE, 4, 1) QP_ONE(TY, TYPE, 4, 2) QP_ONE(TY, TYPE, 2, 3) QP_ONE(TY, TYPE, 2, 4)                \
     QP_ONE(TY, TYPE, 1, 1) QP_ONE(TY, TYPE, 1, 2) QP_ONE(TY, TYPE, 1, 3) QP_ONE(TY, TYPE, 1, 4)                \
-    QP_ONE(TY, TYPE, 1, 5) QP_ONE(TY, TYPE, 1, 6) QP_ONE(TY, TYPE, 1, 7) QP_ONE(TY, TYPE, 1, 8)                \
-    static const cv_qp16_fn qp_##TY[9][2] = {                                                                \
+    static const cv_qp16_fn qp_##TY[CV_QP16_MAX_TOKENS + 1][2] = {                                           \
         {NULL, NULL},                                                                                        \
         {QP_FN(TY, 1, 1), QP_FN(TY, 4, 1)}, {QP_FN(TY, 1, 2), QP_FN(TY, 4, 2)},                                \
         {QP_FN(TY, 1, 3), QP_FN(TY, 2, 3)}, {QP_FN(TY, 1, 4), QP_FN(TY, 2, 4)},                                \
-        {QP_FN(TY, 1, 5), QP_FN(TY, 1, 5)}, {QP_FN(TY, 1, 6), QP_FN(TY, 1, 6)},                                \
-        {QP_FN(TY, 1, 7), QP_FN(TY, 1, 7)}, {QP_FN(TY, 1, 8), QP_FN(TY, 1, 8)},                                \
     };
 QP_TYPE(q8_0, CV_Q8_0)
 QP_TYPE(q4_0, CV_Q4_0)
