@@ -423,8 +423,9 @@ void cv_cpu_qgemm_in(cv_backend *b, float *out, const cv_gemm_in *in, int64_t n,
         j.in = (cv_gemm_in){.kind = CV_IN_X, .src = scratch};
     }
     tiles_for(w->dtype, level, &j.k);
-    const int panels = w->layout == CV_QLAYOUT_P16 && level == CV_QL_AVX512VNNI;
     j.quantize = level != CV_QL_SCALAR && cv_quantize_x_avx2() ? cv_quantize_x_avx2() : cv_quantize_x;
+    const int panels = w->layout == CV_QLAYOUT_P16 && level == CV_QL_AVX512VNNI;
+    if (panels && cv_quantize_x_avx512()) j.quantize = cv_quantize_x_avx512();
     for (int64_t t0 = 0; t0 < n; t0 += QX_TOKENS) {
         j.t0 = t0;
         j.nt = n - t0 < QX_TOKENS ? n - t0 : QX_TOKENS;

@@ -96,6 +96,8 @@ void cv_quantize_x(cv_xq_block *out, const float *x, int64_t n);
 typedef void (*cv_quantize_x_fn)(cv_xq_block *out, const float *x, int64_t n);
 /* The same bytes with AVX2 (NULL when not built). */
 cv_quantize_x_fn cv_quantize_x_avx2(void);
+/* With AVX-512 (quant_vnni512.c; NULL when not built): the P16 path's. */
+cv_quantize_x_fn cv_quantize_x_avx512(void);
 
 /* gemm.c / backend_cpu.c hand quantized matrices and tables here. */
 int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dtype src_dtype, int64_t rows,

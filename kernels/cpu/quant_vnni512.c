@@ -17,6 +17,7 @@
  * unpacking are plain C and built everywhere. */
 #include "quant.h"
 
+#include <limits.h>
 #include <string.h>
 
 /* ---- the layout ------------------------------------------------------------ */
@@ -257,7 +258,37 @@ QP_TYPE(q4_0, CV_Q4_0)
 QP_TYPE(q4_1, CV_Q4_1)
 QP_TYPE(q4_f, CV_Q4_F)
 
+/* cv_quantize_x with AVX-512, the same bytes (as quant_avx2.c's): the same
+ * float products v * (1/d), rounded half away from zero exactly (floor of
+ * |t|, plus one where the exact fraction is >= 0.5, the sign put back). */
+static void quantize_x_avx512(cv_xq_block *out, const float *x, int64_t n) {
+    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    const __m512i sign = _mm512_set1_epi32(INT32_MIN);
+    for (int64_t i = 0; i < n / CV_QK; i++) {
+        const __m512 a0 = _mm512_loadu_ps(x + i * CV_QK), a1 = _mm512_loadu_ps(x + i * CV_QK + 16);
+        /* max(y, m) returns m where y is NaN: a NaN lane is skipped, as in C */
+        const __m512 m = _mm512_max_ps(_mm512_abs_ps(a1), _mm512_max_ps(_mm512_abs_ps(a0), zero));
+        const float amax = _mm512_reduce_max_ps(m), d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        const __m512 vid = _mm512_set1_ps(id);
+        __m512i q[2];
+        for (int k = 0; k < 2; k++) {
+            const __m512 t = _mm512_mul_ps(k ? a1 : a0, vid), u = _mm512_abs_ps(t);
+            const __m512 f = _mm512_roundscale_ps(u, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+            const __m512 r = _mm512_mask_add_ps(f, _mm512_cmp_ps_mask(_mm512_sub_ps(u, f), half, _CMP_GE_OQ), f, one);
+            const __m512i sr = _mm512_or_si512(_mm512_castps_si512(r), _mm512_and_si512(_mm512_castps_si512(t), sign));
+            q[k] = _mm512_cvtps_epi32(_mm512_castsi512_ps(sr));
+        }
+        _mm_storeu_si128((__m128i *)(void *)out[i].q, _mm512_cvtepi32_epi8(q[0]));
+        _mm_storeu_si128((__m128i *)(void *)(out[i].q + 16), _mm512_cvtepi32_epi8(q[1]));
+        out[i].d = d;
+        out[i].sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q[0], q[1]));
+        out[i].s = d * (float)out[i].sum;
+    }
+}
+
 CV_TARGET_END
+
+cv_quantize_x_fn cv_quantize_x_avx512(void) { return quantize_x_avx512; }
 
 cv_qp16_fn cv_qp16_kernel(cv_dtype t, int panels, int tokens) {
     if (tokens < 1 || tokens > CV_QP16_MAX_TOKENS) return NULL;
@@ -273,6 +304,8 @@ cv_qp16_fn cv_qp16_kernel(cv_dtype t, int panels, int tokens) {
 }
 
 #else
+cv_quantize_x_fn cv_quantize_x_avx512(void) { return NULL; }
+
 cv_qp16_fn cv_qp16_kernel(cv_dtype t, int panels, int tokens) {
     (void)t;
     (void)panels;
