@@ -377,7 +377,6 @@ static void panels_fn(void *arg, int tid, int nth) {
     const int64_t panels = (rows + CV_QP16_ROWS - 1) / CV_QP16_ROWS;
     const size_t stride = cv_qp16_stride(j->w->dtype, nb);
     const cv_dtype dt = j->w->dtype;
-    float v[4 * CV_QP16_ROWS * CV_QP16_MAX_TOKENS];
     for (int64_t u0, u1; cv_rows_claim(&j->units, &u0, &u1);)
     for (int64_t c0 = u0 * QP_CHUNK; c0 < u1 * QP_CHUNK && c0 < panels; c0 += QP_CHUNK) {
         const int64_t c1 = c0 + QP_CHUNK < panels ? c0 + QP_CHUNK : panels;
@@ -386,22 +385,11 @@ static void panels_fn(void *arg, int tid, int nth) {
             const int full = cv_qp16_panels_for(T);
             for (int64_t p = c0; p < c1;) {
                 const int np = c1 - p >= full ? full : 1;
-                cv_qp16_kernel(dt, np, T)((const char *)j->w->data + (size_t)p * stride, stride, nb, j->xq + t * nb,
-                                          nb, v);
                 const int64_t r0 = p * CV_QP16_ROWS;
                 const int nr = (int)(rows - r0 < np * CV_QP16_ROWS ? rows - r0 : np * CV_QP16_ROWS);
-                for (int tt = 0; tt < T; tt++) {
-                    float *o = j->out + (j->t0 + t + tt) * n_out + r0;
-                    const float *vt = v + (size_t)tt * np * CV_QP16_ROWS;
-                    if (!j->bias && !j->accumulate)
-                        memcpy(o, vt, (size_t)nr * sizeof *o);
-                    else
-                        for (int r = 0; r < nr; r++) {
-                            float y = vt[r];
-                            if (j->bias) y += j->bias[r0 + r];
-                            o[r] = j->accumulate ? o[r] + y : y;
-                        }
-                }
+                cv_qp16_kernel(dt, np, T)((const char *)j->w->data + (size_t)p * stride, stride, nb, j->xq + t * nb,
+                                          nb, j->out + (j->t0 + t) * n_out + r0, n_out, nr,
+                                          j->bias ? j->bias + r0 : NULL, j->accumulate);
                 p += np;
             }
             t += T;

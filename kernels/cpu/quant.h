@@ -82,10 +82,11 @@ size_t cv_qp16_stride(cv_dtype t, int64_t nb);
 void cv_qp16_pack(void *dst, const void *src, cv_dtype t, int64_t rows, int64_t nb);
 /* Rows [0, n) (n <= 16) of one panel back into row-major blocks (row_bytes apart). */
 void cv_qp16_unpack(void *dst, size_t row_bytes, const void *panel, cv_dtype t, int n, int64_t nb);
-/* out[t * P * 16 + lane]: P panels (stride bytes apart) x T tokens (x_stride
- * blocks apart). */
+/* P panels (stride bytes apart) x T tokens (x_stride blocks apart): the
+ * first nvalid rows' outputs y of token t go to out[t * ldo + row] (y + bias[row]
+ * when bias, then out + that when accumulate). */
 typedef void (*cv_qp16_fn)(const void *w, size_t stride, int64_t nb, const cv_xq_block *x, int64_t x_stride,
-                           float *out);
+                           float *out, int64_t ldo, int nvalid, const float *bias, int accumulate);
 /* The kernel of P panels (1 or cv_qp16_panels_for(T)) x T tokens (1..4) for dtype; NULL when not built. */
 cv_qp16_fn cv_qp16_kernel(cv_dtype t, int panels, int tokens);
 /* Panels of a full tile at T tokens. */

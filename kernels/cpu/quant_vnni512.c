@@ -150,7 +150,8 @@ static CV_ALWAYS_INLINE __m512i qp_bcast4(const int8_t *q) {
 
 /* P panels x T tokens of type `type` (P, T and type constants at each call). */
 static CV_ALWAYS_INLINE void qp_tile(const cv_dtype type, const int P, const int T, const void *w, size_t stride,
-                                     int64_t nb, const cv_xq_block *x, int64_t xs, float *out) {
+                                     int64_t nb, const cv_xq_block *x, int64_t xs, float *out, int64_t ldo,
+                                     int nvalid, const float *bias, int accumulate) {
     const size_t qb = qp_bbytes(type);
     const int has_min = type == CV_Q4_1 || type == CV_Q4_F;
     const uint8_t *base = w;
@@ -233,17 +234,26 @@ static CV_ALWAYS_INLINE void qp_tile(const cv_dtype type, const int P, const int
             }
         }
     }
-#pragma GCC unroll 8
-    for (int t = 0; t < T; t++)
 #pragma GCC unroll 4
-        for (int p = 0; p < P; p++) _mm512_storeu_ps(out + (size_t)(t * P + p) * CV_QP16_ROWS, acc[p][t]);
+    for (int p = 0; p < P; p++) {
+        const int v = nvalid - p * CV_QP16_ROWS;
+        const __mmask16 m = (__mmask16)(v >= CV_QP16_ROWS ? 0xffffu : v <= 0 ? 0u : (1u << v) - 1u);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + p * CV_QP16_ROWS) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) {
+            float *o = out + t * ldo + p * CV_QP16_ROWS;
+            __m512 y = bias ? _mm512_add_ps(acc[p][t], b) : acc[p][t];
+            if (accumulate) y = _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), y);
+            _mm512_mask_storeu_ps(o, m, y);
+        }
+    }
 }
 
 #define QP_FN(TY, P, T) qp_##TY##_##P##x##T
 #define QP_ONE(TY, TYPE, P, T)                                                                               \
     static void QP_FN(TY, P, T)(const void *w, size_t stride, int64_t nb, const cv_xq_block *x, int64_t xs, \
-                                float *out) {                                                              \
-        qp_tile(TYPE, P, T, w, stride, nb, x, xs, out);                                                    \
+                                float *out, int64_t ldo, int nvalid, const float *bias, int accumulate) {   \
+        qp_tile(TYPE, P, T, w, stride, nb, x, xs, out, ldo, nvalid, bias, accumulate);                     \
     }
 #define QP_TYPE(TY, TYPE)                                                                                    \
     QP_ONE(TY, TYPE, 4, 1) QP_ONE(TY, TYPE, 4, 2) QP_ONE(TY, TYPE, 2, 3) QP_ONE(TY, TYPE, 2, 4)                \
