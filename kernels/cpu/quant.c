@@ -8,6 +8,9 @@
 
 /* Tokens whose activations are quantized at once (bounds the scratch). */
 #define QX_TOKENS 64
+/* The same for the P16 path: fewer, longer regions (a chunk of 4 panels
+ * stays in L2 while the block's tokens meet it). */
+#define QP_TOKENS 256
 /* Output rows a thread takes at a time: their weights stay in L1/L2 while
  * every token of the block reads them. */
 #define Q_ROW_CHUNK 16
@@ -215,7 +218,7 @@ int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dt
         goto done;
     }
     cv_cpu *c = cv_cpu_of(b);
-    const size_t qx_bytes = (size_t)QX_TOKENS * (size_t)(cols / CV_QK) * sizeof(cv_xq_block);
+    const size_t qx_bytes = (size_t)QP_TOKENS * (size_t)(cols / CV_QK) * sizeof(cv_xq_block);
     if (qx_bytes > c->qx_bytes) { /* activation scratch for the widest quantized matrix */
         void *qx = realloc(c->qx, qx_bytes);
         if (!qx) {
@@ -414,9 +417,10 @@ void cv_cpu_qgemm_in(cv_backend *b, float *out, const cv_gemm_in *in, int64_t n,
     j.quantize = level != CV_QL_SCALAR && cv_quantize_x_avx2() ? cv_quantize_x_avx2() : cv_quantize_x;
     const int panels = w->layout == CV_QLAYOUT_P16 && level == CV_QL_AVX512VNNI;
     if (panels && cv_quantize_x_avx512()) j.quantize = cv_quantize_x_avx512();
-    for (int64_t t0 = 0; t0 < n; t0 += QX_TOKENS) {
+    const int64_t block = panels ? QP_TOKENS : QX_TOKENS;
+    for (int64_t t0 = 0; t0 < n; t0 += block) {
         j.t0 = t0;
-        j.nt = n - t0 < QX_TOKENS ? n - t0 : QX_TOKENS;
+        j.nt = n - t0 < block ? n - t0 : block;
         j.xq = j.xq_w = xq;
         int nth = cv_threads_for(c, (double)(j.nt * w->cols), 16384.0);
         if (panels && nth > 1) /* dynamic: a descheduled thread does not hold the others */

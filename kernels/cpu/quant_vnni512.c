@@ -11,7 +11,7 @@
  * 1 and 4 x 2 for decode (the weights stream from memory, four streams),
  * 2 x 3 and 2 x 4 for batched steps: 2 weight loads and 4 broadcasts per 8
  * dots, measured best on Zen 4 among 1 x 6..8, 2 x 5..6, 3 x 3..4 and 4 x 3
- * (tools/qtile_bench.c's P16 part: about 0.8 of the vpdpbusd peak for Q8_0
+ * (tools/qp16_bench.c: about 0.8 of the vpdpbusd peak for Q8_0
  * with the weights in L1; the conversion, the scale product and the FMA of
  * each block take the rest). The layout's packing and
  * unpacking are plain C and built everywhere. */
