@@ -283,7 +283,9 @@ static void quantize_x_avx512(cv_xq_block *out, const float *x, int64_t n) {
         __m512i q[2];
         for (int k = 0; k < 2; k++) {
             const __m512 t = _mm512_mul_ps(k ? a1 : a0, vid), u = _mm512_abs_ps(t);
-            const __m512 f = _mm512_roundscale_ps(u, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+            /* floor (imm 1: no scaling; without _MM_FROUND_NO_EXC, which SIMDe 0.7 misreads as a
+             * scale; the inexact flag it may raise is masked) */
+            const __m512 f = _mm512_roundscale_ps(u, _MM_FROUND_TO_NEG_INF);
             const __m512 r = _mm512_mask_add_ps(f, _mm512_cmp_ps_mask(_mm512_sub_ps(u, f), half, _CMP_GE_OQ), f, one);
             const __m512i sr = _mm512_or_si512(_mm512_castps_si512(r), _mm512_and_si512(_mm512_castps_si512(t), sign));
             q[k] = _mm512_cvtps_epi32(_mm512_castsi512_ps(sr));
