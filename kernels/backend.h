@@ -24,6 +24,7 @@ typedef struct cv_matrix {
     int64_t rows;    /* output features */
     int64_t cols;    /* input features */
     size_t bytes;    /* bytes held by data */
+    int layout;      /* backend-private variant of the layout (0: the backend's default) */
 } cv_matrix;
 
 /* A row-major lookup table T[rows][cols] (token embeddings), not packed. */

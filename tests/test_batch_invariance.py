@@ -225,3 +225,22 @@ def test_engine_alone_together_reversed_preempted(models, monkeypatch, level, wd
         assert small.stats()["num_preemptions"] > 0
         assert small.stats()["blocks_used"] == 0
     assert preempted == alone, f"{level} {wdt}: preemption changed the outputs"
+
+
+@pytest.mark.parametrize("quant", ["q8_0", "q4_1"])
+@pytest.mark.parametrize("level", ALL_LEVELS)
+def test_quantized_engine_alone_together_reversed(models, monkeypatch, level, quant):
+    """The same with weights quantized at load: the quantized kernels of the level (at
+    avx512 and above the AVX512-VNNI panel kernels where the CPU has them, whose tiles of 1..4
+    tokens x 1..4 panels run one fixed sequence of operations per output) give a request the
+    same tokens and logprob bits alone and in any batch."""
+    level_or_skip(level)
+    monkeypatch.setenv("CONVEYOR_SIMD", level)
+    ps = prompts()
+    with LLM(str(models["bfloat16"]), num_threads=2, max_num_batched_tokens=128, quantization=quant) as llm:
+        assert _core.kernel_info()["simd"] == level
+        alone = [run(llm, [p])[0] for p in ps]
+        together = run(llm, ps)
+        reverse = run(llm, ps[::-1])[::-1]
+    assert together == alone, f"{level} {quant}: together differs from alone"
+    assert reverse == alone, f"{level} {quant}: reversed order differs from alone"

@@ -184,15 +184,16 @@ def test_tile_edges_match_numpy(qtype, level):
 @pytest.mark.parametrize("level", LEVELS)
 def test_batch_invariance_every_level(qtype, level):
     """A token's outputs are the same bits alone, at any place in any batch (every tile shape,
-    the 64-token quantization blocks) and with any number of threads."""
+    the 64-token quantization blocks, and the AVX512-VNNI panel path's 256-token ones) and with
+    any number of threads."""
     level_or_skip(level)
     rng = np.random.default_rng(5)
     for rows, cols in [(35, 96), (16, 32), (7, 160)]:
         w = random_weights(rng, rows, cols)
         wb = quantize(w, qtype).reshape(rows, -1)
-        x = rng.standard_normal((70, cols)).astype(np.float32)
+        x = rng.standard_normal((270, cols)).astype(np.float32)
         alone = np.stack([_core.kernel_qgemm(x[i:i + 1], wb, qtype, level=level)[0] for i in range(len(x))])
-        for n in list(range(1, 10)) + [70]:
+        for n in list(range(1, 10)) + [70, 270]:
             np.testing.assert_array_equal(_core.kernel_qgemm(x[:n], wb, qtype, level=level), alone[:n])
         for threads in (1, 2, 3):
             got = _core.kernel_qgemm(x, wb, qtype, level=level, threads=threads)

@@ -11,6 +11,11 @@ K-quants need rows of whole 256-element super-blocks: ``--shapes gemma`` takes G
 270M's matrices whose columns are (attn_output 640x1024, ffn_down 640x2048), e.g.
     python tools/bench_qgemm.py --shapes gemma --types q4_1,q4_k,q5_0,q6_k
 
+On an AVX512-VNNI CPU the prepared matrix is in the VNNI level's panel layout (kernels/cpu/
+quant.h: P16); another --level then reads it through an unpacking step per 16 rows, so to time
+the AVX2 or AVX-VNNI kernels as such a CPU without AVX-512 runs them, set CONVEYOR_SIMD=avx2:
+    CONVEYOR_SIMD=avx2 python tools/bench_qgemm.py --level avx2
+
 To compare two builds, run it once with each on PYTHONPATH, back to back, e.g.
     PYTHONPATH=/tmp/cv_old python tools/bench_qgemm.py --types q4_1
     PYTHONPATH=python      python tools/bench_qgemm.py --types q4_1

@@ -8,9 +8,13 @@
 
 /* Tokens whose activations are quantized at once (bounds the scratch). */
 #define QX_TOKENS 64
+/* The same for the P16 path: fewer, longer regions (a chunk of 4 panels
+ * stays in L2 while the block's tokens meet it). */
+#define QP_TOKENS 256
 /* Output rows a thread takes at a time: their weights stay in L1/L2 while
  * every token of the block reads them. */
 #define Q_ROW_CHUNK 16
+_Static_assert(Q_ROW_CHUNK == CV_QP16_ROWS, "a chunk of rows is one P16 panel");
 
 /* ---- plain C -------------------------------------------------------------- */
 
@@ -194,6 +198,7 @@ void cv_quantize_x(cv_xq_block *out, const float *x, int64_t n) {
             sum += q;
         }
         out[i].d = d;
+        out[i].sum = sum;
         out[i].s = d * (float)sum;
     }
 }
@@ -279,7 +284,7 @@ int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dt
         goto done;
     }
     cv_cpu *c = cv_cpu_of(b);
-    const size_t qx_bytes = (size_t)QX_TOKENS * (size_t)(cols / CV_QK) * sizeof(cv_xq_block);
+    const size_t qx_bytes = (size_t)QP_TOKENS * (size_t)(cols / CV_QK) * sizeof(cv_xq_block);
     if (qx_bytes > c->qx_bytes) { /* activation scratch for the widest quantized matrix */
         void *qx = realloc(c->qx, qx_bytes);
         if (!qx) {
@@ -311,6 +316,22 @@ int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dt
             cv_quantize(data + (size_t)r * row_bytes, row, dtype, (size_t)cols);
         }
     }
+    if (c->qlevel == CV_QL_AVX512VNNI && cv_qp16_packs(dtype) && cv_qp16_kernel(dtype, 1, 1)) {
+        /* the VNNI level's panels (quant.h: the P16 layout) */
+        const int64_t nb = cols / CV_QK, panels = (rows + CV_QP16_ROWS - 1) / CV_QP16_ROWS;
+        const size_t pbytes = (size_t)panels * cv_qp16_stride(dtype, nb);
+        unsigned char *packed = aligned_alloc(64, pbytes);
+        if (!packed) {
+            rc = cv_set_err(err, CV_ERR_NOMEM, "matrix_prepare: out of memory for [%lld][%lld] %s",
+                            (long long)rows, (long long)cols, cv_dtype_name(dtype));
+            goto done;
+        }
+        cv_qp16_pack(packed, data, dtype, rows, nb);
+        free(data);
+        data = packed;
+        bytes = pbytes;
+        out->layout = CV_QLAYOUT_P16;
+    }
     out->data = data;
     out->dtype = dtype;
     out->rows = rows;
@@ -326,6 +347,7 @@ done:
 /* ---- GEMM ------------------------------------------------------------------ */
 
 typedef struct qgemm_job {
+    cv_rows units;         /* the P16 path's dynamic regions: tokens to quantize, then chunks of panels */
     float *out;
     const cv_matrix *w;
     const float *bias;
@@ -340,9 +362,8 @@ typedef struct qgemm_job {
     cv_qtiles k;
 } qgemm_job;
 
-static void quantize_fn(void *arg, int tid, int nth) {
-    qgemm_job *j = arg;
-    const int64_t a = j->nt * tid / nth, z = j->nt * (tid + 1) / nth;
+/* Tokens [a, z) of the block: quantized (their prologue rows made first). */
+static void quantize_range(qgemm_job *j, int tid, int64_t a, int64_t z) {
     const int64_t cols = j->w->cols;
     float *row = j->in.kind != CV_IN_X ? cv_cpu_gemm_rows_buf(j->cpu, tid, (size_t)cols) : NULL;
     for (int64_t t = a; t < z; t++) {
@@ -353,6 +374,17 @@ static void quantize_fn(void *arg, int tid, int nth) {
         }
         j->quantize(j->xq_w + t * j->nb, x, cols);
     }
+}
+
+static void quantize_fn(void *arg, int tid, int nth) {
+    qgemm_job *j = arg;
+    quantize_range(j, tid, j->nt * tid / nth, j->nt * (tid + 1) / nth);
+}
+
+static void quantize_dyn_fn(void *arg, int tid, int nth) {
+    (void)nth;
+    qgemm_job *j = arg;
+    for (int64_t a, z; cv_rows_claim(&j->units, &a, &z);) quantize_range(j, tid, a, z);
 }
 
 /* Stores a rows x tokens tile v[r * tokens + t] at output rows r0.. of tokens t0.. */
@@ -377,19 +409,59 @@ static void rows_fn(void *arg, int tid, int nth) {
     const int64_t chunks = (rows + Q_ROW_CHUNK - 1) / Q_ROW_CHUNK;
     const int64_t c0 = chunks * tid / nth, c1 = chunks * (tid + 1) / nth;
     float v[CV_QTILE_MAX_ROWS * CV_QTILE_MAX_TOKENS];
+    /* a P16 matrix at another level: each chunk (one panel) back in rows first */
+    const int unpack = j->w->layout == CV_QLAYOUT_P16;
+    const size_t pstride = unpack ? cv_qp16_stride(j->w->dtype, nb) : 0;
+    char *rowbuf = unpack ? (char *)cv_cpu_gemm_rows_buf(j->cpu, tid, (Q_ROW_CHUNK * row_bytes + 3) / 4) : NULL;
+    if (unpack && !rowbuf) return; /* cannot happen: prepare reserves 6 * cols floats a thread */
     for (int64_t ch = c0; ch < c1; ch++) {
         const int64_t r0 = ch * Q_ROW_CHUNK, r1 = r0 + Q_ROW_CHUNK < rows ? r0 + Q_ROW_CHUNK : rows;
+        if (unpack)
+            cv_qp16_unpack(rowbuf, row_bytes, (const char *)j->w->data + (size_t)(r0 / CV_QP16_ROWS) * pstride,
+                           j->w->dtype, (int)(r1 - r0), nb);
+        const char *wbase = unpack ? rowbuf : (const char *)j->w->data + (size_t)r0 * row_bytes; /* row r0 */
         for (int64_t t = 0; t < j->nt;) {
             const int tokens = (int)(j->nt - t < j->k.max_tokens ? j->nt - t : j->k.max_tokens);
             const int full = j->k.rows[tokens];
             for (int64_t r = r0; r < r1;) {
                 const int nr = r1 - r >= full ? full : 1;
                 const cv_qtile_fn f = nr == full ? j->k.tile[tokens] : j->k.row[tokens];
-                f((const char *)j->w->data + (size_t)r * row_bytes, row_bytes, j->xq + t * nb, nb, nb, v);
+                f(wbase + (size_t)(r - r0) * row_bytes, row_bytes, j->xq + t * nb, nb, nb, v);
                 store_tile(j, v, r, nr, t, tokens);
                 r += nr;
             }
             t += tokens;
+        }
+    }
+}
+
+/* The P16 layout at the VNNI level: a thread's panels in chunks of 4; in
+ * each, every token tile meets every panel (tiles of P panels x T tokens). */
+#define QP_CHUNK 4
+static void panels_fn(void *arg, int tid, int nth) {
+    (void)tid;
+    (void)nth;
+    qgemm_job *j = arg;
+    const int64_t rows = j->w->rows, nb = j->nb, n_out = rows;
+    const int64_t panels = (rows + CV_QP16_ROWS - 1) / CV_QP16_ROWS;
+    const size_t stride = cv_qp16_stride(j->w->dtype, nb);
+    const cv_dtype dt = j->w->dtype;
+    for (int64_t u0, u1; cv_rows_claim(&j->units, &u0, &u1);)
+    for (int64_t c0 = u0 * QP_CHUNK; c0 < u1 * QP_CHUNK && c0 < panels; c0 += QP_CHUNK) {
+        const int64_t c1 = c0 + QP_CHUNK < panels ? c0 + QP_CHUNK : panels;
+        for (int64_t t = 0; t < j->nt;) {
+            const int T = (int)(j->nt - t < CV_QP16_MAX_TOKENS ? j->nt - t : CV_QP16_MAX_TOKENS);
+            const int full = cv_qp16_panels_for(T);
+            for (int64_t p = c0; p < c1;) {
+                const int np = c1 - p >= full ? full : 1;
+                const int64_t r0 = p * CV_QP16_ROWS;
+                const int nr = (int)(rows - r0 < np * CV_QP16_ROWS ? rows - r0 : np * CV_QP16_ROWS);
+                cv_qp16_kernel(dt, np, T)((const char *)j->w->data + (size_t)p * stride, stride, nb, j->xq + t * nb,
+                                          nb, j->out + (j->t0 + t) * n_out + r0, n_out, nr,
+                                          j->bias ? j->bias + r0 : NULL, j->accumulate);
+                p += np;
+            }
+            t += T;
         }
     }
 }
@@ -409,14 +481,24 @@ void cv_cpu_qgemm_in(cv_backend *b, float *out, const cv_gemm_in *in, int64_t n,
     }
     tiles_for(w->dtype, level, &j.k);
     j.quantize = level != CV_QL_SCALAR && cv_quantize_x_avx2() ? cv_quantize_x_avx2() : cv_quantize_x;
-    for (int64_t t0 = 0; t0 < n; t0 += QX_TOKENS) {
+    const int panels = w->layout == CV_QLAYOUT_P16 && level == CV_QL_AVX512VNNI;
+    if (panels && cv_quantize_x_avx512()) j.quantize = cv_quantize_x_avx512();
+    const int64_t block = panels ? QP_TOKENS : QX_TOKENS;
+    for (int64_t t0 = 0; t0 < n; t0 += block) {
         j.t0 = t0;
-        j.nt = n - t0 < QX_TOKENS ? n - t0 : QX_TOKENS;
+        j.nt = n - t0 < block ? n - t0 : block;
         j.xq = j.xq_w = xq;
         int nth = cv_threads_for(c, (double)(j.nt * w->cols), 16384.0);
-        cv_pool_run(c->pool, nth, quantize_fn, &j);
+        if (panels && nth > 1) /* dynamic: a descheduled thread does not hold the others */
+            cv_cpu_run_rows(c, nth, &j.units, j.nt, quantize_dyn_fn, &j);
+        else
+            cv_pool_run(c->pool, nth, quantize_fn, &j);
         nth = cv_threads_for(c, (double)(j.nt * w->rows) * (double)w->cols, 65536.0);
-        cv_pool_run(c->pool, nth, rows_fn, &j);
+        if (panels)
+            cv_cpu_run_rows(c, nth, &j.units, (w->rows + QP_CHUNK * CV_QP16_ROWS - 1) / (QP_CHUNK * CV_QP16_ROWS),
+                            panels_fn, &j);
+        else
+            cv_pool_run(c->pool, nth, rows_fn, &j);
     }
 }
 

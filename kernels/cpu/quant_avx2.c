@@ -53,7 +53,8 @@ QX_TARGET static void quantize_x_avx2(cv_xq_block *out, const float *x, int64_t 
         s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
         s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
         out[i].d = d;
-        out[i].s = d * (float)_mm_cvtsi128_si32(s);
+        out[i].sum = _mm_cvtsi128_si32(s);
+        out[i].s = d * (float)out[i].sum;
     }
 }
 

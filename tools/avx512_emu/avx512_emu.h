@@ -129,6 +129,20 @@ EMU_FN int emu_mm512_reduce_add_epi32(__m512i v) {
     for (int i = 0; i < 16; i++) s += a[i];
     return (int)s;
 }
+EMU_FN __m512 emu_mm512_cvtepi32_ps(__m512i v) {
+    EMU_LANES(int32_t, 16, v, a);
+    float o[16];
+    for (int i = 0; i < 16; i++) o[i] = (float)a[i]; /* round to nearest even, as the instruction */
+    EMU_RET(__m512, o);
+}
+EMU_FN __m128i emu_mm512_cvtepi32_epi8(__m512i v) { /* truncating */
+    EMU_LANES(uint32_t, 16, v, a);
+    uint8_t o[16];
+    for (int i = 0; i < 16; i++) o[i] = (uint8_t)a[i];
+    EMU_RET(__m128i, o);
+}
+#define _mm512_cvtepi32_ps emu_mm512_cvtepi32_ps
+#define _mm512_cvtepi32_epi8 emu_mm512_cvtepi32_epi8
 #define _mm512_reduce_add_epi32 emu_mm512_reduce_add_epi32
 #define _mm512_maskz_loadu_ps emu_mm512_maskz_loadu_ps
 #define _mm512_mask_storeu_ps emu_mm512_mask_storeu_ps

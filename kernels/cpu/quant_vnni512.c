@@ -1,0 +1,327 @@
+/* The AVX512-VNNI quantized GEMM on panel-packed weights (the P16 layout and
+ * its per-lane contract: quant.h). Output lanes are weight rows: a 64-byte
+ * vector holds 4 consecutive weights of 16 rows, so one vpdpbusd with the 4
+ * activation bytes of one token broadcast adds 64 products into the 16 rows'
+ * exact int32 block dots. A tile is P panels (16 P rows) x T tokens: per
+ * group of 4 columns it loads (and, for 4 bits, unpacks) each panel's vector
+ * once for the T tokens and broadcasts each token's 4 bytes once for the P
+ * panels; per block of 32 it turns each int32 dot into the float accumulator
+ * with one conversion, one multiply (the two scales) and one FMA (plus one
+ * FMA for a min). P x T independent dot chains cover vpdpbusd's latency: 4 x
+ * 1 and 4 x 2 for decode (the weights stream from memory, four streams),
+ * 2 x 3 and 2 x 4 for batched steps: 2 weight loads and 4 broadcasts per 8
+ * dots, measured best on Zen 4 among 1 x 6..8, 2 x 5..6, 3 x 3..4 and 4 x 3
+ * (tools/qp16_bench.c: about 0.8 of the vpdpbusd peak for Q8_0
+ * with the weights in L1; the conversion, the scale product and the FMA of
+ * each block take the rest). The layout's packing and
+ * unpacking are plain C and built everywhere. */
+#include "quant.h"
+
+#include <limits.h>
+#include <string.h>
+
+/* ---- the layout ------------------------------------------------------------ */
+
+int cv_qp16_packs(cv_dtype t) { return t == CV_Q8_0 || t == CV_Q4_0 || t == CV_Q4_1 || t == CV_Q4_F; }
+
+static size_t qp_sbytes(cv_dtype t) { return t == CV_Q4_F ? 64 : 32; }
+/* Bytes from block i to i + 1 in the qs array (Q4: the block's scales follow
+ * its weights, one stream a panel: 256 + 2 x 32 (Q4_0: the m slot unused) or
+ * 256 + 2 x 64 bytes, whole cache lines). */
+static size_t qp_bbytes(cv_dtype t) { return t == CV_Q8_0 ? 512 : t == CV_Q4_F ? 384 : 320; }
+
+/* Offsets in a panel of block i's scales and mins. */
+static size_t qp_doff(cv_dtype t, int64_t nb, int64_t i) {
+    return t == CV_Q8_0 ? (size_t)nb * 512 + (size_t)i * 32 : (size_t)i * qp_bbytes(t) + 256;
+}
+static size_t qp_moff(cv_dtype t, int64_t nb, int64_t i) { return qp_doff(t, nb, i) + qp_sbytes(t); }
+
+size_t cv_qp16_stride(cv_dtype t, int64_t nb) {
+    const size_t per = t == CV_Q8_0 ? 512 + 32 : qp_bbytes(t);
+    return ((size_t)nb * per + 63) & ~(size_t)63;
+}
+
+/* Row r's scale (and min) of block i, as stored: 2 or 4 bytes each. */
+static void qp_scales_of(const void *blk, cv_dtype t, void *d, void *m) {
+    switch (t) {
+    case CV_Q8_0: memcpy(d, &((const cv_block_q8_0 *)blk)->d, 2); break;
+    case CV_Q4_0: memcpy(d, &((const cv_block_q4_0 *)blk)->d, 2); break;
+    case CV_Q4_1:
+        memcpy(d, &((const cv_block_q4_1 *)blk)->d, 2);
+        memcpy(m, &((const cv_block_q4_1 *)blk)->m, 2);
+        break;
+    default:
+        memcpy(d, &((const cv_block_q4_f *)blk)->d, 4);
+        memcpy(m, &((const cv_block_q4_f *)blk)->m, 4);
+        break;
+    }
+}
+
+static const uint8_t *qp_qs_of(const void *blk, cv_dtype t) {
+    switch (t) {
+    case CV_Q8_0: return (const uint8_t *)((const cv_block_q8_0 *)blk)->qs;
+    case CV_Q4_0: return ((const cv_block_q4_0 *)blk)->qs;
+    case CV_Q4_1: return ((const cv_block_q4_1 *)blk)->qs;
+    default: return ((const cv_block_q4_f *)blk)->qs;
+    }
+}
+
+void cv_qp16_pack(void *dst, const void *src, cv_dtype t, int64_t rows, int64_t nb) {
+    const size_t stride = cv_qp16_stride(t, nb), qb = qp_bbytes(t), ss = qp_sbytes(t) / 16;
+    const size_t bb = cv_quant_block_bytes(t), row_bytes = (size_t)nb * bb;
+    const int64_t panels = (rows + CV_QP16_ROWS - 1) / CV_QP16_ROWS;
+    memset(dst, 0, (size_t)panels * stride);
+    for (int64_t p = 0; p < panels; p++) {
+        uint8_t *qs = (uint8_t *)dst + (size_t)p * stride;
+        for (int r = 0; r < CV_QP16_ROWS; r++) {
+            const int64_t row = p * CV_QP16_ROWS + r;
+            for (int64_t i = 0; i < nb; i++) {
+                uint8_t *q = qs + (size_t)i * qb + 4 * (size_t)r;
+                if (row >= rows) { /* padding: zero weights (Q8_0: 128), zero scales */
+                    if (t == CV_Q8_0)
+                        for (int g = 0; g < 8; g++) memset(q + 64 * g, 128, 4);
+                    continue;
+                }
+                const void *blk = (const char *)src + (size_t)row * row_bytes + (size_t)i * bb;
+                const uint8_t *w = qp_qs_of(blk, t);
+                if (t == CV_Q8_0)
+                    for (int g = 0; g < 8; g++)
+                        for (int b = 0; b < 4; b++) q[64 * g + b] = (uint8_t)((int8_t)w[4 * g + b] + 128);
+                else
+                    for (int g = 0; g < 4; g++) memcpy(q + 64 * g, w + 4 * g, 4);
+                qp_scales_of(blk, t, qs + qp_doff(t, nb, i) + (size_t)r * ss, qs + qp_moff(t, nb, i) + (size_t)r * ss);
+            }
+        }
+    }
+}
+
+void cv_qp16_unpack(void *dst, size_t row_bytes, const void *panel, cv_dtype t, int n, int64_t nb) {
+    const size_t qb = qp_bbytes(t), ss = qp_sbytes(t) / 16, bb = cv_quant_block_bytes(t);
+    const uint8_t *qs = panel;
+    for (int r = 0; r < n; r++)
+        for (int64_t i = 0; i < nb; i++) {
+            char *blk = (char *)dst + (size_t)r * row_bytes + (size_t)i * bb;
+            const uint8_t *q = qs + (size_t)i * qb + 4 * (size_t)r;
+            const uint8_t *dr = qs + qp_doff(t, nb, i) + (size_t)r * ss, *mr = qs + qp_moff(t, nb, i) + (size_t)r * ss;
+            switch (t) {
+            case CV_Q8_0: {
+                cv_block_q8_0 *b = (cv_block_q8_0 *)(void *)blk;
+                memcpy(&b->d, dr, 2);
+                for (int g = 0; g < 8; g++)
+                    for (int k = 0; k < 4; k++) b->qs[4 * g + k] = (int8_t)(q[64 * g + k] - 128);
+                break;
+            }
+            case CV_Q4_0: {
+                cv_block_q4_0 *b = (cv_block_q4_0 *)(void *)blk;
+                memcpy(&b->d, dr, 2);
+                for (int g = 0; g < 4; g++) memcpy(b->qs + 4 * g, q + 64 * g, 4);
+                break;
+            }
+            case CV_Q4_1: {
+                cv_block_q4_1 *b = (cv_block_q4_1 *)(void *)blk;
+                memcpy(&b->d, dr, 2);
+                memcpy(&b->m, mr, 2);
+                for (int g = 0; g < 4; g++) memcpy(b->qs + 4 * g, q + 64 * g, 4);
+                break;
+            }
+            default: {
+                cv_block_q4_f *b = (cv_block_q4_f *)(void *)blk;
+                memcpy(&b->d, dr, 4);
+                memcpy(&b->m, mr, 4);
+                for (int g = 0; g < 4; g++) memcpy(b->qs + 4 * g, q + 64 * g, 4);
+                break;
+            }
+            }
+        }
+}
+
+/* ---- the kernels ------------------------------------------------------------ */
+
+#if CV_HAVE_AVX512 && (defined(CV_EMULATE_AVX512) || (defined(__GNUC__) && (__GNUC__ >= 11 || \
+    (defined(__clang_major__) && __clang_major__ >= 12))))
+
+CV_TARGET_BEGIN("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+
+static CV_ALWAYS_INLINE __m512i qp_bcast4(const int8_t *q) {
+    int32_t v;
+    memcpy(&v, q, sizeof v);
+    return _mm512_set1_epi32(v);
+}
+
+/* P panels x T tokens of type `type` (P, T and type constants at each call). */
+static CV_ALWAYS_INLINE void qp_tile(const cv_dtype type, const int P, const int T, const void *w, size_t stride,
+                                     int64_t nb, const cv_xq_block *x, int64_t xs, float *out, int64_t ldo,
+                                     int nvalid, const float *bias, int accumulate) {
+    const size_t qb = qp_bbytes(type);
+    const int has_min = type == CV_Q4_1 || type == CV_Q4_F;
+    const uint8_t *base = w;
+    __m512 acc[4][CV_QP16_MAX_TOKENS];
+    _Static_assert(CV_QP16_MAX_TOKENS == 4, "the kernels below are instantiated for 1..4 tokens");
+#pragma GCC unroll 4
+    for (int p = 0; p < P; p++)
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) acc[p][t] = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    for (int64_t i = 0; i < nb; i++) {
+        __m512 dw[4], mw[4];
+        const uint8_t *qs[4];
+#pragma GCC unroll 4
+        for (int p = 0; p < P; p++) {
+            const uint8_t *pp = base + (size_t)p * stride;
+            qs[p] = pp + (size_t)i * qb;
+            const uint8_t *sc = pp + qp_doff(type, nb, i), *mc = pp + qp_moff(type, nb, i);
+            if (type == CV_Q4_F) {
+                dw[p] = _mm512_loadu_ps((const void *)sc);
+                mw[p] = _mm512_loadu_ps((const void *)mc);
+            } else {
+                dw[p] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)sc));
+                if (has_min)
+                    mw[p] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)mc));
+                else
+                    mw[p] = _mm512_setzero_ps();
+            }
+        }
+        __m512i dot[4][CV_QP16_MAX_TOKENS];
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) { /* the exact integer start: Q8_0's +128, Q4_0's -8 taken out */
+            const int32_t s = x[t * xs + i].sum;
+            const __m512i b = _mm512_set1_epi32(type == CV_Q8_0 ? -128 * s : type == CV_Q4_0 ? -8 * s : 0);
+#pragma GCC unroll 4
+            for (int p = 0; p < P; p++) dot[p][t] = b;
+        }
+        if (type == CV_Q8_0) {
+#pragma GCC unroll 8
+            for (int g = 0; g < 8; g++) {
+                __m512i wv[4];
+#pragma GCC unroll 4
+                for (int p = 0; p < P; p++) wv[p] = _mm512_loadu_si512((const void *)(qs[p] + 64 * g));
+#pragma GCC unroll 8
+                for (int t = 0; t < T; t++) {
+                    const __m512i xb = qp_bcast4(x[t * xs + i].q + 4 * g);
+#pragma GCC unroll 4
+                    for (int p = 0; p < P; p++) dot[p][t] = _mm512_dpbusd_epi32(dot[p][t], wv[p], xb);
+                }
+            }
+        } else {
+#pragma GCC unroll 4
+            for (int g = 0; g < 4; g++) {
+                __m512i lo[4], hi[4];
+#pragma GCC unroll 4
+                for (int p = 0; p < P; p++) {
+                    const __m512i v = _mm512_loadu_si512((const void *)(qs[p] + 64 * g));
+                    lo[p] = _mm512_and_si512(v, low4);
+                    hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                }
+#pragma GCC unroll 8
+                for (int t = 0; t < T; t++) {
+                    const __m512i xl = qp_bcast4(x[t * xs + i].q + 4 * g);
+                    const __m512i xh = qp_bcast4(x[t * xs + i].q + 16 + 4 * g);
+#pragma GCC unroll 4
+                    for (int p = 0; p < P; p++) {
+                        dot[p][t] = _mm512_dpbusd_epi32(dot[p][t], lo[p], xl);
+                        dot[p][t] = _mm512_dpbusd_epi32(dot[p][t], hi[p], xh);
+                    }
+                }
+            }
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) {
+            const __m512 dx = _mm512_set1_ps(x[t * xs + i].d);
+#pragma GCC unroll 4
+            for (int p = 0; p < P; p++) {
+                acc[p][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[p][t]), _mm512_mul_ps(dw[p], dx), acc[p][t]);
+                if (has_min) acc[p][t] = _mm512_fmadd_ps(mw[p], _mm512_set1_ps(x[t * xs + i].s), acc[p][t]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < P; p++) {
+        const int v = nvalid - p * CV_QP16_ROWS;
+        const __mmask16 m = (__mmask16)(v >= CV_QP16_ROWS ? 0xffffu : v <= 0 ? 0u : (1u << v) - 1u);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + p * CV_QP16_ROWS) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) {
+            float *o = out + t * ldo + p * CV_QP16_ROWS;
+            __m512 y = bias ? _mm512_add_ps(acc[p][t], b) : acc[p][t];
+            if (accumulate) y = _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), y);
+            _mm512_mask_storeu_ps(o, m, y);
+        }
+    }
+}
+
+#define QP_FN(TY, P, T) qp_##TY##_##P##x##T
+#define QP_ONE(TY, TYPE, P, T)                                                                               \
+    static void QP_FN(TY, P, T)(const void *w, size_t stride, int64_t nb, const cv_xq_block *x, int64_t xs, \
+                                float *out, int64_t ldo, int nvalid, const float *bias, int accumulate) {   \
+        qp_tile(TYPE, P, T, w, stride, nb, x, xs, out, ldo, nvalid, bias, accumulate);                     \
+    }
+#define QP_TYPE(TY, TYPE)                                                                                    \
+    QP_ONE(TY, TYPE, 4, 1) QP_ONE(TY, TYPE, 4, 2) QP_ONE(TY, TYPE, 2, 3) QP_ONE(TY, TYPE, 2, 4)                \
+    QP_ONE(TY, TYPE, 1, 1) QP_ONE(TY, TYPE, 1, 2) QP_ONE(TY, TYPE, 1, 3) QP_ONE(TY, TYPE, 1, 4)                \
+    static const cv_qp16_fn qp_##TY[CV_QP16_MAX_TOKENS + 1][2] = {                                           \
+        {NULL, NULL},                                                                                        \
+        {QP_FN(TY, 1, 1), QP_FN(TY, 4, 1)}, {QP_FN(TY, 1, 2), QP_FN(TY, 4, 2)},                                \
+        {QP_FN(TY, 1, 3), QP_FN(TY, 2, 3)}, {QP_FN(TY, 1, 4), QP_FN(TY, 2, 4)},                                \
+    };
+QP_TYPE(q8_0, CV_Q8_0)
+QP_TYPE(q4_0, CV_Q4_0)
+QP_TYPE(q4_1, CV_Q4_1)
+QP_TYPE(q4_f, CV_Q4_F)
+
+/* cv_quantize_x with AVX-512, the same bytes (as quant_avx2.c's): the same
+ * float products v * (1/d), rounded half away from zero exactly (floor of
+ * |t|, plus one where the exact fraction is >= 0.5, the sign put back). */
+static void quantize_x_avx512(cv_xq_block *out, const float *x, int64_t n) {
+    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    const __m512i sign = _mm512_set1_epi32(INT32_MIN);
+    for (int64_t i = 0; i < n / CV_QK; i++) {
+        const __m512 a0 = _mm512_loadu_ps(x + i * CV_QK), a1 = _mm512_loadu_ps(x + i * CV_QK + 16);
+        /* max(y, m) returns m where y is NaN: a NaN lane is skipped, as in C */
+        const __m512 m = _mm512_max_ps(_mm512_abs_ps(a1), _mm512_max_ps(_mm512_abs_ps(a0), zero));
+        const float amax = _mm512_reduce_max_ps(m), d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        const __m512 vid = _mm512_set1_ps(id);
+        __m512i q[2];
+        for (int k = 0; k < 2; k++) {
+            const __m512 t = _mm512_mul_ps(k ? a1 : a0, vid), u = _mm512_abs_ps(t);
+            /* floor (imm 1: no scaling; without _MM_FROUND_NO_EXC, which SIMDe 0.7 misreads as a
+             * scale; the inexact flag it may raise is masked) */
+            const __m512 f = _mm512_roundscale_ps(u, _MM_FROUND_TO_NEG_INF);
+            const __m512 r = _mm512_mask_add_ps(f, _mm512_cmp_ps_mask(_mm512_sub_ps(u, f), half, _CMP_GE_OQ), f, one);
+            const __m512i sr = _mm512_or_si512(_mm512_castps_si512(r), _mm512_and_si512(_mm512_castps_si512(t), sign));
+            q[k] = _mm512_cvtps_epi32(_mm512_castsi512_ps(sr));
+        }
+        _mm_storeu_si128((__m128i *)(void *)out[i].q, _mm512_cvtepi32_epi8(q[0]));
+        _mm_storeu_si128((__m128i *)(void *)(out[i].q + 16), _mm512_cvtepi32_epi8(q[1]));
+        out[i].d = d;
+        out[i].sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q[0], q[1]));
+        out[i].s = d * (float)out[i].sum;
+    }
+}
+
+CV_TARGET_END
+
+cv_quantize_x_fn cv_quantize_x_avx512(void) { return quantize_x_avx512; }
+
+cv_qp16_fn cv_qp16_kernel(cv_dtype t, int panels, int tokens) {
+    if (tokens < 1 || tokens > CV_QP16_MAX_TOKENS) return NULL;
+    const int full = panels == cv_qp16_panels_for(tokens);
+    if (panels != 1 && !full) return NULL;
+    switch (t) {
+    case CV_Q8_0: return qp_q8_0[tokens][full];
+    case CV_Q4_0: return qp_q4_0[tokens][full];
+    case CV_Q4_1: return qp_q4_1[tokens][full];
+    case CV_Q4_F: return qp_q4_f[tokens][full];
+    default: return NULL;
+    }
+}
+
+#else
+cv_quantize_x_fn cv_quantize_x_avx512(void) { return NULL; }
+
+cv_qp16_fn cv_qp16_kernel(cv_dtype t, int panels, int tokens) {
+    (void)t;
+    (void)panels;
+    (void)tokens;
+    return NULL;
+}
+#endif

@@ -1,0 +1,102 @@
+/* Development microbenchmark of the AVX512-VNNI panel kernels (kernels/cpu/
+ * quant_vnni512.c, the P16 layout of quant.h), one core, no threads or
+ * Python: for each tile shape (P panels x T tokens), TSC cycles per 64-MAC
+ * dot (one vpdpbusd's worth: 16 rows x 4 columns x 1 token) with the weights
+ * in L1/L2 (the same panels called again and again: batched steps), beside
+ * the same figure for a loop of 12 independent vpdpbusd (the peak). Their
+ * ratio is the kernel's fraction of the int8-dot peak. Best of many short
+ * runs, so a loaded machine shows its quiet moments. Needs AVX512-VNNI.
+ *
+ *   gcc -O3 -std=c11 -D_GNU_SOURCE -Ikernels tools/qp16_bench.c kernels/cpu/quant_vnni512.c -o /tmp/qp16_bench
+ *   /tmp/qp16_bench [blocks]        # default 18 blocks (576 columns)
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <x86intrin.h>
+
+#include "cpu/quant.h"
+
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) static double peak_cycles(void) {
+    __m512i a[12], w = _mm512_set1_epi32(0x01020304), x = _mm512_set1_epi32(0x01010101);
+    for (int i = 0; i < 12; i++) a[i] = _mm512_set1_epi32(i);
+    double best = 1e30;
+    for (int run = 0; run < 50; run++) {
+        const unsigned long long c0 = __rdtsc();
+        for (int k = 0; k < 20000; k++) {
+#pragma GCC unroll 12
+            for (int i = 0; i < 12; i++) a[i] = _mm512_dpbusd_epi32(a[i], w, x);
+            __asm__ volatile("" : "+v"(w), "+v"(x));
+        }
+        const double c = (double)(__rdtsc() - c0) / (20000.0 * 12);
+        best = c < best ? c : best;
+    }
+    volatile int sink = 0;
+    for (int i = 0; i < 12; i++) sink += _mm512_reduce_add_epi32(a[i]);
+    (void)sink;
+    return best;
+}
+
+int main(int argc, char **argv) {
+    const int nb = argc > 1 ? atoi(argv[1]) : 18;
+    if (nb <= 0 || !cv_qp16_kernel(CV_Q8_0, 1, 1)) {
+        fprintf(stderr, "usage: qp16_bench [blocks > 0] (needs a compiler with AVX512-VNNI)\n");
+        return 1;
+    }
+    const cv_dtype types[] = {CV_Q8_0, CV_Q4_0, CV_Q4_1};
+    const char *names[] = {"q8_0", "q4_0", "q4_1"};
+    const int shapes[][2] = {{4, 1}, {4, 2}, {2, 3}, {2, 4}, {1, 4}};
+    cv_xq_block *x = aligned_alloc(64, sizeof(cv_xq_block) * (size_t)nb * CV_QP16_MAX_TOKENS);
+    float *out = malloc(sizeof(float) * 4 * CV_QP16_ROWS * CV_QP16_MAX_TOKENS);
+    if (!x || !out) return 1;
+    srand(1);
+    for (int i = 0; i < nb * CV_QP16_MAX_TOKENS; i++) {
+        int sum = 0;
+        for (int j = 0; j < 32; j++) sum += x[i].q[j] = (int8_t)(rand() % 255 - 127);
+        x[i].d = 0.01f;
+        x[i].sum = sum;
+        x[i].s = 0.01f * (float)sum;
+    }
+    const double peak = peak_cycles();
+    printf("peak: %.3f TSC cycles per vpdpbusd zmm\n", peak);
+    for (int ti = 0; ti < 3; ti++) {
+        const size_t stride = cv_qp16_stride(types[ti], nb);
+        unsigned char *w = aligned_alloc(64, stride * 4);
+        if (!w) return 1;
+        for (size_t i = 0; i < stride * 4; i++) w[i] = (unsigned char)rand();
+        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+            const int P = shapes[s][0], T = shapes[s][1];
+            const cv_qp16_fn f = cv_qp16_kernel(types[ti], P, T);
+            double best = 1e30;
+            for (int run = 0; run < 200; run++) {
+                const unsigned long long c0 = __rdtsc();
+                for (int k = 0; k < 50; k++) f(w, stride, nb, x, nb, out, 4 * CV_QP16_ROWS, P * CV_QP16_ROWS, NULL, 0);
+                const double c = (double)(__rdtsc() - c0) / (50.0 * nb * P * T * 8);
+                best = c < best ? c : best;
+            }
+            printf("%s %d panels x %d tokens: %.3f cycles per 64-MAC dot, %.2f of the peak\n", names[ti], P, T, best,
+                   peak / best);
+        }
+        free(w);
+        /* decode: 4 panels x 1 token over a matrix larger than the caches, one core */
+        const int64_t panels = (int64_t)(96u << 20) / (int64_t)stride / 4 * 4;
+        unsigned char *big = aligned_alloc(64, (size_t)panels * stride);
+        if (!big) return 1;
+        memset(big, 0x11, (size_t)panels * stride);
+        const cv_qp16_fn f = cv_qp16_kernel(types[ti], 4, 1);
+        double best = 1e30;
+        for (int run = 0; run < 5; run++) {
+            const unsigned long long c0 = __rdtsc();
+            for (int64_t p = 0; p < panels; p += 4)
+                f(big + (size_t)p * stride, stride, nb, x, nb, out, 0, 4 * CV_QP16_ROWS, NULL, 0);
+            const double c = (double)(__rdtsc() - c0);
+            best = c < best ? c : best;
+        }
+        printf("%s decode, %.0f MB streamed: %.2f bytes per TSC cycle\n", names[ti],
+               (double)panels * (double)stride / 1e6, (double)panels * (double)stride / best);
+        free(big);
+    }
+    free(x);
+    free(out);
+    return 0;
+}
