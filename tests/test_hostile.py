@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+import re
 import subprocess
 import sys
 import textwrap
@@ -467,3 +468,38 @@ def test_chat_template_nested_past_the_parsers_depth_is_a_clear_error():
     source = "{% for m in messages %}{{ m['content'] }}: {{ " + "{ " * 2000 + "}}{% endfor %}"
     with pytest.raises(ModelFormatError, match="cannot be compiled"):
         _render_template(source, [{"role": "user", "content": "hi"}], True, "<s>", "</s>")
+
+
+@pytest.mark.parametrize("source,what", [
+    ("{{ 'ab' * 1000000000 }}", "'*'"),             # jinja folded this while compiling: 24 s, 7.6 GB
+    ("{{ [1] * 1000000000 }}", "'*'"),
+    ("{{ 7 ** 1000000000 }}", "'**'"),
+    ("{{ '%999999999d' % 1 }}", "'%' format width"),
+    ("{{ '%*d' % (5, 1) }}", "'%' format width"),
+    ("{{ 'a'.ljust(1000000000) }}", "str.ljust"),
+    ("{{ 'a\t'.expandtabs(1000000000) }}", "str.expandtabs"),
+    ("{{ messages[0].content.replace('a', 'b' * 10000000) }}", "replace"),
+    ("{{ messages[0]['content']" + " | replace('a', 'aaaaaaaa')" * 10 + " }}", "replace"),
+    ("{{ 'x' | center(1000000000) }}", "center"),
+    ("{{ ('a\n' * 1000) | indent(1000000) }}", "indent"),
+])
+def test_chat_template_that_would_build_a_huge_value_is_refused_at_once(source, what):
+    """Found by the chat_template fuzz target (under CI's sanitizers): a template whose
+    operators or string methods turn small literals into gigabytes is refused before the
+    value is built, whether jinja would fold it at compile time or make it while rendering."""
+    from conveyor.tokenizer import _render_template
+
+    t = time.perf_counter()
+    with pytest.raises(ValueError, match=re.escape(what)):
+        _render_template(source, [{"role": "user", "content": "a banana"}], True, "<s>", "</s>")
+    assert time.perf_counter() - t < 1.0  # refused before the work, not cut off by the 2 s render cap
+
+
+def test_chat_template_operators_and_methods_still_work_within_the_limits():
+    from conveyor.tokenizer import _render_template
+
+    source = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] * 2 }}{% endfor %}|{{ 3 * 4 }} {{ 2 ** 10 }} "
+              "{{ '%5.2f' % 3.14159 }} {{ 'ab' | replace('a', 'xy') }} {{ 'q' | center(5) }}|{{ 'l\nm' | indent(2) }}"
+              "|{{ 'x'.ljust(3) }}|{{ 'ab'.replace('b', 'cd') }}")
+    out = _render_template(source, [{"role": "user", "content": "hi"}], True, "<s>", "</s>")
+    assert out == "user: hihi|12 1024  3.14 xyb   q  |l\n  m|x  |acd"

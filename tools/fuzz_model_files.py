@@ -32,8 +32,7 @@ import time
 from pathlib import Path
 
 # Under tools/sanitize.sh (ASan, PYTHONMALLOC=malloc) the interpreter runs several
-# times slower: jinja compiling a mutated template of long literal runs took over 5 s
-# there, well under it without the sanitizers. The limit scales with it.
+# times slower, so the limit scales with it.
 PER_INPUT_SECONDS = 20.0 if os.environ.get("CONVEYOR_SANITIZED") == "1" else 5.0
 MEMORY_LIMIT_MIB = 512
 

@@ -56,15 +56,119 @@ def render_default_chat(messages: Sequence[dict], add_generation_prompt: bool = 
     return "".join(out)
 
 
+# The largest value (characters, items, or bits of an integer / 8) a chat template's
+# operator or string method may build: far above what real templates make (about the
+# messages' size), far below what would exhaust memory in one C call.
+CHAT_TEMPLATE_MAX_VALUE = 1 << 24
+_PERCENT_SPEC = re.compile(r"%[-+ #0]*(\*|\d+)?(?:\.(\*|\d+))?")
+_WIDTH_METHODS = {"ljust", "rjust", "center", "zfill"}
+
+
+def _too_big(what: str, size) -> ValueError:
+    return ValueError(f"chat template: {what} would make a value of {size} items, over the "
+                      f"limit of {CHAT_TEMPLATE_MAX_VALUE}")
+
+
+def _check_binop(op: str, left, right) -> None:
+    """Refuses `seq * n`, `a ** b` and `'%Nd' % x` that would build a huge value."""
+    seq = (str, bytes, list, tuple)
+    if op == "*":
+        for a, b in ((left, right), (right, left)):
+            if isinstance(a, seq) and isinstance(b, int) and len(a) * max(b, 0) > CHAT_TEMPLATE_MAX_VALUE:
+                raise _too_big("'*'", len(a) * b)
+    elif op == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
+        bits = right * abs(left).bit_length()
+        if bits > 8 * CHAT_TEMPLATE_MAX_VALUE // 64:  # a 256 KiB integer is already absurd here
+            raise _too_big("'**'", bits // 8)
+    elif op == "%" and isinstance(left, str):
+        for m in _PERCENT_SPEC.finditer(left):
+            for n in m.groups():
+                if n == "*" or (n is not None and int(n) > CHAT_TEMPLATE_MAX_VALUE):
+                    raise ValueError("chat template: a '%' format width or precision that is '*' or over "
+                                     f"{CHAT_TEMPLATE_MAX_VALUE}")
+
+
+def _check_call(obj, args) -> None:
+    """Refuses str methods whose width or replacement would build a huge string."""
+    name = getattr(obj, "__name__", None)
+    owner = getattr(obj, "__self__", None)
+    if not isinstance(owner, str):
+        return
+    if name in _WIDTH_METHODS and args and isinstance(args[0], int) and args[0] > CHAT_TEMPLATE_MAX_VALUE:
+        raise _too_big(f"str.{name}", args[0])
+    if name == "expandtabs" and args and isinstance(args[0], int) and args[0] * owner.count("\t") > \
+            CHAT_TEMPLATE_MAX_VALUE:
+        raise _too_big("str.expandtabs", args[0] * owner.count("\t"))
+    if name == "replace" and len(args) >= 2:
+        _check_replace(owner, args[0], args[1])
+
+
+def _check_replace(s, old, new) -> None:
+    s, old, new = str(s), str(old), str(new)
+    if len(new) > len(old):
+        n = s.count(old) if old else len(s) + 1
+        if len(s) + n * (len(new) - len(old)) > CHAT_TEMPLATE_MAX_VALUE:
+            raise _too_big("replace", len(s) + n * (len(new) - len(old)))
+
+
+@functools.lru_cache(maxsize=1)
+def _template_environment_class():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class BoundedEnvironment(ImmutableSandboxedEnvironment):
+        """The sandbox, with the operators and string methods that turn small literals
+        into huge values checked first. Intercepted operators are also not folded at
+        compile time: jinja's optimizer would otherwise build `{{ 'ab' * 10**9 }}` while
+        compiling, outside every render cap (24 s and 7.6 GB, found by the fuzzer)."""
+
+        intercepted_binops = frozenset(["*", "**", "%"])
+
+        def call_binop(self, context, operator, left, right):
+            _check_binop(operator, left, right)
+            return super().call_binop(context, operator, left, right)
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
+            _check_call(__obj, args)
+            return super().call(__context, __obj, *args, **kwargs)
+
+    return BoundedEnvironment
+
+
+def _bounded_filters(env) -> None:
+    """The same checks for the filters that pad or replace (they bypass call())."""
+    from jinja2.filters import pass_eval_context
+
+    replace, center, indent = env.filters["replace"], env.filters["center"], env.filters["indent"]
+
+    @pass_eval_context
+    def bounded_replace(eval_ctx, s, old, new, count=None):
+        if count is None:
+            _check_replace(s, old, new)
+        return replace(eval_ctx, s, old, new, count)
+
+    def bounded_center(value, width=80):
+        if isinstance(width, int) and width > CHAT_TEMPLATE_MAX_VALUE:
+            raise _too_big("center", width)
+        return center(value, width)
+
+    def bounded_indent(s, width=4, *args, **kwargs):
+        w = len(width) if isinstance(width, str) else width
+        if isinstance(w, int) and w * (str(s).count("\n") + 1) > CHAT_TEMPLATE_MAX_VALUE:
+            raise _too_big("indent", w * (str(s).count("\n") + 1))
+        return indent(s, width, *args, **kwargs)
+
+    env.filters.update(replace=bounded_replace, center=bounded_center, indent=bounded_indent)
+
+
 @functools.lru_cache(maxsize=16)
 def _compile_template(source: str):
     from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
         raise ValueError(f"chat template: {message}")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env = _template_environment_class()(trim_blocks=True, lstrip_blocks=True)
+    _bounded_filters(env)
     env.globals["raise_exception"] = raise_exception
     try:
         return env.from_string(source)
