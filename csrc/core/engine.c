@@ -337,10 +337,10 @@ static int engine_step(cv_engine *e, cv_err *err) {
     double t0 = cv_now();
     cv_drain_inbox(e);
     cv_expire_deadlines(e, t0);
+    double tp = cv_now();
     int rc = propose(e, err);
     if (rc) return rc;
-    double tp = cv_now();
-    e->stats_live.time_propose += tp - t0;
+    e->stats_live.time_propose += cv_now() - tp;
     cv_sched_output plan;
     rc = cv_scheduler_schedule(e->sched, &plan);
     if (rc < 0) return cv_set_err(err, rc, "scheduler failed");
