@@ -22,7 +22,7 @@ from conveyor import LLM, SamplingParams
 from conveyor._core import Checkpoint
 from conveyor.gguf import GGUFValueType as T
 from conveyor.reference import ReferenceModel, rope_inv_freq
-from conveyor.testing import write_gguf_checkpoint
+from conveyor.testing import rewrite_gguf, write_gguf_checkpoint
 
 from test_gguf import QUANT_RMS_TOL, QUANT_TOL, all_logits, rel_err, rms_err
 
@@ -112,8 +112,6 @@ def test_llama3_rope_freqs_match_hf_scaling(tmp_path):
     """A Llama 3.x GGUF carries its RoPE scaling as rope_freqs.weight (llama.cpp's converter
     writes 1 / the factor each frequency is scaled by): the model equals the reference run
     with HF's rope_scaling {"rope_type": "llama3"} on the plain file's weights."""
-    from conveyor.gguf import GGUFReader, GGUFWriter
-
     shape = dict(dim=64, hidden_dim=160, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, max_pos=64)
     plain = write_gguf_checkpoint(tmp_path / "plain.gguf", shape=shape, tokenizer=None)
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -123,14 +121,7 @@ def test_llama3_rope_freqs_match_hf_scaling(tmp_path):
     factors = (base / rope_inv_freq(hd, 10000.0, scaling)).astype(np.float32)  # divisors
     # kept, blended and slowed frequencies are all in play
     assert factors.min() == 1.0 and factors.max() == 8.0 and ((factors > 1) & (factors < 8)).any()
-    r = GGUFReader(plain)
-    w = GGUFWriter(tmp_path / "llama3.gguf")
-    for k, v in r.metadata.items():
-        w.add(k, v)
-    for name, info in r.tensors.items():
-        w.add_tensor_producer(name, info.shape, info.ggml_type, lambda name=name: [r.raw(name).tobytes()])
-    w.add_tensor("rope_freqs.weight", factors)
-    p = w.write()
+    p = rewrite_gguf(plain, tmp_path / "llama3.gguf", add_tensors={"rope_freqs.weight": factors})
     tokens = list(range(3, 60))
     got = all_logits(p, tokens)
     hf = ReferenceModel.load(plain)

@@ -45,10 +45,10 @@ import os
 import numpy as np
 import pytest
 
-from conveyor.gguf import GGUFReader, GGUFWriter
+from conveyor.gguf import GGUFReader
 from conveyor.gguf import GGUFValueType as T
 from conveyor.reference import ReferenceModel, rope_inv_freq
-from conveyor.testing import write_gguf_checkpoint
+from conveyor.testing import rewrite_gguf, write_gguf_checkpoint
 
 from test_gguf import GRID, MIXED_TYPES, QUANT_RMS_TOL, QUANT_TOL, all_logits, rel_err, rms_err
 from test_gguf_archs import CASES as ARCH_CASES
@@ -145,14 +145,7 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     hd = shape["dim"] // shape["n_heads"]
     factors = (rope_inv_freq(hd, 10000.0) / rope_inv_freq(hd, 10000.0, LLAMA3_SCALING)).astype(np.float32)
     assert factors.min() == 1.0 and factors.max() == 8.0 and ((factors > 1) & (factors < 8)).any()
-    r = GGUFReader(plain)
-    w = GGUFWriter(tmp_path / "llama3.gguf")
-    for k, v in r.metadata.items():
-        w.add(k, v)
-    for name, info in r.tensors.items():
-        w.add_tensor_producer(name, info.shape, info.ggml_type, lambda name=name: [r.raw(name).tobytes()])
-    w.add_tensor("rope_freqs.weight", factors)
-    path = w.write()
+    path = rewrite_gguf(plain, tmp_path / "llama3.gguf", add_tensors={"rope_freqs.weight": factors})
     tokens = list(range(3, 60))
     if TRANSFORMERS_5:
         hf = hf_logits(path, tokens, rope_parameters={**LLAMA3_SCALING, "rope_theta": 10000.0})

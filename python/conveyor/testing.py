@@ -731,24 +731,31 @@ def _truncate_llama2c(src: Path, dst: Path, n_layers: int) -> Path:
 
 
 def _truncate_gguf(src: Path, dst: Path, n_layers: int) -> Path:
+    return rewrite_gguf(src, dst, n_layers=n_layers)
+
+
+def rewrite_gguf(src, dst, *, n_layers: int | None = None, add_tensors: dict | None = None) -> Path:
+    """Copies GGUF ``src`` to ``dst`` with its metadata (types kept) and tensors (bytes
+    kept): only the first ``n_layers`` layers when given (``{arch}.block_count`` to
+    match), plus ``add_tensors`` (name -> float32 array, stored as F32). Returns ``dst``."""
     from .gguf import GGUFReader, GGUFWriter
 
     r = GGUFReader(src)
-    arch = r.metadata.get("general.architecture")
-    key = f"{arch}.block_count"
-    L = r.metadata.get(key)
-    if not isinstance(L, int) or not 1 <= n_layers <= L:
-        raise ValueError(f"{src}: has {L} layers ({key}), cannot keep {n_layers}")
+    key = f"{r.metadata.get('general.architecture')}.block_count"
+    if n_layers is not None and not (isinstance(r.metadata.get(key), int) and 1 <= n_layers <= r.metadata[key]):
+        raise ValueError(f"{src}: has {r.metadata.get(key)} layers ({key}), cannot keep {n_layers}")
     w = GGUFWriter(dst, alignment=r.alignment)
     for k, value in r.metadata.items():
         if k == "general.alignment":
             continue
         vt, et = r.metadata_types[k]
-        w.add(k, n_layers if k == key else value, vt, et)
+        w.add(k, n_layers if (k == key and n_layers is not None) else value, vt, et)
     for name, info in r.tensors.items():
-        if name.startswith("blk.") and int(name.split(".")[1]) >= n_layers:
+        if n_layers is not None and name.startswith("blk.") and int(name.split(".")[1]) >= n_layers:
             continue
         w.add_tensor_producer(name, info.shape, info.ggml_type, lambda name=name: [r.raw(name).tobytes()])
+    for name, array in (add_tensors or {}).items():
+        w.add_tensor(name, array)
     return w.write()
 
 
