@@ -43,3 +43,15 @@ def smollm2_gguf() -> Path:
     if path is None:
         pytest.skip(f"{MODEL_FILE} not found (run 'python -m conveyor.default_model'; cache {cache_dir()})")
     return path
+
+
+@pytest.fixture(scope="session")
+def gemma3_file() -> Path:
+    """The Gemma 3 270M Q4_K_M file if it is already in the cache; skips otherwise."""
+    from conveyor.default_model import cache_dir
+    from conveyor.gemma3_model import MODEL_FILE, find_gemma3_model
+
+    path = find_gemma3_model()
+    if path is None:
+        pytest.skip(f"{MODEL_FILE} is not in {cache_dir()} (run 'python -m conveyor.gemma3_model' to fetch it)")
+    return path

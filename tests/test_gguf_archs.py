@@ -163,17 +163,6 @@ def test_rope_freqs_on_another_arch_is_refused(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def gemma3_file():
-    from conveyor.gemma3_model import MODEL_FILE, find_gemma3_model
-    from conveyor.default_model import cache_dir
-
-    path = find_gemma3_model()
-    if path is None:
-        pytest.skip(f"{MODEL_FILE} is not in {cache_dir()} (run 'python -m conveyor.gemma3_model' to fetch it)")
-    return path
-
-
-@pytest.fixture(scope="module")
 def gemma3_llm(gemma3_file):
     with LLM(str(gemma3_file), num_threads=2, max_model_len=512) as llm:
         yield llm

@@ -158,17 +158,6 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
 # ---------------------------------------------------------------------------- the real files
 
 
-@pytest.fixture(scope="module")
-def gemma3_file():
-    from conveyor.default_model import cache_dir
-    from conveyor.gemma3_model import MODEL_FILE, find_gemma3_model
-
-    path = find_gemma3_model()
-    if path is None:
-        pytest.skip(f"{MODEL_FILE} is not in {cache_dir()} (run 'python -m conveyor.gemma3_model' to fetch it)")
-    return path
-
-
 PROMPT = "The capital of France is Paris. The capital of Germany is Berlin.\ndef fib(n):\n    return n"
 
 
