@@ -57,31 +57,6 @@ size_t cv_dtype_size(cv_dtype t) {
     }
 }
 
-const char *cv_dtype_name(cv_dtype t) {
-    switch (t) {
-    case CV_F32: return "float32";
-    case CV_F16: return "float16";
-    case CV_BF16: return "bfloat16";
-    case CV_F64: return "float64";
-    case CV_I32: return "int32";
-    case CV_I64: return "int64";
-    case CV_Q8_0: return "q8_0";
-    case CV_Q4_0: return "q4_0";
-    case CV_Q4_1: return "q4_1";
-    case CV_Q5_0: return "q5_0";
-    case CV_Q5_1: return "q5_1";
-    case CV_Q4_K: return "q4_k";
-    case CV_Q5_K: return "q5_k";
-    case CV_Q6_K: return "q6_k";
-    case CV_Q3_K: return "q3_k";
-    case CV_Q4_F: return "q4_f32";
-    case CV_Q8_F: return "q8_f32";
-    case CV_Q2_K: return "q2_k";
-    case CV_Q8_M: return "q8_m32";
-    default: return "invalid";
-    }
-}
-
 static uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 

@@ -168,31 +168,6 @@ static size_t esize(cv_dtype t) {
     }
 }
 
-static const char *dtname(cv_dtype t) {
-    switch (t) {
-    case CV_F32: return "float32";
-    case CV_F16: return "float16";
-    case CV_BF16: return "bfloat16";
-    case CV_F64: return "float64";
-    case CV_I32: return "int32";
-    case CV_I64: return "int64";
-    case CV_Q8_0: return "q8_0";
-    case CV_Q4_0: return "q4_0";
-    case CV_Q4_1: return "q4_1";
-    case CV_Q5_0: return "q5_0";
-    case CV_Q5_1: return "q5_1";
-    case CV_Q4_K: return "q4_k";
-    case CV_Q5_K: return "q5_k";
-    case CV_Q6_K: return "q6_k";
-    case CV_Q3_K: return "q3_k";
-    case CV_Q4_F: return "q4_f32";
-    case CV_Q8_F: return "q8_f32";
-    case CV_Q2_K: return "q2_k";
-    case CV_Q8_M: return "q8_m32";
-    default: return "invalid";
-    }
-}
-
 /* Copies count elements of host src (dtype st) into device dst as dtype dt,
  * converting on the host through the pinned staging buffer. */
 static int upload(cv_cuda_ctx *c, void *dst, cv_dtype dt, const void *src, cv_dtype st, size_t count,
@@ -281,7 +256,7 @@ static int prepare_quantized(cv_backend *b, void **data, size_t *bytes_out, cons
         return prepare_2d(b, data, bytes_out, src, src_dtype, rows, cols, dtype, what, err);
     if (!src || rows <= 0 || cols <= 0 || cols % CV_QK != 0 || rows > INT_MAX || cols > INT_MAX)
         return set_err(err, CV_ERR_INVALID, "CUDA %s: bad %s shape [%lld][%lld] (cols a multiple of %d)", what,
-                       dtname(src_dtype), (long long)rows, (long long)cols, CV_QK);
+                       cv_dtype_name(src_dtype), (long long)rows, (long long)cols, CV_QK);
     const size_t count = (size_t)rows * (size_t)cols;
     float *host = (float *)malloc(count * sizeof(float));
     if (!host) return set_err(err, CV_ERR_NOMEM, "CUDA %s: out of host memory dequantizing [%lld][%lld]", what,
@@ -301,10 +276,10 @@ static int prepare_2d(cv_backend *b, void **data, size_t *bytes_out, const void 
     *bytes_out = 0;
     if (dtype != CV_F32 && dtype != CV_F16 && dtype != CV_BF16)
         return set_err(err, CV_ERR_UNSUPPORTED, "CUDA %s: dtype %s is not supported (float32, float16, bfloat16)",
-                       what, dtname(dtype));
+                       what, cv_dtype_name(dtype));
     if (src_dtype != CV_F32 && src_dtype != CV_F16 && src_dtype != CV_BF16 && src_dtype != CV_F64)
         return set_err(err, CV_ERR_UNSUPPORTED, "CUDA %s: source dtype %s is not supported", what,
-                       dtname(src_dtype));
+                       cv_dtype_name(src_dtype));
     if (rows <= 0 || cols <= 0 || rows > INT_MAX || cols > INT_MAX)
         return set_err(err, CV_ERR_INVALID, "CUDA %s: bad shape [%lld][%lld]", what, (long long)rows,
                        (long long)cols);
@@ -316,7 +291,7 @@ static int prepare_2d(cv_backend *b, void **data, size_t *bytes_out, const void 
     if (e != cudaSuccess) {
         (void)cudaGetLastError();
         return set_err(err, CV_ERR_NOMEM, "CUDA %s: out of device memory for [%lld][%lld] %s (%zu bytes): %s",
-                       what, (long long)rows, (long long)cols, dtname(dtype), bytes, cudaGetErrorString(e));
+                       what, (long long)rows, (long long)cols, cv_dtype_name(dtype), bytes, cudaGetErrorString(e));
     }
     int rc = upload(c, p, dtype, src, src_dtype, count, err);
     if (rc != CV_OK) {
@@ -463,7 +438,7 @@ static void cvc_gemm(cv_backend *b, float *out, const float *x, int64_t n, const
         return;
     }
     if (w->dtype != CV_BF16 && w->dtype != CV_F16) {
-        cvc_fail(c, CV_ERR_UNSUPPORTED, "CUDA gemm: weight dtype %s is not supported", dtname(w->dtype));
+        cvc_fail(c, CV_ERR_UNSUPPORTED, "CUDA gemm: weight dtype %s is not supported", cv_dtype_name(w->dtype));
         return;
     }
     /* 16-bit weights: the activations are narrowed to the weights' type in
