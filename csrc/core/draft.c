@@ -168,8 +168,9 @@ int cv_draft_check(const cv_draft *d, cv_err *err) {
     return rc;
 }
 
-/* Makes q hold tokens[n] (capacity as needed); CV_ERR_NOMEM leaves it as it was. */
-static int hold_tokens(cv_sequence *q, const int32_t *tokens, int64_t n, int64_t extra) {
+/* Makes q hold tokens[n], of which its first `from` already are (capacity as
+ * needed); CV_ERR_NOMEM leaves it as it was. */
+static int hold_tokens(cv_sequence *q, const int32_t *tokens, int64_t from, int64_t n, int64_t extra) {
     if (q->cap_tokens < n + extra) {
         int64_t cap = n + extra + 64;
         int32_t *t = realloc(q->tokens, (size_t)cap * sizeof *t);
@@ -177,7 +178,7 @@ static int hold_tokens(cv_sequence *q, const int32_t *tokens, int64_t n, int64_t
         q->tokens = t;
         q->cap_tokens = cap;
     }
-    memcpy(q->tokens, tokens, (size_t)n * sizeof *tokens);
+    memcpy(q->tokens + from, tokens + from, (size_t)(n - from) * sizeof *tokens);
     q->n_tokens = n;
     return CV_OK;
 }
@@ -212,7 +213,7 @@ static int64_t sync_slot(cv_draft *d, cv_sequence *q, const cv_sequence *s, int6
     int64_t keep = q->n_computed < n - 1 ? q->n_computed : n - 1;
     int64_t same = 0;
     while (same < keep && q->tokens[same] == s->tokens[same]) same++;
-    if (hold_tokens(q, s->tokens, n, d->max_k + 1)) return 0;
+    if (hold_tokens(q, s->tokens, same, n, d->max_k + 1)) return 0;
     q->n_computed = same;
     int64_t need = (n + k - 1 + d->block_size - 1) / d->block_size;
     while (q->n_blocks < need) {
