@@ -35,6 +35,15 @@ def spawn(tmp_path, argv, **kw):
                             preexec_fn=_default_sigint, **kw)
 
 
+def _maps(pid: int, name: str) -> bool:
+    """Whether process pid has a file whose path holds name mapped (True where /proc cannot say)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return name in f.read()
+    except OSError:
+        return True
+
+
 def readline(p, timeout: float) -> str:
     """p's next stdout line, or "" when none comes within timeout (never hangs)."""
     import select
@@ -198,9 +207,14 @@ def test_sigint_during_engine_construction_exits_within_1s(tmp_path, stories_dir
 
 def test_generate_ctrl_c_is_one_line(tmp_path, stories_dir):
     p = spawn(tmp_path, ["-m", "conveyor", "generate", "--model", stories_dir / "stories260K.bin",
-                         "--kv-cache-memory", "2GiB", "--max-tokens", "200", "--num-prompts", "64", "--ignore-eos"],
+                         "--kv-cache-memory", "2GiB", "--max-tokens", "480", "--num-prompts", "512", "--ignore-eos"],
               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    time.sleep(1.5)
+    # Signal once the child has loaded conveyor's C core, not after a fixed sleep: under ASan
+    # on a loaded machine 1.5 s was not always enough to be past the interpreter's start.
+    deadline = time.monotonic() + 60
+    while p.poll() is None and time.monotonic() < deadline and not _maps(p.pid, "conveyor/_core"):
+        time.sleep(0.02)
+    time.sleep(0.3)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=60)
     if p.returncode == 0:

@@ -8,7 +8,9 @@ static struct PyModuleDef core_module = {
 };
 
 PyMODINIT_FUNC PyInit__core(void) {
-    import_array();
+    /* Not the import_array() macro: it prints the error and replaces it with an ImportError,
+     * which turns a Ctrl-C during NumPy's import into a traceback instead of KeyboardInterrupt. */
+    if (_import_array() < 0) return NULL;
     PyObject *m = PyModule_Create(&core_module);
     if (!m) return NULL;
     if (cv_py_add_errors(m) < 0) goto fail;

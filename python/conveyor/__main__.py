@@ -1,4 +1,7 @@
 """`python -m conveyor ...` runs the `conveyor` command line."""
-from .cli import main
+try:
+    from .cli import main
+except KeyboardInterrupt:  # Ctrl-C while the command line itself loads
+    raise SystemExit(130)
 
 raise SystemExit(main())

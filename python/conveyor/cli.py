@@ -159,12 +159,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit:
         raise  # argparse: it printed "conveyor CMD: error: ..." and exits 2
     except Exception as e:
+        if not debug and _caused_by_interrupt(e):  # e.g. NumPy turns one inside its import into ImportError
+            print(f"\n{prog}: interrupted", file=sys.stderr)
+            return 130
         from ._core import ConveyorError
 
         if debug or not isinstance(e, _USER_ERRORS + (ConveyorError,)):
             raise
         print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
         return 1
+
+
+def _caused_by_interrupt(e: BaseException) -> bool:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _one_line(e: BaseException) -> str:
