@@ -45,18 +45,6 @@ int cv_set_field_err(cv_err *err, int code, const char *field, const char *fmt, 
     return code;
 }
 
-size_t cv_dtype_size(cv_dtype t) {
-    switch (t) {
-    case CV_F32: return 4;
-    case CV_F16: return 2;
-    case CV_BF16: return 2;
-    case CV_F64: return 8;
-    case CV_I32: return 4;
-    case CV_I64: return 8;
-    default: return 0;
-    }
-}
-
 static uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 

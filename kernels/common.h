@@ -80,7 +80,19 @@ typedef enum cv_dtype {
     CV_DTYPE_INVALID = -1
 } cv_dtype;
 
-size_t cv_dtype_size(cv_dtype t);
+/* Bytes per element of a plain dtype; 0 for the block formats (cv_dtype_bytes).
+ * Inline, so that kernels/quant_format.h needs no function of csrc/common.c. */
+static inline size_t cv_dtype_size(cv_dtype t) {
+    switch (t) {
+    case CV_F32: return 4;
+    case CV_F16: return 2;
+    case CV_BF16: return 2;
+    case CV_F64: return 8;
+    case CV_I32: return 4;
+    case CV_I64: return 8;
+    default: return 0;
+    }
+}
 /* "float32", "float16", "bfloat16", ...: inline, so that the CUDA library (which
  * does not link csrc/common.c) names dtypes from the same table. */
 static inline const char *cv_dtype_name(cv_dtype t) {

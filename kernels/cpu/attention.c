@@ -32,6 +32,7 @@
 
 #include "attention_avx512.h"
 #include "cpu_internal.h"
+#include "vec_math.h"
 
 /* Keys per segment (a multiple of CV_ATT_KCHUNK): the unit of the fixed
  * merge order, and of the split across threads. */
@@ -46,6 +47,18 @@
  * partial result (split mode): m[T] l[T] acc[ATT_VF]. */
 size_t cv_cpu_att_scratch_floats(void) {
     return ROUND16(4 * ATT_VF + 5 * CV_ATT_TILE + (size_t)CV_ATT_TILE * CV_ATT_KCHUNK);
+}
+
+int cv_cpu_att_partials_reserve(cv_cpu *c, size_t units) {
+    if (units <= c->att_partial_units) return CV_OK;
+    size_t bytes;
+    if (!cv_mul_size(units, c->att_partial_floats * sizeof(float), &bytes)) return CV_ERR_NOMEM;
+    float *p = aligned_alloc(64, bytes);
+    if (!p) return CV_ERR_NOMEM;
+    free(c->att_partials);
+    c->att_partials = p;
+    c->att_partial_units = units;
+    return CV_OK;
 }
 
 size_t cv_cpu_att_partial_floats(void) { return ROUND16(ATT_VF + 2 * CV_ATT_TILE); }

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "attention_avx512.h"
+#include "vec_math.h"
 
 #if CV_HAVE_AVX512
 CV_TARGET_AVX512_BEGIN

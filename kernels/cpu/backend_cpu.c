@@ -144,19 +144,6 @@ static void cpu_host_parallel(cv_backend *b, int64_t n, void (*fn)(void *arg, in
     cv_pool_run_dynamic(cv_cpu_of(b)->pool, n < INT32_MAX ? (int)n : 0, host_items, &j, 1);
 }
 
-int cv_cpu_check_prepare(const char *what, const char *noun, const void *src, cv_dtype src_dtype,
-                         int64_t rows, int64_t cols, cv_dtype dtype, cv_err *err) {
-    if (!src || rows <= 0 || cols <= 0)
-        return cv_set_err(err, CV_ERR_INVALID, "%s: bad shape [%lld][%lld] or NULL source", what,
-                          (long long)rows, (long long)cols);
-    if (src_dtype != CV_F32 && src_dtype != CV_F16 && src_dtype != CV_BF16 && src_dtype != CV_F64)
-        return cv_set_err(err, CV_ERR_TYPE, "%s: source dtype %s is not a float type", what,
-                          cv_dtype_name(src_dtype));
-    if (dtype != CV_F32 && dtype != CV_F16 && dtype != CV_BF16)
-        return cv_set_err(err, CV_ERR_UNSUPPORTED, "%s: %s %s (want float32, float16 or bfloat16)", what,
-                          noun, cv_dtype_name(dtype));
-    return CV_OK;
-}
 
 static int cpu_table_prepare(cv_backend *b, cv_table *out, const void *src, cv_dtype src_dtype,
                              int64_t rows, int64_t cols, cv_dtype dtype, cv_err *err) {
@@ -306,16 +293,13 @@ static int64_t env_int(const char *name, int64_t def, int64_t lo, int64_t hi) {
     return v < lo ? lo : (v > hi ? hi : v);
 }
 
-int cv_cpu_att_partials_reserve(cv_cpu *c, size_t units) {
-    if (units <= c->att_partial_units) return CV_OK;
-    size_t bytes;
-    if (!cv_mul_size(units, c->att_partial_floats * sizeof(float), &bytes)) return CV_ERR_NOMEM;
-    float *p = aligned_alloc(64, bytes);
-    if (!p) return CV_ERR_NOMEM;
-    free(c->att_partials);
-    c->att_partials = p;
-    c->att_partial_units = units;
-    return CV_OK;
+
+/* A quantized table is dequantized row by row (quant.c), a float one widened (elementwise.c). */
+static void cpu_embedding(cv_backend *b, float *out, const int32_t *tokens, int64_t n, const cv_table *table) {
+    if (cv_dtype_is_quant(table->dtype))
+        cv_cpu_qembedding(b, out, tokens, n, table);
+    else
+        cv_cpu_embedding(b, out, tokens, n, table);
 }
 
 static void cpu_destroy(cv_backend *b) {
@@ -410,7 +394,7 @@ cv_backend *cv_cpu_backend_create_simd(int num_threads, const char *simd, cv_err
     b->add_rmsnorm = cv_cpu_add_rmsnorm;
     b->geglu = cv_cpu_geglu;
     b->scale = cv_cpu_scale;
-    b->embedding = cv_cpu_embedding;
+    b->embedding = cpu_embedding;
     b->kv_write = cv_cpu_kv_write;
     b->paged_attention = cv_cpu_paged_attention;
     b->rope_kv_write = cv_cpu_rope_kv_write;

@@ -113,12 +113,16 @@ static inline void cv_cpu_run_rows(cv_cpu *c, int nth, cv_rows *rows, int64_t n,
     cv_pool_run_dynamic(c->pool, nth, fn, job, 1);
 }
 
-/* backend_cpu.c: checks the arguments common to matrix_prepare and
- * table_prepare (src [rows][cols] of a float src_dtype, stored as float32,
- * float16 or bfloat16); `what` names the caller and `noun` the stored dtype
- * in the message. CV_OK or the error code, with err set. */
-int cv_cpu_check_prepare(const char *what, const char *noun, const void *src, cv_dtype src_dtype,
-                         int64_t rows, int64_t cols, cv_dtype dtype, cv_err *err);
+/* The files of the CPU backend call in one direction:
+ *   backend_cpu.c (function table, lifetime, buffers, tables)
+ *     -> operations: gemm.c -> quant.c (+ quant_*.c tiles), gemm_avx512.c;
+ *        attention.c -> attention_avx512.c; elementwise.c
+ *     -> shared pieces: row_kernels.c, convert.c, vec_math.c, threadpool.c,
+ *        cpu_features.c, and csrc/common.c below them all.
+ * An operation never calls the backend or a sideways operation; a shared piece
+ * never calls an operation. tools/check_layers.py checks it on the objects. */
+
+/* ---- Operations */
 
 /* The rows a GEMM multiplies, made on the fly by a prologue where the
  * fused kernels need them (rmsnorm_gemm, swiglu_gemm): each thread makes the
@@ -157,7 +161,10 @@ void cv_cpu_swiglu_gemm(cv_backend *b, float *out, const float *gu, int64_t n, c
                         const float *bias, int accumulate, float *scratch);
 /* A thread's buffer for the rows of a token block (cv_gemm_in), or NULL
  * when the backend has none of `floats` floats (matrix prepared elsewhere). */
-float *cv_cpu_gemm_rows_buf(const cv_cpu *c, int tid, size_t floats);
+static inline float *cv_cpu_gemm_rows_buf(const cv_cpu *c, int tid, size_t floats) {
+    if (!c->gemm_xrows || floats > c->gemm_xpack_floats) return NULL;
+    return c->gemm_xrows + (size_t)tid * c->gemm_xpack_floats;
+}
 
 /* elementwise.c */
 void cv_cpu_rmsnorm(cv_backend *b, float *out, const float *x, const float *weight, int64_t n,
@@ -176,29 +183,8 @@ void cv_cpu_rope_kv_write(cv_backend *b, float *q, int64_t q_stride, int64_t n_h
                           int64_t k_stride, int64_t n_kv_heads, const float *v, int64_t v_stride,
                           const int32_t *pos, int64_t n, const cv_rope *rope, cv_kv_layer *cache,
                           const int64_t *slot_mapping);
-/* Rows [t0, t0 + m) of the GEMM input `in` into dst[m][cols], with the row
- * code of cv_cpu_rmsnorm / cv_cpu_swiglu (so bit for bit their results). */
-void cv_cpu_gemm_in_rows(const cv_gemm_in *in, float *dst, int64_t t0, int64_t m, int64_t cols, int simd);
-/* All n rows of `in` into dst[n][cols], by the unfused kernel (one region). */
-void cv_cpu_gemm_in_all(cv_backend *b, float *dst, const cv_gemm_in *in, int64_t n, int64_t cols);
 void cv_cpu_embedding(cv_backend *b, float *out, const int32_t *tokens, int64_t n,
                       const cv_table *table);
-/* Widens n values of dtype dt at src to float32 (SIMD when simd != 0). */
-void cv_cpu_widen(float *dst, const void *src, cv_dtype dt, int64_t n, int simd);
-/* Narrows n float32 values into dtype dt (round to nearest even). */
-void cv_cpu_narrow(void *dst, cv_dtype dt, const float *src, int64_t n, int simd);
-#if CV_HAVE_AVX2
-CV_TARGET_AVX2_BEGIN
-/* exp(x) for 8 lanes (relative error ~2 ulp; -inf gives 0). */
-__m256 cv_exp256(__m256 x);
-CV_TARGET_END
-#endif
-#if CV_HAVE_AVX512
-CV_TARGET_AVX512_BEGIN
-/* exp(x) for 16 lanes, as cv_exp256. */
-__m512 cv_exp512(__m512 x);
-CV_TARGET_END
-#endif
 
 /* attention.c */
 void cv_cpu_kv_write(cv_backend *b, cv_kv_layer *cache, const float *k, int64_t k_stride,
@@ -213,6 +199,31 @@ size_t cv_cpu_att_scratch_floats(void);
 size_t cv_cpu_att_partial_floats(void);
 /* Room for `units` partial results; 0, or CV_ERR_NOMEM (the buffer unchanged). */
 int cv_cpu_att_partials_reserve(cv_cpu *c, size_t units);
+
+/* ---- Shared pieces: they call nothing above them (operations, backend). */
+
+/* row_kernels.c: one row at the backend's SIMD level, the code every RMSNorm,
+ * SwiGLU and GeGLU runs, fused or not. */
+void cv_cpu_rms_row(float *out, const float *x, const float *w, int64_t dim, float eps, int simd);
+void cv_cpu_swiglu_row(float *o, const float *g, const float *u, int64_t dim, int simd);
+void cv_cpu_geglu_row(float *o, const float *g, const float *u, int64_t dim, int simd);
+/* Rows [t0, t0 + m) of the GEMM input `in` into dst[m][cols], by those rows
+ * (so bit for bit the unfused kernels' results). */
+void cv_cpu_gemm_in_rows(const cv_gemm_in *in, float *dst, int64_t t0, int64_t m, int64_t cols, int simd);
+
+/* convert.c: widens n values of dtype dt at src to float32 (SIMD when simd != 0). */
+void cv_cpu_widen(float *dst, const void *src, cv_dtype dt, int64_t n, int simd);
+/* Narrows n float32 values into dtype dt (round to nearest even). */
+void cv_cpu_narrow(void *dst, cv_dtype dt, const float *src, int64_t n, int simd);
+/* Checks the arguments common to matrix_prepare and table_prepare (src
+ * [rows][cols] of a float src_dtype, stored as float32, float16 or bfloat16);
+ * `what` names the caller and `noun` the stored dtype in the message. CV_OK or
+ * the error code, with err set. */
+int cv_cpu_check_prepare(const char *what, const char *noun, const void *src, cv_dtype src_dtype,
+                         int64_t rows, int64_t cols, cv_dtype dtype, cv_err *err);
+
+/* vec_math.h: lane masks, horizontal sums, exp. threadpool.h, cpu_features.h:
+ * the pool and the CPU's features. */
 
 /* peak.c: cv_cpu_measure_peak; backend_cpu.c: cv_cpu_triad, cv_cpu_read_bw
  * (declared in cpu_backend.h). */

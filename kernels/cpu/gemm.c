@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "gemm_ukr.h"
+#include "vec_math.h"
 #include "quant.h"
 
 /* Fewest panels in a thread's share for which packing x pays for itself. */
@@ -95,7 +96,14 @@ int cv_cpu_matrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dty
     int rc = CV_OK;
     void *data = NULL;
     float *tmp = NULL;
-    if (cv_dtype_is_quant(dtype)) return cv_cpu_qmatrix_prepare(b, out, src, src_dtype, rows, cols, dtype, err);
+    if (cv_dtype_is_quant(dtype)) {
+        rc = cv_cpu_qmatrix_prepare(b, out, src, src_dtype, rows, cols, dtype, err);
+        if (rc == CV_OK && cv_cpu_gemm_reserve(c, cols) < 0) { /* rows of a fused GEMM's prologue */
+            cv_cpu_matrix_free(b, out);
+            rc = cv_set_err(err, CV_ERR_NOMEM, "matrix_prepare: out of memory for activation scratch");
+        }
+        return rc;
+    }
     memset(out, 0, sizeof *out);
     rc = cv_cpu_check_prepare("matrix_prepare", "weight dtype", src, src_dtype, rows, cols, dtype, err);
     if (rc) goto done;
@@ -158,11 +166,6 @@ int cv_cpu_gemm_reserve(cv_cpu *c, int64_t cols) {
     c->gemm_xrows = r;
     c->gemm_xpack_floats = need;
     return CV_OK;
-}
-
-float *cv_cpu_gemm_rows_buf(const cv_cpu *c, int tid, size_t floats) {
-    if (!c->gemm_xrows || floats > c->gemm_xpack_floats) return NULL;
-    return c->gemm_xrows + (size_t)tid * c->gemm_xpack_floats;
 }
 
 void cv_cpu_matrix_free(cv_backend *b, cv_matrix *m) {

@@ -294,10 +294,6 @@ int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dt
         c->qx = qx;
         c->qx_bytes = qx_bytes;
     }
-    if (cv_cpu_gemm_reserve(c, cols) < 0) { /* rows of a fused GEMM's prologue */
-        rc = cv_set_err(err, CV_ERR_NOMEM, "matrix_prepare: out of memory for activation scratch");
-        goto done;
-    }
     if (repack) {
         const size_t src_row = cv_dtype_bytes(src_dtype, (size_t)cols);
         for (int64_t r = 0; r < rows; r++)
@@ -476,7 +472,7 @@ void cv_cpu_qgemm_in(cv_backend *b, float *out, const cv_gemm_in *in, int64_t n,
     qgemm_job j = {.out = out, .w = w, .bias = bias, .accumulate = accumulate, .nb = nb, .in = *in, .cpu = c,
                    .simd = c->simd};
     if (in->kind != CV_IN_X && !cv_cpu_gemm_rows_buf(c, 0, (size_t)w->cols)) { /* prepared elsewhere */
-        cv_cpu_gemm_in_all(b, scratch, in, n, w->cols);
+        cv_cpu_gemm_in_rows(in, scratch, 0, n, w->cols, c->simd); /* one thread: a rare path */
         j.in = (cv_gemm_in){.kind = CV_IN_X, .src = scratch};
     }
     tiles_for(w->dtype, level, &j.k);
