@@ -53,6 +53,7 @@ size_t cv_dtype_size(cv_dtype t) {
     case CV_F64: return 8;
     case CV_I32: return 4;
     case CV_I64: return 8;
+    case CV_I8: return 1;
     default: return 0;
     }
 }

@@ -40,6 +40,7 @@ static int max_valid(const int *nval, int v0, int nvg) {
 /* 16 values of a K or V row from d, lanes outside m zero. */
 static CV_ALWAYS_INLINE __m512 kv_load16(const void *p, cv_dtype dt, int64_t d, __mmask16 m) {
     if (dt == CV_F32) return _mm512_maskz_loadu_ps(m, (const float *)p + d);
+    if (dt == CV_I8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, (const int8_t *)p + d)));
     const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)p + d);
     if (dt == CV_F16) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -137,6 +138,7 @@ static inline int pow2_group(int left) { return left >= 4 ? 4 : left >= 2 ? 2 : 
         const int nkb = nk - i0;                                                                \
         if (dt == CV_F32) scores_blk(s, q, hd, NV, i0, nkb, kp, CV_F32);                        \
         else if (dt == CV_F16) scores_blk(s, q, hd, NV, i0, nkb, kp, CV_F16);                   \
+        else if (dt == CV_I8) scores_blk(s, q, hd, NV, i0, nkb, kp, CV_I8);                     \
         else scores_blk(s, q, hd, NV, i0, nkb, kp, CV_BF16);                                    \
     } while (0)
 
@@ -211,6 +213,7 @@ static CV_ALWAYS_INLINE void pv_group(float *acc, const float *sc, const float *
     do {                                                                                        \
         if (dt == CV_F32) pv_group(a, s, al, hd, NV, nk, vp, CV_F32);                           \
         else if (dt == CV_F16) pv_group(a, s, al, hd, NV, nk, vp, CV_F16);                      \
+        else if (dt == CV_I8) pv_group(a, s, al, hd, NV, nk, vp, CV_I8);                        \
         else pv_group(a, s, al, hd, NV, nk, vp, CV_BF16);                                       \
     } while (0)
 

@@ -12,7 +12,8 @@
 #include "cpu_internal.h"
 
 #if CV_HAVE_AVX512
-/* AVX512 level, fp32 math over any cache dtype. Scores: per (vector, key)
+/* AVX512 level, fp32 math over any cache dtype (int8: the stored integers;
+ * attention.c applies the rows' scales). Scores: per (vector, key)
  * 16-lane FMA accumulators over head_dim, then 16 of them summed together by
  * one transpose-add tree (each lane pair at distance 8, 4, 2, 1). */
 void cv_att_scores_avx512(float *sc, const float *qt, int64_t hd, int nv, const int *nval,
