@@ -385,6 +385,16 @@ static void pv_avx2(float *acc, const float *sc, const float *alpha, int64_t hd,
 }
 #undef PV_DT
 
+/* i8_scale (below) on AVX2: the same one multiply per entry. */
+static void i8_scale_avx2(float *sc, int nv, const int *nval, const float *s) {
+    for (int v = 0; v < nv; v++) {
+        float *r = sc + v * CV_ATT_KCHUNK;
+        int i = 0;
+        for (; i + 8 <= nval[v]; i += 8) _mm256_storeu_ps(r + i, _mm256_mul_ps(_mm256_loadu_ps(r + i), _mm256_loadu_ps(s + i)));
+        for (; i < nval[v]; i++) r[i] *= s[i];
+    }
+}
+
 static void softmax_step_avx2(float *sc, int nk, float *m, float *l, float *alpha, int nval) {
     if (nval > 0) {
         float mx = sc[0];
@@ -467,13 +477,16 @@ static void chunk_rows(const att_rows *r, int64_t c0, int nk, const void **kp, c
                        float *vsc, int prefetch) {
     int64_t bi = c0 / r->bs, bo = c0 % r->bs;
     size_t off = (size_t)r->table[bi] * r->blk_bytes + r->head_off + (size_t)bo * r->row_bytes;
-    if (r->ks)
-        for (int i = 0; i < nk; i++) {
-            const int64_t p = c0 + i;
-            const size_t so = (size_t)r->table[p / r->bs] * r->blk_sc + r->head_sc + (size_t)(p % r->bs);
-            ksc[i] = r->ks[so];
-            vsc[i] = r->vs[so];
+    if (r->ks) { /* the scales: one run per block */
+        for (int i = 0; i < nk;) {
+            const int64_t b = (c0 + i) / r->bs, o = (c0 + i) % r->bs;
+            const int n = (int)(r->bs - o < nk - i ? r->bs - o : nk - i);
+            const size_t so = (size_t)r->table[b] * r->blk_sc + r->head_sc + (size_t)o;
+            memcpy(ksc + i, r->ks + so, (size_t)n * sizeof(float));
+            memcpy(vsc + i, r->vs + so, (size_t)n * sizeof(float));
+            i += n;
         }
+    }
     for (int i = 0; i < nk; i++) {
         kp[i] = r->k + off;
         vp[i] = r->v + off;
@@ -575,11 +588,11 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
         }
         if (j->simd >= CV_SIMD_AVX512) {
             cv_att_scores_avx512(sc, qt, hd, nv, nval, kp, kv->dtype);
-            if (i8) i8_scale(sc, nv, nval, ksc2[cur]);
+            if (i8) cv_att_scale_avx512(sc, nv, nval, ksc2[cur]);
             if (bt->window > 0) window_mask(sc, nv, nval, vpos, c0, bt->window);
             for (int v = 0; v < nv; v++)
                 cv_att_softmax_avx512(sc + v * CV_ATT_KCHUNK, nk, &m[v], &l[v], &alpha[v], nval[v]);
-            if (i8) i8_scale(sc, nv, nval, vsc2[cur]);
+            if (i8) cv_att_scale_avx512(sc, nv, nval, vsc2[cur]);
             cv_att_pv_avx512(acc, sc, alpha, hd, nv, nval, vp, kv->dtype);
             continue;
         }
@@ -587,11 +600,11 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
 #if CV_HAVE_AVX2
         if (j->simd) {
             scores_avx2(sc, qt, hd, nv, nval, kp, kv->dtype);
-            if (i8) i8_scale(sc, nv, nval, ksc2[cur]);
+            if (i8) i8_scale_avx2(sc, nv, nval, ksc2[cur]);
             if (bt->window > 0) window_mask(sc, nv, nval, vpos, c0, bt->window);
             for (int v = 0; v < nv; v++)
                 softmax_step_avx2(sc + v * CV_ATT_KCHUNK, nk, &m[v], &l[v], &alpha[v], nval[v]);
-            if (i8) i8_scale(sc, nv, nval, vsc2[cur]);
+            if (i8) i8_scale_avx2(sc, nv, nval, vsc2[cur]);
             pv_avx2(acc, sc, alpha, hd, nv, nval, vp, kv->dtype);
             continue;
         }

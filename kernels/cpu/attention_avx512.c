@@ -236,6 +236,21 @@ void cv_att_pv_avx512(float *acc, const float *sc, const float *alpha, int64_t h
 }
 #undef PV_DT
 
+void cv_att_scale_avx512(float *sc, int nv, const int *nval, const float *s) {
+    const int nk = max_valid(nval, 0, nv);
+    __m512 sv[CV_ATT_KCHUNK / 16];
+#pragma GCC unroll 4
+    for (int b = 0; b < CV_ATT_KCHUNK / 16; b++) sv[b] = _mm512_maskz_loadu_ps(att_mask(nk - 16 * b), s + 16 * b);
+    for (int v = 0; v < nv; v++) {
+        float *r = sc + v * CV_ATT_KCHUNK;
+#pragma GCC unroll 4
+        for (int b = 0; b < CV_ATT_KCHUNK / 16; b++) {
+            const __mmask16 m = att_mask(nval[v] - 16 * b);
+            _mm512_mask_storeu_ps(r + 16 * b, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, r + 16 * b), sv[b]));
+        }
+    }
+}
+
 void cv_att_softmax_avx512(float *sc, int nk, float *m, float *l, float *alpha, int nval) {
     if (nval > 0) {
         __m512 vmx = _mm512_set1_ps(-INFINITY);
