@@ -482,8 +482,10 @@ static void chunk_rows(const att_rows *r, int64_t c0, int nk, const void **kp, c
             const int64_t b = (c0 + i) / r->bs, o = (c0 + i) % r->bs;
             const int n = (int)(r->bs - o < nk - i ? r->bs - o : nk - i);
             const size_t so = (size_t)r->table[b] * r->blk_sc + r->head_sc + (size_t)o;
-            memcpy(ksc + i, r->ks + so, (size_t)n * sizeof(float));
-            memcpy(vsc + i, r->vs + so, (size_t)n * sizeof(float));
+            for (int e = 0; e < n; e++) { /* a plain loop: n is small, a memcpy call costs more */
+                ksc[i + e] = r->ks[so + (size_t)e];
+                vsc[i + e] = r->vs[so + (size_t)e];
+            }
             i += n;
         }
     }
@@ -797,8 +799,11 @@ typedef struct kvw_job {
     cv_rows *rows;             /* claimed in chunks (dynamic region) */
 } kvw_job;
 
-/* One row into the int8 cache: q = round(x * (127 / max|x|)) clamped to
- * +-127 (a NaN becomes 0), its scale max|x| / 127 (0 for a zero row). */
+/* One row into the int8 cache: q = round(x * (127 / max|x|)) (to nearest,
+ * ties to even) clamped to +-127 (a NaN becomes 0), its scale max|x| / 127
+ * (0 for a zero row). Plain C on every level (the same bits everywhere):
+ * adding and subtracting 1.5 * 2^23 rounds |v| < 2^22 to an integer in the
+ * default rounding mode, as nearbyintf does, without a libm call per value. */
 static void quantize_row_i8(int8_t *dst, float *scale, const float *x, int64_t hd) {
     float amax = 0.0f;
     for (int64_t d = 0; d < hd; d++) {
@@ -807,9 +812,11 @@ static void quantize_row_i8(int8_t *dst, float *scale, const float *x, int64_t h
     }
     const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
     *scale = amax / 127.0f;
+    const float magic = 12582912.0f; /* 1.5 * 2^23 */
     for (int64_t d = 0; d < hd; d++) {
-        float r = nearbyintf(x[d] * id);
-        r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+        float r = x[d] * id;
+        r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r); /* also keeps |r| < 2^22 */
+        r = (r + magic) - magic;
         dst[d] = r == r ? (int8_t)r : 0;
     }
 }
