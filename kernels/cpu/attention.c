@@ -469,26 +469,38 @@ typedef struct att_rows {
     size_t blk_bytes, row_bytes;
 } att_rows;
 
-/* Row pointers of keys [c0, c0 + nk): the block table walked from c0 (one
- * division per chunk, not per key). With prefetch, also asks for their
- * cache lines: the rows of the next chunk arrive while this one computes.
- * An int8 cache: also the rows' scales, ksc[nk] and vsc[nk]. */
-static void chunk_rows(const att_rows *r, int64_t c0, int nk, const void **kp, const void **vp, float *ksc,
-                       float *vsc, int prefetch) {
-    int64_t bi = c0 / r->bs, bo = c0 % r->bs;
-    size_t off = (size_t)r->table[bi] * r->blk_bytes + r->head_off + (size_t)bo * r->row_bytes;
-    if (r->ks) { /* the scales: one run per block */
-        for (int i = 0; i < nk;) {
-            const int64_t b = (c0 + i) / r->bs, o = (c0 + i) % r->bs;
-            const int n = (int)(r->bs - o < nk - i ? r->bs - o : nk - i);
-            const size_t so = (size_t)r->table[b] * r->blk_sc + r->head_sc + (size_t)o;
+/* int8 cache: the scales of keys [c0, c0 + nk) into ksc[nk] and vsc[nk]
+ * (one run per block), or with prefetch only a request for their cache lines
+ * (the next chunk's, read when its turn comes). */
+static void chunk_scales(const att_rows *r, int64_t c0, int nk, float *ksc, float *vsc, int prefetch) {
+    for (int i = 0; i < nk;) {
+        const int64_t b = (c0 + i) / r->bs, o = (c0 + i) % r->bs;
+        const int n = (int)(r->bs - o < nk - i ? r->bs - o : nk - i);
+        const size_t so = (size_t)r->table[b] * r->blk_sc + r->head_sc + (size_t)o;
+        if (prefetch) {
+            for (int e = 0; e < n; e += 16) {
+                __builtin_prefetch(r->ks + so + (size_t)e);
+                __builtin_prefetch(r->vs + so + (size_t)e);
+            }
+            __builtin_prefetch(r->ks + so + (size_t)n - 1);
+            __builtin_prefetch(r->vs + so + (size_t)n - 1);
+        } else {
             for (int e = 0; e < n; e++) { /* a plain loop: n is small, a memcpy call costs more */
                 ksc[i + e] = r->ks[so + (size_t)e];
                 vsc[i + e] = r->vs[so + (size_t)e];
             }
-            i += n;
         }
+        i += n;
     }
+}
+
+/* Row pointers of keys [c0, c0 + nk): the block table walked from c0 (one
+ * division per chunk, not per key). With prefetch, also asks for their
+ * cache lines: the rows of the next chunk arrive while this one computes. */
+static void chunk_rows(const att_rows *r, int64_t c0, int nk, const void **kp, const void **vp, int prefetch) {
+    int64_t bi = c0 / r->bs, bo = c0 % r->bs;
+    size_t off = (size_t)r->table[bi] * r->blk_bytes + r->head_off + (size_t)bo * r->row_bytes;
+    if (r->ks && prefetch) chunk_scales(r, c0, nk, NULL, NULL, 1);
     for (int i = 0; i < nk; i++) {
         kp[i] = r->k + off;
         vp[i] = r->v + off;
@@ -562,18 +574,17 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
                            .row_bytes = (size_t)hd * esz};
     /* row pointers of this chunk (kp2[cur]) and of the next (kp2[!cur]) */
     const void *kp2[2][CV_ATT_KCHUNK], *vp2[2][CV_ATT_KCHUNK];
-    float ksc2[2][CV_ATT_KCHUNK], vsc2[2][CV_ATT_KCHUNK]; /* int8: the rows' scales */
+    float ksc[CV_ATT_KCHUNK], vsc[CV_ATT_KCHUNK]; /* int8: this chunk's scales */
     int cur = 0;
     if (k_lo < k_hi)
-        chunk_rows(&rows, k_lo, (int)(k_hi - k_lo < CV_ATT_KCHUNK ? k_hi - k_lo : CV_ATT_KCHUNK), kp2[0], vp2[0],
-                   ksc2[0], vsc2[0], 0);
+        chunk_rows(&rows, k_lo, (int)(k_hi - k_lo < CV_ATT_KCHUNK ? k_hi - k_lo : CV_ATT_KCHUNK), kp2[0], vp2[0], 0);
     for (int64_t c0 = k_lo; c0 < k_hi; c0 += CV_ATT_KCHUNK, cur = !cur) {
         const int nk = (int)(k_hi - c0 < CV_ATT_KCHUNK ? k_hi - c0 : CV_ATT_KCHUNK);
         const void *const *kp = kp2[cur], *const *vp = vp2[cur];
         const int64_t c1 = c0 + CV_ATT_KCHUNK;
         if (c1 < k_hi)
-            chunk_rows(&rows, c1, (int)(k_hi - c1 < CV_ATT_KCHUNK ? k_hi - c1 : CV_ATT_KCHUNK), kp2[!cur], vp2[!cur],
-                       ksc2[!cur], vsc2[!cur], 1);
+            chunk_rows(&rows, c1, (int)(k_hi - c1 < CV_ATT_KCHUNK ? k_hi - c1 : CV_ATT_KCHUNK), kp2[!cur], vp2[!cur], 1);
+        if (i8) chunk_scales(&rows, c0, nk, ksc, vsc, 0);
         for (int v = 0; v < nv; v++) {
             const int64_t n_ok = vpos[v] - c0 + 1;
             nval[v] = n_ok <= 0 ? 0 : (n_ok >= nk ? nk : (int)n_ok);
@@ -590,11 +601,11 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
         }
         if (j->simd >= CV_SIMD_AVX512) {
             cv_att_scores_avx512(sc, qt, hd, nv, nval, kp, kv->dtype);
-            if (i8) cv_att_scale_avx512(sc, nv, nval, ksc2[cur]);
+            if (i8) cv_att_scale_avx512(sc, nv, nval, ksc);
             if (bt->window > 0) window_mask(sc, nv, nval, vpos, c0, bt->window);
             for (int v = 0; v < nv; v++)
                 cv_att_softmax_avx512(sc + v * CV_ATT_KCHUNK, nk, &m[v], &l[v], &alpha[v], nval[v]);
-            if (i8) cv_att_scale_avx512(sc, nv, nval, vsc2[cur]);
+            if (i8) cv_att_scale_avx512(sc, nv, nval, vsc);
             cv_att_pv_avx512(acc, sc, alpha, hd, nv, nval, vp, kv->dtype);
             continue;
         }
@@ -602,21 +613,21 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
 #if CV_HAVE_AVX2
         if (j->simd) {
             scores_avx2(sc, qt, hd, nv, nval, kp, kv->dtype);
-            if (i8) i8_scale_avx2(sc, nv, nval, ksc2[cur]);
+            if (i8) i8_scale_avx2(sc, nv, nval, ksc);
             if (bt->window > 0) window_mask(sc, nv, nval, vpos, c0, bt->window);
             for (int v = 0; v < nv; v++)
                 softmax_step_avx2(sc + v * CV_ATT_KCHUNK, nk, &m[v], &l[v], &alpha[v], nval[v]);
-            if (i8) i8_scale_avx2(sc, nv, nval, vsc2[cur]);
+            if (i8) i8_scale_avx2(sc, nv, nval, vsc);
             pv_avx2(acc, sc, alpha, hd, nv, nval, vp, kv->dtype);
             continue;
         }
 #endif
         scores_plain(sc, qt, hd, nv, nval, kp, kv->dtype, row);
-        if (i8) i8_scale(sc, nv, nval, ksc2[cur]);
+        if (i8) i8_scale(sc, nv, nval, ksc);
         if (bt->window > 0) window_mask(sc, nv, nval, vpos, c0, bt->window);
         for (int v = 0; v < nv; v++)
             softmax_step_plain(sc + v * CV_ATT_KCHUNK, nk, &m[v], &l[v], &alpha[v], nval[v]);
-        if (i8) i8_scale(sc, nv, nval, vsc2[cur]);
+        if (i8) i8_scale(sc, nv, nval, vsc);
         pv_plain(acc, sc, alpha, hd, nv, nval, vp, kv->dtype, row);
     }
 }
