@@ -320,3 +320,20 @@ def test_bad_kv_cache_dtype_names_the_field():
         LLM(str(STORIES), kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="dtype"):
         LLM(str(STORIES), dtype="int8")  # int8 is a KV cache dtype only
+
+
+CUDA = hasattr(core, "cuda_available") and core.cuda_available()
+
+
+@pytest.mark.skipif(not CUDA, reason="no CUDA backend (a GPU or CONVEYOR_CUDA_LIB=<emulated library>)")
+@pytest.mark.skipif(not STORIES.is_file(), reason=f"{STORIES} not found")
+def test_cuda_refuses_an_int8_kv_cache():
+    """The CUDA kernels have no int8 cache: the engine refuses it by name, never runs it."""
+    import conveyor
+
+    with pytest.raises(conveyor.UnsupportedError, match="kv_cache_dtype"):
+        LLM(str(STORIES), device="cuda", kv_cache_dtype="int8")
+    kc = np.zeros((3, 1, 4, 8), np.int8)
+    k = np.zeros((2, 1, 8), np.float32)
+    with pytest.raises(conveyor.UnsupportedError, match="int8"):
+        core.cuda_kernel_kv_write(kc, kc.copy(), k, k, np.array([0, 1], np.int64))
