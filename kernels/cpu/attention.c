@@ -537,22 +537,6 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
     int64_t vpos[CV_ATT_TILE];
     int nval[CV_ATT_TILE];
 
-    for (int v = 0; v < nv; v++) {
-        const int64_t jt = t->j0 + v / ng, g = t->g0 + v % ng;
-        const float *src = j->q + (size_t)(bt->query_start[t->s] + jt) * (size_t)j->q_stride +
-                           (size_t)((t->h * j->G + g) * hd);
-        for (int64_t d = 0; d < hd; d++) qt[v * hd + d] = src[d] * bt->scale;
-        memset(acc + v * hd, 0, (size_t)hd * sizeof(float));
-        m[v] = -INFINITY;
-        l[v] = 0.0f;
-        vpos[v] = ctx - nq + jt;
-    }
-#if CV_HAVE_AVX512
-    /* bf16 cache on AVX512_BF16: the scaled queries as bf16, once per tile */
-    const int bf16_dot = j->simd >= CV_SIMD_AVX512_BF16 && kv->dtype == CV_BF16;
-    uint16_t *qb = (uint16_t *)row;
-    if (bf16_dot) cv_att_round_q_bf16(qb, qt, hd, nv);
-#endif
     /* keys past the tile's last position are masked for every vector */
     const int64_t last = ctx - nq + t->j1 - 1;
     if (k_hi > last + 1) k_hi = last + 1;
@@ -576,8 +560,26 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
     const void *kp2[2][CV_ATT_KCHUNK], *vp2[2][CV_ATT_KCHUNK];
     float ksc[CV_ATT_KCHUNK], vsc[CV_ATT_KCHUNK]; /* int8: this chunk's scales */
     int cur = 0;
+    /* the first chunk's rows are asked for (prefetch) before the queries are
+     * set up, so that their cache misses overlap that work */
     if (k_lo < k_hi)
-        chunk_rows(&rows, k_lo, (int)(k_hi - k_lo < CV_ATT_KCHUNK ? k_hi - k_lo : CV_ATT_KCHUNK), kp2[0], vp2[0], 0);
+        chunk_rows(&rows, k_lo, (int)(k_hi - k_lo < CV_ATT_KCHUNK ? k_hi - k_lo : CV_ATT_KCHUNK), kp2[0], vp2[0], 1);
+    for (int v = 0; v < nv; v++) {
+        const int64_t jt = t->j0 + v / ng, g = t->g0 + v % ng;
+        const float *src = j->q + (size_t)(bt->query_start[t->s] + jt) * (size_t)j->q_stride +
+                           (size_t)((t->h * j->G + g) * hd);
+        for (int64_t d = 0; d < hd; d++) qt[v * hd + d] = src[d] * bt->scale;
+        memset(acc + v * hd, 0, (size_t)hd * sizeof(float));
+        m[v] = -INFINITY;
+        l[v] = 0.0f;
+        vpos[v] = ctx - nq + jt;
+    }
+#if CV_HAVE_AVX512
+    /* bf16 cache on AVX512_BF16: the scaled queries as bf16, once per tile */
+    const int bf16_dot = j->simd >= CV_SIMD_AVX512_BF16 && kv->dtype == CV_BF16;
+    uint16_t *qb = (uint16_t *)row;
+    if (bf16_dot) cv_att_round_q_bf16(qb, qt, hd, nv);
+#endif
     for (int64_t c0 = k_lo; c0 < k_hi; c0 += CV_ATT_KCHUNK, cur = !cur) {
         const int nk = (int)(k_hi - c0 < CV_ATT_KCHUNK ? k_hi - c0 : CV_ATT_KCHUNK);
         const void *const *kp = kp2[cur], *const *vp = vp2[cur];
