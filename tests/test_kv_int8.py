@@ -87,6 +87,36 @@ def test_kv_write_quantizes_each_row(hd):
             np.testing.assert_array_equal(a, p)
 
 
+def test_kv_write_int8_odd_values_are_the_same_on_every_level():
+    """NaN (stored as 0, left out of the scale), infinities, ties at .5 steps and huge or
+    tiny rows: every level stores the plain C bits."""
+    hd, nkv = 37, 2
+    rows = np.array([
+        [np.nan] + [1.0] * (hd - 1),
+        [np.inf] + [0.5] * (hd - 1),
+        [127.0 * (i % 5 - 2) / 4 for i in range(hd)],  # ties: 63.5 -> 64 (even), -31.75 ...
+        [3e38] + [-1e-38] * (hd - 1),
+        [1e-42] * hd,  # denormal
+        [0.0] * hd,
+    ], np.float32)
+    n = len(rows)
+    k = np.repeat(rows[:, None, :], nkv, axis=1).copy()
+    v = -k
+    slots = np.arange(n, dtype=np.int64)
+    got = {}
+    for impl in IMPLS:
+        kc, vc = np.zeros((2, nkv, 8, hd), np.int8), np.zeros((2, nkv, 8, hd), np.int8)
+        ks, vs = np.zeros((2, nkv, 8), np.float32), np.zeros((2, nkv, 8), np.float32)
+        core.kernel_kv_write(kc, vc, k, v, slots, impl=impl, k_scale=ks, v_scale=vs)
+        got[impl] = (kc, vc, ks, vs)
+    for impl in IMPLS:
+        for a, p in zip(got[impl], got["plain"]):
+            np.testing.assert_array_equal(a, p, err_msg=impl)
+    kc, _, ks, _ = got["plain"]
+    assert kc[0, 0, 0, 0] == 0 and ks[0, 0, 0] == np.float32(1 / 127)  # the NaN: 0, not in the scale
+    np.testing.assert_array_equal(kc[0, 0, 2], quantize_ref(rows[2])[0])
+
+
 def test_rope_kv_write_int8_equals_rope_then_kv_write():
     r = np.random.default_rng(11)
     nb, bs, nh, nkv, hd, n = 7, 4, 6, 2, 34, 19

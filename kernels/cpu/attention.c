@@ -843,6 +843,13 @@ void cv_cpu_kv_write_token(const cv_kv_layer *c, const float *k, const float *v,
         const size_t row = ((size_t)blk * (size_t)nkv + (size_t)h) * (size_t)bs + (size_t)off;
         const size_t dst = row * (size_t)hd * esz;
         if (c->dtype == CV_I8) {
+#if CV_HAVE_AVX512
+            if (simd >= CV_SIMD_AVX512) {
+                cv_att_quantize_row_i8_avx512((int8_t *)c->k + dst, c->k_scale + row, k + (size_t)(h * hd), hd);
+                cv_att_quantize_row_i8_avx512((int8_t *)c->v + dst, c->v_scale + row, v + (size_t)(h * hd), hd);
+                continue;
+            }
+#endif
             quantize_row_i8((int8_t *)c->k + dst, c->k_scale + row, k + (size_t)(h * hd), hd);
             quantize_row_i8((int8_t *)c->v + dst, c->v_scale + row, v + (size_t)(h * hd), hd);
             continue;
