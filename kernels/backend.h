@@ -3,7 +3,7 @@
  * Kernels know nothing about sequences or the scheduler: they see raw arrays
  * and sizes. All activations are float32; weights may be float32, bfloat16 or
  * float16 (widened in registers, fp32 accumulation); the KV cache is float32,
- * float16 or bfloat16.
+ * float16, bfloat16 or int8 (CPU only: symmetric, one scale per token and KV head).
  *
  * Every function works on memory of the backend's device (host memory for CPU).
  * No function allocates inside a step: buffers come from the caller. */
@@ -38,12 +38,17 @@ typedef struct cv_table {
 /* One layer of the paged KV cache.
  * Layout (both k and v): [num_blocks][n_kv_heads][block_size][head_dim] of dtype,
  * so one block of one head is a contiguous [block_size][head_dim] tile.
- * Token slot s lives in block s / block_size at offset s % block_size. */
+ * Token slot s lives in block s / block_size at offset s % block_size.
+ * CV_I8: a row x is stored as round(x / scale) clamped to +-127 with
+ * scale = max|x| / 127 (0 for a zero row: values 0), the scale of token
+ * slot s and KV head h at k_scale / v_scale [block][h][offset]. */
 typedef struct cv_kv_layer {
     void *k;         /* [num_blocks][n_kv_heads][block_size][head_dim] */
     void *v;         /* [num_blocks][n_kv_heads][block_size][head_dim] */
-    cv_dtype dtype;  /* CV_F32, CV_F16 or CV_BF16 */
+    cv_dtype dtype;  /* CV_F32, CV_F16, CV_BF16 or CV_I8 */
     int64_t num_blocks, n_kv_heads, block_size, head_dim;
+    float *k_scale;  /* CV_I8 only (else NULL): [num_blocks][n_kv_heads][block_size] */
+    float *v_scale;
 } cv_kv_layer;
 
 /* Rotary embedding parameters, precomputed by the model. */

@@ -77,6 +77,9 @@ typedef enum cv_dtype {
     CV_Q2_K = 17,
     /* the CPU kernels' form of a stack mixing Q2_K with other formats (quant_format.h) */
     CV_Q8_M = 18,
+    /* the KV cache's int8: symmetric, one float32 scale per (token, KV head)
+     * in pools of their own (cv_kv_layer) */
+    CV_I8 = 19,
     CV_DTYPE_INVALID = -1
 } cv_dtype;
 
@@ -90,6 +93,7 @@ static inline size_t cv_dtype_size(cv_dtype t) {
     case CV_F64: return 8;
     case CV_I32: return 4;
     case CV_I64: return 8;
+    case CV_I8: return 1;
     default: return 0;
     }
 }
@@ -116,6 +120,7 @@ static inline const char *cv_dtype_name(cv_dtype t) {
     case CV_Q8_F: return "q8_f32";
     case CV_Q2_K: return "q2_k";
     case CV_Q8_M: return "q8_m32";
+    case CV_I8: return "int8";
     default: return "invalid";
     }
 }

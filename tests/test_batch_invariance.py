@@ -82,7 +82,8 @@ def test_gemm_rows_do_not_depend_on_threads(level, wdt):
 
 def paged_case(rng, prefixes, news, *, nkv=2, G=4, hd=64, bs=16, cdt="float32"):
     """Random K/V in a paged cache with shuffled blocks: sequence s has prefixes[s] cached
-    keys and news[s] new query tokens; a bfloat16 cache holds the top 16 bits of each value."""
+    keys and news[s] new query tokens; a bfloat16 cache holds the top 16 bits of each value; an
+    int8 cache is (values, scales) pairs, the scales [num_blocks][n_kv_heads][block_size]."""
     ctx = np.asarray(prefixes) + np.asarray(news)
     blocks = (ctx + bs - 1) // bs
     nb = int(blocks.sum()) + 2
@@ -96,20 +97,27 @@ def paged_case(rng, prefixes, news, *, nkv=2, G=4, hd=64, bs=16, cdt="float32"):
     vc = rng.standard_normal((nb, nkv, bs, hd)).astype(np.float32)
     if cdt == "bfloat16":
         kc, vc = ((a.view(np.uint32) >> 16).astype(np.uint16) for a in (kc, vc))
+    if cdt == "int8":
+        kc, vc = ((rng.integers(-127, 128, a.shape).astype(np.int8),
+                   rng.uniform(0.001, 0.05, a.shape[:3]).astype(np.float32)) for a in (kc, vc))
     qs = np.concatenate([[0], np.cumsum(news)]).astype(np.int32)
     q = rng.standard_normal((int(qs[-1]), nkv * G, hd)).astype(np.float32)
     return q, kc, vc, tables, ctx.astype(np.int32), qs
 
 
 def attention(impl, q, kc, vc, tables, ctx, qs, threads=0):
+    if isinstance(kc, tuple):  # int8: (values, scales)
+        return _core.kernel_paged_attention(q, kc[0], vc[0], tables, ctx, qs, impl=impl, threads=threads,
+                                            k_scale=kc[1], v_scale=vc[1])
     cdt = "bfloat16" if kc.dtype == np.uint16 else None
     return _core.kernel_paged_attention(q, kc, vc, tables, ctx, qs, impl=impl, threads=threads,
                                         cache_dtype=cdt)
 
 
 # cache dtype, query heads per KV head, head_dim: a bf16 cache runs the vdpbf16ps kernels at
-# the avx512_bf16 level; G = 3 splits a tile's vectors into groups of 2 and 1, G = 4 into 4s
-ATT_SHAPES = [("float32", 4, 64), ("bfloat16", 4, 64), ("bfloat16", 3, 33)]
+# the avx512_bf16 level; G = 3 splits a tile's vectors into groups of 2 and 1, G = 4 into 4s;
+# an int8 cache (kv_cache_dtype="int8") runs the fp32 kernels with per-row scales
+ATT_SHAPES = [("float32", 4, 64), ("bfloat16", 4, 64), ("bfloat16", 3, 33), ("int8", 4, 64), ("int8", 3, 33)]
 
 
 @pytest.mark.parametrize("cdt,G,hd", ATT_SHAPES)
@@ -225,6 +233,29 @@ def test_engine_alone_together_reversed_preempted(models, monkeypatch, level, wd
         assert small.stats()["num_preemptions"] > 0
         assert small.stats()["blocks_used"] == 0
     assert preempted == alone, f"{level} {wdt}: preemption changed the outputs"
+
+
+@pytest.mark.parametrize("level", ALL_LEVELS)
+def test_int8_kv_engine_alone_together_reversed_preempted(models, monkeypatch, level):
+    """The same with kv_cache_dtype="int8": each token's K and V rows are quantized on their
+    own, so a request's cache (and its tokens and logprob bits) do not depend on the batch."""
+    level_or_skip(level)
+    monkeypatch.setenv("CONVEYOR_SIMD", level)
+    ps = prompts()
+    with LLM(str(models["bfloat16"]), num_threads=2, max_num_batched_tokens=128, kv_cache_dtype="int8") as llm:
+        assert _core.kernel_info()["simd"] == level
+        assert llm.model_config["kv_cache_dtype"] == "int8"
+        alone = [run(llm, [p])[0] for p in ps]
+        together = run(llm, ps)
+        reverse = run(llm, ps[::-1])[::-1]
+    assert together == alone, f"{level} int8 KV: together differs from alone"
+    assert reverse == alone, f"{level} int8 KV: reversed order differs from alone"
+    # an int8 token: 3 layers x 2 KV heads x (16 + 4) bytes x 2 = 240 bytes; 20 blocks of 16
+    with LLM(str(models["bfloat16"]), num_threads=2, kv_cache_memory=240 * 16 * 20, block_size=16,
+             max_num_batched_tokens=96, kv_cache_dtype="int8") as small:
+        preempted = run(small, ps)
+        assert small.stats()["num_preemptions"] > 0
+    assert preempted == alone, f"{level} int8 KV: preemption changed the outputs"
 
 
 @pytest.mark.parametrize("quant", ["q8_0", "q4_1"])

@@ -32,6 +32,19 @@ int cv_py_parse_dtype(const char *s, const char *what, int allow_auto, cv_dtype 
     return 0;
 }
 
+int cv_py_parse_kv_dtype(const char *s, const char *what, int allow_auto, cv_dtype *out) {
+    if (strcmp(s, "int8") == 0) {
+        *out = CV_I8;
+        return 0;
+    }
+    if (strcmp(s, "float32") == 0 || strcmp(s, "bfloat16") == 0 || strcmp(s, "float16") == 0 ||
+        (allow_auto && strcmp(s, "auto") == 0))
+        return cv_py_parse_dtype(s, what, allow_auto, out);
+    PyErr_Format(PyExc_ValueError, "%s must be %s'float32', 'bfloat16', 'float16' or 'int8', got '%s'", what,
+                 allow_auto ? "'auto', " : "", s);
+    return -1;
+}
+
 int cv_py_parse_quantization(const char *s, cv_dtype *out) {
     if (!s) *out = CV_DTYPE_INVALID;
     else if (strcmp(s, "q8_0") == 0) *out = CV_Q8_0;
@@ -163,14 +176,17 @@ int cv_py_want_cache(PyObject *k_obj, PyObject *v_obj, const char *cache_dtype, 
     const int kt = PyArray_TYPE(kobj);
     int npt;
     if (cache_dtype && cache_dtype[0]) {
-        if (cv_py_parse_dtype(cache_dtype, "cache_dtype", 0, &c->dtype) < 0) return -1;
-        npt = c->dtype == CV_F32 ? NPY_FLOAT32 : (c->dtype == CV_F16 ? NPY_FLOAT16 : NPY_UINT16);
-    } else if (kt == NPY_FLOAT32 || kt == NPY_FLOAT16) {
-        c->dtype = kt == NPY_FLOAT32 ? CV_F32 : CV_F16;
+        if (cv_py_parse_kv_dtype(cache_dtype, "cache_dtype", 0, &c->dtype) < 0) return -1;
+        npt = c->dtype == CV_F32 ? NPY_FLOAT32
+              : c->dtype == CV_F16 ? NPY_FLOAT16
+              : c->dtype == CV_I8  ? NPY_INT8
+                                   : NPY_UINT16;
+    } else if (kt == NPY_FLOAT32 || kt == NPY_FLOAT16 || kt == NPY_INT8) {
+        c->dtype = kt == NPY_FLOAT32 ? CV_F32 : kt == NPY_FLOAT16 ? CV_F16 : CV_I8;
         npt = kt;
     } else {
         PyErr_Format(PyExc_TypeError,
-                     "k_cache must be float32 or float16 (or uint16 with cache_dtype='bfloat16'), got %S",
+                     "k_cache must be float32, float16 or int8 (or uint16 with cache_dtype='bfloat16'), got %S",
                      (PyObject *)PyArray_DESCR(kobj));
         return -1;
     }
@@ -194,6 +210,36 @@ int cv_py_want_cache(PyObject *k_obj, PyObject *v_obj, const char *cache_dtype, 
     }
     if (ka) *ka = k;
     if (va) *va = v;
+    c->k_scale = c->v_scale = NULL;
+    return 0;
+}
+
+int cv_py_want_kv_scales(cv_kv_layer *c, PyObject *ks_obj, PyObject *vs_obj, int writeable) {
+    const int given = (ks_obj && ks_obj != Py_None) || (vs_obj && vs_obj != Py_None);
+    if (c->dtype != CV_I8) {
+        if (given) {
+            PyErr_SetString(PyExc_ValueError, "k_scale and v_scale go with an int8 cache only");
+            return -1;
+        }
+        return 0;
+    }
+    if (!ks_obj || ks_obj == Py_None || !vs_obj || vs_obj == Py_None) {
+        PyErr_SetString(PyExc_ValueError,
+                        "an int8 cache needs k_scale and v_scale (float32 [num_blocks][n_kv_heads][block_size])");
+        return -1;
+    }
+    PyArrayObject *ks = cv_py_want_array(ks_obj, "k_scale", NPY_FLOAT32, 3, writeable);
+    PyArrayObject *vs = ks ? cv_py_want_array(vs_obj, "v_scale", NPY_FLOAT32, 3, writeable) : NULL;
+    if (!vs) return -1;
+    const int64_t want[3] = {c->num_blocks, c->n_kv_heads, c->block_size};
+    for (int i = 0; i < 3; i++)
+        if (PyArray_DIM(ks, i) != want[i] || PyArray_DIM(vs, i) != want[i]) {
+            PyErr_SetString(PyExc_ValueError, "k_scale and v_scale must have shape [num_blocks][n_kv_heads][block_size] "
+                                              "of the cache");
+            return -1;
+        }
+    c->k_scale = PyArray_DATA(ks);
+    c->v_scale = PyArray_DATA(vs);
     return 0;
 }
 

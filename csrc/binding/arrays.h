@@ -34,6 +34,8 @@ const char *cv_py_npy_name(int type);
 /* Parses "float32", "bfloat16" or "float16" (and "auto" -> CV_DTYPE_INVALID
  * when allow_auto) into *out; `what` names the argument in the ValueError. */
 int cv_py_parse_dtype(const char *s, const char *what, int allow_auto, cv_dtype *out);
+/* As cv_py_parse_dtype, for a KV cache: also "int8". */
+int cv_py_parse_kv_dtype(const char *s, const char *what, int allow_auto, cv_dtype *out);
 /* quantization=None | 'q8_0' | 'q4_0' | 'q4_1' (NULL is None); -1 with ValueError. */
 int cv_py_parse_quantization(const char *s, cv_dtype *out);
 /* activation_dtype='auto' (0: bf16 GEMM inputs where vdpbf16ps runs) | 'float32' (1: exact);
@@ -70,6 +72,10 @@ PyObject *cv_py_new_f32(int nd, npy_intp *dims);
  * their host pointers and sizes; *k and *v (when not NULL) get the arrays. */
 int cv_py_want_cache(PyObject *k_obj, PyObject *v_obj, const char *cache_dtype, int writeable,
                      cv_kv_layer *c, PyArrayObject **k, PyArrayObject **v);
+/* The scales of an int8 cache c (int8 arrays or cache_dtype='int8'): k_scale
+ * and v_scale float32 [num_blocks][n_kv_heads][block_size], required for int8
+ * and refused (when not None) for other dtypes. */
+int cv_py_want_kv_scales(cv_kv_layer *c, PyObject *ks_obj, PyObject *vs_obj, int writeable);
 
 /* ------------------------------------------------------------------------ */
 /* Dicts, lists, paths                                                       */

@@ -515,6 +515,8 @@ static PyObject *py_cuda_kernel_kv_write(PyObject *self, PyObject *args, PyObjec
     if (!b) return NULL;
     cv_py_kv_write_args a;
     if (cv_py_want_kv_write_args(&a, kc_obj, vc_obj, k_obj, v_obj, s_obj, cdt, validate) < 0) return NULL;
+    if (a.cache.dtype == CV_I8)
+        return PyErr_Format(cv_UnsupportedError, "an int8 KV cache (kv_cache_dtype='int8') is CPU only");
     const cv_kv_layer cache = a.cache;
     const cv_py_rows3 k = a.k, v = a.v;
     const int64_t *sp = a.slots;
@@ -564,6 +566,8 @@ static PyObject *py_cuda_kernel_paged_attention(PyObject *self, PyObject *args, 
     if (cv_py_want_attention_args(&a, q_obj, kc_obj, vc_obj, bt_obj, cl_obj, qs_obj, scale_obj, mcl_obj, cdt,
                                   validate, 1, 0) < 0)
         return NULL;
+    if (a.cache.dtype == CV_I8)
+        return PyErr_Format(cv_UnsupportedError, "an int8 KV cache (kv_cache_dtype='int8') is CPU only");
     const cv_kv_layer cache = a.cache;
     const cv_py_rows3 q = a.q;
     const int64_t n_seqs = a.ab.n_seqs, mb = a.ab.max_blocks_per_seq;

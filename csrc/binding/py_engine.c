@@ -200,7 +200,7 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
         self->busy_ready = 1;
     }
     if (cv_py_parse_dtype(dtype_s, "dtype", 1, &cfg.dtype) < 0) goto done;
-    if (cv_py_parse_dtype(kv_dtype_s, "kv_cache_dtype", 1, &cfg.kv_dtype) < 0) goto done;
+    if (cv_py_parse_kv_dtype(kv_dtype_s, "kv_cache_dtype", 1, &cfg.kv_dtype) < 0) goto done;
     if (cv_py_parse_quantization(quant_s, &cfg.quantization) < 0) goto done;
     if (cv_py_parse_activation_dtype(act_s, &cfg.exact_activations) < 0) goto done;
     if (!strcmp(device, "cpu")) cfg.use_cuda = 0;
@@ -817,7 +817,7 @@ static PyObject *py_kv_bytes_per_token(PyObject *Py_UNUSED(m), PyObject *args, P
         return NULL;
     }
     cv_dtype dt;
-    if (cv_py_parse_dtype(dtype_s, "dtype", 0, &dt) < 0) return NULL;
+    if (cv_py_parse_kv_dtype(dtype_s, "dtype", 0, &dt) < 0) return NULL;
     return PyLong_FromSize_t(cv_kv_bytes_per_token(n_layers, n_kv_heads, head_dim, dt));
 }
 

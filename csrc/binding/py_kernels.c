@@ -375,17 +375,19 @@ static PyObject *py_kernel_embedding(PyObject *self, PyObject *args, PyObject *k
 static PyObject *py_kernel_kv_write(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
     static char *kwlist[] = {"k_cache", "v_cache", "k", "v", "slot_mapping", "cache_dtype", "impl",
-                             "threads", NULL};
-    PyObject *kc_obj, *vc_obj, *k_obj, *v_obj, *s_obj;
+                             "threads", "k_scale", "v_scale", NULL};
+    PyObject *kc_obj, *vc_obj, *k_obj, *v_obj, *s_obj, *ks_obj = Py_None, *vs_obj = Py_None;
     const char *cdt = NULL, *impl = "simd";
     int threads = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|zsi", kwlist, &kc_obj, &vc_obj, &k_obj, &v_obj,
-                                     &s_obj, &cdt, &impl, &threads))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|zsiOO", kwlist, &kc_obj, &vc_obj, &k_obj, &v_obj,
+                                     &s_obj, &cdt, &impl, &threads, &ks_obj, &vs_obj))
         return NULL;
     kb_entry *e = get_backend(impl, threads);
     if (!e) return NULL;
     cv_py_kv_write_args a;
-    if (cv_py_want_kv_write_args(&a, kc_obj, vc_obj, k_obj, v_obj, s_obj, cdt, 1) < 0) return NULL;
+    if (cv_py_want_kv_write_args(&a, kc_obj, vc_obj, k_obj, v_obj, s_obj, cdt, 1) < 0 ||
+        cv_py_want_kv_scales(&a.cache, ks_obj, vs_obj, 1) < 0)
+        return NULL;
     KB_RUN(e, e->b->kv_write(e->b, &a.cache, a.k.data, a.k.stride, a.v.data, a.v.stride, a.slots, a.k.n));
     Py_RETURN_NONE;
 }
@@ -393,12 +395,13 @@ static PyObject *py_kernel_kv_write(PyObject *self, PyObject *args, PyObject *kw
 static PyObject *py_kernel_rope_kv_write(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
     static char *kwlist[] = {"q", "k", "v", "pos", "inv_freq", "k_cache", "v_cache", "slot_mapping", "layout",
-                             "cache_dtype", "impl", "threads", NULL};
-    PyObject *q_obj, *k_obj, *v_obj, *pos_obj, *f_obj, *kc_obj, *vc_obj, *s_obj;
+                             "cache_dtype", "impl", "threads", "k_scale", "v_scale", NULL};
+    PyObject *q_obj, *k_obj, *v_obj, *pos_obj, *f_obj, *kc_obj, *vc_obj, *s_obj, *ks_obj = Py_None,
+             *vs_obj = Py_None;
     const char *layout = "halves", *cdt = NULL, *impl = "simd";
     int threads = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOO|szsi", kwlist, &q_obj, &k_obj, &v_obj, &pos_obj, &f_obj,
-                                     &kc_obj, &vc_obj, &s_obj, &layout, &cdt, &impl, &threads))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOO|szsiOO", kwlist, &q_obj, &k_obj, &v_obj, &pos_obj, &f_obj,
+                                     &kc_obj, &vc_obj, &s_obj, &layout, &cdt, &impl, &threads, &ks_obj, &vs_obj))
         return NULL;
     kb_entry *e = get_backend(impl, threads);
     if (!e) return NULL;
@@ -409,7 +412,8 @@ static PyObject *py_kernel_rope_kv_write(PyObject *self, PyObject *args, PyObjec
     cv_py_rope_args r;
     cv_py_kv_write_args a;
     if (cv_py_want_rope_args(&r, q_obj, k_obj, pos_obj, f_obj, layout) < 0 ||
-        cv_py_want_kv_write_args(&a, kc_obj, vc_obj, k_obj, v_obj, s_obj, cdt, 1) < 0)
+        cv_py_want_kv_write_args(&a, kc_obj, vc_obj, k_obj, v_obj, s_obj, cdt, 1) < 0 ||
+        cv_py_want_kv_scales(&a.cache, ks_obj, vs_obj, 1) < 0)
         return NULL;
     if (r.q.n != a.k.n) {
         PyErr_Format(PyExc_ValueError, "q has %lld rows, k %lld", (long long)r.q.n, (long long)a.k.n);
@@ -423,20 +427,22 @@ static PyObject *py_kernel_rope_kv_write(PyObject *self, PyObject *args, PyObjec
 static PyObject *py_kernel_paged_attention(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
     static char *kwlist[] = {"q", "k_cache", "v_cache", "block_tables", "context_lens", "query_start",
-                             "scale", "cache_dtype", "impl", "threads", "window", NULL};
-    PyObject *q_obj, *kc_obj, *vc_obj, *bt_obj, *cl_obj, *qs_obj, *scale_obj = Py_None;
+                             "scale", "cache_dtype", "impl", "threads", "window", "k_scale", "v_scale", NULL};
+    PyObject *q_obj, *kc_obj, *vc_obj, *bt_obj, *cl_obj, *qs_obj, *scale_obj = Py_None, *ks_obj = Py_None,
+             *vs_obj = Py_None;
     const char *cdt = NULL, *impl = "simd";
     int threads = 0;
     long long window = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|OzsiL", kwlist, &q_obj, &kc_obj, &vc_obj, &bt_obj,
-                                     &cl_obj, &qs_obj, &scale_obj, &cdt, &impl, &threads, &window))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|OzsiLOO", kwlist, &q_obj, &kc_obj, &vc_obj, &bt_obj,
+                                     &cl_obj, &qs_obj, &scale_obj, &cdt, &impl, &threads, &window, &ks_obj, &vs_obj))
         return NULL;
     if (window < 0) return PyErr_Format(PyExc_ValueError, "window must be >= 0 (0: none), got %lld", window);
     kb_entry *e = get_backend(impl, threads);
     if (!e) return NULL;
     cv_py_attention_args a;
     if (cv_py_want_attention_args(&a, q_obj, kc_obj, vc_obj, bt_obj, cl_obj, qs_obj, scale_obj, Py_None, cdt,
-                                  1, 0, cv_cpu_backend_shapes().attention_max_head_dim) < 0)
+                                  1, 0, cv_cpu_backend_shapes().attention_max_head_dim) < 0 ||
+        cv_py_want_kv_scales(&a.cache, ks_obj, vs_obj, 0) < 0)
         return NULL;
     a.ab.window = window;
     npy_intp dims[2] = {(npy_intp)a.q.n, (npy_intp)(a.q.h * a.q.d)};
@@ -610,7 +616,7 @@ static PyMethodDef kernel_methods[] = {
      "swiglu(gu) . mat^T in one fused pass (the backend's swiglu_gemm); gu [n][2 * cols]."},
     {"kernel_rope_kv_write", (PyCFunction)(void (*)(void))py_kernel_rope_kv_write, METH_VARARGS | METH_KEYWORDS,
      "kernel_rope_kv_write(q, k, v, pos, inv_freq, k_cache, v_cache, slot_mapping, layout='halves',\n"
-     "                     cache_dtype=None, impl='simd', threads=0)\n"
+     "                     cache_dtype=None, impl='simd', threads=0, k_scale=None, v_scale=None)\n"
      "kernel_rope then kernel_kv_write in one fused pass (the backend's rope_kv_write)."},
     {"kernel_rmsnorm", (PyCFunction)(void (*)(void))py_kernel_rmsnorm, METH_VARARGS | METH_KEYWORDS,
      "kernel_rmsnorm(x, weight, eps=1e-5, impl='simd', threads=0) -> out"},
@@ -622,13 +628,16 @@ static PyMethodDef kernel_methods[] = {
     {"kernel_embedding", (PyCFunction)(void (*)(void))py_kernel_embedding, METH_VARARGS | METH_KEYWORDS,
      "kernel_embedding(table, tokens, table_dtype='float32', impl='simd', threads=0) -> rows"},
     {"kernel_kv_write", (PyCFunction)(void (*)(void))py_kernel_kv_write, METH_VARARGS | METH_KEYWORDS,
-     "kernel_kv_write(k_cache, v_cache, k, v, slot_mapping, cache_dtype=None, impl='simd', threads=0)\n"
+     "kernel_kv_write(k_cache, v_cache, k, v, slot_mapping, cache_dtype=None, impl='simd', threads=0,\n"
+     "                k_scale=None, v_scale=None)\n"
      "Writes k/v[n][kv_heads][hd] into the caches in place (slot < 0: skipped)."},
     {"kernel_paged_attention", (PyCFunction)(void (*)(void))py_kernel_paged_attention,
      METH_VARARGS | METH_KEYWORDS,
      "kernel_paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start,\n"
-     "                       scale=None, cache_dtype=None, impl='simd', threads=0, window=0)\n"
-     "    -> out[rows][heads*hd]; window > 0: each query sees its last `window` positions only"},
+     "                       scale=None, cache_dtype=None, impl='simd', threads=0, window=0,\n"
+     "                       k_scale=None, v_scale=None)\n"
+     "    -> out[rows][heads*hd]; window > 0: each query sees its last `window` positions only;\n"
+     "    an int8 cache (int8 arrays) takes its float32 scales [num_blocks][n_kv_heads][block_size]"},
     {"kernel_triad", (PyCFunction)(void (*)(void))py_kernel_triad, METH_VARARGS | METH_KEYWORDS,
      "kernel_triad(n_bytes, repeats=5, threads=0) -> GB/s of a = b + s*c over arrays of n_bytes each"},
     {"kernel_read_bw", (PyCFunction)(void (*)(void))py_kernel_read_bw, METH_VARARGS | METH_KEYWORDS,

@@ -132,6 +132,7 @@ static void locate(const att_job *j, att_cursor *c, int64_t item, att_tile *t) {
 
 static inline float kv_get(const void *p, cv_dtype dt, int64_t i) {
     if (dt == CV_F32) return ((const float *)p)[i];
+    if (dt == CV_I8) return (float)((const int8_t *)p)[i];
     if (dt == CV_F16) return cv_f16_to_f32(((const uint16_t *)p)[i]);
     return cv_bf16_to_f32(((const uint16_t *)p)[i]);
 }
@@ -146,12 +147,22 @@ static int max_valid(const int *nval, int v0, int nvg) {
     return nk;
 }
 
+/* A K or V row as float32 (int8: the stored integers, the scale applied by
+ * the caller). */
+static void widen_row(float *row, const void *p, cv_dtype dt, int64_t hd) {
+    if (dt == CV_I8) {
+        for (int64_t d = 0; d < hd; d++) row[d] = (float)((const int8_t *)p)[d];
+        return;
+    }
+    cv_cpu_widen(row, p, dt, hd, 0);
+}
+
 /* Plain C: each key row is widened once into row[hd] and used by all vectors. */
 static void scores_plain(float *sc, const float *qt, int64_t hd, int nv, const int *nval,
                          const void *const *kp, cv_dtype dt, float *row) {
     const int nk = max_valid(nval, 0, nv);
     for (int i = 0; i < nk; i++) {
-        cv_cpu_widen(row, kp[i], dt, hd, 0);
+        widen_row(row, kp[i], dt, hd);
         for (int v = 0; v < nv; v++) {
             if (i >= nval[v]) continue;
             float s = 0.0f;
@@ -167,7 +178,7 @@ static void pv_plain(float *acc, const float *sc, const float *alpha, int64_t hd
         for (int64_t d = 0; d < hd; d++) acc[v * hd + d] *= alpha[v];
     const int nk = max_valid(nval, 0, nv);
     for (int i = 0; i < nk; i++) {
-        cv_cpu_widen(row, vp[i], dt, hd, 0);
+        widen_row(row, vp[i], dt, hd);
         for (int v = 0; v < nv; v++) {
             if (i >= nval[v]) continue;
             const float p = sc[v * CV_ATT_KCHUNK + i];
@@ -202,6 +213,7 @@ static void softmax_step_plain(float *sc, int nk, float *m, float *l, float *alp
 CV_TARGET_AVX2_BEGIN
 static CV_ALWAYS_INLINE __m256 kv_load8(const void *p, cv_dtype dt, int64_t d) {
     if (dt == CV_F32) return _mm256_loadu_ps((const float *)p + d);
+    if (dt == CV_I8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)p + d))));
     if (dt == CV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + d)));
     const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + d)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
@@ -273,6 +285,7 @@ static CV_ALWAYS_INLINE void scores_blk(float *sc, const float *qt, int64_t hd, 
     do {                                                                                        \
         if (dt == CV_F32) scores_blk(s, q, hd, NV, NK, i0, kp, CV_F32);                         \
         else if (dt == CV_F16) scores_blk(s, q, hd, NV, NK, i0, kp, CV_F16);                    \
+        else if (dt == CV_I8) scores_blk(s, q, hd, NV, NK, i0, kp, CV_I8);                      \
         else scores_blk(s, q, hd, NV, NK, i0, kp, CV_BF16);                                     \
     } while (0)
 #define SCB_NK(NV)                                                                              \
@@ -362,6 +375,7 @@ static CV_ALWAYS_INLINE void pv_group(float *acc, const float *sc, const float *
     do {                                                                                        \
         if (dt == CV_F32) pv_group(a, s, al, hd, NV, nk, vp, CV_F32);                           \
         else if (dt == CV_F16) pv_group(a, s, al, hd, NV, nk, vp, CV_F16);                      \
+        else if (dt == CV_I8) pv_group(a, s, al, hd, NV, nk, vp, CV_I8);                        \
         else pv_group(a, s, al, hd, NV, nk, vp, CV_BF16);                                       \
     } while (0)
 
@@ -383,6 +397,16 @@ static void pv_avx2(float *acc, const float *sc, const float *alpha, int64_t hd,
     }
 }
 #undef PV_DT
+
+/* i8_scale (below) on AVX2: the same one multiply per entry. */
+static void i8_scale_avx2(float *sc, int nv, const int *nval, const float *s) {
+    for (int v = 0; v < nv; v++) {
+        float *r = sc + v * CV_ATT_KCHUNK;
+        int i = 0;
+        for (; i + 8 <= nval[v]; i += 8) _mm256_storeu_ps(r + i, _mm256_mul_ps(_mm256_loadu_ps(r + i), _mm256_loadu_ps(s + i)));
+        for (; i < nval[v]; i++) r[i] *= s[i];
+    }
+}
 
 static void softmax_step_avx2(float *sc, int nk, float *m, float *l, float *alpha, int nval) {
     if (nval > 0) {
@@ -436,15 +460,52 @@ static void window_mask(float *sc, int nv, const int *nval, const int64_t *vpos,
     }
 }
 
+/* int8 cache: each vector's valid entries of the chunk times the rows'
+ * scales: raw scores q.k8 times the key scales (before the window mask, so a
+ * masked -inf never meets a zero scale), probabilities times the value scales
+ * after the softmax step (its sum l keeps the unscaled ones), so P.V sums
+ * p_i s_i v8_i. One multiply per entry: the same whatever the tile. */
+static void i8_scale(float *sc, int nv, const int *nval, const float *s) {
+    for (int v = 0; v < nv; v++)
+        for (int i = 0; i < nval[v]; i++) sc[v * CV_ATT_KCHUNK + i] *= s[i];
+}
+
 /* ------------------------------------------------------------------------ */
 /* Where the K and V rows of a chunk lie in a tile's cache. */
 typedef struct att_rows {
     const char *k, *v;       /* the caches */
+    const float *ks, *vs;    /* int8: their scales (else NULL) */
+    size_t head_sc, blk_sc;  /* int8: scales to the KV head within a block, scales of a block */
     const int32_t *table;    /* the sequence's block table */
     int64_t bs;              /* block size */
     size_t head_off;         /* bytes to the KV head within a block */
     size_t blk_bytes, row_bytes;
 } att_rows;
+
+/* int8 cache: the scales of keys [c0, c0 + nk) into ksc[nk] and vsc[nk]
+ * (one run per block), or with prefetch only a request for their cache lines
+ * (the next chunk's, read when its turn comes). */
+static void chunk_scales(const att_rows *r, int64_t c0, int nk, float *ksc, float *vsc, int prefetch) {
+    for (int i = 0; i < nk;) {
+        const int64_t b = (c0 + i) / r->bs, o = (c0 + i) % r->bs;
+        const int n = (int)(r->bs - o < nk - i ? r->bs - o : nk - i);
+        const size_t so = (size_t)r->table[b] * r->blk_sc + r->head_sc + (size_t)o;
+        if (prefetch) {
+            for (int e = 0; e < n; e += 16) {
+                __builtin_prefetch(r->ks + so + (size_t)e);
+                __builtin_prefetch(r->vs + so + (size_t)e);
+            }
+            __builtin_prefetch(r->ks + so + (size_t)n - 1);
+            __builtin_prefetch(r->vs + so + (size_t)n - 1);
+        } else {
+            for (int e = 0; e < n; e++) { /* a plain loop: n is small, a memcpy call costs more */
+                ksc[i + e] = r->ks[so + (size_t)e];
+                vsc[i + e] = r->vs[so + (size_t)e];
+            }
+        }
+        i += n;
+    }
+}
 
 /* Row pointers of keys [c0, c0 + nk): the block table walked from c0 (one
  * division per chunk, not per key). With prefetch, also asks for their
@@ -452,6 +513,7 @@ typedef struct att_rows {
 static void chunk_rows(const att_rows *r, int64_t c0, int nk, const void **kp, const void **vp, int prefetch) {
     int64_t bi = c0 / r->bs, bo = c0 % r->bs;
     size_t off = (size_t)r->table[bi] * r->blk_bytes + r->head_off + (size_t)bo * r->row_bytes;
+    if (r->ks && prefetch) chunk_scales(r, c0, nk, NULL, NULL, 1);
     for (int i = 0; i < nk; i++) {
         kp[i] = r->k + off;
         vp[i] = r->v + off;
@@ -488,6 +550,33 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
     int64_t vpos[CV_ATT_TILE];
     int nval[CV_ATT_TILE];
 
+    /* keys past the tile's last position are masked for every vector */
+    const int64_t last = ctx - nq + t->j1 - 1;
+    if (k_hi > last + 1) k_hi = last + 1;
+    /* sliding window (bt->window > 0): chunks wholly before the first vector's
+     * window are skipped, the start kept on the fixed chunk grid (a multiple
+     * of CV_ATT_KCHUNK, so a vector's chunks do not depend on its tile); the
+     * keys before each vector's own window are masked per vector (window_mask) */
+    if (bt->window > 0) {
+        int64_t w0 = ctx - nq + t->j0 - bt->window + 1;
+        w0 = w0 > 0 ? w0 - w0 % CV_ATT_KCHUNK : 0;
+        if (k_lo < w0) k_lo = w0;
+    }
+    const int i8 = kv->dtype == CV_I8;
+    const att_rows rows = {.k = kv->k, .v = kv->v, .table = table, .bs = bs,
+                           .ks = i8 ? kv->k_scale : NULL, .vs = i8 ? kv->v_scale : NULL,
+                           .head_sc = (size_t)t->h * (size_t)bs, .blk_sc = (size_t)nkv * (size_t)bs,
+                           .head_off = (size_t)t->h * (size_t)bs * (size_t)hd * esz,
+                           .blk_bytes = (size_t)nkv * (size_t)bs * (size_t)hd * esz,
+                           .row_bytes = (size_t)hd * esz};
+    /* row pointers of this chunk (kp2[cur]) and of the next (kp2[!cur]) */
+    const void *kp2[2][CV_ATT_KCHUNK], *vp2[2][CV_ATT_KCHUNK];
+    float ksc[CV_ATT_KCHUNK], vsc[CV_ATT_KCHUNK]; /* int8: this chunk's scales */
+    int cur = 0;
+    /* the first chunk's rows are asked for (prefetch) before the queries are
+     * set up, so that their cache misses overlap that work */
+    if (k_lo < k_hi)
+        chunk_rows(&rows, k_lo, (int)(k_hi - k_lo < CV_ATT_KCHUNK ? k_hi - k_lo : CV_ATT_KCHUNK), kp2[0], vp2[0], 1);
     for (int v = 0; v < nv; v++) {
         const int64_t jt = t->j0 + v / ng, g = t->g0 + v % ng;
         const float *src = j->q + (size_t)(bt->query_start[t->s] + jt) * (size_t)j->q_stride +
@@ -504,33 +593,13 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
     uint16_t *qb = (uint16_t *)row;
     if (bf16_dot) cv_att_round_q_bf16(qb, qt, hd, nv);
 #endif
-    /* keys past the tile's last position are masked for every vector */
-    const int64_t last = ctx - nq + t->j1 - 1;
-    if (k_hi > last + 1) k_hi = last + 1;
-    /* sliding window (bt->window > 0): chunks wholly before the first vector's
-     * window are skipped, the start kept on the fixed chunk grid (a multiple
-     * of CV_ATT_KCHUNK, so a vector's chunks do not depend on its tile); the
-     * keys before each vector's own window are masked per vector (window_mask) */
-    if (bt->window > 0) {
-        int64_t w0 = ctx - nq + t->j0 - bt->window + 1;
-        w0 = w0 > 0 ? w0 - w0 % CV_ATT_KCHUNK : 0;
-        if (k_lo < w0) k_lo = w0;
-    }
-    const att_rows rows = {.k = kv->k, .v = kv->v, .table = table, .bs = bs,
-                           .head_off = (size_t)t->h * (size_t)bs * (size_t)hd * esz,
-                           .blk_bytes = (size_t)nkv * (size_t)bs * (size_t)hd * esz,
-                           .row_bytes = (size_t)hd * esz};
-    /* row pointers of this chunk (kp2[cur]) and of the next (kp2[!cur]) */
-    const void *kp2[2][CV_ATT_KCHUNK], *vp2[2][CV_ATT_KCHUNK];
-    int cur = 0;
-    if (k_lo < k_hi)
-        chunk_rows(&rows, k_lo, (int)(k_hi - k_lo < CV_ATT_KCHUNK ? k_hi - k_lo : CV_ATT_KCHUNK), kp2[0], vp2[0], 0);
     for (int64_t c0 = k_lo; c0 < k_hi; c0 += CV_ATT_KCHUNK, cur = !cur) {
         const int nk = (int)(k_hi - c0 < CV_ATT_KCHUNK ? k_hi - c0 : CV_ATT_KCHUNK);
         const void *const *kp = kp2[cur], *const *vp = vp2[cur];
         const int64_t c1 = c0 + CV_ATT_KCHUNK;
         if (c1 < k_hi)
             chunk_rows(&rows, c1, (int)(k_hi - c1 < CV_ATT_KCHUNK ? k_hi - c1 : CV_ATT_KCHUNK), kp2[!cur], vp2[!cur], 1);
+        if (i8) chunk_scales(&rows, c0, nk, ksc, vsc, 0);
         for (int v = 0; v < nv; v++) {
             const int64_t n_ok = vpos[v] - c0 + 1;
             nval[v] = n_ok <= 0 ? 0 : (n_ok >= nk ? nk : (int)n_ok);
@@ -547,9 +616,11 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
         }
         if (j->simd >= CV_SIMD_AVX512) {
             cv_att_scores_avx512(sc, qt, hd, nv, nval, kp, kv->dtype);
+            if (i8) cv_att_scale_avx512(sc, nv, nval, ksc);
             if (bt->window > 0) window_mask(sc, nv, nval, vpos, c0, bt->window);
             for (int v = 0; v < nv; v++)
                 cv_att_softmax_avx512(sc + v * CV_ATT_KCHUNK, nk, &m[v], &l[v], &alpha[v], nval[v]);
+            if (i8) cv_att_scale_avx512(sc, nv, nval, vsc);
             cv_att_pv_avx512(acc, sc, alpha, hd, nv, nval, vp, kv->dtype);
             continue;
         }
@@ -557,17 +628,21 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
 #if CV_HAVE_AVX2
         if (j->simd) {
             scores_avx2(sc, qt, hd, nv, nval, kp, kv->dtype);
+            if (i8) i8_scale_avx2(sc, nv, nval, ksc);
             if (bt->window > 0) window_mask(sc, nv, nval, vpos, c0, bt->window);
             for (int v = 0; v < nv; v++)
                 softmax_step_avx2(sc + v * CV_ATT_KCHUNK, nk, &m[v], &l[v], &alpha[v], nval[v]);
+            if (i8) i8_scale_avx2(sc, nv, nval, vsc);
             pv_avx2(acc, sc, alpha, hd, nv, nval, vp, kv->dtype);
             continue;
         }
 #endif
         scores_plain(sc, qt, hd, nv, nval, kp, kv->dtype, row);
+        if (i8) i8_scale(sc, nv, nval, ksc);
         if (bt->window > 0) window_mask(sc, nv, nval, vpos, c0, bt->window);
         for (int v = 0; v < nv; v++)
             softmax_step_plain(sc + v * CV_ATT_KCHUNK, nk, &m[v], &l[v], &alpha[v], nval[v]);
+        if (i8) i8_scale(sc, nv, nval, vsc);
         pv_plain(acc, sc, alpha, hd, nv, nval, vp, kv->dtype, row);
     }
 }
@@ -750,13 +825,48 @@ typedef struct kvw_job {
     cv_rows *rows;             /* claimed in chunks (dynamic region) */
 } kvw_job;
 
+/* One row into the int8 cache: q = round(x * (127 / max|x|)) (to nearest,
+ * ties to even) clamped to +-127 (a NaN becomes 0), its scale max|x| / 127
+ * (0 for a zero row). Plain C on every level (the same bits everywhere):
+ * adding and subtracting 1.5 * 2^23 rounds |v| < 2^22 to an integer in the
+ * default rounding mode, as nearbyintf does, without a libm call per value. */
+static void quantize_row_i8(int8_t *dst, float *scale, const float *x, int64_t hd) {
+    float amax = 0.0f;
+    for (int64_t d = 0; d < hd; d++) {
+        const float a = fabsf(x[d]);
+        amax = a > amax ? a : amax;
+    }
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    *scale = amax / 127.0f;
+    const float magic = 12582912.0f; /* 1.5 * 2^23 */
+    for (int64_t d = 0; d < hd; d++) {
+        float r = x[d] * id;
+        r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r); /* also keeps |r| < 2^22 */
+        r = (r + magic) - magic;
+        dst[d] = r == r ? (int8_t)r : 0;
+    }
+}
+
 void cv_cpu_kv_write_token(const cv_kv_layer *c, const float *k, const float *v, int64_t slot, int simd) {
     const int64_t hd = c->head_dim, bs = c->block_size, nkv = c->n_kv_heads;
     const size_t esz = cv_dtype_size(c->dtype);
     if (slot < 0) return;
     const int64_t blk = slot / bs, off = slot % bs;
     for (int64_t h = 0; h < nkv; h++) {
-        const size_t dst = (((size_t)blk * (size_t)nkv + (size_t)h) * (size_t)bs + (size_t)off) * (size_t)hd * esz;
+        const size_t row = ((size_t)blk * (size_t)nkv + (size_t)h) * (size_t)bs + (size_t)off;
+        const size_t dst = row * (size_t)hd * esz;
+        if (c->dtype == CV_I8) {
+#if CV_HAVE_AVX512
+            if (simd >= CV_SIMD_AVX512) {
+                cv_att_quantize_row_i8_avx512((int8_t *)c->k + dst, c->k_scale + row, k + (size_t)(h * hd), hd);
+                cv_att_quantize_row_i8_avx512((int8_t *)c->v + dst, c->v_scale + row, v + (size_t)(h * hd), hd);
+                continue;
+            }
+#endif
+            quantize_row_i8((int8_t *)c->k + dst, c->k_scale + row, k + (size_t)(h * hd), hd);
+            quantize_row_i8((int8_t *)c->v + dst, c->v_scale + row, v + (size_t)(h * hd), hd);
+            continue;
+        }
         cv_cpu_narrow((char *)c->k + dst, c->dtype, k + (size_t)(h * hd), hd, simd);
         cv_cpu_narrow((char *)c->v + dst, c->dtype, v + (size_t)(h * hd), hd, simd);
     }

@@ -41,6 +41,7 @@ static int max_valid(const int *nval, int v0, int nvg) {
 /* 16 values of a K or V row from d, lanes outside m zero. */
 static CV_ALWAYS_INLINE __m512 kv_load16(const void *p, cv_dtype dt, int64_t d, __mmask16 m) {
     if (dt == CV_F32) return _mm512_maskz_loadu_ps(m, (const float *)p + d);
+    if (dt == CV_I8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, (const int8_t *)p + d)));
     const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)p + d);
     if (dt == CV_F16) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -138,6 +139,7 @@ static inline int pow2_group(int left) { return left >= 4 ? 4 : left >= 2 ? 2 : 
         const int nkb = nk - i0;                                                                \
         if (dt == CV_F32) scores_blk(s, q, hd, NV, i0, nkb, kp, CV_F32);                        \
         else if (dt == CV_F16) scores_blk(s, q, hd, NV, i0, nkb, kp, CV_F16);                   \
+        else if (dt == CV_I8) scores_blk(s, q, hd, NV, i0, nkb, kp, CV_I8);                     \
         else scores_blk(s, q, hd, NV, i0, nkb, kp, CV_BF16);                                    \
     } while (0)
 
@@ -212,6 +214,7 @@ static CV_ALWAYS_INLINE void pv_group(float *acc, const float *sc, const float *
     do {                                                                                        \
         if (dt == CV_F32) pv_group(a, s, al, hd, NV, nk, vp, CV_F32);                           \
         else if (dt == CV_F16) pv_group(a, s, al, hd, NV, nk, vp, CV_F16);                      \
+        else if (dt == CV_I8) pv_group(a, s, al, hd, NV, nk, vp, CV_I8);                        \
         else pv_group(a, s, al, hd, NV, nk, vp, CV_BF16);                                       \
     } while (0)
 
@@ -233,6 +236,45 @@ void cv_att_pv_avx512(float *acc, const float *sc, const float *alpha, int64_t h
     }
 }
 #undef PV_DT
+
+void cv_att_quantize_row_i8_avx512(int8_t *dst, float *scale, const float *x, int64_t hd) {
+    __m512 vmax = _mm512_setzero_ps();
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int64_t d = 0; d < hd; d += 16) {
+        const __m512 a = _mm512_andnot_ps(sign, _mm512_maskz_loadu_ps(att_mask(hd - d), x + d));
+        vmax = _mm512_max_ps(a, vmax); /* a NaN lane keeps vmax (the second operand), as the plain loop does */
+    }
+    const float amax = _mm512_reduce_max_ps(vmax);
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    *scale = amax / 127.0f;
+    const __m512 vid = _mm512_set1_ps(id), hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    for (int64_t d = 0; d < hd; d += 16) {
+        const __mmask16 m = att_mask(hd - d);
+        __m512 r = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + d), vid);
+        r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(r, hi, _CMP_GT_OQ), r, hi);
+        r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(r, lo, _CMP_LT_OQ), r, lo);
+        r = _mm512_sub_ps(_mm512_add_ps(r, magic), magic);
+        const __mmask16 num = _mm512_cmp_ps_mask(r, r, _CMP_ORD_Q); /* a NaN becomes 0 */
+        const __m512i q = _mm512_maskz_cvtps_epi32(num, r);
+        _mm_mask_storeu_epi8(dst + d, m, _mm512_cvtepi32_epi8(q));
+    }
+}
+
+void cv_att_scale_avx512(float *sc, int nv, const int *nval, const float *s) {
+    const int nk = max_valid(nval, 0, nv);
+    __m512 sv[CV_ATT_KCHUNK / 16];
+#pragma GCC unroll 4
+    for (int b = 0; b < CV_ATT_KCHUNK / 16; b++) sv[b] = _mm512_maskz_loadu_ps(att_mask(nk - 16 * b), s + 16 * b);
+    for (int v = 0; v < nv; v++) {
+        float *r = sc + v * CV_ATT_KCHUNK;
+#pragma GCC unroll 4
+        for (int b = 0; b < CV_ATT_KCHUNK / 16; b++) {
+            const __mmask16 m = att_mask(nval[v] - 16 * b);
+            _mm512_mask_storeu_ps(r + 16 * b, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, r + 16 * b), sv[b]));
+        }
+    }
+}
 
 void cv_att_softmax_avx512(float *sc, int nk, float *m, float *l, float *alpha, int nval) {
     if (nval > 0) {

@@ -32,6 +32,7 @@ DEFAULT_PREFILL_CAP = {"cpu": 96, "cuda": 512}
 # does not have (docs/performance.md, "Offline batches end to end").
 OFFLINE_PREFILL_CAP = 0
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_KV_DTYPES = _DTYPES + ("int8",)
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40,
@@ -89,7 +90,7 @@ class EngineArgs:
     max_num_batched_tokens: Optional[int] = None
     block_size: int = 16
     kv_cache_memory: Any = None
-    kv_cache_dtype: str = "auto"  # auto: the activation dtype; bfloat16 under quantized weights
+    kv_cache_dtype: str = "auto"  # auto: the activation dtype; bfloat16 under quantized weights; int8: CPU only
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling: str = "continuous"
@@ -151,10 +152,10 @@ class EngineArgs:
         pos_int("max_prefill_tokens_while_decoding", self.max_prefill_tokens_while_decoding, 1 << 24,
                 allow_none=True, lo=0)
         pos_int("max_queued_requests", self.max_queued_requests, 1 << 30, allow_none=True, lo=0)
-        for name in ("dtype", "kv_cache_dtype"):
+        for name, allowed in (("dtype", _DTYPES), ("kv_cache_dtype", _KV_DTYPES)):
             v = getattr(self, name)
-            if v not in _DTYPES:
-                raise ValueError(f"{name} must be one of {_DTYPES}, got {v!r}")
+            if v not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {v!r}")
         if self.scheduling not in _SCHEDULING:
             raise ValueError(f"scheduling must be one of {_SCHEDULING}, got {self.scheduling!r}")
         if self.device not in ("cpu", "cuda"):

@@ -456,6 +456,8 @@ def add_engine_args(ap) -> None:
                          "('tiny', 'smollm-135m', ...); default: the built-in SmolLM-135M-shaped "
                          "random checkpoint")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="auto (the engine's choice), float32, bfloat16, float16 or int8 (CPU only)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--block-size", type=int, default=16)
@@ -472,6 +474,8 @@ def engine_kwargs(args) -> Dict[str, Any]:
     kv = None if str(args.kv_cache_memory).lower() in ("auto", "none", "") else args.kv_cache_memory
     kw = dict(dtype=args.dtype, device=args.device, num_threads=args.num_threads,
               block_size=args.block_size, kv_cache_memory=kv)
+    if getattr(args, "kv_cache_dtype", "auto") != "auto":
+        kw["kv_cache_dtype"] = args.kv_cache_dtype
     if getattr(args, "speculative_config", None) is not None:
         from ..speculative import parse_speculative_config
 

@@ -204,7 +204,7 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--kv-cache-memory", default=None, help="bytes or a size such as 4GiB")
-    g.add_argument("--kv-cache-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--kv-cache-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16", "int8"])
     g.add_argument("--quantization", default=None, choices=["q8_0", "q4_0", "q4_1"])
     g.add_argument("--activation-dtype", default=None, choices=["auto", "float32"],
                    help="GEMM inputs over bf16 weights: 'auto' rounds them to bf16 where the CPU has "
