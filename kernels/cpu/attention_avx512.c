@@ -237,30 +237,6 @@ void cv_att_pv_avx512(float *acc, const float *sc, const float *alpha, int64_t h
 }
 #undef PV_DT
 
-void cv_att_quantize_row_i8_avx512(int8_t *dst, float *scale, const float *x, int64_t hd) {
-    __m512 vmax = _mm512_setzero_ps();
-    const __m512 sign = _mm512_set1_ps(-0.0f);
-    for (int64_t d = 0; d < hd; d += 16) {
-        const __m512 a = _mm512_andnot_ps(sign, _mm512_maskz_loadu_ps(att_mask(hd - d), x + d));
-        vmax = _mm512_max_ps(a, vmax); /* a NaN lane keeps vmax (the second operand), as the plain loop does */
-    }
-    const float amax = _mm512_reduce_max_ps(vmax);
-    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-    *scale = amax / 127.0f;
-    const __m512 vid = _mm512_set1_ps(id), hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
-    const __m512 magic = _mm512_set1_ps(12582912.0f);
-    for (int64_t d = 0; d < hd; d += 16) {
-        const __mmask16 m = att_mask(hd - d);
-        __m512 r = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + d), vid);
-        r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(r, hi, _CMP_GT_OQ), r, hi);
-        r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(r, lo, _CMP_LT_OQ), r, lo);
-        r = _mm512_sub_ps(_mm512_add_ps(r, magic), magic);
-        const __mmask16 num = _mm512_cmp_ps_mask(r, r, _CMP_ORD_Q); /* a NaN becomes 0 */
-        const __m512i q = _mm512_maskz_cvtps_epi32(num, r);
-        _mm_mask_storeu_epi8(dst + d, m, _mm512_cvtepi32_epi8(q));
-    }
-}
-
 void cv_att_scale_avx512(float *sc, int nv, const int *nval, const float *s) {
     const int nk = max_valid(nval, 0, nv);
     __m512 sv[CV_ATT_KCHUNK / 16];

@@ -21,8 +21,6 @@ void cv_att_scores_avx512(float *sc, const float *qt, int64_t hd, int nv, const 
 /* acc[v] = acc[v] * alpha[v] + sum_i p[v][i] V_i. */
 void cv_att_pv_avx512(float *acc, const float *sc, const float *alpha, int64_t hd, int nv,
                       const int *nval, const void *const *vp, cv_dtype dt);
-/* int8 cache: one row quantized as quantize_row_i8 in attention.c does, bit for bit. */
-void cv_att_quantize_row_i8_avx512(int8_t *dst, float *scale, const float *x, int64_t hd);
 /* int8 cache: sc[v][i] *= s[i] for i < nval[v] (as i8_scale in attention.c). */
 void cv_att_scale_avx512(float *sc, int nv, const int *nval, const float *s);
 /* Online-softmax step of one vector (as softmax_step_plain in attention.c). */

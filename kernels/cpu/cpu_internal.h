@@ -117,8 +117,8 @@ static inline void cv_cpu_run_rows(cv_cpu *c, int nth, cv_rows *rows, int64_t n,
  *   backend_cpu.c (function table, lifetime, buffers, tables)
  *     -> operations: gemm.c -> quant.c (+ quant_*.c tiles), gemm_avx512.c;
  *        attention.c -> attention_avx512.c; elementwise.c
- *     -> shared pieces: row_kernels.c, convert.c, vec_math.c, threadpool.c,
- *        cpu_features.c, and csrc/common.c below them all.
+ *     -> shared pieces: kv_write.c, row_kernels.c, convert.c, vec_math.c,
+ *        threadpool.c, cpu_features.c, and csrc/common.c below them all.
  * An operation never calls the backend or a sideways operation; a shared piece
  * never calls an operation. tools/check_layers.py checks it on the objects. */
 
@@ -187,12 +187,8 @@ void cv_cpu_embedding(cv_backend *b, float *out, const int32_t *tokens, int64_t 
                       const cv_table *table);
 
 /* attention.c */
-void cv_cpu_kv_write(cv_backend *b, cv_kv_layer *cache, const float *k, int64_t k_stride,
-                     const float *v, int64_t v_stride, const int64_t *slot_mapping, int64_t n);
 void cv_cpu_paged_attention(cv_backend *b, float *out, const float *q, int64_t q_stride,
                             const cv_kv_layer *cache, const cv_attn_batch *batch);
-/* Writes one token's k and v (n_kv_heads x head_dim each) at slot (< 0: skipped). */
-void cv_cpu_kv_write_token(const cv_kv_layer *cache, const float *k, const float *v, int64_t slot, int simd);
 /* Floats of attention scratch each thread needs, and of one split part's
  * partial result (both multiples of 16). */
 size_t cv_cpu_att_scratch_floats(void);
@@ -221,6 +217,13 @@ void cv_cpu_narrow(void *dst, cv_dtype dt, const float *src, int64_t n, int simd
  * the error code, with err set. */
 int cv_cpu_check_prepare(const char *what, const char *noun, const void *src, cv_dtype src_dtype,
                          int64_t rows, int64_t cols, cv_dtype dtype, cv_err *err);
+
+/* kv_write.c: the backend's kv_write (n tokens, threaded), and one token's k and
+ * v (n_kv_heads x head_dim each) at slot (< 0: skipped), narrowed or quantized
+ * to the cache's dtype. */
+void cv_cpu_kv_write(cv_backend *b, cv_kv_layer *cache, const float *k, int64_t k_stride,
+                     const float *v, int64_t v_stride, const int64_t *slot_mapping, int64_t n);
+void cv_cpu_kv_write_token(const cv_kv_layer *cache, const float *k, const float *v, int64_t slot, int simd);
 
 /* vec_math.h: lane masks, horizontal sums, exp. threadpool.h, cpu_features.h:
  * the pool and the CPU's features. */
