@@ -8,6 +8,12 @@
  * job fields; the caller rewrites them only once no worker is active, so a
  * late worker never reads a half-written job.
  *
+ * Every spin yields the core between its short bursts of pauses: with more
+ * runnable threads than cores (another process, two engines, Ray replicas on
+ * one machine) the thread being waited for may be queued on this very core,
+ * and a pure spin would hold it off for the whole spin budget. With the cores
+ * to spare, sched_yield returns at once.
+ *
  * Static regions (cv_pool_run) wait for every worker with tid < nth. Dynamic
  * regions (cv_pool_run_dynamic) are closed by the caller as soon as its own
  * call returns: it then waits only for workers already inside. */
@@ -98,6 +104,7 @@ static uint64_t spin_for_gen(cv_pool *p, uint32_t seen) {
             if (ST_GEN(s) != seen) return s;
         }
         if (now_s() - t0 > p->spin_s) return s;
+        sched_yield(); /* a thread waiting for this core (more threads than cores) runs now */
     }
 }
 
@@ -232,6 +239,7 @@ static void wait_until(cv_pool *p, int (*cond)(cv_pool *)) {
             if (cond(p)) return;
         }
         if (now_s() - t0 > p->spin_s) break;
+        sched_yield(); /* as in spin_for_gen: the thread we wait for may want this core */
     }
     /* Dekker with the last worker: flag first, then re-check. */
     pthread_mutex_lock(&p->mu);
