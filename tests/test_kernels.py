@@ -14,6 +14,8 @@ import pytest
 
 core = pytest.importorskip("conveyor._core")
 
+from conveyor.testing import random_block_tables  # noqa: E402
+
 INFO = core.kernel_info()
 LEVEL_FEATURES = {"avx2": "AVX2/FMA/F16C", "avx512": "AVX-512 F/BW/VL/DQ",
                   "avx512_bf16": "AVX512_BF16"}
@@ -388,16 +390,7 @@ def make_attention_case(r, *, n_seqs, nkv, G, hd, bs, cdt, max_prefix=40, max_ne
     if news is None:
         news = r.integers(1, max_new + 1, n_seqs)
     ctx = np.asarray(prefixes) + np.asarray(news)
-    blocks_per = (ctx + bs - 1) // bs
-    mb = int(blocks_per.max()) + 1
-    nb = int(blocks_per.sum()) + 3
-    perm = r.permutation(nb)
-    tables = np.zeros((n_seqs, mb), np.int32)
-    used = 0
-    for s in range(n_seqs):
-        tables[s, : blocks_per[s]] = perm[used:used + blocks_per[s]]
-        tables[s, blocks_per[s]:] = r.integers(0, nb, mb - blocks_per[s])  # junk past the end
-        used += blocks_per[s]
+    tables, nb = random_block_tables(r, ctx, bs)
     kc = to_cache_array(r.standard_normal((nb, nkv, bs, hd), dtype=np.float32), cdt)
     vc = to_cache_array(r.standard_normal((nb, nkv, bs, hd), dtype=np.float32), cdt)
     qs = np.concatenate([[0], np.cumsum(news)]).astype(np.int32)

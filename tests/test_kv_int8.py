@@ -19,6 +19,7 @@ import pytest
 core = pytest.importorskip("conveyor._core")
 
 from conveyor import LLM, SamplingParams  # noqa: E402
+from conveyor.testing import random_block_tables  # noqa: E402
 
 INFO = core.kernel_info()
 LEVELS = ["avx2", "avx512", "avx512_bf16"]
@@ -171,16 +172,7 @@ def make_case(r, *, n_seqs, nkv, G, hd, bs, max_prefix=40, max_new=12, prefixes=
     if news is None:
         news = r.integers(1, max_new + 1, n_seqs)
     ctx = np.asarray(prefixes) + np.asarray(news)
-    blocks_per = (ctx + bs - 1) // bs
-    mb = int(blocks_per.max()) + 1
-    nb = int(blocks_per.sum()) + 3
-    perm = r.permutation(nb)
-    tables = np.zeros((n_seqs, mb), np.int32)
-    used = 0
-    for s in range(n_seqs):
-        tables[s, : blocks_per[s]] = perm[used:used + blocks_per[s]]
-        tables[s, blocks_per[s]:] = r.integers(0, nb, mb - blocks_per[s])  # junk past the end
-        used += blocks_per[s]
+    tables, nb = random_block_tables(r, ctx, bs)
     kf = r.standard_normal((nb, nkv, bs, hd), dtype=np.float32) * r.uniform(0.1, 4, (nb, nkv, bs, 1)).astype(np.float32)
     vf = r.standard_normal((nb, nkv, bs, hd), dtype=np.float32)
     kf[r.random((nb, nkv, bs)) < 0.05] = 0.0

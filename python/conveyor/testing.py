@@ -146,6 +146,26 @@ _HF_CHAT_TEMPLATE = (
 # ---------------------------------------------------------------------------- shapes
 
 
+def random_block_tables(r: np.random.Generator, ctx, bs: int):
+    """Shuffled paged-KV block tables for sequences of ctx tokens each, blocks of bs:
+    (tables [n_seqs][max_blocks] int32, the number of blocks a cache needs). Every
+    sequence owns distinct blocks in a random order; entries past a sequence's last
+    block hold junk ids, which a kernel must never read. Three spare blocks are never
+    handed out."""
+    ctx = np.asarray(ctx)
+    blocks_per = (ctx + bs - 1) // bs
+    mb = int(blocks_per.max()) + 1
+    nb = int(blocks_per.sum()) + 3
+    perm = r.permutation(nb)
+    tables = np.zeros((len(ctx), mb), np.int32)
+    used = 0
+    for s in range(len(ctx)):
+        tables[s, : blocks_per[s]] = perm[used:used + blocks_per[s]]
+        tables[s, blocks_per[s]:] = r.integers(0, nb, mb - blocks_per[s])  # junk past the end
+        used += blocks_per[s]
+    return tables, nb
+
+
 def subprocess_env(**extra) -> dict:
     """os.environ for a child Python that must import the same conveyor as this process
     (an installed package, or the checkout's python/ after an in-place build): its
