@@ -61,6 +61,8 @@ static void state_free(runner_state *s) {
             for (int64_t l = 0; l < s->m->cfg.n_layers; l++) {
                 b->free(b, s->caches[l].k);
                 b->free(b, s->caches[l].v);
+                b->free(b, s->caches[l].k_scale);
+                b->free(b, s->caches[l].v_scale);
             }
         }
         cv_model_free(s->m);
@@ -176,7 +178,11 @@ static int build_state(runner_state *st, const char *path, cv_dtype dtype, cv_dt
         kv->head_dim = c->head_dim;
         kv->k = b->alloc(b, bytes);
         kv->v = b->alloc(b, bytes);
-        if (!kv->k || !kv->v)
+        if (kv_dtype == CV_I8) { /* a float32 scale per (block, head, offset): elems / head_dim of them */
+            kv->k_scale = b->alloc(b, elems / (size_t)c->head_dim * sizeof(float));
+            kv->v_scale = b->alloc(b, elems / (size_t)c->head_dim * sizeof(float));
+        }
+        if (!kv->k || !kv->v || (kv_dtype == CV_I8 && (!kv->k_scale || !kv->v_scale)))
             return cv_set_err(err, CV_ERR_NOMEM, "out of memory for the KV cache (%zu bytes per layer)",
                               2 * bytes);
     }
@@ -223,7 +229,7 @@ static int ModelRunner_init(ModelRunnerObject *self, PyObject *args, PyObject *k
         return -1;
     }
     if (cv_py_parse_dtype(dtype_s, "dtype", 1, &dtype) < 0 ||
-        cv_py_parse_dtype(kv_s, "kv_cache_dtype", 0, &kv_dtype) < 0 ||
+        cv_py_parse_kv_dtype(kv_s, "kv_cache_dtype", 0, &kv_dtype) < 0 ||
         cv_py_parse_quantization(quant_s, &quant) < 0 || cv_py_parse_activation_dtype(act_s, &exact) < 0)
         return -1;
     /* int32 fields of the batch (positions, context lengths, query rows) bound these */
@@ -524,6 +530,11 @@ static PyObject *ModelRunner_reset(ModelRunnerObject *self, PyObject *Py_UNUSED(
     for (int64_t l = 0; l < self->m->cfg.n_layers; l++) {
         memset(self->caches[l].k, 0, self->kv_layer_bytes);
         memset(self->caches[l].v, 0, self->kv_layer_bytes);
+        if (self->caches[l].k_scale) { /* int8: a scale per row */
+            const size_t scales = self->kv_layer_bytes / (size_t)self->caches[l].head_dim * sizeof(float);
+            memset(self->caches[l].k_scale, 0, scales);
+            memset(self->caches[l].v_scale, 0, scales);
+        }
     }
     Py_RETURN_NONE;
 }
@@ -628,7 +639,8 @@ static PyType_Slot ModelRunner_slots[] = {
               "            num_blocks=64, max_tokens=512, max_seqs=16, num_threads=0,\n"
               "            force_scalar=False)\n\n"
               "A model on the CPU backend with its own paged KV cache\n"
-              "([num_blocks][n_kv_heads][block_size][head_dim] per layer), run batch by batch\n"
+              "([num_blocks][n_kv_heads][block_size][head_dim] per layer; kv_cache_dtype float32,\n"
+              "bfloat16, float16 or int8 with a float32 scale per row), run batch by batch\n"
               "with forward(). A test hook for the model and kernels."},
     {Py_tp_new, PyType_GenericNew},
     {Py_tp_init, ModelRunner_init},
