@@ -81,31 +81,66 @@ export UBSAN_OPTIONS="log_path=$reports/ubsan:halt_on_error=1:print_stacktrace=1
 # build C code drop LD_PRELOAD for the compiler themselves.
 export CONVEYOR_SANITIZED=1
 
-echo "sanitize.sh: $py -m pytest ${args[*]} ${deselect[*]}" >&2
-set +e
-# LD_PRELOAD for the interpreter only (and what it starts), not for this script's tools.
-LD_PRELOAD="$preload${LD_PRELOAD:+:$LD_PRELOAD}" "$py" -m pytest -p no:cacheprovider "${args[@]}" "${deselect[@]}"
-rc=$?
-set -e
-# A report file holds errors, leaks, or only warnings (a huge allocation refused
-# under allocator_may_return_null, which the tests ask for on purpose).
-found=0
-for f in "$reports"/*; do
-  [ -e "$f" ] || continue
-  if grep -E "ERROR: |runtime error: |CHECK failed" "$f" >/dev/null; then
-    found=1
-    echo "==== sanitizer report $f" >&2
-    cat "$f" >&2
+junit=$(mktemp /tmp/cv_sanitize_junit.XXXXXX.xml)
+# The suite passed by pytest's own count (its exit status is LSan's when the exit-time
+# leak check dies): no failures or errors in the junit report.
+suite_passed() {
+  "$py" - "$junit" <<'PYEOF'
+import sys, xml.etree.ElementTree as ET
+try:
+    root = ET.parse(sys.argv[1]).getroot()
+except Exception:
+    sys.exit(1)
+suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+bad = sum(int(s.get("failures", 0)) + int(s.get("errors", 0)) for s in suites)
+sys.exit(0 if suites and bad == 0 else 1)
+PYEOF
+}
+
+# Runs the suite once; sets rc (pytest's status, or 1 for a sanitizer report) and
+# lsan_died (1 when the only trouble was LeakSanitizer failing to stop the world at
+# exit: "LeakSanitizer has encountered a fatal error", an error of the checker, not a leak).
+run_once() {
+  echo "sanitize.sh: $py -m pytest ${args[*]} ${deselect[*]}" >&2
+  set +e
+  # LD_PRELOAD for the interpreter only (and what it starts), not for this script's tools.
+  LD_PRELOAD="$preload${LD_PRELOAD:+:$LD_PRELOAD}" "$py" -m pytest -p no:cacheprovider --junitxml="$junit" \
+    "${args[@]}" "${deselect[@]}"
+  rc=$?
+  set -e
+  # A report file holds errors, leaks, or only warnings (a huge allocation refused
+  # under allocator_may_return_null, which the tests ask for on purpose).
+  found=0
+  died=0
+  for f in "$reports"/*; do
+    [ -e "$f" ] || continue
+    if grep -E "ERROR: |runtime error: |CHECK failed" "$f" >/dev/null; then
+      found=1
+      echo "==== sanitizer report $f" >&2
+      cat "$f" >&2
+    else
+      if grep -q "LeakSanitizer has encountered a fatal error" "$f"; then died=1; fi
+      echo "sanitize.sh: warnings only in $f: $(sort -u "$f" | head -3 | tr '\n' ' ')" >&2
+      rm "$f"
+    fi
+  done
+  lsan_died=0
+  if [ $found = 1 ]; then
+    echo "sanitize.sh: sanitizer reports above (kept in $reports); pytest exit status $rc" >&2
+    [ $rc -eq 0 ] && rc=1
   else
-    echo "sanitize.sh: warnings only in $f: $(sort -u "$f" | head -3 | tr '\n' ' ')" >&2
-    rm "$f"
+    echo "sanitize.sh: no sanitizer report; pytest exit status $rc" >&2
+    if [ $rc -ne 0 ] && [ $died = 1 ] && suite_passed; then lsan_died=1; fi
   fi
-done
-if [ $found = 1 ]; then
-  echo "sanitize.sh: sanitizer reports above (kept in $reports); pytest exit status $rc" >&2
-  [ $rc -eq 0 ] && rc=1
-else
-  rmdir "$reports" 2>/dev/null || true
-  echo "sanitize.sh: no sanitizer report; pytest exit status $rc" >&2
+}
+
+run_once
+if [ $lsan_died = 1 ]; then
+  # Every test passed and no report was written, but the exit-time leak check itself
+  # could not run. Once more, so that one full run ends with a leak check that ran.
+  echo "sanitize.sh: every test passed, but LeakSanitizer died before its exit-time check; running once more" >&2
+  run_once
 fi
+rm -f "$junit"
+[ $found = 1 ] || rmdir "$reports" 2>/dev/null || true
 exit $rc
