@@ -146,6 +146,11 @@ static int check_usable(ModelRunnerObject *self) {
     return 0;
 }
 
+/* Bytes of one layer's K (or V) scales of an int8 cache: a float32 per row. */
+static size_t kv_scale_bytes(const cv_kv_layer *kv) {
+    return (size_t)kv->num_blocks * (size_t)kv->n_kv_heads * (size_t)kv->block_size * sizeof(float);
+}
+
 /* Builds the whole runner into st. Pure C: runs without the GIL. */
 static int build_state(runner_state *st, const char *path, cv_dtype dtype, cv_dtype quant, cv_dtype kv_dtype,
                        int64_t bs, int64_t nblocks, int64_t max_tokens, int64_t max_seqs,
@@ -178,9 +183,9 @@ static int build_state(runner_state *st, const char *path, cv_dtype dtype, cv_dt
         kv->head_dim = c->head_dim;
         kv->k = b->alloc(b, bytes);
         kv->v = b->alloc(b, bytes);
-        if (kv_dtype == CV_I8) { /* a float32 scale per (block, head, offset): elems / head_dim of them */
-            kv->k_scale = b->alloc(b, elems / (size_t)c->head_dim * sizeof(float));
-            kv->v_scale = b->alloc(b, elems / (size_t)c->head_dim * sizeof(float));
+        if (kv_dtype == CV_I8) {
+            kv->k_scale = b->alloc(b, kv_scale_bytes(kv));
+            kv->v_scale = b->alloc(b, kv_scale_bytes(kv));
         }
         if (!kv->k || !kv->v || (kv_dtype == CV_I8 && (!kv->k_scale || !kv->v_scale)))
             return cv_set_err(err, CV_ERR_NOMEM, "out of memory for the KV cache (%zu bytes per layer)",
@@ -531,9 +536,8 @@ static PyObject *ModelRunner_reset(ModelRunnerObject *self, PyObject *Py_UNUSED(
         memset(self->caches[l].k, 0, self->kv_layer_bytes);
         memset(self->caches[l].v, 0, self->kv_layer_bytes);
         if (self->caches[l].k_scale) { /* int8: a scale per row */
-            const size_t scales = self->kv_layer_bytes / (size_t)self->caches[l].head_dim * sizeof(float);
-            memset(self->caches[l].k_scale, 0, scales);
-            memset(self->caches[l].v_scale, 0, scales);
+            memset(self->caches[l].k_scale, 0, kv_scale_bytes(&self->caches[l]));
+            memset(self->caches[l].v_scale, 0, kv_scale_bytes(&self->caches[l]));
         }
     }
     Py_RETURN_NONE;
