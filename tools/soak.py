@@ -221,10 +221,36 @@ def _wait_idle(engine, timeout=30.0) -> dict:
         time.sleep(0.01)
 
 
-def kv_touched(engines, block_bytes: int) -> int:
-    """Bytes of the engines' KV pools ever handed out: the CPU backend commits the pool as
-    blocks are first used, so these add to the RSS without being a leak."""
-    return sum(int(e.stats().get("blocks_touched", 0)) for e in engines) * block_bytes
+def memory(pid: "int | str" = "self") -> dict:
+    """Resident memory of a process, split as a leak check needs it.
+
+    The CPU backend maps each buffer of 1 MiB or more (the KV pool, a step's scratch) on
+    its own and advises huge pages for it (VmFlags `hg`). The kernel commits such a
+    mapping as it is first touched, in 2 MiB pages where it can: the KV pool's resident
+    size grows with every block first handed out, in steps that a count of blocks cannot
+    predict. So those mappings count by their size, which must not grow (a leaked buffer
+    adds a mapping), and the rest (malloc's heap, Python's objects) by its resident size."""
+    other = mapped = 0
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            size = rss = 0
+            for line in f:
+                head = line.split(None, 1)[0]
+                if head == "Size:":
+                    size = int(line.split()[1]) * 1024
+                elif head == "Rss:":
+                    rss = int(line.split()[1]) * 1024
+                elif head == "VmFlags:":  # the last line of a mapping's entry
+                    if "hg" in line.split()[1:]:
+                        mapped += size
+                    else:
+                        other += rss
+    except OSError:  # no smaps (or the process is gone): all of the RSS, as /proc/PID/statm says
+        rss = rss_bytes(pid)
+        if rss is None:
+            raise RuntimeError(f"process {pid} is gone")
+        return {"rss": rss, "huge_page_maps": 0}
+    return {"rss": other, "huge_page_maps": mapped}
 
 
 def soak_async(model: Path, n: int, *, seed=0, abort_frac=0.3, tight_frac=0.3, concurrency=48,
@@ -248,9 +274,8 @@ def soak_async(model: Path, n: int, *, seed=0, abort_frac=0.3, tight_frac=0.3, c
         for e in engines.values():
             _wait_idle(e)
         settle_memory()
-        # without the KV blocks first handed out so far (committed as used, not leaked)
-        rss0 = rss_bytes() - kv_touched(engines.values(), block_bytes)
-        log(f"warm-up: {w} requests in {time.monotonic() - t0:.1f} s, RSS {rss0 / 2**20:.1f} MiB")
+        mem0 = memory()
+        log(f"warm-up: {w} requests in {time.monotonic() - t0:.1f} s, RSS {mem0['rss'] / 2**20:.1f} MiB")
 
         t0 = time.monotonic()
         tally = asyncio.run(_round_async(engines, make_plans(n, seed, abort_frac, tight_frac, vocab),
@@ -258,14 +283,15 @@ def soak_async(model: Path, n: int, *, seed=0, abort_frac=0.3, tight_frac=0.3, c
         elapsed = time.monotonic() - t0
         st = {name: _wait_idle(e) for name, e in (("normal", normal), ("tight", tight))}
         settle_memory()
-        rss1 = rss_bytes() - kv_touched(engines.values(), block_bytes)
+        mem1 = memory()
     finally:
         normal.close()
         tight.close()
-    return _verdict("async", n, w, tally, wt, st, rss0, rss1, elapsed, time.monotonic() - t_start, log, check_rss)
+    return _verdict("async", n, w, tally, wt, st, mem0, mem1, elapsed, time.monotonic() - t_start, log, check_rss)
 
 
-def _verdict(mode, n, w, tally, wt, st, rss0, rss1, elapsed, total, log, check_rss=True) -> dict:
+def _verdict(mode, n, w, tally, wt, st, mem0, mem1, elapsed, total, log, check_rss=True) -> dict:
+    rss0, rss1 = mem0["rss"], mem1["rss"]
     growth = (rss1 - rss0) / rss0
     res = {
         "mode": mode, "requests": n, "warmup_requests": w, "finished": tally.finished, "aborted": tally.aborted,
@@ -279,6 +305,7 @@ def _verdict(mode, n, w, tally, wt, st, rss0, rss1, elapsed, total, log, check_r
         "engine_aborted": {k: v["requests_aborted"] for k, v in st.items()},
         "rss_after_warmup_mib": round(rss0 / 2**20, 2), "rss_after_run_mib": round(rss1 / 2**20, 2),
         "rss_growth_pct": round(100 * growth, 2),
+        "huge_page_maps_mib": [round(mem0["huge_page_maps"] / 2**20, 2), round(mem1["huge_page_maps"] / 2**20, 2)],
     }
     problems = []
     if tally.total != n:
@@ -297,6 +324,9 @@ def _verdict(mode, n, w, tally, wt, st, rss0, rss1, elapsed, total, log, check_r
         problems.append("the tight engine never preempted")
     if check_rss and growth > 0.05:
         problems.append(f"RSS grew {100 * growth:.1f}% (> 5%) after the warm-up")
+    if check_rss and mem1["huge_page_maps"] > mem0["huge_page_maps"]:
+        problems.append(f"the engines' buffers grew from {mem0['huge_page_maps'] / 2**20:.1f} to "
+                        f"{mem1['huge_page_maps'] / 2**20:.1f} MiB of mappings after the warm-up")
     res["problems"] = problems
     res["ok"] = not problems
     log(json.dumps(res, indent=1))
@@ -321,12 +351,6 @@ class ServerProc(OwnServer):
             if m and m.group(1) not in out:
                 out[m.group(1)] = float(m.group(2))
         return out
-
-    def rss(self) -> int:
-        rss = rss_bytes(self.proc.pid)
-        if rss is None:
-            raise RuntimeError(f"the server (pid {self.proc.pid}) is gone")
-        return rss
 
 
 async def _one_http(client, p: Plan, tally: Tally, watchdog: float):
@@ -425,8 +449,9 @@ def _http_wait_idle(server: ServerProc, timeout=30.0) -> dict:
         time.sleep(0.05)
 
 
-def _kv_touched_bytes(server, block_bytes: int) -> int:
-    return int(server.metrics().get("conveyor_kv_cache_blocks_touched", 0)) * block_bytes
+def _servers_memory(servers) -> dict:
+    ms = [memory(s.proc.pid) for s in servers]
+    return {k: sum(m[k] for m in ms) for k in ms[0]}
 
 
 def soak_http(model: Path, n: int, *, seed=0, abort_frac=0.3, tight_frac=0.3, concurrency=48,
@@ -452,22 +477,20 @@ def soak_http(model: Path, n: int, *, seed=0, abort_frac=0.3, tight_frac=0.3, co
                                      concurrency, watchdog))
         for s in servers.values():
             _http_wait_idle(s)
-        # The KV pool is committed as blocks are first handed out, so blocks first used after
-        # the warm-up add to the RSS without leaking: the RSS compared is without them.
-        rss0 = sum(s.rss() - _kv_touched_bytes(s, block_bytes) for s in servers.values())
-        log(f"warm-up: {w} requests in {time.monotonic() - t0:.1f} s, servers' RSS {rss0 / 2**20:.1f} MiB")
+        mem0 = _servers_memory(servers.values())
+        log(f"warm-up: {w} requests in {time.monotonic() - t0:.1f} s, servers' RSS {mem0['rss'] / 2**20:.1f} MiB")
         t0 = time.monotonic()
         tally = asyncio.run(_round_http(urls, make_plans(n, seed, abort_frac, tight_frac, vocab),
                                         concurrency, watchdog))
         elapsed = time.monotonic() - t0
         st = {"normal": _http_wait_idle(servers[False]), "tight": _http_wait_idle(servers[True])}
-        rss1 = sum(s.rss() - _kv_touched_bytes(s, block_bytes) for s in servers.values())
+        mem1 = _servers_memory(servers.values())
         disconnects = {("tight" if k else "normal"): s.metrics().get("conveyor_client_disconnects_total", 0)
                        for k, s in servers.items()}
     finally:
         for s in servers.values():
             s.stop()
-    res = _verdict("http", n, w, tally, wt, st, rss0, rss1, elapsed, time.monotonic() - t_start, log, check_rss)
+    res = _verdict("http", n, w, tally, wt, st, mem0, mem1, elapsed, time.monotonic() - t_start, log, check_rss)
     res["server_disconnects_seen"] = disconnects
     return res
 
