@@ -12,7 +12,9 @@
  * 32 dims; AVX-512 and AVX512_BF16 in attention_avx512.c: 16 scores per
  * transpose-add tree, and vdpbf16ps over a bf16 cache). A chunk's row
  * pointers come from one walk of the block table, and the next chunk's rows
- * are prefetched while this one computes (decode reads each row once).
+ * are prefetched while this one computes (decode reads each row once): K
+ * before the scores, V before P.V, and after a tile's last chunk the first
+ * rows of the item the thread has already claimed next.
  *
  * Batch invariance: a vector's result depends only on its own queries, keys
  * and values, never on the other sequences of the step or on the threads.
@@ -513,15 +515,14 @@ static void chunk_scales(const att_rows *r, int64_t c0, int nk, float *ksc, floa
 static void chunk_rows(const att_rows *r, int64_t c0, int nk, const void **kp, const void **vp, int prefetch) {
     int64_t bi = c0 / r->bs, bo = c0 % r->bs;
     size_t off = (size_t)r->table[bi] * r->blk_bytes + r->head_off + (size_t)bo * r->row_bytes;
-    if (r->ks && prefetch) chunk_scales(r, c0, nk, NULL, NULL, 1);
+    if (r->ks && (prefetch & 1)) chunk_scales(r, c0, nk, NULL, NULL, 1);
     for (int i = 0; i < nk; i++) {
         kp[i] = r->k + off;
         vp[i] = r->v + off;
-        if (prefetch)
-            for (size_t b = 0; b < r->row_bytes; b += 64) {
-                __builtin_prefetch(r->k + off + b);
-                __builtin_prefetch(r->v + off + b);
-            }
+        if (prefetch & 1)
+            for (size_t b = 0; b < r->row_bytes; b += 64) __builtin_prefetch(r->k + off + b);
+        if (prefetch & 2)
+            for (size_t b = 0; b < r->row_bytes; b += 64) __builtin_prefetch(r->v + off + b);
         off += r->row_bytes;
         if (++bo == r->bs && i + 1 < nk) {
             bo = 0;
@@ -530,18 +531,56 @@ static void chunk_rows(const att_rows *r, int64_t c0, int nk, const void **kp, c
     }
 }
 
-/* One item (or one part of it): keys [k_lo, k_hi) of tile t, into st. */
+/* Where tile t's K and V rows lie. */
+static att_rows tile_rows(const att_job *j, const att_tile *t) {
+    const cv_kv_layer *kv = j->cache;
+    const int64_t hd = j->bt->head_dim, bs = kv->block_size, nkv = kv->n_kv_heads;
+    const size_t esz = cv_dtype_size(kv->dtype);
+    const int i8 = kv->dtype == CV_I8;
+    const att_rows rows = {.k = kv->k, .v = kv->v,
+                           .table = j->bt->block_tables + (size_t)t->s * (size_t)j->bt->max_blocks_per_seq,
+                           .bs = bs, .ks = i8 ? kv->k_scale : NULL, .vs = i8 ? kv->v_scale : NULL,
+                           .head_sc = (size_t)t->h * (size_t)bs, .blk_sc = (size_t)nkv * (size_t)bs,
+                           .head_off = (size_t)t->h * (size_t)bs * (size_t)hd * esz,
+                           .blk_bytes = (size_t)nkv * (size_t)bs * (size_t)hd * esz,
+                           .row_bytes = (size_t)hd * esz};
+    return rows;
+}
+
+/* Asks for the cache lines of tile t's first chunk of keys: the item a thread
+ * runs next, while it finishes this one. */
+static void prefetch_tile(const att_job *j, const att_tile *t, int what) {
+    const att_rows rows = tile_rows(j, t);
+    const int64_t keys = j->bt->context_lens[t->s] -
+                         (j->bt->query_start[t->s + 1] - j->bt->query_start[t->s]) + t->j1;
+    const void *kp[CV_ATT_KCHUNK], *vp[CV_ATT_KCHUNK];
+    if (keys > 0) chunk_rows(&rows, 0, (int)(keys < CV_ATT_KCHUNK ? keys : CV_ATT_KCHUNK), kp, vp, what);
+}
+
+/* Prefetch of what comes after the chunk that ends at c1: the next chunk's
+ * row pointers into kp/vp and its K rows (what 1) or V rows (what 2), or,
+ * with no chunk left in this tile, the first rows of the thread's next tile.
+ * K and V are asked for at two moments (before the scores and before P.V):
+ * one burst of every line of a chunk fills the core's miss buffers, and the
+ * prefetches then stall the kernel that should run beside them. */
+static void prefetch_next(const att_job *j, const att_rows *rows, int64_t c1, int64_t k_hi,
+                          const att_tile *next, const void **kp, const void **vp, int what) {
+    if (c1 < k_hi) chunk_rows(rows, c1, (int)(k_hi - c1 < CV_ATT_KCHUNK ? k_hi - c1 : CV_ATT_KCHUNK), kp, vp, what);
+    else if (next) prefetch_tile(j, next, what);
+}
+
+/* One item (or one part of it): keys [k_lo, k_hi) of tile t, into st; next
+ * (or NULL): the tile the thread runs after it, whose first keys are
+ * prefetched during the last chunk. */
 static void att_tile_run(const att_job *j, float *scr, const att_state *st, const att_tile *t,
-                         int64_t k_lo, int64_t k_hi) {
+                         int64_t k_lo, int64_t k_hi, const att_tile *next) {
     const cv_attn_batch *bt = j->bt;
     const cv_kv_layer *kv = j->cache;
-    const int64_t hd = bt->head_dim, bs = kv->block_size, nkv = kv->n_kv_heads;
+    const int64_t hd = bt->head_dim;
     const int64_t ng = t->g1 - t->g0;
     const int nv = (int)((t->j1 - t->j0) * ng);
     const int64_t nq = bt->query_start[t->s + 1] - bt->query_start[t->s];
     const int64_t ctx = bt->context_lens[t->s];
-    const int32_t *table = bt->block_tables + (size_t)t->s * (size_t)bt->max_blocks_per_seq;
-    const size_t esz = cv_dtype_size(kv->dtype);
     float *qt = scr;                          /* [nv][hd] scaled queries */
     float *alpha = scr + 2 * ATT_VF;          /* [CV_ATT_TILE] */
     float *sc = alpha + CV_ATT_TILE;          /* [CV_ATT_TILE][CV_ATT_KCHUNK] */
@@ -563,12 +602,7 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
         if (k_lo < w0) k_lo = w0;
     }
     const int i8 = kv->dtype == CV_I8;
-    const att_rows rows = {.k = kv->k, .v = kv->v, .table = table, .bs = bs,
-                           .ks = i8 ? kv->k_scale : NULL, .vs = i8 ? kv->v_scale : NULL,
-                           .head_sc = (size_t)t->h * (size_t)bs, .blk_sc = (size_t)nkv * (size_t)bs,
-                           .head_off = (size_t)t->h * (size_t)bs * (size_t)hd * esz,
-                           .blk_bytes = (size_t)nkv * (size_t)bs * (size_t)hd * esz,
-                           .row_bytes = (size_t)hd * esz};
+    const att_rows rows = tile_rows(j, t);
     /* row pointers of this chunk (kp2[cur]) and of the next (kp2[!cur]) */
     const void *kp2[2][CV_ATT_KCHUNK], *vp2[2][CV_ATT_KCHUNK];
     float ksc[CV_ATT_KCHUNK], vsc[CV_ATT_KCHUNK]; /* int8: this chunk's scales */
@@ -576,7 +610,7 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
     /* the first chunk's rows are asked for (prefetch) before the queries are
      * set up, so that their cache misses overlap that work */
     if (k_lo < k_hi)
-        chunk_rows(&rows, k_lo, (int)(k_hi - k_lo < CV_ATT_KCHUNK ? k_hi - k_lo : CV_ATT_KCHUNK), kp2[0], vp2[0], 1);
+        chunk_rows(&rows, k_lo, (int)(k_hi - k_lo < CV_ATT_KCHUNK ? k_hi - k_lo : CV_ATT_KCHUNK), kp2[0], vp2[0], 3);
     for (int v = 0; v < nv; v++) {
         const int64_t jt = t->j0 + v / ng, g = t->g0 + v % ng;
         const float *src = j->q + (size_t)(bt->query_start[t->s] + jt) * (size_t)j->q_stride +
@@ -597,8 +631,7 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
         const int nk = (int)(k_hi - c0 < CV_ATT_KCHUNK ? k_hi - c0 : CV_ATT_KCHUNK);
         const void *const *kp = kp2[cur], *const *vp = vp2[cur];
         const int64_t c1 = c0 + CV_ATT_KCHUNK;
-        if (c1 < k_hi)
-            chunk_rows(&rows, c1, (int)(k_hi - c1 < CV_ATT_KCHUNK ? k_hi - c1 : CV_ATT_KCHUNK), kp2[!cur], vp2[!cur], 1);
+        prefetch_next(j, &rows, c1, k_hi, next, kp2[!cur], vp2[!cur], 1);
         if (i8) chunk_scales(&rows, c0, nk, ksc, vsc, 0);
         for (int v = 0; v < nv; v++) {
             const int64_t n_ok = vpos[v] - c0 + 1;
@@ -608,6 +641,7 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
 #if CV_HAVE_AVX512
         if (bf16_dot) {
             cv_att_scores_bf16(sc, qb, hd, nv, nval, kp);
+            prefetch_next(j, &rows, c1, k_hi, next, kp2[!cur], vp2[!cur], 2);
             if (bt->window > 0) window_mask(sc, nv, nval, vpos, c0, bt->window);
             for (int v = 0; v < nv; v++)
                 cv_att_softmax_avx512(sc + v * CV_ATT_KCHUNK, nk, &m[v], &l[v], &alpha[v], nval[v]);
@@ -616,6 +650,7 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
         }
         if (j->simd >= CV_SIMD_AVX512) {
             cv_att_scores_avx512(sc, qt, hd, nv, nval, kp, kv->dtype);
+            prefetch_next(j, &rows, c1, k_hi, next, kp2[!cur], vp2[!cur], 2);
             if (i8) cv_att_scale_avx512(sc, nv, nval, ksc);
             if (bt->window > 0) window_mask(sc, nv, nval, vpos, c0, bt->window);
             for (int v = 0; v < nv; v++)
@@ -628,6 +663,7 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
 #if CV_HAVE_AVX2
         if (j->simd) {
             scores_avx2(sc, qt, hd, nv, nval, kp, kv->dtype);
+            prefetch_next(j, &rows, c1, k_hi, next, kp2[!cur], vp2[!cur], 2);
             if (i8) i8_scale_avx2(sc, nv, nval, ksc);
             if (bt->window > 0) window_mask(sc, nv, nval, vpos, c0, bt->window);
             for (int v = 0; v < nv; v++)
@@ -638,6 +674,7 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
         }
 #endif
         scores_plain(sc, qt, hd, nv, nval, kp, kv->dtype, row);
+        prefetch_next(j, &rows, c1, k_hi, next, kp2[!cur], vp2[!cur], 2);
         if (i8) i8_scale(sc, nv, nval, ksc);
         if (bt->window > 0) window_mask(sc, nv, nval, vpos, c0, bt->window);
         for (int v = 0; v < nv; v++)
@@ -729,7 +766,7 @@ static void att_fn(void *arg, int tid, int nth) {
             const int64_t item = u / j->parts, seg = u % j->parts;
             locate(j, &cur, item, &t);
             const att_state st = partial_state(j, u);
-            att_tile_run(j, scr, &st, &t, seg * ATT_SEG, (seg + 1) * ATT_SEG);
+            att_tile_run(j, scr, &st, &t, seg * ATT_SEG, (seg + 1) * ATT_SEG, NULL);
             if (atomic_fetch_sub_explicit(&j->counters[item], 1, memory_order_acq_rel) == 1) {
                 const int nv = tile_vectors(&t);
                 clear_state(&tot, nv, hd);
@@ -742,21 +779,31 @@ static void att_fn(void *arg, int tid, int nth) {
         }
         return;
     }
-    for (;;) {
-        const int64_t item = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
-        if (item >= j->n_items) break;
+    /* items are claimed one ahead, so that the next one's first keys are
+     * prefetched while this one ends (claims stay in increasing order) */
+    att_cursor ahead = cur;
+    att_tile tn;
+    int64_t item = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+    while (item < j->n_items) {
         locate(j, &cur, item, &t);
+        const int64_t nxt = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        const att_tile *np = NULL;
+        if (nxt < j->n_items) {
+            locate(j, &ahead, nxt, &tn);
+            np = &tn;
+        }
         const int64_t keys = tile_keys(j, &t);
         if (keys <= ATT_SEG) { /* one segment: its state is the merged one */
-            att_tile_run(j, scr, &tot, &t, 0, keys);
+            att_tile_run(j, scr, &tot, &t, 0, keys, np);
         } else {
             clear_state(&tot, tile_vectors(&t), hd);
             for (int64_t k0 = 0; k0 < keys; k0 += ATT_SEG) {
-                att_tile_run(j, scr, &own, &t, k0, k0 + ATT_SEG);
+                att_tile_run(j, scr, &own, &t, k0, k0 + ATT_SEG, k0 + ATT_SEG >= keys ? np : NULL);
                 merge_state(&tot, &own, tile_vectors(&t), hd);
             }
         }
         att_finish(j, &t, &tot);
+        item = nxt;
     }
 }
 
