@@ -643,8 +643,7 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
             cv_att_scores_bf16(sc, qb, hd, nv, nval, kp);
             prefetch_next(j, &rows, c1, k_hi, next, kp2[!cur], vp2[!cur], 2);
             if (bt->window > 0) window_mask(sc, nv, nval, vpos, c0, bt->window);
-            for (int v = 0; v < nv; v++)
-                cv_att_softmax_avx512(sc + v * CV_ATT_KCHUNK, nk, &m[v], &l[v], &alpha[v], nval[v]);
+            cv_att_softmax_avx512(sc, nk, nv, nval, m, l, alpha);
             cv_att_pv_bf16(acc, sc, alpha, hd, nv, nval, vp);
             continue;
         }
@@ -653,8 +652,7 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
             prefetch_next(j, &rows, c1, k_hi, next, kp2[!cur], vp2[!cur], 2);
             if (i8) cv_att_scale_avx512(sc, nv, nval, ksc);
             if (bt->window > 0) window_mask(sc, nv, nval, vpos, c0, bt->window);
-            for (int v = 0; v < nv; v++)
-                cv_att_softmax_avx512(sc + v * CV_ATT_KCHUNK, nk, &m[v], &l[v], &alpha[v], nval[v]);
+            cv_att_softmax_avx512(sc, nk, nv, nval, m, l, alpha);
             if (i8) cv_att_scale_avx512(sc, nv, nval, vsc);
             cv_att_pv_avx512(acc, sc, alpha, hd, nv, nval, vp, kv->dtype);
             continue;

@@ -252,31 +252,49 @@ void cv_att_scale_avx512(float *sc, int nv, const int *nval, const float *s) {
     }
 }
 
-void cv_att_softmax_avx512(float *sc, int nk, float *m, float *l, float *alpha, int nval) {
-    if (nval > 0) {
+/* All vectors of the chunk in one pass, so that their chains overlap: one
+ * vector's step is a latency chain (max, its reduction, exp, the sum's
+ * reduction) that alone left the core idle. The rescale factors of up to 16
+ * vectors take one vector exp. Each lane and each vector's reductions run as
+ * in a step of that vector alone. */
+void cv_att_softmax_avx512(float *sc, int nk, int nv, const int *nval, float *m, float *l, float *alpha) {
+    float mn[CV_ATT_TILE];
+    for (int v = 0; v < nv; v++) {
         __m512 vmx = _mm512_set1_ps(-INFINITY);
-        for (int i = 0; i < nval; i += 16) {
-            const __mmask16 k = att_mask(nval - i);
-            vmx = _mm512_mask_max_ps(vmx, k, vmx, _mm512_maskz_loadu_ps(k, sc + i));
+        for (int i = 0; i < nval[v]; i += 16) {
+            const __mmask16 k = att_mask(nval[v] - i);
+            vmx = _mm512_mask_max_ps(vmx, k, vmx, _mm512_maskz_loadu_ps(k, sc + v * CV_ATT_KCHUNK + i));
         }
         const float mx = _mm512_reduce_max_ps(vmx);
-        const float mn = *m > mx ? *m : mx;
-        const float a = *m == -INFINITY ? 0.0f : expf(*m - mn);
-        const __m512 vm = _mm512_set1_ps(mn);
-        __m512 vs = _mm512_setzero_ps();
-        for (int i = 0; i < nval; i += 16) {
-            const __mmask16 k = att_mask(nval - i);
-            const __m512 e = cv_exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + i), vm));
-            _mm512_mask_storeu_ps(sc + i, k, e);
-            vs = _mm512_mask_add_ps(vs, k, vs, e);
-        }
-        *l = *l * a + _mm512_reduce_add_ps(vs);
-        *m = mn;
-        *alpha = a;
-    } else {
-        *alpha = 1.0f;
+        mn[v] = nval[v] > 0 && mx > m[v] ? mx : m[v];
     }
-    for (int i = nval > 0 ? nval : 0; i < nk; i++) sc[i] = 0.0f;
+    for (int v0 = 0; v0 < nv; v0 += 16) {
+        const __mmask16 k = att_mask(nv - v0);
+        const __m512 mo = _mm512_maskz_loadu_ps(k, m + v0);
+        /* exp(m - mn); 0 for a vector's first keys (m = -inf) */
+        const __mmask16 first = _mm512_cmp_ps_mask(mo, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
+        const __m512 a = _mm512_maskz_mov_ps((__mmask16)~first,
+                                             cv_exp512(_mm512_sub_ps(mo, _mm512_maskz_loadu_ps(k, mn + v0))));
+        _mm512_mask_storeu_ps(alpha + v0, k, a);
+    }
+    for (int v = 0; v < nv; v++) {
+        float *r = sc + v * CV_ATT_KCHUNK;
+        if (nval[v] <= 0) {
+            alpha[v] = 1.0f;
+            for (int i = 0; i < nk; i++) r[i] = 0.0f;
+            continue;
+        }
+        const __m512 vm = _mm512_set1_ps(mn[v]);
+        __m512 vs = _mm512_setzero_ps();
+        for (int i = 0; i < nk; i += 16) { /* past nval: 0 */
+            const __mmask16 k = att_mask(nval[v] - i);
+            const __m512 e = _mm512_maskz_mov_ps(k, cv_exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, r + i), vm)));
+            _mm512_mask_storeu_ps(r + i, att_mask(nk - i), e);
+            vs = _mm512_add_ps(vs, e);
+        }
+        l[v] = l[v] * alpha[v] + _mm512_reduce_add_ps(vs);
+        m[v] = mn[v];
+    }
 }
 CV_TARGET_END
 

@@ -23,8 +23,9 @@ void cv_att_pv_avx512(float *acc, const float *sc, const float *alpha, int64_t h
                       const int *nval, const void *const *vp, cv_dtype dt);
 /* int8 cache: sc[v][i] *= s[i] for i < nval[v] (as i8_scale in attention.c). */
 void cv_att_scale_avx512(float *sc, int nv, const int *nval, const float *s);
-/* Online-softmax step of one vector (as softmax_step_plain in attention.c). */
-void cv_att_softmax_avx512(float *sc, int nk, float *m, float *l, float *alpha, int nval);
+/* Online-softmax step of the nv vectors (each as softmax_step_plain in
+ * attention.c): m, l and alpha are [nv]. */
+void cv_att_softmax_avx512(float *sc, int nk, int nv, const int *nval, float *m, float *l, float *alpha);
 
 /* AVX512_BF16 level over a bf16 cache: vdpbf16ps on pairs along head_dim
  * for q.k (the scaled queries rounded to bf16 once per tile, qb) and on
