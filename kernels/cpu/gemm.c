@@ -449,7 +449,6 @@ static void make_shared_rows(gemm_job *j) {
  * and x is re-read from L3. */
 static void gemm_fn(void *arg, int tid, int nth) {
     gemm_job *j = arg;
-    (void)nth;
     const int64_t np = matrix_groups(j->w->rows);
     const int64_t n = j->n, mc = j->mc, pc = j->pc;
     const int64_t cols = j->w->cols;
@@ -482,7 +481,28 @@ static void gemm_fn(void *arg, int tid, int nth) {
                 pack_x(xp, xb, cols, mlen, (mlen + CV_MR - 1) / CV_MR);
             ready_block = tb;
         }
-        for (int64_t p = p0; p < p1; p++) group_pass(j, p, m0, mlen, j->kc, xb, xp);
+        /* rows of the block this thread likely takes next (items are whole
+         * blocks, claimed in turn: about nth items on), asked for a slice per
+         * panel so that they stream in while this block computes */
+        const char *pf = NULL;
+        size_t pf_bytes = 0;
+        if (j->n_pchunks == 1 && !j->shared && j->in.src) {
+            const int64_t nb = tb + nth;
+            if (nb < j->n_tblocks) {
+                const int64_t w = j->in.kind == CV_IN_SWIGLU ? 2 * cols : cols;
+                const int64_t nl = nb * mc + mc < n ? mc : n - nb * mc;
+                pf = (const char *)(j->in.src + (size_t)(nb * mc * w));
+                pf_bytes = (size_t)(nl * w) * sizeof(float);
+            }
+        }
+        for (int64_t p = p0; p < p1; p++) {
+            group_pass(j, p, m0, mlen, j->kc, xb, xp);
+            if (pf) {
+                const size_t a = pf_bytes * (size_t)(p - p0) / (size_t)(p1 - p0) & ~(size_t)63;
+                const size_t e = pf_bytes * (size_t)(p - p0 + 1) / (size_t)(p1 - p0);
+                for (size_t o = a; o < e; o += 64) __builtin_prefetch(pf + o);
+            }
+        }
     }
 }
 
