@@ -121,6 +121,22 @@ def test_throughput_main(model, tmp_path, capsys):
     assert _ordered(r["latency"]["e2e"]) and _ordered(r["latency"]["ttft"])
 
 
+def test_throughput_with_quantized_weights(model, tmp_path, capsys):
+    """--quantization reaches the engine (the issue's Q8_0 figure is taken on this bench), and
+    the output says which weights and KV cache ran."""
+    out = tmp_path / "tp.json"
+    rc = throughput.main(["--model", model, "--num-requests", "3", "--input-len", "6", "--output-len", "3",
+                          "--quantization", "q8_0", "--kv-cache-dtype", "int8", "--json", str(out)])
+    assert rc == 0
+    assert "weights q8_0, KV int8" in capsys.readouterr().out
+    r = _load(out)
+    assert r["model"]["matrix_dtype"] == "q8_0" and r["knobs"]["quantization"] == "q8_0"
+    assert r["output_tokens"] == 9
+    with pytest.raises(SystemExit):
+        throughput.main(["--model", model, "--quantization", "q3_x"])
+    assert "--quantization" in capsys.readouterr().err
+
+
 def test_throughput_static_via_cli(model, tmp_path, capsys):
     from conveyor.cli import main as cli_main
 

@@ -96,7 +96,7 @@ def kv_bytes_for(path: str, prompt_lens: Iterable[int], output_lens: Iterable[in
 def model_info(llm, path: str) -> Dict[str, Any]:
     cfg = dict(llm.model_config)
     keep = ("arch", "dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-            "vocab_size", "max_pos", "n_params", "weight_bytes")
+            "vocab_size", "max_pos", "n_params", "weight_bytes", "matrix_dtype", "kv_cache_dtype")
     info = {k: cfg[k] for k in keep if k in cfg}
     info["path"] = str(path)
     info["name"] = Path(path).name
@@ -145,7 +145,7 @@ def make_llm(model: str, *, scheduling: str = "continuous", max_num_seqs: int = 
              kv_cache_memory: Any = DEFAULT_KV_CACHE, workload: Optional["Workload"] = None,
              dtype: str = "auto", num_threads: Optional[int] = None, device: str = "cpu",
              seed: int = 0, enable_prefix_caching: bool = True, asynchronous: bool = False,
-             kv_cache_dtype: str = "auto", speculative_config=None):
+             kv_cache_dtype: str = "auto", speculative_config=None, quantization: Optional[str] = None):
     """An LLM (or AsyncLLM) for token-id prompts. kv_cache_memory "fit" sizes the pool
     for ``workload`` (see kv_bytes_for); None leaves it to the engine."""
     from .. import LLM, AsyncLLM
@@ -161,7 +161,7 @@ def make_llm(model: str, *, scheduling: str = "continuous", max_num_seqs: int = 
                kv_cache_memory=kv_cache_memory, dtype=dtype, num_threads=num_threads,
                device=device, seed=seed, enable_prefix_caching=enable_prefix_caching,
                kv_cache_dtype=kv_cache_dtype, skip_tokenizer_init=True,
-               speculative_config=speculative_config)
+               speculative_config=speculative_config, quantization=quantization)
 
 
 # ----------------------------------------------------------------------------- workloads
@@ -458,6 +458,8 @@ def add_engine_args(ap) -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--kv-cache-dtype", default="auto",
                     help="auto (the engine's choice), float32, bfloat16, float16 or int8 (CPU only)")
+    ap.add_argument("--quantization", default=None, choices=["q8_0", "q4_0", "q4_1"],
+                    help="quantize the float matrices at load (a GGUF file's quantized ones stay as they are)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--block-size", type=int, default=16)
@@ -476,6 +478,8 @@ def engine_kwargs(args) -> Dict[str, Any]:
               block_size=args.block_size, kv_cache_memory=kv)
     if getattr(args, "kv_cache_dtype", "auto") != "auto":
         kw["kv_cache_dtype"] = args.kv_cache_dtype
+    if getattr(args, "quantization", None):
+        kw["quantization"] = args.quantization
     if getattr(args, "speculative_config", None) is not None:
         from ..speculative import parse_speculative_config
 

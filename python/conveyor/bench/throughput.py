@@ -101,7 +101,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     k = r["knobs"]
     print(f"knobs: scheduling {k['scheduling']}, max_num_seqs {k['max_num_seqs']}, token budget "
           f"{k['max_num_batched_tokens']}, block size {k['block_size']}, input {args.input_len}, "
-          f"output {args.output_len}, range ratio {args.range_ratio}, seed {args.seed}")
+          f"output {args.output_len}, range ratio {args.range_ratio}, seed {args.seed}; weights "
+          f"{r['model'].get('matrix_dtype')}, KV {r['model'].get('kv_cache_dtype')}")
     print(format_result(r), flush=True)
     common.write_outputs(r, args.json)
     return 0
