@@ -547,12 +547,17 @@ static att_rows tile_rows(const att_job *j, const att_tile *t) {
     return rows;
 }
 
+/* Keys of tile t: its last position + 1. */
+static int64_t tile_keys(const att_job *j, const att_tile *t) {
+    const int64_t nq = j->bt->query_start[t->s + 1] - j->bt->query_start[t->s];
+    return j->bt->context_lens[t->s] - nq + t->j1;
+}
+
 /* Asks for the cache lines of tile t's first chunk of keys: the item a thread
  * runs next, while it finishes this one. */
 static void prefetch_tile(const att_job *j, const att_tile *t, int what) {
     const att_rows rows = tile_rows(j, t);
-    const int64_t keys = j->bt->context_lens[t->s] -
-                         (j->bt->query_start[t->s + 1] - j->bt->query_start[t->s]) + t->j1;
+    const int64_t keys = tile_keys(j, t);
     const void *kp[CV_ATT_KCHUNK], *vp[CV_ATT_KCHUNK];
     if (keys > 0) chunk_rows(&rows, 0, (int)(keys < CV_ATT_KCHUNK ? keys : CV_ATT_KCHUNK), kp, vp, what);
 }
@@ -562,7 +567,10 @@ static void prefetch_tile(const att_job *j, const att_tile *t, int what) {
  * with no chunk left in this tile, the first rows of the thread's next tile.
  * K and V are asked for at two moments (before the scores and before P.V):
  * one burst of every line of a chunk fills the core's miss buffers, and the
- * prefetches then stall the kernel that should run beside them. */
+ * prefetches then stall the kernel that should run beside them. The V pass
+ * walks the block table again rather than reusing the K pass's pointers: the
+ * walk spaces the prefetches out (the stored pointers measured slower: 1-6%
+ * in 4 of 5 pairs). */
 static void prefetch_next(const att_job *j, const att_rows *rows, int64_t c1, int64_t k_hi,
                           const att_tile *next, const void **kp, const void **vp, int what) {
     if (c1 < k_hi) chunk_rows(rows, c1, (int)(k_hi - c1 < CV_ATT_KCHUNK ? k_hi - c1 : CV_ATT_KCHUNK), kp, vp, what);
@@ -711,12 +719,6 @@ static void clear_state(const att_state *st, int nv, int64_t hd) {
         st->m[v] = -INFINITY;
         st->l[v] = 0.0f;
     }
-}
-
-/* Keys of tile t: its last position + 1. */
-static int64_t tile_keys(const att_job *j, const att_tile *t) {
-    const int64_t nq = j->bt->query_start[t->s + 1] - j->bt->query_start[t->s];
-    return j->bt->context_lens[t->s] - nq + t->j1;
 }
 
 static int tile_vectors(const att_tile *t) { return (int)((t->j1 - t->j0) * (t->g1 - t->g0)); }
