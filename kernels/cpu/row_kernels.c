@@ -99,19 +99,34 @@ void cv_cpu_rms_row(float *out, const float *x, const float *w, int64_t dim, flo
     rms_row_plain(out, x, w, dim, eps);
 }
 
+/* GELU (tanh form, PyTorch's gelu(approximate="tanh")) gated by up: Gemma's
+ * FFN. 0.5 x (1 + tanh(y)) = x / (1 + exp(-2y)) with y = sqrt(2/pi) (x +
+ * 0.044715 x^3): SwiGLU's form with the exponent -2y, so the same exp. */
+#define GELU_K 0.7978845608028654f
+#define GELU_C 0.044715f
+
 #if CV_HAVE_AVX2
 CV_TARGET_AVX2_BEGIN
-/* The 8-wide part of a SwiGLU row; returns the count done. */
-static int64_t swiglu_row_avx2(float *o, const float *g, const float *u, int64_t dim) {
-    const __m256 one = _mm256_set1_ps(1.0f);
+/* The 8-wide part of a gated row, x / (1 + exp(z)) * u with z = -x (SwiGLU)
+ * or -2 sqrt(2/pi) (x + 0.044715 x^3) (GeGLU); returns the count done. */
+static CV_ALWAYS_INLINE int64_t gated_row_avx2(float *o, const float *g, const float *u, int64_t dim,
+                                               const int gelu) {
+    const __m256 one = _mm256_set1_ps(1.0f), k2 = _mm256_set1_ps(-2.0f * GELU_K), c = _mm256_set1_ps(GELU_C);
     int64_t i = 0;
     for (; i + 8 <= dim; i += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + i);
-        const __m256 e = cv_exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-        const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+        const __m256 x = _mm256_loadu_ps(g + i);
+        const __m256 z = gelu ? _mm256_mul_ps(k2, _mm256_fmadd_ps(_mm256_mul_ps(c, x), _mm256_mul_ps(x, x), x))
+                              : _mm256_sub_ps(_mm256_setzero_ps(), x);
+        const __m256 e = cv_exp256(z);
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
     }
     return i;
+}
+static int64_t swiglu_row_avx2(float *o, const float *g, const float *u, int64_t dim) {
+    return gated_row_avx2(o, g, u, dim, 0);
+}
+static int64_t geglu_row_avx2(float *o, const float *g, const float *u, int64_t dim) {
+    return gated_row_avx2(o, g, u, dim, 1);
 }
 CV_TARGET_END
 #endif
@@ -131,29 +146,6 @@ void cv_cpu_swiglu_row(float *o, const float *g, const float *u, int64_t dim, in
     (void)simd;
     for (; i < dim; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
-
-/* GELU (tanh form, PyTorch's gelu(approximate="tanh")) gated by up: Gemma's
- * FFN. 0.5 x (1 + tanh(y)) = x / (1 + exp(-2y)) with y = sqrt(2/pi) (x +
- * 0.044715 x^3): SwiGLU's form with the exponent -2y, so the same exp. */
-#define GELU_K 0.7978845608028654f
-#define GELU_C 0.044715f
-
-#if CV_HAVE_AVX2
-CV_TARGET_AVX2_BEGIN
-/* The 8-wide part of a GeGLU row; returns the count done. */
-static int64_t geglu_row_avx2(float *o, const float *g, const float *u, int64_t dim) {
-    const __m256 one = _mm256_set1_ps(1.0f), k2 = _mm256_set1_ps(-2.0f * GELU_K), c = _mm256_set1_ps(GELU_C);
-    int64_t i = 0;
-    for (; i + 8 <= dim; i += 8) {
-        const __m256 x = _mm256_loadu_ps(g + i);
-        const __m256 y = _mm256_fmadd_ps(_mm256_mul_ps(c, x), _mm256_mul_ps(x, x), x); /* x + c x^3 */
-        const __m256 e = cv_exp256(_mm256_mul_ps(k2, y));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
-    }
-    return i;
-}
-CV_TARGET_END
-#endif
 
 void cv_cpu_geglu_row(float *o, const float *g, const float *u, int64_t dim, int simd) {
     int64_t i = 0;
