@@ -144,7 +144,6 @@ static void cpu_host_parallel(cv_backend *b, int64_t n, void (*fn)(void *arg, in
     cv_pool_run_dynamic(cv_cpu_of(b)->pool, n < INT32_MAX ? (int)n : 0, host_items, &j, 1);
 }
 
-
 static int cpu_table_prepare(cv_backend *b, cv_table *out, const void *src, cv_dtype src_dtype,
                              int64_t rows, int64_t cols, cv_dtype dtype, cv_err *err) {
     cv_cpu *c = cv_cpu_of(b);
@@ -292,7 +291,6 @@ static int64_t env_int(const char *name, int64_t def, int64_t lo, int64_t hi) {
     if (end == s) return def;
     return v < lo ? lo : (v > hi ? hi : v);
 }
-
 
 /* A quantized table is dequantized row by row (quant.c), a float one widened (elementwise.c). */
 static void cpu_embedding(cv_backend *b, float *out, const int32_t *tokens, int64_t n, const cv_table *table) {

@@ -19,7 +19,6 @@ static void widen_avx512(float *dst, const uint16_t *s, cv_dtype dt, int64_t n) 
     }
 }
 
-
 /* Round-to-nearest-even float32 -> bfloat16 of 16 lanes (NaN stays a quiet
  * NaN), as f32_to_bf16_8 and cv_f32_to_bf16. */
 static CV_ALWAYS_INLINE __m256i f32_to_bf16_16(__m512 x) {

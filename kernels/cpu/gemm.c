@@ -19,7 +19,6 @@
 #include <string.h>
 
 #include "gemm_ukr.h"
-#include "vec_math.h"
 #include "quant.h"
 
 /* Fewest panels in a thread's share for which packing x pays for itself. */
@@ -489,10 +488,10 @@ static void gemm_fn(void *arg, int tid, int nth) {
         if (j->n_pchunks == 1 && !j->shared && j->in.src) {
             const int64_t nb = tb + nth;
             if (nb < j->n_tblocks) {
-                const int64_t w = j->in.kind == CV_IN_SWIGLU ? 2 * cols : cols;
+                const int64_t row_floats = j->in.kind == CV_IN_SWIGLU ? 2 * cols : cols; /* gate and up */
                 const int64_t nl = nb * mc + mc < n ? mc : n - nb * mc;
-                pf = (const char *)(j->in.src + (size_t)(nb * mc * w));
-                pf_bytes = (size_t)(nl * w) * sizeof(float);
+                pf = (const char *)(j->in.src + (size_t)(nb * mc * row_floats));
+                pf_bytes = (size_t)(nl * row_floats) * sizeof(float);
             }
         }
         for (int64_t p = p0; p < p1; p++) {

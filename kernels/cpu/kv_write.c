@@ -4,11 +4,9 @@
  * each head's row narrowed to its dtype; an int8 cache stores the row quantized
  * symmetrically with one float32 scale per (token, KV head). */
 #include <math.h>
-#include <string.h>
 
 #include "cpu_internal.h"
 #include "vec_math.h"
-
 
 typedef struct kvw_job {
     cv_kv_layer *cache;
@@ -74,20 +72,17 @@ void cv_cpu_kv_write_token(const cv_kv_layer *c, const float *k, const float *v,
     const int64_t hd = c->head_dim, bs = c->block_size, nkv = c->n_kv_heads;
     const size_t esz = cv_dtype_size(c->dtype);
     if (slot < 0) return;
+    void (*quantize)(int8_t *, float *, const float *, int64_t) = quantize_row_i8;
+#if CV_HAVE_AVX512
+    if (simd >= CV_SIMD_AVX512) quantize = quantize_row_i8_avx512;
+#endif
     const int64_t blk = slot / bs, off = slot % bs;
     for (int64_t h = 0; h < nkv; h++) {
         const size_t row = ((size_t)blk * (size_t)nkv + (size_t)h) * (size_t)bs + (size_t)off;
         const size_t dst = row * (size_t)hd * esz;
         if (c->dtype == CV_I8) {
-#if CV_HAVE_AVX512
-            if (simd >= CV_SIMD_AVX512) {
-                quantize_row_i8_avx512((int8_t *)c->k + dst, c->k_scale + row, k + (size_t)(h * hd), hd);
-                quantize_row_i8_avx512((int8_t *)c->v + dst, c->v_scale + row, v + (size_t)(h * hd), hd);
-                continue;
-            }
-#endif
-            quantize_row_i8((int8_t *)c->k + dst, c->k_scale + row, k + (size_t)(h * hd), hd);
-            quantize_row_i8((int8_t *)c->v + dst, c->v_scale + row, v + (size_t)(h * hd), hd);
+            quantize((int8_t *)c->k + dst, c->k_scale + row, k + (size_t)(h * hd), hd);
+            quantize((int8_t *)c->v + dst, c->v_scale + row, v + (size_t)(h * hd), hd);
             continue;
         }
         cv_cpu_narrow((char *)c->k + dst, c->dtype, k + (size_t)(h * hd), hd, simd);
