@@ -61,8 +61,7 @@ def test_soak_http_short(soak):
     except ImportError:
         pytest.skip("conveyor.serve is not importable")
     n = 300
-    # 150 warm-up requests, as the async soak: with 60, the two servers' heaps were once still
-    # growing to their steady size after the warm-up (RSS +13.9% in CI, no leak behind it)
+    # 150 warm-up requests, as the async soak
     res = soak.soak_http(MODEL, n, seed=7, warmup=150, concurrency=32, watchdog=60.0, log=lambda *_: None,
                           check_rss=CHECK_RSS)
     _check(res, n)

@@ -78,8 +78,8 @@ def check(root: Path) -> list[str]:
         for g in edges[f]:
             if lay[g][0] != lay[f][0]:
                 continue
-            if seen.get(g) == 1:
-                problems.append("circle: " + " -> ".join(path[path.index(g):] + [g]) if g in path else g)
+            if seen.get(g) == 1:  # on the current path: a circle back to g
+                problems.append("circle: " + " -> ".join(path[path.index(g):] + [g]))
             elif g not in seen:
                 visit(g, path + [g])
         seen[f] = 2
