@@ -294,6 +294,37 @@ def test_rope_in_strided_rows(layout, hd, nh, nkv):
     np.testing.assert_allclose(results["simd"], results["plain"], rtol=1e-6, atol=1e-6)
 
 
+def test_rope_angles_kept_between_calls_follow_the_inputs():
+    """The CPU backend keeps a call's cos/sin for the next calls with the same positions and
+    frequencies (a step's layers). Kept angles must give the bits of computed ones, and any
+    change of the inputs, even in place in the same arrays, must be seen: positions, frequencies
+    (Gemma's local and global sets alternating), the number of tokens."""
+    r = rng(7, 7)
+    hd, nh = 16, 2
+    freqs = [(1.0 / (b ** (np.arange(0, hd, 2) / hd))).astype(np.float32) for b in (10000.0, 1e6)]
+    pos = r.integers(0, 3000, 9).astype(np.int32)
+    base = r.standard_normal((9, nh, hd), dtype=np.float32)
+
+    def rope(impl, p, f):
+        q = base[: len(p)].copy()
+        core.kernel_rope(q, None, p, f, "halves", impl=impl)
+        return q
+
+    for impl in IMPLS:
+        first = [rope(impl, pos, f) for f in freqs]  # each computed once
+        for _ in range(2):  # alternating sets, each now from its kept angles
+            for f, want in zip(freqs, first):
+                np.testing.assert_array_equal(rope(impl, pos, f), want)
+        pos[3] += 1  # the same array, one position changed
+        np.testing.assert_allclose(rope(impl, pos, freqs[0]), rope_ref(base, pos, freqs[0], "halves"),
+                                   rtol=1e-5, atol=1e-5)
+        freqs[1][2] *= 0.5  # a frequency changed in place
+        np.testing.assert_allclose(rope(impl, pos, freqs[1]), rope_ref(base, pos, freqs[1], "halves"),
+                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(rope(impl, pos[:5], freqs[1]), rope_ref(base[:5], pos[:5], freqs[1], "halves"),
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_rope_rejects_bad_input():
     q = np.zeros((2, 1, 8), np.float32)
     f = np.ones(4, np.float32)

@@ -311,6 +311,11 @@ static void cpu_destroy(cv_backend *b) {
         free(c->gemm_xpack);
         free(c->gemm_xrows);
         free(c->qx);
+        for (int i = 0; i < 2; i++) {
+            free(c->rope_tables[i].cs);
+            free(c->rope_tables[i].pos);
+            free(c->rope_tables[i].freq);
+        }
         free(c);
     }
     free(b);

@@ -50,6 +50,18 @@
 #define CV_ATT_TILE 16     /* query vectors (token x head) per tile */
 #define CV_ATT_KCHUNK 32   /* keys per online-softmax step */
 
+/* cos and sin of every (token, frequency) of one call's positions, kept for
+ * the next calls with the same positions and frequencies: the layers of one
+ * step (elementwise.c). Keyed by the contents, not the pointers: the engine
+ * refills the same arrays every step. */
+typedef struct cv_rope_table {
+    float *cs;       /* [n][2 * nf]: nf cosines, then nf sines */
+    int32_t *pos;    /* [n] the key: positions */
+    float *freq;     /* [nf] and frequencies */
+    int64_t n, nf;   /* n == 0: empty */
+    size_t cap_cs, cap_pos, cap_freq;
+} cv_rope_table;
+
 typedef struct cv_cpu {
     cv_pool *pool;
     int nthreads;
@@ -73,6 +85,8 @@ typedef struct cv_cpu {
     size_t qx_bytes;
     int qlevel;              /* cv_qlevel of the quantized kernels */
     int exact_activations;   /* 1: no bf16 rounding of GEMM inputs (no vdpbf16ps path) */
+    cv_rope_table rope_tables[2]; /* a step's RoPE angles, for the layers after the first */
+    int rope_next;           /* the table to replace next */
 } cv_cpu;
 
 static inline cv_cpu *cv_cpu_of(cv_backend *b) { return (cv_cpu *)b->ctx; }

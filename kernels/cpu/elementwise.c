@@ -4,6 +4,7 @@
  * they share with the fused GEMMs is in row_kernels.c; rows are split across
  * the pool only when there is enough work to pay for waking it. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_internal.h"
@@ -98,6 +99,8 @@ typedef struct rope_job {
     const float *v;     /* [n][v_stride] */
     int64_t v_stride;
     const int64_t *slots; /* [n] */
+    float *tab;         /* [n][2 * nf] cos and sin, or NULL: computed per chunk */
+    int fill;           /* tab's rows are to be computed (and stored) by this call */
 } rope_job;
 
 /* Rotates frequencies [i0, i0 + m) of one head x[head_dim] with cs/sn[m]. */
@@ -163,7 +166,7 @@ static void rope_fn(void *arg, int tid, int nth) {
     const cv_rope_layout layout = j->rope->layout;
     (void)tid;
     (void)nth;
-    float cs[ROPE_CHUNK], sn[ROPE_CHUNK];
+    float cs_buf[ROPE_CHUNK], sn_buf[ROPE_CHUNK];
 #if CV_HAVE_AVX2
     float cs2[2 * ROPE_CHUNK], sn2[2 * ROPE_CHUNK];
 #endif
@@ -172,12 +175,18 @@ static void rope_fn(void *arg, int tid, int nth) {
         const double p = (double)j->pos[t];
         for (int64_t i0 = 0; i0 < nf; i0 += ROPE_CHUNK) {
             const int64_t m = nf - i0 < ROPE_CHUNK ? nf - i0 : ROPE_CHUNK;
-            /* angles once per token, in double: exact enough for long positions */
-            for (int64_t i = 0; i < m; i++) {
-                const double a = p * (double)j->rope->inv_freq[i0 + i];
-                cs[i] = (float)cos(a);
-                sn[i] = (float)sin(a);
+            float *cs = cs_buf, *sn = sn_buf;
+            if (j->tab) { /* this token's row of the step's table */
+                cs = j->tab + (size_t)t * (size_t)(2 * nf) + (size_t)i0;
+                sn = cs + nf;
             }
+            /* angles once per token, in double: exact enough for long positions */
+            if (!j->tab || j->fill)
+                for (int64_t i = 0; i < m; i++) {
+                    const double a = p * (double)j->rope->inv_freq[i0 + i];
+                    cs[i] = (float)cos(a);
+                    sn[i] = (float)sin(a);
+                }
 #if CV_HAVE_AVX2
             if (j->simd) {
                 if (layout == CV_ROPE_PAIRS)
@@ -213,8 +222,54 @@ static void rope_fn(void *arg, int tid, int nth) {
     }
 }
 
+/* The table of this call's angles: one whose key (positions and
+ * frequencies) matches, with *fill 0; else the older of the two, keyed anew
+ * for this call to fill (*fill 1). NULL when it cannot grow: the call then
+ * computes its angles as it goes. Two tables, so that Gemma 3's local and
+ * global frequencies both stay. */
+static float *rope_table(cv_cpu *c, const int32_t *pos, int64_t n, const float *freq, int64_t nf, int *fill) {
+    for (int i = 0; i < 2; i++) {
+        cv_rope_table *t = &c->rope_tables[i];
+        if (t->n == n && t->nf == nf && !memcmp(t->pos, pos, (size_t)n * sizeof *pos) &&
+            !memcmp(t->freq, freq, (size_t)nf * sizeof *freq)) {
+            *fill = 0;
+            c->rope_next = !i;
+            return t->cs;
+        }
+    }
+    cv_rope_table *t = &c->rope_tables[c->rope_next];
+    t->n = 0; /* empty until keyed below */
+    const size_t ncs = (size_t)n * (size_t)(2 * nf);
+    if (ncs > t->cap_cs) {
+        float *p = realloc(t->cs, ncs * sizeof *p);
+        if (!p) return NULL;
+        t->cs = p;
+        t->cap_cs = ncs;
+    }
+    if ((size_t)n > t->cap_pos) {
+        int32_t *p = realloc(t->pos, (size_t)n * sizeof *p);
+        if (!p) return NULL;
+        t->pos = p;
+        t->cap_pos = (size_t)n;
+    }
+    if ((size_t)nf > t->cap_freq) {
+        float *p = realloc(t->freq, (size_t)nf * sizeof *p);
+        if (!p) return NULL;
+        t->freq = p;
+        t->cap_freq = (size_t)nf;
+    }
+    memcpy(t->pos, pos, (size_t)n * sizeof *pos);
+    memcpy(t->freq, freq, (size_t)nf * sizeof *freq);
+    t->n = n;
+    t->nf = nf;
+    c->rope_next = !c->rope_next;
+    *fill = 1;
+    return t->cs;
+}
+
 /* Runs rope_fn over n tokens on enough threads for `work`. */
 static void run_rope(cv_cpu *c, rope_job *j, double work) {
+    j->tab = rope_table(c, j->pos, j->n, j->rope->inv_freq, j->rope->head_dim / 2, &j->fill);
     int nth = cv_threads_for(c, work, ROW_GRAIN);
     if (nth > j->n) nth = (int)j->n;
     cv_rows rows;
