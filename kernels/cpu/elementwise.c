@@ -4,7 +4,6 @@
  * they share with the fused GEMMs is in row_kernels.c; rows are split across
  * the pool only when there is enough work to pay for waking it. */
 #include <math.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_internal.h"
@@ -239,25 +238,10 @@ static float *rope_table(cv_cpu *c, const int32_t *pos, int64_t n, const float *
     }
     cv_rope_table *t = &c->rope_tables[c->rope_next];
     t->n = 0; /* empty until keyed below */
-    const size_t ncs = (size_t)n * (size_t)(2 * nf);
-    if (ncs > t->cap_cs) {
-        float *p = realloc(t->cs, ncs * sizeof *p);
-        if (!p) return NULL;
-        t->cs = p;
-        t->cap_cs = ncs;
-    }
-    if ((size_t)n > t->cap_pos) {
-        int32_t *p = realloc(t->pos, (size_t)n * sizeof *p);
-        if (!p) return NULL;
-        t->pos = p;
-        t->cap_pos = (size_t)n;
-    }
-    if ((size_t)nf > t->cap_freq) {
-        float *p = realloc(t->freq, (size_t)nf * sizeof *p);
-        if (!p) return NULL;
-        t->freq = p;
-        t->cap_freq = (size_t)nf;
-    }
+    if (!cv_grow((void **)&t->cs, &t->cap_cs, (size_t)n * (size_t)(2 * nf), sizeof *t->cs) ||
+        !cv_grow((void **)&t->pos, &t->cap_pos, (size_t)n, sizeof *t->pos) ||
+        !cv_grow((void **)&t->freq, &t->cap_freq, (size_t)nf, sizeof *t->freq))
+        return NULL;
     memcpy(t->pos, pos, (size_t)n * sizeof *pos);
     memcpy(t->freq, freq, (size_t)nf * sizeof *freq);
     t->n = n;
