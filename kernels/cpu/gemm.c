@@ -350,6 +350,7 @@ typedef struct gemm_job {
     int simd;
     const cv_cpu *cpu;   /* its per-thread rows buffers (prologue) */
     float *shared;       /* [n][cols]: the prologue's rows made once for all threads, or NULL */
+    uint16_t *shared_bf16; /* pairs: [n][kcols] bf16 rows made once for all threads, or NULL */
     cv_rows shared_rows; /* rows of `shared` still to make */
     _Alignas(64) atomic_llong shared_done; /* rows of `shared` made */
     _Alignas(64) atomic_llong next; /* next work item to claim */
@@ -387,12 +388,25 @@ static void round_x_bf16(uint16_t *dst, const float *xb, int64_t cols, int64_t k
  * packed block xp, or from the block's rows xb ([mlen][cols]) when xp is NULL
  * (pair layout: xp holds the block's bf16 rows). */
 static void group_pass(const gemm_job *j, int64_t g, int64_t m0, int64_t mlen, int64_t kc,
-                       const float *xb, const float *xp) {
+                       const float *xb, const float *xp, int64_t g_next) {
     const cv_matrix *w = j->w;
     const int64_t rows = w->rows, cols = j->kcols;
     const size_t esz = cv_dtype_size(w->dtype);
     const size_t pstride = (size_t)cols * CV_NR * esz; /* bytes from one panel to the next */
     const int64_t ntiles = (mlen + CV_MR - 1) / CV_MR;
+    /* With several tiles the group's weights are reused (compute bound): the
+     * next group's weights (g_next >= 0) are asked for a slice per kernel call,
+     * so they arrive from memory while this group computes instead of
+     * stalling its first tile. */
+    const char *pf = NULL, *pf_end = NULL;
+    size_t pf_step = 0;
+    if (g_next >= 0 && ntiles > 1) {
+        const size_t gbytes = (size_t)CV_GROUP * pstride; /* groups are whole (zero panels pad the last) */
+        const size_t calls = (size_t)ntiles * (size_t)((cols + kc - 1) / kc);
+        pf = (const char *)w->data + (size_t)g_next * gbytes;
+        pf_end = pf + gbytes;
+        pf_step = (gbytes / calls + 64) & ~(size_t)63;
+    }
     for (int64_t k0 = 0; k0 < cols; k0 += kc) {
         const int64_t klen = k0 + kc < cols ? kc : cols - k0;
         const int first = k0 == 0;
@@ -421,6 +435,9 @@ static void group_pass(const gemm_job *j, int64_t g, int64_t m0, int64_t mlen, i
                                  rows, nvalid, bp, load_c);
             }
             t += mr;
+            if (pf)
+                for (const char *e = pf_end - pf > (ptrdiff_t)pf_step ? pf + pf_step : pf_end; pf < e; pf += 64)
+                    __builtin_prefetch(pf, 0, 2);
         }
     }
 }
@@ -433,6 +450,26 @@ static void make_shared_rows(gemm_job *j) {
     const int64_t cols = j->w->cols;
     for (int64_t t0, t1; cv_rows_claim(&j->shared_rows, &t0, &t1);) {
         cv_cpu_gemm_in_rows(&j->in, j->shared + (size_t)(t0 * cols), t0, t1 - t0, cols, j->simd);
+        atomic_fetch_add_explicit(&j->shared_done, t1 - t0, memory_order_release);
+    }
+    while (atomic_load_explicit(&j->shared_done, memory_order_acquire) < j->n) sched_yield();
+}
+
+/* Pair layout, threads sharing token blocks: every row made (prologue) and
+ * rounded to bf16 once into j->shared_bf16, by chunks claimed as in
+ * make_shared_rows, instead of once per thread that works on its block.
+ * Same values either way: each row is made by the same functions. */
+static void make_shared_bf16(gemm_job *j, int tid) {
+    const int64_t cols = j->w->cols, kcols = j->kcols;
+    float *xr = j->in.kind != CV_IN_X ? cv_cpu_gemm_rows_buf(j->cpu, tid, (size_t)(j->shared_rows.chunk * cols))
+                                      : NULL;
+    for (int64_t t0, t1; cv_rows_claim(&j->shared_rows, &t0, &t1);) {
+        const float *src = j->in.src + (size_t)(t0 * cols);
+        if (xr) {
+            cv_cpu_gemm_in_rows(&j->in, xr, t0, t1 - t0, cols, j->simd);
+            src = xr;
+        }
+        round_x_bf16(j->shared_bf16 + (size_t)(t0 * kcols), src, cols, kcols, t1 - t0, j->simd);
         atomic_fetch_add_explicit(&j->shared_done, t1 - t0, memory_order_release);
     }
     while (atomic_load_explicit(&j->shared_done, memory_order_acquire) < j->n) sched_yield();
@@ -455,8 +492,10 @@ static void gemm_fn(void *arg, int tid, int nth) {
     /* rows made by the prologue: once for all, or per thread and block (the
      * driver checked that a block fits) */
     if (j->shared) make_shared_rows(j);
-    float *xr = j->in.kind != CV_IN_X && !j->shared ? cv_cpu_gemm_rows_buf(j->cpu, tid, (size_t)(j->mc * cols))
-                                                    : NULL;
+    if (j->shared_bf16) make_shared_bf16(j, tid);
+    float *xr = j->in.kind != CV_IN_X && !j->shared && !j->shared_bf16
+                    ? cv_cpu_gemm_rows_buf(j->cpu, tid, (size_t)(j->mc * cols))
+                    : NULL;
     int64_t ready_block = -1;
     for (;;) {
         const int64_t it = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
@@ -465,14 +504,17 @@ static void gemm_fn(void *arg, int tid, int nth) {
             const int64_t p0 = it * pc, p1 = p0 + pc < np ? p0 + pc : np;
             for (int64_t p = p0; p < p1; p++)
                 for (int64_t m0 = 0; m0 < n; m0 += mc)
-                    group_pass(j, p, m0, m0 + mc < n ? mc : n - m0, j->kc, j->x + (size_t)(m0 * cols), NULL);
+                    group_pass(j, p, m0, m0 + mc < n ? mc : n - m0, j->kc, j->x + (size_t)(m0 * cols), NULL,
+                               m0 + mc >= n && p + 1 < p1 ? p + 1 : -1);
             continue;
         }
         const int64_t tb = it / j->n_pchunks, pi = it % j->n_pchunks;
         const int64_t m0 = tb * mc, mlen = m0 + mc < n ? mc : n - m0;
         const int64_t p0 = pi * pc, p1 = p0 + pc < np ? p0 + pc : np;
         const float *xb = xr ? xr : j->x + (size_t)(m0 * cols);
-        if (ready_block != tb) { /* a thread's consecutive items mostly share a block */
+        if (j->shared_bf16) {
+            xp = (float *)(void *)(j->shared_bf16 + (size_t)(m0 * j->kcols));
+        } else if (ready_block != tb) { /* a thread's consecutive items mostly share a block */
             if (xr) cv_cpu_gemm_in_rows(&j->in, xr, m0, mlen, cols, j->simd);
             if (xp && j->pairs)
                 round_x_bf16((uint16_t *)(void *)xp, xb, cols, j->kcols, mlen, j->simd);
@@ -485,7 +527,7 @@ static void gemm_fn(void *arg, int tid, int nth) {
          * panel so that they stream in while this block computes */
         const char *pf = NULL;
         size_t pf_bytes = 0;
-        if (j->n_pchunks == 1 && !j->shared && j->in.src) {
+        if (j->n_pchunks == 1 && !j->shared && !j->shared_bf16 && j->in.src) {
             const int64_t nb = tb + nth;
             if (nb < j->n_tblocks) {
                 const int64_t row_floats = j->in.kind == CV_IN_SWIGLU ? 2 * cols : cols; /* gate and up */
@@ -495,7 +537,7 @@ static void gemm_fn(void *arg, int tid, int nth) {
             }
         }
         for (int64_t p = p0; p < p1; p++) {
-            group_pass(j, p, m0, mlen, j->kc, xb, xp);
+            group_pass(j, p, m0, mlen, j->kc, xb, xp, p + 1 < p1 ? p + 1 : -1);
             if (pf) {
                 const size_t a = pf_bytes * (size_t)(p - p0) / (size_t)(p1 - p0) & ~(size_t)63;
                 const size_t e = pf_bytes * (size_t)(p - p0 + 1) / (size_t)(p1 - p0);
@@ -604,7 +646,19 @@ void cv_cpu_gemm_in(cv_backend *b, float *out, const cv_gemm_in *in, int64_t n, 
      * thread would be made once per panel chunk, so the region first makes
      * them once into scratch (also when a block does not fit the rows
      * buffers: a matrix prepared by another backend). */
-    if (j.in.kind != CV_IN_X && (j.panels_outer || !cv_cpu_gemm_rows_buf(c, 0, (size_t)(j.mc * cols)))) {
+    /* Pair layout with threads sharing token blocks (several panel chunks
+     * per block): each row made and rounded once for all threads, when all
+     * of them fit the threads' packing buffers together (one allocation). */
+    const int64_t share_chunk = n / (4 * (int64_t)nth) > 0 ? n / (4 * (int64_t)nth) : 1;
+    if (j.pairs && nth > 1 && n > CV_MR && j.n_pchunks > 1 &&
+        (size_t)(n * j.kcols) <= 2 * j.xpack_floats * (size_t)c->nthreads &&
+        (j.in.kind == CV_IN_X || cv_cpu_gemm_rows_buf(c, 0, (size_t)(share_chunk * cols)))) {
+        j.shared_bf16 = (uint16_t *)(void *)c->gemm_xpack;
+        j.shared_rows.n = n;
+        j.shared_rows.chunk = share_chunk;
+        atomic_init(&j.shared_rows.next, 0);
+        atomic_init(&j.shared_done, 0);
+    } else if (j.in.kind != CV_IN_X && (j.panels_outer || !cv_cpu_gemm_rows_buf(c, 0, (size_t)(j.mc * cols)))) {
         j.shared = scratch;
         j.x = scratch;
         const int64_t chunk = n / (4 * (int64_t)nth);
