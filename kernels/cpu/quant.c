@@ -442,9 +442,21 @@ static void panels_fn(void *arg, int tid, int nth) {
     const int64_t panels = (rows + CV_QP16_ROWS - 1) / CV_QP16_ROWS;
     const size_t stride = cv_qp16_stride(j->w->dtype, nb);
     const cv_dtype dt = j->w->dtype;
+    const int64_t ntiles = (j->nt + CV_QP16_MAX_TOKENS - 1) / CV_QP16_MAX_TOKENS;
     for (int64_t u0, u1; cv_rows_claim(&j->units, &u0, &u1);)
     for (int64_t c0 = u0 * QP_CHUNK; c0 < u1 * QP_CHUNK && c0 < panels; c0 += QP_CHUNK) {
         const int64_t c1 = c0 + QP_CHUNK < panels ? c0 + QP_CHUNK : panels;
+        /* With several token tiles the chunk's weights are reused (compute
+         * bound): the unit's next chunk is asked for a slice per tile, so it
+         * arrives from memory while this one computes. */
+        const char *pf = NULL, *pf_end = NULL;
+        size_t pf_step = 0;
+        if (ntiles > 1 && c1 < u1 * QP_CHUNK && c1 < panels) {
+            const int64_t n1 = c1 + QP_CHUNK < panels ? c1 + QP_CHUNK : panels;
+            pf = (const char *)j->w->data + (size_t)c1 * stride;
+            pf_end = (const char *)j->w->data + (size_t)n1 * stride;
+            pf_step = ((size_t)(pf_end - pf) / (size_t)ntiles + 64) & ~(size_t)63;
+        }
         for (int64_t t = 0; t < j->nt;) {
             const int T = (int)(j->nt - t < CV_QP16_MAX_TOKENS ? j->nt - t : CV_QP16_MAX_TOKENS);
             const int full = cv_qp16_panels_for(T);
@@ -458,6 +470,9 @@ static void panels_fn(void *arg, int tid, int nth) {
                 p += np;
             }
             t += T;
+            if (pf)
+                for (const char *e = pf_end - pf > (ptrdiff_t)pf_step ? pf + pf_step : pf_end; pf < e; pf += 64)
+                    __builtin_prefetch(pf, 0, 2);
         }
     }
 }
