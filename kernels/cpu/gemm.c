@@ -605,6 +605,11 @@ void cv_cpu_gemm_in(cv_backend *b, float *out, const cv_gemm_in *in, int64_t n, 
         j.xpack = c->gemm_xpack;
         const int64_t fit = (int64_t)(2 * j.xpack_floats) / j.kcols / CV_MR * CV_MR;
         if (j.mc > fit) j.mc = fit;
+        /* bf16 rows take half the bytes of fp32 ones: twice the tokens fit the
+         * same x block. Taken when it makes all tokens one block (a decode
+         * step), so each weight byte comes from memory once, not per block. */
+        const int64_t mc2 = (int64_t)(2 * c->gemm_xblock) / j.kcols;
+        if (n > j.mc && n <= mc2 && n <= fit) j.mc = n;
     }
     if (j.pairs && (!j.xpack || j.mc < CV_MR)) return; /* not prepared by this backend */
 #endif
@@ -623,6 +628,11 @@ void cv_cpu_gemm_in(cv_backend *b, float *out, const cv_gemm_in *in, int64_t n, 
         if (j.pairs) j.kc = (j.kc + 1) & ~(int64_t)1; /* whole pairs */
     }
     j.n_tblocks = (n + j.mc - 1) / j.mc;
+    { /* blocks of equal size (whole tiles), not full ones and a short rest */
+        const int64_t even = ((n + j.n_tblocks - 1) / j.n_tblocks + CV_MR - 1) / CV_MR * CV_MR;
+        if (even < j.mc) j.mc = even;
+        j.n_tblocks = (n + j.mc - 1) / j.mc;
+    }
     const double w_share = (double)w->bytes / nth, x_bytes = (double)n * (double)cols * 4.0;
     j.panels_outer = !j.pairs && n > j.mc && (c->gemm_order >= 0 ? c->gemm_order
                                                      : (w_share > 2.0 * (double)c->l2_bytes &&
