@@ -537,7 +537,10 @@ static void gemm_fn(void *arg, int tid, int nth) {
             }
         }
         for (int64_t p = p0; p < p1; p++) {
-            group_pass(j, p, m0, mlen, j->kc, xb, xp, p + 1 < p1 ? p + 1 : -1);
+            /* the next group's weights asked for when this call reads each
+             * weight once (one token block: they come from memory); with
+             * several blocks they are re-read from cache and it measured slower */
+            group_pass(j, p, m0, mlen, j->kc, xb, xp, j->n_tblocks == 1 && p + 1 < p1 ? p + 1 : -1);
             if (pf) {
                 const size_t a = pf_bytes * (size_t)(p - p0) / (size_t)(p1 - p0) & ~(size_t)63;
                 const size_t e = pf_bytes * (size_t)(p - p0 + 1) / (size_t)(p1 - p0);
