@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from conveyor.bench import common, latency, throughput, timeline, variance  # noqa: E402
+from conveyor.bench import common, latency, roofline, throughput, timeline, variance  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -268,3 +268,34 @@ def test_variance_repeat_keeps_fastest(model):
         tps = run["repeats_output_tokens_per_s"]
         assert len(tps) == 2 and run["throughput"]["output_tokens_per_s"] == max(tps)
     assert r["knobs"]["repeat"] == 2
+
+
+def test_roofline_main(model, tmp_path, capsys):
+    """`conveyor bench roofline` (issue 25's targets are read from it): each fraction is its
+    measured rate over the bound printed beside it, and the counts are the work it asked for."""
+    out = tmp_path / "roof.json"
+    rc = roofline.main(["--model", model, "--threads", "1", "--decode-tokens", "6", "--prefill-len", "24",
+                        "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    for line in ("batch-1 decode:", "prefill (96 tokens):", "64 running:", "compute bound of the GEMMs:"):
+        assert line in text
+    r = _load(out)
+    n_params = r["config"]["n_params"]
+    d1, pf, d64, cb = r["decode_b1"], r["prefill"], r["decode_b64"], r["compute_bound"]
+    assert r["read_gbs"] > 0 and cb["kind"] in r["peaks"] and cb["gflops"] == r["peaks"][cb["kind"]]["all_gops"]
+    # batch 1: the bound is the bytes of a step at the measured read bandwidth
+    assert d1["ms_per_token"] > 0
+    assert d1["bound_ms"] == pytest.approx(d1["bytes_per_step"] / (r["read_gbs"] * 1e9) * 1e3)
+    assert d1["fraction_of_bound"] == pytest.approx(d1["bound_ms"] / d1["ms_per_token"])
+    assert d1["bytes_per_step"] >= roofline.streamed_bytes_per_step(r["config"])
+    # prefill: 4 prompts, counted as 2 x parameters a token
+    assert pf["tokens"] == 4 * 24
+    assert pf["gflops"] == pytest.approx(2 * n_params * pf["tokens_per_s"] * 1e-9)
+    assert pf["fraction_of_compute_bound"] == pytest.approx(pf["gflops"] / cb["gflops"])
+    # 64 running: 64 x 6 tokens out, in steps; the shares of the wall time are fractions
+    assert d64["steps"] >= 6 and d64["output_tokens_per_s"] > 0
+    assert d64["gflops"] == pytest.approx(2 * n_params * (64 * 6 + 64 * 16) / (64 * 6) * d64["output_tokens_per_s"]
+                                          * 1e-9)
+    for k in ("outside_kernels_share", "schedule_share", "build_share", "sample_share", "python_share"):
+        assert 0.0 <= d64[k] < 1.0, k
