@@ -141,6 +141,32 @@ EMU_FN __m128i emu_mm512_cvtepi32_epi8(__m512i v) { /* truncating */
     for (int i = 0; i < 16; i++) o[i] = (uint8_t)a[i];
     EMU_RET(__m128i, o);
 }
+EMU_FN __m128i emu_mm_maskz_loadu_epi8(__mmask16 k, const void *p) {
+    int8_t o[16];
+    for (int i = 0; i < 16; i++) o[i] = (k >> i) & 1 ? ((const int8_t *)p)[i] : 0;
+    EMU_RET(__m128i, o);
+}
+EMU_FN __m512i emu_mm512_cvtepi8_epi32(__m128i v) { /* sign-extending */
+    EMU_LANES(int8_t, 16, v, a);
+    int32_t o[16];
+    for (int i = 0; i < 16; i++) o[i] = a[i];
+    EMU_RET(__m512i, o);
+}
+EMU_FN __m512i emu_mm512_maskz_cvtps_epi32(__mmask16 k, __m512 v) {
+    EMU_LANES(float, 16, v, a);
+    int32_t o[16];
+    for (int i = 0; i < 16; i++) o[i] = (k >> i) & 1 ? (int32_t)__builtin_nearbyintf(a[i]) : 0;
+    EMU_RET(__m512i, o);
+}
+EMU_FN void emu_mm_mask_storeu_epi8(void *p, __mmask16 k, __m128i v) {
+    EMU_LANES(int8_t, 16, v, a);
+    for (int i = 0; i < 16; i++)
+        if ((k >> i) & 1) ((int8_t *)p)[i] = a[i];
+}
+#define _mm512_maskz_cvtps_epi32 emu_mm512_maskz_cvtps_epi32
+#define _mm_mask_storeu_epi8 emu_mm_mask_storeu_epi8
+#define _mm_maskz_loadu_epi8 emu_mm_maskz_loadu_epi8
+#define _mm512_cvtepi8_epi32 emu_mm512_cvtepi8_epi32
 #define _mm512_cvtepi32_ps emu_mm512_cvtepi32_ps
 #define _mm512_cvtepi32_epi8 emu_mm512_cvtepi32_epi8
 #define _mm512_reduce_add_epi32 emu_mm512_reduce_add_epi32
