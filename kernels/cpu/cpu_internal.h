@@ -117,6 +117,25 @@ static inline int cv_rows_claim(cv_rows *r, int64_t *t0, int64_t *t1) {
     return 1;
 }
 
+/* A byte range asked for (prefetch into L2) in even slices of whole lines,
+ * one slice per cv_prefetch_slice call, so that it arrives over `calls` units
+ * of other work instead of all at once. A zero span asks for nothing. */
+typedef struct cv_prefetch_span {
+    const char *p, *end;
+    size_t step;
+} cv_prefetch_span;
+
+static inline cv_prefetch_span cv_prefetch_span_of(const void *start, size_t bytes, size_t calls) {
+    const cv_prefetch_span s = {(const char *)start, (const char *)start + bytes, (bytes / calls + 64) & ~(size_t)63};
+    return s;
+}
+
+static inline void cv_prefetch_slice(cv_prefetch_span *s) {
+    if (!s->p) return;
+    const char *e = s->end - s->p > (ptrdiff_t)s->step ? s->p + s->step : s->end;
+    for (; s->p < e; s->p += 64) __builtin_prefetch(s->p, 0, 2);
+}
+
 /* Runs fn(job) on nth threads of a dynamic region over n rows (about four
  * chunks per thread); fn takes its rows with cv_rows_claim(rows, ...). */
 static inline void cv_cpu_run_rows(cv_cpu *c, int nth, cv_rows *rows, int64_t n, cv_pool_fn fn, void *job) {

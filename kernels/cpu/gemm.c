@@ -351,8 +351,8 @@ typedef struct gemm_job {
     const cv_cpu *cpu;   /* its per-thread rows buffers (prologue) */
     float *shared;       /* [n][cols]: the prologue's rows made once for all threads, or NULL */
     uint16_t *shared_bf16; /* pairs: [n][kcols] bf16 rows made once for all threads, or NULL */
-    cv_rows shared_rows; /* rows of `shared` still to make */
-    _Alignas(64) atomic_llong shared_done; /* rows of `shared` made */
+    cv_rows shared_rows; /* rows of `shared` / `shared_bf16` still to make */
+    _Alignas(64) atomic_llong shared_done; /* rows of `shared` / `shared_bf16` made */
     _Alignas(64) atomic_llong next; /* next work item to claim */
 } gemm_job;
 
@@ -398,14 +398,11 @@ static void group_pass(const gemm_job *j, int64_t g, int64_t m0, int64_t mlen, i
      * next group's weights (g_next >= 0) are asked for a slice per kernel call,
      * so they arrive from memory while this group computes instead of
      * stalling its first tile. */
-    const char *pf = NULL, *pf_end = NULL;
-    size_t pf_step = 0;
+    cv_prefetch_span pf = {0};
     if (g_next >= 0 && ntiles > 1) {
         const size_t gbytes = (size_t)CV_GROUP * pstride; /* groups are whole (zero panels pad the last) */
-        const size_t calls = (size_t)ntiles * (size_t)((cols + kc - 1) / kc);
-        pf = (const char *)w->data + (size_t)g_next * gbytes;
-        pf_end = pf + gbytes;
-        pf_step = (gbytes / calls + 64) & ~(size_t)63;
+        pf = cv_prefetch_span_of((const char *)w->data + (size_t)g_next * gbytes, gbytes,
+                                 (size_t)ntiles * (size_t)((cols + kc - 1) / kc));
     }
     for (int64_t k0 = 0; k0 < cols; k0 += kc) {
         const int64_t klen = k0 + kc < cols ? kc : cols - k0;
@@ -435,41 +432,34 @@ static void group_pass(const gemm_job *j, int64_t g, int64_t m0, int64_t mlen, i
                                  rows, nvalid, bp, load_c);
             }
             t += mr;
-            if (pf)
-                for (const char *e = pf_end - pf > (ptrdiff_t)pf_step ? pf + pf_step : pf_end; pf < e; pf += 64)
-                    __builtin_prefetch(pf, 0, 2);
+            cv_prefetch_slice(&pf);
         }
     }
 }
 
-/* The prologue's rows made once into j->shared by the threads of the region
- * (claimed in chunks) before any panel starts. A thread waits only for chunks
- * that threads already running hold, so a late or absent worker never stalls
- * it. */
-static void make_shared_rows(gemm_job *j) {
-    const int64_t cols = j->w->cols;
-    for (int64_t t0, t1; cv_rows_claim(&j->shared_rows, &t0, &t1);) {
-        cv_cpu_gemm_in_rows(&j->in, j->shared + (size_t)(t0 * cols), t0, t1 - t0, cols, j->simd);
-        atomic_fetch_add_explicit(&j->shared_done, t1 - t0, memory_order_release);
-    }
-    while (atomic_load_explicit(&j->shared_done, memory_order_acquire) < j->n) sched_yield();
-}
-
-/* Pair layout, threads sharing token blocks: every row made (prologue) and
- * rounded to bf16 once into j->shared_bf16, by chunks claimed as in
- * make_shared_rows, instead of once per thread that works on its block.
- * Same values either way: each row is made by the same functions. */
-static void make_shared_bf16(gemm_job *j, int tid) {
+/* The block's input rows made once for all threads of the region (claimed in
+ * chunks) before any panel starts: the prologue's rows into j->shared, or
+ * (pair layout, threads sharing token blocks) the rows made and rounded to
+ * bf16 into j->shared_bf16, instead of once per thread that works on a block.
+ * Same values either way: each row is made by the same functions. A thread
+ * waits only for chunks that threads already running hold, so a late or
+ * absent worker never stalls it. */
+static void make_shared_rows(gemm_job *j, int tid) {
     const int64_t cols = j->w->cols, kcols = j->kcols;
-    float *xr = j->in.kind != CV_IN_X ? cv_cpu_gemm_rows_buf(j->cpu, tid, (size_t)(j->shared_rows.chunk * cols))
-                                      : NULL;
+    float *xr = j->shared_bf16 && j->in.kind != CV_IN_X
+                    ? cv_cpu_gemm_rows_buf(j->cpu, tid, (size_t)(j->shared_rows.chunk * cols))
+                    : NULL;
     for (int64_t t0, t1; cv_rows_claim(&j->shared_rows, &t0, &t1);) {
-        const float *src = j->in.src + (size_t)(t0 * cols);
-        if (xr) {
-            cv_cpu_gemm_in_rows(&j->in, xr, t0, t1 - t0, cols, j->simd);
-            src = xr;
+        if (!j->shared_bf16) {
+            cv_cpu_gemm_in_rows(&j->in, j->shared + (size_t)(t0 * cols), t0, t1 - t0, cols, j->simd);
+        } else {
+            const float *src = j->in.src + (size_t)(t0 * cols);
+            if (xr) {
+                cv_cpu_gemm_in_rows(&j->in, xr, t0, t1 - t0, cols, j->simd);
+                src = xr;
+            }
+            round_x_bf16(j->shared_bf16 + (size_t)(t0 * kcols), src, cols, kcols, t1 - t0, j->simd);
         }
-        round_x_bf16(j->shared_bf16 + (size_t)(t0 * kcols), src, cols, kcols, t1 - t0, j->simd);
         atomic_fetch_add_explicit(&j->shared_done, t1 - t0, memory_order_release);
     }
     while (atomic_load_explicit(&j->shared_done, memory_order_acquire) < j->n) sched_yield();
@@ -491,8 +481,7 @@ static void gemm_fn(void *arg, int tid, int nth) {
     float *xp = j->xpack ? j->xpack + (size_t)tid * j->xpack_floats : NULL;
     /* rows made by the prologue: once for all, or per thread and block (the
      * driver checked that a block fits) */
-    if (j->shared) make_shared_rows(j);
-    if (j->shared_bf16) make_shared_bf16(j, tid);
+    if (j->shared || j->shared_bf16) make_shared_rows(j, tid);
     float *xr = j->in.kind != CV_IN_X && !j->shared && !j->shared_bf16
                     ? cv_cpu_gemm_rows_buf(j->cpu, tid, (size_t)(j->mc * cols))
                     : NULL;
@@ -662,21 +651,18 @@ void cv_cpu_gemm_in(cv_backend *b, float *out, const cv_gemm_in *in, int64_t n, 
     /* Pair layout with threads sharing token blocks (several panel chunks
      * per block): each row made and rounded once for all threads, when all
      * of them fit the threads' packing buffers together (one allocation). */
-    const int64_t share_chunk = n / (4 * (int64_t)nth) > 0 ? n / (4 * (int64_t)nth) : 1;
+    const int64_t chunk = n / (4 * (int64_t)nth) > 0 ? n / (4 * (int64_t)nth) : 1; /* rows per claim */
     if (j.pairs && nth > 1 && n > CV_MR && j.n_pchunks > 1 &&
         (size_t)(n * j.kcols) <= 2 * j.xpack_floats * (size_t)c->nthreads &&
-        (j.in.kind == CV_IN_X || cv_cpu_gemm_rows_buf(c, 0, (size_t)(share_chunk * cols)))) {
+        (j.in.kind == CV_IN_X || cv_cpu_gemm_rows_buf(c, 0, (size_t)(chunk * cols)))) {
         j.shared_bf16 = (uint16_t *)(void *)c->gemm_xpack;
-        j.shared_rows.n = n;
-        j.shared_rows.chunk = share_chunk;
-        atomic_init(&j.shared_rows.next, 0);
-        atomic_init(&j.shared_done, 0);
     } else if (j.in.kind != CV_IN_X && (j.panels_outer || !cv_cpu_gemm_rows_buf(c, 0, (size_t)(j.mc * cols)))) {
         j.shared = scratch;
         j.x = scratch;
-        const int64_t chunk = n / (4 * (int64_t)nth);
+    }
+    if (j.shared || j.shared_bf16) {
         j.shared_rows.n = n;
-        j.shared_rows.chunk = chunk > 0 ? chunk : 1;
+        j.shared_rows.chunk = chunk;
         atomic_init(&j.shared_rows.next, 0);
         atomic_init(&j.shared_done, 0);
     }

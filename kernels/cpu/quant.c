@@ -449,13 +449,11 @@ static void panels_fn(void *arg, int tid, int nth) {
         /* With several token tiles the chunk's weights are reused (compute
          * bound): the unit's next chunk is asked for a slice per tile, so it
          * arrives from memory while this one computes. */
-        const char *pf = NULL, *pf_end = NULL;
-        size_t pf_step = 0;
+        cv_prefetch_span pf = {0};
         if (ntiles > 1 && c1 < u1 * QP_CHUNK && c1 < panels) {
             const int64_t n1 = c1 + QP_CHUNK < panels ? c1 + QP_CHUNK : panels;
-            pf = (const char *)j->w->data + (size_t)c1 * stride;
-            pf_end = (const char *)j->w->data + (size_t)n1 * stride;
-            pf_step = ((size_t)(pf_end - pf) / (size_t)ntiles + 64) & ~(size_t)63;
+            pf = cv_prefetch_span_of((const char *)j->w->data + (size_t)c1 * stride, (size_t)(n1 - c1) * stride,
+                                     (size_t)ntiles);
         }
         for (int64_t t = 0; t < j->nt;) {
             const int T = (int)(j->nt - t < CV_QP16_MAX_TOKENS ? j->nt - t : CV_QP16_MAX_TOKENS);
@@ -470,9 +468,7 @@ static void panels_fn(void *arg, int tid, int nth) {
                 p += np;
             }
             t += T;
-            if (pf)
-                for (const char *e = pf_end - pf > (ptrdiff_t)pf_step ? pf + pf_step : pf_end; pf < e; pf += 64)
-                    __builtin_prefetch(pf, 0, 2);
+            cv_prefetch_slice(&pf);
         }
     }
 }
