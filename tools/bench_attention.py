@@ -71,19 +71,20 @@ def main():
     ap.add_argument("--cache", default="bfloat16", choices=["bfloat16", "float16", "float32", "int8"])
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--layers", type=int, default=30, help="layers of the study case (0: skip it)")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     peak = core.measure_peak("fp32_fma", a.threads, 0.2)["gops"]
     level = core.kernel_info()["simd"] if a.impl == "simd" else a.impl
-    print(f"impl {a.impl} ({level}), cache {a.cache}, threads {a.threads}, fp32 FMA peak {peak:.1f} GFLOP/s, "
+    print(f"impl {a.impl} ({level}), cache {a.cache}, block {a.block_size}, threads {a.threads}, fp32 FMA peak {peak:.1f} GFLOP/s, "
           f"load average {os.getloadavg()[0]:.2f}")
     cases = {
-        "decode 64 x ctx 128..600": case(rng, [1] * 64, rng.integers(127, 600, 64), cdt=a.cache),
-        "prefill 512 after 512": case(rng, [512], [512], cdt=a.cache),
+        "decode 64 x ctx 128..600": case(rng, [1] * 64, rng.integers(127, 600, 64), cdt=a.cache, bs=a.block_size),
+        "prefill 512 after 512": case(rng, [512], [512], cdt=a.cache, bs=a.block_size),
     }
     if a.layers > 0:
         ctx = rng.integers(149, 250, 80)
-        cases[f"study 80 x ctx 150..250 x {a.layers}L"] = [case(rng, [1] * 80, ctx, cdt=a.cache) for _ in range(a.layers)]
+        cases[f"study 80 x ctx 150..250 x {a.layers}L"] = [case(rng, [1] * 80, ctx, cdt=a.cache, bs=a.block_size) for _ in range(a.layers)]
     for name, c in cases.items():
         t = best_time(c, a.impl, a.threads, a.repeats)
         flops = sum(x["flops"] for x in c) if isinstance(c, list) else c["flops"]

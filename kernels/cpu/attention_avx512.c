@@ -7,6 +7,10 @@
  * two registers into one, so 15 folds (a shuffle, a blend and an add each)
  * give 16 scores in one register. Every lane goes through the same tree
  * whatever the block holds, so a score depends only on its own q and k.
+ * On vdpbf16ps (a bf16 cache) the tree cost three times the dots; there the
+ * chunk's keys are transposed once to pairs of dims by key (64 shuffles per
+ * 16 keys x 32 dims, shared by the tile's vectors), and the scores are a
+ * small GEMM with a lane per key: no sums across lanes.
  *
  * P.V on vdpbf16ps. The pair in a 32-bit lane is two keys at one dim:
  * (V_i[d], V_i+1[d]) comes from two rows by one word permute per 16 dims,
@@ -319,57 +323,122 @@ void cv_att_round_q_bf16(uint16_t *qb, const float *qt, int64_t hd, int nv) {
         }
 }
 
-/* As scores_blk, on vdpbf16ps: lane j of an accumulator sums the dims
- * (2j, 2j + 1) of each 32-dim step. */
-static CV_ALWAYS_INLINE void scores_blk_bf16(float *sc, const uint16_t *qb, int64_t hd, const int NV,
-                                             int i0, int nkb, const void *const *kp) {
-    const int KB = 16 / NV;
-    const int64_t st = cv_att_qb_stride(hd);
-    const uint16_t *rows[16];
-#pragma GCC unroll 16
-    for (int k = 0; k < KB; k++) rows[k] = kp[i0 + (k < nkb ? k : 0)];
-    __m512 a[16];
-#pragma GCC unroll 16
-    for (int x = 0; x < 16; x++) a[x] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < hd; d += 32) {
-        const __mmask32 m = att_mask32(hd - d);
-        __m512i q[4];
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; v++) {
-            q[v] = _mm512_loadu_si512((const void *)(qb + v * st + d));
-            if (KB > 1) CV_KEEP512(q[v]);
-        }
-#pragma GCC unroll 16
-        for (int k = 0; k < KB; k++) {
-            __m512i kv = _mm512_maskz_loadu_epi16(m, rows[k] + d);
-            if (NV > 1) CV_KEEP512(kv);
-#pragma GCC unroll 4
-            for (int v = 0; v < NV; v++) {
-                const int x = rev4(v * KB + k);
-                a[x] = _mm512_dpbf16_ps(a[x], (__m512bh)q[v], (__m512bh)kv);
-            }
-        }
+/* Transposes 16 rows of 16 dwords (r[i][c] -> r[c][i]): pairs within 128-bit
+ * lanes, then 4 x 4 blocks of lanes. */
+static CV_ALWAYS_INLINE void transpose16(__m512i *r) {
+    __m512i t[16];
+#pragma GCC unroll 8
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
     }
-    store_scores(sc, tree16(a), NV, i0);
+    /* u[4g + j], lane L: column 4L + j of rows 4g .. 4g + 3 */
+    __m512i u[16];
+#pragma GCC unroll 4
+    for (int g = 0; g < 16; g += 4) {
+        u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+        u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+        u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+        u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+        const __m512i x = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), y = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xee);
+        const __m512i z = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44),
+                      w = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xee);
+        r[j] = _mm512_shuffle_i32x4(x, z, 0x88);
+        r[4 + j] = _mm512_shuffle_i32x4(x, z, 0xdd);
+        r[8 + j] = _mm512_shuffle_i32x4(y, w, 0x88);
+        r[12 + j] = _mm512_shuffle_i32x4(y, w, 0xdd);
+    }
 }
 
-#define SC_BF16_BLK(NV) scores_blk_bf16(s, q, hd, NV, i0, nk - i0, kp)
+/* Dims [d0, d0 + 32) of the chunk's keys as pairs by key: kt[p][i] =
+ * (K_i[d0 + 2p], K_i[d0 + 2p + 1]) for p < 16 and i < 16 nkb; dims past
+ * head_dim and keys past nk are zero. */
+static CV_ALWAYS_INLINE void transpose_keys(uint32_t (*kt)[CV_ATT_KCHUNK], const void *const *kp, int nk, int nkb,
+                                            int64_t d0, int64_t hd) {
+    const __mmask32 m = att_mask32(hd - d0);
+    for (int b = 0; b < nkb; b++) {
+        __m512i r[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++)
+            r[i] = 16 * b + i < nk ? _mm512_maskz_loadu_epi16(m, (const uint16_t *)kp[16 * b + i] + d0)
+                                   : _mm512_setzero_si512();
+        transpose16(r);
+#pragma GCC unroll 16
+        for (int p = 0; p < 16; p++) _mm512_store_si512((void *)&kt[p][16 * b], r[p]);
+    }
+}
 
+/* Dims [d0, d0 + 32) of the scores of NV vectors (qb rows from q) against
+ * 16 NKB keys: lane i of an accumulator is key i, and each step adds one
+ * pair of dims, in order; the sums so far come from sc (first: zero). */
+static CV_ALWAYS_INLINE void scores_slab(float *sc, const uint16_t *q, int64_t st, const int NV, const int NKB,
+                                         const uint32_t (*kt)[CV_ATT_KCHUNK], int64_t d0, int first) {
+    __m512 a[8][2];
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; v++)
+#pragma GCC unroll 2
+        for (int b = 0; b < NKB; b++)
+            a[v][b] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sc + v * CV_ATT_KCHUNK + 16 * b);
+#pragma GCC unroll 4
+    for (int p = 0; p < 16; p++) {
+        __m512i k[2];
+#pragma GCC unroll 2
+        for (int b = 0; b < NKB; b++) k[b] = _mm512_load_si512((const void *)&kt[p][16 * b]);
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; v++) {
+            uint32_t pair; /* (q[d0 + 2p], q[d0 + 2p + 1]) */
+            memcpy(&pair, q + v * st + d0 + 2 * p, sizeof pair);
+            const __m512i qv = _mm512_set1_epi32((int)pair);
+#pragma GCC unroll 2
+            for (int b = 0; b < NKB; b++) a[v][b] = _mm512_dpbf16_ps(a[v][b], (__m512bh)qv, (__m512bh)k[b]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; v++)
+#pragma GCC unroll 2
+        for (int b = 0; b < NKB; b++) _mm512_storeu_ps(sc + v * CV_ATT_KCHUNK + 16 * b, a[v][b]);
+}
+
+#define SLAB_NKB(NV)                                                                            \
+    do {                                                                                        \
+        if (nkb == 2) scores_slab(s, q, st, NV, 2, kt, d0, d0 == 0);                            \
+        else scores_slab(s, q, st, NV, 1, kt, d0, d0 == 0);                                     \
+    } while (0)
+
+/* Scores as a small GEMM of the queries by the chunk's keys transposed to
+ * pairs of dims (32 dims at a time), so no lane sums are needed. A score is
+ * the sum over head_dim's pairs in increasing order, whatever the tile. */
 void cv_att_scores_bf16(float *sc, const uint16_t *qb, int64_t hd, int nv, const int *nval,
                         const void *const *kp) {
     const int64_t st = cv_att_qb_stride(hd);
-    for (int v0 = 0; v0 < nv;) {
-        const int nvg = pow2_group(nv - v0);
-        const int nk = max_valid(nval, v0, nvg);
-        float *s = sc + v0 * CV_ATT_KCHUNK;
-        const uint16_t *q = qb + v0 * st;
-        if (nvg == 4) SCORES_GROUP(SC_BF16_BLK, 4);
-        else if (nvg == 2) SCORES_GROUP(SC_BF16_BLK, 2);
-        else SCORES_GROUP(SC_BF16_BLK, 1);
-        v0 += nvg;
+    const int nk = max_valid(nval, 0, nv);
+    if (nk <= 0) return;
+    const int nkb = nk > 16 ? 2 : 1;
+    _Alignas(64) uint32_t kt[16][CV_ATT_KCHUNK];
+    for (int64_t d0 = 0; d0 < hd; d0 += 32) {
+        transpose_keys(kt, kp, nk, nkb, d0, hd);
+        for (int v0 = 0; v0 < nv;) {
+            const int left = nv - v0, nvg = left <= 8 ? left : (left + 1) / 2 < 8 ? (left + 1) / 2 : 8;
+            float *s = sc + v0 * CV_ATT_KCHUNK;
+            const uint16_t *q = qb + v0 * st;
+            switch (nvg) {
+            case 1: SLAB_NKB(1); break;
+            case 2: SLAB_NKB(2); break;
+            case 3: SLAB_NKB(3); break;
+            case 4: SLAB_NKB(4); break;
+            case 5: SLAB_NKB(5); break;
+            case 6: SLAB_NKB(6); break;
+            case 7: SLAB_NKB(7); break;
+            default: SLAB_NKB(8); break;
+            }
+            v0 += nvg;
+        }
     }
 }
-#undef SC_BF16_BLK
+#undef SLAB_NKB
 
 /* One key pair into the NV x 2 DB accumulators of dims [d0, d0 + 32 DB):
  * rows ra and rb (HAS_B 0: zero) interleaved as (ra[d], rb[d]) pairs, times
