@@ -53,7 +53,7 @@ static CV_ALWAYS_INLINE __m512 kv_load16(const void *p, cv_dtype dt, int64_t d, 
 
 /* One level of the tree: lanes of a block of 2h are x's pair sums
  * x[j] + x[j+h] in its first h lanes and y's in its last h. */
-static CV_ALWAYS_INLINE __m512 fold(__m512 x, __m512 y, const int h) {
+static CV_ALWAYS_INLINE __m512 fold_op(__m512 x, __m512 y, const int h, const int MAX) {
     __m512 u; /* the partner of each lane of blend(x, y) */
     if (h == 8) {
         u = _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(1, 0, 3, 2));
@@ -67,20 +67,27 @@ static CV_ALWAYS_INLINE __m512 fold(__m512 x, __m512 y, const int h) {
         u = _mm512_permutex2var_ps(x, i1, y);
     }
     const __mmask16 from_y = h == 8 ? 0xff00 : h == 4 ? 0xf0f0 : h == 2 ? 0xcccc : 0xaaaa;
-    return _mm512_add_ps(_mm512_mask_blend_ps(from_y, x, y), u);
+    const __m512 b = _mm512_mask_blend_ps(from_y, x, y);
+    return MAX ? _mm512_max_ps(b, u) : _mm512_add_ps(b, u);
 }
 
-/* The lane sums of a[0..15]: lane j holds the sum of a[rev4(j)] (rev4
- * reverses the 4 bits of j). a is clobbered. */
-static CV_ALWAYS_INLINE __m512 tree16(__m512 *a) {
+static CV_ALWAYS_INLINE __m512 fold(__m512 x, __m512 y, const int h) { return fold_op(x, y, h, 0); }
+
+/* The lane sums (MAX: maxima) of a[0..15]: lane j holds the sum of
+ * a[rev4(j)] (rev4 reverses the 4 bits of j). a is clobbered. A register's
+ * lanes are added at distance 8, then 4, 2 and 1 wherever it sits, the
+ * order of _mm512_reduce_add_ps. */
+static CV_ALWAYS_INLINE __m512 tree16_op(__m512 *a, const int MAX) {
 #pragma GCC unroll 8
-    for (int i = 0; i < 8; i++) a[i] = fold(a[2 * i], a[2 * i + 1], 8);
+    for (int i = 0; i < 8; i++) a[i] = fold_op(a[2 * i], a[2 * i + 1], 8, MAX);
 #pragma GCC unroll 4
-    for (int i = 0; i < 4; i++) a[i] = fold(a[2 * i], a[2 * i + 1], 4);
+    for (int i = 0; i < 4; i++) a[i] = fold_op(a[2 * i], a[2 * i + 1], 4, MAX);
 #pragma GCC unroll 2
-    for (int i = 0; i < 2; i++) a[i] = fold(a[2 * i], a[2 * i + 1], 2);
-    return fold(a[0], a[1], 1);
+    for (int i = 0; i < 2; i++) a[i] = fold_op(a[2 * i], a[2 * i + 1], 2, MAX);
+    return fold_op(a[0], a[1], 1, MAX);
 }
+
+static CV_ALWAYS_INLINE __m512 tree16(__m512 *a) { return tree16_op(a, 0); }
 
 static CV_ALWAYS_INLINE int rev4(int j) {
     return ((j & 1) << 3) | ((j & 2) << 1) | ((j & 4) >> 1) | ((j & 8) >> 3);
@@ -258,47 +265,71 @@ void cv_att_scale_avx512(float *sc, int nv, const int *nval, const float *s) {
 
 /* All vectors of the chunk in one pass, so that their chains overlap: one
  * vector's step is a latency chain (max, its reduction, exp, the sum's
- * reduction) that alone left the core idle. The rescale factors of up to 16
- * vectors take one vector exp. Each lane and each vector's reductions run as
- * in a step of that vector alone. */
+ * reduction) that alone left the core idle. The maxima and sums of up to 16
+ * vectors are reduced together by one transpose tree each, and the rescale
+ * factors take one vector exp. Each lane and each vector's reductions run
+ * as in a step of that vector alone (the tree adds a register's lanes in
+ * the order of _mm512_reduce_add_ps). */
+_Static_assert(CV_ATT_TILE <= 16, "a tile's vectors fit one register of the softmax");
+
 void cv_att_softmax_avx512(float *sc, int nk, int nv, const int *nval, float *m, float *l, float *alpha) {
-    float mn[CV_ATT_TILE];
+    /* lane v of a tree's result is in lane rev4(v) */
+    const __m512i natural = _mm512_setr_epi32(0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+    const __mmask16 k = att_mask(nv);
+    const __mmask16 has = _mm512_mask_cmpgt_epi32_mask(k, _mm512_maskz_loadu_epi32(k, nval), _mm512_setzero_si512());
+    /* A few vectors (a decode tile) are reduced one by one into t, more by
+     * the trees over r: the same values. */
+    const int tree = nv > 4;
+    __m512 r[16];
+    float t[16];
+    if (tree)
+#pragma GCC unroll 16
+        for (int v = nv; v < 16; v++) r[v] = _mm512_set1_ps(-INFINITY);
     for (int v = 0; v < nv; v++) {
-        __m512 vmx = _mm512_set1_ps(-INFINITY);
+        __m512 x = _mm512_set1_ps(-INFINITY);
         for (int i = 0; i < nval[v]; i += 16) {
-            const __mmask16 k = att_mask(nval[v] - i);
-            vmx = _mm512_mask_max_ps(vmx, k, vmx, _mm512_maskz_loadu_ps(k, sc + v * CV_ATT_KCHUNK + i));
+            const __mmask16 ki = att_mask(nval[v] - i);
+            x = _mm512_mask_max_ps(x, ki, x, _mm512_maskz_loadu_ps(ki, sc + v * CV_ATT_KCHUNK + i));
         }
-        const float mx = _mm512_reduce_max_ps(vmx);
-        mn[v] = nval[v] > 0 && mx > m[v] ? mx : m[v];
+        if (tree) r[v] = x;
+        else t[v] = _mm512_reduce_max_ps(x);
     }
-    for (int v0 = 0; v0 < nv; v0 += 16) {
-        const __mmask16 k = att_mask(nv - v0);
-        const __m512 mo = _mm512_maskz_loadu_ps(k, m + v0);
-        /* exp(m - mn); 0 for a vector's first keys (m = -inf) */
-        const __mmask16 first = _mm512_cmp_ps_mask(mo, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
-        const __m512 a = _mm512_maskz_mov_ps((__mmask16)~first,
-                                             cv_exp512(_mm512_sub_ps(mo, _mm512_maskz_loadu_ps(k, mn + v0))));
-        _mm512_mask_storeu_ps(alpha + v0, k, a);
-    }
+    const __m512 mx = tree ? _mm512_permutexvar_ps(natural, tree16_op(r, 1)) : _mm512_maskz_loadu_ps(k, t);
+    const __m512 mo = _mm512_maskz_loadu_ps(k, m);
+    /* a vector's new max: its chunk's if it has keys and that is larger */
+    const __m512 mn = _mm512_mask_blend_ps(_mm512_mask_cmp_ps_mask(has, mx, mo, _CMP_GT_OQ), mo, mx);
+    /* exp(m - mn); 0 for a vector's first keys (m = -inf), 1 for one without keys */
+    const __mmask16 first = _mm512_cmp_ps_mask(mo, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
+    __m512 a = _mm512_maskz_mov_ps((__mmask16)~first, cv_exp512(_mm512_sub_ps(mo, mn)));
+    a = _mm512_mask_blend_ps(has, _mm512_set1_ps(1.0f), a);
+    _mm512_mask_storeu_ps(alpha, k, a);
+    float mnv[16];
+    _mm512_storeu_ps(mnv, mn);
+    if (tree)
+#pragma GCC unroll 16
+        for (int v = nv; v < 16; v++) r[v] = _mm512_setzero_ps();
     for (int v = 0; v < nv; v++) {
-        float *r = sc + v * CV_ATT_KCHUNK;
+        float *row = sc + v * CV_ATT_KCHUNK;
+        __m512 x = _mm512_setzero_ps();
         if (nval[v] <= 0) {
-            alpha[v] = 1.0f;
-            for (int i = 0; i < nk; i++) r[i] = 0.0f;
-            continue;
+            for (int i = 0; i < nk; i++) row[i] = 0.0f;
+        } else {
+            const __m512 vm = _mm512_set1_ps(mnv[v]);
+            for (int i = 0; i < nk; i += 16) { /* past nval: 0 */
+                const __mmask16 ki = att_mask(nval[v] - i);
+                const __m512 e =
+                    _mm512_maskz_mov_ps(ki, cv_exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(ki, row + i), vm)));
+                _mm512_mask_storeu_ps(row + i, att_mask(nk - i), e);
+                x = _mm512_add_ps(x, e);
+            }
         }
-        const __m512 vm = _mm512_set1_ps(mn[v]);
-        __m512 vs = _mm512_setzero_ps();
-        for (int i = 0; i < nk; i += 16) { /* past nval: 0 */
-            const __mmask16 k = att_mask(nval[v] - i);
-            const __m512 e = _mm512_maskz_mov_ps(k, cv_exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, r + i), vm)));
-            _mm512_mask_storeu_ps(r + i, att_mask(nk - i), e);
-            vs = _mm512_add_ps(vs, e);
-        }
-        l[v] = l[v] * alpha[v] + _mm512_reduce_add_ps(vs);
-        m[v] = mn[v];
+        if (tree) r[v] = x;
+        else t[v] = _mm512_reduce_add_ps(x);
     }
+    const __m512 sum = tree ? _mm512_permutexvar_ps(natural, tree16_op(r, 0)) : _mm512_maskz_loadu_ps(k, t);
+    const __m512 lo = _mm512_maskz_loadu_ps(k, l);
+    _mm512_mask_storeu_ps(l, k, _mm512_mask_blend_ps(has, lo, _mm512_add_ps(_mm512_mul_ps(lo, a), sum)));
+    _mm512_mask_storeu_ps(m, k, mn);
 }
 CV_TARGET_END
 
