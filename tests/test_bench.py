@@ -121,6 +121,29 @@ def test_throughput_main(model, tmp_path, capsys):
     assert _ordered(r["latency"]["e2e"]) and _ordered(r["latency"]["ttft"])
 
 
+def test_throughput_warm(model, tmp_path, capsys):
+    """--warm times a second run on the same engine, of the same shape but other
+    prompts: the counts are one run's, not both runs', the prefix cache served none of
+    the timed prompts, and the output says the engine was warm."""
+    out = tmp_path / "tp.json"
+    rc = throughput.main(["--model", model, "--num-requests", "4", "--input-len", "40", "--output-len", "3",
+                          "--warm", "--json", str(out)])  # 40 tokens: two whole blocks the cache could serve
+    assert rc == 0
+    assert "warm engine" in capsys.readouterr().out
+    r = _load(out)
+    assert r["knobs"]["warm"] is True
+    assert r["output_tokens"] == r["workload"]["output_tokens"] == 12
+    assert_throughputs(r["throughput"], 4, 12)
+    assert r["steps"] >= 3 and r["preemptions"] == 0
+    assert r["prefix_hits"] == 0
+    assert "enable_prefix_caching" not in r["knobs"]  # the engine's default: on
+    rc = throughput.main(["--model", model, "--num-requests", "2", "--input-len", "40", "--output-len", "2",
+                          "--warm", "--no-enable-prefix-caching", "--json", str(out)])
+    assert rc == 0
+    r = _load(out)
+    assert r["knobs"]["enable_prefix_caching"] is False and r["output_tokens"] == 4
+
+
 def test_throughput_with_quantized_weights(model, tmp_path, capsys):
     """--quantization reaches the engine (the issue's Q8_0 figure is taken on this bench), and
     the output says which weights and KV cache ran."""

@@ -11,6 +11,8 @@
 """
 from __future__ import annotations
 
+import argparse
+
 import json
 import sys
 import os
@@ -467,6 +469,9 @@ def add_engine_args(ap) -> None:
                     help="KV pool size such as 1GiB; 'fit' (default): room for the whole workload "
                          "at once; 'auto': the engine's default")
     ap.add_argument("--seed", type=int, default=0, help="workload seed")
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                    help="the engine's prefix cache (default on). Off, freed KV blocks are reused "
+                         "most recent first, so a warm engine touches no new memory")
     ap.add_argument("--speculative-config", default=None, metavar="JSON",
                     help='speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4}; '
                          "the output then reports proposals and acceptance")
@@ -476,6 +481,8 @@ def engine_kwargs(args) -> Dict[str, Any]:
     kv = None if str(args.kv_cache_memory).lower() in ("auto", "none", "") else args.kv_cache_memory
     kw = dict(dtype=args.dtype, device=args.device, num_threads=args.num_threads,
               block_size=args.block_size, kv_cache_memory=kv)
+    if not getattr(args, "enable_prefix_caching", True):
+        kw["enable_prefix_caching"] = False
     if getattr(args, "kv_cache_dtype", "auto") != "auto":
         kw["kv_cache_dtype"] = args.kv_cache_dtype
     if getattr(args, "quantization", None):
