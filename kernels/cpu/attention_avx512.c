@@ -277,11 +277,10 @@ void cv_att_softmax_avx512(float *sc, int nk, int nv, const int *nval, float *m,
     const __m512i natural = _mm512_setr_epi32(0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
     const __mmask16 k = att_mask(nv);
     const __mmask16 has = _mm512_mask_cmpgt_epi32_mask(k, _mm512_maskz_loadu_epi32(k, nval), _mm512_setzero_si512());
-    /* A few vectors (a decode tile) are reduced one by one into t, more by
-     * the trees over r: the same values. */
+    /* A few vectors (a decode tile) are reduced one by one into lanes of t,
+     * more by the trees over r: the same values. */
     const int tree = nv > 4;
-    __m512 r[16];
-    float t[16];
+    __m512 r[16], t = _mm512_setzero_ps(); /* t: lane v set one by one, kept in a register */
     if (tree)
 #pragma GCC unroll 16
         for (int v = nv; v < 16; v++) r[v] = _mm512_set1_ps(-INFINITY);
@@ -292,9 +291,9 @@ void cv_att_softmax_avx512(float *sc, int nk, int nv, const int *nval, float *m,
             x = _mm512_mask_max_ps(x, ki, x, _mm512_maskz_loadu_ps(ki, sc + v * CV_ATT_KCHUNK + i));
         }
         if (tree) r[v] = x;
-        else t[v] = _mm512_reduce_max_ps(x);
+        else t = _mm512_mask_mov_ps(t, (__mmask16)(1u << v), _mm512_set1_ps(_mm512_reduce_max_ps(x)));
     }
-    const __m512 mx = tree ? _mm512_permutexvar_ps(natural, tree16_op(r, 1)) : _mm512_maskz_loadu_ps(k, t);
+    const __m512 mx = tree ? _mm512_permutexvar_ps(natural, tree16_op(r, 1)) : t;
     const __m512 mo = _mm512_maskz_loadu_ps(k, m);
     /* a vector's new max: its chunk's if it has keys and that is larger */
     const __m512 mn = _mm512_mask_blend_ps(_mm512_mask_cmp_ps_mask(has, mx, mo, _CMP_GT_OQ), mo, mx);
@@ -324,9 +323,9 @@ void cv_att_softmax_avx512(float *sc, int nk, int nv, const int *nval, float *m,
             }
         }
         if (tree) r[v] = x;
-        else t[v] = _mm512_reduce_add_ps(x);
+        else t = _mm512_mask_mov_ps(t, (__mmask16)(1u << v), _mm512_set1_ps(_mm512_reduce_add_ps(x)));
     }
-    const __m512 sum = tree ? _mm512_permutexvar_ps(natural, tree16_op(r, 0)) : _mm512_maskz_loadu_ps(k, t);
+    const __m512 sum = tree ? _mm512_permutexvar_ps(natural, tree16_op(r, 0)) : t;
     const __m512 lo = _mm512_maskz_loadu_ps(k, l);
     _mm512_mask_storeu_ps(l, k, _mm512_mask_blend_ps(has, lo, _mm512_add_ps(_mm512_mul_ps(lo, a), sum)));
     _mm512_mask_storeu_ps(m, k, mn);
