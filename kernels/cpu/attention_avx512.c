@@ -276,7 +276,8 @@ void cv_att_softmax_avx512(float *sc, int nk, int nv, const int *nval, float *m,
     /* lane v of a tree's result is in lane rev4(v) */
     const __m512i natural = _mm512_setr_epi32(0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
     const __mmask16 k = att_mask(nv);
-    const __mmask16 has = _mm512_mask_cmpgt_epi32_mask(k, _mm512_maskz_loadu_epi32(k, nval), _mm512_setzero_si512());
+    __mmask16 has = 0; /* vectors with keys in the chunk */
+    for (int v = 0; v < nv; v++) has |= (__mmask16)((nval[v] > 0 ? 1u : 0u) << v);
     /* A few vectors (a decode tile) are reduced one by one into lanes of t,
      * more by the trees over r: the same values. */
     const int tree = nv > 4;
@@ -296,7 +297,7 @@ void cv_att_softmax_avx512(float *sc, int nk, int nv, const int *nval, float *m,
     const __m512 mx = tree ? _mm512_permutexvar_ps(natural, tree16_op(r, 1)) : t;
     const __m512 mo = _mm512_maskz_loadu_ps(k, m);
     /* a vector's new max: its chunk's if it has keys and that is larger */
-    const __m512 mn = _mm512_mask_blend_ps(_mm512_mask_cmp_ps_mask(has, mx, mo, _CMP_GT_OQ), mo, mx);
+    const __m512 mn = _mm512_mask_blend_ps((__mmask16)(has & _mm512_cmp_ps_mask(mx, mo, _CMP_GT_OQ)), mo, mx);
     /* exp(m - mn); 0 for a vector's first keys (m = -inf), 1 for one without keys */
     const __mmask16 first = _mm512_cmp_ps_mask(mo, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
     __m512 a = _mm512_maskz_mov_ps((__mmask16)~first, cv_exp512(_mm512_sub_ps(mo, mn)));
