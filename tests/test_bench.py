@@ -298,7 +298,7 @@ def test_roofline_main(model, tmp_path, capsys):
     measured rate over the bound printed beside it, and the counts are the work it asked for."""
     out = tmp_path / "roof.json"
     rc = roofline.main(["--model", model, "--threads", "1", "--decode-tokens", "6", "--prefill-len", "24",
-                        "--json", str(out)])
+                        "--repeats", "2", "--json", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
     for line in ("batch-1 decode:", "prefill (96 tokens):", "64 running:", "compute bound of the GEMMs:"):
@@ -322,3 +322,8 @@ def test_roofline_main(model, tmp_path, capsys):
                                           * 1e-9)
     for k in ("outside_kernels_share", "schedule_share", "build_share", "sample_share", "python_share"):
         assert 0.0 <= d64[k] < 1.0, k
+    # each figure is the best of --repeats runs; the shares are that run's own
+    assert r["repeats"] == 2
+    with pytest.raises(SystemExit):
+        roofline.main(["--model", model, "--repeats", "0"])
+    assert "--repeats" in capsys.readouterr().err
