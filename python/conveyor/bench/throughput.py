@@ -28,8 +28,8 @@ def run(model: str, *, num_requests: int = 64, input_len: int = 128, output_len:
         range_ratio: float = 0.0, seed: int = 0, scheduling: str = "continuous",
         max_num_seqs: int = 256, max_num_batched_tokens: Optional[int] = None, warm: bool = False,
         **engine) -> Dict[str, Any]:
-    """One throughput run (warm: after an untimed run of the same workload on the
-    same engine); returns a JSON-ready dict."""
+    """One throughput run (warm: after an untimed run of the same shape, other
+    prompts, on the same engine); returns a JSON-ready dict."""
     machine = common.machine_info()
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
