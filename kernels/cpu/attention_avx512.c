@@ -52,8 +52,8 @@ static CV_ALWAYS_INLINE __m512 kv_load16(const void *p, cv_dtype dt, int64_t d, 
 }
 
 /* One level of the tree: lanes of a block of 2h are x's pair sums
- * x[j] + x[j+h] in its first h lanes and y's in its last h. */
-static CV_ALWAYS_INLINE __m512 fold_op(__m512 x, __m512 y, const int h, const int MAX) {
+ * x[j] + x[j+h] (MAX: pair maxima) in its first h lanes and y's in its last h. */
+static CV_ALWAYS_INLINE __m512 fold(__m512 x, __m512 y, const int h, const int MAX) {
     __m512 u; /* the partner of each lane of blend(x, y) */
     if (h == 8) {
         u = _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(1, 0, 3, 2));
@@ -71,23 +71,19 @@ static CV_ALWAYS_INLINE __m512 fold_op(__m512 x, __m512 y, const int h, const in
     return MAX ? _mm512_max_ps(b, u) : _mm512_add_ps(b, u);
 }
 
-static CV_ALWAYS_INLINE __m512 fold(__m512 x, __m512 y, const int h) { return fold_op(x, y, h, 0); }
-
 /* The lane sums (MAX: maxima) of a[0..15]: lane j holds the sum of
  * a[rev4(j)] (rev4 reverses the 4 bits of j). a is clobbered. A register's
  * lanes are added at distance 8, then 4, 2 and 1 wherever it sits, the
  * order of _mm512_reduce_add_ps. */
-static CV_ALWAYS_INLINE __m512 tree16_op(__m512 *a, const int MAX) {
+static CV_ALWAYS_INLINE __m512 tree16(__m512 *a, const int MAX) {
 #pragma GCC unroll 8
-    for (int i = 0; i < 8; i++) a[i] = fold_op(a[2 * i], a[2 * i + 1], 8, MAX);
+    for (int i = 0; i < 8; i++) a[i] = fold(a[2 * i], a[2 * i + 1], 8, MAX);
 #pragma GCC unroll 4
-    for (int i = 0; i < 4; i++) a[i] = fold_op(a[2 * i], a[2 * i + 1], 4, MAX);
+    for (int i = 0; i < 4; i++) a[i] = fold(a[2 * i], a[2 * i + 1], 4, MAX);
 #pragma GCC unroll 2
-    for (int i = 0; i < 2; i++) a[i] = fold_op(a[2 * i], a[2 * i + 1], 2, MAX);
-    return fold_op(a[0], a[1], 1, MAX);
+    for (int i = 0; i < 2; i++) a[i] = fold(a[2 * i], a[2 * i + 1], 2, MAX);
+    return fold(a[0], a[1], 1, MAX);
 }
-
-static CV_ALWAYS_INLINE __m512 tree16(__m512 *a) { return tree16_op(a, 0); }
 
 static CV_ALWAYS_INLINE int rev4(int j) {
     return ((j & 1) << 3) | ((j & 2) << 1) | ((j & 4) >> 1) | ((j & 8) >> 3);
@@ -134,7 +130,7 @@ static CV_ALWAYS_INLINE void scores_blk(float *sc, const float *qt, int64_t hd, 
             }
         }
     }
-    store_scores(sc, tree16(a), NV, i0);
+    store_scores(sc, tree16(a, 0), NV, i0);
 }
 
 /* Vector groups of the score kernels: 4, then 2, then 1. */
@@ -294,7 +290,7 @@ void cv_att_softmax_avx512(float *sc, int nk, int nv, const int *nval, float *m,
         if (tree) r[v] = x;
         else t = _mm512_mask_mov_ps(t, (__mmask16)(1u << v), _mm512_set1_ps(_mm512_reduce_max_ps(x)));
     }
-    const __m512 mx = tree ? _mm512_permutexvar_ps(natural, tree16_op(r, 1)) : t;
+    const __m512 mx = tree ? _mm512_permutexvar_ps(natural, tree16(r, 1)) : t;
     const __m512 mo = _mm512_maskz_loadu_ps(k, m);
     /* a vector's new max: its chunk's if it has keys and that is larger */
     const __m512 mn = _mm512_mask_blend_ps((__mmask16)(has & _mm512_cmp_ps_mask(mx, mo, _CMP_GT_OQ)), mo, mx);
@@ -326,7 +322,7 @@ void cv_att_softmax_avx512(float *sc, int nk, int nv, const int *nval, float *m,
         if (tree) r[v] = x;
         else t = _mm512_mask_mov_ps(t, (__mmask16)(1u << v), _mm512_set1_ps(_mm512_reduce_add_ps(x)));
     }
-    const __m512 sum = tree ? _mm512_permutexvar_ps(natural, tree16_op(r, 0)) : t;
+    const __m512 sum = tree ? _mm512_permutexvar_ps(natural, tree16(r, 0)) : t;
     const __m512 lo = _mm512_maskz_loadu_ps(k, l);
     _mm512_mask_storeu_ps(l, k, _mm512_mask_blend_ps(has, lo, _mm512_add_ps(_mm512_mul_ps(lo, a), sum)));
     _mm512_mask_storeu_ps(m, k, mn);
