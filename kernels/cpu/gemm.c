@@ -382,6 +382,19 @@ static void round_x_bf16(uint16_t *dst, const float *xb, int64_t cols, int64_t k
     }
 }
 
+/* The rows t0 .. t0 + m of the prologue (in) made and rounded to bf16 rows
+ * of kcols at dst, one row at a time through the row buffer tmp (cols
+ * floats): each row is rounded while it is still in L1, instead of a block
+ * of fp32 rows written to L2 and read back. The same values as making all
+ * the rows and then rounding them. */
+static void make_rows_bf16(const cv_gemm_in *in, uint16_t *dst, float *tmp, int64_t t0, int64_t m, int64_t cols,
+                           int64_t kcols, int simd) {
+    for (int64_t t = 0; t < m; t++) {
+        cv_cpu_gemm_in_rows(in, tmp, t0 + t, 1, cols, simd);
+        round_x_bf16(dst + t * kcols, tmp, cols, kcols, 1, simd);
+    }
+}
+
 /* One group of CV_GROUP panels over one token block [m0, m0 + mlen): cols
  * in chunks of kc (the group's chunk stays in L1 while the block's tiles pass
  * over it), each tile's kernel taking np panels at a time. x comes from the
@@ -453,12 +466,11 @@ static void make_shared_rows(gemm_job *j, int tid) {
         if (!j->shared_bf16) {
             cv_cpu_gemm_in_rows(&j->in, j->shared + (size_t)(t0 * cols), t0, t1 - t0, cols, j->simd);
         } else {
-            const float *src = j->in.src + (size_t)(t0 * cols);
-            if (xr) {
-                cv_cpu_gemm_in_rows(&j->in, xr, t0, t1 - t0, cols, j->simd);
-                src = xr;
-            }
-            round_x_bf16(j->shared_bf16 + (size_t)(t0 * kcols), src, cols, kcols, t1 - t0, j->simd);
+            uint16_t *dst = j->shared_bf16 + (size_t)(t0 * kcols);
+            if (xr)
+                make_rows_bf16(&j->in, dst, xr, t0, t1 - t0, cols, kcols, j->simd);
+            else
+                round_x_bf16(dst, j->in.src + (size_t)(t0 * cols), cols, kcols, t1 - t0, j->simd);
         }
         atomic_fetch_add_explicit(&j->shared_done, t1 - t0, memory_order_release);
     }
@@ -504,11 +516,16 @@ static void gemm_fn(void *arg, int tid, int nth) {
         if (j->shared_bf16) {
             xp = (float *)(void *)(j->shared_bf16 + (size_t)(m0 * j->kcols));
         } else if (ready_block != tb) { /* a thread's consecutive items mostly share a block */
-            if (xr) cv_cpu_gemm_in_rows(&j->in, xr, m0, mlen, cols, j->simd);
-            if (xp && j->pairs)
-                round_x_bf16((uint16_t *)(void *)xp, xb, cols, j->kcols, mlen, j->simd);
-            else if (xp)
-                pack_x(xp, xb, cols, mlen, (mlen + CV_MR - 1) / CV_MR);
+            if (xp && j->pairs) { /* the block's bf16 rows (xb is not read) */
+                uint16_t *xh = (uint16_t *)(void *)xp;
+                if (xr)
+                    make_rows_bf16(&j->in, xh, xr, m0, mlen, cols, j->kcols, j->simd);
+                else
+                    round_x_bf16(xh, xb, cols, j->kcols, mlen, j->simd);
+            } else {
+                if (xr) cv_cpu_gemm_in_rows(&j->in, xr, m0, mlen, cols, j->simd);
+                if (xp) pack_x(xp, xb, cols, mlen, (mlen + CV_MR - 1) / CV_MR);
+            }
             ready_block = tb;
         }
         /* rows of the block this thread likely takes next (items are whole
