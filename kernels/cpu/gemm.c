@@ -485,6 +485,10 @@ static void make_shared_rows(gemm_job *j, int tid) {
  * when weights are far larger than L2 and all of x fits L3 (panels_outer), a
  * chunk of panels over all tokens, so each weight byte comes from memory once
  * and x is re-read from L3. */
+static inline int64_t claim_item(gemm_job *j) {
+    return atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+}
+
 static void gemm_fn(void *arg, int tid, int nth) {
     gemm_job *j = arg;
     const int64_t np = matrix_groups(j->w->rows);
@@ -498,9 +502,14 @@ static void gemm_fn(void *arg, int tid, int nth) {
                     ? cv_cpu_gemm_rows_buf(j->cpu, tid, (size_t)(j->mc * cols))
                     : NULL;
     int64_t ready_block = -1;
-    for (;;) {
-        const int64_t it = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
-        if (it >= j->n_items) break;
+    /* With one token block (a decode step) each weight comes from memory once:
+     * the thread claims its items one ahead, so that the last group of an item
+     * asks for the first group of the next one (claims stay in increasing
+     * order per thread; which thread takes an item never changes a result). */
+    const int ahead = j->n_tblocks == 1 && !j->panels_outer;
+    int64_t next_it = -1;
+    for (int64_t it = claim_item(j); it < j->n_items; it = ahead ? next_it : claim_item(j)) {
+        if (ahead) next_it = claim_item(j);
         if (j->panels_outer) {
             const int64_t p0 = it * pc, p1 = p0 + pc < np ? p0 + pc : np;
             for (int64_t p = p0; p < p1; p++)
@@ -546,7 +555,12 @@ static void gemm_fn(void *arg, int tid, int nth) {
             /* the next group's weights asked for when this call reads each
              * weight once (one token block: they come from memory); with
              * several blocks they are re-read from cache and it measured slower */
-            group_pass(j, p, m0, mlen, j->kc, xb, xp, j->n_tblocks == 1 && p + 1 < p1 ? p + 1 : -1);
+            int64_t g_next = -1;
+            if (j->n_tblocks == 1 && p + 1 < p1)
+                g_next = p + 1;
+            else if (ahead && next_it < j->n_items)
+                g_next = next_it % j->n_pchunks * pc; /* the next item's first group */
+            group_pass(j, p, m0, mlen, j->kc, xb, xp, g_next);
             if (pf) {
                 const size_t a = pf_bytes * (size_t)(p - p0) / (size_t)(p1 - p0) & ~(size_t)63;
                 const size_t e = pf_bytes * (size_t)(p - p0 + 1) / (size_t)(p1 - p0);

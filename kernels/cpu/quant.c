@@ -443,32 +443,40 @@ static void panels_fn(void *arg, int tid, int nth) {
     const size_t stride = cv_qp16_stride(j->w->dtype, nb);
     const cv_dtype dt = j->w->dtype;
     const int64_t ntiles = (j->nt + CV_QP16_MAX_TOKENS - 1) / CV_QP16_MAX_TOKENS;
-    for (int64_t u0, u1; cv_rows_claim(&j->units, &u0, &u1);)
-    for (int64_t c0 = u0 * QP_CHUNK; c0 < u1 * QP_CHUNK && c0 < panels; c0 += QP_CHUNK) {
-        const int64_t c1 = c0 + QP_CHUNK < panels ? c0 + QP_CHUNK : panels;
-        /* With several token tiles the chunk's weights are reused (compute
-         * bound): the unit's next chunk is asked for a slice per tile, so it
-         * arrives from memory while this one computes. */
-        cv_prefetch_span pf = {0};
-        if (ntiles > 1 && c1 < u1 * QP_CHUNK && c1 < panels) {
-            const int64_t n1 = c1 + QP_CHUNK < panels ? c1 + QP_CHUNK : panels;
-            pf = cv_prefetch_span_of((const char *)j->w->data + (size_t)c1 * stride, (size_t)(n1 - c1) * stride,
-                                     (size_t)ntiles);
-        }
-        for (int64_t t = 0; t < j->nt;) {
-            const int T = (int)(j->nt - t < CV_QP16_MAX_TOKENS ? j->nt - t : CV_QP16_MAX_TOKENS);
-            const int full = cv_qp16_panels_for(T);
-            for (int64_t p = c0; p < c1;) {
-                const int np = c1 - p >= full ? full : 1;
-                const int64_t r0 = p * CV_QP16_ROWS;
-                const int nr = (int)(rows - r0 < np * CV_QP16_ROWS ? rows - r0 : np * CV_QP16_ROWS);
-                cv_qp16_kernel(dt, np, T)((const char *)j->w->data + (size_t)p * stride, stride, nb, j->xq + t * nb,
-                                          nb, j->out + (j->t0 + t) * n_out + r0, n_out, nr,
-                                          j->bias ? j->bias + r0 : NULL, j->accumulate);
-                p += np;
+    /* units claimed one ahead, so that a unit's last chunk can ask for the
+     * first chunk of the thread's next unit (results never depend on which
+     * thread takes a unit) */
+    int64_t u0, u1, v0 = 0, v1 = 0;
+    for (int have = cv_rows_claim(&j->units, &u0, &u1); have; u0 = v0, u1 = v1) {
+        have = cv_rows_claim(&j->units, &v0, &v1);
+        for (int64_t c0 = u0 * QP_CHUNK; c0 < u1 * QP_CHUNK && c0 < panels; c0 += QP_CHUNK) {
+            const int64_t c1 = c0 + QP_CHUNK < panels ? c0 + QP_CHUNK : panels;
+            /* With several token tiles the chunk's weights are reused (compute
+             * bound): the next chunk (of this unit or the next one claimed) is
+             * asked for a slice per tile, so it arrives from memory while this
+             * one computes. */
+            const int64_t next = c1 < u1 * QP_CHUNK ? c1 : (have ? v0 * QP_CHUNK : panels);
+            cv_prefetch_span pf = {0};
+            if (ntiles > 1 && next < panels) {
+                const int64_t n1 = next + QP_CHUNK < panels ? next + QP_CHUNK : panels;
+                pf = cv_prefetch_span_of((const char *)j->w->data + (size_t)next * stride, (size_t)(n1 - next) * stride,
+                                         (size_t)ntiles);
             }
-            t += T;
-            cv_prefetch_slice(&pf);
+            for (int64_t t = 0; t < j->nt;) {
+                const int T = (int)(j->nt - t < CV_QP16_MAX_TOKENS ? j->nt - t : CV_QP16_MAX_TOKENS);
+                const int full = cv_qp16_panels_for(T);
+                for (int64_t p = c0; p < c1;) {
+                    const int np = c1 - p >= full ? full : 1;
+                    const int64_t r0 = p * CV_QP16_ROWS;
+                    const int nr = (int)(rows - r0 < np * CV_QP16_ROWS ? rows - r0 : np * CV_QP16_ROWS);
+                    cv_qp16_kernel(dt, np, T)((const char *)j->w->data + (size_t)p * stride, stride, nb, j->xq + t * nb,
+                                              nb, j->out + (j->t0 + t) * n_out + r0, n_out, nr,
+                                              j->bias ? j->bias + r0 : NULL, j->accumulate);
+                    p += np;
+                }
+                t += T;
+                cv_prefetch_slice(&pf);
+            }
         }
     }
 }
