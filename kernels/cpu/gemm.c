@@ -335,6 +335,7 @@ typedef struct gemm_job {
     const float *bias;   /* [rows] or NULL */
     int accumulate;
     const ukr_fn *table; /* [CV_MR + 1] kernels for w's dtype */
+    const ukr_pf_fn *table_pf; /* the same kernels that also prefetch (pair layout), or NULL */
     int np[CV_MR + 1];   /* panels per kernel call at each tile height */
     int64_t kc;          /* cols per block (balanced chunks of about the configured KC) */
     int64_t mc;          /* tokens per block (x block of mc x cols stays in L2) */
@@ -426,6 +427,17 @@ static void group_pass(const gemm_job *j, int64_t g, int64_t m0, int64_t mlen, i
         for (int64_t ti = 0; ti < ntiles; ti++) {
             const int mr = (int)(mlen / ntiles + (ti < mlen % ntiles ? 1 : 0));
             const int np = j->np[mr];
+            /* pairs: this call's slice of the prefetch, spread over its k steps */
+            const char *pfp = NULL, *pf_rest = NULL;
+            int64_t pfl = 0;
+            if (j->table_pf && pf.p && pf.p < pf.end) {
+                const size_t left = (size_t)(pf.end - pf.p), take = left < pf.step ? left : pf.step;
+                const int64_t lines = (int64_t)((take + 63) / 64);
+                pfp = pf.p;
+                pfl = lines < klen / 2 ? lines : klen / 2;
+                pf_rest = pfp + (size_t)pfl * 64;
+                pf.p += (size_t)lines * 64;
+            }
             for (int q = 0; q < CV_GROUP; q += np) {
                 const int64_t p = g * CV_GROUP + q, r0 = p * CV_NR;
                 if (r0 >= rows) break;
@@ -433,11 +445,15 @@ static void group_pass(const gemm_job *j, int64_t g, int64_t m0, int64_t mlen, i
                 const char *wp = (const char *)w->data + (size_t)p * pstride + (size_t)k0 * CV_NR * esz;
                 const float *bp = (first && j->bias) ? j->bias + r0 : NULL;
                 float *o = j->out + (size_t)t * (size_t)rows + (size_t)r0;
-                if (j->pairs)
-                    j->table[mr](klen, (const float *)(const void *)((const uint16_t *)(const void *)xp +
-                                                                     (t - m0) * cols + k0),
-                                 cols, wp, pstride, o, rows, nvalid, bp, load_c);
-                else if (xp)
+                if (j->pairs) {
+                    const float *xh = (const float *)(const void *)((const uint16_t *)(const void *)xp +
+                                                                      (t - m0) * cols + k0);
+                    if (pfp)
+                        j->table_pf[mr](klen, xh, cols, wp, pstride, o, rows, nvalid, bp, load_c, pfp, pfl);
+                    else
+                        j->table[mr](klen, xh, cols, wp, pstride, o, rows, nvalid, bp, load_c);
+                    pfp = NULL;
+                } else if (xp)
                     j->table[mr](klen, xp + (t - m0) * cols + k0 * mr, 0, wp, pstride, o, rows, nvalid, bp,
                                  load_c);
                 else
@@ -445,7 +461,10 @@ static void group_pass(const gemm_job *j, int64_t g, int64_t m0, int64_t mlen, i
                                  rows, nvalid, bp, load_c);
             }
             t += mr;
-            cv_prefetch_slice(&pf);
+            if (!j->table_pf)
+                cv_prefetch_slice(&pf);
+            else /* the slice's lines past what the kernel's k steps took */
+                for (; pf_rest && pf_rest < pf.p && pf_rest < pf.end; pf_rest += 64) __builtin_prefetch(pf_rest, 0, 2);
         }
     }
 }
@@ -624,6 +643,7 @@ void cv_cpu_gemm_in(cv_backend *b, float *out, const cv_gemm_in *in, int64_t n, 
     }
     if (j.pairs) {
         j.table = cv_gemm_bf16dot_table;
+        j.table_pf = cv_gemm_bf16dot_pf_table;
         /* the block's bf16 rows (kcols values each) fit the thread's buffer */
         j.xpack = c->gemm_xpack;
         const int64_t fit = (int64_t)(2 * j.xpack_floats) / j.kcols / CV_MR * CV_MR;

@@ -101,10 +101,14 @@ CV_TARGET_END
 
 CV_TARGET_AVX512_BF16_BEGIN
 /* Pair layout: x bf16 [mr][ldx], each panel [kc/2][16][2] bf16, kc even.
- * Per k pair: 4 weight loads, mr broadcasts of (x[k], x[k+1]), 4 mr dots. */
+ * Per k pair: 4 weight loads, mr broadcasts of (x[k], x[k+1]), 4 mr dots.
+ * With pf (the _pf kernels): the lines pf .. pf + 64 min(pf_lines, kc/2)
+ * are asked for into L2, one per k pair at even spacing, so that the out-of-
+ * order core runs the dots past a prefetch that waits for a miss buffer,
+ * where a burst of them between two calls stalled the thread. */
 static CV_ALWAYS_INLINE void ukr_dot(const int mr, int64_t kc, const float *xf, int64_t ldx,
                                      const void *w, size_t wstride, float *c, int64_t ldc, int nvalid,
-                                     const float *bias, int load_c) {
+                                     const float *bias, int load_c, const char *pf, int64_t pf_lines) {
     enum { NP = UKR_NP_AVX512(mr) };
     const uint16_t *x = (const uint16_t *)(const void *)xf;
     const int64_t kp = kc / 2; /* pairs */
@@ -119,7 +123,16 @@ static CV_ALWAYS_INLINE void ukr_dot(const int mr, int64_t kc, const float *xf, 
         for (int i = 0; i < mr; i++)
             acc[i][q] = load_c ? _mm512_add_ps(_mm512_maskz_loadu_ps(m, c + i * ldc + q * CV_NR), b) : b;
     }
+    /* pf: line index in 16.16 fixed point, rounded up so the last line is reached */
+    const int64_t pf_last = pf_lines < kp ? pf_lines - 1 : kp - 1;
+    const uint64_t pf_inc = pf && kp > 0 ? (((uint64_t)pf_last + 1) << 16) / (uint64_t)kp + 1 : 0;
+    uint64_t pf_acc = 0;
     for (int64_t p = 0; p < kp; p++) {
+        if (pf) {
+            const uint64_t line = pf_acc >> 16;
+            __builtin_prefetch(pf + ((line < (uint64_t)pf_last ? line : (uint64_t)pf_last) << 6), 0, 2);
+            pf_acc += pf_inc;
+        }
         __m512i wv[NP];
 #pragma GCC unroll 4
         for (int q = 0; q < NP; q++) wv[q] = _mm512_loadu_si512((const void *)(wq[q] + p * 2 * CV_NR));
@@ -144,10 +157,17 @@ static CV_ALWAYS_INLINE void ukr_dot(const int mr, int64_t kc, const float *xf, 
 #define DOT_UKR(MR, NAME)                                                                       \
     static void NAME(int64_t kc, const float *x, int64_t ldx, const void *w, size_t wstride,   \
                      float *c, int64_t ldc, int nvalid, const float *bias, int load_c) {        \
-        ukr_dot(MR, kc, x, ldx, w, wstride, c, ldc, nvalid, bias, load_c);                      \
+        ukr_dot(MR, kc, x, ldx, w, wstride, c, ldc, nvalid, bias, load_c, NULL, 0);             \
+    }                                                                                           \
+    static void NAME##_pf(int64_t kc, const float *x, int64_t ldx, const void *w, size_t wstride, \
+                          float *c, int64_t ldc, int nvalid, const float *bias, int load_c,     \
+                          const char *pf, int64_t pf_lines) {                                   \
+        ukr_dot(MR, kc, x, ldx, w, wstride, c, ldc, nvalid, bias, load_c, pf, pf_lines);        \
     }
 DOT_UKR(1, dot_1) DOT_UKR(2, dot_2) DOT_UKR(3, dot_3) DOT_UKR(4, dot_4) DOT_UKR(5, dot_5)
 DOT_UKR(6, dot_6)
 const ukr_fn cv_gemm_bf16dot_table[CV_MR + 1] = UKR_LIST(dot_);
+const ukr_pf_fn cv_gemm_bf16dot_pf_table[CV_MR + 1] = {NULL, dot_1_pf, dot_2_pf, dot_3_pf, dot_4_pf, dot_5_pf,
+                                                       dot_6_pf};
 CV_TARGET_END
 #endif

@@ -31,6 +31,10 @@
 
 typedef void (*ukr_fn)(int64_t kc, const float *x, int64_t ldx, const void *w, size_t wstride, float *c,
                        int64_t ldc, int nvalid, const float *bias, int load_c);
+/* The same, also asking for the lines pf .. pf + 64 min(pf_lines, kc / 2)
+ * (prefetch into L2) spread over its k steps: the bf16-pair kernels. */
+typedef void (*ukr_pf_fn)(int64_t kc, const float *x, int64_t ldx, const void *w, size_t wstride, float *c,
+                          int64_t ldc, int nvalid, const float *bias, int load_c, const char *pf, int64_t pf_lines);
 
 /* Packed matrices hold whole groups of CV_GROUP panels (zero panels pad the
  * last group), so every kernel call reads whole panels of its np. */
@@ -71,5 +75,6 @@ _Static_assert(CV_MR == 6, "UKR_ROW instantiates tile heights 1..6");
  * registers), and the AVX512_BF16 kernels of the pair layout (vdpbf16ps). */
 extern const ukr_fn cv_gemm_avx512_table[3][CV_MR + 1];
 extern const ukr_fn cv_gemm_bf16dot_table[CV_MR + 1];
+extern const ukr_pf_fn cv_gemm_bf16dot_pf_table[CV_MR + 1];
 
 #endif
