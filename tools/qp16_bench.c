@@ -70,7 +70,8 @@ int main(int argc, char **argv) {
             double best = 1e30;
             for (int run = 0; run < 200; run++) {
                 const unsigned long long c0 = __rdtsc();
-                for (int k = 0; k < 50; k++) f(w, stride, nb, x, nb, out, 4 * CV_QP16_ROWS, P * CV_QP16_ROWS, NULL, 0);
+                for (int k = 0; k < 50; k++)
+                    f(w, stride, nb, x, nb, out, 4 * CV_QP16_ROWS, P * CV_QP16_ROWS, NULL, 0, NULL, 0);
                 const double c = (double)(__rdtsc() - c0) / (50.0 * nb * P * T * 8);
                 best = c < best ? c : best;
             }
@@ -88,7 +89,7 @@ int main(int argc, char **argv) {
         for (int run = 0; run < 5; run++) {
             const unsigned long long c0 = __rdtsc();
             for (int64_t p = 0; p < panels; p += 4)
-                f(big + (size_t)p * stride, stride, nb, x, nb, out, 0, 4 * CV_QP16_ROWS, NULL, 0);
+                f(big + (size_t)p * stride, stride, nb, x, nb, out, 0, 4 * CV_QP16_ROWS, NULL, 0, NULL, 0);
             const double c = (double)(__rdtsc() - c0);
             best = c < best ? c : best;
         }

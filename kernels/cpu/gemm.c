@@ -428,16 +428,8 @@ static void group_pass(const gemm_job *j, int64_t g, int64_t m0, int64_t mlen, i
             const int mr = (int)(mlen / ntiles + (ti < mlen % ntiles ? 1 : 0));
             const int np = j->np[mr];
             /* pairs: this call's slice of the prefetch, spread over its k steps */
-            const char *pfp = NULL, *pf_rest = NULL;
             int64_t pfl = 0;
-            if (j->table_pf && pf.p && pf.p < pf.end) {
-                const size_t left = (size_t)(pf.end - pf.p), take = left < pf.step ? left : pf.step;
-                const int64_t lines = (int64_t)((take + 63) / 64);
-                pfp = pf.p;
-                pfl = lines < klen / 2 ? lines : klen / 2;
-                pf_rest = pfp + (size_t)pfl * 64;
-                pf.p += (size_t)lines * 64;
-            }
+            const char *pfp = j->table_pf ? cv_prefetch_take(&pf, klen / 2, &pfl) : NULL;
             for (int q = 0; q < CV_GROUP; q += np) {
                 const int64_t p = g * CV_GROUP + q, r0 = p * CV_NR;
                 if (r0 >= rows) break;
@@ -461,10 +453,7 @@ static void group_pass(const gemm_job *j, int64_t g, int64_t m0, int64_t mlen, i
                                  rows, nvalid, bp, load_c);
             }
             t += mr;
-            if (!j->table_pf)
-                cv_prefetch_slice(&pf);
-            else /* the slice's lines past what the kernel's k steps took */
-                for (; pf_rest && pf_rest < pf.p && pf_rest < pf.end; pf_rest += 64) __builtin_prefetch(pf_rest, 0, 2);
+            if (!j->table_pf) cv_prefetch_slice(&pf);
         }
     }
 }

@@ -103,9 +103,7 @@ CV_TARGET_AVX512_BF16_BEGIN
 /* Pair layout: x bf16 [mr][ldx], each panel [kc/2][16][2] bf16, kc even.
  * Per k pair: 4 weight loads, mr broadcasts of (x[k], x[k+1]), 4 mr dots.
  * With pf (the _pf kernels): the lines pf .. pf + 64 min(pf_lines, kc/2)
- * are asked for into L2, one per k pair at even spacing, so that the out-of-
- * order core runs the dots past a prefetch that waits for a miss buffer,
- * where a burst of them between two calls stalled the thread. */
+ * are asked for into L2, one per k pair at even spacing (cv_prefetch_spread). */
 static CV_ALWAYS_INLINE void ukr_dot(const int mr, int64_t kc, const float *xf, int64_t ldx,
                                      const void *w, size_t wstride, float *c, int64_t ldc, int nvalid,
                                      const float *bias, int load_c, const char *pf, int64_t pf_lines) {
@@ -123,16 +121,9 @@ static CV_ALWAYS_INLINE void ukr_dot(const int mr, int64_t kc, const float *xf, 
         for (int i = 0; i < mr; i++)
             acc[i][q] = load_c ? _mm512_add_ps(_mm512_maskz_loadu_ps(m, c + i * ldc + q * CV_NR), b) : b;
     }
-    /* pf: line index in 16.16 fixed point, rounded up so the last line is reached */
-    const int64_t pf_last = pf_lines < kp ? pf_lines - 1 : kp - 1;
-    const uint64_t pf_inc = pf && kp > 0 ? (((uint64_t)pf_last + 1) << 16) / (uint64_t)kp + 1 : 0;
-    uint64_t pf_acc = 0;
+    cv_prefetch_spread ps = cv_prefetch_spread_of(pf, pf_lines < kp ? pf_lines : kp, kp);
     for (int64_t p = 0; p < kp; p++) {
-        if (pf) {
-            const uint64_t line = pf_acc >> 16;
-            __builtin_prefetch(pf + ((line < (uint64_t)pf_last ? line : (uint64_t)pf_last) << 6), 0, 2);
-            pf_acc += pf_inc;
-        }
+        cv_prefetch_step(&ps);
         __m512i wv[NP];
 #pragma GCC unroll 4
         for (int q = 0; q < NP; q++) wv[q] = _mm512_loadu_si512((const void *)(wq[q] + p * 2 * CV_NR));

@@ -459,8 +459,11 @@ static void panels_fn(void *arg, int tid, int nth) {
             cv_prefetch_span pf = {0};
             if (ntiles > 1 && next < panels) {
                 const int64_t n1 = next + QP_CHUNK < panels ? next + QP_CHUNK : panels;
+                /* slices for the calls: one per tile and panel group of it */
+                const int64_t calls = ntiles * ((c1 - c0 + cv_qp16_panels_for(CV_QP16_MAX_TOKENS) - 1) /
+                                                cv_qp16_panels_for(CV_QP16_MAX_TOKENS));
                 pf = cv_prefetch_span_of((const char *)j->w->data + (size_t)next * stride, (size_t)(n1 - next) * stride,
-                                         (size_t)ntiles);
+                                         (size_t)calls);
             }
             for (int64_t t = 0; t < j->nt;) {
                 const int T = (int)(j->nt - t < CV_QP16_MAX_TOKENS ? j->nt - t : CV_QP16_MAX_TOKENS);
@@ -469,13 +472,15 @@ static void panels_fn(void *arg, int tid, int nth) {
                     const int np = c1 - p >= full ? full : 1;
                     const int64_t r0 = p * CV_QP16_ROWS;
                     const int nr = (int)(rows - r0 < np * CV_QP16_ROWS ? rows - r0 : np * CV_QP16_ROWS);
+                    /* each call asks for its share of this tile's slice over its blocks */
+                    int64_t pfl = 0;
+                    const char *pfp = cv_prefetch_take(&pf, nb, &pfl);
                     cv_qp16_kernel(dt, np, T)((const char *)j->w->data + (size_t)p * stride, stride, nb, j->xq + t * nb,
                                               nb, j->out + (j->t0 + t) * n_out + r0, n_out, nr,
-                                              j->bias ? j->bias + r0 : NULL, j->accumulate);
+                                              j->bias ? j->bias + r0 : NULL, j->accumulate, pfp, pfl);
                     p += np;
                 }
                 t += T;
-                cv_prefetch_slice(&pf);
             }
         }
     }

@@ -89,9 +89,12 @@ void cv_qp16_pack(void *dst, const void *src, cv_dtype t, int64_t rows, int64_t 
 void cv_qp16_unpack(void *dst, size_t row_bytes, const void *panel, cv_dtype t, int n, int64_t nb);
 /* P panels (stride bytes apart) x T tokens (x_stride blocks apart): the
  * first nvalid rows' outputs y of token t go to out[t * ldo + row] (y + bias[row]
- * when bias, then out + that when accumulate). */
+ * when bias, then out + that when accumulate). With pf, the lines pf .. pf +
+ * 64 (pf_lines - 1) (pf_lines <= nb) are asked for into L2, spread over the
+ * nb blocks (cv_prefetch_spread). */
 typedef void (*cv_qp16_fn)(const void *w, size_t stride, int64_t nb, const cv_xq_block *x, int64_t x_stride,
-                           float *out, int64_t ldo, int nvalid, const float *bias, int accumulate);
+                           float *out, int64_t ldo, int nvalid, const float *bias, int accumulate, const char *pf,
+                           int64_t pf_lines);
 /* The kernel of P panels (1 or cv_qp16_panels_for(T)) x T tokens (1..4) for dtype; NULL when not built. */
 cv_qp16_fn cv_qp16_kernel(cv_dtype t, int panels, int tokens);
 /* Panels of a full tile at T tokens. */

@@ -151,7 +151,8 @@ static CV_ALWAYS_INLINE __m512i qp_bcast4(const int8_t *q) {
 /* P panels x T tokens of type `type` (P, T and type constants at each call). */
 static CV_ALWAYS_INLINE void qp_tile(const cv_dtype type, const int P, const int T, const void *w, size_t stride,
                                      int64_t nb, const cv_xq_block *x, int64_t xs, float *out, int64_t ldo,
-                                     int nvalid, const float *bias, int accumulate) {
+                                     int nvalid, const float *bias, int accumulate, const char *pf,
+                                     int64_t pf_lines) {
     const size_t qb = qp_bbytes(type);
     const int has_min = type == CV_Q4_1 || type == CV_Q4_F;
     const uint8_t *base = w;
@@ -162,7 +163,9 @@ static CV_ALWAYS_INLINE void qp_tile(const cv_dtype type, const int P, const int
 #pragma GCC unroll 8
         for (int t = 0; t < T; t++) acc[p][t] = _mm512_setzero_ps();
     const __m512i low4 = _mm512_set1_epi8(0x0f);
+    cv_prefetch_spread ps = cv_prefetch_spread_of(pf, pf_lines < nb ? pf_lines : nb, nb);
     for (int64_t i = 0; i < nb; i++) {
+        cv_prefetch_step(&ps);
         __m512 dw[4], mw[4];
         const uint8_t *qs[4];
 #pragma GCC unroll 4
@@ -252,8 +255,9 @@ static CV_ALWAYS_INLINE void qp_tile(const cv_dtype type, const int P, const int
 #define QP_FN(TY, P, T) qp_##TY##_##P##x##T
 #define QP_ONE(TY, TYPE, P, T)                                                                               \
     static void QP_FN(TY, P, T)(const void *w, size_t stride, int64_t nb, const cv_xq_block *x, int64_t xs, \
-                                float *out, int64_t ldo, int nvalid, const float *bias, int accumulate) {   \
-        qp_tile(TYPE, P, T, w, stride, nb, x, xs, out, ldo, nvalid, bias, accumulate);                     \
+                                float *out, int64_t ldo, int nvalid, const float *bias, int accumulate,    \
+                                const char *pf, int64_t pf_lines) {                                        \
+        qp_tile(TYPE, P, T, w, stride, nb, x, xs, out, ldo, nvalid, bias, accumulate, pf, pf_lines);       \
     }
 #define QP_TYPE(TY, TYPE)                                                                                    \
     QP_ONE(TY, TYPE, 4, 1) QP_ONE(TY, TYPE, 4, 2) QP_ONE(TY, TYPE, 2, 3) QP_ONE(TY, TYPE, 2, 4)                \
