@@ -411,7 +411,9 @@ static void group_pass(const gemm_job *j, int64_t g, int64_t m0, int64_t mlen, i
     /* With several tiles the group's weights are reused (compute bound): the
      * next group's weights (g_next >= 0) are asked for a slice per kernel call,
      * so they arrive from memory while this group computes instead of
-     * stalling its first tile. */
+     * stalling its first tile. The pair kernels take their slice inside their
+     * k loop, a line per k step (the _pf kernels); other levels ask for it
+     * between calls. */
     cv_prefetch_span pf = {0};
     if (g_next >= 0 && ntiles > 1) {
         const size_t gbytes = (size_t)CV_GROUP * pstride; /* groups are whole (zero panels pad the last) */
