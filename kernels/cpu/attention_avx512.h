@@ -31,10 +31,10 @@ void cv_att_softmax_avx512(float *sc, int nk, int nv, const int *nval, float *m,
  * for q.k (the scaled queries rounded to bf16 once per tile, qb; the chunk's
  * keys transposed to pairs of dims by key, so a score is one lane summed over
  * the pairs in order) and on pairs of keys for p.V (probabilities rounded to
- * bf16; the softmax sum l stays the fp32 one). Error against fp32 math: a score moves by at most
- * 2^-9 sum_d |q_d k_d| (q rounding; products and sums are fp32), an output
- * by at most 2^-9 sum_i w_i |v_i| more (p rounding); tests/test_kernels.py
- * holds the kernel to that bound. */
+ * bf16; the softmax sum l stays the fp32 one). Error against fp32 math: a
+ * score moves by at most 2^-9 sum_d |q_d k_d| (q rounding; products and sums
+ * are fp32), an output by at most 2^-9 sum_i w_i |v_i| more (p rounding);
+ * tests/test_kernels.py holds the kernel to that bound. */
 /* qb is [nv][cv_att_qb_stride(hd)] bf16, zero past head_dim. */
 int64_t cv_att_qb_stride(int64_t hd);
 void cv_att_round_q_bf16(uint16_t *qb, const float *qt, int64_t hd, int nv);

@@ -434,6 +434,13 @@ static void rows_fn(void *arg, int tid, int nth) {
 /* The P16 layout at the VNNI level: a thread's panels in chunks of 4; in
  * each, every token tile meets every panel (tiles of P panels x T tokens). */
 #define QP_CHUNK 4
+
+/* Kernel calls of one token tile of T tokens over np panels: full tiles of
+ * cv_qp16_panels_for(T) panels, then one panel at a time (as panels_fn). */
+static int64_t chunk_calls(int64_t np, int T) {
+    const int full = cv_qp16_panels_for(T);
+    return np / full + np % full;
+}
 static void panels_fn(void *arg, int tid, int nth) {
     (void)tid;
     (void)nth;
@@ -459,9 +466,10 @@ static void panels_fn(void *arg, int tid, int nth) {
             cv_prefetch_span pf = {0};
             if (ntiles > 1 && next < panels) {
                 const int64_t n1 = next + QP_CHUNK < panels ? next + QP_CHUNK : panels;
-                /* slices for the calls: one per tile and panel group of it */
-                const int64_t calls = ntiles * ((c1 - c0 + cv_qp16_panels_for(CV_QP16_MAX_TOKENS) - 1) /
-                                                cv_qp16_panels_for(CV_QP16_MAX_TOKENS));
+                /* a slice per kernel call: the full tiles' calls and the last tile's */
+                const int64_t tail = j->nt % CV_QP16_MAX_TOKENS;
+                const int64_t calls = j->nt / CV_QP16_MAX_TOKENS * chunk_calls(c1 - c0, CV_QP16_MAX_TOKENS) +
+                                      (tail ? chunk_calls(c1 - c0, (int)tail) : 0);
                 pf = cv_prefetch_span_of((const char *)j->w->data + (size_t)next * stride, (size_t)(n1 - next) * stride,
                                          (size_t)calls);
             }
