@@ -10,12 +10,14 @@
  */
 #include "arrays.h"
 
+#include "../core/kv_manager.h"
 #include "../core/scheduler.h"
 #include "../core/sequence.h"
 
 typedef struct {
     PyObject_HEAD
     cv_scheduler *s;
+    cv_kv_manager *kv;    /* the scheduler's blocks (destroyed after it) */
     cv_scheduler_config cfg;
     PyObject *seqs;       /* private dict: seq_id (int) -> int, the address of a cv_sequence owned
                            * here (ints only: no cycle, so no GC support) */
@@ -93,12 +95,9 @@ static PyObject *Sched_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
                                      &mml, &prefix, &chunked, &policy, &prefill_cap))
         return NULL;
     cv_scheduler_config cfg = {0};
-    cfg.num_blocks = nb;
-    cfg.block_size = bs;
     cfg.max_num_seqs = mns;
     cfg.max_num_batched_tokens = mbt;
     cfg.max_model_len = mml;
-    cfg.enable_prefix_caching = prefix;
     cfg.enable_chunked_prefill = chunked;
     cfg.max_prefill_tokens_while_decoding = prefill_cap;
     if (strcmp(policy, "continuous") == 0) cfg.policy = CV_SCHED_CONTINUOUS;
@@ -115,7 +114,9 @@ static PyObject *Sched_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     self->seqs = PyDict_New();
     if (!self->seqs) goto fail;
     cv_err err = {0};
-    self->s = cv_scheduler_create(&cfg, &err);
+    self->kv = cv_kv_manager_create(nb, bs, prefix, &err);
+    if (!self->kv) { cv_py_raise(&err); goto fail; }
+    self->s = cv_scheduler_create(&cfg, self->kv, &err);
     if (!self->s) { cv_py_raise(&err); goto fail; }
     return (PyObject *)self;
 fail:
@@ -126,6 +127,7 @@ fail:
 static void Sched_dealloc(SchedObject *self) {
     PyTypeObject *type = Py_TYPE(self);
     cv_scheduler_destroy(self->s);
+    cv_kv_manager_destroy(self->kv);
     if (self->seqs) {
         Py_ssize_t pos = 0;
         PyObject *k, *v;
@@ -218,7 +220,7 @@ static PyObject *plan_dict(const cv_sched_output *p) {
     PyObject *tables = PyList_New((Py_ssize_t)p->n_seqs);
     if (!tables) goto fail;
     for (int64_t i = 0; i < p->n_seqs; i++) {
-        PyObject *t = cv_py_int32_list(p->seqs[i]->block_table, p->seqs[i]->n_blocks);
+        PyObject *t = cv_py_int32_list(p->seqs[i]->blocks.table, p->seqs[i]->blocks.n);
         if (!t) { Py_DECREF(tables); goto fail; }
         PyList_SET_ITEM(tables, i, t);
     }
@@ -325,7 +327,7 @@ static PyObject *Sched_seq_info(SchedObject *self, PyObject *args) {
         cv_py_put(d, "n_preemptions", PyLong_FromLongLong(q->n_preemptions)) < 0 ||
         cv_py_put(d, "arrival", PyLong_FromLongLong(q->arrival)) < 0 ||
         cv_py_put(d, "priority", PyLong_FromLong(q->priority)) < 0 ||
-        cv_py_put(d, "block_table", cv_py_int32_list(q->block_table, q->n_blocks)) < 0 ||
+        cv_py_put(d, "block_table", cv_py_int32_list(q->blocks.table, q->blocks.n)) < 0 ||
         cv_py_put(d, "tokens", cv_py_int32_list(q->tokens, q->n_tokens)) < 0) {
         Py_DECREF(d);
         return NULL;
@@ -368,10 +370,11 @@ static PyObject *Sched_check(SchedObject *self, PyObject *Py_UNUSED(ignored)) {
 }
 
 static PyObject *Sched_block_refcounts(SchedObject *self, PyObject *Py_UNUSED(ignored)) {
-    PyObject *l = PyList_New((Py_ssize_t)self->cfg.num_blocks);
+    const int64_t nb = cv_kv_manager_num_blocks(self->kv);
+    PyObject *l = PyList_New((Py_ssize_t)nb);
     if (!l) return NULL;
-    for (int64_t b = 0; b < self->cfg.num_blocks; b++) {
-        PyObject *x = PyLong_FromLong(cv_scheduler_block_refcount(self->s, b));
+    for (int64_t b = 0; b < nb; b++) {
+        PyObject *x = PyLong_FromLong(cv_kv_manager_refcount(self->kv, b));
         if (!x) { Py_DECREF(l); return NULL; }
         PyList_SET_ITEM(l, b, x);
     }
