@@ -1,6 +1,7 @@
 /* Binding of the scheduler part: conveyor._core.Scheduler, a harness for
- * tests and benchmarks that drives the C scheduler with a fake runner. It owns
- * the cv_sequence objects it creates (finished ones are kept, for seq_info,
+ * tests and benchmarks that drives the C scheduler with a fake runner, and
+ * conveyor._core.KVManager, the KV manager alone (at the end of the file).
+ * Each owns the cv_sequence objects it creates (finished ones are kept, for seq_info,
  * until the harness is freed).
  *
  *   plan = s.schedule()          # the step's plan (dict of lists)
@@ -10,12 +11,14 @@
  */
 #include "arrays.h"
 
+#include "../core/kv_manager.h"
 #include "../core/scheduler.h"
 #include "../core/sequence.h"
 
 typedef struct {
     PyObject_HEAD
     cv_scheduler *s;
+    cv_kv_manager *kv;    /* the scheduler's blocks (destroyed after it) */
     cv_scheduler_config cfg;
     PyObject *seqs;       /* private dict: seq_id (int) -> int, the address of a cv_sequence owned
                            * here (ints only: no cycle, so no GC support) */
@@ -36,10 +39,10 @@ static const char *status_name(cv_seq_status st) {
 }
 
 /* The sequence with this id, or NULL with KeyError set. */
-static cv_sequence *get_seq(SchedObject *self, long long seq_id) {
+static cv_sequence *get_seq(PyObject *seqs, long long seq_id) {
     PyObject *key = PyLong_FromLongLong(seq_id);
     if (!key) return NULL;
-    PyObject *v = PyDict_GetItemWithError(self->seqs, key); /* borrowed */
+    PyObject *v = PyDict_GetItemWithError(seqs, key); /* borrowed */
     Py_DECREF(key);
     if (!v) {
         if (!PyErr_Occurred()) PyErr_Format(PyExc_KeyError, "no sequence with seq_id %lld", seq_id);
@@ -49,23 +52,23 @@ static cv_sequence *get_seq(SchedObject *self, long long seq_id) {
 }
 
 /* Takes ownership of q under seq_id (frees q on failure). */
-static int store_seq(SchedObject *self, long long seq_id, cv_sequence *q) {
+static int store_seq(PyObject *seqs, long long seq_id, cv_sequence *q) {
     int rc = -1;
     PyObject *key = PyLong_FromLongLong(seq_id);
     PyObject *val = PyLong_FromVoidPtr(q);
-    if (key && val && PyDict_SetItem(self->seqs, key, val) == 0) rc = 0;
+    if (key && val && PyDict_SetItem(seqs, key, val) == 0) rc = 0;
     else cv_sequence_free(q);
     Py_XDECREF(key);
     Py_XDECREF(val);
     return rc;
 }
 
-static void drop_seq(SchedObject *self, long long seq_id, cv_sequence *q) {
+static void drop_seq(PyObject *seqs, long long seq_id, cv_sequence *q) {
     PyObject *key = PyLong_FromLongLong(seq_id);
     PyObject *et, *ev, *tb;
     PyErr_Fetch(&et, &ev, &tb); /* keep the error being raised */
     if (key) {
-        if (PyDict_DelItem(self->seqs, key) < 0) PyErr_Clear();
+        if (PyDict_DelItem(seqs, key) < 0) PyErr_Clear();
         Py_DECREF(key);
     } else {
         PyErr_Clear();
@@ -74,10 +77,10 @@ static void drop_seq(SchedObject *self, long long seq_id, cv_sequence *q) {
     cv_sequence_free(q);
 }
 
-static int has_seq(SchedObject *self, long long seq_id) {
+static int has_seq(PyObject *seqs, long long seq_id) {
     PyObject *key = PyLong_FromLongLong(seq_id);
     if (!key) return -1;
-    int r = PyDict_Contains(self->seqs, key);
+    int r = PyDict_Contains(seqs, key);
     Py_DECREF(key);
     return r;
 }
@@ -93,12 +96,9 @@ static PyObject *Sched_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
                                      &mml, &prefix, &chunked, &policy, &prefill_cap))
         return NULL;
     cv_scheduler_config cfg = {0};
-    cfg.num_blocks = nb;
-    cfg.block_size = bs;
     cfg.max_num_seqs = mns;
     cfg.max_num_batched_tokens = mbt;
     cfg.max_model_len = mml;
-    cfg.enable_prefix_caching = prefix;
     cfg.enable_chunked_prefill = chunked;
     cfg.max_prefill_tokens_while_decoding = prefill_cap;
     if (strcmp(policy, "continuous") == 0) cfg.policy = CV_SCHED_CONTINUOUS;
@@ -115,7 +115,9 @@ static PyObject *Sched_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     self->seqs = PyDict_New();
     if (!self->seqs) goto fail;
     cv_err err = {0};
-    self->s = cv_scheduler_create(&cfg, &err);
+    self->kv = cv_kv_manager_create(nb, bs, prefix, &err);
+    if (!self->kv) { cv_py_raise(&err); goto fail; }
+    self->s = cv_scheduler_create(&cfg, self->kv, &err);
     if (!self->s) { cv_py_raise(&err); goto fail; }
     return (PyObject *)self;
 fail:
@@ -126,6 +128,7 @@ fail:
 static void Sched_dealloc(SchedObject *self) {
     PyTypeObject *type = Py_TYPE(self);
     cv_scheduler_destroy(self->s);
+    cv_kv_manager_destroy(self->kv);
     if (self->seqs) {
         Py_ssize_t pos = 0;
         PyObject *k, *v;
@@ -136,22 +139,14 @@ static void Sched_dealloc(SchedObject *self) {
     Py_DECREF(type);
 }
 
-static PyObject *Sched_add(SchedObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"seq_id", "prompt_tokens", "max_tokens", "priority", NULL};
-    long long seq_id, max_tokens;
-    int priority = 0;
-    PyObject *prompt, *fast = NULL, *ret = NULL;
-    int32_t *toks = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "LOL|i:add", kwlist, &seq_id, &prompt, &max_tokens, &priority))
-        return NULL;
-    int dup = has_seq(self, seq_id);
-    if (dup < 0) return NULL;
-    if (dup) return PyErr_Format(PyExc_ValueError, "seq_id %lld already exists", seq_id);
-    if (max_tokens < 0) return PyErr_Format(PyExc_ValueError, "max_tokens must be >= 0, got %lld", max_tokens);
-    fast = PySequence_Fast(prompt, "prompt_tokens must be a sequence of ints");
+/* A new sequence holding the int32 tokens of a Python sequence; NULL with an
+ * exception set. */
+static cv_sequence *new_seq_from(long long seq_id, PyObject *tokens, long long max_tokens) {
+    PyObject *fast = PySequence_Fast(tokens, "prompt_tokens must be a sequence of ints");
     if (!fast) return NULL;
+    cv_sequence *q = NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    toks = PyMem_Malloc((size_t)(n + 1) * sizeof *toks);
+    int32_t *toks = PyMem_Malloc((size_t)(n + 1) * sizeof *toks);
     if (!toks) { PyErr_NoMemory(); goto done; }
     for (Py_ssize_t i = 0; i < n; i++) {
         long long t = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
@@ -162,40 +157,55 @@ static PyObject *Sched_add(SchedObject *self, PyObject *args, PyObject *kw) {
         }
         toks[i] = (int32_t)t;
     }
-    cv_sequence *q = cv_sequence_create(seq_id, toks, n, max_tokens);
-    if (!q) { PyErr_NoMemory(); goto done; }
+    q = cv_sequence_create(seq_id, toks, n, max_tokens);
+    if (!q) PyErr_NoMemory();
+done:
+    PyMem_Free(toks);
+    Py_DECREF(fast);
+    return q;
+}
+
+static PyObject *Sched_add(SchedObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"seq_id", "prompt_tokens", "max_tokens", "priority", NULL};
+    long long seq_id, max_tokens;
+    int priority = 0;
+    PyObject *prompt;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LOL|i:add", kwlist, &seq_id, &prompt, &max_tokens, &priority))
+        return NULL;
+    int dup = has_seq(self->seqs, seq_id);
+    if (dup < 0) return NULL;
+    if (dup) return PyErr_Format(PyExc_ValueError, "seq_id %lld already exists", seq_id);
+    if (max_tokens < 0) return PyErr_Format(PyExc_ValueError, "max_tokens must be >= 0, got %lld", max_tokens);
+    cv_sequence *q = new_seq_from(seq_id, prompt, max_tokens);
+    if (!q) return NULL;
     q->priority = priority;
-    if (store_seq(self, seq_id, q) < 0) goto done;
+    if (store_seq(self->seqs, seq_id, q) < 0) return NULL;
     cv_err err = {0};
     if (cv_scheduler_add(self->s, q, &err) != CV_OK) {
         cv_py_raise(&err);
-        drop_seq(self, seq_id, q);
-        goto done;
+        drop_seq(self->seqs, seq_id, q);
+        return NULL;
     }
-    ret = Py_NewRef(Py_None);
-done:
-    PyMem_Free(toks);
-    Py_XDECREF(fast);
-    return ret;
+    Py_RETURN_NONE;
 }
 
 static PyObject *Sched_fork(SchedObject *self, PyObject *args) {
     long long child_id, parent_id;
     if (!PyArg_ParseTuple(args, "LL:fork", &child_id, &parent_id)) return NULL;
-    cv_sequence *parent = get_seq(self, parent_id);
+    cv_sequence *parent = get_seq(self->seqs, parent_id);
     if (!parent) return NULL;
-    int dup = has_seq(self, child_id);
+    int dup = has_seq(self->seqs, child_id);
     if (dup < 0) return NULL;
     if (dup) return PyErr_Format(PyExc_ValueError, "seq_id %lld already exists", child_id);
     cv_sequence *child = cv_sequence_create(child_id, parent->tokens, parent->n_prompt,
                                             parent->max_total - parent->n_prompt);
     if (!child) return PyErr_NoMemory();
     child->priority = parent->priority;
-    if (store_seq(self, child_id, child) < 0) return NULL;
+    if (store_seq(self->seqs, child_id, child) < 0) return NULL;
     cv_err err = {0};
     if (cv_scheduler_add_fork(self->s, child, parent, &err) != CV_OK) {
         cv_py_raise(&err);
-        drop_seq(self, child_id, child);
+        drop_seq(self->seqs, child_id, child);
         return NULL;
     }
     Py_RETURN_NONE;
@@ -218,7 +228,7 @@ static PyObject *plan_dict(const cv_sched_output *p) {
     PyObject *tables = PyList_New((Py_ssize_t)p->n_seqs);
     if (!tables) goto fail;
     for (int64_t i = 0; i < p->n_seqs; i++) {
-        PyObject *t = cv_py_int32_list(p->seqs[i]->block_table, p->seqs[i]->n_blocks);
+        PyObject *t = cv_py_int32_list(p->seqs[i]->blocks.table, p->seqs[i]->blocks.n);
         if (!t) { Py_DECREF(tables); goto fail; }
         PyList_SET_ITEM(tables, i, t);
     }
@@ -260,7 +270,7 @@ static PyObject *Sched_commit(SchedObject *self, PyObject *Py_UNUSED(ignored)) {
 static PyObject *Sched_append_token(SchedObject *self, PyObject *args) {
     long long seq_id, token;
     if (!PyArg_ParseTuple(args, "LL:append_token", &seq_id, &token)) return NULL;
-    cv_sequence *q = get_seq(self, seq_id);
+    cv_sequence *q = get_seq(self->seqs, seq_id);
     if (!q) return NULL;
     if (q->status != CV_SEQ_RUNNING)
         return PyErr_Format(PyExc_ValueError, "sequence %lld is %s, not running", seq_id,
@@ -294,7 +304,7 @@ static PyObject *Sched_finish(SchedObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "L|s:finish", &seq_id, &reason)) return NULL;
     cv_seq_status st;
     if (parse_reason(reason, &st) < 0) return NULL;
-    cv_sequence *q = get_seq(self, seq_id);
+    cv_sequence *q = get_seq(self->seqs, seq_id);
     if (!q) return NULL;
     cv_scheduler_finish(self->s, q, st);
     Py_RETURN_NONE;
@@ -303,7 +313,7 @@ static PyObject *Sched_finish(SchedObject *self, PyObject *args) {
 static PyObject *Sched_abort(SchedObject *self, PyObject *args) {
     long long seq_id;
     if (!PyArg_ParseTuple(args, "L:abort", &seq_id)) return NULL;
-    cv_sequence *q = get_seq(self, seq_id);
+    cv_sequence *q = get_seq(self->seqs, seq_id);
     if (!q) return NULL;
     cv_scheduler_finish(self->s, q, CV_SEQ_FINISHED_ABORTED);
     Py_RETURN_NONE;
@@ -312,7 +322,7 @@ static PyObject *Sched_abort(SchedObject *self, PyObject *args) {
 static PyObject *Sched_seq_info(SchedObject *self, PyObject *args) {
     long long seq_id;
     if (!PyArg_ParseTuple(args, "L:seq_info", &seq_id)) return NULL;
-    cv_sequence *q = get_seq(self, seq_id);
+    cv_sequence *q = get_seq(self->seqs, seq_id);
     if (!q) return NULL;
     PyObject *d = PyDict_New();
     if (!d) return NULL;
@@ -325,7 +335,7 @@ static PyObject *Sched_seq_info(SchedObject *self, PyObject *args) {
         cv_py_put(d, "n_preemptions", PyLong_FromLongLong(q->n_preemptions)) < 0 ||
         cv_py_put(d, "arrival", PyLong_FromLongLong(q->arrival)) < 0 ||
         cv_py_put(d, "priority", PyLong_FromLong(q->priority)) < 0 ||
-        cv_py_put(d, "block_table", cv_py_int32_list(q->block_table, q->n_blocks)) < 0 ||
+        cv_py_put(d, "block_table", cv_py_int32_list(q->blocks.table, q->blocks.n)) < 0 ||
         cv_py_put(d, "tokens", cv_py_int32_list(q->tokens, q->n_tokens)) < 0) {
         Py_DECREF(d);
         return NULL;
@@ -368,10 +378,11 @@ static PyObject *Sched_check(SchedObject *self, PyObject *Py_UNUSED(ignored)) {
 }
 
 static PyObject *Sched_block_refcounts(SchedObject *self, PyObject *Py_UNUSED(ignored)) {
-    PyObject *l = PyList_New((Py_ssize_t)self->cfg.num_blocks);
+    const int64_t nb = cv_kv_manager_num_blocks(self->kv);
+    PyObject *l = PyList_New((Py_ssize_t)nb);
     if (!l) return NULL;
-    for (int64_t b = 0; b < self->cfg.num_blocks; b++) {
-        PyObject *x = PyLong_FromLong(cv_scheduler_block_refcount(self->s, b));
+    for (int64_t b = 0; b < nb; b++) {
+        PyObject *x = PyLong_FromLong(cv_kv_manager_refcount(self->kv, b));
         if (!x) { Py_DECREF(l); return NULL; }
         PyList_SET_ITEM(l, b, x);
     }
@@ -475,4 +486,293 @@ static PyType_Spec Sched_spec = {
     .slots = Sched_slots,
 };
 
-int cv_py_add_scheduler(PyObject *m) { return cv_py_add_type(m, &Sched_spec); }
+/* ---- conveyor._core.KVManager: the KV manager alone, for tests ----
+ *
+ *   kv = KVManager(num_blocks, block_size, enable_prefix_caching=True)
+ *   kv.add(1, [5, 6, 7])         # a sequence holding these tokens, no blocks
+ *   kv.allocate(1, 2)            # two more blocks in its table
+ *   kv.compute(1, 3)             # the runner computed 3 more tokens
+ */
+
+typedef struct {
+    PyObject_HEAD
+    cv_kv_manager *m;
+    PyObject *seqs;       /* as SchedObject's: seq_id -> address of an owned cv_sequence */
+} KVObject;
+
+static PyObject *KV_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"num_blocks", "block_size", "enable_prefix_caching", NULL};
+    long long nb, bs;
+    int prefix = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LL|p:KVManager", kwlist, &nb, &bs, &prefix)) return NULL;
+    KVObject *self = (KVObject *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    self->seqs = PyDict_New();
+    if (!self->seqs) goto fail;
+    cv_err err = {0};
+    self->m = cv_kv_manager_create(nb, bs, prefix, &err);
+    if (!self->m) { cv_py_raise(&err); goto fail; }
+    return (PyObject *)self;
+fail:
+    Py_DECREF(self);
+    return NULL;
+}
+
+static void KV_dealloc(KVObject *self) {
+    PyTypeObject *type = Py_TYPE(self);
+    cv_kv_manager_destroy(self->m);
+    if (self->seqs) {
+        Py_ssize_t pos = 0;
+        PyObject *k, *v;
+        while (PyDict_Next(self->seqs, &pos, &k, &v)) cv_sequence_free(PyLong_AsVoidPtr(v));
+        Py_DECREF(self->seqs);
+    }
+    type->tp_free((PyObject *)self);
+    Py_DECREF(type);
+}
+
+static PyObject *KV_add(KVObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"seq_id", "tokens", "skip_prefix_cache", NULL};
+    long long seq_id;
+    PyObject *tokens;
+    int skip = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LO|p:add", kwlist, &seq_id, &tokens, &skip)) return NULL;
+    int dup = has_seq(self->seqs, seq_id);
+    if (dup < 0) return NULL;
+    if (dup) return PyErr_Format(PyExc_ValueError, "seq_id %lld already exists", seq_id);
+    cv_sequence *q = new_seq_from(seq_id, tokens, 0);
+    if (!q) return NULL;
+    q->skip_prefix_cache = skip;
+    if (store_seq(self->seqs, seq_id, q) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* Appends tokens to a sequence; as unverified proposals (n_spec) when asked. */
+static PyObject *KV_append(KVObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"seq_id", "tokens", "proposals", NULL};
+    long long seq_id;
+    PyObject *tokens;
+    int spec = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LO|p:append", kwlist, &seq_id, &tokens, &spec)) return NULL;
+    cv_sequence *q = get_seq(self->seqs, seq_id);
+    if (!q) return NULL;
+    cv_sequence *t = new_seq_from(-1, tokens, 0);
+    if (!t) return NULL;
+    for (int64_t i = 0; i < t->n_tokens; i++) {
+        if (cv_sequence_append(q, t->tokens[i]) != CV_OK) {
+            cv_sequence_free(t);
+            return PyErr_NoMemory();
+        }
+        if (spec) q->n_spec++;
+    }
+    cv_sequence_free(t);
+    Py_RETURN_NONE;
+}
+
+static PyObject *KV_allocate(KVObject *self, PyObject *args) {
+    long long seq_id, n;
+    if (!PyArg_ParseTuple(args, "LL:allocate", &seq_id, &n)) return NULL;
+    cv_sequence *q = get_seq(self->seqs, seq_id);
+    if (!q) return NULL;
+    if (n < 0) return PyErr_Format(PyExc_ValueError, "n must be >= 0, got %lld", n);
+    int rc = cv_kv_manager_allocate(self->m, q, n);
+    if (rc == CV_ERR_NOMEM) return PyErr_NoMemory();
+    if (rc != CV_OK)
+        return PyErr_Format(PyExc_ValueError, "%lld blocks asked, %lld free", n,
+                            (long long)cv_kv_manager_num_free(self->m));
+    Py_RETURN_NONE;
+}
+
+static PyObject *KV_free(KVObject *self, PyObject *args) {
+    long long seq_id;
+    if (!PyArg_ParseTuple(args, "L:free", &seq_id)) return NULL;
+    cv_sequence *q = get_seq(self->seqs, seq_id);
+    if (!q) return NULL;
+    cv_kv_manager_free(self->m, q);
+    Py_RETURN_NONE;
+}
+
+/* The runner computed n more tokens of the sequence; newly full blocks are cached. */
+static PyObject *KV_compute(KVObject *self, PyObject *args) {
+    long long seq_id, n;
+    if (!PyArg_ParseTuple(args, "LL:compute", &seq_id, &n)) return NULL;
+    cv_sequence *q = get_seq(self->seqs, seq_id);
+    if (!q) return NULL;
+    int64_t room = cv_kv_num_blocks(q) * cv_kv_manager_block_size(self->m);
+    if (room > q->n_tokens) room = q->n_tokens;
+    if (n < 0 || q->n_computed + n > room)
+        return PyErr_Format(PyExc_ValueError,
+                            "sequence %lld: %lld computed, %lld more asked, its blocks and tokens hold %lld",
+                            seq_id, (long long)q->n_computed, n, (long long)room);
+    q->n_computed += n;
+    cv_kv_manager_cache_full(self->m, q);
+    Py_RETURN_NONE;
+}
+
+static PyObject *KV_fork(KVObject *self, PyObject *args) {
+    long long child_id, parent_id;
+    if (!PyArg_ParseTuple(args, "LL:fork", &child_id, &parent_id)) return NULL;
+    cv_sequence *parent = get_seq(self->seqs, parent_id);
+    if (!parent) return NULL;
+    int dup = has_seq(self->seqs, child_id);
+    if (dup < 0) return NULL;
+    if (dup) return PyErr_Format(PyExc_ValueError, "seq_id %lld already exists", child_id);
+    cv_sequence *child = cv_sequence_create(child_id, parent->tokens, parent->n_prompt, 0);
+    if (!child) return PyErr_NoMemory();
+    if (store_seq(self->seqs, child_id, child) < 0) return NULL;
+    if (cv_kv_manager_fork(self->m, child, parent) != CV_OK) {
+        PyErr_NoMemory();
+        drop_seq(self->seqs, child_id, child);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* Speculative verification: the sequence keeps its first n_tokens tokens
+ * (its proposals end), and the KV past n_valid is not valid. */
+static PyObject *KV_trim(KVObject *self, PyObject *args) {
+    long long seq_id, n_tokens, n_valid;
+    if (!PyArg_ParseTuple(args, "LLL:trim", &seq_id, &n_tokens, &n_valid)) return NULL;
+    cv_sequence *q = get_seq(self->seqs, seq_id);
+    if (!q) return NULL;
+    if (n_tokens < 0 || n_tokens > q->n_tokens || n_valid < 0)
+        return PyErr_Format(PyExc_ValueError, "sequence %lld holds %lld tokens: cannot keep %lld (n_valid %lld)",
+                            seq_id, (long long)q->n_tokens, n_tokens, n_valid);
+    q->n_tokens = n_tokens;
+    q->n_spec = 0;
+    cv_kv_manager_trim(self->m, q, n_valid);
+    Py_RETURN_NONE;
+}
+
+static PyObject *KV_lookup_prefix(KVObject *self, PyObject *args) {
+    long long seq_id;
+    if (!PyArg_ParseTuple(args, "L:lookup_prefix", &seq_id)) return NULL;
+    cv_sequence *q = get_seq(self->seqs, seq_id);
+    if (!q) return NULL;
+    if (q->n_tokens < 1) return PyErr_Format(PyExc_ValueError, "sequence %lld holds no tokens", seq_id);
+    int64_t n_free = 0;
+    int64_t n = cv_kv_manager_lookup_prefix(self->m, q, &n_free);
+    return Py_BuildValue("(LL)", (long long)n, (long long)n_free);
+}
+
+static PyObject *KV_take_prefix(KVObject *self, PyObject *args) {
+    long long seq_id, n_hits;
+    if (!PyArg_ParseTuple(args, "LL:take_prefix", &seq_id, &n_hits)) return NULL;
+    cv_sequence *q = get_seq(self->seqs, seq_id);
+    if (!q) return NULL;
+    if (cv_kv_num_blocks(q) != 0)
+        return PyErr_Format(PyExc_ValueError, "sequence %lld already holds blocks", seq_id);
+    if (cv_kv_manager_take_prefix(self->m, q, n_hits) != CV_OK) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *KV_seq_info(KVObject *self, PyObject *args) {
+    long long seq_id;
+    if (!PyArg_ParseTuple(args, "L:seq_info", &seq_id)) return NULL;
+    cv_sequence *q = get_seq(self->seqs, seq_id);
+    if (!q) return NULL;
+    PyObject *d = PyDict_New();
+    if (!d) return NULL;
+    if (cv_py_put(d, "block_table", cv_py_int32_list(q->blocks.table, q->blocks.n)) < 0 ||
+        cv_py_put(d, "n_computed", PyLong_FromLongLong(q->n_computed)) < 0 ||
+        cv_py_put(d, "n_cached_blocks", PyLong_FromLongLong(q->blocks.n_cached)) < 0 ||
+        cv_py_put(d, "n_cached_prompt", PyLong_FromLongLong(q->n_cached_prompt)) < 0 ||
+        cv_py_put(d, "n_tokens", PyLong_FromLongLong(q->n_tokens)) < 0 ||
+        cv_py_put(d, "tokens", cv_py_int32_list(q->tokens, q->n_tokens)) < 0) {
+        Py_DECREF(d);
+        return NULL;
+    }
+    return d;
+}
+
+static PyObject *KV_stats(KVObject *self, PyObject *Py_UNUSED(ignored)) {
+    int64_t queries, hits;
+    cv_kv_manager_prefix_counts(self->m, &queries, &hits);
+    PyObject *d = PyDict_New();
+    if (!d) return NULL;
+    if (cv_py_put(d, "num_free", PyLong_FromLongLong(cv_kv_manager_num_free(self->m))) < 0 ||
+        cv_py_put(d, "num_cached_free", PyLong_FromLongLong(cv_kv_manager_num_cached_free(self->m))) < 0 ||
+        cv_py_put(d, "num_touched", PyLong_FromLongLong(cv_kv_manager_num_touched(self->m))) < 0 ||
+        cv_py_put(d, "prefix_queries", PyLong_FromLongLong(queries)) < 0 ||
+        cv_py_put(d, "prefix_hits", PyLong_FromLongLong(hits)) < 0) {
+        Py_DECREF(d);
+        return NULL;
+    }
+    return d;
+}
+
+static PyObject *KV_refcounts(KVObject *self, PyObject *Py_UNUSED(ignored)) {
+    const int64_t nb = cv_kv_manager_num_blocks(self->m);
+    PyObject *l = PyList_New((Py_ssize_t)nb);
+    if (!l) return NULL;
+    for (int64_t b = 0; b < nb; b++) {
+        PyObject *x = PyLong_FromLong(cv_kv_manager_refcount(self->m, b));
+        if (!x) { Py_DECREF(l); return NULL; }
+        PyList_SET_ITEM(l, b, x);
+    }
+    return l;
+}
+
+static PyObject *KV_check(KVObject *self, PyObject *Py_UNUSED(ignored)) {
+    Py_ssize_t n = PyDict_Size(self->seqs), pos = 0, i = 0;
+    const cv_sequence **all = PyMem_Malloc((size_t)(n + 1) * sizeof *all);
+    if (!all) return PyErr_NoMemory();
+    PyObject *k, *v;
+    while (PyDict_Next(self->seqs, &pos, &k, &v) && i < n) all[i++] = PyLong_AsVoidPtr(v);
+    cv_err err = {0};
+    int rc = cv_kv_manager_check(self->m, all, i, &err);
+    PyMem_Free(all);
+    if (rc == CV_OK) Py_RETURN_NONE;
+    if (rc == CV_ERR_STATE) {
+        PyErr_Format(PyExc_AssertionError, "KV manager invariant broken: %s", err.msg);
+        return NULL;
+    }
+    return cv_py_raise(&err);
+}
+
+static PyMethodDef KV_methods[] = {
+    {"add", (PyCFunction)(void (*)(void))KV_add, METH_VARARGS | METH_KEYWORDS,
+     "add(seq_id, tokens, skip_prefix_cache=False): a sequence holding tokens (its prompt), no blocks."},
+    {"append", (PyCFunction)(void (*)(void))KV_append, METH_VARARGS | METH_KEYWORDS,
+     "append(seq_id, tokens, proposals=False): more tokens; unverified proposals when proposals is set."},
+    {"allocate", (PyCFunction)KV_allocate, METH_VARARGS,
+     "allocate(seq_id, n): n more blocks; ValueError (nothing taken) when fewer are free."},
+    {"free", (PyCFunction)KV_free, METH_VARARGS, "free(seq_id): every block back; n_computed 0."},
+    {"compute", (PyCFunction)KV_compute, METH_VARARGS,
+     "compute(seq_id, n): n more tokens computed into its blocks; newly full ones are cached."},
+    {"fork", (PyCFunction)KV_fork, METH_VARARGS,
+     "fork(child_id, parent_id): a new sequence with the parent's prompt, sharing its computed blocks."},
+    {"trim", (PyCFunction)KV_trim, METH_VARARGS,
+     "trim(seq_id, n_tokens, n_valid): keep n_tokens tokens (proposals verified); KV past n_valid is invalid."},
+    {"lookup_prefix", (PyCFunction)KV_lookup_prefix, METH_VARARGS,
+     "lookup_prefix(seq_id) -> (n_hits, n_free_hits)."},
+    {"take_prefix", (PyCFunction)KV_take_prefix, METH_VARARGS,
+     "take_prefix(seq_id, n_hits): the first n_hits blocks of the last lookup into its empty table."},
+    {"seq_info", (PyCFunction)KV_seq_info, METH_VARARGS, "seq_info(seq_id) -> dict."},
+    {"stats", (PyCFunction)KV_stats, METH_NOARGS,
+     "stats() -> dict(num_free, num_cached_free, num_touched, prefix_queries, prefix_hits)."},
+    {"refcounts", (PyCFunction)KV_refcounts, METH_NOARGS, "refcounts() -> the ref count of every block."},
+    {"check", (PyCFunction)KV_check, METH_NOARGS,
+     "check(): raises AssertionError naming the first broken invariant."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot KV_slots[] = {
+    {Py_tp_doc, PyDoc_STR("KVManager(num_blocks, block_size, enable_prefix_caching=True): the C KV manager "
+                          "with sequences owned by the harness.")},
+    {Py_tp_new, KV_new},
+    {Py_tp_dealloc, KV_dealloc},
+    {Py_tp_methods, KV_methods},
+    {0, NULL},
+};
+
+static PyType_Spec KV_spec = {
+    .name = "conveyor._core.KVManager",
+    .basicsize = sizeof(KVObject),
+    .flags = CV_PY_TYPE_FLAGS,
+    .slots = KV_slots,
+};
+
+int cv_py_add_scheduler(PyObject *m) {
+    return cv_py_add_type(m, &Sched_spec) < 0 ? -1 : cv_py_add_type(m, &KV_spec);
+}

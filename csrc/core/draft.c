@@ -3,22 +3,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../../kernels/quant_format.h"
-#include "../model/model.h"
-#include "block_pool.h"
-#include "kv_cache.h"
-#include "runner.h"
-#include "scheduler.h"
+#include "kv_manager.h"
+#include "worker.h"
 
 struct cv_draft {
-    cv_model *model;
-    cv_kv_cache kv;
-    cv_backend *backend;
-    cv_block_pool *pool;
-    cv_forward_ws ws;
-    int ws_ready;
-    cv_runner runner;
-    int64_t vocab, max_len, max_seqs, max_tokens, block_size, max_k, max_blocks_per_seq;
+    cv_worker w;            /* the draft model, its KV cache and KV manager */
+    int64_t vocab, max_len, max_seqs, max_tokens, block_size, max_k;
     cv_sequence **slots;    /* [max_seqs] draft-side sequences (seq_id: the target's), NULL when free */
     /* one round's scratch, by position in the caller's seqs */
     int64_t *slot_of, *left;
@@ -32,7 +22,7 @@ struct cv_draft {
 static void slot_release(cv_draft *d, int64_t k) {
     cv_sequence *q = d->slots[k];
     if (!q) return;
-    for (int64_t b = 0; b < q->n_blocks; b++) cv_block_pool_decref(d->pool, q->block_table[b]);
+    cv_kv_manager_free(d->w.blocks, q);
     cv_sequence_free(q);
     d->slots[k] = NULL;
 }
@@ -44,7 +34,7 @@ void cv_draft_release_all(cv_draft *d) {
 
 void cv_draft_destroy(cv_draft *d) {
     if (!d) return;
-    if (d->slots && d->pool) cv_draft_release_all(d);
+    if (d->slots && d->w.blocks) cv_draft_release_all(d);
     free(d->slots);
     free(d->slot_of);
     free(d->left);
@@ -52,11 +42,7 @@ void cv_draft_destroy(cv_draft *d) {
     free(d->p_new);
     free(d->p_start);
     free(d->p_index);
-    cv_runner_free(&d->runner);
-    if (d->ws_ready) cv_forward_ws_free(&d->ws, d->model);
-    cv_block_pool_destroy(d->pool);
-    if (d->backend) cv_kv_cache_free(&d->kv, d->backend);
-    cv_model_free(d->model);
+    cv_worker_free(&d->w);
     free(d);
 }
 
@@ -78,11 +64,9 @@ int cv_draft_create(cv_draft **out, const cv_draft_config *cfg, cv_backend *b, c
         return cv_set_err(err, CV_ERR_INVALID, "draft model: bad limits");
     cv_draft *d = calloc(1, sizeof *d);
     if (!d) return cv_set_err(err, CV_ERR_NOMEM, "out of memory");
-    int rc = cv_model_load_quantized(&d->model, cfg->path, b, cfg->dtype,
-                                     cv_dtype_is_quant(cfg->quantization) ? cfg->quantization : CV_DTYPE_INVALID,
-                                     cancel, err);
+    int rc = cv_worker_load(&d->w, b, cfg->path, cfg->dtype, cfg->quantization, cancel, err);
     if (rc) { rc = draft_err(err, rc, cfg->path); goto fail; }
-    const cv_model_config *mc = &d->model->cfg;
+    const cv_model_config *mc = &d->w.model->cfg;
     if (mc->vocab_size != cfg->target_vocab) {
         rc = cv_set_field_err(err, CV_ERR_INVALID, "model",
                               "speculative_config: draft model '%s' has a vocabulary of %lld tokens; the "
@@ -96,32 +80,25 @@ int cv_draft_create(cv_draft **out, const cv_draft_config *cfg, cv_backend *b, c
     d->max_tokens = cfg->max_tokens;
     d->block_size = cfg->block_size;
     d->max_k = cfg->max_k;
-    d->max_blocks_per_seq = (d->max_len + d->block_size - 1) / d->block_size + 1;
-    if ((rc = cv_forward_ws_init(&d->ws, d->model, d->max_tokens, d->max_seqs, d->max_blocks_per_seq, err))) {
+    if ((rc = cv_worker_init_compute(&d->w, d->max_tokens, d->max_seqs, d->max_seqs, d->max_len, d->block_size,
+                                     err))) {
         rc = draft_err(err, rc, cfg->path);
         goto fail;
     }
-    d->ws_ready = 1;
-    /* as the target's rule: bf16 keys and values under quantized weights */
-    cv_dtype wt = mc->n_layers > 0 ? d->model->layers[0].w_gate_up.dtype : d->model->lm_head.dtype;
-    cv_dtype kvt = cv_dtype_is_quant(wt) ? CV_BF16 : d->model->dtype;
+    const int64_t max_blocks_per_seq = d->w.max_blocks_per_seq;
+    /* the target's rule for the KV dtype */
+    const cv_dtype kvt = cv_worker_auto_kv_dtype(&d->w);
     size_t per_block = cv_kv_bytes_per_token(mc->n_layers, mc->n_kv_heads, mc->head_dim, kvt) * (size_t)d->block_size;
     /* every sequence at full length; the CPU commits only the pages used */
-    size_t budget = per_block * (size_t)(d->max_seqs * d->max_blocks_per_seq);
-    size_t one_seq = per_block * (size_t)d->max_blocks_per_seq;
+    size_t budget = per_block * (size_t)(d->max_seqs * max_blocks_per_seq);
+    size_t one_seq = per_block * (size_t)max_blocks_per_seq;
     if (cfg->kv_bytes_cap > 0 && budget > cfg->kv_bytes_cap)
         budget = cfg->kv_bytes_cap > one_seq ? cfg->kv_bytes_cap : one_seq;
-    d->backend = b;
-    if ((rc = cv_kv_cache_create(&d->kv, b, mc->n_layers, mc->n_kv_heads, mc->head_dim, kvt, d->block_size, budget,
-                                 cancel, err))) {
+    /* no prefix caching: a draft sequence keeps its own blocks while it lives */
+    if ((rc = cv_worker_init_cache(&d->w, kvt, d->block_size, budget, 0, cancel, err))) {
         rc = draft_err(err, rc, cfg->path);
         goto fail;
     }
-    d->pool = cv_block_pool_create(d->kv.num_blocks, d->block_size, 0, err);
-    if (!d->pool) { rc = err ? err->code : CV_ERR_NOMEM; goto fail; }
-    if ((rc = cv_runner_init(&d->runner, d->max_tokens, d->max_seqs, d->max_seqs, d->max_blocks_per_seq,
-                             d->block_size, err)))
-        goto fail;
     size_t S = (size_t)d->max_seqs;
     d->slots = calloc(S, sizeof *d->slots);
     d->slot_of = malloc(S * sizeof *d->slot_of);
@@ -144,28 +121,12 @@ fail:
 int64_t cv_draft_tokens_computed(const cv_draft *d) { return d ? d->tokens_computed : 0; }
 
 int64_t cv_draft_blocks_used(const cv_draft *d) {
-    return d ? d->kv.num_blocks - 1 - cv_block_pool_num_free(d->pool) : 0;
+    return d ? d->w.kv.num_blocks - 1 - cv_kv_manager_num_free(d->w.blocks) : 0;
 }
 
 int cv_draft_check(const cv_draft *d, cv_err *err) {
     if (!d) return CV_OK;
-    int32_t *refs = calloc((size_t)d->kv.num_blocks, sizeof *refs);
-    if (!refs) return cv_set_err(err, CV_ERR_NOMEM, "out of memory for the draft pool's check");
-    int rc = CV_OK;
-    for (int64_t k = 0; k < d->max_seqs && !rc; k++) {
-        const cv_sequence *q = d->slots[k];
-        for (int64_t b = 0; q && b < q->n_blocks && !rc; b++) {
-            int32_t id = q->block_table[b];
-            if (id < 1 || id >= d->kv.num_blocks)
-                rc = cv_set_err(err, CV_ERR_STATE, "draft sequence %lld holds block %d, outside the pool",
-                                (long long)q->seq_id, id);
-            else
-                refs[id]++;
-        }
-    }
-    if (!rc) rc = cv_block_pool_check(d->pool, refs, err);
-    free(refs);
-    return rc;
+    return cv_kv_manager_check(d->w.blocks, (const cv_sequence *const *)d->slots, d->max_seqs, err);
 }
 
 /* Makes q hold tokens[n], of which its first `from` already are (capacity as
@@ -194,9 +155,11 @@ static int64_t slot_for(cv_draft *d, const cv_sequence *s) {
     if (free_slot < 0) return -1;
     cv_sequence *q = cv_sequence_create(s->seq_id, NULL, 0, d->max_len);
     if (!q) return -1;
-    q->block_table = malloc((size_t)d->max_blocks_per_seq * sizeof *q->block_table);
-    if (!q->block_table) { cv_sequence_free(q); return -1; }
-    q->cap_blocks = d->max_blocks_per_seq;
+    /* its whole table at once, so that allocating never fails for memory */
+    if (cv_kv_manager_reserve(d->w.blocks, q, d->w.max_blocks_per_seq) != CV_OK) {
+        cv_sequence_free(q);
+        return -1;
+    }
     q->status = CV_SEQ_RUNNING;
     d->slots[free_slot] = q;
     return free_slot;
@@ -214,13 +177,11 @@ static int64_t sync_slot(cv_draft *d, cv_sequence *q, const cv_sequence *s, int6
     int64_t same = 0;
     while (same < keep && q->tokens[same] == s->tokens[same]) same++;
     if (hold_tokens(q, s->tokens, same, n, d->max_k + 1)) return 0;
-    q->n_computed = same;
-    int64_t need = (n + k - 1 + d->block_size - 1) / d->block_size;
-    while (q->n_blocks < need) {
-        int32_t b = cv_block_pool_alloc(d->pool);
-        if (b < 0) return 0;
-        q->block_table[q->n_blocks++] = b;
-    }
+    q->n_computed = same; /* its blocks stay: the positions past it are computed again */
+    /* as many of the blocks it needs as are free: one short holds them for its next round */
+    const int64_t need = cv_kv_manager_blocks_needed(d->w.blocks, q, n + k - 1);
+    const int64_t avail = cv_kv_manager_num_free(d->w.blocks);
+    if (cv_kv_manager_allocate(d->w.blocks, q, need < avail ? need : avail) != CV_OK || need > avail) return 0;
     return k;
 }
 
@@ -273,18 +234,17 @@ int cv_draft_propose(cv_draft *d, cv_sequence *const *seqs, const int64_t *want,
             budget -= todo;
         }
         if (plan.n_seqs == 0) break;
-        int rc = cv_runner_build(&d->runner, &plan, err);
-        if (!rc) rc = cv_model_forward(d->model, &d->ws, d->kv.layers, &d->runner.batch, err);
+        int rc = cv_worker_execute(&d->w, &plan, err);
         if (rc) {
             cv_draft_release_all(d);
             return rc;
         }
         d->tokens_computed += plan.total_tokens;
         for (int64_t j = 0; j < plan.n_seqs; j++) d->p_seqs[j]->n_computed += d->p_new[j];
-        for (int64_t row = 0; row < d->runner.batch.n_logits; row++) {
-            int64_t j = d->runner.sample_plan_index[row], i = d->p_index[j];
+        for (int64_t row = 0; row < d->w.runner.batch.n_logits; row++) {
+            int64_t j = d->w.runner.sample_plan_index[row], i = d->p_index[j];
             cv_sequence *q = d->p_seqs[j];
-            int32_t t = (int32_t)argmax(d->ws.logits_host + row * d->vocab, d->vocab);
+            int32_t t = (int32_t)argmax(d->w.ws.logits_host + row * d->vocab, d->vocab);
             out[i * d->max_k + got[i]++] = t;
             q->tokens[q->n_tokens++] = t; /* capacity: hold_tokens left max_k + 1 spare */
             d->left[i]--;

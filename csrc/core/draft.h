@@ -3,11 +3,10 @@
  * greedy decoding; the target verifies them in its own batched step
  * (engine_sample.c).
  *
- * The draft runs on the engine's machinery: its own model, forward
- * workspace, runner and paged KV cache with its own block pool, on the
- * target's backend. Each sequence it proposes for has a draft-side
- * cv_sequence (a copy of the tokens it has computed, and a block table in the
- * draft's pool). Before proposing, that copy is compared with the target's
+ * The draft runs on a model worker of its own (worker.h: its model, forward
+ * workspace, runner, paged KV cache and KV manager), on the target's backend.
+ * Each sequence it proposes for has a draft-side cv_sequence (a copy of the
+ * tokens it has computed, and a block table in the draft's KV manager). Before proposing, that copy is compared with the target's
  * tokens: the draft KV stays valid for their common prefix, so a rejected
  * proposal rolls back by itself (its positions are recomputed) and nothing
  * outside this file tracks draft state. A sequence the draft is not asked

@@ -71,12 +71,11 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
         if (e->backend) cv_cpu_backend_set_exact_activations(e->backend, cfg->exact_activations);
     }
     if (!e->backend) { rc = err ? err->code : CV_ERR_STATE; if (rc >= 0) rc = CV_ERR_STATE; goto fail; }
-    if ((rc = cv_model_load_quantized(&e->model, cfg->model_path, e->backend, cfg->dtype,
-                                       cv_dtype_is_quant(cfg->quantization) ? cfg->quantization : CV_DTYPE_INVALID,
-                                       cfg->cancel, err)))
+    if ((rc = cv_worker_load(&e->worker, e->backend, cfg->model_path, cfg->dtype, cfg->quantization, cfg->cancel,
+                             err)))
         goto fail;
 
-    const cv_model_config *mc = &e->model->cfg;
+    const cv_model_config *mc = &e->worker.model->cfg;
     e->vocab = mc->vocab_size;
     e->max_model_len = cfg->max_model_len > 0 ? cfg->max_model_len : mc->max_pos;
     if (e->max_model_len > mc->max_pos) {
@@ -108,38 +107,28 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
     }
 
     /* Activations before the KV cache, which takes a share of what is left. */
-    int64_t max_blocks_per_seq = (e->max_model_len + e->block_size - 1) / e->block_size + 1;
-    if ((rc = cv_forward_ws_init(&e->ws, e->model, e->max_tokens_step, e->max_rows,
-                                 max_blocks_per_seq, err)))
+    if ((rc = cv_worker_init_compute(&e->worker, e->max_tokens_step, e->max_num_seqs, e->max_rows,
+                                     e->max_model_len, e->block_size, err)))
         goto fail;
-    e->ws_ready = 1;
 
-    /* KV cache */
-    /* "auto": the activation dtype, except bf16 under quantized weights (their
-     * activations are fp32; bf16 keys and values halve the cache at a rounding
-     * error far below the weights' own). */
+    /* KV cache ("auto": cv_worker_auto_kv_dtype) */
     cv_dtype kvt = cfg->kv_dtype;
-    if (kvt == CV_DTYPE_INVALID)
-        kvt = cv_dtype_is_quant(cv_engine_matrix_dtype(e)) ? CV_BF16 : e->model->dtype;
+    if (kvt == CV_DTYPE_INVALID) kvt = cv_worker_auto_kv_dtype(&e->worker);
     size_t per_token = cv_kv_bytes_per_token(mc->n_layers, mc->n_kv_heads, mc->head_dim, kvt);
     size_t kv = cfg->kv_cache_bytes ? cfg->kv_cache_bytes
                                      : default_kv_bytes(e, per_token, cfg->gpu_memory_utilization);
-    if ((rc = cv_kv_cache_create(&e->kv, e->backend, mc->n_layers, mc->n_kv_heads, mc->head_dim, kvt,
-                                 e->block_size, kv, cfg->cancel, err)))
+    if ((rc = cv_worker_init_cache(&e->worker, kvt, e->block_size, kv, cfg->enable_prefix_caching, cfg->cancel,
+                                   err)))
         goto fail;
 
     cv_scheduler_config sc = {
-        .num_blocks = e->kv.num_blocks, .block_size = e->block_size, .max_num_seqs = e->max_num_seqs,
+        .max_num_seqs = e->max_num_seqs,
         .max_num_batched_tokens = e->max_tokens_step, .max_model_len = e->max_model_len,
-        .enable_prefix_caching = cfg->enable_prefix_caching,
         .enable_chunked_prefill = cfg->enable_chunked_prefill, .policy = cfg->policy,
         .max_prefill_tokens_while_decoding = cfg->max_prefill_tokens_while_decoding,
     };
-    e->sched = cv_scheduler_create(&sc, err);
+    e->sched = cv_scheduler_create(&sc, e->worker.blocks, err);
     if (!e->sched) { rc = err ? err->code : CV_ERR_STATE; goto fail; }
-    if ((rc = cv_runner_init(&e->runner, e->max_tokens_step, e->max_num_seqs, e->max_rows,
-                             max_blocks_per_seq, e->block_size, err)))
-        goto fail;
     e->pl_rows = malloc((size_t)e->max_num_seqs * sizeof *e->pl_rows);
     e->pl_req = malloc((size_t)e->max_num_seqs * sizeof *e->pl_req);
     e->pl_pos = malloc((size_t)e->max_num_seqs * sizeof *e->pl_pos);
@@ -162,7 +151,7 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
             .path = cfg->spec.draft_model, .dtype = cfg->dtype, .quantization = cfg->quantization,
             .target_vocab = e->vocab, .max_model_len = e->max_model_len, .max_seqs = e->draft_max_seqs,
             .max_tokens = e->max_tokens_step, .block_size = e->block_size, .max_k = e->spec.num_tokens,
-            .kv_bytes_cap = e->kv.bytes,
+            .kv_bytes_cap = e->worker.kv.bytes,
         };
         if ((rc = cv_draft_create(&e->draft, &dc, e->backend, cfg->cancel, err))) goto fail;
     }
@@ -192,12 +181,12 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
         rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory for token masks");
         goto fail;
     }
-    e->stats_live.num_blocks = e->kv.num_blocks;
+    e->stats_live.num_blocks = e->worker.kv.num_blocks;
     e->stats_live.block_size = e->block_size;
     e->stats_live.max_model_len = e->max_model_len;
     e->stats_live.max_num_seqs = e->max_num_seqs;
     e->stats_live.max_num_batched_tokens = e->max_tokens_step;
-    e->stats_live.kv_cache_bytes = e->kv.bytes;
+    e->stats_live.kv_cache_bytes = e->worker.kv.bytes;
     cv_scheduler_get_stats(e->sched, &e->stats_live.sched);
     e->stats_snapshot = e->stats_live;
     *out = e;
@@ -232,10 +221,7 @@ void cv_engine_destroy(cv_engine *e) {
     free(e->draft_want);
     free(e->draft_got);
     cv_draft_destroy(e->draft);
-    cv_runner_free(&e->runner);
-    if (e->ws_ready) cv_forward_ws_free(&e->ws, e->model);
-    cv_kv_cache_free(&e->kv, e->backend);
-    cv_model_free(e->model);
+    cv_worker_free(&e->worker);
     if (e->backend) e->backend->destroy(e->backend);
     cv_detok_free(&e->detok);
     if (e->masks_ready) cv_mask_box_free(&e->masks);
@@ -365,9 +351,9 @@ static int engine_step(cv_engine *e, cv_err *err) {
         }
     }
     for (int64_t i = 0; i < plan.n_seqs; i++) e->plan_spec[i] = (int32_t)plan.seqs[i]->n_spec;
-    if ((rc = cv_runner_build(&e->runner, &plan, err))) return rc;
+    if ((rc = cv_worker_prepare(&e->worker, &plan, err))) return rc;
     double t1b = cv_now();
-    if ((rc = cv_model_forward(e->model, &e->ws, e->kv.layers, &e->runner.batch, err))) return rc;
+    if ((rc = cv_worker_forward(&e->worker, err))) return rc;
     if ((rc = cv_prompt_logprobs_pass(e, &plan, err))) return rc;
     double t2 = cv_now();
     cv_scheduler_commit(e->sched, &plan);
@@ -518,21 +504,21 @@ int cv_engine_check_invariants(cv_engine *e, cv_err *err) {
     return rc ? rc : cv_draft_check(e->draft, err);
 }
 
-const void *cv_engine_model_config(cv_engine *e) { return &e->model->cfg; }
+const void *cv_engine_model_config(cv_engine *e) { return &e->worker.model->cfg; }
 int64_t cv_engine_vocab_size(cv_engine *e) { return e->vocab; }
 
 void cv_engine_weight_info(cv_engine *e, size_t *bytes, int64_t *n_params, cv_dtype *dtype,
                            cv_dtype *kv_dtype) {
-    *bytes = e->model->weight_bytes;
-    *n_params = e->model->n_params;
-    *dtype = e->model->dtype;
-    *kv_dtype = e->kv.layers[0].dtype;
+    *bytes = e->worker.model->weight_bytes;
+    *n_params = e->worker.model->n_params;
+    *dtype = e->worker.model->dtype;
+    *kv_dtype = e->worker.kv.layers[0].dtype;
 }
 
-size_t cv_engine_embed_bytes(cv_engine *e) { return e->model->embed.bytes; }
+size_t cv_engine_embed_bytes(cv_engine *e) { return e->worker.model->embed.bytes; }
 
 cv_dtype cv_engine_matrix_dtype(cv_engine *e) {
-    return e->model->cfg.n_layers > 0 ? e->model->layers[0].w_gate_up.dtype : e->model->lm_head.dtype;
+    return cv_worker_matrix_dtype(&e->worker);
 }
 
 void cv_engine_set_trace(cv_engine *e, int on) {

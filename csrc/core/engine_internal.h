@@ -11,12 +11,11 @@
 #include "../model/model.h"
 #include "draft.h"
 #include "engine.h"
-#include "kv_cache.h"
 #include "output.h"
-#include "runner.h"
 #include "sequence.h"
 #include "stop.h"
 #include "token_mask.h"
+#include "worker.h"
 
 /* Per-completion state kept by the engine beside its cv_sequence. */
 typedef struct seq_state {
@@ -63,12 +62,8 @@ struct cv_engine {
     uint64_t seed;
 
     cv_backend *backend;
-    cv_model *model;
-    cv_kv_cache kv;
+    cv_worker worker;           /* the target model, its KV cache and KV manager */
     cv_scheduler *sched;
-    cv_runner runner;
-    cv_forward_ws ws;
-    int ws_ready;
     cv_sample_worker *samplers; /* [n_samplers]: one per host worker of the backend */
     int n_samplers;
     int64_t max_rows;           /* logits rows a step may have: max_num_seqs, more when speculating */

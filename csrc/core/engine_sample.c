@@ -25,27 +25,27 @@ static int64_t banned_tokens(const cv_engine *e, cv_sample_worker *w, const cv_r
  * posted before a synchronous step) is marked failed.
  * Returns the number of guided rows. */
 int64_t cv_apply_guided_masks(cv_engine *e, const cv_sched_output *plan) {
-    const cv_batch *bt = &e->runner.batch;
+    const cv_batch *bt = &e->worker.runner.batch;
     int64_t n_guided = 0;
     for (int64_t row = 0; row < bt->n_logits; row++)
-        n_guided += ((cv_request *)plan->seqs[e->runner.sample_plan_index[row]]->owner)->p.guided != 0;
+        n_guided += ((cv_request *)plan->seqs[e->worker.runner.sample_plan_index[row]]->owner)->p.guided != 0;
     if (n_guided == 0) return 0;
     for (int64_t row = 0; row < bt->n_logits; row++) {
-        cv_sequence *s = plan->seqs[e->runner.sample_plan_index[row]];
+        cv_sequence *s = plan->seqs[e->worker.runner.sample_plan_index[row]];
         cv_request *r = s->owner;
         if (!r->p.guided) continue;
         int idx = cv_request_completion_index(r, s);
         e->mask_failed[row] = (uint8_t)(cv_mask_box_take(&e->masks, r->id, idx, r->ss[idx].n_out,
                                                          e->loop_running || e->mask_wait, e->mask_scratch) != 0);
         if (!e->mask_failed[row])
-            cv_sampler_apply_token_mask(e->ws.logits_host + row * e->vocab, e->vocab, e->mask_scratch);
+            cv_sampler_apply_token_mask(e->worker.ws.logits_host + row * e->vocab, e->vocab, e->mask_scratch);
     }
     return n_guided;
 }
 
 /* A sequence's rows are consecutive: its first one stands for them all. */
 static int first_row(const cv_engine *e, int64_t row) {
-    return row == 0 || e->runner.sample_plan_index[row] != e->runner.sample_plan_index[row - 1];
+    return row == 0 || e->worker.runner.sample_plan_index[row] != e->worker.runner.sample_plan_index[row - 1];
 }
 
 /* Whether this step samples logits row `row` (a sequence's first) in the pass
@@ -53,7 +53,7 @@ static int first_row(const cv_engine *e, int64_t row) {
  * guided, got its mask. */
 static int samples_row(const cv_engine *e, const cv_sched_output *plan, int64_t row, int guided) {
     if (!first_row(e, row)) return 0;
-    cv_sequence *s = plan->seqs[e->runner.sample_plan_index[row]];
+    cv_sequence *s = plan->seqs[e->worker.runner.sample_plan_index[row]];
     cv_request *r = s->owner;
     if ((r->p.guided != 0) != guided) return 0;
     if (r->ss[cv_request_completion_index(r, s)].finished) return 0;
@@ -85,7 +85,7 @@ static void sample_row(void *arg, int64_t k, int worker) {
     cv_engine *e = j->e;
     cv_sample_worker *w = &e->samplers[worker];
     const int64_t row0 = e->row_list[k];
-    cv_sequence *s = j->plan->seqs[e->runner.sample_plan_index[row0]];
+    cv_sequence *s = j->plan->seqs[e->worker.runner.sample_plan_index[row0]];
     cv_request *r = s->owner;
     seq_state *st = &r->ss[cv_request_completion_index(r, s)];
     const int64_t m = s->n_spec, base = s->n_tokens - m; /* base: position of d_1 */
@@ -93,7 +93,7 @@ static void sample_row(void *arg, int64_t k, int worker) {
     for (;; i++) {
         const int64_t row = row0 + i;
         int64_t n_banned = banned_tokens(e, w, r, st->n_out + i);
-        e->row_token[row] = cv_sampler_sample(w->sampler, e->ws.logits_host + row * e->vocab, &r->p.sp, s->tokens,
+        e->row_token[row] = cv_sampler_sample(w->sampler, e->worker.ws.logits_host + row * e->vocab, &r->p.sp, s->tokens,
                                               r->n_prompt, s->tokens + r->n_prompt, base + i - r->n_prompt,
                                               w->banned, n_banned, &st->rng, &e->row_info[row]);
         if (i == m || e->row_token[row] != s->tokens[base + i]) break;
@@ -132,7 +132,7 @@ static void accept_rows(cv_engine *e, cv_request *r, int idx, cv_sequence *s, in
  * first every row's draw, in parallel on the backend's host workers, then the
  * acceptances in row order. Caller holds out_lock. */
 void cv_sample_batch(cv_engine *e, const cv_sched_output *plan, int guided) {
-    const cv_batch *bt = &e->runner.batch;
+    const cv_batch *bt = &e->worker.runner.batch;
     int64_t n = 0;
     for (int64_t row = 0; row < bt->n_logits; row++)
         if (samples_row(e, plan, row, guided)) e->row_list[n++] = (int32_t)row;
@@ -143,7 +143,7 @@ void cv_sample_batch(cv_engine *e, const cv_sched_output *plan, int guided) {
         for (int64_t k = 0; k < n; k++) sample_row(&job, k, 0);
     for (int64_t row = 0; row < bt->n_logits; row++) {
         if (!first_row(e, row)) continue;
-        cv_sequence *s = plan->seqs[e->runner.sample_plan_index[row]];
+        cv_sequence *s = plan->seqs[e->worker.runner.sample_plan_index[row]];
         cv_request *r = s->owner;
         if ((r->p.guided != 0) != guided) continue;
         int idx = cv_request_completion_index(r, s);
@@ -162,14 +162,14 @@ void cv_sample_batch(cv_engine *e, const cv_sched_output *plan, int guided) {
 /* Runs the LM head on the n grouped rows and emits one prompt event per row. */
 static int flush_prompt_rows(cv_engine *e, int64_t n, cv_err *err) {
     if (n == 0) return CV_OK;
-    int rc = cv_model_logits(e->model, &e->ws, e->pl_rows, n, e->runner.batch.n_tokens, err);
+    int rc = cv_model_logits(e->worker.model, &e->worker.ws, e->pl_rows, n, e->worker.runner.batch.n_tokens, err);
     if (rc) return rc;
     pthread_mutex_lock(&e->out_lock);
     for (int64_t k = 0; k < n; k++) {
         cv_request *r = e->pl_req[k];
         int64_t pos = e->pl_pos[k];
         cv_sample_info info;
-        cv_logprobs_of(e->ws.logits_host + k * e->vocab, e->vocab, r->prompt[pos], r->p.prompt_logprobs, &info);
+        cv_logprobs_of(e->worker.ws.logits_host + k * e->vocab, e->vocab, r->prompt[pos], r->p.prompt_logprobs, &info);
         cv_event *ev = cv_request_push_event(e, r, 0, NULL, 0);
         if (!ev) continue; /* out of memory for the event: the request still runs */
         ev->prompt_pos = pos;
@@ -190,7 +190,7 @@ static int flush_prompt_rows(cv_engine *e, int64_t n, cv_err *err) {
  * then recomputed, since the groups overwrote them. Positions already sent
  * (a preempted sequence recomputes its prompt) are skipped. */
 int cv_prompt_logprobs_pass(cv_engine *e, const cv_sched_output *plan, cv_err *err) {
-    const cv_batch *bt = &e->runner.batch;
+    const cv_batch *bt = &e->worker.runner.batch;
     int64_t n = 0, total = 0;
     int rc;
     for (int64_t i = 0; i < plan->n_seqs; i++) {
@@ -215,6 +215,6 @@ int cv_prompt_logprobs_pass(cv_engine *e, const cv_sched_output *plan, cv_err *e
     if ((rc = flush_prompt_rows(e, n, err))) return rc;
     total += n;
     if (total > 0 && bt->n_logits > 0)
-        return cv_model_logits(e->model, &e->ws, bt->logits_rows, bt->n_logits, bt->n_tokens, err);
+        return cv_model_logits(e->worker.model, &e->worker.ws, bt->logits_rows, bt->n_logits, bt->n_tokens, err);
     return CV_OK;
 }

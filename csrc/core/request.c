@@ -118,11 +118,11 @@ int cv_engine_check_request(cv_engine *e, const int32_t *prompt, int64_t n_promp
                                 "prompt (%lld tokens) + max_tokens (%lld) exceeds max_model_len (%lld)",
                                 (long long)n_prompt, (long long)max_tokens, (long long)e->max_model_len);
     int64_t need = (n_prompt + max_tokens + e->block_size - 1) / e->block_size;
-    if (need > e->kv.num_blocks - 1)
+    if (need > e->worker.kv.num_blocks - 1)
         return cv_set_field_err(err, CV_ERR_INVALID, "max_tokens",
                                 "the request needs %lld KV blocks but the whole cache holds %lld; "
                                 "raise kv_cache_memory or lower max_tokens",
-                                (long long)need, (long long)(e->kv.num_blocks - 1));
+                                (long long)need, (long long)(e->worker.kv.num_blocks - 1));
     for (int i = 0; i < p->n_stop_token_ids; i++)
         if (p->stop_token_ids[i] >= e->vocab)
             return cv_set_field_err(err, CV_ERR_INVALID, "stop_token_ids",

@@ -56,7 +56,7 @@ int cv_runner_build(cv_runner *r, const cv_sched_output *plan, cv_err *err) {
                               (long long)q->seq_id, (long long)q->n_spec, plan->num_new_tokens[s]);
         rows += ctx == q->n_tokens ? 1 + q->n_spec : 0;
         int64_t need = (ctx + bs - 1) / bs;
-        if (need > q->n_blocks || need > r->max_blocks_per_seq)
+        if (need > q->blocks.n || need > r->max_blocks_per_seq)
             return cv_set_err(err, CV_ERR_STATE, "sequence %lld lacks KV blocks", (long long)q->seq_id);
         if (need > stride) stride = need;
         if (ctx > max_ctx) max_ctx = ctx;
@@ -74,12 +74,12 @@ int cv_runner_build(cv_runner *r, const cv_sched_output *plan, cv_err *err) {
         b->query_start[s] = (int32_t)t;
         b->context_lens[s] = (int32_t)ctx;
         int64_t nb = (ctx + bs - 1) / bs;
-        memcpy(b->block_tables + s * stride, q->block_table, (size_t)nb * sizeof(int32_t));
+        memcpy(b->block_tables + s * stride, q->blocks.table, (size_t)nb * sizeof(int32_t));
         for (int64_t j = 0; j < n_new; j++, t++) {
             int64_t pos = start + j;
             b->tokens[t] = q->tokens[pos];
             b->positions[t] = (int32_t)pos;
-            b->slot_mapping[t] = (int64_t)q->block_table[pos / bs] * bs + pos % bs;
+            b->slot_mapping[t] = (int64_t)q->blocks.table[pos / bs] * bs + pos % bs;
         }
         if (ctx == q->n_tokens) {
             for (int64_t j = q->n_spec; j >= 0; j--) {

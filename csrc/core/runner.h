@@ -1,4 +1,5 @@
-/* Turns a scheduler plan into the flat batch the model runs (struct of arrays). */
+/* Turns a scheduler plan into the flat batch the model runs (struct of arrays).
+ * Reads the sequences' block tables; never writes them. */
 #ifndef CV_RUNNER_H
 #define CV_RUNNER_H
 

@@ -1,4 +1,5 @@
-/* Iteration-level scheduler over the block pool (see scheduler.h).
+/* Iteration-level scheduler: policy only (see scheduler.h). Every block it
+ * plans for goes through the KV manager.
  *
  * Structures:
  * - running: array [max_num_seqs] ordered by the victim key (arrival; under
@@ -14,10 +15,11 @@
  * - waiting (priority): a binary min-heap on (priority, arrival, seq_id).
  *
  * The scheduler stamps seq->arrival in cv_scheduler_add (a fork takes its
- * parent's). No step allocates, except the amortized growth of a block table.
+ * parent's). No step allocates, except the amortized growth of a block table
+ * (in the KV manager).
  * Precondition kept by the engine: seq->n_tokens <= seq->max_total. */
 #include "scheduler.h"
-#include "block_pool.h"
+#include "kv_manager.h"
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -25,7 +27,7 @@
 
 struct cv_scheduler {
     cv_scheduler_config cfg;
-    cv_block_pool *pool;
+    cv_kv_manager *kv;       /* borrowed: the blocks of every sequence it plans */
     int64_t bs;              /* block size */
     int64_t usable_blocks;   /* num_blocks - 1 */
 
@@ -39,9 +41,6 @@ struct cv_scheduler {
     int64_t n_waiting;
     int64_t n_waiting_holding;              /* waiting sequences holding blocks (forks) */
 
-    int32_t *hits;           /* [max_hits] scratch: blocks found by a prefix lookup */
-    int64_t max_hits;
-
     /* the plan's arrays, sized at creation */
     cv_sequence **out_seqs;      /* [max_num_seqs] */
     int32_t *out_new;            /* [max_num_seqs] */
@@ -49,7 +48,7 @@ struct cv_scheduler {
     cv_sequence **out_preempted; /* [max_num_seqs] */
 
     int64_t next_arrival;
-    int64_t n_preempted_total, prefix_queries, prefix_hits, steps;
+    int64_t n_preempted_total, steps;
 };
 
 /* ---- ordering ---- */
@@ -144,7 +143,7 @@ static int heap_reserve(cv_scheduler *s, int64_t need, cv_err *err) {
 static void wait_count_in(cv_scheduler *s, cv_sequence *q) {
     q->status = CV_SEQ_WAITING;
     s->n_waiting++;
-    if (q->n_blocks > 0) s->n_waiting_holding++;
+    if (cv_kv_num_blocks(q) > 0) s->n_waiting_holding++;
 }
 
 /* A new arrival: the back of the queue. */
@@ -202,88 +201,7 @@ static void wait_remove(cv_scheduler *s, cv_sequence *q) {
         q->q_prev = q->q_next = NULL;
     }
     s->n_waiting--;
-    if (q->n_blocks > 0) s->n_waiting_holding--;
-}
-
-/* ---- blocks of one sequence ---- */
-
-/* Room for n block ids in q's block table (amortized growth). */
-static int table_reserve(cv_sequence *q, int64_t n) {
-    if (n <= q->cap_blocks) return CV_OK;
-    int64_t cap = q->cap_blocks * 2;
-    if (cap < 4) cap = 4;
-    if (cap < n) cap = n;
-    int32_t *t = realloc(q->block_table, (size_t)cap * sizeof *t);
-    if (!t) return CV_ERR_NOMEM;
-    q->block_table = t;
-    q->cap_blocks = cap;
-    return CV_OK;
-}
-
-/* Tail blocks first, so a prefix's leading blocks reach the free queue's tail
- * last and are evicted last. */
-static void release_blocks(cv_scheduler *s, cv_sequence *q) {
-    for (int64_t j = q->n_blocks - 1; j >= 0; j--) cv_block_pool_decref(s->pool, q->block_table[j]);
-    q->n_blocks = 0;
-}
-
-static void forget_kv(cv_sequence *q) {
-    q->n_computed = 0;
-    q->n_hashed_blocks = 0;
-    q->last_hash = 0;
-}
-
-/* Caller checked the pool has need free blocks and reserved the table. */
-static void alloc_blocks(cv_scheduler *s, cv_sequence *q, int64_t need) {
-    for (int64_t k = 0; k < need; k++) q->block_table[q->n_blocks++] = cv_block_pool_alloc(s->pool);
-}
-
-/* Registers q's newly full, computed blocks in the prefix cache; never one
- * holding an unverified proposal. */
-static void register_full(cv_scheduler *s, cv_sequence *q) {
-    const int64_t verified = q->n_computed < q->n_tokens - q->n_spec ? q->n_computed : q->n_tokens - q->n_spec;
-    while ((q->n_hashed_blocks + 1) * s->bs <= verified && q->n_hashed_blocks < q->n_blocks) {
-        int64_t j = q->n_hashed_blocks;
-        q->last_hash = cv_block_pool_register(s->pool, q->block_table[j], q->last_hash,
-                                              q->tokens + j * s->bs);
-        q->n_hashed_blocks++;
-    }
-}
-
-/* Longest run of cached leading full blocks of q's tokens, leaving at least
- * one token to compute (logits need one). Fills s->hits; *n_free_hits: how
- * many of them sit in the free queue (taking them uses up free blocks). */
-static int64_t prefix_lookup(cv_scheduler *s, const cv_sequence *q, int64_t *n_free_hits) {
-    *n_free_hits = 0;
-    if (!s->cfg.enable_prefix_caching || q->skip_prefix_cache) return 0;
-    int64_t max = (q->n_tokens - 1) / s->bs;
-    if (max > s->max_hits) max = s->max_hits;
-    uint64_t parent = 0;
-    int64_t n = 0;
-    for (; n < max; n++) {
-        int32_t b = cv_block_pool_lookup(s->pool, parent, q->tokens + n * s->bs);
-        if (b < 0) break;
-        s->hits[n] = b;
-        if (cv_block_pool_refcount(s->pool, b) == 0) (*n_free_hits)++;
-        parent = cv_block_pool_key(s->pool, b);
-    }
-    return n;
-}
-
-/* Takes the n_hits blocks of the last lookup into q's (empty, reserved) table. */
-static void take_prefix(cv_scheduler *s, cv_sequence *q, int64_t n_hits) {
-    for (int64_t j = 0; j < n_hits; j++) {
-        cv_block_pool_incref(s->pool, s->hits[j]);
-        q->block_table[j] = s->hits[j];
-    }
-    q->n_blocks = n_hits;
-    q->n_computed = n_hits * s->bs;
-    q->n_hashed_blocks = n_hits;
-    q->last_hash = n_hits ? cv_block_pool_key(s->pool, s->hits[n_hits - 1]) : 0;
-    s->prefix_queries += q->n_tokens;
-    s->prefix_hits += n_hits * s->bs;
-    if (q->n_preemptions == 0) /* first admission */
-        q->n_cached_prompt = q->n_computed < q->n_prompt ? q->n_computed : q->n_prompt;
+    if (cv_kv_num_blocks(q) > 0) s->n_waiting_holding--;
 }
 
 /* Frees the blocks of waiting forks (except keep), so a lone sequence can get
@@ -292,16 +210,14 @@ static void release_waiting_holders(cv_scheduler *s, const cv_sequence *keep) {
     if (s->cfg.policy == CV_SCHED_PRIORITY) {
         for (int64_t i = 0; i < s->heap_len; i++) {
             cv_sequence *q = s->heap[i];
-            if (q == keep || q->n_blocks == 0) continue;
-            release_blocks(s, q);
-            forget_kv(q);
+            if (q == keep || cv_kv_num_blocks(q) == 0) continue;
+            cv_kv_manager_free(s->kv, q);
             s->n_waiting_holding--;
         }
     } else {
         for (cv_sequence *q = s->resume_head; q; q = q->q_next) { /* fresh ones hold nothing */
-            if (q == keep || q->n_blocks == 0) continue;
-            release_blocks(s, q);
-            forget_kv(q);
+            if (q == keep || cv_kv_num_blocks(q) == 0) continue;
+            cv_kv_manager_free(s->kv, q);
             s->n_waiting_holding--;
         }
     }
@@ -316,8 +232,7 @@ static void drop_proposals(cv_sequence *q) {
 static void preempt(cv_scheduler *s, cv_sequence *q, int64_t *n_pre) {
     drop_proposals(q);
     running_remove(s, q);
-    release_blocks(s, q);
-    forget_kv(q); /* recompute everything it holds on resume */
+    cv_kv_manager_free(s->kv, q); /* recompute everything it holds on resume */
     q->n_preemptions++;
     wait_push_front(s, q);
     s->out_preempted[(*n_pre)++] = q;
@@ -326,22 +241,18 @@ static void preempt(cv_scheduler *s, cv_sequence *q, int64_t *n_pre) {
 
 /* ---- life cycle ---- */
 
-cv_scheduler *cv_scheduler_create(const cv_scheduler_config *cfg, cv_err *err) {
+cv_scheduler *cv_scheduler_create(const cv_scheduler_config *cfg, cv_kv_manager *kv, cv_err *err) {
     cv_scheduler *s = NULL;
     const char *bad = NULL;
-    if (!cfg) { cv_set_err(err, CV_ERR_INVALID, "scheduler: no config"); goto fail; }
-    if (cfg->num_blocks < 2) bad = "num_blocks";
-    else if (cfg->block_size < 1) bad = "block_size";
-    else if (cfg->max_num_seqs < 1) bad = "max_num_seqs";
+    if (!cfg || !kv) { cv_set_err(err, CV_ERR_INVALID, "scheduler: no config or no KV manager"); goto fail; }
+    if (cfg->max_num_seqs < 1) bad = "max_num_seqs";
     else if (cfg->max_num_batched_tokens < 1) bad = "max_num_batched_tokens";
     else if (cfg->max_model_len < 1) bad = "max_model_len";
     if (bad) {
         cv_set_err(err, CV_ERR_INVALID,
-                   "scheduler: %s must be positive (num_blocks >= 2: block 0 is reserved); "
-                   "num_blocks=%lld block_size=%lld max_num_seqs=%lld max_num_batched_tokens=%lld "
-                   "max_model_len=%lld",
-                   bad, (long long)cfg->num_blocks, (long long)cfg->block_size,
-                   (long long)cfg->max_num_seqs, (long long)cfg->max_num_batched_tokens,
+                   "scheduler: %s must be positive; "
+                   "max_num_seqs=%lld max_num_batched_tokens=%lld max_model_len=%lld",
+                   bad, (long long)cfg->max_num_seqs, (long long)cfg->max_num_batched_tokens,
                    (long long)cfg->max_model_len);
         goto fail;
     }
@@ -366,22 +277,17 @@ cv_scheduler *cv_scheduler_create(const cv_scheduler_config *cfg, cv_err *err) {
     s = calloc(1, sizeof *s);
     if (!s) goto nomem;
     s->cfg = *cfg;
-    s->cfg.enable_prefix_caching = cfg->enable_prefix_caching ? 1 : 0;
     s->cfg.enable_chunked_prefill = cfg->enable_chunked_prefill ? 1 : 0;
-    s->bs = cfg->block_size;
-    s->usable_blocks = cfg->num_blocks - 1;
-    s->pool = cv_block_pool_create(cfg->num_blocks, cfg->block_size, s->cfg.enable_prefix_caching, err);
-    if (!s->pool) goto fail;
-    s->max_hits = cfg->max_model_len / cfg->block_size + 1;
-    if (s->max_hits > s->usable_blocks) s->max_hits = s->usable_blocks;
+    s->kv = kv;
+    s->bs = cv_kv_manager_block_size(kv);
+    s->usable_blocks = cv_kv_manager_num_blocks(kv) - 1;
     size_t n = (size_t)cfg->max_num_seqs;
     s->running = calloc(n, sizeof *s->running);
     s->out_seqs = calloc(n, sizeof *s->out_seqs);
     s->out_new = calloc(n, sizeof *s->out_new);
     s->out_start = calloc(n, sizeof *s->out_start);
     s->out_preempted = calloc(n, sizeof *s->out_preempted);
-    s->hits = calloc((size_t)s->max_hits, sizeof *s->hits);
-    if (!s->running || !s->out_seqs || !s->out_new || !s->out_start || !s->out_preempted || !s->hits)
+    if (!s->running || !s->out_seqs || !s->out_new || !s->out_start || !s->out_preempted)
         goto nomem;
     return s;
 nomem:
@@ -394,10 +300,8 @@ fail:
 
 void cv_scheduler_destroy(cv_scheduler *s) {
     if (!s) return;
-    cv_block_pool_destroy(s->pool);
     free(s->running);
     free(s->heap);
-    free(s->hits);
     free(s->out_seqs);
     free(s->out_new);
     free(s->out_start);
@@ -432,7 +336,7 @@ static int validate_new(const cv_scheduler *s, const cv_sequence *q, cv_err *err
                           "more blocks than the whole cache has (%lld usable of num_blocks %lld)",
                           (long long)q->seq_id, (long long)q->max_total, (long long)need,
                           (long long)s->bs, (long long)s->usable_blocks,
-                          (long long)s->cfg.num_blocks);
+                          (long long)cv_kv_manager_num_blocks(s->kv));
     return CV_OK;
 }
 
@@ -449,8 +353,7 @@ int cv_scheduler_add(cv_scheduler *s, cv_sequence *q, cv_err *err) {
     if (rc != CV_OK) return rc;
     reset_links(q);
     q->arrival = s->next_arrival++;
-    q->n_blocks = 0;
-    forget_kv(q);
+    cv_kv_manager_free(s->kv, q); /* a new sequence holds no blocks: this only zeroes n_computed */
     q->n_cached_prompt = 0;
     wait_push_back(s, q);
     return CV_OK;
@@ -469,27 +372,13 @@ int cv_scheduler_add_fork(cv_scheduler *s, cv_sequence *child, cv_sequence *pare
                           "(%lld tokens), it holds %lld",
                           (long long)child->seq_id, (long long)parent->seq_id,
                           (long long)parent->n_prompt, (long long)child->n_tokens);
-    /* Full blocks strictly before the block of the last prompt token, so the
-     * child computes >= 1 token; only blocks the parent has computed. */
-    int64_t shared = (parent->n_prompt - 1) / s->bs;
-    if (shared > parent->n_computed / s->bs) shared = parent->n_computed / s->bs;
-    if (shared > parent->n_blocks) shared = parent->n_blocks;
     rc = heap_reserve(s, s->n_waiting + s->n_running + 1, err);
     if (rc != CV_OK) return rc;
-    if (table_reserve(child, shared > 0 ? shared : 1) != CV_OK)
+    if (cv_kv_manager_fork(s->kv, child, parent) != CV_OK)
         return cv_set_err(err, CV_ERR_NOMEM, "fork %lld: out of memory for its block table",
                           (long long)child->seq_id);
     reset_links(child);
     child->arrival = parent->arrival; /* the same request */
-    forget_kv(child);
-    for (int64_t j = 0; j < shared; j++) {
-        cv_block_pool_incref(s->pool, parent->block_table[j]);
-        child->block_table[j] = parent->block_table[j];
-    }
-    child->n_blocks = shared;
-    child->n_computed = shared * s->bs;
-    child->n_cached_prompt = child->n_computed;
-    if (s->cfg.enable_prefix_caching) register_full(s, child); /* adopts the parent's keys */
     wait_push_front(s, child);
     return CV_OK;
 }
@@ -515,13 +404,13 @@ static int static_admit(cv_scheduler *s) {
     while (s->n_running < s->cfg.max_num_seqs && s->n_waiting > 0) {
         cv_sequence *q = wait_peek(s);
         int64_t n_hits = 0, n_free_hits = 0;
-        if (q->n_blocks == 0) {
-            n_hits = prefix_lookup(s, q, &n_free_hits);
-            if (table_reserve(q, n_hits > 0 ? n_hits : 1) != CV_OK) return CV_ERR_NOMEM;
+        const int fresh = cv_kv_num_blocks(q) == 0;
+        if (fresh) {
+            n_hits = cv_kv_manager_lookup_prefix(s->kv, q, &n_free_hits);
+            if (cv_kv_manager_reserve(s->kv, q, n_hits > 0 ? n_hits : 1) != CV_OK) return CV_ERR_NOMEM;
         }
-        int fresh = q->n_blocks == 0;
         wait_remove(s, q);
-        if (fresh && s->cfg.enable_prefix_caching) take_prefix(s, q, n_hits);
+        if (fresh) cv_kv_manager_take_prefix(s->kv, q, n_hits); /* reserved: cannot fail */
         q->status = CV_SEQ_RUNNING;
         running_insert(s, q);
     }
@@ -557,8 +446,8 @@ static const cv_sequence *priority_preempt(cv_scheduler *s, int64_t *n_pre) {
     if (!head || worst->priority <= head->priority) return NULL;
     int64_t chunk = head->n_tokens - head->n_computed;
     if (chunk > s->cfg.max_num_batched_tokens) chunk = s->cfg.max_num_batched_tokens;
-    const int64_t need = blocks_for(s, head->n_computed + chunk) - head->n_blocks;
-    if (s->n_running < s->cfg.max_num_seqs && need <= cv_block_pool_num_free(s->pool)) return NULL;
+    const int64_t need = blocks_for(s, head->n_computed + chunk) - cv_kv_num_blocks(head);
+    if (s->n_running < s->cfg.max_num_seqs && need <= cv_kv_manager_num_free(s->kv)) return NULL;
     preempt(s, worst, n_pre);
     return worst;
 }
@@ -585,7 +474,7 @@ int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out) {
         if (q->n_spec > 0) { /* proposals yield to the budget and to free blocks, never preempt */
             int64_t spare = q->n_spec;
             if (n > budget) { int64_t cut = n - budget < spare ? n - budget : spare; n -= cut; spare -= cut; }
-            while (spare > 0 && blocks_for(s, q->n_computed + n) - q->n_blocks > cv_block_pool_num_free(s->pool)) {
+            while (spare > 0 && cv_kv_manager_blocks_needed(s->kv, q, q->n_computed + n) > cv_kv_manager_num_free(s->kv)) {
                 n--;
                 spare--;
             }
@@ -599,9 +488,9 @@ int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out) {
             if (prefill_left == 0) { i++; continue; }
             n = prefill_left;
         }
-        int64_t need = blocks_for(s, q->n_computed + n) - q->n_blocks;
+        const int64_t need = cv_kv_manager_blocks_needed(s->kv, q, q->n_computed + n);
         int self = 0;
-        while (need > cv_block_pool_num_free(s->pool)) {
+        while (need > cv_kv_manager_num_free(s->kv)) {
             if (s->n_running - 1 > i) {
                 preempt(s, s->running[s->n_running - 1], &n_pre); /* newest, not yet planned */
             } else if (i == 0 && s->n_waiting_holding > 0) {
@@ -615,9 +504,8 @@ int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out) {
             }
         }
         if (self) break; /* it was the last running one */
-        if (need > cv_block_pool_num_free(s->pool)) { i++; continue; }
-        if (need > 0 && table_reserve(q, q->n_blocks + need) != CV_OK) { rc = CV_ERR_NOMEM; break; }
-        alloc_blocks(s, q, need);
+        if (need > cv_kv_manager_num_free(s->kv)) { i++; continue; }
+        if (cv_kv_manager_allocate(s->kv, q, need) != CV_OK) { rc = CV_ERR_NOMEM; break; }
         emit(s, &n_out, &total, q, n);
         budget -= n;
         if (prefill) prefill_left -= n;
@@ -631,10 +519,10 @@ int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out) {
         cv_sequence *q = wait_peek(s);
         if (q == victim) break; /* preempted this step: it cannot also run in it */
         int64_t n_hits = 0, n_free_hits = 0;
-        int fresh = q->n_blocks == 0;
-        if (fresh) n_hits = prefix_lookup(s, q, &n_free_hits);
+        const int fresh = cv_kv_num_blocks(q) == 0;
+        if (fresh) n_hits = cv_kv_manager_lookup_prefix(s->kv, q, &n_free_hits);
         int64_t computed = fresh ? n_hits * s->bs : q->n_computed;
-        int64_t held = fresh ? n_hits : q->n_blocks;
+        int64_t held = fresh ? n_hits : cv_kv_num_blocks(q);
         int64_t n = q->n_tokens - computed;
         if (n <= 0) break; /* cannot happen: a waiting sequence always has tokens to compute */
         if (n > budget) {
@@ -644,17 +532,21 @@ int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out) {
         if (n > prefill_left) n = prefill_left; /* finite only when chunked */
         int64_t need = blocks_for(s, computed + n) - held;
         if (need < 0) need = 0;
-        if (need + n_free_hits > cv_block_pool_num_free(s->pool)) {
+        if (need + n_free_hits > cv_kv_manager_num_free(s->kv)) {
             if (s->n_running == 0 && s->n_waiting_holding > (fresh ? 0 : 1)) {
                 release_waiting_holders(s, q); /* nothing runs: waiting forks must not block the head */
                 continue;
             }
             break; /* no preemption to admit */
         }
-        if (table_reserve(q, held + need > 0 ? held + need : 1) != CV_OK) { rc = CV_ERR_NOMEM; break; }
+        if (cv_kv_manager_reserve(s->kv, q, held + need > 0 ? held + need : 1) != CV_OK) {
+            rc = CV_ERR_NOMEM;
+            break;
+        }
         wait_remove(s, q);
-        if (fresh && s->cfg.enable_prefix_caching) take_prefix(s, q, n_hits);
-        alloc_blocks(s, q, need);
+        /* reserved and counted: neither can fail */
+        if (fresh) cv_kv_manager_take_prefix(s->kv, q, n_hits);
+        cv_kv_manager_allocate(s->kv, q, need);
         q->status = CV_SEQ_RUNNING;
         running_insert(s, q);
         emit(s, &n_out, &total, q, n);
@@ -682,19 +574,14 @@ void cv_scheduler_commit(cv_scheduler *s, const cv_sched_output *out) {
         /* finished since the plan, or a stale plan: nothing to advance */
         if (q->status != CV_SEQ_RUNNING || q->n_computed != out->start_pos[k]) continue;
         q->n_computed += out->num_new_tokens[k];
-        if (s->cfg.enable_prefix_caching) register_full(s, q);
+        cv_kv_manager_cache_full(s->kv, q);
     }
 }
 
 void cv_scheduler_verified(cv_scheduler *s, cv_sequence *q, int64_t n_valid) {
     if (q->status != CV_SEQ_RUNNING) return;
     q->n_spec = 0;
-    if (q->n_computed > n_valid) q->n_computed = n_valid;
-    if (q->n_computed > q->n_tokens) q->n_computed = q->n_tokens;
-    const int64_t keep = blocks_for(s, q->n_tokens);
-    for (int64_t j = q->n_blocks - 1; j >= keep; j--) cv_block_pool_decref(s->pool, q->block_table[j]);
-    if (q->n_blocks > keep) q->n_blocks = keep;
-    if (s->cfg.enable_prefix_caching) register_full(s, q);
+    cv_kv_manager_trim(s->kv, q, n_valid);
 }
 
 void cv_scheduler_finish(cv_scheduler *s, cv_sequence *q, cv_seq_status status) {
@@ -706,7 +593,7 @@ void cv_scheduler_finish(cv_scheduler *s, cv_sequence *q, cv_seq_status status) 
     } else if (q->status == CV_SEQ_WAITING) {
         wait_remove(s, q);
     }
-    release_blocks(s, q);
+    cv_kv_manager_free(s->kv, q);
     q->status = status;
 }
 
@@ -716,10 +603,6 @@ int64_t cv_scheduler_num_unfinished(const cv_scheduler *s) {
 
 int64_t cv_scheduler_num_running(const cv_scheduler *s) { return s->n_running; }
 
-int32_t cv_scheduler_block_refcount(const cv_scheduler *s, int64_t b) {
-    if (b < 0 || b >= s->cfg.num_blocks) return -1;
-    return cv_block_pool_refcount(s->pool, (int32_t)b);
-}
 
 void cv_scheduler_get_stats(const cv_scheduler *s, cv_sched_stats *st) {
     memset(st, 0, sizeof *st);
@@ -727,78 +610,48 @@ void cv_scheduler_get_stats(const cv_scheduler *s, cv_sched_stats *st) {
     st->n_waiting = s->n_waiting;
     st->n_preempted_total = s->n_preempted_total;
     st->blocks_total = s->usable_blocks;
-    st->blocks_free = cv_block_pool_num_free(s->pool);
+    st->blocks_free = cv_kv_manager_num_free(s->kv);
     st->blocks_used = st->blocks_total - st->blocks_free;
-    st->blocks_cached_free = cv_block_pool_num_cached_free(s->pool);
-    st->blocks_touched = cv_block_pool_num_touched(s->pool);
+    st->blocks_cached_free = cv_kv_manager_num_cached_free(s->kv);
+    st->blocks_touched = cv_kv_manager_num_touched(s->kv);
     /* Shared blocks are always full, so counting the empty slots of each
      * sequence's unshared tail blocks counts every block once. Waiting forks
      * hold only full blocks. */
     int64_t empty = 0;
-    for (int64_t i = 0; i < s->n_running; i++) {
-        const cv_sequence *q = s->running[i];
-        for (int64_t j = q->n_computed / s->bs; j < q->n_blocks; j++) {
-            if (cv_block_pool_refcount(s->pool, q->block_table[j]) != 1) continue;
-            int64_t filled = q->n_computed - j * s->bs;
-            if (filled < 0) filled = 0;
-            if (filled > s->bs) filled = s->bs;
-            empty += s->bs - filled;
-        }
-    }
+    for (int64_t i = 0; i < s->n_running; i++) empty += cv_kv_manager_empty_slots(s->kv, s->running[i]);
     st->tokens_in_kv = st->blocks_used * s->bs - empty;
     st->kv_waste = st->blocks_used ? 1.0 - (double)st->tokens_in_kv / (double)(st->blocks_used * s->bs) : 0.0;
-    st->prefix_queries = s->prefix_queries;
-    st->prefix_hits = s->prefix_hits;
+    cv_kv_manager_prefix_counts(s->kv, &st->prefix_queries, &st->prefix_hits);
     st->steps = s->steps;
 }
 
 /* ---- invariants (tests) ---- */
 
-/* Checks one sequence's block table and adds its references. stamp marks
- * blocks seen in this table, to catch a block held twice. */
-static int check_table(const cv_scheduler *s, const cv_sequence *q, int32_t *refs, int64_t *stamp,
-                       int64_t tag, cv_err *err) {
-    if (q->n_blocks < 0 || q->n_blocks > q->cap_blocks || (q->n_blocks > 0 && !q->block_table))
-        return cv_set_err(err, CV_ERR_STATE, "sequence %lld: n_blocks %lld, capacity %lld",
-                          (long long)q->seq_id, (long long)q->n_blocks, (long long)q->cap_blocks);
-    for (int64_t j = 0; j < q->n_blocks; j++) {
-        int32_t b = q->block_table[j];
-        if (b <= 0 || b >= s->cfg.num_blocks)
-            return cv_set_err(err, CV_ERR_STATE, "sequence %lld holds invalid block %d (block 0 is reserved)",
-                              (long long)q->seq_id, b);
-        if (stamp[b] == tag)
-            return cv_set_err(err, CV_ERR_STATE, "sequence %lld holds block %d twice",
-                              (long long)q->seq_id, b);
-        stamp[b] = tag;
-        refs[b]++;
-    }
-    if (q->n_hashed_blocks < 0 || q->n_hashed_blocks * s->bs > q->n_computed)
-        return cv_set_err(err, CV_ERR_STATE, "sequence %lld: %lld hashed blocks but %lld tokens computed",
-                          (long long)q->seq_id, (long long)q->n_hashed_blocks, (long long)q->n_computed);
-    return CV_OK;
-}
-
-static int check_waiting_seq(const cv_scheduler *s, const cv_sequence *q, int32_t *refs, int64_t *stamp,
-                             int64_t tag, int64_t *holding, cv_err *err) {
+/* The block side of every sequence is checked by the KV manager at the end;
+ * here the queue's own rules, gathering the sequences into held. */
+static int check_waiting_seq(const cv_scheduler *s, const cv_sequence *q, const cv_sequence **held,
+                             int64_t *n_held, int64_t *holding, cv_err *err) {
     if (q->status != CV_SEQ_WAITING || q->sched_index != -1)
         return cv_set_err(err, CV_ERR_STATE, "waiting sequence %lld has status %d, running index %lld",
                           (long long)q->seq_id, (int)q->status, (long long)q->sched_index);
-    if (q->n_computed != q->n_blocks * s->bs || q->n_computed >= q->n_tokens || q->n_spec != 0)
+    const int64_t n_blocks = cv_kv_num_blocks(q);
+    if (q->n_computed != n_blocks * s->bs || q->n_computed >= q->n_tokens || q->n_spec != 0)
         return cv_set_err(err, CV_ERR_STATE,
                           "waiting sequence %lld: %lld computed with %lld blocks, %lld tokens "
                           "(%lld unverified proposals)",
-                          (long long)q->seq_id, (long long)q->n_computed, (long long)q->n_blocks,
+                          (long long)q->seq_id, (long long)q->n_computed, (long long)n_blocks,
                           (long long)q->n_tokens, (long long)q->n_spec);
-    if (q->n_blocks > 0) (*holding)++;
-    return check_table(s, q, refs, stamp, tag, err);
+    if (n_blocks > 0) (*holding)++;
+    held[(*n_held)++] = q;
+    return CV_OK;
 }
 
 int cv_scheduler_check(const cv_scheduler *s, cv_err *err) {
     int rc = CV_OK;
-    int64_t nb = s->cfg.num_blocks, tag = 0, count = 0, holding = 0;
-    int32_t *refs = calloc((size_t)nb, sizeof *refs);
-    int64_t *stamp = calloc((size_t)nb, sizeof *stamp);
-    if (!refs || !stamp) { rc = cv_set_err(err, CV_ERR_NOMEM, "scheduler check: out of memory"); goto done; }
+    int64_t n_held = 0, count = 0, holding = 0;
+    /* room for every counted sequence, and one more to catch a list longer than its count */
+    const cv_sequence **held = calloc((size_t)(s->n_running + s->n_waiting + 2), sizeof *held);
+    if (!held) return cv_set_err(err, CV_ERR_NOMEM, "scheduler check: out of memory");
 
     if (s->n_running < 0 || s->n_running > s->cfg.max_num_seqs) {
         rc = cv_set_err(err, CV_ERR_STATE, "%lld running sequences, cap max_num_seqs %lld",
@@ -817,18 +670,24 @@ int cv_scheduler_check(const cv_scheduler *s, cv_err *err) {
                             (long long)s->running[i - 1]->seq_id, (long long)q->seq_id);
             goto done;
         }
+        const int64_t n_blocks = cv_kv_num_blocks(q);
         if (q->n_computed < 0 || q->n_computed > q->n_tokens || q->n_tokens > q->max_total ||
-            q->n_blocks * s->bs < q->n_computed || q->n_blocks > blocks_for(s, q->n_tokens)) {
+            n_blocks * s->bs < q->n_computed || n_blocks > blocks_for(s, q->n_tokens)) {
             rc = cv_set_err(err, CV_ERR_STATE,
                             "running sequence %lld: %lld computed of %lld tokens (max %lld) in %lld blocks",
                             (long long)q->seq_id, (long long)q->n_computed, (long long)q->n_tokens,
-                            (long long)q->max_total, (long long)q->n_blocks);
+                            (long long)q->max_total, (long long)n_blocks);
             goto done;
         }
-        if ((rc = check_table(s, q, refs, stamp, ++tag, err)) != CV_OK) goto done;
+        held[n_held++] = q;
     }
 
     if (s->cfg.policy == CV_SCHED_PRIORITY) {
+        if (s->heap_len != s->n_waiting) {
+            rc = cv_set_err(err, CV_ERR_STATE, "priority heap holds %lld, the waiting count is %lld",
+                            (long long)s->heap_len, (long long)s->n_waiting);
+            goto done;
+        }
         for (int64_t i = 0; i < s->heap_len; i++) {
             const cv_sequence *q = s->heap[i];
             if (q->heap_index != i || (i > 0 && seq_less(s, q, s->heap[(i - 1) / 2]))) {
@@ -836,7 +695,7 @@ int cv_scheduler_check(const cv_scheduler *s, cv_err *err) {
                                 (long long)i, (long long)q->seq_id);
                 goto done;
             }
-            if ((rc = check_waiting_seq(s, q, refs, stamp, ++tag, &holding, err)) != CV_OK) goto done;
+            if ((rc = check_waiting_seq(s, q, held, &n_held, &holding, err)) != CV_OK) goto done;
             count++;
         }
     } else {
@@ -857,14 +716,14 @@ int cv_scheduler_check(const cv_scheduler *s, cv_err *err) {
                 }
                 /* Never-admitted sequences wait in arrival order; preempted
                  * ones and forks wait ahead of them. */
-                if (l == 1 && (q->n_blocks != 0 || q->n_preemptions != 0 ||
+                if (l == 1 && (cv_kv_num_blocks(q) != 0 || q->n_preemptions != 0 ||
                                (prev && prev->arrival >= q->arrival))) {
                     rc = cv_set_err(err, CV_ERR_STATE,
                                     "waiting queue out of arrival order at sequence %lld (arrival %lld)",
                                     (long long)q->seq_id, (long long)q->arrival);
                     goto done;
                 }
-                if ((rc = check_waiting_seq(s, q, refs, stamp, ++tag, &holding, err)) != CV_OK) goto done;
+                if ((rc = check_waiting_seq(s, q, held, &n_held, &holding, err)) != CV_OK) goto done;
                 prev = q;
                 count++;
             }
@@ -880,9 +739,8 @@ int cv_scheduler_check(const cv_scheduler *s, cv_err *err) {
                         (long long)s->n_waiting_holding);
         goto done;
     }
-    rc = cv_block_pool_check(s->pool, refs, err);
+    rc = cv_kv_manager_check(s->kv, held, n_held, err);
 done:
-    free(refs);
-    free(stamp);
+    free(held);
     return rc;
 }

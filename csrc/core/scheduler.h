@@ -1,11 +1,13 @@
 /* Iteration-level scheduler: decides, at every step, which sequences run and
  * how many new tokens each computes, under a token budget and a sequence cap.
- * Knows nothing about devices. Owns the block pool. */
+ * Policy only: queues, token budget, preemption victims. Knows nothing about
+ * devices; every block goes through the KV manager it is given. */
 #ifndef CV_SCHEDULER_H
 #define CV_SCHEDULER_H
 
 #include <stdint.h>
 #include "../../kernels/common.h"
+#include "kv_manager.h"
 #include "sequence.h"
 
 typedef enum cv_sched_policy {
@@ -17,12 +19,9 @@ typedef enum cv_sched_policy {
 } cv_sched_policy;
 
 typedef struct cv_scheduler_config {
-    int64_t num_blocks;             /* KV blocks in the cache, including reserved block 0 */
-    int64_t block_size;             /* token slots per block */
     int64_t max_num_seqs;           /* cap on running sequences */
     int64_t max_num_batched_tokens; /* token budget per step */
     int64_t max_model_len;          /* most tokens one sequence may hold */
-    int enable_prefix_caching;
     int enable_chunked_prefill;
     cv_sched_policy policy;
     /* Stall-free mixed steps (chunked prefill only): while any running
@@ -61,7 +60,9 @@ typedef struct cv_sched_stats {
 
 typedef struct cv_scheduler cv_scheduler;
 
-cv_scheduler *cv_scheduler_create(const cv_scheduler_config *cfg, cv_err *err);
+/* kv (borrowed, outliving the scheduler) holds the blocks and the prefix
+ * cache; the scheduler is its only user while it lives. */
+cv_scheduler *cv_scheduler_create(const cv_scheduler_config *cfg, cv_kv_manager *kv, cv_err *err);
 void cv_scheduler_destroy(cv_scheduler *s);
 
 /* Queues a new sequence (status NEW -> WAITING). Refuses (CV_ERR_INVALID,
@@ -99,11 +100,10 @@ void cv_scheduler_finish(cv_scheduler *s, cv_sequence *seq, cv_seq_status status
 int64_t cv_scheduler_num_unfinished(const cv_scheduler *s);
 int64_t cv_scheduler_num_running(const cv_scheduler *s);
 
-/* For tests: the reference count of KV block b, -1 when b is out of range. */
-int32_t cv_scheduler_block_refcount(const cv_scheduler *s, int64_t b);
 void cv_scheduler_get_stats(const cv_scheduler *s, cv_sched_stats *st);
 
-/* For tests: checks every invariant (ref counts, free list, hashes); returns
+/* For tests: checks every invariant (queues, and through the KV manager the
+ * block tables, ref counts, free list and hashes); returns
  * CV_OK or CV_ERR_STATE with a message. */
 int cv_scheduler_check(const cv_scheduler *s, cv_err *err);
 

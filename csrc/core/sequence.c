@@ -25,7 +25,7 @@ cv_sequence *cv_sequence_create(int64_t seq_id, const int32_t *prompt, int64_t n
 void cv_sequence_free(cv_sequence *s) {
     if (!s) return;
     free(s->tokens);
-    free(s->block_table);
+    free(s->blocks.table);
     free(s);
 }
 

@@ -1,4 +1,4 @@
-/* One sequence: the unit the scheduler, block pool and runner work on.
+/* One sequence: the unit the scheduler, KV manager and runner work on.
  * A request with n completions owns n sequences. Owned by the engine (or the
  * test harness); the scheduler only links it into its queues. */
 #ifndef CV_SEQUENCE_H
@@ -19,6 +19,16 @@ typedef enum cv_seq_status {
 
 #define CV_SEQ_IS_FINISHED(s) ((s) >= CV_SEQ_FINISHED_STOPPED)
 
+/* The KV blocks a sequence holds: position p lives in block table[p / block_size].
+ * Private to the KV manager (kv_manager.c), which alone writes it. */
+typedef struct cv_seq_blocks {
+    int32_t *table;         /* [cap] block ids */
+    int64_t n;              /* blocks held */
+    int64_t cap;
+    int64_t n_cached;       /* leading full blocks already registered in the prefix cache */
+    uint64_t last_key;      /* prefix-cache key of block n_cached - 1 (0: none) */
+} cv_seq_blocks;
+
 typedef struct cv_sequence {
     int64_t seq_id;         /* unique per engine */
     int64_t arrival;        /* arrival order: FCFS order and preemption victim choice */
@@ -31,11 +41,7 @@ typedef struct cv_sequence {
     int64_t max_total;      /* n_prompt + max_tokens: the most tokens it will ever hold */
 
     int64_t n_computed;     /* tokens whose KV is in the cache */
-    int32_t *block_table;   /* [cap_blocks] block ids */
-    int64_t n_blocks;
-    int64_t cap_blocks;
-    int64_t n_hashed_blocks;/* leading full blocks already registered in the prefix cache */
-    uint64_t last_hash;     /* chained hash of block n_hashed_blocks-1 */
+    cv_seq_blocks blocks;   /* written only by the KV manager; others read it */
 
     cv_seq_status status;
     int64_t n_cached_prompt;/* prompt tokens served from the prefix cache at first admission */
