@@ -23,8 +23,10 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
 
-STORIES_ENV = "CONVEYOR_STORIES"
+from .. import models
+from ..models import find_model, random_checkpoint
 
+STORIES_ENV = "CONVEYOR_STORIES"
 # The KV pool: by default ("fit") each engine gets room for every request of its
 # workload in KV at once (so nothing is ever preempted for lack of blocks) rather than
 # the engine's own default, which sizes the pool from free memory: gigabytes that take
@@ -36,43 +38,28 @@ DEFAULT_KV_CACHE = "fit"
 
 
 def stories_path() -> Optional[Path]:
-    """stories260K.bin: $CONVEYOR_STORIES (the .bin or its folder), else ../shared/models."""
+    """stories260K.bin: $CONVEYOR_STORIES (the .bin or its folder), else the copy shipped
+    inside the package."""
     env = os.environ.get(STORIES_ENV)
-    cands = []
     if env:
         p = Path(env)
-        cands.append(p / "stories260K.bin" if p.is_dir() else p)
-    here = Path(__file__).resolve()
-    for up in here.parents:
-        cands.append(up / "shared" / "models" / "stories260K" / "stories260K.bin")
-        cands.append(up.parent / "shared" / "models" / "stories260K" / "stories260K.bin")
-    for c in cands:
-        if c.is_file():
-            return c
-    return None
+        p = p / "stories260K.bin" if p.is_dir() else p
+        if p.is_file():
+            return p
+    return find_model("stories260K")
 
 
 def resolve_model(name: Optional[str]) -> str:
-    """A model argument: None -> the built-in SmolLM-135M-shaped random checkpoint;
-    "stories260K" -> the shared real tiny model; a shape name of conveyor.testing.SHAPES
-    ("tiny", "smollm-135m", ...) -> a cached random checkpoint of that shape;
-    "gemma-3-270m-q4_k_m.gguf" not found here -> that file from the cache (fetched once,
-    conveyor.gemma3_model); else a path."""
-    from ..generate import default_model
-    from ..testing import SHAPES
-
+    """A model argument as conveyor.models.resolve_model takes it (a path, a built-in name,
+    a shape name), except None: the SmolLM-135M-shaped random checkpoint, and
+    "stories260K"/"stories": $CONVEYOR_STORIES when set."""
     if name is None:
-        return str(default_model())
-    if name.lower() in ("stories260k", "stories"):
+        return str(random_checkpoint())
+    if name.lower() in ("stories260k", "stories") and not os.path.exists(name):
         p = stories_path()
-        if p is None:
-            raise FileNotFoundError(f"stories260K.bin not found (set ${STORIES_ENV})")
-        return str(p)
-    if not os.path.exists(name) and name in SHAPES:
-        return str(default_model(shape=name))
-    from ..gemma3_model import resolve_model_name
-
-    return resolve_model_name(name)  # the Gemma 3 Q4_K_M file by its bare name: from the cache
+        if p is not None:
+            return str(p)
+    return models.resolve_model(name)
 
 
 def checkpoint_config(path: str) -> Dict[str, Any]:
