@@ -5,7 +5,8 @@
     conveyor serve ...             -> conveyor.serve.main(argv)
     conveyor serve ... --ray       -> conveyor.ray.serve.main(argv) (Ray Serve replicas)
     conveyor bench NAME ...        -> conveyor.bench.NAME.main(argv), NAME in BENCHMARKS
-    conveyor fetch-model           -> conveyor.default_model.main(argv)
+    conveyor models [--json]       -> the built-in model names (conveyor.models)
+    conveyor fetch-model [NAME]    -> conveyor.models.fetch_main(argv)
 
 Subcommands live in SUBCOMMANDS as name -> ("module:function", help); the module is imported
 only when its subcommand runs, so a missing optional module (or one of its dependencies)
@@ -41,7 +42,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("conveyor.generate:main", "generate text from prompts"),
     "serve": ("conveyor.serve:main", "run the OpenAI-compatible HTTP server"),
     "bench": ("conveyor.cli:bench_main", "run a benchmark: " + ", ".join(BENCHMARKS)),
-    "fetch-model": ("conveyor.default_model:main", "download the default model (SmolLM2-135M-Instruct) once"),
+    "models": ("conveyor.cli:models_main", "list the built-in model names, their sizes, licenses and "
+                                           "whether each is cached"),
+    "fetch-model": ("conveyor.models:fetch_main", "download a built-in model once (default: "
+                                                  "SmolLM2-135M-Instruct)"),
 }
 
 
@@ -351,4 +355,29 @@ def info_main(argv: Sequence[str]) -> int:
         print(json.dumps(info_out, indent=2, default=str))
     else:
         print(_format_summary(info, args.tensors))
+    return 0
+
+
+# ---------------------------------------------------------------------------- models
+
+
+def models_main(argv: Sequence[str]) -> int:
+    p = Parser(prog="conveyor models", description=SUBCOMMANDS["models"][1] + ". Any of these names "
+               "works wherever a model is given (LLM(NAME), --model NAME); so does a path.")
+    p.add_argument("--json", action="store_true", help="print the list as JSON")
+    args = p.parse_args(list(argv))
+    from .models import cache_dir, describe_models
+
+    rows = describe_models()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    width = max(len(r["name"]) for r in rows)
+    lic = max(len(r["license"]) for r in rows)
+    print(f"{'NAME':<{width}}  {'SIZE':>8}  {'LICENSE':<{lic}}  WHERE")
+    for r in rows:
+        where = r["path"] or f"not cached (fetched on first use; 'conveyor fetch-model {r['name']}')"
+        mark = " (default)" if r["default"] else ""
+        print(f"{r['name']:<{width}}  {r['bytes'] / 1e6:>6.1f}MB  {r['license']:<{lic}}  {where}{mark}")
+    print(f"\ncache: {cache_dir()} ($CONVEYOR_CACHE moves it)")
     return 0
