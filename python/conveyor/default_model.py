@@ -8,15 +8,18 @@ command CI runs to fetch the model before the tests:
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
 from .fetch import FetchError as DefaultModelError
 from .fetch import cache_dir, sha256_file
-from .models import BUILTIN_MODELS, DEFAULT_MODEL, default_model_path, fetch_main, fetch_model, find_model
+from .models import BUILTIN_MODELS, DEFAULT_MODEL, default_model_path, fetch_main, fetch_model, find_model, \
+    resolve_model
 
 __all__ = ["MODEL_FILE", "MODEL_SHA256", "MODEL_BYTES", "DefaultModelError", "cache_dir",
-           "sha256_file", "find_default_model", "fetch_default_model", "default_model_path", "main"]
+           "sha256_file", "find_default_model", "fetch_default_model", "resolve_default_model", "default_model_path",
+           "main"]
 
 _MODEL = BUILTIN_MODELS[DEFAULT_MODEL]
 MODEL_FILE = _MODEL.file
@@ -32,6 +35,16 @@ def find_default_model() -> Optional[Path]:
 def fetch_default_model(*, force: bool = False) -> Path:
     """The default model's file, fetched into the cache if it is not here yet."""
     return fetch_model(DEFAULT_MODEL, force=force)
+
+
+def resolve_default_model(*, fetch: bool = True) -> Optional[Path]:
+    """The default model's file, fetched when allowed; None (with a message on stderr
+    naming `conveyor fetch-model`) when it is not here and cannot be fetched."""
+    try:
+        return Path(resolve_model(DEFAULT_MODEL, fetch=fetch))
+    except DefaultModelError as e:
+        print(f"conveyor: the default model is not available: {e}", file=sys.stderr, flush=True)
+        return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

