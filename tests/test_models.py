@@ -275,11 +275,31 @@ def test_the_real_gemma3_file_matches_its_pinned_chunks(gemma3_file):
 
 
 def test_weights_dtype():
-    assert models.weights_dtype({"q4_1": 210, "float32": 61, "q8_0": 1}) == "mixed q4_1/q8_0"
-    assert models.weights_dtype({"q4_1": 211, "float32": 61}) == "q4_1"
+    assert models.weights_dtype({"q4_1": 210, "float32": 61, "q8_0": 1}) == "q4_1"
+    assert models.weights_dtype({"q4_1": 8, "float32": 61, "q8_0": 2}) == "mixed q4_1/q8_0"
     assert models.weights_dtype({"float32": 109, "q5_0": 81, "q4_k": 27, "q8_0": 10, "q6_k": 9}) \
         == "mixed q5_0/q4_k/q8_0/q6_k"
     assert models.weights_dtype({"bfloat16": 30, "float32": 61}) == "float32"
+
+
+def test_quantized_models_report_their_weights_type(tmp_path, smollm2_gguf):
+    """llm.model_config["dtype"] and `conveyor info` say q4_1 for the Q4_1 file (the C engine
+    says float32: its activations); a float file and quantizing at load say theirs."""
+    from conveyor import LLM
+    from conveyor.testing import write_hf_checkpoint
+
+    with LLM(smollm2_gguf, max_model_len=64, num_threads=1, kv_cache_memory="4MiB",
+             skip_tokenizer_init=True) as llm:
+        assert llm.model_config["dtype"] == "q4_1" and llm.model_config["matrix_dtype"] == "q4_1"
+    r = _conveyor(tmp_path, "info", str(smollm2_gguf))
+    assert r.returncode == 0, r.stderr
+    (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("dtype:")]
+    assert line.split()[1] == "q4_1", line
+    hf = write_hf_checkpoint(tmp_path / "bf16", shape="tiny", dtype="bfloat16")
+    with LLM(hf, skip_tokenizer_init=True, num_threads=1) as llm:
+        assert llm.model_config["dtype"] == "bfloat16"
+    with LLM(hf, skip_tokenizer_init=True, num_threads=1, quantization="q8_0") as llm:
+        assert llm.model_config["dtype"] == "q8_0"
 
 
 def _conveyor(tmp_path, *args):

