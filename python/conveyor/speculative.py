@@ -5,6 +5,7 @@ rolls back; docs/speculative.md describes how.
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Optional
 
@@ -35,8 +36,6 @@ def parse_speculative_config(cfg) -> Optional[dict]:
     if cfg is None:
         return None
     if isinstance(cfg, str):
-        import json
-
         try:
             cfg = json.loads(cfg)
         except ValueError as e:

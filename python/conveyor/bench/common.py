@@ -23,8 +23,13 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
 
-from .. import models
+from .. import __version__, _core, models
+from ..async_llm import AsyncLLM
+from ..engine import EngineCore
+from ..llm import LLM
 from ..models import find_model, random_checkpoint
+from ..sampling_params import SamplingParams
+from ..speculative import parse_speculative_config, spec_delta
 
 STORIES_ENV = "CONVEYOR_STORIES"
 # The KV pool: by default ("fit") each engine gets room for every request of its
@@ -63,8 +68,6 @@ def resolve_model(name: Optional[str]) -> str:
 
 
 def checkpoint_config(path: str) -> Dict[str, Any]:
-    from .. import _core
-
     return dict(_core.Checkpoint(str(path)).config)
 
 
@@ -72,8 +75,6 @@ def kv_bytes_for(path: str, prompt_lens: Iterable[int], output_lens: Iterable[in
                  block_size: int = 16, dtype: str = "float32") -> int:
     """KV pool bytes that hold every request at full length at once (+ a spare block
     each and 64 more) in a cache of ``dtype`` (float32 covers every dtype)."""
-    from .. import _core
-
     cfg = checkpoint_config(path)
     head_dim = cfg.get("head_dim") or cfg["dim"] // cfg["n_heads"]
     per_token = _core.kv_bytes_per_token(cfg["n_layers"], cfg["n_kv_heads"], head_dim, dtype)
@@ -93,8 +94,6 @@ def model_info(llm, path: str) -> Dict[str, Any]:
 
 def machine_info() -> Dict[str, Any]:
     """Cores, SIMD level, CPU model and load: enough to read the figures in context."""
-    from .. import __version__, _core
-
     cpu = platform.processor() or "?"
     try:
         with open("/proc/cpuinfo") as f:
@@ -136,8 +135,6 @@ def make_llm(model: str, *, scheduling: str = "continuous", max_num_seqs: int = 
              kv_cache_dtype: str = "auto", speculative_config=None, quantization: Optional[str] = None):
     """An LLM (or AsyncLLM) for token-id prompts. kv_cache_memory "fit" sizes the pool
     for ``workload`` (see kv_bytes_for); None leaves it to the engine."""
-    from .. import LLM, AsyncLLM
-
     if kv_cache_memory == "fit":
         if workload is None:
             raise ValueError('kv_cache_memory="fit" needs the workload')
@@ -199,8 +196,6 @@ class Workload:
 
     def params(self, temperature: float = 1.0):
         """One SamplingParams per request: EOS ignored, max_tokens forcing the length."""
-        from ..sampling_params import SamplingParams
-
         return [SamplingParams(max_tokens=int(n), ignore_eos=True, temperature=temperature,
                                top_p=1.0) for n in self.output_lens]
 
@@ -290,8 +285,6 @@ def run_offline(llm, workload: Workload, *, sample_stats: bool = True, trace: bo
     ``LLM.generate`` (the same loop, ``EngineCore.run``), sampling
     ``llm.stats()`` after every step when ``sample_stats``. Returns the outputs,
     throughputs, latencies and the per-step samples (KV waste, running count)."""
-    from ..engine import EngineCore
-
     core = llm._core
     params = workload.params(temperature)
     encoded = [core.tokenize_prompt(p) for p in workload.prompts]
@@ -332,8 +325,6 @@ def run_offline(llm, workload: Workload, *, sample_stats: bool = True, trace: bo
     }
     spec = core.args.speculative_config
     if spec is not None:
-        from ..speculative import spec_delta
-
         res["speculative"] = spec_delta(s0, s1, spec["num_speculative_tokens"])
     if sample_stats and waste:
         w = np.asarray(waste)
@@ -474,7 +465,5 @@ def engine_kwargs(args) -> Dict[str, Any]:
     if getattr(args, "quantization", None):
         kw["quantization"] = args.quantization
     if getattr(args, "speculative_config", None) is not None:
-        from ..speculative import parse_speculative_config
-
         kw["speculative_config"] = parse_speculative_config(args.speculative_config)
     return kw
