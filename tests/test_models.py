@@ -353,3 +353,23 @@ def test_llm_with_no_argument_loads_the_default_model(smollm2_gguf):
     with LLM(max_model_len=64, num_threads=1, kv_cache_memory="4MiB") as llm:
         cfg = llm.model_config
     assert cfg["vocab_size"] == 49152 and cfg["n_layers"] == 30
+
+
+def test_async_llm_and_the_bench_take_names(monkeypatch):
+    import asyncio
+
+    from conveyor import AsyncLLM, SamplingParams
+    from conveyor.bench import common
+
+    async def first(llm):
+        async for out in llm.generate([1], SamplingParams(max_tokens=12, temperature=0)):
+            last = out
+        return last.outputs[0].text
+
+    with AsyncLLM("stories260K", num_threads=1) as llm:
+        assert STORIES_FROM_BOS.startswith(asyncio.run(first(llm)))
+    monkeypatch.delenv("CONVEYOR_STORIES", raising=False)
+    assert common.resolve_model("stories260K") == str(models.find_model("stories260K"))
+    assert common.stories_path() == models.find_model("stories260K")
+    with pytest.raises(FileNotFoundError, match="huggingface-cli"):
+        common.resolve_model("Org/Model")
