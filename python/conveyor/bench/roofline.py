@@ -182,7 +182,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(list(argv) if argv is not None else None)
     if a.model is None:
-        from ..generate import default_model
+        from ..models import random_checkpoint as default_model
 
         a.model = str(default_model())
     if a.repeats < 1:
