@@ -373,3 +373,12 @@ def test_async_llm_and_the_bench_take_names(monkeypatch):
     assert common.stories_path() == models.find_model("stories260K")
     with pytest.raises(FileNotFoundError, match="huggingface-cli"):
         common.resolve_model("Org/Model")
+
+
+def test_info_takes_a_built_in_name(tmp_path):
+    r = _conveyor(tmp_path, "info", "stories260K")
+    assert r.returncode == 0, r.stderr
+    assert f"model:           {models.find_model('stories260K')}" in r.stdout and "dtype:           float32" in r.stdout
+    r = _conveyor(tmp_path, "info", "gemma-3-270m")  # an empty cache: not fetched by info
+    assert r.returncode == 1 and "conveyor fetch-model gemma-3-270m" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

@@ -338,14 +338,17 @@ def _format_summary(info: dict, show_tensors: bool) -> str:
 
 def info_main(argv: Sequence[str]) -> int:
     p = Parser(prog="conveyor info", description=SUBCOMMANDS["info"][1])
-    p.add_argument("model", help="a HF model folder, a .gguf file or a llama2.c .bin file")
+    p.add_argument("model", help="a HF model folder, a .gguf file, a llama2.c .bin file or a built-in "
+                                 "name ('conveyor models'; a fetched one must be in the cache)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--tensors", action="store_true", help="list every tensor")
     args = p.parse_args(list(argv))
     from . import ConveyorError
 
     try:
-        info = summarize(args.model)
+        from .models import resolve_model
+
+        info = summarize(resolve_model(args.model, fetch=False))
     except (OSError, ConveyorError, ValueError, RuntimeError) as e:
         print(f"conveyor info: error: {e}", file=sys.stderr)
         return 1
