@@ -382,3 +382,10 @@ def test_info_takes_a_built_in_name(tmp_path):
     r = _conveyor(tmp_path, "info", "gemma-3-270m")  # an empty cache: not fetched by info
     assert r.returncode == 1 and "conveyor fetch-model gemma-3-270m" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_packaged_model_missing_from_the_install_says_reinstall(tmp_path, monkeypatch):
+    monkeypatch.setattr(models, "_PACKAGE_DATA", tmp_path / "stripped")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FetchError, match="stories260K.*missing from this installation.*reinstall conveyor"):
+        models.resolve_model("stories260K")

@@ -118,8 +118,7 @@ def _lookup(name: str) -> Optional[BuiltinModel]:
 def builtin_model(name: str) -> BuiltinModel:
     m = _lookup(name)
     if m is None:
-        raise ValueError(f"{name!r} is not a built-in model name; the built-in names are "
-                                 f"{_names()}")
+        raise ValueError(f"{name!r} is not a built-in model name; the built-in names are {_names()}")
     return m
 
 
@@ -194,6 +193,8 @@ def fetch_model(name: str = DEFAULT_MODEL, *, force: bool = False) -> Path:
 
 
 def offline_hint(m: BuiltinModel) -> str:
+    if not m.fetched:
+        return "it ships inside the conveyor package: reinstall conveyor"
     return (f"to use it offline, run 'conveyor fetch-model {m.name}' once online, or put {m.file} "
             f"in {cache_dir()} (or set CONVEYOR_CACHE)")
 
@@ -253,7 +254,7 @@ def default_model_path() -> str:
     try:
         return resolve_model(DEFAULT_MODEL)
     except FetchError as e:
-        print(f"conveyor: the default model is not available: {e}", file=sys.stderr, flush=True)
+        print(f"conveyor: {e}", file=sys.stderr, flush=True)
     print("conveyor: using the random-weight default checkpoint instead (it prints random text); "
           f"run 'conveyor fetch-model {m.name}' once online for the real one", file=sys.stderr, flush=True)
     return str(random_checkpoint())
