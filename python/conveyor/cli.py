@@ -5,7 +5,8 @@
     conveyor serve ...             -> conveyor.serve.main(argv)
     conveyor serve ... --ray       -> conveyor.ray.serve.main(argv) (Ray Serve replicas)
     conveyor bench NAME ...        -> conveyor.bench.NAME.main(argv), NAME in BENCHMARKS
-    conveyor fetch-model           -> conveyor.default_model.main(argv)
+    conveyor models [--json]       -> the built-in model names (conveyor.models)
+    conveyor fetch-model [NAME]    -> conveyor.models.fetch_main(argv)
 
 Subcommands live in SUBCOMMANDS as name -> ("module:function", help); the module is imported
 only when its subcommand runs, so a missing optional module (or one of its dependencies)
@@ -41,7 +42,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("conveyor.generate:main", "generate text from prompts"),
     "serve": ("conveyor.serve:main", "run the OpenAI-compatible HTTP server"),
     "bench": ("conveyor.cli:bench_main", "run a benchmark: " + ", ".join(BENCHMARKS)),
-    "fetch-model": ("conveyor.default_model:main", "download the default model (SmolLM2-135M-Instruct) once"),
+    "models": ("conveyor.cli:models_main", "list the built-in model names, their sizes, licenses and "
+                                           "whether each is cached"),
+    "fetch-model": ("conveyor.models:fetch_main", "download a built-in model once (default: "
+                                                  "SmolLM2-135M-Instruct)"),
 }
 
 
@@ -250,6 +254,7 @@ def _human(n: float, unit: str = "") -> str:
 def summarize(path) -> dict:
     """A dict describing the checkpoint at ``path`` (what `conveyor info` prints)."""
     from . import _core
+    from .models import weights_dtype
 
     if not hasattr(_core, "Checkpoint"):
         raise RuntimeError("this build of conveyor._core has no Checkpoint")
@@ -278,6 +283,7 @@ def summarize(path) -> dict:
     return {
         "path": str(path),
         "format": ck.format,
+        "dtype": weights_dtype(by_dtype),
         **extra,
         "config": cfg,
         "n_tensors": len(tensors),
@@ -309,7 +315,7 @@ def _format_summary(info: dict, show_tensors: bool) -> str:
         f"tied embeddings: {yn(g('tie_embeddings'))}   qkv bias: {yn(g('qkv_bias'))}   qk norm: {yn(g('qk_norm'))}"
         + (f"   sliding window: {g('sliding_window')}" if g("sliding_window") else ""),
         f"bos / eos ids:   {g('bos_id')} / {g('eos_ids')}",
-        f"dtype:           {g('dtype')}   (tensors: "
+        f"dtype:           {info['dtype']}   (tensors: "
         + ", ".join(f"{n} {d}" for d, n in sorted(info["tensor_dtypes"].items())) + ")",
         f"parameters:      {info['parameters']:,} ({_human(info['parameters'])})",
         f"weight bytes:    {info['weight_bytes']:,} ({info['weight_bytes'] / 2**20:.2f} MiB)",
@@ -332,14 +338,17 @@ def _format_summary(info: dict, show_tensors: bool) -> str:
 
 def info_main(argv: Sequence[str]) -> int:
     p = Parser(prog="conveyor info", description=SUBCOMMANDS["info"][1])
-    p.add_argument("model", help="a HF model folder, a .gguf file or a llama2.c .bin file")
+    p.add_argument("model", help="a HF model folder, a .gguf file, a llama2.c .bin file or a built-in "
+                                 "name ('conveyor models'; a fetched one must be in the cache)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--tensors", action="store_true", help="list every tensor")
     args = p.parse_args(list(argv))
     from . import ConveyorError
 
     try:
-        info = summarize(args.model)
+        from .models import resolve_model
+
+        info = summarize(resolve_model(args.model, fetch=False))
     except (OSError, ConveyorError, ValueError, RuntimeError) as e:
         print(f"conveyor info: error: {e}", file=sys.stderr)
         return 1
@@ -351,4 +360,29 @@ def info_main(argv: Sequence[str]) -> int:
         print(json.dumps(info_out, indent=2, default=str))
     else:
         print(_format_summary(info, args.tensors))
+    return 0
+
+
+# ---------------------------------------------------------------------------- models
+
+
+def models_main(argv: Sequence[str]) -> int:
+    p = Parser(prog="conveyor models", description=SUBCOMMANDS["models"][1] + ". Any of these names "
+               "works wherever a model is given (LLM(NAME), --model NAME); so does a path.")
+    p.add_argument("--json", action="store_true", help="print the list as JSON")
+    args = p.parse_args(list(argv))
+    from .models import cache_dir, describe_models
+
+    rows = describe_models()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    width = max(len(r["name"]) for r in rows)
+    lic = max(len(r["license"]) for r in rows)
+    print(f"{'NAME':<{width}}  {'SIZE':>8}  {'LICENSE':<{lic}}  WHERE")
+    for r in rows:
+        where = r["path"] or f"not cached (fetched on first use; 'conveyor fetch-model {r['name']}')"
+        mark = " (default)" if r["default"] else ""
+        print(f"{r['name']:<{width}}  {r['bytes'] / 1e6:>6.1f}MB  {r['license']:<{lic}}  {where}{mark}")
+    print(f"\ncache: {cache_dir()} ($CONVEYOR_CACHE moves it)")
     return 0

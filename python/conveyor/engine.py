@@ -17,6 +17,7 @@ from typing import Any, Optional
 import numpy as np
 
 from . import _core
+from .models import with_weights_dtype
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams, field_error
 from .speculative import parse_speculative_config, spec_stats
@@ -274,7 +275,7 @@ class EngineCore:
             max_prefill_tokens_while_decoding=args.resolved_prefill_cap(),
             max_queued_requests=args.max_queued_requests or 0, activation_dtype=args.activation_dtype,
             **self._spec_kwargs(args.speculative_config))
-        self.model_config = self._engine.model_config()
+        self.model_config = with_weights_dtype(self._engine.model_config(), args.model, args.quantization)
         st = self._engine.stats()
         self.max_model_len = st["max_model_len"]
         self.vocab_size = self.model_config["vocab_size"]

@@ -1,93 +1,42 @@
 """`conveyor generate`: the main job. Generates for a few prompts and prints the
 outputs, the time spent generating and the total time. With no --model it uses the
 built-in default model, SmolLM2-135M-Instruct (Q4_1 GGUF, fetched once into the
-cache: see conveyor.default_model); offline, a deterministic random-weight
+cache: see conveyor.models); offline, a deterministic random-weight
 checkpoint of SmolLM-135M's shape (random text). Prompts go through the model's
 chat template when it has one (--no-chat sends them as plain text). --model takes
-an HF checkpoint directory, a .gguf file, a llama2.c .bin, 'stories260K' (the small
-real model) or a shape name of conveyor.testing.SHAPES."""
+an HF checkpoint directory, a .gguf file, a llama2.c .bin, a built-in model name
+(`conveyor models` lists them) or a shape name of conveyor.testing.SHAPES."""
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import sys
 import time
-from pathlib import Path
 
-DEFAULT_SHAPE = "smollm-135m"
+from .cli import DefaultsHelpFormatter, Parser
+from .models import DEFAULT_SHAPE, default_model_path, random_checkpoint, remove_stale_partial_checkpoints, \
+    resolve_model
+
 DEFAULT_PROMPTS = [
     "Once upon a time",
     "The quick brown fox",
     "In a small village by the sea,",
     "The best way to learn is",
 ]
-_TMP_MARK = ".tmp"
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("CONVEYOR_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "conveyor")
-    return Path(base)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # exists, owned by someone else
-    return True
-
-
-def remove_stale_partial_checkpoints(folder: Path) -> None:
-    """Removes `<name>.tmp<pid>` folders left by a writer that no longer runs
-    (killed before it could clean up after itself)."""
-    if not folder.is_dir():
-        return
-    for entry in folder.iterdir():
-        name, mark, pid = entry.name.rpartition(_TMP_MARK)
-        if mark and name and pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
-            shutil.rmtree(entry, ignore_errors=True)
-
-
-def default_model(shape: str = DEFAULT_SHAPE, dtype: str = "bfloat16", seed: int = 0) -> Path:
-    """The built-in default checkpoint, made once and cached. The checkpoint is
-    written to a temporary folder renamed into place when complete; an interrupted
-    write removes its folder (and a later start removes what a killed one left)."""
-    from .testing import write_hf_checkpoint
-
-    path = cache_dir() / "models" / f"{shape}-random-{dtype}-seed{seed}"
-    remove_stale_partial_checkpoints(path.parent)
-    if not (path / "config.json").exists():
-        tmp = path.with_name(f"{path.name}{_TMP_MARK}{os.getpid()}")
-        print(f"conveyor: writing the default random-weight {shape} checkpoint to {path} (first use)",
-              file=sys.stderr)
-        try:
-            write_hf_checkpoint(tmp, shape=shape, dtype=dtype, seed=seed)
-            os.replace(tmp, path)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if not (path / "config.json").exists():
-                raise
-            # else another process made it first
-        except BaseException:  # Ctrl-C or any failure: leave nothing half-written behind
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return path
+# the random-weight checkpoint, by the name scripts and benchmarks import
+default_model = random_checkpoint
+__all__ = ["DEFAULT_SHAPE", "DEFAULT_PROMPTS", "build_parser", "default_model",
+           "remove_stale_partial_checkpoints", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .cli import DefaultsHelpFormatter, Parser
     from .sampling_params import SamplingParams
 
     d = SamplingParams()
     ap = Parser(prog="conveyor generate", description=__doc__,
                                  formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--model", default=None,
-                    help="HF checkpoint directory, .gguf file, llama2.c .bin, 'stories260K' or a shape "
-                         "name (default: SmolLM2-135M-Instruct, fetched once)")
+                    help="HF checkpoint directory, .gguf file, llama2.c .bin, a built-in name ('conveyor "
+                         "models' lists them) or a shape name (default: SmolLM2-135M-Instruct, fetched once)")
     ap.add_argument("--prompt", action="append", default=None,
                     help="a prompt (repeat for several; default: four sample prompts)")
     ap.add_argument("--num-prompts", type=int, default=None,
@@ -170,7 +119,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from . import AsyncLLM, LLM, SamplingParams
-    from .bench.common import resolve_model
 
     prompts = args.prompt or DEFAULT_PROMPTS
     if args.num_prompts is not None:
@@ -202,12 +150,7 @@ def main(argv=None) -> int:
         if v is not None and v < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
 
-    if args.model is None:
-        from .default_model import default_model_path
-
-        model = str(default_model_path())
-    else:
-        model = resolve_model(args.model)
+    model = default_model_path() if args.model is None else resolve_model(args.model)
     max_num_seqs = args.max_num_seqs or min(256, len(prompts) * args.n)
     kwargs = dict(dtype=args.dtype, num_threads=args.num_threads, device=args.device,
                   scheduling=args.scheduling, max_model_len=args.max_model_len,

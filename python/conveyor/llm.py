@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import copy
+import time
 import warnings
 import weakref
 from typing import Optional, Sequence, Union
 
 import numpy as np
 
+from ._core import EngineClosedError
 from .engine import OFFLINE_PREFILL_CAP, EngineArgs, EngineCore, EngineFrontend, check_priority, check_timeout
+from .models import resolve_model
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -50,15 +53,17 @@ def _progress_bar_class():
 class LLM(EngineFrontend):
     """Generates text for batches of prompts with continuous batching.
 
-    >>> llm = LLM("path/to/model")                      # HF dir or llama2.c .bin
+    >>> llm = LLM()                        # the default model, SmolLM2-135M-Instruct (fetched once)
+    >>> llm = LLM("stories260K")           # a built-in name (conveyor.models), or a path:
+    >>> llm = LLM("path/to/model")         # an HF folder, a .gguf file or a llama2.c .bin
     >>> llm.generate(["Once upon a time"], SamplingParams(max_tokens=32))
     """
 
-    def __init__(self, model, **kwargs):
+    def __init__(self, model=None, **kwargs):
         # offline default: no prefill cap (a latency knob for watched streams; AsyncLLM and
         # the server keep it)
         kwargs.setdefault("max_prefill_tokens_while_decoding", OFFLINE_PREFILL_CAP)
-        self._core = EngineCore(EngineArgs.from_kwargs(model, kwargs))
+        self._core = EngineCore(EngineArgs.from_kwargs(resolve_model(model), kwargs))
         self._finalizer = weakref.finalize(self, EngineCore.close, self._core)
 
     def generate(self, prompts, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
@@ -69,8 +74,6 @@ class LLM(EngineFrontend):
         return to the pool (the others go on)."""
         core = self._core
         if core.closed:
-            from . import EngineClosedError
-
             raise EngineClosedError("the LLM is closed")
         items = normalize_prompts(prompts)
         if sampling_params is None:
@@ -120,8 +123,6 @@ class LLM(EngineFrontend):
         if not use_tqdm:
             core.run(reqs)
             return
-        import time
-
         tqdm = _progress_bar_class()
 
         t0 = time.perf_counter()

@@ -5,11 +5,14 @@ rolls back; docs/speculative.md describes how.
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Optional
 
 import numpy as np
 
+from .fetch import FetchError
+from .models import resolve_model
 from .sampling_params import field_error
 
 # speculative_config: no proposals in a step while more sequences than this run
@@ -33,8 +36,6 @@ def parse_speculative_config(cfg) -> Optional[dict]:
     if cfg is None:
         return None
     if isinstance(cfg, str):
-        import json
-
         try:
             cfg = json.loads(cfg)
         except ValueError as e:
@@ -77,21 +78,16 @@ def parse_speculative_config(cfg) -> Optional[dict]:
 
 
 def _draft_path(model) -> str:
-    """The draft checkpoint's path: a file or directory that exists (the Gemma 3
-    default file by its bare name, as for the target)."""
+    """The draft checkpoint's path: a file or folder that exists, or a model name
+    (conveyor.models: the built-in names, fetched once), as for the target."""
     if model is None:
         raise field_error(ValueError, "model", "speculative_config: method 'draft_model' needs a model path")
     if not isinstance(model, (str, os.PathLike)):
         raise field_error(TypeError, "model", f"speculative_config: model must be a path, got {type(model).__name__}")
-    path = os.fspath(model)
-    if not os.path.exists(path):
-        from .gemma3_model import resolve_model_name
-
-        resolved = resolve_model_name(path)
-        if not os.path.exists(resolved):
-            raise field_error(ValueError, "model", f"speculative_config: draft model {path!r} does not exist")
-        path = resolved
-    return path
+    try:
+        return resolve_model(model)
+    except (OSError, ValueError, FetchError) as e:
+        raise field_error(ValueError, "model", f"speculative_config: draft model: {e}") from None
 
 
 def spec_stats(st: dict, k: int) -> dict:

@@ -33,6 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
+from . import _core
+from .gguf import _TYPE_LAYOUT, GGMLType, GGUFReader, GGUFValueType, GGUFWriter, _ggml_type, quantize
+from .tokenizer import _bytes_to_unicode
+
 __all__ = [
     "SHAPES",
     "ARCHS",
@@ -170,9 +174,7 @@ def subprocess_env(**extra) -> dict:
     """os.environ for a child Python that must import the same conveyor as this process
     (an installed package, or the checkout's python/ after an in-place build): its
     package root first on PYTHONPATH; ``extra`` overrides variables."""
-    import conveyor
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(conveyor.__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]
     env["PYTHONPATH"] = os.pathsep.join([root] + rest)
@@ -261,8 +263,6 @@ def gemm_input_dtype(weight_dtype: str, info: dict | None = None) -> str:
     when None): "bfloat16" on the vdpbf16ps path (bf16 weights at the avx512_bf16 level),
     else "float32". For ReferenceModel.load(gemm_inputs=...)."""
     if info is None:
-        from conveyor import _core
-
         info = _core.kernel_info()
     if weight_dtype in ("bfloat16", "BF16") and info["paths"].get("gemm_bf16") == "avx512_bf16":
         return "bfloat16"
@@ -515,8 +515,6 @@ def _train_merges(words: dict[tuple[str, ...], int], n_merges: int) -> list[tupl
 
 @functools.lru_cache(maxsize=8)
 def _byte_level_merges(n_merges: int) -> tuple:
-    from .tokenizer import _bytes_to_unicode
-
     table = _bytes_to_unicode()
     # GPT-2-like split: a word keeps its leading space.
     pieces = re.findall(r" ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+", CORPUS)
@@ -538,8 +536,6 @@ def _pseudo_word(k: int) -> str:
 def _byte_level_vocab(vocab_size: int, bos_id: int = 0, eos_id: int = 1) -> tuple[dict, list]:
     """The test byte-level BPE vocabulary: token -> id (exactly ``vocab_size`` ids) and
     merges ("a b" strings, in rank order)."""
-    from .tokenizer import _bytes_to_unicode
-
     if sorted((bos_id, eos_id)) != [0, 1]:
         raise ValueError("the test tokenizer puts <s>/</s> at ids 0 and 1")
     if vocab_size < 258:
@@ -758,8 +754,6 @@ def rewrite_gguf(src, dst, *, n_layers: int | None = None, add_tensors: dict | N
     """Copies GGUF ``src`` to ``dst`` with its metadata (types kept) and tensors (bytes
     kept): only the first ``n_layers`` layers when given (``{arch}.block_count`` to
     match), plus ``add_tensors`` (name -> float32 array, stored as F32). Returns ``dst``."""
-    from .gguf import GGUFReader, GGUFWriter
-
     r = GGUFReader(src)
     key = f"{r.metadata.get('general.architecture')}.block_count"
     if n_layers is not None and not (isinstance(r.metadata.get(key), int) and 1 <= n_layers <= r.metadata[key]):
@@ -883,8 +877,6 @@ def write_gguf_checkpoint(path, *, shape="tiny", arch: str | None = None, ggml_t
     ``extra_metadata``: more entries, key -> value or (value, GGUFValueType), written last
     (a key already set is replaced).
     """
-    from .gguf import _TYPE_LAYOUT, GGMLType, GGUFValueType, GGUFWriter, _ggml_type, quantize
-
     s = resolve_shape(shape)
     arch = arch or s.get("arch", "llama")
     if arch not in GGUF_ARCHS:

@@ -23,8 +23,15 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
 
-STORIES_ENV = "CONVEYOR_STORIES"
+from .. import __version__, _core, models
+from ..async_llm import AsyncLLM
+from ..engine import EngineCore
+from ..llm import LLM
+from ..models import find_model, random_checkpoint
+from ..sampling_params import SamplingParams
+from ..speculative import parse_speculative_config, spec_delta
 
+STORIES_ENV = "CONVEYOR_STORIES"
 # The KV pool: by default ("fit") each engine gets room for every request of its
 # workload in KV at once (so nothing is ever preempted for lack of blocks) rather than
 # the engine's own default, which sizes the pool from free memory: gigabytes that take
@@ -36,48 +43,31 @@ DEFAULT_KV_CACHE = "fit"
 
 
 def stories_path() -> Optional[Path]:
-    """stories260K.bin: $CONVEYOR_STORIES (the .bin or its folder), else ../shared/models."""
+    """stories260K.bin: $CONVEYOR_STORIES (the .bin or its folder), else the copy shipped
+    inside the package."""
     env = os.environ.get(STORIES_ENV)
-    cands = []
     if env:
         p = Path(env)
-        cands.append(p / "stories260K.bin" if p.is_dir() else p)
-    here = Path(__file__).resolve()
-    for up in here.parents:
-        cands.append(up / "shared" / "models" / "stories260K" / "stories260K.bin")
-        cands.append(up.parent / "shared" / "models" / "stories260K" / "stories260K.bin")
-    for c in cands:
-        if c.is_file():
-            return c
-    return None
+        p = p / "stories260K.bin" if p.is_dir() else p
+        if p.is_file():
+            return p
+    return find_model("stories260K")
 
 
 def resolve_model(name: Optional[str]) -> str:
-    """A model argument: None -> the built-in SmolLM-135M-shaped random checkpoint;
-    "stories260K" -> the shared real tiny model; a shape name of conveyor.testing.SHAPES
-    ("tiny", "smollm-135m", ...) -> a cached random checkpoint of that shape;
-    "gemma-3-270m-q4_k_m.gguf" not found here -> that file from the cache (fetched once,
-    conveyor.gemma3_model); else a path."""
-    from ..generate import default_model
-    from ..testing import SHAPES
-
+    """A model argument as conveyor.models.resolve_model takes it (a path, a built-in name,
+    a shape name), except None: the SmolLM-135M-shaped random checkpoint, and
+    "stories260K"/"stories": $CONVEYOR_STORIES when set."""
     if name is None:
-        return str(default_model())
-    if name.lower() in ("stories260k", "stories"):
+        return str(random_checkpoint())
+    if name.lower() in ("stories260k", "stories") and not os.path.exists(name):
         p = stories_path()
-        if p is None:
-            raise FileNotFoundError(f"stories260K.bin not found (set ${STORIES_ENV})")
-        return str(p)
-    if not os.path.exists(name) and name in SHAPES:
-        return str(default_model(shape=name))
-    from ..gemma3_model import resolve_model_name
-
-    return resolve_model_name(name)  # the Gemma 3 Q4_K_M file by its bare name: from the cache
+        if p is not None:
+            return str(p)
+    return models.resolve_model(name)
 
 
 def checkpoint_config(path: str) -> Dict[str, Any]:
-    from .. import _core
-
     return dict(_core.Checkpoint(str(path)).config)
 
 
@@ -85,8 +75,6 @@ def kv_bytes_for(path: str, prompt_lens: Iterable[int], output_lens: Iterable[in
                  block_size: int = 16, dtype: str = "float32") -> int:
     """KV pool bytes that hold every request at full length at once (+ a spare block
     each and 64 more) in a cache of ``dtype`` (float32 covers every dtype)."""
-    from .. import _core
-
     cfg = checkpoint_config(path)
     head_dim = cfg.get("head_dim") or cfg["dim"] // cfg["n_heads"]
     per_token = _core.kv_bytes_per_token(cfg["n_layers"], cfg["n_kv_heads"], head_dim, dtype)
@@ -106,8 +94,6 @@ def model_info(llm, path: str) -> Dict[str, Any]:
 
 def machine_info() -> Dict[str, Any]:
     """Cores, SIMD level, CPU model and load: enough to read the figures in context."""
-    from .. import __version__, _core
-
     cpu = platform.processor() or "?"
     try:
         with open("/proc/cpuinfo") as f:
@@ -149,8 +135,6 @@ def make_llm(model: str, *, scheduling: str = "continuous", max_num_seqs: int = 
              kv_cache_dtype: str = "auto", speculative_config=None, quantization: Optional[str] = None):
     """An LLM (or AsyncLLM) for token-id prompts. kv_cache_memory "fit" sizes the pool
     for ``workload`` (see kv_bytes_for); None leaves it to the engine."""
-    from .. import LLM, AsyncLLM
-
     if kv_cache_memory == "fit":
         if workload is None:
             raise ValueError('kv_cache_memory="fit" needs the workload')
@@ -212,8 +196,6 @@ class Workload:
 
     def params(self, temperature: float = 1.0):
         """One SamplingParams per request: EOS ignored, max_tokens forcing the length."""
-        from ..sampling_params import SamplingParams
-
         return [SamplingParams(max_tokens=int(n), ignore_eos=True, temperature=temperature,
                                top_p=1.0) for n in self.output_lens]
 
@@ -303,8 +285,6 @@ def run_offline(llm, workload: Workload, *, sample_stats: bool = True, trace: bo
     ``LLM.generate`` (the same loop, ``EngineCore.run``), sampling
     ``llm.stats()`` after every step when ``sample_stats``. Returns the outputs,
     throughputs, latencies and the per-step samples (KV waste, running count)."""
-    from ..engine import EngineCore
-
     core = llm._core
     params = workload.params(temperature)
     encoded = [core.tokenize_prompt(p) for p in workload.prompts]
@@ -345,8 +325,6 @@ def run_offline(llm, workload: Workload, *, sample_stats: bool = True, trace: bo
     }
     spec = core.args.speculative_config
     if spec is not None:
-        from ..speculative import spec_delta
-
         res["speculative"] = spec_delta(s0, s1, spec["num_speculative_tokens"])
     if sample_stats and waste:
         w = np.asarray(waste)
@@ -487,7 +465,5 @@ def engine_kwargs(args) -> Dict[str, Any]:
     if getattr(args, "quantization", None):
         kw["quantization"] = args.quantization
     if getattr(args, "speculative_config", None) is not None:
-        from ..speculative import parse_speculative_config
-
         kw["speculative_config"] = parse_speculative_config(args.speculative_config)
     return kw

@@ -284,7 +284,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{args.threads} for a like-for-like comparison")
     if not args.no_model:
         from . import roofline
-        from ..generate import default_model
+        from ..models import random_checkpoint as default_model
 
         print()
         model = args.model or str(default_model())

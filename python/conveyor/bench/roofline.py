@@ -44,7 +44,7 @@ def streamed_bytes_per_step(cfg: Dict[str, Any]) -> int:
     table only a few rows (not counted)."""
     embed = cfg.get("embed_bytes")
     if embed is None:
-        embed = cfg["vocab_size"] * cfg["dim"] * _DTYPE_BYTES[cfg["dtype"]]
+        embed = cfg["vocab_size"] * cfg["dim"] * _DTYPE_BYTES[cfg.get("compute_dtype", cfg["dtype"])]
     return int(cfg["weight_bytes"] - embed)
 
 
@@ -128,8 +128,8 @@ def run(model: str, threads: Optional[int] = None, dtype: str = "bfloat16",
     # the bound of the GEMMs: the peak of the instruction they run on
     peaks = merge_peaks(peaks, compute_peaks(threads))
     # quantized matrices (GGUF or quantization=) multiply on int8 dot products
-    mdt = cfg.get("matrix_dtype", cfg["dtype"])
-    kind = "int8_dot" if mdt in ("q8_0", "q4_0", "q4_1") else PEAK_OF_DTYPE[cfg["dtype"]]
+    mdt = cfg.get("matrix_dtype", cfg.get("compute_dtype", cfg["dtype"]))
+    kind = "int8_dot" if mdt in ("q8_0", "q4_0", "q4_1") else PEAK_OF_DTYPE[cfg.get("compute_dtype", cfg["dtype"])]
     if kind == "bf16_dot" and activation_dtype == "float32":  # bf16 weights widened onto the fp32 FMAs
         kind = "fp32_fma"
     res["activation_dtype"] = activation_dtype
@@ -182,7 +182,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(list(argv) if argv is not None else None)
     if a.model is None:
-        from ..generate import default_model
+        from ..models import random_checkpoint as default_model
 
         a.model = str(default_model())
     if a.repeats < 1:

@@ -169,7 +169,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--json", default=None, help="write the result as JSON to this file")
     a = ap.parse_args(argv)
     if a.model is None:
-        from ..default_model import default_model_path
+        from ..models import default_model_path
 
         model = str(default_model_path())
     else:

@@ -515,7 +515,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print_report(r, markdown=args.markdown)
         common.write_outputs(r, plot_path=args.plot, plot=plot)
         return 0
-    from ..generate import default_model
+    from ..models import random_checkpoint as default_model
 
     n, p, m, kv = args.num_requests, args.prompt_len, args.mean_output, args.kv_tokens
     caps = common.parse_int_list(args.caps) if args.caps else None
