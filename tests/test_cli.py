@@ -375,6 +375,8 @@ def test_model_name_defaults(tmp_path):
     from conveyor.model_name import model_name
 
     assert model_name("../shared/models/stories260K/stories260K.bin") == "stories260K"
+    assert model_name("/x/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct"
+    assert model_name("/x/gemma-3-270m-q4_k_m.gguf") == "gemma-3-270m"
     folder = tmp_path / "SmolLM2-135M"
     folder.mkdir()
     assert model_name(str(folder) + "/") == "SmolLM2-135M"
@@ -382,19 +384,14 @@ def test_model_name_defaults(tmp_path):
     write_gguf_header(gguf, [
         ("general.architecture", 8, _gguf_string("llama")),
         ("llama.block_count", 4, struct.pack("<I", 30)),
-        ("tokenizer.ggml.tokens", 9, struct.pack("<IQ", 8, 2) + _gguf_string("a") + _gguf_string("b")),
-        ("tokenizer.ggml.scores", 9, struct.pack("<IQ", 6, 2) + struct.pack("<2f", 0.5, 0.25)),
-        ("general.name", 8, _gguf_string("SmolLM2 135M Instruct")),
+        ("general.name", 8, _gguf_string("Smollm2 135M 8k Lc100K Mix1 Ep2")),
     ])
-    assert model_name(gguf) == "SmolLM2 135M Instruct"
-    write_gguf_header(gguf, [("general.architecture", 8, _gguf_string("llama"))])
-    assert model_name(gguf) == "smol-q8"  # no general.name: the stem
-    gguf.write_bytes(b"GGUF\x03\x00")  # truncated: the stem, no error
-    assert model_name(gguf) == "smol-q8"
+    assert model_name(gguf) == "smol-q8"  # the stem, never the converter's general.name
 
 
 def test_serve_parser_served_model_name():
     from conveyor.serve import make_parser
 
     assert make_parser().parse_args(["m.bin"]).served_model_name is None
-    assert make_parser().parse_args(["m.bin", "--served-model-name", "smol"]).served_model_name == "smol"
+    assert make_parser().parse_args(["m.bin", "--served-model-name", "smol"]).served_model_name == ["smol"]
+    assert make_parser().parse_args(["m.bin", "--served-model-name", "a", "b"]).served_model_name == ["a", "b"]

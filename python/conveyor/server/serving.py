@@ -17,6 +17,7 @@ from .chunks import ChunkEncoder
 from .metrics import ServerMetrics
 from .protocol import (APIError, Parsed, Prompt, Validator, bad_request, check_text, dumps, refused,
                        type_name)
+from .tool_parsers import ToolCallStream, parse_answer, tool_call_deltas
 
 # ---------------------------------------------------------------------------- responses
 
@@ -105,6 +106,16 @@ def tool_call_message(tc, text: str, finish: Optional[str]) -> tuple[dict, Optio
     return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
 
 
+def auto_tool_message(auto, text: str, finish: Optional[str]) -> tuple[dict, Optional[str]]:
+    """The assistant message of a tool_choice "auto" answer: its calls, read by the tool
+    parser, as tool_calls (finish_reason "tool_calls"), or the text as it is."""
+    answer = parse_answer(auto.parser, text, auto.tools)
+    if not answer.calls:
+        return {"role": "assistant", "content": text}, finish
+    calls = [{k: v for k, v in c.items() if k != "index"} for c in tool_call_deltas(answer.calls)]
+    return {"role": "assistant", "content": answer.content, "tool_calls": calls}, "tool_calls"
+
+
 def _finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
 
@@ -113,10 +124,11 @@ RETRY_AFTER_S = 1  # the Retry-After of a 503 for a full queue
 
 
 class Server:
-    def __init__(self, engine, model_name: str, api_key: Optional[str], request_timeout: Optional[float],
+    def __init__(self, engine, model_names: list, api_key: Optional[str], request_timeout: Optional[float],
                  max_body_bytes: int):
         self.engine = engine
-        self.model_name = model_name
+        self.model_names = list(model_names)  # every name a request may use; answers carry the first
+        self.model_name = self.model_names[0]
         self.api_key = api_key
         self.request_timeout = request_timeout  # the deadline of a request that names none
         self.max_body_bytes = int(max_body_bytes)
@@ -126,7 +138,7 @@ class Server:
         self.vocab_size = int(engine.model_config["vocab_size"])
         self.validator = Validator(self.tok, self.max_model_len, engine.check_request,
                                    getattr(engine, "encode_prompt", None))
-        self.metrics = ServerMetrics(model_name)
+        self.metrics = ServerMetrics(self.model_name)
         self.created = int(time.time())
         self.in_flight = 0   # HTTP generation requests being answered
         self._piece_cache: dict[int, tuple[str, list]] = {}
@@ -199,8 +211,9 @@ class Server:
         return parsed
 
     def check_model(self, model: Optional[str]):
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+        if model is not None and model not in self.model_names:
+            served = ", ".join(f"'{n}'" for n in self.model_names)
+            raise APIError(404, f"the model '{model}' does not exist; this server serves {served}",
                            param="model", code="model_not_found")
 
     def start(self, parsed: Parsed, rid: str, params: SamplingParams) -> list:
@@ -347,6 +360,8 @@ class Server:
                     message, finish = {"role": "assistant", "content": o.text}, o.finish_reason
                     if parsed.tool_call is not None:
                         message, finish = tool_call_message(parsed.tool_call, o.text, finish)
+                    elif parsed.auto_tools is not None:
+                        message, finish = auto_tool_message(parsed.auto_tools, o.text, finish)
                     choices.append({
                         "index": idx, "message": message,
                         "logprobs": self._chat_logprobs(o.logprobs, o.token_ids, parsed.logprobs or 0),
@@ -392,7 +407,8 @@ class Server:
 
     def _stream_choices(self, parsed: Parsed, i: int, out, tokens, offsets, done, held) -> list:
         """The chunk choices for one delta RequestOutput of prompt i; updates the per-choice state.
-        Tool calls are held back (held[j]) and sent whole with the finish."""
+        Tool calls are held back (held[j]: the text so far, or with tool_choice "auto" a
+        ToolCallStream that lets the text before a call through) and sent whole with the finish."""
         n = parsed.params.n
         chat = parsed.kind == "chat"
         choices = []
@@ -413,6 +429,21 @@ class Server:
                 delta = ({"tool_calls": [{"index": 0, **message["tool_calls"][0]}]} if "tool_calls" in message
                          else {"content": message["content"]})
                 choices.append({"index": j, "delta": delta, "logprobs": None, "finish_reason": fin, **tail})
+            elif chat and parsed.auto_tools is not None:
+                if not isinstance(held[j], ToolCallStream):
+                    held[j] = ToolCallStream(parsed.auto_tools.parser, parsed.auto_tools.tools)
+                text = held[j].feed(o.text)
+                calls = []
+                if fin is not None:
+                    rest, calls = held[j].finish()
+                    text += rest
+                    fin = "tool_calls" if calls else fin
+                if text or calls or fin is not None:
+                    delta = {"content": text} if text else {}
+                    if calls:
+                        delta["tool_calls"] = tool_call_deltas(calls)
+                    lp = self._chat_logprobs(o.logprobs, o.token_ids, parsed.logprobs or 0)
+                    choices.append({"index": j, "delta": delta, "logprobs": lp, "finish_reason": fin, **tail})
             elif chat:
                 delta = {"content": o.text} if (o.text or fin is None) else {}
                 lp = self._chat_logprobs(o.logprobs, o.token_ids, parsed.logprobs or 0)
@@ -474,7 +505,8 @@ class Server:
             elif parsed.echo:
                 yield chunk([{"index": i * n + k, "text": self._prompt_text(p), "logprobs": None,
                               "finish_reason": None} for i, p in enumerate(parsed.prompts) for k in range(n)])
-            if len(streams) == 1 and n == 1 and parsed.logprobs is None and parsed.tool_call is None:
+            if len(streams) == 1 and n == 1 and parsed.logprobs is None and parsed.tool_call is None \
+                    and parsed.auto_tools is None:
                 usage = [0, 0]
                 enc = ChunkEncoder(rid, created, self.model_name, chat, parsed.include_usage)
                 async with aclosing(self._single_events(streams[0], enc, usage)) as events:
