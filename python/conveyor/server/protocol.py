@@ -412,13 +412,13 @@ def _history_tool_calls(i: int, calls) -> list:
             raise bad_request(f"{param}[{j}]", f"'{param}[{j}]' must be {{type: 'function', function: "
                                                "{name, arguments}}")
         args = fn.get("arguments") or "{}"
+        arg_param = f"{param}[{j}].function.arguments"
         try:
             args = json.loads(args) if isinstance(args, str) else args
         except ValueError:
-            raise bad_request(f"{param}[{j}].function.arguments", "tool call arguments must be a JSON object") \
-                from None
+            args = None
         if not isinstance(args, dict):
-            raise bad_request(f"{param}[{j}].function.arguments", "tool call arguments must be a JSON object")
+            raise bad_request(arg_param, f"'{arg_param}' must be a JSON object")
         out.append({"name": fn["name"], "arguments": args})
     return out
 

@@ -74,7 +74,7 @@ def leading_start(text: str, openers: tuple) -> Optional[int]:
 
 
 def tools_json(tools: dict) -> str:
-    """One line per function: {"name", "description", "parameters"}."""
-    return "\n".join(json.dumps({"name": n, "description": t.get("description", ""),
+    """One line per function: {"name", "description" (when there is one), "parameters"}."""
+    return "\n".join(json.dumps({"name": n, **({"description": t["description"]} if t.get("description") else {}),
                                  "parameters": t["parameters"]}, ensure_ascii=False)
                      for n, t in tools.items())

@@ -40,11 +40,9 @@ class HermesParser:
         return ParsedAnswer(text[:start].rstrip() or None, calls)
 
     def system_prompt(self, tools: dict) -> str:
-        return ("You can call functions to answer the user. The functions, as JSON schemas:\n"
-                f"<tools>\n{tools_json(tools)}\n</tools>\n"
-                "To call functions, answer only with <tool_call>[{\"name\": \"function name\", "
-                "\"arguments\": {\"argument\": \"value\"}}]</tool_call>, listing every call you need. "
-                "If no function fits, answer the user in plain text.")
+        return (f"You may call these functions:\n<tools>\n{tools_json(tools)}\n</tools>\n"
+                "To call them, answer only with <tool_call>[{\"name\": \"function name\", "
+                "\"arguments\": {\"argument\": \"value\"}}]</tool_call>. Else answer in plain text.")
 
     def format_calls(self, calls: list) -> str:
         return "".join(f"{OPEN}{json.dumps({'name': c['name'], 'arguments': c['arguments']})}{CLOSE}"

@@ -35,11 +35,9 @@ class Llama3JsonParser:
         return ParsedAnswer(None, calls)
 
     def system_prompt(self, tools: dict) -> str:
-        return ("You can call functions to answer the user. The functions, as JSON schemas:\n"
-                f"{tools_json(tools)}\n"
-                "To call a function, answer only with a JSON object {\"name\": \"function name\", "
-                "\"parameters\": {\"argument\": \"value\"}}; separate several calls with ';'. "
-                "If no function fits, answer the user in plain text.")
+        return (f"You may call these functions:\n{tools_json(tools)}\n"
+                "To call one, answer only with {\"name\": \"function name\", \"parameters\": "
+                "{\"argument\": \"value\"}} (several: separated by ';'). Else answer in plain text.")
 
     def format_calls(self, calls: list) -> str:
         return "; ".join(json.dumps({"name": c["name"], "parameters": c["arguments"]}) for c in calls)

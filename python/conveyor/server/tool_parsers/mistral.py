@@ -45,11 +45,9 @@ class MistralParser:
         return ParsedAnswer(text[:start].rstrip() or None, calls)
 
     def system_prompt(self, tools: dict) -> str:
-        return ("You can call functions to answer the user. The functions, as JSON schemas:\n"
-                f"[AVAILABLE_TOOLS]\n{tools_json(tools)}\n[/AVAILABLE_TOOLS]\n"
-                "To call functions, answer only with [TOOL_CALLS][{\"name\": \"function name\", "
-                "\"arguments\": {\"argument\": \"value\"}}], listing every call you need. "
-                "If no function fits, answer the user in plain text.")
+        return (f"You may call these functions:\n[AVAILABLE_TOOLS]\n{tools_json(tools)}\n[/AVAILABLE_TOOLS]\n"
+                "To call them, answer only with [TOOL_CALLS][{\"name\": \"function name\", "
+                "\"arguments\": {\"argument\": \"value\"}}]. Else answer in plain text.")
 
     def format_calls(self, calls: list) -> str:
         return MARKER + json.dumps([{"name": c["name"], "arguments": c["arguments"]} for c in calls])

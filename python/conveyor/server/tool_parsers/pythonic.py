@@ -54,11 +54,9 @@ class PythonicParser:
         return ParsedAnswer(None, calls)
 
     def system_prompt(self, tools: dict) -> str:
-        return ("You can call functions to answer the user. The functions, as JSON schemas:\n"
-                f"{tools_json(tools)}\n"
-                "To call functions, answer only with a Python list of calls with keyword arguments, "
-                "such as [function_name(argument=\"value\"), other_function(number=1)]. "
-                "If no function fits, answer the user in plain text.")
+        return (f"You may call these functions:\n{tools_json(tools)}\n"
+                "To call them, answer only with a Python list of calls such as "
+                "[function_name(argument=\"value\"), other(number=1)]. Else answer in plain text.")
 
     def format_calls(self, calls: list) -> str:
         def call(c):
