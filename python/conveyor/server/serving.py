@@ -13,6 +13,7 @@ from contextlib import aclosing
 from typing import Any, AsyncIterator, Optional
 
 from ..sampling_params import SamplingParams
+from .body_fields import IGNORED_FIELDS_HEADER, header_value, unknown_fields
 from .chunks import ChunkEncoder
 from .metrics import ServerMetrics
 from .protocol import (APIError, Parsed, Prompt, Validator, bad_request, check_text, dumps, refused,
@@ -48,15 +49,17 @@ class SSEResponse:
     """Streams `data: ...` events from an async iterator of str; a client that goes away
     cancels the stream (and with it the engine requests) at once."""
 
-    def __init__(self, events: AsyncIterator[str], on_disconnect=None, on_end=None):
+    def __init__(self, events: AsyncIterator[str], on_disconnect=None, on_end=None,
+                 headers: Optional[dict] = None):
         self.events = events
         self.on_disconnect = on_disconnect
         self.on_end = on_end
+        self.headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
 
     async def _stream(self, send):
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
-                                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+                                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")] + self.headers})
         try:
             async for ev in self.events:
                 await send({"type": "http.response.body", "body": ev.encode("utf-8"), "more_body": True})
@@ -551,13 +554,14 @@ class Server:
         if model is not None:
             check_text("model", model)
         self.check_model(model)
+        headers = self._ignored_fields(body, kind)
         parsed = await self.off_loop(self.prepare, body, kind)
         if self.engine.closed:
             raise APIError(503, "the engine is shut down", code="engine_closed")
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         streams = self.start(parsed, rid, parsed.params)
         if parsed.stream:
-            return self._stream_response(streams, parsed, rid)
+            return self._stream_response(streams, parsed, rid, headers)
         self.in_flight += 1
         try:
             gen = asyncio.ensure_future(self.generate_full(streams, parsed, rid))
@@ -580,7 +584,7 @@ class Server:
                 result = gen.result()
             except (ValueError, TypeError) as e:  # the engine refused the request (or its grammar)
                 raise refused(e, parsed.renames) from None
-            return json_response(result)
+            return json_response(result, headers=headers)
         except BaseException:
             if not gen.done():
                 gen.cancel()
@@ -592,7 +596,18 @@ class Server:
             if not watch.done():
                 watch.cancel()
 
-    def _stream_response(self, streams: list, parsed: Parsed, rid: str):
+    @staticmethod
+    def _ignored_fields(body: dict, kind: str) -> Optional[dict]:
+        """Body fields this endpoint does not read: a warning in the log, and the response
+        header that names them (None: there are none)."""
+        ignored = unknown_fields(body, kind)
+        if not ignored:
+            return None
+        value = header_value(ignored)
+        logging.getLogger("conveyor.serve").warning("request fields ignored (not read by this endpoint): %s", value)
+        return {IGNORED_FIELDS_HEADER: value}
+
+    def _stream_response(self, streams: list, parsed: Parsed, rid: str, headers: Optional[dict] = None):
         server = self
 
         def on_disconnect():
@@ -604,6 +619,6 @@ class Server:
                 s.close()
 
         server.in_flight += 1
-        return SSEResponse(server.generate_stream(streams, parsed, rid), on_disconnect, on_end)
+        return SSEResponse(server.generate_stream(streams, parsed, rid), on_disconnect, on_end, headers)
 
 
