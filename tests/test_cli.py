@@ -101,7 +101,8 @@ def test_corrupt_bin_beside_its_tokenizer_names_the_model(tmp_path, tiny_llama2c
     (["--top-k", "-7"], ["top-k"]),
     (["--kv-cache-memory", "lots"], ["--kv-cache-memory", "lots"]),
     (["--max-tokens", "0"], ["max-tokens"]),
-    (["--stream", "--prompt", "a", "--prompt", "b"], ["--stream"]),
+    (["--stream", "--n", "2"], ["--stream", "--n"]),
+    (["--model", "a.bin"], ["model is given twice"]),
     (["--no-such-option"], ["--no-such-option"]),
 ])
 def test_usage_errors_exit_2_before_loading(tmp_path, args, words):
@@ -148,6 +149,65 @@ def test_help_texts(tmp_path):
 
     for name in BENCHMARKS:
         assert re.search(rf"^\s+{name}\s+\S", r.stdout, re.M), name  # each one described
+
+
+def _commands() -> list:
+    """Every command line that has options: the subcommands and each benchmark."""
+    from conveyor.cli import BENCHMARKS, SUBCOMMANDS
+
+    return [[c] for c in SUBCOMMANDS if c != "bench"] + [["bench", b] for b in BENCHMARKS]
+
+
+@pytest.mark.parametrize("argv", _commands(), ids=" ".join)
+def test_every_option_has_help_and_shows_its_default(argv, capsys, monkeypatch):
+    """`conveyor ... --help` exits 0, and in the parser it prints every option has help text,
+    and every option with a default worth showing shows it."""
+    import argparse
+
+    from conveyor import cli
+
+    parsers = []
+    real_print_help = argparse.ArgumentParser.print_help
+
+    def print_help(self, file=None):
+        parsers.append(self)
+        real_print_help(self, file)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "print_help", print_help)
+    with pytest.raises(SystemExit) as ei:
+        rc = cli.main([*argv, "--help"])
+        raise SystemExit(rc)
+    assert ei.value.code in (0, None), capsys.readouterr()
+    assert parsers, f"{argv}: --help printed no argparse help"
+    p = parsers[-1]
+    out = capsys.readouterr().out
+    for action in p._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        name = "/".join(action.option_strings) or action.dest
+        assert action.help and action.help.strip(), f"{' '.join(argv)} {name}: no help text"
+        assert action.help is not argparse.SUPPRESS, f"{' '.join(argv)} {name}: hidden"
+        shown = p._get_formatter()._format_action(action)
+        if action.default not in (None, False, True, argparse.SUPPRESS, "", []):
+            assert "default" in shown, f"{' '.join(argv)} {name}: default {action.default!r} not shown"
+        elif action.default is None and action.option_strings and action.nargs != 0:
+            assert "default" in shown.lower() or action.required, \
+                f"{' '.join(argv)} {name}: says nothing of what happens when it is not given"
+    assert out.strip()
+
+
+def test_model_positional_or_option(tmp_path):
+    """generate and serve take the model either way; twice (differently) is a usage error."""
+    from conveyor.generate import build_parser
+    from conveyor.serve import make_parser
+
+    for make in (build_parser, make_parser):
+        assert make().parse_args(["m.gguf"]).model == "m.gguf"
+        assert make().parse_args(["--model", "m.gguf"]).model == "m.gguf"
+        assert make().parse_args(["m.gguf", "--model", "m.gguf"]).model == "m.gguf"
+        assert make().parse_args([]).model is None
+    one_line_error(conveyor(tmp_path, "serve", "a.gguf", "--model", "b.gguf"), "conveyor serve", 2,
+                   "given twice", "a.gguf", "b.gguf")
 
 
 def test_help_into_a_closed_pipe_is_quiet(tmp_path):
@@ -322,7 +382,7 @@ def test_generate_named_model_stream_and_options(tmp_path, stories_dir):
                  "--max-model-len", "128", "--kv-cache-memory", "8MiB", CONVEYOR_STORIES=stories_dir)
     assert r.returncode == 0, r.stderr
     assert "[0]" in r.stdout and "[1]" in r.stdout and "*" in r.stdout  # two completions, logprobs
-    assert "1 requests" in r.stdout
+    assert "1 request," in r.stdout and "1 sequences" not in r.stdout
 
 
 def test_generate_with_no_arguments_reports_generation_and_total_time(tmp_path):

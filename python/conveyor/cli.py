@@ -50,15 +50,19 @@ class _LoadError(Exception):
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows an option's default unless its help already says it ("default:") or there
+    """Shows an option's default unless its help already says it ("default") or there
     is nothing to show (None, False: a flag or a default the help describes)."""
 
     def _get_help_string(self, action):
         help_ = action.help or ""
-        if "default:" in help_ or action.default is None or action.default is False \
+        if "default" in help_ or action.default is None or action.default is False \
                 or action.default is argparse.SUPPRESS:
             return help_
         return super()._get_help_string(action)
+
+
+class RawDescriptionDefaultsHelpFormatter(DefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """DefaultsHelpFormatter that keeps the description's own line breaks."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -89,7 +93,7 @@ def add_model_arguments(p: argparse.ArgumentParser, help_: str = MODEL_HELP) -> 
     """The model as a positional argument or as --model (either; the same thing)."""
     p.add_argument("model", nargs="?", default=None, help=help_)
     p.add_argument("--model", dest=_MODEL_OPTION, default=None, metavar="MODEL",
-                   help="the model, as an option instead of positionally")
+                   help="the model, as an option instead of positionally (default: as for MODEL)")
 
 
 def _resolve(target: str, what: str) -> Callable:
@@ -101,6 +105,11 @@ def _resolve(target: str, what: str) -> Callable:
         if missing and (module_name == missing or module_name.startswith(missing + ".")):
             raise _LoadError(f"{what} is not available in this installation "
                              f"(module {module_name} not found)") from None
+        from .extras import explain
+
+        dep = explain(e, what)
+        if dep is not None:
+            raise _LoadError(str(dep)) from None
         hint = f" (install the missing package {missing!r})" if missing and not missing.startswith("conveyor") else ""
         raise _LoadError(f"{what} could not be loaded: {e}{hint}") from None
     func = getattr(module, func_name or "main", None)
@@ -157,6 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         prog = f"conveyor {cmd}"
+        if cmd == "bench" and rest and rest[0] in BENCHMARKS:
+            prog = f"conveyor bench {rest[0]}"
         try:
             target = SUBCOMMANDS[cmd][0]
             if cmd == "serve" and "--ray" in rest:  # replicas on Ray Serve (the `ray` extra)
@@ -234,7 +245,15 @@ def bench_main(argv: Sequence[str]) -> int:
               file=sys.stderr)
         return 2
     func = _resolve(f"conveyor.bench.{name}:main", f"conveyor bench {name}")
-    rc = func(argv[1:])
+    try:
+        rc = func(argv[1:])
+    except ImportError as e:  # an optional dependency, imported where it is first needed
+        from .extras import explain
+
+        dep = explain(e, f"conveyor bench {name}")
+        if dep is None:
+            raise
+        raise dep from None
     return 0 if rc is None else int(rc)
 
 

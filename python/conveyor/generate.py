@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=d.top_k, help="keep the k likeliest tokens (0: all)")
     g.add_argument("--n", type=int, default=1, help="completions per prompt")
     g.add_argument("--stop", action="append", default=None,
-                   help="a stop string (repeatable; not included in the output)")
+                   help="a stop string (repeatable; not included in the output; default: none)")
     g.add_argument("--logprobs", type=int, default=None,
                    help="print each generated token's log-probability and this many alternatives "
                         "(default: none)")
@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "sequences of --max-model-len need, capped by a share of free memory)")
     e.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4} or '
-                        '{"model": DRAFT_PATH, "num_speculative_tokens": 4}')
+                        '{"model": DRAFT_PATH, "num_speculative_tokens": 4} (default: none)')
     e.add_argument("--scheduling", default="continuous", choices=["continuous", "static", "priority"],
                    help="batching policy")
     o = ap.add_argument_group("output")
