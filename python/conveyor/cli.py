@@ -4,6 +4,7 @@
     conveyor generate ...          -> conveyor.generate.main(argv)
     conveyor serve ...             -> conveyor.serve.main(argv)
     conveyor serve ... --ray       -> conveyor.ray.serve.main(argv) (Ray Serve replicas)
+    conveyor chat ...              -> conveyor.chat.main(argv)
     conveyor bench NAME ...        -> conveyor.bench.NAME.main(argv), NAME in BENCHMARKS
     conveyor fetch-model           -> conveyor.default_model.main(argv)
 
@@ -40,6 +41,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "info": ("conveyor.cli:info_main", "summarize a checkpoint (format, shapes, parameters, bytes)"),
     "generate": ("conveyor.generate:main", "generate text from prompts"),
     "serve": ("conveyor.serve:main", "run the OpenAI-compatible HTTP server"),
+    "chat": ("conveyor.chat:main", "chat with a model in the terminal"),
     "bench": ("conveyor.cli:bench_main", "run a benchmark: " + ", ".join(BENCHMARKS)),
     "fetch-model": ("conveyor.default_model:main", "download the default model (SmolLM2-135M-Instruct) once"),
 }
