@@ -102,7 +102,7 @@ def test_corrupt_bin_beside_its_tokenizer_names_the_model(tmp_path, tiny_llama2c
     (["--kv-cache-memory", "lots"], ["--kv-cache-memory", "lots"]),
     (["--max-tokens", "0"], ["max-tokens"]),
     (["--stream", "--n", "2"], ["--stream", "--n"]),
-    (["--model", "a.bin"], ["model is given twice"]),
+    (["a.bin"], ["model is given twice", "a.bin"]),
     (["--no-such-option"], ["--no-such-option"]),
 ])
 def test_usage_errors_exit_2_before_loading(tmp_path, args, words):
@@ -191,7 +191,9 @@ def test_every_option_has_help_and_shows_its_default(argv, capsys, monkeypatch):
         if action.default not in (None, False, True, argparse.SUPPRESS, "", []):
             assert "default" in shown, f"{' '.join(argv)} {name}: default {action.default!r} not shown"
         elif action.default is None and action.option_strings and action.nargs != 0:
-            assert "default" in shown.lower() or action.required, \
+            required = action.required or any(action in g._group_actions and g.required
+                                              for g in p._mutually_exclusive_groups)
+            assert "default" in shown.lower() or required, \
                 f"{' '.join(argv)} {name}: says nothing of what happens when it is not given"
     assert out.strip()
 
@@ -385,6 +387,17 @@ def test_generate_named_model_stream_and_options(tmp_path, stories_dir):
     assert "1 request," in r.stdout and "1 sequences" not in r.stdout
 
 
+def test_generate_stream_without_prompt_streams_the_default_prompts(tmp_path, stories_dir):
+    from conveyor.generate import DEFAULT_PROMPTS
+
+    r = conveyor(tmp_path, "generate", "stories260K", "--stream", "--max-tokens", "4", CONVEYOR_STORIES=stories_dir)
+    assert r.returncode == 0, r.stderr
+    assert [ln[4:] for ln in r.stdout.splitlines() if ln.startswith("--- ")] == [repr(p) for p in DEFAULT_PROMPTS]
+    assert len(re.findall(r"^\[(length|stop)\]$", r.stdout, re.M)) == len(DEFAULT_PROMPTS)
+    assert f"{len(DEFAULT_PROMPTS)} requests," in r.stdout
+    assert re.search(r"KV cache \d+ MiB: 1 sequence of up to", r.stdout), r.stdout
+
+
 def test_generate_with_no_arguments_reports_generation_and_total_time(tmp_path):
     """The built-in default model (SmolLM2-135M-Instruct, linked into this test's cache from
     the user's so nothing is downloaded): the report's total time is mostly generation, not
@@ -402,6 +415,8 @@ def test_generate_with_no_arguments_reports_generation_and_total_time(tmp_path):
     gen, total = _report(r.stdout)
     assert 0 < gen <= total <= 3 * gen + 15.0, (gen, total)
     assert r.stdout.count("--- ") == 4
+    # the default prompts are questions the model answers right; the first is the showcase
+    assert "--- 'What is the capital of Japan?'\nThe capital of Japan is Tokyo." in r.stdout, r.stdout
     kv = re.search(r"KV cache (\d+) MiB: (\d+) sequences of up to (\d+) tokens", r.stdout)
     assert kv, r.stdout
     mib, seqs, max_len = map(int, kv.groups())
