@@ -154,3 +154,30 @@ def test_tool_call_parser_option():
         server.stop()
     with pytest.raises(RuntimeError, match="invalid choice: 'nope'"):
         OwnServer(str(MODEL), ("--tool-call-parser", "nope"), timeout=30.0)
+
+
+def test_default_model_by_its_name_with_tools_and_no_tool_choice():
+    """The default model (when cached), started with --model, is served as
+    "SmolLM2-135M-Instruct"; a request by that name with tools and no tool_choice is answered
+    (SmolLM2-135M answers this one in text; a call would come back as tool_calls)."""
+    from conveyor.default_model import find_default_model
+
+    smol = find_default_model()
+    if smol is None:
+        pytest.skip("the default model is not fetched here")
+    server = OwnServer(f"--model={smol}", ("--max-model-len", "1024"), timeout=120.0)
+    try:
+        with _client(server) as c:
+            assert [m.id for m in c.models.list().data] == ["SmolLM2-135M-Instruct"]
+            r = c.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=32,
+                                          messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+                                          tools=TOOLS)
+            ch = r.choices[0]
+            assert r.model == "SmolLM2-135M-Instruct"
+            if ch.message.tool_calls:
+                assert ch.finish_reason == "tool_calls"
+                assert all(t.function.name in ("get_weather", "add") for t in ch.message.tool_calls)
+            else:
+                assert ch.message.content and ch.finish_reason in ("stop", "length")
+    finally:
+        server.stop()
