@@ -210,6 +210,10 @@ def test_model_positional_or_option(tmp_path):
         assert make().parse_args([]).model is None
     one_line_error(conveyor(tmp_path, "serve", "a.gguf", "--model", "b.gguf"), "conveyor serve", 2,
                    "given twice", "a.gguf", "b.gguf")
+    one_line_error(conveyor(tmp_path, "serve", "a.gguf", "--replicas", "2"), "conveyor serve", 2,
+                   "--replicas", "only apply with --ray")
+    r = conveyor(tmp_path, "serve", "--help")
+    assert r.returncode == 0 and "--ray" in r.stdout and "--replicas" in r.stdout
 
 
 def test_help_into_a_closed_pipe_is_quiet(tmp_path):

@@ -272,8 +272,20 @@ def engine_kwargs(args) -> dict:
     return knobs
 
 
+def _ray_options_given(args) -> list:
+    """The Ray Serve options set on a command line without --ray (they would do nothing)."""
+    defaults = {"queue_full_status": 503, "cpus_per_replica": 1.0}
+    names = ("ray_address", "replicas", "autoscale", "target_ongoing_requests", "max_ongoing_requests",
+             "serve_max_queued_requests", "retry_after", "queue_full_status", "cpus_per_replica")
+    return ["--" + n.replace("_", "-") for n in names if getattr(args, n, None) != defaults.get(n)]
+
+
 def main(argv=None) -> int:
-    args = make_parser().parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    ray_only = _ray_options_given(args)
+    if ray_only:
+        parser.error(f"{', '.join(ray_only)} only apply with --ray")
     try:
         import uvicorn
         import starlette  # noqa: F401
