@@ -8,8 +8,9 @@ into OpenAI's tool_calls. One parser per format (the names are vLLM's):
     pythonic     [get_weather(city="Paris")]                                 Llama 3.2/4, Gemma
 
 Without --tool-call-parser the format is chosen from the markers in the chat template.
-An answer that looks like a call but is not a valid one (bad JSON, an unknown function)
-comes back as text.
+The tools are described to the model in a system message written in the format's own
+words (the chat template is given the messages only). An answer that looks like a call
+but is not a valid one (bad JSON, an unknown function) comes back as text.
 """
 from __future__ import annotations
 
