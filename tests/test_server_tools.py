@@ -181,3 +181,14 @@ def test_default_model_by_its_name_with_tools_and_no_tool_choice():
                 assert ch.message.content and ch.finish_reason in ("stop", "length")
     finally:
         server.stop()
+
+
+def test_streamed_logprobs_cover_every_token(client):
+    """Tokens held back while a call may be starting still get their logprobs, once each."""
+    kw = dict(model="stories260K", messages=MESSAGES, tools=TOOLS, temperature=0, max_tokens=128,
+              logprobs=True, extra_body=_forced(HERMES_CALLS))
+    plain = client.chat.completions.create(**kw)
+    streamed = [c for chunk in client.chat.completions.create(stream=True, **kw)
+                for ch in chunk.choices if ch.logprobs is not None for c in ch.logprobs.content]
+    assert [c.token for c in streamed] == [c.token for c in plain.choices[0].logprobs.content]
+    assert "".join(c.token for c in streamed) == HERMES_CALLS

@@ -408,10 +408,11 @@ class Server:
             return p.text
         return self.tok.decode(p.ids) if self.tok is not None else ""
 
-    def _stream_choices(self, parsed: Parsed, i: int, out, tokens, offsets, done, held) -> list:
+    def _stream_choices(self, parsed: Parsed, i: int, out, tokens, offsets, done, held, held_lp) -> list:
         """The chunk choices for one delta RequestOutput of prompt i; updates the per-choice state.
         Tool calls are held back (held[j]: the text so far, or with tool_choice "auto" a
-        ToolCallStream that lets the text before a call through) and sent whole with the finish."""
+        ToolCallStream that lets the text before a call through, held_lp[j] the logprobs of
+        the tokens held) and sent whole with the finish."""
         n = parsed.params.n
         chat = parsed.kind == "chat"
         choices = []
@@ -441,11 +442,15 @@ class Server:
                     rest, calls = held[j].finish()
                     text += rest
                     fin = "tool_calls" if calls else fin
+                lp = self._chat_logprobs(o.logprobs, o.token_ids, parsed.logprobs or 0)
+                if lp is not None:  # the held tokens' logprobs go out with the next chunk
+                    held_lp[j] += lp["content"]
                 if text or calls or fin is not None:
                     delta = {"content": text} if text else {}
                     if calls:
                         delta["tool_calls"] = tool_call_deltas(calls)
-                    lp = self._chat_logprobs(o.logprobs, o.token_ids, parsed.logprobs or 0)
+                    lp = {"content": held_lp[j]} if lp is not None else None
+                    held_lp[j] = []
                     choices.append({"index": j, "delta": delta, "logprobs": lp, "finish_reason": fin, **tail})
             elif chat:
                 delta = {"content": o.text} if (o.text or fin is None) else {}
@@ -493,6 +498,7 @@ class Server:
         offsets = [0] * n_choices
         done = [False] * n_choices
         held = [""] * n_choices
+        held_lp: list = [[] for _ in range(n_choices)]
         prompt_tokens = 0
 
         def chunk(choices, usage=None):
@@ -519,7 +525,7 @@ class Server:
             else:
                 async with aclosing(self._merged(streams)) as outs:
                     async for i, out in outs:
-                        choices = self._stream_choices(parsed, i, out, tokens, offsets, done, held)
+                        choices = self._stream_choices(parsed, i, out, tokens, offsets, done, held, held_lp)
                         if out.finished:
                             prompt_tokens += len(out.prompt_token_ids)
                             self._record(out, tokens[i * n:(i + 1) * n])
