@@ -101,7 +101,8 @@ def test_corrupt_bin_beside_its_tokenizer_names_the_model(tmp_path, tiny_llama2c
     (["--top-k", "-7"], ["top-k"]),
     (["--kv-cache-memory", "lots"], ["--kv-cache-memory", "lots"]),
     (["--max-tokens", "0"], ["max-tokens"]),
-    (["--stream", "--prompt", "a", "--prompt", "b"], ["--stream"]),
+    (["--stream", "--n", "2"], ["--stream", "--n"]),
+    (["a.bin"], ["model is given twice", "a.bin"]),
     (["--no-such-option"], ["--no-such-option"]),
 ])
 def test_usage_errors_exit_2_before_loading(tmp_path, args, words):
@@ -148,6 +149,71 @@ def test_help_texts(tmp_path):
 
     for name in BENCHMARKS:
         assert re.search(rf"^\s+{name}\s+\S", r.stdout, re.M), name  # each one described
+
+
+def _commands() -> list:
+    """Every command line that has options: the subcommands and each benchmark."""
+    from conveyor.cli import BENCHMARKS, SUBCOMMANDS
+
+    return [[c] for c in SUBCOMMANDS if c != "bench"] + [["bench", b] for b in BENCHMARKS]
+
+
+@pytest.mark.parametrize("argv", _commands(), ids=" ".join)
+def test_every_option_has_help_and_shows_its_default(argv, capsys, monkeypatch):
+    """`conveyor ... --help` exits 0, and in the parser it prints every option has help text,
+    and every option with a default worth showing shows it."""
+    import argparse
+
+    from conveyor import cli
+
+    parsers = []
+    real_print_help = argparse.ArgumentParser.print_help
+
+    def print_help(self, file=None):
+        parsers.append(self)
+        real_print_help(self, file)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "print_help", print_help)
+    with pytest.raises(SystemExit) as ei:
+        rc = cli.main([*argv, "--help"])
+        raise SystemExit(rc)
+    assert ei.value.code in (0, None), capsys.readouterr()
+    assert parsers, f"{argv}: --help printed no argparse help"
+    p = parsers[-1]
+    out = capsys.readouterr().out
+    for action in p._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        name = "/".join(action.option_strings) or action.dest
+        assert action.help and action.help.strip(), f"{' '.join(argv)} {name}: no help text"
+        assert action.help is not argparse.SUPPRESS, f"{' '.join(argv)} {name}: hidden"
+        shown = p._get_formatter()._format_action(action)
+        if action.default not in (None, False, True, argparse.SUPPRESS, "", []):
+            assert "default" in shown, f"{' '.join(argv)} {name}: default {action.default!r} not shown"
+        elif action.default is None and action.option_strings and action.nargs != 0:
+            required = action.required or any(action in g._group_actions and g.required
+                                              for g in p._mutually_exclusive_groups)
+            assert "default" in shown.lower() or required, \
+                f"{' '.join(argv)} {name}: says nothing of what happens when it is not given"
+    assert out.strip()
+
+
+def test_model_positional_or_option(tmp_path):
+    """generate and serve take the model either way; twice (differently) is a usage error."""
+    from conveyor.generate import build_parser
+    from conveyor.serve import make_parser
+
+    for make in (build_parser, make_parser):
+        assert make().parse_args(["m.gguf"]).model == "m.gguf"
+        assert make().parse_args(["--model", "m.gguf"]).model == "m.gguf"
+        assert make().parse_args(["m.gguf", "--model", "m.gguf"]).model == "m.gguf"
+        assert make().parse_args([]).model is None
+    one_line_error(conveyor(tmp_path, "serve", "a.gguf", "--model", "b.gguf"), "conveyor serve", 2,
+                   "given twice", "a.gguf", "b.gguf")
+    one_line_error(conveyor(tmp_path, "serve", "a.gguf", "--replicas", "2"), "conveyor serve", 2,
+                   "--replicas", "only apply with --ray")
+    r = conveyor(tmp_path, "serve", "--help")
+    assert r.returncode == 0 and "--ray" in r.stdout and "--replicas" in r.stdout
 
 
 def test_help_into_a_closed_pipe_is_quiet(tmp_path):
@@ -322,7 +388,18 @@ def test_generate_named_model_stream_and_options(tmp_path, stories_dir):
                  "--max-model-len", "128", "--kv-cache-memory", "8MiB", CONVEYOR_STORIES=stories_dir)
     assert r.returncode == 0, r.stderr
     assert "[0]" in r.stdout and "[1]" in r.stdout and "*" in r.stdout  # two completions, logprobs
-    assert "1 requests" in r.stdout
+    assert "1 request," in r.stdout and "1 sequences" not in r.stdout
+
+
+def test_generate_stream_without_prompt_streams_the_default_prompts(tmp_path, stories_dir):
+    from conveyor.generate import DEFAULT_PROMPTS
+
+    r = conveyor(tmp_path, "generate", "stories260K", "--stream", "--max-tokens", "4", CONVEYOR_STORIES=stories_dir)
+    assert r.returncode == 0, r.stderr
+    assert [ln[4:] for ln in r.stdout.splitlines() if ln.startswith("--- ")] == [repr(p) for p in DEFAULT_PROMPTS]
+    assert len(re.findall(r"^\[(length|stop)\]$", r.stdout, re.M)) == len(DEFAULT_PROMPTS)
+    assert f"{len(DEFAULT_PROMPTS)} requests," in r.stdout
+    assert re.search(r"KV cache \d+ MiB: 1 sequence of up to", r.stdout), r.stdout
 
 
 def test_generate_with_no_arguments_reports_generation_and_total_time(tmp_path):
@@ -342,6 +419,8 @@ def test_generate_with_no_arguments_reports_generation_and_total_time(tmp_path):
     gen, total = _report(r.stdout)
     assert 0 < gen <= total <= 3 * gen + 15.0, (gen, total)
     assert r.stdout.count("--- ") == 4
+    # the default prompts are questions the model answers right; the first is the showcase
+    assert "--- 'What is the capital of Japan?'\nThe capital of Japan is Tokyo." in r.stdout, r.stdout
     kv = re.search(r"KV cache (\d+) MiB: (\d+) sequences of up to (\d+) tokens", r.stdout)
     assert kv, r.stdout
     mib, seqs, max_len = map(int, kv.groups())
@@ -375,6 +454,8 @@ def test_model_name_defaults(tmp_path):
     from conveyor.model_name import model_name
 
     assert model_name("../shared/models/stories260K/stories260K.bin") == "stories260K"
+    assert model_name("/x/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct"
+    assert model_name("/x/gemma-3-270m-q4_k_m.gguf") == "gemma-3-270m"
     folder = tmp_path / "SmolLM2-135M"
     folder.mkdir()
     assert model_name(str(folder) + "/") == "SmolLM2-135M"
@@ -382,19 +463,14 @@ def test_model_name_defaults(tmp_path):
     write_gguf_header(gguf, [
         ("general.architecture", 8, _gguf_string("llama")),
         ("llama.block_count", 4, struct.pack("<I", 30)),
-        ("tokenizer.ggml.tokens", 9, struct.pack("<IQ", 8, 2) + _gguf_string("a") + _gguf_string("b")),
-        ("tokenizer.ggml.scores", 9, struct.pack("<IQ", 6, 2) + struct.pack("<2f", 0.5, 0.25)),
-        ("general.name", 8, _gguf_string("SmolLM2 135M Instruct")),
+        ("general.name", 8, _gguf_string("Smollm2 135M 8k Lc100K Mix1 Ep2")),
     ])
-    assert model_name(gguf) == "SmolLM2 135M Instruct"
-    write_gguf_header(gguf, [("general.architecture", 8, _gguf_string("llama"))])
-    assert model_name(gguf) == "smol-q8"  # no general.name: the stem
-    gguf.write_bytes(b"GGUF\x03\x00")  # truncated: the stem, no error
-    assert model_name(gguf) == "smol-q8"
+    assert model_name(gguf) == "smol-q8"  # the stem, never the converter's general.name
 
 
 def test_serve_parser_served_model_name():
     from conveyor.serve import make_parser
 
     assert make_parser().parse_args(["m.bin"]).served_model_name is None
-    assert make_parser().parse_args(["m.bin", "--served-model-name", "smol"]).served_model_name == "smol"
+    assert make_parser().parse_args(["m.bin", "--served-model-name", "smol"]).served_model_name == ["smol"]
+    assert make_parser().parse_args(["m.bin", "--served-model-name", "a", "b"]).served_model_name == ["a", "b"]

@@ -1,5 +1,6 @@
-"""Server niceties: --api-key, --served-model-name, --chat-template, /tokenize,
-/detokenize and CORS (--allowed-origins), on a real server process."""
+"""Server niceties: --api-key, --served-model-name (several names), --chat-template,
+/tokenize, /detokenize, CORS (--allowed-origins) and the naming of ignored body fields,
+on a real server process."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,7 +23,7 @@ TEMPLATE = "{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}\n{% end
 def server(tmp_path_factory):
     tpl = tmp_path_factory.mktemp("tpl") / "chat.jinja"
     tpl.write_text(TEMPLATE)
-    s = OwnServer(str(MODEL), ("--api-key", "sekrit", "--served-model-name", "tiny-story",
+    s = OwnServer(str(MODEL), ("--api-key", "sekrit", "--served-model-name", "tiny-story", "story-alias",
                                "--chat-template", str(tpl), "--allowed-origins", "https://app.example"),
                   timeout=60.0)
     yield s
@@ -39,7 +40,7 @@ def http(server):
 def test_api_key(server):
     ok = openai.OpenAI(base_url=server.url + "/v1", api_key="sekrit", max_retries=0,
                        http_client=httpx.Client(trust_env=False, timeout=30.0))
-    assert [m.id for m in ok.models.list().data] == ["tiny-story"]
+    assert [m.id for m in ok.models.list().data] == ["tiny-story", "story-alias"]
     r = ok.completions.create(model="tiny-story", prompt="Once", max_tokens=3)
     assert r.model == "tiny-story"
     bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0,
@@ -86,3 +87,35 @@ def test_cors(server):
             "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
         assert other.status_code == 400
         assert "access-control-allow-origin" not in other.headers
+
+
+def test_served_model_names(server, http):
+    """Every served name works; answers carry the first; any other name is a 404 naming them."""
+    for name in ("tiny-story", "story-alias"):
+        r = http.post("/v1/completions", json={"model": name, "prompt": "Once", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == "tiny-story"
+        card = http.get(f"/v1/models/{name}")
+        assert card.status_code == 200 and card.json()["id"] == name
+    r = http.post("/v1/completions", json={"model": "stories260K", "prompt": "Once", "max_tokens": 2})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert "'tiny-story', 'story-alias'" in r.json()["error"]["message"]
+
+
+def test_ignored_fields_are_named(server, http):
+    """A misspelled field is named in a response header and in the server log; the fields
+    read (and OpenAI's no-effect ones such as 'user') are not."""
+    body = {"model": "tiny-story", "prompt": "Once", "max_tokens": 2, "temprature": 0.5, "user": "u1",
+            "top_p": 1.0}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200 and r.headers["x-conveyor-ignored-fields"] == "temprature"
+    chat = {"model": "tiny-story", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "prompt": "x", "frobnicate": 1}
+    with http.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["x-conveyor-ignored-fields"] == "frobnicate,prompt"
+        r.read()
+    r = http.post("/v1/chat/completions", json={**chat, "prompt": None, "frobnicate": None, "temperature": 0})
+    assert r.status_code == 200 and "x-conveyor-ignored-fields" in r.headers  # present, even if null
+    r = http.post("/v1/completions", json={k: v for k, v in body.items() if k != "temprature"})
+    assert "x-conveyor-ignored-fields" not in r.headers
+    log = server.read_log()
+    assert "request fields ignored" in log and "temprature" in log and "frobnicate,prompt" in log

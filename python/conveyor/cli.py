@@ -4,6 +4,7 @@
     conveyor generate ...          -> conveyor.generate.main(argv)
     conveyor serve ...             -> conveyor.serve.main(argv)
     conveyor serve ... --ray       -> conveyor.ray.serve.main(argv) (Ray Serve replicas)
+    conveyor chat ...              -> conveyor.chat.main(argv)
     conveyor bench NAME ...        -> conveyor.bench.NAME.main(argv), NAME in BENCHMARKS
     conveyor models [--json]       -> the built-in model names (conveyor.models)
     conveyor fetch-model [NAME]    -> conveyor.models.fetch_main(argv)
@@ -41,6 +42,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "info": ("conveyor.cli:info_main", "summarize a checkpoint (format, shapes, parameters, bytes)"),
     "generate": ("conveyor.generate:main", "generate text from prompts"),
     "serve": ("conveyor.serve:main", "run the OpenAI-compatible HTTP server"),
+    "chat": ("conveyor.chat:main", "chat with a model in the terminal"),
     "bench": ("conveyor.cli:bench_main", "run a benchmark: " + ", ".join(BENCHMARKS)),
     "models": ("conveyor.cli:models_main", "list the built-in model names, their sizes, licenses and "
                                            "whether each is cached"),
@@ -54,23 +56,50 @@ class _LoadError(Exception):
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows an option's default unless its help already says it ("default:") or there
+    """Shows an option's default unless its help already says it ("default") or there
     is nothing to show (None, False: a flag or a default the help describes)."""
 
     def _get_help_string(self, action):
         help_ = action.help or ""
-        if "default:" in help_ or action.default is None or action.default is False \
+        if "default" in help_ or action.default is None or action.default is False \
                 or action.default is argparse.SUPPRESS:
             return help_
         return super()._get_help_string(action)
 
 
+class RawDescriptionDefaultsHelpFormatter(DefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """DefaultsHelpFormatter that keeps the description's own line breaks."""
+
+
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose usage errors are one line: `PROG: error: MESSAGE (see PROG --help)`,
-    exit status 2."""
+    exit status 2. With add_model_arguments, parse_args puts the model given either way
+    (positionally or as --model) into ``model``."""
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+    def parse_args(self, args=None, namespace=None):
+        ns = super().parse_args(args, namespace)
+        if hasattr(ns, _MODEL_OPTION):
+            option = ns.__dict__.pop(_MODEL_OPTION)
+            if option is not None:
+                if ns.model is not None and ns.model != option:
+                    self.error(f"the model is given twice: {ns.model!r} and --model {option!r}")
+                ns.model = option
+        return ns
+
+
+_MODEL_OPTION = "model_option"
+MODEL_HELP = ("a built-in model's name (SmolLM2-135M-Instruct, gemma-3-270m, stories260K), a .gguf file, "
+              "a Hugging Face model folder or a llama2.c .bin (default: SmolLM2-135M-Instruct, fetched once)")
+
+
+def add_model_arguments(p: argparse.ArgumentParser, help_: str = MODEL_HELP) -> None:
+    """The model as a positional argument or as --model (either; the same thing)."""
+    p.add_argument("model", nargs="?", default=None, help=help_)
+    p.add_argument("--model", dest=_MODEL_OPTION, default=None, metavar="MODEL",
+                   help="the model, as an option instead of positionally (default: as for MODEL)")
 
 
 def _resolve(target: str, what: str) -> Callable:
@@ -82,6 +111,11 @@ def _resolve(target: str, what: str) -> Callable:
         if missing and (module_name == missing or module_name.startswith(missing + ".")):
             raise _LoadError(f"{what} is not available in this installation "
                              f"(module {module_name} not found)") from None
+        from .extras import explain
+
+        dep = explain(e, what)
+        if dep is not None:
+            raise _LoadError(str(dep)) from None
         hint = f" (install the missing package {missing!r})" if missing and not missing.startswith("conveyor") else ""
         raise _LoadError(f"{what} could not be loaded: {e}{hint}") from None
     func = getattr(module, func_name or "main", None)
@@ -138,6 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         prog = f"conveyor {cmd}"
+        if cmd == "bench" and rest and rest[0] in BENCHMARKS:
+            prog = f"conveyor bench {rest[0]}"
         try:
             target = SUBCOMMANDS[cmd][0]
             if cmd == "serve" and "--ray" in rest:  # replicas on Ray Serve (the `ray` extra)
@@ -215,7 +251,15 @@ def bench_main(argv: Sequence[str]) -> int:
               file=sys.stderr)
         return 2
     func = _resolve(f"conveyor.bench.{name}:main", f"conveyor bench {name}")
-    rc = func(argv[1:])
+    try:
+        rc = func(argv[1:])
+    except ImportError as e:  # an optional dependency, imported where it is first needed
+        from .extras import explain
+
+        dep = explain(e, f"conveyor bench {name}")
+        if dep is None:
+            raise
+        raise dep from None
     return 0 if rc is None else int(rc)
 
 

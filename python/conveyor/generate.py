@@ -3,24 +3,27 @@ outputs, the time spent generating and the total time. With no --model it uses t
 built-in default model, SmolLM2-135M-Instruct (Q4_1 GGUF, fetched once into the
 cache: see conveyor.models); offline, a deterministic random-weight
 checkpoint of SmolLM-135M's shape (random text). Prompts go through the model's
-chat template when it has one (--no-chat sends them as plain text). --model takes
-an HF checkpoint directory, a .gguf file, a llama2.c .bin, a built-in model name
-(`conveyor models` lists them) or a shape name of conveyor.testing.SHAPES."""
+chat template when it has one (--no-chat sends them as plain text). The model (given
+positionally or as --model) is an HF checkpoint directory, a .gguf file, a llama2.c .bin,
+a built-in model name (`conveyor models` lists them) or a shape name of
+conveyor.testing.SHAPES."""
 from __future__ import annotations
 
 import argparse
 import sys
 import time
 
-from .cli import DefaultsHelpFormatter, Parser
+from .cli import MODEL_HELP, DefaultsHelpFormatter, Parser, add_model_arguments
 from .models import DEFAULT_SHAPE, default_model_path, random_checkpoint, remove_stale_partial_checkpoints, \
     resolve_model
 
+# Questions the default model (SmolLM2-135M-Instruct, greedy) answers well; the first is
+# the showcase ("The capital of Japan is Tokyo.").
 DEFAULT_PROMPTS = [
-    "Once upon a time",
-    "The quick brown fox",
-    "In a small village by the sea,",
-    "The best way to learn is",
+    "What is the capital of Japan?",
+    "What is the chemical symbol for water?",
+    "What is 2 + 2?",
+    "Give me three tips for staying healthy.",
 ]
 # the random-weight checkpoint, by the name scripts and benchmarks import
 default_model = random_checkpoint
@@ -34,11 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     d = SamplingParams()
     ap = Parser(prog="conveyor generate", description=__doc__,
                                  formatter_class=DefaultsHelpFormatter)
-    ap.add_argument("--model", default=None,
-                    help="HF checkpoint directory, .gguf file, llama2.c .bin, a built-in name ('conveyor "
-                         "models' lists them) or a shape name (default: SmolLM2-135M-Instruct, fetched once)")
+    add_model_arguments(ap, MODEL_HELP.replace(" (default:", ", or a shape name of conveyor.testing.SHAPES "
+                                                            "(random weights) (default:"))
     ap.add_argument("--prompt", action="append", default=None,
-                    help="a prompt (repeat for several; default: four sample prompts)")
+                    help="a prompt (repeat for several; default: four sample questions)")
     ap.add_argument("--num-prompts", type=int, default=None,
                     help="repeat the prompts up to this many requests (default: each once)")
     g = ap.add_argument_group("sampling")
@@ -48,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=d.top_k, help="keep the k likeliest tokens (0: all)")
     g.add_argument("--n", type=int, default=1, help="completions per prompt")
     g.add_argument("--stop", action="append", default=None,
-                   help="a stop string (repeatable; not included in the output)")
+                   help="a stop string (repeatable; not included in the output; default: none)")
     g.add_argument("--logprobs", type=int, default=None,
                    help="print each generated token's log-probability and this many alternatives "
                         "(default: none)")
@@ -74,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "sequences of --max-model-len need, capped by a share of free memory)")
     e.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4} or '
-                        '{"model": DRAFT_PATH, "num_speculative_tokens": 4}')
+                        '{"model": DRAFT_PATH, "num_speculative_tokens": 4} (default: none)')
     e.add_argument("--scheduling", default="continuous", choices=["continuous", "static", "priority"],
                    help="batching policy")
     o = ap.add_argument_group("output")
@@ -82,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="send each prompt as a user message through the chat template "
                         "(default: when the model has a template)")
     o.add_argument("--stream", action="store_true",
-                   help="print tokens as they are generated (one prompt, n=1)")
+                   help="print tokens as they are generated (n=1), one prompt after the other")
     o.add_argument("--no-progress", action="store_true",
                    help="no progress bar (there is one only when stderr is a terminal)")
     return ap
@@ -99,17 +101,19 @@ def _print_logprobs(tokenizer, completion) -> None:
         print(f"  [{pos}] " + "  ".join(cells))
 
 
-async def _stream(llm, shown: str, prompt, params) -> tuple[int, int]:
-    """Prints the completion of one prompt as it is generated; returns (prompt, generated) tokens."""
+async def _stream(llm, shown: list, prompts: list, params) -> tuple[int, int]:
+    """Prints the completion of each prompt as it is generated, one after the other;
+    returns (prompt, generated) tokens."""
     n_prompt = n_gen = 0
-    print(f"--- {shown!r}")
-    async for out in llm.generate(prompt, params):
-        n_prompt = len(out.prompt_token_ids)
-        n_gen += len(out.outputs[0].token_ids)
-        sys.stdout.write(out.outputs[0].text)
-        sys.stdout.flush()
-        if out.finished:
-            print(f"\n[{out.outputs[0].finish_reason}]")
+    for label, prompt in zip(shown, prompts):
+        print(f"--- {label!r}")
+        async for out in llm.generate(prompt, params):
+            n_gen += len(out.outputs[0].token_ids)
+            sys.stdout.write(out.outputs[0].text)
+            sys.stdout.flush()
+            if out.finished:
+                n_prompt += len(out.prompt_token_ids)
+                print(f"\n[{out.outputs[0].finish_reason}]")
     return n_prompt, n_gen
 
 
@@ -125,8 +129,8 @@ def main(argv=None) -> int:
         if args.num_prompts < 1:
             ap.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
         prompts = [prompts[i % len(prompts)] for i in range(args.num_prompts)]
-    if args.stream and (len(prompts) != 1 or args.n != 1):
-        ap.error("--stream prints one completion: give exactly one --prompt and --n 1")
+    if args.stream and args.n != 1:
+        ap.error("--stream prints one completion per prompt: give --n 1")
     # Everything the user typed is checked before the model is loaded.
     try:
         params = SamplingParams(
@@ -151,7 +155,7 @@ def main(argv=None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
 
     model = default_model_path() if args.model is None else resolve_model(args.model)
-    max_num_seqs = args.max_num_seqs or min(256, len(prompts) * args.n)
+    max_num_seqs = args.max_num_seqs or (1 if args.stream else min(256, len(prompts) * args.n))
     kwargs = dict(dtype=args.dtype, num_threads=args.num_threads, device=args.device,
                   scheduling=args.scheduling, max_model_len=args.max_model_len,
                   max_num_seqs=max_num_seqs, kv_cache_memory=args.kv_cache_memory,
@@ -166,14 +170,15 @@ def main(argv=None) -> int:
             cfg, st = llm.model_config, llm.stats()
             t0 = time.perf_counter()
             tok = llm.tokenizer
-            prompt = prompts[0]
+            inputs = list(prompts)
             if args.chat if args.chat is not None else bool(getattr(tok, "chat_template", None)):
-                text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-                prompt = {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
-            n_prompt, n_gen = asyncio.run(_stream(llm, prompts[0], prompt, params))
+                texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+                         for p in prompts]
+                inputs = [{"prompt": t, "prompt_token_ids": tok.encode(t, add_special_tokens=False)} for t in texts]
+            n_prompt, n_gen = asyncio.run(_stream(llm, prompts, inputs, params))
             gen_s = time.perf_counter() - t0
             st_end = llm.stats()
-        n_req = 1
+        n_req = len(prompts)
     else:
         with LLM(model, **kwargs) as llm:
             load_s = time.perf_counter() - t_load
@@ -203,9 +208,10 @@ def main(argv=None) -> int:
     total_s = time.perf_counter() - t_start
     print(f"\nmodel: {model}\n  {cfg['arch']} dim={cfg['dim']} layers={cfg['n_layers']} "
           f"heads={cfg['n_heads']}/{cfg['n_kv_heads']} vocab={cfg['vocab_size']}")
-    print(f"  KV cache {st['kv_cache_bytes'] / 2**20:.0f} MiB: {st['max_num_seqs']} sequences of up to "
+    seqs = st["max_num_seqs"]
+    print(f"  KV cache {st['kv_cache_bytes'] / 2**20:.0f} MiB: {seqs} sequence{'s' if seqs != 1 else ''} of up to "
           f"{st['max_model_len']} tokens")
-    print(f"{n_req} requests, {n_prompt} prompt + {n_gen} generated tokens")
+    print(f"{n_req} request{'s' if n_req != 1 else ''}, {n_prompt} prompt + {n_gen} generated tokens")
     print(f"generation: {gen_s:.2f} s ({n_gen / max(gen_s, 1e-9):.1f} output tok/s, "
           f"{(n_prompt + n_gen) / max(gen_s, 1e-9):.1f} total tok/s)")
     if args.speculative_config is not None:

@@ -434,14 +434,15 @@ def add_engine_args(ap) -> None:
                     help="HF folder or llama2.c .bin, 'stories260K', or a random shape name "
                          "('tiny', 'smollm-135m', ...); default: the built-in SmolLM-135M-shaped "
                          "random checkpoint")
-    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--dtype", default="auto", help="weight dtype (auto: the checkpoint's)")
     ap.add_argument("--kv-cache-dtype", default="auto",
                     help="auto (the engine's choice), float32, bfloat16, float16 or int8 (CPU only)")
     ap.add_argument("--quantization", default=None, choices=["q8_0", "q4_0", "q4_1"],
-                    help="quantize the float matrices at load (a GGUF file's quantized ones stay as they are)")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--num-threads", type=int, default=None)
-    ap.add_argument("--block-size", type=int, default=16)
+                    help="quantize the float matrices at load (a GGUF file's quantized ones stay as they are; "
+                         "default: none)")
+    ap.add_argument("--device", default="cpu", help="where to run (cpu or cuda)")
+    ap.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: all cores)")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     ap.add_argument("--kv-cache-memory", default=DEFAULT_KV_CACHE,
                     help="KV pool size such as 1GiB; 'fit' (default): room for the whole workload "
                          "at once; 'auto': the engine's default")
@@ -451,7 +452,7 @@ def add_engine_args(ap) -> None:
                          "most recent first, so a warm engine touches no new memory")
     ap.add_argument("--speculative-config", default=None, metavar="JSON",
                     help='speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4}; '
-                         "the output then reports proposals and acceptance")
+                         "the output then reports proposals and acceptance (default: none)")
 
 
 def engine_kwargs(args) -> Dict[str, Any]:

@@ -19,7 +19,6 @@ Figures on a shared machine are noisy: compare the ratios, not absolute times.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
@@ -258,13 +257,16 @@ def format_table(res: Dict[str, Any]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="conveyor bench kernels", description=__doc__.splitlines()[0])
+    from ..cli import DefaultsHelpFormatter, Parser
+
+    ap = Parser(prog="conveyor bench kernels", description=__doc__.splitlines()[0],
+                formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--threads", type=int, default=None, help="Conveyor threads (default: all cores)")
     ap.add_argument("--tokens", type=str, default=",".join(map(str, TOKEN_COUNTS)),
                     help="comma-separated token counts")
     ap.add_argument("--shapes", type=str, default=None,
                     help="comma-separated shape names (default: all): " + "; ".join(SMOLLM_135M_SHAPES))
-    ap.add_argument("--json", type=str, default=None, help="write the results as JSON to this file")
+    ap.add_argument("--json", type=str, default=None, help="write the results as JSON to this file (default: none)")
     ap.add_argument("--model", type=str, default=None,
                     help="checkpoint for the model-level part (default: the built-in SmolLM-135M shape)")
     ap.add_argument("--no-model", action="store_true",

@@ -13,7 +13,6 @@ of the E2E latency CDFs.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 import time
@@ -219,22 +218,32 @@ def plot(r: Dict[str, Any], fig=None):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="conveyor bench latency", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from ..cli import Parser, RawDescriptionDefaultsHelpFormatter
+
+    ap = Parser(prog="conveyor bench latency", description=__doc__,
+                formatter_class=RawDescriptionDefaultsHelpFormatter)
     common.add_engine_args(ap)
-    ap.add_argument("--num-requests", type=int, default=100)
+    ap.add_argument("--num-requests", type=int, default=100, help="requests per arrival rate")
     ap.add_argument("--prompt-len", type=int, default=128, help="P: prompts uniform in [P/2, 3P/2]")
     ap.add_argument("--mean-output", type=int, default=64, help="M: outputs capped exponential, cap 12M")
-    ap.add_argument("--rates", default=None, help="arrival rates in requests/s (skips calibration)")
+    ap.add_argument("--rates", default=None, help="arrival rates in requests/s (skips calibration; default: fractions of the measured "
+                         "saturation, see --fractions)")
     ap.add_argument("--fractions", default=",".join(map(str, DEFAULT_FRACTIONS)),
                     help="rates as fractions of the measured saturation (default 0.3,0.9)")
-    ap.add_argument("--calib-requests", type=int, default=32)
-    ap.add_argument("--static-batch-size", type=int, default=16)
+    ap.add_argument("--calib-requests", type=int, default=32,
+                    help="requests of the burst that measures the saturation rate")
+    ap.add_argument("--static-batch-size", type=int, default=16, help="batch size of the static runs")
     ap.add_argument("--max-num-seqs", type=int, default=256, help="continuous max_num_seqs")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
-    ap.add_argument("--json", default="latency.json")
-    ap.add_argument("--plot", default="latency.png")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="tokens computed in one step (default: the engine's)")
+    ap.add_argument("--json", default=None, help="write the results as JSON to this file (default: none)")
+    ap.add_argument("--plot", default=None,
+                    help="draw the latency curves into this PNG file (needs matplotlib; default: none)")
     args = ap.parse_args(argv)
+    if args.plot:
+        from ..extras import require
+
+        require("matplotlib", f"{ap.prog} --plot")  # before the run, not after it
 
     model = common.resolve_model(args.model)
 

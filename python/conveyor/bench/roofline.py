@@ -12,7 +12,6 @@ on a shared machine other jobs only ever slow a run down, and the bounds it is
 set against are best-of figures too."""
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from typing import Any, Dict, Optional, Sequence
@@ -168,18 +167,21 @@ def format_table(r: Dict[str, Any]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="conveyor bench roofline", description=__doc__.splitlines()[0])
+    from ..cli import DefaultsHelpFormatter, Parser
+
+    ap = Parser(prog="conveyor bench roofline", description=__doc__.splitlines()[0],
+                formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint (default: the built-in SmolLM-135M shape)")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="bfloat16", help="weight dtype of the float matrices")
     ap.add_argument("--activation-dtype", default="auto", choices=["auto", "float32"],
                     help="GEMM inputs over bf16 weights (float32: not the vdpbf16ps path)")
     ap.add_argument("--quantization", default=None, choices=["q8_0", "q4_0", "q4_1"],
-                    help="quantize the matrices at load (a GGUF file's quantized ones stay as they are)")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--decode-tokens", type=int, default=64)
+                    help="quantize the matrices at load (a GGUF file's quantized ones stay as they are; default: none)")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    ap.add_argument("--decode-tokens", type=int, default=64, help="sequences in the decode step measured")
     ap.add_argument("--prefill-len", type=int, default=512, help="tokens per prefill prompt")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each model measurement; the best is kept")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="write the results as JSON to this file (default: none)")
     a = ap.parse_args(list(argv) if argv is not None else None)
     if a.model is None:
         from ..models import random_checkpoint as default_model

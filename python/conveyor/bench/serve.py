@@ -3,7 +3,7 @@ in process on the same requests.
 
     conveyor bench serve --model MODEL [--num-prompts 100] [--prompt-len 128] [--output-mean 64]
                          [--rates auto | 2,8,inf] [--client-procs 1] [--no-inprocess]
-                         [--json bench_serve.json] [--plot e2e_cdf.png]
+                         [--json FILE] [--plot FILE.png]
     conveyor bench serve --url http://127.0.0.1:8000 ...
 
 N requests with prompt lengths uniform in [P/2, 3P/2] (random token ids) and output lengths
@@ -394,15 +394,32 @@ def format_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot_cdf(runs: list[dict], path: str, title: str) -> bool:
-    try:
-        import matplotlib
+def model_card(base: str, api_key) -> dict:
+    """The first /v1/models entry of the server at `base`; a server that cannot be reached
+    or does not answer as an OpenAI server is a one-line RuntimeError naming the URL."""
+    import httpx
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("conveyor bench serve: matplotlib is not installed; no plot", file=sys.stderr)
-        return False
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(base + "/v1/models", headers=headers, timeout=30.0, trust_env=False)
+    except httpx.HTTPError as e:
+        raise RuntimeError(f"cannot reach {base} ({type(e).__name__}: {e or 'no answer'}); "
+                           "is the server running?") from None
+    if r.status_code != 200:
+        raise RuntimeError(f"{base}/v1/models answered HTTP {r.status_code}"
+                           + (" (wrong or missing --api-key?)" if r.status_code == 401 else ""))
+    try:
+        return r.json()["data"][0]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise RuntimeError(f"{base}/v1/models did not answer with an OpenAI model list; is it an "
+                           "OpenAI-compatible server?") from None
+
+
+def plot_cdf(runs: list[dict], path: str, title: str) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
     for run in runs:
         xs = np.asarray(run["e2e_samples"])
@@ -448,43 +465,48 @@ def _parse_rates(text: str):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="conveyor bench serve", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from ..cli import Parser, RawDescriptionDefaultsHelpFormatter
+
+    ap = Parser(prog="conveyor bench serve", description=__doc__,
+                formatter_class=RawDescriptionDefaultsHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000")
     src.add_argument("--model", help="start a server for this model on a free loopback port")
     ap.add_argument("--server-args", default="", help="extra `conveyor serve` arguments (one string)")
     ap.add_argument("--served-model-name", default=None, help="model name to send (default: ask /v1/models)")
-    ap.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"))
-    ap.add_argument("--num-prompts", type=int, default=100)
+    ap.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
+                    help="the server's API key (default: $CONVEYOR_API_KEY, else none)")
+    ap.add_argument("--num-prompts", type=int, default=100, help="requests per run")
     ap.add_argument("--prompt-len", type=int, default=128, help="P: prompt lengths uniform in [P/2, 3P/2]")
     ap.add_argument("--output-mean", type=float, default=64, help="M: mean output length (cap 12M)")
     ap.add_argument("--rates", type=_parse_rates, default="auto",
                     help="'auto', or comma-separated requests/s ('inf' = all at once) and multiples of the "
                          "measured saturation ('0.9x', '4x')")
     ap.add_argument("--saturation", type=float, default=None,
-                    help="requests/s the multiples ('4x') refer to, instead of measuring it with a burst first")
+                    help="requests/s the multiples ('4x') refer to (default: measured with a burst first)")
     ap.add_argument("--duration", type=float, default=None,
                     help="for runs at a finite rate: send rate x this many seconds of requests "
-                         "(instead of --num-prompts)")
+                         "(default: --num-prompts requests)")
     ap.add_argument("--client-procs", type=int, default=1, help="load-generator processes")
     ap.add_argument("--no-inprocess", action="store_true",
                     help="skip the AsyncLLM in-process comparison (with --model)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default="bench_serve.json", help="where to write the results")
-    ap.add_argument("--plot", default=None, help="write the E2E latency CDF here (PNG)")
+    ap.add_argument("--seed", type=int, default=0, help="workload seed")
+    ap.add_argument("--json", default=None, help="write the results as JSON to this file (default: none)")
+    ap.add_argument("--plot", default=None, help="draw the E2E latency CDF into this PNG file (needs matplotlib; default: none)")
     args = ap.parse_args(argv)
+    if args.plot:
+        from ..extras import require
+
+        require("matplotlib", f"{ap.prog} --plot")  # before the run, not after it
     if args.num_prompts < 1 or args.prompt_len < 1 or args.output_mean <= 0 or args.client_procs < 1:
         ap.error("--num-prompts, --prompt-len, --output-mean and --client-procs must be positive")
     for name in ("saturation", "duration"):
         v = getattr(args, name)
         if v is not None and not (v > 0 and math.isfinite(v)):
             ap.error(f"--{name} must be a positive number of {'requests/s' if name == 'saturation' else 'seconds'}")
-    try:
-        import httpx
-    except ImportError:
-        print("conveyor bench serve: needs httpx (pip install 'conveyor[bench]')", file=sys.stderr)
-        return 1
+    from ..extras import require
+
+    require("httpx", "conveyor bench serve")
 
     import shlex
 
@@ -499,8 +521,7 @@ def main(argv=None) -> int:
             base = args.url.rstrip("/")
             if base.endswith("/v1"):
                 base = base[:-3]
-        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        card = httpx.get(base + "/v1/models", headers=headers, timeout=30.0, trust_env=False).json()["data"][0]
+        card = model_card(base, args.api_key)
         model = args.served_model_name or card["id"]
         max_model_len = int(card.get("max_model_len") or 2048)
         vocab = int(card.get("vocab_size") or 259)
@@ -572,8 +593,9 @@ def main(argv=None) -> int:
     out = {"config": config, "machine": m,
            "runs": [clean(r) | ({"inprocess": clean(r["inprocess"])} if r.get("inprocess") else {})
                     for r in runs]}
-    Path(args.json).write_text(json.dumps(out, indent=2))
-    print(f"wrote {args.json}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+        print(f"wrote {args.json}")
     if args.plot:
         title = f"E2E latency CDF, {Path(str(model)).name}, {args.num_prompts} req, P={args.prompt_len}, " \
                 f"M={args.output_mean:g}"

@@ -18,7 +18,6 @@ of the time is measured).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -154,19 +153,22 @@ def format_result(r: Dict[str, Any]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="conveyor bench speculative", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from ..cli import Parser, RawDescriptionDefaultsHelpFormatter
+
+    ap = Parser(prog="conveyor bench speculative", description=__doc__,
+                formatter_class=RawDescriptionDefaultsHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the default model (SmolLM2-135M-Instruct Q4_1)")
-    ap.add_argument("--workload", default="repeat", choices=sorted(PROMPTS))
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--num-threads", type=int, default=None)
-    ap.add_argument("--speculative-config", default=json.dumps(DEFAULT_SPEC), metavar="JSON")
+    ap.add_argument("--workload", default="repeat", choices=sorted(PROMPTS), help="the kind of prompts")
+    ap.add_argument("--batch", type=int, default=1, help="requests at once")
+    ap.add_argument("--max-tokens", type=int, default=256, help="output tokens per request")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions; the fastest counts")
+    ap.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: all cores)")
+    ap.add_argument("--speculative-config", default=json.dumps(DEFAULT_SPEC), metavar="JSON",
+                    help="the speculative decoding compared with plain decoding")
     ap.add_argument("--draft-layers", type=int, default=None, metavar="N",
                     help="draft model: the target's first N layers (overrides the config's method; "
-                         "num_speculative_tokens is kept)")
-    ap.add_argument("--json", default=None, help="write the result as JSON to this file")
+                         "num_speculative_tokens is kept; default: none)")
+    ap.add_argument("--json", default=None, help="write the result as JSON to this file (default: none)")
     a = ap.parse_args(argv)
     if a.model is None:
         from ..models import default_model_path

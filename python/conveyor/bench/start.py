@@ -10,7 +10,6 @@ seconds across runs). RSS comes from /proc/self/statm.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -48,16 +47,18 @@ def run_one(model: str, kv: str, threads: Optional[int]) -> Dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="conveyor bench start", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from ..cli import Parser, RawDescriptionDefaultsHelpFormatter
+
+    ap = Parser(prog="conveyor bench start", description=__doc__,
+                formatter_class=RawDescriptionDefaultsHelpFormatter)
     ap.add_argument("--model", default=None,
                     help="a model path or a random shape name; default: the built-in SmolLM-135M-shaped "
                          "random checkpoint")
     ap.add_argument("--kv", default="4GiB,256MiB", help="comma-separated kv_cache_memory sizes; the "
                                                          "first is the one the others are compared to")
     ap.add_argument("--pairs", type=int, default=2, help="rounds over all sizes")
-    ap.add_argument("--num-threads", type=int, default=None)
-    ap.add_argument("--json", default=None, help="write the runs here")
+    ap.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: all cores)")
+    ap.add_argument("--json", default=None, help="write the runs as JSON to this file (default: none)")
     args = ap.parse_args(argv)
     sizes = [s.strip() for s in args.kv.split(",") if s.strip()]
     if len(sizes) < 2:

@@ -21,7 +21,6 @@ steps and preemptions per system and cap; JSON and a plot of throughput against 
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import importlib.util
 import json
@@ -477,7 +476,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if len(argv) != 2:
             raise SystemExit("usage: python -m conveyor.bench.study --worker SPEC.json")
         return _worker_main(argv[1])
-    ap = argparse.ArgumentParser(prog="conveyor bench study", description=__doc__.splitlines()[0])
+    from ..cli import DefaultsHelpFormatter, Parser
+
+    ap = Parser(prog="conveyor bench study", description=__doc__.splitlines()[0],
+                formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--model", default=None,
                     help="HF checkpoint folder or .gguf file (HF transformers dequantizes a GGUF's weights; "
                          "Conveyor keeps them quantized); default: the SmolLM-135M-shaped random "
@@ -499,15 +501,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--hf-dtype", default=None,
                     help="dtype of the HF baseline (default: --dtype). torch's bfloat16 GEMM is a slow "
                          "path on CPUs without AVX512-BF16; float32 is the fairer baseline there")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run")
     ap.add_argument("--num-threads", type=int, default=None, help="threads per system (default: usable cores)")
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     ap.add_argument("--seed", type=int, default=0, help="workload seed")
     ap.add_argument("--markdown", action="store_true", help="print the table as Markdown (for docs)")
-    ap.add_argument("--json", default="study.json", help="JSON output (default study.json)")
-    ap.add_argument("--plot", default="study.png", help="PNG output (default study.png; '' for none)")
-    ap.add_argument("--from-json", default=None, help="print and plot a saved result instead of running")
+    ap.add_argument("--json", default=None, help="write the results as JSON to this file (default: none)")
+    ap.add_argument("--plot", default=None,
+                    help="draw the results into this PNG file (needs matplotlib; default: none)")
+    ap.add_argument("--from-json", default=None, help="print and plot a saved result instead of running (default: run)")
     args = ap.parse_args(argv)
+    if args.plot:
+        from ..extras import require
+
+        require("matplotlib", f"{ap.prog} --plot")  # before the run, not after it
 
     if args.from_json:
         with open(args.from_json) as f:

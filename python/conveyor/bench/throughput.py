@@ -16,7 +16,6 @@ lazily it was measured at 0.17 GB/s, seconds for the KV blocks of one batch.
 """
 from __future__ import annotations
 
-import argparse
 from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
@@ -92,20 +91,25 @@ def format_result(r: Dict[str, Any]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="conveyor bench throughput", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from ..cli import Parser, RawDescriptionDefaultsHelpFormatter
+
+    ap = Parser(prog="conveyor bench throughput", description=__doc__,
+                formatter_class=RawDescriptionDefaultsHelpFormatter)
     common.add_engine_args(ap)
-    ap.add_argument("--num-requests", "--num-prompts", type=int, default=64, dest="num_requests")
-    ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--num-requests", "--num-prompts", type=int, default=64, dest="num_requests",
+                    help="requests, all sent at once")
+    ap.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    ap.add_argument("--output-len", type=int, default=64, help="output tokens per request")
     ap.add_argument("--range-ratio", type=float, default=0.0,
                     help="sample lengths uniformly in [len*(1-r), len*(1+r)] (default 0: fixed)")
-    ap.add_argument("--scheduling", default="continuous", choices=["continuous", "static", "priority"])
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--scheduling", default="continuous", choices=["continuous", "static", "priority"],
+                    help="batching policy")
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="tokens computed in one step (default: the engine's)")
     ap.add_argument("--warm", action="store_true",
                     help="time a second run of the workload on the same engine (a long-lived engine's figure)")
-    ap.add_argument("--json", default=None, help="write the result as JSON to this file")
+    ap.add_argument("--json", default=None, help="write the result as JSON to this file (default: none)")
     args = ap.parse_args(argv)
 
     model = common.resolve_model(args.model)

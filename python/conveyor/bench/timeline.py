@@ -11,7 +11,6 @@ slot is taken by a waiting request at the next step.
 """
 from __future__ import annotations
 
-import argparse
 from typing import Any, Dict, Optional, Sequence
 
 from . import common
@@ -187,16 +186,23 @@ def _sym(v: int) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="conveyor bench timeline", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from ..cli import Parser, RawDescriptionDefaultsHelpFormatter
+
+    ap = Parser(prog="conveyor bench timeline", description=__doc__,
+                formatter_class=RawDescriptionDefaultsHelpFormatter)
     common.add_engine_args(ap)
     ap.add_argument("--slots", type=int, default=4, help="max_num_seqs = static batch size (default 4)")
     ap.add_argument("--output-lens", default=",".join(map(str, DEFAULT_OUTPUT_LENS)),
                     help="output length of each request (default 10,2,4,7,3,12,2,5,8,3)")
-    ap.add_argument("--prompt-len", type=int, default=8)
-    ap.add_argument("--json", default=None, help="write the timelines as JSON to this file")
-    ap.add_argument("--plot", default="timeline.png", help="PNG output (default timeline.png)")
+    ap.add_argument("--prompt-len", type=int, default=8, help="tokens per prompt")
+    ap.add_argument("--json", default=None, help="write the timelines as JSON to this file (default: none)")
+    ap.add_argument("--plot", default=None,
+                    help="draw the timelines into this PNG file (needs matplotlib; default: none)")
     args = ap.parse_args(argv)
+    if args.plot:
+        from ..extras import require
+
+        require("matplotlib", f"{ap.prog} --plot")  # before the run, not after it
     if args.model is None:
         p = common.stories_path()
         model = str(p) if p is not None else common.resolve_model("tiny")

@@ -16,7 +16,6 @@ latency per cap, and writes JSON and a PNG of throughput against cap.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -287,8 +286,10 @@ def print_report(r: Dict[str, Any]) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="conveyor bench variance", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from ..cli import Parser, RawDescriptionDefaultsHelpFormatter
+
+    ap = Parser(prog="conveyor bench variance", description=__doc__,
+                formatter_class=RawDescriptionDefaultsHelpFormatter)
     common.add_engine_args(ap)
     ap.add_argument("--num-requests", type=int, default=48, help="N (default 48 on this CPU)")
     ap.add_argument("--prompt-len", type=int, default=128, help="P (default 128)")
@@ -299,13 +300,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--sweep", default=",".join(map(str, DEFAULT_SWEEP)),
                     help="static batch sizes to sweep (default 8,16,32,64; '' for none)")
     ap.add_argument("--max-num-seqs", type=int, default=256, help="continuous max_num_seqs")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="tokens computed in one step (default: the engine's)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs per system, round-robin, keeping the fastest (default 1)")
-    ap.add_argument("--json", default="variance.json", help="JSON output (default variance.json)")
-    ap.add_argument("--plot", default="variance.png", help="PNG output (default variance.png; '' for none)")
-    ap.add_argument("--from-json", default=None, help="print and plot a saved result instead of running")
+    ap.add_argument("--json", default=None, help="write the results as JSON to this file (default: none)")
+    ap.add_argument("--plot", default=None,
+                    help="draw the results into this PNG file (needs matplotlib; default: none)")
+    ap.add_argument("--from-json", default=None, help="print and plot a saved result instead of running (default: run)")
     args = ap.parse_args(argv)
+    if args.plot:
+        from ..extras import require
+
+        require("matplotlib", f"{ap.prog} --plot")  # before the run, not after it
 
     if args.from_json:  # re-render a saved run (table, plot) with the current code
         with open(args.from_json) as f:

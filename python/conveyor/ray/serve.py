@@ -129,7 +129,7 @@ def _autoscaling(spec) -> Optional[dict]:
     raise TypeError(f"autoscaling_config must be a dict or 'MIN:MAX', got {type(spec).__name__}")
 
 
-def build(model: str, *, engine_kwargs: Optional[dict] = None, model_name: Optional[str] = None,
+def build(model: str, *, engine_kwargs: Optional[dict] = None, model_name: Optional[str | list] = None,
           api_key: Optional[str] = None, num_replicas: Optional[int] = None,
           autoscaling_config: Any = None, target_ongoing_requests: Optional[float] = None,
           max_ongoing_requests: Optional[int] = None, max_queued_requests: Optional[int] = None,
@@ -257,28 +257,37 @@ def __getattr__(name):
 # ---------------------------------------------------------------------------- CLI
 
 
-def make_parser() -> argparse.ArgumentParser:
-    from ..serve import make_parser as server_parser
-
-    p = server_parser()
-    p.prog = "conveyor serve --ray"
-    r = p.add_argument_group("ray serve")
+def add_ray_options(p: argparse.ArgumentParser) -> None:
+    """The Ray Serve options, shown in `conveyor serve --help` (they need the ray extra)."""
+    r = p.add_argument_group("ray serve (needs the ray extra: pip install 'conveyor[ray]')")
     r.add_argument("--ray", action="store_true", help="serve through Ray Serve replicas")
     r.add_argument("--ray-address", default=None,
                    help="an existing cluster (default: $RAY_ADDRESS, else a local Ray started here)")
     g = r.add_mutually_exclusive_group()
-    g.add_argument("--replicas", type=int, default=None, help="a fixed number of replicas (default 1)")
-    g.add_argument("--autoscale", default=None, metavar="MIN:MAX", help="autoscale between MIN and MAX replicas")
+    g.add_argument("--replicas", type=int, default=None, help="with --ray: a fixed number of replicas (default: 1)")
+    g.add_argument("--autoscale", default=None, metavar="MIN:MAX",
+                   help="with --ray: autoscale between MIN and MAX replicas (default: a fixed number)")
     r.add_argument("--target-ongoing-requests", type=float, default=None,
-                   help="with --autoscale: requests per replica Serve aims for")
-    r.add_argument("--max-ongoing-requests", type=int, default=None, help="requests one replica takes at once")
+                   help="with --autoscale: requests per replica Serve aims for (default: Serve's)")
+    r.add_argument("--max-ongoing-requests", type=int, default=None,
+                   help="with --ray: requests one replica takes at once (default: Serve's)")
     # not --max-queued-requests: that name is the engine's own queue limit in each replica
     r.add_argument("--serve-max-queued-requests", type=int, default=None,
-                   help="requests Serve's router holds before answering 503/429 (-1: no limit)")
-    r.add_argument("--queue-full-status", type=int, default=503, choices=[503, 429])
-    r.add_argument("--retry-after", type=float, default=None, help="Retry-After seconds on 503/429")
+                   help="with --ray: requests Serve's router holds before answering 503/429 (-1: no limit; "
+                        "default: Serve's)")
+    r.add_argument("--queue-full-status", type=int, default=503, choices=[503, 429],
+                   help="with --ray: the status of an answer to a full queue")
+    r.add_argument("--retry-after", type=float, default=None,
+                   help="with --ray: Retry-After seconds on 503/429 (default: none sent)")
     r.add_argument("--cpus-per-replica", type=float, default=1.0,
-                   help="Ray CPUs per replica; also the engine's thread count unless --num-threads")
+                   help="with --ray: Ray CPUs per replica; also the engine's thread count unless --num-threads")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    from ..serve import make_parser as server_parser
+
+    p = server_parser()  # holds the Ray options too
+    p.prog = "conveyor serve --ray"
     return p
 
 
@@ -332,7 +341,7 @@ def main(argv=None) -> int:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(app, name=DEFAULT_NAME, route_prefix="/", blocking=False)
         shown = f"[{args.host}]" if ":" in args.host else args.host
-        print(f"conveyor serve: serving {args.served_model_name or args.model} through Ray Serve at "
+        print(f"conveyor serve: serving {(args.served_model_name or [args.model])[0]} through Ray Serve at "
               f"http://{shown}:{args.port}/v1", file=sys.stderr, flush=True)
         stop.wait()
     except Exception as e:  # noqa: BLE001 - a failed deployment is reported, not a traceback

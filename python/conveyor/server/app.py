@@ -43,21 +43,26 @@ def load_chat_template(value: str) -> str:
 
 def build_app(engine, *, model_name: str, api_key: Optional[str] = None, request_timeout: Optional[float] = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, chat_template: Optional[str] = None,
-              allowed_origins: Optional[list] = None):
-    """The ASGI app serving `engine` (an AsyncLLM) under the name `model_name`.
+              allowed_origins: Optional[list] = None, tool_call_parser: Optional[str] = None):
+    """The ASGI app serving `engine` (an AsyncLLM) under the name `model_name` (a str, or a
+    list of names: requests may name any of them, answers carry the first).
 
     api_key: when set, /v1/* needs "Authorization: Bearer <api_key>".
     request_timeout: the deadline (seconds) of a request that names no "timeout".
     max_body_bytes: larger bodies get 413. Overload control is the engine's: an AsyncLLM
     made with max_queued_requests refuses the excess, answered 503 with Retry-After.
+    tool_call_parser: how tool_choice "auto" answers are read (hermes, llama3_json, mistral,
+    pythonic; default: chosen from the chat template's markers).
     """
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.responses import PlainTextResponse
     from starlette.routing import Route
 
-    if not isinstance(model_name, str) or not model_name:
-        raise ValueError("model_name must be a non-empty string")
+    names = [model_name] if isinstance(model_name, str) else model_name
+    if not isinstance(names, (list, tuple)) or not names or \
+            not all(isinstance(n, str) and n for n in names):
+        raise ValueError("model_name must be a non-empty string or a non-empty list of them")
     if chat_template is not None:
         if engine.tokenizer is None:
             raise ValueError("a chat template needs a tokenizer")
@@ -65,7 +70,12 @@ def build_app(engine, *, model_name: str, api_key: Optional[str] = None, request
     if request_timeout is not None and not (isinstance(request_timeout, (int, float)) and
                                             not isinstance(request_timeout, bool) and 0 < request_timeout <= 1e9):
         raise ValueError(f"request_timeout must be a number of seconds in (0, 1e9], got {request_timeout!r}")
-    server = Server(engine, model_name, api_key, request_timeout, max_body_bytes)
+    from .tool_parsers import detect_parser, get_parser
+
+    parser = get_parser(tool_call_parser) if tool_call_parser is not None else None
+    server = Server(engine, list(dict.fromkeys(names)), api_key, request_timeout, max_body_bytes)
+    if engine.tokenizer is not None:
+        server.validator.tool_parser = parser or detect_parser(getattr(engine.tokenizer, "chat_template", None))
 
     def guarded(fn):
         async def endpoint(request):
@@ -107,19 +117,20 @@ def build_app(engine, *, model_name: str, api_key: Optional[str] = None, request
         body = await server.read_json(request)
         return json_response({"prompt": await server.off_loop(server.validator.detokenize, body)})
 
-    def model_card():
-        return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "conveyor",
+    def model_card(name: str):
+        return {"id": name, "object": "model", "created": server.created, "owned_by": "conveyor",
                 "root": server.model_name, "parent": None, "max_model_len": server.max_model_len,
                 "vocab_size": server.vocab_size}
 
     async def models(request):
         server.check_auth(request)
-        return json_response({"object": "list", "data": [model_card()]})
+        return json_response({"object": "list", "data": [model_card(n) for n in server.model_names]})
 
     async def model_one(request):
         server.check_auth(request)
-        server.check_model(request.path_params["model"])
-        return json_response(model_card())
+        name = request.path_params["model"]
+        server.check_model(name)
+        return json_response(model_card(name))
 
     async def health(request):
         if engine.closed:
@@ -167,18 +178,24 @@ def build_app(engine, *, model_name: str, api_key: Optional[str] = None, request
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from ..cli import Parser
+    from ..cli import DefaultsHelpFormatter, Parser, add_model_arguments
+    from ..ray.serve import add_ray_options
+    from .tool_parsers import PARSERS
 
-    p = Parser(prog="conveyor serve", description="Run the OpenAI-compatible HTTP server "
-               "(needs the server extra: pip install 'conveyor[server]').")
-    p.add_argument("model", nargs="?", default=None,
-                   help="a HF model folder, .gguf file or llama2.c .bin (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p = Parser(prog="conveyor serve", formatter_class=DefaultsHelpFormatter,
+               description="Run the OpenAI-compatible HTTP server (needs the server extra: "
+                           "pip install 'conveyor[server]').")
+    add_model_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (the default is loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port, printed at start)")
     p.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $CONVEYOR_API_KEY)")
-    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model's name: "
-                   "its folder's name, file stem, or a GGUF file's general.name)")
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $CONVEYOR_API_KEY, else none)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model names clients may use; answers carry the first (default: a built-in "
+                        "model's name, else the model's file stem or folder name)")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                   help="how tool calls are read from answers to tool_choice 'auto' (default: chosen from "
+                        "the chat template; hermes when it names no format)")
     p.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
                    help="answer 503 (with Retry-After) to a request that would make more than this many wait "
                         "to be scheduled; 0: no limit")
@@ -188,41 +205,57 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="answer 413 to larger request bodies")
     p.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template, or a file holding one, instead of the tokenizer's")
+                   help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
     p.add_argument("--allowed-origins", default=None,
                    help="comma-separated origins allowed by CORS ('*' for any; default: no CORS)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="the server log's level")
     p.add_argument("--no-access-log", action="store_true", help="do not log each HTTP request")
     p.add_argument("--http", default="auto", choices=["auto", "httptools", "h11"],
-                   help="HTTP/1.1 implementation (default: httptools when installed, as the server extra "
+                   help="HTTP/1.1 implementation ('auto': httptools when installed, as the server extra "
                         "does; h11, pure Python, costs more CPU per streamed chunk)")
     g = p.add_argument_group("engine")
-    g.add_argument("--tokenizer", default=None)
-    g.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=None)
-    g.add_argument("--kv-cache-memory", default=None, help="bytes or a size such as 4GiB")
-    g.add_argument("--kv-cache-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16", "int8"])
-    g.add_argument("--quantization", default=None, choices=["q8_0", "q4_0", "q4_1"])
+    g.add_argument("--tokenizer", default=None,
+                   help="a tokenizer file or folder (default: the model's own)")
+    g.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weight dtype (default: auto, the checkpoint's)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence, prompt + output (default: the model's)")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="sequences running at once (default: 256)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens computed in one step (default: the engine's choice for the device)")
+    g.add_argument("--block-size", type=int, default=None, help="tokens per KV cache block (default: 16)")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV cache size, bytes or a size such as 4GiB (default: a share of free memory)")
+    g.add_argument("--kv-cache-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16", "int8"],
+                   help="KV cache element type (default: auto, the activation dtype; bfloat16 under "
+                        "quantized weights)")
+    g.add_argument("--quantization", default=None, choices=["q8_0", "q4_0", "q4_1"],
+                   help="quantize the weight matrices at load (default: the file's types)")
     g.add_argument("--activation-dtype", default=None, choices=["auto", "float32"],
                    help="GEMM inputs over bf16 weights: 'auto' rounds them to bf16 where the CPU has "
                         "vdpbf16ps; 'float32' keeps them exact (default: auto)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument("--scheduling", default=None, choices=["continuous", "static", "priority"])
-    g.add_argument("--num-threads", type=int, default=None)
-    g.add_argument("--device", default=None, choices=["cpu", "cuda"])
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--gpu-memory-utilization", type=float, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV blocks of a shared prompt prefix (default: on)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="split long prompts over several steps (default: on)")
+    g.add_argument("--scheduling", default=None, choices=["continuous", "static", "priority"],
+                   help="batching policy; 'priority' orders by the request's 'priority' (default: continuous)")
+    g.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: all cores)")
+    g.add_argument("--device", default=None, choices=["cpu", "cuda"], help="where to run (default: cpu)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="the engine's seed for requests without 'seed' (default: 0)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="with --device cuda: the share of GPU memory to use (default: 0.9)")
     g.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None,
-                   help="prompt tokens per step while sequences decode (default 96 on the CPU, 512 on CUDA; 0: "
-                        "no cap)")
+                   help="prompt tokens per step while sequences decode (default: 96 on the CPU, 512 on CUDA; "
+                        "0: no cap)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}, or a draft model: {"model": PATH, '
-                        '"num_speculative_tokens": 4} (docs/speculative.md)')
+                        '"num_speculative_tokens": 4} (default: none)')
+    add_ray_options(p)
     return p
 
 
@@ -239,8 +272,20 @@ def engine_kwargs(args) -> dict:
     return knobs
 
 
+def _ray_options_given(args) -> list:
+    """The Ray Serve options set on a command line without --ray (they would do nothing)."""
+    defaults = {"queue_full_status": 503, "cpus_per_replica": 1.0}
+    names = ("ray_address", "replicas", "autoscale", "target_ongoing_requests", "max_ongoing_requests",
+             "serve_max_queued_requests", "retry_after", "queue_full_status", "cpus_per_replica")
+    return ["--" + n.replace("_", "-") for n in names if getattr(args, n, None) != defaults.get(n)]
+
+
 def main(argv=None) -> int:
-    args = make_parser().parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    ray_only = _ray_options_given(args)
+    if ray_only:
+        parser.error(f"{', '.join(ray_only)} only apply with --ray")
     try:
         import uvicorn
         import starlette  # noqa: F401
@@ -279,7 +324,8 @@ def main(argv=None) -> int:
         return 1
     from ..model_name import model_name
 
-    name = args.served_model_name or model_name(args.model)
+    names = args.served_model_name or [model_name(args.model)]
+    name = names[0]
     if engine.tokenizer is not None and not args.chat_template and not getattr(engine.tokenizer, "chat_template", None):
         print("conveyor serve: warning: the model has no chat template; /v1/chat/completions formats "
               "conversations as plain 'role: content' lines, which the model was not trained on",
@@ -288,9 +334,9 @@ def main(argv=None) -> int:
         print(f"conveyor serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
     origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()] if args.allowed_origins else None
     try:
-        app = build_app(engine, model_name=name, api_key=args.api_key, request_timeout=args.request_timeout,
+        app = build_app(engine, model_name=names, api_key=args.api_key, request_timeout=args.request_timeout,
                         max_body_bytes=args.max_body_bytes, chat_template=args.chat_template,
-                        allowed_origins=origins)
+                        allowed_origins=origins, tool_call_parser=args.tool_call_parser)
     except (OSError, ValueError) as e:
         engine.close()
         print(f"conveyor serve: {e}", file=sys.stderr)

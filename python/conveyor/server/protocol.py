@@ -170,6 +170,7 @@ class Parsed:
     priority: int = 0                # vLLM's extension: lower runs first under scheduling="priority"
     timeout: Optional[float] = None  # seconds from arrival; past it: finish_reason "timeout"
     tool_call: Optional["ToolCall"] = None  # chat: answer with tool_calls (named or required)
+    auto_tools: Optional["AutoTools"] = None  # chat: tool_choice "auto", calls read by the tool parser
     prompt_only: bool = False       # completions max_tokens 0 (with echo): no completion tokens
     renames: Optional[dict] = None  # engine error fields -> this request's fields (guided_decoding -> guided_regex)
     guided: Optional[list] = None   # per prompt: AsyncLLM.prepare_guided's matchers (built off the loop)
@@ -183,6 +184,15 @@ class ToolCall:
 
     name: Optional[str]
     tools: dict  # name -> parameters schema
+
+
+@dataclass
+class AutoTools:
+    """tool_choice "auto": the model answers with text or with calls in its own format,
+    which `parser` (a conveyor.server.tool_parsers parser) reads."""
+
+    tools: dict  # name -> {"description", "parameters"}
+    parser: object
 
 
 def _parse_stop(f: Fields):
@@ -342,21 +352,22 @@ def _guided(f: Fields, tool_schema=None) -> tuple[Optional[dict], Optional[str]]
     return {"regex" if key == "guided_regex" else "grammar": v}, key
 
 
-def _tools(f: Fields) -> Optional[ToolCall]:
-    """tools + tool_choice: a named function or "required" -> a ToolCall; "none"
-    (or no tools) -> None; "auto" is refused (no sound way to let a grammar
-    decide between text and a call here)."""
+def _tools(f: Fields, parser=None):
+    """tools + tool_choice: a named function or "required" -> a ToolCall (guided
+    decoding); "auto" (the default when tools are given) -> AutoTools read by `parser`;
+    "none" (or no tools) -> None."""
     if f.obj.get("functions"):
         raise bad_request("functions", "'functions' is deprecated and not supported; use 'tools'")
     tools = f.obj.get("tools")
     choice = f.obj.get("tool_choice")
     if not tools:
-        if choice not in (None, "none"):
+        if choice not in (None, "none", "auto"):
             raise bad_request("tool_choice", "'tool_choice' needs 'tools'")
         return None
     if not isinstance(tools, list):
         raise bad_request("tools", "'tools' must be an array of {type: 'function', function: {...}} objects")
     by_name: dict = {}
+    described: dict = {}
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
@@ -364,12 +375,19 @@ def _tools(f: Fields) -> Optional[ToolCall]:
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise bad_request(f"tools[{i}].function.parameters", "function parameters must be a JSON schema object")
+        description = fn.get("description", "")
+        if not isinstance(description, str):
+            raise bad_request(f"tools[{i}].function.description", "a function's description must be a string")
         by_name[fn["name"]] = params
+        described[fn["name"]] = {"description": check_text(f"tools[{i}].function.description", description),
+                                 "parameters": params}
     if choice == "none":
         return None
     if choice is None or choice == "auto":
-        raise bad_request("tool_choice", "tool_choice 'auto' is not supported; use 'required', 'none' or "
-                                         "{type: 'function', function: {name}}")
+        if parser is None:
+            raise bad_request("tool_choice", "tool_choice 'auto' needs a tool-call parser, which this server "
+                                             "has not; use 'required' or {type: 'function', function: {name}}")
+        return AutoTools(described, parser)
     if choice == "required":
         return ToolCall(None, by_name)
     if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
@@ -379,6 +397,39 @@ def _tools(f: Fields) -> Optional[ToolCall]:
         return ToolCall(name, by_name)
     raise bad_request("tool_choice", "tool_choice must be 'none', 'required', 'auto' or "
                                      "{type: 'function', function: {name}}")
+
+
+def _history_tool_calls(i: int, calls) -> list:
+    """An assistant message's tool_calls, as [{"name", "arguments": dict}] for a parser
+    to write in the model's format."""
+    param = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise bad_request(param, f"'{param}' must be an array")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"{param}[{j}]", f"'{param}[{j}]' must be {{type: 'function', function: "
+                                               "{name, arguments}}")
+        args = fn.get("arguments") or "{}"
+        arg_param = f"{param}[{j}].function.arguments"
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            args = None
+        if not isinstance(args, dict):
+            raise bad_request(arg_param, f"'{arg_param}' must be a JSON object")
+        out.append({"name": fn["name"], "arguments": args})
+    return out
+
+
+def _with_tools_prompt(conv: list, auto: "AutoTools") -> list:
+    """The conversation with the tools described in its system message, in the words of
+    the parser's format (the chat template is given messages only)."""
+    prompt = auto.parser.system_prompt(auto.tools)
+    if conv and conv[0]["role"] in ("system", "developer"):
+        return [{"role": conv[0]["role"], "content": prompt + "\n\n" + conv[0]["content"]}] + conv[1:]
+    return [{"role": "system", "content": prompt}] + conv
 
 
 def _tool_schema(tc: ToolCall) -> dict:
@@ -438,6 +489,7 @@ class Validator:
         self.check_request = check_request
         # the engine's tokenizing, with its byte-length bound first (EngineCore.encode_prompt)
         self.encode_prompt = encode_prompt
+        self.tool_parser = None  # reads tool_choice "auto" answers (conveyor.server.tool_parsers)
 
     def _ids(self, param: str, ids: list) -> list:
         if not ids:
@@ -569,21 +621,29 @@ class Validator:
             raise bad_request("top_logprobs", "'top_logprobs' needs 'logprobs' set to true")
         logprobs = (top or 0) if want_lp else None
         stream, include_usage = _stream_flags(f)
-        tool = _tools(f)
+        tool = _tools(f, self.tool_parser)
+        auto = tool if isinstance(tool, AutoTools) else None
+        tool = None if auto is not None else tool
 
-        text, ids = self.render_chat(body)
+        text, ids = self.render_chat(body, auto_tools=auto)
         if max_tokens is None:  # the rest of the context, capped
             max_tokens = max(1, min(self.max_model_len - len(ids), DEFAULT_CHAT_MAX_TOKENS_CAP))
-        kw, renames = _with_guided(_common_sampling(f, max_tokens, logprobs, n), f, tool)
+        sampling = _common_sampling(f, max_tokens, logprobs, n)
+        if auto is not None and body.get("skip_special_tokens") is None:
+            sampling["skip_special_tokens"] = False  # call markers may be special tokens ([TOOL_CALLS])
+        kw, renames = _with_guided(sampling, f, tool)
         renames["logprobs"] = "top_logprobs"
         params = _make_params(kw, renames)
         prompts = [Prompt(text, ids)]
         self._check(params, prompts, ["messages"], renames)
         return Parsed("chat", prompts, params, stream, include_usage, logprobs, False, model, tool_call=tool,
-                      renames=renames, **_load_fields(f))
+                      auto_tools=auto, renames=renames, **_load_fields(f))
 
-    def render_chat(self, body: dict, add_generation_prompt: bool = True) -> tuple[str, list]:
-        """body["messages"] through the chat template: (text, token ids)."""
+    def render_chat(self, body: dict, add_generation_prompt: bool = True,
+                    auto_tools: Optional[AutoTools] = None) -> tuple[str, list]:
+        """body["messages"] through the chat template: (text, token ids). With auto_tools
+        the system message describes the tools; an assistant message's tool_calls are
+        written in the tool parser's format."""
         msgs = body.get("messages")
         if msgs is None:
             raise bad_request("messages", "'messages' is required")
@@ -596,7 +656,12 @@ class Validator:
             role = m.get("role")
             if not isinstance(role, str) or role not in _CHAT_ROLES:
                 raise bad_request(f"messages[{i}].role", f"'messages[{i}].role' must be one of {', '.join(_CHAT_ROLES)}")
-            conv.append({"role": role, "content": self._message_text(i, m.get("content"))})
+            content = self._message_text(i, m.get("content"))
+            if m.get("tool_calls") and self.tool_parser is not None:
+                content += self.tool_parser.format_calls(_history_tool_calls(i, m["tool_calls"]))
+            conv.append({"role": role, "content": content})
+        if auto_tools is not None:
+            conv = _with_tools_prompt(conv, auto_tools)
         if self.tok is None:
             raise bad_request("messages", "this server has no tokenizer, so chat is unavailable")
         try:

@@ -13,10 +13,12 @@ from contextlib import aclosing
 from typing import Any, AsyncIterator, Optional
 
 from ..sampling_params import SamplingParams
+from .body_fields import IGNORED_FIELDS_HEADER, header_value, unknown_fields
 from .chunks import ChunkEncoder
 from .metrics import ServerMetrics
 from .protocol import (APIError, Parsed, Prompt, Validator, bad_request, check_text, dumps, refused,
                        type_name)
+from .tool_parsers import ToolCallStream, parse_answer, tool_call_deltas
 
 # ---------------------------------------------------------------------------- responses
 
@@ -47,15 +49,17 @@ class SSEResponse:
     """Streams `data: ...` events from an async iterator of str; a client that goes away
     cancels the stream (and with it the engine requests) at once."""
 
-    def __init__(self, events: AsyncIterator[str], on_disconnect=None, on_end=None):
+    def __init__(self, events: AsyncIterator[str], on_disconnect=None, on_end=None,
+                 headers: Optional[dict] = None):
         self.events = events
         self.on_disconnect = on_disconnect
         self.on_end = on_end
+        self.headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
 
     async def _stream(self, send):
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
-                                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+                                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")] + self.headers})
         try:
             async for ev in self.events:
                 await send({"type": "http.response.body", "body": ev.encode("utf-8"), "more_body": True})
@@ -105,6 +109,16 @@ def tool_call_message(tc, text: str, finish: Optional[str]) -> tuple[dict, Optio
     return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
 
 
+def auto_tool_message(auto, text: str, finish: Optional[str]) -> tuple[dict, Optional[str]]:
+    """The assistant message of a tool_choice "auto" answer: its calls, read by the tool
+    parser, as tool_calls (finish_reason "tool_calls"), or the text as it is."""
+    answer = parse_answer(auto.parser, text, auto.tools)
+    if not answer.calls:
+        return {"role": "assistant", "content": text}, finish
+    calls = [{k: v for k, v in c.items() if k != "index"} for c in tool_call_deltas(answer.calls)]
+    return {"role": "assistant", "content": answer.content, "tool_calls": calls}, "tool_calls"
+
+
 def _finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
 
@@ -113,10 +127,11 @@ RETRY_AFTER_S = 1  # the Retry-After of a 503 for a full queue
 
 
 class Server:
-    def __init__(self, engine, model_name: str, api_key: Optional[str], request_timeout: Optional[float],
+    def __init__(self, engine, model_names: list, api_key: Optional[str], request_timeout: Optional[float],
                  max_body_bytes: int):
         self.engine = engine
-        self.model_name = model_name
+        self.model_names = list(model_names)  # every name a request may use; answers carry the first
+        self.model_name = self.model_names[0]
         self.api_key = api_key
         self.request_timeout = request_timeout  # the deadline of a request that names none
         self.max_body_bytes = int(max_body_bytes)
@@ -126,7 +141,7 @@ class Server:
         self.vocab_size = int(engine.model_config["vocab_size"])
         self.validator = Validator(self.tok, self.max_model_len, engine.check_request,
                                    getattr(engine, "encode_prompt", None))
-        self.metrics = ServerMetrics(model_name)
+        self.metrics = ServerMetrics(self.model_name)
         self.created = int(time.time())
         self.in_flight = 0   # HTTP generation requests being answered
         self._piece_cache: dict[int, tuple[str, list]] = {}
@@ -199,8 +214,9 @@ class Server:
         return parsed
 
     def check_model(self, model: Optional[str]):
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+        if model is not None and model not in self.model_names:
+            served = ", ".join(f"'{n}'" for n in self.model_names)
+            raise APIError(404, f"the model '{model}' does not exist; this server serves {served}",
                            param="model", code="model_not_found")
 
     def start(self, parsed: Parsed, rid: str, params: SamplingParams) -> list:
@@ -347,6 +363,8 @@ class Server:
                     message, finish = {"role": "assistant", "content": o.text}, o.finish_reason
                     if parsed.tool_call is not None:
                         message, finish = tool_call_message(parsed.tool_call, o.text, finish)
+                    elif parsed.auto_tools is not None:
+                        message, finish = auto_tool_message(parsed.auto_tools, o.text, finish)
                     choices.append({
                         "index": idx, "message": message,
                         "logprobs": self._chat_logprobs(o.logprobs, o.token_ids, parsed.logprobs or 0),
@@ -390,9 +408,11 @@ class Server:
             return p.text
         return self.tok.decode(p.ids) if self.tok is not None else ""
 
-    def _stream_choices(self, parsed: Parsed, i: int, out, tokens, offsets, done, held) -> list:
+    def _stream_choices(self, parsed: Parsed, i: int, out, tokens, offsets, done, held, held_lp) -> list:
         """The chunk choices for one delta RequestOutput of prompt i; updates the per-choice state.
-        Tool calls are held back (held[j]) and sent whole with the finish."""
+        Tool calls are held back (held[j]: the text so far, or with tool_choice "auto" a
+        ToolCallStream that lets the text before a call through, held_lp[j] the logprobs of
+        the tokens held) and sent whole with the finish."""
         n = parsed.params.n
         chat = parsed.kind == "chat"
         choices = []
@@ -413,6 +433,25 @@ class Server:
                 delta = ({"tool_calls": [{"index": 0, **message["tool_calls"][0]}]} if "tool_calls" in message
                          else {"content": message["content"]})
                 choices.append({"index": j, "delta": delta, "logprobs": None, "finish_reason": fin, **tail})
+            elif chat and parsed.auto_tools is not None:
+                if not isinstance(held[j], ToolCallStream):
+                    held[j] = ToolCallStream(parsed.auto_tools.parser, parsed.auto_tools.tools)
+                text = held[j].feed(o.text)
+                calls = []
+                if fin is not None:
+                    rest, calls = held[j].finish()
+                    text += rest
+                    fin = "tool_calls" if calls else fin
+                lp = self._chat_logprobs(o.logprobs, o.token_ids, parsed.logprobs or 0)
+                if lp is not None:  # the held tokens' logprobs go out with the next chunk
+                    held_lp[j] += lp["content"]
+                if text or calls or fin is not None:
+                    delta = {"content": text} if text else {}
+                    if calls:
+                        delta["tool_calls"] = tool_call_deltas(calls)
+                    lp = {"content": held_lp[j]} if lp is not None else None
+                    held_lp[j] = []
+                    choices.append({"index": j, "delta": delta, "logprobs": lp, "finish_reason": fin, **tail})
             elif chat:
                 delta = {"content": o.text} if (o.text or fin is None) else {}
                 lp = self._chat_logprobs(o.logprobs, o.token_ids, parsed.logprobs or 0)
@@ -459,6 +498,7 @@ class Server:
         offsets = [0] * n_choices
         done = [False] * n_choices
         held = [""] * n_choices
+        held_lp: list = [[] for _ in range(n_choices)]
         prompt_tokens = 0
 
         def chunk(choices, usage=None):
@@ -474,7 +514,8 @@ class Server:
             elif parsed.echo:
                 yield chunk([{"index": i * n + k, "text": self._prompt_text(p), "logprobs": None,
                               "finish_reason": None} for i, p in enumerate(parsed.prompts) for k in range(n)])
-            if len(streams) == 1 and n == 1 and parsed.logprobs is None and parsed.tool_call is None:
+            if len(streams) == 1 and n == 1 and parsed.logprobs is None and parsed.tool_call is None \
+                    and parsed.auto_tools is None:
                 usage = [0, 0]
                 enc = ChunkEncoder(rid, created, self.model_name, chat, parsed.include_usage)
                 async with aclosing(self._single_events(streams[0], enc, usage)) as events:
@@ -484,7 +525,7 @@ class Server:
             else:
                 async with aclosing(self._merged(streams)) as outs:
                     async for i, out in outs:
-                        choices = self._stream_choices(parsed, i, out, tokens, offsets, done, held)
+                        choices = self._stream_choices(parsed, i, out, tokens, offsets, done, held, held_lp)
                         if out.finished:
                             prompt_tokens += len(out.prompt_token_ids)
                             self._record(out, tokens[i * n:(i + 1) * n])
@@ -519,13 +560,14 @@ class Server:
         if model is not None:
             check_text("model", model)
         self.check_model(model)
+        headers = self._ignored_fields(body, kind)
         parsed = await self.off_loop(self.prepare, body, kind)
         if self.engine.closed:
             raise APIError(503, "the engine is shut down", code="engine_closed")
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         streams = self.start(parsed, rid, parsed.params)
         if parsed.stream:
-            return self._stream_response(streams, parsed, rid)
+            return self._stream_response(streams, parsed, rid, headers)
         self.in_flight += 1
         try:
             gen = asyncio.ensure_future(self.generate_full(streams, parsed, rid))
@@ -548,7 +590,7 @@ class Server:
                 result = gen.result()
             except (ValueError, TypeError) as e:  # the engine refused the request (or its grammar)
                 raise refused(e, parsed.renames) from None
-            return json_response(result)
+            return json_response(result, headers=headers)
         except BaseException:
             if not gen.done():
                 gen.cancel()
@@ -560,7 +602,18 @@ class Server:
             if not watch.done():
                 watch.cancel()
 
-    def _stream_response(self, streams: list, parsed: Parsed, rid: str):
+    @staticmethod
+    def _ignored_fields(body: dict, kind: str) -> Optional[dict]:
+        """Body fields this endpoint does not read: a warning in the log, and the response
+        header that names them (None: there are none)."""
+        ignored = unknown_fields(body, kind)
+        if not ignored:
+            return None
+        value = header_value(ignored)
+        logging.getLogger("conveyor.serve").warning("request fields ignored (not read by this endpoint): %s", value)
+        return {IGNORED_FIELDS_HEADER: value}
+
+    def _stream_response(self, streams: list, parsed: Parsed, rid: str, headers: Optional[dict] = None):
         server = self
 
         def on_disconnect():
@@ -572,6 +625,6 @@ class Server:
                 s.close()
 
         server.in_flight += 1
-        return SSEResponse(server.generate_stream(streams, parsed, rid), on_disconnect, on_end)
+        return SSEResponse(server.generate_stream(streams, parsed, rid), on_disconnect, on_end, headers)
 
 
