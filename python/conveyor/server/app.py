@@ -43,12 +43,14 @@ def load_chat_template(value: str) -> str:
 
 def build_app(engine, *, model_name: str, api_key: Optional[str] = None, request_timeout: Optional[float] = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, chat_template: Optional[str] = None,
-              allowed_origins: Optional[list] = None):
+              allowed_origins: Optional[list] = None, ui: bool = True):
     """The ASGI app serving `engine` (an AsyncLLM) under the name `model_name`.
 
     api_key: when set, /v1/* needs "Authorization: Bearer <api_key>".
     request_timeout: the deadline (seconds) of a request that names no "timeout".
-    max_body_bytes: larger bodies get 413. Overload control is the engine's: an AsyncLLM
+    max_body_bytes: larger bodies get 413.
+    ui: serve the chat page at / and the live view of batching at /batching.
+    Overload control is the engine's: an AsyncLLM
     made with max_queued_requests refuses the excess, answered 503 with Retry-After.
     """
     from starlette.applications import Starlette
@@ -151,6 +153,12 @@ def build_app(engine, *, model_name: str, api_key: Optional[str] = None, request
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
+    from .events import EngineEvents, events_endpoint
+    from .ui import ui_routes
+
+    events = EngineEvents(engine)
+    routes.append(Route("/v1/engine/events", guarded(events_endpoint(server, events)), methods=["GET"]))
+    routes += ui_routes(server, engine, guarded, pages=ui)
     middleware = []
     if allowed_origins:
         from starlette.middleware import Middleware
@@ -160,6 +168,7 @@ def build_app(engine, *, model_name: str, api_key: Optional[str] = None, request
                                      allow_headers=["*"], allow_credentials="*" not in allowed_origins))
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error}, middleware=middleware)
     app.state.server = server
+    app.state.events = events
     return app
 
 
@@ -191,6 +200,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="a Jinja chat template, or a file holding one, instead of the tokenizer's")
     p.add_argument("--allowed-origins", default=None,
                    help="comma-separated origins allowed by CORS ('*' for any; default: no CORS)")
+    p.add_argument("--no-ui", dest="ui", action="store_false",
+                   help="do not serve the chat page (/) and the live view of batching (/batching)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", action="store_true", help="do not log each HTTP request")
     p.add_argument("--http", default="auto", choices=["auto", "httptools", "h11"],
@@ -290,7 +301,7 @@ def main(argv=None) -> int:
     try:
         app = build_app(engine, model_name=name, api_key=args.api_key, request_timeout=args.request_timeout,
                         max_body_bytes=args.max_body_bytes, chat_template=args.chat_template,
-                        allowed_origins=origins)
+                        allowed_origins=origins, ui=args.ui)
     except (OSError, ValueError) as e:
         engine.close()
         print(f"conveyor serve: {e}", file=sys.stderr)
@@ -313,6 +324,9 @@ def main(argv=None) -> int:
     # keeps it near 30 ms (docs/reliability.md, section 6).
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     print(f"conveyor serve: serving {name} at http://{shown}:{port}/v1", file=sys.stderr, flush=True)
+    if args.ui:
+        print(f"conveyor serve: chat at http://{shown}:{port}/, batching live at http://{shown}:{port}/batching",
+              file=sys.stderr, flush=True)
     import signal
 
     def _exit(signum, frame):

@@ -1,0 +1,214 @@
+"""GET /v1/engine/events: continuous batching as it happens, as server-sent events.
+
+One broadcaster per server reads what the engine already records for
+`conveyor bench timeline` (its step trace) and its statistics, at most every
+`interval` seconds, and sends every listener the same summary of the steps since
+the last event:
+
+    {"type": "steps", "time": unix seconds, "interval_s": seconds since the last event,
+     "steps": [{"step": n, "ms": step duration, "proposals": speculative proposals verified,
+                "seqs": [[slot, request, prefill tokens, decode tokens], ...]}, ...],
+     "steps_total": steps since the engine started, "steps_omitted": steps left out,
+     "prefill_tokens": n, "decode_tokens": n, "preemptions": n,
+     "spec_proposed": n, "spec_accepted": n,
+     "kv": {"used": blocks, "cached": blocks, "free": blocks, "total": blocks},
+     "running": sequences, "waiting": requests, "tokens_per_s": generated tokens per second,
+     "max_num_seqs": n}
+
+A sequence holds a slot (the lowest free one) from the step it is first scheduled
+while it is scheduled at every step; a step without it frees the slot. "request" is
+the engine's number for the request (one colour per request in the live view).
+Preemptions and speculative acceptances are the engine's counters over the event's
+steps (the step trace does not break them down per step).
+
+With no listener the step trace is off: the engine records nothing and nothing polls.
+Listeners share one poller, so each one more costs one write of the same text.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Optional
+
+from .protocol import dumps
+
+EVENT_INTERVAL_S = 0.1  # the least time between two events
+IDLE_EVENT_S = 1.0  # with no new step, an event at most this often (keeps the views' clocks moving)
+MAX_STEPS_PER_EVENT = 1000  # the latest steps of an interval; the rest are counted in steps_omitted
+LISTENER_BACKLOG = 20  # events a slow listener may have waiting before the oldest are dropped
+
+
+class EngineEvents:
+    """Turns the step trace on while someone listens and feeds each listener a queue of
+    SSE-encoded events."""
+
+    def __init__(self, engine, interval: float = EVENT_INTERVAL_S):
+        self.engine = engine
+        self.interval = interval
+        self.listeners: set[asyncio.Queue] = set()
+        self.events_built = 0  # summaries made (one per interval with listeners, not one per listener)
+        self._task: Optional[asyncio.Task] = None
+        self._slots: dict[tuple, int] = {}
+        self._last_stats: dict = {}
+        self._last_time = 0.0
+        self._last_sent = 0.0
+
+    # -- listeners --------------------------------------------------------------
+    def subscribe(self) -> asyncio.Queue:
+        """A new listener's queue; its first event (the state now, no steps) is already in it."""
+        if not self.listeners:
+            self.engine.take_step_trace()  # what a previous session left, if anything
+            self.engine.set_step_trace(True)
+            self._slots.clear()
+            self._last_stats = self._stats()
+            self._last_time = time.time()
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        q: asyncio.Queue = asyncio.Queue(LISTENER_BACKLOG)
+        q.put_nowait(self._encode(self._summary([], self._last_stats, self._last_stats, self._last_time,
+                                                self._last_time)))
+        self.listeners.add(q)
+        return q
+
+    def unsubscribe(self, q: asyncio.Queue) -> None:
+        self.listeners.discard(q)
+        if self.listeners:
+            return
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        if not self.engine.closed:
+            self.engine.set_step_trace(False)
+            self.engine.take_step_trace()
+        self._slots.clear()
+
+    @property
+    def tracing(self) -> bool:
+        return bool(self.listeners)
+
+    # -- the poller -------------------------------------------------------------
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            if self.engine.closed:
+                continue
+            trace = self.engine.take_step_trace()
+            now = time.time()
+            if not trace and now - self._last_sent < IDLE_EVENT_S:
+                continue
+            stats = self._stats()
+            text = self._encode(self._summary(trace, self._last_stats, stats, self._last_time, now))
+            self._last_stats, self._last_time, self._last_sent = stats, now, now
+            self.events_built += 1
+            for q in list(self.listeners):
+                if q.full():  # a listener that does not read: it loses its oldest events, not the others
+                    q.get_nowait()
+                q.put_nowait(text)
+
+    def _stats(self) -> dict:
+        try:
+            return self.engine.stats()
+        except Exception:  # noqa: BLE001 - a closed engine: no figures
+            return {}
+
+    @staticmethod
+    def _encode(ev: dict) -> str:
+        return f"data: {dumps(ev)}\n\n"
+
+    def _summary(self, trace, before: dict, after: dict, t_before: float, t_after: float) -> dict:
+        steps = self._steps(trace)
+        omitted = max(0, len(steps) - MAX_STEPS_PER_EVENT)
+        kept = steps[omitted:]
+
+        def delta(key):
+            return max(0, int(after.get(key, 0)) - int(before.get(key, 0)))
+
+        dt = max(t_after - t_before, 1e-9)
+        prefill = sum(s[2] for st in steps for s in st["seqs"])
+        decode = sum(s[3] for st in steps for s in st["seqs"])
+        return {
+            "type": "steps", "time": t_after, "interval_s": round(t_after - t_before, 4),
+            "steps": kept, "steps_total": int(after.get("steps", 0)), "steps_omitted": omitted,
+            "prefill_tokens": prefill, "decode_tokens": decode,
+            "preemptions": delta("num_preemptions"),
+            "spec_proposed": delta("spec_proposed"), "spec_accepted": delta("spec_accepted"),
+            "kv": {"used": int(after.get("blocks_used", 0)), "cached": int(after.get("blocks_cached_free", 0)),
+                   "free": int(after.get("blocks_free", 0)), "total": int(after.get("blocks_total", 0))},
+            "running": int(after.get("num_running", 0)), "waiting": int(after.get("num_waiting", 0)),
+            "tokens_per_s": round(delta("generation_tokens") / dt, 1) if t_after > t_before else 0.0,
+            "max_num_seqs": int(after.get("max_num_seqs", 0)),
+        }
+
+    def _steps(self, trace) -> list:
+        """Groups trace entries by step and gives each sequence its slot."""
+        by_step: dict[int, dict] = {}
+        for step, t0, t1, rid, idx, n_new, n_prompt in trace:
+            st = by_step.get(step)
+            if st is None:
+                st = by_step[step] = {"step": int(step), "ms": round((t1 - t0) * 1e3, 3), "proposals": 0,
+                                      "entries": []}
+            st["entries"].append((int(rid), int(idx), int(n_new), int(n_prompt)))
+        out = []
+        for step in sorted(by_step):
+            st = by_step[step]
+            present = {(rid, idx) for rid, idx, _, _ in st["entries"]}
+            for key in [k for k in self._slots if k not in present]:
+                del self._slots[key]
+            used = set(self._slots.values())
+            seqs = []
+            for rid, idx, n_new, n_prompt in st["entries"]:
+                key = (rid, idx)
+                slot = self._slots.get(key)
+                if slot is None:
+                    slot = 0
+                    while slot in used:
+                        slot += 1
+                    self._slots[key] = slot
+                    used.add(slot)
+                decode = n_new - n_prompt
+                if n_prompt == 0 and n_new > 1:  # a decode verifying speculative proposals
+                    st["proposals"] += n_new - 1
+                seqs.append([slot, rid, n_prompt, decode])
+            out.append({"step": st["step"], "ms": st["ms"], "proposals": st["proposals"], "seqs": seqs})
+        return out
+
+
+class _Listener:
+    """One listener's events as an async iterator; closing it (the client went away, or
+    the response ended) unsubscribes, even when no event was read yet."""
+
+    def __init__(self, events: EngineEvents):
+        self.events = events
+        self.queue = events.subscribe()
+        self.closed = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> str:
+        if self.closed:
+            raise StopAsyncIteration
+        return await self.queue.get()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.events.unsubscribe(self.queue)
+
+    async def aclose(self) -> None:
+        self.close()
+
+
+def events_endpoint(server, events: EngineEvents):
+    """The handler of GET /v1/engine/events (behind the API key, like /v1/*)."""
+    from .serving import SSEResponse
+
+    async def engine_events(request):
+        server.check_auth(request)
+        if events.engine.closed:
+            from .protocol import APIError
+
+            raise APIError(503, "the engine is shut down", code="engine_closed")
+        listener = _Listener(events)
+        return SSEResponse(listener, on_end=listener.close)
+
+    return engine_events
