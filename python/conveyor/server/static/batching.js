@@ -10,7 +10,7 @@ const SERIES_SECONDS = 60;  // time on the other charts
 const state = {
   events: 0, stepsSeen: 0, requests: new Set(), steps: [], series: [], maxSlot: 3, maxNumSeqs: 0,
   totals: { preemptions: 0, specProposed: 0, specAccepted: 0 }, last: null,
-  peaks: { running: 0, waiting: 0, kvUsed: 0 },
+  peaks: { running: 0, waiting: 0, kvUsed: 0, batch: 0 },
 };
 window.conveyorBatching = state; // for the page's tests and the curious
 let model = null;
@@ -31,6 +31,7 @@ function onEvent(ev) {
       if (slot > state.maxSlot) state.maxSlot = slot;
     }
     state.steps.push({ seqs: st.seqs, waiting: ev.waiting });
+    state.peaks.batch = Math.max(state.peaks.batch, st.seqs.length);
   }
   state.stepsSeen += ev.steps.length;
   if (state.steps.length > MAX_STEPS) state.steps.splice(0, state.steps.length - MAX_STEPS);
@@ -78,21 +79,22 @@ function drawSlots() {
   for (let r = 0; r < rows; r += every) ctx.fillText(`slot ${r}`, 2, top + (r + .5) * rowH);
   const x0 = left + (MAX_STEPS - state.steps.length) * colW;
   state.steps.forEach((st, i) => {
-    const x = x0 + i * colW;
+    // whole pixels, each column up to the next one's start: no seams between steps
+    const x = Math.floor(x0 + i * colW), cw = Math.max(1, Math.floor(x0 + (i + 1) * colW) - x);
     const used = new Set();
     for (const [slot, request, prefill] of st.seqs) {
       used.add(slot);
       ctx.fillStyle = colour(request, false);
-      ctx.fillRect(x, top + slot * rowH + 1, Math.max(colW, 1), Math.max(rowH - 2, 1));
+      ctx.fillRect(x, top + slot * rowH + 1, cw, Math.max(rowH - 2, 1));
       if (prefill > 0) {
         ctx.fillStyle = "rgba(0,0,0,.45)";
-        ctx.fillRect(x, top + slot * rowH + 1, Math.max(colW, 1), Math.max((rowH - 2) / 4, 1));
+        ctx.fillRect(x, top + slot * rowH + 1, cw, Math.max((rowH - 2) / 4, 1));
       }
     }
     if (st.waiting > 0) { // idle slots while requests wait
       ctx.fillStyle = "rgba(128,128,128,.35)";
       const limit = state.maxNumSeqs ? Math.min(rows, state.maxNumSeqs) : rows;
-      for (let r = 0; r < limit; r++) if (!used.has(r)) ctx.fillRect(x, top + r * rowH + 1, Math.max(colW, 1), Math.max(rowH - 2, 1));
+      for (let r = 0; r < limit; r++) if (!used.has(r)) ctx.fillRect(x, top + r * rowH + 1, cw, Math.max(rowH - 2, 1));
     }
   });
   ctx.fillStyle = ink();

@@ -130,7 +130,7 @@ async function answer() {
       }
       if (!pending) { // one redraw per frame however fast tokens come
         pending = true;
-        requestAnimationFrame(() => { pending = false; show(view, text, false); });
+        requestAnimationFrame(() => { pending = false; if (running === controller) show(view, text, false); });
       }
     });
     setStatus(finish === "length" ? "Stopped at max tokens." : "");
