@@ -561,7 +561,7 @@ def test_events_need_the_key(keyed):
     assert ev["type"] == "steps" and ev["kv"]["total"] > 0
 
 
-EVENT_KEYS = {"type", "time", "interval_s", "steps", "steps_total", "steps_omitted", "prefill_tokens",
+EVENT_KEYS = {"type", "time", "interval_s", "steps", "slots", "steps_total", "steps_omitted", "prefill_tokens",
               "decode_tokens", "preemptions", "spec_proposed", "spec_accepted", "kv", "running", "waiting",
               "tokens_per_s", "max_num_seqs"}
 
@@ -611,19 +611,27 @@ def test_events_describe_the_steps_of_the_requests_sent(server):
         assert ev["kv"]["used"] + ev["kv"]["free"] <= ev["kv"]["total"]
     gaps = [b[0] - a[0] for a, b in zip(events, events[1:])]
     assert min(gaps) > 0.08  # at most one event per 100 ms (less a little for the network's timing)
-    steps = [st for _, ev in events for st in ev["steps"]]
     assert sum(ev["steps_omitted"] for _, ev in events) == 0
-    numbers = [st["step"] for st in steps]
+    numbers = [n for _, ev in events for n in ev["steps"]["step"]]
     assert numbers == sorted(numbers) and len(set(numbers)) == len(numbers)
-    assert events[-1][1]["steps_total"] >= len(steps)
+    assert events[-1][1]["steps_total"] >= len(numbers)
     per_request: dict[int, list] = {}
-    for st in steps:
-        slots = [s[0] for s in st["seqs"]]
-        assert len(set(slots)) == len(slots)  # one sequence per slot
-        for slot, rid, prefill, decode in st["seqs"]:
-            per_request.setdefault(rid, [0, 0])
-            per_request[rid][0] += prefill
-            per_request[rid][1] += decode
+    for _, ev in events:
+        cols = ev["steps"]
+        assert set(cols) == {"step", "ms", "seqs", "prefill_tokens", "decode_tokens", "proposals"}
+        assert all(len(v) == len(cols["step"]) for v in cols.values())
+        assert sum(cols["prefill_tokens"]) == ev["prefill_tokens"] and sum(cols["decode_tokens"]) == ev["decode_tokens"]
+        assert set(cols["proposals"]) <= {0}  # no speculative decoding here
+        # the runs cover each step's sequences exactly, one sequence per slot
+        cover: dict[int, list] = {n: [] for n in cols["step"]}
+        for slot, rid, first, last, prefill, tokens in ev["slots"]:
+            assert first <= last and prefill in (0, 1) and tokens >= last - first + 1
+            for n in range(first, last + 1):
+                if n in cover:
+                    cover[n].append(slot)
+            per_request.setdefault(rid, [0, 0])[0 if prefill else 1] += tokens
+        for n, seqs in zip(cols["step"], cols["seqs"]):
+            assert len(cover[n]) == seqs and len(set(cover[n])) == seqs
     assert len(per_request) == 4
     expected = sorted((u["prompt_tokens"], u["completion_tokens"] - 1) for u in usages.values())
     assert sorted(tuple(v) for v in per_request.values()) == expected
@@ -683,3 +691,40 @@ def test_events_listener_that_goes_away_is_dropped(server):
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=30,
                    trust_env=False)
     assert r.status_code == 200
+
+
+def test_events_summary_of_a_made_up_trace():
+    """Slots, runs and columns of a trace written by hand: request 1 prefills in two
+    chunks then decodes; request 2 decodes with speculative proposals and leaves;
+    request 3 takes the lowest free slot (2's)."""
+    from conveyor.server import events as ev_mod
+
+    class Idle:
+        closed = False
+
+    ev = ev_mod.EngineEvents(Idle())
+    t = [(0, 0.0, 0.001, 1, 0, 4, 4), (0, 0.0, 0.001, 2, 0, 3, 3),
+         (1, 0.001, 0.003, 1, 0, 4, 4), (1, 0.001, 0.003, 2, 0, 4, 0),  # 2 verifies 3 proposals
+         (2, 0.003, 0.004, 1, 0, 1, 0), (2, 0.003, 0.004, 2, 0, 1, 0),
+         (3, 0.004, 0.005, 1, 0, 1, 0), (3, 0.004, 0.005, 3, 0, 2, 2),
+         (4, 0.005, 0.006, 1, 0, 1, 0), (4, 0.005, 0.006, 3, 0, 1, 0)]
+    out = ev._summary(t, {"num_preemptions": 1, "generation_tokens": 0, "steps": 0},
+                      {"num_preemptions": 3, "generation_tokens": 8, "steps": 5, "blocks_used": 2,
+                       "blocks_free": 6, "blocks_total": 8, "num_running": 2}, 10.0, 10.5)
+    assert out["steps"] == {"step": [0, 1, 2, 3, 4], "ms": [1.0, 2.0, 1.0, 1.0, 1.0], "seqs": [2, 2, 2, 2, 2],
+                            "prefill_tokens": [7, 4, 0, 2, 0], "decode_tokens": [0, 4, 2, 1, 2],
+                            "proposals": [0, 3, 0, 0, 0]}
+    assert sorted(out["slots"]) == sorted([
+        [0, 1, 0, 1, 1, 8], [0, 1, 2, 4, 0, 3],  # request 1: prefill steps 0-1, decode 2-4, slot 0
+        [1, 2, 0, 0, 1, 3], [1, 2, 1, 2, 0, 5],  # request 2: slot 1 until it leaves after step 2
+        [1, 3, 3, 3, 1, 2], [1, 3, 4, 4, 0, 1]])  # request 3 takes slot 1, now free
+    assert (out["prefill_tokens"], out["decode_tokens"], out["preemptions"]) == (13, 9, 2)
+    assert out["tokens_per_s"] == 16.0 and out["kv"] == {"used": 2, "cached": 0, "free": 6, "total": 8}
+    # past the cap, the latest steps are kept and the runs cut to them
+    cap = ev_mod.MAX_STEPS_PER_EVENT
+    ev2 = ev_mod.EngineEvents(Idle())
+    long = [(s, 0.0, 0.0, 7, 0, 1, 0) for s in range(cap + 10)]
+    out = ev2._summary(long, {}, {}, 0.0, 0.1)
+    assert out["steps_omitted"] == 10 and out["steps"]["step"][0] == 10 and len(out["steps"]["step"]) == cap
+    assert out["slots"] == [[0, 7, 10, cap + 9, 0, cap + 10]]
+    assert out["decode_tokens"] == cap + 10  # the totals count every step

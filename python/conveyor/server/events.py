@@ -6,14 +6,23 @@ One broadcaster per server reads what the engine already records for
 the last event:
 
     {"type": "steps", "time": unix seconds, "interval_s": seconds since the last event,
-     "steps": [{"step": n, "ms": step duration, "proposals": speculative proposals verified,
-                "seqs": [[slot, request, prefill tokens, decode tokens], ...]}, ...],
+     "steps": {"step": [n, ...], "ms": [duration, ...], "seqs": [sequences scheduled, ...],
+               "prefill_tokens": [...], "decode_tokens": [...],
+               "proposals": [speculative proposals verified, ...]},      one column per figure
+     "slots": [[slot, request, first step, last step, prefill, tokens], ...],
      "steps_total": steps since the engine started, "steps_omitted": steps left out,
      "prefill_tokens": n, "decode_tokens": n, "preemptions": n,
      "spec_proposed": n, "spec_accepted": n,
      "kv": {"used": blocks, "cached": blocks, "free": blocks, "total": blocks},
      "running": sequences, "waiting": requests, "tokens_per_s": generated tokens per second,
      "max_num_seqs": n}
+
+"slots" holds which sequence sat in which batch slot at each step, as runs: one entry
+per sequence and stretch of consecutive steps in one slot doing one kind of work
+(prefill 1: prompt tokens, 0: decode), with the tokens it scheduled over them; a
+decoding batch of 64 over 100 steps is 64 entries, not 6,400. The figures after
+"steps_omitted" count every step, the columns and runs only the latest
+MAX_STEPS_PER_EVENT (a run cut there keeps its whole token count).
 
 A sequence holds a slot (the lowest free one) from the step it is first scheduled
 while it is scheduled at every step; a step without it frees the slot. "request" is
@@ -47,8 +56,9 @@ class EngineEvents:
         self.interval = interval
         self.listeners: set[asyncio.Queue] = set()
         self.events_built = 0  # summaries made (one per interval with listeners, not one per listener)
+        self.busy_s = 0.0  # time the poller spent building and handing out events
         self._task: Optional[asyncio.Task] = None
-        self._slots: dict[tuple, int] = {}
+        self._slots: dict[tuple, int] = {}  # (request, completion) -> slot, while scheduled every step
         self._last_stats: dict = {}
         self._last_time = 0.0
         self._last_sent = 0.0
@@ -91,9 +101,11 @@ class EngineEvents:
             await asyncio.sleep(self.interval)
             if self.engine.closed:
                 continue
+            t0 = time.perf_counter()
             trace = self.engine.take_step_trace()
             now = time.time()
             if not trace and now - self._last_sent < IDLE_EVENT_S:
+                self.busy_s += time.perf_counter() - t0
                 continue
             stats = self._stats()
             text = self._encode(self._summary(trace, self._last_stats, stats, self._last_time, now))
@@ -103,6 +115,7 @@ class EngineEvents:
                 if q.full():  # a listener that does not read: it loses its oldest events, not the others
                     q.get_nowait()
                 q.put_nowait(text)
+            self.busy_s += time.perf_counter() - t0
 
     def _stats(self) -> dict:
         try:
@@ -115,61 +128,81 @@ class EngineEvents:
         return f"data: {dumps(ev)}\n\n"
 
     def _summary(self, trace, before: dict, after: dict, t_before: float, t_after: float) -> dict:
-        steps = self._steps(trace)
-        omitted = max(0, len(steps) - MAX_STEPS_PER_EVENT)
-        kept = steps[omitted:]
+        steps, slots, prefill, decode = self._steps(trace)
+        omitted = max(0, len(steps["step"]) - MAX_STEPS_PER_EVENT)
+        if omitted:
+            first = steps["step"][omitted]
+            steps = {k: v[omitted:] for k, v in steps.items()}
+            slots = [[sl, rid, max(a, first), b, p, n] for sl, rid, a, b, p, n in slots if b >= first]
 
         def delta(key):
             return max(0, int(after.get(key, 0)) - int(before.get(key, 0)))
 
-        dt = max(t_after - t_before, 1e-9)
-        prefill = sum(s[2] for st in steps for s in st["seqs"])
-        decode = sum(s[3] for st in steps for s in st["seqs"])
+        dt = t_after - t_before
         return {
-            "type": "steps", "time": t_after, "interval_s": round(t_after - t_before, 4),
-            "steps": kept, "steps_total": int(after.get("steps", 0)), "steps_omitted": omitted,
+            "type": "steps", "time": t_after, "interval_s": round(dt, 4),
+            "steps": steps, "slots": slots, "steps_total": int(after.get("steps", 0)), "steps_omitted": omitted,
             "prefill_tokens": prefill, "decode_tokens": decode,
             "preemptions": delta("num_preemptions"),
             "spec_proposed": delta("spec_proposed"), "spec_accepted": delta("spec_accepted"),
             "kv": {"used": int(after.get("blocks_used", 0)), "cached": int(after.get("blocks_cached_free", 0)),
                    "free": int(after.get("blocks_free", 0)), "total": int(after.get("blocks_total", 0))},
             "running": int(after.get("num_running", 0)), "waiting": int(after.get("num_waiting", 0)),
-            "tokens_per_s": round(delta("generation_tokens") / dt, 1) if t_after > t_before else 0.0,
+            "tokens_per_s": round(delta("generation_tokens") / dt, 1) if dt > 0 else 0.0,
             "max_num_seqs": int(after.get("max_num_seqs", 0)),
         }
 
-    def _steps(self, trace) -> list:
-        """Groups trace entries by step and gives each sequence its slot."""
-        by_step: dict[int, dict] = {}
-        for step, t0, t1, rid, idx, n_new, n_prompt in trace:
-            st = by_step.get(step)
-            if st is None:
-                st = by_step[step] = {"step": int(step), "ms": round((t1 - t0) * 1e3, 3), "proposals": 0,
-                                      "entries": []}
-            st["entries"].append((int(rid), int(idx), int(n_new), int(n_prompt)))
-        out = []
-        for step in sorted(by_step):
-            st = by_step[step]
-            present = {(rid, idx) for rid, idx, _, _ in st["entries"]}
-            for key in [k for k in self._slots if k not in present]:
-                del self._slots[key]
-            used = set(self._slots.values())
-            seqs = []
-            for rid, idx, n_new, n_prompt in st["entries"]:
+    def _steps(self, trace):
+        """The per-step columns, the slot runs and the token totals of a trace (entries
+        in step order, as the engine records them)."""
+        cols = {"step": [], "ms": [], "seqs": [], "prefill_tokens": [], "decode_tokens": [], "proposals": []}
+        runs: list = []
+        open_runs: dict[tuple, list] = {}  # the run each sequence is in (runs end with the event)
+        slots = self._slots
+        prefill_total = decode_total = 0
+        i, n = 0, len(trace)
+        while i < n:
+            step, t0, t1 = trace[i][0], trace[i][1], trace[i][2]
+            j = i
+            while j < n and trace[j][0] == step:
+                j += 1
+            present = {(e[3], e[4]) for e in trace[i:j]}
+            for key in [k for k in slots if k not in present]:  # not scheduled this step: its slot frees
+                del slots[key]
+                open_runs.pop(key, None)
+            used = set(slots.values())
+            prefill = decode = proposals = 0
+            for _, _, _, rid, idx, n_new, n_prompt in trace[i:j]:
                 key = (rid, idx)
-                slot = self._slots.get(key)
+                slot = slots.get(key)
                 if slot is None:
                     slot = 0
                     while slot in used:
                         slot += 1
-                    self._slots[key] = slot
+                    slots[key] = slot
                     used.add(slot)
-                decode = n_new - n_prompt
-                if n_prompt == 0 and n_new > 1:  # a decode verifying speculative proposals
-                    st["proposals"] += n_new - 1
-                seqs.append([slot, rid, n_prompt, decode])
-            out.append({"step": st["step"], "ms": st["ms"], "proposals": st["proposals"], "seqs": seqs})
-        return out
+                kind = 1 if n_prompt else 0
+                if not kind and n_new > 1:  # a decode verifying speculative proposals
+                    proposals += n_new - 1
+                prefill += n_prompt
+                decode += n_new - n_prompt
+                run = open_runs.get(key)
+                if run is not None and run[4] == kind and run[3] == step - 1 and run[0] == slot:
+                    run[3] = step
+                    run[5] += n_new
+                else:
+                    run = open_runs[key] = [slot, rid, step, step, kind, n_new]
+                    runs.append(run)
+            cols["step"].append(step)
+            cols["ms"].append(round((t1 - t0) * 1e3, 3))
+            cols["seqs"].append(j - i)
+            cols["prefill_tokens"].append(prefill)
+            cols["decode_tokens"].append(decode)
+            cols["proposals"].append(proposals)
+            prefill_total += prefill
+            decode_total += decode
+            i = j
+        return cols, runs, prefill_total, decode_total
 
 
 class _Listener:

@@ -25,15 +25,24 @@ function onEvent(ev) {
   state.events++;
   state.last = ev;
   state.maxNumSeqs = ev.max_num_seqs || state.maxNumSeqs;
-  for (const st of ev.steps) {
-    for (const [slot, request] of st.seqs) {
-      state.requests.add(request);
-      if (slot > state.maxSlot) state.maxSlot = slot;
+  // the slot runs back into one list of [slot, request, prefill] per step
+  const at = new Map();
+  const cols = ev.steps;
+  cols.step.forEach((n, i) => {
+    const cell = { seqs: [], waiting: ev.waiting };
+    at.set(n, cell);
+    state.steps.push(cell);
+    state.peaks.batch = Math.max(state.peaks.batch, cols.seqs[i]);
+  });
+  for (const [slot, request, first, last, prefill] of ev.slots) {
+    state.requests.add(request);
+    if (slot > state.maxSlot) state.maxSlot = slot;
+    for (let n = first; n <= last; n++) {
+      const cell = at.get(n);
+      if (cell) cell.seqs.push([slot, request, prefill]);
     }
-    state.steps.push({ seqs: st.seqs, waiting: ev.waiting });
-    state.peaks.batch = Math.max(state.peaks.batch, st.seqs.length);
   }
-  state.stepsSeen += ev.steps.length;
+  state.stepsSeen += cols.step.length;
   if (state.steps.length > MAX_STEPS) state.steps.splice(0, state.steps.length - MAX_STEPS);
   state.totals.preemptions += ev.preemptions;
   state.totals.specProposed += ev.spec_proposed;
