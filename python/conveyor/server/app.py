@@ -4,8 +4,10 @@
     python -m conveyor.serve MODEL ...
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (plain or streamed as
-server-sent events ending with ``data: [DONE]``), GET /v1/models, GET /health and
-GET /metrics (Prometheus text format).
+server-sent events ending with ``data: [DONE]``), GET /v1/models, GET /health,
+GET /metrics (Prometheus text format), GET /v1/engine/settings and GET
+/v1/engine/events (the engine's steps as server-sent events: events.py); the chat
+page at / and the live view of batching at /batching unless --no-ui (ui.py).
 
 The app is plain Starlette (no request-model magic), so every error is ours: bad
 input gets 400 naming the field, never 422 or 500. A client that goes away has its

@@ -36,6 +36,7 @@ Listeners share one poller, so each one more costs one write of the same text.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Optional
 
@@ -62,21 +63,23 @@ class EngineEvents:
         self._last_stats: dict = {}
         self._last_time = 0.0
         self._last_sent = 0.0
+        self._newcomer = False
+        self.tracing = False  # whether the engine's step trace is on (only while someone listens)
 
     # -- listeners --------------------------------------------------------------
     def subscribe(self) -> asyncio.Queue:
-        """A new listener's queue; its first event (the state now, no steps) is already in it."""
+        """A new listener's queue of SSE-encoded events."""
         if not self.listeners:
             self.engine.take_step_trace()  # what a previous session left, if anything
             self.engine.set_step_trace(True)
+            self.tracing = True
             self._slots.clear()
             self._last_stats = self._stats()
             self._last_time = time.time()
             self._task = asyncio.get_running_loop().create_task(self._run())
         q: asyncio.Queue = asyncio.Queue(LISTENER_BACKLOG)
-        q.put_nowait(self._encode(self._summary([], self._last_stats, self._last_stats, self._last_time,
-                                                self._last_time)))
         self.listeners.add(q)
+        self._newcomer = True  # the next poll sends, idle or not: its first event within one interval
         return q
 
     def unsubscribe(self, q: asyncio.Queue) -> None:
@@ -89,33 +92,37 @@ class EngineEvents:
         if not self.engine.closed:
             self.engine.set_step_trace(False)
             self.engine.take_step_trace()
+        self.tracing = False
         self._slots.clear()
-
-    @property
-    def tracing(self) -> bool:
-        return bool(self.listeners)
 
     # -- the poller -------------------------------------------------------------
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.interval)
-            if self.engine.closed:
-                continue
-            t0 = time.perf_counter()
-            trace = self.engine.take_step_trace()
-            now = time.time()
-            if not trace and now - self._last_sent < IDLE_EVENT_S:
-                self.busy_s += time.perf_counter() - t0
-                continue
-            stats = self._stats()
-            text = self._encode(self._summary(trace, self._last_stats, stats, self._last_time, now))
-            self._last_stats, self._last_time, self._last_sent = stats, now, now
-            self.events_built += 1
-            for q in list(self.listeners):
-                if q.full():  # a listener that does not read: it loses its oldest events, not the others
-                    q.get_nowait()
-                q.put_nowait(text)
+            try:
+                self._poll()
+            except Exception:  # noqa: BLE001 - the listeners keep their stream; the next poll tries again
+                logging.getLogger("conveyor.serve").exception("engine events")
+
+    def _poll(self) -> None:
+        if self.engine.closed:
+            return
+        t0 = time.perf_counter()
+        trace = self.engine.take_step_trace()
+        now = time.time()
+        if not trace and not self._newcomer and now - self._last_sent < IDLE_EVENT_S:
             self.busy_s += time.perf_counter() - t0
+            return
+        stats = self._stats()
+        text = self._encode(self._summary(trace, self._last_stats, stats, self._last_time, now))
+        self._last_stats, self._last_time, self._last_sent = stats, now, now
+        self._newcomer = False
+        self.events_built += 1
+        for q in list(self.listeners):
+            if q.full():  # a listener that does not read: it loses its oldest events, not the others
+                q.get_nowait()
+            q.put_nowait(text)
+        self.busy_s += time.perf_counter() - t0
 
     def _stats(self) -> dict:
         try:

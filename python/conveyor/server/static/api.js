@@ -79,15 +79,20 @@ export async function streamEvents(path, onData, signal) {
 export function askForKey(message) {
   const dlg = document.getElementById("key-dialog");
   const input = document.getElementById("key-input");
-  document.getElementById("key-message").textContent = message || "This server needs an API key.";
-  input.value = apiKey();
   return new Promise(resolve => {
+    if (dlg.open) { // asked already (another request needs it too): wait for that answer
+      dlg.addEventListener("close", () => resolve(dlg.returnValue === "save"), { once: true });
+      return;
+    }
+    document.getElementById("key-message").textContent = message || "This server needs an API key.";
+    input.value = apiKey();
     const done = () => {
       dlg.removeEventListener("close", done);
       if (dlg.returnValue === "save") setApiKey(input.value.trim());
       resolve(dlg.returnValue === "save");
     };
     dlg.addEventListener("close", done);
+    dlg.returnValue = ""; // Escape closes without a value
     dlg.showModal();
     input.focus();
   });
