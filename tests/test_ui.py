@@ -318,6 +318,12 @@ def test_chat_page_streams_an_answer_with_a_system_prompt(server, browser):
                   what="the regenerated answer")
     assert page.js("document.querySelector('.msg.assistant').dataset.text") == ref
     assert len([r for r in page.requests if r["url"].endswith("/v1/chat/completions")]) == 2
+    # copy: the answer's text (its Markdown source) on the clipboard
+    browser.send("Browser.grantPermissions", {"origin": server.url,
+                                              "permissions": ["clipboardReadWrite", "clipboardSanitizedWrite"]})
+    page.click(".msg.assistant .copy")
+    page.wait_for("document.querySelector('.msg.assistant .copy').textContent === 'Copied'")
+    assert page.js("navigator.clipboard.readText()") == ref
     page.screenshot("chat.png")
     page.click("#clear")
     assert page.js("document.getElementById('log').children.length") == 0
