@@ -783,3 +783,28 @@ def test_events_summary_of_a_made_up_trace():
     assert out["steps_omitted"] == 10 and out["steps"]["step"][0] == 10 and len(out["steps"]["step"]) == cap
     assert out["slots"] == [[0, 7, 10, cap + 9, 0, cap + 10]]
     assert out["decode_tokens"] == cap + 10  # the totals count every step
+
+
+def test_shutdown_ends_the_event_streams():
+    """A listener does not hold up the server's shutdown: its stream ends cleanly."""
+    import socket
+
+    s = Server()
+    try:
+        conn = socket.create_connection(("127.0.0.1", int(s.url.rsplit(":", 1)[1])), timeout=10)
+        conn.sendall(b"GET /v1/engine/events HTTP/1.1\r\nHost: x\r\n\r\n")
+        got = b""
+        while b"data: " not in got:
+            got += conn.recv(65536)
+        t0 = time.monotonic()
+        s.proc.terminate()
+        assert s.proc.wait(30) == 0
+        assert time.monotonic() - t0 < 3.0  # not the 5 s the graceful shutdown would wait for it
+        while not got.endswith(b"0\r\n\r\n"):  # the chunked body's end
+            chunk = conn.recv(65536)
+            assert chunk, got[-200:]
+            got += chunk
+        conn.close()
+        assert "Traceback" not in s.read_log()
+    finally:
+        s.stop()

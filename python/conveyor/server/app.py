@@ -337,8 +337,19 @@ def main(argv=None) -> int:
     # uvicorn shuts down gracefully, then re-raises the signal it caught: exit through
     # Python so that the engine below is closed.
     signal.signal(signal.SIGTERM, _exit)
+    events = app.state.events
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # streams of engine events never end by themselves: end them, or the shutdown waits for them
+            try:
+                asyncio.get_running_loop().call_soon_threadsafe(events.close_all)
+            except RuntimeError:
+                pass
+            super().handle_exit(sig, frame)
+
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        _Server(config).run(sockets=[sock])
     except KeyboardInterrupt:
         pass
     finally:

@@ -95,6 +95,14 @@ class EngineEvents:
         self.tracing = False
         self._slots.clear()
 
+    def close_all(self) -> None:
+        """Ends every listener's stream: the server is shutting down, and a stream of
+        events never ends by itself."""
+        for q in list(self.listeners):
+            if q.full():
+                q.get_nowait()
+            q.put_nowait(None)
+
     # -- the poller -------------------------------------------------------------
     async def _run(self) -> None:
         while True:
@@ -227,7 +235,11 @@ class _Listener:
     async def __anext__(self) -> str:
         if self.closed:
             raise StopAsyncIteration
-        return await self.queue.get()
+        item = await self.queue.get()
+        if item is None:  # close_all
+            self.close()
+            raise StopAsyncIteration
+        return item
 
     def close(self) -> None:
         if not self.closed:
