@@ -288,7 +288,14 @@ def test_chat_page_streams_an_answer_with_a_system_prompt(server, browser):
     page = browser.page()
     page.goto(server.url + "/")
     page.wait_for("document.getElementById('model-name').textContent === 'stories260K'", what="the model's name")
-    assert page.js("document.getElementById('engine-settings').textContent").count("block size") == 1
+    shown = page.js("""[...document.querySelectorAll('#engine-settings dt')].map(
+        dt => [dt.textContent, dt.nextElementSibling.textContent])""")
+    info = httpx.get(server.url + "/v1/engine/settings", trust_env=False).json()
+    assert len({k for k, _ in shown}) == len(shown)
+    shown = dict(shown)
+    assert shown["KV blocks"] == str(info["kv_cache"]["blocks_total"]) and shown["scheduling"] == "continuous"
+    assert shown["max num seqs"] == str(info["max_num_seqs"]) == "256"
+    assert shown["enable prefix caching"] == "false"  # as the server was started
     page.js("document.getElementById('temperature').value = '0'; document.getElementById('max-tokens').value = '60';"
             "document.getElementById('system').value = 'You tell short stories.'")
     # every state the streamed answer is drawn in

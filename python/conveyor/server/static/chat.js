@@ -38,11 +38,15 @@ async function loadEngine() {
   $("model-name").textContent = info.model;
   const dl = $("engine-settings");
   dl.replaceChildren();
-  const rows = { "max model len": info.max_model_len, "max seqs": info.max_num_seqs,
-                 "batched tokens": info.max_num_batched_tokens, "KV blocks": info.kv_cache.blocks_total,
+  // the values in effect first (settings left to the engine are null), then the other settings given
+  const rows = { "max model len": info.max_model_len, "max num seqs": info.max_num_seqs,
+                 "max num batched tokens": info.max_num_batched_tokens, "KV blocks": info.kv_cache.blocks_total,
                  "block size": info.kv_cache.block_size };
+  const shown = ["max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "skip_tokenizer_init"];
   for (const [k, v] of Object.entries(info.settings)) {
-    if (v !== null && v !== undefined) rows[k.replace(/_/g, " ")] = typeof v === "object" ? JSON.stringify(v) : v;
+    if (v !== null && v !== undefined && !shown.includes(k)) {
+      rows[k.replace(/_/g, " ")] = typeof v === "object" ? JSON.stringify(v) : v;
+    }
   }
   for (const [k, v] of Object.entries(rows)) {
     const dt = document.createElement("dt"), dd = document.createElement("dd");
