@@ -300,9 +300,12 @@ def test_chat_page_streams_an_answer_with_a_system_prompt(server, browser):
             "document.getElementById('system').value = 'You tell short stories.'")
     # every state the streamed answer is drawn in
     page.js("""window.__seen = [];
-      new MutationObserver(() => { const b = document.querySelector('.msg.assistant .body');
-        if (b) window.__seen.push(b.textContent); }).observe(document.getElementById('log'),
-        {subtree: true, childList: true, characterData: true});""")
+      new MutationObserver(() => { const m = document.querySelector('.msg.assistant');
+        if (m && m.querySelector('.body').textContent) window.__seen.push(m.dataset.text); })
+        .observe(document.getElementById('log'), {subtree: true, childList: true, characterData: true});""")
+    # a slow link (20 kB/s): the answer's chunks arrive over about a second, not within one frame
+    page.send("Network.emulateNetworkConditions", {"offline": False, "latency": 0, "downloadThroughput": 20000,
+                                                   "uploadThroughput": -1})
     page.type("#prompt", "Tell me about a cat")
     page.press_enter()  # the keyboard sends
     page.wait_for("document.querySelector('.msg.assistant') && document.querySelector('.msg.assistant').dataset.finish",
@@ -312,7 +315,10 @@ def test_chat_page_streams_an_answer_with_a_system_prompt(server, browser):
                                       {"role": "user", "content": "Tell me about a cat"}], 60)
     assert text == ref and text
     partial = {s for s in page.js("window.__seen") if s and s != ref}
-    assert partial, "the answer appeared at once, not as it streamed"
+    assert len(partial) >= 3, "the answer appeared at once, not as it streamed"
+    assert all(ref.startswith(p) for p in partial)
+    page.send("Network.emulateNetworkConditions", {"offline": False, "latency": 0, "downloadThroughput": -1,
+                                                   "uploadThroughput": -1})
     sent = [r for r in page.requests if r["url"].endswith("/v1/chat/completions")]
     body = json.loads(sent[0]["body"])
     assert body["stream"] is True and body["messages"][0] == {"role": "system", "content": "You tell short stories."}
@@ -348,6 +354,9 @@ def test_chat_page_stops_mid_answer(server, browser):
     page.js("""new MutationObserver((_, obs) => { const b = document.querySelector('.msg.assistant .body');
         if (b && b.textContent) { obs.disconnect(); document.getElementById('stop').click(); } })
         .observe(document.getElementById('log'), {subtree: true, childList: true, characterData: true});""")
+    # a slow link: the answer takes seconds to arrive, so that Stop comes while it streams
+    page.send("Network.emulateNetworkConditions", {"offline": False, "latency": 0, "downloadThroughput": 20000,
+                                                   "uploadThroughput": -1})
     page.type("#prompt", "Once upon a time")
     page.click("#send")
     page.wait_for("document.querySelector('.msg.assistant') && document.querySelector('.msg.assistant').dataset.finish")
