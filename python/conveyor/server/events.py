@@ -20,9 +20,10 @@ the last event:
 "slots" holds which sequence sat in which batch slot at each step, as runs: one entry
 per sequence and stretch of consecutive steps in one slot doing one kind of work
 (prefill 1: prompt tokens, 0: decode), with the tokens it scheduled over them; a
-decoding batch of 64 over 100 steps is 64 entries, not 6,400. The figures after
-"steps_omitted" count every step, the columns and runs only the latest
-MAX_STEPS_PER_EVENT (a run cut there keeps its whole token count).
+decoding batch of 64 over 100 steps is 64 entries, not 6,400. The totals
+(prefill_tokens, decode_tokens, ...) count every step; the columns and the runs only
+the latest MAX_STEPS_PER_EVENT ("steps_omitted" says how many went before them; a run
+cut there keeps its whole token count).
 
 A sequence holds a slot (the lowest free one) from the step it is first scheduled
 while it is scheduled at every step; a step without it frees the slot. "request" is
@@ -40,7 +41,7 @@ import logging
 import time
 from typing import Optional
 
-from .protocol import dumps
+from .protocol import APIError, dumps
 
 EVENT_INTERVAL_S = 0.1  # the least time between two events
 IDLE_EVENT_S = 1.0  # with no new step, an event at most this often (keeps the views' clocks moving)
@@ -257,8 +258,6 @@ def events_endpoint(server, events: EngineEvents):
     async def engine_events(request):
         server.check_auth(request)
         if events.engine.closed:
-            from .protocol import APIError
-
             raise APIError(503, "the engine is shut down", code="engine_closed")
         listener = _Listener(events)
         return SSEResponse(listener, on_end=listener.close)
