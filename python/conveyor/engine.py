@@ -700,6 +700,21 @@ class EngineFrontend:
         """Engine statistics: queue sizes, KV blocks, prefix-cache hits, timings."""
         return self._core.stats()
 
+    def settings(self) -> dict:
+        """The engine's settings as given and completed with their defaults
+        (EngineArgs as a dict)."""
+        return dict(vars(self._core.args))
+
+    def set_step_trace(self, on: bool) -> None:
+        """Turns the engine's step trace on or off: when on, every step records
+        its scheduled sequences for take_step_trace(); off, it records nothing."""
+        self._core.set_trace(on)
+
+    def take_step_trace(self) -> list:
+        """The steps recorded since the last call: (step, t0, t1, internal request id,
+        completion index, new tokens, of them prompt tokens) per scheduled sequence."""
+        return self._core.take_trace()
+
     def close(self):
         """Frees the engine; requests still in flight end as aborted. Safe to call twice."""
         self._finalizer()

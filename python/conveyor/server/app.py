@@ -4,8 +4,10 @@
     python -m conveyor.serve MODEL ...
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (plain or streamed as
-server-sent events ending with ``data: [DONE]``), GET /v1/models, GET /health and
-GET /metrics (Prometheus text format).
+server-sent events ending with ``data: [DONE]``), GET /v1/models, GET /health,
+GET /metrics (Prometheus text format), GET /v1/engine/settings and GET
+/v1/engine/events (the engine's steps as server-sent events: events.py); the chat
+page at / and the live view of batching at /batching unless --no-ui (ui.py).
 
 The app is plain Starlette (no request-model magic), so every error is ours: bad
 input gets 400 naming the field, never 422 or 500. A client that goes away has its
@@ -43,16 +45,19 @@ def load_chat_template(value: str) -> str:
 
 def build_app(engine, *, model_name: str, api_key: Optional[str] = None, request_timeout: Optional[float] = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, chat_template: Optional[str] = None,
-              allowed_origins: Optional[list] = None, tool_call_parser: Optional[str] = None):
+              allowed_origins: Optional[list] = None, tool_call_parser: Optional[str] = None,
+              ui: bool = True):
     """The ASGI app serving `engine` (an AsyncLLM) under the name `model_name` (a str, or a
     list of names: requests may name any of them, answers carry the first).
 
     api_key: when set, /v1/* needs "Authorization: Bearer <api_key>".
     request_timeout: the deadline (seconds) of a request that names no "timeout".
-    max_body_bytes: larger bodies get 413. Overload control is the engine's: an AsyncLLM
-    made with max_queued_requests refuses the excess, answered 503 with Retry-After.
+    max_body_bytes: larger bodies get 413.
     tool_call_parser: how tool_choice "auto" answers are read (hermes, llama3_json, mistral,
     pythonic; default: chosen from the chat template's markers).
+    ui: serve the chat page at / and the live view of batching at /batching.
+    Overload control is the engine's: an AsyncLLM made with max_queued_requests refuses the
+    excess, answered 503 with Retry-After.
     """
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
@@ -162,6 +167,12 @@ def build_app(engine, *, model_name: str, api_key: Optional[str] = None, request
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
+    from .events import EngineEvents, events_endpoint
+    from .ui import ui_routes
+
+    events = EngineEvents(engine)
+    routes.append(Route("/v1/engine/events", guarded(events_endpoint(server, events)), methods=["GET"]))
+    routes += ui_routes(server, engine, guarded, pages=ui)
     middleware = []
     if allowed_origins:
         from starlette.middleware import Middleware
@@ -171,6 +182,7 @@ def build_app(engine, *, model_name: str, api_key: Optional[str] = None, request
                                      allow_headers=["*"], allow_credentials="*" not in allowed_origins))
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error}, middleware=middleware)
     app.state.server = server
+    app.state.events = events
     return app
 
 
@@ -208,6 +220,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
     p.add_argument("--allowed-origins", default=None,
                    help="comma-separated origins allowed by CORS ('*' for any; default: no CORS)")
+    p.add_argument("--no-ui", dest="ui", action="store_false",
+                   help="do not serve the chat page (/) and the live view of batching (/batching)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="the server log's level")
     p.add_argument("--no-access-log", action="store_true", help="do not log each HTTP request")
@@ -336,7 +350,7 @@ def main(argv=None) -> int:
     try:
         app = build_app(engine, model_name=names, api_key=args.api_key, request_timeout=args.request_timeout,
                         max_body_bytes=args.max_body_bytes, chat_template=args.chat_template,
-                        allowed_origins=origins, tool_call_parser=args.tool_call_parser)
+                        allowed_origins=origins, tool_call_parser=args.tool_call_parser, ui=args.ui)
     except (OSError, ValueError) as e:
         engine.close()
         print(f"conveyor serve: {e}", file=sys.stderr)
@@ -359,6 +373,9 @@ def main(argv=None) -> int:
     # keeps it near 30 ms (docs/reliability.md, section 6).
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     print(f"conveyor serve: serving {name} at http://{shown}:{port}/v1", file=sys.stderr, flush=True)
+    if args.ui:
+        print(f"conveyor serve: chat at http://{shown}:{port}/, batching live at http://{shown}:{port}/batching",
+              file=sys.stderr, flush=True)
     import signal
 
     def _exit(signum, frame):
@@ -367,8 +384,19 @@ def main(argv=None) -> int:
     # uvicorn shuts down gracefully, then re-raises the signal it caught: exit through
     # Python so that the engine below is closed.
     signal.signal(signal.SIGTERM, _exit)
+    events = app.state.events
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # streams of engine events never end by themselves: end them, or the shutdown waits for them
+            try:
+                asyncio.get_running_loop().call_soon_threadsafe(events.close_all)
+            except RuntimeError:
+                pass
+            super().handle_exit(sig, frame)
+
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        _Server(config).run(sockets=[sock])
     except KeyboardInterrupt:
         pass
     finally:
