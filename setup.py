@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 def c_sources():
     files = []
-    for pattern in ("csrc/**/*.c", "kernels/*.c", "kernels/cpu/**/*.c"):
+    for pattern in ("base/*.c", "csrc/**/*.c", "kernels/*.c", "kernels/cpu/**/*.c"):
         files += glob.glob(pattern, recursive=True, root_dir=ROOT)
     return sorted(f for f in files if "/fuzz/" not in f)
 
@@ -35,7 +35,7 @@ def c_sources():
 def c_headers():
     # a changed header rebuilds the extension (setuptools compares sources only)
     files = []
-    for pattern in ("csrc/**/*.h", "kernels/*.h", "kernels/cpu/**/*.h"):
+    for pattern in ("base/*.h", "csrc/**/*.h", "kernels/*.h", "kernels/cpu/**/*.h"):
         files += glob.glob(pattern, recursive=True, root_dir=ROOT)
     return sorted(files)
 
@@ -77,7 +77,7 @@ class BuildExt(build_ext):
             march = "none"
         flags.append(f'-DCV_BUILD_MARCH="{march}"')
         if os.environ.get("CONVEYOR_EMULATE_AVX512") == "1":  # development: tools/avx512_emulated.sh
-            flags += ["-DCV_EMULATE_AVX512", "-Wno-psabi", "-I" + os.path.join(ROOT, "tools", "avx512_emu")]
+            flags += ["-DCV_EMULATE_AVX512", "-Wno-psabi", "-I" + os.path.join(ROOT, "build_support", "avx512_emu")]
         link = ["-pthread", "-lm", "-ldl"]
         if sanitize:
             link += ["-fsanitize=address,undefined"]
@@ -98,9 +98,9 @@ core = Extension(
 ext_modules = [core]
 cmdclass = {"build_ext": BuildExt}
 
-# The CUDA backend (kernels/cuda) is added by tools/cuda_build.py when nvcc is found.
+# The CUDA backend (kernels/cuda) is added by build_support/cuda_build.py when nvcc is found.
 try:
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    sys.path.insert(0, os.path.join(ROOT, "build_support"))
     import cuda_build  # noqa: E402
 
     cmdclass = cuda_build.extend(cmdclass, ext_modules)

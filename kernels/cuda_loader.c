@@ -1,7 +1,7 @@
 /* Loads the CUDA backend on demand.
  *
  * The kernels live in _conveyor_cuda.so beside the conveyor._core module
- * (built by tools/cuda_build.py when nvcc was found). This file, compiled into
+ * (built by build_support/cuda_build.py when nvcc was found). This file, compiled into
  * _core as plain C, dlopen()s it on the first cv_cuda_backend_create(), so
  * that _core itself never depends on the CUDA runtime or a driver.
  * CONVEYOR_CUDA_LIB=/path/to/lib.so overrides the location (development). */

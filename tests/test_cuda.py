@@ -4,7 +4,7 @@ Everything but the availability tests is skipped unless conveyor._core.cuda_avai
 Without a GPU the same tests can run on the CPU emulator of the CUDA kernels
 (kernels/cuda/cuda_emu.h), slowly and on smaller grids:
 
-    python -c "import sys; sys.path.insert(0, 'tools'); import cuda_build; \
+    python -c "import sys; sys.path.insert(0, 'build_support'); import cuda_build; \
                cuda_build.build_emulated_library('/tmp/emu.so', '/tmp/emu')"
     CONVEYOR_CUDA_LIB=/tmp/emu.so PYTHONPATH=... pytest tests/test_cuda.py
 """

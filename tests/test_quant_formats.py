@@ -1,5 +1,5 @@
 """GGUF's Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K: the C dequantizer, the exact repacking the
-CPU kernels compute them in (kernels/quant_format.h: Q4_K as Q4_F, Q2_K as stored, the others as Q8_F), and the
+CPU kernels compute them in (base/quant_format.h: Q4_K as Q4_F, Q2_K as stored, the others as Q8_F), and the
 quantized GEMM on them at every SIMD level, against the independent NumPy reader in
 conveyor.gguf.
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Development: runs tests against a conveyor._core whose AVX-512 and
 # AVX512_BF16 kernels run on portable intrinsics (SIMDe, Debian package
-# libsimde-dev, plus tools/avx512_emu/avx512_emu.h), so the kernels this CPU
+# libsimde-dev, plus build_support/avx512_emu/avx512_emu.h), so the kernels this CPU
 # cannot execute are still checked against the plain-C ones. Slow; not a
 # measure of speed. Builds into /tmp/cv_build_avx512emu (tools/dev_build.sh).
 #

@@ -287,7 +287,7 @@ EOF
 }
 
 model_srcs=(csrc/model/safetensors.c csrc/model/json.c csrc/model/checkpoint.c csrc/model/mapped_file.c csrc/model/checkpoint_hf.c
-            csrc/model/checkpoint_llama2c.c csrc/model/gguf.c csrc/model/checkpoint_gguf.c csrc/common.c)
+            csrc/model/checkpoint_llama2c.c csrc/model/gguf.c csrc/model/checkpoint_gguf.c base/common.c)
 stop_srcs=(csrc/core/stop.c)
 
 # newer SRC... than OUT?
@@ -304,7 +304,7 @@ obj() {
   local src=$1 o
   o="$bdir/obj/$(echo "$src" | tr / _).o"
   mkdir -p "$bdir/obj"
-  if stale "$o" "$src" csrc/*.h csrc/model/*.h csrc/core/*.h kernels/*.h; then
+  if stale "$o" "$src" base/*.h csrc/model/*.h csrc/core/*.h kernels/*.h; then
     "$cc" "${cflags[@]}" "${objflags[@]}" -c "$src" -o "$o"
   fi
   echo "$o"

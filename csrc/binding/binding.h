@@ -13,7 +13,7 @@
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include <numpy/arrayobject.h>
 
-#include "../../kernels/common.h"
+#include "../../base/common.h"
 
 /* Exception types (module attributes of conveyor._core). They stay process
  * globals rather than module state: the module is single-phase (m_size -1,

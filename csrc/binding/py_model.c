@@ -158,7 +158,7 @@ static int build_state(runner_state *st, const char *path, cv_dtype dtype, cv_dt
     int rc = CV_OK;
     st->b = cv_cpu_backend_create(num_threads, force_scalar, err);
     if (!st->b) return err->code ? err->code : CV_ERR_NOMEM;
-    cv_cpu_backend_set_exact_activations(st->b, exact);
+    cv_backend_set_exact_activations(st->b, exact);
     cv_backend *b = st->b;
     rc = cv_model_load_quantized(&st->m, path, b, dtype, quant, NULL, err);
     if (rc) return rc;

@@ -23,7 +23,7 @@
 
 #include "../../kernels/backend.h"
 #include "../../kernels/cpu/cpu_backend.h"
-#include "../../kernels/quant_format.h"
+#include "../../base/quant_format.h"
 
 #define QB_MAX_THREADS 64
 

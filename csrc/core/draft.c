@@ -3,7 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../../kernels/quant_format.h"
+#include "../../base/quant_format.h"
 #include "../model/model.h"
 #include "block_pool.h"
 #include "kv_cache.h"

@@ -5,7 +5,7 @@
 #define CV_SCHEDULER_H
 
 #include <stdint.h>
-#include "../../kernels/common.h"
+#include "../../base/common.h"
 #include "sequence.h"
 
 typedef enum cv_sched_policy {

@@ -1,7 +1,7 @@
 /* The CUDA backend's C API beyond the backend table (kernels/backend.h).
  *
  * The kernels live in a separate shared library, conveyor/_conveyor_cuda.so,
- * built by tools/cuda_build.py when nvcc is found. conveyor._core never links
+ * built by build_support/cuda_build.py when nvcc is found. conveyor._core never links
  * against CUDA: kernels/cuda_loader.c dlopen()s that library on the first
  * cv_cuda_backend_create(), so `import conveyor` works on machines without a
  * GPU, a driver or the CUDA runtime.
