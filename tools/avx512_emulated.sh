@@ -13,7 +13,7 @@ if [ ! -f /usr/include/simde/x86/avx512.h ]; then
   echo "SIMDe headers not found (apt-get install libsimde-dev)" >&2
   exit 2
 fi
-rm -rf /tmp/cv_build_avx512emu/tmp /tmp/cv_build_avx512emu/lib/conveyor/_core*.so  # headers are untracked: rebuild (ccache keeps it quick)
+rm -rf /tmp/cv_build_avx512emu/tmp /tmp/cv_build_avx512emu/lib/conveyor/_core*.so /tmp/cv_build_avx512emu/lib/conveyor/_testing*.so  # headers are untracked: rebuild (ccache keeps it quick)
 lib=$(CONVEYOR_EMULATE_AVX512=1 CONVEYOR_CUDA=0 tools/dev_build.sh avx512emu)
 [ $# -eq 0 ] && set -- tests/test_kernels.py tests/test_dispatch.py
 PYTHONPATH=$lib exec ${PYTHON:-python} -m pytest -q "$@"

@@ -1,4 +1,4 @@
-/* Binding of the scheduler part: conveyor._core.Scheduler, a harness for
+/* Binding of the scheduler part: conveyor._testing.Scheduler, a harness for
  * tests and benchmarks that drives the C scheduler with a fake runner. It owns
  * the cv_sequence objects it creates (finished ones are kept, for seq_info,
  * until the harness is freed).
@@ -8,7 +8,7 @@
  *   s.append_token(id, tok)      # for sequences whose tokens are all computed
  *   s.finish(id, "length")       # "stopped" | "length" | "aborted"
  */
-#include "arrays.h"
+#include "../binding/arrays.h"
 
 #include "../core/scheduler.h"
 #include "../core/sequence.h"
@@ -469,7 +469,7 @@ static PyType_Slot Sched_slots[] = {
 };
 
 static PyType_Spec Sched_spec = {
-    .name = "conveyor._core.Scheduler",
+    .name = "conveyor._testing.Scheduler",
     .basicsize = sizeof(SchedObject),
     .flags = CV_PY_TYPE_FLAGS,
     .slots = Sched_slots,

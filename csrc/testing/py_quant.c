@@ -17,7 +17,7 @@
  * A level the CPU lacks raises conveyor.UnsupportedError naming it. One
  * backend per thread count, kept for the life of the process, each with a
  * lock taken with the GIL released. */
-#include "arrays.h"
+#include "../binding/arrays.h"
 
 #include <string.h>
 

@@ -1,4 +1,4 @@
-/* conveyor._core.ModelRunner: one model on a CPU backend with its own paged KV
+/* conveyor._testing.ModelRunner: one model on a CPU backend with its own paged KV
  * cache, driven batch by batch from Python (a test hook for the forward pass).
  *
  *   r = ModelRunner(path, dtype="auto", kv_cache_dtype="float32", block_size=16,
@@ -13,7 +13,7 @@
  * ValueError, non-integer arrays TypeError. The forward runs without the GIL;
  * a runner runs one call at a time: forward, reset, close and __init__ from
  * another thread meanwhile raise RuntimeError. */
-#include "arrays.h"
+#include "../binding/arrays.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -656,7 +656,7 @@ static PyType_Slot ModelRunner_slots[] = {
 };
 
 static PyType_Spec ModelRunner_spec = {
-    .name = "conveyor._core.ModelRunner",
+    .name = "conveyor._testing.ModelRunner",
     .basicsize = sizeof(ModelRunnerObject),
     .flags = CV_PY_TYPE_FLAGS,
     .slots = ModelRunner_slots,
