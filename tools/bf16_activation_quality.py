@@ -1,4 +1,4 @@
-"""What rounding GEMM inputs to bf16 costs in quality, on the real model (issue 24).
+"""What rounding GEMM inputs to bf16 costs in quality, on the real model.
 
 On a CPU with AVX512_BF16 the GEMMs over bf16 weights round their float32 input rows to
 bf16 and run vdpbf16ps (activation_dtype="auto"); activation_dtype="float32" keeps them

@@ -16,7 +16,7 @@
 #                files (atheris when importable, else a plain random mutation loop);
 #                only ModelFormatError/ValueError may come out, and a file that loads
 #                must encode and decode.
-# Python targets of tools/fuzz_model_files.py (issue 29), each input under a 5 s and a
+# Python targets of tools/fuzz_model_files.py, each input under a 5 s and a
 # 512 MiB limit so that a blow-up is a failure:
 #   gguf_tokenizer  GGUF metadata (py_gguf.c) -> the GGUF tokenizer; the Python GGUFReader
 #   hf_tokenizer    tokenizer.json + tokenizer_config.json -> HFTokenizer

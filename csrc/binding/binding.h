@@ -1,5 +1,7 @@
-/* Shared declarations of the CPython binding (the files in csrc/binding/).
- * The binding sees only the public C API of each part. */
+/* Shared declarations of the CPython bindings: conveyor._core (the files in
+ * csrc/binding/) and conveyor._testing (csrc/testing/), which also links the
+ * helpers here (arrays.c, errors.c). The bindings see only the public C API of
+ * each part. */
 #ifndef CV_BINDING_H
 #define CV_BINDING_H
 
