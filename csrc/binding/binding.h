@@ -24,23 +24,24 @@
  * either module (a borrowed reference; never NULL: without conveyor._core
  * loaded it answers the builtin base of the kind, ValueError or RuntimeError). */
 typedef enum cv_py_error_kind {
-    CV_PY_CONVEYOR_ERROR,        /* base class of all conveyor errors */
-    CV_PY_MODEL_FORMAT_ERROR,    /* malformed model file (also a ValueError) */
-    CV_PY_UNSUPPORTED_ERROR,     /* valid but unsupported (also a ValueError) */
-    CV_PY_ENGINE_CLOSED_ERROR,   /* use after close (also a RuntimeError) */
-    CV_PY_ENGINE_OVERLOADED_ERROR, /* the request queue is full (also a RuntimeError) */
-    CV_PY_ERROR_KINDS
+    CV_PY_EXC_BASE,              /* ConveyorError: base class of all conveyor errors */
+    CV_PY_EXC_MODEL_FORMAT,      /* ModelFormatError: malformed model file (also a ValueError) */
+    CV_PY_EXC_UNSUPPORTED,       /* UnsupportedError: valid but unsupported (also a ValueError) */
+    CV_PY_EXC_ENGINE_CLOSED,     /* EngineClosedError: use after close (also a RuntimeError) */
+    CV_PY_EXC_ENGINE_OVERLOADED, /* EngineOverloadedError: the request queue is full (also a RuntimeError) */
+    CV_PY_EXC_KINDS
 } cv_py_error_kind;
 PyObject *cv_py_error(cv_py_error_kind kind);
-#define cv_ConveyorError cv_py_error(CV_PY_CONVEYOR_ERROR)
-#define cv_ModelFormatError cv_py_error(CV_PY_MODEL_FORMAT_ERROR)
-#define cv_UnsupportedError cv_py_error(CV_PY_UNSUPPORTED_ERROR)
-#define cv_EngineClosedError cv_py_error(CV_PY_ENGINE_CLOSED_ERROR)
-#define cv_EngineOverloadedError cv_py_error(CV_PY_ENGINE_OVERLOADED_ERROR)
+/* the names the parts raise with */
+#define cv_ConveyorError cv_py_error(CV_PY_EXC_BASE)
+#define cv_ModelFormatError cv_py_error(CV_PY_EXC_MODEL_FORMAT)
+#define cv_UnsupportedError cv_py_error(CV_PY_EXC_UNSUPPORTED)
+#define cv_EngineClosedError cv_py_error(CV_PY_EXC_ENGINE_CLOSED)
+#define cv_EngineOverloadedError cv_py_error(CV_PY_EXC_ENGINE_OVERLOADED)
 
 /* The module state of conveyor._core: the exception types, [cv_py_error_kind]. */
 typedef struct cv_py_core_state {
-    PyObject *errors[CV_PY_ERROR_KINDS];
+    PyObject *errors[CV_PY_EXC_KINDS];
 } cv_py_core_state;
 /* Creates the exception types into st and adds them to m (0 ok, -1 error). */
 int cv_py_add_errors(PyObject *m, cv_py_core_state *st);

@@ -5,7 +5,7 @@
 
 #define CORE_MODULE "conveyor._core"
 
-static const char *const error_names[CV_PY_ERROR_KINDS] = {
+static const char *const error_names[CV_PY_EXC_KINDS] = {
     "ConveyorError", "ModelFormatError", "UnsupportedError", "EngineClosedError", "EngineOverloadedError",
 };
 
@@ -33,8 +33,8 @@ static cv_py_core_state *core_state(void) {
 
 PyObject *cv_py_error(cv_py_error_kind kind) {
     const cv_py_core_state *st = core_state();
-    if (st && kind >= 0 && kind < CV_PY_ERROR_KINDS && st->errors[kind]) return st->errors[kind];
-    return (kind == CV_PY_MODEL_FORMAT_ERROR || kind == CV_PY_UNSUPPORTED_ERROR) ? PyExc_ValueError
+    if (st && (unsigned)kind < CV_PY_EXC_KINDS && st->errors[kind]) return st->errors[kind];
+    return (kind == CV_PY_EXC_MODEL_FORMAT || kind == CV_PY_EXC_UNSUPPORTED) ? PyExc_ValueError
                                                                                 : PyExc_RuntimeError;
 }
 
@@ -47,13 +47,13 @@ PyObject *cv_py_raise(const cv_err *err) {
     case CV_ERR_TYPE: type = PyExc_TypeError; break;
     case CV_ERR_NOTFOUND: type = PyExc_FileNotFoundError; break;
     case CV_ERR_IO: type = PyExc_OSError; break;
-    case CV_ERR_FORMAT: type = cv_py_error(CV_PY_MODEL_FORMAT_ERROR); break;
-    case CV_ERR_UNSUPPORTED: type = cv_py_error(CV_PY_UNSUPPORTED_ERROR); break;
+    case CV_ERR_FORMAT: type = cv_py_error(CV_PY_EXC_MODEL_FORMAT); break;
+    case CV_ERR_UNSUPPORTED: type = cv_py_error(CV_PY_EXC_UNSUPPORTED); break;
     case CV_ERR_NOMEM: type = PyExc_MemoryError; break;
-    case CV_ERR_STATE: type = cv_py_error(CV_PY_ENGINE_CLOSED_ERROR); break;
+    case CV_ERR_STATE: type = cv_py_error(CV_PY_EXC_ENGINE_CLOSED); break;
     case CV_ERR_CANCELLED: type = PyExc_KeyboardInterrupt; break;
-    case CV_ERR_OVERLOADED: type = cv_py_error(CV_PY_ENGINE_OVERLOADED_ERROR); break;
-    default: type = cv_py_error(CV_PY_CONVEYOR_ERROR); break;
+    case CV_ERR_OVERLOADED: type = cv_py_error(CV_PY_EXC_ENGINE_OVERLOADED); break;
+    default: type = cv_py_error(CV_PY_EXC_BASE); break;
     }
     if (!(err && err->field[0])) {
         PyErr_SetString(type, msg);
@@ -85,25 +85,25 @@ static PyObject *new_error(PyObject *m, const char *name, PyObject *bases, const
 
 int cv_py_add_errors(PyObject *m, cv_py_core_state *st) {
     PyObject **e = st->errors;
-    e[CV_PY_CONVEYOR_ERROR] = new_error(m, error_names[CV_PY_CONVEYOR_ERROR], NULL,
+    e[CV_PY_EXC_BASE] = new_error(m, error_names[CV_PY_EXC_BASE], NULL,
                                         "Base class of Conveyor's errors.");
-    if (!e[CV_PY_CONVEYOR_ERROR]) return -1;
-    PyObject *bases = PyTuple_Pack(2, e[CV_PY_CONVEYOR_ERROR], PyExc_ValueError);
+    if (!e[CV_PY_EXC_BASE]) return -1;
+    PyObject *bases = PyTuple_Pack(2, e[CV_PY_EXC_BASE], PyExc_ValueError);
     if (!bases) return -1;
-    e[CV_PY_MODEL_FORMAT_ERROR] = new_error(m, error_names[CV_PY_MODEL_FORMAT_ERROR], bases,
+    e[CV_PY_EXC_MODEL_FORMAT] = new_error(m, error_names[CV_PY_EXC_MODEL_FORMAT], bases,
                                             "A model file is malformed.");
-    e[CV_PY_UNSUPPORTED_ERROR] = new_error(m, error_names[CV_PY_UNSUPPORTED_ERROR], bases,
+    e[CV_PY_EXC_UNSUPPORTED] = new_error(m, error_names[CV_PY_EXC_UNSUPPORTED], bases,
                                            "A valid input Conveyor does not support.");
     Py_DECREF(bases);
-    if (!e[CV_PY_MODEL_FORMAT_ERROR] || !e[CV_PY_UNSUPPORTED_ERROR]) return -1;
-    bases = PyTuple_Pack(2, e[CV_PY_CONVEYOR_ERROR], PyExc_RuntimeError);
+    if (!e[CV_PY_EXC_MODEL_FORMAT] || !e[CV_PY_EXC_UNSUPPORTED]) return -1;
+    bases = PyTuple_Pack(2, e[CV_PY_EXC_BASE], PyExc_RuntimeError);
     if (!bases) return -1;
-    e[CV_PY_ENGINE_CLOSED_ERROR] = new_error(m, error_names[CV_PY_ENGINE_CLOSED_ERROR], bases,
+    e[CV_PY_EXC_ENGINE_CLOSED] = new_error(m, error_names[CV_PY_EXC_ENGINE_CLOSED], bases,
                                              "The engine was closed.");
-    e[CV_PY_ENGINE_OVERLOADED_ERROR] = new_error(m, error_names[CV_PY_ENGINE_OVERLOADED_ERROR], bases,
+    e[CV_PY_EXC_ENGINE_OVERLOADED] = new_error(m, error_names[CV_PY_EXC_ENGINE_OVERLOADED], bases,
                                                  "The request queue is full (max_queued_requests); retry later.");
     Py_DECREF(bases);
-    return e[CV_PY_ENGINE_CLOSED_ERROR] && e[CV_PY_ENGINE_OVERLOADED_ERROR] ? 0 : -1;
+    return e[CV_PY_EXC_ENGINE_CLOSED] && e[CV_PY_EXC_ENGINE_OVERLOADED] ? 0 : -1;
 }
 
 int cv_py_add_core_errors(PyObject *m) {
@@ -115,7 +115,7 @@ int cv_py_add_core_errors(PyObject *m) {
         PyErr_SetString(PyExc_ImportError, CORE_MODULE " is not Conveyor's core module");
         return -1;
     }
-    for (int k = 0; k < CV_PY_ERROR_KINDS; k++)
+    for (int k = 0; k < CV_PY_EXC_KINDS; k++)
         if (PyModule_AddObjectRef(m, error_names[k], st->errors[k]) < 0) return -1;
     return 0;
 }

@@ -22,13 +22,13 @@ static int core_exec(PyObject *m) {
 
 static int core_traverse(PyObject *m, visitproc visit, void *arg) {
     cv_py_core_state *st = PyModule_GetState(m);
-    for (int k = 0; st && k < CV_PY_ERROR_KINDS; k++) Py_VISIT(st->errors[k]);
+    for (int k = 0; st && k < CV_PY_EXC_KINDS; k++) Py_VISIT(st->errors[k]);
     return 0;
 }
 
 static int core_clear(PyObject *m) {
     cv_py_core_state *st = PyModule_GetState(m);
-    for (int k = 0; st && k < CV_PY_ERROR_KINDS; k++) Py_CLEAR(st->errors[k]);
+    for (int k = 0; st && k < CV_PY_EXC_KINDS; k++) Py_CLEAR(st->errors[k]);
     return 0;
 }
 
