@@ -8,6 +8,19 @@
 static const char *const error_names[CV_PY_EXC_KINDS] = {
     "ConveyorError", "ModelFormatError", "UnsupportedError", "EngineClosedError", "EngineOverloadedError",
 };
+static const char *const error_docs[CV_PY_EXC_KINDS] = {
+    "Base class of Conveyor's errors.",
+    "A model file is malformed.",
+    "A valid input Conveyor does not support.",
+    "The engine was closed.",
+    "The request queue is full (max_queued_requests); retry later.",
+};
+
+/* The builtin class each kind also derives from (and stands in for it when
+ * conveyor._core is not loaded). */
+static PyObject *builtin_base(cv_py_error_kind kind) {
+    return (kind == CV_PY_EXC_MODEL_FORMAT || kind == CV_PY_EXC_UNSUPPORTED) ? PyExc_ValueError : PyExc_RuntimeError;
+}
 
 /* The state of the loaded conveyor._core, or NULL when it is not loaded (or
  * sys.modules holds something else under its name). Leaves any pending
@@ -34,8 +47,7 @@ static cv_py_core_state *core_state(void) {
 PyObject *cv_py_error(cv_py_error_kind kind) {
     const cv_py_core_state *st = core_state();
     if (st && (unsigned)kind < CV_PY_EXC_KINDS && st->errors[kind]) return st->errors[kind];
-    return (kind == CV_PY_EXC_MODEL_FORMAT || kind == CV_PY_EXC_UNSUPPORTED) ? PyExc_ValueError
-                                                                                : PyExc_RuntimeError;
+    return builtin_base(kind);
 }
 
 PyObject *cv_py_raise(const cv_err *err) {
@@ -84,26 +96,16 @@ static PyObject *new_error(PyObject *m, const char *name, PyObject *bases, const
 }
 
 int cv_py_add_errors(PyObject *m, cv_py_core_state *st) {
-    PyObject **e = st->errors;
-    e[CV_PY_EXC_BASE] = new_error(m, error_names[CV_PY_EXC_BASE], NULL,
-                                        "Base class of Conveyor's errors.");
-    if (!e[CV_PY_EXC_BASE]) return -1;
-    PyObject *bases = PyTuple_Pack(2, e[CV_PY_EXC_BASE], PyExc_ValueError);
-    if (!bases) return -1;
-    e[CV_PY_EXC_MODEL_FORMAT] = new_error(m, error_names[CV_PY_EXC_MODEL_FORMAT], bases,
-                                            "A model file is malformed.");
-    e[CV_PY_EXC_UNSUPPORTED] = new_error(m, error_names[CV_PY_EXC_UNSUPPORTED], bases,
-                                           "A valid input Conveyor does not support.");
-    Py_DECREF(bases);
-    if (!e[CV_PY_EXC_MODEL_FORMAT] || !e[CV_PY_EXC_UNSUPPORTED]) return -1;
-    bases = PyTuple_Pack(2, e[CV_PY_EXC_BASE], PyExc_RuntimeError);
-    if (!bases) return -1;
-    e[CV_PY_EXC_ENGINE_CLOSED] = new_error(m, error_names[CV_PY_EXC_ENGINE_CLOSED], bases,
-                                             "The engine was closed.");
-    e[CV_PY_EXC_ENGINE_OVERLOADED] = new_error(m, error_names[CV_PY_EXC_ENGINE_OVERLOADED], bases,
-                                                 "The request queue is full (max_queued_requests); retry later.");
-    Py_DECREF(bases);
-    return e[CV_PY_EXC_ENGINE_CLOSED] && e[CV_PY_EXC_ENGINE_OVERLOADED] ? 0 : -1;
+    /* ConveyorError first: every other kind derives from it and from its builtin base */
+    for (int k = 0; k < CV_PY_EXC_KINDS; k++) {
+        PyObject *bases = NULL;
+        if (k != CV_PY_EXC_BASE && !(bases = PyTuple_Pack(2, st->errors[CV_PY_EXC_BASE], builtin_base(k))))
+            return -1;
+        st->errors[k] = new_error(m, error_names[k], bases, error_docs[k]);
+        Py_XDECREF(bases);
+        if (!st->errors[k]) return -1;
+    }
+    return 0;
 }
 
 int cv_py_add_core_errors(PyObject *m) {
