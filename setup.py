@@ -1,4 +1,10 @@
-"""Builds conveyor._core (C11) from csrc/ and kernels/cpu/.
+"""Builds Conveyor's two C11 extensions from one set of C core objects:
+
+  conveyor._core      the product module (csrc/binding/): engine, checkpoints, errors,
+                      request and sampling params, GGUF metadata, kernel_info
+  conveyor._testing   the test and benchmark hooks (csrc/testing/), shipped beside it as
+                      CPython ships _testcapi; it uses conveyor._core's exception types
+Both link the same objects of the floors below them: base/, kernels/, csrc/model/, csrc/core/.
 
 Environment knobs:
   CONVEYOR_MARCH=none|native   -march for the whole build (default none: every SIMD path is
@@ -21,23 +27,31 @@ import tempfile
 import numpy
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.modified import newer_group
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
-def c_sources():
+def _glob(*patterns):
     files = []
-    for pattern in ("csrc/**/*.c", "kernels/*.c", "kernels/cpu/**/*.c"):
+    for pattern in patterns:
         files += glob.glob(pattern, recursive=True, root_dir=ROOT)
-    return sorted(f for f in files if "/fuzz/" not in f)
+    return sorted(files)
+
+
+def core_sources():
+    """The C core both extensions link: every floor below the bindings."""
+    return _glob("base/*.c", "kernels/*.c", "kernels/cpu/**/*.c", "csrc/model/*.c", "csrc/core/*.c")
+
+
+def binding_helpers():
+    """The binding's shared helpers (arrays, errors), compiled into each extension."""
+    return ["csrc/binding/arrays.c", "csrc/binding/errors.c"]
 
 
 def c_headers():
-    # a changed header rebuilds the extension (setuptools compares sources only)
-    files = []
-    for pattern in ("csrc/**/*.h", "kernels/*.h", "kernels/cpu/**/*.h"):
-        files += glob.glob(pattern, recursive=True, root_dir=ROOT)
-    return sorted(files)
+    # a changed header rebuilds the extensions (setuptools compares sources only)
+    return _glob("base/*.h", "csrc/**/*.h", "kernels/*.h", "kernels/cpu/**/*.h")
 
 
 def compiler_accepts(cc, flag):
@@ -77,30 +91,46 @@ class BuildExt(build_ext):
             march = "none"
         flags.append(f'-DCV_BUILD_MARCH="{march}"')
         if os.environ.get("CONVEYOR_EMULATE_AVX512") == "1":  # development: tools/avx512_emulated.sh
-            flags += ["-DCV_EMULATE_AVX512", "-Wno-psabi", "-I" + os.path.join(ROOT, "tools", "avx512_emu")]
+            flags += ["-DCV_EMULATE_AVX512", "-Wno-psabi", "-I" + os.path.join(ROOT, "build_support", "avx512_emu")]
         link = ["-pthread", "-lm", "-ldl"]
         if sanitize:
             link += ["-fsanitize=address,undefined"]
         for ext in self.extensions:
             ext.extra_compile_args = flags
             ext.extra_link_args = link
+        if self.force or any(newer_group(ext.sources + ext.depends, self.get_ext_fullpath(ext.name), "newer")
+                             for ext in self.extensions):
+            # the core objects once, for every extension that links them
+            objects = self.compiler.compile(core_sources(), output_dir=self.build_temp,
+                                            include_dirs=INCLUDE_DIRS, extra_postargs=flags,
+                                            depends=c_headers())
+            for ext in self.extensions:
+                ext.extra_objects = list(objects)
         super().build_extensions()
 
 
+INCLUDE_DIRS = [numpy.get_include(), "csrc", "kernels"]
 core = Extension(
     "conveyor._core",
-    sources=c_sources(),
-    depends=c_headers(),
-    include_dirs=[numpy.get_include(), "csrc", "kernels"],
+    sources=_glob("csrc/binding/*.c"),
+    depends=core_sources() + c_headers(),
+    include_dirs=INCLUDE_DIRS,
+    language="c",
+)
+testing = Extension(
+    "conveyor._testing",
+    sources=_glob("csrc/testing/*.c") + binding_helpers(),
+    depends=core_sources() + c_headers(),
+    include_dirs=INCLUDE_DIRS,
     language="c",
 )
 
-ext_modules = [core]
+ext_modules = [core, testing]
 cmdclass = {"build_ext": BuildExt}
 
-# The CUDA backend (kernels/cuda) is added by tools/cuda_build.py when nvcc is found.
+# The CUDA backend (kernels/cuda) is added by build_support/cuda_build.py when nvcc is found.
 try:
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    sys.path.insert(0, os.path.join(ROOT, "build_support"))
     import cuda_build  # noqa: E402
 
     cmdclass = cuda_build.extend(cmdclass, ext_modules)

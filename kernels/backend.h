@@ -2,7 +2,8 @@
  *
  * Kernels know nothing about sequences or the scheduler: they see raw arrays
  * and sizes. All activations are float32; weights may be float32, bfloat16 or
- * float16 (widened in registers, fp32 accumulation); the KV cache is float32,
+ * float16 (widened in registers, fp32 accumulation) or block-quantized
+ * (base/quant_format.h), all through the same cv_matrix; the KV cache is float32,
  * float16, bfloat16 or int8 (CPU only: symmetric, one scale per token and KV head).
  *
  * Every function works on memory of the backend's device (host memory for CPU).
@@ -11,7 +12,7 @@
 #define CV_BACKEND_H
 
 #include <stdint.h>
-#include "common.h"
+#include "../base/common.h"
 
 typedef struct cv_backend cv_backend;
 
@@ -20,7 +21,7 @@ typedef struct cv_backend cv_backend;
  * Created by backend->matrix_prepare, freed by backend->matrix_free. */
 typedef struct cv_matrix {
     void *data;      /* backend-owned, layout private to the backend */
-    cv_dtype dtype;  /* CV_F32, CV_BF16 or CV_F16 */
+    cv_dtype dtype;  /* CV_F32, CV_BF16, CV_F16 or a block-quantized type (base/quant_format.h) */
     int64_t rows;    /* output features */
     int64_t cols;    /* input features */
     size_t bytes;    /* bytes held by data */
@@ -180,8 +181,18 @@ struct cv_backend {
     /* Non-zero when buffers from alloc() live in device memory: inputs must be
      * copied there and logits back (0 on the CPU, whose table leaves it unset). */
     int device_memory;
+    /* Options the core sets on any backend, before preparing any matrix (they
+     * may pick the packed layout); NULL: the backend has no use for the option.
+     * exact != 0: GEMMs read float32 activations as they are, never rounded to
+     * bf16 first (the CPU's AVX512_BF16 vdpbf16ps path rounds them). */
+    void (*set_exact_activations)(cv_backend *b, int exact);
     void (*destroy)(cv_backend *b);
 };
+
+/* The options above, for any backend. */
+static inline void cv_backend_set_exact_activations(cv_backend *b, int exact) {
+    if (b && b->set_exact_activations) b->set_exact_activations(b, exact);
+}
 
 /* CPU backend with num_threads workers (<= 0: all cores). Its kernels run at
  * the SIMD level chosen at run time (kernels/cpu/cpu_features.h): the best
@@ -189,10 +200,6 @@ struct cv_backend {
  * the CPU lacks or an unknown name: NULL with CV_ERR_INVALID), or plain C when
  * CONVEYOR_FORCE_SCALAR=1 is set or force_scalar is non-zero. */
 cv_backend *cv_cpu_backend_create(int num_threads, int force_scalar, cv_err *err);
-/* exact != 0: GEMMs over bf16 weights read float32 activations on every level
- * (on AVX512_BF16 the vdpbf16ps path, which rounds them to bf16, is not used).
- * Call it before preparing any matrix: it picks the packed layout. */
-void cv_cpu_backend_set_exact_activations(cv_backend *b, int exact);
 /* Creation at a named level, measurements and introspection: kernels/cpu/cpu_backend.h. */
 
 /* CUDA backend (kernels/cuda), loaded on demand; NULL with err set when

@@ -1,9 +1,10 @@
 /* Loads the CUDA backend on demand.
  *
- * The kernels live in _conveyor_cuda.so beside the conveyor._core module
- * (built by tools/cuda_build.py when nvcc was found). This file, compiled into
- * _core as plain C, dlopen()s it on the first cv_cuda_backend_create(), so
- * that _core itself never depends on the CUDA runtime or a driver.
+ * The kernels live in _conveyor_cuda.so beside the conveyor._core and
+ * conveyor._testing modules (built by build_support/cuda_build.py when nvcc was
+ * found). This file, linked into each module as plain C, dlopen()s it on the
+ * first cv_cuda_backend_create(), so that the modules never depend on the CUDA
+ * runtime or a driver.
  * CONVEYOR_CUDA_LIB=/path/to/lib.so overrides the location (development). */
 #include <dlfcn.h>
 #include <pthread.h>
@@ -54,13 +55,13 @@ static void load_once(void) {
         }
         memcpy(path, env, n + 1);
     } else {
-        /* The directory of the module that holds this code (conveyor/_core*.so). */
+        /* The directory of the module that holds this code (conveyor/_core*.so or _testing*.so). */
         Dl_info info;
         void *self = NULL;
         cv_backend *(*fn)(int, cv_err *) = cv_cuda_backend_create;
         memcpy(&self, &fn, sizeof self < sizeof fn ? sizeof self : sizeof fn);
         if (!dladdr(self, &info) || !info.dli_fname) {
-            cv_set_err(&L.err, CV_ERR_UNSUPPORTED, "device='cuda': cannot locate the conveyor._core module");
+            cv_set_err(&L.err, CV_ERR_UNSUPPORTED, "device='cuda': cannot locate the conveyor module that holds the CUDA loader");
             return;
         }
         const char *slash = strrchr(info.dli_fname, '/');

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conveyor import LLM, SamplingParams, _core
+from conveyor import LLM, SamplingParams, _core, _testing
 from conveyor.testing import write_hf_checkpoint
 
 INFO = _core.kernel_info()
@@ -50,19 +50,19 @@ def test_gemm_row_alone_equals_row_in_any_batch(level, wdt):
     for rows, cols in [(37, 75), (100, 333), (128, 64)]:
         w = rng.standard_normal((rows, cols)).astype(np.float32)
         bias = rng.standard_normal(rows).astype(np.float32)
-        m = _core.kernel_matrix(w, wdt, impl)
+        m = _testing.kernel_matrix(w, wdt, impl)
         x = rng.standard_normal((40, cols)).astype(np.float32)
-        alone = np.stack([_core.kernel_matmul(m, x[i:i + 1], bias=bias)[0] for i in range(len(x))])
+        alone = np.stack([_testing.kernel_matmul(m, x[i:i + 1], bias=bias)[0] for i in range(len(x))])
         for n in list(range(2, 15)) + [23, 40]:  # every tile height 1..6, several blocks
-            np.testing.assert_array_equal(_core.kernel_matmul(m, x[:n], bias=bias), alone[:n],
+            np.testing.assert_array_equal(_testing.kernel_matmul(m, x[:n], bias=bias), alone[:n],
                                           err_msg=f"{level} {wdt} {rows}x{cols} n={n}")
         perm = rng.permutation(len(x))[:17]
-        np.testing.assert_array_equal(_core.kernel_matmul(m, x[perm], bias=bias), alone[perm])
+        np.testing.assert_array_equal(_testing.kernel_matmul(m, x[perm], bias=bias), alone[perm])
         # accumulate into existing outputs: the same start value gives the same bits
         acc0 = rng.standard_normal((40, rows)).astype(np.float32)
-        one = np.stack([_core.kernel_matmul(m, x[i:i + 1], accumulate=acc0[i:i + 1].copy())[0]
+        one = np.stack([_testing.kernel_matmul(m, x[i:i + 1], accumulate=acc0[i:i + 1].copy())[0]
                         for i in range(len(x))])
-        np.testing.assert_array_equal(_core.kernel_matmul(m, x, accumulate=acc0.copy()), one)
+        np.testing.assert_array_equal(_testing.kernel_matmul(m, x, accumulate=acc0.copy()), one)
 
 
 @pytest.mark.parametrize("wdt", WDTYPES)
@@ -72,9 +72,9 @@ def test_gemm_rows_do_not_depend_on_threads(level, wdt):
     rng = np.random.default_rng(11)
     w = rng.standard_normal((200, 576)).astype(np.float32)
     x = rng.standard_normal((70, 576)).astype(np.float32)
-    ref = _core.kernel_gemm(x, w, wdt, impl=impl, threads=1)
+    ref = _testing.kernel_gemm(x, w, wdt, impl=impl, threads=1)
     for th in (2, 3):
-        np.testing.assert_array_equal(_core.kernel_gemm(x, w, wdt, impl=impl, threads=th), ref)
+        np.testing.assert_array_equal(_testing.kernel_gemm(x, w, wdt, impl=impl, threads=th), ref)
 
 
 # ---------------------------------------------------------------------------- attention
@@ -107,10 +107,10 @@ def paged_case(rng, prefixes, news, *, nkv=2, G=4, hd=64, bs=16, cdt="float32"):
 
 def attention(impl, q, kc, vc, tables, ctx, qs, threads=0):
     if isinstance(kc, tuple):  # int8: (values, scales)
-        return _core.kernel_paged_attention(q, kc[0], vc[0], tables, ctx, qs, impl=impl, threads=threads,
+        return _testing.kernel_paged_attention(q, kc[0], vc[0], tables, ctx, qs, impl=impl, threads=threads,
                                             k_scale=kc[1], v_scale=vc[1])
     cdt = "bfloat16" if kc.dtype == np.uint16 else None
-    return _core.kernel_paged_attention(q, kc, vc, tables, ctx, qs, impl=impl, threads=threads,
+    return _testing.kernel_paged_attention(q, kc, vc, tables, ctx, qs, impl=impl, threads=threads,
                                         cache_dtype=cdt)
 
 
@@ -171,7 +171,7 @@ def test_sliding_window_attention_of_a_token_does_not_depend_on_its_chunk(level,
     q, kc, vc, tables, ctx, qs = paged_case(rng, [0], [total], G=3, hd=64, cdt="bfloat16")
 
     def run(qq, c, s):
-        return _core.kernel_paged_attention(qq, kc, vc, tables, c, s, impl=impl, window=window,
+        return _testing.kernel_paged_attention(qq, kc, vc, tables, c, s, impl=impl, window=window,
                                             cache_dtype="bfloat16")
 
     whole = run(q, ctx, qs)

@@ -112,9 +112,9 @@ def test_usage_errors_exit_2_before_loading(tmp_path, args, words):
 
 
 def test_cuda_without_a_gpu(tmp_path, stories_dir):
-    from conveyor import _core
+    from conveyor import _testing
 
-    if getattr(_core, "cuda_available", lambda: False)():
+    if _testing.cuda_available():
         pytest.skip("a CUDA device is present")
     r = conveyor(tmp_path, "generate", "--model", stories_dir / "stories260K.bin", "--device", "cuda")
     if r.returncode == 0:

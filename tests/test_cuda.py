@@ -1,10 +1,10 @@
 """The CUDA backend held to the CPU backend's plain kernels.
 
-Everything but the availability tests is skipped unless conveyor._core.cuda_available().
+Everything but the availability tests is skipped unless conveyor._testing.cuda_available().
 Without a GPU the same tests can run on the CPU emulator of the CUDA kernels
 (kernels/cuda/cuda_emu.h), slowly and on smaller grids:
 
-    python -c "import sys; sys.path.insert(0, 'tools'); import cuda_build; \
+    python -c "import sys; sys.path.insert(0, 'build_support'); import cuda_build; \
                cuda_build.build_emulated_library('/tmp/emu.so', '/tmp/emu')"
     CONVEYOR_CUDA_LIB=/tmp/emu.so PYTHONPATH=... pytest tests/test_cuda.py
 """
@@ -17,18 +17,18 @@ import numpy as np
 import pytest
 
 import conveyor
-from conveyor import _core
+from conveyor import _testing
 
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K" / "stories260K.bin"
 
 
 def _available() -> bool:
-    return hasattr(_core, "cuda_available") and _core.cuda_available()
+    return hasattr(_testing, "cuda_available") and _testing.cuda_available()
 
 
 AVAILABLE = _available()
-EMULATED = AVAILABLE and _core.cuda_info()["device"].startswith("CPU emulator")
-needs_cuda = pytest.mark.skipif(not AVAILABLE, reason="no CUDA device (conveyor._core.cuda_available() is False)")
+EMULATED = AVAILABLE and _testing.cuda_info()["device"].startswith("CPU emulator")
+needs_cuda = pytest.mark.skipif(not AVAILABLE, reason="no CUDA device (conveyor._testing.cuda_available() is False)")
 # Long end-to-end runs are pointless (and very slow) on the CPU emulator.
 needs_gpu = pytest.mark.skipif(not AVAILABLE or EMULATED, reason="needs a real CUDA device")
 
@@ -69,24 +69,24 @@ def round_to(a, dtype):
 
 
 def test_availability_is_a_clean_bool():
-    assert hasattr(_core, "cuda_available"), "conveyor._core has no cuda_available()"
-    avail = _core.cuda_available()
+    assert hasattr(_testing, "cuda_available"), "conveyor._testing has no cuda_available()"
+    avail = _testing.cuda_available()
     assert isinstance(avail, bool)
-    assert _core.cuda_available() is avail  # cached, stable
+    assert _testing.cuda_available() is avail  # cached, stable
     if avail:
-        _core.cuda_check()
-        info = _core.cuda_info()
+        _testing.cuda_check()
+        info = _testing.cuda_info()
         assert info["total_bytes"] > 0 and info["device"]
     else:
         with pytest.raises(conveyor.UnsupportedError, match="CUDA"):
-            _core.cuda_check()
+            _testing.cuda_check()
 
 
 def test_missing_library_gives_a_clear_error():
-    code = ("from conveyor import _core\n"
-            "assert _core.cuda_available() is False\n"
+    code = ("from conveyor import _testing\n"
+            "assert _testing.cuda_available() is False\n"
             "try:\n"
-            "    _core.cuda_check()\n"
+            "    _testing.cuda_check()\n"
             "except Exception as e:\n"
             "    print(type(e).__name__, e)\n")
     env = dict(os.environ, CONVEYOR_CUDA_LIB="/nonexistent/_conveyor_cuda.so")
@@ -114,7 +114,7 @@ def test_rmsnorm(n, dim):
     x = (rng.standard_normal((n, dim)) * 3).astype(np.float32)
     w = rng.standard_normal(dim).astype(np.float32)
     for eps in (1e-5, 1e-6):
-        check(_core.cuda_kernel_rmsnorm(x, w, eps), _core.kernel_rmsnorm(x, w, eps, impl="plain"), 1e-6,
+        check(_testing.cuda_kernel_rmsnorm(x, w, eps), _testing.kernel_rmsnorm(x, w, eps, impl="plain"), 1e-6,
               f"rmsnorm n={n} dim={dim} eps={eps}")
 
 
@@ -123,7 +123,7 @@ def test_rmsnorm(n, dim):
 def test_swiglu(n, dim):
     rng = np.random.default_rng(dim)
     gu = (rng.standard_normal((n, 2 * dim)) * 4).astype(np.float32)
-    check(_core.cuda_kernel_swiglu(gu), _core.kernel_swiglu(gu, impl="plain"), 1e-6, f"swiglu n={n} dim={dim}")
+    check(_testing.cuda_kernel_swiglu(gu), _testing.kernel_swiglu(gu, impl="plain"), 1e-6, f"swiglu n={n} dim={dim}")
 
 
 @needs_cuda
@@ -133,8 +133,8 @@ def test_embedding(dtype, rows, cols, n):
     rng = np.random.default_rng(rows + cols)
     table = rng.standard_normal((rows, cols)).astype(np.float32)
     tokens = rng.integers(0, rows, n).astype(np.int32)
-    got = _core.cuda_kernel_embedding(table, tokens, dtype)
-    check(got, _core.kernel_embedding(table, tokens, dtype, impl="plain"), 0, f"embedding {dtype}")
+    got = _testing.cuda_kernel_embedding(table, tokens, dtype)
+    check(got, _testing.kernel_embedding(table, tokens, dtype, impl="plain"), 0, f"embedding {dtype}")
     check(got, round_to(table, dtype)[tokens], 0, f"embedding {dtype} vs numpy")
 
 
@@ -142,9 +142,9 @@ def test_embedding(dtype, rows, cols, n):
 def test_embedding_bad_token_is_an_error_not_a_crash():
     table = np.ones((4, 8), np.float32)
     with pytest.raises(ValueError, match="(?i)embedding"):
-        _core.cuda_kernel_embedding(table, np.array([0, 7], np.int32), validate=False)
+        _testing.cuda_kernel_embedding(table, np.array([0, 7], np.int32), validate=False)
     # the backend recovers: the next call works
-    check(_core.cuda_kernel_embedding(table, np.array([3], np.int32)), table[[3]], 0, "embedding after an error")
+    check(_testing.cuda_kernel_embedding(table, np.array([3], np.int32)), table[[3]], 0, "embedding after an error")
 
 
 @needs_cuda
@@ -158,12 +158,12 @@ def test_rope(layout, head_dim, n_heads, n_kv):
     q = rng.standard_normal((n, n_heads, head_dim)).astype(np.float32)
     k = rng.standard_normal((n, n_kv, head_dim)).astype(np.float32)
     q1, k1, q2, k2 = q.copy(), k.copy(), q.copy(), k.copy()
-    _core.cuda_kernel_rope(q1, k1, pos, inv_freq, layout)
-    _core.kernel_rope(q2, k2, pos, inv_freq, layout, impl="plain")
+    _testing.cuda_kernel_rope(q1, k1, pos, inv_freq, layout)
+    _testing.kernel_rope(q2, k2, pos, inv_freq, layout, impl="plain")
     check(q1, q2, 2e-6, f"rope q {layout} hd={head_dim}")
     check(k1, k2, 2e-6, f"rope k {layout} hd={head_dim}")
     q3 = q.copy()
-    _core.cuda_kernel_rope(q3, None, pos, inv_freq, layout, host_freq=True)  # host inv_freq, no k
+    _testing.cuda_kernel_rope(q3, None, pos, inv_freq, layout, host_freq=True)  # host inv_freq, no k
     check(q3, q2, 2e-6, f"rope q (host inv_freq) {layout}")
 
 
@@ -177,7 +177,7 @@ def test_gemm(dtype, n, rows, cols):
     bias = rng.standard_normal(rows).astype(np.float32)
     acc = rng.standard_normal((n, rows)).astype(np.float32)
     for b, a in [(None, None), (bias, None), (None, acc), (bias, acc)]:
-        got = _core.cuda_kernel_gemm(x, w, dtype, b, a)
+        got = _testing.cuda_kernel_gemm(x, w, dtype, b, a)
         # The 16-bit path rounds the activations to the weights' type; the
         # reference rounds the same way, in float64.
         ref = round_to(x, dtype).astype(np.float64) @ round_to(w, dtype).astype(np.float64).T
@@ -186,7 +186,7 @@ def test_gemm(dtype, n, rows, cols):
         if a is not None:
             ref += a
         check(got, ref, 1e-5, f"gemm {dtype} n={n} rows={rows} cols={cols} bias={b is not None} acc={a is not None}")
-        cpu = _core.kernel_gemm(x, w, dtype, b, a, impl="plain")
+        cpu = _testing.kernel_gemm(x, w, dtype, b, a, impl="plain")
         check(got, cpu, 1e-5 if dtype == "float32" else 1e-2, f"gemm {dtype} vs cpu")
 
 
@@ -194,12 +194,12 @@ def test_gemm(dtype, n, rows, cols):
 def test_gemm_matrix_reuse_and_timing():
     rng = np.random.default_rng(3)
     w = rng.standard_normal((96, 64)).astype(np.float32)
-    mat = _core.cuda_kernel_matrix(w, "bfloat16")
+    mat = _testing.cuda_kernel_matrix(w, "bfloat16")
     for n in (1, 5):
         x = rng.standard_normal((n, 64)).astype(np.float32)
         ref = bf16_round(x).astype(np.float64) @ bf16_round(w).astype(np.float64).T
-        check(_core.cuda_kernel_matmul(mat, x), ref, 1e-5, f"matmul n={n}")
-    assert _core.cuda_kernel_matmul_time(mat, x, repeats=2) > 0
+        check(_testing.cuda_kernel_matmul(mat, x), ref, 1e-5, f"matmul n={n}")
+    assert _testing.cuda_kernel_matmul_time(mat, x, repeats=2) > 0
 
 
 # ----------------------------------------------------------------- KV cache
@@ -229,8 +229,8 @@ def test_kv_write(dtype, n_kv, bs, hd):
     slots = rng.permutation(num_blocks * bs)[:n].astype(np.int64)
     slots[::4] = -1  # padding tokens are skipped
     kc1, vc1, kc2, vc2 = kc.copy(), vc.copy(), kc.copy(), vc.copy()
-    _core.cuda_kernel_kv_write(kc1, vc1, k, v, slots, dtype)
-    _core.kernel_kv_write(kc2, vc2, k, v, slots, dtype, impl="plain")
+    _testing.cuda_kernel_kv_write(kc1, vc1, k, v, slots, dtype)
+    _testing.kernel_kv_write(kc2, vc2, k, v, slots, dtype, impl="plain")
     assert np.array_equal(kc1.view(np.uint8), kc2.view(np.uint8)), f"k cache differs ({dtype})"
     assert np.array_equal(vc1.view(np.uint8), vc2.view(np.uint8)), f"v cache differs ({dtype})"
 
@@ -241,7 +241,7 @@ def test_kv_write_bad_slot_is_an_error_not_a_crash():
     kc, vc = _cache(rng, 2, 1, 4, 8, "float32")
     k = rng.standard_normal((2, 1, 8)).astype(np.float32)
     with pytest.raises(ValueError, match="(?i)slot"):
-        _core.cuda_kernel_kv_write(kc.copy(), vc.copy(), k, k, np.array([0, 99], np.int64), validate=False)
+        _testing.cuda_kernel_kv_write(kc.copy(), vc.copy(), k, k, np.array([0, 99], np.int64), validate=False)
 
 
 # ----------------------------------------------------------------- paged attention
@@ -268,8 +268,8 @@ def _attention_case(rng, *, n_heads, n_kv, hd, bs, dtype, new_tokens, contexts, 
 
 def _run_attention(case, dtype, what, tol=2e-5):
     cdt = "bfloat16" if dtype == "bfloat16" else None
-    got = _core.cuda_kernel_paged_attention(**case, cache_dtype=cdt)
-    want = _core.kernel_paged_attention(**case, cache_dtype=cdt, impl="plain")
+    got = _testing.cuda_kernel_paged_attention(**case, cache_dtype=cdt)
+    want = _testing.kernel_paged_attention(**case, cache_dtype=cdt, impl="plain")
     check(got, want, tol, what)
     return got
 
@@ -323,11 +323,11 @@ def test_paged_attention_chunking_invariance():
     n_heads, n_kv, hd, bs, T = 8, 2, 64, 16, 70
     case = _attention_case(rng, n_heads=n_heads, n_kv=n_kv, hd=hd, bs=bs, dtype="float32",
                            new_tokens=[T], contexts=[T])
-    whole = _core.cuda_kernel_paged_attention(**case)
+    whole = _testing.cuda_kernel_paged_attention(**case)
     for cut in (2, 31, 32, 33, 68):
         part = dict(case, q=case["q"][cut:], context_lens=np.array([T], np.int32),
                     query_start=np.array([0, T - cut], np.int32))
-        tail = _core.cuda_kernel_paged_attention(**part)
+        tail = _testing.cuda_kernel_paged_attention(**part)
         if T - cut >= 2:
             assert np.array_equal(tail, whole[cut:]), f"chunk from {cut} differs from the whole prompt"
 
@@ -347,7 +347,7 @@ def test_paged_attention_bad_block_is_an_error_not_a_crash():
                            new_tokens=[1, 4], contexts=[40, 30])
     case["block_tables"][0, 1] = 10_000
     with pytest.raises(ValueError, match="(?i)block"):
-        _core.cuda_kernel_paged_attention(**case, validate=False)
+        _testing.cuda_kernel_paged_attention(**case, validate=False)
     case["block_tables"][0, 1] = 0
     _run_attention(case, "float32", "attention after an error")  # the backend recovers
 
@@ -358,7 +358,7 @@ def test_paged_attention_context_hint_too_small_is_reported():
     case = _attention_case(rng, n_heads=4, n_kv=2, hd=64, bs=16, dtype="float32",
                            new_tokens=[1], contexts=[600])
     with pytest.raises(ValueError, match="max_context_len"):
-        _core.cuda_kernel_paged_attention(**case, max_context_len=100)
+        _testing.cuda_kernel_paged_attention(**case, max_context_len=100)
 
 
 @needs_cuda
@@ -367,12 +367,12 @@ def test_unsupported_head_dim_is_an_error():
     case = _attention_case(rng, n_heads=2, n_kv=1, hd=264, bs=4, dtype="float32",
                            new_tokens=[1], contexts=[5])
     with pytest.raises(conveyor.UnsupportedError, match="head_dim"):
-        _core.cuda_kernel_paged_attention(**case)
+        _testing.cuda_kernel_paged_attention(**case)
 
 
 @needs_cuda
 def test_memcpy_bandwidth_is_measured():
-    assert _core.cuda_memcpy_bandwidth(1 << 20, 2) > 0
+    assert _testing.cuda_memcpy_bandwidth(1 << 20, 2) > 0
 
 
 # ----------------------------------------------------------------- end to end (needs the engine)

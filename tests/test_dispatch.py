@@ -7,9 +7,10 @@ import sys
 import numpy as np
 import pytest
 
-import conveyor._core as core
+import conveyor._core as _core
+import conveyor._testing as core
 
-INFO = core.kernel_info()
+INFO = _core.kernel_info()
 LEVELS = ["scalar", "avx2", "avx512", "avx512_bf16"]
 # the CPU flags each level needs, as /proc/cpuinfo names them
 NEEDS = {"avx2": ["avx2", "fma", "f16c"],
@@ -42,7 +43,7 @@ def test_kernel_info_reports_features_levels_and_paths():
     assert INFO["simd"] in LEVELS and INFO["best"] in LEVELS
     assert INFO["levels"][0] == "scalar" and INFO["levels"][-1] == INFO["best"]
     assert INFO["levels"] == LEVELS[:len(INFO["levels"])]
-    assert core.simd == INFO["simd"]
+    assert _core.simd == INFO["simd"]
     for fam, path in INFO["paths"].items():
         assert path in INFO["levels"], (fam, path)
     assert {"gemm_f32", "gemm_bf16", "attention", "rmsnorm"} <= set(INFO["paths"])
@@ -66,15 +67,15 @@ def test_detected_levels_match_proc_cpuinfo():
 def test_conveyor_simd_forces_a_level(level):
     if level not in INFO["levels"]:
         # a level the CPU lacks is refused with a clear message, in hooks and engines
-        r = run_py("import numpy as np, conveyor._core as c\n"
+        r = run_py("import numpy as np, conveyor._core as core, conveyor._testing as c\n"
                    "try:\n"
                    "    c.kernel_swiglu(np.ones((1, 8), np.float32))\n"
                    "except ValueError as e:\n"
                    "    print('refused:', e)\n", CONVEYOR_SIMD=level)
         assert r.returncode == 0 and "refused:" in r.stdout and level in r.stdout, r.stderr
         return
-    code = ("import numpy as np, conveyor._core as c\n"
-            f"assert c.kernel_info()['simd'] == {level!r} and c.simd == {level!r}\n"
+    code = ("import numpy as np, conveyor._core as core, conveyor._testing as c\n"
+            f"assert core.kernel_info()['simd'] == {level!r} and core.simd == {level!r}\n"
             "r = np.random.default_rng(1)\n"
             "x = r.standard_normal((7, 45), dtype=np.float32)\n"
             "w = r.standard_normal((19, 45), dtype=np.float32)\n"
@@ -88,19 +89,19 @@ def test_conveyor_simd_forces_a_level(level):
 
 
 def test_force_scalar_is_an_alias_of_scalar():
-    r = run_py("import conveyor._core as c\nprint(c.kernel_info()['simd'])", CONVEYOR_FORCE_SCALAR="1")
+    r = run_py("import conveyor._core as core\nprint(core.kernel_info()['simd'])", CONVEYOR_FORCE_SCALAR="1")
     assert r.returncode == 0 and r.stdout.strip() == "scalar", r.stderr
     # CONVEYOR_SIMD wins over the alias
     if "avx2" in INFO["levels"]:
-        r = run_py("import conveyor._core as c\nprint(c.kernel_info()['simd'])",
+        r = run_py("import conveyor._core as core\nprint(core.kernel_info()['simd'])",
                    CONVEYOR_FORCE_SCALAR="1", CONVEYOR_SIMD="avx2")
         assert r.stdout.strip() == "avx2", r.stderr
 
 
 @pytest.mark.parametrize("bad", ["avx3", "AVX2", "sse", "native"])
 def test_bad_simd_values_raise_value_error(bad, tiny_llama2c_path):
-    code = ("import numpy as np, conveyor, conveyor._core as c\n"
-            "info = c.kernel_info()\n"
+    code = ("import numpy as np, conveyor, conveyor._core as core, conveyor._testing as c\n"
+            "info = core.kernel_info()\n"
             "assert info['simd_error'] == 'unknown level', info\n"
             "for f in (lambda: c.kernel_rmsnorm(np.ones((2, 3), np.float32), np.ones(3, np.float32)),\n"
             f"          lambda: conveyor.LLM({str(tiny_llama2c_path)!r}, num_threads=1)):\n"
@@ -151,8 +152,8 @@ def test_default_build_has_no_march_and_runs_avx2():
     assert not INFO["baseline_avx2"]
     if "avx2" not in INFO["levels"]:
         pytest.skip("CPU lacks avx2")
-    r = run_py("import numpy as np, conveyor._core as c\n"
-               "assert c.kernel_info()['paths']['gemm_f32'] == 'avx2'\n"
+    r = run_py("import numpy as np, conveyor._core as core, conveyor._testing as c\n"
+               "assert core.kernel_info()['paths']['gemm_f32'] == 'avx2'\n"
                "r = np.random.default_rng(2)\n"
                "x = r.standard_normal((13, 67), dtype=np.float32)\n"
                "w = r.standard_normal((35, 67), dtype=np.float32)\n"

@@ -7,7 +7,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "environment.md"
-SOURCES = ["python", "csrc", "kernels", "tools", "tests", "setup.py", ".ci"]
+SOURCES = ["python", "base", "csrc", "kernels", "build_support", "tools", "tests", "setup.py", ".ci"]
 NAME = re.compile(rb"CONVEYOR_[A-Z0-9_]*[A-Z0-9]")
 
 

@@ -16,11 +16,12 @@ import sys
 import numpy as np
 import pytest
 
-core = pytest.importorskip("conveyor._core")
+core = pytest.importorskip("conveyor._testing")
+from conveyor import _core  # noqa: E402
 
 from conveyor.testing import bf16_bits_to_f32, f32_to_bf16_bits, round_to_dtype  # noqa: E402
 
-INFO = core.kernel_info()
+INFO = _core.kernel_info()
 LEVELS = ("avx2", "avx512", "avx512_bf16")
 IMPLS = ["simd", "plain"] + [lv for lv in LEVELS if lv in INFO["levels"] and lv != INFO["simd"]]
 NS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 64]

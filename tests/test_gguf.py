@@ -28,7 +28,8 @@ import pytest
 
 import conveyor
 from conveyor import LLM, SamplingParams
-from conveyor._core import Checkpoint, ModelRunner
+from conveyor._core import Checkpoint
+from conveyor._testing import ModelRunner
 from conveyor.gguf import GGUFReader
 from conveyor.reference import ReferenceModel
 from conveyor import _core
@@ -287,8 +288,8 @@ def test_quantization_knob_equals_quantized_file(tmp_path):
         LLM(str(hf), quantization="q3_k")
 
 
-@pytest.mark.skipif(not (hasattr(conveyor._core, "cuda_available") and conveyor._core.cuda_available()),
-                    reason="no CUDA device (conveyor._core.cuda_available() is False)")
+@pytest.mark.skipif(not (hasattr(conveyor._testing, "cuda_available") and conveyor._testing.cuda_available()),
+                    reason="no CUDA device (conveyor._testing.cuda_available() is False)")
 def test_cuda_dequantizes_to_bf16_at_load(tmp_path):
     """The CUDA backend keeps quantized weights as bfloat16 (dequantized at load, no activation
     quantization): its first greedy token is the reference's argmax on the dequantized weights."""

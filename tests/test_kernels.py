@@ -1,4 +1,4 @@
-"""CPU kernels (kernels/cpu) through the conveyor._core.kernel_* hooks.
+"""CPU kernels (kernels/cpu) through the conveyor._testing.kernel_* hooks.
 
 Every kernel runs in every implementation this CPU has: "simd" (the level
 chosen at run time), "plain" (plain C) and each other SIMD level the CPU
@@ -12,11 +12,12 @@ import math
 import numpy as np
 import pytest
 
-core = pytest.importorskip("conveyor._core")
+core = pytest.importorskip("conveyor._testing")
+from conveyor import _core  # noqa: E402
 
 from conveyor.testing import random_block_tables  # noqa: E402
 
-INFO = core.kernel_info()
+INFO = _core.kernel_info()
 LEVEL_FEATURES = {"avx2": "AVX2/FMA/F16C", "avx512": "AVX-512 F/BW/VL/DQ",
                   "avx512_bf16": "AVX512_BF16"}
 IMPLS = ["simd", "plain"] + [lv for lv in LEVEL_FEATURES if lv in INFO["levels"] and lv != INFO["simd"]]
@@ -617,12 +618,12 @@ def test_force_scalar_env_selects_plain_kernels():
     import sys
 
     code = (
-        "import numpy as np, conveyor._core as c\n"
+        "import numpy as np, conveyor._core as core, conveyor._testing as c\n"
         "r = np.random.default_rng(0)\n"
         "x = r.standard_normal((9, 37), dtype=np.float32)\n"
         "w = r.standard_normal((21, 37), dtype=np.float32)\n"
         "g = r.standard_normal((3, 2 * 37), dtype=np.float32)\n"
-        "assert c.kernel_info()['force_scalar']\n"
+        "assert core.kernel_info()['force_scalar']\n"
         "assert np.array_equal(c.kernel_gemm(x, w, 'bfloat16', impl='simd'),\n"
         "                      c.kernel_gemm(x, w, 'bfloat16', impl='plain'))\n"
         "assert np.array_equal(c.kernel_swiglu(g, impl='simd'), c.kernel_swiglu(g, impl='plain'))\n"
@@ -647,7 +648,7 @@ def test_gemm_blocking_variants_agree(env):
     import sys
 
     code = (
-        "import numpy as np, conveyor._core as c\n"
+        "import numpy as np, conveyor._core as core, conveyor._testing as c\n"
         "r = np.random.default_rng(5)\n"
         "for n, rows, cols in [(61, 800, 70), (13, 33, 100), (40, 20, 300)]:\n"
         "    x = r.standard_normal((n, cols), dtype=np.float32)\n"

@@ -16,12 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-core = pytest.importorskip("conveyor._core")
+core = pytest.importorskip("conveyor._testing")
+from conveyor import _core  # noqa: E402
 
 from conveyor import LLM, SamplingParams  # noqa: E402
 from conveyor.testing import random_block_tables  # noqa: E402
 
-INFO = core.kernel_info()
+INFO = _core.kernel_info()
 LEVELS = ["avx2", "avx512", "avx512_bf16"]
 IMPLS = ["simd", "plain"] + [lv for lv in LEVELS if lv in INFO["levels"] and lv != INFO["simd"]]
 STORIES = Path(__file__).resolve().parents[2] / "shared/models/stories260K/stories260K.bin"
@@ -328,12 +329,12 @@ def test_engine_int8_kv_holds_more_tokens_in_the_same_budget():
             st = llm.stats()
             sizes[dt] = st["kv_cache_bytes"]
             cfg = llm.model_config
-            per_token = core.kv_bytes_per_token(cfg["n_layers"], cfg["n_kv_heads"], cfg["head_dim"], dt)
+            per_token = _core.kv_bytes_per_token(cfg["n_layers"], cfg["n_kv_heads"], cfg["head_dim"], dt)
             assert cfg["kv_cache_dtype"] == dt
             sizes[dt + "_tokens"] = st["kv_cache_bytes"] // per_token
     hd = 8  # stories260K: dim 64, 8 heads
     # int8: hd bytes + a 4-byte scale per row, against 2 hd bytes
-    assert core.kv_bytes_per_token(5, 4, hd, "int8") * 2 * hd == core.kv_bytes_per_token(5, 4, hd, "bfloat16") * (hd + 4)
+    assert _core.kv_bytes_per_token(5, 4, hd, "int8") * 2 * hd == _core.kv_bytes_per_token(5, 4, hd, "bfloat16") * (hd + 4)
     assert sizes["int8_tokens"] > sizes["bfloat16_tokens"]
 
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from conveyor._core import KVManager
+from conveyor._testing import KVManager
 
 VOCAB = 3  # tiny, so blocks repeat inside and across sequences
 

@@ -1,5 +1,5 @@
 """GGUF's Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K: the C dequantizer, the exact repacking the
-CPU kernels compute them in (kernels/quant_format.h: Q4_K as Q4_F, Q2_K as stored, the others as Q8_F), and the
+CPU kernels compute them in (base/quant_format.h: Q4_K as Q4_F, Q2_K as stored, the others as Q8_F), and the
 quantized GEMM on them at every SIMD level, against the independent NumPy reader in
 conveyor.gguf.
 
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import conveyor
-from conveyor import _core
+from conveyor import _testing
 from conveyor.gguf import _TYPE_LAYOUT, GGMLType, dequantize, quantize
 
 from test_quant_kernels import LEVELS, level_or_skip, qgemm_reference
@@ -59,11 +59,11 @@ def test_dequantize_equals_numpy_bit_for_bit_on_random_bytes(qtype):
     blk, size = layout(qtype)
     raw = rng.integers(0, 256, (9, 3 * size), dtype=np.uint8)  # any half: inf, NaN, subnormal
     ref = dequantize(raw, qtype, (9, 3 * blk))
-    got = _core.kernel_dequantize(raw, qtype)
+    got = _testing.kernel_dequantize(raw, qtype)
     assert got.shape == ref.shape
     assert_same_bits(got, ref)
     # the blocks the kernels compute in hold the same values (a zero may lose its sign)
-    np.testing.assert_array_equal(_core.kernel_dequantize(raw, qtype, repacked=True), ref)
+    np.testing.assert_array_equal(_testing.kernel_dequantize(raw, qtype, repacked=True), ref)
 
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1"] + NEW_TYPES)
@@ -79,7 +79,7 @@ def test_dequantize_equals_llama_cpp_gguf_py(qtype):
     raw = rng.integers(0, 256, (7, 3 * size), dtype=np.uint8)
     with np.errstate(invalid="ignore", over="ignore"):
         ref = quants.dequantize(raw, gt).astype(np.float32).reshape(7, 3 * blk)
-    got = _core.kernel_dequantize(raw, qtype)
+    got = _testing.kernel_dequantize(raw, qtype)
     nan = np.isnan(ref)
     np.testing.assert_array_equal(np.isnan(got), nan)
     np.testing.assert_array_equal(got[~nan], ref[~nan])  # equal values (a zero's sign aside)
@@ -103,8 +103,8 @@ def test_dequantize_extreme_scales(qtype):
         raw[3][:, ints] = 0x80  # and mid-range (Q6_K: scale -128)
         raw = raw.reshape(4, -1)
         ref = dequantize(raw, qtype, (4, 2 * blk))
-        assert_same_bits(_core.kernel_dequantize(raw, qtype), ref)
-        np.testing.assert_array_equal(_core.kernel_dequantize(raw, qtype, repacked=True), ref)
+        assert_same_bits(_testing.kernel_dequantize(raw, qtype), ref)
+        np.testing.assert_array_equal(_testing.kernel_dequantize(raw, qtype, repacked=True), ref)
         assert np.isfinite(ref).all()  # 65504 * 31 * 63 and such stay finite in float32
 
 
@@ -121,7 +121,7 @@ def test_numpy_quantizer_round_trips(qtype):
     spread = np.abs(x).reshape(6, -1, 16).max(axis=2).repeat(16, axis=1)  # per 16 elements
     assert np.all(np.abs(back - x) <= 4 * spread / 2 ** bits + 1e-6)
     np.testing.assert_array_equal(back[0, :64], 0.0)
-    np.testing.assert_array_equal(_core.kernel_dequantize(q.reshape(6, -1), qtype), back)
+    np.testing.assert_array_equal(_testing.kernel_dequantize(q.reshape(6, -1), qtype), back)
 
 
 # (tokens, rows, cols): odd counts; 70 tokens cross the 64-token quantization block
@@ -140,7 +140,7 @@ def test_qgemm_every_level_matches_numpy(qtype, level):
         x = rng.standard_normal((n, cols)).astype(np.float32)
         x[0, :32] = 0.0  # a token block of zeros (scale 0)
         exact, noise = qgemm_reference(x, wb, qtype, rows, cols)
-        out = _core.kernel_qgemm(x, wb, qtype, level=level)
+        out = _testing.kernel_qgemm(x, wb, qtype, level=level)
         assert out.shape == (n, rows)
         err = np.abs(out - exact)
         assert np.all(err <= noise), (n, rows, cols, err.max())
@@ -154,10 +154,10 @@ def test_qgemm_batch_invariance(qtype, level):
     rows, cols = 35, 512
     wb = sane_blocks(rng, qtype, rows, cols)
     x = rng.standard_normal((70, cols)).astype(np.float32)
-    alone = np.stack([_core.kernel_qgemm(x[i:i + 1], wb, qtype, level=level)[0] for i in range(len(x))])
+    alone = np.stack([_testing.kernel_qgemm(x[i:i + 1], wb, qtype, level=level)[0] for i in range(len(x))])
     for n in (2, 3, 4, 5, 9, 70):
-        np.testing.assert_array_equal(_core.kernel_qgemm(x[:n], wb, qtype, level=level), alone[:n])
-    np.testing.assert_array_equal(_core.kernel_qgemm(x, wb, qtype, level=level, threads=3), alone)
+        np.testing.assert_array_equal(_testing.kernel_qgemm(x[:n], wb, qtype, level=level), alone[:n])
+    np.testing.assert_array_equal(_testing.kernel_qgemm(x, wb, qtype, level=level, threads=3), alone)
 
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1"] + NEW_TYPES)
@@ -171,19 +171,19 @@ def test_q8_m_holds_every_format(qtype):
     raw = sane_blocks(rng, qtype, 5, 2 * max(blk, 256)) if qtype in NEW_TYPES else \
         quantize(rng.standard_normal((5, 512)).astype(np.float32), qtype).reshape(5, -1)
     cols = raw.shape[1] // size * blk
-    np.testing.assert_array_equal(_core.kernel_dequantize(raw, qtype, compute="q8_m32"),
+    np.testing.assert_array_equal(_testing.kernel_dequantize(raw, qtype, compute="q8_m32"),
                                   dequantize(raw, qtype, (5, cols)))
     for level in LEVELS:
-        if not _core.kernel_qlevels().get(level):
+        if not _testing.kernel_qlevels().get(level):
             continue
         for n, rows in [(1, 37), (3, 19), (70, 5), (9, 1)]:
             wb = sane_blocks(rng, qtype, rows, cols) if qtype in NEW_TYPES else \
                 quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype).reshape(rows, -1)
             x = rng.standard_normal((n, cols)).astype(np.float32)
             exact, noise = qgemm_reference(x, wb, qtype, rows, cols)
-            out = _core.kernel_qgemm(x, wb, qtype, level=level, compute="q8_m32")
+            out = _testing.kernel_qgemm(x, wb, qtype, level=level, compute="q8_m32")
             assert np.all(np.abs(out - exact) <= noise), (level, n, rows)
-            alone = np.stack([_core.kernel_qgemm(x[i:i + 1], wb, qtype, level=level, compute="q8_m32")[0]
+            alone = np.stack([_testing.kernel_qgemm(x[i:i + 1], wb, qtype, level=level, compute="q8_m32")[0]
                               for i in range(min(n, 9))])
             np.testing.assert_array_equal(out[:len(alone)], alone)
 
@@ -192,16 +192,16 @@ def test_bad_arguments():
     x = np.zeros((2, 256), np.float32)
     wb = quantize(np.zeros((3, 256), np.float32), "q4_k").reshape(3, -1)
     with pytest.raises(ValueError, match="qtype must be"):
-        _core.kernel_qgemm(x, wb, "q8_1")
+        _testing.kernel_qgemm(x, wb, "q8_1")
     with pytest.raises(ValueError, match="compute must be"):  # two mins a block do not fit Q8_F
-        _core.kernel_qgemm(x, quantize(np.zeros((3, 256), np.float32), "q2_k").reshape(3, -1), "q2_k",
+        _testing.kernel_qgemm(x, quantize(np.zeros((3, 256), np.float32), "q2_k").reshape(3, -1), "q2_k",
                            compute="q8_f32")
     with pytest.raises(ValueError, match="w_bytes must be"):
-        _core.kernel_qgemm(x, wb, "q6_k")  # q4_k rows read as q6_k
+        _testing.kernel_qgemm(x, wb, "q6_k")  # q4_k rows read as q6_k
     with pytest.raises(ValueError, match="w_bytes must be"):
-        _core.kernel_qgemm(np.zeros((2, 96), np.float32), wb[:, :54], "q4_k")  # not whole super-blocks
+        _testing.kernel_qgemm(np.zeros((2, 96), np.float32), wb[:, :54], "q4_k")  # not whole super-blocks
     with pytest.raises(ValueError, match="whole q6_k blocks"):
-        _core.kernel_dequantize(np.zeros((1, 200), np.uint8), "q6_k")
+        _testing.kernel_dequantize(np.zeros((1, 200), np.uint8), "q6_k")
 
 
 @pytest.mark.parametrize("qtype", NEW_TYPES)

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import conveyor
-from conveyor import _core
+from conveyor import _testing
 from conveyor.gguf import dequantize, quantize
 
 QTYPES = ["q8_0", "q4_0", "q4_1"]
@@ -32,7 +32,7 @@ SHAPES = [(1, 37, 64), (3, 19, 96), (70, 33, 160), (5, 129, 512)]
 
 
 def level_or_skip(level: str) -> str:
-    if _core.kernel_qlevels()[level] is not True:
+    if _testing.kernel_qlevels()[level] is not True:
         pytest.skip(f"this CPU lacks the {level} instructions")
     return level
 
@@ -61,7 +61,7 @@ def test_c_quantizer_matches_numpy_bytes(qtype):
     rng = np.random.default_rng(1)
     w = random_weights(rng, 13, 96)
     w[1, :] = np.linspace(-3, 3, 96, dtype=np.float32)  # ties and exact steps
-    got = _core.kernel_quantize(w, qtype)
+    got = _testing.kernel_quantize(w, qtype)
     ref = quantize(w, qtype).reshape(got.shape)
     np.testing.assert_array_equal(got, ref)
 
@@ -75,7 +75,7 @@ def test_qgemm_matches_numpy(qtype, shape):
     x = rng.standard_normal((n, cols)).astype(np.float32)
     wb = quantize(w, qtype).reshape(rows, -1)
     wd = dequantize(wb, qtype, (rows, cols)).astype(np.float64)
-    out = _core.kernel_qgemm(x, wb, qtype, level="scalar", threads=2)
+    out = _testing.kernel_qgemm(x, wb, qtype, level="scalar", threads=2)
     assert out.dtype == np.float32 and out.shape == (n, rows)
 
     xd = x_quant_dequant(x)
@@ -102,8 +102,8 @@ def test_simd_levels_equal_plain_c(qtype, level):
         w = random_weights(rng, rows, cols)
         x = rng.standard_normal((n, cols)).astype(np.float32)
         wb = quantize(w, qtype).reshape(rows, -1)
-        ref = _core.kernel_qgemm(x, wb, qtype, level="scalar")
-        got = _core.kernel_qgemm(x, wb, qtype, level=level)
+        ref = _testing.kernel_qgemm(x, wb, qtype, level="scalar")
+        got = _testing.kernel_qgemm(x, wb, qtype, level=level)
         xd = x_quant_dequant(x)
         wd = dequantize(wb, qtype, (rows, cols)).astype(np.float64)
         tol = 1e-5 * (np.abs(xd) @ np.abs(wd).T) + 1e-30
@@ -119,34 +119,34 @@ def test_bias_accumulate_threads_and_batch_invariance(qtype):
     bias = rng.standard_normal(rows).astype(np.float32)
     acc = rng.standard_normal((n, rows)).astype(np.float32)
     wb = quantize(w, qtype).reshape(rows, -1)
-    base = _core.kernel_qgemm(x, wb, qtype)
-    full = _core.kernel_qgemm(x, wb, qtype, bias=bias, accumulate=acc)
+    base = _testing.kernel_qgemm(x, wb, qtype)
+    full = _testing.kernel_qgemm(x, wb, qtype, bias=bias, accumulate=acc)
     np.testing.assert_allclose(full, acc + (base + bias), rtol=1e-6, atol=1e-5)
-    one = _core.kernel_qgemm(x, wb, qtype, threads=1)
+    one = _testing.kernel_qgemm(x, wb, qtype, threads=1)
     np.testing.assert_array_equal(one, base)  # rows split over threads: same bits
     for i in range(n):  # one token alone == the same token in the batch, bit for bit
-        np.testing.assert_array_equal(_core.kernel_qgemm(x[i:i + 1], wb, qtype)[0], base[i])
+        np.testing.assert_array_equal(_testing.kernel_qgemm(x[i:i + 1], wb, qtype)[0], base[i])
 
 
 def test_bad_arguments():
     x = np.zeros((2, 64), np.float32)
     wb = quantize(np.zeros((3, 64), np.float32), "q8_0").reshape(3, -1)
     with pytest.raises(ValueError, match="qtype must be"):
-        _core.kernel_qgemm(x, wb, "q8_1")
+        _testing.kernel_qgemm(x, wb, "q8_1")
     with pytest.raises(ValueError, match="w_bytes must be"):
-        _core.kernel_qgemm(x, wb, "q4_0")  # q8_0 rows read as q4_0
+        _testing.kernel_qgemm(x, wb, "q4_0")  # q8_0 rows read as q4_0
     with pytest.raises(ValueError, match="level must be"):
-        _core.kernel_qgemm(x, wb, "q8_0", level="sse9")
+        _testing.kernel_qgemm(x, wb, "q8_0", level="sse9")
     with pytest.raises(ValueError, match="multiple of 32"):
-        _core.kernel_quantize(np.zeros((2, 40), np.float32), "q8_0")
+        _testing.kernel_quantize(np.zeros((2, 40), np.float32), "q8_0")
     with pytest.raises(ValueError, match="non-finite"):
-        _core.kernel_quantize(np.full((1, 32), np.inf, np.float32), "q4_1")
-    levels = _core.kernel_qlevels()
+        _testing.kernel_quantize(np.full((1, 32), np.inf, np.float32), "q4_1")
+    levels = _testing.kernel_qlevels()
     assert levels.pop("best") in levels
     for level, ok in levels.items():
         if not ok:
             with pytest.raises(conveyor.UnsupportedError, match=level):
-                _core.kernel_qgemm(x, wb, "q8_0", level=level)
+                _testing.kernel_qgemm(x, wb, "q8_0", level=level)
 
 
 # rows: below, at and past the 2- and 4-row tiles and the 16-row chunk; cols: 1 block and 3
@@ -174,7 +174,7 @@ def test_tile_edges_match_numpy(qtype, level):
             x[4, :32] = 0.0  # a token block of zeros (scale 0)
             exact, noise = qgemm_reference(x, wb, qtype, rows, cols)
             for n in range(1, 10):
-                out = _core.kernel_qgemm(x[:n], wb, qtype, level=level)
+                out = _testing.kernel_qgemm(x[:n], wb, qtype, level=level)
                 assert out.shape == (n, rows)
                 err = np.abs(out - exact[:n])
                 assert np.all(err <= noise[:n]), (cols, rows, n, err.max())
@@ -192,14 +192,14 @@ def test_batch_invariance_every_level(qtype, level):
         w = random_weights(rng, rows, cols)
         wb = quantize(w, qtype).reshape(rows, -1)
         x = rng.standard_normal((270, cols)).astype(np.float32)
-        alone = np.stack([_core.kernel_qgemm(x[i:i + 1], wb, qtype, level=level)[0] for i in range(len(x))])
+        alone = np.stack([_testing.kernel_qgemm(x[i:i + 1], wb, qtype, level=level)[0] for i in range(len(x))])
         for n in list(range(1, 10)) + [70, 270]:
-            np.testing.assert_array_equal(_core.kernel_qgemm(x[:n], wb, qtype, level=level), alone[:n])
+            np.testing.assert_array_equal(_testing.kernel_qgemm(x[:n], wb, qtype, level=level), alone[:n])
         for threads in (1, 2, 3):
-            got = _core.kernel_qgemm(x, wb, qtype, level=level, threads=threads)
+            got = _testing.kernel_qgemm(x, wb, qtype, level=level, threads=threads)
             np.testing.assert_array_equal(got, alone)
         perm = rng.permutation(len(x))[:11]  # the same tokens in another order and batch size
-        np.testing.assert_array_equal(_core.kernel_qgemm(x[perm], wb, qtype, level=level), alone[perm])
+        np.testing.assert_array_equal(_testing.kernel_qgemm(x[perm], wb, qtype, level=level), alone[perm])
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -218,5 +218,5 @@ def test_activation_rounding_ties(level):
         w = random_weights(rng, 11, 128)
         wb = quantize(w, qtype).reshape(11, -1)
         exact, noise = qgemm_reference(x, wb, qtype, 11, 128)
-        out = _core.kernel_qgemm(x, wb, qtype, level=level)
+        out = _testing.kernel_qgemm(x, wb, qtype, level=level)
         assert np.all(np.abs(out - exact) <= noise), (qtype, np.abs(out - exact).max())

@@ -1,4 +1,4 @@
-"""The CPU model runner (conveyor._core.ModelRunner) held to the NumPy float64 reference.
+"""The CPU model runner (conveyor._testing.ModelRunner) held to the NumPy float64 reference.
 
 A small driver below plays the block pool and the runner: each sequence gets KV blocks one
 at a time from a shuffled free list (block 0 reserved, as in the engine), so block tables
@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 import conveyor
-from conveyor._core import ModelRunner
+from conveyor._testing import ModelRunner
 from conveyor.reference import ReferenceModel
 from conveyor.testing import random_shape, round_to_dtype, write_hf_checkpoint, write_llama2c_checkpoint
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from conveyor._core import Scheduler
+from conveyor._testing import Scheduler
 
 VOCAB = 5  # tiny, so blocks repeat inside and across prompts
 SHARED_PREFIXES = [

@@ -1,4 +1,4 @@
-"""Development: times the CPU paged-attention kernel (conveyor._core.kernel_paged_attention).
+"""Development: times the CPU paged-attention kernel (conveyor._testing.kernel_paged_attention).
 
 Cases (SmolLM-135M shape: head_dim 64, 9 query heads over 3 KV heads, block size 16):
   decode   64 sequences x 1 new token, contexts uniform in 128..600
@@ -18,7 +18,8 @@ import time
 
 import numpy as np
 
-from conveyor import _core as core
+from conveyor import _core
+from conveyor import _testing as core
 
 
 def case(rng, news, prefixes, *, nkv=3, G=3, hd=64, bs=16, cdt="bfloat16"):
@@ -75,7 +76,7 @@ def main():
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     peak = core.measure_peak("fp32_fma", a.threads, 0.2)["gops"]
-    level = core.kernel_info()["simd"] if a.impl == "simd" else a.impl
+    level = _core.kernel_info()["simd"] if a.impl == "simd" else a.impl
     print(f"impl {a.impl} ({level}), cache {a.cache}, block {a.block_size}, threads {a.threads}, fp32 FMA peak {peak:.1f} GFLOP/s, "
           f"load average {os.getloadavg()[0]:.2f}")
     cases = {

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from conveyor import _core
+from conveyor import _testing
 
 SHAPES = ((960, 576), (576, 1536), (3072, 576), (576, 576))
 
@@ -33,20 +33,20 @@ def main() -> None:
     esize = 4 if a.dtype == "float32" else 2
     for rows, cols in SHAPES:
         count = max(2, int(a.mb * 1e6 / (rows * cols * esize)))
-        mats = [_core.kernel_matrix(rng.standard_normal((rows, cols)).astype(np.float32), a.dtype, "simd", a.threads)
+        mats = [_testing.kernel_matrix(rng.standard_normal((rows, cols)).astype(np.float32), a.dtype, "simd", a.threads)
                 for _ in range(count)]
         x = rng.standard_normal((a.tokens, cols)).astype(np.float32)
         for m in mats:  # first touch of the outputs and the weights' pages
-            _core.kernel_matmul(m, x)
+            _testing.kernel_matmul(m, x)
         mem = hot = float("inf")
         for _ in range(a.rounds):
             t = time.perf_counter()
             for m in mats:
-                _core.kernel_matmul(m, x)
+                _testing.kernel_matmul(m, x)
             mem = min(mem, (time.perf_counter() - t) / count)
             t = time.perf_counter()
             for _ in range(count):
-                _core.kernel_matmul(mats[0], x)
+                _testing.kernel_matmul(mats[0], x)
             hot = min(hot, (time.perf_counter() - t) / count)
         flops = 2.0 * a.tokens * rows * cols
         print(f"{rows} x {cols}, {a.tokens} tokens: memory {mem * 1e6:.1f} us ({flops / mem / 1e9:.0f} GFLOP/s), "

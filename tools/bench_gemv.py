@@ -7,7 +7,7 @@ import argparse
 
 import numpy as np
 
-from conveyor import _core
+from conveyor import _testing
 from conveyor.gguf import _TYPE_LAYOUT, GGMLType
 
 SCALES = {"q8_0": [0], "q5_0": [0], "q4_k": [0, 2], "q6_k": [208], "q3_k": [108], "q2_k": [80, 82]}
@@ -28,9 +28,9 @@ def main():
             raw[:, :, o:o + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
         wb = raw.reshape(a.rows, -1)
         x = rng.standard_normal((1, cols)).astype(np.float32)
-        t = _core.kernel_qgemm_time(x, wb, q, threads=a.threads, repeats=20)
+        t = _testing.kernel_qgemm_time(x, wb, q, threads=a.threads, repeats=20)
         print(f"{q}: {a.rows}x{cols}, {wb.nbytes / 1e6:.1f} MB, {t * 1e3:.2f} ms, {wb.nbytes / t / 1e9:.1f} GB/s")
-    print(f"read bandwidth: {float(_core.kernel_read_bw(128 << 20, 5, a.threads)):.1f} GB/s")
+    print(f"read bandwidth: {float(_testing.kernel_read_bw(128 << 20, 5, a.threads)):.1f} GB/s")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 SmolLM-135M shapes, for several token counts, timed interleaved in one process (so the ratio
 to bf16 holds up on a loaded machine better than either figure).
 
-The quantized figure is `_core.kernel_qgemm_time`: the matrix is prepared (copied, or
+The quantized figure is `_testing.kernel_qgemm_time`: the matrix is prepared (copied, or
 repacked for the Q5/K formats) once, then the best of the GEMMs (activation quantization
 included) is kept. bf16 is `kernel_matrix` once, then `kernel_matmul_time`.
 
@@ -32,7 +32,7 @@ SHAPE_SETS = {
 
 
 def main() -> int:
-    from conveyor import _core
+    from conveyor import _testing
     from conveyor.gguf import quantize
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -46,18 +46,18 @@ def main() -> int:
     qtypes = [t for t in args.types.split(",") if t]
     tokens = [int(t) for t in args.tokens.split(",") if t]
     rng = np.random.default_rng(0)
-    print(f"level {args.level} (best here: {_core.kernel_qlevels()['best']}), threads {args.threads or 'all'}")
+    print(f"level {args.level} (best here: {_testing.kernel_qlevels()['best']}), threads {args.threads or 'all'}")
     print(f"{'shape':18} {'n':>4} {'bf16 GF/s':>10} " + " ".join(f"{q + ' GOP/s':>11} {'/bf16':>6}" for q in qtypes))
     for name, (rows, cols) in SHAPE_SETS[args.shapes].items():
         w = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
-        m16 = _core.kernel_matrix(w, "bfloat16", "simd", args.threads)
+        m16 = _testing.kernel_matrix(w, "bfloat16", "simd", args.threads)
         wq = {q: quantize(w, q).reshape(rows, -1) for q in qtypes}
         for n in tokens:
             x = rng.standard_normal((n, cols)).astype(np.float32)
             ops = 2.0 * n * rows * cols
             reps = max(1, int(2e8 / ops))
-            fns = [lambda: _core.kernel_matmul_time(m16, x, reps)]
-            fns += [lambda q=q: _core.kernel_qgemm_time(x, wq[q], q, level=args.level, threads=args.threads,
+            fns = [lambda: _testing.kernel_matmul_time(m16, x, reps)]
+            fns += [lambda q=q: _testing.kernel_qgemm_time(x, wq[q], q, level=args.level, threads=args.threads,
                                                         repeats=reps) for q in qtypes]
             best = [float("inf")] * len(fns)
             for _ in range(args.rounds):

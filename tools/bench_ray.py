@@ -1,4 +1,4 @@
-"""Ray's overhead on one machine (issue 15's figures): Ray Data over N prompts with
+"""Ray's overhead on one machine: Ray Data over N prompts with
 1 actor x T threads and T actors x 1 thread against LLM.generate alone, then Ray Serve
 with 1 and 2 replicas against `conveyor serve` without Ray under `conveyor bench serve`.
 Every run gets the same greedy requests (ignore_eos, fixed length), so output tokens

@@ -1,4 +1,4 @@
-"""What rounding GEMM inputs to bf16 costs in quality, on the real model (issue 24).
+"""What rounding GEMM inputs to bf16 costs in quality, on the real model.
 
 On a CPU with AVX512_BF16 the GEMMs over bf16 weights round their float32 input rows to
 bf16 and run vdpbf16ps (activation_dtype="auto"); activation_dtype="float32" keeps them
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from conveyor import LLM, SamplingParams, _core
+from conveyor import LLM, SamplingParams, _core, _testing
 from conveyor.gguf import GGMLType, GGUFReader, GGUFWriter, quantize
 from conveyor.tokenizer import load_tokenizer
 
@@ -155,7 +155,7 @@ def all_logits(path: Path, tokens: list[int], activation_dtype: str, threads: in
     bs, n = 16, len(tokens)
     rows = np.array([n - 1], np.int32) if last_only else np.arange(n, dtype=np.int32)
     nblk = (n + bs - 1) // bs
-    with _core.ModelRunner(str(path), block_size=bs, num_blocks=nblk + 2, max_tokens=n, max_seqs=n,  # max_seqs bounds the logits rows
+    with _testing.ModelRunner(str(path), block_size=bs, num_blocks=nblk + 2, max_tokens=n, max_seqs=n,  # max_seqs bounds the logits rows
                            num_threads=threads, activation_dtype=activation_dtype,
                            kv_cache_dtype=kv_cache_dtype) as r:
         return r.forward(tokens=np.array(tokens, np.int32), positions=np.arange(n, dtype=np.int64),

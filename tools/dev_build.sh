@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Development only: builds conveyor._core into a private folder so that several
+# Development only: builds conveyor._core and conveyor._testing into a private folder so that several
 # people (or agents) can build in one checkout without clobbering each other.
 # Usage: PYTHONPATH=$(tools/dev_build.sh NAME) python -m pytest tests/...
 set -euo pipefail

@@ -16,7 +16,7 @@
 #                files (atheris when importable, else a plain random mutation loop);
 #                only ModelFormatError/ValueError may come out, and a file that loads
 #                must encode and decode.
-# Python targets of tools/fuzz_model_files.py (issue 29), each input under a 5 s and a
+# Python targets of tools/fuzz_model_files.py, each input under a 5 s and a
 # 512 MiB limit so that a blow-up is a failure:
 #   gguf_tokenizer  GGUF metadata (py_gguf.c) -> the GGUF tokenizer; the Python GGUFReader
 #   hf_tokenizer    tokenizer.json + tokenizer_config.json -> HFTokenizer
@@ -287,7 +287,7 @@ EOF
 }
 
 model_srcs=(csrc/model/safetensors.c csrc/model/json.c csrc/model/checkpoint.c csrc/model/mapped_file.c csrc/model/checkpoint_hf.c
-            csrc/model/checkpoint_llama2c.c csrc/model/gguf.c csrc/model/checkpoint_gguf.c csrc/common.c)
+            csrc/model/checkpoint_llama2c.c csrc/model/gguf.c csrc/model/checkpoint_gguf.c base/common.c)
 stop_srcs=(csrc/core/stop.c)
 
 # newer SRC... than OUT?
@@ -304,7 +304,7 @@ obj() {
   local src=$1 o
   o="$bdir/obj/$(echo "$src" | tr / _).o"
   mkdir -p "$bdir/obj"
-  if stale "$o" "$src" csrc/*.h csrc/model/*.h csrc/core/*.h kernels/*.h; then
+  if stale "$o" "$src" base/*.h csrc/model/*.h csrc/core/*.h kernels/*.h; then
     "$cc" "${cflags[@]}" "${objflags[@]}" -c "$src" -o "$o"
   fi
   echo "$o"

@@ -1,5 +1,5 @@
 """Fuzzes what a model file (or a request's chat template) feeds the Python side, with a
-memory and a time limit per input so that a blow-up counts as a failure (issue 29):
+memory and a time limit per input so that a blow-up counts as a failure:
 
     gguf_tokenizer  a .gguf file -> conveyor._core.gguf_metadata (py_gguf.c, the
                     tokenizer's array_limit) -> GGUFTokenizer -> encode/decode; and the

@@ -71,13 +71,13 @@ cat > "$WORK/bench_kernels.py" <<'EOF'
 """Device memcpy bandwidth and GEMM/GEMV against the HBM bound (TinyLlama shapes)."""
 import json, os
 import numpy as np
-from conveyor import _core
+from conveyor import _testing
 
 out = os.environ["OUT"]
 hbm = float(os.environ["HBM_TBPS"]) * 1e12
 small = os.environ.get("GPU_CHECK_SMALL") == "1"
-res = {"device": _core.cuda_info()}
-bw = _core.cuda_memcpy_bandwidth(1 << (20 if small else 30), 10) * 1e9  # bytes read + written per second
+res = {"device": _testing.cuda_info()}
+bw = _testing.cuda_memcpy_bandwidth(1 << (20 if small else 30), 10) * 1e9  # bytes read + written per second
 res["memcpy_read_plus_write_GBps"] = bw / 1e9
 print(f"device: {res['device']['device']}")
 print(f"device memcpy: {bw / 1e9:.0f} GB/s (read + write), {bw / hbm:.0%} of the nominal {hbm / 1e12:.1f} TB/s")
@@ -91,10 +91,10 @@ print(f"{'matrix':>8} {'dtype':>8} {'n':>5} {'us':>9} {'GB/s':>7} {'of memcpy':>
 for name, (r, c) in shapes.items():
     w = (rng.standard_normal((r, c), dtype=np.float32) * 0.02).astype(np.float32)
     for dt in ("bfloat16", "float32"):
-        mat = _core.cuda_kernel_matrix(w, dt)
+        mat = _testing.cuda_kernel_matrix(w, dt)
         for n in (1, 16, 256):
             x = rng.standard_normal((n, c), dtype=np.float32)
-            t = _core.cuda_kernel_matmul_time(mat, x, repeats=2 if small else 5, calls=1 if small else 20)
+            t = _testing.cuda_kernel_matmul_time(mat, x, repeats=2 if small else 5, calls=1 if small else 20)
             wbytes = r * c * (2 if dt == "bfloat16" else 4)
             gbs = wbytes / t
             tf = 2.0 * r * c * n / t / 1e12
@@ -126,13 +126,13 @@ cat > "$WORK/bench_decode.py" <<'EOF'
 import json, os, statistics, time
 import numpy as np
 import conveyor
-from conveyor import _core, SamplingParams
+from conveyor import _testing, SamplingParams
 from conveyor.testing import SHAPES
 
 out = os.environ["OUT"]
 hbm = float(os.environ["HBM_TBPS"]) * 1e12
 small = os.environ.get("GPU_CHECK_SMALL") == "1"
-copy_bw = _core.cuda_memcpy_bandwidth(1 << (20 if small else 30), 5) * 1e9 / 2  # read bandwidth seen by a copy
+copy_bw = _testing.cuda_memcpy_bandwidth(1 << (20 if small else 30), 5) * 1e9 / 2  # read bandwidth seen by a copy
 s = SHAPES[os.environ["CV_SHAPE"]]
 hd = s["dim"] // s["n_heads"]
 layer = (s["dim"] * (s["n_heads"] + 2 * s["n_kv_heads"]) * hd + s["n_heads"] * hd * s["dim"]

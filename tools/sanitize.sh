@@ -41,12 +41,14 @@ preload=$asan
 stdcxx=$("$cc" -print-file-name=libstdc++.so)
 if [ -e "$stdcxx" ]; then preload="$preload:$(realpath "$stdcxx")"; fi
 
-echo "sanitize.sh: building a sanitized conveyor._core into /tmp/cv_build_$name" >&2
+echo "sanitize.sh: building a sanitized conveyor._core and conveyor._testing into /tmp/cv_build_$name" >&2
 lib=$(CONVEYOR_SANITIZE=1 CONVEYOR_CUDA=0 PYTHON="$py" CC="$cc" tools/dev_build.sh "$name")
-if ! nm -D "$lib"/conveyor/_core*.so | grep __asan_init >/dev/null; then
-  echo "sanitize.sh: the build in $lib is not instrumented" >&2
-  exit 2
-fi
+for so in "$lib"/conveyor/_core*.so "$lib"/conveyor/_testing*.so; do
+  if ! nm -D "$so" | grep __asan_init >/dev/null; then
+    echo "sanitize.sh: $so is not instrumented" >&2
+    exit 2
+  fi
+done
 
 args=("$@")
 if [ ${#args[@]} -eq 0 ]; then

@@ -1,5 +1,7 @@
-/* Shared declarations of the CPython binding (the files in csrc/binding/).
- * The binding sees only the public C API of each part. */
+/* Shared declarations of the CPython bindings: conveyor._core (the files in
+ * csrc/binding/) and conveyor._testing (csrc/testing/), which also links the
+ * helpers here (arrays.c, errors.c). The bindings see only the public C API of
+ * each part. */
 #ifndef CV_BINDING_H
 #define CV_BINDING_H
 
@@ -13,18 +15,38 @@
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include <numpy/arrayobject.h>
 
-#include "../../kernels/common.h"
+#include "../../base/common.h"
 
-/* Exception types (module attributes of conveyor._core). They stay process
- * globals rather than module state: the module is single-phase (m_size -1,
- * loaded once per process, no subinterpreter support), and cv_py_raise is
- * called from every helper without a module object at hand, so module state
- * would mean threading the module through every call for no gain. */
-extern PyObject *cv_ConveyorError;      /* base class of all conveyor errors */
-extern PyObject *cv_ModelFormatError;   /* malformed model file (also a ValueError) */
-extern PyObject *cv_UnsupportedError;   /* valid but unsupported (also a ValueError) */
-extern PyObject *cv_EngineClosedError;  /* use after close (also a RuntimeError) */
-extern PyObject *cv_EngineOverloadedError; /* the request queue is full (also a RuntimeError) */
+/* Conveyor's exception types. They live in the module state of conveyor._core
+ * (created once per module object, by multi-phase init) and are its attributes;
+ * conveyor._testing hands out the same objects, so `except conveyor.X` catches
+ * them whichever module raised. cv_py_error(kind) finds them from anywhere in
+ * either module (a borrowed reference; never NULL: without conveyor._core
+ * loaded it answers the builtin base of the kind, ValueError or RuntimeError). */
+typedef enum cv_py_error_kind {
+    CV_PY_EXC_BASE,              /* ConveyorError: base class of all conveyor errors */
+    CV_PY_EXC_MODEL_FORMAT,      /* ModelFormatError: malformed model file (also a ValueError) */
+    CV_PY_EXC_UNSUPPORTED,       /* UnsupportedError: valid but unsupported (also a ValueError) */
+    CV_PY_EXC_ENGINE_CLOSED,     /* EngineClosedError: use after close (also a RuntimeError) */
+    CV_PY_EXC_ENGINE_OVERLOADED, /* EngineOverloadedError: the request queue is full (also a RuntimeError) */
+    CV_PY_EXC_KINDS
+} cv_py_error_kind;
+PyObject *cv_py_error(cv_py_error_kind kind);
+/* the names the parts raise with */
+#define cv_ConveyorError cv_py_error(CV_PY_EXC_BASE)
+#define cv_ModelFormatError cv_py_error(CV_PY_EXC_MODEL_FORMAT)
+#define cv_UnsupportedError cv_py_error(CV_PY_EXC_UNSUPPORTED)
+#define cv_EngineClosedError cv_py_error(CV_PY_EXC_ENGINE_CLOSED)
+#define cv_EngineOverloadedError cv_py_error(CV_PY_EXC_ENGINE_OVERLOADED)
+
+/* The module state of conveyor._core: the exception types, [cv_py_error_kind]. */
+typedef struct cv_py_core_state {
+    PyObject *errors[CV_PY_EXC_KINDS];
+} cv_py_core_state;
+/* Creates the exception types into st and adds them to m (0 ok, -1 error). */
+int cv_py_add_errors(PyObject *m, cv_py_core_state *st);
+/* Adds the exception types of a loaded conveyor._core to m (conveyor._testing). */
+int cv_py_add_core_errors(PyObject *m);
 
 /* Raises the Python exception for a C status code with err's message and
  * returns NULL; when err->field is set the exception's .field attribute
@@ -42,23 +64,18 @@ static inline int cv_py_add_type(PyObject *m, PyType_Spec *spec) {
     return rc;
 }
 
-/* The flags of every conveyor._core class: like the static types they
+/* The flags of every conveyor._core and conveyor._testing class: like the static types they
  * replaced, they are neither subclassable nor mutable. No Py_TPFLAGS_HAVE_GC:
  * no instance holds a reference that could be part of a cycle. */
 #define CV_PY_TYPE_FLAGS (Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE)
 
-/* Each part registers its types and functions on the module (0 ok, -1 error). */
-int cv_py_add_errors(PyObject *m);     /* errors.c: the exception types */
-int cv_py_add_checkpoint(PyObject *m); /* py_checkpoint.c */
-int cv_py_add_kernels(PyObject *m);    /* py_kernels.c   */
-int cv_py_add_scheduler(PyObject *m);  /* py_scheduler.c */
-int cv_py_add_sampler(PyObject *m);    /* py_sampler.c   */
-int cv_py_add_engine(PyObject *m);     /* py_engine.c    */
+/* Each part of conveyor._core registers its types and functions on the module
+ * (0 ok, -1 error); the test hooks of conveyor._testing are in csrc/testing/. */
+int cv_py_add_checkpoint(PyObject *m);  /* py_checkpoint.c  */
+int cv_py_add_engine(PyObject *m);      /* py_engine.c      */
 int cv_py_add_request_params(PyObject *m); /* request_params.c */
-int cv_py_add_cuda(PyObject *m);       /* py_cuda.c      */
-int cv_py_add_model(PyObject *m);      /* py_model.c     */
-int cv_py_add_quant(PyObject *m);      /* py_quant.c     */
-int cv_py_add_gguf(PyObject *m);       /* py_gguf.c      */
+int cv_py_add_gguf(PyObject *m);        /* py_gguf.c        */
+int cv_py_add_kernel_info(PyObject *m); /* py_kernel_info.c */
 
 /* A GGUF file's key/values as a dict in file order (py_gguf.c). */
 struct cv_gguf_file;

@@ -1,11 +1,54 @@
 /* Conveyor's Python exception types and the map from C status codes to them. */
 #include "binding.h"
 
-PyObject *cv_ConveyorError;
-PyObject *cv_ModelFormatError;
-PyObject *cv_UnsupportedError;
-PyObject *cv_EngineClosedError;
-PyObject *cv_EngineOverloadedError;
+#include <string.h>
+
+#define CORE_MODULE "conveyor._core"
+
+static const char *const error_names[CV_PY_EXC_KINDS] = {
+    "ConveyorError", "ModelFormatError", "UnsupportedError", "EngineClosedError", "EngineOverloadedError",
+};
+static const char *const error_docs[CV_PY_EXC_KINDS] = {
+    "Base class of Conveyor's errors.",
+    "A model file is malformed.",
+    "A valid input Conveyor does not support.",
+    "The engine was closed.",
+    "The request queue is full (max_queued_requests); retry later.",
+};
+
+/* The builtin class each kind also derives from (and stands in for it when
+ * conveyor._core is not loaded). */
+static PyObject *builtin_base(cv_py_error_kind kind) {
+    return (kind == CV_PY_EXC_MODEL_FORMAT || kind == CV_PY_EXC_UNSUPPORTED) ? PyExc_ValueError : PyExc_RuntimeError;
+}
+
+/* The state of the loaded conveyor._core, or NULL when it is not loaded (or
+ * sys.modules holds something else under its name). Leaves any pending
+ * exception as it was. The state stays alive while sys.modules holds the module. */
+static cv_py_core_state *core_state(void) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    cv_py_core_state *st = NULL;
+    PyObject *name = PyUnicode_FromString(CORE_MODULE);
+    PyObject *mod = name ? PyImport_GetModule(name) : NULL;
+    if (mod && PyModule_Check(mod)) {
+        PyModuleDef *def = PyModule_GetDef(mod);
+        if (def && def->m_size == (Py_ssize_t)sizeof(cv_py_core_state) && def->m_name &&
+            strcmp(def->m_name, CORE_MODULE) == 0)
+            st = PyModule_GetState(mod);
+    }
+    Py_XDECREF(mod);
+    Py_XDECREF(name);
+    PyErr_Clear();
+    PyErr_Restore(type, value, tb);
+    return st;
+}
+
+PyObject *cv_py_error(cv_py_error_kind kind) {
+    const cv_py_core_state *st = core_state();
+    if (st && (unsigned)kind < CV_PY_EXC_KINDS && st->errors[kind]) return st->errors[kind];
+    return builtin_base(kind);
+}
 
 PyObject *cv_py_raise(const cv_err *err) {
     const char *msg = (err && err->msg[0]) ? err->msg : "conveyor: unknown error";
@@ -16,13 +59,13 @@ PyObject *cv_py_raise(const cv_err *err) {
     case CV_ERR_TYPE: type = PyExc_TypeError; break;
     case CV_ERR_NOTFOUND: type = PyExc_FileNotFoundError; break;
     case CV_ERR_IO: type = PyExc_OSError; break;
-    case CV_ERR_FORMAT: type = cv_ModelFormatError; break;
-    case CV_ERR_UNSUPPORTED: type = cv_UnsupportedError; break;
+    case CV_ERR_FORMAT: type = cv_py_error(CV_PY_EXC_MODEL_FORMAT); break;
+    case CV_ERR_UNSUPPORTED: type = cv_py_error(CV_PY_EXC_UNSUPPORTED); break;
     case CV_ERR_NOMEM: type = PyExc_MemoryError; break;
-    case CV_ERR_STATE: type = cv_EngineClosedError; break;
+    case CV_ERR_STATE: type = cv_py_error(CV_PY_EXC_ENGINE_CLOSED); break;
     case CV_ERR_CANCELLED: type = PyExc_KeyboardInterrupt; break;
-    case CV_ERR_OVERLOADED: type = cv_EngineOverloadedError; break;
-    default: type = cv_ConveyorError; break;
+    case CV_ERR_OVERLOADED: type = cv_py_error(CV_PY_EXC_ENGINE_OVERLOADED); break;
+    default: type = cv_py_error(CV_PY_EXC_BASE); break;
     }
     if (!(err && err->field[0])) {
         PyErr_SetString(type, msg);
@@ -52,25 +95,29 @@ static PyObject *new_error(PyObject *m, const char *name, PyObject *bases, const
     return t;
 }
 
-int cv_py_add_errors(PyObject *m) {
-    PyObject *bases = NULL;
-    cv_ConveyorError = new_error(m, "ConveyorError", NULL, "Base class of Conveyor's errors.");
-    if (!cv_ConveyorError) goto fail;
-    bases = PyTuple_Pack(2, cv_ConveyorError, PyExc_ValueError);
-    if (!bases) goto fail;
-    cv_ModelFormatError = new_error(m, "ModelFormatError", bases, "A model file is malformed.");
-    cv_UnsupportedError = new_error(m, "UnsupportedError", bases, "A valid input Conveyor does not support.");
-    Py_CLEAR(bases);
-    if (!cv_ModelFormatError || !cv_UnsupportedError) goto fail;
-    bases = PyTuple_Pack(2, cv_ConveyorError, PyExc_RuntimeError);
-    if (!bases) goto fail;
-    cv_EngineClosedError = new_error(m, "EngineClosedError", bases, "The engine was closed.");
-    cv_EngineOverloadedError = new_error(m, "EngineOverloadedError", bases,
-                                         "The request queue is full (max_queued_requests); retry later.");
-    Py_CLEAR(bases);
-    if (!cv_EngineClosedError || !cv_EngineOverloadedError) goto fail;
+int cv_py_add_errors(PyObject *m, cv_py_core_state *st) {
+    /* ConveyorError first: every other kind derives from it and from its builtin base */
+    for (int k = 0; k < CV_PY_EXC_KINDS; k++) {
+        PyObject *bases = NULL;
+        if (k != CV_PY_EXC_BASE && !(bases = PyTuple_Pack(2, st->errors[CV_PY_EXC_BASE], builtin_base(k))))
+            return -1;
+        st->errors[k] = new_error(m, error_names[k], bases, error_docs[k]);
+        Py_XDECREF(bases);
+        if (!st->errors[k]) return -1;
+    }
     return 0;
-fail:
-    Py_XDECREF(bases);
-    return -1;
+}
+
+int cv_py_add_core_errors(PyObject *m) {
+    PyObject *core = PyImport_ImportModule(CORE_MODULE);
+    if (!core) return -1;
+    const cv_py_core_state *st = core_state();
+    Py_DECREF(core);
+    if (!st) {
+        PyErr_SetString(PyExc_ImportError, CORE_MODULE " is not Conveyor's core module");
+        return -1;
+    }
+    for (int k = 0; k < CV_PY_EXC_KINDS; k++)
+        if (PyModule_AddObjectRef(m, error_names[k], st->errors[k]) < 0) return -1;
+    return 0;
 }

@@ -1,30 +1,57 @@
-/* conveyor._core: module init; each part registers its own types and functions. */
+/* conveyor._core, the product module: module init (multi-phase, PEP 489); each
+ * part registers its own types and functions. The exception types are module
+ * state. Test and benchmark hooks are in conveyor._testing (csrc/testing/). */
 #define CV_BINDING_MAIN
 #include "binding.h"
 #include "../../kernels/cpu/cpu_features.h"
 
-static struct PyModuleDef core_module = {
-    PyModuleDef_HEAD_INIT, "_core", "Conveyor's C core.", -1, NULL, NULL, NULL, NULL, NULL,
-};
-
-PyMODINIT_FUNC PyInit__core(void) {
+static int core_exec(PyObject *m) {
     /* Not the import_array() macro: it prints the error and replaces it with an ImportError,
      * which turns a Ctrl-C during NumPy's import into a traceback instead of KeyboardInterrupt. */
-    if (_import_array() < 0) return NULL;
-    PyObject *m = PyModule_Create(&core_module);
-    if (!m) return NULL;
-    if (cv_py_add_errors(m) < 0) goto fail;
-    if (cv_py_add_checkpoint(m) < 0 || cv_py_add_kernels(m) < 0 || cv_py_add_scheduler(m) < 0 ||
-        cv_py_add_sampler(m) < 0 || cv_py_add_engine(m) < 0 || cv_py_add_request_params(m) < 0 ||
-        cv_py_add_cuda(m) < 0 || cv_py_add_model(m) < 0 || cv_py_add_quant(m) < 0 ||
-        cv_py_add_gguf(m) < 0)
-        goto fail;
+    if (_import_array() < 0) return -1;
+    cv_py_core_state *st = PyModule_GetState(m);
+    if (!st || cv_py_add_errors(m, st) < 0) return -1;
+    if (cv_py_add_checkpoint(m) < 0 || cv_py_add_engine(m) < 0 || cv_py_add_request_params(m) < 0 ||
+        cv_py_add_gguf(m) < 0 || cv_py_add_kernel_info(m) < 0)
+        return -1;
     /* the kernel path chosen at run time (CONVEYOR_SIMD, else the CPU's best) */
     cv_simd_level level;
     if (cv_simd_from_env(&level, NULL) != CV_SIMD_OK) level = cv_simd_best();
-    PyModule_AddStringConstant(m, "simd", cv_simd_name(level));
-    return m;
-fail:
-    Py_DECREF(m);
-    return NULL;
+    return PyModule_AddStringConstant(m, "simd", cv_simd_name(level));
 }
+
+static int core_traverse(PyObject *m, visitproc visit, void *arg) {
+    cv_py_core_state *st = PyModule_GetState(m);
+    for (int k = 0; st && k < CV_PY_EXC_KINDS; k++) Py_VISIT(st->errors[k]);
+    return 0;
+}
+
+static int core_clear(PyObject *m) {
+    cv_py_core_state *st = PyModule_GetState(m);
+    for (int k = 0; st && k < CV_PY_EXC_KINDS; k++) Py_CLEAR(st->errors[k]);
+    return 0;
+}
+
+static void core_free(void *m) { core_clear((PyObject *)m); }
+
+static PyModuleDef_Slot core_slots[] = {
+    {Py_mod_exec, core_exec},
+#ifdef Py_mod_multiple_interpreters
+    /* the C parts keep process-wide state (NumPy's API table, the kernels' thread pools) */
+    {Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_NOT_SUPPORTED},
+#endif
+    {0, NULL},
+};
+
+static struct PyModuleDef core_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "conveyor._core", /* errors.c finds the module state by this name */
+    .m_doc = "Conveyor's C core.",
+    .m_size = sizeof(cv_py_core_state),
+    .m_slots = core_slots,
+    .m_traverse = core_traverse,
+    .m_clear = core_clear,
+    .m_free = core_free,
+};
+
+PyMODINIT_FUNC PyInit__core(void) { return PyModuleDef_Init(&core_module); }

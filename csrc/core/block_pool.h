@@ -20,7 +20,7 @@
 #define CV_BLOCK_POOL_H
 
 #include <stdint.h>
-#include "../../kernels/common.h"
+#include "../../base/common.h"
 
 typedef struct cv_block_pool cv_block_pool;
 

@@ -22,7 +22,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include "../../kernels/backend.h"
-#include "../../kernels/common.h"
+#include "../../base/common.h"
 #include "sequence.h"
 
 typedef struct cv_draft cv_draft;

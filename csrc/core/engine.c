@@ -3,7 +3,7 @@
  * own thread, and stats, model facts and the step trace. A request's life is
  * in request.c, the sampling part of a step in engine_sample.c. */
 #include "engine_internal.h"
-#include "../../kernels/quant_format.h"
+#include "../../base/quant_format.h"
 
 #include <errno.h>
 #include <stdlib.h>
@@ -68,7 +68,7 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
         e->backend = cv_cuda_backend_create(0, err);
     } else {
         e->backend = cv_cpu_backend_create(cfg->num_threads, 0, err);
-        if (e->backend) cv_cpu_backend_set_exact_activations(e->backend, cfg->exact_activations);
+        if (e->backend) cv_backend_set_exact_activations(e->backend, cfg->exact_activations);
     }
     if (!e->backend) { rc = err ? err->code : CV_ERR_STATE; if (rc >= 0) rc = CV_ERR_STATE; goto fail; }
     if ((rc = cv_worker_load(&e->worker, e->backend, cfg->model_path, cfg->dtype, cfg->quantization, cfg->cancel,

@@ -14,7 +14,7 @@
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
-#include "../../kernels/common.h"
+#include "../../base/common.h"
 #include "sampler.h"
 #include "scheduler.h"
 #include "speculative.h"

@@ -8,7 +8,7 @@
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
-#include "../../kernels/common.h"
+#include "../../base/common.h"
 #include "../../kernels/backend.h"
 
 /* K and V bytes of one token over every layer (0 for a dtype with no size). */

@@ -11,7 +11,7 @@
 #define CV_KV_MANAGER_H
 
 #include <stdint.h>
-#include "../../kernels/common.h"
+#include "../../base/common.h"
 #include "sequence.h"
 
 typedef struct cv_kv_manager cv_kv_manager;

@@ -6,7 +6,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
-#include "../../kernels/common.h"
+#include "../../base/common.h"
 #include "../model/config.h"
 #include "engine.h"
 

@@ -4,7 +4,7 @@
 #define CV_RUNNER_H
 
 #include <stdint.h>
-#include "../../kernels/common.h"
+#include "../../base/common.h"
 #include "../model/model.h"
 #include "scheduler.h"
 

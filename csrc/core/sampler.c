@@ -16,7 +16,7 @@
  * nothing sorts the whole vocabulary. */
 #include "sampler.h"
 
-#include "../../kernels/cpu/cpu_features.h" /* CV_VECTOR_CLONES */
+#include "../../base/common.h" /* CV_VECTOR_CLONES */
 
 #include <float.h>
 #include <math.h>

@@ -4,7 +4,7 @@
 #define CV_SAMPLER_H
 
 #include <stdint.h>
-#include "../../kernels/common.h"
+#include "../../base/common.h"
 
 #define CV_MAX_LOGPROBS 20
 #define CV_NO_LOGPROBS INT32_MIN /* n_logprobs: none wanted */

@@ -6,7 +6,7 @@
 #define CV_SCHEDULER_H
 
 #include <stdint.h>
-#include "../../kernels/common.h"
+#include "../../base/common.h"
 #include "kv_manager.h"
 #include "sequence.h"
 

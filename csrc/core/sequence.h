@@ -5,7 +5,7 @@
 #define CV_SEQUENCE_H
 
 #include <stdint.h>
-#include "../../kernels/common.h"
+#include "../../base/common.h"
 
 /* Ordered so that "finished" is one comparison: status >= CV_SEQ_FINISHED_STOPPED. */
 typedef enum cv_seq_status {

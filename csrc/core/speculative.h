@@ -9,7 +9,7 @@
 #define CV_SPECULATIVE_H
 
 #include <stdint.h>
-#include "../../kernels/common.h"
+#include "../../base/common.h"
 
 #define CV_SPEC_MAX_TOKENS 16   /* most proposals per sequence and step */
 #define CV_SPEC_MAX_NGRAM 64    /* longest suffix n-gram looked up */

@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../../kernels/common.h"
+#include "../../base/common.h"
 
 int cv_stop_set_init(cv_stop_set *set, const char *const *strs, const size_t *lens, int n) {
     if (!set) return CV_ERR_INVALID;

@@ -5,7 +5,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "../../kernels/common.h"
+#include "../../base/common.h"
 
 int cv_mask_box_init(cv_mask_box *b, int64_t vocab) {
     memset(b, 0, sizeof *b);

@@ -2,7 +2,7 @@
 
 #include <string.h>
 
-#include "../../kernels/quant_format.h"
+#include "../../base/quant_format.h"
 
 int cv_worker_load(cv_worker *w, cv_backend *b, const char *path, cv_dtype dtype, cv_dtype quantization,
                    const atomic_int *cancel, cv_err *err) {

@@ -13,7 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include "../../kernels/backend.h"
-#include "../../kernels/common.h"
+#include "../../base/common.h"
 #include "../model/model.h"
 #include "kv_cache.h"
 #include "kv_manager.h"

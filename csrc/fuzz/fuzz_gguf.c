@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../../kernels/quant_format.h"
+#include "../../base/quant_format.h"
 #include "../model/checkpoint.h"
 #include "../model/gguf.h"
 

@@ -4,7 +4,7 @@
  * Build (clang):
  *   clang -std=c11 -g -O1 -D_GNU_SOURCE -fsanitize=fuzzer,address,undefined -Icsrc -Ikernels \
  *     csrc/fuzz/fuzz_llama2c.c csrc/model/safetensors.c csrc/model/json.c \
- *     csrc/model/checkpoint.c csrc/model/mapped_file.c csrc/model/checkpoint_hf.c csrc/model/checkpoint_llama2c.c csrc/common.c -lm
+ *     csrc/model/checkpoint.c csrc/model/mapped_file.c csrc/model/checkpoint_hf.c csrc/model/checkpoint_llama2c.c base/common.c -lm
  * The first and last byte of every view are read, so ASan catches a view
  * that reaches past the input. */
 #include <stddef.h>

@@ -3,7 +3,7 @@
  * Build (clang):
  *   clang -std=c11 -g -O1 -D_GNU_SOURCE -fsanitize=fuzzer,address,undefined -Icsrc -Ikernels \
  *     csrc/fuzz/fuzz_safetensors.c csrc/model/safetensors.c csrc/model/json.c \
- *     csrc/model/checkpoint.c csrc/model/mapped_file.c csrc/model/checkpoint_hf.c csrc/model/checkpoint_llama2c.c csrc/common.c -lm
+ *     csrc/model/checkpoint.c csrc/model/mapped_file.c csrc/model/checkpoint_hf.c csrc/model/checkpoint_llama2c.c base/common.c -lm
  * Every accepted tensor's byte range is read end to end, so ASan catches any
  * range the validator lets through that is outside the input. */
 #include <stddef.h>

@@ -22,7 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../../kernels/quant_format.h"
+#include "../../base/quant_format.h"
 #include "gguf.h"
 
 #define CV_MAX_LAYERS 65536

@@ -3,7 +3,7 @@
 #define CV_MODEL_CONFIG_H
 
 #include <stdint.h>
-#include "../../kernels/common.h"
+#include "../../base/common.h"
 #include "../../kernels/backend.h"
 
 typedef enum cv_arch {

@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../../kernels/quant_format.h"
+#include "../../base/quant_format.h"
 #include "mapped_file.h"
 
 #define GGUF_DEFAULT_ALIGNMENT 32

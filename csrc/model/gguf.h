@@ -17,7 +17,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
-#include "../../kernels/common.h"
+#include "../../base/common.h"
 
 #define CV_GGUF_MAX_DIMS 4
 

@@ -3,7 +3,7 @@
 #define CV_MAPPED_FILE_H
 
 #include <stddef.h>
-#include "../../kernels/common.h"
+#include "../../base/common.h"
 
 /* Maps a whole file read-only (an empty file gives *map NULL, *len 0).
  * CV_ERR_NOTFOUND when it does not exist, CV_ERR_IO when unreadable. */

@@ -8,7 +8,7 @@
 #include <string.h>
 
 #include "checkpoint.h"
-#include "../../kernels/quant_format.h"
+#include "../../base/quant_format.h"
 
 void cv_rope_inv_freq(float *out, const cv_model_config *cfg) {
     int64_t half = cfg->head_dim / 2;

@@ -5,7 +5,7 @@
 
 #include <stdatomic.h>
 #include <stdint.h>
-#include "../../kernels/common.h"
+#include "../../base/common.h"
 #include "../../kernels/backend.h"
 #include "config.h"
 

@@ -14,7 +14,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
-#include "../../kernels/common.h"
+#include "../../base/common.h"
 #include "json.h"
 
 #define CV_ST_MAX_DIMS 8

@@ -321,7 +321,9 @@ static void cpu_destroy(cv_backend *b) {
     free(b);
 }
 
-void cv_cpu_backend_set_exact_activations(cv_backend *b, int exact) {
+/* exact != 0: GEMMs over bf16 weights read float32 activations on every level
+ * (on AVX512_BF16 the vdpbf16ps path, which rounds them to bf16, is not used). */
+static void cpu_set_exact_activations(cv_backend *b, int exact) {
     if (is_cpu(b)) cv_cpu_of(b)->exact_activations = exact != 0;
 }
 
@@ -406,6 +408,7 @@ cv_backend *cv_cpu_backend_create_simd(int num_threads, const char *simd, cv_err
     b->host_parallel = cpu_host_parallel;
     b->host_workers = c->nthreads;
     b->sync = cpu_sync;
+    b->set_exact_activations = cpu_set_exact_activations;
     b->destroy = cpu_destroy;
     return b;
 }

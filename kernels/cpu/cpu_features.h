@@ -73,20 +73,6 @@ int cv_simd_from_env(cv_simd_level *out, const char **requested);
 #define CV_TARGET_BEGIN(t) CV_PRAGMA(GCC push_options) CV_PRAGMA(GCC target(t))
 #define CV_TARGET_END CV_PRAGMA(GCC pop_options)
 #endif
-/* For whole-array loops in plain C that the compiler vectorizes (e.g. the
- * sampler's passes over the vocabulary): an AVX-512, an AVX2 and a baseline
- * copy of the function, chosen once by the loader (ifunc). No FMA
- * contraction in C11 mode, and explicit lanes in the source, so every copy
- * gives the same bits (checked: seeded sampling with logprobs, avx2 against
- * avx512f copies, identical). */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__AVX2__) && !defined(CV_EMULATE_AVX512) && \
-    !defined(CV_NO_VECTOR_CLONES) && \
-    defined(__linux__)
-#define CV_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define CV_VECTOR_CLONES
-#endif
-
 #define CV_TARGET_AVX2 "avx2,fma,f16c"
 #define CV_TARGET_AVX512 "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq"
 #define CV_TARGET_AVX512_BF16 "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"

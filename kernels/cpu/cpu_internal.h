@@ -14,7 +14,7 @@
 /* The SIMD paths are compiled on every x86-64 build, each function for its
  * own target (CV_TARGET_*_BEGIN/END in cpu_features.h), and chosen at run
  * time from cv_cpu.simd; no -march is needed. */
-#if defined(CV_EMULATE_AVX512) /* development: portable intrinsics (tools/avx512_emu) */
+#if defined(CV_EMULATE_AVX512) /* development: portable intrinsics (build_support/avx512_emu) */
 #define CV_HAVE_AVX2 1
 #define CV_HAVE_AVX512 1
 #include "avx512_emu.h"
@@ -194,7 +194,7 @@ static inline void cv_cpu_run_rows(cv_cpu *c, int nth, cv_rows *rows, int64_t n,
  *     -> operations: gemm.c -> quant.c (+ quant_*.c tiles), gemm_avx512.c;
  *        attention.c -> attention_avx512.c; elementwise.c
  *     -> shared pieces: kv_write.c, row_kernels.c, convert.c, vec_math.c,
- *        threadpool.c, cpu_features.c, and csrc/common.c below them all.
+ *        threadpool.c, cpu_features.c, and base/common.c below them all.
  * An operation never calls the backend or a sideways operation; a shared piece
  * never calls an operation. tools/check_layers.py checks it on the objects. */
 

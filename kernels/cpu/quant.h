@@ -15,7 +15,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../quant_format.h"
+#include "../../base/quant_format.h"
 #include "cpu_internal.h"
 
 /* One block of quantized activations. */

@@ -8,7 +8,7 @@
 #ifndef CV_CPU_THREADPOOL_H
 #define CV_CPU_THREADPOOL_H
 
-#include "../common.h"
+#include "../../base/common.h"
 
 typedef struct cv_pool cv_pool;
 

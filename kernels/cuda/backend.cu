@@ -13,7 +13,7 @@
 #include <cstring>
 
 #include "cuda_internal.h"
-#include "../quant_format.h"
+#include "../../base/quant_format.h"
 
 /* Fixed scratch sizes, allocated once at creation so the engine's memory
  * sizing (mem_info after the model loads) already accounts for them. */

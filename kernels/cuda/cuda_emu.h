@@ -1,7 +1,7 @@
 /* A CPU emulator of the CUDA subset the backend uses, for testing the real
  * kernel code on machines without a GPU (never part of a normal build).
  *
- * tools/cuda_build.py build_emulated_library() compiles kernels/cuda/*.cu
+ * build_support/cuda_build.py build_emulated_library() compiles kernels/cuda/*.cu
  * with g++ against this header (it stands in for cuda_runtime.h, cublas_v2.h,
  * cuda_fp16.h and cuda_bf16.h) after rewriting `k<<<cfg>>>(args)` into
  * cvemu::launch(k, cvemu::cfg(cfg), args) and `extern __shared__ T name[]`

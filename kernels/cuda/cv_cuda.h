@@ -1,7 +1,7 @@
 /* The CUDA backend's C API beyond the backend table (kernels/backend.h).
  *
  * The kernels live in a separate shared library, conveyor/_conveyor_cuda.so,
- * built by tools/cuda_build.py when nvcc is found. conveyor._core never links
+ * built by build_support/cuda_build.py when nvcc is found. conveyor._core never links
  * against CUDA: kernels/cuda_loader.c dlopen()s that library on the first
  * cv_cuda_backend_create(), so `import conveyor` works on machines without a
  * GPU, a driver or the CUDA runtime.
@@ -29,7 +29,7 @@ extern "C" {
 #define CV_CUDA_ABI_VERSION 6 /* 6: cv_attn_batch.window, the qwen3/gemma3 kernels, the GGUF Q5/K dtypes */
 #define CV_CUDA_LIB_NAME "_conveyor_cuda.so"
 
-/* --- implemented by the loader (kernels/cuda_loader.c, inside _core) ------ */
+/* --- implemented by the loader (kernels/cuda_loader.c, in each module) --- */
 
 /* 1 if b was made by cv_cuda_backend_create. */
 int cv_cuda_is_backend(const cv_backend *b);

@@ -51,6 +51,12 @@ def _core():
     return _core
 
 
+def _testing():
+    """The measuring hooks (peaks, bandwidths, kernel timing) live in conveyor._testing."""
+    from conveyor import _testing
+    return _testing
+
+
 def blas_info() -> Dict[str, Any]:
     """The BLAS numpy uses: threadpoolctl's view if it is installed, else numpy.show_config()."""
     info: Dict[str, Any] = {"numpy": np.__version__}
@@ -95,11 +101,11 @@ def compute_peaks(threads: int = 0, seconds: float = 0.3) -> Dict[str, Dict[str,
     for kind in fp32_fma, bf16_dot, int8_dot: the measured peak (GFLOP/s;
     int8 GOP/s, 2 per multiply-add) of the instruction Conveyor's kernels use
     for it, on one thread and on `threads` (0: all cores)."""
-    core = _core()
+    hooks = _testing()
     out: Dict[str, Dict[str, Any]] = {}
     for kind in PEAK_KINDS:
-        one = core.measure_peak(kind, 1, seconds)
-        every = core.measure_peak(kind, threads, seconds)
+        one = hooks.measure_peak(kind, 1, seconds)
+        every = hooks.measure_peak(kind, threads, seconds)
         out[kind] = {"instruction": one["instruction"], "simd": one["simd"],
                      "per_core_gops": one["gops"], "all_gops": every["gops"],
                      "threads": every["threads"]}
@@ -139,13 +145,13 @@ def _repeats(flops: float, budget_flops: float = 3e9) -> int:
 def measure_triad(threads: int = 0, n_bytes: int = 64 << 20, repeats: int = 5) -> float:
     """GB/s of a = b + s*c over three arrays of n_bytes each, with Conveyor's pool
     (STREAM's count: 3 x n_bytes per pass)."""
-    return float(_core().kernel_triad(n_bytes, repeats, threads))
+    return float(_testing().kernel_triad(n_bytes, repeats, threads))
 
 
 def measure_read_bw(threads: int = 0, n_bytes: int = 128 << 20, repeats: int = 5) -> float:
     """GB/s of reading one array of n_bytes with Conveyor's pool: the access
     pattern of a GEMV over weights that do not fit the caches."""
-    return float(_core().kernel_read_bw(n_bytes, repeats, threads))
+    return float(_testing().kernel_read_bw(n_bytes, repeats, threads))
 
 
 def _time_interleaved(fns, repeats: int) -> List[float]:
@@ -177,7 +183,7 @@ def run_gemm_and_bandwidth(threads: Optional[int] = None,
     (f32_of_peak, bf16_of_peak), and for one token the weight bytes per second
     (GB/s). "peaks" holds the measured peaks (compute_peaks), taken before and
     after the GEMMs (the higher of the two)."""
-    core = _core()
+    hooks = _testing()
     nthreads = int(threads or 0)
     shapes = shapes or SMOLLM_135M_SHAPES
     rng = np.random.default_rng(seed)
@@ -188,15 +194,15 @@ def run_gemm_and_bandwidth(threads: Optional[int] = None,
     for name, (rows, cols) in shapes.items():
         w = (rng.standard_normal((rows, cols), dtype=np.float32) * 0.05).astype(np.float32)
         wt = w.T  # numpy multiplies by the transposed view (no copy), as a model would
-        m32 = core.kernel_matrix(w, "float32", "simd", nthreads)
-        m16 = core.kernel_matrix(w, "bfloat16", "simd", nthreads)
+        m32 = hooks.kernel_matrix(w, "float32", "simd", nthreads)
+        m16 = hooks.kernel_matrix(w, "bfloat16", "simd", nthreads)
         for n in tokens:
             x = rng.standard_normal((n, cols), dtype=np.float32)
             flops = 2.0 * n * rows * cols
             t_np, t32, t16 = _time_interleaved(
                 [lambda: (x @ wt, None)[1],
-                 lambda: core.kernel_matmul_time(m32, x, 1, False),
-                 lambda: core.kernel_matmul_time(m16, x, 1, False)],
+                 lambda: hooks.kernel_matmul_time(m32, x, 1, False),
+                 lambda: hooks.kernel_matmul_time(m16, x, 1, False)],
                 _repeats(flops))
             row = {
                 "shape": name, "rows": rows, "cols": cols, "tokens": n,
@@ -219,7 +225,7 @@ def run_gemm_and_bandwidth(threads: Optional[int] = None,
     return {
         "machine": machine_info(),
         "blas": blas_info(),
-        "threads": nthreads or core.kernel_info()["cores"],
+        "threads": nthreads or _core().kernel_info()["cores"],
         "triad_gbs": triad,
         "read_gbs": read,
         "peaks": peaks,

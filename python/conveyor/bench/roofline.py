@@ -18,7 +18,7 @@ from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
 
-from .. import LLM, SamplingParams, _core
+from .. import LLM, SamplingParams, _core, _testing
 from .kernels import PEAK_OF_DTYPE, compute_peaks, format_peaks, fraction_text, merge_peaks
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -62,8 +62,8 @@ def run(model: str, threads: Optional[int] = None, dtype: str = "bfloat16",
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     threads = threads or 0
-    triad = float(_core.kernel_triad(64 << 20, 5, threads))
-    read = float(_core.kernel_read_bw(128 << 20, 5, threads))
+    triad = float(_testing.kernel_triad(64 << 20, 5, threads))
+    read = float(_testing.kernel_read_bw(128 << 20, 5, threads))
     peaks = compute_peaks(threads)
     rng = np.random.default_rng(0)
     res: Dict[str, Any] = {"triad_gbs": triad, "read_gbs": read, "sgemm_gflops": sgemm_peak_gflops(),

@@ -31,6 +31,12 @@ def _core():
     return _core
 
 
+def _testing():
+    """The scheduler harness (Scheduler.bench_steps) lives in conveyor._testing."""
+    from conveyor import _testing
+    return _testing
+
+
 def _pcts(seconds: List[float]) -> Dict[str, float]:
     a = np.asarray(seconds, dtype=np.float64) * 1e6
     return {"median_us": float(np.percentile(a, 50)), "p99_us": float(np.percentile(a, 99)),
@@ -39,13 +45,13 @@ def _pcts(seconds: List[float]) -> Dict[str, float]:
 
 def measure(n_waiting: int, n_running: int, steps: int, py_steps: int, block_size: int,
             prompt_len: int, budget: int, policy: str) -> Dict[str, Any]:
-    core = _core()
+    hooks = _testing()
     max_tokens = steps + py_steps + 64  # nobody finishes while measured
     per_seq = -(-(prompt_len + max_tokens) // block_size)
     cfg = dict(num_blocks=1 + n_running * per_seq, block_size=block_size, max_num_seqs=n_running,
                max_num_batched_tokens=budget, max_model_len=prompt_len + max_tokens,
                enable_prefix_caching=True, enable_chunked_prefill=True, policy=policy)
-    s = core.Scheduler(**cfg)
+    s = hooks.Scheduler(**cfg)
     t0 = time.perf_counter()
     for i in range(n_running + n_waiting):
         # distinct prompts, so the prefix cache finds nothing to share

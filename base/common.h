@@ -56,7 +56,7 @@ typedef enum cv_dtype {
     CV_F64 = 3, /* only ever seen in files, converted on load */
     CV_I32 = 4,
     CV_I64 = 5,
-    /* block-quantized weights, 32 elements a block (kernels/quant_format.h);
+    /* block-quantized weights, 32 elements a block (base/quant_format.h);
      * cv_dtype_size is 0 for them: use cv_dtype_bytes */
     CV_Q8_0 = 6,
     CV_Q4_0 = 7,
@@ -84,7 +84,7 @@ typedef enum cv_dtype {
 } cv_dtype;
 
 /* Bytes per element of a plain dtype; 0 for the block formats (cv_dtype_bytes).
- * Inline, so that kernels/quant_format.h needs no function of csrc/common.c. */
+ * Inline, so that base/quant_format.h needs no function of base/common.c. */
 static inline size_t cv_dtype_size(cv_dtype t) {
     switch (t) {
     case CV_F32: return 4;
@@ -98,7 +98,7 @@ static inline size_t cv_dtype_size(cv_dtype t) {
     }
 }
 /* "float32", "float16", "bfloat16", ...: inline, so that the CUDA library (which
- * does not link csrc/common.c) names dtypes from the same table. */
+ * does not link base/common.c) names dtypes from the same table. */
 static inline const char *cv_dtype_name(cv_dtype t) {
     switch (t) {
     case CV_F32: return "float32";
@@ -151,5 +151,19 @@ int cv_grow(void **p, size_t *cap, size_t need, size_t elem);
 
 /* Checked size arithmetic: returns 0 on overflow. */
 int cv_mul_size(size_t a, size_t b, size_t *out);
+
+/* For whole-array loops in plain C that the compiler vectorizes (e.g. the
+ * sampler's passes over the vocabulary): an AVX-512, an AVX2 and a baseline
+ * copy of the function, chosen once by the loader (ifunc). No FMA
+ * contraction in C11 mode, and explicit lanes in the source, so every copy
+ * gives the same bits (checked: seeded sampling with logprobs, avx2 against
+ * avx512f copies, identical). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__AVX2__) && !defined(CV_EMULATE_AVX512) && \
+    !defined(CV_NO_VECTOR_CLONES) && \
+    defined(__linux__)
+#define CV_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define CV_VECTOR_CLONES
+#endif
 
 #endif

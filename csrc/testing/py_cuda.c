@@ -25,7 +25,7 @@
  * device reports them as an error instead of crashing. On the device, q, k
  * and v rows are laid out with strides wider than a row, like the engine's
  * fused qkv buffer. */
-#include "arrays.h"
+#include "../binding/arrays.h"
 
 #include <stdlib.h>
 #include <string.h>

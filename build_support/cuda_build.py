@@ -83,8 +83,8 @@ def _nvcc_flags():
 def _deps():
     """Files every object depends on besides its own .cu."""
     return ([h for h in glob.glob(os.path.join(CUDA_DIR, "*.h")) if not h.endswith("cuda_emu.h")] +
-            [os.path.join(ROOT, "kernels", "backend.h"), os.path.join(ROOT, "kernels", "quant_format.h"),
-             os.path.join(ROOT, "kernels", "common.h")])
+            [os.path.join(ROOT, "kernels", "backend.h"), os.path.join(ROOT, "base", "quant_format.h"),
+             os.path.join(ROOT, "base", "common.h")])
 
 
 def _newer(target, sources):
@@ -171,7 +171,7 @@ def build_emulated_library(out_path, temp_dir, cxx=None, extra_flags=()):
              "-I" + os.path.join(ROOT, "csrc")] + list(extra_flags)
     objects, jobs = [], []
     deps = glob.glob(os.path.join(CUDA_DIR, "*.h")) + [os.path.join(ROOT, "kernels", "backend.h"),
-                                                       os.path.join(ROOT, "kernels", "quant_format.h")]
+                                                       os.path.join(ROOT, "base", "quant_format.h")]
     for cu in sorted(glob.glob(os.path.join(CUDA_DIR, "*.cu"))):
         base = os.path.splitext(os.path.basename(cu))[0]
         cpp = os.path.join(src_dir, base + ".cpp")

@@ -17,13 +17,13 @@
  * A level the CPU lacks raises conveyor.UnsupportedError naming it. One
  * backend per thread count, kept for the life of the process, each with a
  * lock taken with the GIL released. */
-#include "arrays.h"
+#include "../binding/arrays.h"
 
 #include <string.h>
 
 #include "../../kernels/backend.h"
 #include "../../kernels/cpu/cpu_backend.h"
-#include "../../kernels/quant_format.h"
+#include "../../base/quant_format.h"
 
 #define QB_MAX_THREADS 64
 

@@ -1,6 +1,6 @@
 #define _POSIX_C_SOURCE 200809L
-#include "../kernels/common.h"
-#include "../kernels/quant_format.h"
+#include "common.h"
+#include "quant_format.h"
 
 #include <math.h>
 #include <stdarg.h>

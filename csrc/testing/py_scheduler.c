@@ -1,6 +1,6 @@
-/* Binding of the scheduler part: conveyor._core.Scheduler, a harness for
+/* Binding of the scheduler part: conveyor._testing.Scheduler, a harness for
  * tests and benchmarks that drives the C scheduler with a fake runner, and
- * conveyor._core.KVManager, the KV manager alone (at the end of the file).
+ * conveyor._testing.KVManager, the KV manager alone (at the end of the file).
  * Each owns the cv_sequence objects it creates (finished ones are kept, for seq_info,
  * until the harness is freed).
  *
@@ -9,7 +9,7 @@
  *   s.append_token(id, tok)      # for sequences whose tokens are all computed
  *   s.finish(id, "length")       # "stopped" | "length" | "aborted"
  */
-#include "arrays.h"
+#include "../binding/arrays.h"
 
 #include "../core/kv_manager.h"
 #include "../core/scheduler.h"
@@ -480,13 +480,13 @@ static PyType_Slot Sched_slots[] = {
 };
 
 static PyType_Spec Sched_spec = {
-    .name = "conveyor._core.Scheduler",
+    .name = "conveyor._testing.Scheduler",
     .basicsize = sizeof(SchedObject),
     .flags = CV_PY_TYPE_FLAGS,
     .slots = Sched_slots,
 };
 
-/* ---- conveyor._core.KVManager: the KV manager alone, for tests ----
+/* ---- conveyor._testing.KVManager: the KV manager alone, for tests ----
  *
  *   kv = KVManager(num_blocks, block_size, enable_prefix_caching=True)
  *   kv.add(1, [5, 6, 7])         # a sequence holding these tokens, no blocks
@@ -767,7 +767,7 @@ static PyType_Slot KV_slots[] = {
 };
 
 static PyType_Spec KV_spec = {
-    .name = "conveyor._core.KVManager",
+    .name = "conveyor._testing.KVManager",
     .basicsize = sizeof(KVObject),
     .flags = CV_PY_TYPE_FLAGS,
     .slots = KV_slots,

@@ -5,7 +5,7 @@
  *   stop_find(stops, text, new_from) -> (index, match_start) | None
  *   stop_holdback(stops, text)       -> int
  * Every argument is checked here; the C parts see only valid input. */
-#include "binding.h"
+#include "../binding/binding.h"
 
 #include <string.h>
 

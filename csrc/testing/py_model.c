@@ -1,4 +1,4 @@
-/* conveyor._core.ModelRunner: one model on a CPU backend with its own paged KV
+/* conveyor._testing.ModelRunner: one model on a CPU backend with its own paged KV
  * cache, driven batch by batch from Python (a test hook for the forward pass).
  *
  *   r = ModelRunner(path, dtype="auto", kv_cache_dtype="float32", block_size=16,
@@ -13,7 +13,7 @@
  * ValueError, non-integer arrays TypeError. The forward runs without the GIL;
  * a runner runs one call at a time: forward, reset, close and __init__ from
  * another thread meanwhile raise RuntimeError. */
-#include "arrays.h"
+#include "../binding/arrays.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -158,7 +158,7 @@ static int build_state(runner_state *st, const char *path, cv_dtype dtype, cv_dt
     int rc = CV_OK;
     st->b = cv_cpu_backend_create(num_threads, force_scalar, err);
     if (!st->b) return err->code ? err->code : CV_ERR_NOMEM;
-    cv_cpu_backend_set_exact_activations(st->b, exact);
+    cv_backend_set_exact_activations(st->b, exact);
     cv_backend *b = st->b;
     rc = cv_model_load_quantized(&st->m, path, b, dtype, quant, NULL, err);
     if (rc) return rc;
@@ -656,7 +656,7 @@ static PyType_Slot ModelRunner_slots[] = {
 };
 
 static PyType_Spec ModelRunner_spec = {
-    .name = "conveyor._core.ModelRunner",
+    .name = "conveyor._testing.ModelRunner",
     .basicsize = sizeof(ModelRunnerObject),
     .flags = CV_PY_TYPE_FLAGS,
     .slots = ModelRunner_slots,

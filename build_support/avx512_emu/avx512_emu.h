@@ -2,7 +2,7 @@
  * AVX512_BF16 kernels can run (slowly) and be tested on a CPU without them.
  *
  * Built with CONVEYOR_EMULATE_AVX512=1 (setup.py: -DCV_EMULATE_AVX512 -I
- * tools/avx512_emu; needs SIMDe, Debian package libsimde-dev); see
+ * build_support/avx512_emu; needs SIMDe, Debian package libsimde-dev); see
  * tools/avx512_emulated.sh. SIMDe supplies most intrinsics under their Intel
  * names; the few SIMDe 0.7 lacks are written below, lane by lane, from the
  * Intel definitions. cv_cpu_features then reports every level supported. */
@@ -14,7 +14,7 @@
 #include <simde/x86/f16c.h>
 #include <string.h>
 
-#include "../../kernels/common.h" /* cv_f16_to_f32, cv_f32_to_f16 */
+#include "../../base/common.h" /* cv_f16_to_f32, cv_f32_to_f16 */
 
 #define EMU_FN static inline
 
