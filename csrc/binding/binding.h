@@ -59,6 +59,7 @@ int cv_py_add_cuda(PyObject *m);       /* py_cuda.c      */
 int cv_py_add_model(PyObject *m);      /* py_model.c     */
 int cv_py_add_quant(PyObject *m);      /* py_quant.c     */
 int cv_py_add_gguf(PyObject *m);       /* py_gguf.c      */
+int cv_py_add_tokenizer(PyObject *m);  /* py_tokenizer.c */
 
 /* A GGUF file's key/values as a dict in file order (py_gguf.c). */
 struct cv_gguf_file;

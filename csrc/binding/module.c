@@ -19,6 +19,7 @@ PyMODINIT_FUNC PyInit__core(void) {
         cv_py_add_cuda(m) < 0 || cv_py_add_model(m) < 0 || cv_py_add_quant(m) < 0 ||
         cv_py_add_gguf(m) < 0)
         goto fail;
+    if (cv_py_add_tokenizer(m) < 0) goto fail;
     /* the kernel path chosen at run time (CONVEYOR_SIMD, else the CPU's best) */
     cv_simd_level level;
     if (cv_simd_from_env(&level, NULL) != CV_SIMD_OK) level = cv_simd_best();
