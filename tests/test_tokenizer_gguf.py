@@ -1,7 +1,7 @@
 """GGUF tokenizers built from C tables: the same ids as the Python builder they replace
-(recorded in tests/data/gguf_tokenizer_ids.json), merges from scores equal to their
-definition, and a budget that turns a crafted vocabulary into a clear error within
-bounded memory and time."""
+(recorded in tests/data/gguf_tokenizer_ids.json), the C SentencePiece encoder equal to HF
+`tokenizers` running the merge list, merges from scores equal to their definition, and
+crafted vocabularies loaded, or refused with a clear error, within bounded memory and time."""
 import hashlib
 import json
 import random
@@ -14,8 +14,8 @@ import pytest
 
 import conveyor
 from conveyor import _core
-from conveyor.gguf_tokenizer import (MERGE_BUDGET_BYTES, MERGE_MAX_TOKEN_CHARS, GGUFTokenizer, merge_budget,
-                                     score_merges)
+from conveyor.gguf_tokenizer import (MERGE_BUDGET_BYTES, MERGE_MAX_TOKEN_CHARS, GGUFTokenizer, build_hf_tokenizer,
+                                     merge_budget, score_merges)
 
 DATA = Path(__file__).parent / "data" / "gguf_tokenizer_ids.json"
 
@@ -128,44 +128,129 @@ def _peak_child(code: str) -> tuple[str, float, float]:
     return r.stdout, float(took), float(mib)
 
 
-def test_dense_merges_are_a_clear_error_within_budget(tmp_path):
+def test_dense_vocabulary_loads_within_bounds(tmp_path):
     """The crafted file of the issue: 1.95 MB of tokens, every substring of up to 128
-    characters of one random string (~1.5 M merges, +879 MiB before). The scores would give
-    more merges than the file's budget: a ModelFormatError naming them, within 512 MiB and 5 s."""
+    characters of one random string, so every split of every token is a merge (~1.5 M,
+    +879 MiB before). The C encoder builds no merge list: it loads and encodes within
+    512 MiB and 5 s."""
     path, tokens = _dense_gguf(tmp_path / "dense.gguf", length=270, max_chars=128)
     size = path.stat().st_size
-    assert 1_500_000 < size <= 2_000_000, size
-    splits = sum(len(t) - 1 for t in tokens[3:])
-    assert splits > 3 * merge_budget(tokens)
+    assert 1_800_000 < size <= 2_000_000, size
+    whole = "".join(t for t in tokens[3:] if len(t) == 1)  # not the string, but its characters
+    longest = tokens[-1]
     out, took, mib = _peak_child(f"""
+        tok = conveyor.gguf_tokenizer.GGUFTokenizer.from_file({str(path)!r})
+        print("LONGEST", tok.encode({longest!r}, add_special_tokens=False))
+        print("MIXED", len(tok.encode({whole!r} * 20)))
+    """)
+    print(f"took {took:.2f} s, peak RSS +{mib:.0f} MiB")
+    assert f"LONGEST [{len(tokens) - 1}]" in out, out
+    assert "MIXED " in out
+    assert took < 5.0, f"{took:.1f} s"
+    assert mib < 512, f"peak RSS grew by {mib:.0f} MiB"
+
+
+def test_dense_merge_list_is_a_clear_error_within_bounds(tmp_path):
+    """The same file as a merge list for HF `tokenizers` (the reference): more merges than
+    the budget of its size, a ModelFormatError naming them, within 512 MiB and 5 s."""
+    path, tokens = _dense_gguf(tmp_path / "dense.gguf", length=270, max_chars=128)
+    assert sum(len(t) - 1 for t in tokens[3:]) > 3 * merge_budget(tokens)
+    out, took, mib = _peak_child(f"""
+        md = conveyor._core.gguf_metadata({str(path)!r})
         try:
-            conveyor.gguf_tokenizer.GGUFTokenizer.from_file({str(path)!r})
+            conveyor.gguf_tokenizer.build_hf_tokenizer(md)
         except conveyor.ModelFormatError as e:
             print("ERROR", e)
     """)
+    print(f"took {took:.2f} s, peak RSS +{mib:.0f} MiB")
     assert "ERROR GGUF tokenizer: the scores give more than" in out, out
     assert f"one merge per {MERGE_BUDGET_BYTES} bytes" in out
-    print(f"took {took:.2f} s, peak RSS +{mib:.0f} MiB")
     assert took < 5.0, f"{took:.1f} s"
     assert mib < 512, f"peak RSS grew by {mib:.0f} MiB"
 
 
 def test_merges_just_inside_the_budget_load_within_bounds(tmp_path):
-    """A <= 2 MB file whose scores give nearly as many merges as its budget allows loads,
-    within 512 MiB and 5 s, and encodes its tokens whole."""
+    """A <= 2 MB file whose scores give nearly as many merges as its budget allows: its
+    merge list loads within 512 MiB and 5 s, and the C encoder gives its ids."""
     path, tokens = _dense_gguf(tmp_path / "near.gguf", length=130, max_chars=128, filler=8200)
     assert path.stat().st_size <= 2_000_000
     n_merges = len(score_merges(tokens, [0.0] * len(tokens), None))
     assert 300_000 < n_merges <= merge_budget(tokens) < 1.2 * n_merges
-    word = tokens[-8201]  # a longest substring: 128 characters
+    rng = random.Random(1)
+    texts = [tokens[-8201], tokens[-1]] + ["".join(rng.choice(tokens[3:300]) for _ in range(30)) for _ in range(20)]
     out, took, mib = _peak_child(f"""
-        tok = conveyor.gguf_tokenizer.GGUFTokenizer.from_file({str(path)!r})
-        print("IDS", tok.encode({word!r}, add_special_tokens=False))
+        md = conveyor._core.gguf_metadata({str(path)!r})
+        hf = conveyor.gguf_tokenizer.build_hf_tokenizer(md)
+        tok = conveyor.gguf_tokenizer.GGUFTokenizer(md)
+        for text in {texts!r}:
+            assert tok.encode(text) == hf.encode(text).ids, text
+        print("IDS", tok.encode({texts[0]!r}, add_special_tokens=False))
     """)
-    assert f"IDS [{len(tokens) - 8201}]" in out, out
     print(f"took {took:.2f} s, peak RSS +{mib:.0f} MiB")
+    assert f"IDS [{len(tokens) - 8201}]" in out, out
     assert took < 5.0, f"{took:.1f} s"
     assert mib < 512, f"peak RSS grew by {mib:.0f} MiB"
+
+
+# ---------------------------------------------------------------------------- C encoder = HF BPE
+
+
+def _check_against_hf(tok, hf, texts):
+    """tok (the C encoder) against hf (`tokenizers` with the merge list): ids, and decodes
+    with and without special tokens."""
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert ids == hf.encode(text, add_special_tokens=False).ids, text
+        assert tok.decode(ids, skip_special_tokens=False) == hf.decode(ids, skip_special_tokens=False), text
+        plain = [i for i in ids if i not in tok.special_ids]
+        assert tok.decode(ids) == hf.decode(plain, skip_special_tokens=True), text
+
+
+def _random_texts(rng, pieces, n, length=40):
+    return ["".join(rng.choice(pieces) for _ in range(rng.randint(0, length))) for _ in range(n)]
+
+
+def test_encoder_matches_hf_on_the_test_vocabulary(tmp_path):
+    from conveyor.gguf import GGUFReader
+    from conveyor.testing import write_gguf_checkpoint
+
+    for prefix in (True, False):
+        md = GGUFReader(write_gguf_checkpoint(tmp_path / f"m{prefix}.gguf", shape="tiny", tokenizer="llama",
+                                              extra_metadata={"tokenizer.ggml.add_space_prefix": prefix})).metadata
+        tok, hf = GGUFTokenizer(md), build_hf_tokenizer(md)
+        pieces = list("abcdefghij klmnop  \t\n.,!?'") + ["the", " cat", "<s>", "</s>", "<unk>", "▁", "é", "日本", "🙂",
+                                                       "\u0301", "<0x41>", "\x00", "  "]
+        _check_against_hf(tok, hf, _random_texts(random.Random(prefix), pieces, 300))
+
+
+def test_encoder_matches_hf_on_crafted_vocabularies():
+    """Duplicated texts, an unknown token without byte tokens (runs fused), user-defined
+    and control tokens inside words, an empty token, equal scores, tokens that are never
+    split (unused, byte): the C encoder and the merge list agree."""
+    for seed in range(8):
+        rng = random.Random(seed)
+        alphabet = list("ab▁c日")
+        tokens = ["<unk>", "<s>", "", "<ctl>", "b▁", "ab", "<0x41>"] + alphabet
+        while len(tokens) < 200:
+            tokens.append("".join(rng.choice(alphabet) for _ in range(rng.randint(2, 5))))
+        tokens += tokens[20:40]  # duplicates
+        types = [2, 3, 3, 3, 4, 4, 6] + [rng.choice([1, 1, 1, 1, 4, 5, 6]) for _ in tokens[7:]]
+        scores = [float(rng.randint(-3, 3)) for _ in tokens]
+        md = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores,
+              "tokenizer.ggml.token_type": types, "tokenizer.ggml.unknown_token_id": 0,
+              "tokenizer.ggml.add_space_prefix": bool(seed % 2)}
+        tok, hf = GGUFTokenizer(md), build_hf_tokenizer(md)
+        pieces = alphabet + [" ", "x", "yz", "<s>", "<ctl>", "b ", "ab", "A", "é", "🙂"]
+        _check_against_hf(tok, hf, _random_texts(rng, pieces, 150))
+
+
+def test_encoder_matches_hf_on_gemma3(gemma3_file):
+    md = _core.gguf_metadata(str(gemma3_file), array_limit=1 << 16)
+    tok, hf = GGUFTokenizer(md), build_hf_tokenizer(md)
+    rng = random.Random(3)
+    words = [t.replace("▁", " ") for t in rng.sample(md["tokenizer.ggml.tokens"], 3000)]
+    pieces = words + list(" \n\t.,;:!?'\"()[]{}<>-_=+*/\\|@#$%^&~`0123456789") + ["  ", "\n\n", "🙂", "👍🏽", "\u200d"]
+    _check_against_hf(tok, hf, _random_texts(rng, pieces, 400, length=25))
 
 
 # ---------------------------------------------------------------------------- real vocabularies

@@ -5,67 +5,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Polynomial hash h(s) = sum s[i] * base^i (mod 2^64): the hash of every prefix
- * and every suffix of a token follows from its neighbour's in O(1). The base is
- * odd and drawn from the caller's seed, so crafted files cannot aim at it; equal
- * hashes are always confirmed by comparing bytes. */
-typedef struct vocab_slot {
-    uint64_t hash;
-    int32_t id;      /* -1 when empty */
-    uint32_t len;    /* the token's bytes (checked before its text is read) */
-} vocab_slot;
-
-typedef struct vocab_table {
-    vocab_slot *slots; /* [mask + 1] */
-    size_t mask;       /* slots - 1 (a power of two) */
-    const cv_token_text *tokens;
-} vocab_table;
-
-static size_t slot_of(uint64_t h, size_t mask) {
-    h ^= h >> 33; /* murmur3's finalizer: the low bits of a polynomial hash are weak */
-    h *= UINT64_C(0xff51afd7ed558ccd);
-    h ^= h >> 33;
-    h *= UINT64_C(0xc4ceb9fe1a85ec53);
-    h ^= h >> 33;
-    return (size_t)h & mask;
-}
-
-static uint64_t text_hash(const char *p, size_t len, uint64_t base) {
-    uint64_t h = 0, pw = 1;
-    for (size_t i = 0; i < len; i++, pw *= base) h += (uint64_t)(unsigned char)p[i] * pw;
-    return h;
-}
-
-/* The first id of text p[len] with hash h, or -1. */
-static int32_t table_find(const vocab_table *t, uint64_t h, const char *p, size_t len) {
-    for (size_t s = slot_of(h, t->mask);; s = (s + 1) & t->mask) {
-        const vocab_slot *e = &t->slots[s];
-        if (e->id < 0) return -1;
-        if (e->hash == h && e->len == len && !memcmp(t->tokens[e->id].p, p, len)) return e->id;
-    }
-}
-
-static int table_build(vocab_table *t, const cv_token_text *tokens, int64_t n, uint64_t base, cv_err *err) {
-    size_t cap = 16;
-    while (cap < 2 * (size_t)n) cap *= 2;
-    t->slots = malloc(cap * sizeof *t->slots);
-    if (!t->slots)
-        return cv_set_err(err, CV_ERR_NOMEM, "GGUF tokenizer: out of memory for the vocabulary table of %lld tokens",
-                          (long long)n);
-    for (size_t s = 0; s < cap; s++) t->slots[s] = (vocab_slot){0, -1, 0};
-    t->mask = cap - 1;
-    t->tokens = tokens;
-    for (int64_t i = 0; i < n; i++) {
-        if (tokens[i].len > UINT32_MAX) continue; /* never a split's part: those are shorter than a split token */
-        const uint64_t h = text_hash(tokens[i].p, tokens[i].len, base);
-        if (table_find(t, h, tokens[i].p, tokens[i].len) >= 0) continue; /* the first id keeps the text */
-        size_t s = slot_of(h, t->mask);
-        while (t->slots[s].id >= 0) s = (s + 1) & t->mask;
-        t->slots[s] = (vocab_slot){h, (int32_t)i, (uint32_t)tokens[i].len};
-    }
-    return 0;
-}
-
 typedef struct scored {
     double score;
     int32_t id;
@@ -102,17 +41,18 @@ static size_t count_chars(const char *p, size_t len) {
 
 /* Appends token p[len]'s splits with both parts in the vocabulary to out
  * (sorted by left id); suffix is scratch [len + 1]. */
-static int token_splits(cv_score_merges *out, int64_t *cap, const vocab_table *table, const char *p, size_t len,
-                        uint64_t base, uint64_t *suffix, split *found, int64_t max_merges, cv_err *err) {
+static int token_splits(cv_score_merges *out, int64_t *cap, const cv_vocab_table *table, const char *p, size_t len,
+                        uint64_t *suffix, split *found, int64_t max_merges, cv_err *err) {
+    const uint64_t base = table->base;
     size_t n = 0;
     suffix[len] = 0;
     for (size_t k = len; k-- > 0;) suffix[k] = (unsigned char)p[k] + base * suffix[k + 1];
     uint64_t prefix = (unsigned char)p[0], pw = base;
     for (size_t k = 1; k < len; prefix += (unsigned char)p[k] * pw, pw *= base, k++) {
         if (is_continuation((unsigned char)p[k])) continue;
-        const int32_t left = table_find(table, prefix, p, k);
+        const int32_t left = cv_vocab_find(table, prefix, p, k);
         if (left < 0) continue;
-        const int32_t right = table_find(table, suffix[k], p + k, len - k);
+        const int32_t right = cv_vocab_find(table, suffix[k], p + k, len - k);
         if (right >= 0) found[n++] = (split){left, right};
     }
     if (!n) return 0;
@@ -143,23 +83,20 @@ int cv_score_merges_build(cv_score_merges *out, const cv_token_text *tokens, con
                           const int32_t *types, int64_t n_tokens, int max_token_chars, int64_t max_merges,
                           uint64_t seed, cv_err *err) {
     memset(out, 0, sizeof *out);
-    if (n_tokens < 0 || n_tokens > INT32_MAX)
-        return cv_set_err(err, CV_ERR_FORMAT, "GGUF tokenizer: %lld tokens (at most %d)", (long long)n_tokens, INT32_MAX);
     if (max_token_chars < 2 || max_merges < 0)
         return cv_set_err(err, CV_ERR_INVALID, "score merges: max_token_chars %d must be >= 2 and max_merges %lld >= 0",
                           max_token_chars, (long long)max_merges);
     for (int64_t i = 0; i < n_tokens; i++)
         if (isnan(scores[i])) return cv_set_err(err, CV_ERR_FORMAT, "GGUF tokenizer: the score of token %lld is NaN", (long long)i);
 
-    const uint64_t base = (seed * UINT64_C(0x9E3779B97F4A7C15)) | 1u;
     /* a valid token of max_token_chars characters has at most 4 bytes each */
     const size_t max_bytes = 4 * (size_t)max_token_chars;
-    vocab_table table = {0};
+    cv_vocab_table table = {0};
     int64_t cap = 0, n_split = 0;
     uint64_t *suffix = malloc((max_bytes + 1) * sizeof *suffix); /* hash of token[k:] [len + 1] */
     split *found = malloc(max_bytes * sizeof *found);             /* one token's splits [len - 1] */
     scored *order = malloc((n_tokens ? (size_t)n_tokens : 1) * sizeof *order); /* the tokens to split */
-    int rc = suffix && found && order ? table_build(&table, tokens, n_tokens, base, err)
+    int rc = suffix && found && order ? cv_vocab_table_build(&table, tokens, n_tokens, seed, err)
                                       : cv_set_err(err, CV_ERR_NOMEM, "GGUF tokenizer: out of memory");
     for (int64_t i = 0; rc == 0 && i < n_tokens; i++) {
         const int32_t type = types ? types[i] : CV_TOKEN_NORMAL;
@@ -171,13 +108,13 @@ int cv_score_merges_build(cv_score_merges *out, const cv_token_text *tokens, con
     if (rc == 0) qsort(order, (size_t)n_split, sizeof *order, scored_order);
     for (int64_t j = 0; rc == 0 && j < n_split; j++) {
         const cv_token_text *t = &tokens[order[j].id];
-        rc = token_splits(out, &cap, &table, t->p, t->len, base, suffix, found, max_merges, err);
+        rc = token_splits(out, &cap, &table, t->p, t->len, suffix, found, max_merges, err);
     }
     if (rc < 0) cv_score_merges_free(out);
     free(order);
     free(found);
     free(suffix);
-    free(table.slots);
+    cv_vocab_table_free(&table);
     return rc;
 }
 void cv_score_merges_free(cv_score_merges *m) {

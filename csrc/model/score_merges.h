@@ -8,8 +8,8 @@
  * type normal or user-defined, of 2 to max_token_chars characters, are split;
  * a text that occurs under several ids is known by its first id.
  *
- * Cost: one hash table of the vocabulary (two slots per token), then one pass
- * over each token's bytes with rolling prefix/suffix hashes, so the time is
+ * Cost: one hash table of the vocabulary (vocab_table.h), then one pass over
+ * each token's bytes with rolling prefix/suffix hashes, so the time is
  * linear in the tokens' bytes plus the merges found; the merges found are
  * capped by max_merges (the caller's budget), beyond which the build stops
  * with CV_ERR_FORMAT before allocating more. */
@@ -19,15 +19,11 @@
 #include <stddef.h>
 #include <stdint.h>
 #include "../../kernels/common.h"
+#include "vocab_table.h"
 
 /* tokenizer.ggml.token_type values */
 enum { CV_TOKEN_NORMAL = 1, CV_TOKEN_UNKNOWN = 2, CV_TOKEN_CONTROL = 3, CV_TOKEN_USER = 4,
        CV_TOKEN_UNUSED = 5, CV_TOKEN_BYTE = 6 };
-
-typedef struct cv_token_text {
-    const char *p; /* UTF-8, not NUL-terminated [len] */
-    size_t len;
-} cv_token_text;
 
 typedef struct cv_score_merges {
     int32_t *left;  /* token id of each merge's left part [n] */

@@ -3,21 +3,21 @@
     tok = GGUFTokenizer.from_file("model.gguf")     # or GGUFTokenizer(metadata_dict)
 
 ``tokenizer.ggml.model`` "gpt2": byte-level BPE (tokens, merges) with the pre-tokenizer
-named by ``tokenizer.ggml.pre`` (see GGUF_PRE_TOKENIZERS); "llama": SentencePiece-style
-(tokens, scores; "▁" for spaces, <0xNN> byte-fallback tokens, dummy prefix unless
-``add_space_prefix`` is false). Control, unknown and user-defined tokens are matched
-whole in the text, never split. Encoding and decoding run in HF `tokenizers`.
+named by ``tokenizer.ggml.pre`` (see GGUF_PRE_TOKENIZERS), run by HF `tokenizers`;
+"llama": SentencePiece-style (tokens, scores; "▁" for spaces, <0xNN> byte-fallback
+tokens, dummy prefix unless ``add_space_prefix`` is false), run by a C encoder
+(``_core.SpmTokenizer``) straight from the tables, as llama.cpp does: no merge list is
+built, so a 262k vocabulary loads in a few hundredths of a second. Control, unknown and
+user-defined tokens are matched whole in the text, never split.
 
-How it stays fast and bounded:
-- SentencePiece vocabularies carry scores, not merges. The equivalent BPE merges (every
-  split of a token into two tokens, best score first) come from C
-  (``_core.gguf_score_merges``: one hash table of the vocabulary, rolling hashes over
-  each token, no Python object per candidate), capped by a budget proportional to the
-  size of the tokenizer's arrays in the file: a vocabulary whose splits exceed it is a
-  ModelFormatError naming the count and the budget, raised before the merges are built.
-- The `tokenizers` object is assembled through its Python API (no tokenizer.json text to
-  write and parse), and the per-id tables (bytes of every token, special ids) come
-  straight from the token list, not from the built tokenizer's vocabulary.
+The ids are those of the BPE that HF `tokenizers` runs with the merges equivalent to the
+scores (``build_hf_tokenizer``, the tests' reference): every split of a token into two
+tokens, best score first. Deriving that list costs memory per merge, so it is capped by a
+budget proportional to the size of the tokenizer's arrays in the file (``merge_budget``):
+past it, a ModelFormatError naming the count and the budget, before the merges are built.
+The gpt2 `tokenizers` object is assembled through its Python API (no tokenizer.json text
+to write and parse); the per-id tables (bytes of every token, special ids) come straight
+from the token list.
 """
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ import re
 from pathlib import Path
 
 from ._core import ModelFormatError, UnsupportedError
-from .tokenizer import _BYTELEVEL_TO_LATIN1, HFTokenizer
+from .tokenizer import _BYTELEVEL_TO_LATIN1, HFTokenizer, _check_ids
 
-__all__ = ["GGUFTokenizer", "GGUF_PRE_TOKENIZERS"]
+__all__ = ["GGUFTokenizer", "GGUF_PRE_TOKENIZERS", "build_hf_tokenizer"]
 
 # Pre-tokenizer regexes by ``tokenizer.ggml.pre`` name, as llama.cpp applies them: each
 # regex in turn splits every piece into its matches and the text between them.
@@ -129,8 +129,9 @@ def _split_merges(lines: list[str]) -> list[tuple[str, str]]:
 
 
 def _build(md: dict, tokens: list[str], types: list[int], vocab: dict[str, int]):
-    """The `tokenizers` object of GGUF tokenizer metadata, and whether a leading space is
-    added (SentencePiece dummy prefix)."""
+    """The `tokenizers` object of GGUF tokenizer metadata (for "llama", with the merges
+    derived from its scores), and whether a leading space is added (SentencePiece dummy
+    prefix)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     model = md.get("tokenizer.ggml.model")
@@ -200,6 +201,31 @@ def _token_bytes(tokens: list[str], types: list[int], vocab: dict[str, int], sty
     return out
 
 
+def build_hf_tokenizer(metadata: dict):
+    """GGUF tokenizer metadata as a HF `tokenizers` Tokenizer: for "llama" vocabularies the
+    BPE with the merges their scores give (within merge_budget), which GGUFTokenizer's C
+    encoder matches id for id."""
+    tokens = _meta_list(metadata, "tokenizer.ggml.tokens", str)
+    types = _meta_list(metadata, "tokenizer.ggml.token_type", int, required=False) or [_TT_NORMAL] * len(tokens)
+    vocab = dict(zip(reversed(tokens), range(len(tokens) - 1, -1, -1)))
+    return _build(metadata, tokens, types, vocab)[0]
+
+
+def _hf_byte(piece: str) -> int | None:
+    """The byte of a <0xNN> piece as HF's ByteFallback decoder reads it, else None."""
+    raw = piece.encode("utf-8")
+    if len(raw) != 6 or not raw.startswith(b"<0x") or not raw.endswith(b">"):
+        return None
+    return int(raw[3:5], 16) if re.fullmatch(rb"\+?[0-9A-Fa-f]+", raw[3:5]) else None
+
+
+def _decode_run(run: bytearray) -> str:
+    try:
+        return run.decode("utf-8")
+    except UnicodeDecodeError:
+        return "\ufffd" * len(run)
+
+
 class GGUFTokenizer(HFTokenizer):
     """The tokenizer of a GGUF file (see the module's docstring). ``metadata`` is a plain
     dict (from conveyor.gguf.GGUFReader or the C reader's ``Checkpoint.metadata``; arrays
@@ -230,15 +256,21 @@ class GGUFTokenizer(HFTokenizer):
         gc.disable()
         try:
             vocab = dict(zip(reversed(tokens), range(n - 1, -1, -1)))  # a text's first id
-            self._tok, prefix = _build(md, tokens, types, vocab)
-            self.path = None
             self.model = md["tokenizer.ggml.model"]
+            if self.model == "llama":
+                self._tok, prefix = None, self._build_spm(md, tokens, types)
+            else:
+                self._spm = None
+                self._tok, prefix = _build(md, tokens, types, vocab)
+            self.path = None
             self.pre = md.get("tokenizer.ggml.pre")
             self.style = "bytelevel" if self.model == "gpt2" else "metaspace"
             self.byte_fallback = self.model == "llama"
             self.strip_leading_space_after_bos = prefix
             self.vocab_size = max(max(vocab.values()) + 1, len(vocab))
             self._bytes = _token_bytes(tokens, types, vocab, self.style)[:self.vocab_size]
+            self._tokens = tokens
+            self._dup_ids = {i for i, t in enumerate(tokens) if vocab[t] != i} if len(vocab) < n else set()
         finally:
             if collecting:
                 gc.enable()
@@ -262,6 +294,66 @@ class GGUFTokenizer(HFTokenizer):
         self.add_eos_token = bool(md.get("tokenizer.ggml.add_eos_token", False))
         tmpl = md.get("tokenizer.chat_template")
         self.chat_template = tmpl if isinstance(tmpl, str) and tmpl else None
+
+    def _build_spm(self, md: dict, tokens: list[str], types: list[int]) -> bool:
+        """The C encoder of a "llama" vocabulary; whether it adds a leading space."""
+        from . import _core
+
+        scores = _meta_list(md, "tokenizer.ggml.scores", (int, float))
+        if len(scores) != len(tokens):
+            raise ModelFormatError(f"GGUF tokenizer: {len(scores)} scores for {len(tokens)} tokens")
+        prefix = bool(md.get("tokenizer.ggml.add_space_prefix", True))
+        unk = _meta_id(md, "tokenizer.ggml.unknown_token_id", len(tokens))
+        self._spm = _core.SpmTokenizer(tokens, scores, types, unk_id=-1 if unk is None else unk,
+                                       add_space_prefix=prefix, max_token_chars=MERGE_MAX_TOKEN_CHARS,
+                                       seed=int.from_bytes(os.urandom(8), "little"))
+        return prefix
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self._spm is None:
+            return super().encode(text, add_special_tokens)
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        ids = self._spm.encode(text)
+        if add_special_tokens:
+            if self.add_bos_token and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+                ids.insert(0, self.bos_id)
+            if self.add_eos_token and self.eos_id is not None and (not ids or ids[-1] != self.eos_id):
+                ids.append(self.eos_id)
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """As HF `tokenizers` decodes a SentencePiece vocabulary: "▁" as a space, runs of
+        <0xNN> pieces as their bytes (U+FFFD for each byte of a run that is not UTF-8),
+        then one leading space dropped when a dummy prefix is added."""
+        if self._spm is None:
+            return super().decode(ids, skip_special_tokens)
+        ids = [i for i in _check_ids(ids) if i < self.vocab_size and i not in self._dup_ids]
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self.special_ids]
+        out: list[str] = []
+        run = bytearray()
+        for i in ids:
+            piece = self._tokens[i].replace("\u2581", " ")
+            b = _hf_byte(piece) if piece.startswith("<0x") else None
+            if b is not None:
+                run.append(b)
+                continue
+            if run:
+                out.append(_decode_run(run))
+                run.clear()
+            out.append(piece)
+        if run:
+            out.append(_decode_run(run))
+        text = "".join(out)
+        return text[1:] if self.strip_leading_space_after_bos and text.startswith(" ") else text
+
+    def id_to_piece(self, token_id: int) -> str | None:
+        if self._spm is None:
+            return super().id_to_piece(token_id)
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
+            return None
+        return None if token_id in self._dup_ids else self._tokens[token_id]
 
     @classmethod
     def from_file(cls, path) -> "GGUFTokenizer":
