@@ -244,6 +244,17 @@ def test_encoder_matches_hf_on_crafted_vocabularies():
         _check_against_hf(tok, hf, _random_texts(rng, pieces, 150))
 
 
+def test_overlong_special_token_is_a_clear_error():
+    """Tokens cut out of the text whole are matched at every position of every prompt; one
+    longer than 256 bytes (real ones: 31 at most) is refused when the file is read."""
+    md = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["<unk>", "a", "<" + "x" * 300 + ">"],
+          "tokenizer.ggml.scores": [0.0, 0.0, 0.0], "tokenizer.ggml.token_type": [2, 1, 4]}
+    with pytest.raises(conveyor.ModelFormatError, match="token 2 .* is 302 bytes long; such tokens may have at most 256"):
+        GGUFTokenizer(md)
+    md["tokenizer.ggml.token_type"] = [2, 1, 1]  # a normal token of that length is fine
+    assert GGUFTokenizer(md).encode("a", add_special_tokens=False) == [1]
+
+
 def test_encoder_matches_hf_on_gemma3(gemma3_file):
     md = _core.gguf_metadata(str(gemma3_file), array_limit=1 << 16)
     tok, hf = GGUFTokenizer(md), build_hf_tokenizer(md)

@@ -55,8 +55,14 @@ static int32_t trie_child(const trie *t, int32_t node, unsigned char b) {
 static int trie_build(trie *t, const cv_spm_tokenizer *v, const int32_t *types, cv_err *err) {
     size_t total = 0;
     for (int64_t i = 0; i < v->n; i++)
-        if (types && (types[i] == TOKEN_UNKNOWN || types[i] == TOKEN_CONTROL || types[i] == TOKEN_USER))
+        if (types && (types[i] == TOKEN_UNKNOWN || types[i] == TOKEN_CONTROL || types[i] == TOKEN_USER)) {
+            if (v->tokens[i].len > CV_SPM_MAX_CUT_BYTES)
+                return cv_set_err(err, CV_ERR_FORMAT,
+                                  "GGUF tokenizer: token %lld (type %d, matched whole in the text) is %zu bytes long; "
+                                  "such tokens may have at most %d",
+                                  (long long)i, (int)types[i], v->tokens[i].len, CV_SPM_MAX_CUT_BYTES);
             total += v->tokens[i].len;
+        }
     size_t cap = 16;
     while (cap < 2 * total) cap *= 2;
     t->match = malloc((total + 1) * sizeof *t->match);

@@ -15,7 +15,8 @@
  *      first: t's score, then the ids of t, a, b, then the leftmost.
  * A text held by several ids is known by its first id; the merge of a text
  * held by several ids ranks by its worst-scoring such id (the last in the
- * merge list). Time O(n log n) in the text's bytes; memory O(n). */
+ * merge list). Time O(n log n) in the text's bytes, plus at most
+ * CV_SPM_MAX_CUT_BYTES trie steps per byte for step 1; memory O(n). */
 #ifndef CV_MODEL_SPM_TOKENIZER_H
 #define CV_MODEL_SPM_TOKENIZER_H
 
@@ -24,10 +25,15 @@
 #include "../../kernels/common.h"
 #include "vocab_table.h"
 
+/* The longest control, unknown or user-defined token accepted (bytes): real
+ * vocabularies stay far below (Gemma 3: 31, SmolLM2: 16). */
+#define CV_SPM_MAX_CUT_BYTES 256
+
 typedef struct cv_spm_tokenizer cv_spm_tokenizer;
 
 /* Builds the tables from tokens [n] (copied), scores [n], types [n] (NULL:
- * all normal); unk_id < 0: none. A NaN score is CV_ERR_FORMAT. */
+ * all normal); unk_id < 0: none. A NaN score, or a token to cut out longer
+ * than CV_SPM_MAX_CUT_BYTES, is CV_ERR_FORMAT. */
 int cv_spm_create(cv_spm_tokenizer **out, const cv_token_text *tokens, const double *scores, const int32_t *types,
                   int64_t n, int max_token_chars, int32_t unk_id, int add_space_prefix, uint64_t seed, cv_err *err);
 /* The ids of text[len] (valid UTF-8) in *ids (malloc'd, the caller frees), *n_ids of them. */
