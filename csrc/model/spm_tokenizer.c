@@ -201,16 +201,24 @@ static int before(const candidate *a, const candidate *b) {
 
 typedef struct heap {
     candidate *items; /* [cap] */
-    size_t n;
+    size_t n, cap;
 } heap;
 
-static void heap_push(heap *h, candidate c) {
+static int heap_push(heap *h, candidate c, cv_err *err) {
+    if (h->n == h->cap) {
+        const size_t cap = h->cap ? 2 * h->cap : 64;
+        candidate *grown = realloc(h->items, cap * sizeof *grown);
+        if (!grown) return cv_set_err(err, CV_ERR_NOMEM, "tokenizer: out of memory for %zu merge candidates", cap);
+        h->items = grown;
+        h->cap = cap;
+    }
     size_t i = h->n++;
     while (i > 0 && before(&c, &h->items[(i - 1) / 2])) {
         h->items[i] = h->items[(i - 1) / 2];
         i = (i - 1) / 2;
     }
     h->items[i] = c;
+    return 0;
 }
 
 static candidate heap_pop(heap *h) {
@@ -280,15 +288,18 @@ static int encode_piece(const cv_spm_tokenizer *v, const char *text, size_t len,
     size_t spaces = 0;
     for (size_t i = 0; i < len; i++) spaces += text[i] == ' ';
     const size_t norm_len = len + 2 * spaces + (v->prefix ? 3 : 0);
+    if (norm_len > INT32_MAX)
+        return cv_set_err(err, CV_ERR_INVALID, "tokenizer: a text of %zu bytes is too long to encode (at most %d)",
+                          len, INT32_MAX / 3);
     char *norm = malloc(norm_len);
     symbols s = {0};
     s.id = malloc(norm_len * sizeof *s.id);
     s.prev = malloc(norm_len * sizeof *s.prev);
     s.next = malloc(norm_len * sizeof *s.next);
     s.len = malloc(norm_len * sizeof *s.len);
-    heap h = {malloc(3 * norm_len * sizeof *h.items), 0};
+    heap h = {0};
     int rc = 0;
-    if (!norm || !s.id || !s.prev || !s.next || !s.len || !h.items) {
+    if (!norm || !s.id || !s.prev || !s.next || !s.len) {
         rc = cv_set_err(err, CV_ERR_NOMEM, "tokenizer: out of memory for a text of %zu bytes", len);
         goto done;
     }
@@ -330,12 +341,12 @@ static int encode_piece(const cv_spm_tokenizer *v, const char *text, size_t len,
     if (unk_pending) add_symbol(&s, v->unk, unk_len);
 
     candidate c;
-    for (size_t i = 0; i + 1 < s.n; i++)
+    for (size_t i = 0; rc == 0 && i + 1 < s.n; i++)
         if (pair_merge(v, s.id[i], s.id[i + 1], &c)) {
             c.pos = (int32_t)i;
-            heap_push(&h, c);
+            rc = heap_push(&h, c, err);
         }
-    while (h.n) {
+    while (rc == 0 && h.n) {
         const candidate top = heap_pop(&h);
         const int32_t pos = top.pos, right = s.next[pos];
         if (!s.len[pos] || right < 0) continue;
@@ -347,11 +358,11 @@ static int encode_piece(const cv_spm_tokenizer *v, const char *text, size_t len,
         if (s.next[pos] >= 0) s.prev[s.next[pos]] = pos;
         if (s.prev[pos] >= 0 && pair_merge(v, s.id[s.prev[pos]], s.id[pos], &c)) {
             c.pos = s.prev[pos];
-            heap_push(&h, c);
+            rc = heap_push(&h, c, err);
         }
-        if (s.next[pos] >= 0 && pair_merge(v, s.id[pos], s.id[s.next[pos]], &c)) {
+        if (rc == 0 && s.next[pos] >= 0 && pair_merge(v, s.id[pos], s.id[s.next[pos]], &c)) {
             c.pos = pos;
-            heap_push(&h, c);
+            rc = heap_push(&h, c, err);
         }
     }
     for (size_t i = 0; rc == 0 && i < s.n; i++)
