@@ -55,14 +55,15 @@ _LLAMA3_PRE = {"llama-bpe", "llama3"}
 _TT_NORMAL, _TT_UNKNOWN, _TT_CONTROL, _TT_USER, _TT_UNUSED, _TT_BYTE = 1, 2, 3, 4, 5, 6
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
-# Bounds on the merges derived from scores. Only tokens of 2..MERGE_MAX_TOKEN_CHARS
-# characters are split (SentencePiece's own pieces are at most 16 by default); a longer
-# token gets no merges (still matched whole when it is a control or user-defined token).
-# The merges may number at most one per MERGE_BUDGET_BYTES bytes of the tokenizer's
-# arrays (each token's text, its 8-byte length, 4-byte score and 4-byte type), and never
-# more than MAX_MERGES: real vocabularies need far fewer (Gemma 3: 514,847 merges from
-# 6.5 MB, one per 12.6 bytes), while a crafted vocabulary in which every split of every
-# token is a token would otherwise turn a 2 MB file into millions of merges.
+# Merges from scores: only tokens of 2..MERGE_MAX_TOKEN_CHARS characters are split into
+# merges (SentencePiece's own pieces are at most 16 by default); a longer token is never
+# the result of a merge (still matched whole when it is a control or user-defined token).
+# The C encoder and the merge list follow the same rule. The merge list (build_hf_tokenizer)
+# may hold at most one merge per MERGE_BUDGET_BYTES bytes of the tokenizer's arrays (each
+# token's text, its 8-byte length, 4-byte score and 4-byte type), and never more than
+# MAX_MERGES: real vocabularies need far fewer (Gemma 3: 514,847 merges from 6.5 MB, one
+# per 12.6 bytes), while a crafted vocabulary in which every split of every token is a
+# token would turn a 2 MB file into millions of merges.
 MERGE_MAX_TOKEN_CHARS = 128
 MERGE_BUDGET_BYTES = 4
 MAX_MERGES = 4_000_000
@@ -93,8 +94,11 @@ def _meta_id(md: dict, key: str, n: int) -> int | None:
 def merge_budget(tokens: list[str]) -> int:
     """The most merges the scores of ``tokens`` may give (see MERGE_BUDGET_BYTES); the
     characters of the tokens stand in for their bytes (never more)."""
-    arrays = sum(map(len, tokens)) + 16 * len(tokens)
-    return min(MAX_MERGES, arrays // MERGE_BUDGET_BYTES)
+    return min(MAX_MERGES, _arrays_bytes(tokens) // MERGE_BUDGET_BYTES)
+
+
+def _arrays_bytes(tokens: list[str]) -> int:
+    return sum(map(len, tokens)) + 16 * len(tokens)
 
 
 def score_merges(tokens: list[str], scores: list, types: list[int] | None) -> list[tuple[str, str]]:
@@ -112,7 +116,7 @@ def score_merges(tokens: list[str], scores: list, types: list[int] | None) -> li
         if "merges" not in str(e):
             raise
         raise ModelFormatError(
-            f"{e}: the budget of a tokenizer whose arrays hold {budget * MERGE_BUDGET_BYTES} bytes "
+            f"{e}: the budget of a tokenizer whose arrays hold {_arrays_bytes(tokens)} bytes "
             f"({len(tokens)} tokens) is one merge per {MERGE_BUDGET_BYTES} bytes, at most {MAX_MERGES}; "
             f"splits of its tokens into two tokens give more") from None
 
