@@ -83,6 +83,8 @@ int cv_score_merges_build(cv_score_merges *out, const cv_token_text *tokens, con
                           const int32_t *types, int64_t n_tokens, int max_token_chars, int64_t max_merges,
                           uint64_t seed, cv_err *err) {
     memset(out, 0, sizeof *out);
+    if (n_tokens < 0 || n_tokens > INT32_MAX)
+        return cv_set_err(err, CV_ERR_FORMAT, "GGUF tokenizer: %lld tokens (at most %d)", (long long)n_tokens, INT32_MAX);
     if (max_token_chars < 2 || max_merges < 0)
         return cv_set_err(err, CV_ERR_INVALID, "score merges: max_token_chars %d must be >= 2 and max_merges %lld >= 0",
                           max_token_chars, (long long)max_merges);

@@ -21,10 +21,6 @@
 #include "../../kernels/common.h"
 #include "vocab_table.h"
 
-/* tokenizer.ggml.token_type values */
-enum { CV_TOKEN_NORMAL = 1, CV_TOKEN_UNKNOWN = 2, CV_TOKEN_CONTROL = 3, CV_TOKEN_USER = 4,
-       CV_TOKEN_UNUSED = 5, CV_TOKEN_BYTE = 6 };
-
 typedef struct cv_score_merges {
     int32_t *left;  /* token id of each merge's left part [n] */
     int32_t *right; /* token id of each merge's right part [n] */

@@ -6,8 +6,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { TOKEN_NORMAL = 1, TOKEN_UNKNOWN = 2, TOKEN_CONTROL = 3, TOKEN_USER = 4 };
-
 /* A byte trie of the tokens cut out of the raw text. */
 typedef struct trie_edge {
     uint64_t key;  /* parent node * 256 + byte + 1; 0 when empty */
@@ -55,7 +53,7 @@ static int32_t trie_child(const trie *t, int32_t node, unsigned char b) {
 static int trie_build(trie *t, const cv_spm_tokenizer *v, const int32_t *types, cv_err *err) {
     size_t total = 0;
     for (int64_t i = 0; i < v->n; i++)
-        if (types && (types[i] == TOKEN_UNKNOWN || types[i] == TOKEN_CONTROL || types[i] == TOKEN_USER)) {
+        if (types && (types[i] == CV_TOKEN_UNKNOWN || types[i] == CV_TOKEN_CONTROL || types[i] == CV_TOKEN_USER)) {
             if (v->tokens[i].len > CV_SPM_MAX_CUT_BYTES)
                 return cv_set_err(err, CV_ERR_FORMAT,
                                   "GGUF tokenizer: token %lld (type %d, matched whole in the text) is %zu bytes long; "
@@ -73,7 +71,7 @@ static int trie_build(trie *t, const cv_spm_tokenizer *v, const int32_t *types, 
     t->n_nodes = 1;
     t->match[0] = -1;
     for (int64_t i = 0; types && i < v->n; i++) {
-        if (types[i] != TOKEN_UNKNOWN && types[i] != TOKEN_CONTROL && types[i] != TOKEN_USER) continue;
+        if (types[i] != CV_TOKEN_UNKNOWN && types[i] != CV_TOKEN_CONTROL && types[i] != CV_TOKEN_USER) continue;
         const cv_token_text *tok = &v->tokens[i];
         if (!tok->len) continue; /* an empty token matches nothing */
         int32_t node = 0;
@@ -144,9 +142,9 @@ int cv_spm_create(cv_spm_tokenizer **out, const cv_token_text *tokens, const dou
     }
     /* the merges into a text rank by the last of its ids in merge-list order: the worst score, then the highest id */
     for (int64_t i = 0; i < n; i++) {
-        const int32_t type = types ? types[i] : TOKEN_NORMAL;
+        const int32_t type = types ? types[i] : CV_TOKEN_NORMAL;
         const size_t len = v->tokens[i].len;
-        if (type != TOKEN_NORMAL && type != TOKEN_USER) continue;
+        if (type != CV_TOKEN_NORMAL && type != CV_TOKEN_USER) continue;
         const size_t chars = count_chars(v->tokens[i].p, len);
         if (chars < 2 || chars > (size_t)max_token_chars) continue;
         const int32_t first = cv_vocab_find(&v->table, v->hash[i], v->tokens[i].p, len);

@@ -12,6 +12,10 @@
 #include <stdint.h>
 #include "../../kernels/common.h"
 
+/* tokenizer.ggml.token_type values */
+enum { CV_TOKEN_NORMAL = 1, CV_TOKEN_UNKNOWN = 2, CV_TOKEN_CONTROL = 3, CV_TOKEN_USER = 4,
+       CV_TOKEN_UNUSED = 5, CV_TOKEN_BYTE = 6 };
+
 typedef struct cv_token_text {
     const char *p; /* UTF-8, not NUL-terminated [len] */
     size_t len;
