@@ -709,206 +709,18 @@ class HFTokenizer(Tokenizer):
 
 # ---------------------------------------------------------------------------- GGUF
 
-# Pre-tokenizer regexes by ``tokenizer.ggml.pre`` name, as llama.cpp applies them: each
-# regex in turn splits every piece into its matches and the text between them.
-_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_REGEX = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|"
-                 r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_REGEX = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|"
-                r"\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-GGUF_PRE_TOKENIZERS: dict[str, list[str]] = {
-    "default": [r"[\p{P}\$\+<=>\^~\|]+", _GPT2_REGEX, r"\p{N}+", r"[0-9][0-9][0-9]"],
-    "gpt2": [_GPT2_REGEX],
-    "smollm": [r"\p{N}", _GPT2_REGEX],
-    "starcoder": [r"\p{N}", _GPT2_REGEX],
-    "llama-bpe": [_LLAMA3_REGEX],
-    "llama3": [_LLAMA3_REGEX],
-    "qwen2": [_QWEN2_REGEX],
-    "qwen2.5": [_QWEN2_REGEX],
-}
-# Llama 3 vocabularies: a word that is itself a token is taken whole (merges not applied),
-# and BOS is added unless the file says otherwise (llama.cpp's behaviour for them).
-_LLAMA3_PRE = {"llama-bpe", "llama3"}
-# tokenizer.ggml.token_type values
-_TT_NORMAL, _TT_UNKNOWN, _TT_CONTROL, _TT_USER, _TT_UNUSED, _TT_BYTE = 1, 2, 3, 4, 5, 6
+# GGUF tokenizers live in gguf_tokenizer.py (which builds on HFTokenizer); these names
+# stay importable from here.
+_GGUF_NAMES = ("GGUFTokenizer", "GGUF_PRE_TOKENIZERS", "GGUF_METADATA_ARRAY_LIMIT", "MERGE_MAX_TOKEN_CHARS",
+               "MAX_MERGES")
 
 
-def _meta_list(md: dict, key: str, kind, required: bool = True) -> list | None:
-    v = md.get(key)
-    if v is None:
-        if required:
-            raise ModelFormatError(f"GGUF tokenizer: metadata {key} is missing")
-        return None
-    if not isinstance(v, (list, tuple)) or not all(isinstance(x, kind) for x in v):
-        raise ModelFormatError(f"GGUF tokenizer: metadata {key} must be a list of {kind}")
-    return list(v)
+def __getattr__(name: str):
+    if name in _GGUF_NAMES:
+        from . import gguf_tokenizer
 
-
-def _meta_id(md: dict, key: str, n: int) -> int | None:
-    v = md.get(key)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < n:
-        raise ModelFormatError(f"GGUF tokenizer: {key} = {v!r} is not a token id below {n}")
-    return v
-
-
-# Bounds on building SentencePiece merges from a GGUF file's scores, which tries every
-# split of every token (time ~ tokens x length^2): SentencePiece's own pieces are at most
-# 16 characters by default and real vocabularies stay well under MERGE_MAX_TOKEN_CHARS;
-# a longer token gets no merges (it is still matched whole when it is a control or
-# user-defined token). MAX_MERGES bounds the list handed to `tokenizers`.
-MERGE_MAX_TOKEN_CHARS = 128
-MAX_MERGES = 4_000_000
-# gguf_metadata(array_limit=...): other arrays longer than this are not read into lists.
-GGUF_METADATA_ARRAY_LIMIT = 1 << 16
-
-
-def _merges_from_scores(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
-    """BPE merges equivalent to SentencePiece's highest-score-first bigram merging: every
-    split (a, b) of a token t with a and b in the vocabulary, ordered by t's score (best
-    first), then by the ids of t, a, b. Tokens longer than MERGE_MAX_TOKEN_CHARS are not
-    split; more than MAX_MERGES merges is a ModelFormatError."""
-    ids: dict[str, int] = {}
-    for i, t in enumerate(tokens):
-        ids.setdefault(t, i)
-    found = []  # (-score, id, id of a, id of b): ints and floats only, strings looked up at the end
-    for i, t in enumerate(tokens):
-        if types[i] not in (_TT_NORMAL, _TT_USER) or not 2 <= len(t) <= MERGE_MAX_TOKEN_CHARS:
-            continue
-        for k in range(1, len(t)):
-            ia, ib = ids.get(t[:k]), ids.get(t[k:])
-            if ia is not None and ib is not None:
-                found.append((-scores[i], i, ia, ib))
-        if len(found) > MAX_MERGES:
-            raise ModelFormatError(f"GGUF tokenizer: the scores give more than {MAX_MERGES} merges")
-    found.sort()
-    return [(tokens[ia], tokens[ib]) for _, _, ia, ib in found]
-
-
-def _gguf_spec(md: dict, tokens: list[str], types: list[int]) -> tuple[dict, bool]:
-    """tokenizer.json equivalent of GGUF tokenizer metadata, and whether a leading space
-    is added (SentencePiece dummy prefix)."""
-    model = md.get("tokenizer.ggml.model")
-    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-              "normalized": False, "special": types[i] != _TT_USER}
-             for i, t in enumerate(tokens) if types[i] in (_TT_UNKNOWN, _TT_CONTROL, _TT_USER)]
-    vocab: dict[str, int] = {}
-    for i, t in enumerate(tokens):
-        vocab.setdefault(t, i)
-    spec = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
-            "post_processor": None}
-    if model == "gpt2":
-        pre = md.get("tokenizer.ggml.pre", "default")
-        if pre not in GGUF_PRE_TOKENIZERS:
-            from ._core import UnsupportedError
-            raise UnsupportedError(f"GGUF tokenizer: pre-tokenizer {pre!r} is not supported; "
-                                   f"supported: {', '.join(GGUF_PRE_TOKENIZERS)}")
-        merges = []
-        for m in _meta_list(md, "tokenizer.ggml.merges", str):
-            cut = m.find(" ", 1)  # a merge is "left right"; the left part may begin with a space
-            if cut < 0:
-                raise ModelFormatError(f"GGUF tokenizer: merge {m!r} has no space")
-            merges.append((m[:cut], m[cut + 1:]))
-        splits = [{"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": False}
-                  for r in GGUF_PRE_TOKENIZERS[pre]]
-        spec.update(
-            normalizer=None,
-            pre_tokenizer={"type": "Sequence", "pretokenizers": splits + [
-                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]},
-            decoder={"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
-            model={"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                   "ignore_merges": pre in _LLAMA3_PRE, "vocab": vocab, "merges": merges})
-        return spec, False
-    if model == "llama":
-        scores = _meta_list(md, "tokenizer.ggml.scores", (int, float))
-        if len(scores) != len(tokens):
-            raise ModelFormatError(f"GGUF tokenizer: {len(scores)} scores for {len(tokens)} tokens")
-        prefix = bool(md.get("tokenizer.ggml.add_space_prefix", True))
-        unk = _meta_id(md, "tokenizer.ggml.unknown_token_id", len(tokens))
-        norm = [{"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]
-        if prefix:
-            norm.insert(0, {"type": "Prepend", "prepend": "\u2581"})
-        dec = [{"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
-               {"type": "ByteFallback"}, {"type": "Fuse"}]
-        if prefix:
-            dec.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
-        spec.update(
-            normalizer={"type": "Sequence", "normalizers": norm}, pre_tokenizer=None,
-            decoder={"type": "Sequence", "decoders": dec},
-            model={"type": "BPE", "dropout": None, "unk_token": None if unk is None else tokens[unk],
-                   "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True,
-                   "byte_fallback": True, "ignore_merges": False, "vocab": vocab,
-                   "merges": _merges_from_scores(tokens, scores, types)})
-        return spec, prefix
-    from ._core import UnsupportedError
-    raise UnsupportedError(f"GGUF tokenizer model {model!r} is not supported (gpt2, llama)")
-
-
-class GGUFTokenizer(HFTokenizer):
-    """The tokenizer stored in a GGUF file's metadata, built in memory as a `tokenizers`
-    tokenizer. ``metadata`` is a plain dict (from conveyor.gguf.GGUFReader or the C reader's
-    ``Checkpoint.metadata``; arrays as lists).
-
-    ``tokenizer.ggml.model`` "gpt2": byte-level BPE (tokens, merges) with the pre-tokenizer
-    named by ``tokenizer.ggml.pre`` (see GGUF_PRE_TOKENIZERS); "llama": SentencePiece-style
-    (tokens, scores; "▁" for spaces, <0xNN> byte-fallback tokens, dummy prefix unless
-    ``add_space_prefix`` is false). Control, unknown and user-defined tokens are matched
-    whole in the text, never split."""
-
-    kind = "gguf"
-
-    def __init__(self, metadata: dict):
-        import tokenizers
-
-        if not isinstance(metadata, dict):
-            raise TypeError(f"metadata must be a dict, got {type(metadata).__name__}")
-        md = metadata
-        if "tokenizer.ggml.model" not in md:
-            raise ModelFormatError("GGUF file has no tokenizer (metadata tokenizer.ggml.model is missing)")
-        tokens = _meta_list(md, "tokenizer.ggml.tokens", str)
-        if not tokens:
-            raise ModelFormatError("GGUF tokenizer: tokenizer.ggml.tokens is empty")
-        types = _meta_list(md, "tokenizer.ggml.token_type", int, required=False) or [_TT_NORMAL] * len(tokens)
-        if len(types) != len(tokens):
-            raise ModelFormatError(f"GGUF tokenizer: {len(types)} token types for {len(tokens)} tokens")
-        spec, prefix = _gguf_spec(md, tokens, types)
-        try:
-            self._tok = tokenizers.Tokenizer.from_str(json.dumps(spec))
-        except Exception as e:  # the Rust side raises plain Exception
-            raise ModelFormatError(f"GGUF tokenizer: cannot build it ({e})") from None
-        self.path = None
-        self.model = md["tokenizer.ggml.model"]
-        self.pre = md.get("tokenizer.ggml.pre")
-        n = len(tokens)
-        bos = _meta_id(md, "tokenizer.ggml.bos_token_id", n)
-        eos = _meta_id(md, "tokenizer.ggml.eos_token_id", n)
-        eot = _meta_id(md, "tokenizer.ggml.eot_token_id", n)
-        self.pad_id = _meta_id(md, "tokenizer.ggml.padding_token_id", n)
-        self.unk_id = _meta_id(md, "tokenizer.ggml.unknown_token_id", n)
-        tmpl = md.get("tokenizer.chat_template")
-        cfg = {"bos_token": None if bos is None else tokens[bos],
-               "eos_token": None if eos is None else tokens[eos],
-               # llama.cpp's defaults: SentencePiece and Llama 3 vocabularies add BOS, other BPE ones do not
-               "add_bos_token": md.get("tokenizer.ggml.add_bos_token",
-                                       self.model == "llama" or self.pre in _LLAMA3_PRE),
-               "add_eos_token": md.get("tokenizer.ggml.add_eos_token", False),
-               "chat_template": tmpl if isinstance(tmpl, str) else None}
-        eos_ids = [i for i in (eos, eot) if i is not None]
-        self._setup(spec, cfg, {"bos_token_id": bos}, {"eos_token_id": eos_ids})
-        self.special_ids |= {i for i, t in enumerate(types) if t in (_TT_CONTROL, _TT_UNKNOWN)}
-        self.strip_leading_space_after_bos = prefix
-
-    @classmethod
-    def from_file(cls, path) -> "GGUFTokenizer":
-        from . import _core
-
-        # the C reader (conveyor.gguf, the Python one, is the tests' independent reference)
-        # arrays the tokenizer does not read are left out when long (their lists cost ~10x the file)
-        tok = cls(_core.gguf_metadata(os.fspath(path), array_limit=GGUF_METADATA_ARRAY_LIMIT))
-        tok.path = Path(os.fspath(path))
-        return tok
+        return getattr(gguf_tokenizer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _is_gguf(path: Path) -> bool:
@@ -961,6 +773,8 @@ def load_tokenizer(model_path, tokenizer=None) -> Tokenizer:
         raise FileNotFoundError(f"model not found: {model_path}")
     gguf = model_path.is_file() and _is_gguf(model_path)
     if gguf and tokenizer is None:
+        from .gguf_tokenizer import GGUFTokenizer
+
         return GGUFTokenizer.from_file(model_path)
     vocab_size = _llama2c_vocab_size(model_path) if model_path.is_file() and not gguf else None
 
