@@ -286,7 +286,7 @@ EOF
   if ! cmp -s "$bdir/driver.c.new" "$bdir/driver.c" 2>/dev/null; then mv "$bdir/driver.c.new" "$bdir/driver.c"; else rm "$bdir/driver.c.new"; fi
 }
 
-model_srcs=(csrc/model/safetensors.c csrc/model/json.c csrc/model/checkpoint.c csrc/model/mapped_file.c csrc/model/checkpoint_hf.c
+model_srcs=(csrc/model/safetensors.c csrc/model/json.c csrc/model/checkpoint.c csrc/model/checkpoint_open.c csrc/model/mapped_file.c csrc/model/checkpoint_hf.c
             csrc/model/checkpoint_llama2c.c csrc/model/gguf.c csrc/model/checkpoint_gguf.c base/common.c)
 stop_srcs=(csrc/core/stop.c)
 
