@@ -25,10 +25,11 @@ extern PyObject *cv_ModelFormatError;   /* malformed model file (also a ValueErr
 extern PyObject *cv_UnsupportedError;   /* valid but unsupported (also a ValueError) */
 extern PyObject *cv_EngineClosedError;  /* use after close (also a RuntimeError) */
 extern PyObject *cv_EngineOverloadedError; /* the request queue is full (also a RuntimeError) */
+extern PyObject *cv_EngineBusyError;    /* the background loop runs (also a RuntimeError) */
 
 /* Raises the Python exception for a C status code with err's message and
  * returns NULL; when err->field is set the exception's .field attribute
- * names the request field at fault. */
+ * names the request or engine config field at fault. */
 PyObject *cv_py_raise(const cv_err *err);
 
 /* Creates the heap type of spec (tied to module m) and adds it to m under its

@@ -6,6 +6,7 @@ PyObject *cv_ModelFormatError;
 PyObject *cv_UnsupportedError;
 PyObject *cv_EngineClosedError;
 PyObject *cv_EngineOverloadedError;
+PyObject *cv_EngineBusyError;
 
 PyObject *cv_py_raise(const cv_err *err) {
     const char *msg = (err && err->msg[0]) ? err->msg : "conveyor: unknown error";
@@ -22,13 +23,14 @@ PyObject *cv_py_raise(const cv_err *err) {
     case CV_ERR_STATE: type = cv_EngineClosedError; break;
     case CV_ERR_CANCELLED: type = PyExc_KeyboardInterrupt; break;
     case CV_ERR_OVERLOADED: type = cv_EngineOverloadedError; break;
+    case CV_ERR_BUSY: type = cv_EngineBusyError; break;
     default: type = cv_ConveyorError; break;
     }
     if (!(err && err->field[0])) {
         PyErr_SetString(type, msg);
         return NULL;
     }
-    /* a request field is at fault: the exception carries it as .field */
+    /* a request or config field is at fault: the exception carries it as .field */
     PyObject *exc = PyObject_CallFunction(type, "s", msg);
     if (!exc) return NULL;
     PyObject *field = PyUnicode_FromString(err->field);
@@ -67,8 +69,11 @@ int cv_py_add_errors(PyObject *m) {
     cv_EngineClosedError = new_error(m, "EngineClosedError", bases, "The engine was closed.");
     cv_EngineOverloadedError = new_error(m, "EngineOverloadedError", bases,
                                          "The request queue is full (max_queued_requests); retry later.");
+    cv_EngineBusyError = new_error(m, "EngineBusyError", bases,
+                                   "The engine's background loop runs: the call belongs to the loop's owner "
+                                   "only while it is stopped.");
     Py_CLEAR(bases);
-    if (!cv_EngineClosedError || !cv_EngineOverloadedError) goto fail;
+    if (!cv_EngineClosedError || !cv_EngineOverloadedError || !cv_EngineBusyError) goto fail;
     return 0;
 fail:
     Py_XDECREF(bases);

@@ -41,33 +41,14 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
     pthread_cond_init(&e->in_cond, NULL);
     pthread_mutex_init(&e->out_lock, NULL);
     e->wake_fd = -1;
+    if ((rc = cv_engine_config_check(cfg, err))) goto fail;
     e->seed = cfg->seed;
-    e->max_queued = cfg->max_queued_requests;
-    if (cfg->max_queued_requests < 0 || cfg->max_prefill_tokens_while_decoding < 0) {
-        rc = cv_set_err(err, CV_ERR_INVALID,
-                        "max_queued_requests (%lld) and max_prefill_tokens_while_decoding (%lld) "
-                        "must be >= 0 (0: no limit)",
-                        (long long)cfg->max_queued_requests,
-                        (long long)cfg->max_prefill_tokens_while_decoding);
-        goto fail;
-    }
-
-    if ((rc = cv_spec_config_check(&cfg->spec, err))) goto fail;
+    e->max_queued = cfg->max_queued_requests > 0 ? cfg->max_queued_requests : 0;
     e->spec = cfg->spec;
-    if (cfg->block_size < 1 || cfg->block_size > 1024) {
-        rc = cv_set_err(err, CV_ERR_INVALID, "block_size must be in [1, 1024], got %lld",
-                        (long long)cfg->block_size);
-        goto fail;
-    }
-    if (cfg->max_num_seqs < 1) {
-        rc = cv_set_err(err, CV_ERR_INVALID, "max_num_seqs must be >= 1, got %lld",
-                        (long long)cfg->max_num_seqs);
-        goto fail;
-    }
     if (cfg->use_cuda) {
         e->backend = cv_cuda_backend_create(0, err);
     } else {
-        e->backend = cv_cpu_backend_create(cfg->num_threads, 0, err);
+        e->backend = cv_cpu_backend_create(cfg->num_threads > 0 ? (int)cfg->num_threads : 0, 0, err);
         if (e->backend) cv_cpu_backend_set_exact_activations(e->backend, cfg->exact_activations);
     }
     if (!e->backend) { rc = err ? err->code : CV_ERR_STATE; if (rc >= 0) rc = CV_ERR_STATE; goto fail; }
@@ -80,9 +61,9 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
     e->vocab = mc->vocab_size;
     e->max_model_len = cfg->max_model_len > 0 ? cfg->max_model_len : mc->max_pos;
     if (e->max_model_len > mc->max_pos) {
-        rc = cv_set_err(err, CV_ERR_INVALID,
-                        "max_model_len %lld exceeds the model's max_position_embeddings %lld",
-                        (long long)e->max_model_len, (long long)mc->max_pos);
+        rc = cv_set_field_err(err, CV_ERR_INVALID, "max_model_len",
+                              "max_model_len %lld exceeds the model's max_position_embeddings %lld",
+                              (long long)e->max_model_len, (long long)mc->max_pos);
         goto fail;
     }
     e->max_num_seqs = cfg->max_num_seqs;
@@ -90,10 +71,10 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
     e->max_tokens_step = cfg->max_num_batched_tokens > 0 ? cfg->max_num_batched_tokens : 2048;
     if (!cfg->enable_chunked_prefill && e->max_tokens_step < e->max_model_len) {
         if (cfg->max_num_batched_tokens > 0) {
-            rc = cv_set_err(err, CV_ERR_INVALID,
-                            "max_num_batched_tokens (%lld) must be >= max_model_len (%lld) when "
-                            "enable_chunked_prefill is False",
-                            (long long)e->max_tokens_step, (long long)e->max_model_len);
+            rc = cv_set_field_err(err, CV_ERR_INVALID, "max_num_batched_tokens",
+                                  "max_num_batched_tokens (%lld) must be >= max_model_len (%lld) when "
+                                  "enable_chunked_prefill is False",
+                                  (long long)e->max_tokens_step, (long long)e->max_model_len);
             goto fail;
         }
         e->max_tokens_step = e->max_model_len;
@@ -122,8 +103,8 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
     if (kvt == CV_DTYPE_INVALID)
         kvt = cv_dtype_is_quant(cv_engine_matrix_dtype(e)) ? CV_BF16 : e->model->dtype;
     size_t per_token = cv_kv_bytes_per_token(mc->n_layers, mc->n_kv_heads, mc->head_dim, kvt);
-    size_t kv = cfg->kv_cache_bytes ? cfg->kv_cache_bytes
-                                     : default_kv_bytes(e, per_token, cfg->gpu_memory_utilization);
+    size_t kv = cfg->kv_cache_bytes > 0 ? (size_t)cfg->kv_cache_bytes
+                                         : default_kv_bytes(e, per_token, cfg->gpu_memory_utilization);
     if ((rc = cv_kv_cache_create(&e->kv, e->backend, mc->n_layers, mc->n_kv_heads, mc->head_dim, kvt,
                                  e->block_size, kv, cfg->cancel, err)))
         goto fail;
@@ -133,7 +114,7 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
         .max_num_batched_tokens = e->max_tokens_step, .max_model_len = e->max_model_len,
         .enable_prefix_caching = cfg->enable_prefix_caching,
         .enable_chunked_prefill = cfg->enable_chunked_prefill, .policy = cfg->policy,
-        .max_prefill_tokens_while_decoding = cfg->max_prefill_tokens_while_decoding,
+        .max_prefill_tokens_while_decoding = cv_engine_config_prefill_cap(cfg),
     };
     e->sched = cv_scheduler_create(&sc, err);
     if (!e->sched) { rc = err ? err->code : CV_ERR_STATE; goto fail; }
@@ -417,11 +398,11 @@ static int engine_step(cv_engine *e, cv_err *err) {
     return (int)plan.n_seqs;
 }
 
-/* CV_ERR_STATE, naming what was refused, while the background loop steps. */
+/* CV_ERR_BUSY, naming what was refused, while the background loop steps. */
 static int refuse_while_looping(const cv_engine *e, const char *what, cv_err *err) {
     /* loop_running changes only on the thread that owns the engine, the caller's */
     if (!e->loop_running) return CV_OK;
-    return cv_set_err(err, CV_ERR_STATE, "cannot %s while its background loop runs", what);
+    return cv_set_err(err, CV_ERR_BUSY, "cannot %s while its background loop runs", what);
 }
 
 int cv_engine_step(cv_engine *e, cv_err *err) {
@@ -472,7 +453,7 @@ static void *loop_main(void *arg) {
 }
 
 int cv_engine_start_loop(cv_engine *e, int wake_fd, cv_err *err) {
-    if (e->loop_running) return cv_set_err(err, CV_ERR_STATE, "the engine loop is already running");
+    if (e->loop_running) return cv_set_err(err, CV_ERR_BUSY, "the engine loop is already running");
     e->wake_fd = wake_fd;
     e->stop_flag = 0;
     if (pthread_create(&e->thread, NULL, loop_main, e) != 0)
