@@ -32,6 +32,49 @@ static size_t default_kv_bytes(cv_engine *e, size_t per_token, double gpu_util) 
     return kv < minimum ? minimum : kv;
 }
 
+/* The sizes a step works within, from the config and the model: the context,
+ * the sequences, the tokens and the logits rows of one step. */
+static int size_steps(cv_engine *e, const cv_engine_config *cfg, const cv_model_config *mc, cv_err *err) {
+    e->vocab = mc->vocab_size;
+    e->max_model_len = cfg->max_model_len > 0 ? cfg->max_model_len : mc->max_pos;
+    if (e->max_model_len > mc->max_pos)
+        return cv_set_field_err(err, CV_ERR_INVALID, "max_model_len",
+                                "max_model_len %lld exceeds the model's max_position_embeddings %lld",
+                                (long long)e->max_model_len, (long long)mc->max_pos);
+    e->max_num_seqs = cfg->max_num_seqs;
+    e->block_size = cfg->block_size;
+    e->max_tokens_step = cfg->max_num_batched_tokens > 0 ? cfg->max_num_batched_tokens : 2048;
+    if (!cfg->enable_chunked_prefill && e->max_tokens_step < e->max_model_len) {
+        if (cfg->max_num_batched_tokens > 0)
+            return cv_set_field_err(err, CV_ERR_INVALID, "max_num_batched_tokens",
+                                    "max_num_batched_tokens (%lld) must be >= max_model_len (%lld) when "
+                                    "enable_chunked_prefill is False",
+                                    (long long)e->max_tokens_step, (long long)e->max_model_len);
+        e->max_tokens_step = e->max_model_len;
+    }
+    if (e->max_tokens_step < e->max_num_seqs) e->max_tokens_step = e->max_num_seqs;
+    /* a speculating sequence wants a logits row per proposal + 1 */
+    e->rows.max_rows = e->max_num_seqs;
+    if (cfg->spec.method != CV_SPEC_NONE) {
+        int64_t want = e->max_num_seqs * (cfg->spec.num_tokens + 1);
+        e->rows.max_rows = want < e->max_tokens_step ? want : e->max_tokens_step;
+        if (e->rows.max_rows < e->max_num_seqs) e->rows.max_rows = e->max_num_seqs;
+    }
+    return CV_OK;
+}
+
+/* The stats a new engine reports before its first step. */
+static void first_stats(cv_engine *e) {
+    e->stats_live.num_blocks = e->kv.num_blocks;
+    e->stats_live.block_size = e->block_size;
+    e->stats_live.max_model_len = e->max_model_len;
+    e->stats_live.max_num_seqs = e->max_num_seqs;
+    e->stats_live.max_num_batched_tokens = e->max_tokens_step;
+    e->stats_live.kv_cache_bytes = e->kv.bytes;
+    cv_scheduler_get_stats(e->sched, &e->stats_live.sched);
+    e->outbox.stats = e->stats_live;
+}
+
 int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) {
     int rc = CV_OK;
     cv_engine *e = calloc(1, sizeof *e);
@@ -56,35 +99,7 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
         goto fail;
 
     const cv_model_config *mc = &e->model->cfg;
-    e->vocab = mc->vocab_size;
-    e->max_model_len = cfg->max_model_len > 0 ? cfg->max_model_len : mc->max_pos;
-    if (e->max_model_len > mc->max_pos) {
-        rc = cv_set_field_err(err, CV_ERR_INVALID, "max_model_len",
-                              "max_model_len %lld exceeds the model's max_position_embeddings %lld",
-                              (long long)e->max_model_len, (long long)mc->max_pos);
-        goto fail;
-    }
-    e->max_num_seqs = cfg->max_num_seqs;
-    e->block_size = cfg->block_size;
-    e->max_tokens_step = cfg->max_num_batched_tokens > 0 ? cfg->max_num_batched_tokens : 2048;
-    if (!cfg->enable_chunked_prefill && e->max_tokens_step < e->max_model_len) {
-        if (cfg->max_num_batched_tokens > 0) {
-            rc = cv_set_field_err(err, CV_ERR_INVALID, "max_num_batched_tokens",
-                                  "max_num_batched_tokens (%lld) must be >= max_model_len (%lld) when "
-                                  "enable_chunked_prefill is False",
-                                  (long long)e->max_tokens_step, (long long)e->max_model_len);
-            goto fail;
-        }
-        e->max_tokens_step = e->max_model_len;
-    }
-    if (e->max_tokens_step < e->max_num_seqs) e->max_tokens_step = e->max_num_seqs;
-    /* a speculating sequence wants a logits row per proposal + 1 */
-    e->rows.max_rows = e->max_num_seqs;
-    if (cfg->spec.method != CV_SPEC_NONE) {
-        int64_t want = e->max_num_seqs * (cfg->spec.num_tokens + 1);
-        e->rows.max_rows = want < e->max_tokens_step ? want : e->max_tokens_step;
-        if (e->rows.max_rows < e->max_num_seqs) e->rows.max_rows = e->max_num_seqs;
-    }
+    if ((rc = size_steps(e, cfg, mc, err))) goto fail;
 
     /* Activations before the KV cache, which takes a share of what is left. */
     int64_t max_blocks_per_seq = (e->max_model_len + e->block_size - 1) / e->block_size + 1;
@@ -132,14 +147,7 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
         (rc = cv_detok_init(&e->detok, e->vocab, cfg, mc, err)) ||
         (rc = cv_guided_init(&e->guided, e->vocab, e->max_tokens_step, err)))
         goto fail;
-    e->stats_live.num_blocks = e->kv.num_blocks;
-    e->stats_live.block_size = e->block_size;
-    e->stats_live.max_model_len = e->max_model_len;
-    e->stats_live.max_num_seqs = e->max_num_seqs;
-    e->stats_live.max_num_batched_tokens = e->max_tokens_step;
-    e->stats_live.kv_cache_bytes = e->kv.bytes;
-    cv_scheduler_get_stats(e->sched, &e->stats_live.sched);
-    e->outbox.stats = e->stats_live;
+    first_stats(e);
     *out = e;
     return CV_OK;
 
@@ -177,12 +185,12 @@ void cv_engine_destroy(cv_engine *e) {
 
 static void record_trace(cv_engine *e, const cv_sched_output *plan, double t0, double t1) {
     if (!e->outbox.tracing) return;
-    if (!cv_grow((void **)&e->outbox.trace, &e->outbox.cap_trace, e->outbox.n_trace + (size_t)plan->n_seqs, sizeof *e->outbox.trace))
-        return;
+    cv_engine_outbox *o = &e->outbox;
+    if (!cv_grow((void **)&o->trace, &o->cap_trace, o->n_trace + (size_t)plan->n_seqs, sizeof *o->trace)) return;
     for (int64_t i = 0; i < plan->n_seqs; i++) {
         cv_request *r = plan->seqs[i]->owner;
         int idx = cv_request_completion_index(r, plan->seqs[i]);
-        cv_trace_entry *te = &e->outbox.trace[e->outbox.n_trace++];
+        cv_trace_entry *te = &o->trace[o->n_trace++];
         te->step = e->steps;
         te->t0 = t0;
         te->t1 = t1;
@@ -219,10 +227,11 @@ static void append_proposals(cv_sequence *s, const int32_t *t, int64_t m) {
  * scheduler keeps those it can plan. A failure of the draft model fails the
  * step. */
 static int propose(cv_engine *e, cv_err *err) {
-    if (e->spec.cfg.method == CV_SPEC_NONE) return CV_OK;
-    if (e->spec.cfg.disable_by_batch_size > 0 && cv_scheduler_num_running(e->sched) > e->spec.cfg.disable_by_batch_size) {
+    cv_spec_state *sp = &e->spec;
+    if (sp->cfg.method == CV_SPEC_NONE) return CV_OK;
+    if (sp->cfg.disable_by_batch_size > 0 && cv_scheduler_num_running(e->sched) > sp->cfg.disable_by_batch_size) {
         e->stats_live.spec_steps_disabled++;
-        cv_draft_release_all(e->spec.draft);
+        cv_draft_release_all(sp->draft);
         return CV_OK;
     }
     int64_t n = 0;
@@ -232,23 +241,23 @@ static int propose(cv_engine *e, cv_err *err) {
             int64_t k = proposal_room(e, r, i);
             if (k <= 0) continue;
             cv_sequence *s = r->ss[i].seq;
-            if (e->spec.cfg.method == CV_SPEC_NGRAM) {
-                append_proposals(s, e->spec.proposals,
-                                 cv_spec_ngram_propose(e->spec.proposals, s->tokens, s->n_tokens, e->spec.cfg.lookup_min,
-                                                       e->spec.cfg.lookup_max, k));
-            } else if (n < e->spec.draft_max_seqs) {
-                e->spec.draft_seqs[n] = s;
-                e->spec.draft_want[n++] = k;
+            if (sp->cfg.method == CV_SPEC_NGRAM) {
+                append_proposals(s, sp->proposals,
+                                 cv_spec_ngram_propose(sp->proposals, s->tokens, s->n_tokens, sp->cfg.lookup_min,
+                                                       sp->cfg.lookup_max, k));
+            } else if (n < sp->draft_max_seqs) {
+                sp->draft_seqs[n] = s;
+                sp->draft_want[n++] = k;
             }
         }
     }
-    if (e->spec.cfg.method != CV_SPEC_DRAFT) return CV_OK;
-    int64_t before = cv_draft_tokens_computed(e->spec.draft);
-    int rc = cv_draft_propose(e->spec.draft, e->spec.draft_seqs, e->spec.draft_want, n, e->spec.proposals, e->spec.draft_got, err);
-    e->stats_live.spec_draft_tokens += cv_draft_tokens_computed(e->spec.draft) - before;
+    if (sp->cfg.method != CV_SPEC_DRAFT) return CV_OK;
+    int64_t before = cv_draft_tokens_computed(sp->draft);
+    int rc = cv_draft_propose(sp->draft, sp->draft_seqs, sp->draft_want, n, sp->proposals, sp->draft_got, err);
+    e->stats_live.spec_draft_tokens += cv_draft_tokens_computed(sp->draft) - before;
     if (rc) return rc;
     for (int64_t i = 0; i < n; i++)
-        append_proposals(e->spec.draft_seqs[i], e->spec.proposals + i * e->spec.cfg.num_tokens, e->spec.draft_got[i]);
+        append_proposals(sp->draft_seqs[i], sp->proposals + i * sp->cfg.num_tokens, sp->draft_got[i]);
     return CV_OK;
 }
 

@@ -38,7 +38,7 @@ typedef struct cv_request_params {
     /* Guided decoding: each completion samples under a token mask posted with
      * cv_engine_set_token_mask for its next output position. */
     int guided;
-    /* ---- issue 17 (b17a): prompt logprobs and best_of ---- */
+    /* ---- prompt logprobs and best_of ---- */
     int32_t prompt_logprobs;        /* CV_NO_LOGPROBS: none; 0..CV_MAX_LOGPROBS: each prompt token's
                                      * logprob plus that many top tokens (the request then skips
                                      * the prefix cache: a cached prefix has no logits) */

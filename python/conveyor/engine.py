@@ -105,7 +105,7 @@ class EngineArgs:
     # Overload control: a request that would make more than this many wait to be
     # scheduled is refused with EngineOverloadedError. None: no limit.
     max_queued_requests: Optional[int] = None
-    # Speculative decoding (issue 26): {"method": "ngram", "num_speculative_tokens": k,
+    # Speculative decoding: {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_min": a, "prompt_lookup_max": b, "disable_by_batch_size": n}, or a draft
     # model: {"model": PATH, "num_speculative_tokens": k, "disable_by_batch_size": n}. None: off.
     speculative_config: Optional[Any] = None
@@ -212,7 +212,7 @@ class _Request:
         self.prompt = prompt
         self.prompt_token_ids = prompt_ids
         self.params = params
-        # best_of > n: every candidate runs; build_output keeps the n best (issue 17)
+        # best_of > n: every candidate runs; build_output keeps the n best
         n_run = max(params.n, params.best_of or 0)
         self.seqs = [_SeqState(params.logprobs is not None, n_run > params.n) for _ in range(n_run)]
         self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
