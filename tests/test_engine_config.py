@@ -76,18 +76,9 @@ def test_range_error_names_its_field(field, value, text):
     """Through LLM (EngineArgs read by attribute) and through the C engine's own
     constructor (a path and keyword fields): the same error from the same check."""
     kw = {"num_threads": 1, field: value}
-    if field not in ("max_model_len", "max_num_seqs", "seed"):
-        # Python's type checks pass these: only C judges the value
-        EngineArgs(model=str(STORIES), **kw).validate()
+    EngineArgs(model=str(STORIES), **kw).validate()  # Python's type checks pass it: only C judges the value
     _raises_field(ValueError, field, text, LLM, str(STORIES), **kw)
     _raises_field(ValueError, field, text, conveyor._core.Engine, str(STORIES), **kw)
-
-
-def test_python_checks_no_range():
-    """Every value above passes EngineArgs.validate: the ranges live in C only."""
-    for field, value, _ in RANGE_CASES:
-        args = EngineArgs(model=str(STORIES), **{field: value})
-        args.validate()
 
 
 @pytest.mark.parametrize("key,value,text", SPEC_RANGE_CASES, ids=[f"{c[0]}={c[1]!r}" for c in SPEC_RANGE_CASES])

@@ -754,7 +754,10 @@ static PyMethodDef Engine_methods[] = {
 };
 
 static PyType_Slot Engine_slots[] = {
-    {Py_tp_doc, "The C engine."},
+    {Py_tp_doc, "Engine(config, /, *, eos_ids=None, bos_id=-1, strip_space_after_bos=False, token_bytes=None, "
+                "special_ids=None, **overrides)\n\nThe C engine. config is an EngineArgs (read by attribute "
+                "name) or a model path; any other keyword overrides the config field it names. The C engine "
+                "checks every range and names the field at fault in the error's .field."},
     {Py_tp_new, PyType_GenericNew},
     {Py_tp_init, Engine_init},
     {Py_tp_dealloc, Engine_dealloc},
