@@ -21,14 +21,16 @@ enum {
     CV_ERR_TYPE = -8,        /* wrong type                     -> TypeError */
     CV_ERR_CANCELLED = -9,   /* the caller asked to stop       -> KeyboardInterrupt (the signal's own error) */
     CV_ERR_OVERLOADED = -10, /* the request queue is full      -> conveyor.EngineOverloadedError */
+    CV_ERR_BUSY = -11,       /* the engine's background loop runs -> conveyor.EngineBusyError */
     CV_RETRY = 1             /* soft: does not fit now, try later */
 };
 
 #define CV_ERR_MSG_LEN 512
-#define CV_ERR_FIELD_LEN 32
-/* A structured error: the status code, the request field at fault ("" when the
- * error is not about one field; request fields use SamplingParams' names, and
- * "prompt" for the prompt) and a message that reads on its own. */
+#define CV_ERR_FIELD_LEN 48
+/* A structured error: the status code, the field at fault ("" when the error
+ * is not about one field; request fields use SamplingParams' names, and
+ * "prompt" for the prompt; engine config fields EngineArgs' names) and a
+ * message that reads on its own. */
 typedef struct cv_err {
     int code;
     char msg[CV_ERR_MSG_LEN];

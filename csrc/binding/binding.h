@@ -29,6 +29,7 @@ typedef enum cv_py_error_kind {
     CV_PY_EXC_UNSUPPORTED,       /* UnsupportedError: valid but unsupported (also a ValueError) */
     CV_PY_EXC_ENGINE_CLOSED,     /* EngineClosedError: use after close (also a RuntimeError) */
     CV_PY_EXC_ENGINE_OVERLOADED, /* EngineOverloadedError: the request queue is full (also a RuntimeError) */
+    CV_PY_EXC_ENGINE_BUSY,       /* EngineBusyError: the background loop runs (also a RuntimeError) */
     CV_PY_EXC_KINDS
 } cv_py_error_kind;
 PyObject *cv_py_error(cv_py_error_kind kind);
@@ -38,6 +39,7 @@ PyObject *cv_py_error(cv_py_error_kind kind);
 #define cv_UnsupportedError cv_py_error(CV_PY_EXC_UNSUPPORTED)
 #define cv_EngineClosedError cv_py_error(CV_PY_EXC_ENGINE_CLOSED)
 #define cv_EngineOverloadedError cv_py_error(CV_PY_EXC_ENGINE_OVERLOADED)
+#define cv_EngineBusyError cv_py_error(CV_PY_EXC_ENGINE_BUSY)
 
 /* The module state of conveyor._core: the exception types, [cv_py_error_kind]. */
 typedef struct cv_py_core_state {
@@ -50,7 +52,7 @@ int cv_py_add_core_errors(PyObject *m);
 
 /* Raises the Python exception for a C status code with err's message and
  * returns NULL; when err->field is set the exception's .field attribute
- * names the request field at fault. */
+ * names the request or engine config field at fault. */
 PyObject *cv_py_raise(const cv_err *err);
 
 /* Creates the heap type of spec (tied to module m) and adds it to m under its

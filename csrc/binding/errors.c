@@ -6,7 +6,8 @@
 #define CORE_MODULE "conveyor._core"
 
 static const char *const error_names[CV_PY_EXC_KINDS] = {
-    "ConveyorError", "ModelFormatError", "UnsupportedError", "EngineClosedError", "EngineOverloadedError",
+    "ConveyorError",     "ModelFormatError",      "UnsupportedError",
+    "EngineClosedError", "EngineOverloadedError", "EngineBusyError",
 };
 static const char *const error_docs[CV_PY_EXC_KINDS] = {
     "Base class of Conveyor's errors.",
@@ -14,6 +15,7 @@ static const char *const error_docs[CV_PY_EXC_KINDS] = {
     "A valid input Conveyor does not support.",
     "The engine was closed.",
     "The request queue is full (max_queued_requests); retry later.",
+    "The engine's background loop runs: the call belongs to the loop's owner only while it is stopped.",
 };
 
 /* The builtin class each kind also derives from (and stands in for it when
@@ -65,13 +67,14 @@ PyObject *cv_py_raise(const cv_err *err) {
     case CV_ERR_STATE: type = cv_py_error(CV_PY_EXC_ENGINE_CLOSED); break;
     case CV_ERR_CANCELLED: type = PyExc_KeyboardInterrupt; break;
     case CV_ERR_OVERLOADED: type = cv_py_error(CV_PY_EXC_ENGINE_OVERLOADED); break;
+    case CV_ERR_BUSY: type = cv_py_error(CV_PY_EXC_ENGINE_BUSY); break;
     default: type = cv_py_error(CV_PY_EXC_BASE); break;
     }
     if (!(err && err->field[0])) {
         PyErr_SetString(type, msg);
         return NULL;
     }
-    /* a request field is at fault: the exception carries it as .field */
+    /* a request or config field is at fault: the exception carries it as .field */
     PyObject *exc = PyObject_CallFunction(type, "s", msg);
     if (!exc) return NULL;
     PyObject *field = PyUnicode_FromString(err->field);

@@ -9,6 +9,7 @@
 
 #include "../core/engine.h"
 #include "../core/kv_cache.h"
+#include "engine_config.h"
 #include "request_params.h"
 
 /* step() runs with the GIL released; `busy` keeps close() (from another thread,
@@ -157,34 +158,36 @@ static int create_interruptibly(cv_engine **out, const cv_engine_config *cfg, cv
     return j.rc;
 }
 
+/* Engine(config, /, *, eos_ids=None, bos_id=-1, strip_space_after_bos=False,
+ * token_bytes=None, special_ids=None, **overrides): config is an EngineArgs
+ * (read by attribute name) or a model path; any other keyword overrides the
+ * config field it names. The keywords named here are the tokenizer's facts. */
 static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"model", "dtype", "device", "num_threads", "max_model_len",
-                             "max_num_seqs", "max_num_batched_tokens", "block_size",
-                             "kv_cache_bytes", "gpu_memory_utilization", "kv_cache_dtype",
-                             "enable_prefix_caching", "enable_chunked_prefill", "policy", "seed",
-                             "eos_ids", "bos_id", "strip_space_after_bos", "token_bytes",
-                             "special_ids", "quantization", "max_prefill_tokens_while_decoding",
-                             "max_queued_requests", "activation_dtype", "spec_method", "spec_num_tokens",
-                             "spec_lookup_min", "spec_lookup_max", "spec_disable_by_batch_size", "spec_draft_model", NULL};
-    PyObject *path_obj = NULL, *eos_obj = NULL, *tok_obj = NULL, *special_obj = NULL;
-    const char *dtype_s = "auto", *device = "cpu", *kv_dtype_s = "auto", *policy = "continuous";
-    const char *quant_s = NULL, *act_s = "auto";
-    int num_threads = 0, prefix = 1, chunked = 1, strip = 0, bos = -1;
-    long long max_model_len = 0, max_num_seqs = 256, max_tokens = 0, block_size = 16;
-    long long prefill_cap = 0, max_queued = 0;
-    const char *spec_method = NULL;
-    PyObject *draft_obj = NULL, *draft_bytes = NULL;
-    long long spec_k = 0, spec_min = 1, spec_max = 1, spec_disable = 0;
-    unsigned long long kv_bytes = 0, seed = 0;
-    double gpu_util = 0.9;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|$ssiLLLLKdsppsKOipOOzLLszLLLLO", kwlist,
-                                     PyUnicode_FSConverter, &path_obj, &dtype_s, &device,
-                                     &num_threads, &max_model_len, &max_num_seqs, &max_tokens,
-                                     &block_size, &kv_bytes, &gpu_util, &kv_dtype_s, &prefix,
-                                     &chunked, &policy, &seed, &eos_obj, &bos, &strip, &tok_obj,
-                                     &special_obj, &quant_s, &prefill_cap, &max_queued, &act_s, &spec_method,
-                                     &spec_k, &spec_min, &spec_max, &spec_disable, &draft_obj))
+    static char *kwlist[] = {"config", "eos_ids", "bos_id", "strip_space_after_bos", "token_bytes",
+                             "special_ids", NULL};
+    PyObject *config = NULL, *eos_obj = NULL, *tok_obj = NULL, *special_obj = NULL;
+    int strip = 0, bos = -1;
+    PyObject *own_kw = PyDict_New(), *overrides = kw ? PyDict_Copy(kw) : PyDict_New();
+    if (!own_kw || !overrides) {
+        Py_XDECREF(own_kw);
+        Py_XDECREF(overrides);
         return -1;
+    }
+    for (char **k = kwlist; *k; k++) {
+        PyObject *v = PyDict_GetItemString(overrides, *k);
+        if (v && (PyDict_SetItemString(own_kw, *k, v) < 0 || PyDict_DelItemString(overrides, *k) < 0)) {
+            Py_DECREF(own_kw);
+            Py_DECREF(overrides);
+            return -1;
+        }
+    }
+    int parsed = PyArg_ParseTupleAndKeywords(args, own_kw, "O|$OipOO", kwlist, &config, &eos_obj, &bos, &strip,
+                                             &tok_obj, &special_obj);
+    Py_DECREF(own_kw); /* the parsed objects stay alive through kw and args */
+    if (!parsed) {
+        Py_DECREF(overrides);
+        return -1;
+    }
     int rc = -1;
     int32_t *eos = NULL;
     Py_ssize_t n_eos = 0, n_tok = 0;
@@ -192,27 +195,15 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     size_t *tok_lens = NULL;
     uint8_t *special = NULL;
     PyObject *tok_seq = NULL;
-    cv_engine_config cfg;
-    memset(&cfg, 0, sizeof cfg);
+    cv_py_engine_config pc;
+    memset(&pc, 0, sizeof pc);
+    cv_engine_config *cfg = &pc.cfg;
     if (self->e) { PyErr_SetString(PyExc_RuntimeError, "Engine already initialized"); goto done; }
     if (!self->busy_ready) {
         pthread_mutex_init(&self->busy, NULL);
         self->busy_ready = 1;
     }
-    if (cv_py_parse_dtype(dtype_s, "dtype", 1, &cfg.dtype) < 0) goto done;
-    if (cv_py_parse_kv_dtype(kv_dtype_s, "kv_cache_dtype", 1, &cfg.kv_dtype) < 0) goto done;
-    if (cv_py_parse_quantization(quant_s, &cfg.quantization) < 0) goto done;
-    if (cv_py_parse_activation_dtype(act_s, &cfg.exact_activations) < 0) goto done;
-    if (!strcmp(device, "cpu")) cfg.use_cuda = 0;
-    else if (!strcmp(device, "cuda")) cfg.use_cuda = 1;
-    else { PyErr_Format(PyExc_ValueError, "device must be 'cpu' or 'cuda', got '%s'", device); goto done; }
-    if (!strcmp(policy, "continuous")) cfg.policy = CV_SCHED_CONTINUOUS;
-    else if (!strcmp(policy, "priority")) cfg.policy = CV_SCHED_PRIORITY;
-    else if (!strcmp(policy, "static")) cfg.policy = CV_SCHED_STATIC;
-    else {
-        PyErr_Format(PyExc_ValueError, "scheduling must be 'continuous', 'priority' or 'static', got '%s'", policy);
-        goto done;
-    }
+    if (cv_py_engine_config_read(&pc, config, overrides) < 0) goto done;
     if (read_int_list(eos_obj, "eos_ids", &eos, &n_eos) < 0) goto done;
     if (tok_obj && tok_obj != Py_None) {
         /* a tuple copy: it keeps every bytes object (pointed into below) alive */
@@ -243,53 +234,25 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
             PyMem_Free(ids);
         }
     }
-    cfg.model_path = PyBytes_AS_STRING(path_obj);
-    cfg.num_threads = num_threads;
-    cfg.max_model_len = max_model_len;
-    cfg.max_num_seqs = max_num_seqs;
-    cfg.max_num_batched_tokens = max_tokens;
-    cfg.block_size = block_size;
-    cfg.kv_cache_bytes = (size_t)kv_bytes;
-    cfg.gpu_memory_utilization = gpu_util;
-    cfg.enable_prefix_caching = prefix;
-    cfg.enable_chunked_prefill = chunked;
-    cfg.max_prefill_tokens_while_decoding = prefill_cap;
-    cfg.max_queued_requests = max_queued;
-    if (spec_method && !strcmp(spec_method, "ngram")) cfg.spec.method = CV_SPEC_NGRAM;
-    else if (spec_method && !strcmp(spec_method, "draft_model")) cfg.spec.method = CV_SPEC_DRAFT;
-    else if (spec_method) {
-        PyErr_Format(PyExc_ValueError, "speculative_config: method must be 'ngram' or 'draft_model', got '%s'",
-                     spec_method);
-        goto done;
-    }
-    if (draft_obj && draft_obj != Py_None) {
-        if (!PyUnicode_FSConverter(draft_obj, &draft_bytes)) goto done;
-        cfg.spec.draft_model = PyBytes_AS_STRING(draft_bytes);
-    }
-    cfg.spec.num_tokens = spec_k;
-    cfg.spec.lookup_min = spec_min;
-    cfg.spec.lookup_max = spec_max;
-    cfg.spec.disable_by_batch_size = spec_disable;
-    cfg.seed = seed;
-    cfg.eos_ids = eos;
-    cfg.n_eos = n_eos > INT_MAX ? INT_MAX : (int)n_eos; /* too many: refused against CV_MAX_EOS */
-    cfg.bos_id = bos;
-    cfg.strip_space_after_bos = strip;
-    cfg.n_token_bytes = n_tok;
-    cfg.token_bytes = tok_ptrs;
-    cfg.token_lens = tok_lens;
-    cfg.token_special = special;
+    cfg->eos_ids = eos;
+    cfg->n_eos = n_eos > INT_MAX ? INT_MAX : (int)n_eos; /* too many: refused against CV_MAX_EOS */
+    cfg->bos_id = bos;
+    cfg->strip_space_after_bos = strip;
+    cfg->n_token_bytes = n_tok;
+    cfg->token_bytes = tok_ptrs;
+    cfg->token_lens = tok_lens;
+    cfg->token_special = special;
     cv_err err = {0};
     cv_engine *e = NULL;
-    int crc = create_interruptibly(&e, &cfg, &err);
+    int crc = create_interruptibly(&e, cfg, &err);
     if (crc == CV_ERR_CANCELLED && PyErr_Occurred()) goto done; /* the signal handler's error */
     if (crc) { cv_py_raise(&err); goto done; }
     self->e = e;
     self->vocab = cv_engine_vocab_size(e);
     rc = 0;
 done:
-    Py_XDECREF(path_obj);
-    Py_XDECREF(draft_bytes);
+    cv_py_engine_config_free(&pc);
+    Py_DECREF(overrides);
     Py_XDECREF(tok_seq);
     PyMem_Free(eos);
     PyMem_Free(tok_ptrs);
@@ -791,7 +754,10 @@ static PyMethodDef Engine_methods[] = {
 };
 
 static PyType_Slot Engine_slots[] = {
-    {Py_tp_doc, "The C engine."},
+    {Py_tp_doc, "Engine(config, /, *, eos_ids=None, bos_id=-1, strip_space_after_bos=False, token_bytes=None, "
+                "special_ids=None, **overrides)\n\nThe C engine. config is an EngineArgs (read by attribute "
+                "name) or a model path; any other keyword overrides the config field it names. The C engine "
+                "checks every range and names the field at fault in the error's .field."},
     {Py_tp_new, PyType_GenericNew},
     {Py_tp_init, Engine_init},
     {Py_tp_dealloc, Engine_dealloc},
@@ -841,7 +807,9 @@ int cv_py_add_engine(PyObject *m) {
         PyModule_AddIntConstant(m, "FINISH_NONE", CV_FINISH_NONE) < 0 ||
         PyModule_AddIntConstant(m, "FINISH_STOP", CV_FINISH_STOP) < 0 ||
         PyModule_AddIntConstant(m, "FINISH_LENGTH", CV_FINISH_LENGTH) < 0 ||
-        PyModule_AddIntConstant(m, "FINISH_ABORT", CV_FINISH_ABORT) < 0)
+        PyModule_AddIntConstant(m, "FINISH_ABORT", CV_FINISH_ABORT) < 0 ||
+        PyModule_AddIntConstant(m, "DEFAULT_PREFILL_CAP_CPU", CV_DEFAULT_PREFILL_CAP_CPU) < 0 ||
+        PyModule_AddIntConstant(m, "DEFAULT_PREFILL_CAP_CUDA", CV_DEFAULT_PREFILL_CAP_CUDA) < 0)
         return -1;
     return cv_py_add_type(m, &Engine_spec);
 }

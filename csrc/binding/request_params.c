@@ -190,7 +190,7 @@ done:
     return rc;
 }
 
-/* ---- issue 17 (b17a): logit controls ---------------------------------- */
+/* ---- logit controls ------------------------------------------------------ */
 
 /* A Python int as int32, clamped so that the C check names an out-of-range
  * value rather than a wrapped one. */
@@ -357,7 +357,6 @@ int cv_py_request_read(cv_py_request *r, PyObject *sp) {
         get_bool(sp, "ignore_eos", &r->p.ignore_eos) < 0 ||
         get_bool(sp, "skip_special_tokens", &r->p.skip_special_tokens) < 0 ||
         get_stop_ids(sp, r) < 0 || get_stops(sp, r) < 0 ||
-        /* issue 17 (b17a) */
         get_int(sp, "prompt_logprobs", CV_NO_LOGPROBS, INT32_MAX, CV_NO_LOGPROBS, &prompt_logprobs) < 0 ||
         get_int(sp, "best_of", INT32_MIN, INT32_MAX, 0, &best_of) < 0 || get_logit_controls(sp, r) < 0) {
         cv_py_request_free(r);

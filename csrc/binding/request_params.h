@@ -12,7 +12,7 @@ typedef struct cv_py_request {
     const char **stop_ptrs;
     size_t *stop_lens;
     PyObject *stop_list, *stop_bytes;
-    /* issue 17 (b17a): logit controls' arrays */
+    /* logit controls' arrays */
     int32_t *bias_ids; float *bias_values;
     int32_t *allowed_ids;
     int32_t *bad_start, *bad_tokens;

@@ -32,42 +32,64 @@ static size_t default_kv_bytes(cv_engine *e, size_t per_token, double gpu_util) 
     return kv < minimum ? minimum : kv;
 }
 
+/* The sizes a step works within, from the config and the model: the context,
+ * the sequences, the tokens and the logits rows of one step. */
+static int size_steps(cv_engine *e, const cv_engine_config *cfg, const cv_model_config *mc, cv_err *err) {
+    e->vocab = mc->vocab_size;
+    e->max_model_len = cfg->max_model_len > 0 ? cfg->max_model_len : mc->max_pos;
+    if (e->max_model_len > mc->max_pos)
+        return cv_set_field_err(err, CV_ERR_INVALID, "max_model_len",
+                                "max_model_len %lld exceeds the model's max_position_embeddings %lld",
+                                (long long)e->max_model_len, (long long)mc->max_pos);
+    e->max_num_seqs = cfg->max_num_seqs;
+    e->block_size = cfg->block_size;
+    e->max_tokens_step = cfg->max_num_batched_tokens > 0 ? cfg->max_num_batched_tokens : 2048;
+    if (!cfg->enable_chunked_prefill && e->max_tokens_step < e->max_model_len) {
+        if (cfg->max_num_batched_tokens > 0)
+            return cv_set_field_err(err, CV_ERR_INVALID, "max_num_batched_tokens",
+                                    "max_num_batched_tokens (%lld) must be >= max_model_len (%lld) when "
+                                    "enable_chunked_prefill is False",
+                                    (long long)e->max_tokens_step, (long long)e->max_model_len);
+        e->max_tokens_step = e->max_model_len;
+    }
+    if (e->max_tokens_step < e->max_num_seqs) e->max_tokens_step = e->max_num_seqs;
+    /* a speculating sequence wants a logits row per proposal + 1 */
+    e->rows.max_rows = e->max_num_seqs;
+    if (cfg->spec.method != CV_SPEC_NONE) {
+        int64_t want = e->max_num_seqs * (cfg->spec.num_tokens + 1);
+        e->rows.max_rows = want < e->max_tokens_step ? want : e->max_tokens_step;
+        if (e->rows.max_rows < e->max_num_seqs) e->rows.max_rows = e->max_num_seqs;
+    }
+    return CV_OK;
+}
+
+/* The stats a new engine reports before its first step. */
+static void first_stats(cv_engine *e) {
+    e->stats_live.num_blocks = e->worker.kv.num_blocks;
+    e->stats_live.block_size = e->block_size;
+    e->stats_live.max_model_len = e->max_model_len;
+    e->stats_live.max_num_seqs = e->max_num_seqs;
+    e->stats_live.max_num_batched_tokens = e->max_tokens_step;
+    e->stats_live.kv_cache_bytes = e->worker.kv.bytes;
+    cv_scheduler_get_stats(e->sched, &e->stats_live.sched);
+    e->outbox.stats = e->stats_live;
+}
+
 int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) {
     int rc = CV_OK;
     cv_engine *e = calloc(1, sizeof *e);
     *out = NULL;
     if (!e) return cv_set_err(err, CV_ERR_NOMEM, "out of memory");
-    pthread_mutex_init(&e->in_lock, NULL);
-    pthread_cond_init(&e->in_cond, NULL);
-    pthread_mutex_init(&e->out_lock, NULL);
     e->wake_fd = -1;
+    if ((rc = cv_engine_config_check(cfg, err)) ||
+        (rc = cv_inbox_init(&e->in, cfg->max_queued_requests > 0 ? cfg->max_queued_requests : 0, err)) ||
+        (rc = cv_engine_outbox_init(&e->outbox, err)))
+        goto fail;
     e->seed = cfg->seed;
-    e->max_queued = cfg->max_queued_requests;
-    if (cfg->max_queued_requests < 0 || cfg->max_prefill_tokens_while_decoding < 0) {
-        rc = cv_set_err(err, CV_ERR_INVALID,
-                        "max_queued_requests (%lld) and max_prefill_tokens_while_decoding (%lld) "
-                        "must be >= 0 (0: no limit)",
-                        (long long)cfg->max_queued_requests,
-                        (long long)cfg->max_prefill_tokens_while_decoding);
-        goto fail;
-    }
-
-    if ((rc = cv_spec_config_check(&cfg->spec, err))) goto fail;
-    e->spec = cfg->spec;
-    if (cfg->block_size < 1 || cfg->block_size > 1024) {
-        rc = cv_set_err(err, CV_ERR_INVALID, "block_size must be in [1, 1024], got %lld",
-                        (long long)cfg->block_size);
-        goto fail;
-    }
-    if (cfg->max_num_seqs < 1) {
-        rc = cv_set_err(err, CV_ERR_INVALID, "max_num_seqs must be >= 1, got %lld",
-                        (long long)cfg->max_num_seqs);
-        goto fail;
-    }
     if (cfg->use_cuda) {
         e->backend = cv_cuda_backend_create(0, err);
     } else {
-        e->backend = cv_cpu_backend_create(cfg->num_threads, 0, err);
+        e->backend = cv_cpu_backend_create(cfg->num_threads > 0 ? (int)cfg->num_threads : 0, 0, err);
         if (e->backend) cv_backend_set_exact_activations(e->backend, cfg->exact_activations);
     }
     if (!e->backend) { rc = err ? err->code : CV_ERR_STATE; if (rc >= 0) rc = CV_ERR_STATE; goto fail; }
@@ -76,38 +98,10 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
         goto fail;
 
     const cv_model_config *mc = &e->worker.model->cfg;
-    e->vocab = mc->vocab_size;
-    e->max_model_len = cfg->max_model_len > 0 ? cfg->max_model_len : mc->max_pos;
-    if (e->max_model_len > mc->max_pos) {
-        rc = cv_set_err(err, CV_ERR_INVALID,
-                        "max_model_len %lld exceeds the model's max_position_embeddings %lld",
-                        (long long)e->max_model_len, (long long)mc->max_pos);
-        goto fail;
-    }
-    e->max_num_seqs = cfg->max_num_seqs;
-    e->block_size = cfg->block_size;
-    e->max_tokens_step = cfg->max_num_batched_tokens > 0 ? cfg->max_num_batched_tokens : 2048;
-    if (!cfg->enable_chunked_prefill && e->max_tokens_step < e->max_model_len) {
-        if (cfg->max_num_batched_tokens > 0) {
-            rc = cv_set_err(err, CV_ERR_INVALID,
-                            "max_num_batched_tokens (%lld) must be >= max_model_len (%lld) when "
-                            "enable_chunked_prefill is False",
-                            (long long)e->max_tokens_step, (long long)e->max_model_len);
-            goto fail;
-        }
-        e->max_tokens_step = e->max_model_len;
-    }
-    if (e->max_tokens_step < e->max_num_seqs) e->max_tokens_step = e->max_num_seqs;
-    /* a speculating sequence wants a logits row per proposal + 1 */
-    e->max_rows = e->max_num_seqs;
-    if (e->spec.method != CV_SPEC_NONE) {
-        int64_t want = e->max_num_seqs * (e->spec.num_tokens + 1);
-        e->max_rows = want < e->max_tokens_step ? want : e->max_tokens_step;
-        if (e->max_rows < e->max_num_seqs) e->max_rows = e->max_num_seqs;
-    }
+    if ((rc = size_steps(e, cfg, mc, err))) goto fail;
 
     /* Activations before the KV cache, which takes a share of what is left. */
-    if ((rc = cv_worker_init_compute(&e->worker, e->max_tokens_step, e->max_num_seqs, e->max_rows,
+    if ((rc = cv_worker_init_compute(&e->worker, e->max_tokens_step, e->max_num_seqs, e->rows.max_rows,
                                      e->max_model_len, e->block_size, err)))
         goto fail;
 
@@ -115,8 +109,8 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
     cv_dtype kvt = cfg->kv_dtype;
     if (kvt == CV_DTYPE_INVALID) kvt = cv_worker_auto_kv_dtype(&e->worker);
     size_t per_token = cv_kv_bytes_per_token(mc->n_layers, mc->n_kv_heads, mc->head_dim, kvt);
-    size_t kv = cfg->kv_cache_bytes ? cfg->kv_cache_bytes
-                                     : default_kv_bytes(e, per_token, cfg->gpu_memory_utilization);
+    size_t kv = cfg->kv_cache_bytes > 0 ? (size_t)cfg->kv_cache_bytes
+                                         : default_kv_bytes(e, per_token, cfg->gpu_memory_utilization);
     if ((rc = cv_worker_init_cache(&e->worker, kvt, e->block_size, kv, cfg->enable_prefix_caching, cfg->cancel,
                                    err)))
         goto fail;
@@ -125,70 +119,24 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
         .max_num_seqs = e->max_num_seqs,
         .max_num_batched_tokens = e->max_tokens_step, .max_model_len = e->max_model_len,
         .enable_chunked_prefill = cfg->enable_chunked_prefill, .policy = cfg->policy,
-        .max_prefill_tokens_while_decoding = cfg->max_prefill_tokens_while_decoding,
+        .max_prefill_tokens_while_decoding = cv_engine_config_prefill_cap(cfg),
     };
     e->sched = cv_scheduler_create(&sc, e->worker.blocks, err);
     if (!e->sched) { rc = err ? err->code : CV_ERR_STATE; goto fail; }
-    e->pl_rows = malloc((size_t)e->max_num_seqs * sizeof *e->pl_rows);
-    e->pl_req = malloc((size_t)e->max_num_seqs * sizeof *e->pl_req);
-    e->pl_pos = malloc((size_t)e->max_num_seqs * sizeof *e->pl_pos);
-    if (!e->pl_rows || !e->pl_req || !e->pl_pos) {
-        rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory for the prompt-logprob rows");
+    int n_samplers = e->backend->host_parallel && e->backend->host_workers > 1 ? e->backend->host_workers : 1;
+    if (n_samplers > e->max_num_seqs) n_samplers = (int)e->max_num_seqs;
+    cv_draft_config dc = {
+        .dtype = cfg->dtype, .quantization = cfg->quantization, .target_vocab = e->vocab,
+        .max_model_len = e->max_model_len, .max_tokens = e->max_tokens_step, .block_size = e->block_size,
+        .kv_bytes_cap = e->worker.kv.bytes,
+    };
+    if ((rc = cv_prompt_lp_rows_init(&e->prompt_lp, e->max_num_seqs, err)) ||
+        (rc = cv_sample_rows_init(&e->rows, e->rows.max_rows, n_samplers, e->vocab, err)) ||
+        (rc = cv_spec_state_init(&e->spec, &cfg->spec, e->max_num_seqs, dc, e->backend, cfg->cancel, err)) ||
+        (rc = cv_detok_init(&e->detok, e->vocab, cfg, mc, err)) ||
+        (rc = cv_guided_init(&e->guided, e->vocab, e->max_tokens_step, err)))
         goto fail;
-    }
-    e->n_samplers = e->backend->host_parallel && e->backend->host_workers > 1 ? e->backend->host_workers : 1;
-    if (e->n_samplers > e->max_num_seqs) e->n_samplers = (int)e->max_num_seqs;
-    e->samplers = calloc((size_t)e->n_samplers, sizeof *e->samplers);
-    e->row_list = malloc((size_t)e->max_rows * sizeof *e->row_list);
-    e->row_token = malloc((size_t)e->max_rows * sizeof *e->row_token);
-    e->row_take = malloc((size_t)e->max_rows * sizeof *e->row_take);
-    e->row_info = malloc((size_t)e->max_rows * sizeof *e->row_info);
-    if (e->spec.method == CV_SPEC_DRAFT) {
-        e->draft_max_seqs = e->max_num_seqs;
-        if (e->spec.disable_by_batch_size > 0 && e->spec.disable_by_batch_size < e->draft_max_seqs)
-            e->draft_max_seqs = e->spec.disable_by_batch_size;
-        cv_draft_config dc = {
-            .path = cfg->spec.draft_model, .dtype = cfg->dtype, .quantization = cfg->quantization,
-            .target_vocab = e->vocab, .max_model_len = e->max_model_len, .max_seqs = e->draft_max_seqs,
-            .max_tokens = e->max_tokens_step, .block_size = e->block_size, .max_k = e->spec.num_tokens,
-            .kv_bytes_cap = e->worker.kv.bytes,
-        };
-        if ((rc = cv_draft_create(&e->draft, &dc, e->backend, cfg->cancel, err))) goto fail;
-    }
-    e->spec.draft_model = NULL; /* the caller's string; the draft is loaded */
-    int64_t spec_seqs = e->draft_max_seqs > 0 ? e->draft_max_seqs : 1;
-    e->spec_buf = malloc((size_t)(spec_seqs * (e->spec.num_tokens > 0 ? e->spec.num_tokens : 1)) * sizeof *e->spec_buf);
-    e->draft_seqs = malloc((size_t)spec_seqs * sizeof *e->draft_seqs);
-    e->draft_want = malloc((size_t)spec_seqs * sizeof *e->draft_want);
-    e->draft_got = malloc((size_t)spec_seqs * sizeof *e->draft_got);
-    e->plan_spec = calloc((size_t)e->max_num_seqs, sizeof *e->plan_spec);
-    if (!e->samplers || !e->row_list || !e->row_token || !e->row_take || !e->row_info || !e->spec_buf ||
-        !e->plan_spec || !e->draft_seqs || !e->draft_want || !e->draft_got) {
-        rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory for the sampler");
-        goto fail;
-    }
-    for (int i = 0; i < e->n_samplers; i++) {
-        e->samplers[i].sampler = cv_sampler_create(e->vocab);
-        if (!e->samplers[i].sampler) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory for the sampler"); goto fail; }
-    }
-
-    if ((rc = cv_detok_init(&e->detok, e->vocab, cfg, mc, err))) goto fail;
-    if (cv_mask_box_init(&e->masks, e->vocab)) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory"); goto fail; }
-    e->masks_ready = 1;
-    e->mask_scratch = malloc((size_t)e->masks.words * sizeof *e->mask_scratch);
-    e->mask_failed = calloc((size_t)e->max_tokens_step, 1);
-    if (!e->mask_scratch || !e->mask_failed) {
-        rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory for token masks");
-        goto fail;
-    }
-    e->stats_live.num_blocks = e->worker.kv.num_blocks;
-    e->stats_live.block_size = e->block_size;
-    e->stats_live.max_model_len = e->max_model_len;
-    e->stats_live.max_num_seqs = e->max_num_seqs;
-    e->stats_live.max_num_batched_tokens = e->max_tokens_step;
-    e->stats_live.kv_cache_bytes = e->worker.kv.bytes;
-    cv_scheduler_get_stats(e->sched, &e->stats_live.sched);
-    e->stats_snapshot = e->stats_live;
+    first_stats(e);
     *out = e;
     return CV_OK;
 
@@ -202,40 +150,19 @@ void cv_engine_destroy(cv_engine *e) {
     cv_engine_stop_loop(e);
     cv_request *r = e->active;
     while (r) { cv_request *nx = r->next; cv_request_free(r); r = nx; }
-    r = e->in_head;
+    r = e->in.head;
     while (r) { cv_request *nx = r->next; cv_request_free(r); r = nx; }
     /* Sequences were freed with their requests; the scheduler holds no memory of them. */
     cv_scheduler_destroy(e->sched);
-    for (int i = 0; e->samplers && i < e->n_samplers; i++) {
-        cv_sampler_destroy(e->samplers[i].sampler);
-        free(e->samplers[i].banned);
-    }
-    free(e->samplers);
-    free(e->row_list);
-    free(e->row_token);
-    free(e->row_info);
-    free(e->row_take);
-    free(e->spec_buf);
-    free(e->plan_spec);
-    free(e->draft_seqs);
-    free(e->draft_want);
-    free(e->draft_got);
-    cv_draft_destroy(e->draft);
+    cv_sample_rows_free(&e->rows);
+    cv_spec_state_free(&e->spec);
     cv_worker_free(&e->worker);
     if (e->backend) e->backend->destroy(e->backend);
     cv_detok_free(&e->detok);
-    if (e->masks_ready) cv_mask_box_free(&e->masks);
-    free(e->mask_scratch);
-    free(e->mask_failed);
-    free(e->pl_rows);
-    free(e->pl_req);
-    free(e->pl_pos);
-    free(e->aborts);
-    cv_outbox_free(&e->outbox);
-    free(e->trace);
-    pthread_mutex_destroy(&e->in_lock);
-    pthread_cond_destroy(&e->in_cond);
-    pthread_mutex_destroy(&e->out_lock);
+    cv_guided_free(&e->guided);
+    cv_prompt_lp_rows_free(&e->prompt_lp);
+    cv_inbox_free(&e->in);
+    cv_engine_outbox_free(&e->outbox);
     free(e);
 }
 
@@ -243,13 +170,13 @@ void cv_engine_destroy(cv_engine *e) {
 /* Step */
 
 static void record_trace(cv_engine *e, const cv_sched_output *plan, double t0, double t1) {
-    if (!e->tracing) return;
-    if (!cv_grow((void **)&e->trace, &e->cap_trace, e->n_trace + (size_t)plan->n_seqs, sizeof *e->trace))
-        return;
+    if (!e->outbox.tracing) return;
+    cv_engine_outbox *o = &e->outbox;
+    if (!cv_grow((void **)&o->trace, &o->cap_trace, o->n_trace + (size_t)plan->n_seqs, sizeof *o->trace)) return;
     for (int64_t i = 0; i < plan->n_seqs; i++) {
         cv_request *r = plan->seqs[i]->owner;
         int idx = cv_request_completion_index(r, plan->seqs[i]);
-        cv_trace_entry *te = &e->trace[e->n_trace++];
+        cv_trace_entry *te = &o->trace[o->n_trace++];
         te->step = e->steps;
         te->t0 = t0;
         te->t1 = t1;
@@ -258,7 +185,7 @@ static void record_trace(cv_engine *e, const cv_sched_output *plan, double t0, d
         te->n_new = plan->num_new_tokens[i];
         /* a decode: the prompt computed and one new token (as the scheduler counts it) */
         te->n_prompt_work =
-            (plan->start_pos[i] >= plan->seqs[i]->n_prompt && te->n_new == 1 + e->plan_spec[i]) ? 0 : te->n_new;
+            (plan->start_pos[i] >= plan->seqs[i]->n_prompt && te->n_new == 1 + e->spec.plan_spec[i]) ? 0 : te->n_new;
     }
 }
 
@@ -271,7 +198,7 @@ static int64_t proposal_room(const cv_engine *e, const cv_request *r, int i) {
         s->n_tokens - s->n_computed != 1)
         return 0;
     int64_t k = s->max_total - s->n_tokens - 1;
-    return k > e->spec.num_tokens ? e->spec.num_tokens : k;
+    return k > e->spec.cfg.num_tokens ? e->spec.cfg.num_tokens : k;
 }
 
 static void append_proposals(cv_sequence *s, const int32_t *t, int64_t m) {
@@ -286,10 +213,11 @@ static void append_proposals(cv_sequence *s, const int32_t *t, int64_t m) {
  * scheduler keeps those it can plan. A failure of the draft model fails the
  * step. */
 static int propose(cv_engine *e, cv_err *err) {
-    if (e->spec.method == CV_SPEC_NONE) return CV_OK;
-    if (e->spec.disable_by_batch_size > 0 && cv_scheduler_num_running(e->sched) > e->spec.disable_by_batch_size) {
+    cv_spec_state *sp = &e->spec;
+    if (sp->cfg.method == CV_SPEC_NONE) return CV_OK;
+    if (sp->cfg.disable_by_batch_size > 0 && cv_scheduler_num_running(e->sched) > sp->cfg.disable_by_batch_size) {
         e->stats_live.spec_steps_disabled++;
-        cv_draft_release_all(e->draft);
+        cv_draft_release_all(sp->draft);
         return CV_OK;
     }
     int64_t n = 0;
@@ -299,23 +227,23 @@ static int propose(cv_engine *e, cv_err *err) {
             int64_t k = proposal_room(e, r, i);
             if (k <= 0) continue;
             cv_sequence *s = r->ss[i].seq;
-            if (e->spec.method == CV_SPEC_NGRAM) {
-                append_proposals(s, e->spec_buf,
-                                 cv_spec_ngram_propose(e->spec_buf, s->tokens, s->n_tokens, e->spec.lookup_min,
-                                                       e->spec.lookup_max, k));
-            } else if (n < e->draft_max_seqs) {
-                e->draft_seqs[n] = s;
-                e->draft_want[n++] = k;
+            if (sp->cfg.method == CV_SPEC_NGRAM) {
+                append_proposals(s, sp->proposals,
+                                 cv_spec_ngram_propose(sp->proposals, s->tokens, s->n_tokens, sp->cfg.lookup_min,
+                                                       sp->cfg.lookup_max, k));
+            } else if (n < sp->draft_max_seqs) {
+                sp->draft_seqs[n] = s;
+                sp->draft_want[n++] = k;
             }
         }
     }
-    if (e->spec.method != CV_SPEC_DRAFT) return CV_OK;
-    int64_t before = cv_draft_tokens_computed(e->draft);
-    int rc = cv_draft_propose(e->draft, e->draft_seqs, e->draft_want, n, e->spec_buf, e->draft_got, err);
-    e->stats_live.spec_draft_tokens += cv_draft_tokens_computed(e->draft) - before;
+    if (sp->cfg.method != CV_SPEC_DRAFT) return CV_OK;
+    int64_t before = cv_draft_tokens_computed(sp->draft);
+    int rc = cv_draft_propose(sp->draft, sp->draft_seqs, sp->draft_want, n, sp->proposals, sp->draft_got, err);
+    e->stats_live.spec_draft_tokens += cv_draft_tokens_computed(sp->draft) - before;
     if (rc) return rc;
     for (int64_t i = 0; i < n; i++)
-        append_proposals(e->draft_seqs[i], e->spec_buf + i * e->spec.num_tokens, e->draft_got[i]);
+        append_proposals(sp->draft_seqs[i], sp->proposals + i * sp->cfg.num_tokens, sp->draft_got[i]);
     return CV_OK;
 }
 
@@ -332,10 +260,10 @@ static int engine_step(cv_engine *e, cv_err *err) {
     if (rc < 0) return cv_set_err(err, rc, "scheduler failed");
     double t1 = cv_now();
     if (plan.n_seqs == 0) {
-        pthread_mutex_lock(&e->out_lock);
+        pthread_mutex_lock(&e->outbox.lock);
         cv_scheduler_get_stats(e->sched, &e->stats_live.sched);
-        e->stats_snapshot = e->stats_live;
-        pthread_mutex_unlock(&e->out_lock);
+        e->outbox.stats = e->stats_live;
+        pthread_mutex_unlock(&e->outbox.lock);
         return 0;
     }
     for (int64_t i = 0; i < plan.n_seqs; i++) {
@@ -350,7 +278,7 @@ static int engine_step(cv_engine *e, cv_err *err) {
             e->stats_live.prompt_tokens_computed += end - plan.start_pos[i];
         }
     }
-    for (int64_t i = 0; i < plan.n_seqs; i++) e->plan_spec[i] = (int32_t)plan.seqs[i]->n_spec;
+    for (int64_t i = 0; i < plan.n_seqs; i++) e->spec.plan_spec[i] = (int32_t)plan.seqs[i]->n_spec;
     if ((rc = cv_worker_prepare(&e->worker, &plan, err))) return rc;
     double t1b = cv_now();
     if ((rc = cv_worker_forward(&e->worker, err))) return rc;
@@ -367,15 +295,15 @@ static int engine_step(cv_engine *e, cv_err *err) {
     }
 
     /* Unconstrained rows first: they never wait on a grammar. */
-    pthread_mutex_lock(&e->out_lock);
+    pthread_mutex_lock(&e->outbox.lock);
     cv_sample_batch(e, &plan, 0);
-    pthread_mutex_unlock(&e->out_lock);
+    pthread_mutex_unlock(&e->outbox.lock);
     if (cv_apply_guided_masks(e, &plan) > 0) {
-        pthread_mutex_lock(&e->out_lock);
+        pthread_mutex_lock(&e->outbox.lock);
         cv_sample_batch(e, &plan, 1);
-        pthread_mutex_unlock(&e->out_lock);
+        pthread_mutex_unlock(&e->outbox.lock);
     }
-    pthread_mutex_lock(&e->out_lock);
+    pthread_mutex_lock(&e->outbox.lock);
     double t3 = cv_now();
     record_trace(e, &plan, t0, t3);
     e->steps++;
@@ -385,7 +313,7 @@ static int engine_step(cv_engine *e, cv_err *err) {
     e->stats_live.time_forward += t2 - t1b;
     e->stats_live.time_sample += t3 - t2;
     e->stats_live.time_step += t3 - t0;
-    pthread_mutex_unlock(&e->out_lock);
+    pthread_mutex_unlock(&e->outbox.lock);
 
     /* Retire finished requests (their sequences left the scheduler already). */
     cv_request *r = e->active;
@@ -394,20 +322,20 @@ static int engine_step(cv_engine *e, cv_err *err) {
         cv_request_retire_if_done(e, r);
         r = nx;
     }
-    if (!e->active) cv_draft_release_all(e->draft); /* idle: the draft's blocks back too */
-    e->stats_live.spec_draft_blocks_used = cv_draft_blocks_used(e->draft);
-    pthread_mutex_lock(&e->out_lock);
+    if (!e->active) cv_draft_release_all(e->spec.draft); /* idle: the draft's blocks back too */
+    e->stats_live.spec_draft_blocks_used = cv_draft_blocks_used(e->spec.draft);
+    pthread_mutex_lock(&e->outbox.lock);
     cv_scheduler_get_stats(e->sched, &e->stats_live.sched);
-    e->stats_snapshot = e->stats_live;
-    pthread_mutex_unlock(&e->out_lock);
+    e->outbox.stats = e->stats_live;
+    pthread_mutex_unlock(&e->outbox.lock);
     return (int)plan.n_seqs;
 }
 
-/* CV_ERR_STATE, naming what was refused, while the background loop steps. */
+/* CV_ERR_BUSY, naming what was refused, while the background loop steps. */
 static int refuse_while_looping(const cv_engine *e, const char *what, cv_err *err) {
     /* loop_running changes only on the thread that owns the engine, the caller's */
     if (!e->loop_running) return CV_OK;
-    return cv_set_err(err, CV_ERR_STATE, "cannot %s while its background loop runs", what);
+    return cv_set_err(err, CV_ERR_BUSY, "cannot %s while its background loop runs", what);
 }
 
 int cv_engine_step(cv_engine *e, cv_err *err) {
@@ -417,7 +345,7 @@ int cv_engine_step(cv_engine *e, cv_err *err) {
 
 int cv_engine_set_mask_wait(cv_engine *e, int on, cv_err *err) {
     int rc = refuse_while_looping(e, "change the engine's mask wait", err);
-    if (rc == CV_OK) e->mask_wait = on;
+    if (rc == CV_OK) e->guided.wait = on;
     return rc;
 }
 
@@ -428,26 +356,26 @@ static void *loop_main(void *arg) {
     cv_engine *e = arg;
     cv_set_thread_name("cv-engine");
     for (;;) {
-        pthread_mutex_lock(&e->in_lock);
-        while (!e->stop_flag && e->n_inbox == 0 && e->n_aborts == 0 && e->n_active == 0)
-            pthread_cond_wait(&e->in_cond, &e->in_lock);
+        pthread_mutex_lock(&e->in.lock);
+        while (!e->stop_flag && e->in.n_requests == 0 && e->in.n_aborts == 0 && e->n_active == 0)
+            pthread_cond_wait(&e->in.cond, &e->in.lock);
         int stop = e->stop_flag;
-        pthread_mutex_unlock(&e->in_lock);
+        pthread_mutex_unlock(&e->in.lock);
         if (stop) break;
         cv_err err;
         int rc = engine_step(e, &err);
         if (rc < 0) {
             /* A failed step fails every request; the loop goes on serving new ones. */
-            pthread_mutex_lock(&e->out_lock);
+            pthread_mutex_lock(&e->outbox.lock);
             e->loop_err = err;
             e->loop_failed = 1;
-            pthread_mutex_unlock(&e->out_lock);
+            pthread_mutex_unlock(&e->outbox.lock);
             cv_request *r = e->active;
             while (r) { cv_request *nx = r->next; cv_request_abort(e, r); r = nx; }
         }
-        pthread_mutex_lock(&e->out_lock);
-        int have = e->outbox.n_ev > 0;
-        pthread_mutex_unlock(&e->out_lock);
+        pthread_mutex_lock(&e->outbox.lock);
+        int have = e->outbox.events.n_ev > 0;
+        pthread_mutex_unlock(&e->outbox.lock);
         if (have && e->wake_fd >= 0) {
             uint64_t one = 1;
             ssize_t w;
@@ -458,7 +386,7 @@ static void *loop_main(void *arg) {
 }
 
 int cv_engine_start_loop(cv_engine *e, int wake_fd, cv_err *err) {
-    if (e->loop_running) return cv_set_err(err, CV_ERR_STATE, "the engine loop is already running");
+    if (e->loop_running) return cv_set_err(err, CV_ERR_BUSY, "the engine loop is already running");
     e->wake_fd = wake_fd;
     e->stop_flag = 0;
     if (pthread_create(&e->thread, NULL, loop_main, e) != 0)
@@ -469,39 +397,39 @@ int cv_engine_start_loop(cv_engine *e, int wake_fd, cv_err *err) {
 
 void cv_engine_stop_loop(cv_engine *e) {
     if (!e->loop_running) return;
-    pthread_mutex_lock(&e->in_lock);
+    pthread_mutex_lock(&e->in.lock);
     e->stop_flag = 1;
-    pthread_cond_signal(&e->in_cond);
-    pthread_mutex_unlock(&e->in_lock);
-    cv_mask_box_set_stop(&e->masks, 1); /* a sampler waiting on a mask gives up */
+    pthread_cond_signal(&e->in.cond);
+    pthread_mutex_unlock(&e->in.lock);
+    cv_mask_box_set_stop(&e->guided.box, 1); /* a sampler waiting on a mask gives up */
     pthread_join(e->thread, NULL);
-    cv_mask_box_set_stop(&e->masks, 0);
+    cv_mask_box_set_stop(&e->guided.box, 0);
     e->loop_running = 0;
 }
 
 int cv_engine_loop_error(cv_engine *e, cv_err *err) {
-    pthread_mutex_lock(&e->out_lock);
+    pthread_mutex_lock(&e->outbox.lock);
     int rc = e->loop_failed ? e->loop_err.code : CV_OK;
     if (e->loop_failed && err) *err = e->loop_err;
     e->loop_failed = 0;
-    pthread_mutex_unlock(&e->out_lock);
+    pthread_mutex_unlock(&e->outbox.lock);
     return rc;
 }
 
 void cv_engine_get_stats(cv_engine *e, cv_engine_stats *st) {
-    pthread_mutex_lock(&e->out_lock);
-    *st = e->stats_snapshot;
-    pthread_mutex_unlock(&e->out_lock);
-    pthread_mutex_lock(&e->in_lock);
-    st->num_queued = e->n_queued;
-    st->requests_rejected = e->n_rejected;
-    pthread_mutex_unlock(&e->in_lock);
+    pthread_mutex_lock(&e->outbox.lock);
+    *st = e->outbox.stats;
+    pthread_mutex_unlock(&e->outbox.lock);
+    pthread_mutex_lock(&e->in.lock);
+    st->num_queued = e->in.n_queued;
+    st->requests_rejected = e->in.n_rejected;
+    pthread_mutex_unlock(&e->in.lock);
 }
 
 int cv_engine_check_invariants(cv_engine *e, cv_err *err) {
     int rc = refuse_while_looping(e, "check the engine's invariants", err);
     if (!rc) rc = cv_scheduler_check(e->sched, err);
-    return rc ? rc : cv_draft_check(e->draft, err);
+    return rc ? rc : cv_draft_check(e->spec.draft, err);
 }
 
 const void *cv_engine_model_config(cv_engine *e) { return &e->worker.model->cfg; }
@@ -522,18 +450,18 @@ cv_dtype cv_engine_matrix_dtype(cv_engine *e) {
 }
 
 void cv_engine_set_trace(cv_engine *e, int on) {
-    pthread_mutex_lock(&e->out_lock);
-    e->tracing = on;
-    pthread_mutex_unlock(&e->out_lock);
+    pthread_mutex_lock(&e->outbox.lock);
+    e->outbox.tracing = on;
+    pthread_mutex_unlock(&e->outbox.lock);
 }
 
 size_t cv_engine_take_trace(cv_engine *e, cv_trace_entry **entries) {
-    pthread_mutex_lock(&e->out_lock);
-    size_t n = e->n_trace;
-    *entries = e->trace;
-    e->trace = NULL;
-    e->n_trace = e->cap_trace = 0;
-    pthread_mutex_unlock(&e->out_lock);
+    pthread_mutex_lock(&e->outbox.lock);
+    size_t n = e->outbox.n_trace;
+    *entries = e->outbox.trace;
+    e->outbox.trace = NULL;
+    e->outbox.n_trace = e->outbox.cap_trace = 0;
+    pthread_mutex_unlock(&e->outbox.lock);
     return n;
 }
 

@@ -6,52 +6,18 @@
  * cv_engine_add_request and cv_engine_abort may be called from any thread: they
  * only touch an inbox under a lock. Outputs go to an outbox under another lock.
  * The owner's calls (step, set_mask_wait, start/stop_loop, destroy) are made by
- * one thread at a time; step and set_mask_wait fail with CV_ERR_STATE while the
+ * one thread at a time; step and set_mask_wait fail with CV_ERR_BUSY while the
  * background loop runs, and start_loop while it already does. */
 #ifndef CV_ENGINE_H
 #define CV_ENGINE_H
 
-#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include "../../base/common.h"
+#include "engine_config.h"
 #include "sampler.h"
 #include "scheduler.h"
 #include "speculative.h"
-
-typedef struct cv_engine_config {
-    const char *model_path;
-    cv_dtype dtype;                 /* CV_DTYPE_INVALID: the checkpoint's */
-    cv_dtype quantization;          /* CV_Q8_0/Q4_0/Q4_1: quantize at load; anything else: none */
-    int use_cuda;                   /* 0: CPU */
-    int num_threads;                /* <= 0: all cores */
-    int exact_activations;          /* CPU: 1: float32 GEMM inputs over bf16 weights (no vdpbf16ps rounding) */
-    int64_t max_model_len;          /* 0: the model's */
-    int64_t max_num_seqs;
-    int64_t max_num_batched_tokens; /* 0: default */
-    int64_t block_size;
-    size_t kv_cache_bytes;          /* 0: a share of free memory */
-    double gpu_memory_utilization;  /* CUDA only */
-    cv_dtype kv_dtype;              /* CV_DTYPE_INVALID: the weights' dtype */
-    int enable_prefix_caching;
-    int enable_chunked_prefill;
-    cv_sched_policy policy;
-    int64_t max_prefill_tokens_while_decoding; /* see cv_scheduler_config; 0: no cap */
-    int64_t max_queued_requests;    /* refuse a request that would make more wait unscheduled; 0: no limit */
-    cv_spec_config spec;            /* speculative decoding; method CV_SPEC_NONE: off */
-    uint64_t seed;
-    /* Tokenizer facts the engine needs to stop and detokenize on bytes. */
-    const int32_t *eos_ids; int n_eos;
-    int32_t bos_id;                 /* -1 if none */
-    int strip_space_after_bos;      /* llama2.c: the piece after BOS loses its leading space */
-    int64_t n_token_bytes;          /* entries in token_bytes (ids beyond have no bytes) */
-    const char *const *token_bytes; /* [n_token_bytes] raw bytes of each token */
-    const size_t *token_lens;       /* [n_token_bytes] */
-    const uint8_t *token_special;   /* [n_token_bytes] 1 for special tokens, or NULL */
-    /* Polled while creating (between layers of weights and KV cache); nonzero
-     * makes cv_engine_create stop with CV_ERR_CANCELLED. NULL: never. */
-    const atomic_int *cancel;
-} cv_engine_config;
 
 #define CV_MAX_N 1024                   /* completions per request */
 #define CV_MAX_TOKENS_REST INT64_MIN    /* max_tokens: the rest of the context */
@@ -72,7 +38,7 @@ typedef struct cv_request_params {
     /* Guided decoding: each completion samples under a token mask posted with
      * cv_engine_set_token_mask for its next output position. */
     int guided;
-    /* ---- issue 17 (b17a): prompt logprobs and best_of ---- */
+    /* ---- prompt logprobs and best_of ---- */
     int32_t prompt_logprobs;        /* CV_NO_LOGPROBS: none; 0..CV_MAX_LOGPROBS: each prompt token's
                                      * logprob plus that many top tokens (the request then skips
                                      * the prefix cache: a cached prefix has no logits) */
@@ -169,13 +135,13 @@ int cv_engine_set_token_mask(cv_engine *e, int64_t request_id, int32_t seq_index
 /* Synchronous stepping: when on, cv_engine_step waits for guided masks as the
  * background loop does (the caller posts them from another thread while the
  * step's forward pass runs). Set only between steps, by the stepping thread;
- * CV_ERR_STATE while the background loop runs. */
+ * CV_ERR_BUSY while the background loop runs. */
 int cv_engine_set_mask_wait(cv_engine *e, int on, cv_err *err);
 /* uint32 words in one token mask: (vocab_size + 31) / 32. */
 int64_t cv_engine_token_mask_words(cv_engine *e);
 
 /* Runs one step; returns the number of sequences that ran (0 when idle) or a
- * negative error; CV_ERR_STATE while the background loop runs. */
+ * negative error; CV_ERR_BUSY while the background loop runs. */
 int cv_engine_step(cv_engine *e, cv_err *err);
 /* Requests queued or running. */
 int64_t cv_engine_num_unfinished(cv_engine *e);
@@ -193,7 +159,7 @@ int cv_engine_loop_error(cv_engine *e, cv_err *err);
 
 void cv_engine_get_stats(cv_engine *e, cv_engine_stats *st);
 /* For tests: the scheduler's and block pool's invariants (cv_scheduler_check).
- * CV_ERR_STATE while the background loop runs. */
+ * CV_ERR_BUSY while the background loop runs. */
 int cv_engine_check_invariants(cv_engine *e, cv_err *err);
 const void *cv_engine_model_config(cv_engine *e); /* const cv_model_config * */
 int64_t cv_engine_vocab_size(cv_engine *e);

@@ -11,10 +11,13 @@
 #include "../model/model.h"
 #include "draft.h"
 #include "engine.h"
+#include "guided.h"
+#include "inbox.h"
 #include "output.h"
+#include "prompt_logprobs.h"
 #include "sequence.h"
+#include "spec_state.h"
 #include "stop.h"
-#include "token_mask.h"
 #include "worker.h"
 
 /* Per-completion state kept by the engine beside its cv_sequence. */
@@ -55,6 +58,18 @@ typedef struct cv_sample_worker {
     size_t banned_cap;
 } cv_sample_worker;
 
+/* The sampling scratch of a step (engine_sample.c): a sampler per host
+ * worker, and the step's logits rows. */
+typedef struct cv_sample_rows {
+    cv_sample_worker *samplers; /* [n_samplers]: one per host worker of the backend */
+    int n_samplers;
+    int64_t max_rows;           /* logits rows a step may have: max_num_seqs, more when speculating */
+    int32_t *list;              /* [max_rows] first rows of the sequences sampled now */
+    int32_t *token;             /* [max_rows] their tokens, by row */
+    int32_t *take;              /* [max_rows] by first row: tokens its sequence accepts (1 + proposals kept) */
+    cv_sample_info *info;       /* [max_rows] their logprobs, by row */
+} cv_sample_rows;
+
 struct cv_engine {
     /* fixed after create */
     int64_t vocab, max_model_len, max_num_seqs, max_tokens_step, block_size;
@@ -64,29 +79,10 @@ struct cv_engine {
     cv_backend *backend;
     cv_worker worker;           /* the target model, its KV cache and KV manager */
     cv_scheduler *sched;
-    cv_sample_worker *samplers; /* [n_samplers]: one per host worker of the backend */
-    int n_samplers;
-    int64_t max_rows;           /* logits rows a step may have: max_num_seqs, more when speculating */
-    int32_t *row_list;          /* [max_rows] first rows of the sequences sampled now */
-    int32_t *row_token;         /* [max_rows] their tokens, by row */
-    int32_t *row_take;          /* [max_rows] by first row: tokens its sequence accepts (1 + proposals kept) */
-    cv_sample_info *row_info;   /* [max_rows] their logprobs, by row */
-    cv_spec_config spec;
-    int32_t *spec_buf;          /* [spec.num_tokens], per draft sequence: proposals */
-    cv_draft *draft;            /* method CV_SPEC_DRAFT: the draft model, else NULL */
-    int64_t draft_max_seqs;     /* sequences the draft proposes for in one step */
-    cv_sequence **draft_seqs;   /* [draft_max_seqs] this step's */
-    int64_t *draft_want, *draft_got; /* [draft_max_seqs] */
-    int32_t *plan_spec;         /* [max_num_seqs] proposals each plan entry verifies (trace) */
-    int32_t *pl_rows;      /* [max_num_seqs] prompt-logprob rows of one LM-head group */
-    cv_request **pl_req;   /* [max_num_seqs] their requests */
-    int64_t *pl_pos;       /* [max_num_seqs] the prompt position each row predicts */
-    /* guided decoding: masks posted by the grammar's thread */
-    cv_mask_box masks;
-    int masks_ready;
-    uint32_t *mask_scratch; /* [masks.words] */
-    uint8_t *mask_failed;   /* [max_tokens_step] this step's guided rows left without a mask */
-    int mask_wait;          /* synchronous steps wait for masks too */
+    cv_sample_rows rows;
+    cv_spec_state spec;
+    cv_prompt_lp_rows prompt_lp;
+    cv_guided guided;           /* masks posted by the grammar's thread */
 
     /* owned by the stepping thread */
     cv_request *active;    /* doubly linked */
@@ -96,30 +92,15 @@ struct cv_engine {
     int64_t n_deadlines;   /* active requests with a deadline */
     cv_engine_stats stats_live;
 
-    /* inbox */
-    pthread_mutex_t in_lock;
-    pthread_cond_t in_cond;
-    cv_request *in_head, *in_tail;
-    int64_t *aborts; size_t n_aborts, cap_aborts;
-    int64_t n_inbox;
-    int64_t arrival_counter;
-    int64_t max_queued;    /* 0: no limit */
-    int64_t n_queued;      /* requests added and not yet scheduled (the inbox included) */
-    int64_t n_rejected;
-
-    /* outbox */
-    pthread_mutex_t out_lock;
-    cv_outbox outbox;
-    cv_engine_stats stats_snapshot;
-    int tracing;
-    cv_trace_entry *trace; size_t n_trace, cap_trace;
+    cv_inbox in;           /* from any thread to the stepping one */
+    cv_engine_outbox outbox; /* from the stepping thread to any other */
 
     /* background loop */
     pthread_t thread;
     int loop_running;
-    int stop_flag;
+    int stop_flag;         /* under in.lock */
     int wake_fd;
-    cv_err loop_err;
+    cv_err loop_err;       /* under outbox.lock */
     int loop_failed;
 };
 
@@ -151,6 +132,12 @@ void cv_drain_inbox(cv_engine *e);
 void cv_expire_deadlines(cv_engine *e, double now);
 
 /* ---- engine_sample.c: the sampling part of a step ---- */
+
+/* Samplers (n_samplers, each for a vocabulary of vocab) and rows for steps of
+ * at most max_rows logits rows. CV_ERR_NOMEM; free with cv_sample_rows_free
+ * either way. */
+int cv_sample_rows_init(cv_sample_rows *rows, int64_t max_rows, int n_samplers, int64_t vocab, cv_err *err);
+void cv_sample_rows_free(cv_sample_rows *rows);
 
 /* Prompt logprobs for this step's chunks that ask for them (events out);
  * leaves the sampling rows' logits as the forward pass made them. */

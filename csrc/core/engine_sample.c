@@ -3,7 +3,37 @@
  * (min_tokens banning EOS and the stop tokens) and handed to its request. */
 #include "engine_internal.h"
 
+#include <stdlib.h>
 #include <string.h>
+
+int cv_sample_rows_init(cv_sample_rows *rows, int64_t max_rows, int n_samplers, int64_t vocab, cv_err *err) {
+    rows->max_rows = max_rows;
+    rows->n_samplers = n_samplers;
+    rows->samplers = calloc((size_t)n_samplers, sizeof *rows->samplers);
+    rows->list = malloc((size_t)max_rows * sizeof *rows->list);
+    rows->token = malloc((size_t)max_rows * sizeof *rows->token);
+    rows->take = malloc((size_t)max_rows * sizeof *rows->take);
+    rows->info = malloc((size_t)max_rows * sizeof *rows->info);
+    if (!rows->samplers || !rows->list || !rows->token || !rows->take || !rows->info)
+        return cv_set_err(err, CV_ERR_NOMEM, "out of memory for the sampler");
+    for (int i = 0; i < n_samplers; i++)
+        if (!(rows->samplers[i].sampler = cv_sampler_create(vocab)))
+            return cv_set_err(err, CV_ERR_NOMEM, "out of memory for the sampler");
+    return CV_OK;
+}
+
+void cv_sample_rows_free(cv_sample_rows *rows) {
+    for (int i = 0; rows->samplers && i < rows->n_samplers; i++) {
+        cv_sampler_destroy(rows->samplers[i].sampler);
+        free(rows->samplers[i].banned);
+    }
+    free(rows->samplers);
+    free(rows->list);
+    free(rows->token);
+    free(rows->take);
+    free(rows->info);
+    memset(rows, 0, sizeof *rows);
+}
 
 /* The tokens min_tokens still holds off for a completion with n_out tokens
  * (EOS unless ignore_eos, and the stop tokens), in w->banned; returns how many. */
@@ -35,10 +65,10 @@ int64_t cv_apply_guided_masks(cv_engine *e, const cv_sched_output *plan) {
         cv_request *r = s->owner;
         if (!r->p.guided) continue;
         int idx = cv_request_completion_index(r, s);
-        e->mask_failed[row] = (uint8_t)(cv_mask_box_take(&e->masks, r->id, idx, r->ss[idx].n_out,
-                                                         e->loop_running || e->mask_wait, e->mask_scratch) != 0);
-        if (!e->mask_failed[row])
-            cv_sampler_apply_token_mask(e->worker.ws.logits_host + row * e->vocab, e->vocab, e->mask_scratch);
+        e->guided.failed[row] = (uint8_t)(cv_mask_box_take(&e->guided.box, r->id, idx, r->ss[idx].n_out,
+                                                         e->loop_running || e->guided.wait, e->guided.scratch) != 0);
+        if (!e->guided.failed[row])
+            cv_sampler_apply_token_mask(e->worker.ws.logits_host + row * e->vocab, e->vocab, e->guided.scratch);
     }
     return n_guided;
 }
@@ -57,7 +87,7 @@ static int samples_row(const cv_engine *e, const cv_sched_output *plan, int64_t 
     cv_request *r = s->owner;
     if ((r->p.guided != 0) != guided) return 0;
     if (r->ss[cv_request_completion_index(r, s)].finished) return 0;
-    return !(guided && e->mask_failed[row]);
+    return !(guided && e->guided.failed[row]);
 }
 
 typedef struct sample_job {
@@ -65,7 +95,7 @@ typedef struct sample_job {
     const cv_sched_output *plan;
 } sample_job;
 
-/* Draws the tokens of the sequence whose first row is e->row_list[k] with the
+/* Draws the tokens of the sequence whose first row is e->rows.list[k] with the
  * worker's own sampler. A sequence reads only its own logits, request
  * parameters, tokens and random stream, so sequences may run on any thread in
  * any order with the same results. worker < n_samplers: host_parallel runs at
@@ -83,8 +113,8 @@ typedef struct sample_job {
 static void sample_row(void *arg, int64_t k, int worker) {
     sample_job *j = arg;
     cv_engine *e = j->e;
-    cv_sample_worker *w = &e->samplers[worker];
-    const int64_t row0 = e->row_list[k];
+    cv_sample_worker *w = &e->rows.samplers[worker];
+    const int64_t row0 = e->rows.list[k];
     cv_sequence *s = j->plan->seqs[e->worker.runner.sample_plan_index[row0]];
     cv_request *r = s->owner;
     seq_state *st = &r->ss[cv_request_completion_index(r, s)];
@@ -93,23 +123,23 @@ static void sample_row(void *arg, int64_t k, int worker) {
     for (;; i++) {
         const int64_t row = row0 + i;
         int64_t n_banned = banned_tokens(e, w, r, st->n_out + i);
-        e->row_token[row] = cv_sampler_sample(w->sampler, e->worker.ws.logits_host + row * e->vocab, &r->p.sp, s->tokens,
+        e->rows.token[row] = cv_sampler_sample(w->sampler, e->worker.ws.logits_host + row * e->vocab, &r->p.sp, s->tokens,
                                               r->n_prompt, s->tokens + r->n_prompt, base + i - r->n_prompt,
-                                              w->banned, n_banned, &st->rng, &e->row_info[row]);
-        if (i == m || e->row_token[row] != s->tokens[base + i]) break;
+                                              w->banned, n_banned, &st->rng, &e->rows.info[row]);
+        if (i == m || e->rows.token[row] != s->tokens[base + i]) break;
     }
-    e->row_take[row0] = (int32_t)(i + 1);
+    e->rows.take[row0] = (int32_t)(i + 1);
 }
 
 /* Accepts the tokens sample_row drew for the sequence at first row row0:
  * its proposals give way to them (the KV of rejected ones is rolled back),
  * and the count stops at a finish (a stop, max_tokens). Caller holds out_lock. */
 static void accept_rows(cv_engine *e, cv_request *r, int idx, cv_sequence *s, int64_t row0) {
-    const int64_t m = s->n_spec, take = e->row_take[row0];
+    const int64_t m = s->n_spec, take = e->rows.take[row0];
     s->n_tokens -= m; /* the accepted tokens overwrite the proposals */
     s->n_spec = 0;
     for (int64_t i = 0; i < take && !r->ss[idx].finished; i++)
-        cv_request_accept_token(e, r, idx, e->row_token[row0 + i], &e->row_info[row0 + i]);
+        cv_request_accept_token(e, r, idx, e->rows.token[row0 + i], &e->rows.info[row0 + i]);
     if (m == 0) return;
     cv_engine_stats *sl = &e->stats_live;
     sl->spec_proposed += m;
@@ -135,9 +165,9 @@ void cv_sample_batch(cv_engine *e, const cv_sched_output *plan, int guided) {
     const cv_batch *bt = &e->worker.runner.batch;
     int64_t n = 0;
     for (int64_t row = 0; row < bt->n_logits; row++)
-        if (samples_row(e, plan, row, guided)) e->row_list[n++] = (int32_t)row;
+        if (samples_row(e, plan, row, guided)) e->rows.list[n++] = (int32_t)row;
     sample_job job = {e, plan};
-    if (e->n_samplers > 1 && n > 1 && n * e->vocab >= PARALLEL_SAMPLE_FLOATS)
+    if (e->rows.n_samplers > 1 && n > 1 && n * e->vocab >= PARALLEL_SAMPLE_FLOATS)
         e->backend->host_parallel(e->backend, n, sample_row, &job);
     else
         for (int64_t k = 0; k < n; k++) sample_row(&job, k, 0);
@@ -148,7 +178,7 @@ void cv_sample_batch(cv_engine *e, const cv_sched_output *plan, int guided) {
         if ((r->p.guided != 0) != guided) continue;
         int idx = cv_request_completion_index(r, s);
         if (r->ss[idx].finished) continue;
-        if (guided && e->mask_failed[row]) {
+        if (guided && e->guided.failed[row]) {
             cv_request_finish_completion(e, r, idx, CV_FINISH_ABORT, CV_STOP_NONE, -1, NULL);
             continue;
         }
@@ -157,17 +187,17 @@ void cv_sample_batch(cv_engine *e, const cv_sched_output *plan, int guided) {
     }
 }
 
-/* ---- prompt logprobs (issue 17) ---- */
+/* ---- prompt logprobs ---- */
 
 /* Runs the LM head on the n grouped rows and emits one prompt event per row. */
 static int flush_prompt_rows(cv_engine *e, int64_t n, cv_err *err) {
     if (n == 0) return CV_OK;
-    int rc = cv_model_logits(e->worker.model, &e->worker.ws, e->pl_rows, n, e->worker.runner.batch.n_tokens, err);
+    int rc = cv_model_logits(e->worker.model, &e->worker.ws, e->prompt_lp.rows, n, e->worker.runner.batch.n_tokens, err);
     if (rc) return rc;
-    pthread_mutex_lock(&e->out_lock);
+    pthread_mutex_lock(&e->outbox.lock);
     for (int64_t k = 0; k < n; k++) {
-        cv_request *r = e->pl_req[k];
-        int64_t pos = e->pl_pos[k];
+        cv_request *r = e->prompt_lp.req[k];
+        int64_t pos = e->prompt_lp.pos[k];
         cv_sample_info info;
         cv_logprobs_of(e->worker.ws.logits_host + k * e->vocab, e->vocab, r->prompt[pos], r->p.prompt_logprobs, &info);
         cv_event *ev = cv_request_push_event(e, r, 0, NULL, 0);
@@ -179,7 +209,7 @@ static int flush_prompt_rows(cv_engine *e, int64_t n, cv_err *err) {
         memcpy(ev->top_ids, info.top_ids, sizeof ev->top_ids);
         memcpy(ev->top_logprobs, info.top_logprobs, sizeof ev->top_logprobs);
     }
-    pthread_mutex_unlock(&e->out_lock);
+    pthread_mutex_unlock(&e->outbox.lock);
     return CV_OK;
 }
 
@@ -201,9 +231,9 @@ int cv_prompt_logprobs_pass(cv_engine *e, const cv_sched_output *plan, cv_err *e
         if (end > r->n_prompt - 1) end = r->n_prompt - 1;
         int64_t from = start > r->prompt_lp_next - 1 ? start : r->prompt_lp_next - 1;
         for (int64_t pos = from; pos < end; pos++) {
-            e->pl_rows[n] = bt->query_start[i] + (int32_t)(pos - start);
-            e->pl_req[n] = r;
-            e->pl_pos[n] = pos + 1;
+            e->prompt_lp.rows[n] = bt->query_start[i] + (int32_t)(pos - start);
+            e->prompt_lp.req[n] = r;
+            e->prompt_lp.pos[n] = pos + 1;
             r->prompt_lp_next = pos + 2;
             if (++n == e->max_num_seqs) {
                 if ((rc = flush_prompt_rows(e, n, err))) return rc;

@@ -92,3 +92,19 @@ void cv_outbox_free(cv_outbox *o) {
     free(o->text);
     memset(o, 0, sizeof *o);
 }
+
+int cv_engine_outbox_init(cv_engine_outbox *o, cv_err *err) {
+    memset(o, 0, sizeof *o);
+    if (pthread_mutex_init(&o->lock, NULL) != 0) return cv_set_err(err, CV_ERR_NOMEM, "cannot make the outbox lock");
+    o->ready = 1;
+    return CV_OK;
+}
+
+void cv_engine_outbox_free(cv_engine_outbox *o) {
+    cv_outbox_free(&o->events);
+    free(o->trace);
+    o->trace = NULL;
+    o->n_trace = o->cap_trace = 0;
+    if (o->ready) pthread_mutex_destroy(&o->lock);
+    o->ready = 0;
+}

@@ -4,6 +4,7 @@
 #ifndef CV_OUTPUT_H
 #define CV_OUTPUT_H
 
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include "../../base/common.h"
@@ -34,8 +35,8 @@ int cv_detok_is_eos(const cv_detok *d, int32_t t);
 void cv_detok_piece(const cv_detok *d, int32_t prev, int32_t t, int skip_special, const char **bytes,
                     size_t *n);
 
-/* Events and the text arena they index into. Not locked: the engine holds its
- * out_lock around every call. */
+/* Events and the text arena they index into. Not locked: the engine holds
+ * its outbox lock around every call. */
 typedef struct cv_outbox {
     cv_event *ev;
     size_t n_ev, cap_ev;
@@ -48,5 +49,20 @@ cv_event *cv_outbox_push(cv_outbox *o, int64_t request_id, int32_t seq_index, co
 /* Moves the events and their text out (the caller frees both with free()). */
 size_t cv_outbox_take(cv_outbox *o, cv_event **events, char **text);
 void cv_outbox_free(cv_outbox *o);
+
+/* What the stepping thread hands to other threads, under one lock: the
+ * events, the stats as of the last step and the step trace. */
+typedef struct cv_engine_outbox {
+    pthread_mutex_t lock;
+    int ready;                /* lock made */
+    cv_outbox events;
+    cv_engine_stats stats;
+    int tracing;              /* steps record their scheduled sequences in trace */
+    cv_trace_entry *trace; size_t n_trace, cap_trace;
+} cv_engine_outbox;
+
+/* CV_ERR_NOMEM when the lock cannot be made. */
+int cv_engine_outbox_init(cv_engine_outbox *o, cv_err *err);
+void cv_engine_outbox_free(cv_engine_outbox *o);
 
 #endif

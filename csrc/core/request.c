@@ -27,7 +27,7 @@ void cv_request_free(cv_request *r) {
 /* Outbox */
 
 cv_event *cv_request_push_event(cv_engine *e, cv_request *r, int idx, const char *text, size_t len) {
-    return cv_outbox_push(&e->outbox, r->id, idx, text, len);
+    return cv_outbox_push(&e->outbox.events, r->id, idx, text, len);
 }
 
 static void fill_request_metrics(cv_event *ev, const cv_request *r) {
@@ -41,9 +41,9 @@ static void fill_request_metrics(cv_event *ev, const cv_request *r) {
 }
 
 size_t cv_engine_take_events(cv_engine *e, cv_event **events, char **text) {
-    pthread_mutex_lock(&e->out_lock);
-    size_t n = cv_outbox_take(&e->outbox, events, text);
-    pthread_mutex_unlock(&e->out_lock);
+    pthread_mutex_lock(&e->outbox.lock);
+    size_t n = cv_outbox_take(&e->outbox.events, events, text);
+    pthread_mutex_unlock(&e->outbox.lock);
     return n;
 }
 
@@ -173,27 +173,27 @@ int cv_engine_add_request(cv_engine *e, int64_t request_id, const int32_t *promp
         if (src) goto nomem;
     }
     /* every completion that runs (best_of of them) is masked */
-    if (p->guided && cv_mask_box_open(&e->masks, request_id, r->p.n)) goto nomem;
-    pthread_mutex_lock(&e->in_lock);
-    if (e->max_queued > 0 && e->n_queued >= e->max_queued) {
-        int64_t queued = e->n_queued;
-        e->n_rejected++;
-        pthread_mutex_unlock(&e->in_lock);
+    if (p->guided && cv_mask_box_open(&e->guided.box, request_id, r->p.n)) goto nomem;
+    pthread_mutex_lock(&e->in.lock);
+    if (e->in.max_queued > 0 && e->in.n_queued >= e->in.max_queued) {
+        int64_t queued = e->in.n_queued;
+        e->in.n_rejected++;
+        pthread_mutex_unlock(&e->in.lock);
         cv_request_free(r);
         return cv_set_err(err, CV_ERR_OVERLOADED,
                           "the engine is overloaded: %lld requests already wait to be scheduled "
                           "(max_queued_requests=%lld); retry later",
-                          (long long)queued, (long long)e->max_queued);
+                          (long long)queued, (long long)e->in.max_queued);
     }
-    e->n_queued++;
+    e->in.n_queued++;
     r->queued = 1;
-    r->arrival_order = e->arrival_counter++;
-    if (e->in_tail) e->in_tail->next = r; else e->in_head = r;
-    r->prev = e->in_tail;
-    e->in_tail = r;
-    e->n_inbox++;
-    pthread_cond_signal(&e->in_cond);
-    pthread_mutex_unlock(&e->in_lock);
+    r->arrival_order = e->in.arrival_counter++;
+    if (e->in.tail) e->in.tail->next = r; else e->in.head = r;
+    r->prev = e->in.tail;
+    e->in.tail = r;
+    e->in.n_requests++;
+    pthread_cond_signal(&e->in.cond);
+    pthread_mutex_unlock(&e->in.lock);
     return CV_OK;
 nomem:
     cv_request_free(r);
@@ -202,28 +202,28 @@ nomem:
 
 int cv_engine_abort(cv_engine *e, int64_t request_id) {
     int rc = CV_OK;
-    pthread_mutex_lock(&e->in_lock);
-    if (cv_grow((void **)&e->aborts, &e->cap_aborts, e->n_aborts + 1, sizeof *e->aborts))
-        e->aborts[e->n_aborts++] = request_id;
+    pthread_mutex_lock(&e->in.lock);
+    if (cv_grow((void **)&e->in.aborts, &e->in.cap_aborts, e->in.n_aborts + 1, sizeof *e->in.aborts))
+        e->in.aborts[e->in.n_aborts++] = request_id;
     else
         rc = CV_ERR_NOMEM;
-    pthread_cond_signal(&e->in_cond);
-    pthread_mutex_unlock(&e->in_lock);
-    cv_mask_box_cancel(&e->masks, request_id); /* a sampler waiting on its mask gives up */
+    pthread_cond_signal(&e->in.cond);
+    pthread_mutex_unlock(&e->in.lock);
+    cv_mask_box_cancel(&e->guided.box, request_id); /* a sampler waiting on its mask gives up */
     return rc;
 }
 
 int cv_engine_set_token_mask(cv_engine *e, int64_t request_id, int32_t seq_index, int64_t pos,
                              const uint32_t *mask) {
-    return cv_mask_box_put(&e->masks, request_id, seq_index, pos, mask);
+    return cv_mask_box_put(&e->guided.box, request_id, seq_index, pos, mask);
 }
 
-int64_t cv_engine_token_mask_words(cv_engine *e) { return e->masks.words; }
+int64_t cv_engine_token_mask_words(cv_engine *e) { return e->guided.box.words; }
 
 int64_t cv_engine_num_unfinished(cv_engine *e) {
-    pthread_mutex_lock(&e->in_lock);
-    int64_t n = e->n_inbox + e->n_active;
-    pthread_mutex_unlock(&e->in_lock);
+    pthread_mutex_lock(&e->in.lock);
+    int64_t n = e->in.n_requests + e->n_active;
+    pthread_mutex_unlock(&e->in.lock);
     return n;
 }
 
@@ -234,9 +234,9 @@ static void active_remove(cv_engine *e, cv_request *r) {
     if (r->prev) r->prev->next = r->next; else e->active = r->next;
     if (r->next) r->next->prev = r->prev;
     r->prev = r->next = NULL;
-    pthread_mutex_lock(&e->in_lock);
+    pthread_mutex_lock(&e->in.lock);
     e->n_active--;
-    pthread_mutex_unlock(&e->in_lock);
+    pthread_mutex_unlock(&e->in.lock);
 }
 
 void cv_request_finish_completion(cv_engine *e, cv_request *r, int idx, int reason, int stop_kind,
@@ -274,9 +274,9 @@ void cv_request_finish_completion(cv_engine *e, cv_request *r, int idx, int reas
 void cv_request_leave_queue(cv_engine *e, cv_request *r) {
     if (!r->queued) return;
     r->queued = 0;
-    pthread_mutex_lock(&e->in_lock);
-    e->n_queued--;
-    pthread_mutex_unlock(&e->in_lock);
+    pthread_mutex_lock(&e->in.lock);
+    e->in.n_queued--;
+    pthread_mutex_unlock(&e->in.lock);
 }
 
 void cv_request_retire_if_done(cv_engine *e, cv_request *r) {
@@ -284,7 +284,7 @@ void cv_request_retire_if_done(cv_engine *e, cv_request *r) {
         cv_request_leave_queue(e, r);
         if (r->deadline > 0) e->n_deadlines--;
         active_remove(e, r);
-        if (r->p.guided) cv_mask_box_close(&e->masks, r->id);
+        if (r->p.guided) cv_mask_box_close(&e->guided.box, r->id);
         cv_request_free(r);
     }
 }
@@ -292,9 +292,9 @@ void cv_request_retire_if_done(cv_engine *e, cv_request *r) {
 /* Ends every completion of r with reason (CV_FINISH_ABORT or CV_FINISH_TIMEOUT). */
 static void end_request(cv_engine *e, cv_request *r, int reason) {
     r->forked = 1; /* no forks after an abort */
-    pthread_mutex_lock(&e->out_lock);
+    pthread_mutex_lock(&e->outbox.lock);
     for (int i = 0; i < r->p.n; i++) cv_request_finish_completion(e, r, i, reason, CV_STOP_NONE, -1, NULL);
-    pthread_mutex_unlock(&e->out_lock);
+    pthread_mutex_unlock(&e->outbox.lock);
     cv_request_retire_if_done(e, r);
 }
 
@@ -354,17 +354,17 @@ static void apply_aborts(cv_engine *e, int64_t *ids, size_t n) {
 }
 
 void cv_drain_inbox(cv_engine *e) {
-    pthread_mutex_lock(&e->in_lock);
-    cv_request *head = e->in_head;
-    e->in_head = e->in_tail = NULL;
-    int64_t moved = e->n_inbox;
-    e->n_inbox = 0;
+    pthread_mutex_lock(&e->in.lock);
+    cv_request *head = e->in.head;
+    e->in.head = e->in.tail = NULL;
+    int64_t moved = e->in.n_requests;
+    e->in.n_requests = 0;
     e->n_active += moved;
-    int64_t *aborts = e->aborts;
-    size_t n_aborts = e->n_aborts;
-    e->aborts = NULL;
-    e->n_aborts = e->cap_aborts = 0;
-    pthread_mutex_unlock(&e->in_lock);
+    int64_t *aborts = e->in.aborts;
+    size_t n_aborts = e->in.n_aborts;
+    e->in.aborts = NULL;
+    e->in.n_aborts = e->in.cap_aborts = 0;
+    pthread_mutex_unlock(&e->in.lock);
 
     while (head) {
         cv_request *r = head;
@@ -391,9 +391,9 @@ void cv_request_fork_children(cv_engine *e, cv_request *r) {
         cv_sequence *c = NULL;
         cv_err err;
         if (new_sequence(e, r, i, &c) || cv_scheduler_add_fork(e->sched, c, parent, &err)) {
-            pthread_mutex_lock(&e->out_lock);
+            pthread_mutex_lock(&e->outbox.lock);
             cv_request_finish_completion(e, r, i, CV_FINISH_ABORT, CV_STOP_NONE, -1, NULL);
-            pthread_mutex_unlock(&e->out_lock);
+            pthread_mutex_unlock(&e->outbox.lock);
         }
     }
 }

@@ -20,7 +20,8 @@ _EXPORTS = {
     "LLM": "llm", "AsyncLLM": "async_llm", "SamplingParams": "sampling_params",
     "GuidedDecodingParams": "guided", "RequestOutput": "outputs", "CompletionOutput": "outputs",
     "RequestMetrics": "outputs", "Logprob": "outputs", "ConveyorError": "_core",
-    "EngineClosedError": "_core", "EngineOverloadedError": "_core", "ModelFormatError": "_core",
+    "EngineClosedError": "_core", "EngineOverloadedError": "_core", "EngineBusyError": "_core",
+    "ModelFormatError": "_core",
     "UnsupportedError": "_core",
 }
 __all__ = list(_EXPORTS)

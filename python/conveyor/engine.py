@@ -22,18 +22,13 @@ from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams, field_error
 from .speculative import parse_speculative_config, spec_stats
 
-_SCHEDULING = ("continuous", "static", "priority")
-_QUANTIZATIONS = (None, "q8_0", "q4_0", "q4_1")
-# 96 on the CPU: the sweep in docs/benchmarks.md (Workload L at 0.9x saturation, 25M model,
-# 2 cores) keeps median TTFT within 10% of no cap while the p99 time between tokens drops
-# 1.8x; 64 cut it 2.4x but cost 12% of median TTFT.
-DEFAULT_PREFILL_CAP = {"cpu": 96, "cuda": 512}
+# While sequences decode, a step carries at most this many prompt tokens unless
+# max_prefill_tokens_while_decoding says otherwise (the C engine's defaults, by device).
+DEFAULT_PREFILL_CAP = {"cpu": _core.DEFAULT_PREFILL_CAP_CPU, "cuda": _core.DEFAULT_PREFILL_CAP_CUDA}
 # LLM (offline: generate/chat run a batch to completion, nobody watches a stream) takes no
 # cap by default: the cap trades throughput for inter-token latency, which an offline batch
 # does not have (docs/performance.md, "Offline batches end to end").
 OFFLINE_PREFILL_CAP = 0
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
-_KV_DTYPES = _DTYPES + ("int8",)
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40,
@@ -111,7 +106,7 @@ class EngineArgs:
     # Overload control: a request that would make more than this many wait to be
     # scheduled is refused with EngineOverloadedError. None: no limit.
     max_queued_requests: Optional[int] = None
-    # Speculative decoding (issue 26): {"method": "ngram", "num_speculative_tokens": k,
+    # Speculative decoding: {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_min": a, "prompt_lookup_max": b, "disable_by_batch_size": n}, or a draft
     # model: {"model": PATH, "num_speculative_tokens": k, "disable_by_batch_size": n}. None: off.
     speculative_config: Optional[Any] = None
@@ -130,49 +125,40 @@ class EngineArgs:
         return cls(model=model, **kwargs)
 
     def validate(self):
+        """Checks every field's type (TypeError naming it in .field) and reads the size
+        strings of kv_cache_memory. Ranges and choices are the C engine's to check: it
+        reads this object by attribute name when the engine is made."""
         if not isinstance(self.model, (str, os.PathLike)):
-            raise TypeError(f"model must be a path (str or os.PathLike), got {type(self.model).__name__}")
+            raise field_error(TypeError, "model", f"model must be a path (str or os.PathLike), "
+                                                  f"got {type(self.model).__name__}")
         self.model = os.fspath(self.model)
         if not os.path.exists(self.model):
             raise FileNotFoundError(f"model path does not exist: {self.model}")
 
-        def pos_int(name, v, hi, allow_none=False, lo=1):
-            if v is None and allow_none:
-                return
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-            if v < lo or v > hi:
-                raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
-
-        pos_int("max_model_len", self.max_model_len, 1 << 24, allow_none=True)
-        pos_int("max_num_seqs", self.max_num_seqs, 1 << 16)
-        pos_int("max_num_batched_tokens", self.max_num_batched_tokens, 1 << 24, allow_none=True)
-        pos_int("block_size", self.block_size, 1024)
-        pos_int("num_threads", self.num_threads, 1024, allow_none=True)
-        pos_int("seed", self.seed, (1 << 64) - 1, lo=0)
-        pos_int("max_prefill_tokens_while_decoding", self.max_prefill_tokens_while_decoding, 1 << 24,
-                allow_none=True, lo=0)
-        pos_int("max_queued_requests", self.max_queued_requests, 1 << 30, allow_none=True, lo=0)
-        for name, allowed in (("dtype", _DTYPES), ("kv_cache_dtype", _KV_DTYPES)):
+        def check_type(name, ok, what):
             v = getattr(self, name)
-            if v not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {v!r}")
-        if self.scheduling not in _SCHEDULING:
-            raise ValueError(f"scheduling must be one of {_SCHEDULING}, got {self.scheduling!r}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+            if not ok(v):
+                raise field_error(TypeError, name, f"{name} must be {what}, got {type(v).__name__}")
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        for name in ("max_num_seqs", "block_size", "seed"):
+            check_type(name, is_int, "an int")
+        for name in ("max_model_len", "max_num_batched_tokens", "num_threads",
+                     "max_prefill_tokens_while_decoding", "max_queued_requests"):
+            check_type(name, lambda v: v is None or is_int(v), "an int or None")
+        for name in ("dtype", "kv_cache_dtype", "scheduling", "device", "activation_dtype"):
+            check_type(name, lambda v: isinstance(v, str), "a str")
+        check_type("quantization", lambda v: v is None or isinstance(v, str), "a str or None")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "skip_tokenizer_init"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool")
-        if self.activation_dtype not in ("auto", "float32"):
-            raise ValueError(f"activation_dtype must be 'auto' or 'float32', got {self.activation_dtype!r}")
-        if self.quantization not in _QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {_QUANTIZATIONS}, got {self.quantization!r}")
-        if self.kv_cache_memory is not None:
+            check_type(name, lambda v: isinstance(v, bool), "a bool")
+        check_type("gpu_memory_utilization", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+                   "a number")
+        check_type("kv_cache_memory", lambda v: v is None or is_int(v) or isinstance(v, str),
+                   "an int or a string such as '4GiB'")
+        if isinstance(self.kv_cache_memory, str):
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
-        g = self.gpu_memory_utilization
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not (0.0 < g <= 1.0):
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {g!r}")
         self.speculative_config = parse_speculative_config(self.speculative_config)
 
 
@@ -227,7 +213,7 @@ class _Request:
         self.prompt = prompt
         self.prompt_token_ids = prompt_ids
         self.params = params
-        # best_of > n: every candidate runs; build_output keeps the n best (issue 17)
+        # best_of > n: every candidate runs; build_output keeps the n best
         n_run = max(params.n, params.best_of or 0)
         self.seqs = [_SeqState(params.logprobs is not None, n_run > params.n) for _ in range(n_run)]
         self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
@@ -262,19 +248,9 @@ class EngineCore:
             eos_ids = [i for i in (self.tokenizer.eos_ids or []) if i is not None]
             bos_id = self.tokenizer.bos_id if self.tokenizer.bos_id is not None else -1
             strip = bool(self.tokenizer.strip_leading_space_after_bos)
-        self._engine = _core.Engine(
-            args.model, dtype=args.dtype, device=args.device, num_threads=args.num_threads or 0,
-            max_model_len=args.max_model_len or 0, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens or 0, block_size=args.block_size,
-            kv_cache_bytes=args.kv_cache_memory or 0,
-            gpu_memory_utilization=float(args.gpu_memory_utilization),
-            kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
-            enable_chunked_prefill=args.enable_chunked_prefill, policy=args.scheduling,
-            seed=args.seed, eos_ids=eos_ids, bos_id=bos_id, strip_space_after_bos=strip,
-            token_bytes=token_bytes, special_ids=special, quantization=args.quantization,
-            max_prefill_tokens_while_decoding=args.resolved_prefill_cap(),
-            max_queued_requests=args.max_queued_requests or 0, activation_dtype=args.activation_dtype,
-            **self._spec_kwargs(args.speculative_config))
+        # C reads the config from args by attribute name and checks every range.
+        self._engine = _core.Engine(args, eos_ids=eos_ids, bos_id=bos_id, strip_space_after_bos=strip,
+                                    token_bytes=token_bytes, special_ids=special)
         self.model_config = with_weights_dtype(self._engine.model_config(), args.model, args.quantization)
         st = self._engine.stats()
         self.max_model_len = st["max_model_len"]
@@ -294,18 +270,6 @@ class EngineCore:
         self._deferred_masks: list = []  # synchronous stepping: masks the next step computes
         self._mask_worker = None  # a thread that computes them while that step runs
         self.closed = False
-
-    @staticmethod
-    def _spec_kwargs(spec: Optional[dict]) -> dict:
-        if spec is None:
-            return {}
-        kw = {"spec_method": spec["method"], "spec_num_tokens": spec["num_speculative_tokens"],
-              "spec_disable_by_batch_size": spec["disable_by_batch_size"]}
-        if spec["method"] == "draft_model":
-            kw["spec_draft_model"] = spec["model"]
-        else:
-            kw.update(spec_lookup_min=spec["prompt_lookup_min"], spec_lookup_max=spec["prompt_lookup_max"])
-        return kw
 
     # -- requests ---------------------------------------------------------
     def tokenize_prompt(self, prompt) -> tuple[Optional[str], Any]:
