@@ -300,7 +300,7 @@ def workloads(draw):
                max_num_batched_tokens=budget, max_model_len=max_model_len,
                enable_prefix_caching=draw(st.sampled_from([True, True, False])), enable_chunked_prefill=chunked,
                policy=policy, max_prefill_tokens_while_decoding=draw(st.sampled_from([0, 0, 1, 3, 8])),
-               admission_percentile=draw(st.sampled_from([-1, -1, 0, 50, 100])))
+               admission_reserve=draw(st.sampled_from([-1, -1, 0, 25, 300])))
     aborts = draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 100)), max_size=3))
     forks = draw(st.lists(st.integers(0, n_req - 1), max_size=2, unique=True))
     return cfg, reqs, aborts, forks
@@ -682,7 +682,7 @@ def test_priority_policy_preempts_a_worse_running_sequence_for_a_better_waiting_
 def test_preemption_newest_first_and_lone_sequence_progresses():
     # 6 usable blocks of 2 tokens; two sequences that will each need 6.
     s = Scheduler(num_blocks=7, block_size=2, max_num_seqs=2, max_num_batched_tokens=32,
-                  max_model_len=12, admission_percentile=-1)  # no margin: both start
+                  max_model_len=12, admission_reserve=-1)  # no margin: both start
     s.add(1, [1, 2, 3], 9)
     s.add(2, [4, 5, 6], 9)
     preempted = []
@@ -725,7 +725,7 @@ def test_lone_sequence_gets_blocks_held_by_waiting_fork():
 def test_waiting_fork_does_not_block_the_queue_head():
     """Nothing running, the head waits for blocks a waiting fork holds: release them."""
     s = Scheduler(num_blocks=6, block_size=4, max_num_seqs=3, max_num_batched_tokens=16,
-                  max_model_len=20, enable_prefix_caching=False, admission_percentile=-1)
+                  max_model_len=20, enable_prefix_caching=False, admission_reserve=-1)
     s.add(1, [5] * 9, 3)   # P: 3 blocks
     s.add(2, [6] * 18, 2)  # X: first chunk of 7 takes the last 2 blocks
     plan = s.schedule()

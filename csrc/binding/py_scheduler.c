@@ -88,12 +88,12 @@ static int has_seq(PyObject *seqs, long long seq_id) {
 static PyObject *Sched_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
                              "max_model_len", "enable_prefix_caching", "enable_chunked_prefill",
-                             "policy", "max_prefill_tokens_while_decoding", "admission_percentile", NULL};
+                             "policy", "max_prefill_tokens_while_decoding", "admission_reserve", NULL};
     long long nb, bs, mns, mbt, mml, prefill_cap = 0;
-    int prefix = 1, chunked = 1, percentile = 0;
+    int prefix = 1, chunked = 1, reserve = 0;
     const char *policy = "continuous";
     if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLLL|ppsLi:Scheduler", kwlist, &nb, &bs, &mns, &mbt,
-                                     &mml, &prefix, &chunked, &policy, &prefill_cap, &percentile))
+                                     &mml, &prefix, &chunked, &policy, &prefill_cap, &reserve))
         return NULL;
     cv_scheduler_config cfg = {0};
     cfg.max_num_seqs = mns;
@@ -101,7 +101,7 @@ static PyObject *Sched_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     cfg.max_model_len = mml;
     cfg.enable_chunked_prefill = chunked;
     cfg.max_prefill_tokens_while_decoding = prefill_cap;
-    cfg.admission_percentile = percentile;
+    cfg.admission_reserve = reserve;
     if (strcmp(policy, "continuous") == 0) cfg.policy = CV_SCHED_CONTINUOUS;
     else if (strcmp(policy, "priority") == 0) cfg.policy = CV_SCHED_PRIORITY;
     else if (strcmp(policy, "static") == 0) cfg.policy = CV_SCHED_STATIC;
@@ -356,7 +356,7 @@ static PyObject *Sched_stats(SchedObject *self, PyObject *Py_UNUSED(ignored)) {
         cv_py_put(d, "n_preempted_total", PyLong_FromLongLong(st.n_preempted_total)) < 0 ||
         cv_py_put(d, "n_recomputed_tokens", PyLong_FromLongLong(st.n_recomputed_tokens)) < 0 ||
         cv_py_put(d, "n_resumed_tokens", PyLong_FromLongLong(st.n_resumed_tokens)) < 0 ||
-        cv_py_put(d, "expected_output", PyLong_FromLongLong(st.expected_output)) < 0 ||
+        cv_py_put(d, "admission_reserve_tokens", PyLong_FromLongLong(st.admission_reserve_tokens)) < 0 ||
         cv_py_put(d, "blocks_total", PyLong_FromLongLong(st.blocks_total)) < 0 ||
         cv_py_put(d, "blocks_used", PyLong_FromLongLong(st.blocks_used)) < 0 ||
         cv_py_put(d, "blocks_free", PyLong_FromLongLong(st.blocks_free)) < 0 ||
@@ -478,7 +478,7 @@ static PyMethodDef Sched_methods[] = {
 static PyType_Slot Sched_slots[] = {
     {Py_tp_doc, PyDoc_STR("Scheduler(num_blocks, block_size, max_num_seqs, max_num_batched_tokens, "
                         "max_model_len, enable_prefix_caching=True, enable_chunked_prefill=True, "
-                        "policy='continuous', max_prefill_tokens_while_decoding=0, admission_percentile=0): the C scheduler with a fake-runner harness.")},
+                        "policy='continuous', max_prefill_tokens_while_decoding=0, admission_reserve=0): the C scheduler with a fake-runner harness.")},
     {Py_tp_new, Sched_new},
     {Py_tp_dealloc, Sched_dealloc},
     {Py_tp_methods, Sched_methods},

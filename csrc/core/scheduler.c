@@ -52,12 +52,8 @@ struct cv_scheduler {
     int64_t n_recomputed_tokens; /* KV computed before a preemption and computed again */
     int64_t n_resumed_tokens;    /* KV a resumed sequence took back instead */
 
-    /* Output lengths of the last finished sequences, for the admission margin:
-     * ring in finishing order, sorted the same values in order. */
-    int64_t observed[CV_SCHED_OBSERVED];
-    int64_t observed_sorted[CV_SCHED_OBSERVED];
-    int64_t n_observed;          /* finishes recorded (the ring holds the last CV_SCHED_OBSERVED) */
-    int64_t expected_output;     /* the admission percentile of those; INT64_MAX before any */
+    /* For the admission margin: outputs of the sequences that finished (not aborted) */
+    int64_t n_outputs_seen, output_tokens_seen;
 };
 
 /* ---- ordering ---- */
@@ -270,11 +266,11 @@ cv_scheduler *cv_scheduler_create(const cv_scheduler_config *cfg, cv_kv_manager 
         cv_set_err(err, CV_ERR_INVALID, "scheduler: unknown policy %d", (int)cfg->policy);
         goto fail;
     }
-    if (cfg->admission_percentile < -1 || cfg->admission_percentile > 100) {
+    if (cfg->admission_reserve < -1 || cfg->admission_reserve > CV_SCHED_MAX_RESERVE) {
         cv_set_err(err, CV_ERR_INVALID,
-                   "scheduler: admission_percentile must be -1 (no margin) or in [0, 100] "
+                   "scheduler: admission_reserve must be -1 (no margin) or in [0, %d] "
                    "(0: the default %d), got %d",
-                   CV_SCHED_DEFAULT_PERCENTILE, (int)cfg->admission_percentile);
+                   CV_SCHED_MAX_RESERVE, CV_SCHED_DEFAULT_RESERVE, (int)cfg->admission_reserve);
         goto fail;
     }
     if (cfg->max_prefill_tokens_while_decoding < 0) {
@@ -294,8 +290,7 @@ cv_scheduler *cv_scheduler_create(const cv_scheduler_config *cfg, cv_kv_manager 
     if (!s) goto nomem;
     s->cfg = *cfg;
     s->cfg.enable_chunked_prefill = cfg->enable_chunked_prefill ? 1 : 0;
-    if (s->cfg.admission_percentile == 0) s->cfg.admission_percentile = CV_SCHED_DEFAULT_PERCENTILE;
-    s->expected_output = INT64_MAX;
+    if (s->cfg.admission_reserve == 0) s->cfg.admission_reserve = CV_SCHED_DEFAULT_RESERVE;
     s->kv = kv;
     s->bs = cv_kv_manager_block_size(kv);
     s->usable_blocks = cv_kv_manager_num_blocks(kv) - 1;
@@ -426,49 +421,41 @@ static void take_resume(cv_scheduler *s, cv_sequence *q) {
 }
 
 /* Blocks q will still add, beyond those it holds, to reach its expected
- * length (see cv_scheduler_config.admission_percentile). */
-static int64_t growth_blocks(const cv_scheduler *s, const cv_sequence *q, int64_t held) {
-    int64_t target = q->max_total;
-    if (s->expected_output < q->max_total - q->n_prompt) target = q->n_prompt + s->expected_output;
-    if (target < q->n_tokens - q->n_spec + 1) target = q->n_tokens - q->n_spec + 1;
-    if (target > q->max_total) target = q->max_total;
+ * length: its next token and `reserve` more, never beyond max_total. */
+static int64_t growth_blocks(const cv_scheduler *s, const cv_sequence *q, int64_t held, int64_t reserve) {
+    const int64_t now = q->n_tokens - q->n_spec;
+    const int64_t target = reserve >= q->max_total - now ? q->max_total : now + (reserve > 1 ? reserve : 1);
     const int64_t need = blocks_for(s, target) - held;
     return need > 0 ? need : 0;
 }
 
+/* The output tokens admission reserves for each sequence beyond its current
+ * length (see cv_scheduler_config.admission_reserve): the expected remaining
+ * output, estimated as the output tokens seen over the outputs that ended.
+ * The running sequences' outputs so far count as seen: without them the first
+ * finishes, the short ones, would make every output look short. INT64_MAX
+ * (each its max_tokens) until one ended. */
+static int64_t reserve_tokens(const cv_scheduler *s) {
+    if (s->n_outputs_seen == 0) return INT64_MAX;
+    double seen = (double)s->output_tokens_seen;
+    for (int64_t i = 0; i < s->n_running; i++) {
+        const cv_sequence *r = s->running[i];
+        if (r->n_tokens - r->n_spec > r->n_prompt) seen += (double)(r->n_tokens - r->n_spec - r->n_prompt);
+    }
+    const double r = seen / (double)s->n_outputs_seen * s->cfg.admission_reserve / 100.0;
+    return r >= (double)s->cfg.max_model_len ? s->cfg.max_model_len : (int64_t)r + 1;
+}
+
 /* The running sequences' growth that admitting q must leave room for: under
  * the priority policy only those ranked at or above q. */
-static int64_t reserved_growth(const cv_scheduler *s, const cv_sequence *q) {
+static int64_t reserved_growth(const cv_scheduler *s, const cv_sequence *q, int64_t reserve) {
     int64_t sum = 0;
     for (int64_t i = 0; i < s->n_running; i++) {
         const cv_sequence *r = s->running[i];
         if (s->cfg.policy == CV_SCHED_PRIORITY && r->priority > q->priority) break; /* ordered by priority */
-        sum += growth_blocks(s, r, cv_kv_num_blocks(r));
+        sum += growth_blocks(s, r, cv_kv_num_blocks(r), reserve);
     }
     return sum;
-}
-
-/* Records a finished sequence's output length for the admission margin. */
-static void observe_output(cv_scheduler *s, int64_t len) {
-    int64_t *sorted = s->observed_sorted;
-    int64_t n = s->n_observed < CV_SCHED_OBSERVED ? s->n_observed : CV_SCHED_OBSERVED;
-    const int64_t slot = s->n_observed % CV_SCHED_OBSERVED;
-    if (n == CV_SCHED_OBSERVED) { /* the ring is full: its oldest value leaves the sorted copy */
-        int64_t j = 0;
-        while (sorted[j] != s->observed[slot]) j++;
-        memmove(&sorted[j], &sorted[j + 1], (size_t)(n - j - 1) * sizeof *sorted);
-        n--;
-    }
-    s->observed[slot] = len;
-    int64_t j = n;
-    while (j > 0 && sorted[j - 1] > len) { sorted[j] = sorted[j - 1]; j--; }
-    sorted[j] = len;
-    n++;
-    s->n_observed++;
-    /* nearest rank: the smallest value with at least pct% of the values at or below it */
-    int64_t rank = (n * (s->cfg.admission_percentile > 0 ? s->cfg.admission_percentile : 100) + 99) / 100;
-    if (rank < 1) rank = 1;
-    s->expected_output = sorted[rank - 1];
 }
 
 /* Static policy, nothing running: the next batch joins the running set
@@ -617,10 +604,11 @@ int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out) {
             }
             break; /* no preemption to admit */
         }
-        if (s->n_running > 0 && s->cfg.admission_percentile > 0) { /* alone, it starts once its first chunk fits */
-            int64_t total = growth_blocks(s, q, held);
+        if (s->n_running > 0 && s->cfg.admission_reserve > 0) { /* alone, it starts once its first chunk fits */
+            const int64_t reserve = reserve_tokens(s);
+            int64_t total = growth_blocks(s, q, held, reserve);
             if (total < need) total = need;
-            if (reserved_growth(s, q) + total + n_free_hits > cv_kv_manager_num_free(s->kv))
+            if (reserved_growth(s, q, reserve) + total + n_free_hits > cv_kv_manager_num_free(s->kv))
                 break; /* admitting it now would likely preempt: wait for blocks to free */
         }
         if (cv_kv_manager_reserve(s->kv, q, held + need > 0 ? held + need : 1) != CV_OK) {
@@ -678,8 +666,10 @@ void cv_scheduler_finish(cv_scheduler *s, cv_sequence *q, cv_seq_status status) 
     } else if (q->status == CV_SEQ_WAITING) {
         wait_remove(s, q);
     }
-    if (q->status == CV_SEQ_RUNNING && status != CV_SEQ_FINISHED_ABORTED)
-        observe_output(s, q->n_tokens - q->n_prompt);
+    if (q->status == CV_SEQ_RUNNING && status != CV_SEQ_FINISHED_ABORTED) {
+        s->n_outputs_seen++;
+        s->output_tokens_seen += q->n_tokens - q->n_spec - q->n_prompt;
+    }
     cv_kv_manager_free(s->kv, q);
     q->status = status;
 }
@@ -698,7 +688,8 @@ void cv_scheduler_get_stats(const cv_scheduler *s, cv_sched_stats *st) {
     st->n_preempted_total = s->n_preempted_total;
     st->n_recomputed_tokens = s->n_recomputed_tokens;
     st->n_resumed_tokens = s->n_resumed_tokens;
-    st->expected_output = s->expected_output == INT64_MAX ? -1 : s->expected_output;
+    const int64_t reserve = s->cfg.admission_reserve > 0 ? reserve_tokens(s) : 0;
+    st->admission_reserve_tokens = reserve == INT64_MAX ? -1 : reserve;
     st->blocks_total = s->usable_blocks;
     st->blocks_free = cv_kv_manager_num_free(s->kv);
     st->blocks_used = st->blocks_total - st->blocks_free;

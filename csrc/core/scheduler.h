@@ -30,23 +30,23 @@ typedef struct cv_scheduler_config {
      * between tokens stays bounded while prompts arrive. 0: no cap. */
     int64_t max_prefill_tokens_while_decoding;
     /* Admission margin (continuous and priority policies): a waiting sequence
-     * starts only when the free blocks cover its own and the running
-     * sequences' growth to their expected length: each one's prompt plus this
-     * percentile of the output lengths observed so far (its max_tokens before
-     * any finished, and at least its next token, never beyond max_total).
-     * Under the priority policy only the growth of sequences ranked at or
-     * above it counts (the others can be preempted for it). A sequence that
-     * would run alone starts as soon as its first chunk fits.
-     * 0: the default, CV_SCHED_DEFAULT_PERCENTILE; 100: the longest observed;
-     * -1: no margin, a sequence starts whenever its first chunk fits (the
-     * plain policy, which preempts when the running ones outgrow the pool). */
-    int32_t admission_percentile;
+     * starts only when the free blocks cover its own growth and the running
+     * sequences' growth to their expected lengths: each one's next token and
+     * this percentage of the expected remaining output (the output tokens seen
+     * so far, running ones included, over the outputs that ended), never
+     * beyond its max_tokens; before any output ended, its max_tokens. Under
+     * the priority policy only the growth of sequences ranked at or above it
+     * counts (the others can be preempted for it). A sequence that would run
+     * alone starts as soon as its first chunk fits.
+     * 0: the default, CV_SCHED_DEFAULT_RESERVE; -1: no margin, a sequence
+     * starts whenever its first chunk fits (and the running ones are
+     * preempted when they outgrow the pool). */
+    int32_t admission_reserve;
 } cv_scheduler_config;
 
-/* Chosen by measurement: docs/dev/admission.md. */
-#define CV_SCHED_DEFAULT_PERCENTILE 50
-/* How many of the latest finished sequences the admission margin learns from. */
-#define CV_SCHED_OBSERVED 256
+/* Chosen by measurement (tools/admission_sweep.py; docs/dev/admission.md). */
+#define CV_SCHED_DEFAULT_RESERVE 50
+#define CV_SCHED_MAX_RESERVE 10000
 
 /* The plan for one step: one plain struct, all the runner needs.
  * Arrays are owned by the scheduler and valid until the next schedule call. */
@@ -65,7 +65,7 @@ typedef struct cv_sched_stats {
     int64_t n_preempted_total;     /* preemptions since creation */
     int64_t n_recomputed_tokens;   /* tokens of KV computed before a preemption and computed again */
     int64_t n_resumed_tokens;      /* tokens of KV resumed sequences took back instead */
-    int64_t expected_output;       /* the admission margin's output length, -1 before any finished */
+    int64_t admission_reserve_tokens; /* output tokens admission reserves per sequence now, -1: max_tokens */
     int64_t blocks_total;          /* usable blocks (excluding block 0) */
     int64_t blocks_used;           /* referenced by at least one sequence */
     int64_t blocks_free;           /* free (including evictable cached ones) */
