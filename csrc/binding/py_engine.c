@@ -165,11 +165,12 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
                              "eos_ids", "bos_id", "strip_space_after_bos", "token_bytes",
                              "special_ids", "quantization", "max_prefill_tokens_while_decoding",
                              "max_queued_requests", "activation_dtype", "spec_method", "spec_num_tokens",
-                             "spec_lookup_min", "spec_lookup_max", "spec_disable_by_batch_size", "spec_draft_model", NULL};
+                             "spec_lookup_min", "spec_lookup_max", "spec_disable_by_batch_size", "spec_draft_model",
+                             "admission_reserve", NULL};
     PyObject *path_obj = NULL, *eos_obj = NULL, *tok_obj = NULL, *special_obj = NULL;
     const char *dtype_s = "auto", *device = "cpu", *kv_dtype_s = "auto", *policy = "continuous";
     const char *quant_s = NULL, *act_s = "auto";
-    int num_threads = 0, prefix = 1, chunked = 1, strip = 0, bos = -1;
+    int num_threads = 0, prefix = 1, chunked = 1, strip = 0, bos = -1, admission_reserve = 0;
     long long max_model_len = 0, max_num_seqs = 256, max_tokens = 0, block_size = 16;
     long long prefill_cap = 0, max_queued = 0;
     const char *spec_method = NULL;
@@ -177,13 +178,14 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     long long spec_k = 0, spec_min = 1, spec_max = 1, spec_disable = 0;
     unsigned long long kv_bytes = 0, seed = 0;
     double gpu_util = 0.9;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|$ssiLLLLKdsppsKOipOOzLLszLLLLO", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|$ssiLLLLKdsppsKOipOOzLLszLLLLOi", kwlist,
                                      PyUnicode_FSConverter, &path_obj, &dtype_s, &device,
                                      &num_threads, &max_model_len, &max_num_seqs, &max_tokens,
                                      &block_size, &kv_bytes, &gpu_util, &kv_dtype_s, &prefix,
                                      &chunked, &policy, &seed, &eos_obj, &bos, &strip, &tok_obj,
                                      &special_obj, &quant_s, &prefill_cap, &max_queued, &act_s, &spec_method,
-                                     &spec_k, &spec_min, &spec_max, &spec_disable, &draft_obj))
+                                     &spec_k, &spec_min, &spec_max, &spec_disable, &draft_obj,
+                                     &admission_reserve))
         return -1;
     int rc = -1;
     int32_t *eos = NULL;
@@ -255,6 +257,7 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     cfg.enable_chunked_prefill = chunked;
     cfg.max_prefill_tokens_while_decoding = prefill_cap;
     cfg.max_queued_requests = max_queued;
+    cfg.admission_reserve = admission_reserve;
     if (spec_method && !strcmp(spec_method, "ngram")) cfg.spec.method = CV_SPEC_NGRAM;
     else if (spec_method && !strcmp(spec_method, "draft_model")) cfg.spec.method = CV_SPEC_DRAFT;
     else if (spec_method) {

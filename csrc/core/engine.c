@@ -126,6 +126,7 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
         .max_num_batched_tokens = e->max_tokens_step, .max_model_len = e->max_model_len,
         .enable_chunked_prefill = cfg->enable_chunked_prefill, .policy = cfg->policy,
         .max_prefill_tokens_while_decoding = cfg->max_prefill_tokens_while_decoding,
+        .admission_reserve = cfg->admission_reserve,
     };
     e->sched = cv_scheduler_create(&sc, e->worker.blocks, err);
     if (!e->sched) { rc = err ? err->code : CV_ERR_STATE; goto fail; }

@@ -37,6 +37,7 @@ typedef struct cv_engine_config {
     int enable_chunked_prefill;
     cv_sched_policy policy;
     int64_t max_prefill_tokens_while_decoding; /* see cv_scheduler_config; 0: no cap */
+    int32_t admission_reserve;      /* see cv_scheduler_config; 0: its default, -1: no margin */
     int64_t max_queued_requests;    /* refuse a request that would make more wait unscheduled; 0: no limit */
     cv_spec_config spec;            /* speculative decoding; method CV_SPEC_NONE: off */
     uint64_t seed;

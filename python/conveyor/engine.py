@@ -107,6 +107,13 @@ class EngineArgs:
     # prompt tokens (chunked prefill only). None: 96 on the CPU (a step's time grows with
     # every token), 512 on CUDA; 0: no cap.
     max_prefill_tokens_while_decoding: Optional[int] = None
+    # Admission margin (continuous and priority scheduling): a request starts only when the
+    # free KV covers the running requests' and its own growth by this percentage of the
+    # expected remaining output (learned from the outputs seen; max_tokens until one ended).
+    # None: 50 (chosen by measurement, docs/dev/admission.md); 0: no margin, a request
+    # starts whenever its first prompt chunk fits and running ones are preempted when the
+    # pool runs out.
+    admission_reserve: Optional[int] = None
     # Overload control: a request that would make more than this many wait to be
     # scheduled is refused with EngineOverloadedError. None: no limit.
     max_queued_requests: Optional[int] = None
@@ -152,6 +159,7 @@ class EngineArgs:
         pos_int("max_prefill_tokens_while_decoding", self.max_prefill_tokens_while_decoding, 1 << 24,
                 allow_none=True, lo=0)
         pos_int("max_queued_requests", self.max_queued_requests, 1 << 30, allow_none=True, lo=0)
+        pos_int("admission_reserve", self.admission_reserve, 10000, allow_none=True, lo=0)
         for name, allowed in (("dtype", _DTYPES), ("kv_cache_dtype", _KV_DTYPES)):
             v = getattr(self, name)
             if v not in allowed:
@@ -273,6 +281,7 @@ class EngineCore:
             token_bytes=token_bytes, special_ids=special, quantization=args.quantization,
             max_prefill_tokens_while_decoding=args.resolved_prefill_cap(),
             max_queued_requests=args.max_queued_requests or 0, activation_dtype=args.activation_dtype,
+            admission_reserve={None: 0, 0: -1}.get(args.admission_reserve, args.admission_reserve),
             **self._spec_kwargs(args.speculative_config))
         self.model_config = self._engine.model_config()
         st = self._engine.stats()
