@@ -672,6 +672,39 @@ static PyObject *KV_take_prefix(KVObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *KV_preempt(KVObject *self, PyObject *args) {
+    long long seq_id;
+    if (!PyArg_ParseTuple(args, "L:preempt", &seq_id)) return NULL;
+    cv_sequence *q = get_seq(self->seqs, seq_id);
+    if (!q) return NULL;
+    cv_kv_manager_preempt(self->m, q);
+    Py_RETURN_NONE;
+}
+
+static PyObject *KV_lookup_resume(KVObject *self, PyObject *args) {
+    long long seq_id;
+    if (!PyArg_ParseTuple(args, "L:lookup_resume", &seq_id)) return NULL;
+    cv_sequence *q = get_seq(self->seqs, seq_id);
+    if (!q) return NULL;
+    if (q->n_tokens < 1) return PyErr_Format(PyExc_ValueError, "sequence %lld holds no tokens", seq_id);
+    if (cv_kv_num_blocks(q) != 0)
+        return PyErr_Format(PyExc_ValueError, "sequence %lld already holds blocks", seq_id);
+    int64_t n_blocks = 0, n_free = 0;
+    int64_t tokens = cv_kv_manager_lookup_resume(self->m, q, &n_blocks, &n_free);
+    return Py_BuildValue("(LLL)", (long long)tokens, (long long)n_blocks, (long long)n_free);
+}
+
+static PyObject *KV_take_resume(KVObject *self, PyObject *args) {
+    long long seq_id;
+    if (!PyArg_ParseTuple(args, "L:take_resume", &seq_id)) return NULL;
+    cv_sequence *q = get_seq(self->seqs, seq_id);
+    if (!q) return NULL;
+    if (cv_kv_num_blocks(q) != 0)
+        return PyErr_Format(PyExc_ValueError, "sequence %lld already holds blocks", seq_id);
+    if (cv_kv_manager_take_resume(self->m, q) != CV_OK) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyObject *KV_seq_info(KVObject *self, PyObject *args) {
     long long seq_id;
     if (!PyArg_ParseTuple(args, "L:seq_info", &seq_id)) return NULL;
@@ -683,6 +716,8 @@ static PyObject *KV_seq_info(KVObject *self, PyObject *args) {
         cv_py_put(d, "n_computed", PyLong_FromLongLong(q->n_computed)) < 0 ||
         cv_py_put(d, "n_cached_blocks", PyLong_FromLongLong(q->blocks.n_cached)) < 0 ||
         cv_py_put(d, "n_cached_prompt", PyLong_FromLongLong(q->n_cached_prompt)) < 0 ||
+        cv_py_put(d, "n_kept", PyLong_FromLongLong(q->blocks.n_kept)) < 0 ||
+        cv_py_put(d, "kept_computed", PyLong_FromLongLong(q->blocks.kept_computed)) < 0 ||
         cv_py_put(d, "n_tokens", PyLong_FromLongLong(q->n_tokens)) < 0 ||
         cv_py_put(d, "tokens", cv_py_int32_list(q->tokens, q->n_tokens)) < 0) {
         Py_DECREF(d);
@@ -754,6 +789,12 @@ static PyMethodDef KV_methods[] = {
      "lookup_prefix(seq_id) -> (n_hits, n_free_hits)."},
     {"take_prefix", (PyCFunction)KV_take_prefix, METH_VARARGS,
      "take_prefix(seq_id, n_hits): the first n_hits blocks of the last lookup into its empty table."},
+    {"preempt", (PyCFunction)KV_preempt, METH_VARARGS,
+     "preempt(seq_id): gives back its blocks, keeping those of its computed KV reclaimable."},
+    {"lookup_resume", (PyCFunction)KV_lookup_resume, METH_VARARGS,
+     "lookup_resume(seq_id) -> (tokens, n_blocks, n_free_hits): the KV a preempted sequence can take back."},
+    {"take_resume", (PyCFunction)KV_take_resume, METH_VARARGS,
+     "take_resume(seq_id): takes what the last resume lookup found into its empty table."},
     {"seq_info", (PyCFunction)KV_seq_info, METH_VARARGS, "seq_info(seq_id) -> dict."},
     {"stats", (PyCFunction)KV_stats, METH_NOARGS,
      "stats() -> dict(num_free, num_cached_free, num_touched, prefix_queries, prefix_hits)."},

@@ -93,10 +93,17 @@ int cv_kv_manager_reserve(cv_kv_manager *m, cv_sequence *q, int64_t n) {
     return CV_OK;
 }
 
+/* A table that takes new blocks no longer holds the ids of its kept ones. */
+static void forget_kept(cv_sequence *q) {
+    q->blocks.n_kept = 0;
+    q->blocks.kept_computed = 0;
+}
+
 int cv_kv_manager_allocate(cv_kv_manager *m, cv_sequence *q, int64_t n) {
     if (n <= 0) return CV_OK;
     if (n > cv_block_pool_num_free(m->pool)) return CV_ERR_STATE;
     if (cv_kv_manager_reserve(m, q, q->blocks.n + n) != CV_OK) return CV_ERR_NOMEM;
+    forget_kept(q);
     for (int64_t k = 0; k < n; k++) q->blocks.table[q->blocks.n++] = cv_block_pool_alloc(m->pool);
     return CV_OK;
 }
@@ -167,8 +174,7 @@ int64_t cv_kv_manager_lookup_resume(cv_kv_manager *m, const cv_sequence *q, int6
 int cv_kv_manager_take_resume(cv_kv_manager *m, cv_sequence *q) {
     cv_seq_blocks *t = &q->blocks;
     if (m->resume_for != q || t->n != 0) { /* no lookup for q: nothing to take */
-        t->n_kept = 0;
-        t->kept_computed = 0;
+        forget_kept(q);
         return CV_OK;
     }
     const int64_t n = m->resume_blocks;
@@ -184,8 +190,7 @@ int cv_kv_manager_take_resume(cv_kv_manager *m, cv_sequence *q) {
     t->n = n;
     t->n_cached = 0;
     t->last_key = 0;
-    t->n_kept = 0;
-    t->kept_computed = 0;
+    forget_kept(q);
     q->n_computed = m->resume_tokens;
     m->resume_for = NULL;
     m->hits_for = NULL;
@@ -218,6 +223,7 @@ int cv_kv_manager_take_prefix(cv_kv_manager *m, cv_sequence *q, int64_t n_hits) 
     if (m->hits_for != q || n_hits > m->n_hits || n_hits < 0) n_hits = 0; /* no lookup for q: nothing to take */
     if (cv_kv_manager_reserve(m, q, n_hits > 0 ? n_hits : 1) != CV_OK) return CV_ERR_NOMEM;
     cv_seq_blocks *t = &q->blocks;
+    forget_kept(q);
     for (int64_t j = 0; j < n_hits; j++) {
         cv_block_pool_incref(m->pool, m->hits[j]);
         t->table[j] = m->hits[j];

@@ -40,8 +40,9 @@ int64_t cv_kv_manager_blocks_needed(const cv_kv_manager *m, const cv_sequence *q
 /* Room in q's table for n block ids, so that a later allocate or
  * take_prefix within it cannot fail. CV_ERR_NOMEM leaves q as it was. */
 int cv_kv_manager_reserve(cv_kv_manager *m, cv_sequence *q, int64_t n);
-/* Appends n free blocks to q's table. CV_ERR_NOMEM (the table cannot grow)
- * or CV_ERR_STATE (fewer than n blocks free) take nothing. */
+/* Appends n free blocks to q's table (forgetting any kept blocks, see
+ * preempt). CV_ERR_NOMEM (the table cannot grow) or CV_ERR_STATE (fewer than
+ * n blocks free) take nothing. */
 int cv_kv_manager_allocate(cv_kv_manager *m, cv_sequence *q, int64_t n);
 /* Gives back every block of q (tail first, so a prefix's leading blocks are
  * evicted last) and forgets its KV: n_computed 0, no kept blocks. */
