@@ -270,3 +270,10 @@ def test_recomputed_and_resumed_tokens_in_stats_and_metrics():
     text = ServerMetrics("m").render(st, 0)
     assert f'conveyor_num_recomputed_tokens_total{{model_name="m"}} {st["num_recomputed_tokens"]}' in text
     assert f'conveyor_num_resumed_tokens_total{{model_name="m"}} {st["num_resumed_tokens"]}' in text
+
+
+@needs_stories
+@pytest.mark.parametrize("bad, err", [(-1, ValueError), (10001, ValueError), (True, TypeError), (0.5, TypeError)])
+def test_engine_admission_reserve_is_checked(bad, err):
+    with pytest.raises(err, match="admission_reserve"):
+        LLM(str(STORIES), admission_reserve=bad)
