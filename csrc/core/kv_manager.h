@@ -1,8 +1,8 @@
 /* KV manager: the layer between a scheduler's policy and the block pool.
  * It alone writes a sequence's block table (cv_sequence.blocks): it hands out
- * and takes back blocks, looks up and registers prefix-cache blocks, shares a
- * parent's prompt blocks with a fork and trims a table after speculative
- * verification. It decides nothing: which sequence gets blocks, and when, is
+ * and takes back blocks, looks up and registers prefix-cache blocks, keeps a
+ * preempted sequence's blocks reclaimable, shares a parent's prompt blocks
+ * with a fork and trims a table after speculative verification. It decides nothing: which sequence gets blocks, and when, is
  * the caller's (the scheduler, or the draft model's proposer).
  *
  * The KV a sequence holds is its first n_computed positions; every function

@@ -1,7 +1,10 @@
 /* Iteration-level scheduler: decides, at every step, which sequences run and
  * how many new tokens each computes, under a token budget and a sequence cap.
- * Policy only: queues, token budget, preemption victims. Knows nothing about
- * devices; every block goes through the KV manager it is given. */
+ * Policy only: queues, token budget, the admission margin that leaves room for
+ * the running sequences' growth, preemption victims (the newest first; a
+ * victim's KV stays reclaimable and resuming takes back what was not reused).
+ * Knows nothing about devices; every block goes through the KV manager it is
+ * given. */
 #ifndef CV_SCHEDULER_H
 #define CV_SCHEDULER_H
 
