@@ -226,9 +226,10 @@ def test_engine_alone_together_reversed_preempted(models, monkeypatch, level, wd
     assert reverse == alone, f"{level} {wdt}: reversed order differs from alone"
     # 3 layers x 2 KV heads x 16 dims x 2 (K, V) x 4 bytes = 768 bytes a float32 token: 20 blocks
     # of 16 (40 with a 16-bit cache) hold the longest request (312 tokens) but not the 952
-    # tokens all 12 need at once.
+    # tokens all 12 need at once; with no admission margin (admission_reserve=0) they all
+    # start and the cache runs out as they decode.
     with LLM(str(models[wdt]), num_threads=2, kv_cache_memory=768 * 16 * 20, block_size=16,
-             max_num_batched_tokens=96) as small:
+             max_num_batched_tokens=96, admission_reserve=0) as small:
         preempted = run(small, ps)
         assert small.stats()["num_preemptions"] > 0
         assert small.stats()["blocks_used"] == 0
@@ -252,7 +253,7 @@ def test_int8_kv_engine_alone_together_reversed_preempted(models, monkeypatch, l
     assert reverse == alone, f"{level} int8 KV: reversed order differs from alone"
     # an int8 token: 3 layers x 2 KV heads x (16 + 4) bytes x 2 = 240 bytes; 20 blocks of 16
     with LLM(str(models["bfloat16"]), num_threads=2, kv_cache_memory=240 * 16 * 20, block_size=16,
-             max_num_batched_tokens=96, kv_cache_dtype="int8") as small:
+             max_num_batched_tokens=96, kv_cache_dtype="int8", admission_reserve=0) as small:
         preempted = run(small, ps)
         assert small.stats()["num_preemptions"] > 0
     assert preempted == alone, f"{level} int8 KV: preemption changed the outputs"

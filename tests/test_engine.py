@@ -88,7 +88,7 @@ def test_batch_invariance_alone_vs_64_mixed(llm):
     dict(enable_chunked_prefill=False),
     dict(max_num_batched_tokens=7),               # prompts cut into many chunks
     dict(enable_prefix_caching=False),
-    dict(kv_cache_memory=1280 * 16 * 6, block_size=16),  # 5 blocks: constant preemption
+    dict(kv_cache_memory=1280 * 16 * 6, block_size=16, admission_reserve=0),  # 5 blocks: constant preemption
     dict(block_size=1),
     dict(scheduling="static", max_num_seqs=3),
     dict(kv_cache_dtype="float16"),

@@ -262,7 +262,7 @@ def test_llm_generate_batch_and_preemption_invariant(q41):
         together = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
         assert together == alone
     with LLM(str(q41), num_threads=2, block_size=4, kv_cache_memory=4 * 4 * 2 * 3 * 32 * 4 * 5,
-             max_num_batched_tokens=16) as small:
+             max_num_batched_tokens=16, admission_reserve=0) as small:  # no margin: preemption
         got = [o.outputs[0].token_ids for o in small.generate(prompts, greedy, use_tqdm=False)]
         assert small.stats()["num_preemptions"] > 0
     assert got == alone

@@ -186,7 +186,8 @@ def test_real_gemma3_batch_and_preemption_invariance(gemma3_file, gemma3_llm):
     assert together == alone
     # a cache of 12 blocks of 4 tokens cannot hold the four sequences at once: preemption
     kv = 12 * 4 * 18 * 2 * 256 * 2  # blocks * block_size * layers * (k, v) * kv_dim * bfloat16 (the default)
-    with LLM(str(gemma3_file), num_threads=2, max_model_len=32, block_size=4, kv_cache_memory=kv) as small:
+    with LLM(str(gemma3_file), num_threads=2, max_model_len=32, block_size=4, kv_cache_memory=kv,
+             admission_reserve=0) as small:
         tight = [o.outputs[0].token_ids for o in small.generate(prompts, greedy, use_tqdm=False)]
     assert tight == alone
 

@@ -6,6 +6,10 @@ of the free queue, evicting the cached prefix it may hold; a block whose last
 reference goes returns to the tail when it holds a cached prefix (LRU
 eviction) and to the head otherwise; a full, computed, verified block is
 registered under (parent key, tokens) unless that content is cached already.
+A preempted sequence's blocks of computed KV go to the tail as well, noted
+with the generation each had (how many times alloc handed it out); resuming
+takes back its leading blocks whose generation is unchanged, or the prefix
+cache's blocks when those hold more.
 After every random operation the C manager must agree with the model on every
 block table, every reference count, the free and cached-free counts, the
 prefix hits and the prefix counters, and its own invariant check must pass.
@@ -30,6 +34,8 @@ class Seq:
         self.last_key = 0
         self.n_spec = 0
         self.n_cached_prompt = 0
+        self.kept = []  # after a preemption: (block, generation) of its computed KV
+        self.kept_computed = 0
 
 
 class Model:
@@ -44,6 +50,7 @@ class Model:
         self.cache = {}  # (parent key, tokens) -> block
         self.next_key = 1
         self.touched = set()
+        self.gen = [0] * num_blocks
         self.queries = self.hits = 0
         self.last_lookup = None  # (seq, blocks)
 
@@ -56,6 +63,7 @@ class Model:
             del self.cache[self.content.pop(b)]
             self.key[b] = 0
         self.ref[b] = 1
+        self.gen[b] += 1
         self.touched.add(b)
         return b
 
@@ -64,10 +72,10 @@ class Model:
             self.free.remove(b)
         self.ref[b] += 1
 
-    def decref(self, b):
+    def decref(self, b, keep=False):
         self.ref[b] -= 1
         if self.ref[b] == 0:
-            if self.key[b]:
+            if self.key[b] or keep:
                 self.free.append(b)
             else:
                 self.free.insert(0, b)
@@ -89,6 +97,8 @@ class Model:
     def allocate(self, q, n):
         if n > len(self.free):
             return False
+        if n > 0:
+            q.kept, q.kept_computed = [], 0
         q.table += [self.alloc() for _ in range(n)]
         return True
 
@@ -96,6 +106,44 @@ class Model:
         for b in reversed(q.table):
             self.decref(b)
         q.table, q.n_cached, q.last_key, q.n_computed = [], 0, 0, 0
+        q.kept, q.kept_computed = [], 0
+
+    def preempt(self, q):
+        keep = min(-(-q.n_computed // self.bs), len(q.table))
+        kept = [(b, self.gen[b]) for b in q.table[:keep]]
+        for b in reversed(q.table[keep:]):
+            self.decref(b)
+        for b in reversed(q.table[:keep]):
+            self.decref(b, keep=True)
+        computed = min(q.n_computed, keep * self.bs)
+        q.table, q.n_cached, q.last_key, q.n_computed = [], 0, 0, 0
+        q.kept, q.kept_computed = kept, computed
+
+    def lookup_resume(self, q):
+        limit = min(q.kept_computed, len(q.tokens) - 1)
+        k = 0
+        while k * self.bs < limit and k < len(q.kept) and self.gen[q.kept[k][0]] == q.kept[k][1]:
+            k += 1
+        own = min(k * self.bs, limit)
+        if own % self.bs and self.ref[q.kept[own // self.bs][0]] > 0:
+            own -= own % self.bs  # never end inside a block another sequence holds
+        k = -(-own // self.bs)
+        n_cached, cached_free = self.lookup(q)
+        if n_cached * self.bs <= own:
+            self.last_resume = (q, [b for b, _ in q.kept[:k]], own)
+            return own, k, sum(1 for b, _ in q.kept[:k] if self.ref[b] == 0)
+        self.last_resume = (q, self.last_lookup[1][:n_cached], n_cached * self.bs)
+        return n_cached * self.bs, n_cached, cached_free
+
+    def take_resume(self, q):
+        who, blocks, tokens = self.last_resume
+        assert who is q
+        for b in blocks:
+            self.incref(b)
+        q.table, q.n_cached, q.last_key, q.n_computed = list(blocks), 0, 0, tokens
+        q.kept, q.kept_computed = [], 0
+        self.last_lookup = self.last_resume = None
+        self.cache_full(q)
 
     def cache_full(self, q):
         if not self.caching:
@@ -124,6 +172,7 @@ class Model:
             return
         found = self.last_lookup[1] if self.last_lookup and self.last_lookup[0] is q else []
         blocks = found[:n]
+        q.kept, q.kept_computed = [], 0
         for b in blocks:
             self.incref(b)
         q.table = list(blocks)
@@ -169,11 +218,12 @@ def assert_same(kv, m, seqs):
         assert info["n_computed"] == q.n_computed
         assert info["n_cached_blocks"] == q.n_cached
         assert info["n_cached_prompt"] == q.n_cached_prompt
+        assert (info["n_kept"], info["kept_computed"]) == (len(q.kept), q.kept_computed)
     kv.check()
 
 
 OPS = ["add", "add", "allocate", "allocate", "compute", "compute", "append", "propose", "free",
-       "fork", "trim", "prefix"]
+       "fork", "trim", "prefix", "preempt", "preempt", "resume", "resume"]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -192,7 +242,13 @@ def test_random_operations_match_the_model(data):
             kv.add(next_id, seqs[next_id].tokens, skip_prefix_cache=seqs[next_id].skip)
             next_id += 1
             continue
-        sid = data.draw(st.sampled_from(sorted(seqs)))
+        if op == "resume":  # a preempted sequence, if any
+            pool = sorted(i for i, x in seqs.items() if x.kept and not x.table)
+            if not pool:
+                continue
+        else:
+            pool = sorted(seqs)
+        sid = data.draw(st.sampled_from(pool))
         q = seqs[sid]
         if op == "allocate":
             n = data.draw(st.integers(0, len(m.free) + 1))
@@ -243,12 +299,105 @@ def test_random_operations_match_the_model(data):
             m.take(q, n)
             if n:
                 event("prefix hit")
+        elif op == "preempt":
+            kv.preempt(sid)
+            m.preempt(q)
+        elif op == "resume":
+            expect = m.lookup_resume(q)
+            assert kv.lookup_resume(sid) == expect
+            kv.take_resume(sid)
+            m.take_resume(q)
+            event("resumed with kept KV" if expect[0] else "resumed with nothing kept")
         assert_same(kv, m, seqs)
     for sid, q in seqs.items():
         kv.free(sid)
         m.free_seq(q)
     assert_same(kv, m, seqs)
     assert len(m.free) == num_blocks - 1 and all(r == 0 for r in m.ref)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_preempt_and_resume_match_the_model(data):
+    """Sequences grow, are preempted and resume while others take blocks: what each
+    resume takes back (its own kept blocks not handed out since, or the prefix cache's
+    when those hold more) and every count agree with the model."""
+    bs = data.draw(st.sampled_from([1, 2, 3, 4]), label="block_size")
+    num_blocks = data.draw(st.integers(2, 16), label="num_blocks")
+    caching = data.draw(st.booleans(), label="prefix caching")
+    kv, m = KVManager(num_blocks, bs, enable_prefix_caching=caching), Model(num_blocks, bs, caching)
+    seqs = {}
+    tokens_st = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=10)
+    took_back = 0
+    for step in range(data.draw(st.integers(1, 40), label="operations")):
+        op = data.draw(st.sampled_from(["add", "grow", "grow", "grow", "append", "preempt", "resume", "resume"]))
+        if op == "add" or not seqs:
+            sid = len(seqs)
+            seqs[sid] = Seq(data.draw(tokens_st))
+            kv.add(sid, seqs[sid].tokens)
+            continue
+        if op == "resume":
+            pool = sorted(i for i, x in seqs.items() if x.kept and not x.table)
+        elif op == "grow":
+            pool = sorted(i for i, x in seqs.items() if not x.kept)
+        else:
+            pool = sorted(seqs)
+        if not pool:
+            continue
+        sid = data.draw(st.sampled_from(pool))
+        q = seqs[sid]
+        if op == "grow":  # blocks for some more tokens, as the scheduler plans them, then computed
+            n = data.draw(st.integers(0, len(q.tokens) - q.n_computed))
+            need = max(0, -(-(q.n_computed + n) // bs) - len(q.table))
+            if need > len(m.free):
+                continue
+            kv.allocate(sid, need)
+            m.allocate(q, need)
+            kv.compute(sid, n)
+            q.n_computed += n
+            m.cache_full(q)
+        elif op == "append":
+            new = data.draw(tokens_st)
+            kv.append(sid, new)
+            q.tokens += new
+        elif op == "preempt":
+            kv.preempt(sid)
+            m.preempt(q)
+        else:
+            expect = m.lookup_resume(q)
+            assert kv.lookup_resume(sid) == expect
+            kv.take_resume(sid)
+            m.take_resume(q)
+            took_back += expect[0] > 0
+        assert_same(kv, m, seqs)
+    event("took kept or cached KV back" if took_back else "took nothing back")
+    for sid, q in seqs.items():
+        kv.free(sid)
+        m.free_seq(q)
+    assert_same(kv, m, seqs)
+    assert len(m.free) == num_blocks - 1
+
+
+def test_resume_takes_back_what_the_lru_did_not_reuse():
+    kv = KVManager(7, 2, enable_prefix_caching=False)  # 6 usable blocks
+    kv.add(1, [1, 2, 3, 4, 5, 6, 7])
+    kv.allocate(1, 4)
+    kv.compute(1, 7)  # 3 full blocks and one holding a token
+    kv.preempt(1)
+    info = kv.seq_info(1)
+    assert info["block_table"] == [] and info["n_kept"] == 4 and info["kept_computed"] == 7
+    assert kv.stats()["num_free"] == 6
+    assert kv.lookup_resume(1) == (6, 3, 3)  # the last token's KV is computed again (logits need one)
+    kv.add(2, [9] * 6)
+    kv.allocate(2, 3)  # the 2 never-used blocks, then the head of the kept ones: block 4, its last
+    assert kv.seq_info(2)["block_table"] == [5, 6, 4]
+    assert kv.lookup_resume(1) == (6, 3, 3)  # block 4 held only position 6, which is recomputed anyway
+    kv.allocate(2, 1)  # block 3: positions 4 and 5
+    assert kv.lookup_resume(1) == (4, 2, 2)
+    kv.take_resume(1)
+    info = kv.seq_info(1)
+    assert info["block_table"] == [1, 2] and info["n_computed"] == 4 and info["n_kept"] == 0
+    kv.check()
 
 
 def test_prefix_reuse_after_free_and_eviction_order():

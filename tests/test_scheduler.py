@@ -35,6 +35,12 @@ def order_key(info, sid):
     return (info["priority"], info["arrival"], sid)
 
 
+def admitted_now(s, before):
+    """Sequences that were waiting before the step and run after it."""
+    return [sid for sid, b in before.items()
+            if b["status"] == "waiting" and s.seq_info(sid)["status"] == "running"]
+
+
 class Driver:
     """Runs a workload through the scheduler, checking it after every step."""
 
@@ -56,6 +62,9 @@ class Driver:
         self.unfinished = set()
         self.meta = {}       # sid -> arrival, priority, fork
         self.first_started = []  # fresh (never forked) requests in first-scheduled order
+        self.kept = {}           # preempted sid -> tokens of KV it let go (kept reclaimable)
+        self.recomputed = 0      # model of the scheduler's recomputed-token count
+        self.resumed = 0         # and of the tokens taken back instead
         self.started = set()
         self.computed_tokens = 0
         self.steps = 0
@@ -86,6 +95,7 @@ class Driver:
 
     def finish(self, sid, reason):
         self.s.finish(sid, reason)
+        self.kept.pop(sid, None)
         assert self.s.seq_info(sid)["status"] == reason
         self.unfinished.discard(sid)
         self.running.discard(sid)
@@ -132,13 +142,27 @@ class Driver:
             assert n >= 1 and p + n <= b["n_tokens"]
             if sid in running_before:
                 assert p == b["n_computed"]
-            else:  # admitted: after its prefix-cache hits or a fork's shared blocks
-                assert p % self.bs == 0
+            else:  # admitted: after its prefix-cache hits, a fork's shared blocks or its own kept KV
+                assert p % self.bs == 0 or p <= self.kept.get(sid, 0)
             assert len(table) * self.bs >= p + n
+        for sid in admitted_now(s, before):
+            # resumed this step: it took back up to what it let go, the rest is recomputed
+            if sid in self.kept and s.seq_info(sid)["status"] == "running":
+                p = start[ids.index(sid)] if sid in ids else s.seq_info(sid)["n_computed"]
+                old = self.kept.pop(sid)
+                self.recomputed += old - min(p, old)
+                self.resumed += min(p, old)
         for sid in pre:  # static admits its batch first, so it may preempt a new member
             assert sid in running_before or (self.policy == "static" and not running_before)
             info = s.seq_info(sid)
             assert info["status"] == "waiting" and info["n_computed"] == 0 and info["block_table"] == []
+            if sid in running_before:  # it keeps all the KV it had
+                assert info["kept_computed"] == before[sid]["n_computed"]
+            else:  # admitted (taking back KV: its own or cached) and preempted again in the same step
+                old, back = self.kept.pop(sid, 0), info["kept_computed"]
+                self.recomputed += old - min(back, old)
+                self.resumed += min(back, old)
+            self.kept[sid] = info["kept_computed"]
 
         # admission order: the admitted are a prefix of the waiting queue
         n_prio = self.priority_preemptions(pre, running_before, queue_before)
@@ -243,6 +267,8 @@ class Driver:
             assert step < max_steps, "no progress: starvation or deadlock"
         st = self.s.stats()
         assert st["blocks_used"] == 0 and st["n_running"] == 0 and st["n_waiting"] == 0
+        assert st["n_recomputed_tokens"] == self.recomputed
+        assert st["n_resumed_tokens"] == self.resumed
         assert all(r == 0 for r in self.s.block_refcounts())
         return self
 
@@ -273,7 +299,8 @@ def workloads(draw):
     cfg = dict(num_blocks=num_blocks, block_size=bs, max_num_seqs=draw(st.integers(1, 6)),
                max_num_batched_tokens=budget, max_model_len=max_model_len,
                enable_prefix_caching=draw(st.sampled_from([True, True, False])), enable_chunked_prefill=chunked,
-               policy=policy, max_prefill_tokens_while_decoding=draw(st.sampled_from([0, 0, 1, 3, 8])))
+               policy=policy, max_prefill_tokens_while_decoding=draw(st.sampled_from([0, 0, 1, 3, 8])),
+               admission_reserve=draw(st.sampled_from([-1, -1, 0, 25, 300])))
     aborts = draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 100)), max_size=3))
     forks = draw(st.lists(st.integers(0, n_req - 1), max_size=2, unique=True))
     return cfg, reqs, aborts, forks
@@ -288,6 +315,8 @@ def test_random_workloads_keep_invariants(w):
     event(f"policy {cfg['policy']}")
     event("preempted" if st["n_preempted_total"] else "no preemption")
     event("prefix hits" if st["prefix_hits"] else "no prefix hits")
+    event("resumed with kept KV" if st["n_resumed_tokens"] else "no kept KV taken back")
+    event("recomputed after preemption" if st["n_recomputed_tokens"] else "nothing recomputed")
     event("forked" if d.next_child > 10_000 else "no fork")
     if cfg["policy"] != "priority":
         # fresh requests start in arrival order (preempted ones resume ahead of them)
@@ -653,7 +682,7 @@ def test_priority_policy_preempts_a_worse_running_sequence_for_a_better_waiting_
 def test_preemption_newest_first_and_lone_sequence_progresses():
     # 6 usable blocks of 2 tokens; two sequences that will each need 6.
     s = Scheduler(num_blocks=7, block_size=2, max_num_seqs=2, max_num_batched_tokens=32,
-                  max_model_len=12)
+                  max_model_len=12, admission_reserve=-1)  # no margin: both start
     s.add(1, [1, 2, 3], 9)
     s.add(2, [4, 5, 6], 9)
     preempted = []
@@ -696,7 +725,7 @@ def test_lone_sequence_gets_blocks_held_by_waiting_fork():
 def test_waiting_fork_does_not_block_the_queue_head():
     """Nothing running, the head waits for blocks a waiting fork holds: release them."""
     s = Scheduler(num_blocks=6, block_size=4, max_num_seqs=3, max_num_batched_tokens=16,
-                  max_model_len=20, enable_prefix_caching=False)
+                  max_model_len=20, enable_prefix_caching=False, admission_reserve=-1)
     s.add(1, [5] * 9, 3)   # P: 3 blocks
     s.add(2, [6] * 18, 2)  # X: first chunk of 7 takes the last 2 blocks
     plan = s.schedule()

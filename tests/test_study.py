@@ -234,6 +234,14 @@ def test_bench_study_quick_end_to_end(tmp_path):
             # one token per sequence per step: at least as many steps as the longest output
             assert res["steps"] >= max(wl.output_lens) and res["kv_bytes_peak"] > 0
             assert res["e2e"]["p50"] <= res["e2e"]["p99"]
+        for name in ("conveyor_static", "conveyor_continuous"):
+            res = row["systems"][name]
+            # what the report says about the scheduler: recomputation, batch, KV use over time
+            assert 0 <= res["recomputed_tokens"] <= res["computed_tokens"]
+            assert res["computed_tokens"] >= sum(wl.output_lens) + 12 * 16
+            assert 1 <= res["running_mean"] <= (row["batch_size"] if name == "conveyor_static" else 12)
+            assert 1 <= len(res["kv_occupancy"]) <= 10 and all(0 <= x <= 1 for x in res["kv_occupancy"])
+            assert max(res["kv_occupancy"]) > 0
         static = row["systems"]["conveyor_static"]
         assert static["batch_size"] == row["batch_size"]
         # both static systems run batch by batch to each batch's longest member
@@ -247,6 +255,8 @@ def test_bench_study_quick_end_to_end(tmp_path):
     # the Markdown table: a header and one line per (cap, system)
     md = [ln for ln in p.stdout.splitlines() if ln.startswith("|")]
     assert md[0].startswith("| cap | mean out | system |") and len(md) == 2 + 2 * len(systems)
+    assert md[0].rstrip().endswith("| preempt | recomputed | mean running | KV use % |")
+    assert "KV pool occupancy over time" in p.stdout
     if HAVE_HF and not SANITIZED:
         assert any("HF static (naive)" in ln and "| 1.00 |" in ln for ln in md)
     # re-rendering the saved result prints the same table

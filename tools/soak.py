@@ -262,8 +262,9 @@ def soak_async(model: Path, n: int, *, seed=0, abort_frac=0.3, tight_frac=0.3, c
     kw = dict(num_threads=num_threads) if num_threads else {}
     normal = AsyncLLM(str(model), **kw)
     block_bytes = normal.stats()["kv_cache_bytes"] // max(1, normal.stats()["num_blocks"])
+    # no admission margin: every request starts when its prompt fits, so the pool runs out
     tight = AsyncLLM(str(model), kv_cache_memory=TIGHT_BLOCKS * block_bytes,
-                     max_model_len=TIGHT_MAX_MODEL_LEN, **kw)
+                     max_model_len=TIGHT_MAX_MODEL_LEN, admission_reserve=0, **kw)
     engines = {False: normal, True: tight}
     vocab = normal.model_config["vocab_size"]
     try:

@@ -625,6 +625,8 @@ static PyObject *Engine_stats(EngineObject *self, PyObject *Py_UNUSED(ignored)) 
     if (cv_py_put(d, "num_running", PyLong_FromLongLong(st.sched.n_running)) < 0 ||
         cv_py_put(d, "num_waiting", PyLong_FromLongLong(st.sched.n_waiting)) < 0 ||
         cv_py_put(d, "num_preemptions", PyLong_FromLongLong(st.sched.n_preempted_total)) < 0 ||
+        cv_py_put(d, "num_recomputed_tokens", PyLong_FromLongLong(st.sched.n_recomputed_tokens)) < 0 ||
+        cv_py_put(d, "num_resumed_tokens", PyLong_FromLongLong(st.sched.n_resumed_tokens)) < 0 ||
         cv_py_put(d, "blocks_total", PyLong_FromLongLong(st.sched.blocks_total)) < 0 ||
         cv_py_put(d, "blocks_used", PyLong_FromLongLong(st.sched.blocks_used)) < 0 ||
         cv_py_put(d, "blocks_free", PyLong_FromLongLong(st.sched.blocks_free)) < 0 ||

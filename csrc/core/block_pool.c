@@ -18,6 +18,7 @@ struct cv_block_pool {
     int64_t n_free;
     int64_t n_cached_free;
     uint8_t *touched;   /* [num_blocks] 1 once handed out: its KV memory has been written */
+    uint64_t *gen;      /* [num_blocks] times handed out by alloc */
     int64_t n_touched;
 
     /* prefix cache (NULL when caching is off) */
@@ -78,7 +79,8 @@ cv_block_pool *cv_block_pool_create(int64_t num_blocks, int64_t block_size,
     p->fprev = malloc(nb * sizeof *p->fprev);
     p->fnext = malloc(nb * sizeof *p->fnext);
     p->touched = calloc(nb, 1);
-    if (!p->ref || !p->fprev || !p->fnext || !p->touched) goto nomem;
+    p->gen = calloc(nb, sizeof *p->gen);
+    if (!p->ref || !p->fprev || !p->fnext || !p->touched || !p->gen) goto nomem;
     if (p->caching) {
         size_t ntok;
         if (!cv_mul_size(nb, (size_t)block_size, &ntok) || !cv_mul_size(ntok, sizeof(int32_t), &ntok))
@@ -119,6 +121,7 @@ void cv_block_pool_destroy(cv_block_pool *p) {
     free(p->fprev);
     free(p->fnext);
     free(p->touched);
+    free(p->gen);
     free(p->key);
     free(p->parent);
     free(p->hash);
@@ -217,6 +220,7 @@ int32_t cv_block_pool_alloc(cv_block_pool *p) {
         p->n_cached_free--;
     }
     p->ref[b] = 1;
+    p->gen[b]++;
     if (!p->touched[b]) {
         p->touched[b] = 1;
         p->n_touched++;
@@ -244,6 +248,16 @@ void cv_block_pool_decref(cv_block_pool *p, int32_t b) {
     }
     p->n_free++;
 }
+
+void cv_block_pool_decref_keep(cv_block_pool *p, int32_t b) {
+    if (p->ref[b] <= 0) return;
+    if (--p->ref[b] > 0) return;
+    queue_push_tail(p, b);
+    if (p->caching && p->key[b]) p->n_cached_free++;
+    p->n_free++;
+}
+
+uint64_t cv_block_pool_generation(const cv_block_pool *p, int32_t b) { return p->gen[b]; }
 
 int32_t cv_block_pool_refcount(const cv_block_pool *p, int32_t b) {
     if (b < 0 || b >= p->num_blocks) return -1;

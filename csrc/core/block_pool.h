@@ -9,6 +9,12 @@
  * eviction); a freed block without one goes to the head (reused first).
  * Block 0 is reserved and never handed out.
  *
+ * Generations: a block's generation goes up each time it is handed out by
+ * alloc (the only way its KV is ever overwritten), so a holder that noted
+ * (block, generation) when it let the block go knows later whether the KV it
+ * wrote there is still intact. A block released with keep goes to the tail
+ * like a cached one, so it lives as long as the LRU allows.
+ *
  * Prefix cache: a full, computed block may be registered under a key
  * (parent key, its block_size token ids). The parent key is the cache key of
  * the previous block of the same sequence (0 for the first block). Keys are
@@ -44,6 +50,11 @@ void cv_block_pool_incref(cv_block_pool *p, int32_t b);
 /* Drops a reference; at zero the block returns to the free queue. */
 void cv_block_pool_decref(cv_block_pool *p, int32_t b);
 int32_t cv_block_pool_refcount(const cv_block_pool *p, int32_t b);
+/* Drops a reference; at zero the block goes to the tail of the free queue
+ * (evicted last) even when it holds no cached prefix: its KV is worth keeping. */
+void cv_block_pool_decref_keep(cv_block_pool *p, int32_t b);
+/* How many times block b has been handed out by alloc. */
+uint64_t cv_block_pool_generation(const cv_block_pool *p, int32_t b);
 
 /* Prefix cache. tokens: [block_size]. Returns the block cached under
  * (parent_key, tokens), or -1. No side effects. */

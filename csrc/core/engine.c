@@ -120,6 +120,10 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
         .max_num_batched_tokens = e->max_tokens_step, .max_model_len = e->max_model_len,
         .enable_chunked_prefill = cfg->enable_chunked_prefill, .policy = cfg->policy,
         .max_prefill_tokens_while_decoding = cv_engine_config_prefill_cap(cfg),
+        /* the config's 0 is "no margin", the scheduler's -1; unset is the scheduler's default */
+        .admission_reserve = cfg->admission_reserve == CV_CONFIG_AUTO ? 0
+                             : cfg->admission_reserve == 0            ? -1
+                                                                      : (int32_t)cfg->admission_reserve,
     };
     e->sched = cv_scheduler_create(&sc, e->worker.blocks, err);
     if (!e->sched) { rc = err ? err->code : CV_ERR_STATE; goto fail; }

@@ -20,6 +20,7 @@ void cv_engine_config_defaults(cv_engine_config *cfg) {
     cfg->policy = CV_SCHED_CONTINUOUS;
     cfg->max_prefill_tokens_while_decoding = CV_CONFIG_AUTO;
     cfg->max_queued_requests = CV_CONFIG_AUTO;
+    cfg->admission_reserve = CV_CONFIG_AUTO;
     cfg->spec.method = CV_SPEC_NONE;
     cfg->bos_id = -1;
 }
@@ -56,7 +57,8 @@ int cv_engine_config_check(const cv_engine_config *cfg, cv_err *err) {
         (rc = check_range(err, "block_size", cfg->block_size, 1, CV_CONFIG_MAX_BLOCK_SIZE, 0)) ||
         (rc = check_range(err, "max_prefill_tokens_while_decoding", cfg->max_prefill_tokens_while_decoding, 0,
                           CV_CONFIG_MAX_PREFILL_CAP, 1)) ||
-        (rc = check_range(err, "max_queued_requests", cfg->max_queued_requests, 0, CV_CONFIG_MAX_QUEUED, 1)))
+        (rc = check_range(err, "max_queued_requests", cfg->max_queued_requests, 0, CV_CONFIG_MAX_QUEUED, 1)) ||
+        (rc = check_range(err, "admission_reserve", cfg->admission_reserve, 0, CV_SCHED_MAX_RESERVE, 1)))
         return rc;
     if (cfg->kv_cache_bytes != CV_CONFIG_AUTO && cfg->kv_cache_bytes < 1)
         return cv_set_field_err(err, CV_ERR_INVALID, "kv_cache_memory",

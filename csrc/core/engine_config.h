@@ -51,6 +51,9 @@ typedef struct cv_engine_config {
     cv_sched_policy policy;
     int64_t max_prefill_tokens_while_decoding; /* see cv_scheduler_config; 0: no cap; AUTO: by device */
     int64_t max_queued_requests;    /* refuse a request that would make more wait unscheduled; 0 or AUTO: no limit */
+    int64_t admission_reserve;      /* percent of the expected remaining output a waiting sequence's admission
+                                     * keeps free for the running sequences' growth (cv_scheduler_config);
+                                     * AUTO: the scheduler's default; 0: no margin */
     cv_spec_config spec;            /* speculative decoding; method CV_SPEC_NONE: off */
     uint64_t seed;
     /* Tokenizer facts the engine needs to stop and detokenize on bytes. */

@@ -12,6 +12,10 @@ struct cv_kv_manager {
     int32_t *hits;             /* [max_hits] blocks found by the last prefix lookup */
     int64_t max_hits, n_hits;
     const cv_sequence *hits_for; /* the sequence that lookup was for */
+    /* the last resume lookup: for whom, from its own kept blocks or from hits */
+    const cv_sequence *resume_for;
+    int resume_own;
+    int64_t resume_tokens, resume_blocks;
     int64_t prefix_queries, prefix_hits;
 };
 
@@ -82,14 +86,24 @@ int cv_kv_manager_reserve(cv_kv_manager *m, cv_sequence *q, int64_t n) {
     int32_t *ids = realloc(t->table, (size_t)cap * sizeof *ids);
     if (!ids) return CV_ERR_NOMEM;
     t->table = ids;
+    uint64_t *gen = realloc(t->gen, (size_t)cap * sizeof *gen);
+    if (!gen) return CV_ERR_NOMEM; /* the larger table is kept; cap still says the old size */
+    t->gen = gen;
     t->cap = cap;
     return CV_OK;
+}
+
+/* A table that takes new blocks no longer holds the ids of its kept ones. */
+static void forget_kept(cv_sequence *q) {
+    q->blocks.n_kept = 0;
+    q->blocks.kept_computed = 0;
 }
 
 int cv_kv_manager_allocate(cv_kv_manager *m, cv_sequence *q, int64_t n) {
     if (n <= 0) return CV_OK;
     if (n > cv_block_pool_num_free(m->pool)) return CV_ERR_STATE;
     if (cv_kv_manager_reserve(m, q, q->blocks.n + n) != CV_OK) return CV_ERR_NOMEM;
+    forget_kept(q);
     for (int64_t k = 0; k < n; k++) q->blocks.table[q->blocks.n++] = cv_block_pool_alloc(m->pool);
     return CV_OK;
 }
@@ -100,8 +114,88 @@ void cv_kv_manager_free(cv_kv_manager *m, cv_sequence *q) {
     t->n = 0;
     t->n_cached = 0;
     t->last_key = 0;
+    t->n_kept = 0;
+    t->kept_computed = 0;
     q->n_computed = 0;
     if (m->hits_for == q) m->hits_for = NULL;
+    if (m->resume_for == q) m->resume_for = NULL;
+}
+
+void cv_kv_manager_preempt(cv_kv_manager *m, cv_sequence *q) {
+    cv_seq_blocks *t = &q->blocks;
+    int64_t keep = (q->n_computed + m->bs - 1) / m->bs;
+    if (keep > t->n) keep = t->n;
+    const int64_t computed = q->n_computed < keep * m->bs ? q->n_computed : keep * m->bs;
+    /* tail first: the leading blocks, which a resume needs first, are evicted last */
+    for (int64_t j = t->n - 1; j >= keep; j--) cv_block_pool_decref(m->pool, t->table[j]);
+    for (int64_t j = keep - 1; j >= 0; j--) {
+        t->gen[j] = cv_block_pool_generation(m->pool, t->table[j]);
+        cv_block_pool_decref_keep(m->pool, t->table[j]);
+    }
+    t->n = 0;
+    t->n_cached = 0;
+    t->last_key = 0;
+    t->n_kept = keep;
+    t->kept_computed = computed;
+    q->n_computed = 0;
+    if (m->hits_for == q) m->hits_for = NULL;
+    if (m->resume_for == q) m->resume_for = NULL;
+}
+
+int64_t cv_kv_manager_lookup_resume(cv_kv_manager *m, const cv_sequence *q, int64_t *n_blocks,
+                                    int64_t *n_free_hits) {
+    const cv_seq_blocks *t = &q->blocks;
+    int64_t limit = t->kept_computed < q->n_tokens - 1 ? t->kept_computed : q->n_tokens - 1;
+    int64_t k = 0, free_own = 0;
+    while (k * m->bs < limit && k < t->n_kept &&
+           cv_block_pool_generation(m->pool, t->table[k]) == t->gen[k]) {
+        if (cv_block_pool_refcount(m->pool, t->table[k]) == 0) free_own++;
+        k++;
+    }
+    int64_t own = k * m->bs < limit ? k * m->bs : limit;
+    /* a block another sequence holds is full and must stay as it is: never end inside one */
+    if (own % m->bs && cv_block_pool_refcount(m->pool, t->table[own / m->bs]) > 0) own -= own % m->bs;
+    if (own % m->bs == 0 && k > own / m->bs) { /* the last block is not taken */
+        k = own / m->bs;
+        free_own = 0;
+        for (int64_t j = 0; j < k; j++) free_own += cv_block_pool_refcount(m->pool, t->table[j]) == 0;
+    }
+    int64_t cached_free = 0;
+    const int64_t cached = t->n == 0 ? cv_kv_manager_lookup_prefix(m, q, &cached_free) : 0;
+    m->resume_for = q;
+    m->resume_own = cached * m->bs <= own;
+    m->resume_tokens = m->resume_own ? own : cached * m->bs;
+    m->resume_blocks = m->resume_own ? (own + m->bs - 1) / m->bs : cached;
+    *n_blocks = m->resume_blocks;
+    *n_free_hits = m->resume_own ? free_own : cached_free;
+    return m->resume_tokens;
+}
+
+int cv_kv_manager_take_resume(cv_kv_manager *m, cv_sequence *q) {
+    cv_seq_blocks *t = &q->blocks;
+    if (m->resume_for != q || t->n != 0) { /* no lookup for q: nothing to take */
+        forget_kept(q);
+        return CV_OK;
+    }
+    const int64_t n = m->resume_blocks;
+    if (cv_kv_manager_reserve(m, q, n > 0 ? n : 1) != CV_OK) return CV_ERR_NOMEM;
+    if (m->resume_own) {
+        for (int64_t j = 0; j < n; j++) cv_block_pool_incref(m->pool, t->table[j]);
+    } else {
+        for (int64_t j = 0; j < n; j++) {
+            cv_block_pool_incref(m->pool, m->hits[j]);
+            t->table[j] = m->hits[j];
+        }
+    }
+    t->n = n;
+    t->n_cached = 0;
+    t->last_key = 0;
+    forget_kept(q);
+    q->n_computed = m->resume_tokens;
+    m->resume_for = NULL;
+    m->hits_for = NULL;
+    cv_kv_manager_cache_full(m, q); /* the keys of its full blocks, found again */
+    return CV_OK;
 }
 
 int64_t cv_kv_manager_lookup_prefix(cv_kv_manager *m, const cv_sequence *q, int64_t *n_free_hits) {
@@ -129,6 +223,7 @@ int cv_kv_manager_take_prefix(cv_kv_manager *m, cv_sequence *q, int64_t n_hits) 
     if (m->hits_for != q || n_hits > m->n_hits || n_hits < 0) n_hits = 0; /* no lookup for q: nothing to take */
     if (cv_kv_manager_reserve(m, q, n_hits > 0 ? n_hits : 1) != CV_OK) return CV_ERR_NOMEM;
     cv_seq_blocks *t = &q->blocks;
+    forget_kept(q);
     for (int64_t j = 0; j < n_hits; j++) {
         cv_block_pool_incref(m->pool, m->hits[j]);
         t->table[j] = m->hits[j];
@@ -211,6 +306,12 @@ int cv_kv_manager_check_seq(const cv_kv_manager *m, const cv_sequence *q, cv_err
             return cv_set_err(err, CV_ERR_STATE, "sequence %lld holds invalid block %d (block 0 is reserved)",
                               (long long)q->seq_id, b);
     }
+    if (t->n_kept < 0 || t->n_kept > t->cap || t->kept_computed < 0 || t->kept_computed > t->n_kept * m->bs ||
+        (t->n_kept > 0 && t->n > 0))
+        return cv_set_err(err, CV_ERR_STATE,
+                          "sequence %lld: %lld kept blocks holding %lld tokens, %lld blocks held",
+                          (long long)q->seq_id, (long long)t->n_kept, (long long)t->kept_computed,
+                          (long long)t->n);
     if (t->n_cached < 0 || t->n_cached > t->n || t->n_cached * m->bs > q->n_computed)
         return cv_set_err(err, CV_ERR_STATE,
                           "sequence %lld: %lld hashed blocks of %lld but %lld tokens computed",

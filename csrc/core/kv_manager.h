@@ -1,8 +1,8 @@
 /* KV manager: the layer between a scheduler's policy and the block pool.
  * It alone writes a sequence's block table (cv_sequence.blocks): it hands out
- * and takes back blocks, looks up and registers prefix-cache blocks, shares a
- * parent's prompt blocks with a fork and trims a table after speculative
- * verification. It decides nothing: which sequence gets blocks, and when, is
+ * and takes back blocks, looks up and registers prefix-cache blocks, keeps a
+ * preempted sequence's blocks reclaimable, shares a parent's prompt blocks
+ * with a fork and trims a table after speculative verification. It decides nothing: which sequence gets blocks, and when, is
  * the caller's (the scheduler, or the draft model's proposer).
  *
  * The KV a sequence holds is its first n_computed positions; every function
@@ -40,11 +40,12 @@ int64_t cv_kv_manager_blocks_needed(const cv_kv_manager *m, const cv_sequence *q
 /* Room in q's table for n block ids, so that a later allocate or
  * take_prefix within it cannot fail. CV_ERR_NOMEM leaves q as it was. */
 int cv_kv_manager_reserve(cv_kv_manager *m, cv_sequence *q, int64_t n);
-/* Appends n free blocks to q's table. CV_ERR_NOMEM (the table cannot grow)
- * or CV_ERR_STATE (fewer than n blocks free) take nothing. */
+/* Appends n free blocks to q's table (forgetting any kept blocks, see
+ * preempt). CV_ERR_NOMEM (the table cannot grow) or CV_ERR_STATE (fewer than
+ * n blocks free) take nothing. */
 int cv_kv_manager_allocate(cv_kv_manager *m, cv_sequence *q, int64_t n);
 /* Gives back every block of q (tail first, so a prefix's leading blocks are
- * evicted last) and forgets its KV: n_computed 0. */
+ * evicted last) and forgets its KV: n_computed 0, no kept blocks. */
 void cv_kv_manager_free(cv_kv_manager *m, cv_sequence *q);
 
 /* The longest run of prefix-cache blocks holding q's leading full blocks,
@@ -58,6 +59,25 @@ int64_t cv_kv_manager_lookup_prefix(cv_kv_manager *m, const cv_sequence *q, int6
  * Nothing when caching is off. CV_ERR_NOMEM (the table cannot grow) takes
  * nothing. */
 int cv_kv_manager_take_prefix(cv_kv_manager *m, cv_sequence *q, int64_t n_hits);
+
+/* Preemption that keeps what it can: gives back every block of q like free,
+ * but the blocks holding its computed KV go to the tail of the free queue
+ * (the prefix cache's LRU) and q remembers them (cv_seq_blocks.n_kept), so a
+ * later resume takes back those not handed out since. Whether or not prefix
+ * caching is on, only q can take them back this way. */
+void cv_kv_manager_preempt(cv_kv_manager *m, cv_sequence *q);
+/* For q, preempted and holding no blocks: the KV it can take back, in tokens
+ * (< q->n_tokens): its own kept blocks up to the first one handed out since,
+ * or, when prefix caching is on and it finds more, the cache's blocks for its
+ * tokens. *n_blocks: the blocks that KV is in; *n_free_hits: how many of them
+ * sit in the free queue (taking them uses up free blocks). Remembered for
+ * take_resume. */
+int64_t cv_kv_manager_lookup_resume(cv_kv_manager *m, const cv_sequence *q, int64_t *n_blocks,
+                                    int64_t *n_free_hits);
+/* Takes the last resume lookup (made for q) into q's empty table:
+ * n_computed becomes the tokens found and q forgets its kept blocks.
+ * CV_ERR_NOMEM (the table cannot grow) takes nothing. */
+int cv_kv_manager_take_resume(cv_kv_manager *m, cv_sequence *q);
 
 /* child (holding exactly parent's prompt, no blocks) shares parent's full,
  * computed prompt blocks strictly before the block of the last prompt token,

@@ -49,6 +49,11 @@ struct cv_scheduler {
 
     int64_t next_arrival;
     int64_t n_preempted_total, steps;
+    int64_t n_recomputed_tokens; /* KV computed before a preemption and computed again */
+    int64_t n_resumed_tokens;    /* KV a resumed sequence took back instead */
+
+    /* For the admission margin: outputs of the sequences that finished (not aborted) */
+    int64_t n_outputs_seen, output_tokens_seen;
 };
 
 /* ---- ordering ---- */
@@ -232,7 +237,7 @@ static void drop_proposals(cv_sequence *q) {
 static void preempt(cv_scheduler *s, cv_sequence *q, int64_t *n_pre) {
     drop_proposals(q);
     running_remove(s, q);
-    cv_kv_manager_free(s->kv, q); /* recompute everything it holds on resume */
+    cv_kv_manager_preempt(s->kv, q); /* its KV stays reclaimable until the LRU reuses it */
     q->n_preemptions++;
     wait_push_front(s, q);
     s->out_preempted[(*n_pre)++] = q;
@@ -261,6 +266,13 @@ cv_scheduler *cv_scheduler_create(const cv_scheduler_config *cfg, cv_kv_manager 
         cv_set_err(err, CV_ERR_INVALID, "scheduler: unknown policy %d", (int)cfg->policy);
         goto fail;
     }
+    if (cfg->admission_reserve < -1 || cfg->admission_reserve > CV_SCHED_MAX_RESERVE) {
+        cv_set_err(err, CV_ERR_INVALID,
+                   "scheduler: admission_reserve must be -1 (no margin) or in [0, %d] "
+                   "(0: the default %d), got %d",
+                   CV_SCHED_MAX_RESERVE, CV_SCHED_DEFAULT_RESERVE, (int)cfg->admission_reserve);
+        goto fail;
+    }
     if (cfg->max_prefill_tokens_while_decoding < 0) {
         cv_set_err(err, CV_ERR_INVALID,
                    "scheduler: max_prefill_tokens_while_decoding must be >= 0 (0: no cap), got %lld",
@@ -278,6 +290,7 @@ cv_scheduler *cv_scheduler_create(const cv_scheduler_config *cfg, cv_kv_manager 
     if (!s) goto nomem;
     s->cfg = *cfg;
     s->cfg.enable_chunked_prefill = cfg->enable_chunked_prefill ? 1 : 0;
+    if (s->cfg.admission_reserve == 0) s->cfg.admission_reserve = CV_SCHED_DEFAULT_RESERVE;
     s->kv = kv;
     s->bs = cv_kv_manager_block_size(kv);
     s->usable_blocks = cv_kv_manager_num_blocks(kv) - 1;
@@ -398,19 +411,67 @@ static void emit(cv_scheduler *s, int64_t *n_out, int64_t *total, cv_sequence *q
     *total += n;
 }
 
+/* Takes back what q's resume lookup found and counts what it must recompute. */
+static void take_resume(cv_scheduler *s, cv_sequence *q) {
+    const int64_t before = q->blocks.kept_computed;
+    cv_kv_manager_take_resume(s->kv, q);
+    const int64_t back = q->n_computed < before ? q->n_computed : before;
+    s->n_resumed_tokens += back;
+    s->n_recomputed_tokens += before - back;
+}
+
+/* Blocks q will still add, beyond those it holds, to reach its expected
+ * length: its next token and `reserve` more, never beyond max_total. */
+static int64_t growth_blocks(const cv_scheduler *s, const cv_sequence *q, int64_t held, int64_t reserve) {
+    const int64_t now = q->n_tokens - q->n_spec;
+    const int64_t target = reserve >= q->max_total - now ? q->max_total : now + (reserve > 1 ? reserve : 1);
+    const int64_t need = blocks_for(s, target) - held;
+    return need > 0 ? need : 0;
+}
+
+/* The output tokens admission reserves for each sequence beyond its current
+ * length (see cv_scheduler_config.admission_reserve): the expected remaining
+ * output, estimated as the output tokens seen over the outputs that ended.
+ * The running sequences' outputs so far count as seen: without them the first
+ * finishes, the short ones, would make every output look short. INT64_MAX
+ * (each its max_tokens) until one ended. */
+static int64_t reserve_tokens(const cv_scheduler *s) {
+    if (s->n_outputs_seen == 0) return INT64_MAX;
+    double seen = (double)s->output_tokens_seen;
+    for (int64_t i = 0; i < s->n_running; i++) {
+        const cv_sequence *r = s->running[i];
+        if (r->n_tokens - r->n_spec > r->n_prompt) seen += (double)(r->n_tokens - r->n_spec - r->n_prompt);
+    }
+    const double r = seen / (double)s->n_outputs_seen * s->cfg.admission_reserve / 100.0;
+    return r >= (double)s->cfg.max_model_len ? s->cfg.max_model_len : (int64_t)r + 1;
+}
+
+/* The running sequences' growth that admitting q must leave room for: under
+ * the priority policy only those ranked at or above q. */
+static int64_t reserved_growth(const cv_scheduler *s, const cv_sequence *q, int64_t reserve) {
+    int64_t sum = 0;
+    for (int64_t i = 0; i < s->n_running; i++) {
+        const cv_sequence *r = s->running[i];
+        if (s->cfg.policy == CV_SCHED_PRIORITY && r->priority > q->priority) break; /* ordered by priority */
+        sum += growth_blocks(s, r, cv_kv_num_blocks(r), reserve);
+    }
+    return sum;
+}
+
 /* Static policy, nothing running: the next batch joins the running set
  * without reserving blocks; the running phase then feeds it. */
 static int static_admit(cv_scheduler *s) {
     while (s->n_running < s->cfg.max_num_seqs && s->n_waiting > 0) {
         cv_sequence *q = wait_peek(s);
         int64_t n_hits = 0, n_free_hits = 0;
-        const int fresh = cv_kv_num_blocks(q) == 0;
-        if (fresh) {
-            n_hits = cv_kv_manager_lookup_prefix(s->kv, q, &n_free_hits);
-            if (cv_kv_manager_reserve(s->kv, q, n_hits > 0 ? n_hits : 1) != CV_OK) return CV_ERR_NOMEM;
-        }
+        const int fresh = cv_kv_num_blocks(q) == 0, resume = fresh && q->blocks.n_kept > 0;
+        if (resume) cv_kv_manager_lookup_resume(s->kv, q, &n_hits, &n_free_hits);
+        else if (fresh) n_hits = cv_kv_manager_lookup_prefix(s->kv, q, &n_free_hits);
+        if (fresh && cv_kv_manager_reserve(s->kv, q, n_hits > 0 ? n_hits : 1) != CV_OK) return CV_ERR_NOMEM;
         wait_remove(s, q);
-        if (fresh) cv_kv_manager_take_prefix(s->kv, q, n_hits); /* reserved: cannot fail */
+        /* reserved: neither can fail */
+        if (resume) take_resume(s, q);
+        else if (fresh) cv_kv_manager_take_prefix(s->kv, q, n_hits);
         q->status = CV_SEQ_RUNNING;
         running_insert(s, q);
     }
@@ -518,10 +579,14 @@ int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out) {
            prefill_left > 0 && s->n_running < s->cfg.max_num_seqs && s->n_waiting > 0) {
         cv_sequence *q = wait_peek(s);
         if (q == victim) break; /* preempted this step: it cannot also run in it */
-        int64_t n_hits = 0, n_free_hits = 0;
-        const int fresh = cv_kv_num_blocks(q) == 0;
-        if (fresh) n_hits = cv_kv_manager_lookup_prefix(s->kv, q, &n_free_hits);
-        int64_t computed = fresh ? n_hits * s->bs : q->n_computed;
+        int64_t n_hits = 0, n_free_hits = 0, computed = q->n_computed;
+        const int fresh = cv_kv_num_blocks(q) == 0, resume = fresh && q->blocks.n_kept > 0;
+        if (resume) {
+            computed = cv_kv_manager_lookup_resume(s->kv, q, &n_hits, &n_free_hits);
+        } else if (fresh) {
+            n_hits = cv_kv_manager_lookup_prefix(s->kv, q, &n_free_hits);
+            computed = n_hits * s->bs;
+        }
         int64_t held = fresh ? n_hits : cv_kv_num_blocks(q);
         int64_t n = q->n_tokens - computed;
         if (n <= 0) break; /* cannot happen: a waiting sequence always has tokens to compute */
@@ -539,13 +604,21 @@ int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out) {
             }
             break; /* no preemption to admit */
         }
+        if (s->n_running > 0 && s->cfg.admission_reserve > 0) { /* alone, it starts once its first chunk fits */
+            const int64_t reserve = reserve_tokens(s);
+            int64_t total = growth_blocks(s, q, held, reserve);
+            if (total < need) total = need;
+            if (reserved_growth(s, q, reserve) + total + n_free_hits > cv_kv_manager_num_free(s->kv))
+                break; /* admitting it now would likely preempt: wait for blocks to free */
+        }
         if (cv_kv_manager_reserve(s->kv, q, held + need > 0 ? held + need : 1) != CV_OK) {
             rc = CV_ERR_NOMEM;
             break;
         }
         wait_remove(s, q);
         /* reserved and counted: neither can fail */
-        if (fresh) cv_kv_manager_take_prefix(s->kv, q, n_hits);
+        if (resume) take_resume(s, q);
+        else if (fresh) cv_kv_manager_take_prefix(s->kv, q, n_hits);
         cv_kv_manager_allocate(s->kv, q, need);
         q->status = CV_SEQ_RUNNING;
         running_insert(s, q);
@@ -593,6 +666,10 @@ void cv_scheduler_finish(cv_scheduler *s, cv_sequence *q, cv_seq_status status) 
     } else if (q->status == CV_SEQ_WAITING) {
         wait_remove(s, q);
     }
+    if (q->status == CV_SEQ_RUNNING && status != CV_SEQ_FINISHED_ABORTED) {
+        s->n_outputs_seen++;
+        s->output_tokens_seen += q->n_tokens - q->n_spec - q->n_prompt;
+    }
     cv_kv_manager_free(s->kv, q);
     q->status = status;
 }
@@ -609,6 +686,10 @@ void cv_scheduler_get_stats(const cv_scheduler *s, cv_sched_stats *st) {
     st->n_running = s->n_running;
     st->n_waiting = s->n_waiting;
     st->n_preempted_total = s->n_preempted_total;
+    st->n_recomputed_tokens = s->n_recomputed_tokens;
+    st->n_resumed_tokens = s->n_resumed_tokens;
+    const int64_t reserve = s->cfg.admission_reserve > 0 ? reserve_tokens(s) : 0;
+    st->admission_reserve_tokens = reserve == INT64_MAX ? -1 : reserve;
     st->blocks_total = s->usable_blocks;
     st->blocks_free = cv_kv_manager_num_free(s->kv);
     st->blocks_used = st->blocks_total - st->blocks_free;

@@ -1,7 +1,10 @@
 /* Iteration-level scheduler: decides, at every step, which sequences run and
  * how many new tokens each computes, under a token budget and a sequence cap.
- * Policy only: queues, token budget, preemption victims. Knows nothing about
- * devices; every block goes through the KV manager it is given. */
+ * Policy only: queues, token budget, the admission margin that leaves room for
+ * the running sequences' growth, preemption victims (the newest first; a
+ * victim's KV stays reclaimable and resuming takes back what was not reused).
+ * Knows nothing about devices; every block goes through the KV manager it is
+ * given. */
 #ifndef CV_SCHEDULER_H
 #define CV_SCHEDULER_H
 
@@ -29,7 +32,24 @@ typedef struct cv_scheduler_config {
      * (prefill chunks, recomputation after preemption), so the decodes' time
      * between tokens stays bounded while prompts arrive. 0: no cap. */
     int64_t max_prefill_tokens_while_decoding;
+    /* Admission margin (continuous and priority policies): a waiting sequence
+     * starts only when the free blocks cover its own growth and the running
+     * sequences' growth to their expected lengths: each one's next token and
+     * this percentage of the expected remaining output (the output tokens seen
+     * so far, running ones included, over the outputs that ended), never
+     * beyond its max_tokens; before any output ended, its max_tokens. Under
+     * the priority policy only the growth of sequences ranked at or above it
+     * counts (the others can be preempted for it). A sequence that would run
+     * alone starts as soon as its first chunk fits.
+     * 0: the default, CV_SCHED_DEFAULT_RESERVE; -1: no margin, a sequence
+     * starts whenever its first chunk fits (and the running ones are
+     * preempted when they outgrow the pool). */
+    int32_t admission_reserve;
 } cv_scheduler_config;
+
+/* Chosen by measurement (tools/admission_sweep.py; docs/dev/admission.md). */
+#define CV_SCHED_DEFAULT_RESERVE 50
+#define CV_SCHED_MAX_RESERVE 10000
 
 /* The plan for one step: one plain struct, all the runner needs.
  * Arrays are owned by the scheduler and valid until the next schedule call. */
@@ -46,6 +66,9 @@ typedef struct cv_sched_output {
 typedef struct cv_sched_stats {
     int64_t n_running, n_waiting;
     int64_t n_preempted_total;     /* preemptions since creation */
+    int64_t n_recomputed_tokens;   /* tokens of KV computed before a preemption and computed again */
+    int64_t n_resumed_tokens;      /* tokens of KV resumed sequences took back instead */
+    int64_t admission_reserve_tokens; /* output tokens admission reserves per sequence now, -1: max_tokens */
     int64_t blocks_total;          /* usable blocks (excluding block 0) */
     int64_t blocks_used;           /* referenced by at least one sequence */
     int64_t blocks_free;           /* free (including evictable cached ones) */

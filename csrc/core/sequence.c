@@ -26,6 +26,7 @@ void cv_sequence_free(cv_sequence *s) {
     if (!s) return;
     free(s->tokens);
     free(s->blocks.table);
+    free(s->blocks.gen);
     free(s);
 }
 

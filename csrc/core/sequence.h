@@ -27,6 +27,12 @@ typedef struct cv_seq_blocks {
     int64_t cap;
     int64_t n_cached;       /* leading full blocks already registered in the prefix cache */
     uint64_t last_key;      /* prefix-cache key of block n_cached - 1 (0: none) */
+    /* After a preemption (n == 0): table[0..n_kept) are the blocks it let go,
+     * gen[j] the generation table[j] had then; they held kept_computed tokens
+     * of KV, intact in every block whose generation is unchanged. */
+    uint64_t *gen;          /* [cap] */
+    int64_t n_kept;
+    int64_t kept_computed;
 } cv_seq_blocks;
 
 typedef struct cv_sequence {

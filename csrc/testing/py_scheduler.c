@@ -88,12 +88,12 @@ static int has_seq(PyObject *seqs, long long seq_id) {
 static PyObject *Sched_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
                              "max_model_len", "enable_prefix_caching", "enable_chunked_prefill",
-                             "policy", "max_prefill_tokens_while_decoding", NULL};
+                             "policy", "max_prefill_tokens_while_decoding", "admission_reserve", NULL};
     long long nb, bs, mns, mbt, mml, prefill_cap = 0;
-    int prefix = 1, chunked = 1;
+    int prefix = 1, chunked = 1, reserve = 0;
     const char *policy = "continuous";
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLLL|ppsL:Scheduler", kwlist, &nb, &bs, &mns, &mbt,
-                                     &mml, &prefix, &chunked, &policy, &prefill_cap))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLLL|ppsLi:Scheduler", kwlist, &nb, &bs, &mns, &mbt,
+                                     &mml, &prefix, &chunked, &policy, &prefill_cap, &reserve))
         return NULL;
     cv_scheduler_config cfg = {0};
     cfg.max_num_seqs = mns;
@@ -101,6 +101,7 @@ static PyObject *Sched_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     cfg.max_model_len = mml;
     cfg.enable_chunked_prefill = chunked;
     cfg.max_prefill_tokens_while_decoding = prefill_cap;
+    cfg.admission_reserve = reserve;
     if (strcmp(policy, "continuous") == 0) cfg.policy = CV_SCHED_CONTINUOUS;
     else if (strcmp(policy, "priority") == 0) cfg.policy = CV_SCHED_PRIORITY;
     else if (strcmp(policy, "static") == 0) cfg.policy = CV_SCHED_STATIC;
@@ -333,6 +334,8 @@ static PyObject *Sched_seq_info(SchedObject *self, PyObject *args) {
         cv_py_put(d, "n_computed", PyLong_FromLongLong(q->n_computed)) < 0 ||
         cv_py_put(d, "n_cached_prompt", PyLong_FromLongLong(q->n_cached_prompt)) < 0 ||
         cv_py_put(d, "n_preemptions", PyLong_FromLongLong(q->n_preemptions)) < 0 ||
+        cv_py_put(d, "n_kept", PyLong_FromLongLong(q->blocks.n_kept)) < 0 ||
+        cv_py_put(d, "kept_computed", PyLong_FromLongLong(q->blocks.kept_computed)) < 0 ||
         cv_py_put(d, "arrival", PyLong_FromLongLong(q->arrival)) < 0 ||
         cv_py_put(d, "priority", PyLong_FromLong(q->priority)) < 0 ||
         cv_py_put(d, "block_table", cv_py_int32_list(q->blocks.table, q->blocks.n)) < 0 ||
@@ -351,6 +354,9 @@ static PyObject *Sched_stats(SchedObject *self, PyObject *Py_UNUSED(ignored)) {
     if (cv_py_put(d, "n_running", PyLong_FromLongLong(st.n_running)) < 0 ||
         cv_py_put(d, "n_waiting", PyLong_FromLongLong(st.n_waiting)) < 0 ||
         cv_py_put(d, "n_preempted_total", PyLong_FromLongLong(st.n_preempted_total)) < 0 ||
+        cv_py_put(d, "n_recomputed_tokens", PyLong_FromLongLong(st.n_recomputed_tokens)) < 0 ||
+        cv_py_put(d, "n_resumed_tokens", PyLong_FromLongLong(st.n_resumed_tokens)) < 0 ||
+        cv_py_put(d, "admission_reserve_tokens", PyLong_FromLongLong(st.admission_reserve_tokens)) < 0 ||
         cv_py_put(d, "blocks_total", PyLong_FromLongLong(st.blocks_total)) < 0 ||
         cv_py_put(d, "blocks_used", PyLong_FromLongLong(st.blocks_used)) < 0 ||
         cv_py_put(d, "blocks_free", PyLong_FromLongLong(st.blocks_free)) < 0 ||
@@ -472,7 +478,7 @@ static PyMethodDef Sched_methods[] = {
 static PyType_Slot Sched_slots[] = {
     {Py_tp_doc, PyDoc_STR("Scheduler(num_blocks, block_size, max_num_seqs, max_num_batched_tokens, "
                         "max_model_len, enable_prefix_caching=True, enable_chunked_prefill=True, "
-                        "policy='continuous', max_prefill_tokens_while_decoding=0): the C scheduler with a fake-runner harness.")},
+                        "policy='continuous', max_prefill_tokens_while_decoding=0, admission_reserve=0): the C scheduler with a fake-runner harness.")},
     {Py_tp_new, Sched_new},
     {Py_tp_dealloc, Sched_dealloc},
     {Py_tp_methods, Sched_methods},
@@ -666,6 +672,39 @@ static PyObject *KV_take_prefix(KVObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *KV_preempt(KVObject *self, PyObject *args) {
+    long long seq_id;
+    if (!PyArg_ParseTuple(args, "L:preempt", &seq_id)) return NULL;
+    cv_sequence *q = get_seq(self->seqs, seq_id);
+    if (!q) return NULL;
+    cv_kv_manager_preempt(self->m, q);
+    Py_RETURN_NONE;
+}
+
+static PyObject *KV_lookup_resume(KVObject *self, PyObject *args) {
+    long long seq_id;
+    if (!PyArg_ParseTuple(args, "L:lookup_resume", &seq_id)) return NULL;
+    cv_sequence *q = get_seq(self->seqs, seq_id);
+    if (!q) return NULL;
+    if (q->n_tokens < 1) return PyErr_Format(PyExc_ValueError, "sequence %lld holds no tokens", seq_id);
+    if (cv_kv_num_blocks(q) != 0)
+        return PyErr_Format(PyExc_ValueError, "sequence %lld already holds blocks", seq_id);
+    int64_t n_blocks = 0, n_free = 0;
+    int64_t tokens = cv_kv_manager_lookup_resume(self->m, q, &n_blocks, &n_free);
+    return Py_BuildValue("(LLL)", (long long)tokens, (long long)n_blocks, (long long)n_free);
+}
+
+static PyObject *KV_take_resume(KVObject *self, PyObject *args) {
+    long long seq_id;
+    if (!PyArg_ParseTuple(args, "L:take_resume", &seq_id)) return NULL;
+    cv_sequence *q = get_seq(self->seqs, seq_id);
+    if (!q) return NULL;
+    if (cv_kv_num_blocks(q) != 0)
+        return PyErr_Format(PyExc_ValueError, "sequence %lld already holds blocks", seq_id);
+    if (cv_kv_manager_take_resume(self->m, q) != CV_OK) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyObject *KV_seq_info(KVObject *self, PyObject *args) {
     long long seq_id;
     if (!PyArg_ParseTuple(args, "L:seq_info", &seq_id)) return NULL;
@@ -677,6 +716,8 @@ static PyObject *KV_seq_info(KVObject *self, PyObject *args) {
         cv_py_put(d, "n_computed", PyLong_FromLongLong(q->n_computed)) < 0 ||
         cv_py_put(d, "n_cached_blocks", PyLong_FromLongLong(q->blocks.n_cached)) < 0 ||
         cv_py_put(d, "n_cached_prompt", PyLong_FromLongLong(q->n_cached_prompt)) < 0 ||
+        cv_py_put(d, "n_kept", PyLong_FromLongLong(q->blocks.n_kept)) < 0 ||
+        cv_py_put(d, "kept_computed", PyLong_FromLongLong(q->blocks.kept_computed)) < 0 ||
         cv_py_put(d, "n_tokens", PyLong_FromLongLong(q->n_tokens)) < 0 ||
         cv_py_put(d, "tokens", cv_py_int32_list(q->tokens, q->n_tokens)) < 0) {
         Py_DECREF(d);
@@ -748,6 +789,12 @@ static PyMethodDef KV_methods[] = {
      "lookup_prefix(seq_id) -> (n_hits, n_free_hits)."},
     {"take_prefix", (PyCFunction)KV_take_prefix, METH_VARARGS,
      "take_prefix(seq_id, n_hits): the first n_hits blocks of the last lookup into its empty table."},
+    {"preempt", (PyCFunction)KV_preempt, METH_VARARGS,
+     "preempt(seq_id): gives back its blocks, keeping those of its computed KV reclaimable."},
+    {"lookup_resume", (PyCFunction)KV_lookup_resume, METH_VARARGS,
+     "lookup_resume(seq_id) -> (tokens, n_blocks, n_free_hits): the KV a preempted sequence can take back."},
+    {"take_resume", (PyCFunction)KV_take_resume, METH_VARARGS,
+     "take_resume(seq_id): takes what the last resume lookup found into its empty table."},
     {"seq_info", (PyCFunction)KV_seq_info, METH_VARARGS, "seq_info(seq_id) -> dict."},
     {"stats", (PyCFunction)KV_stats, METH_NOARGS,
      "stats() -> dict(num_free, num_cached_free, num_touched, prefix_queries, prefix_hits)."},

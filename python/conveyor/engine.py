@@ -103,6 +103,13 @@ class EngineArgs:
     # prompt tokens (chunked prefill only). None: 96 on the CPU (a step's time grows with
     # every token), 512 on CUDA; 0: no cap.
     max_prefill_tokens_while_decoding: Optional[int] = None
+    # Admission margin (continuous and priority scheduling): a request starts only when the
+    # free KV covers the running requests' and its own growth by this percentage of the
+    # expected remaining output (learned from the outputs seen; max_tokens until one ended).
+    # None: 50 (chosen by measurement, docs/dev/admission.md); 0: no margin, a request
+    # starts whenever its first prompt chunk fits and running ones are preempted when the
+    # pool runs out.
+    admission_reserve: Optional[int] = None
     # Overload control: a request that would make more than this many wait to be
     # scheduled is refused with EngineOverloadedError. None: no limit.
     max_queued_requests: Optional[int] = None
@@ -146,7 +153,7 @@ class EngineArgs:
         for name in ("max_num_seqs", "block_size", "seed"):
             check_type(name, is_int, "an int")
         for name in ("max_model_len", "max_num_batched_tokens", "num_threads",
-                     "max_prefill_tokens_while_decoding", "max_queued_requests"):
+                     "max_prefill_tokens_while_decoding", "max_queued_requests", "admission_reserve"):
             check_type(name, lambda v: v is None or is_int(v), "an int or None")
         for name in ("dtype", "kv_cache_dtype", "scheduling", "device", "activation_dtype"):
             check_type(name, lambda v: isinstance(v, str), "a str")

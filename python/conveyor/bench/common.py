@@ -334,7 +334,7 @@ def run_offline(llm, workload: Workload, *, sample_stats: bool = True, trace: bo
         res["kv"] = {"waste_mean": float(w[busy].mean()) if busy.any() else 0.0,
                      "waste_max": float(w.max()), "waste_at_peak_usage": float(w[peak]),
                      "blocks_used_peak": int(u.max()), "block_size": int(s1["block_size"]),
-                     "blocks_total": int(s1["blocks_total"]),
+                     "blocks_total": int(s1["blocks_total"]), "blocks_used_series": u.tolist(),
                      "token_weighted_waste": float(1.0 - np.sum(kv_tokens) /
                                                    max(1, np.sum(u) * s1["block_size"]))}
         res["running_mean"] = float(np.mean(running))

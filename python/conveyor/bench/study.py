@@ -17,7 +17,9 @@ All share one KV budget (``--kv-tokens``, the study's ~8k tokens): Conveyor's po
 that many tokens, and the static batch size, unless given, is the largest whose members
 all fit at full length (P + cap), as a static system must reserve. The report: output
 tokens/s, the ratio to naive static, p50/p99 end-to-end latency, peak KV memory, forward
-steps and preemptions per system and cap; JSON and a plot of throughput against cap.
+steps, preemptions, tokens recomputed after them (and their share of the tokens computed),
+the mean running batch and the KV pool's mean occupancy per system and cap, then each
+Conveyor run's occupancy over time; JSON and a plot of throughput against cap.
 """
 from __future__ import annotations
 
@@ -186,12 +188,25 @@ def run_conveyor(spec: Dict[str, Any], prompts, output_lens, digest) -> Dict[str
     lat = common.request_latencies(r["outputs"])
     extra = {"batch_size": spec["batch_size"], "versions": {"conveyor": __version__},
              "threads": spec["threads"], "kv_pool_bytes": st["blocks_total"] * block_bytes,
-             "max_num_batched_tokens": st["max_num_batched_tokens"]}
+             "max_num_batched_tokens": st["max_num_batched_tokens"],
+             "recomputed_tokens": st["num_recomputed_tokens"], "resumed_tokens": st["num_resumed_tokens"],
+             "computed_tokens": st["prompt_tokens"] + st["generation_tokens"],
+             "running_mean": r.get("running_mean"),
+             "kv_occupancy": occupancy_over_time(r["kv"]["blocks_used_series"], st["blocks_total"])}
     if spec.get("return_tokens"):
         extra["tokens"] = [list(map(int, o.outputs[0].token_ids)) for o in r["outputs"]]
     return _summary(spec["system"], digest, r["throughput"]["wall_s"], output_lens, lat["output_tokens"],
                     lat["e2e"], steps=r["steps"], preemptions=r["preemptions"],
                     kv_peak=r["kv"]["blocks_used_peak"] * block_bytes, extra=extra)
+
+
+def occupancy_over_time(blocks_used: Sequence[int], blocks_total: int, parts: int = 10) -> List[float]:
+    """The KV pool's occupancy (blocks in use / blocks in the pool) per step, averaged over
+    each of `parts` equal spans of the run's steps: its shape over time in a few numbers."""
+    u = np.asarray(blocks_used, dtype=float) / max(1, blocks_total)
+    if u.size == 0:
+        return []
+    return [float(x.mean()) for x in np.array_split(u, min(parts, u.size))]
 
 
 def run_vllm(spec: Dict[str, Any], prompts, output_lens, digest) -> Dict[str, Any]:
@@ -385,18 +400,28 @@ def table_rows(r: Dict[str, Any]) -> List[List[str]]:
                         f"{res['output_tokens_per_s']:.1f}", _fmt(res.get("ratio_to_naive"), ".2f"),
                         _fmt(e2e.get("p50"), ".2f"), _fmt(e2e.get("p99"), ".2f"),
                         _fmt(kv / 2**20 if kv is not None else None, ".2f"),
-                        _fmt(res.get("steps"), "d"), _fmt(res.get("preemptions"), "d")])
+                        _fmt(res.get("steps"), "d"), _fmt(res.get("preemptions"), "d"),
+                        _recomputed(res), _fmt(res.get("running_mean"), ".1f"),
+                        _fmt(100 * np.mean(occ) if (occ := res.get("kv_occupancy")) else None, ".0f")])
     return out
 
 
+def _recomputed(res: Dict[str, Any]) -> str:
+    """Tokens computed again after preemptions, with their share of all tokens computed."""
+    n, total = res.get("recomputed_tokens"), res.get("computed_tokens")
+    if n is None:
+        return "-"
+    return f"{n} ({100 * n / total:.1f}%)" if total else str(n)
+
+
 HEADER = ["cap", "mean out", "system", "batch", "out tok/s", "vs naive", "p50 E2E s", "p99 E2E s",
-          "KV peak MiB", "steps", "preempt"]
+          "KV peak MiB", "steps", "preempt", "recomputed", "mean running", "KV use %"]
 
 
 def format_table(r: Dict[str, Any], markdown: bool = False) -> str:
     rows = table_rows(r)
     if markdown:
-        align = ["---:", "---:", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---:", "---:"]
+        align = ["---:", "---:", "---", *["---:"] * (len(HEADER) - 3)]
         lines = ["| " + " | ".join(HEADER) + " |", "| " + " | ".join(align) + " |"]
         lines += ["| " + " | ".join(x) + " |" for x in rows]
         return "\n".join(lines)
@@ -467,6 +492,14 @@ def print_report(r: Dict[str, Any], markdown: bool = False) -> None:
         print(f"not run: {LABELS[s]} ({why})")
     print("out tok/s counts each request's own tokens; vs naive = / HF static; steps = forward passes")
     print(format_table(r, markdown=markdown))
+    print("recomputed = tokens computed again after preemptions (share of all tokens computed); "
+          "mean running = sequences per step; KV use = mean share of the pool's blocks in use")
+    occ = [(row["cap"], s, res["kv_occupancy"]) for row in r["rows"] for s, res in row["systems"].items()
+           if res.get("kv_occupancy")]
+    if occ:
+        print("KV pool occupancy over time (% of blocks in use, mean over each tenth of the run's steps):")
+        for cap, s, o in occ:
+            print(f"  cap {cap:<5} {LABELS[s]:<20} " + " ".join(f"{100 * x:3.0f}" for x in o))
     print(f"elapsed {r['elapsed_s']:.0f} s", flush=True)
 
 

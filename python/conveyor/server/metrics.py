@@ -97,6 +97,12 @@ class ServerMetrics:
         metric("conveyor_num_requests_queued", "gauge",
                "Requests not yet scheduled once (what max_queued_requests limits).", g("num_queued", 0))
         metric("conveyor_num_preemptions_total", "counter", "Preemptions since start.", g("num_preemptions", 0))
+        metric("conveyor_num_recomputed_tokens_total", "counter",
+               "Tokens of KV computed again after a preemption (the LRU had reused their blocks).",
+               g("num_recomputed_tokens", 0))
+        metric("conveyor_num_resumed_tokens_total", "counter",
+               "Tokens of KV a preempted request took back on resuming instead of recomputing them.",
+               g("num_resumed_tokens", 0))
         metric("conveyor_kv_cache_usage_perc", "gauge", "Fraction of KV blocks in use (1 = full).",
                float(used / total) if total else 0.0)
         metric("conveyor_kv_cache_blocks_used", "gauge", "KV blocks held by requests.", used)
