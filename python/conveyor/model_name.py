@@ -75,6 +75,8 @@ def _skip_value(f: BinaryIO, vtype: int) -> None:
         f.seek(n, os.SEEK_CUR)
     elif vtype == _ARRAY:
         etype, count = struct.unpack("<IQ", _read(f, 12))
+        if etype == _ARRAY:  # as the C reader: arrays of arrays are not GGUF we read
+            raise ValueError("GGUF metadata array of arrays")
         if etype in _FIXED:
             f.seek(_FIXED[etype] * count, os.SEEK_CUR)
         else:

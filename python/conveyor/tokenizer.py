@@ -621,17 +621,17 @@ class HFTokenizer(Tokenizer):
         self.eos_token = _token_content(cfg.get("eos_token"))
         self.bos_id = tid(cfg.get("bos_token"))
         if self.bos_id is None and isinstance(model_cfg.get("bos_token_id"), int):
-            self.bos_id = model_cfg["bos_token_id"]
-            if self.bos_token is None and self.bos_id < self.vocab_size:
+            self.bos_id = _vocab_id(model_cfg["bos_token_id"], "bos_token_id", self.vocab_size)
+            if self.bos_token is None:
                 self.bos_token = id_to_tok[self.bos_id]
         eos: list[int] = []
         for value in (tid(cfg.get("eos_token")), gen_cfg.get("eos_token_id"), model_cfg.get("eos_token_id")):
             for v in value if isinstance(value, list) else [value]:
                 if isinstance(v, int) and not isinstance(v, bool) and v not in eos:
-                    eos.append(v)
+                    eos.append(_vocab_id(v, "eos_token_id", self.vocab_size))
         self.eos_ids = eos
         self.eos_id = eos[0] if eos else None
-        if self.eos_token is None and self.eos_id is not None and self.eos_id < self.vocab_size:
+        if self.eos_token is None and self.eos_id is not None:
             self.eos_token = id_to_tok[self.eos_id]
         for i in (self.bos_id, *eos):
             if i is not None:
@@ -731,6 +731,14 @@ GGUF_PRE_TOKENIZERS: dict[str, list[str]] = {
 _LLAMA3_PRE = {"llama-bpe", "llama3"}
 # tokenizer.ggml.token_type values
 _TT_NORMAL, _TT_UNKNOWN, _TT_CONTROL, _TT_USER, _TT_UNUSED, _TT_BYTE = 1, 2, 3, 4, 5, 6
+
+
+def _vocab_id(value: int, field: str, vocab_size: int) -> int:
+    """``value`` when it is a token id of the vocabulary, else a ModelFormatError naming ``field``."""
+    if not 0 <= value < vocab_size:
+        raise ModelFormatError(f"tokenizer: {field} = {value} is not a token id below the vocabulary size "
+                               f"{vocab_size}")
+    return value
 
 
 def _meta_list(md: dict, key: str, kind, required: bool = True) -> list | None:

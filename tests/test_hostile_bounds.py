@@ -1,0 +1,189 @@
+"""Hostile input, third round: the ways around the earlier caps, each reproduced and
+each failing without its fix (request budget, sampler guarantees, config ranges,
+model-file checks, JSON caps, n-gram bound).
+
+Memory-hungry reproductions run in a child process, so that their peak is measured
+alone and a blow-up cannot take the test runner with it."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import conveyor
+from conveyor import LLM, SamplingParams
+
+
+def run_child(code: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
+    """Runs code in a fresh interpreter (same sys.path); returns the finished process."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": ":".join(p for p in sys.path if p)})
+
+
+# ------------------------------------------------- speculative_config integer ranges
+
+
+@pytest.mark.parametrize("key", ["num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                                 "disable_by_batch_size"])
+@pytest.mark.parametrize("value", [2 ** 63, 2 ** 64 + 5, -(2 ** 63) - 1])
+def test_speculative_config_huge_integers_name_the_field(key, value):
+    """Integers past int64 were a bare OverflowError with no .field."""
+    from conveyor.speculative import parse_speculative_config
+
+    cfg = {"num_speculative_tokens": 2, key: value}
+    with pytest.raises(ValueError, match=key) as ei:
+        parse_speculative_config(cfg)
+    assert ei.value.field == key
+
+
+def test_generate_cli_speculative_config_out_of_range_is_a_usage_error(stories_dir):
+    """`conveyor generate --speculative-config` with 2**63: a usage error naming the
+    field (exit status 2), not a traceback."""
+    cfg = json.dumps({"num_speculative_tokens": 2 ** 63})
+    r = subprocess.run([sys.executable, "-m", "conveyor", "generate", "--model", str(stories_dir / "stories260K.bin"),
+                        "--prompt", "Once", "--speculative-config", cfg], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PYTHONPATH": ":".join(p for p in sys.path if p)})
+    assert r.returncode == 2, r.stderr
+    assert "num_speculative_tokens" in r.stderr and "Traceback" not in r.stderr
+
+
+# ------------------------------------------------- model files: ids, shard names, JSON caps
+
+
+def _hf_copy(tiny_hf_dir, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(tiny_hf_dir, d)
+    return d
+
+
+@pytest.mark.parametrize("key", ["bos_token_id", "eos_token_id"])
+@pytest.mark.parametrize("value", [-1, -100, 10 ** 30, 1 << 20])
+def test_tokenizer_special_ids_outside_the_vocabulary(tmp_path, tiny_hf_dir, key, value):
+    """A bos/eos id outside the vocabulary in config.json is a ModelFormatError naming
+    it (-1 encoded as [-1, 0], -100 raised IndexError, 10**30 OverflowError later)."""
+    from conveyor.tokenizer import HFTokenizer
+
+    d = _hf_copy(tiny_hf_dir, tmp_path)
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    tc.pop("bos_token", None)
+    tc.pop("eos_token", None)
+    (d / "tokenizer_config.json").write_text(json.dumps(tc))
+    (d / "generation_config.json").unlink(missing_ok=True)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg[key] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(conveyor.ModelFormatError, match=f"{key} = {value} is not a token id"):
+        HFTokenizer(d / "tokenizer.json", d)
+
+
+def test_tokenizer_special_ids_inside_the_vocabulary_still_load(tmp_path, tiny_hf_dir):
+    from conveyor.tokenizer import HFTokenizer
+
+    d = _hf_copy(tiny_hf_dir, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["eos_token_id"] = [1, 5]
+    (d / "config.json").write_text(json.dumps(cfg))
+    tok = HFTokenizer(d / "tokenizer.json", d)
+    assert 5 in tok.eos_ids and tok.encode("hello", add_special_tokens=False)
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd", "..", "sub/model.safetensors"])
+def test_reference_reader_confines_shard_names(tmp_path, tiny_hf_dir, shard):
+    """reference.read_hf_weights followed `../` and absolute shard names; now it
+    refuses them as the C reader does."""
+    from conveyor.reference import read_hf_weights
+
+    d = _hf_copy(tiny_hf_dir, tmp_path)
+    data = (d / "model.safetensors").read_bytes()
+    names = list(json.loads(data[8:8 + struct.unpack_from("<Q", data)[0]]))
+    shutil.move(d / "model.safetensors", tmp_path / "outside.safetensors")
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: shard for n in names if n != "__metadata__"}}))
+    with pytest.raises(conveyor.ModelFormatError, match="not a plain file name"):
+        read_hf_weights(d)
+    with pytest.raises(conveyor.ModelFormatError, match="plain file name"):
+        conveyor._core.Checkpoint(str(d))
+
+
+def test_reference_reader_plain_shards_still_read(tmp_path):
+    from conveyor.reference import read_hf_weights
+    from conveyor.testing import write_hf_checkpoint
+
+    d = write_hf_checkpoint(tmp_path / "sharded", shape="tiny", shards=2)
+    assert (d / "model.safetensors.index.json").is_file()
+    assert len(read_hf_weights(d)) > 3
+
+
+def _big_header_file(path, n_values: int):
+    """A safetensors file whose header holds n_values small numbers in __metadata__
+    (an object, as the format allows) and no tensors."""
+    header = b'{"__metadata__":{"pad":[' + b"0," * (n_values - 1) + b"0]}}"
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+
+
+def test_safetensors_header_amplification_is_bounded(tmp_path, tiny_hf_dir):
+    """A 15 MiB safetensors header of tiny values cost +856 MiB in the C JSON tree; now
+    the value cap refuses it after ~100 MiB, with a ModelFormatError."""
+    d = _hf_copy(tiny_hf_dir, tmp_path)
+    _big_header_file(d / "model.safetensors", (15 << 20) // 2)
+    r = run_child(f"""
+        import resource, conveyor
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        try:
+            conveyor._core.Checkpoint({str(d)!r})
+        except conveyor.ModelFormatError as e:
+            print("ERR", e)
+        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        print("GROWN_KB", grown)
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "ERR" in r.stdout and "more than 1048576 values" in r.stdout, r.stdout
+    grown_mib = int(r.stdout.split("GROWN_KB")[1]) / 1024
+    assert grown_mib < 256, f"+{grown_mib:.0f} MiB"
+
+
+def test_safetensors_header_over_the_json_cap(tmp_path):
+    """Headers over 16 MiB (the cap of every model-file JSON) are refused before
+    parsing, in C and in the Python reference reader."""
+    from conveyor.reference import read_safetensors_file
+
+    p = tmp_path / "model.safetensors"
+    header = b'{"__metadata__":{"pad":"' + b"x" * (17 << 20) + b'"}}'
+    p.write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(conveyor.ModelFormatError, match="over the 16777216-byte limit"):
+        read_safetensors_file(p)
+    d = tmp_path / "d"
+    d.mkdir()
+    shutil.move(p, d / "model.safetensors")
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(conveyor.ModelFormatError):
+        conveyor._core.Checkpoint(str(d))
+
+
+def _gguf_with_nested_arrays(path, depth: int):
+    """A GGUF v3 header with one metadata key: an array of arrays `depth` deep."""
+    def s(x: bytes) -> bytes:
+        return struct.pack("<Q", len(x)) + x
+    value = b""
+    for _ in range(depth):
+        value = struct.pack("<IQ", 9, 1) + value
+    value += struct.pack("<I", 0)  # innermost element type: never reached
+    key = s(b"x.nested") + struct.pack("<I", 9) + value
+    name = s(b"general.name") + struct.pack("<I", 8) + s(b"deep")
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + key + name)
+
+
+def test_model_name_of_deeply_nested_gguf_arrays(tmp_path):
+    """model_name() raised RecursionError on deep arrays of arrays; now, as the C reader
+    (arrays of arrays are unsupported), it falls back to the file stem."""
+    from conveyor.model_name import model_name
+
+    p = tmp_path / "deep-model.gguf"
+    _gguf_with_nested_arrays(p, 100_000)
+    assert model_name(p) == "deep-model"
