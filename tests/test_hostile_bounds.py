@@ -187,3 +187,17 @@ def test_model_name_of_deeply_nested_gguf_arrays(tmp_path):
     p = tmp_path / "deep-model.gguf"
     _gguf_with_nested_arrays(p, 100_000)
     assert model_name(p) == "deep-model"
+
+
+def test_impossible_context_length_names_max_model_len(tmp_path):
+    """A GGUF context_length of 2**31-1 failed as 'cannot allocate a KV cache of
+    1099511644160 bytes'; now the error names max_model_len, and passing it loads."""
+    from conveyor.testing import write_gguf_checkpoint
+
+    p = write_gguf_checkpoint(tmp_path / "m.gguf", context_length=2 ** 31 - 1)
+    with pytest.raises(ValueError, match="context length is 2147483647.*max_model_len") as ei:
+        LLM(p)
+    assert ei.value.field == "max_model_len"
+    with LLM(p, max_model_len=64) as llm:
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3

@@ -57,6 +57,28 @@ def parse_bytes(value: Any, name: str = "kv_cache_memory") -> int:
     return n
 
 
+MAX_MODEL_LEN = 1 << 24  # the largest max_model_len an engine takes
+
+
+def check_context_fits(model_cfg: dict) -> None:
+    """Without max_model_len the engine sizes itself for the model's whole context
+    (GGUF context_length, max_position_embeddings): one that cannot fit (its KV cache
+    for one sequence is over this machine's memory) is a ValueError naming
+    max_model_len, the fix, instead of an allocation failure deep in the engine."""
+    ctx = int(model_cfg["max_pos"])
+    kv_per_token = 2 * model_cfg["n_layers"] * model_cfg["n_kv_heads"] * model_cfg["head_dim"] * 2  # K+V, 2 bytes
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        memory = 1 << 40
+    if ctx > MAX_MODEL_LEN or ctx * kv_per_token > memory:
+        raise field_error(ValueError, "max_model_len",
+                          f"the model's context length is {ctx} tokens, which cannot fit (at most "
+                          f"{MAX_MODEL_LEN} tokens, and a KV cache of {ctx * kv_per_token} bytes for one "
+                          f"sequence against {memory} bytes of memory); pass max_model_len "
+                          f"(e.g. max_model_len=4096, --max-model-len 4096) to use less of it")
+
+
 def check_timeout(t) -> float:
     """A request deadline in seconds from arrival, as the C engine takes it (0.0: none).
     The C engine checks the range; 0 is refused here, since C reads it as "none"."""
@@ -143,7 +165,7 @@ class EngineArgs:
             if v < lo or v > hi:
                 raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
 
-        pos_int("max_model_len", self.max_model_len, 1 << 24, allow_none=True)
+        pos_int("max_model_len", self.max_model_len, MAX_MODEL_LEN, allow_none=True)
         pos_int("max_num_seqs", self.max_num_seqs, 1 << 16)
         pos_int("max_num_batched_tokens", self.max_num_batched_tokens, 1 << 24, allow_none=True)
         pos_int("block_size", self.block_size, 1024)
@@ -251,7 +273,11 @@ class EngineCore:
         strip = False
         # The model first: a wrong path or a broken checkpoint is the problem to report,
         # not a tokenizer that happens to be missing beside it.
-        _core.Checkpoint(args.model).close()
+        ckpt = _core.Checkpoint(args.model)
+        model_cfg = ckpt.config
+        ckpt.close()
+        if args.max_model_len is None:
+            check_context_fits(model_cfg)
         if not args.skip_tokenizer_init:
             from .tokenizer import load_tokenizer
 
