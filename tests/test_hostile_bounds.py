@@ -201,3 +201,80 @@ def test_impossible_context_length_names_max_model_len(tmp_path):
     with LLM(p, max_model_len=64) as llm:
         out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 3
+
+
+# ------------------------------------------------- sampler guarantees
+
+
+@pytest.fixture(scope="module")
+def stories_llm(stories_dir):
+    with LLM(stories_dir / "stories260K.bin") as llm:
+        yield llm
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_allowed_ids_all_banned_by_min_tokens_is_refused(stories_llm, temperature):
+    """allowed=[EOS] with min_tokens=3 sampled token 0 three times ([0, 0, 0, 2]); the
+    constraints leave nothing at the first token, which is known at admission."""
+    eos = stories_llm.get_tokenizer().eos_ids[0]
+    sp = SamplingParams(allowed_token_ids=[eos], min_tokens=3, max_tokens=5, temperature=temperature, seed=1)
+    with pytest.raises(ValueError, match="every token in allowed_token_ids is banned") as ei:
+        stories_llm.generate(["Once upon"], sp, use_tqdm=False)
+    assert ei.value.field == "allowed_token_ids"
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        stories_llm.check_request([1, 2, 3], sp)
+
+
+def test_allowed_ids_all_banned_by_single_token_bad_words_is_refused(stories_llm):
+    tok = stories_llm.get_tokenizer()
+    word = "Once"
+    ids = {tuple(tok.encode(w, add_special_tokens=False)) for w in (word, " " + word)}
+    single = [t[0] for t in ids if len(t) == 1]
+    assert single, "the test needs a one-token word"
+    sp = SamplingParams(allowed_token_ids=single, bad_words=[word], max_tokens=3, temperature=0)
+    with pytest.raises(ValueError, match="allowed_token_ids") as ei:
+        stories_llm.generate(["Tom"], sp, use_tqdm=False)
+    assert ei.value.field == "allowed_token_ids"
+
+
+def test_allowed_ids_that_still_leave_a_token_run(stories_llm):
+    eos = stories_llm.get_tokenizer().eos_ids[0]
+    sp = SamplingParams(allowed_token_ids=[eos, 300], min_tokens=2, max_tokens=3, temperature=0, ignore_eos=False)
+    out = stories_llm.generate(["Once upon"], sp, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[:2] == [300, 300]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_grammar_and_allowed_ids_leave_nothing_midway(stories_llm, temperature):
+    """A grammar whose next tokens are all outside allowed_token_ids: the sampler took
+    token 0 (a token outside both); now the completion ends with finish_reason
+    "error" and a message, and every token it gave is inside its constraints."""
+    tok = stories_llm.get_tokenizer()
+    allowed = sorted(set(tok.encode("aaa", add_special_tokens=False)))
+    sp = SamplingParams(allowed_token_ids=allowed, guided_decoding={"choice": ["aaa"]}, max_tokens=8,
+                        temperature=temperature, seed=4)
+    with pytest.warns(UserWarning, match="no token satisfies"):
+        res = stories_llm.generate(["Once upon"], sp, use_tqdm=False)[0]
+    out = res.outputs[0]
+    assert out.finish_reason == "error"
+    assert res.guided_error and "no token satisfies the request's constraints" in res.guided_error
+    assert all(t in allowed for t in out.token_ids)
+
+
+def test_no_token_left_is_the_async_streams_error(stories_dir):
+    import asyncio
+
+    from conveyor import AsyncLLM
+
+    async def main():
+        with AsyncLLM(stories_dir / "stories260K.bin") as eng:
+            tok = eng.get_tokenizer()
+            allowed = sorted(set(tok.encode("aaa", add_special_tokens=False)))
+            sp = SamplingParams(allowed_token_ids=allowed, guided_decoding={"choice": ["aaa"]}, max_tokens=8,
+                                temperature=0)
+            with pytest.raises(ValueError, match="no token satisfies") as ei:
+                async for _ in eng.generate("Once upon", sp):
+                    pass
+            assert ei.value.field == "allowed_token_ids"
+
+    asyncio.run(main())

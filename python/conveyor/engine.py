@@ -57,6 +57,9 @@ def parse_bytes(value: Any, name: str = "kv_cache_memory") -> int:
     return n
 
 
+# The error of a completion that ended with finish_reason "error": its constraints
+# left no token to sample (the sampler never picks one outside them).
+NO_TOKEN_ERROR = "no token satisfies the request's constraints"
 MAX_MODEL_LEN = 1 << 24  # the largest max_model_len an engine takes
 
 
@@ -257,7 +260,9 @@ class _Request:
         self.metrics = RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(prompt_ids))
         self.consumer = None  # AsyncLLM's per-request queue
         self.matchers = None  # guided decoding: one grammar matcher per completion
-        self.guided_error = None  # why the grammar engine ended a completion (it ends "abort")
+        # why the grammar engine ended a completion ("abort"), or why its constraints
+        # left no token ("error")
+        self.guided_error = None
 
 
 class EngineCore:
@@ -575,6 +580,10 @@ class EngineCore:
                 if ev.finished:
                     st.add_text(st.decoder.decode(b"", final=True))
                     st.finish_reason = ev.finish_reason
+                    if ev.finish_reason == "error" and req.guided_error is None:
+                        req.guided_error = (f"{NO_TOKEN_ERROR} at output token {len(st.token_ids)} of completion "
+                                            f"{ev.seq_index}: allowed_token_ids, bad_words, min_tokens and the "
+                                            "grammar leave none")
                     if ev.stop_kind == _core.STOP_TOKEN:
                         st.stop_reason = ev.stop_value
                     elif ev.stop_kind == _core.STOP_STRING:
