@@ -278,3 +278,92 @@ def test_no_token_left_is_the_async_streams_error(stories_dir):
             assert ei.value.field == "allowed_token_ids"
 
     asyncio.run(main())
+
+
+# ------------------------------------------------- one byte budget per request
+
+
+def _bad_words(n: int, length: int) -> list:
+    return [f"w{i} " + "ab " * (length // 3) for i in range(n)]
+
+
+def test_request_budget_refuses_long_bad_words_before_tokenizing(stories_llm):
+    """1024 bad words of 15,000 characters (15 MB) were tokenized twice, once on the
+    event loop; now the request budget refuses them before any tokenizing, naming
+    bad_words, in the server's validator and in the Python API alike."""
+    from conveyor.server.protocol import APIError, Validator
+
+    class NoTokenizing:
+        vocab_size = 512
+
+        def encode(self, *a, **k):
+            raise AssertionError("tokenized before the budget was checked")
+
+    v = Validator(NoTokenizing(), 512, lambda ids, p: None)
+    body = {"prompt": "Once upon a time", "bad_words": _bad_words(1024, 15_000), "max_tokens": 4}
+    with pytest.raises(APIError) as ei:
+        v.completion(body)
+    assert ei.value.status == 400 and ei.value.param == "bad_words" and "budget" in str(ei.value)
+    with pytest.raises(APIError) as ei:
+        v.chat({"messages": [{"role": "user", "content": "x" * (3 << 20)}]})
+    assert ei.value.param == "messages"
+    with pytest.raises(APIError) as ei:
+        v.completion({"prompt": ["hi"] * 256, "n": 1, "best_of": 128})
+    assert ei.value.param == "best_of"
+    sp = SamplingParams(bad_words=_bad_words(1024, 15_000), max_tokens=2)
+    with pytest.raises(ValueError, match="budget") as ei:
+        stories_llm.generate(["Once"], sp, use_tqdm=False)
+    assert ei.value.field == "bad_words"
+
+
+def test_budget_counting_is_bounded():
+    """Counting a huge value stops at the budget: a list of millions of items costs
+    no walk over them."""
+    import time
+
+    from conveyor.request_budget import REQUEST_BUDGET_BYTES, value_bytes
+
+    big = [0] * 5_000_000
+    t = time.perf_counter()
+    assert value_bytes(big, REQUEST_BUDGET_BYTES) > REQUEST_BUDGET_BYTES
+    assert value_bytes({"a": [{"b": "c" * 10}] * 3_000_000}, 1000) > 1000
+    assert time.perf_counter() - t < 0.5
+    assert value_bytes({"k": ["ab", 1, None]}, 1 << 20) == 8 + 3 + 8 + 4 + 8 + 8
+
+
+def test_bad_words_tokenized_once_and_never_on_the_event_loop(stories_dir):
+    """Through the server's path (prepare on a worker, start on the loop) each bad
+    word is tokenized once, on a preparation thread: AsyncLLM.add_request tokenized
+    them again on the event loop, under the engine lock."""
+    import asyncio
+    import threading
+
+    from conveyor import AsyncLLM
+    from conveyor.server.serving import Server
+
+    calls = []
+
+    async def main():
+        with AsyncLLM(stories_dir / "stories260K.bin") as eng:
+            tok = eng.get_tokenizer()
+            real = tok.encode
+
+            def counting(text, *a, **k):
+                calls.append((text, threading.current_thread() is threading.main_thread()))
+                return real(text, *a, **k)
+
+            tok.encode = counting
+            server = Server(eng, "m", None, None, 1 << 24)
+            words = ["dragon", "castle", "forest"]
+            body = {"prompt": "Once upon a time", "bad_words": words, "max_tokens": 8, "temperature": 0}
+            parsed = await server.off_loop(server.prepare, body, "completion")
+            streams = server.start(parsed, "r", parsed.params)
+            async for out in streams[0]:
+                pass
+            return out
+
+    out = asyncio.run(main())
+    assert out.finished
+    word_calls = [c for c in calls if c[0].strip() in ("dragon", "castle", "forest")]
+    assert len(word_calls) == 6, word_calls  # each word as written and with a leading space, once
+    assert not any(on_loop for _, on_loop in calls), "tokenized on the event loop"

@@ -237,6 +237,8 @@ class AsyncLLM(EngineFrontend):
             if isinstance(prompt, str) and prompt and self._core.tokenizer is not None:
                 prompt = {"prompt": prompt, "prompt_token_ids": await self.run_off_loop(self._core.encode_prompt,
                                                                                          prompt)}
+            if params.bad_words:
+                params = sampling_params = await self.run_off_loop(self._core.prepare_params, params)
             if params.guided_decoding is not None:
                 guided = await self.run_off_loop(self._core.prepare_guided, params)
         stream = self.add_request(prompt, sampling_params, request_id, priority=priority, timeout=timeout,

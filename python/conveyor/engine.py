@@ -18,6 +18,7 @@ import numpy as np
 
 from . import _core
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from .request_budget import RequestBudget
 from .sampling_params import SamplingParams, field_error
 from .speculative import parse_speculative_config, spec_stats
 
@@ -359,12 +360,17 @@ class EngineCore:
     def encode_prompt(self, text: str, add_special_tokens: bool = True, field: str = "prompt") -> list:
         """The tokenizer's ids for a prompt text, after a byte-length bound that refuses a
         text too long for max_model_len without tokenizing it (ValueError, .field=field)."""
+        self.check_prompt_size(text, field)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def check_prompt_size(self, text: str, field: str = "prompt") -> None:
+        """ValueError (.field=field) for a prompt text too long for max_model_len
+        whatever its tokenization; costs no tokenizing."""
         n = len(text)
         if n > self.max_prompt_bytes or len(text.encode("utf-8", "surrogatepass")) > self.max_prompt_bytes:
             raise field_error(ValueError, field, f"the prompt has {n} characters, more than can fit in "
                               f"max_model_len ({self.max_model_len}) tokens of this vocabulary "
                               f"(at most {self.max_prompt_bytes} bytes)")
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _check_ids(self, ids):
         """Shape and type only: the C engine checks ids against the vocabulary."""
@@ -397,9 +403,18 @@ class EngineCore:
                 raise _core.EngineClosedError("the engine is closed")
             self._engine.check_request(prompt_ids, engine_params)
 
+    def prepare_params(self, params: SamplingParams) -> SamplingParams:
+        """The params as the C engine reads them: bad_words tokenized with this engine's
+        tokenizer, once, after their bytes are charged against the request budget.
+        Work that grows with the request: servers and AsyncLLM.generate call it on a
+        preparation worker, and check_request/add_request take its result as it is."""
+        if not params.bad_words or params._bad_words_token_ids is not None:
+            return params
+        RequestBudget().charge("bad_words", params.bad_words)
+        return params.with_bad_words_tokenized(self.tokenizer)
+
     def _engine_params(self, params: SamplingParams) -> SamplingParams:
-        """What the C engine reads: bad_words tokenized with this engine's tokenizer."""
-        return params.with_bad_words_tokenized(self.tokenizer) if params.bad_words else params
+        return self.prepare_params(params)
 
     def add_request(self, request_id: Optional[str], prompt_text, prompt_ids, params: SamplingParams,
                     priority: int = 0, consumer=None, timeout: Optional[float] = None,
@@ -413,6 +428,10 @@ class EngineCore:
         timeout_s = check_timeout(timeout)
         if guided is None:
             guided = self.prepare_guided(params)  # seconds for a hard grammar: not under the lock
+        # prepared already by a server or AsyncLLM.generate; only direct callers pay here,
+        # and never under the lock
+        engine_params = self.prepare_params(params)
+        prompt_list = list(map(int, prompt_ids))
         with self._lock:
             if self.closed:
                 raise _core.EngineClosedError("the engine is closed")
@@ -420,11 +439,10 @@ class EngineCore:
             if name in self._by_name:
                 raise ValueError(f"request_id {name!r} is already in use")
             internal = self._next_id
-            self._engine.add_request(internal, prompt_ids, self._engine_params(params), priority=priority,
+            self._engine.add_request(internal, prompt_ids, engine_params, priority=priority,
                                      timeout=timeout_s)
             self._next_id += 1
-            req = _Request(name, internal, prompt_text, list(map(int, prompt_ids)), params,
-                           time.monotonic())
+            req = _Request(name, internal, prompt_text, prompt_list, params, time.monotonic())
             req.consumer = consumer
             if guided is not None:
                 req.matchers, first_mask = guided
@@ -706,6 +724,17 @@ class EngineFrontend:
     @property
     def closed(self) -> bool:
         return self._core.closed
+
+    def check_prompt_size(self, text: str) -> None:
+        """ValueError (.field "prompt") for a prompt text too long for max_model_len
+        whatever its tokenization; costs no tokenizing."""
+        self._core.check_prompt_size(text)
+
+    def prepare_params(self, sampling_params: SamplingParams) -> SamplingParams:
+        """sampling_params as the engine reads them (bad_words tokenized once, within
+        the request budget): pass the result to check_request/add_request so that
+        neither tokenizes again. Grows with the request: run it off an event loop."""
+        return self._core.prepare_params(sampling_params)
 
     def check_request(self, prompt_token_ids, sampling_params: SamplingParams) -> None:
         """Raises what generate would refuse this prompt (token ids) and

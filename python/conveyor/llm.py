@@ -93,7 +93,12 @@ class LLM(EngineFrontend):
             for p in priority:
                 check_priority(p)
         check_timeout(timeout)
-        # Everything is validated before anything is queued.
+        # Everything is validated before anything is queued; bad words are tokenized once.
+        prepared: dict = {}  # one SamplingParams given for every prompt is prepared once
+        for p in params:
+            if id(p) not in prepared:
+                prepared[id(p)] = core.prepare_params(p)
+        params = [prepared[id(p)] for p in params]
         encoded = [core.tokenize_prompt(p) for p in items]
         for (_, ids), p in zip(encoded, params):
             core.check_request(ids, p)

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from ..request_budget import SEQUENCE_BYTES, RequestBudget
 from ..sampling_params import SamplingParams
 
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
@@ -428,16 +429,67 @@ def _stream_flags(f: Fields) -> tuple[bool, bool]:
     return stream, include_usage
 
 
+# The fields charged against a request's byte budget, in this order (the one that goes
+# over is named): what the client sends for the engine to tokenize, compile or copy.
+_BUDGET_FIELDS = ("prompt", "messages", "tools", "tool_choice", "bad_words", "stop", "stop_token_ids",
+                  "logit_bias", "allowed_token_ids", *_GUIDED_FIELDS, "response_format")
+
+
+def charge_request_budget(body: dict, budget: Optional[RequestBudget] = None,
+                          check_prompt_size=None) -> RequestBudget:
+    """Charges every field of a request body that costs work by its size, and its
+    sequences (prompts x max(n, best_of)), against one budget, before anything is
+    tokenized or compiled: a 400 naming the field that goes over. A text prompt too
+    long for the engine's context (check_prompt_size) is said so first."""
+    budget = budget or RequestBudget()
+    try:
+        prompt = body.get("prompt")
+        if check_prompt_size is not None:
+            texts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else []
+            for i, text in enumerate(texts):
+                if isinstance(text, str):
+                    try:
+                        check_prompt_size(text)
+                    except ValueError as e:
+                        raise bad_request("prompt" if isinstance(prompt, str) else f"prompt[{i}]",
+                                          f"'prompt': {e}") from None
+        budget.charge_fields(body, _BUDGET_FIELDS)
+        n_prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+        for key in ("n", "best_of"):
+            v = body.get(key)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                budget.charge_bytes(key, n_prompts * min(v, 1 << 20) * SEQUENCE_BYTES)
+    except ValueError as e:
+        raise bad_request(e.field, str(e)) from None
+    return budget
+
+
 class Validator:
     """Turns request JSON into a Parsed, tokenizing prompts; the engine's own
     check (check_request) decides whether each prompt fits."""
 
-    def __init__(self, tokenizer, max_model_len: int, check_request, encode_prompt=None):
+    def __init__(self, tokenizer, max_model_len: int, check_request, encode_prompt=None, prepare_params=None,
+                 check_prompt_size=None):
         self.tok = tokenizer
         self.max_model_len = max_model_len
         self.check_request = check_request
         # the engine's tokenizing, with its byte-length bound first (EngineCore.encode_prompt)
         self.encode_prompt = encode_prompt
+        # the engine's params preparation (bad words tokenized once, here on the worker)
+        self.prepare_params = prepare_params
+        # the engine's bound on a prompt text's bytes, before the request budget
+        self.check_prompt_size = check_prompt_size
+
+    def _engine_params(self, kw: dict, renames: dict) -> SamplingParams:
+        """SamplingParams from kw, prepared for the engine (bad words tokenized: the
+        engine takes them as they are, with no tokenizing on the event loop)."""
+        params = _make_params(kw, renames)
+        if self.prepare_params is None:
+            return params
+        try:
+            return self.prepare_params(params)
+        except (TypeError, ValueError) as e:
+            raise refused(e, renames) from None
 
     def _ids(self, param: str, ids: list) -> list:
         if not ids:
@@ -474,6 +526,7 @@ class Validator:
                 raise refused(e, {**(renames or {}), "prompt": name}) from None
 
     def completion(self, body: dict) -> Parsed:
+        charge_request_budget(body, check_prompt_size=self.check_prompt_size)
         f = Fields(body)
         model = f.str("model")
         n = f.int("n", 1, lo=1, hi=MAX_N)
@@ -529,7 +582,7 @@ class Validator:
             # the engine always samples one token; the answer leaves it out
             kw["max_tokens"] = 1
         kw, renames = _with_guided(kw, f)
-        params = _make_params(kw, renames)
+        params = self._engine_params(kw, renames)
         self._check(params, prompts, ["prompt" if len(prompts) == 1 else f"prompt[{i}]" for i in range(len(prompts))],
                     renames)
         return Parsed("completion", prompts, params, stream, include_usage, logprobs, echo, model,
@@ -558,6 +611,7 @@ class Validator:
         raise bad_request(param, f"'{param}' must be a string or an array of content parts, got {type_name(content)}")
 
     def chat(self, body: dict) -> Parsed:
+        charge_request_budget(body, check_prompt_size=self.check_prompt_size)
         f = Fields(body)
         model = f.str("model")
         n = f.int("n", 1, lo=1, hi=MAX_N)
@@ -576,7 +630,7 @@ class Validator:
             max_tokens = max(1, min(self.max_model_len - len(ids), DEFAULT_CHAT_MAX_TOKENS_CAP))
         kw, renames = _with_guided(_common_sampling(f, max_tokens, logprobs, n), f, tool)
         renames["logprobs"] = "top_logprobs"
-        params = _make_params(kw, renames)
+        params = self._engine_params(kw, renames)
         prompts = [Prompt(text, ids)]
         self._check(params, prompts, ["messages"], renames)
         return Parsed("chat", prompts, params, stream, include_usage, logprobs, False, model, tool_call=tool,
@@ -613,6 +667,7 @@ class Validator:
 
     def tokenize(self, body: dict) -> list:
         """/tokenize: the ids of body["prompt"] or of the rendered body["messages"]."""
+        charge_request_budget(body, check_prompt_size=self.check_prompt_size)
         f = Fields(body)
         f.str("model")
         if body.get("messages") is not None:

@@ -125,7 +125,8 @@ class Server:
         self.max_model_len = int(st.get("max_model_len") or engine.model_config.get("max_pos") or 2048)
         self.vocab_size = int(engine.model_config["vocab_size"])
         self.validator = Validator(self.tok, self.max_model_len, engine.check_request,
-                                   getattr(engine, "encode_prompt", None))
+                                   getattr(engine, "encode_prompt", None), getattr(engine, "prepare_params", None),
+                                   getattr(engine, "check_prompt_size", None))
         self.metrics = ServerMetrics(model_name)
         self.created = int(time.time())
         self.in_flight = 0   # HTTP generation requests being answered
@@ -185,7 +186,9 @@ class Server:
         guided, its grammar matchers built (one set per prompt): all the work that grows
         with what the client sent. Runs on a worker thread."""
         parsed = self.validator.completion(body) if kind == "completion" else self.validator.chat(body)
-        parsed.params = parsed.params.clone(output_kind="delta" if parsed.stream else "final_only")
+        # the validator's own params object, prepared for the engine: set, not cloned
+        # (a clone would drop the bad words tokenized with it)
+        parsed.params.output_kind = "delta" if parsed.stream else "final_only"
         if parsed.params.guided_decoding is not None:
             prepare = getattr(self.engine, "prepare_guided", None)
             if prepare is not None:
