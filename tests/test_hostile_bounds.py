@@ -367,3 +367,86 @@ def test_bad_words_tokenized_once_and_never_on_the_event_loop(stories_dir):
     word_calls = [c for c in calls if c[0].strip() in ("dragon", "castle", "forest")]
     assert len(word_calls) == 6, word_calls  # each word as written and with a leading space, once
     assert not any(on_loop for _, on_loop in calls), "tokenized on the event loop"
+
+
+# ------------------------------------------------- chat templates in capped worker processes
+
+_BIG = "{% set s = 'a' * 16000000 %}"
+BUILDERS = {
+    "join": "{{ range(100000) | map('string') | join('x' * 10000) }}",
+    "format": _BIG + "{{ ('%s' * 64) | format(*([s] * 64)) }}",
+    "str.format": "{{ '{:>1000000000}'.format('a') }}",
+    "plus": _BIG + "{% set a = s + s %}{% set b = a + a %}{% set c = b + b %}{% set d = c + c %}"
+                   "{% set e = d + d %}{{ (e + e) | length }}",
+    "tilde": _BIG + "{% set a = s ~ s %}{% set b = a ~ a %}{% set c = b ~ b %}{% set d = c ~ c %}"
+                    "{% set e = d ~ d %}{{ (e ~ e) | length }}",
+}
+
+
+def test_template_builders_cannot_allocate_in_the_caller(stories_dir):
+    """Each builder made a 1 GB value in one C call (the `format` one took 12 s and
+    4 GB): now the template renders in a worker whose address space is capped, the
+    caller gets a ValueError naming the memory cap, and its own memory stays put."""
+    r = run_child(f"""
+        import json, resource, time
+        from conveyor.tokenizer import load_tokenizer
+        tok = load_tokenizer({str(stories_dir / 'stories260K.bin')!r})
+        tok.chat_template = "{{{{ messages[0]['content'] }}}}"
+        assert tok.apply_chat_template([{{"role": "user", "content": "warm"}}]) == "warm"
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        out = {{}}
+        for name, src in {BUILDERS!r}.items():
+            tok.chat_template = src
+            t = time.monotonic()
+            try:
+                tok.apply_chat_template([{{"role": "user", "content": "hi"}}])
+                out[name] = "rendered"
+            except ValueError as e:
+                out[name] = str(e)
+            out[name + ".s"] = time.monotonic() - t
+        out["grown_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        print(json.dumps(out))
+    """)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    for name in BUILDERS:
+        assert "needs more memory than a template may use" in out[name], (name, out[name])
+        assert out[name + ".s"] < 5.0, (name, out[name + ".s"])
+    assert out["grown_kb"] < 64 * 1024, f"the caller grew {out['grown_kb'] // 1024} MiB"
+
+
+def test_template_pool_reuses_and_replaces_workers():
+    """Workers are reused across renders; one killed (CPU past its limit, or by anyone)
+    is replaced, and the next render works."""
+    from conveyor.template_pool import TemplatePool
+
+    pool = TemplatePool(size=1)
+    try:
+        msgs = [{"role": "user", "content": "x"}]
+        assert pool.render("{{ messages[0].content }}!", msgs, True, "", "") == "x!"
+        pid = pool._idle[0].proc.pid
+        assert pool.render("{{ messages[0].content }}?", msgs, True, "", "") == "x?"
+        assert pool._idle[0].proc.pid == pid
+        pool._idle[0].proc.kill()
+        with pytest.raises(ValueError, match="chat template failed to render"):
+            pool.render("{{ 1 }}", msgs, True, "", "")
+        assert pool.render("{{ messages[0].content }}.", msgs, True, "", "") == "x."
+        assert pool._idle[0].proc.pid != pid
+        with pytest.raises(conveyor.ModelFormatError, match="not valid Jinja"):
+            pool.render("{% if %}", msgs, True, "", "")
+    finally:
+        pool.close()
+
+
+def test_no_template_warning_given_once(stories_dir):
+    """LLM.chat on a model without a chat template warned twice per call (LLM.chat and
+    the tokenizer); now once, for the first call only."""
+    import warnings
+
+    with LLM(stories_dir / "stories260K.bin") as llm:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2), use_tqdm=False)
+        got = [w for w in caught if "chat template" in str(w.message)]
+        assert len(got) == 1, [str(w.message) for w in got]

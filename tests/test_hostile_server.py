@@ -26,10 +26,17 @@ pytestmark = pytest.mark.skipif(not MODEL.is_file(), reason=f"{MODEL} not found"
 KEY = "hostile-test-key"
 
 # A template that is fine for ordinary messages and springs a trap on a keyword: CPU
-# without output, output without end, and jinja's own OverflowError (range past its cap).
+# without output, output without end, jinja's own OverflowError (range past its cap),
+# and a gigabyte built in one C call by each builder (join, format, str.format, +, ~).
 TEMPLATE = textwrap.dedent("""\
     {%- set first = messages[0]['content'] -%}
-    {%- if first == 'spin' -%}{%- for i in range(100000) -%}{%- for j in range(100000) -%}{%- endfor -%}{%- endfor -%}
+    {%- set s = 'a' * 16000000 if first in ('format', 'plus', 'tilde') else '' -%}
+    {%- if first == 'join' -%}{{ range(100000) | map('string') | join('x' * 10000) }}
+    {%- elif first == 'format' -%}{{ ('%s' * 64) | format(*([s] * 64)) }}
+    {%- elif first == 'strformat' -%}{{ '{:>1000000000}'.format('a') }}
+    {%- elif first == 'plus' -%}{%- set a = s + s -%}{%- set b = a + a -%}{%- set c = b + b -%}{%- set d = c + c -%}{%- set e = d + d -%}{{ (e + e) | length }}
+    {%- elif first == 'tilde' -%}{%- set a = s ~ s -%}{%- set b = a ~ a -%}{%- set c = b ~ b -%}{%- set d = c ~ c -%}{%- set e = d ~ d -%}{{ (e ~ e) | length }}
+    {%- elif first == 'spin' -%}{%- for i in range(100000) -%}{%- for j in range(100000) -%}{%- endfor -%}{%- endfor -%}
     {%- elif first == 'flood' -%}{%- for i in range(100000) -%}{%- for j in range(100000) -%}xxxxxxxxxx{%- endfor -%}{%- endfor -%}
     {%- elif first == 'overflow' -%}{%- for i in range(10 ** 9) -%}{%- endfor -%}
     {%- endif -%}
@@ -101,6 +108,15 @@ HOSTILE = {
     "template-spin": (lambda c: chat(c, "spin"), lambda r: expect_400(r, "messages", "TimeoutError")),
     "template-flood": (lambda c: chat(c, "flood"), lambda r: expect_400(r, "messages", "output is over")),
     "template-overflow": (lambda c: chat(c, "overflow"), lambda r: expect_400(r, "messages", "OverflowError")),
+    # issue 39, 2: a gigabyte from one C call of each builder: the renderer's memory cap
+    **{f"template-{b}": ((lambda b: lambda c: chat(c, b))(b), lambda r: expect_400(r, "messages", "memory"))
+       for b in ("join", "format", "strformat", "plus", "tilde")},
+    # issue 39, 1: 1024 bad words of 15,000 characters: over the request budget, before
+    # tokenizing; of 2,000 characters: tokenized once, off the event loop, and served
+    "bad-words-15k-chars": (lambda c: completion(c, bad_words=[f"w{i} " + "ab " * 5000 for i in range(1024)]),
+                            lambda r: expect_400(r, "bad_words", "budget")),
+    "bad-words-2k-chars": (lambda c: completion(c, bad_words=[f"w{i} " + "ab " * 660 for i in range(1024)]),
+                           lambda r: r.status_code == 200 or pytest.fail(r.text[:300])),
     # 14: a token id past 64 bits, a list as the tool name, a lone surrogate in a regex
     "prompt-id-huge": (lambda c: completion(c, prompt=[99999999999999999999]),
                        lambda r: expect_400(r, "prompt", "outside the vocabulary")),

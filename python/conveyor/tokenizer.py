@@ -208,6 +208,9 @@ def _render_template(source: str, messages: list[dict], add_generation_prompt: b
         return call_with_deadline(CHAT_TEMPLATE_MAX_SECONDS, "rendering the chat template", render)
     except ValueError as e:  # raise_exception() in the template, or the output cap
         raise ValueError(f"chat template failed to render: {e}") from None
+    except MemoryError:  # past the renderer's memory cap (conveyor.template_pool)
+        raise ValueError("chat template failed to render: it needs more memory than a template may "
+                         "use (MemoryError)") from None
     except Exception as e:  # jinja's own errors, and OverflowError, RecursionError, TimeoutError...
         raise ValueError(f"chat template failed to render: {type(e).__name__}: {e}") from None
 
@@ -305,20 +308,25 @@ class Tokenizer:
         n = self.vocab_size if size is None else max(self.vocab_size, int(size))
         return [self.token_bytes(i) if i < self.vocab_size else b"" for i in range(n)]
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, *,
+                            warn_without_template: bool = True) -> str:
         """The conversation as the model's prompt text: its chat template rendered with
-        jinja2 (sandboxed, as HF does), or for a model without a template the built-in
-        ``"{role}: {content}\\n"`` format, with a warning the first time."""
+        jinja2 (sandboxed, as HF does, in a worker process whose memory and CPU time are
+        capped: conveyor.template_pool), or for a model without a template the built-in
+        ``"{role}: {content}\\n"`` format, with a warning the first time (unless the
+        caller gives its own: warn_without_template=False)."""
         msgs = _check_messages(messages)
         if not self.chat_template:
-            if not getattr(self, "_warned_no_template", False):
+            if warn_without_template and not getattr(self, "_warned_no_template", False):
                 self._warned_no_template = True
                 warnings.warn(f"{self!r} has no chat template; using the built-in "
                               "'role: content' format, which the model was not trained on",
                               UserWarning, stacklevel=2)
             return render_default_chat(msgs, add_generation_prompt)
-        return _render_template(self.chat_template, msgs, add_generation_prompt,
-                                self.bos_token or "", self.eos_token or "")
+        from .template_pool import render_in_pool
+
+        return render_in_pool(self.chat_template, msgs, add_generation_prompt, self.bos_token or "",
+                              self.eos_token or "")
 
     def __repr__(self) -> str:
         return (f"<{type(self).__name__} vocab_size={self.vocab_size} bos_id={self.bos_id} "

@@ -654,7 +654,9 @@ class Validator:
         if self.tok is None:
             raise bad_request("messages", "this server has no tokenizer, so chat is unavailable")
         try:
-            text = self.tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+            # the server said at start-up that there is no template: no warning per request
+            text = self.tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                                warn_without_template=False)
         except (TypeError, ValueError) as e:
             raise bad_request("messages", f"the chat template failed: {e}") from None
         except Exception as e:  # a template's own error (jinja2)
