@@ -455,10 +455,13 @@ def charge_request_budget(body: dict, budget: Optional[RequestBudget] = None,
                                           f"'prompt': {e}") from None
         budget.charge_fields(body, _BUDGET_FIELDS)
         n_prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
-        for key in ("n", "best_of"):
-            v = body.get(key)
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                budget.charge_bytes(key, n_prompts * min(v, 1 << 20) * SEQUENCE_BYTES)
+        # the sequences it runs, up to MAX_SEQUENCES (past it, or out of range, the fields'
+        # own checks answer more precisely)
+        counts = {key: v for key in ("n", "best_of") for v in [body.get(key)]
+                  if isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_N}
+        if counts:
+            key = max(counts, key=counts.get)
+            budget.charge_bytes(key, min(n_prompts * counts[key], MAX_SEQUENCES) * SEQUENCE_BYTES)
     except ValueError as e:
         raise bad_request(e.field, str(e)) from None
     return budget

@@ -112,6 +112,25 @@ def _finite(x: float) -> float:
 RETRY_AFTER_S = 1  # the Retry-After of a 503 for a full queue
 
 
+def parse_body(data: bytes) -> dict:
+    """A request body: UTF-8 JSON holding an object (a 400 naming "body" otherwise)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request("body", f"the request body is not valid UTF-8 (at byte {e.start})") from None
+
+    def no_constants(c):
+        raise ValueError(f"{c} is not valid JSON")
+
+    try:
+        body = json.loads(text, parse_constant=no_constants)
+    except (ValueError, RecursionError) as e:
+        raise bad_request("body", f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request("body", f"the request body must be a JSON object, got {type_name(body)}")
+    return body
+
+
 class Server:
     def __init__(self, engine, model_name: str, api_key: Optional[str], request_timeout: Optional[float],
                  max_body_bytes: int):
@@ -159,21 +178,8 @@ class Server:
             if len(buf) > self.max_body_bytes:
                 raise APIError(413, f"the request body is over the limit of {self.max_body_bytes} bytes",
                                code="body_too_large")
-        try:
-            text = bytes(buf).decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise bad_request("body", f"the request body is not valid UTF-8 (at byte {e.start})") from None
-
-        def no_constants(c):
-            raise ValueError(f"{c} is not valid JSON")
-
-        try:
-            body = json.loads(text, parse_constant=no_constants)
-        except (ValueError, RecursionError) as e:
-            raise bad_request("body", f"the request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise bad_request("body", f"the request body must be a JSON object, got {type_name(body)}")
-        return body
+        # decoding and parsing megabytes take the GIL for tens of milliseconds: off the loop
+        return await self.off_loop(parse_body, bytes(buf))
 
     async def off_loop(self, fn, *args):
         """fn(*args) on the engine's preparation threads (AsyncLLM.run_off_loop), so that
