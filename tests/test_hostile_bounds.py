@@ -540,3 +540,12 @@ def test_ngram_proposals_match_the_plain_scan_and_are_bounded(tmp_path):
     print(r.stdout.strip())
     ms = float(r.stdout.split("worst case ")[1].split(" ms")[0])
     assert ms < 1.0, r.stdout
+
+
+def test_grammar_that_allows_none_of_the_allowed_ids_is_refused(stories_llm):
+    """allowed_token_ids that the grammar's first mask excludes entirely: known when
+    the request is prepared, so refused then (the sampler took token 0 before)."""
+    sp = SamplingParams(allowed_token_ids=[5], guided_decoding={"choice": ["aaa"]}, max_tokens=4)
+    with pytest.raises(ValueError, match="none of allowed_token_ids is allowed by the grammar") as ei:
+        stories_llm.generate(["Once"], sp, use_tqdm=False)
+    assert ei.value.field == "allowed_token_ids"

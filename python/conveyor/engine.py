@@ -58,6 +58,17 @@ def parse_bytes(value: Any, name: str = "kv_cache_memory") -> int:
     return n
 
 
+def check_allowed_in_mask(allowed, mask: np.ndarray) -> None:
+    """A grammar whose first token may be none of allowed_token_ids: the request could
+    only end at once with finish_reason "error", so it is refused now (ValueError,
+    .field "allowed_token_ids")."""
+    ids = np.asarray([t for t in allowed if 0 <= t < 32 * len(mask)], dtype=np.int64)
+    if ids.size and ((mask[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).any():
+        return
+    raise field_error(ValueError, "allowed_token_ids", "none of allowed_token_ids is allowed by the grammar at "
+                                                       "the first token: no token could be sampled")
+
+
 # The error of a completion that ended with finish_reason "error": its constraints
 # left no token to sample (the sampler never picks one outside them).
 NO_TOKEN_ERROR = "no token satisfies the request's constraints"
@@ -466,7 +477,10 @@ class EngineCore:
 
                 self._guided = GuidedDecoder(self.tokenizer, self.vocab_size)
         n_run = max(params.n, params.best_of or 0)  # best_of: every candidate is constrained
-        return self._guided.start(params.guided_decoding, n_run)
+        matchers, mask = self._guided.start(params.guided_decoding, n_run)
+        if params.allowed_token_ids is not None:
+            check_allowed_in_mask(params.allowed_token_ids, mask)
+        return matchers, mask
 
     def _advance_guided(self, pending) -> None:
         """Each (request, completion, token): the matcher takes the token, and the
