@@ -307,8 +307,8 @@ def test_request_budget_refuses_long_bad_words_before_tokenizing(stories_llm):
     with pytest.raises(APIError) as ei:
         v.chat({"messages": [{"role": "user", "content": "x" * (3 << 20)}]})
     assert ei.value.param == "messages"
-    with pytest.raises(APIError) as ei:  # 1.1 MiB of prompts, and 1024 sequences at 1 KiB each
-        v.completion({"prompt": ["hi " * 1500] * 256, "n": 1, "best_of": 4})
+    with pytest.raises(APIError) as ei:  # 1.98 MiB of prompts, and 1024 sequences at 64 bytes each
+        v.completion({"prompt": ["hi " * 2700] * 256, "n": 1, "best_of": 4})
     assert ei.value.param == "best_of"
     sp = SamplingParams(bad_words=_bad_words(1024, 15_000), max_tokens=2)
     with pytest.raises(ValueError, match="budget") as ei:

@@ -111,12 +111,17 @@ HOSTILE = {
     # issue 39, 2: a gigabyte from one C call of each builder: the renderer's memory cap
     **{f"template-{b}": ((lambda b: lambda c: chat(c, b))(b), lambda r: expect_400(r, "messages", "memory"))
        for b in ("join", "format", "strformat", "plus", "tilde")},
-    # issue 39, 1: 1024 bad words of 15,000 characters: over the request budget, before
-    # tokenizing; of 2,000 characters: tokenized once, off the event loop, and served
+    # issue 39, 1: 1024 bad words of 15,000 characters (15 MB): a 413 before reading
+    # it; of 3,000 or 2,000: over the request budget, before tokenizing; of 100:
+    # tokenized once, off the event loop, and served
     "bad-words-15k-chars": (lambda c: completion(c, bad_words=[f"w{i} " + "ab " * 5000 for i in range(1024)]),
-                            lambda r: expect_400(r, "bad_words", "budget")),
+                            lambda r: r.status_code == 413 or pytest.fail(r.text[:300])),
+    "bad-words-3k-chars": (lambda c: completion(c, bad_words=[f"w{i} " + "ab " * 1000 for i in range(1024)]),
+                           lambda r: expect_400(r, "bad_words", "budget")),
     "bad-words-2k-chars": (lambda c: completion(c, bad_words=[f"w{i} " + "ab " * 660 for i in range(1024)]),
-                           lambda r: r.status_code == 200 or pytest.fail(r.text[:300])),
+                           lambda r: expect_400(r, "bad_words", "budget")),
+    "bad-words-100-chars": (lambda c: completion(c, bad_words=[f"w{i} " + "ab " * 33 for i in range(1024)]),
+                            lambda r: r.status_code == 200 or pytest.fail(r.text[:300])),
     # 14: a token id past 64 bits, a list as the tool name, a lone surrogate in a regex
     "prompt-id-huge": (lambda c: completion(c, prompt=[99999999999999999999]),
                        lambda r: expect_400(r, "prompt", "outside the vocabulary")),
@@ -174,7 +179,7 @@ def test_health_p99_under_hostile_mix(server):
     with ThreadPoolExecutor(6) as ex:
         futs = [ex.submit(HOSTILE[name][0], server) for _ in range(3) for name in HOSTILE]
         for f in futs:
-            assert f.result().status_code in (200, 400)
+            assert f.result().status_code in (200, 400, 413)
     out, _ = poller.communicate(timeout=120)
     lat = sorted(json.loads(out))
     assert len(lat) > 100
@@ -214,6 +219,25 @@ def test_streamed_grammar_given_up_midway_ends_with_the_error(server):
 
 
 BURNER = "import time\nend = time.monotonic() + float(__import__('sys').argv[1])\nwhile time.monotonic() < end: pass\n"
+# A control: the smallest HTTP server answering /health, in its own process, polled
+# beside the real one; when the machine is so busy that it is slow too, the timing
+# says nothing about the server.
+CONTROL_SERVER = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header("Content-Length", "2"); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *a):
+        pass
+s = http.server.HTTPServer(("127.0.0.1", 0), H)
+print(s.server_address[1], flush=True)
+s.serve_forever()
+"""
+
+
+def _percentiles(lat):
+    lat = sorted(lat)
+    return lat[len(lat) // 2], lat[int(0.99 * (len(lat) - 1))], lat[-1]
 
 
 def test_health_under_hostile_mix_with_cpu_burners(server):
@@ -230,26 +254,31 @@ def test_health_under_hostile_mix_with_cpu_burners(server):
     before = answers()
     host, port = server.url_.split("//")[1].split(":")
     seconds = 25
+    control = subprocess.Popen([sys.executable, "-c", CONTROL_SERVER], stdout=subprocess.PIPE, text=True)
     burners = [subprocess.Popen([sys.executable, "-c", BURNER, str(seconds + 5)]) for _ in range(2)]
     try:
-        poller = subprocess.Popen([sys.executable, "-c", HEALTH_POLLER, host, port, str(seconds)],
-                                  stdout=subprocess.PIPE, text=True)
+        control_port = control.stdout.readline().strip()
+        pollers = [subprocess.Popen([sys.executable, "-c", HEALTH_POLLER, h, p, str(seconds)],
+                                    stdout=subprocess.PIPE, text=True)
+                   for h, p in ((host, port), ("127.0.0.1", control_port))]
         time.sleep(0.5)
         with ThreadPoolExecutor(6) as ex:
             futs = [ex.submit(HOSTILE[name][0], server) for _ in range(3) for name in HOSTILE]
             for f in futs:
-                assert f.result().status_code in (200, 400)
-        out, _ = poller.communicate(timeout=180)
+                assert f.result().status_code in (200, 400, 413)
+        lat, control_lat = (json.loads(p.communicate(timeout=180)[0]) for p in pollers)
     finally:
-        for b in burners:
-            b.kill()
-            b.wait()
-    lat = sorted(json.loads(out))
-    assert len(lat) > 100
-    p99, worst = lat[int(0.99 * (len(lat) - 1))], lat[-1]
-    print(f"/health under the hostile mix with 2 CPU burners: {len(lat)} polls, median "
-          f"{lat[len(lat) // 2] * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms, max {worst * 1000:.1f} ms")
-    assert answers() == before
+        for proc in (*burners, control):
+            proc.kill()
+            proc.wait()
+    assert len(lat) > 100 and answers() == before
+    (median, p99, worst), (c_median, c_p99, c_worst) = _percentiles(lat), _percentiles(control_lat)
+    summary = (f"/health under the hostile mix with 2 CPU burners: {len(lat)} polls, median {median * 1000:.1f} ms, "
+               f"p99 {p99 * 1000:.1f} ms, max {worst * 1000:.1f} ms; a control server beside it: median "
+               f"{c_median * 1000:.1f} ms, p99 {c_p99 * 1000:.1f} ms, max {c_worst * 1000:.1f} ms")
+    print(summary)
     if os.environ.get("CONVEYOR_SANITIZED") == "1":
         return  # under ASan (tools/sanitize.sh) every answer is checked, not the timing
-    assert p99 <= 0.100 and worst <= 0.250, f"/health p99 {p99 * 1000:.0f} ms, max {worst * 1000:.0f} ms"
+    if c_p99 > 0.050:
+        pytest.skip(f"the machine is too busy to time the server (the control's p99 is over 50 ms): {summary}")
+    assert p99 <= 0.100 and worst <= 0.250, summary

@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _core
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from .request_budget import RequestBudget
+from .request_budget import RequestBudget, request_budget_bytes
 from .sampling_params import SamplingParams, field_error
 from .speculative import parse_speculative_config, spec_stats
 
@@ -333,6 +333,7 @@ class EngineCore:
         # tokenizer runs: tokenizing megabytes costs seconds.
         longest = max(map(len, token_bytes), default=0) if token_bytes else 0
         self.max_prompt_bytes = 2 * self.max_model_len * max(longest, 4)
+        self.request_budget_bytes = request_budget_bytes(self.max_prompt_bytes)
         self._deferred_masks: list = []  # synchronous stepping: masks the next step computes
         self._mask_worker = None  # a thread that computes them while that step runs
         self.closed = False
@@ -421,7 +422,7 @@ class EngineCore:
         preparation worker, and check_request/add_request take its result as it is."""
         if not params.bad_words or params._bad_words_token_ids is not None:
             return params
-        RequestBudget().charge("bad_words", params.bad_words)
+        RequestBudget(self.request_budget_bytes).charge("bad_words", params.bad_words)
         return params.with_bad_words_tokenized(self.tokenizer)
 
     def _engine_params(self, params: SamplingParams) -> SamplingParams:
@@ -743,6 +744,12 @@ class EngineFrontend:
         """ValueError (.field "prompt") for a prompt text too long for max_model_len
         whatever its tokenization; costs no tokenizing."""
         self._core.check_prompt_size(text)
+
+    @property
+    def request_budget_bytes(self) -> int:
+        """The byte budget of one request (conveyor.request_budget): the most prompt
+        text the context takes, and 256 KiB for every other field."""
+        return self._core.request_budget_bytes
 
     def prepare_params(self, sampling_params: SamplingParams) -> SamplingParams:
         """sampling_params as the engine reads them (bad_words tokenized once, within

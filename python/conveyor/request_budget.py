@@ -14,13 +14,22 @@ from typing import Any, Iterable
 
 from .sampling_params import field_error
 
-# The budget of one request: far above a real one (the largest prompt a 128k-token
-# context takes is ~0.5 MB of text), far below what stalls a server (tokenizing
-# 15 MB of bad words took 10 s).
+# The budget of one request to an engine: the most prompt text its context can take
+# (EngineCore.max_prompt_bytes: 2 x max_model_len x the longest token) and this much
+# for everything else, far above real bad words, stop strings, schemas and tools, far
+# below what stalls a server (tokenizing 15 MB of bad words took 10 s; turning 2 MB of
+# them into token arrays holds the GIL for tens of milliseconds).
+REQUEST_BUDGET_EXTRA_BYTES = 256 << 10
+# The budget when no engine says how much prompt it takes.
 REQUEST_BUDGET_BYTES = 2 << 20
 # What each sequence a request runs (prompts x max(n, best_of)) costs: the engine
 # copies the request's controls and keeps per-sequence state for each.
-SEQUENCE_BYTES = 1 << 10
+SEQUENCE_BYTES = 64
+
+
+def request_budget_bytes(max_prompt_bytes: int) -> int:
+    """The budget of a request to an engine whose prompts take at most max_prompt_bytes."""
+    return int(max_prompt_bytes) + REQUEST_BUDGET_EXTRA_BYTES
 _SCALAR_BYTES = 8
 
 

@@ -8,11 +8,14 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from ..request_budget import SEQUENCE_BYTES, RequestBudget
+from ..request_budget import REQUEST_BUDGET_BYTES, SEQUENCE_BYTES, RequestBudget
 from ..sampling_params import SamplingParams
 
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
-DEFAULT_MAX_BODY_BYTES = 16 << 20
+# Bodies past 4x the default request budget (request_budget.py) could only be refused
+# by it, and parsing JSON holds the GIL (~4 ms a MB, more on a busy machine): they get
+# 413 unread.
+DEFAULT_MAX_BODY_BYTES = 8 << 20
 MAX_N = 128                 # choices per prompt
 MAX_PROMPTS = 256           # prompts in one batched completions request
 MAX_SEQUENCES = 1024        # prompts x n in one request
@@ -472,7 +475,7 @@ class Validator:
     check (check_request) decides whether each prompt fits."""
 
     def __init__(self, tokenizer, max_model_len: int, check_request, encode_prompt=None, prepare_params=None,
-                 check_prompt_size=None):
+                 check_prompt_size=None, budget_bytes: int = REQUEST_BUDGET_BYTES):
         self.tok = tokenizer
         self.max_model_len = max_model_len
         self.check_request = check_request
@@ -482,6 +485,7 @@ class Validator:
         self.prepare_params = prepare_params
         # the engine's bound on a prompt text's bytes, before the request budget
         self.check_prompt_size = check_prompt_size
+        self.budget_bytes = budget_bytes
 
     def _engine_params(self, kw: dict, renames: dict) -> SamplingParams:
         """SamplingParams from kw, prepared for the engine (bad words tokenized: the
@@ -529,7 +533,7 @@ class Validator:
                 raise refused(e, {**(renames or {}), "prompt": name}) from None
 
     def completion(self, body: dict) -> Parsed:
-        charge_request_budget(body, check_prompt_size=self.check_prompt_size)
+        charge_request_budget(body, RequestBudget(self.budget_bytes), self.check_prompt_size)
         f = Fields(body)
         model = f.str("model")
         n = f.int("n", 1, lo=1, hi=MAX_N)
@@ -614,7 +618,7 @@ class Validator:
         raise bad_request(param, f"'{param}' must be a string or an array of content parts, got {type_name(content)}")
 
     def chat(self, body: dict) -> Parsed:
-        charge_request_budget(body, check_prompt_size=self.check_prompt_size)
+        charge_request_budget(body, RequestBudget(self.budget_bytes), self.check_prompt_size)
         f = Fields(body)
         model = f.str("model")
         n = f.int("n", 1, lo=1, hi=MAX_N)
@@ -672,7 +676,7 @@ class Validator:
 
     def tokenize(self, body: dict) -> list:
         """/tokenize: the ids of body["prompt"] or of the rendered body["messages"]."""
-        charge_request_budget(body, check_prompt_size=self.check_prompt_size)
+        charge_request_budget(body, RequestBudget(self.budget_bytes), self.check_prompt_size)
         f = Fields(body)
         f.str("model")
         if body.get("messages") is not None:

@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator, Optional
 from ..sampling_params import SamplingParams
 from .chunks import ChunkEncoder
 from .metrics import ServerMetrics
+from ..request_budget import REQUEST_BUDGET_BYTES
 from .protocol import (APIError, Parsed, Prompt, Validator, bad_request, check_text, dumps, refused,
                        type_name)
 
@@ -145,7 +146,8 @@ class Server:
         self.vocab_size = int(engine.model_config["vocab_size"])
         self.validator = Validator(self.tok, self.max_model_len, engine.check_request,
                                    getattr(engine, "encode_prompt", None), getattr(engine, "prepare_params", None),
-                                   getattr(engine, "check_prompt_size", None))
+                                   getattr(engine, "check_prompt_size", None),
+                                   getattr(engine, "request_budget_bytes", REQUEST_BUDGET_BYTES))
         self.metrics = ServerMetrics(model_name)
         self.created = int(time.time())
         self.in_flight = 0   # HTTP generation requests being answered
