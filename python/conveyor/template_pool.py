@@ -71,10 +71,14 @@ def _recv(fd: int, deadline: Optional[float] = None):
 
 
 def _vm_size() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
+    """This process's address space in bytes (0 where /proc does not say)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return 0
 
 
@@ -84,11 +88,13 @@ def _worker_main() -> None:
 
     rfd, wfd = sys.stdin.fileno(), sys.stdout.fileno()
     sys.stdout = sys.stderr  # nothing printed may reach the protocol pipe
-    limit = _vm_size() + TEMPLATE_MAX_MEMORY
-    hard = resource.getrlimit(resource.RLIMIT_AS)[1]  # inherited: a limit may only go down
-    if hard != resource.RLIM_INFINITY:
-        limit = min(limit, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    size = _vm_size()
+    if size:  # where the size is unknown (no /proc), the CPU limit alone applies
+        limit = size + TEMPLATE_MAX_MEMORY
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]  # inherited: a limit may only go down
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a worker killed for CPU leaves no core file
     while True:
         try:
