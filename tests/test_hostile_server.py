@@ -220,8 +220,9 @@ def test_streamed_grammar_given_up_midway_ends_with_the_error(server):
 
 BURNER = "import time\nend = time.monotonic() + float(__import__('sys').argv[1])\nwhile time.monotonic() < end: pass\n"
 # A control: the smallest HTTP server answering /health, in its own process, polled
-# beside the real one; when the machine is so busy that it is slow too, the timing
-# says nothing about the server.
+# beside the real one; when the machine is so busy that it is slow too (p99 over
+# half the server's bound, or a stall over half its max), the timing says nothing
+# about the server.
 CONTROL_SERVER = """
 import http.server, sys
 class H(http.server.BaseHTTPRequestHandler):
@@ -279,6 +280,7 @@ def test_health_under_hostile_mix_with_cpu_burners(server):
     print(summary)
     if os.environ.get("CONVEYOR_SANITIZED") == "1":
         return  # under ASan (tools/sanitize.sh) every answer is checked, not the timing
-    if c_p99 > 0.050:
-        pytest.skip(f"the machine is too busy to time the server (the control's p99 is over 50 ms): {summary}")
+    if c_p99 > 0.050 or c_worst > 0.125:
+        pytest.skip(f"the machine is too busy to time the server (a trivial server beside it took over "
+                    f"50 ms at p99, or 125 ms at most): {summary}")
     assert p99 <= 0.100 and worst <= 0.250, summary
