@@ -334,6 +334,10 @@ class EngineCore:
         longest = max(map(len, token_bytes), default=0) if token_bytes else 0
         self.max_prompt_bytes = 2 * self.max_model_len * max(longest, 4)
         self.request_budget_bytes = request_budget_bytes(self.max_prompt_bytes)
+        # Tokenizing runs Python (or holds the GIL in one call): one preparation thread at
+        # a time does it, so that the event loop competes with one GIL holder, not two,
+        # while the other thread's waits (a grammar, a template worker) go on beside it.
+        self._tokenize_lock = threading.Lock()
         self._deferred_masks: list = []  # synchronous stepping: masks the next step computes
         self._mask_worker = None  # a thread that computes them while that step runs
         self.closed = False
@@ -373,7 +377,8 @@ class EngineCore:
         """The tokenizer's ids for a prompt text, after a byte-length bound that refuses a
         text too long for max_model_len without tokenizing it (ValueError, .field=field)."""
         self.check_prompt_size(text, field)
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        with self._tokenize_lock:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def check_prompt_size(self, text: str, field: str = "prompt") -> None:
         """ValueError (.field=field) for a prompt text too long for max_model_len
@@ -423,7 +428,8 @@ class EngineCore:
         if not params.bad_words or params._bad_words_token_ids is not None:
             return params
         RequestBudget(self.request_budget_bytes).charge("bad_words", params.bad_words)
-        return params.with_bad_words_tokenized(self.tokenizer)
+        with self._tokenize_lock:
+            return params.with_bad_words_tokenized(self.tokenizer)
 
     def _engine_params(self, params: SamplingParams) -> SamplingParams:
         return self.prepare_params(params)
