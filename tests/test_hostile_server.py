@@ -108,10 +108,10 @@ HOSTILE = {
     "template-spin": (lambda c: chat(c, "spin"), lambda r: expect_400(r, "messages", "TimeoutError")),
     "template-flood": (lambda c: chat(c, "flood"), lambda r: expect_400(r, "messages", "output is over")),
     "template-overflow": (lambda c: chat(c, "overflow"), lambda r: expect_400(r, "messages", "OverflowError")),
-    # issue 39, 2: a gigabyte from one C call of each builder: the renderer's memory cap
+    # a gigabyte from one C call of each builder: the template worker's memory cap
     **{f"template-{b}": ((lambda b: lambda c: chat(c, b))(b), lambda r: expect_400(r, "messages", "memory"))
        for b in ("join", "format", "strformat", "plus", "tilde")},
-    # issue 39, 1: 1024 bad words of 15,000 characters (15 MB): a 413 before reading
+    # 1024 bad words of 15,000 characters (15 MB): a 413 before reading
     # it; of 3,000 or 2,000: over the request budget, before tokenizing; of 100:
     # tokenized once, off the event loop, and served
     "bad-words-15k-chars": (lambda c: completion(c, bad_words=[f"w{i} " + "ab " * 5000 for i in range(1024)]),
@@ -242,7 +242,7 @@ def _percentiles(lat):
 
 
 def test_health_under_hostile_mix_with_cpu_burners(server):
-    """Issue 39, 10: the machine loaded by two CPU burners beside the server while every
+    """The machine loaded by two CPU burners beside the server while every
     hostile request above arrives (three times over, six clients): /health, polled by
     another process, stays at p99 <= 100 ms and max <= 250 ms, and greedy answers are
     the same after the storm as before it."""
