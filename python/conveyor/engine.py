@@ -291,8 +291,10 @@ class EngineCore:
         # The model first: a wrong path or a broken checkpoint is the problem to report,
         # not a tokenizer that happens to be missing beside it.
         ckpt = _core.Checkpoint(args.model)
-        model_cfg = ckpt.config
-        ckpt.close()
+        try:
+            model_cfg = ckpt.config
+        finally:
+            ckpt.close()
         if args.max_model_len is None:
             check_context_fits(model_cfg)
         if not args.skip_tokenizer_init:
@@ -414,7 +416,7 @@ class EngineCore:
         context, KV cache, every sampling range), queueing nothing."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        engine_params = self._engine_params(params)
+        engine_params = self.prepare_params(params)
         with self._lock:  # close() waits: the C engine is not freed under the check
             if self.closed:
                 raise _core.EngineClosedError("the engine is closed")
@@ -430,9 +432,6 @@ class EngineCore:
         RequestBudget(self.request_budget_bytes).charge("bad_words", params.bad_words)
         with self._tokenize_lock:
             return params.with_bad_words_tokenized(self.tokenizer)
-
-    def _engine_params(self, params: SamplingParams) -> SamplingParams:
-        return self.prepare_params(params)
 
     def add_request(self, request_id: Optional[str], prompt_text, prompt_ids, params: SamplingParams,
                     priority: int = 0, consumer=None, timeout: Optional[float] = None,
