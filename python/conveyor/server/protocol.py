@@ -454,8 +454,8 @@ def charge_request_budget(body: dict, budget: Optional[RequestBudget] = None,
                     try:
                         check_prompt_size(text)
                     except ValueError as e:
-                        raise bad_request("prompt" if isinstance(prompt, str) else f"prompt[{i}]",
-                                          f"'prompt': {e}") from None
+                        param = "prompt" if isinstance(prompt, str) else f"prompt[{i}]"
+                        raise bad_request(param, f"'{param}': {e}") from None
         budget.charge_fields(body, _BUDGET_FIELDS)
         n_prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
         # the sequences it runs, up to MAX_SEQUENCES (past it, or out of range, the fields'

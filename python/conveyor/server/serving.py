@@ -12,10 +12,10 @@ import uuid
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Optional
 
+from ..request_budget import REQUEST_BUDGET_BYTES
 from ..sampling_params import SamplingParams
 from .chunks import ChunkEncoder
 from .metrics import ServerMetrics
-from ..request_budget import REQUEST_BUDGET_BYTES
 from .protocol import (APIError, Parsed, Prompt, Validator, bad_request, check_text, dumps, refused,
                        type_name)
 
