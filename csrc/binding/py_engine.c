@@ -448,6 +448,7 @@ static const char *reason_name(int r) {
     case CV_FINISH_LENGTH: return "length";
     case CV_FINISH_ABORT: return "abort";
     case CV_FINISH_TIMEOUT: return "timeout";
+    case CV_FINISH_NO_TOKEN: return "error";
     default: return NULL;
     }
 }

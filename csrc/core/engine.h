@@ -48,7 +48,8 @@ typedef struct cv_request_params {
 } cv_request_params;
 
 enum { CV_FINISH_NONE = 0, CV_FINISH_STOP = 1, CV_FINISH_LENGTH = 2, CV_FINISH_ABORT = 3,
-       CV_FINISH_TIMEOUT = 4 /* past its deadline: aborted, blocks freed */ };
+       CV_FINISH_TIMEOUT = 4 /* past its deadline: aborted, blocks freed */,
+       CV_FINISH_NO_TOKEN = 5 /* its constraints left no token to sample: an error */ };
 enum { CV_STOP_NONE = 0, CV_STOP_TOKEN = 1, CV_STOP_STRING = 2 };
 
 /* One output of one step for one sequence. */

@@ -126,6 +126,10 @@ static void sample_row(void *arg, int64_t k, int worker) {
         e->rows.token[row] = cv_sampler_sample(w->sampler, e->worker.ws.logits_host + row * e->vocab, &r->p.sp, s->tokens,
                                               r->n_prompt, s->tokens + r->n_prompt, base + i - r->n_prompt,
                                               w->banned, n_banned, &st->rng, &e->rows.info[row]);
+        if (e->rows.info[row].no_token) {
+            e->rows.take[row0] = (int32_t)-(i + 1); /* i tokens drawn, then none was left */
+            return;
+        }
         if (i == m || e->rows.token[row] != s->tokens[base + i]) break;
     }
     e->rows.take[row0] = (int32_t)(i + 1);
@@ -183,6 +187,18 @@ void cv_sample_batch(cv_engine *e, const cv_sched_output *plan, int guided) {
             continue;
         }
         if (r->first_token == 0) r->first_token = cv_now();
+        if (e->rows.take[row] < 0) {
+            /* the request's constraints left no token: keep what was drawn before, then end it */
+            e->rows.take[row] = -e->rows.take[row] - 1;
+            if (e->rows.take[row] > 0) {
+                accept_rows(e, r, idx, s, row);
+            } else {
+                s->n_tokens -= s->n_spec;
+                s->n_spec = 0;
+            }
+            cv_request_finish_completion(e, r, idx, CV_FINISH_NO_TOKEN, CV_STOP_NONE, -1, NULL);
+            continue;
+        }
         accept_rows(e, r, idx, s, row);
     }
 }

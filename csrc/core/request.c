@@ -128,7 +128,11 @@ int cv_engine_check_request(cv_engine *e, const int32_t *prompt, int64_t n_promp
             return cv_set_field_err(err, CV_ERR_INVALID, "stop_token_ids",
                                     "stop_token_ids contains %d, outside the vocabulary [0, %lld)",
                                     p->stop_token_ids[i], (long long)e->vocab);
-    return cv_logit_controls_check_vocab(&p->sp.ctl, e->vocab, err);
+    if ((rc = cv_logit_controls_check_vocab(&p->sp.ctl, e->vocab, err))) return rc;
+    int held_off = p->min_tokens > 0; /* min_tokens bans EOS (unless ignore_eos) and the stop tokens */
+    return cv_logit_controls_check_allowed(&p->sp.ctl, e->vocab, e->detok.eos_ids,
+                                           held_off && !p->ignore_eos ? e->detok.n_eos : 0, p->stop_token_ids,
+                                           held_off ? p->n_stop_token_ids : 0, err);
 }
 
 int cv_engine_add_request(cv_engine *e, int64_t request_id, const int32_t *prompt, int64_t n_prompt,

@@ -187,6 +187,29 @@ int cv_logit_controls_check_vocab(const cv_logit_controls *c, int64_t vocab, cv_
     return CV_OK;
 }
 
+int cv_logit_controls_check_allowed(const cv_logit_controls *c, int64_t vocab, const int32_t *banned_a,
+                                    int64_t n_a, const int32_t *banned_b, int64_t n_b, cv_err *err) {
+    if (!c->has_allowed || c->n_allowed < 1 || vocab < 1) return CV_OK;
+    unsigned char *banned = calloc((size_t)vocab, 1);
+    if (!banned) return cv_set_err(err, CV_ERR_NOMEM, "out of memory checking allowed_token_ids");
+    for (int64_t i = 0; i < n_a; i++)
+        if (banned_a[i] >= 0 && banned_a[i] < vocab) banned[banned_a[i]] = 1;
+    for (int64_t i = 0; i < n_b; i++)
+        if (banned_b[i] >= 0 && banned_b[i] < vocab) banned[banned_b[i]] = 1;
+    for (int32_t w = 0; w < c->n_bad_words; w++) {
+        int32_t t = c->bad_word_tokens[c->bad_word_start[w]];
+        if (c->bad_word_start[w + 1] - c->bad_word_start[w] == 1 && t >= 0 && t < vocab) banned[t] = 1;
+    }
+    int any = 0;
+    for (int32_t i = 0; i < c->n_allowed && !any; i++)
+        any = c->allowed_ids[i] >= 0 && c->allowed_ids[i] < vocab && !banned[c->allowed_ids[i]];
+    free(banned);
+    if (any) return CV_OK;
+    return cv_set_field_err(err, CV_ERR_INVALID, "allowed_token_ids",
+                            "every token in allowed_token_ids is banned at the first token (by bad_words, or "
+                            "by min_tokens holding off EOS and the stop tokens): no token could be sampled");
+}
+
 int cv_logit_controls_copy(cv_logit_controls *dst, const cv_logit_controls *src, void **block) {
     *dst = *src;
     *block = NULL;
@@ -903,6 +926,7 @@ int32_t cv_sampler_sample(cv_sampler *s, float *logits, const cv_sampling_params
     if (info) {
         info->logprob = 0.0f;
         info->n_top = 0;
+        info->no_token = 0;
     }
     sanitize(logits, V);
     const int want_lp = info && p->n_logprobs >= 0;
@@ -920,6 +944,8 @@ int32_t cv_sampler_sample(cv_sampler *s, float *logits, const cv_sampling_params
         token = draw(s, &sup, u);
     }
     if (want_lp) fill_logprobs(info, s->raw, V, token, p->n_logprobs);
+    /* only a token at -inf when every one is: nothing was left to choose */
+    if (info) info->no_token = logits[token] == -INFINITY;
     return token;
 }
 

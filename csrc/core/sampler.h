@@ -58,6 +58,8 @@ typedef struct cv_sample_info {
     int32_t n_top;
     int32_t top_ids[CV_MAX_LOGPROBS];      /* most likely tokens under the raw logits */
     float top_logprobs[CV_MAX_LOGPROBS];
+    int32_t no_token;                      /* 1: the controls, bans and mask left every token at -inf,
+                                            * so the token returned (0) is no choice at all */
 } cv_sample_info;
 
 typedef struct cv_sampler cv_sampler;
@@ -73,7 +75,8 @@ void cv_sampler_destroy(cv_sampler *s);
  * NaN logits count as -inf, +inf as FLT_MAX. A non-greedy call takes exactly
  * one cv_rng_uniform draw and inverts the CDF over the surviving tokens in
  * increasing id order, so the token depends only on the logits, params and u.
- * Every token at -inf -> token 0. Returns -1 only when s, logits or p is NULL,
+ * Every token at -inf -> token 0, with info->no_token set: callers must not
+ * take it as a sample. Returns -1 only when s, logits or p is NULL,
  * or rng is NULL for a non-greedy draw. */
 int32_t cv_sampler_sample(cv_sampler *s, float *logits, const cv_sampling_params *p,
                           const int32_t *prompt, int64_t n_prompt,
@@ -101,6 +104,12 @@ int cv_logit_controls_check(const cv_logit_controls *c, cv_err *err);
 /* Every token id of c below vocab. */
 int cv_logit_controls_check_vocab(const cv_logit_controls *c, int64_t vocab, cv_err *err);
 /* Deep copy of src's arrays into *dst (one allocation, *block, to free()). */
+/* Whether any of allowed_token_ids survives the first token's bans: a bad word of
+ * one token, or banned_a[n_a] / banned_b[n_b] (min_tokens holding off EOS and the
+ * stop tokens). None left: CV_ERR_INVALID naming "allowed_token_ids" (a request
+ * that could only ever sample a token outside its constraints). */
+int cv_logit_controls_check_allowed(const cv_logit_controls *c, int64_t vocab, const int32_t *banned_a,
+                                    int64_t n_a, const int32_t *banned_b, int64_t n_b, cv_err *err);
 int cv_logit_controls_copy(cv_logit_controls *dst, const cv_logit_controls *src, void **block);
 
 /* Logprobs of token (and the n_top most likely tokens, n_top <= CV_MAX_LOGPROBS)

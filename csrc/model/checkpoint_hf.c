@@ -17,10 +17,10 @@
 #include "safetensors.h"
 
 #define CV_MAX_LAYERS 65536
-/* JSON files are parsed whole and the parser's tree takes ~60x the text: caps far
- * above real files (config.json: a few kB; the shard index of a 671B model: ~9 MB). */
+/* JSON files are parsed whole, within json.h's caps: far above real files
+ * (config.json: a few kB; the shard index of a 671B model: ~9 MB). */
 #define CV_MAX_CONFIG_JSON_BYTES ((size_t)1 << 20)
-#define CV_MAX_INDEX_JSON_BYTES ((size_t)16 << 20)
+#define CV_MAX_INDEX_JSON_BYTES CV_JSON_MAX_BYTES
 
 /* ---- config.json ---------------------------------------------------------- */
 

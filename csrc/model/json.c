@@ -73,6 +73,8 @@ typedef struct parser {
     const char *label;
     cv_err *err;
     arena_chunk *arena;
+    size_t n_values;      /* nodes made so far, at most CV_JSON_MAX_VALUES */
+    int node_rc;          /* the error code of new_node's last failure */
     cv_json **stack;      /* children of the open containers [n_stack] */
     size_t n_stack, cap_stack;
 } parser;
@@ -117,9 +119,18 @@ static int push(parser *p, cv_json *v) {
     return 0;
 }
 
+/* A zeroed node, or NULL with the error set (out of memory, or past the value cap). */
 static cv_json *new_node(parser *p, cv_json_type t, size_t at) {
+    if (p->n_values >= CV_JSON_MAX_VALUES) {
+        p->node_rc = fail(p, at, "more than %zu values (a model file's JSON has far fewer)", CV_JSON_MAX_VALUES);
+        return NULL;
+    }
     cv_json *v = arena_alloc(&p->arena, sizeof *v);
-    if (!v) return NULL;
+    if (!v) {
+        p->node_rc = nomem(p);
+        return NULL;
+    }
+    p->n_values++;
     memset(v, 0, sizeof *v);
     v->type = t;
     v->offset = at;
@@ -284,7 +295,7 @@ static int parse_number(parser *p, cv_json **out) {
         while (i < p->len && b[i] >= '0' && b[i] <= '9') i++;
     }
     cv_json *v = new_node(p, CV_JSON_NUMBER, start);
-    if (!v) return nomem(p);
+    if (!v) return p->node_rc;
     if (integral) {
         /* exact int64 when it fits: accumulate toward the sign to reach INT64_MIN */
         int64_t acc = 0;
@@ -358,7 +369,7 @@ static int parse_container(parser *p, int depth, cv_json **out, int is_object) {
     size_t start = p->pos;
     if (depth >= CV_JSON_MAX_DEPTH) return fail(p, start, "nesting deeper than %d levels", CV_JSON_MAX_DEPTH);
     cv_json *v = new_node(p, is_object ? CV_JSON_OBJECT : CV_JSON_ARRAY, start);
-    if (!v) return nomem(p);
+    if (!v) return p->node_rc;
     char close = is_object ? '}' : ']';
     size_t base = p->n_stack;
     int rc;
@@ -417,7 +428,7 @@ static int parse_literal(parser *p, const char *word, cv_json_type t, int bval, 
     if (p->len - p->pos < n || memcmp(p->buf + p->pos, word, n) != 0)
         return fail(p, p->pos, "invalid literal (expected %s)", word);
     cv_json *v = new_node(p, t, p->pos);
-    if (!v) return nomem(p);
+    if (!v) return p->node_rc;
     v->boolean = bval;
     p->pos += n;
     *out = v;
@@ -433,7 +444,7 @@ static int parse_value(parser *p, int depth, cv_json **out) {
     case '[': return parse_container(p, depth, out, 0);
     case '"': {
         cv_json *v = new_node(p, CV_JSON_STRING, p->pos);
-        if (!v) return nomem(p);
+        if (!v) return p->node_rc;
         int rc = parse_string(p, &v->str, &v->len);
         if (rc < 0) return rc;
         *out = v;

@@ -5,7 +5,7 @@
  * cv_json_free. Strict means: UTF-8 is validated, control characters inside
  * strings, trailing commas, comments, NaN/Infinity, leading zeros and
  * duplicate object keys are errors, and nesting deeper than
- * CV_JSON_MAX_DEPTH is an error. The parser never reads outside
+ * CV_JSON_MAX_DEPTH or more than CV_JSON_MAX_VALUES values is an error. The parser never reads outside
  * buf[0 .. len-1] and does not need a terminating NUL. */
 #ifndef CV_MODEL_JSON_H
 #define CV_MODEL_JSON_H
@@ -15,6 +15,12 @@
 #include "../../base/common.h"
 
 #define CV_JSON_MAX_DEPTH 64
+/* The caps every model-file JSON is parsed under (safetensors headers, shard
+ * indexes): at most CV_JSON_MAX_BYTES of text and CV_JSON_MAX_VALUES values,
+ * so that the tree (about 100 bytes a value) stays near 100 MiB whatever the
+ * text holds. Real files are far below both. */
+#define CV_JSON_MAX_BYTES ((size_t)16 << 20)
+#define CV_JSON_MAX_VALUES ((size_t)1 << 20)
 
 typedef enum cv_json_type {
     CV_JSON_NULL = 0,

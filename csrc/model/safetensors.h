@@ -18,7 +18,7 @@
 #include "json.h"
 
 #define CV_ST_MAX_DIMS 8
-#define CV_ST_MAX_HEADER ((uint64_t)100 * 1024 * 1024)
+#define CV_ST_MAX_HEADER ((uint64_t)CV_JSON_MAX_BYTES) /* the cap of every model-file JSON */
 
 typedef struct cv_st_tensor {
     const char *name;       /* NUL-terminated, lives in the header tree [name_len] */

@@ -16,7 +16,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Optional
 
-from .engine import EngineArgs, EngineCore, EngineFrontend
+from .engine import NO_TOKEN_ERROR, EngineArgs, EngineCore, EngineFrontend
 from .models import resolve_model
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -100,10 +100,11 @@ def _shutdown(core: EngineCore, rfd: int, wfd: int, stopping: threading.Event, t
 
 def _raise_guided_error(out: RequestOutput) -> None:
     """A grammar the grammar engine gave up on midway is the request's error, not a
-    silent "abort": ValueError with .field "guided_decoding"."""
+    silent "abort": ValueError with .field "guided_decoding"; so is a completion whose
+    constraints left no token (finish_reason "error"; .field "allowed_token_ids")."""
     if out.guided_error:
         e = ValueError(out.guided_error)
-        e.field = "guided_decoding"
+        e.field = "allowed_token_ids" if out.guided_error.startswith(NO_TOKEN_ERROR) else "guided_decoding"
         raise e
 
 
@@ -237,6 +238,8 @@ class AsyncLLM(EngineFrontend):
             if isinstance(prompt, str) and prompt and self._core.tokenizer is not None:
                 prompt = {"prompt": prompt, "prompt_token_ids": await self.run_off_loop(self._core.encode_prompt,
                                                                                          prompt)}
+            if params.bad_words:
+                params = sampling_params = await self.run_off_loop(self._core.prepare_params, params)
             if params.guided_decoding is not None:
                 guided = await self.run_off_loop(self._core.prepare_guided, params)
         stream = self.add_request(prompt, sampling_params, request_id, priority=priority, timeout=timeout,

@@ -19,6 +19,7 @@ import numpy as np
 from . import _core
 from .models import with_weights_dtype
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from .request_budget import RequestBudget, request_budget_bytes
 from .sampling_params import SamplingParams, field_error
 from .speculative import parse_speculative_config, spec_stats
 
@@ -51,6 +52,42 @@ def parse_bytes(value: Any, name: str = "kv_cache_memory") -> int:
     if n <= 0:
         raise ValueError(f"{name} must be positive, got {value!r}")
     return n
+
+
+def check_allowed_in_mask(allowed, mask: np.ndarray) -> None:
+    """A grammar whose first token may be none of allowed_token_ids: the request could
+    only end at once with finish_reason "error", so it is refused now (ValueError,
+    .field "allowed_token_ids")."""
+    ids = np.asarray([t for t in allowed if 0 <= t < 32 * len(mask)], dtype=np.int64)
+    if ids.size and ((mask[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).any():
+        return
+    raise field_error(ValueError, "allowed_token_ids", "none of allowed_token_ids is allowed by the grammar at "
+                                                       "the first token: no token could be sampled")
+
+
+# The error of a completion that ended with finish_reason "error": its constraints
+# left no token to sample (the sampler never picks one outside them).
+NO_TOKEN_ERROR = "no token satisfies the request's constraints"
+MAX_MODEL_LEN = 1 << 24  # the largest max_model_len an engine takes
+
+
+def check_context_fits(model_cfg: dict) -> None:
+    """Without max_model_len the engine sizes itself for the model's whole context
+    (GGUF context_length, max_position_embeddings): one that cannot fit (its KV cache
+    for one sequence is over this machine's memory) is a ValueError naming
+    max_model_len, the fix, instead of an allocation failure deep in the engine."""
+    ctx = int(model_cfg["max_pos"])
+    kv_per_token = 2 * model_cfg["n_layers"] * model_cfg["n_kv_heads"] * model_cfg["head_dim"] * 2  # K+V, 2 bytes
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        memory = 1 << 40
+    if ctx > MAX_MODEL_LEN or ctx * kv_per_token > memory:
+        raise field_error(ValueError, "max_model_len",
+                          f"the model's context length is {ctx} tokens, which cannot fit (at most "
+                          f"{MAX_MODEL_LEN} tokens, and a KV cache of {ctx * kv_per_token} bytes for one "
+                          f"sequence against {memory} bytes of memory); pass max_model_len "
+                          f"(e.g. max_model_len=4096, --max-model-len 4096) to use less of it")
 
 
 def check_timeout(t) -> float:
@@ -229,7 +266,9 @@ class _Request:
         self.metrics = RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(prompt_ids))
         self.consumer = None  # AsyncLLM's per-request queue
         self.matchers = None  # guided decoding: one grammar matcher per completion
-        self.guided_error = None  # why the grammar engine ended a completion (it ends "abort")
+        # why the grammar engine ended a completion ("abort"), or why its constraints
+        # left no token ("error")
+        self.guided_error = None
 
 
 class EngineCore:
@@ -245,7 +284,13 @@ class EngineCore:
         strip = False
         # The model first: a wrong path or a broken checkpoint is the problem to report,
         # not a tokenizer that happens to be missing beside it.
-        _core.Checkpoint(args.model).close()
+        ckpt = _core.Checkpoint(args.model)
+        try:
+            model_cfg = ckpt.config
+        finally:
+            ckpt.close()
+        if args.max_model_len is None:
+            check_context_fits(model_cfg)
         if not args.skip_tokenizer_init:
             from .tokenizer import load_tokenizer
 
@@ -274,6 +319,11 @@ class EngineCore:
         # tokenizer runs: tokenizing megabytes costs seconds.
         longest = max(map(len, token_bytes), default=0) if token_bytes else 0
         self.max_prompt_bytes = 2 * self.max_model_len * max(longest, 4)
+        self.request_budget_bytes = request_budget_bytes(self.max_prompt_bytes)
+        # Tokenizing runs Python (or holds the GIL in one call): one preparation thread at
+        # a time does it, so that the event loop competes with one GIL holder, not two,
+        # while the other thread's waits (a grammar, a template worker) go on beside it.
+        self._tokenize_lock = threading.Lock()
         self._deferred_masks: list = []  # synchronous stepping: masks the next step computes
         self._mask_worker = None  # a thread that computes them while that step runs
         self.closed = False
@@ -300,12 +350,18 @@ class EngineCore:
     def encode_prompt(self, text: str, add_special_tokens: bool = True, field: str = "prompt") -> list:
         """The tokenizer's ids for a prompt text, after a byte-length bound that refuses a
         text too long for max_model_len without tokenizing it (ValueError, .field=field)."""
+        self.check_prompt_size(text, field)
+        with self._tokenize_lock:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def check_prompt_size(self, text: str, field: str = "prompt") -> None:
+        """ValueError (.field=field) for a prompt text too long for max_model_len
+        whatever its tokenization; costs no tokenizing."""
         n = len(text)
         if n > self.max_prompt_bytes or len(text.encode("utf-8", "surrogatepass")) > self.max_prompt_bytes:
             raise field_error(ValueError, field, f"the prompt has {n} characters, more than can fit in "
                               f"max_model_len ({self.max_model_len}) tokens of this vocabulary "
                               f"(at most {self.max_prompt_bytes} bytes)")
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _check_ids(self, ids):
         """Shape and type only: the C engine checks ids against the vocabulary."""
@@ -332,15 +388,22 @@ class EngineCore:
         context, KV cache, every sampling range), queueing nothing."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        engine_params = self._engine_params(params)
+        engine_params = self.prepare_params(params)
         with self._lock:  # close() waits: the C engine is not freed under the check
             if self.closed:
                 raise _core.EngineClosedError("the engine is closed")
             self._engine.check_request(prompt_ids, engine_params)
 
-    def _engine_params(self, params: SamplingParams) -> SamplingParams:
-        """What the C engine reads: bad_words tokenized with this engine's tokenizer."""
-        return params.with_bad_words_tokenized(self.tokenizer) if params.bad_words else params
+    def prepare_params(self, params: SamplingParams) -> SamplingParams:
+        """The params as the C engine reads them: bad_words tokenized with this engine's
+        tokenizer, once, after their bytes are charged against the request budget.
+        Work that grows with the request: servers and AsyncLLM.generate call it on a
+        preparation worker, and check_request/add_request take its result as it is."""
+        if not params.bad_words or params._bad_words_token_ids is not None:
+            return params
+        RequestBudget(self.request_budget_bytes).charge("bad_words", params.bad_words)
+        with self._tokenize_lock:
+            return params.with_bad_words_tokenized(self.tokenizer)
 
     def add_request(self, request_id: Optional[str], prompt_text, prompt_ids, params: SamplingParams,
                     priority: int = 0, consumer=None, timeout: Optional[float] = None,
@@ -354,6 +417,10 @@ class EngineCore:
         timeout_s = check_timeout(timeout)
         if guided is None:
             guided = self.prepare_guided(params)  # seconds for a hard grammar: not under the lock
+        # prepared already by a server or AsyncLLM.generate; only direct callers pay here,
+        # and never under the lock
+        engine_params = self.prepare_params(params)
+        prompt_list = list(map(int, prompt_ids))
         with self._lock:
             if self.closed:
                 raise _core.EngineClosedError("the engine is closed")
@@ -361,11 +428,10 @@ class EngineCore:
             if name in self._by_name:
                 raise ValueError(f"request_id {name!r} is already in use")
             internal = self._next_id
-            self._engine.add_request(internal, prompt_ids, self._engine_params(params), priority=priority,
+            self._engine.add_request(internal, prompt_ids, engine_params, priority=priority,
                                      timeout=timeout_s)
             self._next_id += 1
-            req = _Request(name, internal, prompt_text, list(map(int, prompt_ids)), params,
-                           time.monotonic())
+            req = _Request(name, internal, prompt_text, prompt_list, params, time.monotonic())
             req.consumer = consumer
             if guided is not None:
                 req.matchers, first_mask = guided
@@ -389,7 +455,10 @@ class EngineCore:
 
                 self._guided = GuidedDecoder(self.tokenizer, self.vocab_size)
         n_run = max(params.n, params.best_of or 0)  # best_of: every candidate is constrained
-        return self._guided.start(params.guided_decoding, n_run)
+        matchers, mask = self._guided.start(params.guided_decoding, n_run)
+        if params.allowed_token_ids is not None:
+            check_allowed_in_mask(params.allowed_token_ids, mask)
+        return matchers, mask
 
     def _advance_guided(self, pending) -> None:
         """Each (request, completion, token): the matcher takes the token, and the
@@ -521,6 +590,10 @@ class EngineCore:
                 if ev.finished:
                     st.add_text(st.decoder.decode(b"", final=True))
                     st.finish_reason = ev.finish_reason
+                    if ev.finish_reason == "error" and req.guided_error is None:
+                        req.guided_error = (f"{NO_TOKEN_ERROR} at output token {len(st.token_ids)} of completion "
+                                            f"{ev.seq_index}: allowed_token_ids, bad_words, min_tokens and the "
+                                            "grammar leave none")
                     if ev.stop_kind == _core.STOP_TOKEN:
                         st.stop_reason = ev.stop_value
                     elif ev.stop_kind == _core.STOP_STRING:
@@ -643,6 +716,23 @@ class EngineFrontend:
     @property
     def closed(self) -> bool:
         return self._core.closed
+
+    def check_prompt_size(self, text: str) -> None:
+        """ValueError (.field "prompt") for a prompt text too long for max_model_len
+        whatever its tokenization; costs no tokenizing."""
+        self._core.check_prompt_size(text)
+
+    @property
+    def request_budget_bytes(self) -> int:
+        """The byte budget of one request (conveyor.request_budget): the most prompt
+        text the context takes, and 256 KiB for every other field."""
+        return self._core.request_budget_bytes
+
+    def prepare_params(self, sampling_params: SamplingParams) -> SamplingParams:
+        """sampling_params as the engine reads them (bad_words tokenized once, within
+        the request budget): pass the result to check_request/add_request so that
+        neither tokenizes again. Grows with the request: run it off an event loop."""
+        return self._core.prepare_params(sampling_params)
 
     def check_request(self, prompt_token_ids, sampling_params: SamplingParams) -> None:
         """Raises what generate would refuse this prompt (token ids) and

@@ -96,7 +96,12 @@ class LLM(EngineFrontend):
             for p in priority:
                 check_priority(p)
         check_timeout(timeout)
-        # Everything is validated before anything is queued.
+        # Everything is validated before anything is queued; bad words are tokenized once.
+        prepared: dict = {}  # one SamplingParams given for every prompt is prepared once
+        for p in params:
+            if id(p) not in prepared:
+                prepared[id(p)] = core.prepare_params(p)
+        params = [prepared[id(p)] for p in params]
         encoded = [core.tokenize_prompt(p) for p in items]
         for (_, ids), p in zip(encoded, params):
             core.check_request(ids, p)
@@ -161,18 +166,20 @@ class LLM(EngineFrontend):
                           "'role: content' lines, which the model was not trained on; pass "
                           "chat_template=... or use generate() for a base model", UserWarning, stacklevel=2)
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = [chat_prompt(tok, conv, add_generation_prompt, self.encode_prompt) for conv in convs]
+        prompts = [chat_prompt(tok, conv, add_generation_prompt, self.encode_prompt, warn=False) for conv in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, timeout=timeout)
 
 
-def chat_prompt(tok, conv, add_generation_prompt: bool = True, encode=None) -> dict:
+def chat_prompt(tok, conv, add_generation_prompt: bool = True, encode=None, warn: bool = True) -> dict:
     """One conversation (a list of {"role", "content"} dicts) as a prompt dict, through the
     tokenizer's chat template. encode(text, add_special_tokens): the tokenizing to use (an
-    engine's encode_prompt, with its length bound); tok.encode by default."""
+    engine's encode_prompt, with its length bound); tok.encode by default. warn: the
+    tokenizer's warning for a model without a template (LLM.chat gives its own)."""
     for msg in conv:
         if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
             raise ValueError("each chat message must be a dict with 'role' and 'content'")
-    text = tok.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt)
+    text = tok.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt,
+                                   warn_without_template=warn)
     encode = encode or tok.encode
     return {"prompt": text, "prompt_token_ids": encode(text, not getattr(tok, "chat_template", None))}
 

@@ -14,6 +14,7 @@ import os
 
 from .models import BUILTIN_MODELS
 
+
 def model_name(path: str | os.PathLike) -> str:
     p = os.path.normpath(os.fspath(path))
     base = os.path.basename(p) or p

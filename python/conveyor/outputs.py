@@ -62,5 +62,7 @@ class RequestOutput:
     # with the prompt token and the k most likely tokens at each position
     prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
     # guided decoding: why the grammar engine ended a completion ("abort") midway, a
-    # grammar past its limits; AsyncLLM's streams raise it as a ValueError
+    # grammar past its limits; or why a completion's constraints (allowed_token_ids,
+    # bad_words, min_tokens, the grammar) left no token (finish_reason "error").
+    # AsyncLLM's streams raise it as a ValueError
     guided_error: Optional[str] = None

@@ -50,6 +50,10 @@ _ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2Fo
 # ---------------------------------------------------------------------------- readers
 
 
+# The C loader's cap on a safetensors header or shard index (csrc/model/json.h).
+MAX_MODEL_JSON_BYTES = 16 << 20
+
+
 def read_safetensors_file(path) -> dict[str, tuple[str, np.ndarray]]:
     """{name: (dtype, values)} of one .safetensors file; values as float32 (exact for
     F32/F16/BF16), shaped as stored."""
@@ -60,6 +64,8 @@ def read_safetensors_file(path) -> dict[str, tuple[str, np.ndarray]]:
     (n,) = struct.unpack_from("<Q", data, 0)
     if n > len(data) - 8:
         raise ModelFormatError(f"{path}: header length {n} runs past the end of the file")
+    if n > MAX_MODEL_JSON_BYTES:
+        raise ModelFormatError(f"{path}: header length {n} is over the {MAX_MODEL_JSON_BYTES}-byte limit")
     try:
         header = json.loads(data[8:8 + n].decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -95,10 +101,15 @@ def read_hf_weights(folder) -> dict[str, tuple[str, np.ndarray]]:
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
+        if index.stat().st_size > MAX_MODEL_JSON_BYTES:
+            raise ModelFormatError(f"{index}: more than the {MAX_MODEL_JSON_BYTES} bytes a shard index may have")
         with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map") or {}
+            doc = json.load(f)
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ModelFormatError(f"{index}: \"weight_map\" is missing or not an object")
         out: dict = {}
-        for fname in sorted(set(weight_map.values())):
+        for fname in sorted({_shard_name(index, v) for v in weight_map.values()}):
             out.update(read_safetensors_file(folder / fname))
         missing = set(weight_map) - set(out)
         if missing:
@@ -108,6 +119,16 @@ def read_hf_weights(folder) -> dict[str, tuple[str, np.ndarray]]:
     if not single.is_file():
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {folder}")
     return read_safetensors_file(single)
+
+
+def _shard_name(index: Path, name) -> str:
+    """A weight_map shard name: a plain file name in the index's folder, as the C
+    reader requires (no separators, no "." or "..")."""
+    if not isinstance(name, str) or not name or len(name.encode("utf-8", "surrogatepass")) > 255 or \
+            "/" in name or "\0" in name or name in (".", ".."):
+        raise ModelFormatError(f"{index}: weight_map names shard {name!r}, which is not a plain file name "
+                               "in the same directory")
+    return name
 
 
 def read_llama2c(path) -> tuple[dict, dict]:

@@ -208,6 +208,9 @@ def _render_template(source: str, messages: list[dict], add_generation_prompt: b
         return call_with_deadline(CHAT_TEMPLATE_MAX_SECONDS, "rendering the chat template", render)
     except ValueError as e:  # raise_exception() in the template, or the output cap
         raise ValueError(f"chat template failed to render: {e}") from None
+    except MemoryError:  # past the renderer's memory cap (conveyor.template_pool)
+        raise ValueError("chat template failed to render: it needs more memory than a template may "
+                         "use (MemoryError)") from None
     except Exception as e:  # jinja's own errors, and OverflowError, RecursionError, TimeoutError...
         raise ValueError(f"chat template failed to render: {type(e).__name__}: {e}") from None
 
@@ -305,20 +308,25 @@ class Tokenizer:
         n = self.vocab_size if size is None else max(self.vocab_size, int(size))
         return [self.token_bytes(i) if i < self.vocab_size else b"" for i in range(n)]
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, *,
+                            warn_without_template: bool = True) -> str:
         """The conversation as the model's prompt text: its chat template rendered with
-        jinja2 (sandboxed, as HF does), or for a model without a template the built-in
-        ``"{role}: {content}\\n"`` format, with a warning the first time."""
+        jinja2 (sandboxed, as HF does, in a worker process whose memory and CPU time are
+        capped: conveyor.template_pool), or for a model without a template the built-in
+        ``"{role}: {content}\\n"`` format, with a warning the first time (unless the
+        caller gives its own: warn_without_template=False)."""
         msgs = _check_messages(messages)
         if not self.chat_template:
-            if not getattr(self, "_warned_no_template", False):
+            if warn_without_template and not getattr(self, "_warned_no_template", False):
                 self._warned_no_template = True
                 warnings.warn(f"{self!r} has no chat template; using the built-in "
                               "'role: content' format, which the model was not trained on",
                               UserWarning, stacklevel=2)
             return render_default_chat(msgs, add_generation_prompt)
-        return _render_template(self.chat_template, msgs, add_generation_prompt,
-                                self.bos_token or "", self.eos_token or "")
+        from .template_pool import render_in_pool
+
+        return render_in_pool(self.chat_template, msgs, add_generation_prompt, self.bos_token or "",
+                              self.eos_token or "")
 
     def __repr__(self) -> str:
         return (f"<{type(self).__name__} vocab_size={self.vocab_size} bos_id={self.bos_id} "
@@ -621,17 +629,17 @@ class HFTokenizer(Tokenizer):
         self.eos_token = _token_content(cfg.get("eos_token"))
         self.bos_id = tid(cfg.get("bos_token"))
         if self.bos_id is None and isinstance(model_cfg.get("bos_token_id"), int):
-            self.bos_id = model_cfg["bos_token_id"]
-            if self.bos_token is None and self.bos_id < self.vocab_size:
+            self.bos_id = _vocab_id(model_cfg["bos_token_id"], "bos_token_id", self.vocab_size)
+            if self.bos_token is None:
                 self.bos_token = id_to_tok[self.bos_id]
         eos: list[int] = []
         for value in (tid(cfg.get("eos_token")), gen_cfg.get("eos_token_id"), model_cfg.get("eos_token_id")):
             for v in value if isinstance(value, list) else [value]:
                 if isinstance(v, int) and not isinstance(v, bool) and v not in eos:
-                    eos.append(v)
+                    eos.append(_vocab_id(v, "eos_token_id", self.vocab_size))
         self.eos_ids = eos
         self.eos_id = eos[0] if eos else None
-        if self.eos_token is None and self.eos_id is not None and self.eos_id < self.vocab_size:
+        if self.eos_token is None and self.eos_id is not None:
             self.eos_token = id_to_tok[self.eos_id]
         for i in (self.bos_id, *eos):
             if i is not None:
@@ -713,6 +721,14 @@ class HFTokenizer(Tokenizer):
 # stay importable from here.
 _GGUF_NAMES = ("GGUFTokenizer", "GGUF_PRE_TOKENIZERS", "GGUF_METADATA_ARRAY_LIMIT", "MERGE_MAX_TOKEN_CHARS",
                "MAX_MERGES")
+
+
+def _vocab_id(value: int, field: str, vocab_size: int) -> int:
+    """``value`` when it is a token id of the vocabulary, else a ModelFormatError naming ``field``."""
+    if not 0 <= value < vocab_size:
+        raise ModelFormatError(f"tokenizer: {field} = {value} is not a token id below the vocabulary size "
+                               f"{vocab_size}")
+    return value
 
 
 def __getattr__(name: str):

@@ -8,10 +8,14 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from ..request_budget import REQUEST_BUDGET_BYTES, SEQUENCE_BYTES, RequestBudget
 from ..sampling_params import SamplingParams
 
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
-DEFAULT_MAX_BODY_BYTES = 16 << 20
+# Bodies past 4x the default request budget (request_budget.py) could only be refused
+# by it, and parsing JSON holds the GIL (~4 ms a MB, more on a busy machine): they get
+# 413 unread.
+DEFAULT_MAX_BODY_BYTES = 8 << 20
 MAX_N = 128                 # choices per prompt
 MAX_PROMPTS = 256           # prompts in one batched completions request
 MAX_SEQUENCES = 1024        # prompts x n in one request
@@ -479,17 +483,72 @@ def _stream_flags(f: Fields) -> tuple[bool, bool]:
     return stream, include_usage
 
 
+# The fields charged against a request's byte budget, in this order (the one that goes
+# over is named): what the client sends for the engine to tokenize, compile or copy.
+_BUDGET_FIELDS = ("prompt", "messages", "tools", "tool_choice", "bad_words", "stop", "stop_token_ids",
+                  "logit_bias", "allowed_token_ids", *_GUIDED_FIELDS, "response_format")
+
+
+def charge_request_budget(body: dict, budget: Optional[RequestBudget] = None,
+                          check_prompt_size=None) -> RequestBudget:
+    """Charges every field of a request body that costs work by its size, and its
+    sequences (prompts x max(n, best_of)), against one budget, before anything is
+    tokenized or compiled: a 400 naming the field that goes over. A text prompt too
+    long for the engine's context (check_prompt_size) is said so first."""
+    budget = budget or RequestBudget()
+    try:
+        prompt = body.get("prompt")
+        if check_prompt_size is not None:
+            texts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else []
+            for i, text in enumerate(texts):
+                if isinstance(text, str):
+                    try:
+                        check_prompt_size(text)
+                    except ValueError as e:
+                        param = "prompt" if isinstance(prompt, str) else f"prompt[{i}]"
+                        raise bad_request(param, f"'{param}': {e}") from None
+        budget.charge_fields(body, _BUDGET_FIELDS)
+        n_prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+        # the sequences it runs, up to MAX_SEQUENCES (past it, or out of range, the fields'
+        # own checks answer more precisely)
+        counts = {key: v for key in ("n", "best_of") for v in [body.get(key)]
+                  if isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_N}
+        if counts:
+            key = max(counts, key=counts.get)
+            budget.charge_bytes(key, min(n_prompts * counts[key], MAX_SEQUENCES) * SEQUENCE_BYTES)
+    except ValueError as e:
+        raise bad_request(e.field, str(e)) from None
+    return budget
+
+
 class Validator:
     """Turns request JSON into a Parsed, tokenizing prompts; the engine's own
     check (check_request) decides whether each prompt fits."""
 
-    def __init__(self, tokenizer, max_model_len: int, check_request, encode_prompt=None):
+    def __init__(self, tokenizer, max_model_len: int, check_request, encode_prompt=None, prepare_params=None,
+                 check_prompt_size=None, budget_bytes: int = REQUEST_BUDGET_BYTES):
         self.tok = tokenizer
         self.max_model_len = max_model_len
         self.check_request = check_request
         # the engine's tokenizing, with its byte-length bound first (EngineCore.encode_prompt)
         self.encode_prompt = encode_prompt
         self.tool_parser = None  # reads tool_choice "auto" answers (conveyor.server.tool_parsers)
+        # the engine's params preparation (bad words tokenized once, here on the worker)
+        self.prepare_params = prepare_params
+        # the engine's bound on a prompt text's bytes, before the request budget
+        self.check_prompt_size = check_prompt_size
+        self.budget_bytes = budget_bytes
+
+    def _engine_params(self, kw: dict, renames: dict) -> SamplingParams:
+        """SamplingParams from kw, prepared for the engine (bad words tokenized: the
+        engine takes them as they are, with no tokenizing on the event loop)."""
+        params = _make_params(kw, renames)
+        if self.prepare_params is None:
+            return params
+        try:
+            return self.prepare_params(params)
+        except (TypeError, ValueError) as e:
+            raise refused(e, renames) from None
 
     def _ids(self, param: str, ids: list) -> list:
         if not ids:
@@ -526,6 +585,7 @@ class Validator:
                 raise refused(e, {**(renames or {}), "prompt": name}) from None
 
     def completion(self, body: dict) -> Parsed:
+        charge_request_budget(body, RequestBudget(self.budget_bytes), self.check_prompt_size)
         f = Fields(body)
         model = f.str("model")
         n = f.int("n", 1, lo=1, hi=MAX_N)
@@ -581,7 +641,7 @@ class Validator:
             # the engine always samples one token; the answer leaves it out
             kw["max_tokens"] = 1
         kw, renames = _with_guided(kw, f)
-        params = _make_params(kw, renames)
+        params = self._engine_params(kw, renames)
         self._check(params, prompts, ["prompt" if len(prompts) == 1 else f"prompt[{i}]" for i in range(len(prompts))],
                     renames)
         return Parsed("completion", prompts, params, stream, include_usage, logprobs, echo, model,
@@ -610,6 +670,7 @@ class Validator:
         raise bad_request(param, f"'{param}' must be a string or an array of content parts, got {type_name(content)}")
 
     def chat(self, body: dict) -> Parsed:
+        charge_request_budget(body, RequestBudget(self.budget_bytes), self.check_prompt_size)
         f = Fields(body)
         model = f.str("model")
         n = f.int("n", 1, lo=1, hi=MAX_N)
@@ -633,7 +694,7 @@ class Validator:
             sampling["skip_special_tokens"] = False  # call markers may be special tokens ([TOOL_CALLS])
         kw, renames = _with_guided(sampling, f, tool)
         renames["logprobs"] = "top_logprobs"
-        params = _make_params(kw, renames)
+        params = self._engine_params(kw, renames)
         prompts = [Prompt(text, ids)]
         self._check(params, prompts, ["messages"], renames)
         return Parsed("chat", prompts, params, stream, include_usage, logprobs, False, model, tool_call=tool,
@@ -665,7 +726,9 @@ class Validator:
         if self.tok is None:
             raise bad_request("messages", "this server has no tokenizer, so chat is unavailable")
         try:
-            text = self.tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+            # the server said at start-up that there is no template: no warning per request
+            text = self.tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                                warn_without_template=False)
         except (TypeError, ValueError) as e:
             raise bad_request("messages", f"the chat template failed: {e}") from None
         except Exception as e:  # a template's own error (jinja2)
@@ -678,6 +741,7 @@ class Validator:
 
     def tokenize(self, body: dict) -> list:
         """/tokenize: the ids of body["prompt"] or of the rendered body["messages"]."""
+        charge_request_budget(body, RequestBudget(self.budget_bytes), self.check_prompt_size)
         f = Fields(body)
         f.str("model")
         if body.get("messages") is not None:

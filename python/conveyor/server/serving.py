@@ -12,6 +12,7 @@ import uuid
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Optional
 
+from ..request_budget import REQUEST_BUDGET_BYTES
 from ..sampling_params import SamplingParams
 from .body_fields import IGNORED_FIELDS_HEADER, header_value, unknown_fields
 from .chunks import ChunkEncoder
@@ -126,6 +127,25 @@ def _finite(x: float) -> float:
 RETRY_AFTER_S = 1  # the Retry-After of a 503 for a full queue
 
 
+def parse_body(data: bytes) -> dict:
+    """A request body: UTF-8 JSON holding an object (a 400 naming "body" otherwise)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request("body", f"the request body is not valid UTF-8 (at byte {e.start})") from None
+
+    def no_constants(c):
+        raise ValueError(f"{c} is not valid JSON")
+
+    try:
+        body = json.loads(text, parse_constant=no_constants)
+    except (ValueError, RecursionError) as e:
+        raise bad_request("body", f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request("body", f"the request body must be a JSON object, got {type_name(body)}")
+    return body
+
+
 class Server:
     def __init__(self, engine, model_names: list, api_key: Optional[str], request_timeout: Optional[float],
                  max_body_bytes: int):
@@ -140,7 +160,9 @@ class Server:
         self.max_model_len = int(st.get("max_model_len") or engine.model_config.get("max_pos") or 2048)
         self.vocab_size = int(engine.model_config["vocab_size"])
         self.validator = Validator(self.tok, self.max_model_len, engine.check_request,
-                                   getattr(engine, "encode_prompt", None))
+                                   getattr(engine, "encode_prompt", None), getattr(engine, "prepare_params", None),
+                                   getattr(engine, "check_prompt_size", None),
+                                   getattr(engine, "request_budget_bytes", REQUEST_BUDGET_BYTES))
         self.metrics = ServerMetrics(self.model_name)
         self.created = int(time.time())
         self.in_flight = 0   # HTTP generation requests being answered
@@ -173,21 +195,8 @@ class Server:
             if len(buf) > self.max_body_bytes:
                 raise APIError(413, f"the request body is over the limit of {self.max_body_bytes} bytes",
                                code="body_too_large")
-        try:
-            text = bytes(buf).decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise bad_request("body", f"the request body is not valid UTF-8 (at byte {e.start})") from None
-
-        def no_constants(c):
-            raise ValueError(f"{c} is not valid JSON")
-
-        try:
-            body = json.loads(text, parse_constant=no_constants)
-        except (ValueError, RecursionError) as e:
-            raise bad_request("body", f"the request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise bad_request("body", f"the request body must be a JSON object, got {type_name(body)}")
-        return body
+        # decoding and parsing megabytes take the GIL for tens of milliseconds: off the loop
+        return await self.off_loop(parse_body, bytes(buf))
 
     async def off_loop(self, fn, *args):
         """fn(*args) on the engine's preparation threads (AsyncLLM.run_off_loop), so that
@@ -200,7 +209,9 @@ class Server:
         guided, its grammar matchers built (one set per prompt): all the work that grows
         with what the client sent. Runs on a worker thread."""
         parsed = self.validator.completion(body) if kind == "completion" else self.validator.chat(body)
-        parsed.params = parsed.params.clone(output_kind="delta" if parsed.stream else "final_only")
+        # the validator's own params object, prepared for the engine: set, not cloned
+        # (a clone would drop the bad words tokenized with it)
+        parsed.params.output_kind = "delta" if parsed.stream else "final_only"
         if parsed.params.guided_decoding is not None:
             prepare = getattr(self.engine, "prepare_guided", None)
             if prepare is not None:
