@@ -250,3 +250,17 @@ def test_conveyor_cli_lists_bench_bound():
 
     assert "bound" in BENCHMARKS
     assert os.path.isfile(bound.__file__)
+
+
+def test_throughput_and_study_print_the_fraction_of_the_bound(capsys):
+    from conveyor.bench import study, throughput
+
+    throughput.main(["--model", str(STORIES), "--num-requests", "4", "--input-len", "8", "--output-len", "8",
+                     "--num-threads", "1", "--bound"])
+    out = capsys.readouterr().out
+    assert re.search(r"this workload: bound .* -> [0-9.]+ of the bound", out)
+    study.main(["--quick", "--systems", "conveyor_continuous", "--caps", "4,8", "--num-threads", "1", "--bound"])
+    out = capsys.readouterr().out
+    for cap in (4, 8):
+        assert f"cap {cap}: bound" in out
+    assert len(re.findall(r"conveyor_continuous +measured .* -> [0-9.]+ of the bound", out)) == 2

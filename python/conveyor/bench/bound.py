@@ -311,6 +311,29 @@ def ratio_line(label: str, bound: Dict[str, Any], wall_s: Optional[float], promp
     return text
 
 
+def add_study_bounds(r: Dict[str, Any], threads: Optional[int] = None) -> None:
+    """`bench study --bound`: the bound of each cap's workload (drawn again from the same
+    seed), measured on this machine now, printed beside every system's wall time as the
+    fraction reached, and stored in each row of ``r`` under "bound"."""
+    from .. import LLM
+
+    k, m = r["knobs"], r["model"]
+    machine = measure_machine(threads or r.get("threads") or 0)
+    engine = dict(dtype=m["dtype"], kv_cache_dtype=m["dtype"], block_size=k["block_size"],
+                  num_threads=threads or r.get("threads"), kv_cache_memory="16MiB", enable_prefix_caching=False)
+    with LLM(m["path"], max_num_seqs=256, skip_tokenizer_init=True, **engine) as llm:
+        for row in r["rows"]:
+            wl = study_output_lens(vocab_size=m["vocab_size"], num_requests=k["num_requests"],
+                                   prompt_len=k["prompt_len"], mean_output=k["mean_output"], cap=row["cap"],
+                                   seed=k["seed"])
+            b = engine_bound(llm, [len(p) for p in wl.prompts], wl.output_lens, machine, max_seqs=256)
+            row["bound"] = b
+            print(ratio_line(f"cap {row['cap']}", b, None))
+            for s, res in row["systems"].items():
+                row["systems"][s]["fraction_of_bound"] = b["seconds"] / res["wall_s"]
+                print(f"  {s:<20} measured {_seconds(res['wall_s'])} -> {b['seconds'] / res['wall_s']:.2f} of the bound")
+
+
 # ----------------------------------------------------------------------------- the command
 
 
