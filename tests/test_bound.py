@@ -59,8 +59,8 @@ def test_a_matrix_whose_rows_do_not_split_into_blocks_stays_float():
 
 def test_bound_of_steps_by_hand():
     c = tiny_cost()
-    steps = [bound.Step(tokens=3, samples=2, attended=10, kv_tokens=7, running=2),
-             bound.Step(tokens=1000, samples=1, attended=0, kv_tokens=0, running=1)]
+    steps = [bound.Step(tokens=3, samples=2, attended=10, kv_tokens=7, running=2, attended_local=10, kv_local=7),
+             bound.Step(tokens=1000, samples=1, attended=0, kv_tokens=0, running=1, attended_local=0, kv_local=0)]
     # peak 1 GOP/s, 1 GB/s: both steps cost their FLOPs (117248 ns against 22208 ns of bytes)
     b = bound.bound_seconds(steps, c, peak_gops=1.0, read_gbs=1.0)
     f0, f1 = 117248.0, 2 * 18432 * 1000 + 2 * 1024
@@ -87,12 +87,16 @@ def test_steps_of_a_small_workload_by_hand():
     steps = bound.ideal_steps([4, 4, 4], [1, 3, 2], budget=8, max_seqs=256)
     assert steps == [
         # prompts 0 and 1 whole (0 leaves with its one token); keys 1+2+3+4 each
-        bound.Step(tokens=8, samples=2, attended=20, kv_tokens=8, running=2),
+        bound.Step(tokens=8, samples=2, attended=20, kv_tokens=8, running=2, attended_local=20, kv_local=8),
         # 1 decodes (5 keys), prompt 2 whole
-        bound.Step(tokens=5, samples=2, attended=5 + 10, kv_tokens=5 + 4, running=2),
+        bound.Step(tokens=5, samples=2, attended=5 + 10, kv_tokens=5 + 4, running=2, attended_local=15, kv_local=9),
         # 1 (6 keys) and 2 (5 keys) decode; both leave
-        bound.Step(tokens=2, samples=2, attended=11, kv_tokens=11, running=2),
+        bound.Step(tokens=2, samples=2, attended=11, kv_tokens=11, running=2, attended_local=11, kv_local=11),
     ]
+    # a window of 3 keys: the queries at positions 3, 4, 5 see 3 keys, not 4, 5, 6
+    win = bound.ideal_steps([4, 4, 4], [1, 3, 2], budget=8, max_seqs=256, window=3)
+    assert [(s.attended, s.kv_tokens) for s in win] == [(s.attended, s.kv_tokens) for s in steps]
+    assert [(s.attended_local, s.kv_local) for s in win] == [(2 * (1 + 2 + 3 + 3), 8), (3 + 9, 3 + 4), (6, 6)]
 
 
 def test_a_long_prompt_is_chunked_and_max_seqs_limits_admission():
@@ -125,22 +129,45 @@ def simulate(prompt_lens, output_lens, budget):
     return out
 
 
-@pytest.mark.parametrize("budget", [2048, 200, 37])
-def test_study_steps_match_a_token_by_token_simulation(budget):
+@pytest.mark.parametrize("budget,window", [(2048, None), (200, None), (37, None), (200, 30), (37, 7)])
+def test_study_steps_match_a_token_by_token_simulation(budget, window):
     wl = make_study_workload(vocab_size=100, num_requests=12, prompt_len=24, mean_output=10, cap=40, seed=3)
     prompts = [24] * 12
-    got = bound.ideal_steps(prompts, wl.output_lens, budget=budget, max_seqs=256)
+    got = bound.ideal_steps(prompts, wl.output_lens, budget=budget, max_seqs=256, window=window)
     ref = simulate(prompts, wl.output_lens, budget)
+    w = window or 10**9
     assert len(got) == len(ref)
     for g, r in zip(got, ref):
         seqs = {i for i, _, _ in r}
+        first = {i: min(p for j, p, _ in r if j == i) for i in seqs}
         last = {i: max(p for j, p, _ in r if j == i) for i in seqs}
         assert g.tokens == len(r)
         assert g.samples == sum(s for _, _, s in r)
         assert g.attended == sum(p + 1 for _, p, _ in r)
         assert g.kv_tokens == sum(last[i] + 1 for i in seqs)
+        assert g.attended_local == sum(min(p + 1, w) for _, p, _ in r)
+        assert g.kv_local == sum(last[i] + 1 - max(0, first[i] - w + 1) for i in seqs)
         assert g.running == len(seqs)
     assert sum(s.samples for s in got) == sum(wl.output_lens)
+
+
+def test_keys_seen_against_counting():
+    for start in range(0, 12):
+        for n in range(1, 9):
+            for window in (None, 1, 3, 8, 30):
+                w = window or 10**9
+                attended = sum(min(p + 1, w) for p in range(start, start + n))
+                read = len({k for p in range(start, start + n) for k in range(max(0, p - w + 1), p + 1)})
+                assert bound.keys_seen(start, n, window) == (attended, read), (start, n, window)
+
+
+def test_local_layers_read_only_their_window():
+    c = tiny_cost()
+    assert c.local_layers == 0
+    w = tiny_cost(sliding_window=8, sliding_window_period=2)  # layer 0 local, layer 1 global
+    assert w.local_layers == 1 and w.n_layers == 2
+    assert w.step_bytes(100, 8) == 21312 + 128 * (100 + 8) / 2
+    assert w.step_flops(1, 1, 100, 8) == c.step_flops(1, 1, (100 + 8) / 2)
 
 
 def test_bad_workloads_are_errors():
@@ -206,6 +233,17 @@ def test_weight_bytes_equal_what_the_engine_stores_quantized(quantization):
 def test_weight_bytes_of_float_models_near_what_the_engine_stores():
     ours, engine = engine_weight_bytes(STORIES)
     assert 0.9 * engine < ours <= engine  # the float panels pad odd sizes a little
+
+
+GEMMA3 = Path.home() / ".cache/conveyor/gemma-3-270m-q4_k_m.gguf"
+
+
+@pytest.mark.skipif(not GEMMA3.is_file(), reason="Gemma 3 270M GGUF not downloaded")
+def test_gemma3_has_15_local_layers_of_512():
+    cfg = dict(core.Checkpoint(str(GEMMA3)).config)
+    assert (cfg["sliding_window"], cfg["sliding_window_period"]) == (512, 6)
+    cfg.update(matrix_dtype="q8_0", embed_bytes=1, weight_bytes=1)
+    assert bound.model_cost(cfg, 0).local_layers == 15  # every 6th of 18 attends to all
 
 
 @pytest.mark.skipif(not SMOLLM2.is_file(), reason="SmolLM2 Q4_1 GGUF not downloaded")

@@ -13,6 +13,7 @@ costs at least max(FLOPs / peak, bytes / bandwidth):
 - bytes: the matrices once (the layers' and the LM head, as the engine stores them; the
   embedding table's few rows not counted) plus the keys and values of every sequence in the
   step, its whole context, at the KV cache's bytes per token;
+- a sliding-window layer (Gemma 3's local ones) attends to and reads only its window;
 - peak: the measured peak of the instruction the model's GEMMs run on (int8 dot products
   for quantized matrices, vdpbf16ps for bf16 where the CPU has it, else fp32 FMAs); the
   bandwidth: the measured read bandwidth of one large array. Both are measured in the
@@ -60,13 +61,21 @@ class ModelCost:
     weight_bytes: float        # bytes a step reads of the weights (matrices, LM head, norms)
     kv_bytes_per_token: int    # keys and values of one token over all layers
     attn_flops_per_key: int    # 4 x layers x query heads x head dim
+    n_layers: int = 1
+    local_layers: int = 0      # sliding-window layers: they attend to the window only
 
-    def step_flops(self, tokens: int, samples: int, attended: int) -> float:
+    def _split(self, full: int, local: int) -> float:
+        """A per-layer count summed over the layers: the full ones see ``full``, the local ones ``local``."""
+        return ((self.n_layers - self.local_layers) * full + self.local_layers * local) / self.n_layers
+
+    def step_flops(self, tokens: int, samples: int, attended: int, attended_local: Optional[int] = None) -> float:
+        keys = self._split(attended, attended if attended_local is None else attended_local)
         return 2.0 * self.layer_weights * tokens + 2.0 * self.lm_head_weights * samples \
-            + float(self.attn_flops_per_key) * attended
+            + float(self.attn_flops_per_key) * keys
 
-    def step_bytes(self, kv_tokens: int) -> float:
-        return self.weight_bytes + float(self.kv_bytes_per_token) * kv_tokens
+    def step_bytes(self, kv_tokens: int, kv_local: Optional[int] = None) -> float:
+        kv = self._split(kv_tokens, kv_tokens if kv_local is None else kv_local)
+        return self.weight_bytes + float(self.kv_bytes_per_token) * kv
 
 
 def matrix_shapes(cfg: Dict[str, Any]) -> List[tuple]:
@@ -117,7 +126,9 @@ def model_cost(cfg: Dict[str, Any], kv_bytes_per_token: int) -> ModelCost:
         head_bytes = head * lm_head_bytes_per_weight(cfg)
         weight_bytes = n_layers * per_layer + head_bytes + 4.0 * dim * (2 * n_layers + 1)
     attn = 4 * n_layers * int(cfg["n_heads"]) * int(cfg["head_dim"])
-    return ModelCost(layers, head, weight_bytes, int(kv_bytes_per_token), attn)
+    window, period = int(cfg.get("sliding_window") or 0), int(cfg.get("sliding_window_period") or 0)
+    local = sum((l + 1) % period != 0 for l in range(n_layers)) if window > 0 and period > 0 else 0
+    return ModelCost(layers, head, weight_bytes, int(kv_bytes_per_token), attn, n_layers, local)
 
 
 def peak_kind(matrix_dtype: str, bf16_dot_native: bool = True) -> str:
@@ -134,16 +145,30 @@ def peak_kind(matrix_dtype: str, bf16_dot_native: bool = True) -> str:
 
 @dataclass(frozen=True)
 class Step:
-    tokens: int      # tokens computed (decodes and prompt chunks)
-    samples: int     # sequences that sample a token (decodes and prompts completed)
-    attended: int    # keys attended, summed over the tokens computed
-    kv_tokens: int   # tokens of KV read: every sequence in the step, its whole context
-    running: int     # sequences in the step
+    tokens: int          # tokens computed (decodes and prompt chunks)
+    samples: int         # sequences that sample a token (decodes and prompts completed)
+    attended: int        # keys attended, summed over the tokens computed
+    kv_tokens: int       # tokens of KV read: every sequence in the step, its whole context
+    running: int         # sequences in the step
+    attended_local: int  # the same two in a sliding-window layer (equal without a window)
+    kv_local: int
+
+
+def keys_seen(start: int, n: int, window: Optional[int] = None) -> tuple:
+    """Positions start .. start+n-1 of one sequence computed in one step: (keys attended,
+    summed over the n queries; distinct keys read), where a query at position p sees keys
+    0..p, or only the last ``window`` of them."""
+    lo, hi = start + 1, start + n  # keys seen by the first and the last query
+    if window is None or hi <= window:
+        return (lo + hi) * n // 2, hi
+    attended = n * window if lo > window else (lo + window) * (window - lo + 1) // 2 + (hi - window) * window
+    return attended, min(hi, n + window - 1)
 
 
 def ideal_steps(prompt_lens: Sequence[int], output_lens: Sequence[int], *, budget: int,
-                max_seqs: int) -> List[Step]:
-    """The steps an ideal engine runs for requests all submitted at once (module doc)."""
+                max_seqs: int, window: Optional[int] = None) -> List[Step]:
+    """The steps an ideal engine runs for requests all submitted at once (module doc);
+    ``window``: the sliding window of a model's local layers."""
     if len(prompt_lens) != len(output_lens):
         raise ValueError(f"{len(prompt_lens)} prompt lengths against {len(output_lens)} output lengths")
     if budget < 1 or max_seqs < 1:
@@ -158,12 +183,19 @@ def ideal_steps(prompt_lens: Sequence[int], output_lens: Sequence[int], *, budge
     steps: List[Step] = []
     while waiting or running:
         left = budget
-        tokens = samples = attended = kv = 0
+        tokens = samples = attended = kv = attended_local = kv_local = 0
         in_step = set()
+
+        def compute(start: int, n: int) -> None:
+            nonlocal attended, kv, attended_local, kv_local
+            a, k = keys_seen(start, n)
+            al, kl = keys_seen(start, n, window)
+            attended, kv, attended_local, kv_local = attended + a, kv + k, attended_local + al, kv_local + kl
+
         for i in running:  # decodes first
             if done[i] == prompt[i] and left > 0:
-                ctx = prompt[i] + made[i]  # the last sampled token joins the cache
-                tokens, samples, attended, kv, left = tokens + 1, samples + 1, attended + ctx, kv + ctx, left - 1
+                compute(prompt[i] + made[i] - 1, 1)  # the last sampled token joins the cache
+                tokens, samples, left = tokens + 1, samples + 1, left - 1
                 made[i] += 1
                 in_step.add(i)
         while left > 0:  # then prompt chunks: the running ones, then admitted requests
@@ -173,16 +205,15 @@ def ideal_steps(prompt_lens: Sequence[int], output_lens: Sequence[int], *, budge
                     break
                 i = waiting.popleft()
                 running.append(i)
-            c, start = min(left, prompt[i] - done[i]), done[i]
+            c = min(left, prompt[i] - done[i])
+            compute(done[i], c)
             tokens, left = tokens + c, left - c
-            attended += c * start + c * (c + 1) // 2
-            kv += start + c
             done[i] += c
             if done[i] == prompt[i]:
                 samples += 1
                 made[i] = 1
             in_step.add(i)
-        steps.append(Step(tokens, samples, attended, kv, len(in_step)))
+        steps.append(Step(tokens, samples, attended, kv, len(in_step), attended_local, kv_local))
         running = [i for i in running if made[i] < out[i]]
     return steps
 
@@ -195,7 +226,8 @@ def bound_seconds(steps: Sequence[Step], cost: ModelCost, peak_gops: float, read
     total = mem_s = flops = nbytes = 0.0
     mem_steps = 0
     for s in steps:
-        f, b = cost.step_flops(s.tokens, s.samples, s.attended), cost.step_bytes(s.kv_tokens)
+        f = cost.step_flops(s.tokens, s.samples, s.attended, s.attended_local)
+        b = cost.step_bytes(s.kv_tokens, s.kv_local)
         tc, tm = f / (peak_gops * 1e9), b / (read_gbs * 1e9)
         total += max(tc, tm)
         flops += f
@@ -274,7 +306,8 @@ def workload_bound(cfg: Dict[str, Any], kv_bytes_per_token: int, prompt_lens, ou
     bf16_native = "widened" not in machine["peaks"]["bf16_dot"]["instruction"] and activation_dtype != "float32"
     kind = peak_kind(cfg["matrix_dtype"], bf16_native)
     cost = model_cost(cfg, kv_bytes_per_token)
-    steps = ideal_steps(prompt_lens, output_lens, budget=budget, max_seqs=max_seqs)
+    steps = ideal_steps(prompt_lens, output_lens, budget=budget, max_seqs=max_seqs,
+                        window=int(cfg["sliding_window"]) if cost.local_layers else None)
     peak = machine["peaks"][kind]["all_gops"]
     b = bound_seconds(steps, cost, peak, machine["read_gbs"])
     b.update(peak_kind=kind, peak_gops=peak, read_gbs=machine["read_gbs"], weight_bytes=cost.weight_bytes,
@@ -282,12 +315,16 @@ def workload_bound(cfg: Dict[str, Any], kv_bytes_per_token: int, prompt_lens, ou
     return b
 
 
-def engine_bound(llm, prompt_lens, output_lens, machine: Dict[str, Any], *, max_seqs: int,
+def engine_bound(llm, model: str, prompt_lens, output_lens, machine: Dict[str, Any], *, max_seqs: int,
                  activation_dtype: str = "auto") -> Dict[str, Any]:
-    """workload_bound with a live engine's model, KV cache dtype and token budget."""
+    """workload_bound with a live engine of ``model``: its model config (and the
+    checkpoint's sliding window), KV cache dtype and token budget."""
     from .. import _core
 
     cfg = dict(llm.model_config)
+    if "sliding_window" not in cfg:
+        ck = common.checkpoint_config(model)
+        cfg.update({k: ck.get(k, 0) for k in ("sliding_window", "sliding_window_period")})
     st = llm.stats()
     kv = _core.kv_bytes_per_token(cfg["n_layers"], cfg["n_kv_heads"], cfg["head_dim"], cfg["kv_cache_dtype"])
     return workload_bound(cfg, kv, prompt_lens, output_lens, budget=int(st["max_num_batched_tokens"]),
@@ -326,7 +363,7 @@ def add_study_bounds(r: Dict[str, Any], threads: Optional[int] = None) -> None:
             wl = study_output_lens(vocab_size=m["vocab_size"], num_requests=k["num_requests"],
                                    prompt_len=k["prompt_len"], mean_output=k["mean_output"], cap=row["cap"],
                                    seed=k["seed"])
-            b = engine_bound(llm, [len(p) for p in wl.prompts], wl.output_lens, machine, max_seqs=256)
+            b = engine_bound(llm, m["path"], [len(p) for p in wl.prompts], wl.output_lens, machine, max_seqs=256)
             row["bound"] = b
             print(ratio_line(f"cap {row['cap']}", b, None))
             for s, res in row["systems"].items():
@@ -365,7 +402,7 @@ def run(model: str, workloads: Sequence[WorkloadSpec], *, measure: bool = False,
         if measure:
             machine = merge_machine(machine, measure_machine(threads or 0))
         for w, row in rows:
-            row["bound"] = engine_bound(llm, w.prompt_lens, w.output_lens, machine, max_seqs=max_num_seqs)
+            row["bound"] = engine_bound(llm, model, w.prompt_lens, w.output_lens, machine, max_seqs=max_num_seqs)
             if row.get("wall_s"):
                 row["fraction_of_bound"] = row["bound"]["seconds"] / row["wall_s"]
         model_desc = common.model_info(llm, model)

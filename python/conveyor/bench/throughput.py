@@ -59,8 +59,8 @@ def run(model: str, *, num_requests: int = 64, input_len: int = 128, output_len:
         if bound:
             from .bound import engine_bound, measure_machine
 
-            res["bound"] = engine_bound(llm, prompt_lens, output_lens, measure_machine(engine.get("num_threads") or 0),
-                                        max_seqs=max_num_seqs)
+            res["bound"] = engine_bound(llm, model, prompt_lens, output_lens,
+                                        measure_machine(engine.get("num_threads") or 0), max_seqs=max_num_seqs)
         model_desc = common.model_info(llm, model)
     finally:
         llm.close()
