@@ -281,6 +281,9 @@ def test_bench_bound_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         bound.main(["--model", str(STORIES), "--cap", "0"])
     assert "--cap must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bound.main(["--model", str(STORIES), "--workload", ","])
+    assert "--workload names no workload" in capsys.readouterr().err
 
 
 def test_conveyor_cli_lists_bench_bound():

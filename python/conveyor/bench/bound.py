@@ -111,13 +111,15 @@ def model_cost(cfg: Dict[str, Any], kv_bytes_per_token: int) -> ModelCost:
     32 (its input size not a multiple of 32), which a quantized model keeps at its float
     ``compute_dtype``; the LM head at the embedding's dtype (from ``embed_bytes``); the
     norm vectors in float32. A file that mixes matrix dtypes (a GGUF "mixed ..."
-    dtype) is counted from the engine's own byte count (``weight_bytes`` less the
-    embedding), which follows each tensor's dtype."""
+    dtype), or whose matrix dtype has no entry in STORED_BYTES_PER_WEIGHT, is counted from
+    the engine's own byte count (``weight_bytes`` less the embedding), which follows each
+    tensor's dtype."""
     n_layers, dim = int(cfg["n_layers"]), int(cfg["dim"])
     shapes = matrix_shapes(cfg)
     layers = n_layers * sum(r * c for r, c in shapes)
     head = int(cfg["vocab_size"]) * dim
-    if str(cfg.get("dtype", "")).startswith("mixed"):
+    mixed = str(cfg.get("dtype", "")).startswith("mixed") or cfg["matrix_dtype"] not in STORED_BYTES_PER_WEIGHT
+    if mixed and "weight_bytes" in cfg and "embed_bytes" in cfg:
         weight_bytes = float(cfg["weight_bytes"] - cfg["embed_bytes"])
     else:
         quant, plain = cfg["matrix_dtype"], cfg.get("compute_dtype", cfg["matrix_dtype"])
@@ -453,6 +455,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--json", default=None, help="write the result as JSON to this file (default: none)")
     a = ap.parse_args(list(argv) if argv is not None else None)
     names = [s for s in a.workload.split(",") if s]
+    if not names:
+        ap.error(f"--workload names no workload; choose from {','.join(WORKLOADS)}")
     for n, v in (("--num-requests", a.num_requests), ("--prompt-len", a.prompt_len), ("--mean-output", a.mean_output),
                  ("--cap", a.cap), ("--decode-tokens", a.decode_tokens), ("--running", a.running),
                  ("--running-tokens", a.running_tokens), ("--prefill-len", a.prefill_len),
