@@ -26,13 +26,13 @@ draws them), ``decode`` (batch 1), ``running`` (64 sequences decoding together) 
 """
 from __future__ import annotations
 
-import json
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 from . import common
+from .study import make_study_workload
 
 # Bytes per weight of each matrix dtype as the CPU engine stores it: the float dtypes as
 # they are; Q8_0 and Q4_1 at GGUF's bytes a block of 32, and Q4_0 at Q4_1's (the 16-row
@@ -252,14 +252,6 @@ class WorkloadSpec:
     describe: str
 
 
-def study_output_lens(*, vocab_size: int, num_requests: int, prompt_len: int, mean_output: int, cap: int,
-                      seed: int) -> common.Workload:
-    from .study import make_study_workload
-
-    return make_study_workload(vocab_size=vocab_size, num_requests=num_requests, prompt_len=prompt_len,
-                               mean_output=mean_output, cap=cap, seed=seed)
-
-
 def workload_specs(names: Sequence[str], vocab_size: int, *, num_requests: int = 128, prompt_len: int = 128,
                    mean_output: int = 128, cap: int = 512, seed: int = 0, decode_tokens: int = 128,
                    n_running: int = 64, running_tokens: int = 64, prefill_len: int = 512,
@@ -267,7 +259,7 @@ def workload_specs(names: Sequence[str], vocab_size: int, *, num_requests: int =
     out = []
     for name in names:
         if name == "study":
-            wl = study_output_lens(vocab_size=vocab_size, num_requests=num_requests, prompt_len=prompt_len,
+            wl = make_study_workload(vocab_size=vocab_size, num_requests=num_requests, prompt_len=prompt_len,
                                    mean_output=mean_output, cap=cap, seed=seed)
             out.append(WorkloadSpec(name, [prompt_len] * num_requests, list(wl.output_lens),
                                     f"{num_requests} x prompt {prompt_len}, outputs exponential mean "
@@ -358,19 +350,20 @@ def add_study_bounds(r: Dict[str, Any], threads: Optional[int] = None) -> None:
 
     k, m = r["knobs"], r["model"]
     machine = measure_machine(threads or r.get("threads") or 0)
-    engine = dict(dtype=m["dtype"], kv_cache_dtype=m["dtype"], block_size=k["block_size"],
+    kv = m["dtype"] if m["dtype"] in ("float32", "bfloat16", "float16") else "auto"  # as the study's engines
+    engine = dict(dtype=m["dtype"], kv_cache_dtype=kv, block_size=k["block_size"],
                   num_threads=threads or r.get("threads"), kv_cache_memory="16MiB", enable_prefix_caching=False)
     with LLM(m["path"], max_num_seqs=256, skip_tokenizer_init=True, **engine) as llm:
         for row in r["rows"]:
-            wl = study_output_lens(vocab_size=m["vocab_size"], num_requests=k["num_requests"],
+            wl = make_study_workload(vocab_size=m["vocab_size"], num_requests=k["num_requests"],
                                    prompt_len=k["prompt_len"], mean_output=k["mean_output"], cap=row["cap"],
                                    seed=k["seed"])
             b = engine_bound(llm, m["path"], [len(p) for p in wl.prompts], wl.output_lens, machine, max_seqs=256)
             row["bound"] = b
             print(ratio_line(f"cap {row['cap']}", b, None))
             for s, res in row["systems"].items():
-                row["systems"][s]["fraction_of_bound"] = b["seconds"] / res["wall_s"]
-                print(f"  {s:<20} measured {_seconds(res['wall_s'])} -> {b['seconds'] / res['wall_s']:.2f} of the bound")
+                frac = res["fraction_of_bound"] = b["seconds"] / res["wall_s"]
+                print(f"  {s:<20} measured {_seconds(res['wall_s'])} -> {frac:.2f} of the bound")
 
 
 # ----------------------------------------------------------------------------- the command

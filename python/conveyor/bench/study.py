@@ -507,7 +507,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="workload seed")
     ap.add_argument("--markdown", action="store_true", help="print the table as Markdown (for docs)")
     ap.add_argument("--bound", action="store_true",
-                    help="also print each cap's physical bound and the fraction of it each system reached (bench bound)")
+                    help="also print each cap's physical bound and the fraction of it each system reached")
     ap.add_argument("--json", default=None, help="write the results as JSON to this file (default: none)")
     ap.add_argument("--plot", default=None,
                     help="draw the results into this PNG file (needs matplotlib; default: none)")
