@@ -4,7 +4,8 @@
 An ideal engine runs the workload's requests (all submitted at once) in steps: every
 running sequence that has its prompt decodes one token, and the rest of the step's token
 budget (``max_num_batched_tokens``) goes to prompt chunks, admitting waiting requests while
-fewer than ``max_num_seqs`` run; a request leaves the step its last token is sampled. A step
+fewer than ``max_num_seqs`` run; a request leaves the step its last token is sampled; the KV
+pool never runs short (nothing is preempted). A step
 costs at least max(FLOPs / peak, bytes / bandwidth):
 
 - FLOPs: 2 per weight of the layers' matrices for every token computed, 2 per weight of the
