@@ -7,7 +7,6 @@ study workload, the weight bytes against the engine's own count of what it store
 command end to end on stories260K (no timing assertions)."""
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -286,11 +285,12 @@ def test_bench_bound_rejects_bad_arguments(capsys):
     assert "--workload names no workload" in capsys.readouterr().err
 
 
-def test_conveyor_cli_lists_bench_bound():
-    from conveyor.cli import BENCHMARKS
+def test_conveyor_bench_bound_runs_from_the_cli(capsys):
+    from conveyor.cli import bench_main
 
-    assert "bound" in BENCHMARKS
-    assert os.path.isfile(bound.__file__)
+    rc = bench_main(["bound", "--model", str(STORIES), "--workload", "prefill", "--prefill-len", "16"])
+    assert rc in (0, None)
+    assert "prefill (4 x prompt 16, 1 out): bound" in capsys.readouterr().out
 
 
 def test_throughput_and_study_print_the_fraction_of_the_bound(capsys):
