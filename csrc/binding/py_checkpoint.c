@@ -128,6 +128,7 @@ static PyObject *Checkpoint_get_config(CheckpointObject *self, void *closure) {
         cv_py_put(d, "qkv_bias", PyBool_FromLong(c->qkv_bias)) < 0 ||
         cv_py_put(d, "qk_norm", PyBool_FromLong(c->qk_norm)) < 0 ||
         cv_py_put(d, "sliding_window", PyLong_FromLongLong(c->sliding_window)) < 0 ||
+        cv_py_put(d, "sliding_window_period", PyLong_FromLongLong(c->swa_period)) < 0 ||
         cv_py_put(d, "bos_id", PyLong_FromLong(c->bos_id)) < 0 ||
         cv_py_put(d, "eos_ids", cv_py_int32_list(c->eos_ids, c->n_eos)) < 0 ||
         cv_py_put(d, "dtype", PyUnicode_FromString(cv_dtype_name(c->torch_dtype))) < 0)

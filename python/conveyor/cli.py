@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 BENCHMARK_HELP: dict[str, str] = {
     "kernels": "GEMM and memory bandwidth of the CPU kernels against the machine's peaks",
     "roofline": "a whole model's decode and large steps against the bandwidth and compute bounds",
+    "bound": "the physical bound of a workload (study, batch-1 decode, 64 running, prefill) beside its measured time",
     "scheduler": "the cost of one scheduling step with many running sequences",
     "throughput": "offline throughput: N requests at once, run to completion",
     "variance": "static against continuous batching as output lengths vary more",

@@ -539,6 +539,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     ap.add_argument("--seed", type=int, default=0, help="workload seed")
     ap.add_argument("--markdown", action="store_true", help="print the table as Markdown (for docs)")
+    ap.add_argument("--bound", action="store_true",
+                    help="also print each cap's physical bound and the fraction of it each system reached")
     ap.add_argument("--json", default=None, help="write the results as JSON to this file (default: none)")
     ap.add_argument("--plot", default=None,
                     help="draw the results into this PNG file (needs matplotlib; default: none)")
@@ -582,6 +584,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, RuntimeError) as e:
         raise SystemExit(f"conveyor bench study: {e}")
     print_report(r, markdown=args.markdown)
+    if args.bound:
+        from .bound import add_study_bounds
+
+        add_study_bounds(r, args.num_threads)
     common.write_outputs(r, args.json, args.plot, plot)
     return 0
 

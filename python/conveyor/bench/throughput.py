@@ -26,9 +26,10 @@ from . import common
 def run(model: str, *, num_requests: int = 64, input_len: int = 128, output_len: int = 64,
         range_ratio: float = 0.0, seed: int = 0, scheduling: str = "continuous",
         max_num_seqs: int = 256, max_num_batched_tokens: Optional[int] = None, warm: bool = False,
-        **engine) -> Dict[str, Any]:
+        bound: bool = False, **engine) -> Dict[str, Any]:
     """One throughput run (warm: after an untimed run of the same shape, other
-    prompts, on the same engine); returns a JSON-ready dict."""
+    prompts, on the same engine; bound: with the workload's physical bound, as
+    `bench bound` computes it, measured after the run); returns a JSON-ready dict."""
     machine = common.machine_info()
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
@@ -55,6 +56,11 @@ def run(model: str, *, num_requests: int = 64, input_len: int = 128, output_len:
         res = common.run_offline(llm, wl)
         stats = llm.stats()
         res["prefix_hits"] = stats["prefix_hits"] - hits0
+        if bound:
+            from .bound import engine_bound, measure_machine
+
+            res["bound"] = engine_bound(llm, model, prompt_lens, output_lens,
+                                        measure_machine(engine.get("num_threads") or 0), max_seqs=max_num_seqs)
         model_desc = common.model_info(llm, model)
     finally:
         llm.close()
@@ -109,6 +115,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="tokens computed in one step (default: the engine's)")
     ap.add_argument("--warm", action="store_true",
                     help="time a second run of the workload on the same engine (a long-lived engine's figure)")
+    ap.add_argument("--bound", action="store_true",
+                    help="also print the workload's physical bound and the fraction of it reached (bench bound)")
     ap.add_argument("--json", default=None, help="write the result as JSON to this file (default: none)")
     args = ap.parse_args(argv)
 
@@ -116,7 +124,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     r = run(model, num_requests=args.num_requests, input_len=args.input_len,
             output_len=args.output_len, range_ratio=args.range_ratio, seed=args.seed,
             scheduling=args.scheduling, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, warm=args.warm, **common.engine_kwargs(args))
+            max_num_batched_tokens=args.max_num_batched_tokens, warm=args.warm, bound=args.bound,
+            **common.engine_kwargs(args))
     print("conveyor bench throughput")
     print(common.describe(r["machine"], r["model"], args.device))
     k = r["knobs"]
@@ -126,6 +135,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{', warm engine' if args.warm else ''}; weights "
           f"{r['model'].get('matrix_dtype')}, KV {r['model'].get('kv_cache_dtype')}")
     print(format_result(r), flush=True)
+    if r.get("bound"):
+        from .bound import ratio_line
+
+        print(ratio_line("this workload", r["bound"], r["throughput"]["wall_s"]), flush=True)
     common.write_outputs(r, args.json)
     return 0
 
