@@ -145,7 +145,10 @@ def _build(md: dict, tokens: list[str], types: list[int], vocab: dict[str, int])
             raise UnsupportedError(f"GGUF tokenizer: pre-tokenizer {pre!r} is not supported; "
                                    f"supported: {', '.join(GGUF_PRE_TOKENIZERS)}")
         merges = _split_merges(_meta_list(md, "tokenizer.ggml.merges", str))
-        bpe = models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False, ignore_merges=pre in _LLAMA3_PRE)
+        try:  # a merge naming a token the vocabulary lacks is refused by `tokenizers` itself
+            bpe = models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False, ignore_merges=pre in _LLAMA3_PRE)
+        except Exception as e:  # noqa: BLE001 - `tokenizers` raises a bare Exception
+            raise ModelFormatError(f"GGUF tokenizer: tokenizer.ggml.merges: {e}") from None
         tok = Tokenizer(bpe)
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(r), "isolated", invert=False) for r in GGUF_PRE_TOKENIZERS[pre]]

@@ -119,7 +119,9 @@ class LLM(EngineFrontend):
         outs = [EngineCore.build_output(r) for r in reqs]
         for o in outs:  # the other prompts' results stand; this one's is said, not silent
             if o.guided_error:
-                warnings.warn(f"request {o.request_id}: {o.guided_error} (its completion ended 'abort'; "
+                ended = sorted({c.finish_reason for c in o.outputs if c.finish_reason in ("abort", "error")})
+                how = " or ".join(repr(r) for r in ended) or "early"
+                warnings.warn(f"request {o.request_id}: {o.guided_error} (its completion ended {how}; "
                               "RequestOutput.guided_error)", UserWarning, stacklevel=2)
         return outs
 

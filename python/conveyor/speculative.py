@@ -23,10 +23,8 @@ _NGRAM_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_
 _DRAFT_KEYS = ("method", "model", "num_speculative_tokens", "disable_by_batch_size")
 _SPEC_KEYS = tuple(dict.fromkeys(_NGRAM_KEYS + _DRAFT_KEYS))
 _METHODS = ("ngram", "draft_model")
-# The integer fields' ranges, as csrc/core/speculative.h bounds them (the engine
-# checks them again); disable_by_batch_size only needs to fit the engine's int64.
-_INT_RANGES = {"num_speculative_tokens": (1, 16), "prompt_lookup_min": (1, 64),
-               "prompt_lookup_max": (1, 64), "disable_by_batch_size": (0, (1 << 63) - 1)}
+# The integer fields cross into C as int64; their ranges are the engine's to check.
+_INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
 def parse_speculative_config(cfg) -> Optional[dict]:
@@ -68,9 +66,9 @@ def parse_speculative_config(cfg) -> Optional[dict]:
             continue
         if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
             raise field_error(TypeError, key, f"speculative_config: {key} must be an int, got {type(v).__name__}")
-        lo_ok, hi_ok = _INT_RANGES[key]
-        if not lo_ok <= int(v) <= hi_ok:
-            raise field_error(ValueError, key, f"speculative_config: {key} must be in [{lo_ok}, {hi_ok}], got {int(v)}")
+        if not _INT64[0] <= int(v) <= _INT64[1]:
+            raise field_error(ValueError, key, f"speculative_config: {key} = {int(v)} does not fit a 64-bit "
+                                               f"integer")
     disable = cfg.get("disable_by_batch_size")
     out = {"method": method, "num_speculative_tokens": int(cfg["num_speculative_tokens"]),
            "disable_by_batch_size": DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE if disable is None else int(disable)}

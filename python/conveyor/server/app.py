@@ -221,7 +221,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--allowed-origins", default=None,
                    help="comma-separated origins allowed by CORS ('*' for any; default: no CORS)")
     p.add_argument("--no-ui", dest="ui", action="store_false",
-                   help="do not serve the chat page (/) and the live view of batching (/batching)")
+                   help="do not serve the chat page (/) and the live view of batching (/batching); "
+                        "by default both are served")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="the server log's level")
     p.add_argument("--no-access-log", action="store_true", help="do not log each HTTP request")
