@@ -28,7 +28,7 @@ from .speculative import parse_speculative_config, spec_stats
 DEFAULT_PREFILL_CAP = {"cpu": _core.DEFAULT_PREFILL_CAP_CPU, "cuda": _core.DEFAULT_PREFILL_CAP_CUDA}
 # LLM (offline: generate/chat run a batch to completion, nobody watches a stream) takes no
 # cap by default: the cap trades throughput for inter-token latency, which an offline batch
-# does not have (docs/performance.md, "Offline batches end to end").
+# does not have (docs/dev/study.md, "Offline batches end to end").
 OFFLINE_PREFILL_CAP = 0
 # LLM's default KV pool: room for this many sequences of max_model_len tokens (at most
 # max_num_seqs), as the CLI's pool holds its requests. LLM does not know its workload when
@@ -142,7 +142,7 @@ class EngineArgs:
     quantization: Optional[str] = None  # "q8_0" | "q4_0" | "q4_1": quantize the matrices at load
     # GEMM inputs over bf16 weights on the CPU. "auto": rounded to bf16 where the CPU has
     # vdpbf16ps (AVX512_BF16; twice the fp32 FMA rate, as vLLM's and oneDNN's bf16 paths);
-    # "float32": exact float32 activations on every CPU (docs/performance.md: what it costs).
+    # "float32": exact float32 activations on every CPU (docs/dev/bf16.md: what it costs).
     activation_dtype: str = "auto"
     # Stall-free mixed steps: while sequences decode, a step carries at most this many
     # prompt tokens (chunked prefill only). None: 96 on the CPU (a step's time grows with
