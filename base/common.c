@@ -21,14 +21,21 @@ void cv_set_thread_name(const char *name) {
 #endif
 }
 
+/* The message, code and field (NULL: none) of an error record. */
+static void fill_err(cv_err *err, int code, const char *field, const char *fmt, va_list ap)
+    __attribute__((format(printf, 4, 0)));
+static void fill_err(cv_err *err, int code, const char *field, const char *fmt, va_list ap) {
+    vsnprintf(err->msg, sizeof err->msg, fmt, ap);
+    err->code = code;
+    snprintf(err->field, sizeof err->field, "%s", field ? field : "");
+}
+
 int cv_set_err(cv_err *err, int code, const char *fmt, ...) {
     if (err) {
         va_list ap;
         va_start(ap, fmt);
-        vsnprintf(err->msg, sizeof err->msg, fmt, ap);
+        fill_err(err, code, NULL, fmt, ap);
         va_end(ap);
-        err->code = code;
-        err->field[0] = '\0';
     }
     return code;
 }
@@ -37,10 +44,8 @@ int cv_set_field_err(cv_err *err, int code, const char *field, const char *fmt, 
     if (err) {
         va_list ap;
         va_start(ap, fmt);
-        vsnprintf(err->msg, sizeof err->msg, fmt, ap);
+        fill_err(err, code, field, fmt, ap);
         va_end(ap);
-        err->code = code;
-        snprintf(err->field, sizeof err->field, "%s", field ? field : "");
     }
     return code;
 }

@@ -5,7 +5,7 @@ the problem, and the engine goes on serving: after each bad input a good request
 is run and must succeed, with no request left queued and no KV block held.
 
 Cases marked `known_bug` are strict xfails: the catalogue states what the answer
-should be, the engine does not give it yet (reported to the lead); when it is
+should be, the engine does not give it yet; when it is
 fixed the xfail turns into a failure and the marker must be removed.
 
     python tests/test_bad_inputs.py     prints the catalogue as a Markdown table

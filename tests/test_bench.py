@@ -145,7 +145,7 @@ def test_throughput_warm(model, tmp_path, capsys):
 
 
 def test_throughput_with_quantized_weights(model, tmp_path, capsys):
-    """--quantization reaches the engine (the issue's Q8_0 figure is taken on this bench), and
+    """--quantization reaches the engine (the Q8_0 throughput figure is taken on this bench), and
     the output says which weights and KV cache ran."""
     out = tmp_path / "tp.json"
     rc = throughput.main(["--model", model, "--num-requests", "3", "--input-len", "6", "--output-len", "3",
@@ -294,7 +294,7 @@ def test_variance_repeat_keeps_fastest(model):
 
 
 def test_roofline_main(model, tmp_path, capsys):
-    """`conveyor bench roofline` (issue 25's targets are read from it): each fraction is its
+    """`conveyor bench roofline` (the performance targets are read from it): each fraction is its
     measured rate over the bound printed beside it, and the counts are the work it asked for."""
     out = tmp_path / "roof.json"
     rc = roofline.main(["--model", model, "--threads", "1", "--decode-tokens", "6", "--prefill-len", "24",

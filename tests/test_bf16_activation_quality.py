@@ -1,4 +1,4 @@
-"""tools/bf16_activation_quality.py (the measurement behind docs/performance.md, "bf16
+"""tools/bf16_activation_quality.py (the measurement behind docs/dev/bf16.md, "bf16
 activations: what they cost"): its dequantized copies are the same model as the quantized
 original, and the whole script runs end to end on a small Q4_1 GGUF."""
 import importlib.util

@@ -36,6 +36,8 @@ RANGE_CASES = [
     ("block_size", 1025, "block_size must be in [1, 1024], got 1025"),
     ("kv_cache_memory", 0, "kv_cache_memory must be positive"),
     ("kv_cache_memory", -(1 << 40), "kv_cache_memory must be positive"),
+    ("kv_cache_sequences", 0, "kv_cache_sequences must be in [1, 65536], got 0"),
+    ("kv_cache_sequences", 65537, "kv_cache_sequences must be in [1, 65536], got 65537"),
     ("gpu_memory_utilization", 0.0, "gpu_memory_utilization must be in (0, 1], got 0"),
     ("gpu_memory_utilization", 1.5, "gpu_memory_utilization must be in (0, 1], got 1.5"),
     ("gpu_memory_utilization", math.nan, "gpu_memory_utilization must be in (0, 1], got nan"),
@@ -96,7 +98,7 @@ def test_speculative_range_error_names_its_key(key, value, text):
     ("dtype", None), ("kv_cache_dtype", 8), ("scheduling", b"static"), ("device", 0), ("activation_dtype", None),
     ("quantization", 4), ("enable_prefix_caching", 1), ("enable_chunked_prefill", "yes"),
     ("skip_tokenizer_init", None), ("gpu_memory_utilization", "0.5"), ("gpu_memory_utilization", True),
-    ("kv_cache_memory", 1.5), ("kv_cache_memory", True),
+    ("kv_cache_memory", 1.5), ("kv_cache_memory", True), ("kv_cache_sequences", 2.0),
 ])
 def test_python_rejects_types_naming_the_field(field, value):
     e = _raises_field(TypeError, field, field, EngineArgs(model=str(STORIES), **{field: value}).validate)
@@ -163,6 +165,30 @@ def test_config_read_by_attribute():
     try:
         st = eng.stats()
         assert (st["block_size"], st["max_num_seqs"]) == (defaults.block_size, defaults.max_num_seqs)
+    finally:
+        eng.close()
+
+
+def _pool_tokens(llm):
+    st = llm.stats()
+    return st["num_blocks"] * st["block_size"]
+
+
+def test_default_pool_holds_full_length_sequences():
+    """Without kv_cache_memory the pool holds kv_cache_sequences sequences of
+    max_model_len tokens (never more than max_num_seqs): LLM asks for four, the engine's
+    own default is max_num_seqs. The pool is counted in whole blocks, plus the few
+    blocks the engine keeps beyond one sequence's need."""
+    full = 128
+    cases = [({}, 4), ({"kv_cache_sequences": 2}, 2), ({"max_num_seqs": 3}, 3),
+             ({"kv_cache_sequences": 10, "max_num_seqs": 6}, 6)]
+    for kw, seqs in cases:
+        with LLM(str(STORIES), num_threads=1, block_size=8, max_model_len=full, **kw) as llm:
+            assert seqs * full <= _pool_tokens(llm) <= seqs * full + 8, (kw, _pool_tokens(llm))
+    eng = conveyor._core.Engine(str(STORIES), num_threads=1, block_size=8, max_model_len=full, max_num_seqs=5)
+    try:
+        st = eng.stats()
+        assert 5 * full <= st["num_blocks"] * 8 <= 5 * full + 8
     finally:
         eng.close()
 

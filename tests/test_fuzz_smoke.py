@@ -185,7 +185,7 @@ def test_tokenizer_random_mutations_fixed_seed(tmp_path):
         _load_checked(p, rnd.choice([None, 259, 300, 512]))
 
 
-# ---------------------------------------------------------------------------- model files (issue 29)
+# ---------------------------------------------------------------------------- model files
 
 PY_TARGETS = ["gguf_tokenizer", "hf_tokenizer", "chat_template", "shard_index"]
 

@@ -1,6 +1,7 @@
-"""The server's issue-17 fields through the official openai client and raw
-HTTP: logit_bias (string keys, both endpoints), best_of, echo with prompt
-logprobs in OpenAI's legacy shape, and 400s that name the param."""
+"""The server's logit-control, best_of and prompt-logprob fields through the
+official openai client and raw HTTP: logit_bias (string keys, both endpoints),
+best_of, echo with prompt logprobs in OpenAI's legacy shape, and 400s that name
+the param."""
 from __future__ import annotations
 
 import math

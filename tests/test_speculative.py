@@ -1,4 +1,4 @@
-"""Speculative decoding with n-gram (prompt lookup) proposals (issue 26).
+"""Speculative decoding with n-gram (prompt lookup) proposals.
 
 What a user checks: greedy (and seeded) outputs are the same token for token with
 and without speculation, whatever shares the batch, under preemption and prefix

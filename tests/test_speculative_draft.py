@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model (issue 26).
+"""Speculative decoding with a draft model.
 
 What a user checks: greedy and seeded outputs are the same token for token with
 and without a draft, whatever shares the batch, under preemption and prefix

@@ -129,7 +129,7 @@ def _peak_child(code: str) -> tuple[str, float, float]:
 
 
 def test_dense_vocabulary_loads_within_bounds(tmp_path):
-    """The crafted file of the issue: 1.95 MB of tokens, every substring of up to 128
+    """A crafted file: 1.95 MB of tokens, every substring of up to 128
     characters of one random string, so every split of every token is a merge (~1.5 M,
     +879 MiB before). The C encoder builds no merge list: it loads and encodes within
     512 MiB and 5 s."""

@@ -32,11 +32,14 @@ def child(job: str, model: str, quant: str, threads: int) -> None:
     import numpy as np
 
     from conveyor import LLM, SamplingParams
+    from conveyor.engine import EngineArgs
     from conveyor.generate import default_model
 
     rng = np.random.default_rng(0)
+    # a pool for all 128 sequences on both sides (a build without the field sizes it so)
+    pool = {"kv_cache_sequences": 128} if "kv_cache_sequences" in EngineArgs.__dataclass_fields__ else {}
     llm = LLM(model or str(default_model()), num_threads=threads, max_num_seqs=128,
-              enable_prefix_caching=False, quantization=quant or None)
+              enable_prefix_caching=False, quantization=quant or None, **pool)
     vocab = llm.model_config["vocab_size"]
 
     def prompts(n, lens):

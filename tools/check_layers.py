@@ -1,25 +1,26 @@
 #!/usr/bin/env python3
-"""Checks that the C sources keep their floors and that the CPU backend's files
-call each other in one direction.
+"""Checks that the sources keep the floors docs/architecture.json describes and
+that the CPU backend's files call each other in one direction.
 
-The floors, bottom first: base/ (types, errors, conversions) <- kernels/ (the
-backends) <- csrc/model/ <- csrc/core/ <- csrc/binding/ (conveyor._core) <-
-csrc/testing/ (conveyor._testing) <- the harnesses (csrc/fuzz/, tools/*.c); the
-Python package sits on the bindings. A file may include or call files of its own
-floor and the floors below, never a higher one; the model and the core see a
-backend only through kernels/backend.h (no include of kernels/cpu/ or
-kernels/cuda/, no call of a backend function backend.h does not declare); the
-package loads conveyor._testing only in conveyor bench. Inside the CPU backend
-(kernels/cpu/cpu_internal.h describes the layers) a call goes down a layer,
-never sideways between operation families or round a circle.
+docs/architecture.json names the parts of the tree (each a list of paths) and
+the "never" rules between them: [A, B, why] means no file of A includes a file
+of B, calls a cv_* function that only B defines or declares, or imports a
+Python module of B. An arrow [C, D] from a part C nested inside A allows what a
+never [A, D] forbids (bench inside the package may load conveyor._testing). A
+C include circle is a breach too. Inside the CPU backend (kernels/cpu/
+cpu_internal.h describes the layers) a call goes down a layer, never sideways
+between operation families or round a circle; the lists below place its files.
 
 Reads the sources: the quoted #include lines, which file defines each
-non-static cv_* function (or static inline one, for headers) and which cv_*
-functions each file calls. Usage: python tools/check_layers.py [ROOT]; exit 1
-with the offending includes and calls listed.
+non-static cv_* function (or static inline one, for headers) and which headers
+declare it, which cv_* functions each file calls, and each Python file's
+imports. Usage: python tools/check_layers.py [ROOT]; exit 1 with the offending
+includes, calls and imports listed.
 """
 from __future__ import annotations
 
+import ast
+import json
 import re
 import sys
 from pathlib import Path
@@ -44,30 +45,58 @@ COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.S)
 PROTOTYPE = re.compile(r"^[A-Za-z_][\w \t\*]*?\bcv_\w+\s*\([^;{]*\)[^;{]*;", re.M)  # a declaration, not a call
 
 
-# floor of each folder, bottom first (rank = position); the first prefix that matches wins
-FLOORS = [("base/", "base"), ("build_support/", "build support"), ("kernels/", "kernels"),
-          ("csrc/model/", "model"), ("csrc/core/", "core"), ("csrc/binding/", "binding"),
-          ("csrc/testing/", "testing"), ("csrc/fuzz/", "harness"), ("tools/", "harness")]
-RANK = {name: i for i, name in enumerate(dict.fromkeys(name for _, name in FLOORS))}
-BACKEND_PRIVATE = ("kernels/cpu/", "kernels/cuda/")  # a backend's own files
-BACKEND_API = "kernels/backend.h"  # what the model and the core may see of a backend
-SEES_BACKEND_API_ONLY = {"model", "core"}
+PARTS_FILE = "docs/architecture.json"
 INCLUDE_DIRS = ["csrc", "kernels", "build_support/avx512_emu"]  # setup.py's -I, after the includer's own folder
 C_FILES = ("*.c", "*.h", "*.cu")
 INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.M)
-PY_TESTING = re.compile(r"^[^#\n]*\b_testing\b", re.M)
 
 
-def floor_of(rel: str) -> str | None:
-    return next((name for prefix, name in FLOORS if rel.startswith(prefix)), None)
+class Parts:
+    """docs/architecture.json read: which parts hold a path, and the never rules."""
 
+    def __init__(self, root: Path):
+        doc = json.loads((root / PARTS_FILE).read_text())
+        self.paths = {name: part["is"] for name, part in doc["parts"].items()}
+        self.modules = {part["module"]: name for name, part in doc["parts"].items() if "module" in part}
+        self.never = [tuple(rule) for rule in doc["never"]]
+        self.arrows = [tuple(a) for a in doc["arrows"]]
+        self.problems = [f"{PARTS_FILE}: {kind} {rule[:2]} names an unknown part"
+                         for kind, rules in (("never", self.never), ("arrow", self.arrows))
+                         for rule in rules if not set(rule[:2]) <= set(self.paths)]
 
-def c_files(root: Path) -> list[str]:
-    out = set()
-    for prefix, _ in FLOORS:
-        for pat in C_FILES:
-            out.update(p.relative_to(root).as_posix() for p in (root / prefix).rglob(pat))
-    return sorted(out)
+    def of(self, rel: str) -> set[str]:
+        return {name for name, paths in self.paths.items()
+                if any(rel == p or (p.endswith("/") and rel.startswith(p)) for p in paths)}
+
+    def inside(self, inner: str, outer: str) -> bool:
+        """Every path of inner lies within outer."""
+        return all(self.of(p.rstrip("/")) >= {outer} or p in self.paths[outer] for p in self.paths[inner])
+
+    def breaches(self, src: str, targets: list[str]) -> list[tuple[str, str, str]]:
+        """The never rules src reaching targets breaks: a rule counts when src is in A and
+        every target is in B (a function reached through a header of another part is
+        fine), unless an arrow from a part nested in A allows it."""
+        mine = self.of(src)
+        theirs = [self.of(t) for t in targets]
+        out = []
+        for a, b, why in self.never:
+            if a not in mine or not all(b in t for t in theirs):
+                continue
+            if any(c in mine and c != a and self.inside(c, a) and all(d in t for t in theirs)
+                   for c, d in self.arrows):
+                continue
+            out.append((a, b, why))
+        return out
+
+    def c_files(self, root: Path) -> list[str]:
+        out = set()
+        for paths in self.paths.values():
+            for prefix in paths:
+                if not prefix.endswith("/"):
+                    continue
+                for pat in C_FILES:
+                    out.update(p.relative_to(root).as_posix() for p in (root / prefix).rglob(pat))
+        return sorted(out)
 
 
 def resolve_include(root: Path, rel: str, name: str) -> str | None:
@@ -83,58 +112,109 @@ def resolve_include(root: Path, rel: str, name: str) -> str | None:
     return None
 
 
+def _rule(a: str, b: str, why: str) -> str:
+    return f"never {a} -> {b} ({why})"
+
+
 def check_floors(root: Path) -> list[str]:
-    files = c_files(root)
-    problems: list[str] = []
+    parts = Parts(root)
+    files = parts.c_files(root)
+    problems: list[str] = list(parts.problems)
     raw = {f: (root / f).read_text(errors="replace") for f in files}
     # includes
     includes: dict[str, set[str]] = {f: set() for f in files}
     for f, text in raw.items():
-        ff = floor_of(f)
         for m in INCLUDE.finditer(COMMENT.sub(lambda c: "\n" * c.group(0).count("\n"), text)):
             g = resolve_include(root, f, m.group(1))
             if g is None or g == f:
                 continue
             includes[f].add(g)
-            fg = floor_of(g)
-            if fg is None:
-                problems.append(f"{f} includes {g}, which is on no floor")
-            elif RANK[fg] > RANK[ff]:
-                problems.append(f"{f} includes up a floor: {g} ({ff} -> {fg})")
-            elif ff in SEES_BACKEND_API_ONLY and g.startswith(BACKEND_PRIVATE):
-                problems.append(f"{f} includes a backend's own header: {g} ({ff} sees {BACKEND_API} only)")
+            if not parts.of(g):
+                problems.append(f"{f} includes {g}, which is in no part of {PARTS_FILE}")
+            for rule in parts.breaches(f, [g]):
+                problems.append(f"{f} includes {g}: {_rule(*rule)}")
     problems += [f"include circle: {c}" for c in circles(includes)]
-    # calls (C only: the CUDA sources are C++ behind the backend table)
+    # calls (C only: the CUDA sources are C++ behind the backend table); a function is
+    # reached through its definition or any header that declares it
     texts = {f: COMMENT.sub(" ", t) for f, t in raw.items() if not f.endswith(".cu")}
-    owner: dict[str, str] = {}
+    where: dict[str, set[str]] = {}
     for f, t in texts.items():
         for m in DEF.finditer(t):
-            owner.setdefault(m.group(1), f)
-    api = {m.group(1) for m in re.finditer(r"\b(cv_\w+)\s*\(", texts.get(BACKEND_API, ""))}
+            where.setdefault(m.group(1), set()).add(f)
+        if f.endswith(".h"):
+            for m in PROTOTYPE.finditer(t):
+                name = re.search(r"\b(cv_\w+)\s*\(", m.group(0))
+                if name:
+                    where.setdefault(name.group(1), set()).add(f)
     for f, t in texts.items():
-        ff = floor_of(f)
-        ups: dict[str, set[str]] = {}
-        private: dict[str, set[str]] = {}
+        found: dict[tuple[str, str, str], dict[str, set[str]]] = {}
         for m in CALL.finditer(PROTOTYPE.sub(" ", t)):
-            g = owner.get(m.group(1))
-            if not g or g == f:
+            homes = sorted(where.get(m.group(1), set()) - {f})
+            if not homes or f in where.get(m.group(1), set()):
                 continue
-            fg = floor_of(g)
-            if RANK[fg] > RANK[ff]:
-                ups.setdefault(g, set()).add(m.group(1))
-            elif ff in SEES_BACKEND_API_ONLY and fg == "kernels" and m.group(1) not in api:
-                private.setdefault(g, set()).add(m.group(1))
-        for g, names in sorted(ups.items()):
-            problems.append(f"{f} calls up a floor: {g} ({', '.join(sorted(names))})")
-        for g, names in sorted(private.items()):
-            problems.append(f"{f} calls a backend function {BACKEND_API} does not declare: {g} "
-                            f"({', '.join(sorted(names))})")
-    # the Python package
+            for rule in parts.breaches(f, homes):
+                found.setdefault(rule, {}).setdefault(homes[0], set()).add(m.group(1))
+        for rule, by_file in sorted(found.items()):
+            for g, names in sorted(by_file.items()):
+                problems.append(f"{f} calls {', '.join(sorted(names))} of {g}: {_rule(*rule)}")
+    return problems + check_imports(root, parts)
+
+
+def _imported(tree: ast.AST, package: str) -> set[str]:
+    """Module names a Python file imports anywhere (function-local imports too, and
+    importlib.import_module with a constant name), relative names resolved."""
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names)
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None))
+              == "import_module" and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)):
+            out.add(node.args[0].value)
+    return out
+
+
+def _module_file(root: Path, parts: Parts, module: str) -> str | None:
+    """The tree path of a conveyor module: its .py file, its package folder, or the
+    part that builds it (conveyor._core, conveyor._testing)."""
+    if module in parts.modules:
+        return parts.paths[parts.modules[module]][0]
+    if module != "conveyor" and not module.startswith("conveyor."):
+        return None
+    rel = "python/" + module.replace(".", "/")
+    if (root / (rel + ".py")).is_file():
+        return rel + ".py"
+    if (root / rel).is_dir():
+        return rel + "/"
+    return None
+
+
+def check_imports(root: Path, parts: Parts) -> list[str]:
+    problems: list[str] = []
     pkg = root / "python" / "conveyor"
     for p in sorted(pkg.rglob("*.py")) if pkg.is_dir() else []:
         rel = p.relative_to(root).as_posix()
-        if not rel.startswith("python/conveyor/bench/") and PY_TESTING.search(p.read_text(errors="replace")):
-            problems.append(f"{rel} uses conveyor._testing (the test hooks; only conveyor bench may)")
+        package = ".".join(Path(rel[len("python/"):]).with_suffix("").parts)
+        if p.name != "__init__.py":
+            package = package.rsplit(".", 1)[0]
+        try:
+            tree = ast.parse(p.read_text(errors="replace"))
+        except SyntaxError as exc:
+            problems.append(f"{rel} does not parse: {exc.msg}")
+            continue
+        for module in sorted(_imported(tree, package)):
+            g = _module_file(root, parts, module)
+            if g is None:
+                continue
+            for rule in parts.breaches(rel, [g]):
+                problems.append(f"{rel} imports {module}: {_rule(*rule)}")
     return problems
 
 

@@ -217,7 +217,7 @@ static const int SPEC_METHOD_VALUES[] = {CV_SPEC_NGRAM, CV_SPEC_DRAFT};
 /* The engine fields an override may name (the model and tokenizer facts aside). */
 static const char *const CONFIG_FIELDS[] = {
     "model", "dtype", "device", "num_threads", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-    "block_size", "kv_cache_memory", "gpu_memory_utilization", "kv_cache_dtype", "enable_prefix_caching",
+    "block_size", "kv_cache_memory", "kv_cache_sequences", "gpu_memory_utilization", "kv_cache_dtype", "enable_prefix_caching",
     "enable_chunked_prefill", "scheduling", "seed", "quantization", "activation_dtype",
     "max_prefill_tokens_while_decoding", "max_queued_requests", "admission_reserve", "speculative_config"};
 static const char *const SPEC_FIELDS[] = {"method", "model", "num_speculative_tokens", "prompt_lookup_min",
@@ -305,6 +305,7 @@ int cv_py_engine_config_read(cv_py_engine_config *c, PyObject *config, PyObject 
         read_int(&s, "max_num_batched_tokens", 1, &cfg->max_num_batched_tokens) < 0 ||
         read_int(&s, "block_size", 0, &cfg->block_size) < 0 ||
         read_int(&s, "kv_cache_memory", 1, &cfg->kv_cache_bytes) < 0 ||
+        read_int(&s, "kv_cache_sequences", 1, &cfg->kv_cache_sequences) < 0 ||
         read_double(&s, "gpu_memory_utilization", &cfg->gpu_memory_utilization) < 0 ||
         read_bool(&s, "enable_prefix_caching", &cfg->enable_prefix_caching) < 0 ||
         read_bool(&s, "enable_chunked_prefill", &cfg->enable_chunked_prefill) < 0 ||

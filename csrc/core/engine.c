@@ -14,9 +14,9 @@
 
 /* The default KV cache: on a device, gpu_memory_utilization of its free memory
  * (weights and activations are already allocated); on the CPU a quarter of the
- * available memory, at most 4 GiB. Never more than max_num_seqs full-length
+ * available memory, at most 4 GiB. Never more than kv_sequences full-length
  * sequences need, never less than one. */
-static size_t default_kv_bytes(cv_engine *e, size_t per_token, double gpu_util) {
+static size_t default_kv_bytes(cv_engine *e, size_t per_token, double gpu_util, int64_t kv_sequences) {
     size_t share = 0, free_b = 0, total_b = 0;
     if (e->backend->mem_info && e->backend->mem_info(e->backend, &free_b, &total_b) == 0) {
         share = (size_t)((double)free_b * (gpu_util > 0 && gpu_util <= 1 ? gpu_util : 0.9));
@@ -26,7 +26,7 @@ static size_t default_kv_bytes(cv_engine *e, size_t per_token, double gpu_util) 
         share = avail / 4;
         if (share > ((size_t)4 << 30)) share = (size_t)4 << 30;
     }
-    size_t want = per_token * (size_t)e->max_model_len * (size_t)e->max_num_seqs;
+    size_t want = per_token * (size_t)e->max_model_len * (size_t)kv_sequences;
     size_t minimum = per_token * (size_t)(e->max_model_len + 2 * e->block_size);
     size_t kv = share < want ? share : want;
     return kv < minimum ? minimum : kv;
@@ -110,7 +110,8 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
     if (kvt == CV_DTYPE_INVALID) kvt = cv_worker_auto_kv_dtype(&e->worker);
     size_t per_token = cv_kv_bytes_per_token(mc->n_layers, mc->n_kv_heads, mc->head_dim, kvt);
     size_t kv = cfg->kv_cache_bytes > 0 ? (size_t)cfg->kv_cache_bytes
-                                         : default_kv_bytes(e, per_token, cfg->gpu_memory_utilization);
+                                         : default_kv_bytes(e, per_token, cfg->gpu_memory_utilization,
+                                                            cv_engine_config_kv_sequences(cfg));
     if ((rc = cv_worker_init_cache(&e->worker, kvt, e->block_size, kv, cfg->enable_prefix_caching, cfg->cancel,
                                    err)))
         goto fail;

@@ -14,6 +14,7 @@ void cv_engine_config_defaults(cv_engine_config *cfg) {
     cfg->max_num_batched_tokens = CV_CONFIG_AUTO;
     cfg->block_size = 16;
     cfg->kv_cache_bytes = CV_CONFIG_AUTO;
+    cfg->kv_cache_sequences = CV_CONFIG_AUTO;
     cfg->gpu_memory_utilization = 0.9;
     cfg->enable_prefix_caching = 1;
     cfg->enable_chunked_prefill = 1;
@@ -55,6 +56,7 @@ int cv_engine_config_check(const cv_engine_config *cfg, cv_err *err) {
         (rc = check_range(err, "max_num_batched_tokens", cfg->max_num_batched_tokens, 1,
                           CV_CONFIG_MAX_BATCHED_TOKENS, 1)) ||
         (rc = check_range(err, "block_size", cfg->block_size, 1, CV_CONFIG_MAX_BLOCK_SIZE, 0)) ||
+        (rc = check_range(err, "kv_cache_sequences", cfg->kv_cache_sequences, 1, CV_CONFIG_MAX_NUM_SEQS, 1)) ||
         (rc = check_range(err, "max_prefill_tokens_while_decoding", cfg->max_prefill_tokens_while_decoding, 0,
                           CV_CONFIG_MAX_PREFILL_CAP, 1)) ||
         (rc = check_range(err, "max_queued_requests", cfg->max_queued_requests, 0, CV_CONFIG_MAX_QUEUED, 1)) ||
@@ -74,4 +76,10 @@ int cv_engine_config_check(const cv_engine_config *cfg, cv_err *err) {
 int64_t cv_engine_config_prefill_cap(const cv_engine_config *cfg) {
     if (cfg->max_prefill_tokens_while_decoding != CV_CONFIG_AUTO) return cfg->max_prefill_tokens_while_decoding;
     return cfg->use_cuda ? CV_DEFAULT_PREFILL_CAP_CUDA : CV_DEFAULT_PREFILL_CAP_CPU;
+}
+
+int64_t cv_engine_config_kv_sequences(const cv_engine_config *cfg) {
+    if (cfg->kv_cache_sequences == CV_CONFIG_AUTO || cfg->kv_cache_sequences > cfg->max_num_seqs)
+        return cfg->max_num_seqs;
+    return cfg->kv_cache_sequences;
 }

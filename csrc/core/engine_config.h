@@ -43,7 +43,10 @@ typedef struct cv_engine_config {
     int64_t max_num_seqs;
     int64_t max_num_batched_tokens; /* AUTO: 2048, at least max_num_seqs (max_model_len without chunking) */
     int64_t block_size;
-    int64_t kv_cache_bytes;         /* AUTO: a share of free memory */
+    int64_t kv_cache_bytes;         /* AUTO: cv_engine_config_kv_sequences full-length sequences, capped by a
+                                     * share of free memory */
+    int64_t kv_cache_sequences;     /* [1, CV_CONFIG_MAX_NUM_SEQS]: how many max_model_len-long sequences the
+                                     * default pool holds (never more than max_num_seqs); AUTO: max_num_seqs */
     double gpu_memory_utilization;  /* CUDA only */
     cv_dtype kv_dtype;              /* CV_DTYPE_INVALID: the weights' dtype */
     int enable_prefix_caching;
@@ -77,6 +80,10 @@ void cv_engine_config_defaults(cv_engine_config *cfg);
 /* Every range that needs no model (the speculative config's included).
  * CV_ERR_INVALID with err->field naming the field at fault. */
 int cv_engine_config_check(const cv_engine_config *cfg, cv_err *err);
+
+/* How many full-length sequences the default KV pool (kv_cache_bytes AUTO)
+ * is sized for: kv_cache_sequences, at most max_num_seqs. */
+int64_t cv_engine_config_kv_sequences(const cv_engine_config *cfg);
 
 /* max_prefill_tokens_while_decoding with AUTO resolved for the device. */
 int64_t cv_engine_config_prefill_cap(const cv_engine_config *cfg);

@@ -28,8 +28,13 @@ from .speculative import parse_speculative_config, spec_stats
 DEFAULT_PREFILL_CAP = {"cpu": _core.DEFAULT_PREFILL_CAP_CPU, "cuda": _core.DEFAULT_PREFILL_CAP_CUDA}
 # LLM (offline: generate/chat run a batch to completion, nobody watches a stream) takes no
 # cap by default: the cap trades throughput for inter-token latency, which an offline batch
-# does not have (docs/performance.md, "Offline batches end to end").
+# does not have (docs/dev/study.md, "Offline batches end to end").
 OFFLINE_PREFILL_CAP = 0
+# LLM's default KV pool: room for this many sequences of max_model_len tokens (at most
+# max_num_seqs), as the CLI's pool holds its requests. LLM does not know its workload when
+# it is made; four full contexts hold dozens of typical requests at once, and the scheduler
+# preempts rather than fails past that. kv_cache_memory or kv_cache_sequences overrides it.
+OFFLINE_KV_SEQUENCES = 4
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40,
@@ -123,6 +128,9 @@ class EngineArgs:
     max_num_batched_tokens: Optional[int] = None
     block_size: int = 16
     kv_cache_memory: Any = None
+    # The default pool (kv_cache_memory None) holds this many sequences of max_model_len
+    # tokens, at most max_num_seqs, capped by a share of free memory. None: max_num_seqs.
+    kv_cache_sequences: Optional[int] = None
     kv_cache_dtype: str = "auto"  # auto: the activation dtype; bfloat16 under quantized weights; int8: CPU only
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -134,7 +142,7 @@ class EngineArgs:
     quantization: Optional[str] = None  # "q8_0" | "q4_0" | "q4_1": quantize the matrices at load
     # GEMM inputs over bf16 weights on the CPU. "auto": rounded to bf16 where the CPU has
     # vdpbf16ps (AVX512_BF16; twice the fp32 FMA rate, as vLLM's and oneDNN's bf16 paths);
-    # "float32": exact float32 activations on every CPU (docs/performance.md: what it costs).
+    # "float32": exact float32 activations on every CPU (docs/dev/bf16.md: what it costs).
     activation_dtype: str = "auto"
     # Stall-free mixed steps: while sequences decode, a step carries at most this many
     # prompt tokens (chunked prefill only). None: 96 on the CPU (a step's time grows with
@@ -189,7 +197,7 @@ class EngineArgs:
 
         for name in ("max_num_seqs", "block_size", "seed"):
             check_type(name, is_int, "an int")
-        for name in ("max_model_len", "max_num_batched_tokens", "num_threads",
+        for name in ("max_model_len", "max_num_batched_tokens", "num_threads", "kv_cache_sequences",
                      "max_prefill_tokens_while_decoding", "max_queued_requests", "admission_reserve"):
             check_type(name, lambda v: v is None or is_int(v), "an int or None")
         for name in ("dtype", "kv_cache_dtype", "scheduling", "device", "activation_dtype"):

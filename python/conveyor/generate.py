@@ -158,7 +158,8 @@ def main(argv=None) -> int:
     max_num_seqs = args.max_num_seqs or (1 if args.stream else min(256, len(prompts) * args.n))
     kwargs = dict(dtype=args.dtype, num_threads=args.num_threads, device=args.device,
                   scheduling=args.scheduling, max_model_len=args.max_model_len,
-                  max_num_seqs=max_num_seqs, kv_cache_memory=args.kv_cache_memory,
+                  max_num_seqs=max_num_seqs, kv_cache_sequences=max_num_seqs,
+                  kv_cache_memory=args.kv_cache_memory,
                   quantization=args.quantization, activation_dtype=args.activation_dtype,
                   speculative_config=args.speculative_config)
     t_load = time.perf_counter()

@@ -322,12 +322,7 @@ class GGUFTokenizer(HFTokenizer):
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
         ids = self._spm.encode(text)
-        if add_special_tokens:
-            if self.add_bos_token and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
-                ids.insert(0, self.bos_id)
-            if self.add_eos_token and self.eos_id is not None and (not ids or ids[-1] != self.eos_id):
-                ids.append(self.eos_id)
-        return ids
+        return self._with_bos_eos(ids) if add_special_tokens else ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """As HF `tokenizers` decodes a SentencePiece vocabulary: "▁" as a space, runs of

@@ -10,7 +10,8 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from ._core import EngineClosedError
-from .engine import OFFLINE_PREFILL_CAP, EngineArgs, EngineCore, EngineFrontend, check_priority, check_timeout
+from .engine import (OFFLINE_KV_SEQUENCES, OFFLINE_PREFILL_CAP, EngineArgs, EngineCore, EngineFrontend,
+                     check_priority, check_timeout)
 from .models import resolve_model
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -63,6 +64,7 @@ class LLM(EngineFrontend):
         # offline default: no prefill cap (a latency knob for watched streams; AsyncLLM and
         # the server keep it)
         kwargs.setdefault("max_prefill_tokens_while_decoding", OFFLINE_PREFILL_CAP)
+        kwargs.setdefault("kv_cache_sequences", OFFLINE_KV_SEQUENCES)
         self._core = EngineCore(EngineArgs.from_kwargs(resolve_model(model), kwargs))
         self._finalizer = weakref.finalize(self, EngineCore.close, self._core)
 

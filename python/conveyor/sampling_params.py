@@ -66,7 +66,7 @@ class SamplingParams:
     output_kind: str = "cumulative"
     # Guided decoding (conveyor.guided): a GuidedDecodingParams, or a dict of its fields.
     guided_decoding: Optional[Any] = None
-    # ---- issue 17 (b17a): prompt logprobs, logit controls, best_of ----
+    # ---- prompt logprobs and logit controls ----
     prompt_logprobs: Optional[int] = None
     logit_bias: Optional[dict[int, float]] = None
     allowed_token_ids: Optional[list[int]] = None
@@ -123,7 +123,7 @@ class SamplingParams:
             raise field_error(type(e), getattr(e, "field", None), f"SamplingParams.{e}") from None
 
     def _check_logit_controls(self):
-        """Types only (issue 17); the ranges are the C engine's."""
+        """Types only; the ranges are the C engine's."""
         _check_int("prompt_logprobs", self.prompt_logprobs, allow_none=True)
         _check_int("best_of", self.best_of, allow_none=True)
         if self.logit_bias is not None:

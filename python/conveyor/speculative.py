@@ -1,4 +1,4 @@
-"""speculative_config (issue 26): its parsing, and the acceptance figures.
+"""speculative_config: its parsing, and the acceptance figures.
 
 The engine (csrc/core/speculative.c, engine_sample.c) proposes, verifies and
 rolls back; docs/speculative.md describes how.

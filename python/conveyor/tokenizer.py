@@ -698,11 +698,15 @@ class HFTokenizer(Tokenizer):
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
         ids = list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
-        if add_special_tokens:
-            if self.add_bos_token and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
-                ids.insert(0, self.bos_id)
-            if self.add_eos_token and self.eos_id is not None and (not ids or ids[-1] != self.eos_id):
-                ids.append(self.eos_id)
+        return self._with_bos_eos(ids) if add_special_tokens else ids
+
+    def _with_bos_eos(self, ids: list[int]) -> list[int]:
+        """ids with BOS in front and EOS at the end where the tokenizer adds them and
+        they are not there yet (the HF post-processor or the text may hold them already)."""
+        if self.add_bos_token and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids.insert(0, self.bos_id)
+        if self.add_eos_token and self.eos_id is not None and (not ids or ids[-1] != self.eos_id):
+            ids.append(self.eos_id)
         return ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:

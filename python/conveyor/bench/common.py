@@ -1,7 +1,7 @@
 """Shared pieces of the end-to-end benchmarks (throughput, variance, latency, timeline).
 
 - workload generation with fixed seeds: random token-id prompts, capped exponential
-  output lengths (Workload V and L of docs/BENCHMARKS.md);
+  output lengths (Workload V and L of docs/benchmarks.md);
 - an offline runner that drives the engine step by step (as ``LLM.generate`` does) so
   it can sample ``stats()`` after every step (KV waste, batch occupancy) and record the
   engine's step trace;

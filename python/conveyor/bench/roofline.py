@@ -69,7 +69,8 @@ def run(model: str, threads: Optional[int] = None, dtype: str = "bfloat16",
     res: Dict[str, Any] = {"triad_gbs": triad, "read_gbs": read, "sgemm_gflops": sgemm_peak_gflops(),
                            "model": model, "threads": threads or _core.kernel_info()["cores"],
                            "simd": _core.kernel_info()["simd"], "repeats": repeats}
-    with LLM(model, dtype=dtype, num_threads=threads or None, max_num_seqs=max(n_running, 8),
+    n_seqs = max(n_running, 8)  # and a pool that holds them all: the runs must not preempt
+    with LLM(model, dtype=dtype, num_threads=threads or None, max_num_seqs=n_seqs, kv_cache_sequences=n_seqs,
              enable_prefix_caching=False, quantization=quantization, activation_dtype=activation_dtype) as llm:
         cfg = llm.model_config
         res["config"] = cfg

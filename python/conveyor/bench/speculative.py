@@ -91,8 +91,8 @@ def run(model: str, *, workload: str = "repeat", batch: int = 1, max_tokens: int
 
     spec = parse_speculative_config(speculative_config or DEFAULT_SPEC)
     spec["disable_by_batch_size"] = 0  # this benchmark measures speculation itself
-    kw = dict(max_model_len=max_model_len, max_num_seqs=max(batch, 1), enable_prefix_caching=False,
-              num_threads=num_threads)
+    kw = dict(max_model_len=max_model_len, max_num_seqs=max(batch, 1), kv_cache_sequences=max(batch, 1),
+              enable_prefix_caching=False, num_threads=num_threads)
     if max_model_len is None:  # the model's own, at most 2048 (the prompts and outputs here fit)
         from .._core import Checkpoint
 
