@@ -354,13 +354,17 @@ def _kv_bytes_per_token(llm) -> int:
     return 2 * cfg["n_layers"] * cfg["n_kv_heads"] * head_dim * size
 
 
-@pytest.mark.parametrize("max_num_seqs", [256, 4])
-def test_default_kv_cache_is_what_the_model_can_use(stories_dir, max_num_seqs):
+@pytest.mark.parametrize("max_num_seqs,kv_cache_sequences,held", [(256, None, 4), (2, None, 2), (256, 256, 256),
+                                                                    (4, 4, 4)])
+def test_default_kv_cache_is_what_the_model_can_use(stories_dir, max_num_seqs, kv_cache_sequences, held):
+    """LLM's default pool holds kv_cache_sequences full-length sequences (4 unless said,
+    never more than max_num_seqs), exactly, while free memory does not bind."""
     from conveyor import LLM
 
-    with LLM(str(stories_dir / "stories260K.bin"), max_num_seqs=max_num_seqs) as llm:
+    kw = {} if kv_cache_sequences is None else {"kv_cache_sequences": kv_cache_sequences}
+    with LLM(str(stories_dir / "stories260K.bin"), max_num_seqs=max_num_seqs, **kw) as llm:
         st = llm.stats()
-        need = _kv_bytes_per_token(llm) * st["max_model_len"] * max_num_seqs
+        need = _kv_bytes_per_token(llm) * st["max_model_len"] * held
         block = _kv_bytes_per_token(llm) * st["block_size"]
         assert st["max_num_seqs"] == max_num_seqs
         assert st["kv_cache_bytes"] <= need + 2 * block
