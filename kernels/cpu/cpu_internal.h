@@ -304,7 +304,7 @@ void cv_cpu_kv_write_token(const cv_kv_layer *cache, const float *k, const float
 /* vec_math.h: lane masks, horizontal sums, exp. threadpool.h, cpu_features.h:
  * the pool and the CPU's features. */
 
-/* peak.c: cv_cpu_measure_peak; backend_cpu.c: cv_cpu_triad, cv_cpu_read_bw
- * (declared in cpu_backend.h). */
+/* measure.c: cv_cpu_measure_peak, cv_cpu_triad, cv_cpu_read_bw (declared in
+ * cpu_backend.h). */
 
 #endif
