@@ -1,5 +1,6 @@
 /* The CPU backend: its function table, lifetime, buffers and tables, and
  * what cpu_backend.h reports about it. */
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -11,16 +12,29 @@
 /* ------------------------------------------------------------------------ */
 /* Introspection (cpu_backend.h)                                             */
 
-/* Kernel families and the highest SIMD level each has code for; keep in step
- * with the kernels. */
+/* Kernel families: the entries of the kernel table (kernel_table.h) that an
+ * operation runs. A family's path at a level is the lowest level whose table
+ * holds the same entries, so it follows the kernels without a list to keep. */
+#define ENTRY(field) offsetof(cv_cpu_kernels, field), sizeof(((cv_cpu_kernels *)0)->field)
+#define MAX_ENTRIES 7
 static const struct {
     const char *name;
-    cv_simd_level top;
+    struct {
+        size_t off, size;
+    } entries[MAX_ENTRIES];
 } families[] = {
-    {"gemm_f32", CV_SIMD_AVX512}, {"gemm_f16", CV_SIMD_AVX512}, {"gemm_bf16", CV_SIMD_AVX512_BF16},
-    {"rmsnorm", CV_SIMD_AVX512},  {"rope", CV_SIMD_AVX512},     {"swiglu", CV_SIMD_AVX512},
-    {"attention", CV_SIMD_AVX512}, {"convert", CV_SIMD_AVX512},
-    {"attention_bf16", CV_SIMD_AVX512_BF16}, /* over a bf16 cache: vdpbf16ps (attention_avx512.h) */
+    {"gemm_f32", {{ENTRY(gemm[0])}, {ENTRY(gemm_np)}}},
+    {"gemm_f16", {{ENTRY(gemm[2])}, {ENTRY(gemm_np)}}},
+    {"gemm_bf16", {{ENTRY(gemm[1])}, {ENTRY(gemm_np)}, {ENTRY(gemm_pairs)}, {ENTRY(gemm_pairs_pf)}}},
+    {"rmsnorm", {{ENTRY(rms_row)}}},
+    {"rope", {{ENTRY(rope_head)}}},
+    {"swiglu", {{ENTRY(swiglu_part)}}},
+    {"attention", {{ENTRY(att_scores)}, {ENTRY(att_scale)}, {ENTRY(att_softmax)}, {ENTRY(att_pv)}}},
+    {"convert", {{ENTRY(widen_part)}, {ENTRY(narrow_part)}}},
+    /* over a bf16 cache: the bf16 entries where the level has them */
+    {"attention_bf16",
+     {{ENTRY(att_scores)}, {ENTRY(att_scale)}, {ENTRY(att_softmax)}, {ENTRY(att_pv)}, {ENTRY(att_round_q_bf16)},
+      {ENTRY(att_scores_bf16)}, {ENTRY(att_pv_bf16)}}},
 };
 #define N_FAMILIES ((int)(sizeof families / sizeof families[0]))
 
@@ -28,9 +42,23 @@ int cv_cpu_family_count(void) { return N_FAMILIES; }
 
 const char *cv_cpu_family_name(int i) { return i >= 0 && i < N_FAMILIES ? families[i].name : NULL; }
 
+static int same_entries(int i, const cv_cpu_kernels *a, const cv_cpu_kernels *b) {
+    for (int e = 0; e < MAX_ENTRIES && families[i].entries[e].size; e++)
+        if (memcmp((const char *)a + families[i].entries[e].off, (const char *)b + families[i].entries[e].off,
+                   families[i].entries[e].size) != 0)
+            return 0;
+    return 1;
+}
+
 cv_simd_level cv_cpu_family_path(int i, cv_simd_level level) {
-    if (i < 0 || i >= N_FAMILIES) return CV_SIMD_SCALAR;
-    return level < families[i].top ? level : families[i].top;
+    if (i < 0 || i >= N_FAMILIES || level <= CV_SIMD_SCALAR || level >= CV_SIMD_LEVELS) return CV_SIMD_SCALAR;
+    cv_cpu_kernels at, below;
+    cv_cpu_kernels_fill(level, &at);
+    for (int l = CV_SIMD_SCALAR; l < (int)level; l++) {
+        cv_cpu_kernels_fill((cv_simd_level)l, &below);
+        if (same_entries(i, &at, &below)) return (cv_simd_level)l;
+    }
+    return level;
 }
 
 cv_cpu_shapes cv_cpu_backend_shapes(void) {
@@ -179,7 +207,7 @@ static int cpu_table_prepare(cv_backend *b, cv_table *out, const void *src, cv_d
             continue;
         }
         cv_convert_to_f32(row, s, src_dtype, (size_t)cols);
-        cv_cpu_narrow(d, dtype, row, cols, c->simd);
+        cv_cpu_narrow(d, dtype, row, cols, &c->kern);
     }
     out->data = data;
     out->dtype = dtype;
@@ -286,6 +314,7 @@ cv_backend *cv_cpu_backend_create_simd(int num_threads, const char *simd, cv_err
     b->name = "cpu";
     b->ctx = c;
     c->simd = (int)level;
+    cv_cpu_kernels_fill(level, &c->kern);
     c->qlevel = cv_qlevel_best((int)level);
     if (cv_pool_create(&c->pool, num_threads, err) < 0) {
         cpu_destroy(b);

@@ -17,7 +17,7 @@
  * lane per instruction, twice the fp32 FMA rate, half the weight bytes). */
 #include <string.h>
 
-#include "gemm_ukr.h"
+#include "../gemm_ukr.h"
 
 #if CV_HAVE_AVX512
 CV_TARGET_AVX512_BEGIN
@@ -157,8 +157,8 @@ static CV_ALWAYS_INLINE void ukr_dot(const int mr, int64_t kc, const float *xf, 
     }
 DOT_UKR(1, dot_1) DOT_UKR(2, dot_2) DOT_UKR(3, dot_3) DOT_UKR(4, dot_4) DOT_UKR(5, dot_5)
 DOT_UKR(6, dot_6)
-const ukr_fn cv_gemm_bf16dot_table[CV_MR + 1] = UKR_LIST(dot_);
-const ukr_pf_fn cv_gemm_bf16dot_pf_table[CV_MR + 1] = {NULL, dot_1_pf, dot_2_pf, dot_3_pf, dot_4_pf, dot_5_pf,
+const cv_ukr_fn cv_gemm_bf16dot_table[CV_MR + 1] = UKR_LIST(dot_);
+const cv_ukr_pf_fn cv_gemm_bf16dot_pf_table[CV_MR + 1] = {NULL, dot_1_pf, dot_2_pf, dot_3_pf, dot_4_pf, dot_5_pf,
                                                        dot_6_pf};
 CV_TARGET_END
 #endif
