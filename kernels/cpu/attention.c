@@ -7,10 +7,11 @@
  * 0 .. (last position of the tile) through the block table in chunks of
  * CV_ATT_KCHUNK keys with an online softmax (running max m, sum l, unnormalized
  * acc), so no buffer of context length is needed. Items are handed out
- * dynamically, longest first. Scores and P.V are register-blocked
- * micro-kernels (plain C and AVX2 here: up to 4 query vectors x 4 keys, or x
- * 32 dims; AVX-512 and AVX512_BF16 in x86/avx512_attention.c: 16 scores per
- * transpose-add tree, and vdpbf16ps over a bf16 cache). A chunk's row
+ * dynamically, longest first. Scores and P.V are the chunk kernels of the
+ * backend's kernel table (plain C here; AVX2 in x86/avx2_attention.c: up to
+ * 4 query vectors x 4 keys, or x 32 dims; AVX-512 and AVX512_BF16 in
+ * x86/avx512_attention.c: 16 scores per transpose-add tree, and vdpbf16ps
+ * over a bf16 cache). A chunk's row
  * pointers come from one walk of the block table, and the next chunk's rows
  * are prefetched while this one computes (decode reads each row once): K
  * before the scores, V before P.V, and after a tile's last chunk the first

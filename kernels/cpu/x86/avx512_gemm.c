@@ -1,5 +1,5 @@
 /* AVX-512 GEMM micro-kernels (contract and reduction-order rule in
- * gemm_ukr.h), the counterparts of the AVX2 ones in gemm.c: one zmm holds the
+ * gemm_ukr.h), the counterparts of the AVX2 ones (avx2_gemm.c): one zmm holds the
  * 16 outputs of a panel row, and a tile is mr rows x 4 panels (64 columns):
  * up to 24 accumulators, each one output chain in k order, so FMA latency is
  * covered by columns, never by splitting k. Each k step loads 4 weight
