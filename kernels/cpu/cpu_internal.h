@@ -11,9 +11,10 @@
 #include "cpu_features.h"
 #include "threadpool.h"
 
-/* The SIMD paths are compiled on every x86-64 build, each function for its
- * own target (CV_TARGET_*_BEGIN/END in cpu_features.h), and chosen at run
- * time from cv_cpu.simd; no -march is needed. */
+/* The SIMD paths (x86/) are compiled on every x86-64 build, each function
+ * for its own target (CV_TARGET_*_BEGIN/END in cpu_features.h), and chosen at
+ * run time: once per backend, from cv_cpu.simd, into its kernel table
+ * (kernel_table.h); no -march is needed. */
 #if defined(CV_EMULATE_AVX512) /* development: portable intrinsics (tools/avx512_emu) */
 #define CV_HAVE_AVX2 1
 #define CV_HAVE_AVX512 1

@@ -5,8 +5,8 @@
  * it has one and widened in registers. The micro-kernel keeps an mr x 16 tile
  * of fp32 accumulators (mr <= 6 tokens) in registers, broadcasting x and
  * streaming one panel; the backend's kernel table (kernel_table.h) holds the
- * level's micro-kernels (plain C here, SIMD under x86/). Blocking: a block of tokens whose x (mc x cols) stays
- * in L2; for each panel, cols in chunks of about KC so the panel chunk stays
+ * level's micro-kernels (plain C here, SIMD under x86/). Blocking: a block of
+ * tokens whose x (mc x cols) stays in L2; for each panel, cols in chunks of about KC so the panel chunk stays
  * in L1 while all token tiles of the block pass over it (the C tiles of the
  * panel stay in cache across the chunks). A thread with many panels first
  * packs its x block tile by tile ([cols][mr]) so the broadcasts stream.
