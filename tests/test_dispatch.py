@@ -49,6 +49,26 @@ def test_kernel_info_reports_features_levels_and_paths():
     assert {"gemm_f32", "gemm_bf16", "attention", "rmsnorm"} <= set(INFO["paths"])
 
 
+# The level of the code each family has, from the kernels that exist (an independent list):
+# nothing has code past AVX-512 but the bf16 GEMM and attention over a bf16 cache (vdpbf16ps).
+TOP = {"gemm_f32": "avx512", "gemm_f16": "avx512", "gemm_bf16": "avx512_bf16", "rmsnorm": "avx512",
+       "rope": "avx512", "swiglu": "avx512", "attention": "avx512", "convert": "avx512",
+       "attention_bf16": "avx512_bf16"}
+
+
+def test_paths_at_each_level_are_the_kernels_that_level_runs(monkeypatch):
+    """kernel_info reads each family's path off the kernel table of the level asked for: the
+    level itself up to the family's own top level, and that top level above it."""
+    for level in INFO["levels"]:
+        monkeypatch.setenv("CONVEYOR_SIMD", level)
+        info = core.kernel_info()
+        assert info["simd"] == level
+        assert set(info["paths"]) == set(TOP)
+        for fam, path in info["paths"].items():
+            want = min(LEVELS.index(level), LEVELS.index(TOP[fam]))
+            assert path == LEVELS[want], (level, fam, path)
+
+
 @pytest.mark.skipif(cpuinfo_flags() is None, reason="no /proc/cpuinfo flags")
 @pytest.mark.skipif(INFO.get("emulated", False), reason="emulated intrinsics: every level reported")
 def test_detected_levels_match_proc_cpuinfo():

@@ -442,7 +442,7 @@ def bf16_dot_attention(impl, cdt):
 
 def attention_ref(c, scale, window=0, with_bf16_bound=False):
     """float64 attention (window > 0: a sliding window of that many positions); with with_bf16_bound, also the bound of the
-    vdpbf16ps path per output element (kernels/cpu/attention_avx512.h):
+    vdpbf16ps path per output element (kernels/cpu/x86/avx512_attention.h):
     rounding q to bf16 (unit roundoff u = 2^-9) moves score i by at most
     E = u sum_d |q_d k_id| (products and sums in fp32), so each weight by a
     factor within exp(+-2E); rounding p to bf16 moves each term by u more:

@@ -26,16 +26,20 @@ import sys
 from pathlib import Path
 
 # rank: a file may call files of its own rank or lower; same-rank calls must not form a circle
-BACKEND = {"kernels/cpu/backend_cpu.c": 3}
+BACKEND = {"kernels/cpu/backend_cpu.c": 3, "kernels/cpu/kernel_table.c": 3}
 OPERATIONS = {  # family -> files; an operation calls only within its family (or below)
-    "gemm": ["kernels/cpu/gemm.c", "kernels/cpu/gemm_avx512.c", "kernels/cpu/quant.c", "kernels/cpu/quant_avx2.c",
-             "kernels/cpu/quant_vnni.c", "kernels/cpu/quant_vnni512.c", "kernels/cpu/quant_q2k.c"],
-    "attention": ["kernels/cpu/attention.c", "kernels/cpu/attention_avx512.c"],
+    "gemm": ["kernels/cpu/gemm.c", "kernels/cpu/quant.c", "kernels/cpu/x86/avx2_quant.c",
+             "kernels/cpu/x86/avxvnni_quant.c", "kernels/cpu/x86/vnni512_quant.c", "kernels/cpu/x86/avx2_q2k.c"],
+    "attention": ["kernels/cpu/attention.c"],
     "elementwise": ["kernels/cpu/elementwise.c"],
-    "peak": ["kernels/cpu/peak.c"],
+    "measure": ["kernels/cpu/measure.c"],
 }
-SHARED = ["kernels/cpu/kv_write.c", "kernels/cpu/row_kernels.c", "kernels/cpu/convert.c", "kernels/cpu/vec_math.c",
-          "kernels/cpu/vec_math.h", "kernels/cpu/threadpool.c", "kernels/cpu/cpu_features.c"]
+SHARED = ["kernels/cpu/kv_write.c", "kernels/cpu/row_kernels.c", "kernels/cpu/convert.c", "kernels/cpu/threadpool.c",
+          "kernels/cpu/cpu_features.c",
+          # the SIMD kernels of each level, reached through the kernel table (kernel_table.c)
+          "kernels/cpu/x86/avx2_gemm.c", "kernels/cpu/x86/avx512_gemm.c", "kernels/cpu/x86/avx2_attention.c",
+          "kernels/cpu/x86/avx512_attention.c", "kernels/cpu/x86/avx2_rows.c", "kernels/cpu/x86/avx512_rows.c",
+          "kernels/cpu/x86/vec_math.c", "kernels/cpu/x86/vec_math.h"]
 BOTTOM = ["base/common.c", "base/common.h", "base/quant_format.h"]
 
 DEF = re.compile(r"^(?!static\b(?!\s+(?:inline|CV_ALWAYS_INLINE)))[A-Za-z_][\w \t\*]*?\b(cv_\w+)\s*\([^;{]*\)\s*\{",
@@ -258,7 +262,7 @@ def check_cpu_layers(root: Path) -> list[str]:
     for f, t in texts.items():
         for m in DEF.finditer(t):
             owner.setdefault(m.group(1), f)
-    unknown = sorted(p.relative_to(root).as_posix() for p in (root / "kernels/cpu").glob("*.c")
+    unknown = sorted(p.relative_to(root).as_posix() for p in (root / "kernels/cpu").rglob("*.c")
                      if p.relative_to(root).as_posix() not in lay)
     problems = [f"{f}: not placed in a layer (tools/check_layers.py)" for f in unknown]
     edges: dict[str, dict[str, set[str]]] = {f: {} for f in lay}

@@ -1,5 +1,5 @@
 /* Development microbenchmark of the AVX512-VNNI panel kernels (kernels/cpu/
- * quant_vnni512.c, the P16 layout of quant.h), one core, no threads or
+ * x86/vnni512_quant.c, the P16 layout of quant.h), one core, no threads or
  * Python: for each tile shape (P panels x T tokens), TSC cycles per 64-MAC
  * dot (one vpdpbusd's worth: 16 rows x 4 columns x 1 token) with the weights
  * in L1/L2 (the same panels called again and again: batched steps), beside
@@ -7,7 +7,7 @@
  * ratio is the kernel's fraction of the int8-dot peak. Best of many short
  * runs, so a loaded machine shows its quiet moments. Needs AVX512-VNNI.
  *
- *   gcc -O3 -std=c11 -D_GNU_SOURCE -Ikernels tools/qp16_bench.c kernels/cpu/quant_vnni512.c -o /tmp/qp16_bench
+ *   gcc -O3 -std=c11 -D_GNU_SOURCE -Ikernels tools/qp16_bench.c kernels/cpu/x86/vnni512_quant.c -o /tmp/qp16_bench
  *   /tmp/qp16_bench [blocks]        # default 18 blocks (576 columns)
  */
 #include <stdio.h>

@@ -6,7 +6,7 @@
  * short runs, so a loaded machine shows its quiet moments; still not a figure
  * to quote from a shared VM.
  *
- *   gcc -O3 -std=c11 -D_GNU_SOURCE -Ikernels tools/qtile_bench.c kernels/cpu/quant_avx2.c -o /tmp/qtile_bench
+ *   gcc -O3 -std=c11 -D_GNU_SOURCE -Ikernels tools/qtile_bench.c kernels/cpu/x86/avx2_quant.c -o /tmp/qtile_bench
  *   /tmp/qtile_bench            # q8_0, q4_0, q4_1
  */
 #include <stdio.h>

@@ -7,10 +7,11 @@
  * 0 .. (last position of the tile) through the block table in chunks of
  * CV_ATT_KCHUNK keys with an online softmax (running max m, sum l, unnormalized
  * acc), so no buffer of context length is needed. Items are handed out
- * dynamically, longest first. Scores and P.V are register-blocked
- * micro-kernels (plain C and AVX2 here: up to 4 query vectors x 4 keys, or x
- * 32 dims; AVX-512 and AVX512_BF16 in attention_avx512.c: 16 scores per
- * transpose-add tree, and vdpbf16ps over a bf16 cache). A chunk's row
+ * dynamically, longest first. Scores and P.V are the chunk kernels of the
+ * backend's kernel table (plain C here; AVX2 in x86/avx2_attention.c: up to
+ * 4 query vectors x 4 keys, or x 32 dims; AVX-512 and AVX512_BF16 in
+ * x86/avx512_attention.c: 16 scores per transpose-add tree, and vdpbf16ps
+ * over a bf16 cache). A chunk's row
  * pointers come from one walk of the block table, and the next chunk's rows
  * are prefetched while this one computes (decode reads each row once): K
  * before the scores, V before P.V, and after a tile's last chunk the first
@@ -32,9 +33,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "attention_avx512.h"
 #include "cpu_internal.h"
-#include "vec_math.h"
 
 /* Keys per segment (a multiple of CV_ATT_KCHUNK): the unit of the fixed
  * merge order, and of the split across threads. */
@@ -83,7 +82,7 @@ typedef struct att_job {
     size_t partial_floats;
     atomic_int *counters;       /* [n_items] parts left (split mode) */
     atomic_llong next;          /* next item or unit to claim */
-    int simd;
+    const cv_cpu_kernels *kern;
 } att_job;
 
 /* The tile an item stands for. */
@@ -132,22 +131,9 @@ static void locate(const att_job *j, att_cursor *c, int64_t item, att_tile *t) {
     t->g1 = t->g0 + j->GT < j->G ? t->g0 + j->GT : j->G;
 }
 
-static inline float kv_get(const void *p, cv_dtype dt, int64_t i) {
-    if (dt == CV_F32) return ((const float *)p)[i];
-    if (dt == CV_I8) return (float)((const int8_t *)p)[i];
-    if (dt == CV_F16) return cv_f16_to_f32(((const uint16_t *)p)[i]);
-    return cv_bf16_to_f32(((const uint16_t *)p)[i]);
-}
-
 /* ------------------------------------------------------------------------ */
 /* Chunk kernels. nv vectors; vector v has valid keys [0, nval[v]) of the
  * chunk (causal); sc[v][CV_ATT_KCHUNK] holds scores, then probabilities. */
-
-static int max_valid(const int *nval, int v0, int nvg) {
-    int nk = 0;
-    for (int v = v0; v < v0 + nvg; v++) nk = nval[v] > nk ? nval[v] : nk;
-    return nk;
-}
 
 /* A K or V row as float32 (int8: the stored integers, the scale applied by
  * the caller). */
@@ -156,13 +142,13 @@ static void widen_row(float *row, const void *p, cv_dtype dt, int64_t hd) {
         for (int64_t d = 0; d < hd; d++) row[d] = (float)((const int8_t *)p)[d];
         return;
     }
-    cv_cpu_widen(row, p, dt, hd, 0);
+    cv_cpu_widen(row, p, dt, hd, NULL);
 }
 
 /* Plain C: each key row is widened once into row[hd] and used by all vectors. */
-static void scores_plain(float *sc, const float *qt, int64_t hd, int nv, const int *nval,
-                         const void *const *kp, cv_dtype dt, float *row) {
-    const int nk = max_valid(nval, 0, nv);
+void cv_att_scores_plain(float *sc, const float *qt, int64_t hd, int nv, const int *nval, const void *const *kp,
+                         cv_dtype dt, float *row) {
+    const int nk = cv_att_max_valid(nval, 0, nv);
     for (int i = 0; i < nk; i++) {
         widen_row(row, kp[i], dt, hd);
         for (int v = 0; v < nv; v++) {
@@ -174,11 +160,11 @@ static void scores_plain(float *sc, const float *qt, int64_t hd, int nv, const i
     }
 }
 
-static void pv_plain(float *acc, const float *sc, const float *alpha, int64_t hd, int nv,
-                     const int *nval, const void *const *vp, cv_dtype dt, float *row) {
+void cv_att_pv_plain(float *acc, const float *sc, const float *alpha, int64_t hd, int nv, const int *nval,
+                     const void *const *vp, cv_dtype dt, float *row) {
     for (int v = 0; v < nv; v++)
         for (int64_t d = 0; d < hd; d++) acc[v * hd + d] *= alpha[v];
-    const int nk = max_valid(nval, 0, nv);
+    const int nk = cv_att_max_valid(nval, 0, nv);
     for (int i = 0; i < nk; i++) {
         widen_row(row, vp[i], dt, hd);
         for (int v = 0; v < nv; v++) {
@@ -211,244 +197,10 @@ static void softmax_step_plain(float *sc, int nk, float *m, float *l, float *alp
     for (int i = nval > 0 ? nval : 0; i < nk; i++) sc[i] = 0.0f;
 }
 
-#if CV_HAVE_AVX2
-CV_TARGET_AVX2_BEGIN
-static CV_ALWAYS_INLINE __m256 kv_load8(const void *p, cv_dtype dt, int64_t d) {
-    if (dt == CV_F32) return _mm256_loadu_ps((const float *)p + d);
-    if (dt == CV_I8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)p + d))));
-    if (dt == CV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + d)));
-    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + d)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+void cv_att_softmax_plain(float *sc, int nk, int nv, const int *nval, float *m, float *l, float *alpha) {
+    for (int v = 0; v < nv; v++) softmax_step_plain(sc + v * CV_ATT_KCHUNK, nk, &m[v], &l[v], &alpha[v], nval[v]);
 }
 
-/* The four horizontal sums of a, b, c, d. */
-static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
-    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-}
-
-/* Vector groups of the chunk kernels: groups of 4 when nv is a multiple of
- * 4, else groups of 3 (a tile of t tokens x 3 heads splits evenly), then the
- * rest. Returns the size of the group starting at v0. */
-static inline int group_size(int nv, int v0) {
-    const int g = (nv % 4 == 0) ? 4 : 3;
-    return nv - v0 < g ? nv - v0 : g;
-}
-
-/* Keeps v in a register: stops the compiler from folding a reused load into
- * every FMA (which would cost a load per FMA). */
-#ifdef CV_EMULATE_AVX512
-#define CV_KEEP(v) ((void)0)
-#else
-#define CV_KEEP(v) __asm__("" : "+x"(v))
-#endif
-
-/* Scores of NV (<= 4) vectors against NK (<= 4) keys starting at key i0: a
- * register block of NV x NK dot products (NV * NK <= 12 accumulators), each
- * key row loaded once per 8 dims for all NV vectors, each query once for
- * all NK keys. */
-static CV_ALWAYS_INLINE void scores_blk(float *sc, const float *qt, int64_t hd, const int NV,
-                                        const int NK, int i0, const void *const *kp,
-                                        const cv_dtype dt) {
-    __m256 a[16];
-#pragma GCC unroll 16
-    for (int x = 0; x < NV * NK; x++) a[x] = _mm256_setzero_ps();
-    const int64_t hd8 = hd & ~(int64_t)7;
-    for (int64_t d = 0; d < hd8; d += 8) {
-        __m256 kv[4];
-#pragma GCC unroll 4
-        for (int k = 0; k < NK; k++) {
-            kv[k] = kv_load8(kp[i0 + k], dt, d);
-            if (NV > 1) CV_KEEP(kv[k]);
-        }
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; v++) {
-            __m256 q = _mm256_loadu_ps(qt + v * hd + d);
-            if (NK > 1) CV_KEEP(q);
-#pragma GCC unroll 4
-            for (int k = 0; k < NK; k++) a[v * NK + k] = _mm256_fmadd_ps(q, kv[k], a[v * NK + k]);
-        }
-    }
-    float r[16];
-    const __m256 z = _mm256_setzero_ps();
-#pragma GCC unroll 4
-    for (int x = 0; x < NV * NK; x += 4)
-        _mm_storeu_ps(r + x, hsum4(a[x], x + 1 < NV * NK ? a[x + 1] : z, x + 2 < NV * NK ? a[x + 2] : z,
-                                   x + 3 < NV * NK ? a[x + 3] : z));
-    for (int v = 0; v < NV; v++)
-        for (int k = 0; k < NK; k++) {
-            float s = r[v * NK + k];
-            for (int64_t d = hd8; d < hd; d++) s += qt[v * hd + d] * kv_get(kp[i0 + k], dt, d);
-            sc[v * CV_ATT_KCHUNK + i0 + k] = s;
-        }
-}
-
-#define SCB_DT(NV, NK)                                                                          \
-    do {                                                                                        \
-        if (dt == CV_F32) scores_blk(s, q, hd, NV, NK, i0, kp, CV_F32);                         \
-        else if (dt == CV_F16) scores_blk(s, q, hd, NV, NK, i0, kp, CV_F16);                    \
-        else if (dt == CV_I8) scores_blk(s, q, hd, NV, NK, i0, kp, CV_I8);                      \
-        else scores_blk(s, q, hd, NV, NK, i0, kp, CV_BF16);                                     \
-    } while (0)
-#define SCB_NK(NV)                                                                              \
-    do {                                                                                        \
-        switch (nkb) {                                                                          \
-        case 4: SCB_DT(NV, (NV == 4 ? 3 : 4)); break;                                           \
-        case 3: SCB_DT(NV, 3); break;                                                           \
-        case 2: SCB_DT(NV, 2); break;                                                           \
-        default: SCB_DT(NV, 1); break;                                                          \
-        }                                                                                       \
-    } while (0)
-
-static void scores_avx2(float *sc, const float *qt, int64_t hd, int nv, const int *nval,
-                        const void *const *kp, cv_dtype dt) {
-    for (int v0 = 0; v0 < nv;) {
-        const int nvg = group_size(nv, v0);
-        const int nk = max_valid(nval, v0, nvg);
-        const int kb = nvg == 4 ? 3 : 4; /* keys per block: at most 12 accumulators */
-        float *s = sc + v0 * CV_ATT_KCHUNK;
-        const float *q = qt + v0 * hd;
-        for (int i0 = 0; i0 < nk; i0 += kb) {
-            const int nkb = nk - i0 < kb ? nk - i0 : kb;
-            switch (nvg) {
-            case 1: SCB_NK(1); break;
-            case 2: SCB_NK(2); break;
-            case 3: SCB_NK(3); break;
-            default: SCB_NK(4); break;
-            }
-        }
-        v0 += nvg;
-    }
-}
-#undef SCB_NK
-#undef SCB_DT
-
-/* acc[v][d0 .. d0 + 8 DB) = acc * alpha[v] + sum_i p[v][i] V_i for NV vectors:
- * NV x DB accumulators, each V row chunk loaded once for all NV vectors. */
-static CV_ALWAYS_INLINE void pv_blk(float *acc, const float *sc, const float *alpha, int64_t hd,
-                                    int64_t d0, const int NV, const int DB, int nk,
-                                    const void *const *vp, const cv_dtype dt) {
-    __m256 a[12];
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; v++) {
-        const __m256 al = _mm256_set1_ps(alpha[v]);
-#pragma GCC unroll 4
-        for (int b = 0; b < DB; b++)
-            a[v * DB + b] = _mm256_mul_ps(_mm256_loadu_ps(acc + v * hd + d0 + 8 * b), al);
-    }
-    for (int i = 0; i < nk; i++) {
-        __m256 vv[4];
-#pragma GCC unroll 4
-        for (int b = 0; b < DB; b++) {
-            vv[b] = kv_load8(vp[i], dt, d0 + 8 * b);
-            if (NV > 1) CV_KEEP(vv[b]);
-        }
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; v++) {
-            const __m256 p = _mm256_broadcast_ss(sc + v * CV_ATT_KCHUNK + i);
-#pragma GCC unroll 4
-            for (int b = 0; b < DB; b++) a[v * DB + b] = _mm256_fmadd_ps(p, vv[b], a[v * DB + b]);
-        }
-    }
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; v++)
-#pragma GCC unroll 4
-        for (int b = 0; b < DB; b++) _mm256_storeu_ps(acc + v * hd + d0 + 8 * b, a[v * DB + b]);
-}
-
-/* All of head_dim for one group: blocks of 8 * (12 / NV) dims (at most 32),
- * then single 8-dim blocks, then a scalar tail. */
-static CV_ALWAYS_INLINE void pv_group(float *acc, const float *sc, const float *alpha, int64_t hd,
-                                      const int NV, int nk, const void *const *vp, const cv_dtype dt) {
-    const int DB = NV == 4 ? 3 : 4;
-    int64_t d = 0;
-    for (; d + 8 * DB <= hd; d += 8 * DB) pv_blk(acc, sc, alpha, hd, d, NV, DB, nk, vp, dt);
-    for (; d + 8 <= hd; d += 8) pv_blk(acc, sc, alpha, hd, d, NV, 1, nk, vp, dt);
-    for (; d < hd; d++) {
-        for (int v = 0; v < NV; v++) {
-            float s = acc[v * hd + d] * alpha[v];
-            for (int i = 0; i < nk; i++) s += sc[v * CV_ATT_KCHUNK + i] * kv_get(vp[i], dt, d);
-            acc[v * hd + d] = s;
-        }
-    }
-}
-
-#define PV_DT(NV)                                                                               \
-    do {                                                                                        \
-        if (dt == CV_F32) pv_group(a, s, al, hd, NV, nk, vp, CV_F32);                           \
-        else if (dt == CV_F16) pv_group(a, s, al, hd, NV, nk, vp, CV_F16);                      \
-        else if (dt == CV_I8) pv_group(a, s, al, hd, NV, nk, vp, CV_I8);                        \
-        else pv_group(a, s, al, hd, NV, nk, vp, CV_BF16);                                       \
-    } while (0)
-
-static void pv_avx2(float *acc, const float *sc, const float *alpha, int64_t hd, int nv,
-                    const int *nval, const void *const *vp, cv_dtype dt) {
-    for (int v0 = 0; v0 < nv;) {
-        const int nvg = group_size(nv, v0);
-        const int nk = max_valid(nval, v0, nvg);
-        float *a = acc + v0 * hd;
-        const float *s = sc + v0 * CV_ATT_KCHUNK;
-        const float *al = alpha + v0;
-        switch (nvg) {
-        case 1: PV_DT(1); break;
-        case 2: PV_DT(2); break;
-        case 3: PV_DT(3); break;
-        default: PV_DT(4); break;
-        }
-        v0 += nvg;
-    }
-}
-#undef PV_DT
-
-/* i8_scale (below) on AVX2: the same one multiply per entry. */
-static void i8_scale_avx2(float *sc, int nv, const int *nval, const float *s) {
-    for (int v = 0; v < nv; v++) {
-        float *r = sc + v * CV_ATT_KCHUNK;
-        int i = 0;
-        for (; i + 8 <= nval[v]; i += 8) _mm256_storeu_ps(r + i, _mm256_mul_ps(_mm256_loadu_ps(r + i), _mm256_loadu_ps(s + i)));
-        for (; i < nval[v]; i++) r[i] *= s[i];
-    }
-}
-
-static void softmax_step_avx2(float *sc, int nk, float *m, float *l, float *alpha, int nval) {
-    if (nval > 0) {
-        float mx = sc[0];
-        int i = 0;
-        if (nval >= 8) {
-            __m256 vmx = _mm256_loadu_ps(sc);
-            for (i = 8; i + 8 <= nval; i += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(sc + i));
-            __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmx), _mm256_extractf128_ps(vmx, 1));
-            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-            h = _mm_max_ss(h, _mm_movehdup_ps(h));
-            mx = _mm_cvtss_f32(h);
-        }
-        for (; i < nval; i++) mx = sc[i] > mx ? sc[i] : mx;
-        const float mn = *m > mx ? *m : mx;
-        const float a = *m == -INFINITY ? 0.0f : expf(*m - mn);
-        const __m256 vm = _mm256_set1_ps(mn);
-        __m256 vs = _mm256_setzero_ps();
-        for (i = 0; i + 8 <= nval; i += 8) {
-            const __m256 e = cv_exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + i), vm));
-            _mm256_storeu_ps(sc + i, e);
-            vs = _mm256_add_ps(vs, e);
-        }
-        float buf[8];
-        _mm256_storeu_ps(buf, vs);
-        float sum = ((buf[0] + buf[1]) + (buf[2] + buf[3])) + ((buf[4] + buf[5]) + (buf[6] + buf[7]));
-        for (; i < nval; i++) {
-            sc[i] = expf(sc[i] - mn);
-            sum += sc[i];
-        }
-        *l = *l * a + sum;
-        *m = mn;
-        *alpha = a;
-    } else {
-        *alpha = 1.0f;
-    }
-    for (int i = nval > 0 ? nval : 0; i < nk; i++) sc[i] = 0.0f;
-}
-CV_TARGET_END
-#endif
 
 /* Sliding window: scores of the chunk's keys (from position c0) before
  * vector v's window (positions < vpos[v] - window + 1) become -inf, which
@@ -467,7 +219,7 @@ static void window_mask(float *sc, int nv, const int *nval, const int64_t *vpos,
  * masked -inf never meets a zero scale), probabilities times the value scales
  * after the softmax step (its sum l keeps the unscaled ones), so P.V sums
  * p_i s_i v8_i. One multiply per entry: the same whatever the tile. */
-static void i8_scale(float *sc, int nv, const int *nval, const float *s) {
+void cv_att_scale_plain(float *sc, int nv, const int *nval, const float *s) {
     for (int v = 0; v < nv; v++)
         for (int i = 0; i < nval[v]; i++) sc[v * CV_ATT_KCHUNK + i] *= s[i];
 }
@@ -644,12 +396,11 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
         l[v] = 0.0f;
         vpos[v] = ctx - nq + jt;
     }
-#if CV_HAVE_AVX512
-    /* bf16 cache on AVX512_BF16: the scaled queries as bf16, once per tile */
-    const int bf16_dot = j->simd >= CV_SIMD_AVX512_BF16 && kv->dtype == CV_BF16;
+    /* bf16 cache with vdpbf16ps: the scaled queries as bf16, once per tile */
+    const cv_cpu_kernels *k = j->kern;
+    const int bf16_dot = k->att_scores_bf16 && kv->dtype == CV_BF16;
     uint16_t *qb = (uint16_t *)row;
-    if (bf16_dot) cv_att_round_q_bf16(qb, qt, hd, nv);
-#endif
+    if (bf16_dot) k->att_round_q_bf16(qb, qt, hd, nv);
     for (int64_t c0 = k_lo; c0 < k_hi; c0 += CV_ATT_KCHUNK, cur = !cur) {
         const int nk = (int)(k_hi - c0 < CV_ATT_KCHUNK ? k_hi - c0 : CV_ATT_KCHUNK);
         const void *const *kp = kp2[cur], *const *vp = vp2[cur];
@@ -661,47 +412,21 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
             nval[v] = n_ok <= 0 ? 0 : (n_ok >= nk ? nk : (int)n_ok);
             if (bt->window > 0 && c0 + nval[v] <= vpos[v] - bt->window + 1) nval[v] = 0; /* all before the window */
         }
-#if CV_HAVE_AVX512
         if (bf16_dot) {
-            cv_att_scores_bf16(sc, qb, hd, nv, nval, kp);
+            k->att_scores_bf16(sc, qb, hd, nv, nval, kp);
             prefetch_next(j, &rows, c1, k_hi, next, kp2[!cur], vp2[!cur], 2);
             if (bt->window > 0) window_mask(sc, nv, nval, vpos, c0, bt->window);
-            cv_att_softmax_avx512(sc, nk, nv, nval, m, l, alpha);
-            cv_att_pv_bf16(acc, sc, alpha, hd, nv, nval, vp);
+            k->att_softmax(sc, nk, nv, nval, m, l, alpha);
+            k->att_pv_bf16(acc, sc, alpha, hd, nv, nval, vp);
             continue;
         }
-        if (j->simd >= CV_SIMD_AVX512) {
-            cv_att_scores_avx512(sc, qt, hd, nv, nval, kp, kv->dtype);
-            prefetch_next(j, &rows, c1, k_hi, next, kp2[!cur], vp2[!cur], 2);
-            if (i8) cv_att_scale_avx512(sc, nv, nval, ksc);
-            if (bt->window > 0) window_mask(sc, nv, nval, vpos, c0, bt->window);
-            cv_att_softmax_avx512(sc, nk, nv, nval, m, l, alpha);
-            if (i8) cv_att_scale_avx512(sc, nv, nval, vsc);
-            cv_att_pv_avx512(acc, sc, alpha, hd, nv, nval, vp, kv->dtype);
-            continue;
-        }
-#endif
-#if CV_HAVE_AVX2
-        if (j->simd) {
-            scores_avx2(sc, qt, hd, nv, nval, kp, kv->dtype);
-            prefetch_next(j, &rows, c1, k_hi, next, kp2[!cur], vp2[!cur], 2);
-            if (i8) i8_scale_avx2(sc, nv, nval, ksc);
-            if (bt->window > 0) window_mask(sc, nv, nval, vpos, c0, bt->window);
-            for (int v = 0; v < nv; v++)
-                softmax_step_avx2(sc + v * CV_ATT_KCHUNK, nk, &m[v], &l[v], &alpha[v], nval[v]);
-            if (i8) i8_scale_avx2(sc, nv, nval, vsc);
-            pv_avx2(acc, sc, alpha, hd, nv, nval, vp, kv->dtype);
-            continue;
-        }
-#endif
-        scores_plain(sc, qt, hd, nv, nval, kp, kv->dtype, row);
+        k->att_scores(sc, qt, hd, nv, nval, kp, kv->dtype, row);
         prefetch_next(j, &rows, c1, k_hi, next, kp2[!cur], vp2[!cur], 2);
-        if (i8) i8_scale(sc, nv, nval, ksc);
+        if (i8) k->att_scale(sc, nv, nval, ksc);
         if (bt->window > 0) window_mask(sc, nv, nval, vpos, c0, bt->window);
-        for (int v = 0; v < nv; v++)
-            softmax_step_plain(sc + v * CV_ATT_KCHUNK, nk, &m[v], &l[v], &alpha[v], nval[v]);
-        if (i8) i8_scale(sc, nv, nval, vsc);
-        pv_plain(acc, sc, alpha, hd, nv, nval, vp, kv->dtype, row);
+        k->att_softmax(sc, nk, nv, nval, m, l, alpha);
+        if (i8) k->att_scale(sc, nv, nval, vsc);
+        k->att_pv(acc, sc, alpha, hd, nv, nval, vp, kv->dtype, row);
     }
 }
 
@@ -835,7 +560,7 @@ void cv_cpu_paged_attention(cv_backend *b, float *out, const float *q, int64_t q
     att_job j = {.out = out, .q = q, .q_stride = q_stride, .cache = cache, .bt = batch,
                  .scratch = c->att_scratch, .scratch_floats = c->att_scratch_floats,
                  .partials = c->att_partials, .partial_floats = c->att_partial_floats,
-                 .counters = c->att_counters, .simd = c->simd};
+                 .counters = c->att_counters, .kern = &c->kern};
     j.G = batch->n_heads / batch->n_kv_heads;
     j.TV = TV;
     j.GT = j.G < TV ? j.G : TV;

@@ -1,6 +1,6 @@
-/* The CPU backend: its function table, lifetime, buffers and tables, what
- * cpu_backend.h reports about it, and a STREAM-style triad used by the
- * benchmarks to measure memory bandwidth. */
+/* The CPU backend: its function table, lifetime, buffers and tables, and
+ * what cpu_backend.h reports about it. */
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -12,16 +12,29 @@
 /* ------------------------------------------------------------------------ */
 /* Introspection (cpu_backend.h)                                             */
 
-/* Kernel families and the highest SIMD level each has code for; keep in step
- * with the kernels. */
+/* Kernel families: the entries of the kernel table (kernel_table.h) that an
+ * operation runs. A family's path at a level is the lowest level whose table
+ * holds the same entries, so it follows the kernels without a list to keep. */
+#define ENTRY(field) offsetof(cv_cpu_kernels, field), sizeof(((cv_cpu_kernels *)0)->field)
+#define MAX_ENTRIES 7
 static const struct {
     const char *name;
-    cv_simd_level top;
+    struct {
+        size_t off, size;
+    } entries[MAX_ENTRIES];
 } families[] = {
-    {"gemm_f32", CV_SIMD_AVX512}, {"gemm_f16", CV_SIMD_AVX512}, {"gemm_bf16", CV_SIMD_AVX512_BF16},
-    {"rmsnorm", CV_SIMD_AVX512},  {"rope", CV_SIMD_AVX512},     {"swiglu", CV_SIMD_AVX512},
-    {"attention", CV_SIMD_AVX512}, {"convert", CV_SIMD_AVX512},
-    {"attention_bf16", CV_SIMD_AVX512_BF16}, /* over a bf16 cache: vdpbf16ps (attention_avx512.h) */
+    {"gemm_f32", {{ENTRY(gemm[0])}, {ENTRY(gemm_np)}}},
+    {"gemm_f16", {{ENTRY(gemm[2])}, {ENTRY(gemm_np)}}},
+    {"gemm_bf16", {{ENTRY(gemm[1])}, {ENTRY(gemm_np)}, {ENTRY(gemm_pairs)}, {ENTRY(gemm_pairs_pf)}}},
+    {"rmsnorm", {{ENTRY(rms_row)}}},
+    {"rope", {{ENTRY(rope_head)}}},
+    {"swiglu", {{ENTRY(swiglu_part)}}},
+    {"attention", {{ENTRY(att_scores)}, {ENTRY(att_scale)}, {ENTRY(att_softmax)}, {ENTRY(att_pv)}}},
+    {"convert", {{ENTRY(widen_part)}, {ENTRY(narrow_part)}}},
+    /* over a bf16 cache: the bf16 entries where the level has them */
+    {"attention_bf16",
+     {{ENTRY(att_scores)}, {ENTRY(att_scale)}, {ENTRY(att_softmax)}, {ENTRY(att_pv)}, {ENTRY(att_round_q_bf16)},
+      {ENTRY(att_scores_bf16)}, {ENTRY(att_pv_bf16)}}},
 };
 #define N_FAMILIES ((int)(sizeof families / sizeof families[0]))
 
@@ -29,9 +42,23 @@ int cv_cpu_family_count(void) { return N_FAMILIES; }
 
 const char *cv_cpu_family_name(int i) { return i >= 0 && i < N_FAMILIES ? families[i].name : NULL; }
 
+static int same_entries(int i, const cv_cpu_kernels *a, const cv_cpu_kernels *b) {
+    for (int e = 0; e < MAX_ENTRIES && families[i].entries[e].size; e++)
+        if (memcmp((const char *)a + families[i].entries[e].off, (const char *)b + families[i].entries[e].off,
+                   families[i].entries[e].size) != 0)
+            return 0;
+    return 1;
+}
+
 cv_simd_level cv_cpu_family_path(int i, cv_simd_level level) {
-    if (i < 0 || i >= N_FAMILIES) return CV_SIMD_SCALAR;
-    return level < families[i].top ? level : families[i].top;
+    if (i < 0 || i >= N_FAMILIES || level <= CV_SIMD_SCALAR || level >= CV_SIMD_LEVELS) return CV_SIMD_SCALAR;
+    cv_cpu_kernels at, below;
+    cv_cpu_kernels_fill(level, &at);
+    for (int l = CV_SIMD_SCALAR; l < (int)level; l++) {
+        cv_cpu_kernels_fill((cv_simd_level)l, &below);
+        if (same_entries(i, &at, &below)) return (cv_simd_level)l;
+    }
+    return level;
 }
 
 cv_cpu_shapes cv_cpu_backend_shapes(void) {
@@ -180,7 +207,7 @@ static int cpu_table_prepare(cv_backend *b, cv_table *out, const void *src, cv_d
             continue;
         }
         cv_convert_to_f32(row, s, src_dtype, (size_t)cols);
-        cv_cpu_narrow(d, dtype, row, cols, c->simd);
+        cv_cpu_narrow(d, dtype, row, cols, &c->kern);
     }
     out->data = data;
     out->dtype = dtype;
@@ -200,73 +227,6 @@ static void cpu_table_free(cv_backend *b, cv_table *t) {
     cpu_free(b, t->data);
     memset(t, 0, sizeof *t);
 }
-
-/* ------------------------------------------------------------------------ */
-/* Triad                                                                     */
-
-typedef struct triad_job {
-    float *a, *b, *c; /* [n] each */
-    size_t n;
-    int mode;         /* 0: first touch, 1: triad, 2: read only */
-    atomic_ullong sink; /* keeps the read-only sums alive */
-} triad_job;
-
-static void triad_fn(void *arg, int tid, int nth) {
-    triad_job *j = arg;
-    const size_t i0 = j->n * (size_t)tid / (size_t)nth, i1 = j->n * (size_t)(tid + 1) / (size_t)nth;
-    float *restrict a = j->a;
-    const float *restrict bb = j->b;
-    const float *restrict cc = j->c;
-    if (j->mode == 0) { /* first touch by the thread that will stream the range */
-        for (size_t i = i0; i < i1; i++) {
-            j->a[i] = 0.0f;
-            j->b[i] = 1.0f;
-            j->c[i] = 2.0f;
-        }
-    } else if (j->mode == 1) {
-        for (size_t i = i0; i < i1; i++) a[i] = bb[i] + 3.0f * cc[i];
-    } else {
-        /* integer words: a reduction the compiler may vectorize */
-        const uint64_t *w = (const uint64_t *)(const void *)(bb + (i0 & ~(size_t)1));
-        const size_t nw = (i1 - (i0 & ~(size_t)1)) / 2;
-        uint64_t s = 0;
-        for (size_t i = 0; i < nw; i++) s += w[i];
-        atomic_fetch_xor(&j->sink, s);
-    }
-}
-
-/* Best GB/s over repeats of a triad (mode 1: 3 arrays of n_bytes counted) or
- * a read of one array (mode 2). */
-static double bandwidth(cv_backend *b, size_t n_bytes, int repeats, int mode) {
-    cv_cpu *c = cv_cpu_of(b);
-    const size_t n = n_bytes / sizeof(float) & ~(size_t)1;
-    if (n == 0 || repeats <= 0) return -1.0;
-    triad_job j = {.n = n, .mode = 0};
-    atomic_init(&j.sink, 0);
-    j.a = cpu_alloc(b, n * sizeof(float));
-    j.b = cpu_alloc(b, n * sizeof(float));
-    j.c = cpu_alloc(b, n * sizeof(float));
-    double best = -1.0;
-    if (j.a && j.b && j.c) {
-        cv_pool_run(c->pool, c->nthreads, triad_fn, &j);
-        j.mode = mode;
-        for (int r = 0; r < repeats; r++) {
-            const double t0 = cv_now();
-            cv_pool_run(c->pool, c->nthreads, triad_fn, &j);
-            const double dt = cv_now() - t0;
-            if (dt > 0 && (best < 0 || dt < best)) best = dt;
-        }
-    }
-    cpu_free(b, j.a);
-    cpu_free(b, j.b);
-    cpu_free(b, j.c);
-    if (best <= 0) return -1.0;
-    return (mode == 1 ? 3.0 : 1.0) * (double)(n * sizeof(float)) / best * 1e-9;
-}
-
-double cv_cpu_triad(cv_backend *b, size_t n_bytes, int repeats) { return bandwidth(b, n_bytes, repeats, 1); }
-
-double cv_cpu_read_bw(cv_backend *b, size_t n_bytes, int repeats) { return bandwidth(b, n_bytes, repeats, 2); }
 
 /* ------------------------------------------------------------------------ */
 /* Lifetime                                                                  */
@@ -356,6 +316,7 @@ cv_backend *cv_cpu_backend_create_simd(int num_threads, const char *simd, cv_err
     b->name = "cpu";
     b->ctx = c;
     c->simd = (int)level;
+    cv_cpu_kernels_fill(level, &c->kern);
     c->qlevel = cv_qlevel_best((int)level);
     if (cv_pool_create(&c->pool, num_threads, err) < 0) {
         cpu_destroy(b);

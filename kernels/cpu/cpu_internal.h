@@ -11,9 +11,10 @@
 #include "cpu_features.h"
 #include "threadpool.h"
 
-/* The SIMD paths are compiled on every x86-64 build, each function for its
- * own target (CV_TARGET_*_BEGIN/END in cpu_features.h), and chosen at run
- * time from cv_cpu.simd; no -march is needed. */
+/* The SIMD paths (x86/) are compiled on every x86-64 build, each function
+ * for its own target (CV_TARGET_*_BEGIN/END in cpu_features.h), and chosen at
+ * run time: once per backend, from cv_cpu.simd, into its kernel table
+ * (kernel_table.h); no -march is needed. */
 #if defined(CV_EMULATE_AVX512) /* development: portable intrinsics (build_support/avx512_emu) */
 #define CV_HAVE_AVX2 1
 #define CV_HAVE_AVX512 1
@@ -50,6 +51,15 @@
 #define CV_ATT_TILE 16     /* query vectors (token x head) per tile */
 #define CV_ATT_KCHUNK 32   /* keys per online-softmax step */
 
+/* The most valid keys of vectors [v0, v0 + nvg) of a chunk (nval[v] each). */
+static inline int cv_att_max_valid(const int *nval, int v0, int nvg) {
+    int nk = 0;
+    for (int v = v0; v < v0 + nvg; v++) nk = nval[v] > nk ? nval[v] : nk;
+    return nk;
+}
+
+#include "kernel_table.h"
+
 /* cos and sin of every (token, frequency) of one call's positions, kept for
  * the next calls with the same positions and frequencies: the layers of one
  * step (elementwise.c). Keyed by the contents, not the pointers: the engine
@@ -65,8 +75,9 @@ typedef struct cv_rope_table {
 typedef struct cv_cpu {
     cv_pool *pool;
     int nthreads;
-    int simd;                /* a cv_simd_level: CV_SIMD_SCALAR is plain C; a kernel without a
-                              * version at this level runs the best one below it */
+    int simd;                /* a cv_simd_level: CV_SIMD_SCALAR is plain C */
+    cv_cpu_kernels kern;     /* the kernels of that level (a kernel without a version at
+                              * this level runs the best one below it) */
     float *att_scratch;      /* [nthreads][att_scratch_floats] */
     size_t att_scratch_floats;
     float *att_partials;     /* [att_partial_units][att_partial_floats] (m, l, acc) of split segments */
@@ -190,11 +201,14 @@ static inline void cv_cpu_run_rows(cv_cpu *c, int nth, cv_rows *rows, int64_t n,
 }
 
 /* The files of the CPU backend call in one direction:
- *   backend_cpu.c (function table, lifetime, buffers, tables)
- *     -> operations: gemm.c -> quant.c (+ quant_*.c tiles), gemm_avx512.c;
- *        attention.c -> attention_avx512.c; elementwise.c
- *     -> shared pieces: kv_write.c, row_kernels.c, convert.c, vec_math.c,
- *        threadpool.c, cpu_features.c, and base/common.c below them all.
+ *   backend_cpu.c (function table, lifetime, buffers, tables), kernel_table.c
+ *   (each level's kernels, chosen once per backend)
+ *     -> operations: gemm.c -> quant.c; attention.c; elementwise.c; measure.c
+ *     -> shared pieces: kv_write.c, row_kernels.c, convert.c, threadpool.c,
+ *        cpu_features.c, and base/common.c below them all;
+ *     -> the SIMD kernels under x86/ (one file per level and family), which
+ *        the drivers reach through the kernel table, never by name (the
+ *        quantized tiles by their own level, quant.h).
  * An operation never calls the backend or a sideways operation; a shared piece
  * never calls an operation. tools/check_layers.py checks it on the objects. */
 
@@ -274,19 +288,21 @@ int cv_cpu_att_partials_reserve(cv_cpu *c, size_t units);
 
 /* ---- Shared pieces: they call nothing above them (operations, backend). */
 
-/* row_kernels.c: one row at the backend's SIMD level, the code every RMSNorm,
+/* row_kernels.c: one row with the backend's kernels, the code every RMSNorm,
  * SwiGLU and GeGLU runs, fused or not. */
-void cv_cpu_rms_row(float *out, const float *x, const float *w, int64_t dim, float eps, int simd);
-void cv_cpu_swiglu_row(float *o, const float *g, const float *u, int64_t dim, int simd);
-void cv_cpu_geglu_row(float *o, const float *g, const float *u, int64_t dim, int simd);
+void cv_cpu_rms_row(float *out, const float *x, const float *w, int64_t dim, float eps, const cv_cpu_kernels *k);
+void cv_cpu_swiglu_row(float *o, const float *g, const float *u, int64_t dim, const cv_cpu_kernels *k);
+void cv_cpu_geglu_row(float *o, const float *g, const float *u, int64_t dim, const cv_cpu_kernels *k);
 /* Rows [t0, t0 + m) of the GEMM input `in` into dst[m][cols], by those rows
  * (so bit for bit the unfused kernels' results). */
-void cv_cpu_gemm_in_rows(const cv_gemm_in *in, float *dst, int64_t t0, int64_t m, int64_t cols, int simd);
+void cv_cpu_gemm_in_rows(const cv_gemm_in *in, float *dst, int64_t t0, int64_t m, int64_t cols,
+                         const cv_cpu_kernels *k);
 
-/* convert.c: widens n values of dtype dt at src to float32 (SIMD when simd != 0). */
-void cv_cpu_widen(float *dst, const void *src, cv_dtype dt, int64_t n, int simd);
+/* convert.c: widens n values of dtype dt at src to float32 with the kernels k
+ * (NULL: plain C). */
+void cv_cpu_widen(float *dst, const void *src, cv_dtype dt, int64_t n, const cv_cpu_kernels *k);
 /* Narrows n float32 values into dtype dt (round to nearest even). */
-void cv_cpu_narrow(void *dst, cv_dtype dt, const float *src, int64_t n, int simd);
+void cv_cpu_narrow(void *dst, cv_dtype dt, const float *src, int64_t n, const cv_cpu_kernels *k);
 /* Checks the arguments common to matrix_prepare and table_prepare (src
  * [rows][cols] of a float src_dtype, stored as float32, float16 or bfloat16);
  * `what` names the caller and `noun` the stored dtype in the message. CV_OK or
@@ -299,12 +315,13 @@ int cv_cpu_check_prepare(const char *what, const char *noun, const void *src, cv
  * to the cache's dtype. */
 void cv_cpu_kv_write(cv_backend *b, cv_kv_layer *cache, const float *k, int64_t k_stride,
                      const float *v, int64_t v_stride, const int64_t *slot_mapping, int64_t n);
-void cv_cpu_kv_write_token(const cv_kv_layer *cache, const float *k, const float *v, int64_t slot, int simd);
+void cv_cpu_kv_write_token(const cv_kv_layer *cache, const float *k, const float *v, int64_t slot,
+                           const cv_cpu_kernels *kern);
 
-/* vec_math.h: lane masks, horizontal sums, exp. threadpool.h, cpu_features.h:
- * the pool and the CPU's features. */
+/* x86/vec_math.h: lane masks, horizontal sums, exp. threadpool.h,
+ * cpu_features.h: the pool and the CPU's features. */
 
-/* peak.c: cv_cpu_measure_peak; backend_cpu.c: cv_cpu_triad, cv_cpu_read_bw
- * (declared in cpu_backend.h). */
+/* measure.c: cv_cpu_measure_peak, cv_cpu_triad, cv_cpu_read_bw (declared in
+ * cpu_backend.h). */
 
 #endif

@@ -1,47 +1,16 @@
 /* Row-wise operations of the CPU backend: rmsnorm (also per head and fused
  * with a residual add), rotary embedding (also fused with the KV write),
  * SwiGLU, GeGLU and the embedding lookup of a float table. The per-row code
- * they share with the fused GEMMs is in row_kernels.c; rows are split across
+ * they share with the fused GEMMs is in row_kernels.c, the level's kernels in
+ * the backend's kernel table (kernel_table.h); rows are split across
  * the pool only when there is enough work to pay for waking it. */
 #include <math.h>
 #include <string.h>
 
 #include "cpu_internal.h"
-#include "vec_math.h"
 
 /* Elements per thread below which a row kernel stays on one thread. */
 #define ROW_GRAIN 16384.0
-
-/* ------------------------------------------------------------------------ */
-/* AVX-512 versions: the AVX2 ones 16 wide, tails by masks.                 */
-
-#if CV_HAVE_AVX512
-CV_TARGET_AVX512_BEGIN
-/* As rope_head_avx2 (cs2/sn2 for PAIRS), 16 lanes. */
-static void rope_head_avx512(float *x, int64_t hd, cv_rope_layout layout, int64_t i0, int64_t m,
-                             const float *cs, const float *sn, const float *cs2, const float *sn2) {
-    if (layout == CV_ROPE_HALVES) {
-        float *xa = x + i0, *xb = x + i0 + hd / 2;
-        for (int64_t i = 0; i < m; i += 16) {
-            const __mmask16 k = cv_tail_mask16(m - i);
-            const __m512 a = _mm512_maskz_loadu_ps(k, xa + i), bb = _mm512_maskz_loadu_ps(k, xb + i);
-            const __m512 c = _mm512_maskz_loadu_ps(k, cs + i), s = _mm512_maskz_loadu_ps(k, sn + i);
-            _mm512_mask_storeu_ps(xa + i, k, _mm512_fmsub_ps(a, c, _mm512_mul_ps(bb, s)));
-            _mm512_mask_storeu_ps(xb + i, k, _mm512_fmadd_ps(bb, c, _mm512_mul_ps(a, s)));
-        }
-    } else {
-        float *xp = x + 2 * i0;
-        for (int64_t i = 0; i < 2 * m; i += 16) { /* 8 pairs per vector */
-            const __mmask16 k = cv_tail_mask16(2 * m - i);
-            const __m512 v = _mm512_maskz_loadu_ps(k, xp + i);
-            const __m512 sw = _mm512_permute_ps(v, 0xB1); /* (b, a) per pair */
-            _mm512_mask_storeu_ps(xp + i, k, _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(k, cs2 + i),
-                                                             _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(k, sn2 + i))));
-        }
-    }
-}
-CV_TARGET_END
-#endif
 
 /* ------------------------------------------------------------------------ */
 /* RMSNorm                                                                   */
@@ -52,7 +21,7 @@ typedef struct norm_job {
     const float *w;     /* [dim] */
     int64_t n, dim;
     float eps;
-    int simd;
+    const cv_cpu_kernels *kern;
     cv_rows *rows;      /* claimed in chunks (dynamic region) */
 } norm_job;
 
@@ -63,7 +32,7 @@ static void norm_fn(void *arg, int tid, int nth) {
     for (int64_t t0, t1; cv_rows_claim(j->rows, &t0, &t1);)
         for (int64_t t = t0; t < t1; t++)
             cv_cpu_rms_row(j->out + (size_t)t * (size_t)j->dim, j->x + (size_t)t * (size_t)j->dim, j->w, j->dim,
-                    j->eps, j->simd);
+                    j->eps, j->kern);
 }
 
 void cv_cpu_rmsnorm(cv_backend *b, float *out, const float *x, const float *weight, int64_t n,
@@ -71,7 +40,7 @@ void cv_cpu_rmsnorm(cv_backend *b, float *out, const float *x, const float *weig
     cv_cpu *c = cv_cpu_of(b);
     if (n <= 0 || dim <= 0) return;
     norm_job j = {.out = out, .x = x, .w = weight, .n = n, .dim = dim,
-                  .eps = eps, .simd = c->simd};
+                  .eps = eps, .kern = &c->kern};
     int nth = cv_threads_for(c, (double)n * (double)dim, ROW_GRAIN);
     if (nth > n) nth = (int)n;
     cv_rows rows;
@@ -90,7 +59,7 @@ typedef struct rope_job {
     int64_t q_stride, k_stride, n_heads, n_kv_heads, n;
     const int32_t *pos; /* [n] */
     const cv_rope *rope;
-    int simd;
+    const cv_cpu_kernels *kern;
     cv_rows *rows;      /* claimed in chunks (dynamic region) */
     /* rope_kv_write: each token's rotated k and its v go to the cache while
      * they are in L1 (cache NULL: rope alone) */
@@ -103,8 +72,10 @@ typedef struct rope_job {
 } rope_job;
 
 /* Rotates frequencies [i0, i0 + m) of one head x[head_dim] with cs/sn[m]. */
-static void rope_head_plain(float *x, int64_t hd, cv_rope_layout layout, int64_t i0, int64_t m,
-                            const float *cs, const float *sn) {
+void cv_rope_head_plain(float *x, int64_t hd, cv_rope_layout layout, int64_t i0, int64_t m, const float *cs,
+                        const float *sn, const float *cs2, const float *sn2) {
+    (void)cs2;
+    (void)sn2;
     if (layout == CV_ROPE_HALVES) {
         const int64_t half = hd / 2;
         for (int64_t i = 0; i < m; i++) {
@@ -121,44 +92,6 @@ static void rope_head_plain(float *x, int64_t hd, cv_rope_layout layout, int64_t
     }
 }
 
-#if CV_HAVE_AVX2
-CV_TARGET_AVX2_BEGIN
-/* cs2/sn2[2m] hold, for PAIRS, (c, c) and (-s, s) per frequency. */
-static void rope_head_avx2(float *x, int64_t hd, cv_rope_layout layout, int64_t i0, int64_t m,
-                           const float *cs, const float *sn, const float *cs2, const float *sn2) {
-    int64_t i = 0;
-    if (layout == CV_ROPE_HALVES) {
-        const int64_t half = hd / 2;
-        float *xa = x + i0, *xb = x + i0 + half;
-        for (; i + 8 <= m; i += 8) {
-            const __m256 a = _mm256_loadu_ps(xa + i), bb = _mm256_loadu_ps(xb + i);
-            const __m256 c = _mm256_loadu_ps(cs + i), s = _mm256_loadu_ps(sn + i);
-            _mm256_storeu_ps(xa + i, _mm256_fmsub_ps(a, c, _mm256_mul_ps(bb, s)));
-            _mm256_storeu_ps(xb + i, _mm256_fmadd_ps(bb, c, _mm256_mul_ps(a, s)));
-        }
-        for (; i < m; i++) {
-            const float a = xa[i], bb = xb[i];
-            xa[i] = a * cs[i] - bb * sn[i];
-            xb[i] = bb * cs[i] + a * sn[i];
-        }
-    } else {
-        float *xp = x + 2 * i0;
-        for (; i + 4 <= m; i += 4) {
-            const __m256 v = _mm256_loadu_ps(xp + 2 * i);
-            const __m256 sw = _mm256_permute_ps(v, 0xB1); /* (b, a) per pair */
-            _mm256_storeu_ps(xp + 2 * i, _mm256_fmadd_ps(v, _mm256_loadu_ps(cs2 + 2 * i),
-                                                         _mm256_mul_ps(sw, _mm256_loadu_ps(sn2 + 2 * i))));
-        }
-        for (; i < m; i++) {
-            const float a = xp[2 * i], bb = xp[2 * i + 1];
-            xp[2 * i] = a * cs[i] - bb * sn[i];
-            xp[2 * i + 1] = a * sn[i] + bb * cs[i];
-        }
-    }
-}
-CV_TARGET_END
-#endif
-
 static void rope_fn(void *arg, int tid, int nth) {
     const rope_job *j = arg;
     const int64_t hd = j->rope->head_dim, nf = hd / 2;
@@ -166,9 +99,9 @@ static void rope_fn(void *arg, int tid, int nth) {
     (void)tid;
     (void)nth;
     float cs_buf[ROPE_CHUNK], sn_buf[ROPE_CHUNK];
-#if CV_HAVE_AVX2
     float cs2[2 * ROPE_CHUNK], sn2[2 * ROPE_CHUNK];
-#endif
+    void (*const head)(float *, int64_t, cv_rope_layout, int64_t, int64_t, const float *, const float *,
+                       const float *, const float *) = j->kern->rope_head;
     for (int64_t t0, t1; cv_rows_claim(j->rows, &t0, &t1);)
     for (int64_t t = t0; t < t1; t++) {
         const double p = (double)j->pos[t];
@@ -186,38 +119,22 @@ static void rope_fn(void *arg, int tid, int nth) {
                     cs[i] = (float)cos(a);
                     sn[i] = (float)sin(a);
                 }
-#if CV_HAVE_AVX2
-            if (j->simd) {
-                if (layout == CV_ROPE_PAIRS)
-                    for (int64_t i = 0; i < m; i++) {
-                        cs2[2 * i] = cs2[2 * i + 1] = cs[i];
-                        sn2[2 * i] = -sn[i];
-                        sn2[2 * i + 1] = sn[i];
-                    }
-                void (*head)(float *, int64_t, cv_rope_layout, int64_t, int64_t, const float *,
-                             const float *, const float *, const float *) = rope_head_avx2;
-#if CV_HAVE_AVX512
-                if (j->simd >= CV_SIMD_AVX512) head = rope_head_avx512;
-#endif
-                for (int64_t h = 0; h < j->n_heads; h++)
-                    head(j->q + (size_t)t * (size_t)j->q_stride + (size_t)(h * hd), hd, layout, i0, m,
-                         cs, sn, cs2, sn2);
-                for (int64_t h = 0; h < j->n_kv_heads; h++)
-                    head(j->k + (size_t)t * (size_t)j->k_stride + (size_t)(h * hd), hd, layout, i0, m,
-                         cs, sn, cs2, sn2);
-                continue;
-            }
-#endif
+            if (layout == CV_ROPE_PAIRS) /* the vector heads' form of the angles */
+                for (int64_t i = 0; i < m; i++) {
+                    cs2[2 * i] = cs2[2 * i + 1] = cs[i];
+                    sn2[2 * i] = -sn[i];
+                    sn2[2 * i + 1] = sn[i];
+                }
             for (int64_t h = 0; h < j->n_heads; h++)
-                rope_head_plain(j->q + (size_t)t * (size_t)j->q_stride + (size_t)(h * hd), hd, layout,
-                                i0, m, cs, sn);
+                head(j->q + (size_t)t * (size_t)j->q_stride + (size_t)(h * hd), hd, layout, i0, m, cs, sn, cs2,
+                     sn2);
             for (int64_t h = 0; h < j->n_kv_heads; h++)
-                rope_head_plain(j->k + (size_t)t * (size_t)j->k_stride + (size_t)(h * hd), hd, layout,
-                                i0, m, cs, sn);
+                head(j->k + (size_t)t * (size_t)j->k_stride + (size_t)(h * hd), hd, layout, i0, m, cs, sn, cs2,
+                     sn2);
         }
         if (j->cache)
             cv_cpu_kv_write_token(j->cache, j->k + (size_t)t * (size_t)j->k_stride,
-                                  j->v + (size_t)t * (size_t)j->v_stride, j->slots[t], j->simd);
+                                  j->v + (size_t)t * (size_t)j->v_stride, j->slots[t], j->kern);
     }
 }
 
@@ -272,7 +189,7 @@ void cv_cpu_rope(cv_backend *b, float *q, int64_t q_stride, int64_t n_heads, flo
     if (!q) n_heads = 0;
     if (!k) n_kv_heads = 0;
     rope_job j = {.q = q, .k = k, .q_stride = q_stride, .k_stride = k_stride, .n_heads = n_heads,
-                  .n_kv_heads = n_kv_heads, .n = n, .pos = pos, .rope = rope, .simd = c->simd};
+                  .n_kv_heads = n_kv_heads, .n = n, .pos = pos, .rope = rope, .kern = &c->kern};
     run_rope(c, &j, rope_work(n, rope->head_dim, n_heads + n_kv_heads));
 }
 
@@ -288,7 +205,7 @@ void cv_cpu_rope_kv_write(cv_backend *b, float *q, int64_t q_stride, int64_t n_h
     }
     if (!q) n_heads = 0;
     rope_job j = {.q = q, .k = k, .q_stride = q_stride, .k_stride = k_stride, .n_heads = n_heads,
-                  .n_kv_heads = n_kv_heads, .n = n, .pos = pos, .rope = rope, .simd = c->simd,
+                  .n_kv_heads = n_kv_heads, .n = n, .pos = pos, .rope = rope, .kern = &c->kern,
                   .cache = cache, .v = v, .v_stride = v_stride, .slots = slot_mapping};
     /* narrowing k and v into the cache costs about one rotation per kv head */
     run_rope(c, &j, rope_work(n, rope->head_dim, n_heads + 2 * n_kv_heads));
@@ -301,7 +218,7 @@ typedef struct head_norm_job {
     const float *w;     /* [hd] */
     int64_t x_stride, n_heads, hd;
     float eps;
-    int simd;
+    const cv_cpu_kernels *kern;
     cv_rows *rows;
 } head_norm_job;
 
@@ -313,7 +230,7 @@ static void head_norm_fn(void *arg, int tid, int nth) {
         for (int64_t t = t0; t < t1; t++)
             for (int64_t h = 0; h < j->n_heads; h++) {
                 float *v = j->x + (size_t)t * (size_t)j->x_stride + (size_t)(h * j->hd);
-                cv_cpu_rms_row(v, v, j->w, j->hd, j->eps, j->simd);
+                cv_cpu_rms_row(v, v, j->w, j->hd, j->eps, j->kern);
             }
 }
 
@@ -322,7 +239,7 @@ void cv_cpu_head_rmsnorm(cv_backend *b, float *x, int64_t x_stride, int64_t n_he
     cv_cpu *c = cv_cpu_of(b);
     if (n <= 0 || n_heads <= 0 || head_dim <= 0) return;
     head_norm_job j = {.x = x, .w = weight, .x_stride = x_stride, .n_heads = n_heads, .hd = head_dim,
-                       .eps = eps, .simd = c->simd};
+                       .eps = eps, .kern = &c->kern};
     int nth = cv_threads_for(c, (double)n * (double)(n_heads * head_dim), ROW_GRAIN);
     if (nth > n) nth = (int)n;
     cv_rows rows;
@@ -336,7 +253,7 @@ typedef struct add_norm_job {
     const float *w;     /* [dim] */
     int64_t dim;
     float eps;
-    int simd;
+    const cv_cpu_kernels *kern;
     cv_rows *rows;
 } add_norm_job;
 
@@ -347,7 +264,7 @@ static void add_norm_fn(void *arg, int tid, int nth) {
     for (int64_t t0, t1; cv_rows_claim(j->rows, &t0, &t1);)
         for (int64_t t = t0; t < t1; t++) {
             float *y = j->y + (size_t)t * (size_t)j->dim, *x = j->x + (size_t)t * (size_t)j->dim;
-            cv_cpu_rms_row(y, y, j->w, j->dim, j->eps, j->simd);
+            cv_cpu_rms_row(y, y, j->w, j->dim, j->eps, j->kern);
             for (int64_t i = 0; i < j->dim; i++) x[i] += y[i];
         }
 }
@@ -356,7 +273,7 @@ void cv_cpu_add_rmsnorm(cv_backend *b, float *x, float *y, const float *weight, 
                         float eps) {
     cv_cpu *c = cv_cpu_of(b);
     if (n <= 0 || dim <= 0) return;
-    add_norm_job j = {.x = x, .y = y, .w = weight, .dim = dim, .eps = eps, .simd = c->simd};
+    add_norm_job j = {.x = x, .y = y, .w = weight, .dim = dim, .eps = eps, .kern = &c->kern};
     int nth = cv_threads_for(c, (double)n * (double)dim, ROW_GRAIN);
     if (nth > n) nth = (int)n;
     cv_rows rows;
@@ -373,12 +290,12 @@ void cv_cpu_scale(cv_backend *b, float *x, int64_t n, float s) {
 /* SwiGLU                                                                    */
 
 /* A gated activation (SwiGLU, GeGLU) over rows: out = act(gate) * up. */
-typedef void (*gated_row_fn)(float *o, const float *g, const float *u, int64_t dim, int simd);
+typedef void (*gated_row_fn)(float *o, const float *g, const float *u, int64_t dim, const cv_cpu_kernels *k);
 typedef struct gated_job {
     float *out;       /* [n][dim] */
     const float *gu;  /* [n][2*dim]: gate then up */
     int64_t n, dim;
-    int simd;
+    const cv_cpu_kernels *kern;
     gated_row_fn row;
     cv_rows *rows;      /* claimed in chunks (dynamic region) */
 } gated_job;
@@ -390,7 +307,7 @@ static void gated_fn(void *arg, int tid, int nth) {
     for (int64_t t0, t1; cv_rows_claim(j->rows, &t0, &t1);)
         for (int64_t t = t0; t < t1; t++) {
             const float *g = j->gu + (size_t)t * 2 * (size_t)j->dim;
-            j->row(j->out + (size_t)t * (size_t)j->dim, g, g + j->dim, j->dim, j->simd);
+            j->row(j->out + (size_t)t * (size_t)j->dim, g, g + j->dim, j->dim, j->kern);
         }
 }
 
@@ -399,7 +316,7 @@ static void run_gated(cv_backend *b, float *out, const float *gu, int64_t n, int
                       double flops_per) {
     cv_cpu *c = cv_cpu_of(b);
     if (n <= 0 || dim <= 0) return;
-    gated_job j = {.out = out, .gu = gu, .n = n, .dim = dim, .simd = c->simd, .row = row};
+    gated_job j = {.out = out, .gu = gu, .n = n, .dim = dim, .kern = &c->kern, .row = row};
     int nth = cv_threads_for(c, (double)n * (double)dim * flops_per, ROW_GRAIN);
     if (nth > n) nth = (int)n;
     cv_rows rows;
@@ -423,7 +340,7 @@ typedef struct embed_job {
     const int32_t *tokens;  /* [n] */
     int64_t n;
     const cv_table *t;
-    int simd;
+    const cv_cpu_kernels *kern;
     cv_rows *rows;      /* claimed in chunks (dynamic region) */
 } embed_job;
 
@@ -436,7 +353,7 @@ static void embed_fn(void *arg, int tid, int nth) {
     for (int64_t t0, t1; cv_rows_claim(j->rows, &t0, &t1);)
     for (int64_t i = t0; i < t1; i++) {
         const char *row = (const char *)j->t->data + (size_t)j->tokens[i] * (size_t)cols * esz;
-        cv_cpu_widen(j->out + (size_t)i * (size_t)cols, row, j->t->dtype, cols, j->simd);
+        cv_cpu_widen(j->out + (size_t)i * (size_t)cols, row, j->t->dtype, cols, j->kern);
     }
 }
 
@@ -444,7 +361,7 @@ void cv_cpu_embedding(cv_backend *b, float *out, const int32_t *tokens, int64_t 
                       const cv_table *table) {
     cv_cpu *c = cv_cpu_of(b);
     if (n <= 0 || table->cols <= 0) return;
-    embed_job j = {.out = out, .tokens = tokens, .n = n, .t = table, .simd = c->simd};
+    embed_job j = {.out = out, .tokens = tokens, .n = n, .t = table, .kern = &c->kern};
     int nth = cv_threads_for(c, (double)n * (double)table->cols, 4 * ROW_GRAIN);
     if (nth > n) nth = (int)n;
     cv_rows rows;

@@ -4,8 +4,9 @@
  * interleaved along cols (see cpu_internal.h), kept in its 16-bit dtype when
  * it has one and widened in registers. The micro-kernel keeps an mr x 16 tile
  * of fp32 accumulators (mr <= 6 tokens) in registers, broadcasting x and
- * streaming one panel. Blocking: a block of tokens whose x (mc x cols) stays
- * in L2; for each panel, cols in chunks of about KC so the panel chunk stays
+ * streaming one panel; the backend's kernel table (kernel_table.h) holds the
+ * level's micro-kernels (plain C here, SIMD under x86/). Blocking: a block of
+ * tokens whose x (mc x cols) stays in L2; for each panel, cols in chunks of about KC so the panel chunk stays
  * in L1 while all token tiles of the block pass over it (the C tiles of the
  * panel stay in cache across the chunks). A thread with many panels first
  * packs its x block tile by tile ([cols][mr]) so the broadcasts stream.
@@ -28,7 +29,7 @@
  * panel p is [cols_pad/2][16][2], cols_pad = cols rounded up to even (the
  * pad column is zero). Other matrices: [cols][16] (bf16 in slot order). */
 static inline int uses_pairs(const cv_cpu *c, cv_dtype dt) {
-    return CV_HAVE_AVX512 && c->simd >= CV_SIMD_AVX512_BF16 && dt == CV_BF16 && !c->exact_activations;
+    return c->kern.gemm_pairs && dt == CV_BF16 && !c->exact_activations;
 }
 static inline int64_t panel_cols(const cv_cpu *c, cv_dtype dt, int64_t cols) {
     return uses_pairs(c, dt) ? (cols + 1) & ~(int64_t)1 : cols;
@@ -48,7 +49,7 @@ typedef struct pack_job {
     int64_t rows, cols, cols_pad, n_panels;
     int pairs;          /* bf16 pair layout */
     float *tmp;         /* [nth][2 * cols]: a widened source row and its narrowed copy */
-    int simd;
+    const cv_cpu_kernels *kern;
 } pack_job;
 
 static void pack_fn(void *arg, int tid, int nth) {
@@ -68,7 +69,7 @@ static void pack_fn(void *arg, int tid, int nth) {
                 if (j->st == CV_F64)
                     cv_convert_to_f32(row, srow, j->st, (size_t)cols);
                 else
-                    cv_cpu_widen(row, srow, j->st, cols, j->simd);
+                    cv_cpu_widen(row, srow, j->st, cols, j->kern);
             }
             const size_t base = (size_t)p * (size_t)j->cols_pad * CV_NR;
             if (j->dt == CV_F32) {
@@ -76,7 +77,7 @@ static void pack_fn(void *arg, int tid, int nth) {
                 for (int64_t k = 0; k < cols; k++) d[(size_t)k * CV_NR] = row[k];
                 continue;
             }
-            cv_cpu_narrow(row16, j->dt, row, cols, j->simd);
+            cv_cpu_narrow(row16, j->dt, row, cols, j->kern);
             if (j->pairs) { /* [k/2][16][2]: k even low, odd high */
                 uint16_t *d = (uint16_t *)j->dst + base + 2 * (size_t)jj;
                 for (int64_t k = 0; k < cols; k++) d[(size_t)(k / 2) * 2 * CV_NR + (size_t)(k & 1)] = row16[k];
@@ -128,7 +129,7 @@ int cv_cpu_matrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dty
     }
     pack_job j = {.dst = data, .src = src, .st = src_dtype, .dt = dtype, .rows = rows,
                   .cols = cols, .cols_pad = cols_pad, .n_panels = n_panels, .tmp = tmp,
-                  .simd = c->simd, .pairs = uses_pairs(c, dtype)};
+                  .kern = &c->kern, .pairs = uses_pairs(c, dtype)};
     cv_pool_run(c->pool, nth, pack_fn, &j);
     out->data = data;
     out->dtype = dtype;
@@ -218,110 +219,8 @@ static void ukr_plain(int mr, cv_dtype dt, int64_t kc, const float *x, int64_t l
         (void)wstride;                                                                          \
         ukr_plain(MR, DT, kc, x, ldx, w, c, ldc, nvalid, bias, load_c);                         \
     }
-UKR_TABLE(PLAIN_UKR, plain_, static, plain_table)
+UKR_TABLE(PLAIN_UKR, plain_, , cv_gemm_plain_table)
 
-#if CV_HAVE_AVX2
-CV_TARGET_AVX2_BEGIN
-/* Widens the 16 weights of panel row k into w0 (outputs 0..7) and w1 (8..15). */
-static CV_ALWAYS_INLINE void load_w16(const cv_dtype dt, const void *w, int64_t k, __m256 *w0,
-                                      __m256 *w1) {
-    if (dt == CV_F32) {
-        const float *p = (const float *)w + k * CV_NR;
-        *w0 = _mm256_loadu_ps(p);
-        *w1 = _mm256_loadu_ps(p + 8);
-    } else if (dt == CV_BF16) {
-        /* lane i holds (out i, out i+8): the low half shifted up, the high half masked */
-        __m256i v = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k * CV_NR));
-        *w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        *w1 = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
-    } else {
-        const uint16_t *p = (const uint16_t *)w + k * CV_NR;
-        *w0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-        *w1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
-    }
-}
-
-/* 16 values at p, of which the first nv (0..16) are read; the rest zero. */
-static CV_ALWAYS_INLINE void load16_part(const float *p, int nv, __m256 *v0, __m256 *v1) {
-    if (nv == CV_NR) {
-        *v0 = _mm256_loadu_ps(p);
-        *v1 = _mm256_loadu_ps(p + 8);
-        return;
-    }
-    float t[CV_NR] = {0};
-    for (int j = 0; j < nv; j++) t[j] = p[j];
-    *v0 = _mm256_loadu_ps(t);
-    *v1 = _mm256_loadu_ps(t + 8);
-}
-
-/* mr rows x np panels, one accumulator chain per output (gemm_ukr.h). */
-static CV_ALWAYS_INLINE void ukr_avx2(const int mr, const int np, const cv_dtype dt, const int packed,
-                                      int64_t kc, const float *x, int64_t ldx, const void *w,
-                                      size_t wstride, float *c, int64_t ldc, int nvalid,
-                                      const float *bias, int load_c) {
-    __m256 acc[CV_MR][CV_GROUP][2];
-#pragma GCC unroll 4
-    for (int q = 0; q < np; q++) {
-        const int nv = panel_valid(nvalid, q);
-        __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
-        if (bias) load16_part(bias + q * CV_NR, nv, &b0, &b1);
-#pragma GCC unroll 6
-        for (int i = 0; i < mr; i++) {
-            if (load_c) {
-                __m256 c0, c1;
-                load16_part(c + i * ldc + q * CV_NR, nv, &c0, &c1);
-                acc[i][q][0] = _mm256_add_ps(c0, b0);
-                acc[i][q][1] = _mm256_add_ps(c1, b1);
-            } else {
-                acc[i][q][0] = b0;
-                acc[i][q][1] = b1;
-            }
-        }
-    }
-    for (int64_t k = 0; k < kc; k++) {
-        __m256 w0[CV_GROUP], w1[CV_GROUP];
-#pragma GCC unroll 4
-        for (int q = 0; q < np; q++) load_w16(dt, (const char *)w + (size_t)q * wstride, k, &w0[q], &w1[q]);
-#pragma GCC unroll 6
-        for (int i = 0; i < mr; i++) {
-            const __m256 xb = _mm256_broadcast_ss(packed ? x + k * mr + i : x + i * ldx + k);
-#pragma GCC unroll 4
-            for (int q = 0; q < np; q++) {
-                acc[i][q][0] = _mm256_fmadd_ps(xb, w0[q], acc[i][q][0]);
-                acc[i][q][1] = _mm256_fmadd_ps(xb, w1[q], acc[i][q][1]);
-            }
-        }
-    }
-#pragma GCC unroll 4
-    for (int q = 0; q < np; q++) {
-        const int nv = panel_valid(nvalid, q);
-#pragma GCC unroll 6
-        for (int i = 0; i < mr; i++) {
-            float *ci = c + i * ldc + q * CV_NR;
-            if (nv == CV_NR) {
-                _mm256_storeu_ps(ci, acc[i][q][0]);
-                _mm256_storeu_ps(ci + 8, acc[i][q][1]);
-            } else {
-                float t[CV_NR];
-                _mm256_storeu_ps(t, acc[i][q][0]);
-                _mm256_storeu_ps(t + 8, acc[i][q][1]);
-                for (int j = 0; j < nv; j++) ci[j] = t[j];
-            }
-        }
-    }
-}
-
-#define AVX_UKR(MR, DT, NAME)                                                                   \
-    static void NAME(int64_t kc, const float *x, int64_t ldx, const void *w, size_t wstride,   \
-                     float *c, int64_t ldc, int nvalid, const float *bias, int load_c) {        \
-        if (ldx)                                                                                \
-            ukr_avx2(MR, UKR_NP_AVX2(MR), DT, 0, kc, x, ldx, w, wstride, c, ldc, nvalid, bias, load_c); \
-        else                                                                                    \
-            ukr_avx2(MR, UKR_NP_AVX2(MR), DT, 1, kc, x, ldx, w, wstride, c, ldc, nvalid, bias, load_c); \
-    }
-UKR_TABLE(AVX_UKR, avx_, static, avx_table)
-CV_TARGET_END
-#endif
 
 /* ------------------------------------------------------------------------ */
 /* Driver                                                                    */
@@ -334,9 +233,8 @@ typedef struct gemm_job {
     const cv_matrix *w;
     const float *bias;   /* [rows] or NULL */
     int accumulate;
-    const ukr_fn *table; /* [CV_MR + 1] kernels for w's dtype */
-    const ukr_pf_fn *table_pf; /* the same kernels that also prefetch (pair layout), or NULL */
-    int np[CV_MR + 1];   /* panels per kernel call at each tile height */
+    const cv_ukr_fn *table; /* [CV_MR + 1] kernels for w's dtype */
+    const cv_ukr_pf_fn *table_pf; /* the same kernels that also prefetch (pair layout), or NULL */
     int64_t kc;          /* cols per block (balanced chunks of about the configured KC) */
     int64_t mc;          /* tokens per block (x block of mc x cols stays in L2) */
     int64_t n_tblocks;   /* token blocks of mc tokens */
@@ -348,7 +246,7 @@ typedef struct gemm_job {
     int panels_outer;    /* loop over panels outermost (weights >> L2, x fits L3) */
     int pairs;           /* bf16 pair layout: xpack holds x rounded to bf16, [mlen][kcols] */
     int64_t kcols;       /* columns of a panel (cols, or cols_pad for pairs) */
-    int simd;
+    const cv_cpu_kernels *kern;
     const cv_cpu *cpu;   /* its per-thread rows buffers (prologue) */
     float *shared;       /* [n][cols]: the prologue's rows made once for all threads, or NULL */
     uint16_t *shared_bf16; /* pairs: [n][kcols] bf16 rows made once for all threads, or NULL */
@@ -375,10 +273,11 @@ static void pack_x(float *xp, const float *xb, int64_t cols, int64_t mlen, int64
 /* Rounds a block's rows xb[0 .. mlen)[0 .. cols) to bf16 rows of kcols
  * (even; the pad column zero) at dst: the activations of the pair kernels,
  * rounded once per call and row. */
-static void round_x_bf16(uint16_t *dst, const float *xb, int64_t cols, int64_t kcols, int64_t mlen, int simd) {
+static void round_x_bf16(uint16_t *dst, const float *xb, int64_t cols, int64_t kcols, int64_t mlen,
+                         const cv_cpu_kernels *kern) {
     for (int64_t t = 0; t < mlen; t++) {
         uint16_t *d = dst + t * kcols;
-        cv_cpu_narrow(d, CV_BF16, xb + (size_t)t * (size_t)cols, cols, simd);
+        cv_cpu_narrow(d, CV_BF16, xb + (size_t)t * (size_t)cols, cols, kern);
         for (int64_t k = cols; k < kcols; k++) d[k] = 0;
     }
 }
@@ -389,10 +288,10 @@ static void round_x_bf16(uint16_t *dst, const float *xb, int64_t cols, int64_t k
  * of fp32 rows written to L2 and read back. The same values as making all
  * the rows and then rounding them. */
 static void make_rows_bf16(const cv_gemm_in *in, uint16_t *dst, float *tmp, int64_t t0, int64_t m, int64_t cols,
-                           int64_t kcols, int simd) {
+                           int64_t kcols, const cv_cpu_kernels *kern) {
     for (int64_t t = 0; t < m; t++) {
-        cv_cpu_gemm_in_rows(in, tmp, t0 + t, 1, cols, simd);
-        round_x_bf16(dst + t * kcols, tmp, cols, kcols, 1, simd);
+        cv_cpu_gemm_in_rows(in, tmp, t0 + t, 1, cols, kern);
+        round_x_bf16(dst + t * kcols, tmp, cols, kcols, 1, kern);
     }
 }
 
@@ -428,7 +327,7 @@ static void group_pass(const gemm_job *j, int64_t g, int64_t m0, int64_t mlen, i
         int64_t t = m0;
         for (int64_t ti = 0; ti < ntiles; ti++) {
             const int mr = (int)(mlen / ntiles + (ti < mlen % ntiles ? 1 : 0));
-            const int np = j->np[mr];
+            const int np = j->kern->gemm_np[mr];
             /* pairs: this call's slice of the prefetch, spread over its k steps */
             int64_t pfl = 0;
             const char *pfp = j->table_pf ? cv_prefetch_take(&pf, klen / 2, &pfl) : NULL;
@@ -474,13 +373,13 @@ static void make_shared_rows(gemm_job *j, int tid) {
                     : NULL;
     for (int64_t t0, t1; cv_rows_claim(&j->shared_rows, &t0, &t1);) {
         if (!j->shared_bf16) {
-            cv_cpu_gemm_in_rows(&j->in, j->shared + (size_t)(t0 * cols), t0, t1 - t0, cols, j->simd);
+            cv_cpu_gemm_in_rows(&j->in, j->shared + (size_t)(t0 * cols), t0, t1 - t0, cols, j->kern);
         } else {
             uint16_t *dst = j->shared_bf16 + (size_t)(t0 * kcols);
             if (xr)
-                make_rows_bf16(&j->in, dst, xr, t0, t1 - t0, cols, kcols, j->simd);
+                make_rows_bf16(&j->in, dst, xr, t0, t1 - t0, cols, kcols, j->kern);
             else
-                round_x_bf16(dst, j->in.src + (size_t)(t0 * cols), cols, kcols, t1 - t0, j->simd);
+                round_x_bf16(dst, j->in.src + (size_t)(t0 * cols), cols, kcols, t1 - t0, j->kern);
         }
         atomic_fetch_add_explicit(&j->shared_done, t1 - t0, memory_order_release);
     }
@@ -538,11 +437,11 @@ static void gemm_fn(void *arg, int tid, int nth) {
             if (xp && j->pairs) { /* the block's bf16 rows (xb is not read) */
                 uint16_t *xh = (uint16_t *)(void *)xp;
                 if (xr)
-                    make_rows_bf16(&j->in, xh, xr, m0, mlen, cols, j->kcols, j->simd);
+                    make_rows_bf16(&j->in, xh, xr, m0, mlen, cols, j->kcols, j->kern);
                 else
-                    round_x_bf16(xh, xb, cols, j->kcols, mlen, j->simd);
+                    round_x_bf16(xh, xb, cols, j->kcols, mlen, j->kern);
             } else {
-                if (xr) cv_cpu_gemm_in_rows(&j->in, xr, m0, mlen, cols, j->simd);
+                if (xr) cv_cpu_gemm_in_rows(&j->in, xr, m0, mlen, cols, j->kern);
                 if (xp) pack_x(xp, xb, cols, mlen, (mlen + CV_MR - 1) / CV_MR);
             }
             ready_block = tb;
@@ -617,24 +516,11 @@ void cv_cpu_gemm_in(cv_backend *b, float *out, const cv_gemm_in *in, int64_t n, 
     if (j.xpack && (size_t)(j.mc * w->cols) > j.xpack_floats) j.xpack = NULL; /* not prepared here */
     j.pairs = uses_pairs(c, w->dtype);
     j.kcols = panel_cols(c, w->dtype, w->cols);
-    j.simd = c->simd;
-    const int di = dt_index(w->dtype);
-    j.table = plain_table[di];
-    for (int mr = 0; mr <= CV_MR; mr++) j.np[mr] = 1;
-#if CV_HAVE_AVX2
-    if (c->simd >= CV_SIMD_AVX2) {
-        j.table = avx_table[di];
-        for (int mr = 1; mr <= CV_MR; mr++) j.np[mr] = UKR_NP_AVX2(mr);
-    }
-#endif
-#if CV_HAVE_AVX512
-    if (c->simd >= CV_SIMD_AVX512) {
-        j.table = cv_gemm_avx512_table[di];
-        for (int mr = 1; mr <= CV_MR; mr++) j.np[mr] = UKR_NP_AVX512(mr);
-    }
+    j.kern = &c->kern;
+    j.table = c->kern.gemm[dt_index(w->dtype)];
     if (j.pairs) {
-        j.table = cv_gemm_bf16dot_table;
-        j.table_pf = cv_gemm_bf16dot_pf_table;
+        j.table = c->kern.gemm_pairs;
+        j.table_pf = c->kern.gemm_pairs_pf;
         /* the block's bf16 rows (kcols values each) fit the thread's buffer */
         j.xpack = c->gemm_xpack;
         const int64_t fit = (int64_t)(2 * j.xpack_floats) / j.kcols / CV_MR * CV_MR;
@@ -646,7 +532,6 @@ void cv_cpu_gemm_in(cv_backend *b, float *out, const cv_gemm_in *in, int64_t n, 
         if (n > j.mc && n <= mc2 && n <= fit) j.mc = n;
     }
     if (j.pairs && (!j.xpack || j.mc < CV_MR)) return; /* not prepared by this backend */
-#endif
     /* Threads: at least ~128K multiply-adds (a few microseconds) each, so that
      * waking a worker never costs more than it saves. */
     const int64_t np = matrix_groups(w->rows), cols = w->cols; /* work is divided in panel groups */

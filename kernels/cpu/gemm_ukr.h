@@ -1,5 +1,5 @@
-/* The GEMM micro-kernel contract shared by gemm.c (driver, plain C, AVX2) and
- * gemm_avx512.c (AVX-512 and AVX512_BF16).
+/* The GEMM micro-kernel contract shared by gemm.c (driver, plain C) and the
+ * SIMD kernels (x86/avx2_gemm.c; x86/avx512_gemm.c: AVX-512 and AVX512_BF16).
  *
  * A kernel computes an mr x (np * 16) tile: np consecutive panels of W (np is
  * fixed per level and tile height, UKR_NP_*) over mr rows of x:
@@ -29,12 +29,7 @@
 
 #include "cpu_internal.h"
 
-typedef void (*ukr_fn)(int64_t kc, const float *x, int64_t ldx, const void *w, size_t wstride, float *c,
-                       int64_t ldc, int nvalid, const float *bias, int load_c);
-/* The same, also asking for the lines pf .. pf + 64 min(pf_lines, kc / 2)
- * (prefetch into L2) spread over its k steps: the bf16-pair kernels. */
-typedef void (*ukr_pf_fn)(int64_t kc, const float *x, int64_t ldx, const void *w, size_t wstride, float *c,
-                          int64_t ldc, int nvalid, const float *bias, int load_c, const char *pf, int64_t pf_lines);
+/* cv_ukr_fn and cv_ukr_pf_fn, the kernels' types: kernel_table.h. */
 
 /* Packed matrices hold whole groups of CV_GROUP panels (zero panels pad the
  * last group), so every kernel call reads whole panels of its np. */
@@ -68,13 +63,7 @@ static inline int panel_valid(int nvalid, int q) {
 #define UKR_LIST(P) {NULL, P##1, P##2, P##3, P##4, P##5, P##6}
 #define UKR_TABLE(GEN, P, SC, TABLE)                                                            \
     UKR_ROW(GEN, CV_F32, P##f32_) UKR_ROW(GEN, CV_BF16, P##bf16_) UKR_ROW(GEN, CV_F16, P##f16_)   \
-    SC const ukr_fn TABLE[3][CV_MR + 1] = {UKR_LIST(P##f32_), UKR_LIST(P##bf16_), UKR_LIST(P##f16_)};
+    SC const cv_ukr_fn TABLE[3][CV_MR + 1] = {UKR_LIST(P##f32_), UKR_LIST(P##bf16_), UKR_LIST(P##f16_)};
 _Static_assert(CV_MR == 6, "UKR_ROW instantiates tile heights 1..6");
-
-/* gemm_avx512.c: AVX-512 kernels of the three weight dtypes (widened in
- * registers), and the AVX512_BF16 kernels of the pair layout (vdpbf16ps). */
-extern const ukr_fn cv_gemm_avx512_table[3][CV_MR + 1];
-extern const ukr_fn cv_gemm_bf16dot_table[CV_MR + 1];
-extern const ukr_pf_fn cv_gemm_bf16dot_pf_table[CV_MR + 1];
 
 #endif

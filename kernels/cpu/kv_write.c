@@ -6,23 +6,22 @@
 #include <math.h>
 
 #include "cpu_internal.h"
-#include "vec_math.h"
 
 typedef struct kvw_job {
     cv_kv_layer *cache;
     const float *k, *v;        /* [n][k_stride], [n][v_stride] */
     int64_t k_stride, v_stride, n;
     const int64_t *slots;      /* [n] */
-    int simd;
+    const cv_cpu_kernels *kern;
     cv_rows *rows;             /* claimed in chunks (dynamic region) */
 } kvw_job;
 
 /* One row into the int8 cache: q = round(x * (127 / max|x|)) (to nearest,
  * ties to even) clamped to +-127 (a NaN becomes 0), its scale max|x| / 127
- * (0 for a zero row). Plain C on every level (the same bits everywhere):
+ * (0 for a zero row). The plain reference (every level gives its bits):
  * adding and subtracting 1.5 * 2^23 rounds |v| < 2^22 to an integer in the
  * default rounding mode, as nearbyintf does, without a libm call per value. */
-static void quantize_row_i8(int8_t *dst, float *scale, const float *x, int64_t hd) {
+void cv_kv_quantize_i8_plain(int8_t *dst, float *scale, const float *x, int64_t hd) {
     float amax = 0.0f;
     for (int64_t d = 0; d < hd; d++) {
         const float a = fabsf(x[d]);
@@ -39,43 +38,12 @@ static void quantize_row_i8(int8_t *dst, float *scale, const float *x, int64_t h
     }
 }
 
-#if CV_HAVE_AVX512
-CV_TARGET_AVX512_BEGIN
-/* quantize_row_i8, 16 lanes at a time (the same bits). */
-static void quantize_row_i8_avx512(int8_t *dst, float *scale, const float *x, int64_t hd) {
-    __m512 vmax = _mm512_setzero_ps();
-    const __m512 sign = _mm512_set1_ps(-0.0f);
-    for (int64_t d = 0; d < hd; d += 16) {
-        const __m512 a = _mm512_andnot_ps(sign, _mm512_maskz_loadu_ps(cv_tail_mask16(hd - d), x + d));
-        vmax = _mm512_max_ps(a, vmax); /* a NaN lane keeps vmax (the second operand), as the plain loop does */
-    }
-    const float amax = _mm512_reduce_max_ps(vmax);
-    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-    *scale = amax / 127.0f;
-    const __m512 vid = _mm512_set1_ps(id), hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
-    const __m512 magic = _mm512_set1_ps(12582912.0f);
-    for (int64_t d = 0; d < hd; d += 16) {
-        const __mmask16 m = cv_tail_mask16(hd - d);
-        __m512 r = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + d), vid);
-        r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(r, hi, _CMP_GT_OQ), r, hi);
-        r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(r, lo, _CMP_LT_OQ), r, lo);
-        r = _mm512_sub_ps(_mm512_add_ps(r, magic), magic);
-        const __mmask16 num = _mm512_cmp_ps_mask(r, r, _CMP_ORD_Q); /* a NaN becomes 0 */
-        const __m512i q = _mm512_maskz_cvtps_epi32(num, r);
-        _mm_mask_storeu_epi8(dst + d, m, _mm512_cvtepi32_epi8(q));
-    }
-}
-CV_TARGET_END
-#endif
-
-void cv_cpu_kv_write_token(const cv_kv_layer *c, const float *k, const float *v, int64_t slot, int simd) {
+void cv_cpu_kv_write_token(const cv_kv_layer *c, const float *k, const float *v, int64_t slot,
+                           const cv_cpu_kernels *kern) {
     const int64_t hd = c->head_dim, bs = c->block_size, nkv = c->n_kv_heads;
     const size_t esz = cv_dtype_size(c->dtype);
     if (slot < 0) return;
-    void (*quantize)(int8_t *, float *, const float *, int64_t) = quantize_row_i8;
-#if CV_HAVE_AVX512
-    if (simd >= CV_SIMD_AVX512) quantize = quantize_row_i8_avx512;
-#endif
+    void (*quantize)(int8_t *, float *, const float *, int64_t) = kern->kv_quantize_i8;
     const int64_t blk = slot / bs, off = slot % bs;
     for (int64_t h = 0; h < nkv; h++) {
         const size_t row = ((size_t)blk * (size_t)nkv + (size_t)h) * (size_t)bs + (size_t)off;
@@ -85,8 +53,8 @@ void cv_cpu_kv_write_token(const cv_kv_layer *c, const float *k, const float *v,
             quantize((int8_t *)c->v + dst, c->v_scale + row, v + (size_t)(h * hd), hd);
             continue;
         }
-        cv_cpu_narrow((char *)c->k + dst, c->dtype, k + (size_t)(h * hd), hd, simd);
-        cv_cpu_narrow((char *)c->v + dst, c->dtype, v + (size_t)(h * hd), hd, simd);
+        cv_cpu_narrow((char *)c->k + dst, c->dtype, k + (size_t)(h * hd), hd, kern);
+        cv_cpu_narrow((char *)c->v + dst, c->dtype, v + (size_t)(h * hd), hd, kern);
     }
 }
 
@@ -97,7 +65,7 @@ static void kvw_fn(void *arg, int tid, int nth) {
     for (int64_t t0, t1; cv_rows_claim(j->rows, &t0, &t1);)
         for (int64_t t = t0; t < t1; t++)
             cv_cpu_kv_write_token(j->cache, j->k + (size_t)t * (size_t)j->k_stride,
-                                  j->v + (size_t)t * (size_t)j->v_stride, j->slots[t], j->simd);
+                                  j->v + (size_t)t * (size_t)j->v_stride, j->slots[t], j->kern);
 }
 
 void cv_cpu_kv_write(cv_backend *b, cv_kv_layer *cache, const float *k, int64_t k_stride,
@@ -105,7 +73,7 @@ void cv_cpu_kv_write(cv_backend *b, cv_kv_layer *cache, const float *k, int64_t 
     cv_cpu *c = cv_cpu_of(b);
     if (n <= 0) return;
     kvw_job j = {.cache = cache, .k = k, .v = v, .k_stride = k_stride, .v_stride = v_stride,
-                 .n = n, .slots = slot_mapping, .simd = c->simd};
+                 .n = n, .slots = slot_mapping, .kern = &c->kern};
     int nth = cv_threads_for(c, (double)n * (double)(cache->n_kv_heads * cache->head_dim) * 2.0, 65536.0);
     if (nth > n) nth = (int)n;
     cv_rows rows;

@@ -1,6 +1,6 @@
 /* Quantized GEMM/GEMV on the CPU: preparation, activation quantization, the
  * plain-C dot products, the threaded driver and quantized embedding rows.
- * See quant.h; the SIMD dots are in quant_avx2.c and quant_vnni.c. */
+ * See quant.h; the SIMD dots are in x86/avx2_quant.c and x86/avxvnni_quant.c. */
 #include "quant.h"
 
 #include <stdlib.h>
@@ -239,7 +239,7 @@ const char *cv_qlevel_name(cv_qlevel l) {
 /* The micro-kernels of dtype at level l (plain C where l has none). */
 static void tiles_for(cv_dtype t, cv_qlevel l, cv_qtiles *out) {
     int ok = 0;
-    if ((t == CV_Q2_K || t == CV_Q8_M) && l != CV_QL_SCALAR) ok = cv_qtiles_q2k(t, out); /* quant_q2k.c */
+    if ((t == CV_Q2_K || t == CV_Q8_M) && l != CV_QL_SCALAR) ok = cv_qtiles_q2k(t, out); /* x86/avx2_q2k.c */
     else if (l == CV_QL_AVX512VNNI || l == CV_QL_AVXVNNI) ok = cv_qtiles_vnni(t, l == CV_QL_AVX512VNNI, out);
     else if (l == CV_QL_AVX2) ok = cv_qtiles_avx2(t, out);
     if (!ok) qtiles_scalar(t, out);
@@ -352,7 +352,7 @@ typedef struct qgemm_job {
     int64_t t0, nt, nb;
     cv_gemm_in in;         /* the rows quantized by the quantization region */
     const cv_cpu *cpu;     /* its per-thread rows buffers */
-    int simd;
+    const cv_cpu_kernels *kern;
     cv_xq_block *xq_w;
     cv_quantize_x_fn quantize;
     cv_qtiles k;
@@ -365,7 +365,7 @@ static void quantize_range(qgemm_job *j, int tid, int64_t a, int64_t z) {
     for (int64_t t = a; t < z; t++) {
         const float *x = j->in.src + (j->t0 + t) * cols;
         if (row) { /* the prologue's row, made here and quantized at once */
-            cv_cpu_gemm_in_rows(&j->in, row, j->t0 + t, 1, cols, j->simd);
+            cv_cpu_gemm_in_rows(&j->in, row, j->t0 + t, 1, cols, j->kern);
             x = row;
         }
         j->quantize(j->xq_w + t * j->nb, x, cols);
@@ -502,9 +502,9 @@ void cv_cpu_qgemm_in(cv_backend *b, float *out, const cv_gemm_in *in, int64_t n,
     /* the scratch is sized at prepare time for the widest matrix */
     cv_xq_block *xq = c->qx;
     qgemm_job j = {.out = out, .w = w, .bias = bias, .accumulate = accumulate, .nb = nb, .in = *in, .cpu = c,
-                   .simd = c->simd};
+                   .kern = &c->kern};
     if (in->kind != CV_IN_X && !cv_cpu_gemm_rows_buf(c, 0, (size_t)w->cols)) { /* prepared elsewhere */
-        cv_cpu_gemm_in_rows(in, scratch, 0, n, w->cols, c->simd); /* one thread: a rare path */
+        cv_cpu_gemm_in_rows(in, scratch, 0, n, w->cols, &c->kern); /* one thread: a rare path */
         j.in = (cv_gemm_in){.kind = CV_IN_X, .src = scratch};
     }
     tiles_for(w->dtype, level, &j.k);

@@ -55,7 +55,7 @@ cv_qdot_fn cv_qdot_scalar(cv_dtype t);
 int cv_qtiles_avx2(cv_dtype t, cv_qtiles *out);
 int cv_qtiles_vnni(cv_dtype t, int avx512, cv_qtiles *out); /* avx512: EVEX vpdpbusd, else AVX-VNNI */
 /* Q2_K (computed as stored) and Q8_M (quant_format.h): the plain-C dots, and
- * the AVX2 tiles every SIMD level uses (quant_q2k.c; 0 when not built). */
+ * the AVX2 tiles every SIMD level uses (x86/avx2_q2k.c; 0 when not built). */
 float cv_q2k_dot_scalar(const void *w, const cv_xq_block *x, int64_t nb);
 float cv_q8m_dot_scalar(const void *w, const cv_xq_block *x, int64_t nb);
 int cv_qtiles_q2k(cv_dtype t, cv_qtiles *out);
@@ -105,7 +105,7 @@ void cv_quantize_x(cv_xq_block *out, const float *x, int64_t n);
 typedef void (*cv_quantize_x_fn)(cv_xq_block *out, const float *x, int64_t n);
 /* The same bytes with AVX2 (NULL when not built). */
 cv_quantize_x_fn cv_quantize_x_avx2(void);
-/* With AVX-512 (quant_vnni512.c; NULL when not built): the P16 path's. */
+/* With AVX-512 (x86/vnni512_quant.c; NULL when not built): the P16 path's. */
 cv_quantize_x_fn cv_quantize_x_avx512(void);
 
 /* gemm.c / backend_cpu.c hand quantized matrices and tables here. */

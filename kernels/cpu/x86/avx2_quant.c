@@ -3,7 +3,7 @@
  * trick for signed weights (|w| x sign(x, w)); no pair saturates (|w| <= 128,
  * |x| <= 127). Per-function target attributes: this file builds without
  * -mavx2 and runs only where the CPU has AVX2/FMA/F16C (cv_qlevel_supported). */
-#include "quant.h"
+#include "../quant.h"
 
 #if CV_HAVE_AVX2
 

@@ -3,7 +3,7 @@
 #ifndef CV_VEC_MATH_H
 #define CV_VEC_MATH_H
 
-#include "cpu_internal.h"
+#include "../cpu_internal.h"
 
 #if CV_HAVE_AVX2
 CV_TARGET_AVX2_BEGIN

@@ -15,7 +15,7 @@
  * (decode: four rows' weights streamed at once, the token's activation work
  * shared), 2 x 2, and 1 x 1..4; a row's bytes are unpacked once per block
  * for its tokens. */
-#include "quant.h"
+#include "../quant.h"
 
 #if CV_HAVE_AVX2
 

@@ -1,4 +1,4 @@
-/* AVX-512 chunk kernels of paged attention (contract: attention_avx512.h).
+/* AVX-512 chunk kernels of paged attention (contract: x86/kernels.h).
  *
  * Scores. A dot product of head_dim 64 is only 4 FMAs (2 vdpbf16ps) per
  * (vector, key); reducing each 16-lane accumulator on its own costs more than
@@ -18,7 +18,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "attention_avx512.h"
+#include "kernels.h"
 #include "vec_math.h"
 
 #if CV_HAVE_AVX512
@@ -36,11 +36,6 @@ static CV_ALWAYS_INLINE __mmask16 att_mask(int64_t left) {
     return left >= 16 ? (__mmask16)0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1u);
 }
 
-static int max_valid(const int *nval, int v0, int nvg) {
-    int nk = 0;
-    for (int v = v0; v < v0 + nvg; v++) nk = nval[v] > nk ? nval[v] : nk;
-    return nk;
-}
 
 /* 16 values of a K or V row from d, lanes outside m zero. */
 static CV_ALWAYS_INLINE __m512 kv_load16(const void *p, cv_dtype dt, int64_t d, __mmask16 m) {
@@ -151,10 +146,11 @@ static inline int pow2_group(int left) { return left >= 4 ? 4 : left >= 2 ? 2 : 
     } while (0)
 
 void cv_att_scores_avx512(float *sc, const float *qt, int64_t hd, int nv, const int *nval,
-                          const void *const *kp, cv_dtype dt) {
+                          const void *const *kp, cv_dtype dt, float *row) {
+    (void)row; /* scratch of the plain kernels */
     for (int v0 = 0; v0 < nv;) {
         const int nvg = pow2_group(nv - v0);
-        const int nk = max_valid(nval, v0, nvg);
+        const int nk = cv_att_max_valid(nval, v0, nvg);
         float *s = sc + v0 * CV_ATT_KCHUNK;
         const float *q = qt + v0 * hd;
         if (nvg == 4) SCORES_GROUP(SC_F32_BLK, 4);
@@ -226,10 +222,11 @@ static CV_ALWAYS_INLINE void pv_group(float *acc, const float *sc, const float *
     } while (0)
 
 void cv_att_pv_avx512(float *acc, const float *sc, const float *alpha, int64_t hd, int nv,
-                      const int *nval, const void *const *vp, cv_dtype dt) {
+                      const int *nval, const void *const *vp, cv_dtype dt, float *row) {
+    (void)row; /* scratch of the plain kernels */
     for (int v0 = 0; v0 < nv;) {
         const int nvg = group_size(nv, v0);
-        const int nk = max_valid(nval, v0, nvg);
+        const int nk = cv_att_max_valid(nval, v0, nvg);
         float *a = acc + v0 * hd;
         const float *s = sc + v0 * CV_ATT_KCHUNK;
         const float *al = alpha + v0;
@@ -245,7 +242,7 @@ void cv_att_pv_avx512(float *acc, const float *sc, const float *alpha, int64_t h
 #undef PV_DT
 
 void cv_att_scale_avx512(float *sc, int nv, const int *nval, const float *s) {
-    const int nk = max_valid(nval, 0, nv);
+    const int nk = cv_att_max_valid(nval, 0, nv);
     __m512 sv[CV_ATT_KCHUNK / 16];
 #pragma GCC unroll 4
     for (int b = 0; b < CV_ATT_KCHUNK / 16; b++) sv[b] = _mm512_maskz_loadu_ps(att_mask(nk - 16 * b), s + 16 * b);
@@ -441,7 +438,7 @@ static CV_ALWAYS_INLINE void scores_slab(float *sc, const uint16_t *q, int64_t s
 void cv_att_scores_bf16(float *sc, const uint16_t *qb, int64_t hd, int nv, const int *nval,
                         const void *const *kp) {
     const int64_t st = cv_att_qb_stride(hd);
-    const int nk = max_valid(nval, 0, nv);
+    const int nk = cv_att_max_valid(nval, 0, nv);
     if (nk <= 0) return;
     const int nkb = nk > 16 ? 2 : 1;
     _Alignas(64) uint32_t kt[16][CV_ATT_KCHUNK];
@@ -536,7 +533,7 @@ void cv_att_pv_bf16(float *acc, const float *sc, const float *alpha, int64_t hd,
                     const int *nval, const void *const *vp) {
     /* probabilities as bf16 pairs of keys; zero past the chunk's valid keys */
     uint32_t pb[CV_ATT_TILE * CV_ATT_KCHUNK / 2];
-    const int nk_all = max_valid(nval, 0, nv);
+    const int nk_all = cv_att_max_valid(nval, 0, nv);
     for (int v = 0; v < nv; v++) {
         const __m512 lo = _mm512_maskz_loadu_ps(att_mask(nk_all), sc + v * CV_ATT_KCHUNK);
         const __m512 hi = _mm512_maskz_loadu_ps(att_mask(nk_all - 16), sc + v * CV_ATT_KCHUNK + 16);
@@ -544,7 +541,7 @@ void cv_att_pv_bf16(float *acc, const float *sc, const float *alpha, int64_t hd,
     }
     for (int v0 = 0; v0 < nv;) {
         const int nvg = group_size(nv, v0);
-        const int nk = max_valid(nval, v0, nvg);
+        const int nk = cv_att_max_valid(nval, v0, nvg);
         float *a = acc + v0 * hd;
         const uint32_t *p = pb + v0 * (CV_ATT_KCHUNK / 2);
         const float *al = alpha + v0;

@@ -1,5 +1,5 @@
 /* AVX-512 GEMM micro-kernels (contract and reduction-order rule in
- * gemm_ukr.h), the counterparts of the AVX2 ones in gemm.c: one zmm holds the
+ * gemm_ukr.h), the counterparts of the AVX2 ones (avx2_gemm.c): one zmm holds the
  * 16 outputs of a panel row, and a tile is mr rows x 4 panels (64 columns):
  * up to 24 accumulators, each one output chain in k order, so FMA latency is
  * covered by columns, never by splitting k. Each k step loads 4 weight
@@ -17,7 +17,7 @@
  * lane per instruction, twice the fp32 FMA rate, half the weight bytes). */
 #include <string.h>
 
-#include "gemm_ukr.h"
+#include "../gemm_ukr.h"
 
 #if CV_HAVE_AVX512
 CV_TARGET_AVX512_BEGIN
@@ -157,8 +157,8 @@ static CV_ALWAYS_INLINE void ukr_dot(const int mr, int64_t kc, const float *xf, 
     }
 DOT_UKR(1, dot_1) DOT_UKR(2, dot_2) DOT_UKR(3, dot_3) DOT_UKR(4, dot_4) DOT_UKR(5, dot_5)
 DOT_UKR(6, dot_6)
-const ukr_fn cv_gemm_bf16dot_table[CV_MR + 1] = UKR_LIST(dot_);
-const ukr_pf_fn cv_gemm_bf16dot_pf_table[CV_MR + 1] = {NULL, dot_1_pf, dot_2_pf, dot_3_pf, dot_4_pf, dot_5_pf,
+const cv_ukr_fn cv_gemm_bf16dot_table[CV_MR + 1] = UKR_LIST(dot_);
+const cv_ukr_pf_fn cv_gemm_bf16dot_pf_table[CV_MR + 1] = {NULL, dot_1_pf, dot_2_pf, dot_3_pf, dot_4_pf, dot_5_pf,
                                                        dot_6_pf};
 CV_TARGET_END
 #endif

@@ -15,7 +15,7 @@
  * with the weights in L1; the conversion, the scale product and the FMA of
  * each block take the rest). The layout's packing and
  * unpacking are plain C and built everywhere. */
-#include "quant.h"
+#include "../quant.h"
 
 #include <limits.h>
 #include <string.h>
@@ -272,7 +272,7 @@ QP_TYPE(q4_0, CV_Q4_0)
 QP_TYPE(q4_1, CV_Q4_1)
 QP_TYPE(q4_f, CV_Q4_F)
 
-/* cv_quantize_x with AVX-512, the same bytes (as quant_avx2.c's): the same
+/* cv_quantize_x with AVX-512, the same bytes (as avx2_quant.c's): the same
  * float products v * (1/d), rounded half away from zero exactly (floor of
  * |t|, plus one where the exact fraction is >= 0.5, the sign put back). */
 static void quantize_x_avx512(cv_xq_block *out, const float *x, int64_t n) {

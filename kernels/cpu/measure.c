@@ -1,13 +1,18 @@
-/* Compute peaks of the instructions the kernels use, measured with
- * register-only loops (no memory traffic): the bounds `conveyor bench
- * roofline` and `bench kernels` divide by, so that a figure is compared with
- * the peak of the very instruction it runs on (a bf16 GEMM on vdpbf16ps with
- * the vdpbf16ps peak, the widened one with the fp32 FMA peak).
+/* What the benchmarks measure the machine by: memory bandwidth (a
+ * STREAM-style triad and a read of one array) and the compute peaks of the
+ * instructions the kernels use.
+ *
+ * Compute peaks are measured with register-only loops (no memory traffic):
+ * the bounds `conveyor bench roofline` and `bench kernels` divide by, so that
+ * a figure is compared with the peak of the very instruction it runs on (a
+ * bf16 GEMM on vdpbf16ps with the vdpbf16ps peak, the widened one with the
+ * fp32 FMA peak).
  *
  * Every loop keeps PEAK_CHAINS independent dependency chains (enough to cover
  * the latency of two issue ports), each step depending on the chain's last
  * value, so the compiler can neither hoist nor merge the work. Operations are
  * counted as 2 per multiply-add (FLOP for floats, OP for int8). */
+#include <stdatomic.h>
 #include <string.h>
 
 #include "cpu_internal.h"
@@ -242,3 +247,70 @@ double cv_cpu_measure_peak(cv_backend *b, cv_peak_kind kind, int nth, double sec
     if (instr) *instr = name;
     return longest > 0 ? ops / longest * 1e-9 : -1.0;
 }
+
+/* ------------------------------------------------------------------------ */
+/* Memory bandwidth                                                      */
+
+typedef struct triad_job {
+    float *a, *b, *c; /* [n] each */
+    size_t n;
+    int mode;         /* 0: first touch, 1: triad, 2: read only */
+    atomic_ullong sink; /* keeps the read-only sums alive */
+} triad_job;
+
+static void triad_fn(void *arg, int tid, int nth) {
+    triad_job *j = arg;
+    const size_t i0 = j->n * (size_t)tid / (size_t)nth, i1 = j->n * (size_t)(tid + 1) / (size_t)nth;
+    float *restrict a = j->a;
+    const float *restrict bb = j->b;
+    const float *restrict cc = j->c;
+    if (j->mode == 0) { /* first touch by the thread that will stream the range */
+        for (size_t i = i0; i < i1; i++) {
+            j->a[i] = 0.0f;
+            j->b[i] = 1.0f;
+            j->c[i] = 2.0f;
+        }
+    } else if (j->mode == 1) {
+        for (size_t i = i0; i < i1; i++) a[i] = bb[i] + 3.0f * cc[i];
+    } else {
+        /* integer words: a reduction the compiler may vectorize */
+        const uint64_t *w = (const uint64_t *)(const void *)(bb + (i0 & ~(size_t)1));
+        const size_t nw = (i1 - (i0 & ~(size_t)1)) / 2;
+        uint64_t s = 0;
+        for (size_t i = 0; i < nw; i++) s += w[i];
+        atomic_fetch_xor(&j->sink, s);
+    }
+}
+
+/* Best GB/s over repeats of a triad (mode 1: 3 arrays of n_bytes counted) or
+ * a read of one array (mode 2). */
+static double bandwidth(cv_backend *b, size_t n_bytes, int repeats, int mode) {
+    cv_cpu *c = cv_cpu_of(b);
+    const size_t n = n_bytes / sizeof(float) & ~(size_t)1;
+    if (n == 0 || repeats <= 0) return -1.0;
+    triad_job j = {.n = n, .mode = 0};
+    atomic_init(&j.sink, 0);
+    j.a = b->alloc(b, n * sizeof(float));
+    j.b = b->alloc(b, n * sizeof(float));
+    j.c = b->alloc(b, n * sizeof(float));
+    double best = -1.0;
+    if (j.a && j.b && j.c) {
+        cv_pool_run(c->pool, c->nthreads, triad_fn, &j);
+        j.mode = mode;
+        for (int r = 0; r < repeats; r++) {
+            const double t0 = cv_now();
+            cv_pool_run(c->pool, c->nthreads, triad_fn, &j);
+            const double dt = cv_now() - t0;
+            if (dt > 0 && (best < 0 || dt < best)) best = dt;
+        }
+    }
+    b->free(b, j.a);
+    b->free(b, j.b);
+    b->free(b, j.c);
+    if (best <= 0) return -1.0;
+    return (mode == 1 ? 3.0 : 1.0) * (double)(n * sizeof(float)) / best * 1e-9;
+}
+
+double cv_cpu_triad(cv_backend *b, size_t n_bytes, int repeats) { return bandwidth(b, n_bytes, repeats, 1); }
+
+double cv_cpu_read_bw(cv_backend *b, size_t n_bytes, int repeats) { return bandwidth(b, n_bytes, repeats, 2); }

@@ -1,6 +1,6 @@
 /* The register-blocked quantized micro-kernel (quant.h: cv_qtile_fn), written
  * once for every SIMD level whose block dot is an int8 product into eight
- * int32 lanes. Not a normal header: quant_avx2.c and quant_vnni.c include it
+ * int32 lanes. Not a normal header: avx2_quant.c and avxvnni_quant.c include it
  * once per level after defining
  *   QT_TARGET        the target string of the level's functions,
  *   QT_NAME(name)    the level's name for one of its functions (a suffix),

@@ -4,7 +4,7 @@
  * + VL) and once with the VEX one (AVX-VNNI, e.g. Alder Lake). Built with
  * per-function target attributes; chosen at run time only where the CPU has
  * them. Under tools/avx512_emulated.sh both run on portable intrinsics. */
-#include "quant.h"
+#include "../quant.h"
 
 #if CV_HAVE_AVX2 && (defined(CV_EMULATE_AVX512) || (defined(__GNUC__) && (__GNUC__ >= 11 || \
     (defined(__clang_major__) && __clang_major__ >= 12))))
