@@ -61,7 +61,7 @@ def test_paths_at_each_level_are_the_kernels_that_level_runs(monkeypatch):
     level itself up to the family's own top level, and that top level above it."""
     for level in INFO["levels"]:
         monkeypatch.setenv("CONVEYOR_SIMD", level)
-        info = core.kernel_info()
+        info = _core.kernel_info()
         assert info["simd"] == level
         assert set(info["paths"]) == set(TOP)
         for fam, path in info["paths"].items():
