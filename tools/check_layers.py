@@ -36,7 +36,7 @@ OPERATIONS = {  # family -> files; an operation calls only within its family (or
 }
 SHARED = ["kernels/cpu/kv_write.c", "kernels/cpu/row_kernels.c", "kernels/cpu/convert.c", "kernels/cpu/vec_math.c",
           "kernels/cpu/vec_math.h", "kernels/cpu/threadpool.c", "kernels/cpu/cpu_features.c"]
-BOTTOM = ["base/common.c", "base/common.h", "base/quant_format.h"]
+BOTTOM = ["base/common.c", "base/common.h", "base/quant_format.c", "base/quant_format.h"]
 
 DEF = re.compile(r"^(?!static\b(?!\s+(?:inline|CV_ALWAYS_INLINE)))[A-Za-z_][\w \t\*]*?\b(cv_\w+)\s*\([^;{]*\)\s*\{",
                  re.M)
