@@ -19,7 +19,7 @@ from typing import Any, Dict, Optional, Sequence
 import numpy as np
 
 from .. import LLM, SamplingParams, _core, _testing
-from .kernels import PEAK_OF_DTYPE, compute_peaks, format_peaks, fraction_text, merge_peaks
+from .peaks import PEAK_OF_DTYPE, compute_peaks, format_peaks, fraction_text, merge_peaks
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
