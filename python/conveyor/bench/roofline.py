@@ -168,7 +168,7 @@ def format_table(r: Dict[str, Any]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from ..cli import DefaultsHelpFormatter, Parser
+    from ..cli_args import DefaultsHelpFormatter, Parser
 
     ap = Parser(prog="conveyor bench roofline", description=__doc__.splitlines()[0],
                 formatter_class=DefaultsHelpFormatter)

@@ -471,7 +471,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if len(argv) != 2:
             raise SystemExit("usage: python -m conveyor.bench.study --worker SPEC.json")
         return _worker_main(argv[1])
-    from ..cli import DefaultsHelpFormatter, Parser
+    from ..cli_args import DefaultsHelpFormatter, Parser
 
     ap = Parser(prog="conveyor bench study", description=__doc__.splitlines()[0],
                 formatter_class=DefaultsHelpFormatter)

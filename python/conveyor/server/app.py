@@ -190,7 +190,7 @@ def build_app(engine, *, model_name: str, api_key: Optional[str] = None, request
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from ..cli import DefaultsHelpFormatter, Parser, add_model_arguments
+    from ..cli_args import DefaultsHelpFormatter, Parser, add_model_arguments
     from ..ray.serve import add_ray_options
     from .tool_parsers import PARSERS
 
