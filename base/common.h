@@ -133,12 +133,6 @@ uint16_t cv_f32_to_bf16(float f);
 float cv_f16_to_f32(uint16_t h);
 uint16_t cv_f32_to_f16(float f);
 
-/* Converts n elements of src (dtype st) to float32 dst (quantized types:
- * n a multiple of 32, dequantized). */
-void cv_convert_to_f32(float *dst, const void *src, cv_dtype st, size_t n);
-/* Converts n float32 values to dtype dt (F32, F16 or BF16). */
-void cv_convert_from_f32(void *dst, cv_dtype dt, const float *src, size_t n);
-
 /* Monotonic clock in seconds, the same clock as Python's time.monotonic(). */
 double cv_now(void);
 

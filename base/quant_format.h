@@ -3,8 +3,9 @@
  * repackings the CPU kernels compute the latter in; the block layouts, the
  * scalar dequantizers and the quantizers.
  *
- * Header-only so that the CPU backend, the model loader and the CUDA backend
- * (a separate library that dequantizes at load) share one definition. Every
+ * Inline in this header so that the CPU backend, the model loader and the
+ * CUDA backend (a separate library that dequantizes at load) share one
+ * definition; quant_format.c adds the whole-array conversions the core links. Every
  * block covers 32 consecutive elements of a row; d and m are IEEE float16:
  *   Q8_0  d, int8 q[32]                                   x = d * q
  *   Q4_0  d, u8 qs[16] (byte j: element j low nibble,     x = d * (q - 8)
@@ -24,6 +25,13 @@
 #include "common.h"
 
 #define CV_QK 32 /* elements per block */
+
+/* Converts n elements of src (dtype st) to float32 dst (quantized types:
+ * n a multiple of 32, dequantized); defined in quant_format.c, which the
+ * core links and the CUDA library does not need. */
+void cv_convert_to_f32(float *dst, const void *src, cv_dtype st, size_t n);
+/* Converts n float32 values to dtype dt (F32, F16 or BF16). */
+void cv_convert_from_f32(void *dst, cv_dtype dt, const float *src, size_t n);
 
 /* K-quant super-blocks: 256 elements, 8 sub-blocks of 32 (Q4_K, Q5_K) or
  * 16 of 16 (Q6_K). Q4_K/Q5_K's 12 scale bytes hold eight 6-bit scales sc

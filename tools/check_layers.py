@@ -40,7 +40,7 @@ SHARED = ["kernels/cpu/kv_write.c", "kernels/cpu/row_kernels.c", "kernels/cpu/co
           "kernels/cpu/x86/avx2_gemm.c", "kernels/cpu/x86/avx512_gemm.c", "kernels/cpu/x86/avx2_attention.c",
           "kernels/cpu/x86/avx512_attention.c", "kernels/cpu/x86/avx2_rows.c", "kernels/cpu/x86/avx512_rows.c",
           "kernels/cpu/x86/vec_math.c", "kernels/cpu/x86/vec_math.h"]
-BOTTOM = ["base/common.c", "base/common.h", "base/quant_format.h"]
+BOTTOM = ["base/common.c", "base/common.h", "base/quant_format.c", "base/quant_format.h"]
 
 DEF = re.compile(r"^(?!static\b(?!\s+(?:inline|CV_ALWAYS_INLINE)))[A-Za-z_][\w \t\*]*?\b(cv_\w+)\s*\([^;{]*\)\s*\{",
                  re.M)

@@ -287,7 +287,7 @@ EOF
 }
 
 model_srcs=(csrc/model/safetensors.c csrc/model/json.c csrc/model/checkpoint.c csrc/model/checkpoint_open.c csrc/model/mapped_file.c csrc/model/checkpoint_hf.c
-            csrc/model/checkpoint_llama2c.c csrc/model/gguf.c csrc/model/checkpoint_gguf.c base/common.c)
+            csrc/model/checkpoint_llama2c.c csrc/model/gguf.c csrc/model/checkpoint_gguf.c base/common.c base/quant_format.c)
 stop_srcs=(csrc/core/stop.c)
 
 # newer SRC... than OUT?

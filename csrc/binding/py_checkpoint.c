@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "../../base/quant_format.h"
 #include "../model/checkpoint.h"
 #include "../model/gguf.h"
 

@@ -27,7 +27,7 @@ ANSWER_ROOM = 16  # tokens of answer a turn must at least have room for
 
 
 def build_parser():
-    from .cli import MODEL_HELP, DefaultsHelpFormatter, Parser, add_model_arguments
+    from .cli_args import MODEL_HELP, DefaultsHelpFormatter, Parser, add_model_arguments
 
     ap = Parser(prog="conveyor chat", formatter_class=DefaultsHelpFormatter,
                 description="Chat with a model in the terminal: the answer streams, the conversation is "

@@ -16,12 +16,13 @@ the remaining arguments (a list of str) and returns an exit status (None means 0
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import os
 import sys
 from typing import Callable, Sequence
+
+from .cli_args import Parser
 
 BENCHMARK_HELP: dict[str, str] = {
     "kernels": "GEMM and memory bandwidth of the CPU kernels against the machine's peaks",
@@ -54,53 +55,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 class _LoadError(Exception):
     pass
-
-
-class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows an option's default unless its help already says it ("default") or there
-    is nothing to show (None, False: a flag or a default the help describes)."""
-
-    def _get_help_string(self, action):
-        help_ = action.help or ""
-        if "default" in help_ or action.default is None or action.default is False \
-                or action.default is argparse.SUPPRESS:
-            return help_
-        return super()._get_help_string(action)
-
-
-class RawDescriptionDefaultsHelpFormatter(DefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """DefaultsHelpFormatter that keeps the description's own line breaks."""
-
-
-class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are one line: `PROG: error: MESSAGE (see PROG --help)`,
-    exit status 2. With add_model_arguments, parse_args puts the model given either way
-    (positionally or as --model) into ``model``."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
-
-    def parse_args(self, args=None, namespace=None):
-        ns = super().parse_args(args, namespace)
-        if hasattr(ns, _MODEL_OPTION):
-            option = ns.__dict__.pop(_MODEL_OPTION)
-            if option is not None:
-                if ns.model is not None and ns.model != option:
-                    self.error(f"the model is given twice: {ns.model!r} and --model {option!r}")
-                ns.model = option
-        return ns
-
-
-_MODEL_OPTION = "model_option"
-MODEL_HELP = ("a built-in model's name (SmolLM2-135M-Instruct, gemma-3-270m, stories260K), a .gguf file, "
-              "a Hugging Face model folder or a llama2.c .bin (default: SmolLM2-135M-Instruct, fetched once)")
-
-
-def add_model_arguments(p: argparse.ArgumentParser, help_: str = MODEL_HELP) -> None:
-    """The model as a positional argument or as --model (either; the same thing)."""
-    p.add_argument("model", nargs="?", default=None, help=help_)
-    p.add_argument("--model", dest=_MODEL_OPTION, default=None, metavar="MODEL",
-                   help="the model, as an option instead of positionally (default: as for MODEL)")
 
 
 def _resolve(target: str, what: str) -> Callable:

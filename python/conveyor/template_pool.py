@@ -84,7 +84,7 @@ def _vm_size() -> int:
 
 def _worker_main() -> None:
     """Reads render requests from stdin, answers on stdout, until stdin closes."""
-    from .tokenizer import _render_template
+    from .chat_template import render_chat_template
 
     rfd, wfd = sys.stdin.fileno(), sys.stdout.fileno()
     sys.stdout = sys.stderr  # nothing printed may reach the protocol pipe
@@ -106,7 +106,7 @@ def _worker_main() -> None:
         cpu = int(used.ru_utime + used.ru_stime) + 1
         resource.setrlimit(resource.RLIMIT_CPU, (cpu + TEMPLATE_MAX_CPU_SECONDS, resource.RLIM_INFINITY))
         try:
-            reply = ["ok", _render_template(source, messages, add_generation_prompt, bos, eos)]
+            reply = ["ok", render_chat_template(source, messages, add_generation_prompt, bos, eos)]
         except MemoryError:
             reply = ["error", "ValueError", f"chat template failed to render: it needs more than "
                                             f"{TEMPLATE_MAX_MEMORY >> 20} MiB of memory"]

@@ -35,7 +35,7 @@ import numpy as np
 
 from . import _core
 from .gguf import _TYPE_LAYOUT, GGMLType, GGUFReader, GGUFValueType, GGUFWriter, _ggml_type, quantize
-from .tokenizer import _bytes_to_unicode
+from .hf_tokenizer import _bytes_to_unicode
 
 __all__ = [
     "SHAPES",

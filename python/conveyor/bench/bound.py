@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 from . import common
-from .study import make_study_workload
+from .workloads import make_study_workload
 
 # Bytes per weight of each matrix dtype as the CPU engine stores it: the float dtypes as
 # they are; Q8_0 and Q4_1 at GGUF's bytes a block of 32, and Q4_0 at Q4_1's (the 16-row
@@ -283,14 +283,14 @@ def workload_specs(names: Sequence[str], vocab_size: int, *, num_requests: int =
 
 def measure_machine(threads: int = 0) -> Dict[str, Any]:
     """The peaks (bench kernels' compute_peaks) and the read bandwidth, now."""
-    from .kernels import compute_peaks, measure_read_bw
+    from .peaks import compute_peaks, measure_read_bw
 
     return {"read_gbs": measure_read_bw(threads), "peaks": compute_peaks(threads)}
 
 
 def merge_machine(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
     """The better of two measurements of each figure (load only ever lowers them)."""
-    from .kernels import merge_peaks
+    from .peaks import merge_peaks
 
     return {"read_gbs": max(a["read_gbs"], b["read_gbs"]), "peaks": merge_peaks(a["peaks"], b["peaks"])}
 
@@ -422,7 +422,7 @@ def format_result(r: Dict[str, Any]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from ..cli import DefaultsHelpFormatter, Parser
+    from ..cli_args import DefaultsHelpFormatter, Parser
 
     ap = Parser(prog="conveyor bench bound", description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint (default: the built-in SmolLM-135M-shaped random one)")

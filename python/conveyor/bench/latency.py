@@ -218,7 +218,7 @@ def plot(r: Dict[str, Any], fig=None):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from ..cli import Parser, RawDescriptionDefaultsHelpFormatter
+    from ..cli_args import Parser, RawDescriptionDefaultsHelpFormatter
 
     ap = Parser(prog="conveyor bench latency", description=__doc__,
                 formatter_class=RawDescriptionDefaultsHelpFormatter)

@@ -19,7 +19,7 @@ from typing import Any, Dict, Optional, Sequence
 import numpy as np
 
 from .. import LLM, SamplingParams, _core, _testing
-from .kernels import PEAK_OF_DTYPE, compute_peaks, format_peaks, fraction_text, merge_peaks
+from .peaks import PEAK_OF_DTYPE, compute_peaks, format_peaks, fraction_text, merge_peaks
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -168,7 +168,7 @@ def format_table(r: Dict[str, Any]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from ..cli import DefaultsHelpFormatter, Parser
+    from ..cli_args import DefaultsHelpFormatter, Parser
 
     ap = Parser(prog="conveyor bench roofline", description=__doc__.splitlines()[0],
                 formatter_class=DefaultsHelpFormatter)

@@ -93,7 +93,7 @@ def measure(n_waiting: int, n_running: int, steps: int, py_steps: int, block_siz
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from ..cli import Parser, RawDescriptionDefaultsHelpFormatter
+    from ..cli_args import Parser, RawDescriptionDefaultsHelpFormatter
 
     ap = Parser(prog="conveyor bench scheduler", description=__doc__,
                 formatter_class=RawDescriptionDefaultsHelpFormatter)

@@ -465,7 +465,7 @@ def _parse_rates(text: str):
 
 
 def main(argv=None) -> int:
-    from ..cli import Parser, RawDescriptionDefaultsHelpFormatter
+    from ..cli_args import Parser, RawDescriptionDefaultsHelpFormatter
 
     ap = Parser(prog="conveyor bench serve", description=__doc__,
                 formatter_class=RawDescriptionDefaultsHelpFormatter)

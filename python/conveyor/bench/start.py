@@ -47,7 +47,7 @@ def run_one(model: str, kv: str, threads: Optional[int]) -> Dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ..cli import Parser, RawDescriptionDefaultsHelpFormatter
+    from ..cli_args import Parser, RawDescriptionDefaultsHelpFormatter
 
     ap = Parser(prog="conveyor bench start", description=__doc__,
                 formatter_class=RawDescriptionDefaultsHelpFormatter)

@@ -23,7 +23,6 @@ Conveyor run's occupancy over time; JSON and a plot of throughput against cap.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -37,6 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from . import common
+from .workloads import load_workload, make_study_workload, save_workload, workload_hash  # noqa: F401
 
 DEFAULT_KV_TOKENS = 8192  # the study's budget: ~8k tokens of KV (16 x 544, 12 x 640, 8 x 1024, 4 x 2048)
 SYSTEMS = ("hf_static", "conveyor_static", "conveyor_continuous", "vllm")
@@ -51,44 +51,6 @@ QUICK = dict(shape="tiny", dtype="float32", num_requests=12, prompt_len=16, mean
 
 def default_caps(mean_output: int) -> List[int]:
     return [max(1, mean_output // 4), mean_output, 4 * mean_output]
-
-
-def make_study_workload(*, vocab_size: int, num_requests: int, prompt_len: int, mean_output: int,
-                        cap: int, seed: int = 0) -> common.Workload:
-    """The requests of one cap: the prompts do not depend on the cap, only the lengths."""
-    return common.make_workload(n=num_requests, vocab_size=vocab_size, prompt_len=prompt_len,
-                                mean_output=mean_output, cap=cap, seed=seed)
-
-
-def workload_hash(prompts: Sequence[Sequence[int]], output_lens: Sequence[int]) -> str:
-    """SHA-256 over every request's prompt token ids and output length, in order."""
-    h = hashlib.sha256()
-    h.update(np.int64(len(prompts)).tobytes())
-    for p, n in zip(prompts, output_lens, strict=True):
-        ids = np.asarray(p, dtype="<i8")
-        h.update(np.int64(ids.size).tobytes())
-        h.update(ids.tobytes())
-        h.update(np.int64(int(n)).tobytes())
-    return h.hexdigest()
-
-
-def save_workload(wl: common.Workload, path) -> str:
-    prompts = [np.asarray(p).tolist() for p in wl.prompts]
-    digest = workload_hash(prompts, wl.output_lens)
-    with open(path, "w") as f:
-        json.dump({"prompts": prompts, "output_lens": list(map(int, wl.output_lens)), "hash": digest}, f)
-    return digest
-
-
-def load_workload(path):
-    """(prompts, output_lens, hash) as written by save_workload; the hash is recomputed
-    from what was read, and a mismatch is an error."""
-    with open(path) as f:
-        d = json.load(f)
-    digest = workload_hash(d["prompts"], d["output_lens"])
-    if digest != d["hash"]:
-        raise ValueError(f"workload {path}: hash {digest} differs from the recorded {d['hash']}")
-    return d["prompts"], d["output_lens"], digest
 
 
 # ----------------------------------------------------------------------------- KV budget
@@ -509,7 +471,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if len(argv) != 2:
             raise SystemExit("usage: python -m conveyor.bench.study --worker SPEC.json")
         return _worker_main(argv[1])
-    from ..cli import DefaultsHelpFormatter, Parser
+    from ..cli_args import DefaultsHelpFormatter, Parser
 
     ap = Parser(prog="conveyor bench study", description=__doc__.splitlines()[0],
                 formatter_class=DefaultsHelpFormatter)

@@ -97,7 +97,7 @@ def format_result(r: Dict[str, Any]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from ..cli import Parser, RawDescriptionDefaultsHelpFormatter
+    from ..cli_args import Parser, RawDescriptionDefaultsHelpFormatter
 
     ap = Parser(prog="conveyor bench throughput", description=__doc__,
                 formatter_class=RawDescriptionDefaultsHelpFormatter)

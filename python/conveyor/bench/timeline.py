@@ -186,7 +186,7 @@ def _sym(v: int) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from ..cli import Parser, RawDescriptionDefaultsHelpFormatter
+    from ..cli_args import Parser, RawDescriptionDefaultsHelpFormatter
 
     ap = Parser(prog="conveyor bench timeline", description=__doc__,
                 formatter_class=RawDescriptionDefaultsHelpFormatter)

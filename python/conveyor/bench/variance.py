@@ -286,7 +286,7 @@ def print_report(r: Dict[str, Any]) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from ..cli import Parser, RawDescriptionDefaultsHelpFormatter
+    from ..cli_args import Parser, RawDescriptionDefaultsHelpFormatter
 
     ap = Parser(prog="conveyor bench variance", description=__doc__,
                 formatter_class=RawDescriptionDefaultsHelpFormatter)

@@ -257,32 +257,6 @@ def __getattr__(name):
 # ---------------------------------------------------------------------------- CLI
 
 
-def add_ray_options(p: argparse.ArgumentParser) -> None:
-    """The Ray Serve options, shown in `conveyor serve --help` (they need the ray extra)."""
-    r = p.add_argument_group("ray serve (needs the ray extra: pip install 'conveyor[ray]')")
-    r.add_argument("--ray", action="store_true", help="serve through Ray Serve replicas")
-    r.add_argument("--ray-address", default=None,
-                   help="an existing cluster (default: $RAY_ADDRESS, else a local Ray started here)")
-    g = r.add_mutually_exclusive_group()
-    g.add_argument("--replicas", type=int, default=None, help="with --ray: a fixed number of replicas (default: 1)")
-    g.add_argument("--autoscale", default=None, metavar="MIN:MAX",
-                   help="with --ray: autoscale between MIN and MAX replicas (default: a fixed number)")
-    r.add_argument("--target-ongoing-requests", type=float, default=None,
-                   help="with --autoscale: requests per replica Serve aims for (default: Serve's)")
-    r.add_argument("--max-ongoing-requests", type=int, default=None,
-                   help="with --ray: requests one replica takes at once (default: Serve's)")
-    # not --max-queued-requests: that name is the engine's own queue limit in each replica
-    r.add_argument("--serve-max-queued-requests", type=int, default=None,
-                   help="with --ray: requests Serve's router holds before answering 503/429 (-1: no limit; "
-                        "default: Serve's)")
-    r.add_argument("--queue-full-status", type=int, default=503, choices=[503, 429],
-                   help="with --ray: the status of an answer to a full queue")
-    r.add_argument("--retry-after", type=float, default=None,
-                   help="with --ray: Retry-After seconds on 503/429 (default: none sent)")
-    r.add_argument("--cpus-per-replica", type=float, default=1.0,
-                   help="with --ray: Ray CPUs per replica; also the engine's thread count unless --num-threads")
-
-
 def make_parser() -> argparse.ArgumentParser:
     from ..serve import make_parser as server_parser
 

@@ -1,0 +1,135 @@
+"""The interface every tokenizer shares (Tokenizer), the built-in chat format for
+models without a template, and the checks of messages and token ids."""
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Iterable, Sequence
+
+_BYTE_PIECE = re.compile(rb"<0x([0-9A-Fa-f]{2})>")
+
+
+def render_default_chat(messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+    """The built-in chat format: "{role}: {content}\\n" per message, then "assistant: "."""
+    out = [f"{m['role']}: {m['content']}\n" for m in messages]
+    if add_generation_prompt:
+        out.append("assistant: ")
+    return "".join(out)
+
+
+def _check_messages(messages) -> list[dict]:
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Iterable):
+        raise TypeError("messages must be a list of {'role': str, 'content': str} dicts")
+    msgs = list(messages)
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise TypeError(f"messages[{i}] must be a dict, got {type(m).__name__}")
+        for key in ("role", "content"):
+            if key not in m:
+                raise ValueError(f"messages[{i}] has no {key!r}")
+            if not isinstance(m[key], str):
+                raise TypeError(f"messages[{i}][{key!r}] must be a str, got {type(m[key]).__name__}")
+    return msgs
+
+
+def _check_ids(ids) -> list[int]:
+    if isinstance(ids, (str, bytes)):
+        raise TypeError("token ids must be a sequence of ints")
+    out = []
+    for i in ids:
+        if isinstance(i, bool) or not hasattr(i, "__index__"):
+            raise TypeError(f"token id must be an int, got {type(i).__name__}")
+        i = i.__index__()
+        if i < 0:
+            raise ValueError(f"token id {i} is negative")
+        out.append(i)
+    return out
+
+
+class Tokenizer:
+    """The interface shared by both kinds of tokenizer.
+
+    Attributes: ``kind`` ("hf" or "llama2c"), ``vocab_size``, ``bos_id`` (or None),
+    ``eos_id`` (or None), ``eos_ids`` (all ids that end generation), ``special_ids``,
+    ``strip_leading_space_after_bos``, ``chat_template`` (or None).
+    """
+
+    kind: str = ""
+    vocab_size: int = 0
+    bos_id: int | None = None
+    eos_id: int | None = None
+    eos_ids: list[int]
+    special_ids: set[int]
+    strip_leading_space_after_bos: bool = False
+    chat_template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        raise NotImplementedError
+
+    def token_bytes(self, token_id: int) -> bytes:
+        raise NotImplementedError
+
+    def encode_exact_bytes(self, data: bytes) -> list[int]:
+        """Ids whose token bytes concatenate to exactly ``data``: no BOS, no dummy
+        prefix (what a grammar engine needs to tokenize forced text). The
+        tokenizer's own encoding when it is exact, else longest-match on bytes."""
+        ids = self.encode(data.decode("utf-8", "replace"), add_special_tokens=False)
+        if b"".join(self.token_bytes(i) for i in ids) == data:
+            return ids
+        return self._greedy_bytes(data)
+
+    def _greedy_bytes(self, data: bytes) -> list[int]:
+        table = getattr(self, "_bytes_table", None)
+        if table is None:
+            table = {}
+            for i in range(self.vocab_size):
+                b = self.token_bytes(i)
+                if b and i not in self.special_ids:
+                    table.setdefault(b, i)
+            self._bytes_table = table
+            self._bytes_max = max(map(len, table), default=1)
+        ids, at = [], 0
+        while at < len(data):
+            for n in range(min(self._bytes_max, len(data) - at), 0, -1):
+                i = table.get(data[at:at + n])
+                if i is not None:
+                    ids.append(i)
+                    at += n
+                    break
+            else:
+                raise ValueError(f"byte {data[at]:#04x} has no token in this vocabulary")
+        return ids
+
+    def all_token_bytes(self, size: int | None = None) -> list[bytes]:
+        """Raw bytes of ids 0..n-1, n = max(vocab_size, size); ids past the vocabulary are b""."""
+        n = self.vocab_size if size is None else max(self.vocab_size, int(size))
+        return [self.token_bytes(i) if i < self.vocab_size else b"" for i in range(n)]
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, *,
+                            warn_without_template: bool = True) -> str:
+        """The conversation as the model's prompt text: its chat template rendered with
+        jinja2 (sandboxed, as HF does, in a worker process whose memory and CPU time are
+        capped: conveyor.template_pool), or for a model without a template the built-in
+        ``"{role}: {content}\\n"`` format, with a warning the first time (unless the
+        caller gives its own: warn_without_template=False)."""
+        msgs = _check_messages(messages)
+        if not self.chat_template:
+            if warn_without_template and not getattr(self, "_warned_no_template", False):
+                self._warned_no_template = True
+                warnings.warn(f"{self!r} has no chat template; using the built-in "
+                              "'role: content' format, which the model was not trained on",
+                              UserWarning, stacklevel=2)
+            return render_default_chat(msgs, add_generation_prompt)
+        from .template_pool import render_in_pool
+
+        return render_in_pool(self.chat_template, msgs, add_generation_prompt, self.bos_token or "",
+                              self.eos_token or "")
+
+    def __repr__(self) -> str:
+        return (f"<{type(self).__name__} vocab_size={self.vocab_size} bos_id={self.bos_id} "
+                f"eos_ids={self.eos_ids}>")
