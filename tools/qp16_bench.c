@@ -1,5 +1,5 @@
 /* Development microbenchmark of the AVX512-VNNI panel kernels (kernels/cpu/
- * x86/vnni512_quant.c, the P16 layout of quant.h), one core, no threads or
+ * x86/vnni512_quant.c, the P16 layout of quant_ukr.h), one core, no threads or
  * Python: for each tile shape (P panels x T tokens), TSC cycles per 64-MAC
  * dot (one vpdpbusd's worth: 16 rows x 4 columns x 1 token) with the weights
  * in L1/L2 (the same panels called again and again: batched steps), beside

@@ -1,5 +1,5 @@
 /* GGUF's Q2_K computed as stored, and Q8_M (quant_format.h has the layouts;
- * quant.h the tile contract), on AVX2: every SIMD level takes these tiles.
+ * quant_ukr.h the tile contract), on AVX2: every SIMD level takes these tiles.
  *
  * Per 32-element activation block of a super-block, the weights are bits
  * 2k, 2k+1 of 32 qs bytes (u8 0..3); vpmaddubsw with the int8 activations
@@ -15,7 +15,7 @@
  * (decode: four rows' weights streamed at once, the token's activation work
  * shared), 2 x 2, and 1 x 1..4; a row's bytes are unpacked once per block
  * for its tokens. */
-#include "../quant.h"
+#include "../quant_ukr.h"
 
 #if CV_HAVE_AVX2
 

@@ -1,9 +1,9 @@
-/* The AVX2 quantized micro-kernels (quant.h, quant_tile.h): the block dot is
+/* The AVX2 quantized micro-kernels (quant_ukr.h, quant_tile.h): the block dot is
  * vpmaddubsw (u8 x s8 -> s16 pairs) then vpmaddwd (-> s32), with the sign
  * trick for signed weights (|w| x sign(x, w)); no pair saturates (|w| <= 128,
  * |x| <= 127). Per-function target attributes: this file builds without
  * -mavx2 and runs only where the CPU has AVX2/FMA/F16C (cv_qlevel_supported). */
-#include "../quant.h"
+#include "../quant_ukr.h"
 
 #if CV_HAVE_AVX2
 

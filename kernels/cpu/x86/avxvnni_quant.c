@@ -1,10 +1,10 @@
-/* The VNNI quantized micro-kernels (quant.h, quant_tile.h): the block dot is
+/* The VNNI quantized micro-kernels (quant_ukr.h, quant_tile.h): the block dot is
  * vpdpbusd (u8 x s8, four products summed into each s32 lane, the same lanes
  * as the AVX2 dot) on ymm registers, once with the EVEX encoding (AVX512-VNNI
  * + VL) and once with the VEX one (AVX-VNNI, e.g. Alder Lake). Built with
  * per-function target attributes; chosen at run time only where the CPU has
  * them. Under tools/avx512_emulated.sh both run on portable intrinsics. */
-#include "../quant.h"
+#include "../quant_ukr.h"
 
 #if CV_HAVE_AVX2 && (defined(CV_EMULATE_AVX512) || (defined(__GNUC__) && (__GNUC__ >= 11 || \
     (defined(__clang_major__) && __clang_major__ >= 12))))

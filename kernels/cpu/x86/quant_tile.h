@@ -1,4 +1,4 @@
-/* The register-blocked quantized micro-kernel (quant.h: cv_qtile_fn), written
+/* The register-blocked quantized micro-kernel (quant_ukr.h: cv_qtile_fn), written
  * once for every SIMD level whose block dot is an int8 product into eight
  * int32 lanes. Not a normal header: avx2_quant.c and avxvnni_quant.c include it
  * once per level after defining
@@ -21,7 +21,7 @@
  * same path with their float scales, Q8_F one per half block (lanes 0..3
  * and 4..7); Q4_0 is taken as Q4_1
  * with dm = -8 dw, exact, so no token needs the sign trick). So a token's outputs are
- * the same bits alone or in any batch (the contract of quant.h). */
+ * the same bits alone or in any batch (the contract of quant_ukr.h). */
 
 #include <string.h>
 

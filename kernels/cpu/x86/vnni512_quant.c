@@ -1,5 +1,5 @@
 /* The AVX512-VNNI quantized GEMM on panel-packed weights (the P16 layout and
- * its per-lane contract: quant.h). Output lanes are weight rows: a 64-byte
+ * its per-lane contract: quant_ukr.h). Output lanes are weight rows: a 64-byte
  * vector holds 4 consecutive weights of 16 rows, so one vpdpbusd with the 4
  * activation bytes of one token broadcast adds 64 products into the 16 rows'
  * exact int32 block dots. A tile is P panels (16 P rows) x T tokens: per
@@ -15,7 +15,7 @@
  * with the weights in L1; the conversion, the scale product and the FMA of
  * each block take the rest). The layout's packing and
  * unpacking are plain C and built everywhere. */
-#include "../quant.h"
+#include "../quant_ukr.h"
 
 #include <limits.h>
 #include <string.h>

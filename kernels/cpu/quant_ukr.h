@@ -1,0 +1,98 @@
+/* The quantized micro-kernel contract: the activation blocks, the tile and
+ * panel kernel types, the panel layout, and the per-level kernels that
+ * x86/ defines and the drivers in quant.c choose from. The SIMD files need
+ * only this header; quant.h adds the drivers' own functions on top. */
+#ifndef CV_CPU_QUANT_UKR_H
+#define CV_CPU_QUANT_UKR_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../../base/quant_format.h"
+#include "cpu_internal.h"
+
+/* One block of quantized activations. */
+typedef struct cv_xq_block {
+    int8_t q[CV_QK];
+    float d; /* x = d * q */
+    float s; /* d * sum(q) */
+    int32_t sum; /* sum(q) */
+} cv_xq_block;
+
+/* Dot product of one weight row (nb blocks) with nb activation blocks. */
+typedef float (*cv_qdot_fn)(const void *w, const cv_xq_block *x, int64_t nb);
+
+/* The largest tile: rows x tokens of a micro-kernel call. */
+#define CV_QTILE_MAX_ROWS 4
+#define CV_QTILE_MAX_TOKENS 4
+
+/* One tile: out[r * T + t] = the dot of weight row r (at w + r * w_stride
+ * bytes) with token t (at x + t * x_stride blocks), for the kernel's R rows
+ * and T tokens; bit for bit the same as the pair in any other tile. */
+typedef void (*cv_qtile_fn)(const void *w, size_t w_stride, const cv_xq_block *x, int64_t x_stride, int64_t nb,
+                            float *out);
+
+/* A level's micro-kernels for one type: for T tokens (1..max_tokens),
+ * tile[T] takes rows[T] rows at once and row[T] one row (the rows left). */
+typedef struct cv_qtiles {
+    int max_tokens;
+    int rows[CV_QTILE_MAX_TOKENS + 1];
+    cv_qtile_fn tile[CV_QTILE_MAX_TOKENS + 1];
+    cv_qtile_fn row[CV_QTILE_MAX_TOKENS + 1];
+} cv_qtiles;
+
+/* The micro-kernels for dtype at a SIMD level into *out: 1, or 0 when the
+ * level is not built or dtype is not quantized. */
+int cv_qtiles_avx2(cv_dtype t, cv_qtiles *out);
+int cv_qtiles_vnni(cv_dtype t, int avx512, cv_qtiles *out); /* avx512: EVEX vpdpbusd, else AVX-VNNI */
+/* Q2_K (computed as stored) and Q8_M (quant_format.h): the AVX2 tiles every
+ * SIMD level uses (x86/avx2_q2k.c; 0 when not built). */
+int cv_qtiles_q2k(cv_dtype t, cv_qtiles *out);
+
+/* The panel layout (cv_matrix.layout CV_QLAYOUT_P16) of the AVX512-VNNI
+ * level, for Q8_0, Q4_0, Q4_1 and Q4_F (cv_qp16_packs): rows in panels of
+ * 16 (zero rows pad the last), each panel `stride` bytes (a multiple of 64).
+ * Block i's weights, as u8 operands of vpdpbusd: 64-byte vector g holds, for
+ * row r, bytes 4r..4r+3:
+ *   Q8_0 (g 0..7): w + 128 of elements 4g..4g+3; the blocks' 512 bytes back
+ *        to back, then the scales d [nb][16] (float16);
+ *   Q4   (g 0..3): GGUF's bytes 4g..4g+3 of the row's block (low nibbles:
+ *        elements 4g.., high: 16 + 4g..), then the block's d[16] and m[16]
+ *        (float16, 32 bytes each, Q4_0's m unused; Q4_F float32): 320 or
+ *        384 bytes a block, so a panel is one stream of whole cache lines.
+ * Each output lane (row, token) runs, over the blocks i in order:
+ *   acc = fma(float(idot_i), dw_i * dx_i, acc) [; acc = fma(m_i, s_i, acc)]
+ * where idot_i is the exact integer block dot (Q8_0's +128 and Q4_0's -8
+ * taken out exactly, in the integer start value), whatever the tile, so a
+ * token's outputs are the same bits alone or in any batch. The other levels
+ * read such a matrix through cv_qp16_unpack (exact: the GGUF blocks). */
+enum { CV_QLAYOUT_ROWS = 0, CV_QLAYOUT_P16 = 1 };
+#define CV_QP16_ROWS 16
+#define CV_QP16_MAX_TOKENS 4
+int cv_qp16_packs(cv_dtype t);
+size_t cv_qp16_stride(cv_dtype t, int64_t nb);
+/* Packs rows x (nb blocks) of row-major blocks of type t into dst
+ * (panels(rows) * stride bytes). */
+void cv_qp16_pack(void *dst, const void *src, cv_dtype t, int64_t rows, int64_t nb);
+/* Rows [0, n) (n <= 16) of one panel back into row-major blocks (row_bytes apart). */
+void cv_qp16_unpack(void *dst, size_t row_bytes, const void *panel, cv_dtype t, int n, int64_t nb);
+/* P panels (stride bytes apart) x T tokens (x_stride blocks apart): the
+ * first nvalid rows' outputs y of token t go to out[t * ldo + row] (y + bias[row]
+ * when bias, then out + that when accumulate). With pf, the lines pf .. pf +
+ * 64 (pf_lines - 1) (pf_lines <= nb) are asked for into L2, spread over the
+ * nb blocks (cv_prefetch_spread). */
+typedef void (*cv_qp16_fn)(const void *w, size_t stride, int64_t nb, const cv_xq_block *x, int64_t x_stride,
+                           float *out, int64_t ldo, int nvalid, const float *bias, int accumulate, const char *pf,
+                           int64_t pf_lines);
+/* The kernel of P panels (1 or cv_qp16_panels_for(T)) x T tokens (1..4) for dtype; NULL when not built. */
+cv_qp16_fn cv_qp16_kernel(cv_dtype t, int panels, int tokens);
+/* Panels of a full tile at T tokens. */
+static inline int cv_qp16_panels_for(int tokens) { return tokens <= 2 ? 4 : 2; }
+
+typedef void (*cv_quantize_x_fn)(cv_xq_block *out, const float *x, int64_t n);
+/* The same bytes with AVX2 (NULL when not built). */
+cv_quantize_x_fn cv_quantize_x_avx2(void);
+/* With AVX-512 (x86/vnni512_quant.c; NULL when not built): the P16 path's. */
+cv_quantize_x_fn cv_quantize_x_avx512(void);
+
+#endif
