@@ -141,6 +141,14 @@ struct cv_backend {
     void (*geglu)(cv_backend *b, float *out, const float *gu, int64_t n, int64_t dim);
     /* x[n] *= s */
     void (*scale)(cv_backend *b, float *x, int64_t n, float s);
+    /* --- LoRA over the rows of one adapter (rows grouped by adapter) ------ */
+    /* t[n][rank] = x[n][in] . A^T (x rows x_stride floats apart; A: [rank][in] f32). */
+    void (*lora_shrink)(cv_backend *b, float *t, const float *x, int64_t x_stride, int64_t n, const float *a,
+                        int64_t rank, int64_t in);
+    /* y[n][out] += scale * (t[n][rank] . B^T) (y rows y_stride floats apart; bt: B^T, [rank][out] f32).
+     * Each row's result depends on that row alone. */
+    void (*lora_expand)(cv_backend *b, float *y, int64_t y_stride, const float *t, int64_t n, const float *bt,
+                        int64_t rank, int64_t out, float scale);
     /* --- fused kernels: one pass where the unfused sequence in each comment
      * takes two, with the same results bit for bit. NULL where a backend has
      * none: the caller then runs that sequence. ---------------------------- */

@@ -32,6 +32,7 @@ OPERATIONS = {  # family -> files; an operation calls only within its family (or
     "attention": ["kernels/cpu/attention.c", "kernels/cpu/attention_avx512.c"],
     "elementwise": ["kernels/cpu/elementwise.c"],
     "peak": ["kernels/cpu/peak.c"],
+    "lora": ["kernels/cpu/lora.c"],
 }
 SHARED = ["kernels/cpu/kv_write.c", "kernels/cpu/row_kernels.c", "kernels/cpu/convert.c", "kernels/cpu/vec_math.c",
           "kernels/cpu/vec_math.h", "kernels/cpu/threadpool.c", "kernels/cpu/cpu_features.c"]

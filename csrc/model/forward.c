@@ -73,10 +73,11 @@ void cv_forward_ws_free(cv_forward_ws *ws, const cv_model *m) {
 /* The fused kernels where the backend has them (forward.c knows no device:
  * a NULL entry means the backend wants the unfused pair, same results). */
 
-/* out (+)= rmsnorm(x) . W^T; xn: [n][w.cols] for the normalized rows. */
+/* out (+)= rmsnorm(x) . W^T; xn: [n][w.cols] for the normalized rows (kept
+ * there when unfused is set: LoRA reads them again; same results either way). */
 static void norm_gemm(cv_backend *b, float *out, const float *x, const float *gain, float eps, int64_t n,
-                      const cv_matrix *w, const float *bias, int accumulate, float *xn) {
-    if (b->rmsnorm_gemm) {
+                      const cv_matrix *w, const float *bias, int accumulate, float *xn, int unfused) {
+    if (b->rmsnorm_gemm && !unfused) {
         b->rmsnorm_gemm(b, out, x, gain, eps, n, w, bias, accumulate, xn);
         return;
     }
@@ -86,13 +87,45 @@ static void norm_gemm(cv_backend *b, float *out, const float *x, const float *ga
 
 /* out (+)= swiglu(gu) . W^T; h: [n][w.cols] for the activations. */
 static void swiglu_gemm(cv_backend *b, float *out, const float *gu, int64_t n, const cv_matrix *w,
-                        int accumulate, float *h) {
-    if (b->swiglu_gemm) {
+                        int accumulate, float *h, int unfused) {
+    if (b->swiglu_gemm && !unfused) {
         b->swiglu_gemm(b, out, gu, n, w, NULL, accumulate, h);
         return;
     }
     b->swiglu(b, h, gu, n, w->cols);
     b->gemm(b, out, h, n, w, NULL, accumulate);
+}
+
+/* Whether any sequence of the batch runs under an adapter. */
+static int batch_has_lora(const cv_batch *bt) {
+    if (!bt->lora || !bt->lora_slots || !bt->lora->n_slots) return 0;
+    for (int64_t s = 0; s < bt->n_seqs; s++)
+        if (bt->lora_slots[s] >= 0) return 1;
+    return 0;
+}
+
+/* y += scale * (x A^T) B^T of one projection for the rows of each adapter:
+ * consecutive sequences of one slot make one segment (Punica's SGMV), a
+ * shrink to the rank then an expand back. x rows x_stride apart, y rows
+ * y_stride apart, both indexed by the batch's token rows. */
+static void lora_add(cv_backend *b, const cv_batch *bt, int64_t layer, int module, float *y, int64_t y_stride,
+                     const float *x, int64_t x_stride, const cv_model *m) {
+    const cv_lora_pool *p = bt->lora;
+    int64_t out, in;
+    cv_lora_module_shape(m, module, &out, &in);
+    const size_t k = (size_t)layer * CV_LORA_N_MODULES + (size_t)module;
+    for (int64_t s = 0; s < bt->n_seqs;) {
+        const int32_t slot = bt->lora_slots[s];
+        int64_t e = s + 1;
+        while (e < bt->n_seqs && bt->lora_slots[e] == slot) e++;
+        if (slot >= 0 && slot < p->n_slots && p->slots[slot].loaded && p->slots[slot].a[k]) {
+            const cv_lora_slot *ls = &p->slots[slot];
+            const int64_t r0 = bt->query_start[s], rows = bt->query_start[e] - r0;
+            b->lora_shrink(b, p->tmp, x + r0 * x_stride, x_stride, rows, ls->a[k], ls->rank, in);
+            b->lora_expand(b, y + r0 * y_stride, y_stride, p->tmp, rows, ls->bt[k], ls->rank, out, ls->scale);
+        }
+        s = e;
+    }
 }
 
 /* Rotates q and k of the fused qkv rows and writes k and v to the cache. */
@@ -119,7 +152,7 @@ static void lm_head_rows(const cv_model *m, cv_forward_ws *ws, const int32_t *ro
     cv_table xs = {.data = ws->x, .dtype = CV_F32, .rows = n, .cols = dim,
                    .bytes = (size_t)(n * dim) * sizeof(float)};
     b->embedding(b, ws->xlast, rows, n_rows, &xs);
-    norm_gemm(b, ws->logits, ws->xlast, m->final_norm, c->rms_eps, n_rows, &m->lm_head, NULL, 0, ws->xlast_n);
+    norm_gemm(b, ws->logits, ws->xlast, m->final_norm, c->rms_eps, n_rows, &m->lm_head, NULL, 0, ws->xlast_n, 0);
     if (ws->device_copies)
         b->to_host(b, ws->logits_host, ws->logits, (size_t)(n_rows * c->vocab_size) * sizeof(float));
 }
@@ -185,29 +218,43 @@ int cv_model_forward(const cv_model *m, cv_forward_ws *ws, cv_kv_layer *caches,
 
     b->embedding(b, ws->x, tokens, n, &m->embed);
     if (c->embed_scale > 0) b->scale(b, ws->x, n * c->dim, c->embed_scale);
+    const int lora = batch_has_lora(bt) && b->lora_shrink && b->lora_expand;
+    const int64_t dim = c->dim, hid = c->hidden_dim;
     for (int64_t l = 0; l < c->n_layers; l++) {
         const cv_layer *L = &m->layers[l];
         const int local = cv_layer_is_local(c, l);
         ab.window = local ? c->sliding_window : 0;
-        norm_gemm(b, ws->qkv, ws->x, L->attn_norm, c->rms_eps, n, &L->wqkv, L->bqkv, 0, ws->xn);
+        norm_gemm(b, ws->qkv, ws->x, L->attn_norm, c->rms_eps, n, &L->wqkv, L->bqkv, 0, ws->xn, lora);
+        if (lora) {
+            lora_add(b, bt, l, CV_LORA_Q, ws->qkv, qkv_dim, ws->xn, dim, m);
+            lora_add(b, bt, l, CV_LORA_K, ws->qkv + m->q_dim, qkv_dim, ws->xn, dim, m);
+            lora_add(b, bt, l, CV_LORA_V, ws->qkv + m->q_dim + m->kv_dim, qkv_dim, ws->xn, dim, m);
+        }
         if (c->qk_norm) { /* each q and k head, before RoPE */
             b->head_rmsnorm(b, ws->qkv, qkv_dim, c->n_heads, n, c->head_dim, L->q_norm, c->rms_eps);
             b->head_rmsnorm(b, ws->qkv + m->q_dim, qkv_dim, c->n_kv_heads, n, c->head_dim, L->k_norm, c->rms_eps);
         }
         rope_kv(b, ws->qkv, qkv_dim, m, positions, n, local ? &rope_local : &rope, &caches[l], slots);
         b->paged_attention(b, ws->attn, ws->qkv, qkv_dim, &caches[l], &ab);
+        /* o and down add into the residual stream (or Gemma's pre-norm output) after the GEMM */
+        float *attn_out = c->gemma ? ws->xn : ws->x;
+        b->gemm(b, attn_out, ws->attn, n, &L->wo, NULL, !c->gemma); /* residual add in the GEMM */
+        if (lora) lora_add(b, bt, l, CV_LORA_O, attn_out, dim, ws->attn, m->q_dim, m);
+        if (c->gemma) b->add_rmsnorm(b, ws->x, ws->xn, L->post_attn_norm, n, c->dim, c->rms_eps);
+        norm_gemm(b, ws->gu, ws->x, L->ffn_norm, c->rms_eps, n, &L->w_gate_up, NULL, 0, ws->xn, lora);
+        if (lora) {
+            lora_add(b, bt, l, CV_LORA_GATE, ws->gu, 2 * hid, ws->xn, dim, m);
+            lora_add(b, bt, l, CV_LORA_UP, ws->gu + hid, 2 * hid, ws->xn, dim, m);
+        }
         if (!c->gemma) {
-            b->gemm(b, ws->x, ws->attn, n, &L->wo, NULL, 1); /* residual add in the GEMM */
-            norm_gemm(b, ws->gu, ws->x, L->ffn_norm, c->rms_eps, n, &L->w_gate_up, NULL, 0, ws->xn);
-            swiglu_gemm(b, ws->x, ws->gu, n, &L->w_down, 1, ws->h); /* residual add */
+            swiglu_gemm(b, ws->x, ws->gu, n, &L->w_down, 1, ws->h, lora); /* residual add */
+            if (lora) lora_add(b, bt, l, CV_LORA_DOWN, ws->x, dim, ws->h, hid, m);
             continue;
         }
         /* Gemma: x += norm(attn . Wo); x += norm(down(gelu(gate) * up)) */
-        b->gemm(b, ws->xn, ws->attn, n, &L->wo, NULL, 0);
-        b->add_rmsnorm(b, ws->x, ws->xn, L->post_attn_norm, n, c->dim, c->rms_eps);
-        norm_gemm(b, ws->gu, ws->x, L->ffn_norm, c->rms_eps, n, &L->w_gate_up, NULL, 0, ws->xn);
         b->geglu(b, ws->h, ws->gu, n, c->hidden_dim);
         b->gemm(b, ws->xn, ws->h, n, &L->w_down, NULL, 0);
+        if (lora) lora_add(b, bt, l, CV_LORA_DOWN, ws->xn, dim, ws->h, hid, m);
         b->add_rmsnorm(b, ws->x, ws->xn, L->post_ffn_norm, n, c->dim, c->rms_eps);
     }
     if (bt->n_logits > 0) lm_head_rows(m, ws, rows, bt->n_logits, n);
