@@ -68,9 +68,7 @@ PyObject *cv_py_lora_load(cv_engine *e, PyObject *args) {
     }
     result = Py_NewRef(Py_None);
 done:
-    if (held)
-        for (Py_ssize_t i = 0; i < 2 * n; i++) Py_XDECREF(held[i]);
-    free(held);
+    free(held); /* borrowed views: the pairs list keeps the arrays alive */
     free(layers);
     free(modules);
     free(a);

@@ -1,0 +1,268 @@
+"""LoRA adapters: PEFT folders and GGUF LoRA files read and checked, per-request adapters in
+the batched step equal to the NumPy reference with the delta and to merged weights, mixed
+batches batch-invariant, slots swapped LRU, the prefix cache keyed by adapter."""
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from conveyor import LLM, LoRAError, LoRARequest, SamplingParams, _core
+from conveyor import testing as T
+from conveyor.lora import load_adapter
+from conveyor.reference import ReferenceModel, read_safetensors_file
+
+LEVELS = ["scalar", "avx2", "avx512", "avx512_bf16"]
+GREEDY = SamplingParams(temperature=0, max_tokens=10)
+PROMPTS = [[1, 5, 9, 30, 2, 7, 8], [3, 4, 100, 200, 17], list(range(2, 40)), [11, 12]]
+
+
+def cfg_of(model) -> dict:
+    ck = _core.Checkpoint(str(model))
+    try:
+        return ck.config
+    finally:
+        ck.close()
+
+
+def adapter(tmp_path, model, name, rank, seed, targets=T.LORA_MODULES, alpha=None, **kw):
+    cfg = cfg_of(model)
+    w = T.random_lora_weights(cfg, rank, targets=targets, seed=seed, scale=1.0)
+    path = T.write_peft_adapter(tmp_path / name, w, rank=rank, alpha=alpha or 2 * rank, **kw)
+    return path, w
+
+
+def ref_tokens(model, path, prompt, n=10):
+    ref = ReferenceModel.load(model)
+    if path is not None:
+        ref.lora = load_adapter(path, cfg_of(model))
+    return ref.greedy(prompt, n)
+
+
+def gen(llm, prompts, loras=None, params=GREEDY):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+# ---------------------------------------------------------------- reading and refusals
+
+def test_gguf_lora_equals_peft(tmp_path, stories_dir):
+    model = stories_dir / "stories260K.bin"
+    cfg = cfg_of(model)
+    w = T.random_lora_weights(cfg, 8, seed=3)
+    a = load_adapter(T.write_peft_adapter(tmp_path / "p", w, rank=8, alpha=4), cfg)
+    g = load_adapter(T.write_gguf_lora(tmp_path / "g.gguf", w, alpha=4, n_heads=cfg["n_heads"],
+                                       n_kv_heads=cfg["n_kv_heads"]), cfg)
+    assert a.rank == g.rank == 8 and a.scale == g.scale == 0.5
+    assert a.weights.keys() == g.weights.keys()
+    for k in a.weights:
+        assert np.array_equal(a.weights[k][0], g.weights[k][0]) and np.array_equal(a.weights[k][1], g.weights[k][1])
+
+
+def test_rslora_scale(tmp_path, tiny_hf_dir):
+    path, _ = adapter(tmp_path, tiny_hf_dir, "rs", 16, 1, alpha=8, use_rslora=True)
+    assert load_adapter(path, cfg_of(tiny_hf_dir)).scale == pytest.approx(8 / 4)
+    path, _ = adapter(tmp_path, tiny_hf_dir, "plain", 16, 1, alpha=8)
+    assert load_adapter(path, cfg_of(tiny_hf_dir)).scale == pytest.approx(0.5)
+
+
+def _bad_config(tmp_path, model, key, value):
+    path, _ = adapter(tmp_path, model, f"bad_{key}", 4, 1)
+    c = json.loads((path / "adapter_config.json").read_text())
+    c[key] = value
+    (path / "adapter_config.json").write_text(json.dumps(c))
+    return path
+
+
+@pytest.mark.parametrize("key,value,field", [
+    ("use_dora", True, "use_dora"),
+    ("bias", "all", "bias"),
+    ("target_modules", ["q_proj", "embed_tokens"], "target_modules"),
+    ("peft_type", "IA3", "peft_type"),
+    ("r", 0, "r"),
+])
+def test_peft_refusals_name_the_key(tmp_path, tiny_hf_dir, key, value, field):
+    path = _bad_config(tmp_path, tiny_hf_dir, key, value)
+    with pytest.raises(LoRAError, match=key) as e:
+        load_adapter(path, cfg_of(tiny_hf_dir))
+    assert e.value.field == field
+
+
+def test_rank_and_shape_mismatch_refused(tmp_path, tiny_hf_dir, stories_dir):
+    cfg = cfg_of(tiny_hf_dir)
+    path = _bad_config(tmp_path, tiny_hf_dir, "r", 8)  # tensors of rank 4
+    with pytest.raises(LoRAError, match="r=8"):
+        load_adapter(path, cfg)
+    # an adapter of another base (stories260K's shapes on the tiny HF model)
+    other, _ = adapter(tmp_path, stories_dir / "stories260K.bin", "other", 4, 1)
+    with pytest.raises(LoRAError, match="do not match the base|beyond the base"):
+        load_adapter(other, cfg)
+    path, _ = adapter(tmp_path, tiny_hf_dir, "big", 32, 1)
+    with pytest.raises(LoRAError, match="max_lora_rank=16"):
+        load_adapter(path, cfg, max_rank=16)
+
+
+def test_gguf_refusals(tmp_path, tiny_hf_dir, stories_dir):
+    cfg = cfg_of(stories_dir / "stories260K.bin")
+    w = T.random_lora_weights(cfg, 4, seed=1)
+    p = T.write_gguf_lora(tmp_path / "m.gguf", w, alpha=4, n_heads=8, n_kv_heads=4, general_type="model")
+    with pytest.raises(LoRAError, match="general.type"):
+        load_adapter(p, cfg)
+    p = T.write_gguf_lora(tmp_path / "q.gguf", w, alpha=4, arch="qwen2")
+    with pytest.raises(LoRAError, match="general.architecture"):
+        load_adapter(p, cfg)
+
+
+def test_engine_refuses_adapter_without_enable_lora(tmp_path, tiny_hf_dir):
+    path, _ = adapter(tmp_path, tiny_hf_dir, "a", 4, 1)
+    with LLM(str(tiny_hf_dir), skip_tokenizer_init=True) as llm:
+        with pytest.raises(ValueError, match="enable_lora"):
+            gen(llm, [PROMPTS[0]], LoRARequest("a", 1, path))
+    with pytest.raises(ValueError, match="max_loras"):
+        LLM(str(tiny_hf_dir), skip_tokenizer_init=True, enable_lora=True, max_loras=0)
+
+
+# ---------------------------------------------------------------- the engine's adapter path
+
+@pytest.mark.parametrize("rank,targets", [(1, T.LORA_MODULES), (8, T.LORA_MODULES), (8, ("q_proj", "v_proj")),
+                                          (16, ("o_proj", "down_proj", "up_proj"))])
+def test_engine_equals_reference(tmp_path, tiny_hf_dir, rank, targets):
+    path, _ = adapter(tmp_path, tiny_hf_dir, "a", rank, rank, targets=targets)
+    with LLM(str(tiny_hf_dir), skip_tokenizer_init=True, enable_lora=True, max_lora_rank=16) as llm:
+        got = gen(llm, PROMPTS, LoRARequest("a", 1, path))
+    assert got == [ref_tokens(tiny_hf_dir, path, p) for p in PROMPTS]
+    assert got != [ref_tokens(tiny_hf_dir, None, p) for p in PROMPTS]  # the adapter changes the output
+
+
+def test_stories260k_peft_and_gguf(tmp_path, stories_dir):
+    model = stories_dir / "stories260K.bin"
+    cfg = cfg_of(model)
+    w = T.random_lora_weights(cfg, 8, seed=5, scale=1.0)
+    peft = T.write_peft_adapter(tmp_path / "p", w, rank=8, alpha=16)
+    gg = T.write_gguf_lora(tmp_path / "g.gguf", w, alpha=16, n_heads=cfg["n_heads"], n_kv_heads=cfg["n_kv_heads"])
+    with LLM(str(model), enable_lora=True, max_loras=2, max_lora_rank=8, skip_tokenizer_init=True) as llm:
+        a = gen(llm, PROMPTS, LoRARequest("p", 1, peft))
+        b = gen(llm, PROMPTS, LoRARequest("g", 2, gg))
+    assert a == b == [ref_tokens(model, peft, p) for p in PROMPTS]
+
+
+def _write_merged(tmp_path, model, w, rank, alpha):
+    """The HF checkpoint with W + scale * B A written into its weights."""
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    for f in model.iterdir():
+        if f.name != "model.safetensors":
+            (merged / f.name).write_bytes(f.read_bytes())
+    tensors = {k: v for k, (_, v) in read_safetensors_file(model / "model.safetensors").items()}
+    for (layer, mod), (a, b) in w.items():
+        part = "self_attn" if mod in T.LORA_MODULES[:4] else "mlp"
+        name = f"model.layers.{layer}.{part}.{mod}.weight"
+        tensors[name] = (tensors[name].astype(np.float64) + alpha / rank * (b.astype(np.float64) @ a)).astype(
+            np.float32)
+    names = sorted(tensors)
+    meta, off = {}, 0
+    for n in names:
+        meta[n] = {"dtype": "F32", "shape": list(tensors[n].shape), "data_offsets": [off, off + tensors[n].nbytes]}
+        off += tensors[n].nbytes
+    head = json.dumps(meta).encode()
+    head += b" " * (-len(head) % 8)
+    with open(merged / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head)
+        for n in names:
+            f.write(np.ascontiguousarray(tensors[n]).tobytes())
+    return merged
+
+
+def test_merged_weights_equivalence(tmp_path, tiny_hf_dir):
+    path, w = adapter(tmp_path, tiny_hf_dir, "a", 8, 7, alpha=16)
+    merged = _write_merged(tmp_path, tiny_hf_dir, w, 8, 16)
+    with LLM(str(tiny_hf_dir), skip_tokenizer_init=True, enable_lora=True, max_lora_rank=8) as llm:
+        got = gen(llm, PROMPTS, LoRARequest("a", 1, path))
+    with LLM(str(merged), skip_tokenizer_init=True) as llm:
+        want = gen(llm, PROMPTS)
+    assert got == want
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_mixed_batch_invariant_at_each_level(tmp_path, tiny_hf_dir, monkeypatch, level):
+    """No adapter, adapter 1 and adapter 2 in one batch: each row's tokens and logprob bits
+    equal running it alone; and equal the reference."""
+    if level not in _core.kernel_info()["levels"]:
+        pytest.skip(f"this CPU lacks {level}")
+    monkeypatch.setenv("CONVEYOR_SIMD", level)
+    p1, _ = adapter(tmp_path, tiny_hf_dir, "a1", 8, 11)
+    p2, _ = adapter(tmp_path, tiny_hf_dir, "a2", 4, 12, targets=("q_proj", "k_proj", "gate_proj"))
+    l1, l2 = LoRARequest("a1", 1, p1), LoRARequest("a2", 2, p2)
+    prompts = PROMPTS + PROMPTS[:2]
+    loras = [None, l1, l2, l1, l2, None]
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=0)
+
+    def run(ps, ls):
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False, lora_request=ls)
+        return [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
+                                                                         o.outputs[0].logprobs)]) for o in outs]
+
+    with LLM(str(tiny_hf_dir), skip_tokenizer_init=True, enable_lora=True, max_loras=2, max_lora_rank=8,
+             num_threads=2, enable_prefix_caching=False) as llm:
+        alone = [run([p], [lr])[0] for p, lr in zip(prompts, loras)]
+        together = run(prompts, loras)
+    assert together == alone
+    for (toks, _), p, lr in zip(together, prompts, loras):
+        assert toks == ref_tokens(tiny_hf_dir, lr.lora_path if lr else None, p)
+
+
+def test_eviction_with_one_slot(tmp_path, tiny_hf_dir):
+    """max_loras=1 and two adapters alternating in one call: requests wait for the slot,
+    adapters are swapped in and out, and every request gets its own adapter's tokens."""
+    p1, _ = adapter(tmp_path, tiny_hf_dir, "a1", 4, 21)
+    p2, _ = adapter(tmp_path, tiny_hf_dir, "a2", 4, 22)
+    l1, l2 = LoRARequest("a1", 1, p1), LoRARequest("a2", 2, p2)
+    loras = [l1, l2, None, l1, l2, l1]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(loras))]
+    with LLM(str(tiny_hf_dir), skip_tokenizer_init=True, enable_lora=True, max_loras=1, max_lora_rank=4) as llm:
+        got = gen(llm, prompts, loras)
+        swaps = llm._core._lora.swaps
+        assert llm._core.num_unfinished() == 0
+    assert swaps >= 3
+    assert got == [ref_tokens(tiny_hf_dir, lr.lora_path if lr else None, p) for p, lr in zip(prompts, loras)]
+
+
+def test_prefix_cache_not_shared_across_adapters(tmp_path, tiny_hf_dir):
+    p1, _ = adapter(tmp_path, tiny_hf_dir, "a1", 4, 31)
+    p2, _ = adapter(tmp_path, tiny_hf_dir, "a2", 4, 32)
+    prompt = list(range(2, 70))  # several 16-token blocks
+    with LLM(str(tiny_hf_dir), skip_tokenizer_init=True, enable_lora=True, max_loras=2, max_lora_rank=4,
+             enable_prefix_caching=True) as llm:
+        def one(lr):
+            o = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False, lora_request=lr)[0]
+            return o.outputs[0].token_ids, o.metrics.num_cached_tokens
+
+        base = one(None)
+        first1 = one(LoRARequest("a1", 1, p1))
+        first2 = one(LoRARequest("a2", 2, p2))
+        again1 = one(LoRARequest("a1", 1, p1))
+        base_again = one(None)
+    assert first1[1] == 0 and first2[1] == 0  # the base's blocks are not taken under an adapter
+    assert again1[1] > 0 and base_again[1] > 0  # the same adapter (and the base) find their own
+    assert first1[0] == again1[0] == ref_tokens(tiny_hf_dir, p1, prompt)
+    assert first2[0] == ref_tokens(tiny_hf_dir, p2, prompt)
+    assert base[0] == base_again[0] == ref_tokens(tiny_hf_dir, None, prompt)
+
+
+def test_async_llm_lora(tmp_path, tiny_hf_dir):
+    import asyncio
+
+    from conveyor import AsyncLLM
+
+    path, _ = adapter(tmp_path, tiny_hf_dir, "a", 4, 41)
+
+    async def main():
+        async with AsyncLLM(str(tiny_hf_dir), skip_tokenizer_init=True, enable_lora=True,
+                            max_lora_rank=4) as llm:
+            last = None
+            async for out in llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY,
+                                          lora_request=LoRARequest("a", 1, path)):
+                last = out
+            return last.outputs[0].token_ids
+
+    assert asyncio.run(main()) == ref_tokens(tiny_hf_dir, path, PROMPTS[0])
