@@ -266,3 +266,69 @@ def test_async_llm_lora(tmp_path, tiny_hf_dir):
             return last.outputs[0].token_ids
 
     assert asyncio.run(main()) == ref_tokens(tiny_hf_dir, path, PROMPTS[0])
+
+
+# ---------------------------------------------------------------- the server
+
+def test_server_adapters_by_model_name(tmp_path, stories_dir):
+    """conveyor serve --lora-modules: the openai client names an adapter as its model and gets
+    what LLM gives with that adapter; /v1/models lists adapters with their parent; adapters
+    load and unload at run time behind --api-key; unknown names are 404, bad files 400."""
+    httpx = pytest.importorskip("httpx")
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    from conveyor.bench.serve import OwnServer
+
+    model = stories_dir / "stories260K.bin"
+    cfg = cfg_of(model)
+    paths = {}
+    for name, seed in (("a1", 51), ("a2", 52), ("a3", 53)):
+        w = T.random_lora_weights(cfg, 4, seed=seed, scale=1.0)
+        paths[name] = T.write_peft_adapter(tmp_path / name, w, rank=4, alpha=8)
+    bad = _bad_config(tmp_path, model, "use_dora", True)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    with LLM(str(model), enable_lora=True, max_loras=3, max_lora_rank=4) as llm:
+        def want(name):
+            lr = LoRARequest(name, 1 + list(paths).index(name), paths[name]) if name else None
+            return llm.generate(["Once upon a time"], params, use_tqdm=False, lora_request=lr)[0].outputs[0].text
+
+        expected = {n: want(n) for n in (None, "a1", "a2", "a3")}
+    assert len(set(expected.values())) == 4  # the adapters change the text
+
+    s = OwnServer(str(model), ("--api-key", "k", "--lora-modules", f"a1={paths['a1']}", f"a2={paths['a2']}",
+                               "--max-loras", "2", "--max-lora-rank", "4"), timeout=60.0)
+    try:
+        with httpx.Client(base_url=s.url, timeout=30.0, trust_env=False,
+                          headers={"Authorization": "Bearer k"}) as http:
+            client = openai.OpenAI(base_url=s.url + "/v1", api_key="k", max_retries=0,
+                                   http_client=httpx.Client(trust_env=False, timeout=30.0))
+            cards = {c["id"]: c for c in http.get("/v1/models").json()["data"]}
+            base = next(n for n, c in cards.items() if c["parent"] is None)
+            assert cards["a1"]["parent"] == cards["a2"]["parent"] == base
+
+            def ask(name):
+                return client.completions.create(model=name, prompt="Once upon a time", max_tokens=8,
+                                                 temperature=0).choices[0].text
+
+            assert ask(base) == expected[None]
+            assert ask("a1") == expected["a1"] and ask("a2") == expected["a2"]
+            with pytest.raises(openai.NotFoundError, match="a3"):
+                ask("a3")
+            assert httpx.post(s.url + "/v1/load_lora_adapter", json={"lora_name": "a3",
+                                                                      "lora_path": str(paths["a3"])},
+                              trust_env=False).status_code == 401
+            r = http.post("/v1/load_lora_adapter", json={"lora_name": "a3", "lora_path": str(paths["a3"])})
+            assert r.status_code == 200, r.text
+            assert ask("a3") == expected["a3"]  # a third adapter in two slots: one was evicted
+            assert ask("a1") == expected["a1"]
+            r = http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(bad)})
+            assert r.status_code == 400 and "use_dora" in r.text
+            r = http.post("/v1/unload_lora_adapter", json={"lora_name": "a2"})
+            assert r.status_code == 200, r.text
+            with pytest.raises(openai.NotFoundError, match="a2"):
+                ask("a2")
+            assert http.post("/v1/unload_lora_adapter", json={"lora_name": "a2"}).status_code == 404
+            assert "a2" not in {c["id"] for c in http.get("/v1/models").json()["data"]}
+            client.close()
+    finally:
+        s.stop()

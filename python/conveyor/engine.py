@@ -498,6 +498,21 @@ class EngineCore:
                 return
             self._lora_waiting.pop(0)
 
+    def read_lora(self, lora_request) -> None:
+        """Reads and checks an adapter now (LoRAError naming the key), so that requests
+        naming it later need no file access."""
+        if self._lora is None:
+            raise field_error(ValueError, "lora_request", "LoRA needs an engine made with enable_lora=True")
+        with self._lock:
+            self._lora.read(lora_request)
+
+    def forget_lora(self, lora_id: int) -> bool:
+        """Drops an adapter from its slot and host memory; False while requests use it."""
+        if self._lora is None:
+            return False
+        with self._lock:
+            return self._lora.forget(lora_id)
+
     def prepare_guided(self, params: SamplingParams):
         """Guided decoding: (a grammar matcher per completion that runs, the first
         token's mask), or None when unconstrained. Building them can take seconds for a
