@@ -332,3 +332,15 @@ def test_server_adapters_by_model_name(tmp_path, stories_dir):
             client.close()
     finally:
         s.stop()
+
+
+def test_ngram_speculation_with_adapter_and_draft_refused(tmp_path, tiny_hf_dir):
+    path, _ = adapter(tmp_path, tiny_hf_dir, "a", 4, 61)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+    with LLM(str(tiny_hf_dir), skip_tokenizer_init=True, enable_lora=True, max_lora_rank=4,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 3}) as llm:
+        assert gen(llm, [prompt], LoRARequest("a", 1, path)) == [ref_tokens(tiny_hf_dir, path, prompt)]
+    with pytest.raises(ValueError, match="draft model") as e:
+        LLM(str(tiny_hf_dir), skip_tokenizer_init=True, enable_lora=True,
+            speculative_config={"model": str(tiny_hf_dir), "num_speculative_tokens": 2})
+    assert e.value.field == "speculative_config"

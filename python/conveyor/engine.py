@@ -210,6 +210,11 @@ class EngineArgs:
         if isinstance(self.kv_cache_memory, str):
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         self.speculative_config = parse_speculative_config(self.speculative_config)
+        if self.enable_lora and isinstance(self.speculative_config, dict) and "model" in self.speculative_config:
+            # the draft would propose without the adapter: refused rather than silently slow
+            raise field_error(ValueError, "speculative_config",
+                              "a draft model cannot be combined with enable_lora (its proposals would not "
+                              "follow the adapter); use the n-gram method")
 
 
 class _SeqState:
