@@ -344,3 +344,29 @@ def test_ngram_speculation_with_adapter_and_draft_refused(tmp_path, tiny_hf_dir)
         LLM(str(tiny_hf_dir), skip_tokenizer_init=True, enable_lora=True,
             speculative_config={"model": str(tiny_hf_dir), "num_speculative_tokens": 2})
     assert e.value.field == "speculative_config"
+
+
+def test_cuda_lora_kernels_match_cpu(tmp_path, tiny_hf_dir):
+    """The CUDA backend's shrink/expand (on a GPU, or the CPU emulator with
+    CONVEYOR_CUDA_LIB, see tests/test_cuda.py) in a mixed batch: the same greedy tokens as
+    the CPU backend and logprobs within float rounding."""
+    from conveyor import _testing
+
+    if not (hasattr(_testing, "cuda_available") and _testing.cuda_available()):
+        pytest.skip("no CUDA backend (build the emulator: tests/test_cuda.py)")
+    p1, _ = adapter(tmp_path, tiny_hf_dir, "a1", 8, 71)
+    p2, _ = adapter(tmp_path, tiny_hf_dir, "a2", 4, 72, targets=("v_proj", "o_proj", "down_proj"))
+    loras = [LoRARequest("a1", 1, p1), None, LoRARequest("a2", 2, p2)]
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=0)
+    outs = {}
+    for device in ("cpu", "cuda"):
+        with LLM(str(tiny_hf_dir), skip_tokenizer_init=True, enable_lora=True, max_loras=2, max_lora_rank=8,
+                 device=device, max_num_seqs=4, max_model_len=64, kv_cache_memory="4MiB") as llm:
+            res = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], params, use_tqdm=False,
+                               lora_request=loras)
+            outs[device] = [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
+                                                                                     o.outputs[0].logprobs)])
+                            for o in res]
+    for (ct, cl), (gt, gl) in zip(outs["cpu"], outs["cuda"]):
+        assert ct == gt
+        np.testing.assert_allclose(gl, cl, atol=1e-3)

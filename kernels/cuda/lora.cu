@@ -1,0 +1,59 @@
+/* LoRA's shrink and expand over the rows of one adapter (kernels/backend.h):
+ * one thread per output element, each a dot product in a fixed order, so a
+ * row's result depends on that row alone. Adapters are small (rank <= 1024):
+ * these are memory-bound and simple on purpose. */
+#include "cuda_internal.h"
+
+/* Blocks for `total` threads of `threads` each, capped for a grid-stride loop. */
+static unsigned lora_grid(const cv_cuda_ctx *c, int64_t total, int threads) {
+    int64_t g = (total + threads - 1) / threads, cap = (int64_t)c->num_sms * 16;
+    if (g > cap) g = cap;
+    return (unsigned)(g < 1 ? 1 : g);
+}
+
+/* t[r][k] = sum_i x[r][i] * a[k][i] */
+__global__ void lora_shrink_kernel(float *t, const float *x, int64_t x_stride, int64_t n, const float *a,
+                                   int64_t rank, int64_t in) {
+    const int64_t total = n * rank;
+    for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < total;
+         e += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t r = e / rank, k = e - r * rank;
+        const float *xr = x + r * x_stride, *ak = a + k * in;
+        float s = 0.f;
+        for (int64_t i = 0; i < in; i++) s = fmaf(xr[i], ak[i], s);
+        t[e] = s;
+    }
+}
+
+/* y[r][o] += scale * sum_j t[r][j] * bt[j][o] */
+__global__ void lora_expand_kernel(float *y, int64_t y_stride, const float *t, int64_t n, const float *bt,
+                                   int64_t rank, int64_t out, float scale) {
+    const int64_t total = n * out;
+    for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < total;
+         e += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t r = e / out, o = e - r * out;
+        const float *tr = t + r * rank;
+        float acc = 0.f;
+        for (int64_t j = 0; j < rank; j++) acc = fmaf(tr[j], bt[j * out + o], acc);
+        y[r * y_stride + o] = fmaf(scale, acc, y[r * y_stride + o]);
+    }
+}
+
+void cvc_lora_shrink(cv_backend *b, float *t, const float *x, int64_t x_stride, int64_t n, const float *a,
+                     int64_t rank, int64_t in) {
+    cv_cuda_ctx *c = cvc_of(b);
+    if (n <= 0 || rank <= 0) return;
+    if (cvc_enter(c) < 0) return;
+    lora_shrink_kernel<<<lora_grid(c, n * rank, 128), 128, 0, c->stream>>>(t, x, x_stride, n, a, rank, in);
+    cvc_check_launch(c, "lora_shrink");
+}
+
+void cvc_lora_expand(cv_backend *b, float *y, int64_t y_stride, const float *t, int64_t n, const float *bt,
+                     int64_t rank, int64_t out, float scale) {
+    cv_cuda_ctx *c = cvc_of(b);
+    if (n <= 0 || rank <= 0) return;
+    if (cvc_enter(c) < 0) return;
+    lora_expand_kernel<<<lora_grid(c, n * out, 256), 256, 0, c->stream>>>(y, y_stride, t, n, bt, rank, out,
+                                                                           scale);
+    cvc_check_launch(c, "lora_expand");
+}
