@@ -43,6 +43,14 @@ typedef struct cv_table {
  * CV_I8: a row x is stored as round(x / scale) clamped to +-127 with
  * scale = max|x| / 127 (0 for a zero row: values 0), the scale of token
  * slot s and KV head h at k_scale / v_scale [block][h][offset]. */
+/* The rows [row0, row0 + n_rows) of a batch under one LoRA adapter: A
+ * [rank][in] and B^T [rank][out], float32 (device), and its scale. */
+typedef struct cv_lora_segment {
+    int64_t row0, n_rows, rank;
+    const float *a, *bt;
+    float scale;
+} cv_lora_segment;
+
 typedef struct cv_kv_layer {
     void *k;         /* [num_blocks][n_kv_heads][block_size][head_dim] */
     void *v;         /* [num_blocks][n_kv_heads][block_size][head_dim] */
@@ -141,14 +149,13 @@ struct cv_backend {
     void (*geglu)(cv_backend *b, float *out, const float *gu, int64_t n, int64_t dim);
     /* x[n] *= s */
     void (*scale)(cv_backend *b, float *x, int64_t n, float s);
-    /* --- LoRA over the rows of one adapter (rows grouped by adapter) ------ */
-    /* t[n][rank] = x[n][in] . A^T (x rows x_stride floats apart; A: [rank][in] f32). */
-    void (*lora_shrink)(cv_backend *b, float *t, const float *x, int64_t x_stride, int64_t n, const float *a,
-                        int64_t rank, int64_t in);
-    /* y[n][out] += scale * (t[n][rank] . B^T) (y rows y_stride floats apart; bt: B^T, [rank][out] f32).
-     * Each row's result depends on that row alone. */
-    void (*lora_expand)(cv_backend *b, float *y, int64_t y_stride, const float *t, int64_t n, const float *bt,
-                        int64_t rank, int64_t out, float scale);
+    /* --- LoRA: y[r] += scale * (x[r] . A^T) . B^T for the rows r of each
+     * segment (rows of one adapter, as Punica's SGMV). x rows x_stride floats
+     * apart, y rows y_stride apart; segs in host memory, their matrices on the
+     * device; tmp: [rows][max rank] device scratch. A row's result depends on
+     * that row and its segment's matrices alone. NULL: no LoRA support. */
+    void (*lora_sgmv)(cv_backend *b, float *y, int64_t y_stride, const float *x, int64_t x_stride,
+                      const cv_lora_segment *segs, int64_t n_segs, int64_t in, int64_t out, float *tmp);
     /* --- fused kernels: one pass where the unfused sequence in each comment
      * takes two, with the same results bit for bit. NULL where a backend has
      * none: the caller then runs that sequence. ---------------------------- */

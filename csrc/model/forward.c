@@ -105,27 +105,28 @@ static int batch_has_lora(const cv_batch *bt) {
 }
 
 /* y += scale * (x A^T) B^T of one projection for the rows of each adapter:
- * consecutive sequences of one slot make one segment (Punica's SGMV), a
- * shrink to the rank then an expand back. x rows x_stride apart, y rows
- * y_stride apart, both indexed by the batch's token rows. */
+ * consecutive sequences of one slot make one segment (Punica's SGMV), and
+ * one backend call runs them all. x rows x_stride apart, y rows y_stride
+ * apart, both indexed by the batch's token rows. */
 static void lora_add(cv_backend *b, const cv_batch *bt, int64_t layer, int module, float *y, int64_t y_stride,
                      const float *x, int64_t x_stride, const cv_model *m) {
     const cv_lora_pool *p = bt->lora;
-    int64_t out, in;
+    int64_t out, in, n_segs = 0;
     cv_lora_module_shape(m, module, &out, &in);
     const size_t k = (size_t)layer * CV_LORA_N_MODULES + (size_t)module;
     for (int64_t s = 0; s < bt->n_seqs;) {
         const int32_t slot = bt->lora_slots[s];
         int64_t e = s + 1;
         while (e < bt->n_seqs && bt->lora_slots[e] == slot) e++;
-        if (slot >= 0 && slot < p->n_slots && p->slots[slot].loaded && p->slots[slot].a[k]) {
+        if (slot >= 0 && slot < p->n_slots && p->slots[slot].loaded && p->slots[slot].a[k] && n_segs < p->max_segs) {
             const cv_lora_slot *ls = &p->slots[slot];
-            const int64_t r0 = bt->query_start[s], rows = bt->query_start[e] - r0;
-            b->lora_shrink(b, p->tmp, x + r0 * x_stride, x_stride, rows, ls->a[k], ls->rank, in);
-            b->lora_expand(b, y + r0 * y_stride, y_stride, p->tmp, rows, ls->bt[k], ls->rank, out, ls->scale);
+            p->segs[n_segs++] = (cv_lora_segment){
+                .row0 = bt->query_start[s], .n_rows = bt->query_start[e] - bt->query_start[s], .rank = ls->rank,
+                .a = ls->a[k], .bt = ls->bt[k], .scale = ls->scale};
         }
         s = e;
     }
+    if (n_segs) b->lora_sgmv(b, y, y_stride, x, x_stride, p->segs, n_segs, in, out, p->tmp);
 }
 
 /* Rotates q and k of the fused qkv rows and writes k and v to the cache. */
@@ -218,7 +219,7 @@ int cv_model_forward(const cv_model *m, cv_forward_ws *ws, cv_kv_layer *caches,
 
     b->embedding(b, ws->x, tokens, n, &m->embed);
     if (c->embed_scale > 0) b->scale(b, ws->x, n * c->dim, c->embed_scale);
-    const int lora = batch_has_lora(bt) && b->lora_shrink && b->lora_expand;
+    const int lora = batch_has_lora(bt) && b->lora_sgmv;
     const int64_t dim = c->dim, hid = c->hidden_dim;
     for (int64_t l = 0; l < c->n_layers; l++) {
         const cv_layer *L = &m->layers[l];

@@ -17,7 +17,7 @@ void cv_lora_module_shape(const cv_model *m, int module, int64_t *out, int64_t *
 }
 
 int cv_lora_pool_init(cv_lora_pool *p, const cv_model *m, int64_t n_slots, int64_t max_rank, int64_t max_tokens,
-                      cv_err *err) {
+                      int64_t max_seqs, cv_err *err) {
     memset(p, 0, sizeof *p);
     if (n_slots < 1 || n_slots > CV_LORA_MAX_SLOTS)
         return cv_set_field_err(err, CV_ERR_INVALID, "max_loras", "max_loras must be in [1, %d], got %lld",
@@ -32,7 +32,9 @@ int cv_lora_pool_init(cv_lora_pool *p, const cv_model *m, int64_t n_slots, int64
     p->max_tokens = max_tokens;
     p->slots = calloc((size_t)n_slots, sizeof *p->slots);
     p->tmp = m->backend->alloc(m->backend, (size_t)max_tokens * (size_t)max_rank * sizeof(float));
-    int ok = p->slots && p->tmp;
+    p->max_segs = max_seqs > 0 ? max_seqs : 1;
+    p->segs = calloc((size_t)p->max_segs, sizeof *p->segs);
+    int ok = p->slots && p->tmp && p->segs;
     for (int64_t s = 0; ok && s < n_slots; s++) {
         p->slots[s].a = calloc(per, sizeof(float *));
         p->slots[s].bt = calloc(per, sizeof(float *));
@@ -69,6 +71,7 @@ void cv_lora_pool_free(cv_lora_pool *p, cv_backend *b) {
         free(p->slots);
     }
     if (p->tmp) b->free(b, p->tmp);
+    free(p->segs);
     memset(p, 0, sizeof *p);
 }
 

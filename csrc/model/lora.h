@@ -29,13 +29,16 @@ typedef struct cv_lora_pool {
     int64_t n_slots, max_rank, n_layers, max_tokens;
     cv_lora_slot *slots; /* [n_slots] */
     float *tmp;          /* [max_tokens][max_rank] shrink output (device) */
+    cv_lora_segment *segs; /* [max_segs] a step's segments of one projection (host) */
+    int64_t max_segs;
 } cv_lora_pool;
 
 struct cv_model;
 
-/* n_slots slots of adapters up to max_rank, for steps of up to max_tokens rows. */
+/* n_slots slots of adapters up to max_rank, for steps of up to max_tokens rows
+ * over max_seqs sequences. */
 int cv_lora_pool_init(cv_lora_pool *p, const struct cv_model *m, int64_t n_slots, int64_t max_rank,
-                      int64_t max_tokens, cv_err *err);
+                      int64_t max_tokens, int64_t max_seqs, cv_err *err);
 void cv_lora_pool_free(cv_lora_pool *p, cv_backend *b);
 
 /* Loads an adapter into slot (replacing what it held): n_pairs pairs, pair i for

@@ -406,8 +406,7 @@ cv_backend *cv_cpu_backend_create_simd(int num_threads, const char *simd, cv_err
     b->rope_kv_write = cv_cpu_rope_kv_write;
     b->rmsnorm_gemm = cv_cpu_rmsnorm_gemm;
     b->swiglu_gemm = cv_cpu_swiglu_gemm;
-    b->lora_shrink = cv_cpu_lora_shrink;
-    b->lora_expand = cv_cpu_lora_expand;
+    b->lora_sgmv = cv_cpu_lora_sgmv;
     b->host_parallel = cpu_host_parallel;
     b->host_workers = c->nthreads;
     b->sync = cpu_sync;

@@ -2,6 +2,7 @@
  * grouped by adapter, as Punica's SGMV): shrink t = x . A^T to the rank, then
  * expand y += scale * (t . B^T). Each row is computed alone, in a fixed order,
  * so a row's result does not depend on the other rows of the step. */
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_internal.h"
@@ -76,77 +77,90 @@ static void expand_avx512(float *y, const float *t, const float *bt, int64_t ran
 CV_TARGET_END
 #endif
 
+/* t[rank] = x . A^T for one row */
+static void shrink_row(float *t, const float *x, const float *a, int64_t rank, int64_t in, int simd) {
+    for (int64_t k = 0; k < rank; k++) {
+        const float *ak = a + (size_t)k * (size_t)in;
+#if CV_HAVE_AVX512
+        if (simd >= CV_SIMD_AVX512) { t[k] = dot_avx512(x, ak, in); continue; }
+#endif
+#if CV_HAVE_AVX2
+        if (simd >= CV_SIMD_AVX2) { t[k] = dot_avx2(x, ak, in); continue; }
+#endif
+        t[k] = dot_scalar(x, ak, in);
+    }
+}
+
+static void expand_row(float *y, const float *t, const float *bt, int64_t rank, int64_t out, float scale, int simd) {
+#if CV_HAVE_AVX512
+    if (simd >= CV_SIMD_AVX512) { expand_avx512(y, t, bt, rank, out, scale); return; }
+#endif
+#if CV_HAVE_AVX2
+    if (simd >= CV_SIMD_AVX2) { expand_avx2(y, t, bt, rank, out, scale); return; }
+#endif
+    (void)simd;
+    expand_scalar(y, t, bt, rank, 0, out, scale);
+}
+
 typedef struct lora_job {
-    float *y;             /* expand: [n] rows of stride y_stride */
-    float *t;             /* [n][rank] */
-    const float *x;       /* shrink: [n] rows of stride x_stride */
-    const float *w;       /* shrink: A [rank][in]; expand: B^T [rank][out] */
-    int64_t stride, n, rank, cols;
-    float scale;
+    float *y;
+    const float *x;
+    int64_t y_stride, x_stride, in, out;
+    const cv_lora_segment *segs;
+    int64_t n_segs;
+    const int64_t *seg_end; /* [n_segs] cumulative rows: the job's row i is in the first segment ending past i */
     int simd;
     cv_rows *rows;
 } lora_job;
 
-static void shrink_fn(void *arg, int tid, int nth) {
+static void sgmv_fn(void *arg, int tid, int nth) {
     const lora_job *j = arg;
+    float t[CV_CPU_LORA_MAX_RANK];
     (void)tid;
     (void)nth;
-    for (int64_t t0, t1; cv_rows_claim(j->rows, &t0, &t1);)
-        for (int64_t r = t0; r < t1; r++) {
-            const float *x = j->x + (size_t)r * (size_t)j->stride;
-            float *t = j->t + (size_t)r * (size_t)j->rank;
-            for (int64_t k = 0; k < j->rank; k++) {
-                const float *a = j->w + (size_t)k * (size_t)j->cols;
-#if CV_HAVE_AVX512
-                if (j->simd >= CV_SIMD_AVX512) { t[k] = dot_avx512(x, a, j->cols); continue; }
-#endif
-#if CV_HAVE_AVX2
-                if (j->simd >= CV_SIMD_AVX2) { t[k] = dot_avx2(x, a, j->cols); continue; }
-#endif
-                t[k] = dot_scalar(x, a, j->cols);
-            }
+    for (int64_t t0, t1; cv_rows_claim(j->rows, &t0, &t1);) {
+        int64_t s = 0;
+        while (j->seg_end[s] <= t0) s++;
+        for (int64_t i = t0; i < t1; i++) {
+            while (j->seg_end[s] <= i) s++;
+            const cv_lora_segment *g = &j->segs[s];
+            const int64_t r = g->row0 + (i - (j->seg_end[s] - g->n_rows));
+            shrink_row(t, j->x + (size_t)r * (size_t)j->x_stride, g->a, g->rank, j->in, j->simd);
+            expand_row(j->y + (size_t)r * (size_t)j->y_stride, t, g->bt, g->rank, j->out, g->scale, j->simd);
         }
+    }
 }
 
-static void expand_fn(void *arg, int tid, int nth) {
-    const lora_job *j = arg;
-    (void)tid;
-    (void)nth;
-    for (int64_t t0, t1; cv_rows_claim(j->rows, &t0, &t1);)
-        for (int64_t r = t0; r < t1; r++) {
-            float *y = j->y + (size_t)r * (size_t)j->stride;
-            const float *t = j->t + (size_t)r * (size_t)j->rank;
-#if CV_HAVE_AVX512
-            if (j->simd >= CV_SIMD_AVX512) { expand_avx512(y, t, j->w, j->rank, j->cols, j->scale); continue; }
-#endif
-#if CV_HAVE_AVX2
-            if (j->simd >= CV_SIMD_AVX2) { expand_avx2(y, t, j->w, j->rank, j->cols, j->scale); continue; }
-#endif
-            expand_scalar(y, t, j->w, j->rank, 0, j->cols, j->scale);
-        }
-}
-
-static void run(cv_backend *b, lora_job *j, cv_pool_fn fn) {
+void cv_cpu_lora_sgmv(cv_backend *b, float *y, int64_t y_stride, const float *x, int64_t x_stride,
+                      const cv_lora_segment *segs, int64_t n_segs, int64_t in, int64_t out, float *tmp) {
+    (void)tmp; /* each row's rank vector lives on its thread's stack */
     cv_cpu *c = cv_cpu_of(b);
-    cv_rows rows;
-    j->simd = c->simd;
-    j->rows = &rows;
-    int nth = cv_threads_for(c, 2.0 * (double)j->n * (double)j->rank * (double)j->cols, LORA_GRAIN);
-    if (nth > j->n) nth = (int)j->n;
-    cv_cpu_run_rows(c, nth, &rows, j->n, fn, j);
-}
-
-void cv_cpu_lora_shrink(cv_backend *b, float *t, const float *x, int64_t x_stride, int64_t n, const float *a,
-                        int64_t rank, int64_t in) {
-    if (n <= 0 || rank <= 0) return;
-    lora_job j = {.t = t, .x = x, .w = a, .stride = x_stride, .n = n, .rank = rank, .cols = in};
-    run(b, &j, shrink_fn);
-}
-
-void cv_cpu_lora_expand(cv_backend *b, float *y, int64_t y_stride, const float *t, int64_t n, const float *bt,
-                        int64_t rank, int64_t out, float scale) {
-    if (n <= 0 || rank <= 0) return;
-    lora_job j = {.y = y, .t = (float *)t, .w = bt, .stride = y_stride, .n = n, .rank = rank, .cols = out,
-                  .scale = scale};
-    run(b, &j, expand_fn);
+    int64_t seg_end_small[64], *seg_end = seg_end_small, total = 0, work = 0;
+    if (n_segs <= 0) return;
+    if (n_segs > 64 && !(seg_end = malloc((size_t)n_segs * sizeof *seg_end))) {
+        /* no memory for the row index: run the segments one by one on this thread */
+        float t[CV_CPU_LORA_MAX_RANK];
+        for (int64_t s = 0; s < n_segs; s++)
+            for (int64_t i = 0; i < segs[s].n_rows; i++) {
+                const int64_t r = segs[s].row0 + i;
+                shrink_row(t, x + (size_t)r * (size_t)x_stride, segs[s].a, segs[s].rank, in, c->simd);
+                expand_row(y + (size_t)r * (size_t)y_stride, t, segs[s].bt, segs[s].rank, out, segs[s].scale,
+                           c->simd);
+            }
+        return;
+    }
+    for (int64_t s = 0; s < n_segs; s++) {
+        total += segs[s].n_rows;
+        seg_end[s] = total;
+        work += segs[s].n_rows * segs[s].rank;
+    }
+    if (total > 0) {
+        cv_rows rows;
+        lora_job j = {.y = y, .x = x, .y_stride = y_stride, .x_stride = x_stride, .in = in, .out = out,
+                      .segs = segs, .n_segs = n_segs, .seg_end = seg_end, .simd = c->simd, .rows = &rows};
+        int nth = cv_threads_for(c, 2.0 * (double)work * (double)(in + out), LORA_GRAIN);
+        if (nth > total) nth = (int)total;
+        cv_cpu_run_rows(c, nth, &rows, total, sgmv_fn, &j);
+    }
+    if (seg_end != seg_end_small) free(seg_end);
 }
