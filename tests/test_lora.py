@@ -221,9 +221,10 @@ def test_eviction_with_one_slot(tmp_path, tiny_hf_dir):
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(loras))]
     with LLM(str(tiny_hf_dir), skip_tokenizer_init=True, enable_lora=True, max_loras=1, max_lora_rank=4) as llm:
         got = gen(llm, prompts, loras)
-        swaps = llm._core._lora.swaps
+        st = llm.stats()
         assert llm._core.num_unfinished() == 0
-    assert swaps >= 3
+    assert st["lora_swaps"] >= 3 and st["lora_requests_waiting"] == 0
+    assert st["lora_requests"] == {"a1": 3, "a2": 2} and st["lora_tokens"] == {"a1": 30, "a2": 20}
     assert got == [ref_tokens(tiny_hf_dir, lr.lora_path if lr else None, p) for p, lr in zip(prompts, loras)]
 
 
@@ -312,6 +313,8 @@ def test_server_adapters_by_model_name(tmp_path, stories_dir):
 
             assert ask(base) == expected[None]
             assert ask("a1") == expected["a1"] and ask("a2") == expected["a2"]
+            r = client.completions.create(model="a2", prompt="Once upon a time", max_tokens=2)
+            assert r.model == "a2"  # the answer names the adapter asked for
             with pytest.raises(openai.NotFoundError, match="a3"):
                 ask("a3")
             assert httpx.post(s.url + "/v1/load_lora_adapter", json={"lora_name": "a3",

@@ -699,6 +699,7 @@ class EngineCore:
                     req.finished = True
                     if req.lora is not None:
                         self._lora.release(req.lora.lora_int_id)
+                        self._lora.count_finished(req.lora.lora_name, sum(len(s.token_ids) for s in req.seqs))
                     del self._requests[iid]
                     if self._by_name.get(req.request_id) is req:
                         del self._by_name[req.request_id]
@@ -764,6 +765,9 @@ class EngineCore:
         st = self._engine.stats()
         spec = self.args.speculative_config
         st.update(spec_stats(st, spec["num_speculative_tokens"] if spec else 0))
+        if self._lora is not None:
+            with self._lock:
+                st.update(self._lora.stats(len(self._lora_waiting)))
         return st
 
     def fail_pending(self) -> list[_Request]:

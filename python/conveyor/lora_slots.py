@@ -25,6 +25,8 @@ class LoRASlots:
         self._resident: OrderedDict[int, None] = OrderedDict()  # LRU order, oldest first
         self._users: dict[int, int] = {}
         self.swaps = 0  # adapters loaded into a slot
+        self.requests: dict[str, int] = {}  # adapter name -> requests finished under it
+        self.tokens: dict[str, int] = {}    # adapter name -> their output tokens
 
     def read(self, req: LoRARequest) -> LoRAAdapter:
         """The adapter's arrays, read from its path the first time (LoRAError on a bad one);
@@ -81,6 +83,17 @@ class LoRASlots:
             self._users[lora_id] = n
         else:
             self._users.pop(lora_id, None)
+
+    def stats(self, n_waiting: int) -> dict:
+        """lora_swaps (adapters loaded into a slot so far), lora_resident (adapters in slots),
+        lora_requests_waiting (requests waiting for a slot), lora_requests / lora_tokens
+        ({adapter name: requests finished, output tokens}; counted by count_finished)."""
+        return {"lora_swaps": self.swaps, "lora_resident": len(self._slot_of), "lora_requests_waiting": n_waiting,
+                "lora_requests": dict(self.requests), "lora_tokens": dict(self.tokens)}
+
+    def count_finished(self, name: str, n_tokens: int) -> None:
+        self.requests[name] = self.requests.get(name, 0) + 1
+        self.tokens[name] = self.tokens.get(name, 0) + n_tokens
 
     def resident(self) -> dict[int, int]:
         """{adapter id: slot} of the adapters loaded now."""

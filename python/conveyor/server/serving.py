@@ -409,7 +409,7 @@ class Server:
         choices.sort(key=lambda c: c["index"])
         return {
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": self.model_name, "choices": choices,
+            "model": parsed.model or self.model_name, "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens},
         }
@@ -537,7 +537,8 @@ class Server:
         prompt_tokens = 0
 
         def chunk(choices, usage=None):
-            c = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
+            c = {"id": rid, "object": obj, "created": created, "model": parsed.model or self.model_name,
+                 "choices": choices}
             if usage is not None or usage_null:
                 c["usage"] = usage
             return f"data: {dumps(c)}\n\n"
@@ -552,7 +553,7 @@ class Server:
             if len(streams) == 1 and n == 1 and parsed.logprobs is None and parsed.tool_call is None \
                     and parsed.auto_tools is None:
                 usage = [0, 0]
-                enc = ChunkEncoder(rid, created, self.model_name, chat, parsed.include_usage)
+                enc = ChunkEncoder(rid, created, parsed.model or self.model_name, chat, parsed.include_usage)
                 async with aclosing(self._single_events(streams[0], enc, usage)) as events:
                     async for ev in events:
                         yield ev
@@ -597,6 +598,7 @@ class Server:
         lora = self.check_model(model)
         headers = self._ignored_fields(body, kind)
         parsed = await self.off_loop(self.prepare, body, kind)
+        parsed.model = lora.lora_name if lora is not None else None  # answers name the adapter asked for
         if self.engine.closed:
             raise APIError(503, "the engine is shut down", code="engine_closed")
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
