@@ -373,3 +373,23 @@ def test_cuda_lora_kernels_match_cpu(tmp_path, tiny_hf_dir):
     for (ct, cl), (gt, gl) in zip(outs["cpu"], outs["cuda"]):
         assert ct == gt
         np.testing.assert_allclose(gl, cl, atol=1e-3)
+
+
+@pytest.mark.parametrize("base", ["bfloat16", "q8_0", "q4_1"])
+def test_adapters_over_bf16_and_quantized_bases(tmp_path, base):
+    """Adapters over a bf16 base (against the reference, exact float32 activations) and over
+    Q8_0/Q4_1 bases (the adapter changes the tokens; a mixed batch equals each row alone)."""
+    model = T.write_hf_checkpoint(tmp_path / "m", shape="tiny", dtype="bfloat16" if base == "bfloat16" else "float32")
+    p1, _ = adapter(tmp_path, model, "a1", 8, 81)
+    p2, _ = adapter(tmp_path, model, "a2", 8, 82)
+    loras = [LoRARequest("a1", 1, p1), None, LoRARequest("a2", 2, p2), LoRARequest("a1", 1, p1)]
+    kw = {"activation_dtype": "float32"} if base == "bfloat16" else {"quantization": base}
+    with LLM(str(model), skip_tokenizer_init=True, enable_lora=True, max_loras=2, max_lora_rank=8,
+             enable_prefix_caching=False, **kw) as llm:
+        together = gen(llm, PROMPTS, loras)
+        alone = [gen(llm, [p], [lr])[0] for p, lr in zip(PROMPTS, loras)]
+        plain = gen(llm, PROMPTS)
+    assert together == alone
+    assert together[0] != plain[0] and together[2] != plain[2] and together[1] == plain[1]
+    if base == "bfloat16":
+        assert together == [ref_tokens(model, lr.lora_path if lr else None, p) for p, lr in zip(PROMPTS, loras)]
