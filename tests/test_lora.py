@@ -393,3 +393,41 @@ def test_adapters_over_bf16_and_quantized_bases(tmp_path, base):
     assert together[0] != plain[0] and together[2] != plain[2] and together[1] == plain[1]
     if base == "bfloat16":
         assert together == [ref_tokens(model, lr.lora_path if lr else None, p) for p, lr in zip(PROMPTS, loras)]
+
+
+def test_crafted_adapter_files_refused(tmp_path, stories_dir):
+    """Sizes and shapes are checked before tensors are read: an oversized file, a GGUF
+    tensor of the wrong shape or an excessive rank, a NaN, a truncated safetensors file."""
+    model = stories_dir / "stories260K.bin"
+    cfg = cfg_of(model)
+    w = T.random_lora_weights(cfg, 4, seed=91)
+    # a file larger than any adapter of max_lora_rank could be
+    big = T.write_peft_adapter(tmp_path / "big", w, rank=4, alpha=4)
+    with open(big / "adapter_model.safetensors", "ab") as f:
+        f.truncate(10 * (1 << 20))
+    with pytest.raises(LoRAError, match="more than an adapter") as e:
+        load_adapter(big, cfg, max_rank=4)
+    assert e.value.field == "size"
+    # GGUF: B of the wrong output size; a rank over the limit
+    bad = dict(w)
+    a, b = bad[(0, "v_proj")]
+    bad[(0, "v_proj")] = (a, np.zeros((b.shape[0] + 1, 4), np.float32))
+    g = T.write_gguf_lora(tmp_path / "shape.gguf", bad, alpha=4, n_heads=8, n_kv_heads=4)
+    with pytest.raises(LoRAError, match="blk.0.attn_v.weight.lora_b"):
+        load_adapter(g, cfg)
+    g = T.write_gguf_lora(tmp_path / "rank.gguf", T.random_lora_weights(cfg, 8, seed=92), alpha=4,
+                          n_heads=8, n_kv_heads=4)
+    with pytest.raises(LoRAError, match="rank <= 4"):
+        load_adapter(g, cfg, max_rank=4)
+    # non-finite values
+    nan = dict(w)
+    a, b = nan[(1, "o_proj")]
+    nan[(1, "o_proj")] = (a, np.full_like(b, np.nan))
+    with pytest.raises(LoRAError, match="non-finite"):
+        load_adapter(T.write_peft_adapter(tmp_path / "nan", nan, rank=4, alpha=4), cfg)
+    # a truncated safetensors file
+    cut = T.write_peft_adapter(tmp_path / "cut", w, rank=4, alpha=4)
+    data = (cut / "adapter_model.safetensors").read_bytes()
+    (cut / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError):
+        load_adapter(cut, cfg)

@@ -102,6 +102,24 @@ def module_shapes(cfg: dict) -> dict:
             "gate_proj": (hidden, dim), "up_proj": (hidden, dim), "down_proj": (dim, hidden)}
 
 
+MAX_RANK = 1024  # the engine's largest max_lora_rank
+
+
+def max_adapter_bytes(cfg: dict, max_rank: int | None) -> int:
+    """The most tensor bytes an adapter for this base can need (rank max_rank, every module
+    of every layer, float32), plus room for headers: larger files are refused unread."""
+    per_layer = sum(i + o for o, i in module_shapes(cfg).values())
+    return cfg["n_layers"] * per_layer * (max_rank or MAX_RANK) * 4 + (1 << 20)
+
+
+def _check_file_size(path: Path, cfg: dict, max_rank: int | None) -> None:
+    limit = max_adapter_bytes(cfg, max_rank)
+    size = path.stat().st_size
+    if size > limit:
+        raise LoRAError(f"{path}: {size} bytes, more than an adapter of rank {max_rank or MAX_RANK} for this base "
+                        f"can hold ({limit})", "size")
+
+
 def _pairs_permute(b: np.ndarray, n_heads: int, inverse: bool = False) -> np.ndarray:
     """HF's rotate-half row order -> the interleaved-pairs order (llama.cpp's converter's
     permutation), or back."""
@@ -117,9 +135,12 @@ def load_adapter(path, cfg: dict, max_rank: int | None = None) -> LoRAAdapter:
     the engine cannot apply exactly."""
     p = Path(os.fspath(path))
     if p.is_dir():
+        if (p / "adapter_model.safetensors").is_file():
+            _check_file_size(p / "adapter_model.safetensors", cfg, max_rank)
         ad, order = _load_peft(p, cfg)
     elif p.is_file():
-        ad, order = _load_gguf(p, cfg)
+        _check_file_size(p, cfg, max_rank)
+        ad, order = _load_gguf(p, cfg, max_rank)
     else:
         raise FileNotFoundError(f"LoRA adapter not found: {p}")
     if not ad.weights:
@@ -222,7 +243,7 @@ def _load_peft(p: Path, cfg: dict):
     return ad, "hf"
 
 
-def _load_gguf(p: Path, cfg: dict):
+def _load_gguf(p: Path, cfg: dict, max_rank: int | None = None):
     from .gguf import GGUFError, GGUFReader
 
     try:
@@ -251,9 +272,15 @@ def _load_gguf(p: Path, cfg: dict):
         layer, short, ab = int(m.group(1)), m.group(2), m.group(3)
         if short not in _GGUF_MODULES:
             raise LoRAError(f"{p}: tensor {name!r}: {short!r} is not a module the engine has", name)
+        shape = tuple(f.tensors[name].shape)
+        out, inp = module_shapes(cfg)[_GGUF_MODULES[short]]
+        rank_dim, other = (shape[0], shape[1] if len(shape) == 2 else None) if ab == "a" else \
+            (shape[1] if len(shape) == 2 else None, shape[0])
+        if len(shape) != 2 or other != (inp if ab == "a" else out) or not 1 <= rank_dim <= (max_rank or MAX_RANK):
+            raise LoRAError(f"{p}: tensor {name!r} has shape {shape}, which does not match the base "
+                            f"({'(rank, %d)' % inp if ab == 'a' else '(%d, rank)' % out}, rank <= "
+                            f"{max_rank or MAX_RANK})", name)
         arr = f.tensor(name)
-        if arr.ndim != 2:
-            raise LoRAError(f"{p}: tensor {name!r} must be 2-D, got shape {arr.shape}", name)
         pairs.setdefault((layer, _GGUF_MODULES[short]), {})[ab] = np.ascontiguousarray(arr, dtype=np.float32)
     rank = None
     weights = {}
