@@ -431,3 +431,24 @@ def test_crafted_adapter_files_refused(tmp_path, stories_dir):
     (cut / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError):
         load_adapter(cut, cfg)
+
+
+def test_parallel_completions_and_bad_requests(tmp_path, tiny_hf_dir):
+    path, _ = adapter(tmp_path, tiny_hf_dir, "a", 4, 95)
+    lr = LoRARequest("a", 1, path)
+    with LLM(str(tiny_hf_dir), skip_tokenizer_init=True, enable_lora=True, max_lora_rank=4) as llm:
+        out = llm.generate([{"prompt_token_ids": list(range(2, 40))}], SamplingParams(temperature=0, max_tokens=8, n=3),
+                           use_tqdm=False, lora_request=lr)[0]
+        want = ref_tokens(tiny_hf_dir, path, list(range(2, 40)), 8)
+        assert [c.token_ids for c in out.outputs] == [want] * 3  # forked completions keep the adapter
+        with pytest.raises(ValueError, match="2 lora_requests for 1 prompts"):
+            gen(llm, [PROMPTS[0]], [lr, lr])
+        with pytest.raises(TypeError, match="LoRARequest"):
+            gen(llm, [PROMPTS[0]], "a")
+        with pytest.raises(ValueError, match="already"):  # one id, two paths
+            gen(llm, [PROMPTS[0]], LoRARequest("b", 1, tmp_path / "elsewhere"))
+        with pytest.raises(FileNotFoundError):
+            gen(llm, [PROMPTS[0]], LoRARequest("c", 3, tmp_path / "missing"))
+        assert llm._core.num_unfinished() == 0
+    with pytest.raises(ValueError, match="lora_int_id"):
+        LoRARequest("x", 0, path)
