@@ -512,10 +512,13 @@ class EngineCore:
             self._lora.read(lora_request)
 
     def forget_lora(self, lora_id: int) -> bool:
-        """Drops an adapter from its slot and host memory; False while requests use it."""
+        """Drops an adapter from its slot and host memory; False while requests use it or
+        wait for it (it stays then, idle until evicted)."""
         if self._lora is None:
             return False
         with self._lock:
+            if any(r.lora.lora_int_id == lora_id for r in self._lora_waiting):
+                return False
             return self._lora.forget(lora_id)
 
     def prepare_guided(self, params: SamplingParams):
