@@ -44,10 +44,12 @@ typedef struct cv_table {
  * scale = max|x| / 127 (0 for a zero row: values 0), the scale of token
  * slot s and KV head h at k_scale / v_scale [block][h][offset]. */
 /* The rows [row0, row0 + n_rows) of a batch under one LoRA adapter: A
- * [rank][in] and B^T [rank][out], float32 (device), and its scale. */
+ * [rank][in] and B^T [rank][out] (device) of dtype CV_F32 or CV_BF16, and its
+ * scale. */
 typedef struct cv_lora_segment {
     int64_t row0, n_rows, rank;
-    const float *a, *bt;
+    const void *a, *bt;
+    cv_dtype dtype;
     float scale;
 } cv_lora_segment;
 

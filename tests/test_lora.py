@@ -349,7 +349,8 @@ def test_ngram_speculation_with_adapter_and_draft_refused(tmp_path, tiny_hf_dir)
     assert e.value.field == "speculative_config"
 
 
-def test_cuda_lora_kernels_match_cpu(tmp_path, tiny_hf_dir):
+@pytest.mark.parametrize("lora_dtype", ["float32", "bfloat16"])
+def test_cuda_lora_kernels_match_cpu(tmp_path, tiny_hf_dir, lora_dtype):
     """The CUDA backend's shrink/expand (on a GPU, or the CPU emulator with
     CONVEYOR_CUDA_LIB, see tests/test_cuda.py) in a mixed batch: the same greedy tokens as
     the CPU backend and logprobs within float rounding."""
@@ -364,7 +365,8 @@ def test_cuda_lora_kernels_match_cpu(tmp_path, tiny_hf_dir):
     outs = {}
     for device in ("cpu", "cuda"):
         with LLM(str(tiny_hf_dir), skip_tokenizer_init=True, enable_lora=True, max_loras=2, max_lora_rank=8,
-                 device=device, max_num_seqs=4, max_model_len=64, kv_cache_memory="4MiB") as llm:
+                 device=device, max_num_seqs=4, max_model_len=64, kv_cache_memory="4MiB",
+                 lora_dtype=lora_dtype) as llm:
             res = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], params, use_tqdm=False,
                                lora_request=loras)
             outs[device] = [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
@@ -452,3 +454,30 @@ def test_parallel_completions_and_bad_requests(tmp_path, tiny_hf_dir):
         assert llm._core.num_unfinished() == 0
     with pytest.raises(ValueError, match="lora_int_id"):
         LoRARequest("x", 0, path)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_bf16_adapter_weights(tmp_path, tiny_hf_dir, monkeypatch, level):
+    """lora_dtype="bfloat16": the adapter held in bf16 gives the reference's tokens with
+    A and B rounded to bf16, at every SIMD level; a mixed batch equals each row alone."""
+    if level not in _core.kernel_info()["levels"]:
+        pytest.skip(f"this CPU lacks {level}")
+    monkeypatch.setenv("CONVEYOR_SIMD", level)
+    p1, _ = adapter(tmp_path, tiny_hf_dir, "a1", 8, 101)
+    p2, _ = adapter(tmp_path, tiny_hf_dir, "a2", 8, 102)
+    loras = [LoRARequest("a1", 1, p1), None, LoRARequest("a2", 2, p2), LoRARequest("a1", 1, p1)]
+    with LLM(str(tiny_hf_dir), skip_tokenizer_init=True, enable_lora=True, max_loras=2, max_lora_rank=8,
+             lora_dtype="bfloat16", enable_prefix_caching=False) as llm:
+        together = gen(llm, PROMPTS, loras)
+        alone = [gen(llm, [p], [lr])[0] for p, lr in zip(PROMPTS, loras)]
+    assert together == alone
+    for toks, p, lr in zip(together, PROMPTS, loras):
+        ref = ReferenceModel.load(tiny_hf_dir)
+        if lr is not None:
+            ad = load_adapter(lr.lora_path, cfg_of(tiny_hf_dir))
+            ad.weights = {k: (T.round_to_dtype(a, "bfloat16").astype(np.float32),
+                              T.round_to_dtype(b, "bfloat16").astype(np.float32)) for k, (a, b) in ad.weights.items()}
+            ref.lora = ad
+        assert toks == ref.greedy(p, 10)
+    with pytest.raises(ValueError, match="lora_dtype"):
+        LLM(str(tiny_hf_dir), skip_tokenizer_init=True, enable_lora=True, lora_dtype="float16")

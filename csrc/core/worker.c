@@ -35,10 +35,10 @@ int cv_worker_init_cache(cv_worker *w, cv_dtype kv_dtype, int64_t block_size, si
 }
 
 int cv_worker_init_lora(cv_worker *w, int64_t n_slots, int64_t max_rank, int64_t max_tokens, int64_t max_seqs,
-                        cv_err *err) {
+                        cv_dtype dtype, cv_err *err) {
     if (!w->backend->lora_sgmv)
         return cv_set_field_err(err, CV_ERR_INVALID, "enable_lora", "this backend has no LoRA kernels");
-    int rc = cv_lora_pool_init(&w->lora, w->model, n_slots, max_rank, max_tokens, max_seqs, err);
+    int rc = cv_lora_pool_init(&w->lora, w->model, n_slots, max_rank, max_tokens, max_seqs, dtype, err);
     if (rc) return rc;
     w->lora_slots = malloc((size_t)(max_seqs > 0 ? max_seqs : 1) * sizeof *w->lora_slots);
     if (!w->lora_slots) return cv_set_err(err, CV_ERR_NOMEM, "out of memory for LoRA slots");

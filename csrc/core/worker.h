@@ -49,10 +49,11 @@ int cv_worker_init_compute(cv_worker *w, int64_t max_tokens, int64_t max_seqs, i
 int cv_worker_init_cache(cv_worker *w, cv_dtype kv_dtype, int64_t block_size, size_t bytes,
                          int enable_prefix_caching, const atomic_int *cancel, cv_err *err);
 
-/* LoRA: n_slots adapter slots of rank up to max_rank, for steps of
- * max_tokens tokens over max_seqs sequences (after init_compute). */
+/* LoRA: n_slots adapter slots of rank up to max_rank, weights held in dtype
+ * (CV_F32 or CV_BF16), for steps of max_tokens tokens over max_seqs
+ * sequences (after init_compute). */
 int cv_worker_init_lora(cv_worker *w, int64_t n_slots, int64_t max_rank, int64_t max_tokens, int64_t max_seqs,
-                        cv_err *err);
+                        cv_dtype dtype, cv_err *err);
 
 /* Frees everything the worker built (a zeroed or partly built one too). */
 void cv_worker_free(cv_worker *w);

@@ -121,7 +121,7 @@ static void lora_add(cv_backend *b, const cv_batch *bt, int64_t layer, int modul
             const cv_lora_slot *ls = &p->slots[slot];
             p->segs[n_segs++] = (cv_lora_segment){
                 .row0 = bt->query_start[s], .n_rows = bt->query_start[e] - bt->query_start[s], .rank = ls->rank,
-                .a = ls->a[k], .bt = ls->bt[k], .scale = ls->scale};
+                .a = ls->a[k], .bt = ls->bt[k], .dtype = p->dtype, .scale = ls->scale};
         }
         s = e;
     }

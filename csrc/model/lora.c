@@ -17,7 +17,7 @@ void cv_lora_module_shape(const cv_model *m, int module, int64_t *out, int64_t *
 }
 
 int cv_lora_pool_init(cv_lora_pool *p, const cv_model *m, int64_t n_slots, int64_t max_rank, int64_t max_tokens,
-                      int64_t max_seqs, cv_err *err) {
+                      int64_t max_seqs, cv_dtype dtype, cv_err *err) {
     memset(p, 0, sizeof *p);
     if (n_slots < 1 || n_slots > CV_LORA_MAX_SLOTS)
         return cv_set_field_err(err, CV_ERR_INVALID, "max_loras", "max_loras must be in [1, %d], got %lld",
@@ -25,7 +25,10 @@ int cv_lora_pool_init(cv_lora_pool *p, const cv_model *m, int64_t n_slots, int64
     if (max_rank < 1 || max_rank > CV_LORA_MAX_RANK)
         return cv_set_field_err(err, CV_ERR_INVALID, "max_lora_rank", "max_lora_rank must be in [1, %d], got %lld",
                                 CV_LORA_MAX_RANK, (long long)max_rank);
+    if (dtype != CV_F32 && dtype != CV_BF16)
+        return cv_set_field_err(err, CV_ERR_INVALID, "lora_dtype", "lora_dtype must be float32 or bfloat16");
     const size_t per = (size_t)m->cfg.n_layers * CV_LORA_N_MODULES;
+    p->dtype = dtype;
     p->n_slots = n_slots;
     p->max_rank = max_rank;
     p->n_layers = m->cfg.n_layers;
@@ -36,8 +39,8 @@ int cv_lora_pool_init(cv_lora_pool *p, const cv_model *m, int64_t n_slots, int64
     p->segs = calloc((size_t)p->max_segs, sizeof *p->segs);
     int ok = p->slots && p->tmp && p->segs;
     for (int64_t s = 0; ok && s < n_slots; s++) {
-        p->slots[s].a = calloc(per, sizeof(float *));
-        p->slots[s].bt = calloc(per, sizeof(float *));
+        p->slots[s].a = calloc(per, sizeof(void *));
+        p->slots[s].bt = calloc(per, sizeof(void *));
         ok = p->slots[s].a && p->slots[s].bt;
     }
     if (!ok) {
@@ -93,32 +96,46 @@ int cv_lora_pool_load(cv_lora_pool *p, const cv_model *m, int64_t slot, int64_t 
     }
     cv_lora_pool_unload(p, be, slot);
     cv_lora_slot *s = &p->slots[slot];
-    float *bt_host = NULL;
+    const size_t elem = p->dtype == CV_BF16 ? 2 : 4;
+    void *host = NULL; /* one matrix in the pool's layout and dtype */
+    size_t host_cap = 0;
     for (int64_t i = 0; i < n_pairs; i++) {
         int64_t out, in;
         cv_lora_module_shape(m, modules[i], &out, &in);
         const size_t k = (size_t)layers[i] * CV_LORA_N_MODULES + (size_t)modules[i];
         if (s->a[k]) continue; /* a repeated pair: the first wins */
         const size_t na = (size_t)rank * (size_t)in, nb = (size_t)rank * (size_t)out;
-        float *tb = realloc(bt_host, nb * sizeof(float));
-        if (!tb) goto nomem;
-        bt_host = tb;
-        for (int64_t o = 0; o < out; o++) /* B [out][rank] -> B^T [rank][out] */
-            for (int64_t j = 0; j < rank; j++) bt_host[(size_t)j * (size_t)out + (size_t)o] = b[i][o * rank + j];
-        s->a[k] = be->alloc(be, na * sizeof(float));
-        s->bt[k] = be->alloc(be, nb * sizeof(float));
+        const size_t need = (na > nb ? na : nb) * elem;
+        if (need > host_cap) {
+            void *h = realloc(host, need);
+            if (!h) goto nomem;
+            host = h;
+            host_cap = need;
+        }
+        s->a[k] = be->alloc(be, na * elem);
+        s->bt[k] = be->alloc(be, nb * elem);
         if (!s->a[k] || !s->bt[k]) goto nomem;
-        be->to_device(be, s->a[k], a[i], na * sizeof(float));
-        be->to_device(be, s->bt[k], bt_host, nb * sizeof(float));
+        for (size_t e = 0; e < na; e++) /* A as it is */
+            if (elem == 2) ((uint16_t *)host)[e] = cv_f32_to_bf16(a[i][e]);
+            else ((float *)host)[e] = a[i][e];
+        be->to_device(be, s->a[k], host, na * elem);
+        for (int64_t o = 0; o < out; o++) /* B [out][rank] -> B^T [rank][out] */
+            for (int64_t j = 0; j < rank; j++) {
+                const size_t e = (size_t)j * (size_t)out + (size_t)o;
+                const float v = b[i][o * rank + j];
+                if (elem == 2) ((uint16_t *)host)[e] = cv_f32_to_bf16(v);
+                else ((float *)host)[e] = v;
+            }
+        be->to_device(be, s->bt[k], host, nb * elem);
+        be->sync(be); /* the host buffer is reused for the next matrix */
     }
-    free(bt_host);
-    be->sync(be);
+    free(host);
     s->rank = rank;
     s->scale = scale;
     s->loaded = 1;
     return CV_OK;
 nomem:
-    free(bt_host);
+    free(host);
     cv_lora_pool_unload(p, be, slot);
     return cv_set_err(err, CV_ERR_NOMEM, "out of memory for a LoRA adapter of rank %lld", (long long)rank);
 }

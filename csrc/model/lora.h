@@ -21,12 +21,13 @@ typedef struct cv_lora_slot {
     int loaded;
     int64_t rank;
     float scale;
-    float **a;   /* [n_layers * CV_LORA_N_MODULES] A [rank][in] (device), NULL where untargeted */
-    float **bt;  /* same: B^T [rank][out] (device) */
+    void **a;    /* [n_layers * CV_LORA_N_MODULES] A [rank][in] (device, pool dtype), NULL where untargeted */
+    void **bt;   /* same: B^T [rank][out] */
 } cv_lora_slot;
 
 typedef struct cv_lora_pool {
     int64_t n_slots, max_rank, n_layers, max_tokens;
+    cv_dtype dtype;      /* of the adapter weights: CV_F32 or CV_BF16 (rounded to nearest even) */
     cv_lora_slot *slots; /* [n_slots] */
     float *tmp;          /* [max_tokens][max_rank] shrink output (device) */
     cv_lora_segment *segs; /* [max_segs] a step's segments of one projection (host) */
@@ -38,12 +39,12 @@ struct cv_model;
 /* n_slots slots of adapters up to max_rank, for steps of up to max_tokens rows
  * over max_seqs sequences. */
 int cv_lora_pool_init(cv_lora_pool *p, const struct cv_model *m, int64_t n_slots, int64_t max_rank,
-                      int64_t max_tokens, int64_t max_seqs, cv_err *err);
+                      int64_t max_tokens, int64_t max_seqs, cv_dtype dtype, cv_err *err);
 void cv_lora_pool_free(cv_lora_pool *p, cv_backend *b);
 
 /* Loads an adapter into slot (replacing what it held): n_pairs pairs, pair i for
  * layers[i] and modules[i] (a cv_lora_module), a[i]: A [rank][in], b[i]: B
- * [out][rank] (host f32, copied). Shapes follow from the model; every index
+ * [out][rank] (host f32, copied in the pool's dtype). Shapes follow from the model; every index
  * and the rank are checked, naming what was wrong. */
 int cv_lora_pool_load(cv_lora_pool *p, const struct cv_model *m, int64_t slot, int64_t rank, float scale,
                       int64_t n_pairs, const int32_t *layers, const int32_t *modules, const float *const *a,

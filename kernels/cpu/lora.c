@@ -12,65 +12,87 @@
 /* Rows per chunk a thread claims. */
 #define LORA_GRAIN 4096.0
 
-static float dot_scalar(const float *a, const float *b, int64_t n) {
+/* Adapter weights are float32 or bf16 (the top half of a float32). */
+static inline float w_at(const void *w, int bf16, size_t i) {
+    if (!bf16) return ((const float *)w)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)w)[i] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static float dot_scalar(const float *x, const void *w, int bf16, size_t off, int64_t n) {
     float s = 0.0f;
-    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    for (int64_t i = 0; i < n; i++) s += x[i] * w_at(w, bf16, off + (size_t)i);
     return s;
 }
 
 /* y[o] += scale * sum_j t[j] * bt[j][o] for o in [o0, out) */
-static void expand_scalar(float *y, const float *t, const float *bt, int64_t rank, int64_t o0, int64_t out,
+static void expand_scalar(float *y, const float *t, const void *bt, int bf16, int64_t rank, int64_t o0, int64_t out,
                           float scale) {
     for (int64_t o = o0; o < out; o++) {
         float acc = 0.0f;
-        for (int64_t j = 0; j < rank; j++) acc += t[j] * bt[j * out + o];
+        for (int64_t j = 0; j < rank; j++) acc += t[j] * w_at(bt, bf16, (size_t)(j * out + o));
         y[o] += scale * acc;
     }
 }
 
 #if CV_HAVE_AVX2
 CV_TARGET_AVX2_BEGIN
-static float dot_avx2(const float *a, const float *b, int64_t n) {
+static inline __m256 load8_avx2(const void *w, int bf16, size_t i) {
+    if (!bf16) return _mm256_loadu_ps((const float *)w + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static float dot_avx2(const float *x, const void *w, int bf16, size_t off, int64_t n) {
     __m256 s = _mm256_setzero_ps();
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
+    for (; i + 8 <= n; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), load8_avx2(w, bf16, off + (size_t)i), s);
     float r = cv_hsum256(s);
-    for (; i < n; i++) r += a[i] * b[i];
+    for (; i < n; i++) r += x[i] * w_at(w, bf16, off + (size_t)i);
     return r;
 }
 
-static void expand_avx2(float *y, const float *t, const float *bt, int64_t rank, int64_t out, float scale) {
+static void expand_avx2(float *y, const float *t, const void *bt, int bf16, int64_t rank, int64_t out, float scale) {
     const __m256 vs = _mm256_set1_ps(scale);
     int64_t o = 0;
     for (; o + 8 <= out; o += 8) {
         __m256 acc = _mm256_setzero_ps();
         for (int64_t j = 0; j < rank; j++)
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(t[j]), _mm256_loadu_ps(bt + j * out + o), acc);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(t[j]), load8_avx2(bt, bf16, (size_t)(j * out + o)), acc);
         _mm256_storeu_ps(y + o, _mm256_fmadd_ps(vs, acc, _mm256_loadu_ps(y + o)));
     }
-    expand_scalar(y, t, bt, rank, o, out, scale);
+    expand_scalar(y, t, bt, bf16, rank, o, out, scale);
 }
 CV_TARGET_END
 #endif
 
 #if CV_HAVE_AVX512
 CV_TARGET_AVX512_BEGIN
-static float dot_avx512(const float *a, const float *b, int64_t n) {
+static inline __m512 load16_avx512(const void *w, int bf16, size_t i, __mmask16 m) {
+    if (!bf16) return _mm512_maskz_loadu_ps(m, (const float *)w + i);
+    const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)w + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static float dot_avx512(const float *x, const void *w, int bf16, size_t off, int64_t n) {
     __m512 s = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 m = cv_tail_mask16(n - i);
-        s = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), s);
+        s = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + i), load16_avx512(w, bf16, off + (size_t)i, m), s);
     }
     return _mm512_reduce_add_ps(s);
 }
 
-static void expand_avx512(float *y, const float *t, const float *bt, int64_t rank, int64_t out, float scale) {
+static void expand_avx512(float *y, const float *t, const void *bt, int bf16, int64_t rank, int64_t out,
+                          float scale) {
     const __m512 vs = _mm512_set1_ps(scale);
     for (int64_t o = 0; o < out; o += 16) {
         const __mmask16 m = cv_tail_mask16(out - o);
         __m512 acc = _mm512_setzero_ps();
         for (int64_t j = 0; j < rank; j++)
-            acc = _mm512_fmadd_ps(_mm512_set1_ps(t[j]), _mm512_maskz_loadu_ps(m, bt + j * out + o), acc);
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(t[j]), load16_avx512(bt, bf16, (size_t)(j * out + o), m), acc);
         _mm512_mask_storeu_ps(y + o, m, _mm512_fmadd_ps(vs, acc, _mm512_maskz_loadu_ps(m, y + o)));
     }
 }
@@ -78,28 +100,29 @@ CV_TARGET_END
 #endif
 
 /* t[rank] = x . A^T for one row */
-static void shrink_row(float *t, const float *x, const float *a, int64_t rank, int64_t in, int simd) {
+static void shrink_row(float *t, const float *x, const void *a, int bf16, int64_t rank, int64_t in, int simd) {
     for (int64_t k = 0; k < rank; k++) {
-        const float *ak = a + (size_t)k * (size_t)in;
+        const size_t off = (size_t)k * (size_t)in;
 #if CV_HAVE_AVX512
-        if (simd >= CV_SIMD_AVX512) { t[k] = dot_avx512(x, ak, in); continue; }
+        if (simd >= CV_SIMD_AVX512) { t[k] = dot_avx512(x, a, bf16, off, in); continue; }
 #endif
 #if CV_HAVE_AVX2
-        if (simd >= CV_SIMD_AVX2) { t[k] = dot_avx2(x, ak, in); continue; }
+        if (simd >= CV_SIMD_AVX2) { t[k] = dot_avx2(x, a, bf16, off, in); continue; }
 #endif
-        t[k] = dot_scalar(x, ak, in);
+        t[k] = dot_scalar(x, a, bf16, off, in);
     }
 }
 
-static void expand_row(float *y, const float *t, const float *bt, int64_t rank, int64_t out, float scale, int simd) {
+static void expand_row(float *y, const float *t, const void *bt, int bf16, int64_t rank, int64_t out, float scale,
+                       int simd) {
 #if CV_HAVE_AVX512
-    if (simd >= CV_SIMD_AVX512) { expand_avx512(y, t, bt, rank, out, scale); return; }
+    if (simd >= CV_SIMD_AVX512) { expand_avx512(y, t, bt, bf16, rank, out, scale); return; }
 #endif
 #if CV_HAVE_AVX2
-    if (simd >= CV_SIMD_AVX2) { expand_avx2(y, t, bt, rank, out, scale); return; }
+    if (simd >= CV_SIMD_AVX2) { expand_avx2(y, t, bt, bf16, rank, out, scale); return; }
 #endif
     (void)simd;
-    expand_scalar(y, t, bt, rank, 0, out, scale);
+    expand_scalar(y, t, bt, bf16, rank, 0, out, scale);
 }
 
 typedef struct lora_job {
@@ -125,8 +148,9 @@ static void sgmv_fn(void *arg, int tid, int nth) {
             while (j->seg_end[s] <= i) s++;
             const cv_lora_segment *g = &j->segs[s];
             const int64_t r = g->row0 + (i - (j->seg_end[s] - g->n_rows));
-            shrink_row(t, j->x + (size_t)r * (size_t)j->x_stride, g->a, g->rank, j->in, j->simd);
-            expand_row(j->y + (size_t)r * (size_t)j->y_stride, t, g->bt, g->rank, j->out, g->scale, j->simd);
+            const int bf16 = g->dtype == CV_BF16;
+            shrink_row(t, j->x + (size_t)r * (size_t)j->x_stride, g->a, bf16, g->rank, j->in, j->simd);
+            expand_row(j->y + (size_t)r * (size_t)j->y_stride, t, g->bt, bf16, g->rank, j->out, g->scale, j->simd);
         }
     }
 }
@@ -143,8 +167,9 @@ void cv_cpu_lora_sgmv(cv_backend *b, float *y, int64_t y_stride, const float *x,
         for (int64_t s = 0; s < n_segs; s++)
             for (int64_t i = 0; i < segs[s].n_rows; i++) {
                 const int64_t r = segs[s].row0 + i;
-                shrink_row(t, x + (size_t)r * (size_t)x_stride, segs[s].a, segs[s].rank, in, c->simd);
-                expand_row(y + (size_t)r * (size_t)y_stride, t, segs[s].bt, segs[s].rank, out, segs[s].scale,
+                const int bf16 = segs[s].dtype == CV_BF16;
+                shrink_row(t, x + (size_t)r * (size_t)x_stride, segs[s].a, bf16, segs[s].rank, in, c->simd);
+                expand_row(y + (size_t)r * (size_t)y_stride, t, segs[s].bt, bf16, segs[s].rank, out, segs[s].scale,
                            c->simd);
             }
         return;

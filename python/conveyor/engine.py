@@ -160,6 +160,7 @@ class EngineArgs:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    lora_dtype: str = "float32"  # adapter weights held as "float32" or "bfloat16" (half the bytes per step)
 
     def resolved_prefill_cap(self) -> int:
         if self.max_prefill_tokens_while_decoding is not None:
@@ -198,7 +199,7 @@ class EngineArgs:
         for name in ("max_model_len", "max_num_batched_tokens", "num_threads",
                      "max_prefill_tokens_while_decoding", "max_queued_requests", "admission_reserve"):
             check_type(name, lambda v: v is None or is_int(v), "an int or None")
-        for name in ("dtype", "kv_cache_dtype", "scheduling", "device", "activation_dtype"):
+        for name in ("dtype", "kv_cache_dtype", "scheduling", "device", "activation_dtype", "lora_dtype"):
             check_type(name, lambda v: isinstance(v, str), "a str")
         check_type("quantization", lambda v: v is None or isinstance(v, str), "a str or None")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "skip_tokenizer_init", "enable_lora"):

@@ -309,6 +309,8 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-loras", type=int, default=None,
                    help="adapters resident at once; others wait in host memory (default: 1)")
     g.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank (default: 16)")
+    g.add_argument("--lora-dtype", default=None, choices=["float32", "bfloat16"],
+                   help="adapter weights held as (default: float32; bfloat16 halves the bytes a step reads)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}, or a draft model: {"model": PATH, '
@@ -321,7 +323,7 @@ _ENGINE_KNOBS = ("tokenizer", "dtype", "max_model_len", "max_num_seqs", "max_num
                  "kv_cache_memory", "kv_cache_dtype", "enable_prefix_caching", "enable_chunked_prefill",
                  "scheduling", "num_threads", "device", "seed", "gpu_memory_utilization", "quantization",
                  "max_prefill_tokens_while_decoding", "activation_dtype", "speculative_config",
-                 "enable_lora", "max_loras", "max_lora_rank")
+                 "enable_lora", "max_loras", "max_lora_rank", "lora_dtype")
 
 
 def engine_kwargs(args) -> dict:
