@@ -6,7 +6,7 @@ Random PEFT adapters (rank --rank, all seven modules) are written to a temporary
 The merged copies need an HF base (a folder); other bases skip that comparison.
 
   python tools/bench_lora.py [--model PATH] [--adapters 1,4,16] [--requests 64] [--rank 16]
-                             [--max-tokens 32] [--threads N]
+                             [--max-tokens 32] [--threads N] [--lora-dtype float32|bfloat16]
 
 Ratios compare runs of this one process; on a shared machine repeat it before trusting a
 figure.
@@ -67,6 +67,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--lora-dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args(argv)
     ks = [int(k) for k in args.adapters.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="bench_lora_"))
@@ -83,8 +84,9 @@ def main(argv=None) -> int:
         path = T.write_peft_adapter(tmp / f"a{i}", w, rank=args.rank, alpha=2 * args.rank)
         adapters.append((LoRARequest(f"a{i}", i + 1, str(path)), w))
     kw = {"num_threads": args.threads} if args.threads else {}
-    print(f"model {model}, {args.requests} requests x {args.max_tokens} tokens, rank {args.rank}, all seven modules")
-    with LLM(str(model), enable_lora=True, max_loras=max(ks), max_lora_rank=args.rank,
+    print(f"model {model}, {args.requests} requests x {args.max_tokens} tokens, rank {args.rank}, all seven modules, "
+          f"adapters in {args.lora_dtype}")
+    with LLM(str(model), enable_lora=True, max_loras=max(ks), max_lora_rank=args.rank, lora_dtype=args.lora_dtype,
              skip_tokenizer_init=True, max_num_seqs=args.requests, **kw) as llm:
         timed(llm, prompts[:4], params)  # warm-up
         base = timed(llm, prompts, params)
