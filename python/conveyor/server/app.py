@@ -302,10 +302,10 @@ def make_parser() -> argparse.ArgumentParser:
                    help="prompt tokens per step while sequences decode (default: 96 on the CPU, 512 on CUDA; "
                         "0: no cap)")
     g.add_argument("--enable-lora", action="store_true", default=None,
-                   help="serve LoRA adapters over the model (implied by --lora-modules)")
+                   help="serve LoRA adapters over the model (default: off; implied by --lora-modules)")
     g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="LoRA adapters to serve, each a PEFT folder or GGUF LoRA file; a request's 'model' "
-                        "selects one by NAME")
+                        "selects one by NAME (default: none)")
     g.add_argument("--max-loras", type=int, default=None,
                    help="adapters resident at once; others wait in host memory (default: 1)")
     g.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank (default: 16)")
