@@ -43,6 +43,16 @@ typedef struct cv_table {
  * CV_I8: a row x is stored as round(x / scale) clamped to +-127 with
  * scale = max|x| / 127 (0 for a zero row: values 0), the scale of token
  * slot s and KV head h at k_scale / v_scale [block][h][offset]. */
+/* The rows [row0, row0 + n_rows) of a batch under one LoRA adapter: A
+ * [rank][in] and B^T [rank][out] (device) of dtype CV_F32 or CV_BF16, and its
+ * scale. */
+typedef struct cv_lora_segment {
+    int64_t row0, n_rows, rank;
+    const void *a, *bt;
+    cv_dtype dtype;
+    float scale;
+} cv_lora_segment;
+
 typedef struct cv_kv_layer {
     void *k;         /* [num_blocks][n_kv_heads][block_size][head_dim] */
     void *v;         /* [num_blocks][n_kv_heads][block_size][head_dim] */
@@ -141,6 +151,13 @@ struct cv_backend {
     void (*geglu)(cv_backend *b, float *out, const float *gu, int64_t n, int64_t dim);
     /* x[n] *= s */
     void (*scale)(cv_backend *b, float *x, int64_t n, float s);
+    /* --- LoRA: y[r] += scale * (x[r] . A^T) . B^T for the rows r of each
+     * segment (rows of one adapter, as Punica's SGMV). x rows x_stride floats
+     * apart, y rows y_stride apart; segs in host memory, their matrices on the
+     * device; tmp: [rows][max rank] device scratch. A row's result depends on
+     * that row and its segment's matrices alone. NULL: no LoRA support. */
+    void (*lora_sgmv)(cv_backend *b, float *y, int64_t y_stride, const float *x, int64_t x_stride,
+                      const cv_lora_segment *segs, int64_t n_segs, int64_t in, int64_t out, float *tmp);
     /* --- fused kernels: one pass where the unfused sequence in each comment
      * takes two, with the same results bit for bit. NULL where a backend has
      * none: the caller then runs that sequence. ---------------------------- */

@@ -33,12 +33,14 @@ OPERATIONS = {  # family -> files; an operation calls only within its family (or
     "attention": ["kernels/cpu/attention.c"],
     "elementwise": ["kernels/cpu/elementwise.c"],
     "measure": ["kernels/cpu/measure.c"],
+    "lora": ["kernels/cpu/lora.c"],
 }
 SHARED = ["kernels/cpu/kv_write.c", "kernels/cpu/row_kernels.c", "kernels/cpu/convert.c", "kernels/cpu/threadpool.c",
           "kernels/cpu/cpu_features.c",
           # the SIMD kernels of each level, reached through the kernel table (kernel_table.c)
           "kernels/cpu/x86/avx2_gemm.c", "kernels/cpu/x86/avx512_gemm.c", "kernels/cpu/x86/avx2_attention.c",
           "kernels/cpu/x86/avx512_attention.c", "kernels/cpu/x86/avx2_rows.c", "kernels/cpu/x86/avx512_rows.c",
+          "kernels/cpu/x86/avx2_lora.c", "kernels/cpu/x86/avx512_lora.c",
           "kernels/cpu/x86/vec_math.c", "kernels/cpu/x86/vec_math.h"]
 BOTTOM = ["base/common.c", "base/common.h", "base/quant_format.c", "base/quant_format.h"]
 

@@ -208,6 +208,8 @@ static const int DEVICE_VALUES[] = {0, 1};
 static const char *const POLICY_NAMES[] = {"continuous", "static", "priority"};
 static const int POLICY_VALUES[] = {CV_SCHED_CONTINUOUS, CV_SCHED_STATIC, CV_SCHED_PRIORITY};
 static const char *const ACTIVATION_NAMES[] = {"auto", "float32"};
+static const char *const LORA_DTYPE_NAMES[] = {"float32", "bfloat16"};
+static const int LORA_DTYPE_VALUES[] = {CV_F32, CV_BF16};
 static const int ACTIVATION_VALUES[] = {0, 1};
 static const char *const SPEC_METHOD_NAMES[] = {"ngram", "draft_model"};
 static const int SPEC_METHOD_VALUES[] = {CV_SPEC_NGRAM, CV_SPEC_DRAFT};
@@ -219,7 +221,8 @@ static const char *const CONFIG_FIELDS[] = {
     "model", "dtype", "device", "num_threads", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
     "block_size", "kv_cache_memory", "kv_cache_sequences", "gpu_memory_utilization", "kv_cache_dtype", "enable_prefix_caching",
     "enable_chunked_prefill", "scheduling", "seed", "quantization", "activation_dtype",
-    "max_prefill_tokens_while_decoding", "max_queued_requests", "admission_reserve", "speculative_config"};
+    "max_prefill_tokens_while_decoding", "max_queued_requests", "admission_reserve", "speculative_config",
+    "enable_lora", "max_loras", "max_lora_rank", "lora_dtype"};
 static const char *const SPEC_FIELDS[] = {"method", "model", "num_speculative_tokens", "prompt_lookup_min",
                                           "prompt_lookup_max", "disable_by_batch_size"};
 
@@ -313,6 +316,11 @@ int cv_py_engine_config_read(cv_py_engine_config *c, PyObject *config, PyObject 
         read_int(&s, "max_prefill_tokens_while_decoding", 1, &cfg->max_prefill_tokens_while_decoding) < 0 ||
         read_int(&s, "max_queued_requests", 1, &cfg->max_queued_requests) < 0 ||
         read_int(&s, "admission_reserve", 1, &cfg->admission_reserve) < 0 ||
+        read_bool(&s, "enable_lora", &cfg->enable_lora) < 0 ||
+        read_int(&s, "max_loras", 0, &cfg->max_loras) < 0 ||
+        read_int(&s, "max_lora_rank", 0, &cfg->max_lora_rank) < 0 ||
+        read_choice_dtype(&s, "lora_dtype", LORA_DTYPE_NAMES, LORA_DTYPE_VALUES, N_OF(LORA_DTYPE_NAMES), 0,
+                          &cfg->lora_dtype) < 0 ||
         read_speculative(c, &s) < 0)
         return -1;
     cfg->use_cuda = device;

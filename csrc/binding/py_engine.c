@@ -11,6 +11,7 @@
 #include "../core/kv_cache.h"
 #include "engine_config.h"
 #include "request_params.h"
+#include "py_lora.h"
 
 /* step() runs with the GIL released; `busy` keeps close() (from another thread,
  * or the interpreter's exit) from freeing the engine under a running step. */
@@ -327,7 +328,7 @@ static PyArrayObject *read_prompt(EngineObject *self, PyObject *prompt_obj) {
 
 /* add_request (queue != 0) or check_request: the shared argument handling. */
 static PyObject *submit(EngineObject *self, int64_t req_id, PyObject *prompt_obj, PyObject *sp,
-                        int priority, double timeout, int queue) {
+                        int priority, double timeout, int lora_slot, long long lora_id, int queue) {
     if (check_open(self) < 0) return NULL;
     PyArrayObject *arr = read_prompt(self, prompt_obj);
     if (!arr) return NULL;
@@ -335,6 +336,8 @@ static PyObject *submit(EngineObject *self, int64_t req_id, PyObject *prompt_obj
     if (cv_py_request_read(&r, sp) < 0) { Py_DECREF(arr); return NULL; }
     r.p.priority = priority;
     r.p.timeout = timeout;
+    r.p.lora_slot = lora_slot;
+    r.p.lora_id = lora_id;
     /* Reading the prompt and the params ran Python code (attributes, __index__,
      * __float__, the GC), during which another thread may have closed the
      * engine: look again. From here on the GIL is held, so close() waits. */
@@ -354,15 +357,15 @@ static PyObject *submit(EngineObject *self, int64_t req_id, PyObject *prompt_obj
 }
 
 static PyObject *Engine_add_request(EngineObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"request_id", "prompt", "params", "priority", "timeout", NULL};
-    long long req_id;
+    static char *kwlist[] = {"request_id", "prompt", "params", "priority", "timeout", "lora_slot", "lora_id", NULL};
+    long long req_id, lora_id = 0;
     PyObject *prompt_obj, *sp;
-    int priority = 0;
+    int priority = 0, lora_slot = -1;
     double timeout = 0.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "LOO|$id", kwlist, &req_id, &prompt_obj, &sp, &priority,
-                                     &timeout))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LOO|$idiL", kwlist, &req_id, &prompt_obj, &sp, &priority,
+                                     &timeout, &lora_slot, &lora_id))
         return NULL;
-    return submit(self, req_id, prompt_obj, sp, priority, timeout, 1);
+    return submit(self, req_id, prompt_obj, sp, priority, timeout, lora_slot, lora_id, 1);
 }
 
 static PyObject *Engine_check_request(EngineObject *self, PyObject *args, PyObject *kw) {
@@ -370,7 +373,7 @@ static PyObject *Engine_check_request(EngineObject *self, PyObject *args, PyObje
     PyObject *prompt_obj, *sp;
     double timeout = 0.0;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|$d", kwlist, &prompt_obj, &sp, &timeout)) return NULL;
-    return submit(self, 0, prompt_obj, sp, 0, timeout, 0);
+    return submit(self, 0, prompt_obj, sp, 0, timeout, -1, 0, 0);
 }
 
 static PyObject *Engine_abort(EngineObject *self, PyObject *arg) {
@@ -723,7 +726,21 @@ static PyObject *Engine_take_trace(EngineObject *self, PyObject *Py_UNUSED(ignor
     return list;
 }
 
+static PyObject *Engine_lora_load(EngineObject *self, PyObject *args) {
+    if (check_open(self) < 0) return NULL;
+    return cv_py_lora_load(self->e, args);
+}
+
+static PyObject *Engine_lora_unload(EngineObject *self, PyObject *args) {
+    if (check_open(self) < 0) return NULL;
+    return cv_py_lora_unload(self->e, args);
+}
+
 static PyMethodDef Engine_methods[] = {
+    {"lora_load", (PyCFunction)Engine_lora_load, METH_VARARGS,
+     "lora_load(slot, scale, pairs)\n\nLoads a LoRA adapter into slot: pairs is a list of (layer, module, A, B), "
+     "module an index into (q, k, v, o, gate, up, down), A [rank][in] and B [out][rank] float32."},
+    {"lora_unload", (PyCFunction)Engine_lora_unload, METH_VARARGS, "lora_unload(slot)\n\nEmpties a LoRA slot."},
     {"add_request", (PyCFunction)(void (*)(void))Engine_add_request, METH_VARARGS | METH_KEYWORDS,
      "add_request(request_id, prompt, params, *, priority=0, timeout=0.0)\n\nValidates (as check_request) "
      "and queues a request; params is a SamplingParams; timeout: seconds from arrival (0: none). "

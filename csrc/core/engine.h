@@ -34,6 +34,8 @@ typedef struct cv_request_params {
     int ignore_eos;
     int skip_special_tokens;
     int32_t priority;
+    int64_t lora_id;                /* the adapter's id (> 0; keys its prefix-cache blocks), 0: none */
+    int32_t lora_slot;              /* its slot (cv_engine_lora_load); read only when lora_id != 0 */
     double timeout;                 /* seconds from arrival to finish; 0: none */
     /* Guided decoding: each completion samples under a token mask posted with
      * cv_engine_set_token_mask for its next output position. */
@@ -122,6 +124,19 @@ int cv_engine_add_request(cv_engine *e, int64_t request_id, const int32_t *promp
                           const cv_request_params *p, cv_err *err);
 /* Queues an abort (any thread); unknown ids are ignored at the next step. */
 int cv_engine_abort(cv_engine *e, int64_t request_id);
+
+/* LoRA (enable_lora): loads an adapter into slot (see cv_lora_pool_load),
+ * or empties it. The caller never changes a slot a queued or running
+ * request uses, and never calls these while a step runs on another thread
+ * for that slot. check: a request's lora_slot/lora_id are usable. */
+int cv_engine_lora_load(cv_engine *e, int64_t slot, int64_t rank, float scale, int64_t n_pairs,
+                        const int32_t *layers, const int32_t *modules, const float *const *a,
+                        const float *const *b, cv_err *err);
+int cv_engine_lora_unload(cv_engine *e, int64_t slot, cv_err *err);
+int cv_engine_lora_check(const cv_engine *e, int32_t slot, int64_t lora_id, cv_err *err);
+/* (out, in) of a module's matrix (a cv_lora_module), and the slots (0: LoRA off). */
+void cv_engine_lora_shape(const cv_engine *e, int module, int64_t *out, int64_t *in);
+int64_t cv_engine_lora_slots(const cv_engine *e, int64_t *max_rank);
 
 /* Guided decoding: posts the mask (vocab_size bits, as uint32 words, bit t
  * set = token t allowed) for output position pos (tokens generated so far) of

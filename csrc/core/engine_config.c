@@ -1,5 +1,6 @@
 /* The engine config's defaults and range checks: see engine_config.h. */
 #include "engine_config.h"
+#include "../model/lora.h"
 
 #include <string.h>
 
@@ -22,6 +23,8 @@ void cv_engine_config_defaults(cv_engine_config *cfg) {
     cfg->max_prefill_tokens_while_decoding = CV_CONFIG_AUTO;
     cfg->max_queued_requests = CV_CONFIG_AUTO;
     cfg->admission_reserve = CV_CONFIG_AUTO;
+    cfg->max_loras = 1;
+    cfg->max_lora_rank = 16;
     cfg->spec.method = CV_SPEC_NONE;
     cfg->bos_id = -1;
 }
@@ -60,7 +63,9 @@ int cv_engine_config_check(const cv_engine_config *cfg, cv_err *err) {
         (rc = check_range(err, "max_prefill_tokens_while_decoding", cfg->max_prefill_tokens_while_decoding, 0,
                           CV_CONFIG_MAX_PREFILL_CAP, 1)) ||
         (rc = check_range(err, "max_queued_requests", cfg->max_queued_requests, 0, CV_CONFIG_MAX_QUEUED, 1)) ||
-        (rc = check_range(err, "admission_reserve", cfg->admission_reserve, 0, CV_SCHED_MAX_RESERVE, 1)))
+        (rc = check_range(err, "admission_reserve", cfg->admission_reserve, 0, CV_SCHED_MAX_RESERVE, 1)) ||
+        (rc = check_range(err, "max_loras", cfg->max_loras, 1, CV_LORA_MAX_SLOTS, 0)) ||
+        (rc = check_range(err, "max_lora_rank", cfg->max_lora_rank, 1, CV_LORA_MAX_RANK, 0)))
         return rc;
     if (cfg->kv_cache_bytes != CV_CONFIG_AUTO && cfg->kv_cache_bytes < 1)
         return cv_set_field_err(err, CV_ERR_INVALID, "kv_cache_memory",

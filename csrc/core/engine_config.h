@@ -54,6 +54,10 @@ typedef struct cv_engine_config {
     cv_sched_policy policy;
     int64_t max_prefill_tokens_while_decoding; /* see cv_scheduler_config; 0: no cap; AUTO: by device */
     int64_t max_queued_requests;    /* refuse a request that would make more wait unscheduled; 0 or AUTO: no limit */
+    int enable_lora;                /* adapters per request (cv_engine_lora_load) */
+    int64_t max_loras;              /* adapter slots, [1, CV_LORA_MAX_SLOTS] (enable_lora) */
+    int64_t max_lora_rank;          /* largest adapter rank, [1, CV_LORA_MAX_RANK] (enable_lora) */
+    cv_dtype lora_dtype;            /* adapter weights: CV_F32 (or CV_DTYPE_INVALID: the same) or CV_BF16 */
     int64_t admission_reserve;      /* percent of the expected remaining output a waiting sequence's admission
                                      * keeps free for the running sequences' growth (cv_scheduler_config);
                                      * AUTO: the scheduler's default; 0: no margin */

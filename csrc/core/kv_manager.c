@@ -99,6 +99,13 @@ static void forget_kept(cv_sequence *q) {
     q->blocks.kept_computed = 0;
 }
 
+/* The key a sequence's prefix-cache chain starts from: 0 for the base model;
+ * under an adapter, a key no registered block has (those count up from 1), so
+ * the same tokens under two adapters, or under none, never share blocks. */
+static uint64_t root_key(const cv_sequence *q) {
+    return q->lora_id > 0 ? ((uint64_t)1 << 63) | (uint64_t)q->lora_id : 0;
+}
+
 int cv_kv_manager_allocate(cv_kv_manager *m, cv_sequence *q, int64_t n) {
     if (n <= 0) return CV_OK;
     if (n > cv_block_pool_num_free(m->pool)) return CV_ERR_STATE;
@@ -113,7 +120,7 @@ void cv_kv_manager_free(cv_kv_manager *m, cv_sequence *q) {
     for (int64_t j = t->n - 1; j >= 0; j--) cv_block_pool_decref(m->pool, t->table[j]);
     t->n = 0;
     t->n_cached = 0;
-    t->last_key = 0;
+    t->last_key = root_key(q);
     t->n_kept = 0;
     t->kept_computed = 0;
     q->n_computed = 0;
@@ -134,7 +141,7 @@ void cv_kv_manager_preempt(cv_kv_manager *m, cv_sequence *q) {
     }
     t->n = 0;
     t->n_cached = 0;
-    t->last_key = 0;
+    t->last_key = root_key(q);
     t->n_kept = keep;
     t->kept_computed = computed;
     q->n_computed = 0;
@@ -189,7 +196,7 @@ int cv_kv_manager_take_resume(cv_kv_manager *m, cv_sequence *q) {
     }
     t->n = n;
     t->n_cached = 0;
-    t->last_key = 0;
+    t->last_key = root_key(q);
     forget_kept(q);
     q->n_computed = m->resume_tokens;
     m->resume_for = NULL;
@@ -205,7 +212,7 @@ int64_t cv_kv_manager_lookup_prefix(cv_kv_manager *m, const cv_sequence *q, int6
     if (!m->enable_prefix_caching || q->skip_prefix_cache) return 0;
     int64_t max = (q->n_tokens - 1) / m->bs;
     if (max > m->max_hits) max = m->max_hits;
-    uint64_t parent = 0;
+    uint64_t parent = root_key(q);
     int64_t n = 0;
     for (; n < max; n++) {
         int32_t b = cv_block_pool_lookup(m->pool, parent, q->tokens + n * m->bs);
@@ -230,7 +237,7 @@ int cv_kv_manager_take_prefix(cv_kv_manager *m, cv_sequence *q, int64_t n_hits) 
     }
     t->n = n_hits;
     t->n_cached = n_hits;
-    t->last_key = n_hits ? cv_block_pool_key(m->pool, m->hits[n_hits - 1]) : 0;
+    t->last_key = n_hits ? cv_block_pool_key(m->pool, m->hits[n_hits - 1]) : root_key(q);
     q->n_computed = n_hits * m->bs;
     m->prefix_queries += q->n_tokens;
     m->prefix_hits += n_hits * m->bs;
@@ -253,7 +260,7 @@ int cv_kv_manager_fork(cv_kv_manager *m, cv_sequence *child, const cv_sequence *
     }
     t->n = shared;
     t->n_cached = 0;
-    t->last_key = 0;
+    t->last_key = root_key(child);
     child->n_computed = shared * m->bs;
     child->n_cached_prompt = child->n_computed;
     cv_kv_manager_cache_full(m, child); /* adopts the parent's keys */
@@ -266,7 +273,8 @@ void cv_kv_manager_cache_full(cv_kv_manager *m, cv_sequence *q) {
     const int64_t verified = q->n_computed < q->n_tokens - q->n_spec ? q->n_computed : q->n_tokens - q->n_spec;
     while ((t->n_cached + 1) * m->bs <= verified && t->n_cached < t->n) {
         int64_t j = t->n_cached;
-        t->last_key = cv_block_pool_register(m->pool, t->table[j], t->last_key, q->tokens + j * m->bs);
+        const uint64_t parent = j == 0 ? root_key(q) : t->last_key;
+        t->last_key = cv_block_pool_register(m->pool, t->table[j], parent, q->tokens + j * m->bs);
         t->n_cached++;
     }
 }

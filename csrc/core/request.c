@@ -98,6 +98,7 @@ int cv_engine_check_request(cv_engine *e, const int32_t *prompt, int64_t n_promp
                             const cv_request_params *p, cv_err *err) {
     int rc = cv_request_params_check(p, err);
     if (rc) return rc;
+    if ((rc = cv_engine_lora_check(e, p->lora_slot, p->lora_id, err))) return rc;
     if (n_prompt < 1 || !prompt) return cv_set_field_err(err, CV_ERR_INVALID, "prompt", "the prompt is empty");
     for (int64_t i = 0; i < n_prompt; i++)
         if (prompt[i] < 0 || prompt[i] >= e->vocab)
@@ -326,6 +327,8 @@ static int new_sequence(cv_engine *e, cv_request *r, int idx, cv_sequence **out)
     if (!s) return CV_ERR_NOMEM;
     s->arrival = r->arrival_order;
     s->priority = r->p.priority;
+    s->lora_slot = r->p.lora_id ? r->p.lora_slot : -1;
+    s->lora_id = r->p.lora_id;
     s->owner = r;
     s->skip_prefix_cache = r->p.prompt_logprobs != CV_NO_LOGPROBS;
     /* Each completion gets its own stream: seeded requests are reproducible

@@ -19,6 +19,7 @@ cv_sequence *cv_sequence_create(int64_t seq_id, const int32_t *prompt, int64_t n
     s->status = CV_SEQ_NEW;
     s->sched_index = -1;
     s->heap_index = -1;
+    s->lora_slot = -1;
     return s;
 }
 

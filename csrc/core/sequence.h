@@ -55,6 +55,8 @@ typedef struct cv_sequence {
 
     void *owner;            /* engine's per-request data; opaque to the scheduler */
     int skip_prefix_cache;  /* never take cached blocks (prompt logprobs need every row's logits) */
+    int32_t lora_slot;      /* the worker's adapter slot it runs under, -1: the base model */
+    int64_t lora_id;        /* its adapter's id (0: none): roots its prefix-cache keys */
     /* Speculative decoding: the last n_spec tokens are proposals, not yet
      * verified. Nonzero only from the engine's proposal, before a schedule,
      * to that step's verification; the scheduler trims or drops them (they

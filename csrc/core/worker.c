@@ -1,5 +1,6 @@
 #include "worker.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 #include "../../base/quant_format.h"
@@ -33,8 +34,21 @@ int cv_worker_init_cache(cv_worker *w, cv_dtype kv_dtype, int64_t block_size, si
     return CV_OK;
 }
 
+int cv_worker_init_lora(cv_worker *w, int64_t n_slots, int64_t max_rank, int64_t max_tokens, int64_t max_seqs,
+                        cv_dtype dtype, cv_err *err) {
+    if (!w->backend->lora_sgmv)
+        return cv_set_field_err(err, CV_ERR_INVALID, "enable_lora", "this backend has no LoRA kernels");
+    int rc = cv_lora_pool_init(&w->lora, w->model, n_slots, max_rank, max_tokens, max_seqs, dtype, err);
+    if (rc) return rc;
+    w->lora_slots = malloc((size_t)(max_seqs > 0 ? max_seqs : 1) * sizeof *w->lora_slots);
+    if (!w->lora_slots) return cv_set_err(err, CV_ERR_NOMEM, "out of memory for LoRA slots");
+    return CV_OK;
+}
+
 void cv_worker_free(cv_worker *w) {
     if (!w) return;
+    if (w->backend) cv_lora_pool_free(&w->lora, w->backend);
+    free(w->lora_slots);
     cv_kv_manager_destroy(w->blocks);
     cv_runner_free(&w->runner);
     if (w->ws_ready) cv_forward_ws_free(&w->ws, w->model);
@@ -53,7 +67,13 @@ cv_dtype cv_worker_auto_kv_dtype(const cv_worker *w) {
 }
 
 int cv_worker_prepare(cv_worker *w, const cv_sched_output *plan, cv_err *err) {
-    return cv_runner_build(&w->runner, plan, err);
+    int rc = cv_runner_build(&w->runner, plan, err);
+    if (rc || !w->lora_slots) return rc;
+    /* the runner keeps the plan's order of sequences */
+    for (int64_t s = 0; s < plan->n_seqs; s++) w->lora_slots[s] = plan->seqs[s]->lora_slot;
+    w->runner.batch.lora_slots = w->lora_slots;
+    w->runner.batch.lora = &w->lora;
+    return CV_OK;
 }
 
 int cv_worker_forward(cv_worker *w, cv_err *err) {

@@ -29,6 +29,8 @@ typedef struct cv_worker {
     cv_kv_cache kv;
     cv_kv_manager *blocks; /* the KV cache's blocks */
     int64_t max_blocks_per_seq;
+    cv_lora_pool lora;     /* adapter slots (n_slots 0: LoRA off) */
+    int32_t *lora_slots;   /* [max_seqs] the last run's adapter slot per sequence */
 } cv_worker;
 
 /* Loads the model at path on backend b (quantization: a quantized dtype to
@@ -46,6 +48,12 @@ int cv_worker_init_compute(cv_worker *w, int64_t max_tokens, int64_t max_seqs, i
  * and its KV manager. Polls *cancel between allocations. */
 int cv_worker_init_cache(cv_worker *w, cv_dtype kv_dtype, int64_t block_size, size_t bytes,
                          int enable_prefix_caching, const atomic_int *cancel, cv_err *err);
+
+/* LoRA: n_slots adapter slots of rank up to max_rank, weights held in dtype
+ * (CV_F32 or CV_BF16), for steps of max_tokens tokens over max_seqs
+ * sequences (after init_compute). */
+int cv_worker_init_lora(cv_worker *w, int64_t n_slots, int64_t max_rank, int64_t max_tokens, int64_t max_seqs,
+                        cv_dtype dtype, cv_err *err);
 
 /* Frees everything the worker built (a zeroed or partly built one too). */
 void cv_worker_free(cv_worker *w);

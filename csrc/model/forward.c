@@ -95,6 +95,39 @@ static void swiglu_gemm(cv_backend *b, float *out, const float *gu, int64_t n, c
     b->gemm(b, out, h, n, w, NULL, accumulate);
 }
 
+/* Whether any sequence of the batch runs under an adapter. */
+static int batch_has_lora(const cv_batch *bt) {
+    if (!bt->lora || !bt->lora_slots || !bt->lora->n_slots) return 0;
+    for (int64_t s = 0; s < bt->n_seqs; s++)
+        if (bt->lora_slots[s] >= 0) return 1;
+    return 0;
+}
+
+/* y += scale * (x A^T) B^T of one projection for the rows of each adapter:
+ * consecutive sequences of one slot make one segment (Punica's SGMV), and
+ * one backend call runs them all. x rows x_stride apart, y rows y_stride
+ * apart, both indexed by the batch's token rows. */
+static void lora_add(cv_backend *b, const cv_batch *bt, int64_t layer, int module, float *y, int64_t y_stride,
+                     const float *x, int64_t x_stride, const cv_model *m) {
+    const cv_lora_pool *p = bt->lora;
+    int64_t out, in, n_segs = 0;
+    cv_lora_module_shape(m, module, &out, &in);
+    const size_t k = (size_t)layer * CV_LORA_N_MODULES + (size_t)module;
+    for (int64_t s = 0; s < bt->n_seqs;) {
+        const int32_t slot = bt->lora_slots[s];
+        int64_t e = s + 1;
+        while (e < bt->n_seqs && bt->lora_slots[e] == slot) e++;
+        if (slot >= 0 && slot < p->n_slots && p->slots[slot].loaded && p->slots[slot].a[k] && n_segs < p->max_segs) {
+            const cv_lora_slot *ls = &p->slots[slot];
+            p->segs[n_segs++] = (cv_lora_segment){
+                .row0 = bt->query_start[s], .n_rows = bt->query_start[e] - bt->query_start[s], .rank = ls->rank,
+                .a = ls->a[k], .bt = ls->bt[k], .dtype = p->dtype, .scale = ls->scale};
+        }
+        s = e;
+    }
+    if (n_segs) b->lora_sgmv(b, y, y_stride, x, x_stride, p->segs, n_segs, in, out, p->tmp);
+}
+
 /* Rotates q and k of the fused qkv rows and writes k and v to the cache. */
 static void rope_kv(cv_backend *b, float *qkv, int64_t stride, const cv_model *m, const int32_t *pos, int64_t n,
                     const cv_rope *rope, cv_kv_layer *cache, const int64_t *slots) {
@@ -185,29 +218,50 @@ int cv_model_forward(const cv_model *m, cv_forward_ws *ws, cv_kv_layer *caches,
 
     b->embedding(b, ws->x, tokens, n, &m->embed);
     if (c->embed_scale > 0) b->scale(b, ws->x, n * c->dim, c->embed_scale);
+    const int lora = batch_has_lora(bt) && b->lora_sgmv;
+    const int64_t dim = c->dim, hid = c->hidden_dim;
     for (int64_t l = 0; l < c->n_layers; l++) {
         const cv_layer *L = &m->layers[l];
         const int local = cv_layer_is_local(c, l);
         ab.window = local ? c->sliding_window : 0;
         norm_gemm(b, ws->qkv, ws->x, L->attn_norm, c->rms_eps, n, &L->wqkv, L->bqkv, 0, ws->xn);
+        /* LoRA reads the projections' inputs again: a fused kernel leaves its scratch
+         * unspecified, so they are recomputed (the base path stays as without adapters) */
+        if (lora) {
+            b->rmsnorm(b, ws->xn, ws->x, L->attn_norm, n, dim, c->rms_eps);
+            lora_add(b, bt, l, CV_LORA_Q, ws->qkv, qkv_dim, ws->xn, dim, m);
+            lora_add(b, bt, l, CV_LORA_K, ws->qkv + m->q_dim, qkv_dim, ws->xn, dim, m);
+            lora_add(b, bt, l, CV_LORA_V, ws->qkv + m->q_dim + m->kv_dim, qkv_dim, ws->xn, dim, m);
+        }
         if (c->qk_norm) { /* each q and k head, before RoPE */
             b->head_rmsnorm(b, ws->qkv, qkv_dim, c->n_heads, n, c->head_dim, L->q_norm, c->rms_eps);
             b->head_rmsnorm(b, ws->qkv + m->q_dim, qkv_dim, c->n_kv_heads, n, c->head_dim, L->k_norm, c->rms_eps);
         }
         rope_kv(b, ws->qkv, qkv_dim, m, positions, n, local ? &rope_local : &rope, &caches[l], slots);
         b->paged_attention(b, ws->attn, ws->qkv, qkv_dim, &caches[l], &ab);
+        /* o and down add into the residual stream (or Gemma's pre-norm output) after the GEMM */
+        float *attn_out = c->gemma ? ws->xn : ws->x;
+        b->gemm(b, attn_out, ws->attn, n, &L->wo, NULL, !c->gemma); /* residual add in the GEMM */
+        if (lora) lora_add(b, bt, l, CV_LORA_O, attn_out, dim, ws->attn, m->q_dim, m);
+        if (c->gemma) b->add_rmsnorm(b, ws->x, ws->xn, L->post_attn_norm, n, c->dim, c->rms_eps);
+        norm_gemm(b, ws->gu, ws->x, L->ffn_norm, c->rms_eps, n, &L->w_gate_up, NULL, 0, ws->xn);
+        if (lora) {
+            b->rmsnorm(b, ws->xn, ws->x, L->ffn_norm, n, dim, c->rms_eps);
+            lora_add(b, bt, l, CV_LORA_GATE, ws->gu, 2 * hid, ws->xn, dim, m);
+            lora_add(b, bt, l, CV_LORA_UP, ws->gu + hid, 2 * hid, ws->xn, dim, m);
+        }
         if (!c->gemma) {
-            b->gemm(b, ws->x, ws->attn, n, &L->wo, NULL, 1); /* residual add in the GEMM */
-            norm_gemm(b, ws->gu, ws->x, L->ffn_norm, c->rms_eps, n, &L->w_gate_up, NULL, 0, ws->xn);
             swiglu_gemm(b, ws->x, ws->gu, n, &L->w_down, 1, ws->h); /* residual add */
+            if (lora) {
+                b->swiglu(b, ws->h, ws->gu, n, hid);
+                lora_add(b, bt, l, CV_LORA_DOWN, ws->x, dim, ws->h, hid, m);
+            }
             continue;
         }
         /* Gemma: x += norm(attn . Wo); x += norm(down(gelu(gate) * up)) */
-        b->gemm(b, ws->xn, ws->attn, n, &L->wo, NULL, 0);
-        b->add_rmsnorm(b, ws->x, ws->xn, L->post_attn_norm, n, c->dim, c->rms_eps);
-        norm_gemm(b, ws->gu, ws->x, L->ffn_norm, c->rms_eps, n, &L->w_gate_up, NULL, 0, ws->xn);
         b->geglu(b, ws->h, ws->gu, n, c->hidden_dim);
         b->gemm(b, ws->xn, ws->h, n, &L->w_down, NULL, 0);
+        if (lora) lora_add(b, bt, l, CV_LORA_DOWN, ws->xn, dim, ws->h, hid, m);
         b->add_rmsnorm(b, ws->x, ws->xn, L->post_ffn_norm, n, c->dim, c->rms_eps);
     }
     if (bt->n_logits > 0) lm_head_rows(m, ws, rows, bt->n_logits, n);

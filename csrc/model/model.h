@@ -8,6 +8,7 @@
 #include "../../base/common.h"
 #include "../../kernels/backend.h"
 #include "config.h"
+#include "lora.h"
 
 typedef struct cv_layer {
     float *attn_norm;     /* [dim] (device) */
@@ -70,6 +71,8 @@ typedef struct cv_batch {
     int64_t max_context_len;
     int32_t *logits_rows;   /* [n_logits] token rows whose logits are wanted */
     int64_t n_logits;
+    const int32_t *lora_slots;  /* [n_seqs] adapter slot of each sequence (-1: none), or NULL: no adapters */
+    const cv_lora_pool *lora;   /* the slots lora_slots names */
 } cv_batch;
 
 /* Activations and device copies of the batch, sized once for the engine's

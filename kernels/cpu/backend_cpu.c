@@ -8,6 +8,7 @@
 
 #include "cpu_internal.h"
 #include "quant.h"
+#include "lora.h"
 
 /* ------------------------------------------------------------------------ */
 /* Introspection (cpu_backend.h)                                             */
@@ -366,6 +367,7 @@ cv_backend *cv_cpu_backend_create_simd(int num_threads, const char *simd, cv_err
     b->rope_kv_write = cv_cpu_rope_kv_write;
     b->rmsnorm_gemm = cv_cpu_rmsnorm_gemm;
     b->swiglu_gemm = cv_cpu_swiglu_gemm;
+    b->lora_sgmv = cv_cpu_lora_sgmv;
     b->host_parallel = cpu_host_parallel;
     b->host_workers = c->nthreads;
     b->sync = cpu_sync;

@@ -596,6 +596,7 @@ CV_CU_EXPORT cv_backend *cv_cuda_backend_create_impl(int device, cv_err *err) {
     b->rmsnorm = cvc_rmsnorm;
     b->rope = cvc_rope;
     b->swiglu = cvc_swiglu;
+    b->lora_sgmv = cvc_lora_sgmv;
     b->embedding = cvc_embedding;
     b->kv_write = cvc_kv_write;
     b->paged_attention = cvc_paged_attention;

@@ -23,6 +23,7 @@ _EXPORTS = {
     "EngineClosedError": "_core", "EngineOverloadedError": "_core", "EngineBusyError": "_core",
     "ModelFormatError": "_core",
     "UnsupportedError": "_core",
+    "LoRARequest": "lora", "LoRAError": "lora",
 }
 __all__ = list(_EXPORTS)
 

@@ -191,7 +191,7 @@ class AsyncLLM(EngineFrontend):
 
     def add_request(self, prompt, sampling_params: Optional[SamplingParams] = None,
                     request_id: Optional[str] = None, *, priority: int = 0,
-                    timeout: Optional[float] = None, guided=None) -> "RequestStream":
+                    timeout: Optional[float] = None, guided=None, lora_request=None) -> "RequestStream":
         """Adds a request now (from a running event loop) and returns its stream of
         RequestOutputs. Raises at once what generate() raises at its first step:
         ValueError/TypeError for a bad request, EngineOverloadedError when
@@ -215,12 +215,13 @@ class AsyncLLM(EngineFrontend):
         text, ids = self._core.tokenize_prompt(prompt)
         queue: asyncio.Queue = asyncio.Queue()
         req = self._core.add_request(request_id, text, ids, params, priority=priority,
-                                     consumer=(loop, queue), timeout=timeout, guided=guided)
+                                     consumer=(loop, queue), timeout=timeout, guided=guided,
+                                     lora_request=lora_request)
         return RequestStream(self._core, req, queue)
 
     async def generate(self, prompt, sampling_params: Optional[SamplingParams] = None,
                        request_id: Optional[str] = None, *, priority: int = 0,
-                       timeout: Optional[float] = None) -> AsyncIterator[RequestOutput]:
+                       timeout: Optional[float] = None, lora_request=None) -> AsyncIterator[RequestOutput]:
         """Yields RequestOutputs as tokens are produced: cumulative by default,
         new tokens only with SamplingParams(output_kind="delta"), or just the
         last one with output_kind="final_only". Closing or cancelling the
@@ -243,7 +244,7 @@ class AsyncLLM(EngineFrontend):
             if params.guided_decoding is not None:
                 guided = await self.run_off_loop(self._core.prepare_guided, params)
         stream = self.add_request(prompt, sampling_params, request_id, priority=priority, timeout=timeout,
-                                  guided=guided)
+                                  guided=guided, lora_request=lora_request)
         try:
             async for out in stream:
                 yield out

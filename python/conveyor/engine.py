@@ -162,6 +162,13 @@ class EngineArgs:
     # "prompt_lookup_min": a, "prompt_lookup_max": b, "disable_by_batch_size": n}, or a draft
     # model: {"model": PATH, "num_speculative_tokens": k, "disable_by_batch_size": n}. None: off.
     speculative_config: Optional[Any] = None
+    # LoRA adapters per request (generate(..., lora_request=LoRARequest(...))): max_loras
+    # adapters resident at once (slots; others wait in host memory, swapped in LRU), each
+    # of rank at most max_lora_rank.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    lora_dtype: str = "float32"  # adapter weights held as "float32" or "bfloat16" (half the bytes per step)
 
     def resolved_prefill_cap(self) -> int:
         if self.max_prefill_tokens_while_decoding is not None:
@@ -195,15 +202,15 @@ class EngineArgs:
         def is_int(v):
             return isinstance(v, int) and not isinstance(v, bool)
 
-        for name in ("max_num_seqs", "block_size", "seed"):
+        for name in ("max_num_seqs", "block_size", "seed", "max_loras", "max_lora_rank"):
             check_type(name, is_int, "an int")
         for name in ("max_model_len", "max_num_batched_tokens", "num_threads", "kv_cache_sequences",
                      "max_prefill_tokens_while_decoding", "max_queued_requests", "admission_reserve"):
             check_type(name, lambda v: v is None or is_int(v), "an int or None")
-        for name in ("dtype", "kv_cache_dtype", "scheduling", "device", "activation_dtype"):
+        for name in ("dtype", "kv_cache_dtype", "scheduling", "device", "activation_dtype", "lora_dtype"):
             check_type(name, lambda v: isinstance(v, str), "a str")
         check_type("quantization", lambda v: v is None or isinstance(v, str), "a str or None")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "skip_tokenizer_init"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "skip_tokenizer_init", "enable_lora"):
             check_type(name, lambda v: isinstance(v, bool), "a bool")
         check_type("gpu_memory_utilization", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
                    "a number")
@@ -212,6 +219,11 @@ class EngineArgs:
         if isinstance(self.kv_cache_memory, str):
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         self.speculative_config = parse_speculative_config(self.speculative_config)
+        if self.enable_lora and isinstance(self.speculative_config, dict) and "model" in self.speculative_config:
+            # the draft would propose without the adapter: refused rather than silently slow
+            raise field_error(ValueError, "speculative_config",
+                              "a draft model cannot be combined with enable_lora (its proposals would not "
+                              "follow the adapter); use the n-gram method")
 
 
 class _SeqState:
@@ -257,7 +269,7 @@ class _SeqState:
 class _Request:
     __slots__ = ("request_id", "internal_id", "prompt", "prompt_token_ids", "params", "seqs",
                  "finished", "metrics", "consumer", "matchers", "prompt_logprobs", "sent_prompt_lp",
-                 "guided_error")
+                 "guided_error", "lora", "waiting")
 
     def __init__(self, request_id, internal_id, prompt, prompt_ids, params, arrival):
         self.request_id = request_id
@@ -277,6 +289,8 @@ class _Request:
         # why the grammar engine ended a completion ("abort"), or why its constraints
         # left no token ("error")
         self.guided_error = None
+        self.lora = None     # its LoRARequest, or None: the base model
+        self.waiting = None  # (engine args) while it waits for an adapter slot
 
 
 class EngineCore:
@@ -334,6 +348,12 @@ class EngineCore:
         self._tokenize_lock = threading.Lock()
         self._deferred_masks: list = []  # synchronous stepping: masks the next step computes
         self._mask_worker = None  # a thread that computes them while that step runs
+        self._lora = None
+        if args.enable_lora:
+            from .lora_slots import LoRASlots
+
+            self._lora = LoRASlots(self._engine, model_cfg, args.max_loras, args.max_lora_rank)
+        self._lora_waiting: list[_Request] = []  # requests whose adapter waits for a slot, in arrival order
         self.closed = False
 
     # -- requests ---------------------------------------------------------
@@ -415,7 +435,7 @@ class EngineCore:
 
     def add_request(self, request_id: Optional[str], prompt_text, prompt_ids, params: SamplingParams,
                     priority: int = 0, consumer=None, timeout: Optional[float] = None,
-                    guided=None) -> _Request:
+                    guided=None, lora_request=None) -> _Request:
         """timeout: seconds from arrival; past it the request ends with finish_reason
         "timeout" and its KV blocks return to the pool. guided: prepare_guided(params)'s
         result when the caller built it already (off its event loop)."""
@@ -429,6 +449,18 @@ class EngineCore:
         # and never under the lock
         engine_params = self.prepare_params(params)
         prompt_list = list(map(int, prompt_ids))
+        if lora_request is not None:
+            from .lora import LoRARequest
+
+            if not isinstance(lora_request, LoRARequest):
+                raise field_error(TypeError, "lora_request",
+                                  f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+            if self._lora is None:
+                raise field_error(ValueError, "lora_request",
+                                  "lora_request needs an engine made with enable_lora=True")
+            self._engine.check_request(prompt_ids, engine_params, timeout=timeout_s)
+            with self._lock:
+                self._lora.read(lora_request)  # reads the files once; LoRAError names the key
         with self._lock:
             if self.closed:
                 raise _core.EngineClosedError("the engine is closed")
@@ -436,18 +468,67 @@ class EngineCore:
             if name in self._by_name:
                 raise ValueError(f"request_id {name!r} is already in use")
             internal = self._next_id
-            self._engine.add_request(internal, prompt_ids, engine_params, priority=priority,
-                                     timeout=timeout_s)
-            self._next_id += 1
             req = _Request(name, internal, prompt_text, prompt_list, params, time.monotonic())
+            req.lora = lora_request
+            req.waiting = (prompt_ids, engine_params, priority, timeout_s, guided)
+            if lora_request is not None and (self._lora_waiting or not self._submit(req)):
+                self._lora_waiting.append(req)  # every slot is in use: it waits for one
+            elif lora_request is None:
+                self._submit(req)
+            self._next_id += 1
             req.consumer = consumer
-            if guided is not None:
-                req.matchers, first_mask = guided
-                for i in range(len(req.matchers)):
-                    self._engine.set_token_mask(internal, i, 0, first_mask)
             self._requests[internal] = req
             self._by_name[name] = req
         return req
+
+    def _submit(self, req: _Request) -> bool:
+        """Hands a request to the C engine (under the lock), with its adapter's slot;
+        False when its adapter cannot get a slot now."""
+        slot = -1
+        if req.lora is not None:
+            slot = self._lora.acquire(req.lora.lora_int_id)
+            if slot is None:
+                return False
+        prompt_ids, engine_params, priority, timeout_s, guided = req.waiting
+        try:
+            self._engine.add_request(req.internal_id, prompt_ids, engine_params, priority=priority,
+                                     timeout=timeout_s, lora_slot=slot,
+                                     lora_id=req.lora.lora_int_id if req.lora is not None else 0)
+        except BaseException:
+            if req.lora is not None:
+                self._lora.release(req.lora.lora_int_id)
+            raise
+        req.waiting = None
+        if guided is not None:
+            req.matchers, first_mask = guided
+            for i in range(len(req.matchers)):
+                self._engine.set_token_mask(req.internal_id, i, 0, first_mask)
+        return True
+
+    def _submit_waiting(self) -> None:
+        """Requests waiting for an adapter slot, in order, as far as slots allow (under the lock)."""
+        while self._lora_waiting and not self.closed:
+            if not self._submit(self._lora_waiting[0]):
+                return
+            self._lora_waiting.pop(0)
+
+    def read_lora(self, lora_request) -> None:
+        """Reads and checks an adapter now (LoRAError naming the key), so that requests
+        naming it later need no file access."""
+        if self._lora is None:
+            raise field_error(ValueError, "lora_request", "LoRA needs an engine made with enable_lora=True")
+        with self._lock:
+            self._lora.read(lora_request)
+
+    def forget_lora(self, lora_id: int) -> bool:
+        """Drops an adapter from its slot and host memory; False while requests use it or
+        wait for it (it stays then, idle until evicted)."""
+        if self._lora is None:
+            return False
+        with self._lock:
+            if any(r.lora.lora_int_id == lora_id for r in self._lora_waiting):
+                return False
+            return self._lora.forget(lora_id)
 
     def prepare_guided(self, params: SamplingParams):
         """Guided decoding: (a grammar matcher per completion that runs, the first
@@ -488,6 +569,20 @@ class EngineCore:
             req = self._by_name.get(request_id)
             if self.closed or req is None or req.finished:
                 return False
+            if req.waiting is not None and req in self._lora_waiting:  # never reached the C engine
+                self._lora_waiting.remove(req)
+                for st in req.seqs:
+                    st.finish_reason = "abort"
+                req.finished = True
+                del self._requests[req.internal_id]
+                del self._by_name[request_id]
+                if req.consumer is not None:  # AsyncLLM's (loop, queue): its last output
+                    loop, queue = req.consumer
+                    try:
+                        loop.call_soon_threadsafe(queue.put_nowait, self.build_output(req))
+                    except RuntimeError:
+                        pass  # that loop is closed
+                return True
             self._engine.abort(req.internal_id)
             # The id is free for a new request at once; the old one's last
             # events still find it by its internal id.
@@ -495,11 +590,11 @@ class EngineCore:
             return True
 
     def has_unfinished(self) -> bool:
-        return self._engine.num_unfinished() > 0
+        return self._engine.num_unfinished() > 0 or bool(self._lora_waiting)
 
     def num_unfinished(self) -> int:
-        """Requests queued or running in the C engine."""
-        return self._engine.num_unfinished()
+        """Requests queued or running in the C engine, and those waiting for an adapter slot."""
+        return self._engine.num_unfinished() + len(self._lora_waiting)
 
     # -- the loop ---------------------------------------------------------
     def step(self) -> list[_Request]:
@@ -614,12 +709,17 @@ class EngineCore:
                     rm.finished_time = m.finished
                     rm.num_cached_tokens = m.n_cached_prompt
                     req.finished = True
+                    if req.lora is not None:
+                        self._lora.release(req.lora.lora_int_id)
+                        self._lora.count_finished(req.lora.lora_name, sum(len(s.token_ids) for s in req.seqs))
                     del self._requests[iid]
                     if self._by_name.get(req.request_id) is req:
                         del self._by_name[req.request_id]
                 changed[iid] = req
                 if on_event is not None:
                     on_event(req)
+            if self._lora_waiting:
+                self._submit_waiting()
             if guided and defer_masks:
                 self._deferred_masks.extend(guided)
                 guided = None
@@ -677,6 +777,9 @@ class EngineCore:
         st = self._engine.stats()
         spec = self.args.speculative_config
         st.update(spec_stats(st, spec["num_speculative_tokens"] if spec else 0))
+        if self._lora is not None:
+            with self._lock:
+                st.update(self._lora.stats(len(self._lora_waiting)))
         return st
 
     def fail_pending(self) -> list[_Request]:

@@ -70,10 +70,12 @@ class LLM(EngineFrontend):
 
     def generate(self, prompts, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  *, use_tqdm: bool = True, priority: Optional[Sequence[int]] = None,
-                 timeout: Optional[float] = None) -> list[RequestOutput]:
+                 timeout: Optional[float] = None, lora_request=None) -> list[RequestOutput]:
         """timeout: seconds from the call for each request; a request still running then
         ends with finish_reason "timeout", keeping what it generated, and its KV blocks
-        return to the pool (the others go on)."""
+        return to the pool (the others go on).
+        lora_request: a LoRARequest for every prompt, or a list of one (or None) per prompt
+        (an engine made with enable_lora=True)."""
         core = self._core
         if core.closed:
             raise EngineClosedError("the LLM is closed")
@@ -98,6 +100,12 @@ class LLM(EngineFrontend):
             for p in priority:
                 check_priority(p)
         check_timeout(timeout)
+        if isinstance(lora_request, (list, tuple)):
+            if len(lora_request) != len(items):
+                raise ValueError(f"got {len(lora_request)} lora_requests for {len(items)} prompts")
+            loras = list(lora_request)
+        else:
+            loras = [lora_request] * len(items)
         # Everything is validated before anything is queued; bad words are tokenized once.
         prepared: dict = {}  # one SamplingParams given for every prompt is prepared once
         for p in params:
@@ -113,7 +121,7 @@ class LLM(EngineFrontend):
             for i, ((text, ids), p) in enumerate(zip(encoded, params)):
                 reqs.append(core.add_request(None, text, ids, p,
                                              priority=priority[i] if priority is not None else 0,
-                                             timeout=timeout))
+                                             timeout=timeout, lora_request=loras[i]))
         except BaseException:
             core.abort_requests(reqs)
             raise

@@ -423,6 +423,13 @@ class ReferenceModel:
             self.inv_freq = self.inv_freq / config["rope_freqs"]
         # Gemma 3's local layers: their own base, no scaling
         self.inv_freq_local = rope_inv_freq(config["head_dim"], config.get("rope_local_theta", 10000.0))
+        self.lora = None  # a conveyor.lora.LoRAAdapter whose deltas every projection adds
+
+    def _proj(self, x: np.ndarray, w: np.ndarray, layer: int, module: str) -> np.ndarray:
+        """x @ w.T plus the adapter's scale * (x A^T) B^T for that module, when one is set."""
+        y = self._mm(x, w)
+        d = self.lora.delta(layer, module, x) if self.lora is not None else None
+        return y if d is None else y + d
 
     def _is_local(self, layer: int) -> bool:
         c = self.config
@@ -479,7 +486,8 @@ class ReferenceModel:
             local = self._is_local(li)
             inv_freq = self.inv_freq_local if local else self.inv_freq
             h = _rmsnorm(x, L["attn_norm"], c["rms_eps"])
-            q, k, v = self._mm(h, L["wq"]), self._mm(h, L["wk"]), self._mm(h, L["wv"])
+            q, k, v = (self._proj(h, L["wq"], li, "q_proj"), self._proj(h, L["wk"], li, "k_proj"),
+                       self._proj(h, L["wv"], li, "v_proj"))
             if L.get("bq") is not None:
                 q, k, v = q + L["bq"], k + L["bk"], v + L["bv"]
             q, k = q.reshape(T, H, hd), k.reshape(T, KV, hd)
@@ -507,7 +515,7 @@ class ReferenceModel:
             p = np.exp(scores)
             p /= p.sum(axis=-1, keepdims=True)
             att = (p @ vh).transpose(1, 0, 2).reshape(T, H * hd)
-            out = self._mm(att, L["wo"])
+            out = self._proj(att, L["wo"], li, "o_proj")
             if L.get("bo") is not None:
                 out = out + L["bo"]
             if L.get("post_attn_norm") is not None:
@@ -515,7 +523,8 @@ class ReferenceModel:
             x = x + out
             h = _rmsnorm(x, L["ffn_norm"], c["rms_eps"])
             act = _gelu_tanh if c.get("gemma") else _silu
-            out = self._mm(act(self._mm(h, L["w_gate"])) * self._mm(h, L["w_up"]), L["w_down"])
+            out = self._proj(act(self._proj(h, L["w_gate"], li, "gate_proj")) * self._proj(h, L["w_up"], li, "up_proj"),
+                             L["w_down"], li, "down_proj")
             if L.get("post_ffn_norm") is not None:
                 out = _rmsnorm(out, L["post_ffn_norm"], c["rms_eps"])
             x = x + out

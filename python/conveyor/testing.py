@@ -955,3 +955,74 @@ def write_gguf_checkpoint(path, *, shape="tiny", arch: str | None = None, ggml_t
         data = quantize(arr, t)
         w.add_tensor_producer(gname, arr.shape, t, lambda data=data: [data.tobytes()])
     return w.write()
+
+
+# ---------------------------------------------------------------------------- LoRA
+
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def random_lora_weights(cfg: dict, rank: int, targets=LORA_MODULES, seed: int = 0, scale: float = 0.3) -> dict:
+    """{(layer, module): (A [rank][in], B [out][rank])} float32, random (B nonzero, unlike a
+    fresh PEFT adapter, so the adapter changes the output). cfg: a Checkpoint.config."""
+    from .lora import module_shapes
+
+    rng = np.random.default_rng(seed)
+    shapes = module_shapes(cfg)
+    out = {}
+    for layer in range(cfg["n_layers"]):
+        for mod in targets:
+            o, i = shapes[mod]
+            a = (rng.standard_normal((rank, i)) * scale / np.sqrt(i)).astype(np.float32)
+            b = (rng.standard_normal((o, rank)) * scale / np.sqrt(rank)).astype(np.float32)
+            out[(layer, mod)] = (a, b)
+    return out
+
+
+def write_peft_adapter(folder, weights: dict, *, rank: int, alpha: float, use_rslora: bool = False,
+                       config_extra: dict | None = None, dtype: str = "float32",
+                       extra_tensors: dict | None = None) -> Path:
+    """A PEFT LoRA folder (adapter_config.json + adapter_model.safetensors, PEFT's tensor
+    names) holding ``weights`` as random_lora_weights returns them (HF row order)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    targets = sorted({m for _, m in weights}, key=LORA_MODULES.index)
+    cfg = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": targets, "bias": "none",
+           "use_rslora": use_rslora, "use_dora": False, "lora_dropout": 0.0, "task_type": "CAUSAL_LM"}
+    cfg.update(config_extra or {})
+    (folder / "adapter_config.json").write_text(json.dumps(cfg))
+    tensors = {}
+    for (layer, mod), (a, b) in weights.items():
+        part = "self_attn" if mod in LORA_MODULES[:4] else "mlp"
+        base = f"base_model.model.model.layers.{layer}.{part}.{mod}"
+        tensors[f"{base}.lora_A.weight"] = a
+        tensors[f"{base}.lora_B.weight"] = b
+    tensors.update(extra_tensors or {})
+    names = sorted(tensors)
+    head, _ = _safetensors_header([(n, tensors[n].shape) for n in names], dtype)
+    with open(folder / "adapter_model.safetensors", "wb") as f:
+        f.write(head)
+        for n in names:
+            f.write(_encode(tensors[n], dtype))
+    return folder
+
+
+def write_gguf_lora(path, weights: dict, *, alpha: float, arch: str = "llama", n_heads: int | None = None,
+                    n_kv_heads: int | None = None, general_type: str = "adapter") -> Path:
+    """llama.cpp's GGUF LoRA form of ``weights`` (HF row order in; for arch llama the q/k
+    rows of B are permuted as llama.cpp's converter does, so pass n_heads/n_kv_heads)."""
+    from .gguf import GGUFWriter
+
+    w = GGUFWriter(path)
+    w.add("general.architecture", arch)
+    w.add("general.type", general_type)
+    w.add("adapter.type", "lora")
+    w.add("adapter.lora.alpha", float(alpha))
+    short = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    for (layer, mod), (a, b) in sorted(weights.items()):
+        if arch == "llama" and mod in ("q_proj", "k_proj"):
+            b = llama_qk_permute(b, n_heads if mod == "q_proj" else n_kv_heads)
+        w.add_tensor(f"blk.{layer}.{short[mod]}.weight.lora_a", np.ascontiguousarray(a, dtype=np.float32))
+        w.add_tensor(f"blk.{layer}.{short[mod]}.weight.lora_b", np.ascontiguousarray(b, dtype=np.float32))
+    return w.write()

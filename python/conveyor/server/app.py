@@ -26,7 +26,7 @@ import os
 import sys
 from typing import Optional
 
-from .protocol import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUED_REQUESTS, APIError
+from .protocol import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUED_REQUESTS, APIError, bad_request
 from .serving import Server, error_response, json_response
 
 
@@ -46,7 +46,7 @@ def load_chat_template(value: str) -> str:
 def build_app(engine, *, model_name: str, api_key: Optional[str] = None, request_timeout: Optional[float] = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, chat_template: Optional[str] = None,
               allowed_origins: Optional[list] = None, tool_call_parser: Optional[str] = None,
-              ui: bool = True):
+              ui: bool = True, lora_modules: Optional[dict] = None):
     """The ASGI app serving `engine` (an AsyncLLM) under the name `model_name` (a str, or a
     list of names: requests may name any of them, answers carry the first).
 
@@ -56,6 +56,9 @@ def build_app(engine, *, model_name: str, api_key: Optional[str] = None, request
     tool_call_parser: how tool_choice "auto" answers are read (hermes, llama3_json, mistral,
     pythonic; default: chosen from the chat template's markers).
     ui: serve the chat page at / and the live view of batching at /batching.
+    lora_modules: {name: adapter path} served over the base (engine made with enable_lora);
+    a request's "model" selects one; /v1/load_lora_adapter and /v1/unload_lora_adapter
+    change them at run time.
     Overload control is the engine's: an AsyncLLM made with max_queued_requests refuses the
     excess, answered 503 with Retry-After.
     """
@@ -79,6 +82,8 @@ def build_app(engine, *, model_name: str, api_key: Optional[str] = None, request
 
     parser = get_parser(tool_call_parser) if tool_call_parser is not None else None
     server = Server(engine, list(dict.fromkeys(names)), api_key, request_timeout, max_body_bytes)
+    for lname, lpath in (lora_modules or {}).items():
+        server.add_lora(lname, lpath)
     if engine.tokenizer is not None:
         server.validator.tool_parser = parser or detect_parser(getattr(engine.tokenizer, "chat_template", None))
 
@@ -123,13 +128,42 @@ def build_app(engine, *, model_name: str, api_key: Optional[str] = None, request
         return json_response({"prompt": await server.off_loop(server.validator.detokenize, body)})
 
     def model_card(name: str):
+        lora = server.loras.get(name)
         return {"id": name, "object": "model", "created": server.created, "owned_by": "conveyor",
-                "root": server.model_name, "parent": None, "max_model_len": server.max_model_len,
+                "root": lora.lora_path if lora else server.model_name,
+                "parent": server.model_name if lora else None, "max_model_len": server.max_model_len,
                 "vocab_size": server.vocab_size}
 
     async def models(request):
         server.check_auth(request)
-        return json_response({"object": "list", "data": [model_card(n) for n in server.model_names]})
+        return json_response({"object": "list",
+                              "data": [model_card(n) for n in server.model_names + list(server.loras)]})
+
+    def lora_field(body, key: str) -> str:
+        v = body.get(key) if isinstance(body, dict) else None
+        if not isinstance(v, str) or not v:
+            raise bad_request(key, f"'{key}' must be a non-empty string")
+        return v
+
+    async def load_lora(request):
+        server.check_auth(request)
+        body = await server.read_json(request)
+        name, path = lora_field(body, "lora_name"), lora_field(body, "lora_path")
+        try:
+            await server.off_loop(server.add_lora, name, path)
+        except FileNotFoundError as e:
+            raise bad_request("lora_path", str(e)) from None
+        except (ValueError, TypeError) as e:  # LoRAError: .field names the adapter's key
+            field = getattr(e, "field", None)
+            raise bad_request("lora_path" if field is None else f"lora_path: {field}", str(e)) from None
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora(request):
+        server.check_auth(request)
+        body = await server.read_json(request)
+        name = lora_field(body, "lora_name")
+        server.remove_lora(name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def model_one(request):
         server.check_auth(request)
@@ -162,6 +196,8 @@ def build_app(engine, *, model_name: str, api_key: Optional[str] = None, request
         Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/v1/models/{model:path}", guarded(model_one), methods=["GET"]),
+        Route("/v1/load_lora_adapter", guarded(load_lora), methods=["POST"]),
+        Route("/v1/unload_lora_adapter", guarded(unload_lora), methods=["POST"]),
         Route("/tokenize", guarded(tokenize), methods=["POST"]),
         Route("/detokenize", guarded(detokenize), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
@@ -292,6 +328,16 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None,
                    help="prompt tokens per step while sequences decode (default: 96 on the CPU, 512 on CUDA; "
                         "0: no cap)")
+    g.add_argument("--enable-lora", action="store_true", default=None,
+                   help="serve LoRA adapters over the model (default: off; implied by --lora-modules)")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters to serve, each a PEFT folder or GGUF LoRA file; a request's 'model' "
+                        "selects one by NAME (default: none)")
+    g.add_argument("--max-loras", type=int, default=None,
+                   help="adapters resident at once; others wait in host memory (default: 1)")
+    g.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank (default: 16)")
+    g.add_argument("--lora-dtype", default=None, choices=["float32", "bfloat16"],
+                   help="adapter weights held as (default: float32; bfloat16 halves the bytes a step reads)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}, or a draft model: {"model": PATH, '
@@ -303,7 +349,8 @@ def make_parser() -> argparse.ArgumentParser:
 _ENGINE_KNOBS = ("tokenizer", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                  "kv_cache_memory", "kv_cache_dtype", "enable_prefix_caching", "enable_chunked_prefill",
                  "scheduling", "num_threads", "device", "seed", "gpu_memory_utilization", "quantization",
-                 "max_prefill_tokens_while_decoding", "activation_dtype", "speculative_config")
+                 "max_prefill_tokens_while_decoding", "activation_dtype", "speculative_config",
+                 "enable_lora", "max_loras", "max_lora_rank", "lora_dtype")
 
 
 def engine_kwargs(args) -> dict:
@@ -358,6 +405,15 @@ def main(argv=None) -> int:
 
         args.model = resolve_model_name(args.model)  # the Gemma 3 Q4_K_M file by its bare name
     knobs = engine_kwargs(args)
+    lora_modules = {}
+    for item in args.lora_modules or ():
+        lname, sep, lpath = item.partition("=")
+        if not sep or not lname or not lpath:
+            print(f"conveyor serve: error: --lora-modules takes NAME=PATH, got {item!r}", file=sys.stderr)
+            return 2
+        lora_modules[lname] = lpath
+    if lora_modules:
+        knobs["enable_lora"] = True
     try:
         engine = AsyncLLM(args.model, **knobs)
     except (OSError, ValueError, TypeError, ConveyorError) as e:
@@ -377,8 +433,9 @@ def main(argv=None) -> int:
     try:
         app = build_app(engine, model_name=names, api_key=args.api_key, request_timeout=args.request_timeout,
                         max_body_bytes=args.max_body_bytes, chat_template=args.chat_template,
-                        allowed_origins=origins, tool_call_parser=args.tool_call_parser, ui=args.ui)
-    except (OSError, ValueError) as e:
+                        allowed_origins=origins, tool_call_parser=args.tool_call_parser, ui=args.ui,
+                        lora_modules=lora_modules)
+    except (OSError, ValueError, APIError) as e:
         engine.close()
         print(f"conveyor serve: {e}", file=sys.stderr)
         return 2

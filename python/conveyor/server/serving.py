@@ -152,6 +152,8 @@ class Server:
         self.engine = engine
         self.model_names = list(model_names)  # every name a request may use; answers carry the first
         self.model_name = self.model_names[0]
+        self.loras: dict = {}  # adapter name -> LoRARequest: the request's "model" selects it
+        self._next_lora_id = 1
         self.api_key = api_key
         self.request_timeout = request_timeout  # the deadline of a request that names none
         self.max_body_bytes = int(max_body_bytes)
@@ -224,13 +226,35 @@ class Server:
                                            for _ in parsed.prompts[1:]]
         return parsed
 
+    def add_lora(self, name: str, path: str):
+        """Serves the adapter at path under name (read and checked now: LoRAError names the key)."""
+        from ..lora import LoRARequest
+
+        if name in self.model_names or name in self.loras:
+            raise bad_request("lora_name", f"the name '{name}' is already served")
+        req = LoRARequest(name, self._next_lora_id, path)
+        self.engine._core.read_lora(req)
+        self._next_lora_id += 1
+        self.loras[name] = req
+        return req
+
+    def remove_lora(self, name: str):
+        req = self.loras.pop(name, None)
+        if req is None:
+            raise APIError(404, f"the LoRA adapter '{name}' is not loaded", param="lora_name",
+                           code="model_not_found")
+        self.engine._core.forget_lora(req.lora_int_id)  # its running requests finish under it
+
     def check_model(self, model: Optional[str]):
+        """The LoRARequest the request's model names (None: the base model)."""
+        if model is not None and model in self.loras:
+            return self.loras[model]
         if model is not None and model not in self.model_names:
-            served = ", ".join(f"'{n}'" for n in self.model_names)
+            served = ", ".join(f"'{n}'" for n in self.model_names + list(self.loras))
             raise APIError(404, f"the model '{model}' does not exist; this server serves {served}",
                            param="model", code="model_not_found")
 
-    def start(self, parsed: Parsed, rid: str, params: SamplingParams) -> list:
+    def start(self, parsed: Parsed, rid: str, params: SamplingParams, lora=None) -> list:
         """Adds every prompt's request to the engine now, before any response starts, so
         that a full queue (the engine's max_queued_requests) is answered 503 with
         Retry-After at once and a refused request 400; all or nothing. Returns the
@@ -250,7 +274,7 @@ class Server:
                 guided = {"guided": parsed.guided[i]} if parsed.guided is not None else {}
                 streams.append(self.engine.add_request({"prompt": p.text, "prompt_token_ids": p.ids}, params,
                                                        request_id=f"{rid}-{i}", priority=parsed.priority,
-                                                       timeout=timeout, **guided))
+                                                       timeout=timeout, lora_request=lora, **guided))
         except BaseException as e:
             for s in streams:
                 s.close()
@@ -385,7 +409,7 @@ class Server:
         choices.sort(key=lambda c: c["index"])
         return {
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": self.model_name, "choices": choices,
+            "model": parsed.model or self.model_name, "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens},
         }
@@ -513,7 +537,8 @@ class Server:
         prompt_tokens = 0
 
         def chunk(choices, usage=None):
-            c = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
+            c = {"id": rid, "object": obj, "created": created, "model": parsed.model or self.model_name,
+                 "choices": choices}
             if usage is not None or usage_null:
                 c["usage"] = usage
             return f"data: {dumps(c)}\n\n"
@@ -528,7 +553,7 @@ class Server:
             if len(streams) == 1 and n == 1 and parsed.logprobs is None and parsed.tool_call is None \
                     and parsed.auto_tools is None:
                 usage = [0, 0]
-                enc = ChunkEncoder(rid, created, self.model_name, chat, parsed.include_usage)
+                enc = ChunkEncoder(rid, created, parsed.model or self.model_name, chat, parsed.include_usage)
                 async with aclosing(self._single_events(streams[0], enc, usage)) as events:
                     async for ev in events:
                         yield ev
@@ -570,13 +595,14 @@ class Server:
             raise bad_request("model", f"'model' must be a string, got {type_name(model)}")
         if model is not None:
             check_text("model", model)
-        self.check_model(model)
+        lora = self.check_model(model)
         headers = self._ignored_fields(body, kind)
         parsed = await self.off_loop(self.prepare, body, kind)
+        parsed.model = lora.lora_name if lora is not None else None  # answers name the adapter asked for
         if self.engine.closed:
             raise APIError(503, "the engine is shut down", code="engine_closed")
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        streams = self.start(parsed, rid, parsed.params)
+        streams = self.start(parsed, rid, parsed.params, lora)
         if parsed.stream:
             return self._stream_response(streams, parsed, rid, headers)
         self.in_flight += 1

@@ -1,0 +1,100 @@
+"""The engine's LoRA adapter slots, seen from Python: which adapter is resident in
+which of the ``max_loras`` slots, how many live requests use each, and the LRU
+order in which idle ones are evicted when a new adapter needs a slot. Adapters
+read once stay in host memory (their arrays), so a swap back in reads no file.
+
+A request whose adapter cannot get a slot (every slot used by running requests)
+waits in EngineCore until one is released; a slot in use is never changed.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Optional
+
+from .lora import MODULES, LoRAAdapter, LoRARequest, load_adapter
+
+
+class LoRASlots:
+    def __init__(self, engine, model_config: dict, n_slots: int, max_rank: int):
+        self._engine = engine  # conveyor._core.Engine
+        self._cfg = model_config
+        self.n_slots = n_slots
+        self.max_rank = max_rank
+        self._host: dict[int, tuple[LoRARequest, LoRAAdapter]] = {}  # id -> read adapter
+        self._slot_of: dict[int, int] = {}
+        self._resident: OrderedDict[int, None] = OrderedDict()  # LRU order, oldest first
+        self._users: dict[int, int] = {}
+        self.swaps = 0  # adapters loaded into a slot
+        self.requests: dict[str, int] = {}  # adapter name -> requests finished under it
+        self.tokens: dict[str, int] = {}    # adapter name -> their output tokens
+
+    def read(self, req: LoRARequest) -> LoRAAdapter:
+        """The adapter's arrays, read from its path the first time (LoRAError on a bad one);
+        the same id must keep the same path."""
+        known = self._host.get(req.lora_int_id)
+        if known is not None:
+            if known[0].lora_path != req.lora_path:
+                raise ValueError(f"lora_int_id {req.lora_int_id} is already {known[0].lora_name!r} at "
+                                 f"{known[0].lora_path}, not {req.lora_path}")
+            return known[1]
+        ad = load_adapter(req.lora_path, self._cfg, self.max_rank)
+        self._host[req.lora_int_id] = (req, ad)
+        return ad
+
+    def forget(self, lora_id: int) -> bool:
+        """Drops an idle adapter from host memory and its slot; False while requests use it."""
+        if self._users.get(lora_id, 0) > 0:
+            return False
+        slot = self._slot_of.pop(lora_id, None)
+        if slot is not None:
+            self._resident.pop(lora_id, None)
+            self._engine.lora_unload(slot)
+        self._host.pop(lora_id, None)
+        return True
+
+    def acquire(self, lora_id: int) -> Optional[int]:
+        """The slot holding adapter lora_id (read() first), loading it into a free or the
+        least recently used idle slot; None when every slot is in use (the caller waits)."""
+        slot = self._slot_of.get(lora_id)
+        if slot is None:
+            used = set(self._slot_of.values())
+            free = [s for s in range(self.n_slots) if s not in used]
+            if free:
+                slot = free[0]
+            else:
+                victim = next((i for i in self._resident if self._users.get(i, 0) == 0), None)
+                if victim is None:
+                    return None
+                slot = self._slot_of.pop(victim)
+                del self._resident[victim]
+            ad = self._host[lora_id][1]
+            pairs = [(layer, MODULES.index(mod), a, b) for (layer, mod), (a, b) in ad.weights.items()]
+            self._engine.lora_load(slot, ad.scale, pairs)
+            self.swaps += 1
+            self._slot_of[lora_id] = slot
+        self._resident[lora_id] = None
+        self._resident.move_to_end(lora_id)
+        self._users[lora_id] = self._users.get(lora_id, 0) + 1
+        return slot
+
+    def release(self, lora_id: int) -> None:
+        n = self._users.get(lora_id, 0) - 1
+        if n > 0:
+            self._users[lora_id] = n
+        else:
+            self._users.pop(lora_id, None)
+
+    def stats(self, n_waiting: int) -> dict:
+        """lora_swaps (adapters loaded into a slot so far), lora_resident (adapters in slots),
+        lora_requests_waiting (requests waiting for a slot), lora_requests / lora_tokens
+        ({adapter name: requests finished, output tokens}; counted by count_finished)."""
+        return {"lora_swaps": self.swaps, "lora_resident": len(self._slot_of), "lora_requests_waiting": n_waiting,
+                "lora_requests": dict(self.requests), "lora_tokens": dict(self.tokens)}
+
+    def count_finished(self, name: str, n_tokens: int) -> None:
+        self.requests[name] = self.requests.get(name, 0) + 1
+        self.tokens[name] = self.tokens.get(name, 0) + n_tokens
+
+    def resident(self) -> dict[int, int]:
+        """{adapter id: slot} of the adapters loaded now."""
+        return dict(self._slot_of)
