@@ -77,12 +77,52 @@ static void drop_seq(PyObject *seqs, long long seq_id, cv_sequence *q) {
     cv_sequence_free(q);
 }
 
-static int has_seq(PyObject *seqs, long long seq_id) {
+/* 0 when no sequence has this id yet; -1 with ValueError (or the lookup's error). */
+static int check_new_id(PyObject *seqs, long long seq_id) {
     PyObject *key = PyLong_FromLongLong(seq_id);
     if (!key) return -1;
     int r = PyDict_Contains(seqs, key);
     Py_DECREF(key);
-    return r;
+    if (r > 0) PyErr_Format(PyExc_ValueError, "seq_id %lld already exists", seq_id);
+    return r == 0 ? 0 : -1;
+}
+
+/* Parses args with fmt, whose first unit is the seq_id and whose second, when it
+ * has one, is a long long stored in *n; the sequence, or NULL with an exception. */
+static cv_sequence *parse_seq(PyObject *seqs, PyObject *args, const char *fmt, long long *seq_id,
+                              long long *n) {
+    if (!PyArg_ParseTuple(args, fmt, seq_id, n)) return NULL;
+    return get_seq(seqs, *seq_id);
+}
+
+/* Frees every sequence the dict owns, then the dict. */
+static void free_seqs(PyObject *seqs) {
+    if (!seqs) return;
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(seqs, &pos, &k, &v)) cv_sequence_free(PyLong_AsVoidPtr(v));
+    Py_DECREF(seqs);
+}
+
+/* The ref count of every block of m, as a list. */
+static PyObject *refcount_list(const cv_kv_manager *m) {
+    const int64_t nb = cv_kv_manager_num_blocks(m);
+    PyObject *l = PyList_New((Py_ssize_t)nb);
+    if (!l) return NULL;
+    for (int64_t b = 0; b < nb; b++) {
+        PyObject *x = PyLong_FromLong(cv_kv_manager_refcount(m, b));
+        if (!x) { Py_DECREF(l); return NULL; }
+        PyList_SET_ITEM(l, b, x);
+    }
+    return l;
+}
+
+/* None for a check that passed; AssertionError naming the broken invariant of
+ * `what`, or the check's own error. */
+static PyObject *check_result(int rc, const cv_err *err, const char *what) {
+    if (rc == CV_OK) Py_RETURN_NONE;
+    if (rc == CV_ERR_STATE) return PyErr_Format(PyExc_AssertionError, "%s invariant broken: %s", what, err->msg);
+    return cv_py_raise(err);
 }
 
 static PyObject *Sched_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
@@ -130,14 +170,26 @@ static void Sched_dealloc(SchedObject *self) {
     PyTypeObject *type = Py_TYPE(self);
     cv_scheduler_destroy(self->s);
     cv_kv_manager_destroy(self->kv);
-    if (self->seqs) {
-        Py_ssize_t pos = 0;
-        PyObject *k, *v;
-        while (PyDict_Next(self->seqs, &pos, &k, &v)) cv_sequence_free(PyLong_AsVoidPtr(v));
-        Py_DECREF(self->seqs);
-    }
+    free_seqs(self->seqs);
     type->tp_free((PyObject *)self);
     Py_DECREF(type);
+}
+
+/* What both harnesses' seq_info report of a sequence: its tokens and their KV. */
+static PyObject *seq_dict(const cv_sequence *q) {
+    PyObject *d = PyDict_New();
+    if (!d) return NULL;
+    if (cv_py_put(d, "n_tokens", PyLong_FromLongLong(q->n_tokens)) < 0 ||
+        cv_py_put(d, "tokens", cv_py_int32_list(q->tokens, q->n_tokens)) < 0 ||
+        cv_py_put(d, "n_computed", PyLong_FromLongLong(q->n_computed)) < 0 ||
+        cv_py_put(d, "n_cached_prompt", PyLong_FromLongLong(q->n_cached_prompt)) < 0 ||
+        cv_py_put(d, "block_table", cv_py_int32_list(q->blocks.table, q->blocks.n)) < 0 ||
+        cv_py_put(d, "n_kept", PyLong_FromLongLong(q->blocks.n_kept)) < 0 ||
+        cv_py_put(d, "kept_computed", PyLong_FromLongLong(q->blocks.kept_computed)) < 0) {
+        Py_DECREF(d);
+        return NULL;
+    }
+    return d;
 }
 
 /* A new sequence holding the int32 tokens of a Python sequence; NULL with an
@@ -166,6 +218,38 @@ done:
     return q;
 }
 
+/* A new sequence under a new seq_id, holding tokens, owned by seqs; NULL with
+ * an exception set. */
+static cv_sequence *add_seq(PyObject *seqs, long long seq_id, PyObject *tokens, long long max_tokens) {
+    if (check_new_id(seqs, seq_id) < 0) return NULL;
+    if (max_tokens < 0) {
+        PyErr_Format(PyExc_ValueError, "max_tokens must be >= 0, got %lld", max_tokens);
+        return NULL;
+    }
+    cv_sequence *q = new_seq_from(seq_id, tokens, max_tokens);
+    if (!q || store_seq(seqs, seq_id, q) < 0) return NULL;
+    return q;
+}
+
+/* A new sequence under child_id holding the prompt and priority of the
+ * sequence parent_id (set in *parent), owned by seqs; with the parent's room
+ * for new tokens when with_room, else none. NULL with an exception set. */
+static cv_sequence *add_child_seq(PyObject *seqs, long long child_id, long long parent_id, int with_room,
+                                  cv_sequence **parent) {
+    *parent = get_seq(seqs, parent_id);
+    if (!*parent || check_new_id(seqs, child_id) < 0) return NULL;
+    const cv_sequence *p = *parent;
+    cv_sequence *child = cv_sequence_create(child_id, p->tokens, p->n_prompt,
+                                            with_room ? p->max_total - p->n_prompt : 0);
+    if (!child) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    child->priority = p->priority;
+    if (store_seq(seqs, child_id, child) < 0) return NULL;
+    return child;
+}
+
 static PyObject *Sched_add(SchedObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"seq_id", "prompt_tokens", "max_tokens", "priority", NULL};
     long long seq_id, max_tokens;
@@ -173,14 +257,9 @@ static PyObject *Sched_add(SchedObject *self, PyObject *args, PyObject *kw) {
     PyObject *prompt;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "LOL|i:add", kwlist, &seq_id, &prompt, &max_tokens, &priority))
         return NULL;
-    int dup = has_seq(self->seqs, seq_id);
-    if (dup < 0) return NULL;
-    if (dup) return PyErr_Format(PyExc_ValueError, "seq_id %lld already exists", seq_id);
-    if (max_tokens < 0) return PyErr_Format(PyExc_ValueError, "max_tokens must be >= 0, got %lld", max_tokens);
-    cv_sequence *q = new_seq_from(seq_id, prompt, max_tokens);
+    cv_sequence *q = add_seq(self->seqs, seq_id, prompt, max_tokens);
     if (!q) return NULL;
     q->priority = priority;
-    if (store_seq(self->seqs, seq_id, q) < 0) return NULL;
     cv_err err = {0};
     if (cv_scheduler_add(self->s, q, &err) != CV_OK) {
         cv_py_raise(&err);
@@ -193,16 +272,9 @@ static PyObject *Sched_add(SchedObject *self, PyObject *args, PyObject *kw) {
 static PyObject *Sched_fork(SchedObject *self, PyObject *args) {
     long long child_id, parent_id;
     if (!PyArg_ParseTuple(args, "LL:fork", &child_id, &parent_id)) return NULL;
-    cv_sequence *parent = get_seq(self->seqs, parent_id);
-    if (!parent) return NULL;
-    int dup = has_seq(self->seqs, child_id);
-    if (dup < 0) return NULL;
-    if (dup) return PyErr_Format(PyExc_ValueError, "seq_id %lld already exists", child_id);
-    cv_sequence *child = cv_sequence_create(child_id, parent->tokens, parent->n_prompt,
-                                            parent->max_total - parent->n_prompt);
-    if (!child) return PyErr_NoMemory();
-    child->priority = parent->priority;
-    if (store_seq(self->seqs, child_id, child) < 0) return NULL;
+    cv_sequence *parent;
+    cv_sequence *child = add_child_seq(self->seqs, child_id, parent_id, 1, &parent);
+    if (!child) return NULL;
     cv_err err = {0};
     if (cv_scheduler_add_fork(self->s, child, parent, &err) != CV_OK) {
         cv_py_raise(&err);
@@ -270,8 +342,7 @@ static PyObject *Sched_commit(SchedObject *self, PyObject *Py_UNUSED(ignored)) {
 
 static PyObject *Sched_append_token(SchedObject *self, PyObject *args) {
     long long seq_id, token;
-    if (!PyArg_ParseTuple(args, "LL:append_token", &seq_id, &token)) return NULL;
-    cv_sequence *q = get_seq(self->seqs, seq_id);
+    cv_sequence *q = parse_seq(self->seqs, args, "LL:append_token", &seq_id, &token);
     if (!q) return NULL;
     if (q->status != CV_SEQ_RUNNING)
         return PyErr_Format(PyExc_ValueError, "sequence %lld is %s, not running", seq_id,
@@ -313,8 +384,7 @@ static PyObject *Sched_finish(SchedObject *self, PyObject *args) {
 
 static PyObject *Sched_abort(SchedObject *self, PyObject *args) {
     long long seq_id;
-    if (!PyArg_ParseTuple(args, "L:abort", &seq_id)) return NULL;
-    cv_sequence *q = get_seq(self->seqs, seq_id);
+    cv_sequence *q = parse_seq(self->seqs, args, "L:abort", &seq_id, NULL);
     if (!q) return NULL;
     cv_scheduler_finish(self->s, q, CV_SEQ_FINISHED_ABORTED);
     Py_RETURN_NONE;
@@ -322,24 +392,16 @@ static PyObject *Sched_abort(SchedObject *self, PyObject *args) {
 
 static PyObject *Sched_seq_info(SchedObject *self, PyObject *args) {
     long long seq_id;
-    if (!PyArg_ParseTuple(args, "L:seq_info", &seq_id)) return NULL;
-    cv_sequence *q = get_seq(self->seqs, seq_id);
+    cv_sequence *q = parse_seq(self->seqs, args, "L:seq_info", &seq_id, NULL);
     if (!q) return NULL;
-    PyObject *d = PyDict_New();
+    PyObject *d = seq_dict(q);
     if (!d) return NULL;
     if (cv_py_put(d, "status", PyUnicode_FromString(status_name(q->status))) < 0 ||
-        cv_py_put(d, "n_tokens", PyLong_FromLongLong(q->n_tokens)) < 0 ||
         cv_py_put(d, "n_prompt", PyLong_FromLongLong(q->n_prompt)) < 0 ||
         cv_py_put(d, "max_total", PyLong_FromLongLong(q->max_total)) < 0 ||
-        cv_py_put(d, "n_computed", PyLong_FromLongLong(q->n_computed)) < 0 ||
-        cv_py_put(d, "n_cached_prompt", PyLong_FromLongLong(q->n_cached_prompt)) < 0 ||
         cv_py_put(d, "n_preemptions", PyLong_FromLongLong(q->n_preemptions)) < 0 ||
-        cv_py_put(d, "n_kept", PyLong_FromLongLong(q->blocks.n_kept)) < 0 ||
-        cv_py_put(d, "kept_computed", PyLong_FromLongLong(q->blocks.kept_computed)) < 0 ||
         cv_py_put(d, "arrival", PyLong_FromLongLong(q->arrival)) < 0 ||
-        cv_py_put(d, "priority", PyLong_FromLong(q->priority)) < 0 ||
-        cv_py_put(d, "block_table", cv_py_int32_list(q->blocks.table, q->blocks.n)) < 0 ||
-        cv_py_put(d, "tokens", cv_py_int32_list(q->tokens, q->n_tokens)) < 0) {
+        cv_py_put(d, "priority", PyLong_FromLong(q->priority)) < 0) {
         Py_DECREF(d);
         return NULL;
     }
@@ -375,24 +437,11 @@ static PyObject *Sched_stats(SchedObject *self, PyObject *Py_UNUSED(ignored)) {
 static PyObject *Sched_check(SchedObject *self, PyObject *Py_UNUSED(ignored)) {
     cv_err err = {0};
     int rc = cv_scheduler_check(self->s, &err);
-    if (rc == CV_OK) Py_RETURN_NONE;
-    if (rc == CV_ERR_STATE) {
-        PyErr_Format(PyExc_AssertionError, "scheduler invariant broken: %s", err.msg);
-        return NULL;
-    }
-    return cv_py_raise(&err);
+    return check_result(rc, &err, "scheduler");
 }
 
 static PyObject *Sched_block_refcounts(SchedObject *self, PyObject *Py_UNUSED(ignored)) {
-    const int64_t nb = cv_kv_manager_num_blocks(self->kv);
-    PyObject *l = PyList_New((Py_ssize_t)nb);
-    if (!l) return NULL;
-    for (int64_t b = 0; b < nb; b++) {
-        PyObject *x = PyLong_FromLong(cv_kv_manager_refcount(self->kv, b));
-        if (!x) { Py_DECREF(l); return NULL; }
-        PyList_SET_ITEM(l, b, x);
-    }
-    return l;
+    return refcount_list(self->kv);
 }
 
 static PyObject *Sched_num_unfinished(SchedObject *self, PyObject *Py_UNUSED(ignored)) {
@@ -527,12 +576,7 @@ fail:
 static void KV_dealloc(KVObject *self) {
     PyTypeObject *type = Py_TYPE(self);
     cv_kv_manager_destroy(self->m);
-    if (self->seqs) {
-        Py_ssize_t pos = 0;
-        PyObject *k, *v;
-        while (PyDict_Next(self->seqs, &pos, &k, &v)) cv_sequence_free(PyLong_AsVoidPtr(v));
-        Py_DECREF(self->seqs);
-    }
+    free_seqs(self->seqs);
     type->tp_free((PyObject *)self);
     Py_DECREF(type);
 }
@@ -543,13 +587,9 @@ static PyObject *KV_add(KVObject *self, PyObject *args, PyObject *kw) {
     PyObject *tokens;
     int skip = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "LO|p:add", kwlist, &seq_id, &tokens, &skip)) return NULL;
-    int dup = has_seq(self->seqs, seq_id);
-    if (dup < 0) return NULL;
-    if (dup) return PyErr_Format(PyExc_ValueError, "seq_id %lld already exists", seq_id);
-    cv_sequence *q = new_seq_from(seq_id, tokens, 0);
+    cv_sequence *q = add_seq(self->seqs, seq_id, tokens, 0);
     if (!q) return NULL;
     q->skip_prefix_cache = skip;
-    if (store_seq(self->seqs, seq_id, q) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -577,8 +617,7 @@ static PyObject *KV_append(KVObject *self, PyObject *args, PyObject *kw) {
 
 static PyObject *KV_allocate(KVObject *self, PyObject *args) {
     long long seq_id, n;
-    if (!PyArg_ParseTuple(args, "LL:allocate", &seq_id, &n)) return NULL;
-    cv_sequence *q = get_seq(self->seqs, seq_id);
+    cv_sequence *q = parse_seq(self->seqs, args, "LL:allocate", &seq_id, &n);
     if (!q) return NULL;
     if (n < 0) return PyErr_Format(PyExc_ValueError, "n must be >= 0, got %lld", n);
     int rc = cv_kv_manager_allocate(self->m, q, n);
@@ -591,8 +630,7 @@ static PyObject *KV_allocate(KVObject *self, PyObject *args) {
 
 static PyObject *KV_free(KVObject *self, PyObject *args) {
     long long seq_id;
-    if (!PyArg_ParseTuple(args, "L:free", &seq_id)) return NULL;
-    cv_sequence *q = get_seq(self->seqs, seq_id);
+    cv_sequence *q = parse_seq(self->seqs, args, "L:free", &seq_id, NULL);
     if (!q) return NULL;
     cv_kv_manager_free(self->m, q);
     Py_RETURN_NONE;
@@ -601,8 +639,7 @@ static PyObject *KV_free(KVObject *self, PyObject *args) {
 /* The runner computed n more tokens of the sequence; newly full blocks are cached. */
 static PyObject *KV_compute(KVObject *self, PyObject *args) {
     long long seq_id, n;
-    if (!PyArg_ParseTuple(args, "LL:compute", &seq_id, &n)) return NULL;
-    cv_sequence *q = get_seq(self->seqs, seq_id);
+    cv_sequence *q = parse_seq(self->seqs, args, "LL:compute", &seq_id, &n);
     if (!q) return NULL;
     int64_t room = cv_kv_num_blocks(q) * cv_kv_manager_block_size(self->m);
     if (room > q->n_tokens) room = q->n_tokens;
@@ -618,14 +655,9 @@ static PyObject *KV_compute(KVObject *self, PyObject *args) {
 static PyObject *KV_fork(KVObject *self, PyObject *args) {
     long long child_id, parent_id;
     if (!PyArg_ParseTuple(args, "LL:fork", &child_id, &parent_id)) return NULL;
-    cv_sequence *parent = get_seq(self->seqs, parent_id);
-    if (!parent) return NULL;
-    int dup = has_seq(self->seqs, child_id);
-    if (dup < 0) return NULL;
-    if (dup) return PyErr_Format(PyExc_ValueError, "seq_id %lld already exists", child_id);
-    cv_sequence *child = cv_sequence_create(child_id, parent->tokens, parent->n_prompt, 0);
-    if (!child) return PyErr_NoMemory();
-    if (store_seq(self->seqs, child_id, child) < 0) return NULL;
+    cv_sequence *parent;
+    cv_sequence *child = add_child_seq(self->seqs, child_id, parent_id, 0, &parent);
+    if (!child) return NULL;
     if (cv_kv_manager_fork(self->m, child, parent) != CV_OK) {
         PyErr_NoMemory();
         drop_seq(self->seqs, child_id, child);
@@ -652,8 +684,7 @@ static PyObject *KV_trim(KVObject *self, PyObject *args) {
 
 static PyObject *KV_lookup_prefix(KVObject *self, PyObject *args) {
     long long seq_id;
-    if (!PyArg_ParseTuple(args, "L:lookup_prefix", &seq_id)) return NULL;
-    cv_sequence *q = get_seq(self->seqs, seq_id);
+    cv_sequence *q = parse_seq(self->seqs, args, "L:lookup_prefix", &seq_id, NULL);
     if (!q) return NULL;
     if (q->n_tokens < 1) return PyErr_Format(PyExc_ValueError, "sequence %lld holds no tokens", seq_id);
     int64_t n_free = 0;
@@ -663,8 +694,7 @@ static PyObject *KV_lookup_prefix(KVObject *self, PyObject *args) {
 
 static PyObject *KV_take_prefix(KVObject *self, PyObject *args) {
     long long seq_id, n_hits;
-    if (!PyArg_ParseTuple(args, "LL:take_prefix", &seq_id, &n_hits)) return NULL;
-    cv_sequence *q = get_seq(self->seqs, seq_id);
+    cv_sequence *q = parse_seq(self->seqs, args, "LL:take_prefix", &seq_id, &n_hits);
     if (!q) return NULL;
     if (cv_kv_num_blocks(q) != 0)
         return PyErr_Format(PyExc_ValueError, "sequence %lld already holds blocks", seq_id);
@@ -674,8 +704,7 @@ static PyObject *KV_take_prefix(KVObject *self, PyObject *args) {
 
 static PyObject *KV_preempt(KVObject *self, PyObject *args) {
     long long seq_id;
-    if (!PyArg_ParseTuple(args, "L:preempt", &seq_id)) return NULL;
-    cv_sequence *q = get_seq(self->seqs, seq_id);
+    cv_sequence *q = parse_seq(self->seqs, args, "L:preempt", &seq_id, NULL);
     if (!q) return NULL;
     cv_kv_manager_preempt(self->m, q);
     Py_RETURN_NONE;
@@ -683,8 +712,7 @@ static PyObject *KV_preempt(KVObject *self, PyObject *args) {
 
 static PyObject *KV_lookup_resume(KVObject *self, PyObject *args) {
     long long seq_id;
-    if (!PyArg_ParseTuple(args, "L:lookup_resume", &seq_id)) return NULL;
-    cv_sequence *q = get_seq(self->seqs, seq_id);
+    cv_sequence *q = parse_seq(self->seqs, args, "L:lookup_resume", &seq_id, NULL);
     if (!q) return NULL;
     if (q->n_tokens < 1) return PyErr_Format(PyExc_ValueError, "sequence %lld holds no tokens", seq_id);
     if (cv_kv_num_blocks(q) != 0)
@@ -696,8 +724,7 @@ static PyObject *KV_lookup_resume(KVObject *self, PyObject *args) {
 
 static PyObject *KV_take_resume(KVObject *self, PyObject *args) {
     long long seq_id;
-    if (!PyArg_ParseTuple(args, "L:take_resume", &seq_id)) return NULL;
-    cv_sequence *q = get_seq(self->seqs, seq_id);
+    cv_sequence *q = parse_seq(self->seqs, args, "L:take_resume", &seq_id, NULL);
     if (!q) return NULL;
     if (cv_kv_num_blocks(q) != 0)
         return PyErr_Format(PyExc_ValueError, "sequence %lld already holds blocks", seq_id);
@@ -707,19 +734,11 @@ static PyObject *KV_take_resume(KVObject *self, PyObject *args) {
 
 static PyObject *KV_seq_info(KVObject *self, PyObject *args) {
     long long seq_id;
-    if (!PyArg_ParseTuple(args, "L:seq_info", &seq_id)) return NULL;
-    cv_sequence *q = get_seq(self->seqs, seq_id);
+    cv_sequence *q = parse_seq(self->seqs, args, "L:seq_info", &seq_id, NULL);
     if (!q) return NULL;
-    PyObject *d = PyDict_New();
+    PyObject *d = seq_dict(q);
     if (!d) return NULL;
-    if (cv_py_put(d, "block_table", cv_py_int32_list(q->blocks.table, q->blocks.n)) < 0 ||
-        cv_py_put(d, "n_computed", PyLong_FromLongLong(q->n_computed)) < 0 ||
-        cv_py_put(d, "n_cached_blocks", PyLong_FromLongLong(q->blocks.n_cached)) < 0 ||
-        cv_py_put(d, "n_cached_prompt", PyLong_FromLongLong(q->n_cached_prompt)) < 0 ||
-        cv_py_put(d, "n_kept", PyLong_FromLongLong(q->blocks.n_kept)) < 0 ||
-        cv_py_put(d, "kept_computed", PyLong_FromLongLong(q->blocks.kept_computed)) < 0 ||
-        cv_py_put(d, "n_tokens", PyLong_FromLongLong(q->n_tokens)) < 0 ||
-        cv_py_put(d, "tokens", cv_py_int32_list(q->tokens, q->n_tokens)) < 0) {
+    if (cv_py_put(d, "n_cached_blocks", PyLong_FromLongLong(q->blocks.n_cached)) < 0) {
         Py_DECREF(d);
         return NULL;
     }
@@ -743,15 +762,7 @@ static PyObject *KV_stats(KVObject *self, PyObject *Py_UNUSED(ignored)) {
 }
 
 static PyObject *KV_refcounts(KVObject *self, PyObject *Py_UNUSED(ignored)) {
-    const int64_t nb = cv_kv_manager_num_blocks(self->m);
-    PyObject *l = PyList_New((Py_ssize_t)nb);
-    if (!l) return NULL;
-    for (int64_t b = 0; b < nb; b++) {
-        PyObject *x = PyLong_FromLong(cv_kv_manager_refcount(self->m, b));
-        if (!x) { Py_DECREF(l); return NULL; }
-        PyList_SET_ITEM(l, b, x);
-    }
-    return l;
+    return refcount_list(self->m);
 }
 
 static PyObject *KV_check(KVObject *self, PyObject *Py_UNUSED(ignored)) {
@@ -763,12 +774,7 @@ static PyObject *KV_check(KVObject *self, PyObject *Py_UNUSED(ignored)) {
     cv_err err = {0};
     int rc = cv_kv_manager_check(self->m, all, i, &err);
     PyMem_Free(all);
-    if (rc == CV_OK) Py_RETURN_NONE;
-    if (rc == CV_ERR_STATE) {
-        PyErr_Format(PyExc_AssertionError, "KV manager invariant broken: %s", err.msg);
-        return NULL;
-    }
-    return cv_py_raise(&err);
+    return check_result(rc, &err, "KV manager");
 }
 
 static PyMethodDef KV_methods[] = {
