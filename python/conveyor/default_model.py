@@ -9,12 +9,13 @@ command CI runs to fetch the model before the tests:
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 from .fetch import FetchError as DefaultModelError
 from .fetch import cache_dir, sha256_file
-from .models import BUILTIN_MODELS, DEFAULT_MODEL, default_model_path, fetch_main, fetch_model, find_model, \
+from .models import BUILTIN_MODELS, DEFAULT_MODEL, default_model_path, fetch_model, find_model, main_for, \
     resolve_model
 
 __all__ = ["MODEL_FILE", "MODEL_SHA256", "MODEL_BYTES", "DefaultModelError", "cache_dir",
@@ -22,19 +23,10 @@ __all__ = ["MODEL_FILE", "MODEL_SHA256", "MODEL_BYTES", "DefaultModelError", "ca
            "main"]
 
 _MODEL = BUILTIN_MODELS[DEFAULT_MODEL]
-MODEL_FILE = _MODEL.file
-MODEL_SHA256 = _MODEL.sha256
-MODEL_BYTES = _MODEL.size
-
-
-def find_default_model() -> Optional[Path]:
-    """The default model's file if it is here (installed package, then cache), else None."""
-    return find_model(DEFAULT_MODEL)
-
-
-def fetch_default_model(*, force: bool = False) -> Path:
-    """The default model's file, fetched into the cache if it is not here yet."""
-    return fetch_model(DEFAULT_MODEL, force=force)
+MODEL_FILE, MODEL_SHA256, MODEL_BYTES = _MODEL.file, _MODEL.sha256, _MODEL.size
+find_default_model = partial(find_model, DEFAULT_MODEL)
+fetch_default_model = partial(fetch_model, DEFAULT_MODEL)
+main = main_for(DEFAULT_MODEL)
 
 
 def resolve_default_model(*, fetch: bool = True) -> Optional[Path]:
@@ -45,10 +37,6 @@ def resolve_default_model(*, fetch: bool = True) -> Optional[Path]:
     except DefaultModelError as e:
         print(f"conveyor: the default model is not available: {e}", file=sys.stderr, flush=True)
         return None
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    return fetch_main(argv)
 
 
 if __name__ == "__main__":

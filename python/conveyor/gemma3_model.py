@@ -7,30 +7,20 @@ Everything lives in conveyor.models; this module keeps the names scripts use:
 """
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Optional, Sequence
+from functools import partial
 
 from .fetch import FetchError as Gemma3FetchError
-from .models import BUILTIN_MODELS, fetch_main, fetch_model, find_model, resolve_model
+from .models import BUILTIN_MODELS, fetch_model, find_model, main_for, resolve_model
 
 __all__ = ["NAME", "MODEL_FILE", "MODEL_SHA256", "MODEL_BYTES", "Gemma3FetchError",
            "find_gemma3_model", "fetch_gemma3_model", "resolve_model_name", "main"]
 
 NAME = "gemma-3-270m"
 _MODEL = BUILTIN_MODELS[NAME]
-MODEL_FILE = _MODEL.file
-MODEL_SHA256 = _MODEL.sha256
-MODEL_BYTES = _MODEL.size
-
-
-def find_gemma3_model() -> Optional[Path]:
-    """The cached file when it is there with the right size, else None."""
-    return find_model(NAME)
-
-
-def fetch_gemma3_model() -> Path:
-    """The file, fetched into the cache when it is not there yet."""
-    return fetch_model(NAME)
+MODEL_FILE, MODEL_SHA256, MODEL_BYTES = _MODEL.file, _MODEL.sha256, _MODEL.size
+find_gemma3_model = partial(find_model, NAME)
+fetch_gemma3_model = partial(fetch_model, NAME)
+main = main_for(NAME)
 
 
 def resolve_model_name(model: str) -> str:
@@ -43,11 +33,5 @@ def resolve_model_name(model: str) -> str:
         return model
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return fetch_main([NAME, *(argv or [])] if argv is not None else [NAME])
-
-
 if __name__ == "__main__":
-    import sys
-
-    raise SystemExit(fetch_main([NAME, *sys.argv[1:]]))
+    raise SystemExit(main())

