@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from ._core import ModelFormatError
-from .tokenizer_base import _BYTE_PIECE, Tokenizer, _check_ids
+from .tokenizer_base import _BYTE_PIECE, Tokenizer, _check_ids, _check_text
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -209,14 +209,8 @@ class HFTokenizer(Tokenizer):
             else:
                 self._bytes[i] = t.encode("utf-8")
 
-    def token_bytes(self, token_id: int) -> bytes:
-        (i,) = _check_ids([token_id])
-        return self._bytes[i] if i < self.vocab_size else b""
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if not isinstance(text, str):
-            raise TypeError(f"text must be a str, got {type(text).__name__}")
-        ids = list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        ids = list(self._tok.encode(_check_text(text), add_special_tokens=add_special_tokens).ids)
         return self._with_bos_eos(ids) if add_special_tokens else ids
 
     def _with_bos_eos(self, ids: list[int]) -> list[int]:

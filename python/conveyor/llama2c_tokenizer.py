@@ -7,7 +7,7 @@ import struct
 from pathlib import Path
 
 from ._core import ModelFormatError
-from .tokenizer_base import _BYTE_PIECE, Tokenizer, _check_ids
+from .tokenizer_base import _BYTE_PIECE, Tokenizer, _check_ids, _check_text
 
 
 class Llama2cTokenizer(Tokenizer):
@@ -71,37 +71,28 @@ class Llama2cTokenizer(Tokenizer):
         m = _BYTE_PIECE.fullmatch(p)
         return bytes([int(m.group(1), 16)]) if m else p
 
-    def token_bytes(self, token_id: int) -> bytes:
-        (i,) = _check_ids([token_id])
-        return self._bytes[i] if i < self.vocab_size else b""
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if not isinstance(text, str):
-            raise TypeError(f"text must be a str, got {type(text).__name__}")
         ids: list[int] = []
         if add_special_tokens:
             ids.append(self.bos_id)
-        if text:
+        if _check_text(text):
             ids.append(self._lookup.get(b" ", 0x20 + 3))  # dummy prefix
-        for ch in text:
-            b = ch.encode("utf-8")
-            i = self._lookup.get(b)
-            if i is None:
-                ids.extend(x + 3 for x in b)  # byte fallback
-            else:
-                ids.append(i)
-        return self._merge(ids)
+        return self._merge(self._char_ids(text, ids))
 
     def encode_exact_bytes(self, data: bytes) -> list[int]:
-        ids: list[int] = []
-        for ch in data.decode("utf-8", "surrogateescape"):
-            b = ch.encode("utf-8", "surrogateescape")
+        return self._merge(self._char_ids(data.decode("utf-8", "surrogateescape"), [], "surrogateescape"))
+
+    def _char_ids(self, text: str, ids: list[int], errors: str = "strict") -> list[int]:
+        """ids extended by each character's piece, or where the vocabulary has none by
+        the byte pieces of its UTF-8 (encoded with errors)."""
+        for ch in text:
+            b = ch.encode("utf-8", errors)
             i = self._lookup.get(b)
             if i is None:
                 ids.extend(x + 3 for x in b)  # byte fallback
             else:
                 ids.append(i)
-        return self._merge(ids)
+        return ids
 
     def _merge(self, toks: list[int]) -> list[int]:
         """Repeatedly merges the adjacent pair with the best-scoring concatenation

@@ -32,6 +32,12 @@ def _check_messages(messages) -> list[dict]:
     return msgs
 
 
+def _check_text(text) -> str:
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    return text
+
+
 def _check_ids(ids) -> list[int]:
     if isinstance(ids, (str, bytes)):
         raise TypeError("token ids must be a sequence of ints")
@@ -51,7 +57,8 @@ class Tokenizer:
 
     Attributes: ``kind`` ("hf" or "llama2c"), ``vocab_size``, ``bos_id`` (or None),
     ``eos_id`` (or None), ``eos_ids`` (all ids that end generation), ``special_ids``,
-    ``strip_leading_space_after_bos``, ``chat_template`` (or None).
+    ``strip_leading_space_after_bos``, ``chat_template`` (or None); ``_bytes``, the raw
+    bytes of every id of the vocabulary (b"" for special tokens).
     """
 
     kind: str = ""
@@ -64,6 +71,7 @@ class Tokenizer:
     chat_template: str | None = None
     bos_token: str | None = None
     eos_token: str | None = None
+    _bytes: list[bytes]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise NotImplementedError
@@ -72,7 +80,9 @@ class Tokenizer:
         raise NotImplementedError
 
     def token_bytes(self, token_id: int) -> bytes:
-        raise NotImplementedError
+        """The raw bytes of a token id; b"" for ids past the vocabulary."""
+        (i,) = _check_ids([token_id])
+        return self._bytes[i] if i < self.vocab_size else b""
 
     def encode_exact_bytes(self, data: bytes) -> list[int]:
         """Ids whose token bytes concatenate to exactly ``data``: no BOS, no dummy
