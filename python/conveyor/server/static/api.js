@@ -75,9 +75,34 @@ export async function streamEvents(path, onData, signal) {
   await readEvents(resp, onData);
 }
 
-// The key dialog: resolves when the visitor saved a key (or cancelled it).
+// The key dialog every page shares, added to the page when this module loads.
+const KEY_DIALOG = `
+  <form method="dialog">
+    <p id="key-message">This server needs an API key.</p>
+    <label for="key-input">API key</label>
+    <input id="key-input" type="password" autocomplete="off">
+    <p class="hint">Kept in this browser's local storage and sent as a bearer token.</p>
+    <div class="actions">
+      <button value="save" id="key-save">Save</button>
+      <button value="cancel" formnovalidate>Cancel</button>
+    </div>
+  </form>`;
+
+function keyDialog() {
+  let dlg = document.getElementById("key-dialog");
+  if (!dlg) {
+    dlg = document.createElement("dialog");
+    dlg.id = "key-dialog";
+    dlg.innerHTML = KEY_DIALOG; // a constant: no text from outside
+    document.body.append(dlg);
+  }
+  return dlg;
+}
+keyDialog();
+
+// Asks for the key: resolves when the visitor saved a key (or cancelled it).
 export function askForKey(message) {
-  const dlg = document.getElementById("key-dialog");
+  const dlg = keyDialog();
   const input = document.getElementById("key-input");
   return new Promise(resolve => {
     if (dlg.open) { // asked already (another request needs it too): wait for that answer
