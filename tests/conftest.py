@@ -31,17 +31,14 @@ def pytest_unconfigure(config):
     if _test_cache is not None:
         shutil.rmtree(_test_cache, ignore_errors=True)
 
-# the checkout's ../shared, or CONVEYOR_SHARED (a worktree elsewhere)
-SHARED = Path(os.environ.get("CONVEYOR_SHARED") or Path(__file__).resolve().parents[2] / "shared")
-
 
 @pytest.fixture(scope="session")
 def stories_dir() -> Path:
-    """The shared stories260K folder (stories260K.bin, tok512.bin); skips when absent."""
-    d = SHARED / "models" / "stories260K"
-    if not (d / "stories260K.bin").is_file() or not (d / "tok512.bin").is_file():
-        pytest.skip(f"stories260K not found in {d}")
-    return d
+    """The stories260K folder that ships in the package (stories260K.bin, tok512.bin)."""
+    from conveyor.testing import STORIES_DIR
+
+    assert (STORIES_DIR / "stories260K.bin").is_file() and (STORIES_DIR / "tok512.bin").is_file(), STORIES_DIR
+    return STORIES_DIR
 
 
 @pytest.fixture(scope="session")

@@ -26,8 +26,9 @@ import pytest
 
 import conveyor
 from conveyor import AsyncLLM, LLM, SamplingParams
+from conveyor.testing import STORIES_DIR  # noqa: E402
 
-STORIES = Path(__file__).resolve().parents[2] / "shared/models/stories260K/stories260K.bin"
+STORIES = STORIES_DIR / "stories260K.bin"
 needs_stories = pytest.mark.skipif(not STORIES.is_file(), reason=f"{STORIES} not found")
 pytestmark = needs_stories
 

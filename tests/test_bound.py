@@ -17,8 +17,9 @@ core = pytest.importorskip("conveyor._core")
 from conveyor import LLM  # noqa: E402
 from conveyor.bench import bound  # noqa: E402
 from conveyor.bench.study import make_study_workload  # noqa: E402
+from conveyor.testing import STORIES_DIR  # noqa: E402
 
-STORIES = Path(__file__).resolve().parents[2] / "shared/models/stories260K/stories260K.bin"
+STORIES = STORIES_DIR / "stories260K.bin"
 SMOLLM2 = Path.home() / ".cache/conveyor/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # 2 layers, dim 32, FFN 64, 2 query heads and 1 KV head of 16, vocab 32, Q8_0 matrices

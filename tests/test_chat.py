@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from conveyor.testing import subprocess_env
+from conveyor.testing import STORIES_DIR  # noqa: E402
 
-MODEL = Path(__file__).resolve().parents[2] / "shared/models/stories260K/stories260K.bin"
+MODEL = STORIES_DIR / "stories260K.bin"
 pytestmark = pytest.mark.skipif(not MODEL.is_file(), reason=f"{MODEL} not found")
 ARGS = ["--temperature", "0", "--max-tokens", "24"]
 

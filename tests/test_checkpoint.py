@@ -14,8 +14,9 @@ import pytest
 
 import conveyor
 from conveyor._core import Checkpoint
+from conveyor.testing import STORIES_DIR  # noqa: E402
 
-STORIES = Path(__file__).parents[2] / "shared/models/stories260K"
+STORIES = STORIES_DIR
 
 # ---------------------------------------------------------------- writers ---
 

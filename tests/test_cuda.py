@@ -18,8 +18,9 @@ import pytest
 
 import conveyor
 from conveyor import _testing
+from conveyor.testing import STORIES_DIR  # noqa: E402
 
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K" / "stories260K.bin"
+STORIES = STORIES_DIR / "stories260K.bin"
 
 
 def _available() -> bool:

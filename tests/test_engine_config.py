@@ -13,8 +13,9 @@ import pytest
 import conveyor
 from conveyor import LLM, SamplingParams
 from conveyor.engine import EngineArgs
+from conveyor.testing import STORIES_DIR  # noqa: E402
 
-STORIES = Path(__file__).resolve().parents[2] / "shared/models/stories260K/stories260K.bin"
+STORIES = STORIES_DIR / "stories260K.bin"
 pytestmark = pytest.mark.skipif(not STORIES.is_file(), reason=f"{STORIES} not found")
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,

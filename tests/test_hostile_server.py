@@ -21,7 +21,7 @@ pytest.importorskip("llguidance")
 
 from conveyor.bench.serve import OwnServer  # noqa: E402
 
-MODEL = Path(__file__).resolve().parents[2] / "shared/models/stories260K/stories260K.bin"
+MODEL = STORIES_DIR / "stories260K.bin"
 pytestmark = pytest.mark.skipif(not MODEL.is_file(), reason=f"{MODEL} not found")
 KEY = "hostile-test-key"
 
@@ -45,6 +45,7 @@ TEMPLATE = textwrap.dedent("""\
 
 HEALTH_POLLER = """
 import http.client, json, sys, time
+from conveyor.testing import STORIES_DIR  # noqa: E402
 host, port, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 lat = []
 end = time.monotonic() + seconds

@@ -21,11 +21,12 @@ from conveyor import _core  # noqa: E402
 
 from conveyor import LLM, SamplingParams  # noqa: E402
 from conveyor.testing import random_block_tables  # noqa: E402
+from conveyor.testing import STORIES_DIR  # noqa: E402
 
 INFO = _core.kernel_info()
 LEVELS = ["avx2", "avx512", "avx512_bf16"]
 IMPLS = ["simd", "plain"] + [lv for lv in LEVELS if lv in INFO["levels"] and lv != INFO["simd"]]
-STORIES = Path(__file__).resolve().parents[2] / "shared/models/stories260K/stories260K.bin"
+STORIES = STORIES_DIR / "stories260K.bin"
 
 
 def quantize_ref(x):

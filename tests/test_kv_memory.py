@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
-STORIES = Path(__file__).resolve().parents[2] / "shared/models/stories260K/stories260K.bin"
+STORIES = STORIES_DIR / "stories260K.bin"
 pytestmark = pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc")
 
 CHILD = r"""
 import json, os, sys
 import conveyor
 from conveyor import SamplingParams
+from conveyor.testing import STORIES_DIR  # noqa: E402
 page = os.sysconf("SC_PAGE_SIZE")
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * page

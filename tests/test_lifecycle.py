@@ -6,8 +6,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conveyor.testing import STORIES_DIR  # noqa: E402
 
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K" / "stories260K.bin"
+STORIES = STORIES_DIR / "stories260K.bin"
 pytestmark = pytest.mark.skipif(not STORIES.exists(), reason="stories260K not found")
 
 

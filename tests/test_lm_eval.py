@@ -29,8 +29,9 @@ pytest.importorskip("uvicorn")
 
 from conveyor import LLM, SamplingParams  # noqa: E402
 from conveyor.bench.serve import OwnServer  # noqa: E402
+from conveyor.testing import STORIES_DIR  # noqa: E402
 
-STORIES = Path(__file__).resolve().parents[2] / "shared/models/stories260K/stories260K.bin"
+STORIES = STORIES_DIR / "stories260K.bin"
 
 MC_ITEMS = [
     {"question": "The cat sat on the", "choices": ["mat", "moon", "dog"], "answer": 0},

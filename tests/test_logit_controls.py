@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from conveyor import LLM, SamplingParams
+from conveyor.testing import STORIES_DIR  # noqa: E402
 
-MODEL = Path(__file__).resolve().parents[2] / "shared/models/stories260K/stories260K.bin"
+MODEL = STORIES_DIR / "stories260K.bin"
 pytestmark = pytest.mark.skipif(not MODEL.is_file(), reason=f"{MODEL} not found")
 PROMPT = "Once upon a time, there was a little girl named Lily. She"
 

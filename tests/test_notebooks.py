@@ -5,12 +5,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from conveyor.testing import STORIES_DIR  # noqa: E402
 
 nbclient = pytest.importorskip("nbclient")
 nbformat = pytest.importorskip("nbformat")
 
 NB_DIR = Path(__file__).resolve().parents[1] / "notebooks"
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+STORIES = STORIES_DIR
 
 
 @pytest.fixture()

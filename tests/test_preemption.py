@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 
 from conveyor import LLM, SamplingParams, _core
 from conveyor._testing import Scheduler
+from conveyor.testing import STORIES_DIR  # noqa: E402
 
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K" / "stories260K.bin"
+STORIES = STORIES_DIR / "stories260K.bin"
 needs_stories = pytest.mark.skipif(not STORIES.exists(), reason="stories260K not found")
 ALL_LEVELS = ["scalar", "avx2", "avx512", "avx512_bf16"]
 TOKEN_BYTES = 1280  # stories260K: 5 layers x 4 KV heads x 8 dims x (K, V) x float32

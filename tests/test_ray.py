@@ -28,8 +28,9 @@ import conveyor  # noqa: E402
 from conveyor import SamplingParams  # noqa: E402
 from conveyor.ray.data import ConveyorPredictor, build_processor  # noqa: E402
 from conveyor.ray.serve import NODE_HEADER, REPLICA_HEADER, build  # noqa: E402
+from conveyor.testing import STORIES_DIR  # noqa: E402
 
-MODEL = str(Path(__file__).resolve().parents[2] / "shared/models/stories260K/stories260K.bin")
+MODEL = str(STORIES_DIR / "stories260K.bin")
 SERVED = "stories260K"  # what a deployment answers to: the model's name, never its path on disk
 pytestmark = [pytest.mark.skipif(not Path(MODEL).is_file(), reason=f"{MODEL} not found"),
               pytest.mark.timeout(300)]

@@ -33,8 +33,9 @@ import conveyor
 from conveyor._testing import ModelRunner
 from conveyor.reference import ReferenceModel
 from conveyor.testing import random_shape, round_to_dtype, write_hf_checkpoint, write_llama2c_checkpoint
+from conveyor.testing import STORIES_DIR  # noqa: E402
 
-STORIES = Path(__file__).resolve().parents[2] / "shared/models/stories260K/stories260K.bin"
+STORIES = STORIES_DIR / "stories260K.bin"
 
 
 # ---------------------------------------------------------------------------- the driver

@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conveyor.testing import STORIES_DIR  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = Path(__file__).resolve().parents[2] / "shared/models/stories260K/stories260K.bin"
+MODEL = STORIES_DIR / "stories260K.bin"
 SOAK = ROOT / "tools" / "soak.py"
 pytestmark = [pytest.mark.skipif(not MODEL.is_file(), reason=f"{MODEL} not found"),
               pytest.mark.skipif(not SOAK.is_file(), reason="tools/soak.py not in this tree")]

@@ -21,8 +21,9 @@ from conveyor import SamplingParams  # noqa: E402
 from conveyor.bench.serve import OwnServer  # noqa: E402
 from conveyor.guided import GuidedDecodingParams  # noqa: E402
 from conveyor.testing import write_hf_checkpoint  # noqa: E402
+from conveyor.testing import STORIES_DIR  # noqa: E402
 
-STORIES = Path(__file__).resolve().parents[2] / "shared/models/stories260K/stories260K.bin"
+STORIES = STORIES_DIR / "stories260K.bin"
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 6},

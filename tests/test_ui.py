@@ -27,8 +27,9 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 
 from conveyor.bench.serve import OwnServer  # noqa: E402
+from conveyor.testing import STORIES_DIR  # noqa: E402
 
-MODEL = Path(__file__).resolve().parents[2] / "shared/models/stories260K/stories260K.bin"
+MODEL = STORIES_DIR / "stories260K.bin"
 pytestmark = pytest.mark.skipif(not MODEL.is_file(), reason=f"{MODEL} not found")
 CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (Debian: apt-get install chromium; "

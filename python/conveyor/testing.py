@@ -37,6 +37,10 @@ from . import _core
 from .gguf import _TYPE_LAYOUT, GGMLType, GGUFReader, GGUFValueType, GGUFWriter, _ggml_type, quantize
 from .hf_tokenizer import _bytes_to_unicode
 
+# The stories260K model that ships inside the package (llama2.c's tinyllamas, MIT):
+# stories260K.bin and its tokenizer tok512.bin. Tests use it, so they need no checkout beside.
+STORIES_DIR = Path(__file__).resolve().parent / "data" / "stories260K"
+
 __all__ = [
     "SHAPES",
     "ARCHS",
