@@ -63,7 +63,9 @@ class Browser:
              "--no-first-run", "--no-default-browser-check", "--disable-extensions", "--disable-sync",
              "--disable-background-networking", "--disable-component-update", "--mute-audio",
              f"--user-data-dir={self.profile}", "about:blank"],
-            preexec_fn=fds, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=False)
+            preexec_fn=fds, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=False,
+            # the browser is none of ours: no sanitizer runtime preloaded into it (tools/sanitize.sh)
+            env={k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ASAN_OPTIONS", "LSAN_OPTIONS")})
         os.close(cmd_r)
         os.close(resp_w)
         self._next = 0
