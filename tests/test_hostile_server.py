@@ -20,6 +20,7 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("llguidance")
 
 from conveyor.bench.serve import OwnServer  # noqa: E402
+from conveyor.testing import STORIES_DIR  # noqa: E402
 
 MODEL = STORIES_DIR / "stories260K.bin"
 pytestmark = pytest.mark.skipif(not MODEL.is_file(), reason=f"{MODEL} not found")
@@ -45,7 +46,6 @@ TEMPLATE = textwrap.dedent("""\
 
 HEALTH_POLLER = """
 import http.client, json, sys, time
-from conveyor.testing import STORIES_DIR  # noqa: E402
 host, port, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 lat = []
 end = time.monotonic() + seconds

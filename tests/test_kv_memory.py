@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conveyor.testing import STORIES_DIR  # noqa: E402
 
 STORIES = STORIES_DIR / "stories260K.bin"
 pytestmark = pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc")
@@ -19,7 +20,6 @@ CHILD = r"""
 import json, os, sys
 import conveyor
 from conveyor import SamplingParams
-from conveyor.testing import STORIES_DIR  # noqa: E402
 page = os.sysconf("SC_PAGE_SIZE")
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * page
