@@ -15,6 +15,7 @@ the prompt.
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 import warnings
 from contextlib import aclosing
@@ -142,15 +143,29 @@ def run_chat(llm, conv: Conversation, params_for, out=sys.stdout, interactive: b
             parts: list = []
             task = loop.create_task(_answer(llm, prompt, params_for(room), out, parts))
             stopped = False
+
+            def stop_answer():
+                nonlocal stopped
+                stopped = True
+                task.cancel()
+
+            # Ctrl-C while answering cancels the answer from inside the loop, never as a
+            # KeyboardInterrupt raised wherever the main thread happens to be (inside the
+            # engine's own callbacks it could leave the request's stream waiting forever).
+            loop.add_signal_handler(signal.SIGINT, stop_answer)
             try:
                 loop.run_until_complete(task)
-            except KeyboardInterrupt:  # stop this answer, keep the program
+            except asyncio.CancelledError:
+                pass
+            except KeyboardInterrupt:  # arrived before the handler was in place
                 stopped = True
                 task.cancel()
                 try:
                     loop.run_until_complete(task)
-                except BaseException:  # the interrupt landed inside the answer's own code
+                except BaseException:
                     pass
+            finally:
+                loop.remove_signal_handler(signal.SIGINT)
             out.write("\n[stopped]\n\n" if stopped else "\n\n")
             out.flush()
             conv.turns.append({"role": "assistant", "content": "".join(parts)})
