@@ -54,6 +54,17 @@ _ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2Fo
 MAX_MODEL_JSON_BYTES = 16 << 20
 
 
+def f32_to_bf16_bits(a) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), round to nearest even."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    return rounded.astype(np.uint16)
+
+
+def bf16_bits_to_f32(bits) -> np.ndarray:
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
 def read_safetensors_file(path) -> dict[str, tuple[str, np.ndarray]]:
     """{name: (dtype, values)} of one .safetensors file; values as float32 (exact for
     F32/F16/BF16), shaped as stored."""
@@ -450,9 +461,7 @@ class ReferenceModel:
     def _mm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         """x @ w.T with x rounded as the engine's GEMM reads it."""
         if self.gemm_inputs == "bfloat16":  # the float32 row (as the engine holds it), then bf16
-            from .testing import round_to_dtype
-
-            x = round_to_dtype(x, "bfloat16").astype(x.dtype)
+            x = bf16_bits_to_f32(f32_to_bf16_bits(x)).astype(x.dtype)
         return x @ w.T
 
     @property

@@ -36,6 +36,7 @@ import numpy as np
 from . import _core
 from .gguf import _TYPE_LAYOUT, GGMLType, GGUFReader, GGUFValueType, GGUFWriter, _ggml_type, quantize
 from .hf_tokenizer import _bytes_to_unicode
+from .reference import bf16_bits_to_f32, f32_to_bf16_bits
 
 # The stories260K model that ships inside the package (llama2.c's tinyllamas, MIT):
 # stories260K.bin and its tokenizer tok512.bin. Tests use it, so they need no checkout beside.
@@ -248,17 +249,6 @@ def random_shape(rng: np.random.Generator, *, llama2c: bool = False, max_vocab: 
 
 
 # ---------------------------------------------------------------------------- numbers
-
-
-def f32_to_bf16_bits(a) -> np.ndarray:
-    """float32 -> bfloat16 bit patterns (uint16), round to nearest even."""
-    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
-    rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-    return rounded.astype(np.uint16)
-
-
-def bf16_bits_to_f32(bits) -> np.ndarray:
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
 def gemm_input_dtype(weight_dtype: str, info: dict | None = None) -> str:
