@@ -2,7 +2,6 @@
 the batched step equal to the NumPy reference with the delta and to merged weights, mixed
 batches batch-invariant, slots swapped LRU, the prefix cache keyed by adapter."""
 import json
-import struct
 
 import numpy as np
 import pytest
@@ -10,7 +9,7 @@ import pytest
 from conveyor import LLM, LoRAError, LoRARequest, SamplingParams, _core
 from conveyor import testing as T
 from conveyor.lora import load_adapter
-from conveyor.reference import ReferenceModel, read_safetensors_file
+from conveyor.reference import ReferenceModel
 
 LEVELS = ["scalar", "avx2", "avx512", "avx512_bf16"]
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
@@ -148,29 +147,7 @@ def test_stories260k_peft_and_gguf(tmp_path, stories_dir):
 
 def _write_merged(tmp_path, model, w, rank, alpha):
     """The HF checkpoint with W + scale * B A written into its weights."""
-    merged = tmp_path / "merged"
-    merged.mkdir()
-    for f in model.iterdir():
-        if f.name != "model.safetensors":
-            (merged / f.name).write_bytes(f.read_bytes())
-    tensors = {k: v for k, (_, v) in read_safetensors_file(model / "model.safetensors").items()}
-    for (layer, mod), (a, b) in w.items():
-        part = "self_attn" if mod in T.LORA_MODULES[:4] else "mlp"
-        name = f"model.layers.{layer}.{part}.{mod}.weight"
-        tensors[name] = (tensors[name].astype(np.float64) + alpha / rank * (b.astype(np.float64) @ a)).astype(
-            np.float32)
-    names = sorted(tensors)
-    meta, off = {}, 0
-    for n in names:
-        meta[n] = {"dtype": "F32", "shape": list(tensors[n].shape), "data_offsets": [off, off + tensors[n].nbytes]}
-        off += tensors[n].nbytes
-    head = json.dumps(meta).encode()
-    head += b" " * (-len(head) % 8)
-    with open(merged / "model.safetensors", "wb") as f:
-        f.write(struct.pack("<Q", len(head)) + head)
-        for n in names:
-            f.write(np.ascontiguousarray(tensors[n]).tobytes())
-    return merged
+    return T.write_merged_lora(tmp_path / "merged", model, w, alpha / rank)
 
 
 def test_merged_weights_equivalence(tmp_path, tiny_hf_dir):

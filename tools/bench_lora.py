@@ -12,8 +12,6 @@ Ratios compare runs of this one process; on a shared machine repeat it before tr
 figure.
 """
 import argparse
-import json
-import struct
 import sys
 import tempfile
 import time
@@ -23,33 +21,7 @@ import numpy as np
 
 from conveyor import LLM, LoRARequest, SamplingParams, _core
 from conveyor import testing as T
-from conveyor.reference import read_safetensors_file
 
-SHARED_MODEL = Path("/work/shared/models/stories260K/stories260K.bin")
-
-
-def write_merged(dst: Path, base: Path, weights: dict, scale: float) -> Path:
-    """A copy of HF folder base with W + scale * B A in its projections (float32)."""
-    dst.mkdir(parents=True)
-    for f in base.iterdir():
-        if f.name != "model.safetensors":
-            (dst / f.name).write_bytes(f.read_bytes())
-    tensors = {k: v for k, (_, v) in read_safetensors_file(base / "model.safetensors").items()}
-    for (layer, mod), (a, b) in weights.items():
-        name = f"model.layers.{layer}.{'self_attn' if mod in T.LORA_MODULES[:4] else 'mlp'}.{mod}.weight"
-        tensors[name] = (tensors[name] + scale * (b @ a)).astype(np.float32)
-    names = sorted(tensors)
-    meta, off = {}, 0
-    for n in names:
-        meta[n] = {"dtype": "F32", "shape": list(tensors[n].shape), "data_offsets": [off, off + tensors[n].nbytes]}
-        off += tensors[n].nbytes
-    head = json.dumps(meta).encode()
-    head += b" " * (-len(head) % 8)
-    with open(dst / "model.safetensors", "wb") as f:
-        f.write(struct.pack("<Q", len(head)) + head)
-        for n in names:
-            f.write(np.ascontiguousarray(tensors[n]).tobytes())
-    return dst
 
 
 def timed(llm, prompts, params, loras=None) -> float:
@@ -101,7 +73,7 @@ def main(argv=None) -> int:
             t0, n_tok = time.perf_counter(), 0
             for i in range(k):  # each merged copy serves its share of the requests, one at a time
                 req, w = adapters[i]
-                merged = write_merged(tmp / f"merged{k}_{i}", model, w, 2.0)
+                merged = T.write_merged_lora(tmp / f"merged{k}_{i}", model, w, 2.0)
                 with LLM(str(merged), skip_tokenizer_init=True, max_num_seqs=args.requests, **kw) as llm:
                     share = prompts[i::k]
                     outs = llm.generate(share, params, use_tqdm=False)

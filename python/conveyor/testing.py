@@ -1001,6 +1001,36 @@ def write_peft_adapter(folder, weights: dict, *, rank: int, alpha: float, use_rs
     return folder
 
 
+def write_merged_lora(dst, base, weights: dict, scale: float) -> Path:
+    """A copy of the HF folder ``base`` at ``dst`` with W + scale * B A written into the
+    projections of ``weights`` ({(layer, module): (A, B)}, as random_lora_weights makes),
+    summed in float64 and stored as float32: the checkpoint an adapter merged into its base is."""
+    from .reference import read_safetensors_file
+
+    dst, base = Path(dst), Path(base)
+    dst.mkdir(parents=True)
+    for f in base.iterdir():
+        if f.name != "model.safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    tensors = {k: v for k, (_, v) in read_safetensors_file(base / "model.safetensors").items()}
+    for (layer, mod), (a, b) in weights.items():
+        part = "self_attn" if mod in LORA_MODULES[:4] else "mlp"
+        name = f"model.layers.{layer}.{part}.{mod}.weight"
+        tensors[name] = (tensors[name].astype(np.float64) + scale * (b.astype(np.float64) @ a)).astype(np.float32)
+    names = sorted(tensors)
+    meta, off = {}, 0
+    for n in names:
+        meta[n] = {"dtype": "F32", "shape": list(tensors[n].shape), "data_offsets": [off, off + tensors[n].nbytes]}
+        off += tensors[n].nbytes
+    head = json.dumps(meta).encode()
+    head += b" " * (-len(head) % 8)
+    with open(dst / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head)
+        for n in names:
+            f.write(np.ascontiguousarray(tensors[n]).tobytes())
+    return dst
+
+
 def write_gguf_lora(path, weights: dict, *, alpha: float, arch: str = "llama", n_heads: int | None = None,
                     n_kv_heads: int | None = None, general_type: str = "adapter") -> Path:
     """llama.cpp's GGUF LoRA form of ``weights`` (HF row order in; for arch llama the q/k
