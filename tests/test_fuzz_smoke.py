@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import conveyor
-from conveyor.testing import subprocess_env
+from conveyor.testing import subprocess_env, unsanitized_env
 from conveyor.tokenizer import Llama2cTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ def _has_libfuzzer(tmp_path: Path) -> bool:
     src.write_text("#include <stddef.h>\n#include <stdint.h>\n"
                    "int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n) { (void)d; (void)n; return 0; }\n")
     r = subprocess.run([cc, "-fsanitize=fuzzer,address,undefined", str(src), "-o", str(tmp_path / "probe")],
-                       capture_output=True, env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
+                       capture_output=True, env=unsanitized_env())
     return r.returncode == 0
 
 
@@ -59,7 +59,7 @@ def _has_asan_cc(tmp_path: Path) -> bool:
         src = tmp_path / "probe.c"
         src.write_text("int main(void) { return 0; }\n")
         r = subprocess.run([cc, "-fsanitize=address,undefined", str(src), "-o", str(tmp_path / "probe")],
-                           capture_output=True, env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
+                           capture_output=True, env=unsanitized_env())
         if r.returncode == 0:
             return True
     return False

@@ -18,6 +18,7 @@ import pytest
 
 import conveyor
 from conveyor import LLM, SamplingParams
+from conveyor.testing import unsanitized_env
 
 
 def run_child(code: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
@@ -530,7 +531,7 @@ def test_ngram_proposals_match_the_plain_scan_and_are_bounded(tmp_path):
         pytest.skip("no C compiler")
     root = Path(__file__).resolve().parents[1]
     (tmp_path / "driver.c").write_text(NGRAM_DRIVER)
-    plain_env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # no sanitizer runtime: plain C
+    plain_env = unsanitized_env()  # plain C: no sanitizer runtime
     exe = tmp_path / "ngram"
     build = subprocess.run([cc, "-std=c11", "-O2", "-D_GNU_SOURCE", f"-I{root / 'csrc'}", f"-I{root}",
                             str(tmp_path / "driver.c"), str(root / "csrc/core/speculative.c"),

@@ -27,7 +27,7 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 
 from conveyor.bench.serve import OwnServer  # noqa: E402
-from conveyor.testing import STORIES_DIR  # noqa: E402
+from conveyor.testing import STORIES_DIR, unsanitized_env  # noqa: E402
 
 MODEL = STORIES_DIR / "stories260K.bin"
 pytestmark = pytest.mark.skipif(not MODEL.is_file(), reason=f"{MODEL} not found")
@@ -64,8 +64,7 @@ class Browser:
              "--disable-background-networking", "--disable-component-update", "--mute-audio",
              f"--user-data-dir={self.profile}", "about:blank"],
             preexec_fn=fds, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=False,
-            # the browser is none of ours: no sanitizer runtime preloaded into it (tools/sanitize.sh)
-            env={k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ASAN_OPTIONS", "LSAN_OPTIONS")})
+            env=unsanitized_env())
         os.close(cmd_r)
         os.close(resp_w)
         self._next = 0

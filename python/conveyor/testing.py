@@ -175,6 +175,13 @@ def random_block_tables(r: np.random.Generator, ctx, bs: int):
     return tables, nb
 
 
+def unsanitized_env() -> dict:
+    """os.environ without the sanitizer runtime that tools/sanitize.sh preloads into the
+    interpreter: for a child that is none of ours or not instrumented (a compiler, a
+    browser, a plain C driver), which the preloaded runtime would break or report on."""
+    return {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+
+
 def subprocess_env(**extra) -> dict:
     """os.environ for a child Python that must import the same conveyor as this process
     (an installed package, or the checkout's python/ after an in-place build): its
