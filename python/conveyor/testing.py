@@ -36,7 +36,7 @@ import numpy as np
 from . import _core
 from .gguf import _TYPE_LAYOUT, GGMLType, GGUFReader, GGUFValueType, GGUFWriter, _ggml_type, quantize
 from .hf_tokenizer import _bytes_to_unicode
-from .reference import bf16_bits_to_f32, f32_to_bf16_bits
+from .reference import bf16_bits_to_f32, f32_to_bf16_bits, read_safetensors_file
 
 # The stories260K model that ships inside the package (llama2.c's tinyllamas, MIT):
 # stories260K.bin and its tokenizer tok512.bin. Tests use it, so they need no checkout beside.
@@ -1012,8 +1012,6 @@ def write_merged_lora(dst, base, weights: dict, scale: float) -> Path:
     """A copy of the HF folder ``base`` at ``dst`` with W + scale * B A written into the
     projections of ``weights`` ({(layer, module): (A, B)}, as random_lora_weights makes),
     summed in float64 and stored as float32: the checkpoint an adapter merged into its base is."""
-    from .reference import read_safetensors_file
-
     dst, base = Path(dst), Path(base)
     dst.mkdir(parents=True)
     for f in base.iterdir():
