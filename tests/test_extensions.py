@@ -58,7 +58,8 @@ def test_the_package_does_not_load_the_hooks():
              "from conveyor import LLM, SamplingParams, ModelFormatError\n"
              "import conveyor.engine, conveyor.tokenizer\n"
              "tok = conveyor.tokenizer.GGUFTokenizer({'tokenizer.ggml.model': 'llama',\n"
-             "    'tokenizer.ggml.tokens': ['<unk>', '\u2581', 'a', '\u2581a'], 'tokenizer.ggml.scores': [0, 0, 0, 1]})\n"
+             "    'tokenizer.ggml.tokens': ['<unk>', '\u2581', 'a', '\u2581a'],\n"
+             "    'tokenizer.ggml.scores': [0, 0, 0, 1]})\n"
              "assert tok.encode('a', add_special_tokens=False) == [3], tok.encode('a')\n"
              "print('conveyor._testing' in sys.modules)\n")
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
