@@ -45,8 +45,8 @@ def core_sources():
 
 
 def binding_helpers():
-    """The binding's shared helpers (arrays, errors), compiled into each extension."""
-    return ["csrc/binding/arrays.c", "csrc/binding/errors.c"]
+    """The binding's shared helpers (arrays, errors, vocabulary lists), compiled into each extension."""
+    return ["csrc/binding/arrays.c", "csrc/binding/errors.c", "csrc/binding/vocab_lists.c"]
 
 
 def c_headers():

@@ -15,9 +15,9 @@ HOOKS = ["kernel_gemm", "kernel_matrix", "kernel_matmul", "kernel_matmul_time", 
          "kernel_swiglu", "kernel_embedding", "kernel_kv_write", "kernel_paged_attention", "kernel_triad",
          "kernel_read_bw", "measure_peak", "kernel_quantize", "kernel_dequantize", "kernel_qgemm", "kernel_qlevels",
          "cuda_available", "cuda_check", "cuda_info", "cuda_kernel_gemm", "sample", "process_logits", "rng_uint64",
-         "stop_find", "stop_holdback", "Scheduler", "ModelRunner"]
+         "stop_find", "stop_holdback", "Scheduler", "ModelRunner", "gguf_score_merges"]
 PRODUCT = ["Engine", "Checkpoint", "check_sampling_params", "gguf_metadata", "kernel_info", "kv_bytes_per_token",
-           "simd"]
+           "simd", "SpmTokenizer"]
 ERRORS = ["ConveyorError", "ModelFormatError", "UnsupportedError", "EngineClosedError", "EngineOverloadedError"]
 
 
@@ -52,9 +52,15 @@ def _run(code):
 
 
 def test_the_package_does_not_load_the_hooks():
+    """Not on import, nor when a GGUF "llama" vocabulary's encoder is built (its merge
+    list, the tests' reference, is a hook)."""
     r = _run("import sys, conveyor\n"
              "from conveyor import LLM, SamplingParams, ModelFormatError\n"
              "import conveyor.engine, conveyor.tokenizer\n"
+             "tok = conveyor.tokenizer.GGUFTokenizer({'tokenizer.ggml.model': 'llama',\n"
+             "    'tokenizer.ggml.tokens': ['<unk>', '\u2581', 'a', '\u2581a'],\n"
+             "    'tokenizer.ggml.scores': [0, 0, 0, 1]})\n"
+             "assert tok.encode('a', add_special_tokens=False) == [3], tok.encode('a')\n"
              "print('conveyor._testing' in sys.modules)\n")
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 import conveyor
-from conveyor import _core
-from conveyor.gguf_tokenizer import (MERGE_BUDGET_BYTES, MERGE_MAX_TOKEN_CHARS, GGUFTokenizer, build_hf_tokenizer,
-                                     merge_budget, score_merges)
+from conveyor import _core, _testing
+from conveyor.gguf_tokenizer import MERGE_MAX_TOKEN_CHARS, GGUFTokenizer
+from conveyor.gguf_tokenizer_reference import MERGE_BUDGET_BYTES, build_hf_tokenizer, merge_budget, score_merges
 
 DATA = Path(__file__).parent / "data" / "gguf_tokenizer_ids.json"
 
@@ -58,8 +58,8 @@ def test_score_merges_equal_the_definition(seed):
     assert score_merges(tokens, scores, None) == _reference_merges(tokens, scores, None)
     # the hash seed changes nothing
     for s in (0, 1, 2**64 - 1):
-        assert _core.gguf_score_merges(tokens, scores, types, max_token_chars=MERGE_MAX_TOKEN_CHARS,
-                                       max_merges=10**6, seed=s) == _reference_merges(tokens, scores, types)
+        assert _testing.gguf_score_merges(tokens, scores, types, max_token_chars=MERGE_MAX_TOKEN_CHARS,
+                                          max_merges=10**6, seed=s) == _reference_merges(tokens, scores, types)
 
 
 def test_score_merges_skip_long_tokens_and_share_strings():
@@ -70,22 +70,35 @@ def test_score_merges_skip_long_tokens_and_share_strings():
     assert all(a is tokens[tokens.index(a)] for a, _ in merges)  # the pairs reuse the token strings
 
 
-def test_score_merges_bad_input():
-    ok = dict(max_token_chars=128, max_merges=10, seed=0)
+_FROM_LISTS = {  # the two C builders that read a vocabulary from Python lists
+    "merge list": lambda t, s, ty: _testing.gguf_score_merges(t, s, ty, max_token_chars=128, max_merges=10, seed=0),
+    "encoder": lambda t, s, ty: _core.SpmTokenizer(t, s, ty, unk_id=-1, add_space_prefix=True, max_token_chars=128,
+                                                   seed=0),
+}
+
+
+@pytest.mark.parametrize("build", _FROM_LISTS)
+def test_vocabulary_lists_bad_input(build):
+    build = _FROM_LISTS[build]
     with pytest.raises(conveyor.ModelFormatError, match="score of token 1 is NaN"):
-        _core.gguf_score_merges(["a", "b"], [0.0, float("nan")], None, **ok)
+        build(["a", "b"], [0.0, float("nan")], None)
     with pytest.raises(conveyor.ModelFormatError, match="1 scores for 2 tokens"):
-        _core.gguf_score_merges(["a", "b"], [0.0], None, **ok)
+        build(["a", "b"], [0.0], None)
+    with pytest.raises(conveyor.ModelFormatError, match="2 token types for 1 tokens"):
+        build(["a"], [0.0], [1, 1])
     with pytest.raises(conveyor.ModelFormatError, match="token 1 is a bytes"):
-        _core.gguf_score_merges(["a", b"b"], [0.0, 0.0], None, **ok)
+        build(["a", b"b"], [0.0, 0.0], None)
     with pytest.raises(conveyor.ModelFormatError, match="score 0 is a str"):
-        _core.gguf_score_merges(["a"], ["x"], None, **ok)
+        build(["a"], ["x"], None)
     with pytest.raises(TypeError, match="tokens must be a list"):
-        _core.gguf_score_merges(("a",), [0.0], None, **ok)
+        build(("a",), [0.0], None)
+
+
+def test_score_merges_bad_input():
     with pytest.raises(conveyor.ModelFormatError, match="more than 1 merges"):
-        _core.gguf_score_merges(["a", "b", "ab", "ba"], [0.0] * 4, None, max_token_chars=128, max_merges=1, seed=0)
+        _testing.gguf_score_merges(["a", "b", "ab", "ba"], [0.0] * 4, None, max_token_chars=128, max_merges=1, seed=0)
     with pytest.raises(ValueError, match="max_token_chars"):
-        _core.gguf_score_merges(["a"], [0.0], None, max_token_chars=1, max_merges=1, seed=0)
+        _testing.gguf_score_merges(["a"], [0.0], None, max_token_chars=1, max_merges=1, seed=0)
 
 
 # ---------------------------------------------------------------------------- the budget
@@ -117,7 +130,8 @@ def _dense_gguf(path, length, max_chars, filler=0, seed=0):
 def _peak_child(code: str) -> tuple[str, float, float]:
     """Runs code in a child after importing conveyor and tokenizers: (its stdout, the
     seconds code took, how far it raised the peak RSS in MiB)."""
-    prelude = ("import resource, time\nimport conveyor, conveyor.gguf_tokenizer, tokenizers\n"
+    prelude = ("import resource, time\nimport conveyor, conveyor.gguf_tokenizer, conveyor.gguf_tokenizer_reference, "
+               "tokenizers\n"
                "rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\nt0 = time.monotonic()\n")
     tail = ("\nprint('PEAK', time.monotonic() - t0, "
             "(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024)")
@@ -158,7 +172,7 @@ def test_dense_merge_list_is_a_clear_error_within_bounds(tmp_path):
     out, took, mib = _peak_child(f"""
         md = conveyor._core.gguf_metadata({str(path)!r})
         try:
-            conveyor.gguf_tokenizer.build_hf_tokenizer(md)
+            conveyor.gguf_tokenizer_reference.build_hf_tokenizer(md)
         except conveyor.ModelFormatError as e:
             print("ERROR", e)
     """)
@@ -180,7 +194,7 @@ def test_merges_just_inside_the_budget_load_within_bounds(tmp_path):
     texts = [tokens[-8201], tokens[-1]] + ["".join(rng.choice(tokens[3:300]) for _ in range(30)) for _ in range(20)]
     out, took, mib = _peak_child(f"""
         md = conveyor._core.gguf_metadata({str(path)!r})
-        hf = conveyor.gguf_tokenizer.build_hf_tokenizer(md)
+        hf = conveyor.gguf_tokenizer_reference.build_hf_tokenizer(md)
         tok = conveyor.gguf_tokenizer.GGUFTokenizer(md)
         for text in {texts!r}:
             assert tok.encode(text) == hf.encode(text).ids, text

@@ -7,7 +7,8 @@ then its parts: reading the metadata (C), the vocabulary dict, the encoder (the 
 SentencePiece tables for "llama" vocabularies; the merges split from the file's strings
 and the `tokenizers` BPE for "gpt2" ones), the per-id bytes. --reference also times the
 merge list a "llama" vocabulary's scores give and the `tokenizers` BPE over it (what the
-C encoder replaces; the tests' reference). --llm also times LLM(MODEL) (engine and
+C encoder replaces; the tests' reference, conveyor.gguf_tokenizer_reference, which loads
+the conveyor._testing hooks). --llm also times LLM(MODEL) (engine and
 tokenizer) once. CPU seconds are the steadier figure on a busy machine.
 """
 from __future__ import annotations
@@ -34,6 +35,8 @@ def _parts(path: str, reference: bool) -> list[tuple[str, float, float]]:
     from conveyor import _core
     from conveyor import gguf_tokenizer as G
 
+    if reference:  # loaded before the clock starts
+        from conveyor.gguf_tokenizer_reference import score_merges
     out = []
     clock = _Clock()
     md = _core.gguf_metadata(path, array_limit=G.GGUF_METADATA_ARRAY_LIMIT)
@@ -58,7 +61,7 @@ def _parts(path: str, reference: bool) -> list[tuple[str, float, float]]:
         G._token_bytes(tokens, types, vocab, "metaspace" if llama else "bytelevel")
         out.append(("per-id bytes", *clock.lap()))
         if llama and reference:
-            merges = G.score_merges(tokens, md["tokenizer.ggml.scores"], types)
+            merges = score_merges(tokens, md["tokenizer.ggml.scores"], types)
             out.append((f"reference: merges from scores (C): {len(merges)}", *clock.lap()))
             models.BPE(vocab, merges)
             out.append(("reference: tokenizers BPE over them", *clock.lap()))

@@ -1,131 +1,10 @@
-/* Tokenizer tables built in C from a GGUF vocabulary given as Python lists:
- *   gguf_score_merges(...)  the BPE merges of a SentencePiece-style vocabulary,
- *                           derived from its scores (csrc/model/score_merges.c);
- *   SpmTokenizer(...)       its encoder, straight from the tables with no merge
- *                           list (csrc/model/spm_tokenizer.c). */
+/* SpmTokenizer(...): the SentencePiece-style encoder of a GGUF vocabulary given
+ * as Python lists, built in C straight from its tables with no merge list
+ * (csrc/model/spm_tokenizer.c). */
 #include "binding.h"
 
-#include <string.h>
-
-#include "../model/score_merges.h"
 #include "../model/spm_tokenizer.h"
-
-/* The C views of tokens (list of str), scores (list of numbers) and types (list
- * of ints or None), valid while the lists live; free with vocab_lists_free. */
-typedef struct vocab_lists {
-    cv_token_text *text; /* [n] */
-    double *score;       /* [n] */
-    int32_t *type;       /* [n], NULL for all normal */
-    Py_ssize_t n;
-} vocab_lists;
-
-static void vocab_lists_free(vocab_lists *v) {
-    PyMem_Free(v->text);
-    PyMem_Free(v->score);
-    PyMem_Free(v->type);
-    v->text = NULL;
-    v->score = NULL;
-    v->type = NULL;
-}
-
-/* A list argument of n items (any n when n < 0); an exception naming what otherwise. */
-static int check_list(PyObject *o, const char *what, Py_ssize_t n) {
-    if (!PyList_Check(o)) {
-        PyErr_Format(PyExc_TypeError, "%s must be a list, got %s", what, Py_TYPE(o)->tp_name);
-        return -1;
-    }
-    if (n >= 0 && PyList_GET_SIZE(o) != n) {
-        PyErr_Format(cv_ModelFormatError, "GGUF tokenizer: %zd %s for %zd tokens", PyList_GET_SIZE(o), what, n);
-        return -1;
-    }
-    return 0;
-}
-
-static int vocab_lists_read(vocab_lists *v, PyObject *tokens, PyObject *scores, PyObject *types) {
-    memset(v, 0, sizeof *v);
-    if (check_list(tokens, "tokens", -1) < 0) return -1;
-    const Py_ssize_t n = PyList_GET_SIZE(tokens);
-    if (check_list(scores, "scores", n) < 0 || (types != Py_None && check_list(types, "token types", n) < 0))
-        return -1;
-    const size_t m = n ? (size_t)n : 1;
-    v->n = n;
-    v->text = PyMem_Calloc(m, sizeof *v->text);
-    v->score = PyMem_Calloc(m, sizeof *v->score);
-    v->type = types == Py_None ? NULL : PyMem_Calloc(m, sizeof *v->type);
-    if (!v->text || !v->score || (types != Py_None && !v->type)) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *t = PyList_GET_ITEM(tokens, i);
-        if (!PyUnicode_Check(t)) {
-            PyErr_Format(cv_ModelFormatError, "GGUF tokenizer: token %zd is a %s, not a str", i, Py_TYPE(t)->tp_name);
-            goto fail;
-        }
-        Py_ssize_t len;
-        v->text[i].p = PyUnicode_AsUTF8AndSize(t, &len);
-        if (!v->text[i].p) goto fail;
-        v->text[i].len = (size_t)len;
-        PyObject *s = PyList_GET_ITEM(scores, i);
-        if (!PyFloat_Check(s) && !PyLong_Check(s)) {
-            PyErr_Format(cv_ModelFormatError, "GGUF tokenizer: score %zd is a %s, not a number", i, Py_TYPE(s)->tp_name);
-            goto fail;
-        }
-        v->score[i] = PyFloat_AsDouble(s);
-        if (v->score[i] == -1.0 && PyErr_Occurred()) goto fail; /* an int too large for a double */
-        if (v->type) {
-            PyObject *ty = PyList_GET_ITEM(types, i);
-            long x = PyLong_Check(ty) ? PyLong_AsLong(ty) : -1;
-            if (x == -1 && PyErr_Occurred()) PyErr_Clear();
-            /* any other value is a type that is neither split nor cut out */
-            v->type[i] = x >= INT32_MIN && x <= INT32_MAX ? (int32_t)x : -1;
-        }
-    }
-    return 0;
-fail:
-    vocab_lists_free(v);
-    return -1;
-}
-
-static PyObject *py_gguf_score_merges(PyObject *self, PyObject *args, PyObject *kw) {
-    (void)self;
-    static char *kwlist[] = {"tokens", "scores", "types", "max_token_chars", "max_merges", "seed", NULL};
-    PyObject *tokens, *scores, *types;
-    int max_token_chars;
-    long long max_merges;
-    unsigned long long seed;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO$iLK", kwlist, &tokens, &scores, &types, &max_token_chars,
-                                     &max_merges, &seed))
-        return NULL;
-    vocab_lists v;
-    if (vocab_lists_read(&v, tokens, scores, types) < 0) return NULL;
-    PyObject *result = NULL;
-    cv_score_merges merges = {0};
-    cv_err err;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = cv_score_merges_build(&merges, v.text, v.score, v.type, (int64_t)v.n, max_token_chars, max_merges,
-                               (uint64_t)seed, &err);
-    Py_END_ALLOW_THREADS
-    if (rc < 0) {
-        cv_py_raise(&err);
-        goto done;
-    }
-    /* the pairs share the token list's str objects */
-    result = PyList_New((Py_ssize_t)merges.n);
-    for (int64_t j = 0; result && j < merges.n; j++) {
-        PyObject *pair = PyTuple_Pack(2, PyList_GET_ITEM(tokens, merges.left[j]),
-                                      PyList_GET_ITEM(tokens, merges.right[j]));
-        if (!pair) Py_CLEAR(result);
-        else PyList_SET_ITEM(result, (Py_ssize_t)j, pair);
-    }
-done:
-    cv_score_merges_free(&merges);
-    vocab_lists_free(&v);
-    return result;
-}
-
-/* ------------------------------------------------------------------ SpmTokenizer */
+#include "vocab_lists.h"
 
 typedef struct {
     PyObject_HEAD
@@ -144,15 +23,15 @@ static int spm_init(SpmTokenizerObject *self, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_RuntimeError, "SpmTokenizer is already initialized");
         return -1;
     }
-    vocab_lists v;
-    if (vocab_lists_read(&v, tokens, scores, types) < 0) return -1;
+    cv_vocab_lists v;
+    if (cv_vocab_lists_read(&v, tokens, scores, types) < 0) return -1;
     cv_err err;
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = cv_spm_create(&self->spm, v.text, v.score, v.type, (int64_t)v.n, max_token_chars, unk_id, prefix,
                        (uint64_t)seed, &err);
     Py_END_ALLOW_THREADS
-    vocab_lists_free(&v);
+    cv_vocab_lists_free(&v);
     if (rc < 0) {
         cv_py_raise(&err);
         return -1;
@@ -216,16 +95,4 @@ static PyType_Slot spm_slots[] = {
 static PyType_Spec spm_spec = {"conveyor._core.SpmTokenizer", sizeof(SpmTokenizerObject), 0, CV_PY_TYPE_FLAGS,
                                spm_slots};
 
-static PyMethodDef tokenizer_methods[] = {
-    {"gguf_score_merges", (PyCFunction)(void (*)(void))py_gguf_score_merges, METH_VARARGS | METH_KEYWORDS,
-     "gguf_score_merges(tokens, scores, types, *, max_token_chars, max_merges, seed) -> list of "
-     "(left, right) str pairs: the BPE merges equivalent to SentencePiece's score-ordered merging of "
-     "tokens (list of str) with scores (list of numbers) and types (list of ints, or None for all "
-     "normal). More than max_merges merges is a ModelFormatError."},
-    {NULL, NULL, 0, NULL},
-};
-
-int cv_py_add_tokenizer(PyObject *m) {
-    if (PyModule_AddFunctions(m, tokenizer_methods) < 0) return -1;
-    return cv_py_add_type(m, &spm_spec);
-}
+int cv_py_add_tokenizer(PyObject *m) { return cv_py_add_type(m, &spm_spec); }

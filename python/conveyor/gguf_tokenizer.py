@@ -11,10 +11,8 @@ built, so a 262k vocabulary loads in a few hundredths of a second. Control, unkn
 user-defined tokens are matched whole in the text, never split.
 
 The ids are those of the BPE that HF `tokenizers` runs with the merges equivalent to the
-scores (``build_hf_tokenizer``, the tests' reference): every split of a token into two
-tokens, best score first. Deriving that list costs memory per merge, so it is capped by a
-budget proportional to the size of the tokenizer's arrays in the file (``merge_budget``):
-past it, a ModelFormatError naming the count and the budget, before the merges are built.
+scores: every split of a token into two tokens, best score first
+(conveyor.gguf_tokenizer_reference builds that BPE, the tests' reference).
 The gpt2 `tokenizers` object is assembled through its Python API (no tokenizer.json text
 to write and parse); the per-id tables (bytes of every token, special ids) come straight
 from the token list.
@@ -30,7 +28,7 @@ from ._core import ModelFormatError, UnsupportedError
 from .hf_tokenizer import _BYTELEVEL_TO_LATIN1, HFTokenizer
 from .tokenizer_base import _check_ids
 
-__all__ = ["GGUFTokenizer", "GGUF_PRE_TOKENIZERS", "build_hf_tokenizer"]
+__all__ = ["GGUFTokenizer", "GGUF_PRE_TOKENIZERS"]
 
 # Pre-tokenizer regexes by ``tokenizer.ggml.pre`` name, as llama.cpp applies them: each
 # regex in turn splits every piece into its matches and the text between them.
@@ -59,15 +57,8 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 # Merges from scores: only tokens of 2..MERGE_MAX_TOKEN_CHARS characters are split into
 # merges (SentencePiece's own pieces are at most 16 by default); a longer token is never
 # the result of a merge (still matched whole when it is a control or user-defined token).
-# The C encoder and the merge list follow the same rule. The merge list (build_hf_tokenizer)
-# may hold at most one merge per MERGE_BUDGET_BYTES bytes of the tokenizer's arrays (each
-# token's text, its 8-byte length, 4-byte score and 4-byte type), and never more than
-# MAX_MERGES: real vocabularies need far fewer (Gemma 3: 514,847 merges from 6.5 MB, one
-# per 12.6 bytes), while a crafted vocabulary in which every split of every token is a
-# token would turn a 2 MB file into millions of merges.
+# The C encoder and the reference's merge list follow the same rule.
 MERGE_MAX_TOKEN_CHARS = 128
-MERGE_BUDGET_BYTES = 4
-MAX_MERGES = 4_000_000
 # gguf_metadata(array_limit=...): other arrays longer than this are not read into lists.
 GGUF_METADATA_ARRAY_LIMIT = 1 << 16
 
@@ -92,36 +83,6 @@ def _meta_id(md: dict, key: str, n: int) -> int | None:
     return v
 
 
-def merge_budget(tokens: list[str]) -> int:
-    """The most merges the scores of ``tokens`` may give (see MERGE_BUDGET_BYTES); the
-    characters of the tokens stand in for their bytes (never more)."""
-    return min(MAX_MERGES, _arrays_bytes(tokens) // MERGE_BUDGET_BYTES)
-
-
-def _arrays_bytes(tokens: list[str]) -> int:
-    return sum(map(len, tokens)) + 16 * len(tokens)
-
-
-def score_merges(tokens: list[str], scores: list, types: list[int] | None) -> list[tuple[str, str]]:
-    """BPE merges equivalent to SentencePiece's highest-score-first bigram merging: every
-    split (a, b) of a token t with a and b in the vocabulary, ordered by t's score (best
-    first), then by the ids of t, a, b. More than merge_budget(tokens) merges is a
-    ModelFormatError."""
-    from . import _core
-
-    budget = merge_budget(tokens)
-    try:
-        return _core.gguf_score_merges(tokens, scores, types, max_token_chars=MERGE_MAX_TOKEN_CHARS,
-                                       max_merges=budget, seed=int.from_bytes(os.urandom(8), "little"))
-    except ModelFormatError as e:
-        if "merges" not in str(e):
-            raise
-        raise ModelFormatError(
-            f"{e}: the budget of a tokenizer whose arrays hold {_arrays_bytes(tokens)} bytes "
-            f"({len(tokens)} tokens) is one merge per {MERGE_BUDGET_BYTES} bytes, at most {MAX_MERGES}; "
-            f"splits of its tokens into two tokens give more") from None
-
-
 def _split_merges(lines: list[str]) -> list[tuple[str, str]]:
     """GGUF BPE merges ("left right"; the left part may begin with a space) as pairs."""
     merges = []
@@ -133,54 +94,50 @@ def _split_merges(lines: list[str]) -> list[tuple[str, str]]:
     return merges
 
 
-def _build(md: dict, tokens: list[str], types: list[int], vocab: dict[str, int]):
-    """The `tokenizers` object of GGUF tokenizer metadata (for "llama", with the merges
-    derived from its scores), and whether a leading space is added (SentencePiece dummy
-    prefix)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+def _spm_tables(md: dict, tokens: list[str]) -> tuple[list, bool, int | None]:
+    """A "llama" vocabulary's scores, whether it adds a leading space (SentencePiece dummy
+    prefix) and its unknown token's id."""
+    scores = _meta_list(md, "tokenizer.ggml.scores", (int, float))
+    if len(scores) != len(tokens):
+        raise ModelFormatError(f"GGUF tokenizer: {len(scores)} scores for {len(tokens)} tokens")
+    prefix = bool(md.get("tokenizer.ggml.add_space_prefix", True))
+    return scores, prefix, _meta_id(md, "tokenizer.ggml.unknown_token_id", len(tokens))
+
+
+def _build_bpe(md: dict, tokens: list[str], types: list[int], vocab: dict[str, int]):
+    """The `tokenizers` object of a "gpt2" GGUF tokenizer: its merges, its pre-tokenizer
+    and its whole-matched tokens."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     model = md.get("tokenizer.ggml.model")
-    if model == "gpt2":
-        pre = md.get("tokenizer.ggml.pre", "default")
-        if pre not in GGUF_PRE_TOKENIZERS:
-            raise UnsupportedError(f"GGUF tokenizer: pre-tokenizer {pre!r} is not supported; "
-                                   f"supported: {', '.join(GGUF_PRE_TOKENIZERS)}")
-        merges = _split_merges(_meta_list(md, "tokenizer.ggml.merges", str))
-        try:  # a merge naming a token the vocabulary lacks is refused by `tokenizers` itself
-            bpe = models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False, ignore_merges=pre in _LLAMA3_PRE)
-        except Exception as e:  # noqa: BLE001 - `tokenizers` raises a bare Exception
-            raise ModelFormatError(f"GGUF tokenizer: tokenizer.ggml.merges: {e}") from None
-        tok = Tokenizer(bpe)
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(r), "isolated", invert=False) for r in GGUF_PRE_TOKENIZERS[pre]]
-            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        tok.decoder = decoders.ByteLevel()
-        prefix = False
-    elif model == "llama":
-        scores = _meta_list(md, "tokenizer.ggml.scores", (int, float))
-        if len(scores) != len(tokens):
-            raise ModelFormatError(f"GGUF tokenizer: {len(scores)} scores for {len(tokens)} tokens")
-        prefix = bool(md.get("tokenizer.ggml.add_space_prefix", True))
-        unk = _meta_id(md, "tokenizer.ggml.unknown_token_id", len(tokens))
-        merges = score_merges(tokens, scores, types)
-        bpe = models.BPE(vocab, merges, unk_token=None if unk is None else tokens[unk], fuse_unk=True,
-                         byte_fallback=True, ignore_merges=False)
-        del merges
-        tok = Tokenizer(bpe)
-        norm = [normalizers.Replace(" ", "\u2581")]
-        dec = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-        if prefix:
-            norm.insert(0, normalizers.Prepend("\u2581"))
-            dec.append(decoders.Strip(" ", 1, 0))
-        tok.normalizer = normalizers.Sequence(norm)
-        tok.decoder = decoders.Sequence(dec)
-    else:
+    if model != "gpt2":
         raise UnsupportedError(f"GGUF tokenizer model {model!r} is not supported (gpt2, llama)")
-    # control, unknown and user-defined tokens, matched whole in the raw text
+    pre = md.get("tokenizer.ggml.pre", "default")
+    if pre not in GGUF_PRE_TOKENIZERS:
+        raise UnsupportedError(f"GGUF tokenizer: pre-tokenizer {pre!r} is not supported; "
+                               f"supported: {', '.join(GGUF_PRE_TOKENIZERS)}")
+    merges = _split_merges(_meta_list(md, "tokenizer.ggml.merges", str))
+    try:  # a merge naming a token the vocabulary lacks is refused by `tokenizers` itself
+        bpe = models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False, ignore_merges=pre in _LLAMA3_PRE)
+    except Exception as e:  # noqa: BLE001 - `tokenizers` raises a bare Exception
+        raise ModelFormatError(f"GGUF tokenizer: tokenizer.ggml.merges: {e}") from None
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), "isolated", invert=False) for r in GGUF_PRE_TOKENIZERS[pre]]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    _add_whole_tokens(tok, tokens, types)
+    return tok
+
+
+def _add_whole_tokens(tok, tokens: list[str], types: list[int]) -> None:
+    """Control, unknown and user-defined tokens added to `tokenizers` object tok, matched
+    whole in the raw text."""
+    from tokenizers import AddedToken
+
     added = [i for i, t in enumerate(types) if t in (_TT_UNKNOWN, _TT_CONTROL, _TT_USER)]
     tok.add_special_tokens([AddedToken(tokens[i], normalized=False) for i in added if types[i] != _TT_USER])
     tok.add_tokens([AddedToken(tokens[i], normalized=False, special=False) for i in added if types[i] == _TT_USER])
-    return tok, prefix
 
 
 def _token_bytes(tokens: list[str], types: list[int], vocab: dict[str, int], style: str) -> list[bytes]:
@@ -207,16 +164,6 @@ def _token_bytes(tokens: list[str], types: list[int], vocab: dict[str, int], sty
             if vocab[t] != i:
                 out[i] = b""
     return out
-
-
-def build_hf_tokenizer(metadata: dict):
-    """GGUF tokenizer metadata as a HF `tokenizers` Tokenizer: for "llama" vocabularies the
-    BPE with the merges their scores give (within merge_budget), which GGUFTokenizer's C
-    encoder matches id for id."""
-    tokens = _meta_list(metadata, "tokenizer.ggml.tokens", str)
-    types = _meta_list(metadata, "tokenizer.ggml.token_type", int, required=False) or [_TT_NORMAL] * len(tokens)
-    vocab = dict(zip(reversed(tokens), range(len(tokens) - 1, -1, -1)))
-    return _build(metadata, tokens, types, vocab)[0]
 
 
 def _hf_byte(piece: str) -> int | None:
@@ -269,7 +216,7 @@ class GGUFTokenizer(HFTokenizer):
                 self._tok, prefix = None, self._build_spm(md, tokens, types)
             else:
                 self._spm = None
-                self._tok, prefix = _build(md, tokens, types, vocab)
+                self._tok, prefix = _build_bpe(md, tokens, types, vocab), False
             self.path = None
             self.pre = md.get("tokenizer.ggml.pre")
             self.style = "bytelevel" if self.model == "gpt2" else "metaspace"
@@ -307,11 +254,7 @@ class GGUFTokenizer(HFTokenizer):
         """The C encoder of a "llama" vocabulary; whether it adds a leading space."""
         from . import _core
 
-        scores = _meta_list(md, "tokenizer.ggml.scores", (int, float))
-        if len(scores) != len(tokens):
-            raise ModelFormatError(f"GGUF tokenizer: {len(scores)} scores for {len(tokens)} tokens")
-        prefix = bool(md.get("tokenizer.ggml.add_space_prefix", True))
-        unk = _meta_id(md, "tokenizer.ggml.unknown_token_id", len(tokens))
+        scores, prefix, unk = _spm_tables(md, tokens)
         self._spm = _core.SpmTokenizer(tokens, scores, types, unk_id=-1 if unk is None else unk,
                                        add_space_prefix=prefix, max_token_chars=MERGE_MAX_TOKEN_CHARS,
                                        seed=int.from_bytes(os.urandom(8), "little"))

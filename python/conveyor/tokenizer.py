@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ._core import ModelFormatError
 from .chat_template import render_chat_template as _render_template  # noqa: F401 (tests and tools use it)
-from .gguf_tokenizer import (GGUF_METADATA_ARRAY_LIMIT, GGUF_PRE_TOKENIZERS, MAX_MERGES,  # noqa: F401
+from .gguf_tokenizer import (GGUF_METADATA_ARRAY_LIMIT, GGUF_PRE_TOKENIZERS,  # noqa: F401
                              MERGE_MAX_TOKEN_CHARS, GGUFTokenizer)
 from .hf_tokenizer import HFTokenizer, _bytes_to_unicode  # noqa: F401
 from .llama2c_tokenizer import Llama2cTokenizer
