@@ -22,6 +22,7 @@ from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .request_budget import RequestBudget, request_budget_bytes
 from .sampling_params import SamplingParams, field_error
 from .speculative import parse_speculative_config, spec_stats
+from .token_cache import CachedEncoder
 
 # While sequences decode, a step carries at most this many prompt tokens unless
 # max_prefill_tokens_while_decoding says otherwise (the C engine's defaults, by device).
@@ -346,6 +347,8 @@ class EngineCore:
         # a time does it, so that the event loop competes with one GIL holder, not two,
         # while the other thread's waits (a grammar, a template worker) go on beside it.
         self._tokenize_lock = threading.Lock()
+        # bad words: each distinct word tokenized once, a request's new ones in one call
+        self._word_encoder = CachedEncoder(self.tokenizer) if self.tokenizer is not None else None
         self._deferred_masks: list = []  # synchronous stepping: masks the next step computes
         self._mask_worker = None  # a thread that computes them while that step runs
         self._lora = None
@@ -431,7 +434,7 @@ class EngineCore:
             return params
         RequestBudget(self.request_budget_bytes).charge("bad_words", params.bad_words)
         with self._tokenize_lock:
-            return params.with_bad_words_tokenized(self.tokenizer)
+            return params.with_bad_words_tokenized(self._word_encoder)
 
     def add_request(self, request_id: Optional[str], prompt_text, prompt_ids, params: SamplingParams,
                     priority: int = 0, consumer=None, timeout: Optional[float] = None,
