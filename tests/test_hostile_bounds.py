@@ -402,6 +402,42 @@ def test_bad_words_tokenized_in_one_call_and_cached_across_requests(stories_dir)
     assert more._bad_words_token_ids[:len(want) - 2] == want[2:]
 
 
+def test_body_of_millions_of_values_is_refused_before_parsing(stories_dir, monkeypatch):
+    """json.loads holds the GIL for its whole parse: 8 MB of small values ([1, 1, ...]
+    or ["ab", "ab", ...]) held it for 0.15-0.25 s, stalling /health. A body that may
+    hold more values than the request budget could take (one per 4 budget bytes) is
+    now refused, naming the body, after a count in C without the GIL; a body within
+    it parses as before."""
+    import asyncio
+
+    from conveyor import AsyncLLM, _core
+    from conveyor.server import serving
+    from conveyor.server.protocol import APIError
+    from conveyor.server.serving import Server, parse_body
+
+    assert _core.json_value_count(b'{"a": [1, 2, 3], "b": "x,y:[{\\"}"}', 100) == 8  # 1 + { : [ , , , :
+    assert _core.json_value_count(b"[" + b"1," * 1000 + b"1]", 10) == 11  # stops past the limit
+
+    async def limits():
+        with AsyncLLM(stories_dir / "stories260K.bin") as eng:
+            server = Server(eng, "m", None, None, 16 << 20)
+            return server.max_body_values, server.validator.budget_bytes
+
+    max_values, budget = asyncio.run(limits())
+    assert max_values == budget // 4
+    ok = json.dumps({"prompt": [[5, 6, 7]] * (max_values // 5)}).encode()
+    assert len(parse_body(ok, max_values)["prompt"]) == max_values // 5
+
+    def no_parsing(*a, **k):
+        raise AssertionError("json.loads ran on a body past the bound")
+
+    monkeypatch.setattr(serving.json, "loads", no_parsing)
+    for body in ({"prompt": [1] * 1_600_000}, {"prompt": "hi", "stop": ["ab"] * 1_600_000}):
+        with pytest.raises(APIError) as ei:
+            parse_body(json.dumps(body).encode(), max_values)
+        assert ei.value.status == 400 and ei.value.param == "body" and "JSON values" in str(ei.value)
+
+
 # ------------------------------------------------- chat templates in capped worker processes
 
 _BIG = "{% set s = 'a' * 16000000 %}"
