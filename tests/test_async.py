@@ -323,11 +323,14 @@ def test_request_added_while_prepared_can_be_aborted_and_closed():
             assert await eng.abort("slow")
             aborted = await _drain_stream(stream)
             closed = eng.add_request(text, params, request_id="gone")
+            reader = asyncio.create_task(_drain_stream(closed))  # waits for its first output
+            await asyncio.sleep(0)
             closed.close()
+            last = await asyncio.wait_for(reader, 30)  # the close wakes it: no output
             await asyncio.sleep(0.5)
-            return aborted, eng.num_unfinished(), await eng.abort("gone")
+            return aborted, last, eng.num_unfinished(), await eng.abort("gone")
 
-    aborted, unfinished, again = run(go())
+    aborted, last, unfinished, again = run(go())
     assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
     assert len(aborted.outputs[0].token_ids) < 200
-    assert unfinished == 0 and not again
+    assert last is None and unfinished == 0 and not again

@@ -115,13 +115,13 @@ def _raise_guided_error(out: RequestOutput) -> None:
 
 
 class _Refused:
-    """What a stream's queue holds when its request could not be added after its
-    preparation: the error its reader gets."""
+    """What a stream's queue holds when its request never reached the engine: the
+    error its reader gets (None: the stream was closed while it was prepared)."""
 
     __slots__ = ("error",)
     finished = True
 
-    def __init__(self, error: BaseException):
+    def __init__(self, error: Optional[BaseException]):
         self.error = error
 
 
@@ -154,7 +154,7 @@ class RequestStream:
         if out.finished:
             self._done = True
             if isinstance(out, _Refused):
-                raise out.error
+                raise out.error if out.error is not None else StopAsyncIteration
             _raise_guided_error(out)
         return out
 
@@ -166,6 +166,8 @@ class RequestStream:
         outs = [await self._queue.get()]
         if isinstance(outs[0], _Refused):
             self._done = True
+            if outs[0].error is None:
+                return []
             raise outs[0].error
         q = self._queue
         while not outs[-1].finished and not q.empty():
@@ -177,9 +179,12 @@ class RequestStream:
 
     def close(self):
         """Aborts the request unless it finished; frees its KV blocks. Safe to call twice."""
-        self._done = True  # a request still being prepared is then never added
-        if self._req is not None and not self._req.finished:
+        if self._req is None:
+            if not self._done:  # still being prepared: it is never added
+                self._queue.put_nowait(_Refused(None))  # wakes a reader waiting for it
+        elif not self._req.finished:
             self._core.abort(self._req.request_id)
+        self._done = True
 
 
 class AsyncLLM(EngineFrontend):
@@ -260,7 +265,7 @@ class AsyncLLM(EngineFrontend):
         def add_prepared(fut):
             aborted = False
             if request_id is not None and self._preparing.get(request_id) is stream:
-                del self._preparing[request_id]
+                self._preparing.pop(request_id, None)
                 aborted = request_id in self._abort_when_added
                 self._abort_when_added.discard(request_id)
             if stream._done:
