@@ -133,10 +133,13 @@ RETRY_AFTER_S = 1  # the Retry-After of a 503 for a full queue
 BODY_BYTES_PER_VALUE = 4
 
 
-def parse_body(data: bytes, max_values: Optional[int] = None) -> dict:
-    """A request body: UTF-8 JSON holding an object (a 400 naming "body" otherwise).
-    max_values: a body that may hold more values is refused before json.loads, which
-    holds the GIL for its whole parse (counting them does not)."""
+def parse_body(data, max_values: Optional[int] = None) -> dict:
+    """A request body (bytes, or the list of its chunks): UTF-8 JSON holding an object
+    (a 400 naming "body" otherwise). max_values: a body that may hold more values is
+    refused before json.loads, which holds the GIL for its whole parse (counting them
+    does not)."""
+    if isinstance(data, list):
+        data = b"".join(data)
     if max_values is not None and _core.json_value_count(data, max_values) > max_values:
         raise bad_request("body", f"the request body holds more than {max_values} JSON values (one per "
                                   f"{BODY_BYTES_PER_VALUE} bytes of the request budget)")
@@ -204,14 +207,15 @@ class Server:
             if n > self.max_body_bytes:
                 raise APIError(413, f"the request body has {n} bytes; the limit is {self.max_body_bytes}",
                                code="body_too_large")
-        buf = bytearray()
+        chunks, size = [], 0
         async for chunk in request.stream():
-            buf += chunk
-            if len(buf) > self.max_body_bytes:
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > self.max_body_bytes:
                 raise APIError(413, f"the request body is over the limit of {self.max_body_bytes} bytes",
                                code="body_too_large")
-        # decoding and parsing megabytes take the GIL for tens of milliseconds: off the loop
-        return await self.off_loop(parse_body, bytes(buf), self.max_body_values)
+        # joining, decoding and parsing megabytes take the GIL for milliseconds: off the loop
+        return await self.off_loop(parse_body, chunks, self.max_body_values)
 
     async def off_loop(self, fn, *args):
         """fn(*args) on the engine's preparation threads (AsyncLLM.run_off_loop), so that
