@@ -496,6 +496,8 @@ def test_template_pool_reuses_and_replaces_workers():
         pid = pool._idle[0].proc.pid
         assert pool.render("{{ messages[0].content }}?", msgs, True, "", "") == "x?"
         assert pool._idle[0].proc.pid == pid
+        # a worker's CPU time comes after the server's (the event loop's, the engine's)
+        assert os.getpriority(os.PRIO_PROCESS, pid) == min(os.getpriority(os.PRIO_PROCESS, 0) + 10, 19)
         pool._idle[0].proc.kill()
         with pytest.raises(ValueError, match="chat template failed to render"):
             pool.render("{{ 1 }}", msgs, True, "", "")
