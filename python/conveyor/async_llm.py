@@ -21,10 +21,9 @@ from .models import resolve_model
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
-# A text prompt and bad words of at most this many characters together are tokenized
-# in add_request itself, on the loop (about a millisecond in the slowest, pure-Python
-# tokenizer), so that their errors are raised at once; anything longer is prepared
-# on the preparation threads.
+# A text prompt of at most this many characters is tokenized in add_request itself, on
+# the loop (well under a millisecond), so that its errors are raised at once; a longer
+# one, bad words and grammars are prepared on the preparation threads.
 INLINE_PREPARE_BYTES = 1024
 
 
@@ -231,10 +230,11 @@ class AsyncLLM(EngineFrontend):
         threads, never on the loop: such a request reaches the engine once prepared,
         and what is wrong with it (ValueError/TypeError, EngineOverloadedError when
         max_queued_requests requests already wait) is raised by the stream's first read.
-        A request with nothing to prepare (token ids, or a text prompt and bad words of
-        at most INLINE_PREPARE_BYTES together, no grammar to build) is added here, and
-        its errors are raised here. Bad types, priority and timeout are checked here
-        either way. guided: prepare_guided(params)'s result, when the caller built it."""
+        A request with nothing to prepare (token ids, or a text prompt of at most
+        INLINE_PREPARE_BYTES characters, no bad words to tokenize, no grammar to build)
+        is added here, and its errors are raised here. Bad types, priority and timeout
+        are checked here either way. guided: prepare_guided(params)'s result, when the
+        caller built it."""
         if self._core.closed:
             from . import EngineClosedError
 
@@ -252,7 +252,7 @@ class AsyncLLM(EngineFrontend):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         if not self._needs_preparing(prompt, params, guided):
-            text, ids = self._core.tokenize_prompt(prompt)
+            text, ids = self._core.tokenize_prompt(prompt, exclusive=False)
             req = self._core.add_request(request_id, text, ids, params, priority=priority,
                                          consumer=(loop, queue), timeout=timeout, guided=guided,
                                          lora_request=lora_request)
@@ -293,14 +293,11 @@ class AsyncLLM(EngineFrontend):
         build): then it is prepared on the preparation threads."""
         if params.guided_decoding is not None and guided is None:
             return True
-        size = 0
+        if params.bad_words and params._bad_words_token_ids is None:
+            return True  # tokenized one request at a time: the loop must not wait for that
         if isinstance(prompt, dict) and "prompt_token_ids" not in prompt:
             prompt = prompt.get("prompt")
-        if isinstance(prompt, str):
-            size += len(prompt)
-        if params.bad_words and params._bad_words_token_ids is None:
-            size += sum(len(w) + 1 for w in params.bad_words[:INLINE_PREPARE_BYTES])
-        return size > INLINE_PREPARE_BYTES  # characters: up to 4 bytes each, still bounded
+        return isinstance(prompt, str) and len(prompt) > INLINE_PREPARE_BYTES  # up to 4 bytes a character
 
     def _prepare(self, prompt, params: SamplingParams, guided):
         """On a preparation thread: (prompt text, token ids, the params as the engine

@@ -360,8 +360,9 @@ class EngineCore:
         self.closed = False
 
     # -- requests ---------------------------------------------------------
-    def tokenize_prompt(self, prompt) -> tuple[Optional[str], Any]:
-        """Returns (prompt text or None, token ids as list or int array)."""
+    def tokenize_prompt(self, prompt, exclusive: bool = True) -> tuple[Optional[str], Any]:
+        """Returns (prompt text or None, token ids as list or int array). exclusive:
+        see encode_prompt."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
@@ -375,13 +376,19 @@ class EngineCore:
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer (skip_tokenizer_init=True was given); "
                                  "pass token ids instead")
-            return prompt, self.encode_prompt(prompt)
+            return prompt, self.encode_prompt(prompt, exclusive=exclusive)
         return None, self._check_ids(prompt)
 
-    def encode_prompt(self, text: str, add_special_tokens: bool = True, field: str = "prompt") -> list:
+    def encode_prompt(self, text: str, add_special_tokens: bool = True, field: str = "prompt",
+                      exclusive: bool = True) -> list:
         """The tokenizer's ids for a prompt text, after a byte-length bound that refuses a
-        text too long for max_model_len without tokenizing it (ValueError, .field=field)."""
+        text too long for max_model_len without tokenizing it (ValueError, .field=field).
+        exclusive: one preparation thread at a time; False for a short text tokenized on
+        an event loop, which must not wait behind a long one (the tokenizers are
+        thread-safe)."""
         self.check_prompt_size(text, field)
+        if not exclusive:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         with self._tokenize_lock:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
