@@ -220,3 +220,126 @@ def test_context_managers():
         assert e.closed
 
     run(go())
+
+
+# ------------------------------------------------- preparation off the event loop
+
+async def _max_tick_gap(work):
+    """Runs work() beside a coroutine that sleeps 5 ms at a time; returns (work's
+    result or exception, the longest gap between two of its ticks, in seconds)."""
+    import time
+
+    gaps, done = [], asyncio.Event()
+
+    async def ticker():
+        last = time.perf_counter()
+        while not done.is_set():
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0.05)
+    gaps.clear()
+    try:
+        result = await work()
+    except Exception as e:
+        result = e
+    done.set()
+    await task
+    return result, max(gaps)
+
+
+async def _drain_stream(stream):
+    last = None
+    async for out in stream:
+        last = out
+    return last
+
+
+def test_add_request_prepares_long_bad_words_off_the_loop():
+    """1000 bad words of 250 characters (near the request budget) took the pure-Python
+    tokenizer about a second on the event loop inside add_request; now they are
+    tokenized on a preparation thread and the loop keeps ticking. The answer is the one
+    LLM.generate gives with the same bad words."""
+    words = [f"w{i} " + "ab" * 120 for i in range(1000)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, bad_words=words)
+
+    async def go():
+        with AsyncLLM(str(STORIES), num_threads=1) as eng:
+            return await _max_tick_gap(lambda: _drain_stream(eng.add_request("Once upon a time", params)))
+
+    out, gap = run(go())
+    with LLM(str(STORIES), num_threads=1) as llm:
+        want = llm.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs[0]
+    assert not isinstance(out, Exception), out
+    assert out.finished and out.outputs[0].token_ids == want.token_ids
+    assert gap < 0.15, f"the event loop stalled {gap * 1000:.0f} ms while the request was prepared"
+
+
+SMOL = Path.home() / ".cache" / "conveyor" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.mark.skipif(not SMOL.exists(), reason="SmolLM2 GGUF not found")
+def test_add_request_tokenizes_a_huge_prompt_off_the_loop():
+    """A text prompt just under the byte bound (about 1.3 MB for SmolLM2) took seconds
+    to tokenize inside add_request, on the event loop, with the GIL held throughout.
+    Now add_request returns at once, the loop keeps ticking while a preparation thread
+    tokenizes it (GIL released), and the stream's first read raises the engine's
+    refusal (too long for max_model_len), naming the prompt."""
+    import random
+
+    async def go():
+        with AsyncLLM(str(SMOL), num_threads=1) as eng:
+            rng = random.Random(0)
+            words = (''.join(rng.choice("bcdfghjklmnpqrstvwxz") for _ in range(rng.randint(2, 9)))
+                     for _ in range(10 ** 7))
+            text = ""
+            while len(text) < eng._core.max_prompt_bytes - 1000:
+                text += " ".join(next(words) for _ in range(10000)) + " "
+            text = text[:eng._core.max_prompt_bytes - 1000]
+            async def work():
+                big = eng.add_request(text, SamplingParams(max_tokens=2))
+                # a short prompt, tokenized on the loop, does not wait behind the long one
+                ok = await _drain_stream(eng.add_request("Hello", SamplingParams(max_tokens=2)))
+                try:
+                    await _drain_stream(big)
+                except ValueError as e:
+                    return e, ok
+                return None, ok
+
+            (res, ok), gap = await _max_tick_gap(work)
+            return res, gap, ok, len(text)
+
+    res, gap, ok, n = run(go())
+    assert n > 1_000_000
+    assert isinstance(res, ValueError) and "prompt" in str(res), res
+    assert ok.finished and len(ok.outputs[0].token_ids) == 2  # the engine goes on serving
+    assert gap < 0.15, f"the event loop stalled {gap * 1000:.0f} ms while the prompt was tokenized"
+
+
+def test_request_added_while_prepared_can_be_aborted_and_closed():
+    """A request being prepared is aborted by id (it ends as "abort" once added), and a
+    stream closed before its preparation ends never reaches the engine."""
+    text = "Once upon a time " * 70  # long enough to be prepared off the loop (~280 tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def go():
+        with AsyncLLM(str(STORIES), num_threads=1) as eng:
+            stream = eng.add_request(text, params, request_id="slow")
+            assert stream._req is None  # still being prepared
+            assert await eng.abort("slow")
+            aborted = await _drain_stream(stream)
+            closed = eng.add_request(text, params, request_id="gone")
+            reader = asyncio.create_task(_drain_stream(closed))  # waits for its first output
+            await asyncio.sleep(0)
+            closed.close()
+            last = await asyncio.wait_for(reader, 30)  # the close wakes it: no output
+            await asyncio.sleep(0.5)
+            return aborted, last, eng.num_unfinished(), await eng.abort("gone")
+
+    aborted, last, unfinished, again = run(go())
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    assert len(aborted.outputs[0].token_ids) < 200
+    assert last is None and unfinished == 0 and not again

@@ -370,6 +370,74 @@ def test_bad_words_tokenized_once_and_never_on_the_event_loop(stories_dir):
     assert not any(on_loop for _, on_loop in calls), "tokenized on the event loop"
 
 
+def test_bad_words_tokenized_in_one_call_and_cached_across_requests(stories_dir):
+    """1024 bad words made 2048 tokenizer calls per request, every request (100-250 ms
+    each under load). Now a request's words reach the tokenizer in one encode_batch
+    call, only the ones it has not seen before, and the same list again costs no
+    tokenizer call at all; the token sequences are the per-word encode() ones."""
+    words = [f"w{i} dragon" for i in range(1024)]
+    with LLM(stories_dir / "stories260K.bin", num_threads=1) as llm:
+        core = llm._core
+        tok = core.tokenizer
+        want, seen = [], set()
+        for w in words:
+            for text in (w, " " + w):
+                ids = tok.encode(text, add_special_tokens=False)
+                if tuple(ids) not in seen:
+                    seen.add(tuple(ids))
+                    want.append(ids)
+        calls = []
+        real = tok.encode_batch
+
+        def counting(texts, *a, **k):
+            calls.append(len(texts))
+            return real(texts, *a, **k)
+
+        tok.encode_batch = counting
+        first = core.prepare_params(SamplingParams(bad_words=words))
+        again = core.prepare_params(SamplingParams(bad_words=words))
+        more = core.prepare_params(SamplingParams(bad_words=words[1:] + ["castle"]))
+    assert first._bad_words_token_ids == want and again._bad_words_token_ids == want
+    assert calls == [2048, 2]  # one call per request with new words, only the new ones
+    assert more._bad_words_token_ids[:len(want) - 2] == want[2:]
+
+
+def test_body_of_millions_of_values_is_refused_before_parsing(stories_dir, monkeypatch):
+    """json.loads holds the GIL for its whole parse: 8 MB of small values ([1, 1, ...]
+    or ["ab", "ab", ...]) held it for 0.15-0.25 s, stalling /health. A body that may
+    hold more values than the request budget could take (one per 4 budget bytes) is
+    now refused, naming the body, after a count in C without the GIL; a body within
+    it parses as before."""
+    import asyncio
+
+    from conveyor import AsyncLLM, _core
+    from conveyor.server import serving
+    from conveyor.server.protocol import APIError
+    from conveyor.server.serving import Server, parse_body
+
+    assert _core.json_value_count(b'{"a": [1, 2, 3], "b": "x,y:[{\\"}"}', 100) == 8  # 1 + { : [ , , , :
+    assert _core.json_value_count(b"[" + b"1," * 1000 + b"1]", 10) == 11  # stops past the limit
+
+    async def limits():
+        with AsyncLLM(stories_dir / "stories260K.bin") as eng:
+            server = Server(eng, "m", None, None, 16 << 20)
+            return server.max_body_values, server.validator.budget_bytes
+
+    max_values, budget = asyncio.run(limits())
+    assert max_values == budget // 4
+    ok = json.dumps({"prompt": [[5, 6, 7]] * (max_values // 5)}).encode()
+    assert len(parse_body(ok, max_values)["prompt"]) == max_values // 5
+
+    def no_parsing(*a, **k):
+        raise AssertionError("json.loads ran on a body past the bound")
+
+    monkeypatch.setattr(serving.json, "loads", no_parsing)
+    for body in ({"prompt": [1] * 1_600_000}, {"prompt": "hi", "stop": ["ab"] * 1_600_000}):
+        with pytest.raises(APIError) as ei:
+            parse_body(json.dumps(body).encode(), max_values)
+        assert ei.value.status == 400 and ei.value.param == "body" and "JSON values" in str(ei.value)
+
+
 # ------------------------------------------------- chat templates in capped worker processes
 
 _BIG = "{% set s = 'a' * 16000000 %}"
@@ -428,6 +496,8 @@ def test_template_pool_reuses_and_replaces_workers():
         pid = pool._idle[0].proc.pid
         assert pool.render("{{ messages[0].content }}?", msgs, True, "", "") == "x?"
         assert pool._idle[0].proc.pid == pid
+        # a worker's CPU time comes after the server's (the event loop's, the engine's)
+        assert os.getpriority(os.PRIO_PROCESS, pid) == min(os.getpriority(os.PRIO_PROCESS, 0) + 10, 19)
         pool._idle[0].proc.kill()
         with pytest.raises(ValueError, match="chat template failed to render"):
             pool.render("{{ 1 }}", msgs, True, "", "")

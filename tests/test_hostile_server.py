@@ -102,6 +102,10 @@ HOSTILE = {
     # 1,000 bad words (under the cap) are served
     "bad-words-1k": (lambda c: completion(c, bad_words=[f"w{i}" for i in range(1000)]),
                      lambda r: r.status_code == 200 or pytest.fail(r.text[:300])),
+    # 7.8 MB of tiny stop strings: more JSON values than the budget takes, refused
+    # before json.loads (which would hold the GIL a quarter of a second)
+    "body-values-8mb": (lambda c: completion(c, stop=["ab"] * 1_300_000),
+                        lambda r: expect_400(r, "body", "JSON values")),
     # a 4 MB prompt: 400 before tokenizing
     "prompt-4mb": (lambda c: completion(c, prompt="ab " * 1_400_000),
                    lambda r: expect_400(r, "prompt", "more than can fit in max_model_len")),

@@ -182,6 +182,90 @@ def test_written_llama2c_tokenizer(tiny_llama2c_path):
     assert sorted(tok.all_token_bytes()[3:259]) == [bytes([b]) for b in range(256)]
 
 
+def _write_llama2c_vocab(path, pieces, scores):
+    with open(path, "wb") as f:
+        f.write(struct.pack("<i", max(len(p) for p in pieces)))
+        for p, s in zip(pieces, scores):
+            f.write(struct.pack("<fi", s, len(p)) + p)
+
+
+def test_llama2c_crafted_vocabularies_match_naive(tmp_path):
+    """Duplicate pieces (the first id holds the text), tied scores (the leftmost pair
+    merges), scores at or below -1e10 (never merged), an empty piece and raw non-UTF-8
+    pieces: the encoder (in C) agrees with the naive rescanning one on every text."""
+    rng = random.Random(7)
+    specials = [b"<unk>", b"\n<s>\n", b"\n</s>\n"] + [f"<0x{i:02X}>".encode() for i in range(256)]
+    chars = [c.encode() for c in "abc \u00e9\u65e5"]
+    for v in range(10):
+        extra = [b"".join(rng.choice(chars) for _ in range(rng.randint(1, 4))) for _ in range(150)]
+        pieces = specials + chars + extra + [rng.choice(extra) for _ in range(20)] + [b"\xff", b"\x80a", b""]
+        scores = [0.0] * 259 + [rng.choice([-1.0, -2.0, -1e11, round(rng.uniform(-5, 0), 2)])
+                                for _ in range(len(pieces) - 259)]
+        path = tmp_path / f"vocab{v}.bin"
+        _write_llama2c_vocab(path, pieces, scores)
+        tok = Llama2cTokenizer(path, len(pieces))
+        for _ in range(100):
+            text = "".join(rng.choice("abc \u00e9\u65e5x") for _ in range(rng.choice([1, 3, 10, 60])))
+            assert tok.encode(text) == naive_llama2c_encode(tok, text), (v, text)
+
+
+def naive_llama2c_exact_bytes(tok: Llama2cTokenizer, data: bytes) -> list[int]:
+    """Each character of data (a valid UTF-8 sequence, else one byte) as its piece or its
+    byte tokens, then llama2.c's merging, rescanning every step: no BOS, no dummy prefix."""
+    lookup = {}
+    for i, p in enumerate(tok.pieces):
+        lookup.setdefault(p, i)
+    ids = []
+    for ch in data.decode("utf-8", "surrogateescape"):
+        b = ch.encode("utf-8", "surrogateescape")
+        ids += [lookup[b]] if b in lookup else [x + 3 for x in b]
+    while True:
+        best, best_i, best_id = -1e10, -1, -1
+        for i in range(len(ids) - 1):
+            j = lookup.get(tok.pieces[ids[i]] + tok.pieces[ids[i + 1]])
+            if j is not None and tok.scores[j] > best:
+                best, best_i, best_id = tok.scores[j], i, j
+        if best_i < 0:
+            return ids
+        ids[best_i:best_i + 2] = [best_id]
+
+
+def test_llama2c_exact_bytes_of_invalid_utf8(tok512):
+    """encode_exact_bytes: a valid UTF-8 sequence is a character, any other byte its
+    own byte token (an encoded surrogate, a truncated sequence, a stray continuation
+    byte); the ids' bytes are the data, and the merging is llama2.c's."""
+    rng = random.Random(3)
+    for _ in range(300):
+        data = bytes(rng.choice(b"ab \xff\x80\xe6\x97\xa5\xed\xa0\xf0\x9f") for _ in range(rng.choice([1, 5, 40])))
+        ids = tok512.encode_exact_bytes(data)
+        assert b"".join(tok512.token_bytes(i) for i in ids) == data
+        assert ids == naive_llama2c_exact_bytes(tok512, data), data
+
+
+def test_llama2c_encode_runs_without_the_gil(tok512):
+    """With the interpreter's switch interval at 10 s, a thread in pure Python holds
+    the GIL until it is done; the encoder releases it, so this thread, waking every
+    millisecond, keeps running."""
+    import sys
+    import threading
+
+    text = "Once upon a time, there was a little girl named Lily. " * 20000
+    done = []
+    worker = threading.Thread(target=lambda: done.append(len(tok512.encode(text))))
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(10.0)
+    try:
+        worker.start()
+        spins = 0
+        while worker.is_alive():
+            worker.join(0.001)
+            spins += 1
+    finally:
+        sys.setswitchinterval(old)
+    assert done and done[0] > 100_000
+    assert spins >= 10, spins
+
+
 # ---------------------------------------------------------------------------- HF
 
 

@@ -79,6 +79,8 @@ int cv_py_add_request_params(PyObject *m); /* request_params.c */
 int cv_py_add_gguf(PyObject *m);        /* py_gguf.c        */
 int cv_py_add_kernel_info(PyObject *m); /* py_kernel_info.c */
 int cv_py_add_tokenizer(PyObject *m);   /* py_tokenizer.c   */
+int cv_py_add_json_scan(PyObject *m);   /* py_json_scan.c   */
+int cv_py_add_llama2c_tokenizer(PyObject *m); /* py_llama2c_tokenizer.c */
 
 /* A GGUF file's key/values as a dict in file order (py_gguf.c). */
 struct cv_gguf_file;

@@ -13,7 +13,8 @@ static int core_exec(PyObject *m) {
     if (!st || cv_py_add_errors(m, st) < 0) return -1;
     if (cv_py_add_checkpoint(m) < 0 || cv_py_add_engine(m) < 0 || cv_py_add_request_params(m) < 0 ||
         cv_py_add_gguf(m) < 0 || cv_py_add_kernel_info(m) < 0 ||
-        cv_py_add_tokenizer(m) < 0)
+        cv_py_add_tokenizer(m) < 0 || cv_py_add_json_scan(m) < 0 ||
+        cv_py_add_llama2c_tokenizer(m) < 0)
         return -1;
     /* the kernel path chosen at run time (CONVEYOR_SIMD, else the CPU's best) */
     cv_simd_level level;

@@ -16,10 +16,15 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Optional
 
-from .engine import NO_TOKEN_ERROR, EngineArgs, EngineCore, EngineFrontend
+from .engine import NO_TOKEN_ERROR, EngineArgs, EngineCore, EngineFrontend, check_priority, check_timeout
 from .models import resolve_model
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
+
+# A text prompt of at most this many characters is tokenized in add_request itself, on
+# the loop (well under a millisecond), so that its errors are raised at once; a longer
+# one, bad words and grammars are prepared on the preparation threads.
+INLINE_PREPARE_BYTES = 1024
 
 
 def _make_wake_fd():
@@ -108,22 +113,35 @@ def _raise_guided_error(out: RequestOutput) -> None:
         raise e
 
 
+class _Refused:
+    """What a stream's queue holds when its request never reached the engine: the
+    error its reader gets (None: the stream was closed while it was prepared)."""
+
+    __slots__ = ("error",)
+    finished = True
+
+    def __init__(self, error: Optional[BaseException]):
+        self.error = error
+
+
 class RequestStream:
     """The outputs of one request added with AsyncLLM.add_request: `async for out in
     stream`, or `await stream.next_batch()` for every output already delivered (a
     consumer that writes once per engine step). close() aborts it if unfinished."""
 
-    __slots__ = ("_core", "_req", "_queue", "_done")
+    __slots__ = ("_core", "_req", "_queue", "_done", "_name")
 
-    def __init__(self, core: EngineCore, req, queue: asyncio.Queue):
+    def __init__(self, core: EngineCore, req, queue: asyncio.Queue, name: Optional[str] = None):
         self._core = core
-        self._req = req
+        self._req = req  # None while the request is being prepared
         self._queue = queue
         self._done = False
+        self._name = name
 
     @property
-    def request_id(self) -> str:
-        return self._req.request_id
+    def request_id(self) -> Optional[str]:
+        """The request's id (None while an unnamed request is being prepared)."""
+        return self._req.request_id if self._req is not None else self._name
 
     def __aiter__(self):
         return self
@@ -134,6 +152,8 @@ class RequestStream:
         out = await self._queue.get()
         if out.finished:
             self._done = True
+            if isinstance(out, _Refused):
+                raise out.error if out.error is not None else StopAsyncIteration
             _raise_guided_error(out)
         return out
 
@@ -143,6 +163,11 @@ class RequestStream:
         if self._done:
             return []
         outs = [await self._queue.get()]
+        if isinstance(outs[0], _Refused):
+            self._done = True
+            if outs[0].error is None:
+                return []
+            raise outs[0].error
         q = self._queue
         while not outs[-1].finished and not q.empty():
             outs.append(q.get_nowait())
@@ -153,9 +178,12 @@ class RequestStream:
 
     def close(self):
         """Aborts the request unless it finished; frees its KV blocks. Safe to call twice."""
-        self._done = True
-        if not self._req.finished:
+        if self._req is None:
+            if not self._done:  # still being prepared: it is never added
+                self._queue.put_nowait(_Refused(None))  # wakes a reader waiting for it
+        elif not self._req.finished:
             self._core.abort(self._req.request_id)
+        self._done = True
 
 
 class AsyncLLM(EngineFrontend):
@@ -173,6 +201,8 @@ class AsyncLLM(EngineFrontend):
         # building grammar matchers) runs here, not on the event loop; two threads, so
         # that the loop keeps its share of the GIL.
         self._prepare_pool = ThreadPoolExecutor(2, thread_name_prefix="conveyor-prepare")
+        self._preparing: dict[str, RequestStream] = {}  # named requests not yet added, by id
+        self._abort_when_added: set[str] = set()  # of those, the ones abort() was called for
         self._finalizer = weakref.finalize(self, _shutdown, self._core, self._rfd, self._wfd,
                                            self._stopping, self._thread, self._prepare_pool)
 
@@ -192,13 +222,19 @@ class AsyncLLM(EngineFrontend):
     def add_request(self, prompt, sampling_params: Optional[SamplingParams] = None,
                     request_id: Optional[str] = None, *, priority: int = 0,
                     timeout: Optional[float] = None, guided=None, lora_request=None) -> "RequestStream":
-        """Adds a request now (from a running event loop) and returns its stream of
-        RequestOutputs. Raises at once what generate() raises at its first step:
-        ValueError/TypeError for a bad request, EngineOverloadedError when
-        max_queued_requests requests already wait. Close the stream (or let it
-        finish) to release the request. A text prompt is tokenized and a guided one's
-        grammar built here, on the loop: generate() does both on worker threads, and
-        so can a caller (run_off_loop: token ids, prepare_guided -> guided)."""
+        """Adds a request (from a running event loop) and returns its stream of
+        RequestOutputs at once; close the stream (or let it finish) to release it.
+
+        Work that grows with the request (tokenizing a text prompt, tokenizing bad
+        words, building a guided request's grammar matchers) runs on the preparation
+        threads, never on the loop: such a request reaches the engine once prepared,
+        and what is wrong with it (ValueError/TypeError, EngineOverloadedError when
+        max_queued_requests requests already wait) is raised by the stream's first read.
+        A request with nothing to prepare (token ids, or a text prompt of at most
+        INLINE_PREPARE_BYTES characters, no bad words to tokenize, no grammar to build)
+        is added here, and its errors are raised here. Bad types, priority and timeout
+        are checked here either way. guided: prepare_guided(params)'s result, when the
+        caller built it."""
         if self._core.closed:
             from . import EngineClosedError
 
@@ -211,13 +247,68 @@ class AsyncLLM(EngineFrontend):
         if isinstance(prompt, (list, tuple)) and prompt and not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise TypeError("AsyncLLM.generate takes one prompt: a str, token ids or a NumPy array")
+        check_priority(priority)
+        check_timeout(timeout)
         loop = asyncio.get_running_loop()
-        text, ids = self._core.tokenize_prompt(prompt)
         queue: asyncio.Queue = asyncio.Queue()
-        req = self._core.add_request(request_id, text, ids, params, priority=priority,
-                                     consumer=(loop, queue), timeout=timeout, guided=guided,
-                                     lora_request=lora_request)
-        return RequestStream(self._core, req, queue)
+        if not self._needs_preparing(prompt, params, guided):
+            text, ids = self._core.tokenize_prompt(prompt, exclusive=False)
+            req = self._core.add_request(request_id, text, ids, params, priority=priority,
+                                         consumer=(loop, queue), timeout=timeout, guided=guided,
+                                         lora_request=lora_request)
+            return RequestStream(self._core, req, queue)
+        stream = RequestStream(self._core, None, queue, request_id)
+        if request_id is not None:
+            self._preparing[request_id] = stream
+        prepared = loop.run_in_executor(self._prepare_pool, self._prepare, prompt, params, guided)
+
+        def add_prepared(fut):
+            aborted = False
+            if request_id is not None and self._preparing.get(request_id) is stream:
+                self._preparing.pop(request_id, None)
+                aborted = request_id in self._abort_when_added
+                self._abort_when_added.discard(request_id)
+            if stream._done:
+                return  # closed (or aborted) while it was being prepared
+            try:
+                if fut.cancelled():
+                    from . import EngineClosedError
+
+                    raise EngineClosedError("the AsyncLLM is closed")
+                text, ids, engine_params, matchers = fut.result()
+                stream._req = self._core.add_request(request_id, text, ids, engine_params, priority=priority,
+                                                     consumer=(loop, queue), timeout=timeout,
+                                                     guided=matchers, lora_request=lora_request)
+            except Exception as e:
+                queue.put_nowait(_Refused(e))
+                return
+            if aborted:
+                self._core.abort(request_id)
+
+        prepared.add_done_callback(add_prepared)
+        return stream
+
+    def _needs_preparing(self, prompt, params: SamplingParams, guided) -> bool:
+        """Whether adding this request means work that grows with it (or a grammar to
+        build): then it is prepared on the preparation threads."""
+        if params.guided_decoding is not None and guided is None:
+            return True
+        if params.bad_words and params._bad_words_token_ids is None:
+            return True  # tokenized one request at a time: the loop must not wait for that
+        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt:
+            prompt = prompt.get("prompt")
+        return isinstance(prompt, str) and len(prompt) > INLINE_PREPARE_BYTES  # up to 4 bytes a character
+
+    def _prepare(self, prompt, params: SamplingParams, guided):
+        """On a preparation thread: (prompt text, token ids, the params as the engine
+        reads them, the grammar matchers). The engine's checks run here too, so that a
+        prompt too long for the context is refused before its ids reach the loop."""
+        text, ids = self._core.tokenize_prompt(prompt)
+        params = self._core.prepare_params(params)
+        self._core.check_request(ids, params)
+        if guided is None:
+            guided = self._core.prepare_guided(params)
+        return text, ids, params, guided
 
     async def generate(self, prompt, sampling_params: Optional[SamplingParams] = None,
                        request_id: Optional[str] = None, *, priority: int = 0,
@@ -233,18 +324,8 @@ class AsyncLLM(EngineFrontend):
         timeout: seconds from arrival; past it the request ends with
         finish_reason "timeout" and its KV blocks return to the pool.
         Raises EngineOverloadedError when max_queued_requests requests wait."""
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        guided = None
-        if isinstance(params, SamplingParams) and not self._core.closed:
-            if isinstance(prompt, str) and prompt and self._core.tokenizer is not None:
-                prompt = {"prompt": prompt, "prompt_token_ids": await self.run_off_loop(self._core.encode_prompt,
-                                                                                         prompt)}
-            if params.bad_words:
-                params = sampling_params = await self.run_off_loop(self._core.prepare_params, params)
-            if params.guided_decoding is not None:
-                guided = await self.run_off_loop(self._core.prepare_guided, params)
         stream = self.add_request(prompt, sampling_params, request_id, priority=priority, timeout=timeout,
-                                  guided=guided, lora_request=lora_request)
+                                  lora_request=lora_request)
         try:
             async for out in stream:
                 yield out
@@ -255,6 +336,9 @@ class AsyncLLM(EngineFrontend):
         """Aborts a request; returns False when no such request is running."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        if request_id in self._preparing:  # aborted as soon as it is added: it ends as "abort"
+            self._abort_when_added.add(request_id)
+            return True
         return self._core.abort(request_id)
 
     async def __aenter__(self):

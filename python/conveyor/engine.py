@@ -22,6 +22,7 @@ from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .request_budget import RequestBudget, request_budget_bytes
 from .sampling_params import SamplingParams, field_error
 from .speculative import parse_speculative_config, spec_stats
+from .token_cache import CachedEncoder
 
 # While sequences decode, a step carries at most this many prompt tokens unless
 # max_prefill_tokens_while_decoding says otherwise (the C engine's defaults, by device).
@@ -346,6 +347,8 @@ class EngineCore:
         # a time does it, so that the event loop competes with one GIL holder, not two,
         # while the other thread's waits (a grammar, a template worker) go on beside it.
         self._tokenize_lock = threading.Lock()
+        # bad words: each distinct word tokenized once, a request's new ones in one call
+        self._word_encoder = CachedEncoder(self.tokenizer) if self.tokenizer is not None else None
         self._deferred_masks: list = []  # synchronous stepping: masks the next step computes
         self._mask_worker = None  # a thread that computes them while that step runs
         self._lora = None
@@ -357,8 +360,9 @@ class EngineCore:
         self.closed = False
 
     # -- requests ---------------------------------------------------------
-    def tokenize_prompt(self, prompt) -> tuple[Optional[str], Any]:
-        """Returns (prompt text or None, token ids as list or int array)."""
+    def tokenize_prompt(self, prompt, exclusive: bool = True) -> tuple[Optional[str], Any]:
+        """Returns (prompt text or None, token ids as list or int array). exclusive:
+        see encode_prompt."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
@@ -372,13 +376,19 @@ class EngineCore:
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer (skip_tokenizer_init=True was given); "
                                  "pass token ids instead")
-            return prompt, self.encode_prompt(prompt)
+            return prompt, self.encode_prompt(prompt, exclusive=exclusive)
         return None, self._check_ids(prompt)
 
-    def encode_prompt(self, text: str, add_special_tokens: bool = True, field: str = "prompt") -> list:
+    def encode_prompt(self, text: str, add_special_tokens: bool = True, field: str = "prompt",
+                      exclusive: bool = True) -> list:
         """The tokenizer's ids for a prompt text, after a byte-length bound that refuses a
-        text too long for max_model_len without tokenizing it (ValueError, .field=field)."""
+        text too long for max_model_len without tokenizing it (ValueError, .field=field).
+        exclusive: one preparation thread at a time; False for a short text tokenized on
+        an event loop, which must not wait behind a long one (the tokenizers are
+        thread-safe)."""
         self.check_prompt_size(text, field)
+        if not exclusive:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         with self._tokenize_lock:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
@@ -431,7 +441,7 @@ class EngineCore:
             return params
         RequestBudget(self.request_budget_bytes).charge("bad_words", params.bad_words)
         with self._tokenize_lock:
-            return params.with_bad_words_tokenized(self.tokenizer)
+            return params.with_bad_words_tokenized(self._word_encoder)
 
     def add_request(self, request_id: Optional[str], prompt_text, prompt_ids, params: SamplingParams,
                     priority: int = 0, consumer=None, timeout: Optional[float] = None,

@@ -1,11 +1,12 @@
 """The llama2.c tokenizer: a tokenizer.bin vocabulary of pieces and scores, merged
-greedily by score as llama2.c's own encoder does."""
+greedily by score as llama2.c's own encoder does (in C: csrc/model/llama2c_bpe.c)."""
 from __future__ import annotations
 
-import heapq
+import os
 import struct
 from pathlib import Path
 
+from . import _core
 from ._core import ModelFormatError
 from .tokenizer_base import _BYTE_PIECE, Tokenizer, _check_ids, _check_text
 
@@ -63,6 +64,8 @@ class Llama2cTokenizer(Tokenizer):
         self.strip_leading_space_after_bos = True
         self.chat_template = None
         self._bytes = [self._raw(i) for i in range(self.vocab_size)]
+        # llama2.c's merging, in C without the GIL (a server's other threads run meanwhile)
+        self._bpe = _core.Llama2cBpe(pieces, scores, seed=int.from_bytes(os.urandom(8), "little"))
 
     def _raw(self, i: int) -> bytes:
         if i in self.special_ids:
@@ -72,64 +75,15 @@ class Llama2cTokenizer(Tokenizer):
         return bytes([int(m.group(1), 16)]) if m else p
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = []
+        lead: list[int] = []
         if add_special_tokens:
-            ids.append(self.bos_id)
+            lead.append(self.bos_id)
         if _check_text(text):
-            ids.append(self._lookup.get(b" ", 0x20 + 3))  # dummy prefix
-        return self._merge(self._char_ids(text, ids))
+            lead.append(self._lookup.get(b" ", 0x20 + 3))  # dummy prefix
+        return self._bpe.encode(lead, text.encode("utf-8"))
 
     def encode_exact_bytes(self, data: bytes) -> list[int]:
-        return self._merge(self._char_ids(data.decode("utf-8", "surrogateescape"), [], "surrogateescape"))
-
-    def _char_ids(self, text: str, ids: list[int], errors: str = "strict") -> list[int]:
-        """ids extended by each character's piece, or where the vocabulary has none by
-        the byte pieces of its UTF-8 (encoded with errors)."""
-        for ch in text:
-            b = ch.encode("utf-8", errors)
-            i = self._lookup.get(b)
-            if i is None:
-                ids.extend(x + 3 for x in b)  # byte fallback
-            else:
-                ids.append(i)
-        return ids
-
-    def _merge(self, toks: list[int]) -> list[int]:
-        """Repeatedly merges the adjacent pair with the best-scoring concatenation
-        (leftmost on ties), as llama2.c does, using a heap instead of rescanning."""
-        n = len(toks)
-        if n < 2:
-            return toks
-        toks = list(toks)
-        nxt = list(range(1, n + 1))
-        nxt[-1] = -1
-        prv = list(range(-1, n - 1))
-        alive = [True] * n
-        pieces, scores, lookup = self.pieces, self.scores, self._lookup
-        heap: list[tuple] = []
-
-        def push(i: int) -> None:
-            j = nxt[i]
-            if i < 0 or j < 0:
-                return
-            m = lookup.get(pieces[toks[i]] + pieces[toks[j]])
-            if m is not None and scores[m] > -1e10:
-                heapq.heappush(heap, (-scores[m], i, j, toks[i], toks[j], m))
-
-        for i in range(n - 1):
-            push(i)
-        while heap:
-            _, i, j, ti, tj, m = heapq.heappop(heap)
-            if not alive[i] or nxt[i] != j or toks[i] != ti or toks[j] != tj:
-                continue  # stale: one side merged since this pair was queued
-            toks[i] = m
-            alive[j] = False
-            nxt[i] = nxt[j]
-            if nxt[j] >= 0:
-                prv[nxt[j]] = i
-            push(prv[i])
-            push(i)
-        return [toks[i] for i in range(n) if alive[i]]
+        return self._bpe.encode([], bytes(data))
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         out = bytearray()

@@ -154,20 +154,20 @@ class SamplingParams:
 
     def with_bad_words_tokenized(self, tokenizer) -> "SamplingParams":
         """A copy whose bad_words are token sequences (vLLM's rule: each word
-        as written and with a leading space, when that tokenizes differently)."""
+        as written and with a leading space, when that tokenizes differently).
+        tokenizer: anything with encode_batch (a Tokenizer, or a CachedEncoder over one)."""
         out = self.clone()
         if not self.bad_words:
             return out
         if tokenizer is None:
             raise field_error(ValueError, "bad_words", "bad_words needs a tokenizer")
+        texts = [text for w in self.bad_words for text in (w.lstrip(), " " + w.lstrip())]
         seqs: list[list[int]] = []
         seen: set[tuple] = set()  # a set: de-duplicating stays linear in the number of words
-        for w in self.bad_words:
-            for text in (w.lstrip(), " " + w.lstrip()):
-                ids = list(tokenizer.encode(text, add_special_tokens=False))
-                if ids and tuple(ids) not in seen:
-                    seen.add(tuple(ids))
-                    seqs.append(ids)
+        for ids in tokenizer.encode_batch(texts, add_special_tokens=False):  # one call for all
+            if ids and tuple(ids) not in seen:
+                seen.add(tuple(ids))
+                seqs.append(list(ids))
         out._bad_words_token_ids = seqs
         return out
 

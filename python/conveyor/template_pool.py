@@ -4,7 +4,8 @@ A chat template is code from the model file (or the request) run on every chat
 request. Operator-by-operator caps cannot bound it: one C call (`join`, `format`,
 `str.format` widths, a chain of `+`) builds a gigabyte before any check runs. So
 templates render in worker processes whose address space is capped (`RLIMIT_AS`)
-and whose CPU time per render is capped (`RLIMIT_CPU`, reset before each render):
+and whose CPU time per render is capped (`RLIMIT_CPU`, reset before each render),
+at a lower CPU priority than the server's own threads:
 an allocation past the cap is a MemoryError inside the worker, a spin past the CPU
 limit kills it, and either way the caller gets a ValueError naming the template.
 Workers are started on first use and reused across requests (a render costs one
@@ -37,6 +38,9 @@ TEMPLATE_MAX_CPU_SECONDS = 4
 # Wall-clock seconds the caller waits for a render (a loaded machine is slower).
 TEMPLATE_MAX_WAIT_SECONDS = 20.0
 POOL_SIZE = 2
+# Workers run this much nicer than the server: a template spinning to its CPU limit
+# takes the CPU the event loop and the engine leave, not theirs.
+TEMPLATE_NICENESS = 10
 
 
 def _send(fd: int, obj) -> None:
@@ -96,6 +100,10 @@ def _worker_main() -> None:
             limit = min(limit, hard)
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a worker killed for CPU leaves no core file
+    try:
+        os.nice(TEMPLATE_NICENESS)
+    except OSError:
+        pass  # the priority is a courtesy to the server, not a limit
     while True:
         try:
             req = _recv(rfd)

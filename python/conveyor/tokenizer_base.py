@@ -76,6 +76,11 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise NotImplementedError
 
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
+        """encode() of each text, in one call (a tokenizer in native code does them all
+        without the GIL)."""
+        return [self.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         raise NotImplementedError
 

@@ -12,6 +12,7 @@ import uuid
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Optional
 
+from .. import _core
 from ..request_budget import REQUEST_BUDGET_BYTES
 from ..sampling_params import SamplingParams
 from .body_fields import IGNORED_FIELDS_HEADER, header_value, unknown_fields
@@ -127,8 +128,21 @@ def _finite(x: float) -> float:
 RETRY_AFTER_S = 1  # the Retry-After of a 503 for a full queue
 
 
-def parse_body(data: bytes) -> dict:
-    """A request body: UTF-8 JSON holding an object (a 400 naming "body" otherwise)."""
+# The budget bytes a request's value costs at least (a number 8, a string its length
+# and quotes; empty strings aside), for the bound on the values of a body.
+BODY_BYTES_PER_VALUE = 4
+
+
+def parse_body(data, max_values: Optional[int] = None) -> dict:
+    """A request body (bytes, or the list of its chunks): UTF-8 JSON holding an object
+    (a 400 naming "body" otherwise). max_values: a body that may hold more values is
+    refused before json.loads, which holds the GIL for its whole parse (counting them
+    does not)."""
+    if isinstance(data, list):
+        data = b"".join(data)
+    if max_values is not None and _core.json_value_count(data, max_values) > max_values:
+        raise bad_request("body", f"the request body holds more than {max_values} JSON values (one per "
+                                  f"{BODY_BYTES_PER_VALUE} bytes of the request budget)")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -165,6 +179,8 @@ class Server:
                                    getattr(engine, "encode_prompt", None), getattr(engine, "prepare_params", None),
                                    getattr(engine, "check_prompt_size", None),
                                    getattr(engine, "request_budget_bytes", REQUEST_BUDGET_BYTES))
+        # a body of more values than the request budget could hold is refused unparsed
+        self.max_body_values = self.validator.budget_bytes // BODY_BYTES_PER_VALUE
         self.metrics = ServerMetrics(self.model_name)
         self.created = int(time.time())
         self.in_flight = 0   # HTTP generation requests being answered
@@ -191,14 +207,15 @@ class Server:
             if n > self.max_body_bytes:
                 raise APIError(413, f"the request body has {n} bytes; the limit is {self.max_body_bytes}",
                                code="body_too_large")
-        buf = bytearray()
+        chunks, size = [], 0
         async for chunk in request.stream():
-            buf += chunk
-            if len(buf) > self.max_body_bytes:
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > self.max_body_bytes:
                 raise APIError(413, f"the request body is over the limit of {self.max_body_bytes} bytes",
                                code="body_too_large")
-        # decoding and parsing megabytes take the GIL for tens of milliseconds: off the loop
-        return await self.off_loop(parse_body, bytes(buf))
+        # joining, decoding and parsing megabytes take the GIL for milliseconds: off the loop
+        return await self.off_loop(parse_body, chunks, self.max_body_values)
 
     async def off_loop(self, fn, *args):
         """fn(*args) on the engine's preparation threads (AsyncLLM.run_off_loop), so that
