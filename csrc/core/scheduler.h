@@ -14,11 +14,16 @@
 #include "sequence.h"
 
 typedef enum cv_sched_policy {
-    CV_SCHED_CONTINUOUS = 0, /* FCFS continuous batching */
+    CV_SCHED_CONTINUOUS = 0, /* continuous batching; never-admitted sequences start in
+                              * order of their virtual finish (arrival on the clock of
+                              * tokens planned, plus expected work): shortest expected
+                              * work first among those that arrived close together,
+                              * and none waits longer than its own work behind later ones */
     CV_SCHED_PRIORITY = 1,   /* continuous, waiting queue ordered by (priority, arrival);
                               * a better-ranked waiting sequence that cannot start
                               * preempts the worst-ranked running one */
-    CV_SCHED_STATIC = 2      /* admit only when nothing runs; run the batch to completion */
+    CV_SCHED_STATIC = 2,     /* admit only when nothing runs; run the batch to completion */
+    CV_SCHED_FCFS = 3        /* continuous batching, strictly in arrival order */
 } cv_sched_policy;
 
 typedef struct cv_scheduler_config {

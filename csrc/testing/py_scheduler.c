@@ -145,9 +145,10 @@ static PyObject *Sched_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     if (strcmp(policy, "continuous") == 0) cfg.policy = CV_SCHED_CONTINUOUS;
     else if (strcmp(policy, "priority") == 0) cfg.policy = CV_SCHED_PRIORITY;
     else if (strcmp(policy, "static") == 0) cfg.policy = CV_SCHED_STATIC;
+    else if (strcmp(policy, "fcfs") == 0) cfg.policy = CV_SCHED_FCFS;
     else {
         PyErr_Format(PyExc_ValueError,
-                     "policy must be \"continuous\", \"priority\" or \"static\", got \"%s\"", policy);
+                     "policy must be \"continuous\", \"fcfs\", \"priority\" or \"static\", got \"%s\"", policy);
         return NULL;
     }
     SchedObject *self = (SchedObject *)type->tp_alloc(type, 0);
