@@ -881,3 +881,41 @@ def test_many_waiting_step_is_cheap_and_correct():
     st = s.stats()
     assert st["n_running"] == 64 and st["n_waiting"] == 20_000 - 64
     s.check()
+
+
+def test_step_cost_model_recovers_a_linear_step_time_and_its_knee():
+    """The engine's step-time model: steps timed as A + B_d * decodes + B_p * prompt tokens
+    give back A, B_d and B_p, and the knee batch 4 * A / B_d (80% of the decode rate limit)."""
+    from conveyor._testing import step_cost_knee
+
+    A, Bd, Bp = 9e-3, 1.4e-3, 1.0e-3
+    rows = [(d, p, A + Bd * d + Bp * p) for d, p in [(1 + i % 30, (i * 37) % 300 if i % 3 else 0)
+                                                       for i in range(200)]]
+    knee, fit = step_cost_knee(rows, 256)
+    assert fit == pytest.approx((A, Bd, Bp), rel=1e-6)
+    assert knee == math.ceil(4 * A / Bd) == 26
+    assert step_cost_knee(rows, 16)[0] == 16  # never beyond the cap
+    # decode-only steps (no prompt work): the two-term fit
+    knee, fit = step_cost_knee([(d, 0, A + Bd * d) for d in range(1, 40)], 256)
+    assert knee == 26 and fit[:2] == pytest.approx((A, Bd), rel=1e-6)
+    # not enough steps, or no spread in the decode count: no knee, the cap stands
+    assert step_cost_knee(rows[:5], 256) == (256, None)
+    assert step_cost_knee([(8, p, A + Bd * 8 + Bp * p) for p in range(100)], 256) == (256, None)
+    # a step time that does not grow with the batch (memory-bound): no knee below the cap
+    assert step_cost_knee([(d, 0, 0.02 + 1e-7 * d) for d in range(1, 60)], 256)[0] == 256
+
+
+def test_running_target_stops_admissions_but_not_a_lone_request():
+    s = Scheduler(num_blocks=400, block_size=4, max_num_seqs=8, max_num_batched_tokens=256,
+                  max_model_len=64)
+    for sid in range(6):
+        s.add(sid, [sid] * 4, 4)
+    s.set_running_target(2)
+    assert s.stats()["running_target"] == 2
+    assert sorted(s.schedule()["seq_ids"]) == [0, 1]
+    s.commit()
+    s.set_running_target(0)  # no target: max_num_seqs again
+    assert s.stats()["running_target"] == 8
+    for sid in (0, 1):
+        s.append_token(sid, 0)
+    assert sorted(s.schedule()["seq_ids"]) == list(range(6))

@@ -58,6 +58,7 @@ struct cv_scheduler {
 
     int64_t next_arrival;
     int64_t tokens_planned;      /* the continuous policy's clock */
+    int64_t running_target;      /* admissions stop at this many running; 0: none (see the setter) */
     int64_t n_preempted_total, steps;
     int64_t n_recomputed_tokens; /* KV computed before a preemption and computed again */
     int64_t n_resumed_tokens;    /* KV a resumed sequence took back instead */
@@ -616,8 +617,10 @@ int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out) {
 
     /* Then waiting ones, in queue order, while budget, seat and blocks allow.
      * Stops at the first that does not fit: O(admitted), never O(waiting). */
+    const int64_t seats = s->running_target > 0 && s->running_target < s->cfg.max_num_seqs ? s->running_target
+                                                                                           : s->cfg.max_num_seqs;
     while (rc == CV_OK && n_pre == n_pre_priority && s->cfg.policy != CV_SCHED_STATIC && budget > 0 &&
-           prefill_left > 0 && s->n_running < s->cfg.max_num_seqs && s->n_waiting > 0) {
+           prefill_left > 0 && (s->n_running < seats || s->n_running == 0) && s->n_waiting > 0) {
         cv_sequence *q = wait_peek(s);
         if (q == victim) break; /* preempted this step: it cannot also run in it */
         int64_t n_hits = 0, n_free_hits = 0, computed = q->n_computed;
@@ -722,6 +725,8 @@ int64_t cv_scheduler_num_unfinished(const cv_scheduler *s) {
 
 int64_t cv_scheduler_num_running(const cv_scheduler *s) { return s->n_running; }
 
+void cv_scheduler_set_running_target(cv_scheduler *s, int64_t n) { s->running_target = n > 0 ? n : 0; }
+
 
 void cv_scheduler_get_stats(const cv_scheduler *s, cv_sched_stats *st) {
     memset(st, 0, sizeof *st);
@@ -732,6 +737,8 @@ void cv_scheduler_get_stats(const cv_scheduler *s, cv_sched_stats *st) {
     st->n_resumed_tokens = s->n_resumed_tokens;
     const int64_t reserve = s->cfg.admission_reserve > 0 ? reserve_tokens(s) : 0;
     st->admission_reserve_tokens = reserve == INT64_MAX ? -1 : reserve;
+    st->running_target = s->running_target > 0 && s->running_target < s->cfg.max_num_seqs ? s->running_target
+                                                                                           : s->cfg.max_num_seqs;
     st->blocks_total = s->usable_blocks;
     st->blocks_free = cv_kv_manager_num_free(s->kv);
     st->blocks_used = st->blocks_total - st->blocks_free;
