@@ -50,7 +50,7 @@ RANGE_CASES = [
     ("dtype", "int8", "dtype must be one of ('auto', 'float32', 'bfloat16', 'float16'), got 'int8'"),
     ("kv_cache_dtype", "int4", "kv_cache_dtype must be one of"),
     ("quantization", "q2_k", "quantization must be one of ('q8_0', 'q4_0', 'q4_1', None), got 'q2_k'"),
-    ("scheduling", "random", "scheduling must be one of ('continuous', 'static', 'priority'), got 'random'"),
+    ("scheduling", "random", "scheduling must be one of ('continuous', 'static', 'priority', 'fcfs'), got 'random'"),
     ("device", "tpu", "device must be one of ('cpu', 'cuda'), got 'tpu'"),
     ("activation_dtype", "bfloat16", "activation_dtype must be one of ('auto', 'float32')"),
 ]

@@ -120,8 +120,9 @@ def test_deadline_ends_running_and_queued_requests_and_frees_blocks():
     with LLM(str(STORIES), num_threads=1, max_num_seqs=1) as llm:
         core = llm._core
         tok = llm.get_tokenizer()
-        running = core.add_request(None, "a", tok.encode("Once upon a time"), LONG, timeout=0.3)
-        queued = core.add_request(None, "b", tok.encode("The dog"), LONG, timeout=0.3)
+        # the default policy starts the least work first: the shorter prompt runs
+        running = core.add_request(None, "a", tok.encode("The dog"), LONG, timeout=0.3)
+        queued = core.add_request(None, "b", tok.encode("Once upon a time"), LONG, timeout=0.3)
         for _ in range(5):
             core.step()
         assert len(running.seqs[0].token_ids) == 5 and queued.seqs[0].token_ids == []
@@ -157,8 +158,9 @@ def test_deadline_through_async_generate():
 
 
 def test_deadline_through_llm_generate():
-    # One seat: the blocker runs, the second request waits; both deadlines pass.
-    with LLM(str(STORIES), num_threads=1, max_num_seqs=1) as llm:
+    # One seat, taken in arrival order: the blocker runs, the second request waits; both
+    # deadlines pass.
+    with LLM(str(STORIES), num_threads=1, max_num_seqs=1, scheduling="fcfs") as llm:
         blocker, queued = llm.generate(["Once upon a time", "The dog"], [BLOCKER, GREEDY], timeout=0.3,
                                        use_tqdm=False)
         assert blocker.finished and queued.finished

@@ -278,3 +278,32 @@ def test_recomputed_and_resumed_tokens_in_stats_and_metrics():
 def test_engine_admission_reserve_is_checked(bad, err):
     with pytest.raises(err, match="admission_reserve"):
         LLM(str(STORIES), admission_reserve=bad)
+
+
+# ---------------------------------------------------------------- the adaptive batch limit
+
+
+@needs_stories
+def test_adaptive_batch_limit_changes_no_output_and_can_be_turned_off():
+    """The running target the step-time model sets never exceeds max_num_seqs, turning it
+    off leaves max_num_seqs as the only seat limit, and either way every request's tokens
+    are the same (a request's output does not depend on the batch it ran in)."""
+    prompts = PROMPTS * 6
+    sp = [SamplingParams(max_tokens=8 + 5 * (i % 7), temperature=0.0) for i in range(len(prompts))]
+    got = {}
+    for adaptive in (True, False):
+        llm = LLM(str(STORIES), max_num_seqs=32, adaptive_batch_limit=adaptive)
+        try:
+            got[adaptive] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+            target = llm.stats()["running_target"]
+        finally:
+            llm.close()
+        assert 1 <= target <= 32
+        if not adaptive:
+            assert target == 32
+    assert got[True] == got[False]
+
+
+def test_adaptive_batch_limit_must_be_a_bool():
+    with pytest.raises(TypeError, match="adaptive_batch_limit"):
+        LLM(str(STORIES), adaptive_batch_limit=1)

@@ -67,6 +67,9 @@ class Driver:
         self.resumed = 0         # and of the tokens taken back instead
         self.started = set()
         self.computed_tokens = 0
+        self.planned = 0         # tokens planned: the continuous policy's clock
+        self.outputs = [0, 0]    # outputs that ended (not aborted) and their tokens
+        self.wait_key = {}       # sid -> the continuous policy's waiting key
         self.steps = 0
         self.next_child = 10_000
 
@@ -77,7 +80,23 @@ class Driver:
         self.meta[sid] = dict(arrival=info["arrival"], priority=info["priority"], fork=fork)
         self.unfinished.add(sid)
 
+    def expected_output(self):
+        """The mean output length the scheduler expects: tokens seen (running outputs so
+        far included) over the outputs that ended; None before one ended."""
+        if not self.outputs[0]:
+            return None
+        seen = self.outputs[1]
+        for sid in self.running:
+            info = self.s.seq_info(sid)
+            seen += max(0, info["n_tokens"] - info["n_prompt"])
+        return seen / self.outputs[0]
+
     def add(self, r):
+        # its virtual finish: the clock now, its prompt and its expected output
+        out, mean = r["max_tokens"], self.expected_output()
+        if mean is not None and mean < out:
+            out = int(mean) + 1
+        self.wait_key[r["id"]] = self.planned + len(r["prompt"]) + out
         self.s.add(r["id"], r["prompt"], r["max_tokens"], r.get("priority", 0))
         self._register(r["id"], fork=False)
         self.queue.append(r["id"])
@@ -94,6 +113,10 @@ class Driver:
         assert cinfo["n_computed"] == shared * self.bs
 
     def finish(self, sid, reason):
+        info = self.s.seq_info(sid)
+        if info["status"] == "running" and reason != "aborted":
+            self.outputs[0] += 1
+            self.outputs[1] += info["n_tokens"] - info["n_prompt"]
         self.s.finish(sid, reason)
         self.kept.pop(sid, None)
         assert self.s.seq_info(sid)["status"] == reason
@@ -121,6 +144,10 @@ class Driver:
     def ordered_queue(self):
         if self.policy == "priority":
             return sorted(self.queue, key=lambda sid: order_key(self.meta[sid], sid))
+        if self.policy == "continuous":  # preempted and forks first, then the fresh by virtual finish
+            fresh = [sid for sid in self.queue if sid not in self.started and not self.meta[sid]["fork"]]
+            rest = [sid for sid in self.queue if sid not in fresh]
+            return rest + sorted(fresh, key=lambda sid: (self.wait_key[sid], self.meta[sid]["arrival"], sid))
         return list(self.queue)
 
     # -- one step --
@@ -219,6 +246,7 @@ class Driver:
                     assert blk != 0 and refs[blk] == 1, f"seq {sid} writes shared block {blk}"
                     self.kv[blk][pos % self.bs] = toks[pos]
         self.computed_tokens += sum(new)
+        self.planned += plan["total_tokens"]
         s.commit()
 
         # sample for every sequence whose tokens are all computed
@@ -280,7 +308,7 @@ class Driver:
 
 @st.composite
 def workloads(draw):
-    policy = draw(st.sampled_from(["continuous", "priority", "static"]))
+    policy = draw(st.sampled_from(["continuous", "fcfs", "priority", "static"]))
     bs = draw(st.sampled_from([1, 2, 4, 8]))
     max_model_len = 48
     n_req = draw(st.integers(1, 12))
@@ -318,7 +346,7 @@ def test_random_workloads_keep_invariants(w):
     event("resumed with kept KV" if st["n_resumed_tokens"] else "no kept KV taken back")
     event("recomputed after preemption" if st["n_recomputed_tokens"] else "nothing recomputed")
     event("forked" if d.next_child > 10_000 else "no fork")
-    if cfg["policy"] != "priority":
+    if cfg["policy"] in ("fcfs", "static"):
         # fresh requests start in arrival order (preempted ones resume ahead of them)
         arrival = {sid: d.meta[sid]["arrival"] for sid in d.first_started}
         assert d.first_started == sorted(d.first_started, key=arrival.get)
@@ -633,7 +661,7 @@ def test_continuous_fills_freed_slot_at_once():
                   max_model_len=64)
     s.add(1, [1] * 4, 1)
     s.add(2, [2] * 4, 8)
-    s.add(3, [3] * 4, 1)
+    s.add(3, [3] * 4, 8)
     assert s.schedule()["seq_ids"] == [1, 2]
     s.commit()
     s.append_token(1, 0)
@@ -641,6 +669,58 @@ def test_continuous_fills_freed_slot_at_once():
     s.append_token(2, 0)
     plan = s.schedule()
     assert plan["seq_ids"] == [2, 3] and plan["num_new_tokens"] == [1, 4]
+
+
+@pytest.mark.parametrize("policy", ["continuous", "fcfs"])
+def test_requests_arriving_together_start_shortest_first(policy):
+    """The default policy starts the least expected work first (prompt + max_tokens before
+    any output ended), which brings the median completion forward; fcfs keeps arrival order."""
+    s = Scheduler(num_blocks=200, block_size=4, max_num_seqs=1, max_num_batched_tokens=64,
+                  max_model_len=64, policy=policy)
+    work = {1: (8, 20), 2: (4, 2), 3: (4, 30), 4: (12, 1), 5: (4, 10)}  # sid: (prompt, max_tokens)
+    for sid, (p, m) in work.items():
+        s.add(sid, [sid] * p, m)
+    order = []
+    while s.num_unfinished():
+        plan = s.schedule()
+        s.commit()
+        sid = plan["seq_ids"][0]
+        if not order or order[-1] != sid:
+            order.append(sid)
+        s.append_token(sid, 0)
+        info = s.seq_info(sid)
+        if info["n_tokens"] >= info["max_total"]:
+            s.finish(sid, "length")
+        s.check()
+    if policy == "fcfs":
+        assert order == [1, 2, 3, 4, 5]
+    else:
+        assert order == sorted(work, key=lambda sid: (sum(work[sid]), sid)) == [2, 4, 5, 1, 3]
+
+
+def test_long_request_waits_at_most_its_own_work_behind_later_arrivals():
+    """A stream of short requests passes a long one only while they arrive within the
+    long one's expected work of it (on the clock of tokens planned): it is never starved."""
+    s = Scheduler(num_blocks=400, block_size=4, max_num_seqs=1, max_num_batched_tokens=64,
+                  max_model_len=64)
+    s.add(0, [9] * 4, 40)  # work 44
+    planned, nxt, started_at = 0, 1, None
+    for _ in range(400):
+        s.add(nxt, [nxt % 7] * 4, 1)  # one short request (work 5) arrives every step
+        nxt += 1
+        plan = s.schedule()
+        s.commit()
+        if 0 in plan["seq_ids"]:
+            started_at = planned
+            break
+        planned += plan["total_tokens"]
+        for sid in plan["seq_ids"]:
+            s.append_token(sid, 0)
+            s.finish(sid, "length")
+        s.check()
+    assert started_at is not None, "the long request starved"
+    # it is passed only by requests that arrived before the clock reached its key (44)
+    assert 0 < started_at <= 44 + 5
 
 
 def test_priority_policy_admits_by_priority():
@@ -801,3 +881,41 @@ def test_many_waiting_step_is_cheap_and_correct():
     st = s.stats()
     assert st["n_running"] == 64 and st["n_waiting"] == 20_000 - 64
     s.check()
+
+
+def test_step_cost_model_recovers_a_linear_step_time_and_its_knee():
+    """The engine's step-time model: steps timed as A + B_d * decodes + B_p * prompt tokens
+    give back A, B_d and B_p, and the knee batch 4 * A / B_d (80% of the decode rate limit)."""
+    from conveyor._testing import step_cost_knee
+
+    A, Bd, Bp = 9e-3, 1.4e-3, 1.0e-3
+    rows = [(d, p, A + Bd * d + Bp * p) for d, p in [(1 + i % 30, (i * 37) % 300 if i % 3 else 0)
+                                                       for i in range(200)]]
+    knee, fit = step_cost_knee(rows, 256)
+    assert fit == pytest.approx((A, Bd, Bp), rel=1e-6)
+    assert knee == math.ceil(4 * A / Bd) == 26
+    assert step_cost_knee(rows, 16)[0] == 16  # never beyond the cap
+    # decode-only steps (no prompt work): the two-term fit
+    knee, fit = step_cost_knee([(d, 0, A + Bd * d) for d in range(1, 40)], 256)
+    assert knee == 26 and fit[:2] == pytest.approx((A, Bd), rel=1e-6)
+    # not enough steps, or no spread in the decode count: no knee, the cap stands
+    assert step_cost_knee(rows[:5], 256) == (256, None)
+    assert step_cost_knee([(8, p, A + Bd * 8 + Bp * p) for p in range(100)], 256) == (256, None)
+    # a step time that does not grow with the batch (memory-bound): no knee below the cap
+    assert step_cost_knee([(d, 0, 0.02 + 1e-7 * d) for d in range(1, 60)], 256)[0] == 256
+
+
+def test_running_target_stops_admissions_but_not_a_lone_request():
+    s = Scheduler(num_blocks=400, block_size=4, max_num_seqs=8, max_num_batched_tokens=256,
+                  max_model_len=64)
+    for sid in range(6):
+        s.add(sid, [sid] * 4, 4)
+    s.set_running_target(2)
+    assert s.stats()["running_target"] == 2
+    assert sorted(s.schedule()["seq_ids"]) == [0, 1]
+    s.commit()
+    s.set_running_target(0)  # no target: max_num_seqs again
+    assert s.stats()["running_target"] == 8
+    for sid in (0, 1):
+        s.append_token(sid, 0)
+    assert sorted(s.schedule()["seq_ids"]) == list(range(6))

@@ -1,37 +1,54 @@
-"""Chooses the scheduler's admission reserve by measurement.
+"""Chooses the scheduler's admission policy by measurement.
 
 Runs the study's workload (N requests, fixed prompt, outputs exponential with
 a mean, capped) through the C scheduler alone, with a fake runner that
-appends one token per computed sequence, for each admission reserve (percent of the expected remaining output), on
-the same KV pool. Prints per setting: steps to drain (fewer = larger batches;
-each step reads the weights once), tokens computed (recomputation included),
-preemptions, recomputed tokens, mean running batch and median finishing step
-(a latency proxy). Counts only, no timing: the numbers are exact and
-repeatable on any machine.
+appends one token per computed sequence, on the same KV pool, and charges
+each step a modeled time, A + B_d * decode tokens + B_p * prompt tokens (the
+engine's own step-time model, step_cost.h; the defaults are this project's
+2-core Zen 4 machine on the study's SmolLM-135M-shaped bf16 checkpoint:
+docs/dev/admission.md says how they were measured).
+Prints per setting: steps, tokens computed (recomputation included),
+preemptions, recomputed tokens, mean running batch, and the modeled output
+tokens/s (as a ratio to static batching's) and p50/p99 completion times of
+requests that all arrive at once. Counts are exact; modeled times are as good
+as the linear step model (it predicted the measured study within 2-4%).
 
     python tools/admission_sweep.py [--n 128] [--prompt 128] [--mean 128] [--kv 8192]
+        [--reserves -1,0,50] [--policies continuous,fcfs] [--targets 0,24,32]
 """
 import argparse
 
 import numpy as np
 
-from conveyor._testing import Scheduler
+from conveyor._testing import Scheduler, step_cost_knee
+from conveyor.bench.common import capped_exponential
 
 
-def run(reserve, prompt, outs, max_tokens, kv_tokens, block_size, max_seqs, budget, policy="continuous"):
+def run(outs, max_tokens, *, prompt, kv_tokens, block_size, max_seqs, budget, cost, policy="continuous",
+        reserve=0, target=0, adaptive=False):
+    """One workload, all arriving at once; target: a fixed running target (0: none);
+    adaptive: the engine's rule (the knee of the step-time model fitted on the steps run)."""
     s = Scheduler(num_blocks=kv_tokens // block_size + 1, block_size=block_size, max_num_seqs=max_seqs,
                   max_num_batched_tokens=budget, max_model_len=prompt + max(max_tokens),
                   enable_prefix_caching=False, admission_reserve=reserve, policy=policy)
+    s.set_running_target(target)
     for i, m in enumerate(max_tokens):
         s.add(i, [1 + (i + j) % 97 for j in range(prompt)], int(m))
     steps = computed = batch = 0
-    done = {}
+    clock, done, seen = 0.0, {}, []
     while s.num_unfinished():
         plan = s.schedule()
         s.commit()
         steps += 1
         computed += plan["total_tokens"]
         batch += s.stats()["n_running"]
+        decode = sum(n for sid, n, p in zip(plan["seq_ids"], plan["num_new_tokens"], plan["start_pos"])
+                     if p >= prompt)
+        t = cost[0] + cost[1] * decode + cost[2] * (plan["total_tokens"] - decode)
+        clock += t
+        if adaptive:
+            seen.append((decode, plan["total_tokens"] - decode, t))
+            s.set_running_target(step_cost_knee(seen[-400:], max_seqs)[0])
         for sid in plan["seq_ids"]:
             info = s.seq_info(sid)
             if info["status"] != "running" or info["n_computed"] != info["n_tokens"]:
@@ -39,11 +56,13 @@ def run(reserve, prompt, outs, max_tokens, kv_tokens, block_size, max_seqs, budg
             s.append_token(sid, 7)
             if info["n_tokens"] + 1 - prompt >= outs[sid]:
                 s.finish(sid, "stopped" if outs[sid] < max_tokens[sid] else "length")
-                done[sid] = steps
+                done[sid] = clock
     st = s.stats()
+    e2e = np.array(list(done.values()))
     return dict(steps=steps, computed=computed, preempt=st["n_preempted_total"],
                 recomputed=st["n_recomputed_tokens"], resumed=st["n_resumed_tokens"],
-                batch=batch / steps, p50_done=float(np.median(list(done.values()))))
+                batch=batch / steps, tps=float(np.sum(outs)) / clock, p50=float(np.median(e2e)),
+                p99=float(np.percentile(e2e, 99)))
 
 
 def main():
@@ -57,26 +76,36 @@ def main():
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--reserves", default="-1,25,50,100,150,200,400")
+    ap.add_argument("--reserves", default="0", help="admission reserves (percent; 0: the default, -1: none)")
+    ap.add_argument("--policies", default="fcfs,continuous")
+    ap.add_argument("--targets", default="0,adaptive",
+                    help="running targets: numbers (0: none) or 'adaptive' (the engine's knee rule)")
+    ap.add_argument("--cost", default="9e-3,1.38e-3,1.05e-3",
+                    help="A,B_d,B_p seconds: a step's fixed time, per decode token, per prompt token "
+                         "(measured: decode steps at 1..48 running and prompt-only steps, quiet machine)")
+    ap.add_argument("--max-tokens", default="exact", choices=["exact", "cap"],
+                    help="each request's max_tokens: its output length (ignore_eos, the study) or the cap")
     a = ap.parse_args()
-    rng = np.random.default_rng(a.seed)
-    raw = np.maximum(1, rng.exponential(a.mean, a.n).round().astype(int))
+    cost = tuple(float(x) for x in a.cost.split(","))
+    common = dict(prompt=a.prompt, kv_tokens=a.kv, block_size=a.block_size, budget=a.budget, cost=cost)
     for cap in map(int, a.caps.split(",")):
-        outs = np.minimum(raw, cap)
-        # max_tokens known exactly (the study's ignore_eos requests), or only the cap (EOS ends them)
-        for known, max_tokens in (("exact", outs), ("cap", np.full(a.n, cap))):
-            print(f"cap {cap}, max_tokens {known}")
-            print(f"  {'res%':>4} {'steps':>6} {'computed':>9} {'preempt':>7} {'recomp':>7} {'resumed':>7} "
-                  f"{'batch':>6} {'p50 done':>8}")
+        outs = capped_exponential(np.random.default_rng([a.seed, 2]), a.n, a.mean, cap)
+        max_tokens = outs if a.max_tokens == "exact" else np.full(a.n, cap)
+        batch = max(1, (a.kv // a.block_size) // -(-(a.prompt + cap) // a.block_size))
+        st = run(outs, max_tokens, policy="static", max_seqs=batch, **common)
+        print(f"cap {cap}, max_tokens {a.max_tokens}: static batch {batch}: {st['tps']:.1f} out tok/s, "
+              f"p50 {st['p50']:.2f} s, p99 {st['p99']:.2f} s, {st['steps']} steps")
+        print(f"  {'policy':>10} {'res%':>4} {'target':>8} {'steps':>6} {'computed':>9} {'preempt':>7} "
+              f"{'recomp':>7} {'batch':>6} {'tok/s':>7} {'p50 s':>6} {'p99 s':>6}")
+        for policy in a.policies.split(","):
             for pct in map(int, a.reserves.split(",")):
-                r = run(pct, a.prompt, outs, max_tokens, a.kv, a.block_size, a.max_num_seqs, a.budget)
-                print(f"  {pct:>4} {r['steps']:>6} {r['computed']:>9} {r['preempt']:>7} {r['recomputed']:>7} "
-                      f"{r['resumed']:>7} {r['batch']:>6.1f} {r['p50_done']:>8.0f}")
-            # the study's static batch: as many as fit at full length (cap), run to completion
-            batch = max(1, (a.kv // a.block_size) // -(-(a.prompt + cap) // a.block_size))
-            r = run(0, a.prompt, outs, max_tokens, a.kv, a.block_size, batch, a.budget, policy="static")
-            print(f"  {'static':>6} {r['steps']:>4} {r['computed']:>9} {r['preempt']:>7} {r['recomputed']:>7} "
-                  f"{r['resumed']:>7} {r['batch']:>6.1f} {r['p50_done']:>8.0f}")
+                for target in a.targets.split(","):
+                    adaptive = target == "adaptive"
+                    r = run(outs, max_tokens, policy=policy, reserve=pct, max_seqs=a.max_num_seqs,
+                            target=0 if adaptive else int(target), adaptive=adaptive, **common)
+                    print(f"  {policy:>10} {pct:>4} {target:>8} {r['steps']:>6} {r['computed']:>9} "
+                          f"{r['preempt']:>7} {r['recomputed']:>7} {r['batch']:>6.1f} "
+                          f"{r['tps'] / st['tps']:>6.3f}x {r['p50']:>6.2f} {r['p99']:>6.2f}")
 
 
 if __name__ == "__main__":

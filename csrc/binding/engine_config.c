@@ -205,8 +205,8 @@ static const char *const QUANT_NAMES[] = {"q8_0", "q4_0", "q4_1"};
 static const int QUANT_VALUES[] = {CV_Q8_0, CV_Q4_0, CV_Q4_1};
 static const char *const DEVICE_NAMES[] = {"cpu", "cuda"};
 static const int DEVICE_VALUES[] = {0, 1};
-static const char *const POLICY_NAMES[] = {"continuous", "static", "priority"};
-static const int POLICY_VALUES[] = {CV_SCHED_CONTINUOUS, CV_SCHED_STATIC, CV_SCHED_PRIORITY};
+static const char *const POLICY_NAMES[] = {"continuous", "static", "priority", "fcfs"};
+static const int POLICY_VALUES[] = {CV_SCHED_CONTINUOUS, CV_SCHED_STATIC, CV_SCHED_PRIORITY, CV_SCHED_FCFS};
 static const char *const ACTIVATION_NAMES[] = {"auto", "float32"};
 static const char *const LORA_DTYPE_NAMES[] = {"float32", "bfloat16"};
 static const int LORA_DTYPE_VALUES[] = {CV_F32, CV_BF16};
@@ -221,7 +221,8 @@ static const char *const CONFIG_FIELDS[] = {
     "model", "dtype", "device", "num_threads", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
     "block_size", "kv_cache_memory", "kv_cache_sequences", "gpu_memory_utilization", "kv_cache_dtype", "enable_prefix_caching",
     "enable_chunked_prefill", "scheduling", "seed", "quantization", "activation_dtype",
-    "max_prefill_tokens_while_decoding", "max_queued_requests", "admission_reserve", "speculative_config",
+    "max_prefill_tokens_while_decoding", "max_queued_requests", "admission_reserve", "adaptive_batch_limit",
+    "speculative_config",
     "enable_lora", "max_loras", "max_lora_rank", "lora_dtype"};
 static const char *const SPEC_FIELDS[] = {"method", "model", "num_speculative_tokens", "prompt_lookup_min",
                                           "prompt_lookup_max", "disable_by_batch_size"};
@@ -316,6 +317,7 @@ int cv_py_engine_config_read(cv_py_engine_config *c, PyObject *config, PyObject 
         read_int(&s, "max_prefill_tokens_while_decoding", 1, &cfg->max_prefill_tokens_while_decoding) < 0 ||
         read_int(&s, "max_queued_requests", 1, &cfg->max_queued_requests) < 0 ||
         read_int(&s, "admission_reserve", 1, &cfg->admission_reserve) < 0 ||
+        read_bool(&s, "adaptive_batch_limit", &cfg->adaptive_batch_limit) < 0 ||
         read_bool(&s, "enable_lora", &cfg->enable_lora) < 0 ||
         read_int(&s, "max_loras", 0, &cfg->max_loras) < 0 ||
         read_int(&s, "max_lora_rank", 0, &cfg->max_lora_rank) < 0 ||

@@ -133,6 +133,7 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
     };
     e->sched = cv_scheduler_create(&sc, e->worker.blocks, err);
     if (!e->sched) { rc = err ? err->code : CV_ERR_STATE; goto fail; }
+    e->adaptive_batch_limit = cfg->adaptive_batch_limit && cfg->policy != CV_SCHED_STATIC;
     int n_samplers = e->backend->host_parallel && e->backend->host_workers > 1 ? e->backend->host_workers : 1;
     if (n_samplers > e->max_num_seqs) n_samplers = (int)e->max_num_seqs;
     cv_draft_config dc = {
@@ -257,6 +258,15 @@ static int propose(cv_engine *e, cv_err *err) {
     return CV_OK;
 }
 
+/* One step into the step-time model, and the running target it implies. */
+static void observe_step_cost(cv_engine *e, const cv_sched_output *plan, double seconds) {
+    int64_t decode = 0;
+    for (int64_t i = 0; i < plan->n_seqs; i++)
+        if (plan->start_pos[i] >= plan->seqs[i]->n_prompt) decode += plan->num_new_tokens[i];
+    cv_step_cost_observe(&e->step_cost, decode, plan->total_tokens - decode, seconds);
+    cv_scheduler_set_running_target(e->sched, cv_step_cost_knee(&e->step_cost, e->max_num_seqs));
+}
+
 static int engine_step(cv_engine *e, cv_err *err) {
     double t0 = cv_now();
     cv_drain_inbox(e);
@@ -315,6 +325,7 @@ static int engine_step(cv_engine *e, cv_err *err) {
     }
     pthread_mutex_lock(&e->outbox.lock);
     double t3 = cv_now();
+    if (e->adaptive_batch_limit) observe_step_cost(e, &plan, t3 - t1);
     record_trace(e, &plan, t0, t3);
     e->steps++;
     e->stats_live.steps = e->steps;

@@ -23,6 +23,7 @@ void cv_engine_config_defaults(cv_engine_config *cfg) {
     cfg->max_prefill_tokens_while_decoding = CV_CONFIG_AUTO;
     cfg->max_queued_requests = CV_CONFIG_AUTO;
     cfg->admission_reserve = CV_CONFIG_AUTO;
+    cfg->adaptive_batch_limit = 1;
     cfg->max_loras = 1;
     cfg->max_lora_rank = 16;
     cfg->spec.method = CV_SPEC_NONE;
@@ -51,8 +52,9 @@ int cv_engine_config_check(const cv_engine_config *cfg, cv_err *err) {
     if (cfg->quantization != CV_DTYPE_INVALID && cfg->quantization != CV_Q8_0 && cfg->quantization != CV_Q4_0 &&
         cfg->quantization != CV_Q4_1)
         return cv_set_field_err(err, CV_ERR_INVALID, "quantization", "quantization must be q8_0, q4_0 or q4_1");
-    if (cfg->policy != CV_SCHED_CONTINUOUS && cfg->policy != CV_SCHED_PRIORITY && cfg->policy != CV_SCHED_STATIC)
-        return cv_set_field_err(err, CV_ERR_INVALID, "scheduling", "scheduling must be continuous, priority or static");
+    if (cfg->policy != CV_SCHED_CONTINUOUS && cfg->policy != CV_SCHED_PRIORITY && cfg->policy != CV_SCHED_STATIC &&
+        cfg->policy != CV_SCHED_FCFS)
+        return cv_set_field_err(err, CV_ERR_INVALID, "scheduling", "scheduling must be continuous, fcfs, priority or static");
     if ((rc = check_range(err, "num_threads", cfg->num_threads, 1, CV_CONFIG_MAX_THREADS, 1)) ||
         (rc = check_range(err, "max_model_len", cfg->max_model_len, 1, CV_CONFIG_MAX_MODEL_LEN, 1)) ||
         (rc = check_range(err, "max_num_seqs", cfg->max_num_seqs, 1, CV_CONFIG_MAX_NUM_SEQS, 0)) ||

@@ -61,6 +61,7 @@ typedef struct cv_engine_config {
     int64_t admission_reserve;      /* percent of the expected remaining output a waiting sequence's admission
                                      * keeps free for the running sequences' growth (cv_scheduler_config);
                                      * AUTO: the scheduler's default; 0: no margin */
+    int adaptive_batch_limit;       /* admissions stop at the knee batch of the step-time model (step_cost.h) */
     cv_spec_config spec;            /* speculative decoding; method CV_SPEC_NONE: off */
     uint64_t seed;
     /* Tokenizer facts the engine needs to stop and detokenize on bytes. */

@@ -17,6 +17,7 @@
 #include "prompt_logprobs.h"
 #include "sequence.h"
 #include "spec_state.h"
+#include "step_cost.h"
 #include "stop.h"
 #include "worker.h"
 
@@ -79,6 +80,8 @@ struct cv_engine {
     cv_backend *backend;
     cv_worker worker;           /* the target model, its KV cache and KV manager */
     cv_scheduler *sched;
+    cv_step_cost step_cost;     /* the step-time model behind the running target (adaptive_batch_limit) */
+    int adaptive_batch_limit;
     cv_sample_rows rows;
     cv_spec_state spec;
     cv_prompt_lp_rows prompt_lp;

@@ -7,12 +7,21 @@
  *   is always the next preemption victim, and since the running phase walks
  *   the array from the front, a victim is never a sequence already planned
  *   this step.
- * - waiting (continuous and static): two intrusive lists over q_prev/q_next.
- *   "resume" holds preempted sequences and forks, pushed at its head; "fresh"
- *   holds never-admitted sequences in arrival order. The waiting queue is
- *   resume followed by fresh, so pushing at the head of resume is pushing at
- *   the head of the queue, and fresh alone is checkably in arrival order.
+ * - waiting (continuous, fcfs and static): "resume", an intrusive list over
+ *   q_prev/q_next of preempted sequences and forks, pushed at its head, ahead
+ *   of "fresh", the never-admitted ones. Fresh is a binary min-heap on
+ *   (wait_key, arrival, seq_id) under the continuous policy, and a list in
+ *   arrival order under fcfs and static.
  * - waiting (priority): a binary min-heap on (priority, arrival, seq_id).
+ *
+ * The continuous policy's wait_key is a virtual finish time: the scheduler's
+ * clock of tokens planned when the sequence arrived, plus the work it is
+ * expected to need (its prompt and its expected output: the mean output seen
+ * so far, never more than its max_tokens; its max_tokens until an output
+ * ended). Among sequences that arrive together the shortest starts first,
+ * which brings the median completion forward; a later arrival passes an
+ * earlier one only when it arrived less than their difference in work after
+ * it, so nothing waits behind later arrivals for more than its own work.
  *
  * The scheduler stamps seq->arrival in cv_scheduler_add (a fork takes its
  * parent's). No step allocates, except the amortized growth of a block table
@@ -35,8 +44,8 @@ struct cv_scheduler {
     int64_t n_running;
 
     cv_sequence *resume_head, *resume_tail; /* preempted and forked, pushed at the head */
-    cv_sequence *fresh_head, *fresh_tail;   /* never admitted, arrival order */
-    cv_sequence **heap;                     /* [heap_cap] priority policy only */
+    cv_sequence *fresh_head, *fresh_tail;   /* never admitted, arrival order (fcfs, static) */
+    cv_sequence **heap;                     /* [heap_cap] the priority queue, or continuous's fresh */
     int64_t heap_len, heap_cap;
     int64_t n_waiting;
     int64_t n_waiting_holding;              /* waiting sequences holding blocks (forks) */
@@ -48,6 +57,8 @@ struct cv_scheduler {
     cv_sequence **out_preempted; /* [max_num_seqs] */
 
     int64_t next_arrival;
+    int64_t tokens_planned;      /* the continuous policy's clock */
+    int64_t running_target;      /* admissions stop at this many running; 0: none (see the setter) */
     int64_t n_preempted_total, steps;
     int64_t n_recomputed_tokens; /* KV computed before a preemption and computed again */
     int64_t n_resumed_tokens;    /* KV a resumed sequence took back instead */
@@ -64,6 +75,17 @@ static int seq_less(const cv_scheduler *s, const cv_sequence *a, const cv_sequen
         return a->priority < b->priority;
     if (a->arrival != b->arrival) return a->arrival < b->arrival;
     return a->seq_id < b->seq_id;
+}
+
+/* a before b in a waiting heap. */
+static int wait_less(const cv_scheduler *s, const cv_sequence *a, const cv_sequence *b) {
+    if (s->cfg.policy == CV_SCHED_CONTINUOUS && a->wait_key != b->wait_key) return a->wait_key < b->wait_key;
+    return seq_less(s, a, b);
+}
+
+/* Never-admitted sequences wait in the heap (continuous, priority). */
+static int fresh_in_heap(const cv_scheduler *s) {
+    return s->cfg.policy == CV_SCHED_CONTINUOUS || s->cfg.policy == CV_SCHED_PRIORITY;
 }
 
 static int64_t blocks_for(const cv_scheduler *s, int64_t tokens) {
@@ -109,7 +131,7 @@ static void heap_sift_up(cv_scheduler *s, int64_t i) {
     cv_sequence *q = s->heap[i];
     while (i > 0) {
         int64_t p = (i - 1) / 2;
-        if (!seq_less(s, q, s->heap[p])) break;
+        if (!wait_less(s, q, s->heap[p])) break;
         heap_set(s, i, s->heap[p]);
         i = p;
     }
@@ -121,8 +143,8 @@ static void heap_sift_down(cv_scheduler *s, int64_t i) {
     for (;;) {
         int64_t c = 2 * i + 1;
         if (c >= s->heap_len) break;
-        if (c + 1 < s->heap_len && seq_less(s, s->heap[c + 1], s->heap[c])) c++;
-        if (!seq_less(s, s->heap[c], q)) break;
+        if (c + 1 < s->heap_len && wait_less(s, s->heap[c + 1], s->heap[c])) c++;
+        if (!wait_less(s, s->heap[c], q)) break;
         heap_set(s, i, s->heap[c]);
         i = c;
     }
@@ -132,7 +154,7 @@ static void heap_sift_down(cv_scheduler *s, int64_t i) {
 /* Capacity for every unfinished sequence, reserved at add so that pushing a
  * preempted sequence back never allocates. */
 static int heap_reserve(cv_scheduler *s, int64_t need, cv_err *err) {
-    if (s->cfg.policy != CV_SCHED_PRIORITY || need <= s->heap_cap) return CV_OK;
+    if (!fresh_in_heap(s) || need <= s->heap_cap) return CV_OK;
     int64_t cap = s->heap_cap * 2 > need ? s->heap_cap * 2 : need;
     if (cap < 64) cap = 64;
     cv_sequence **h = realloc(s->heap, (size_t)cap * sizeof *h);
@@ -153,7 +175,7 @@ static void wait_count_in(cv_scheduler *s, cv_sequence *q) {
 
 /* A new arrival: the back of the queue. */
 static void wait_push_back(cv_scheduler *s, cv_sequence *q) {
-    if (s->cfg.policy == CV_SCHED_PRIORITY) {
+    if (fresh_in_heap(s)) {
         heap_set(s, s->heap_len++, q);
         heap_sift_up(s, q->heap_index);
     } else {
@@ -182,11 +204,13 @@ static void wait_push_front(cv_scheduler *s, cv_sequence *q) {
 
 static cv_sequence *wait_peek(const cv_scheduler *s) {
     if (s->cfg.policy == CV_SCHED_PRIORITY) return s->heap_len ? s->heap[0] : NULL;
-    return s->resume_head ? s->resume_head : s->fresh_head;
+    if (s->resume_head) return s->resume_head;
+    if (fresh_in_heap(s)) return s->heap_len ? s->heap[0] : NULL;
+    return s->fresh_head;
 }
 
 static void wait_remove(cv_scheduler *s, cv_sequence *q) {
-    if (s->cfg.policy == CV_SCHED_PRIORITY) {
+    if (q->heap_index >= 0) {
         int64_t i = q->heap_index;
         cv_sequence *last = s->heap[--s->heap_len];
         if (last != q) {
@@ -262,7 +286,7 @@ cv_scheduler *cv_scheduler_create(const cv_scheduler_config *cfg, cv_kv_manager 
         goto fail;
     }
     if (cfg->policy != CV_SCHED_CONTINUOUS && cfg->policy != CV_SCHED_PRIORITY &&
-        cfg->policy != CV_SCHED_STATIC) {
+        cfg->policy != CV_SCHED_STATIC && cfg->policy != CV_SCHED_FCFS) {
         cv_set_err(err, CV_ERR_INVALID, "scheduler: unknown policy %d", (int)cfg->policy);
         goto fail;
     }
@@ -353,6 +377,29 @@ static int validate_new(const cv_scheduler *s, const cv_sequence *q, cv_err *err
     return CV_OK;
 }
 
+/* The expected output length: the output tokens seen over the outputs that
+ * ended. The running sequences' outputs so far count as seen: without them
+ * the first finishes, the short ones, would make every output look short.
+ * -1 until an output ended. */
+static double expected_output(const cv_scheduler *s) {
+    if (s->n_outputs_seen == 0) return -1.0;
+    double seen = (double)s->output_tokens_seen;
+    for (int64_t i = 0; i < s->n_running; i++) {
+        const cv_sequence *r = s->running[i];
+        if (r->n_tokens - r->n_spec > r->n_prompt) seen += (double)(r->n_tokens - r->n_spec - r->n_prompt);
+    }
+    return seen / (double)s->n_outputs_seen;
+}
+
+/* The continuous policy's waiting order (see the top of this file): the clock
+ * now plus the work q is expected to need. */
+static int64_t virtual_finish(const cv_scheduler *s, const cv_sequence *q) {
+    int64_t out = q->max_total - q->n_tokens;
+    const double mean = expected_output(s);
+    if (mean >= 0 && mean < (double)out) out = (int64_t)mean + 1;
+    return s->tokens_planned + (q->n_tokens - q->n_computed) + out;
+}
+
 static void reset_links(cv_sequence *q) {
     q->q_prev = q->q_next = NULL;
     q->sched_index = -1;
@@ -368,6 +415,7 @@ int cv_scheduler_add(cv_scheduler *s, cv_sequence *q, cv_err *err) {
     q->arrival = s->next_arrival++;
     cv_kv_manager_free(s->kv, q); /* a new sequence holds no blocks: this only zeroes n_computed */
     q->n_cached_prompt = 0;
+    q->wait_key = virtual_finish(s, q);
     wait_push_back(s, q);
     return CV_OK;
 }
@@ -392,6 +440,7 @@ int cv_scheduler_add_fork(cv_scheduler *s, cv_sequence *child, cv_sequence *pare
                           (long long)child->seq_id);
     reset_links(child);
     child->arrival = parent->arrival; /* the same request */
+    child->wait_key = parent->wait_key;
     wait_push_front(s, child);
     return CV_OK;
 }
@@ -430,19 +479,12 @@ static int64_t growth_blocks(const cv_scheduler *s, const cv_sequence *q, int64_
 }
 
 /* The output tokens admission reserves for each sequence beyond its current
- * length (see cv_scheduler_config.admission_reserve): the expected remaining
- * output, estimated as the output tokens seen over the outputs that ended.
- * The running sequences' outputs so far count as seen: without them the first
- * finishes, the short ones, would make every output look short. INT64_MAX
- * (each its max_tokens) until one ended. */
+ * length (see cv_scheduler_config.admission_reserve): that percentage of the
+ * expected output. INT64_MAX (each its max_tokens) until an output ended. */
 static int64_t reserve_tokens(const cv_scheduler *s) {
-    if (s->n_outputs_seen == 0) return INT64_MAX;
-    double seen = (double)s->output_tokens_seen;
-    for (int64_t i = 0; i < s->n_running; i++) {
-        const cv_sequence *r = s->running[i];
-        if (r->n_tokens - r->n_spec > r->n_prompt) seen += (double)(r->n_tokens - r->n_spec - r->n_prompt);
-    }
-    const double r = seen / (double)s->n_outputs_seen * s->cfg.admission_reserve / 100.0;
+    const double mean = expected_output(s);
+    if (mean < 0) return INT64_MAX;
+    const double r = mean * s->cfg.admission_reserve / 100.0;
     return r >= (double)s->cfg.max_model_len ? s->cfg.max_model_len : (int64_t)r + 1;
 }
 
@@ -575,8 +617,10 @@ int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out) {
 
     /* Then waiting ones, in queue order, while budget, seat and blocks allow.
      * Stops at the first that does not fit: O(admitted), never O(waiting). */
+    const int64_t seats = s->running_target > 0 && s->running_target < s->cfg.max_num_seqs ? s->running_target
+                                                                                           : s->cfg.max_num_seqs;
     while (rc == CV_OK && n_pre == n_pre_priority && s->cfg.policy != CV_SCHED_STATIC && budget > 0 &&
-           prefill_left > 0 && s->n_running < s->cfg.max_num_seqs && s->n_waiting > 0) {
+           prefill_left > 0 && (s->n_running < seats || s->n_running == 0) && s->n_waiting > 0) {
         cv_sequence *q = wait_peek(s);
         if (q == victim) break; /* preempted this step: it cannot also run in it */
         int64_t n_hits = 0, n_free_hits = 0, computed = q->n_computed;
@@ -631,6 +675,7 @@ int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out) {
     for (int64_t i = 0; i < s->n_running; i++)
         if (s->running[i]->n_spec > 0 && s->running[i]->planned_step != s->steps) drop_proposals(s->running[i]);
 
+    s->tokens_planned += total;
     out->n_seqs = n_out;
     out->seqs = s->out_seqs;
     out->num_new_tokens = s->out_new;
@@ -680,6 +725,8 @@ int64_t cv_scheduler_num_unfinished(const cv_scheduler *s) {
 
 int64_t cv_scheduler_num_running(const cv_scheduler *s) { return s->n_running; }
 
+void cv_scheduler_set_running_target(cv_scheduler *s, int64_t n) { s->running_target = n > 0 ? n : 0; }
+
 
 void cv_scheduler_get_stats(const cv_scheduler *s, cv_sched_stats *st) {
     memset(st, 0, sizeof *st);
@@ -690,6 +737,8 @@ void cv_scheduler_get_stats(const cv_scheduler *s, cv_sched_stats *st) {
     st->n_resumed_tokens = s->n_resumed_tokens;
     const int64_t reserve = s->cfg.admission_reserve > 0 ? reserve_tokens(s) : 0;
     st->admission_reserve_tokens = reserve == INT64_MAX ? -1 : reserve;
+    st->running_target = s->running_target > 0 && s->running_target < s->cfg.max_num_seqs ? s->running_target
+                                                                                           : s->cfg.max_num_seqs;
     st->blocks_total = s->usable_blocks;
     st->blocks_free = cv_kv_manager_num_free(s->kv);
     st->blocks_used = st->blocks_total - st->blocks_free;
@@ -763,23 +812,33 @@ int cv_scheduler_check(const cv_scheduler *s, cv_err *err) {
         held[n_held++] = q;
     }
 
-    if (s->cfg.policy == CV_SCHED_PRIORITY) {
-        if (s->heap_len != s->n_waiting) {
-            rc = cv_set_err(err, CV_ERR_STATE, "priority heap holds %lld, the waiting count is %lld",
-                            (long long)s->heap_len, (long long)s->n_waiting);
+    if (s->heap_len > s->n_waiting) {
+        rc = cv_set_err(err, CV_ERR_STATE, "waiting heap holds %lld, the waiting count is %lld",
+                        (long long)s->heap_len, (long long)s->n_waiting);
+        goto done;
+    }
+    for (int64_t i = 0; i < s->heap_len; i++) {
+        const cv_sequence *q = s->heap[i];
+        if (q->heap_index != i || q->q_prev || q->q_next || (i > 0 && wait_less(s, q, s->heap[(i - 1) / 2]))) {
+            rc = cv_set_err(err, CV_ERR_STATE, "waiting heap broken at %lld (sequence %lld)",
+                            (long long)i, (long long)q->seq_id);
             goto done;
         }
-        for (int64_t i = 0; i < s->heap_len; i++) {
-            const cv_sequence *q = s->heap[i];
-            if (q->heap_index != i || (i > 0 && seq_less(s, q, s->heap[(i - 1) / 2]))) {
-                rc = cv_set_err(err, CV_ERR_STATE, "priority heap broken at %lld (sequence %lld)",
-                                (long long)i, (long long)q->seq_id);
-                goto done;
-            }
-            if ((rc = check_waiting_seq(s, q, held, &n_held, &holding, err)) != CV_OK) goto done;
-            count++;
+        /* under the continuous policy the heap holds the never-admitted */
+        if (s->cfg.policy == CV_SCHED_CONTINUOUS && (cv_kv_num_blocks(q) != 0 || q->n_preemptions != 0)) {
+            rc = cv_set_err(err, CV_ERR_STATE, "waiting heap holds sequence %lld, which was admitted before",
+                            (long long)q->seq_id);
+            goto done;
         }
-    } else {
+        if ((rc = check_waiting_seq(s, q, held, &n_held, &holding, err)) != CV_OK) goto done;
+        count++;
+    }
+    if (s->cfg.policy == CV_SCHED_PRIORITY ? (s->resume_head || s->fresh_head)
+                                           : (fresh_in_heap(s) && s->fresh_head)) {
+        rc = cv_set_err(err, CV_ERR_STATE, "a waiting list is in use where the heap holds the queue");
+        goto done;
+    }
+    {
         const cv_sequence *heads[2] = {s->resume_head, s->fresh_head};
         const cv_sequence *tails[2] = {s->resume_tail, s->fresh_tail};
         for (int l = 0; l < 2; l++) {

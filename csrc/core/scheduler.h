@@ -14,11 +14,16 @@
 #include "sequence.h"
 
 typedef enum cv_sched_policy {
-    CV_SCHED_CONTINUOUS = 0, /* FCFS continuous batching */
+    CV_SCHED_CONTINUOUS = 0, /* continuous batching; never-admitted sequences start in
+                              * order of their virtual finish (arrival on the clock of
+                              * tokens planned, plus expected work): shortest expected
+                              * work first among those that arrived close together,
+                              * and none waits longer than its own work behind later ones */
     CV_SCHED_PRIORITY = 1,   /* continuous, waiting queue ordered by (priority, arrival);
                               * a better-ranked waiting sequence that cannot start
                               * preempts the worst-ranked running one */
-    CV_SCHED_STATIC = 2      /* admit only when nothing runs; run the batch to completion */
+    CV_SCHED_STATIC = 2,     /* admit only when nothing runs; run the batch to completion */
+    CV_SCHED_FCFS = 3        /* continuous batching, strictly in arrival order */
 } cv_sched_policy;
 
 typedef struct cv_scheduler_config {
@@ -69,6 +74,7 @@ typedef struct cv_sched_stats {
     int64_t n_recomputed_tokens;   /* tokens of KV computed before a preemption and computed again */
     int64_t n_resumed_tokens;      /* tokens of KV resumed sequences took back instead */
     int64_t admission_reserve_tokens; /* output tokens admission reserves per sequence now, -1: max_tokens */
+    int64_t running_target;        /* running sequences admission stops at now (max_num_seqs when unset) */
     int64_t blocks_total;          /* usable blocks (excluding block 0) */
     int64_t blocks_used;           /* referenced by at least one sequence */
     int64_t blocks_free;           /* free (including evictable cached ones) */
@@ -122,6 +128,10 @@ void cv_scheduler_finish(cv_scheduler *s, cv_sequence *seq, cv_seq_status status
 
 int64_t cv_scheduler_num_unfinished(const cv_scheduler *s);
 int64_t cv_scheduler_num_running(const cv_scheduler *s);
+/* Admissions (not the running ones' steps) stop while n sequences run, below
+ * max_num_seqs; a sequence that would run alone still starts. The engine sets
+ * it from its step-time model (step_cost.h); 0: no target. */
+void cv_scheduler_set_running_target(cv_scheduler *s, int64_t n);
 
 void cv_scheduler_get_stats(const cv_scheduler *s, cv_sched_stats *st);
 

@@ -38,6 +38,7 @@ typedef struct cv_seq_blocks {
 typedef struct cv_sequence {
     int64_t seq_id;         /* unique per engine */
     int64_t arrival;        /* arrival order: FCFS order and preemption victim choice */
+    int64_t wait_key;       /* continuous policy: its place among the never-admitted (scheduler.c) */
     int32_t priority;       /* lower value first under the priority policy */
 
     int32_t *tokens;        /* [cap_tokens]: prompt then generated tokens */
@@ -66,7 +67,7 @@ typedef struct cv_sequence {
     /* scheduler-private links */
     struct cv_sequence *q_prev, *q_next;
     int64_t sched_index;    /* position in the running array, -1 when not running */
-    int64_t heap_index;     /* position in the priority heap, -1 when not in it */
+    int64_t heap_index;     /* position in the waiting heap, -1 when not in it */
     int64_t planned_step;   /* the scheduler step that last planned it */
 } cv_sequence;
 

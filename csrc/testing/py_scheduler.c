@@ -14,6 +14,7 @@
 #include "../core/kv_manager.h"
 #include "../core/scheduler.h"
 #include "../core/sequence.h"
+#include "../core/step_cost.h"
 
 typedef struct {
     PyObject_HEAD
@@ -145,9 +146,10 @@ static PyObject *Sched_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     if (strcmp(policy, "continuous") == 0) cfg.policy = CV_SCHED_CONTINUOUS;
     else if (strcmp(policy, "priority") == 0) cfg.policy = CV_SCHED_PRIORITY;
     else if (strcmp(policy, "static") == 0) cfg.policy = CV_SCHED_STATIC;
+    else if (strcmp(policy, "fcfs") == 0) cfg.policy = CV_SCHED_FCFS;
     else {
         PyErr_Format(PyExc_ValueError,
-                     "policy must be \"continuous\", \"priority\" or \"static\", got \"%s\"", policy);
+                     "policy must be \"continuous\", \"fcfs\", \"priority\" or \"static\", got \"%s\"", policy);
         return NULL;
     }
     SchedObject *self = (SchedObject *)type->tp_alloc(type, 0);
@@ -419,6 +421,7 @@ static PyObject *Sched_stats(SchedObject *self, PyObject *Py_UNUSED(ignored)) {
         cv_py_put(d, "n_recomputed_tokens", PyLong_FromLongLong(st.n_recomputed_tokens)) < 0 ||
         cv_py_put(d, "n_resumed_tokens", PyLong_FromLongLong(st.n_resumed_tokens)) < 0 ||
         cv_py_put(d, "admission_reserve_tokens", PyLong_FromLongLong(st.admission_reserve_tokens)) < 0 ||
+        cv_py_put(d, "running_target", PyLong_FromLongLong(st.running_target)) < 0 ||
         cv_py_put(d, "blocks_total", PyLong_FromLongLong(st.blocks_total)) < 0 ||
         cv_py_put(d, "blocks_used", PyLong_FromLongLong(st.blocks_used)) < 0 ||
         cv_py_put(d, "blocks_free", PyLong_FromLongLong(st.blocks_free)) < 0 ||
@@ -446,6 +449,13 @@ static PyObject *Sched_block_refcounts(SchedObject *self, PyObject *Py_UNUSED(ig
 
 static PyObject *Sched_num_unfinished(SchedObject *self, PyObject *Py_UNUSED(ignored)) {
     return PyLong_FromLongLong(cv_scheduler_num_unfinished(self->s));
+}
+
+static PyObject *Sched_set_running_target(SchedObject *self, PyObject *args) {
+    long long n;
+    if (!PyArg_ParseTuple(args, "L", &n)) return NULL;
+    cv_scheduler_set_running_target(self->s, n);
+    Py_RETURN_NONE;
 }
 
 /* Pure C: n steps of schedule + commit (timed) and a fake runner that appends
@@ -499,6 +509,8 @@ static PyObject *Sched_bench_steps(SchedObject *self, PyObject *args) {
 }
 
 static PyMethodDef Sched_methods[] = {
+    {"set_running_target", (PyCFunction)Sched_set_running_target, METH_VARARGS,
+     "set_running_target(n): admissions stop while n run (0: no target)."},
     {"add", (PyCFunction)(void (*)(void))Sched_add, METH_VARARGS | METH_KEYWORDS,
      "add(seq_id, prompt_tokens, max_tokens, priority=0): queue a new sequence."},
     {"fork", (PyCFunction)Sched_fork, METH_VARARGS,
@@ -826,6 +838,33 @@ static PyType_Spec KV_spec = {
     .slots = KV_slots,
 };
 
+/* step_cost_knee(steps, cap) -> (knee, fit or None): the engine's step-time
+ * model fed (decode tokens, prompt tokens, seconds) per step. */
+static PyObject *py_step_cost_knee(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *steps;
+    long long cap;
+    if (!PyArg_ParseTuple(args, "OL", &steps, &cap)) return NULL;
+    PyObject *seq = PySequence_Fast(steps, "steps must be a sequence of (decode, prompt, seconds)");
+    if (!seq) return NULL;
+    cv_step_cost c = {0};
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        long long d, p;
+        double t;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "LLd", &d, &p, &t)) { Py_DECREF(seq); return NULL; }
+        cv_step_cost_observe(&c, d, p, t);
+    }
+    Py_DECREF(seq);
+    double f[3];
+    if (!cv_step_cost_fit(&c, f)) return Py_BuildValue("(LO)", (long long)cv_step_cost_knee(&c, cap), Py_None);
+    return Py_BuildValue("(L(ddd))", (long long)cv_step_cost_knee(&c, cap), f[0], f[1], f[2]);
+}
+
+static PyMethodDef step_cost_functions[] = {
+    {"step_cost_knee", py_step_cost_knee, METH_VARARGS,
+     "step_cost_knee(steps, cap) -> (knee batch, (A, B_decode, B_prompt) or None)."},
+    {NULL, NULL, 0, NULL}};
+
 int cv_py_add_scheduler(PyObject *m) {
+    if (PyModule_AddFunctions(m, step_cost_functions) < 0) return -1;
     return cv_py_add_type(m, &Sched_spec) < 0 ? -1 : cv_py_add_type(m, &KV_spec);
 }

@@ -156,6 +156,12 @@ class EngineArgs:
     # starts whenever its first prompt chunk fits and running ones are preempted when the
     # pool runs out.
     admission_reserve: Optional[int] = None
+    # Where a step's time grows with its rows (a CPU), admissions stop at the batch where
+    # decoding reaches 80% of its rate limit, from a model of the step time fitted as the
+    # engine runs: beyond it a larger batch buys little throughput and costs every request
+    # latency (docs/dev/admission.md). Where a step's time hardly grows (a GPU) it changes
+    # nothing. False: only max_num_seqs and the KV cache limit the batch.
+    adaptive_batch_limit: bool = True
     # Overload control: a request that would make more than this many wait to be
     # scheduled is refused with EngineOverloadedError. None: no limit.
     max_queued_requests: Optional[int] = None
@@ -211,7 +217,8 @@ class EngineArgs:
         for name in ("dtype", "kv_cache_dtype", "scheduling", "device", "activation_dtype", "lora_dtype"):
             check_type(name, lambda v: isinstance(v, str), "a str")
         check_type("quantization", lambda v: v is None or isinstance(v, str), "a str or None")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "skip_tokenizer_init", "enable_lora"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "skip_tokenizer_init", "enable_lora",
+                     "adaptive_batch_limit"):
             check_type(name, lambda v: isinstance(v, bool), "a bool")
         check_type("gpu_memory_utilization", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
                    "a number")

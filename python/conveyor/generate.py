@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4} or '
                         '{"model": DRAFT_PATH, "num_speculative_tokens": 4} (default: none)')
-    e.add_argument("--scheduling", default="continuous", choices=["continuous", "static", "priority"],
+    e.add_argument("--scheduling", default="continuous", choices=["continuous", "fcfs", "static", "priority"],
                    help="batching policy")
     o = ap.add_argument_group("output")
     o.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,

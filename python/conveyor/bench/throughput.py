@@ -108,7 +108,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--output-len", type=int, default=64, help="output tokens per request")
     ap.add_argument("--range-ratio", type=float, default=0.0,
                     help="sample lengths uniformly in [len*(1-r), len*(1+r)] (default 0: fixed)")
-    ap.add_argument("--scheduling", default="continuous", choices=["continuous", "static", "priority"],
+    ap.add_argument("--scheduling", default="continuous", choices=["continuous", "fcfs", "static", "priority"],
                     help="batching policy")
     ap.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,

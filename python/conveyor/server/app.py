@@ -317,7 +317,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help="reuse the KV blocks of a shared prompt prefix (default: on)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="split long prompts over several steps (default: on)")
-    g.add_argument("--scheduling", default=None, choices=["continuous", "static", "priority"],
+    g.add_argument("--scheduling", default=None, choices=["continuous", "fcfs", "static", "priority"],
                    help="batching policy; 'priority' orders by the request's 'priority' (default: continuous)")
     g.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: all cores)")
     g.add_argument("--device", default=None, choices=["cpu", "cuda"], help="where to run (default: cpu)")

@@ -1,0 +1,38 @@
+/* An online model of a step's time, t = A + B_d * decode tokens + B_p * prompt
+ * tokens, fitted by least squares with forgetting over the steps the engine
+ * ran, and the batch it implies: where a step's time grows with its rows (a
+ * compute-bound CPU), decoding D sequences gives D / (A + B_d * D) tokens per
+ * second, which approaches its limit 1 / B_d as D grows while every running
+ * sequence's step time keeps growing. The knee batch k * A / B_d reaches
+ * k / (k + 1) of that limit; admitting beyond it buys little throughput for a
+ * proportional cost in latency. Where A dominates (a memory-bound GPU), the
+ * knee lies beyond any batch the cache holds and changes nothing. */
+#ifndef CV_STEP_COST_H
+#define CV_STEP_COST_H
+
+#include <stdint.h>
+
+/* k: the knee reaches k / (k + 1) = 80% of the decode rate limit. Chosen by
+ * measurement (docs/dev/admission.md). */
+#define CV_STEP_COST_KNEE 4.0
+/* Steps observed before the model is used. */
+#define CV_STEP_COST_MIN_STEPS 16
+
+typedef struct cv_step_cost {
+    double m[3][3]; /* decayed sums of x x^T, x = (1, decode tokens, prompt tokens) */
+    double v[3];    /* decayed sums of x t */
+    int64_t n;      /* steps observed */
+} cv_step_cost;
+
+/* Adds one step: its decode and prompt tokens and its time in seconds. */
+void cv_step_cost_observe(cv_step_cost *c, int64_t decode_tokens, int64_t prompt_tokens, double seconds);
+
+/* The fitted (A, B_d, B_p) into out[3]: 1, or 0 while the steps seen do not
+ * determine them (too few, or no spread in the decode count). */
+int cv_step_cost_fit(const cv_step_cost *c, double out[3]);
+
+/* The knee batch (at least 1, at most cap), or cap when the model is not
+ * ready or implies no knee within cap. */
+int64_t cv_step_cost_knee(const cv_step_cost *c, int64_t cap);
+
+#endif
