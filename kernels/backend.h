@@ -105,6 +105,13 @@ struct cv_backend {
     int (*table_prepare)(cv_backend *b, cv_table *out, const void *src, cv_dtype src_dtype,
                          int64_t rows, int64_t cols, cv_dtype dtype, cv_err *err);
     void (*table_free)(cv_backend *b, cv_table *t);
+    /* out[n][m.cols] = rows[n] of a prepared matrix, as float32 (rows already
+     * validated): the token embedding read from a tied LM head, so its
+     * weights are stored once. The values are those the matrix was prepared
+     * from, as a table of m's dtype would hold them. Returns CV_OK, or
+     * CV_ERR_UNSUPPORTED (nothing read or written) for a matrix whose layout
+     * it cannot read; n == 0 only asks which. NULL: the backend has none. */
+    int (*matrix_rows)(cv_backend *b, float *out, const int32_t *rows, int64_t n, const cv_matrix *m);
     /* Device buffer of bytes (zeroed); host malloc on the CPU. */
     void *(*alloc)(cv_backend *b, size_t bytes);
     void (*free)(cv_backend *b, void *p);

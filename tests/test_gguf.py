@@ -30,7 +30,7 @@ import conveyor
 from conveyor import LLM, SamplingParams
 from conveyor._core import Checkpoint
 from conveyor._testing import ModelRunner
-from conveyor.gguf import GGUFReader
+from conveyor.gguf import GGUFReader, GGUFWriter
 from conveyor.reference import ReferenceModel
 from conveyor import _core
 from conveyor.testing import gemm_input_dtype, write_gguf_checkpoint, write_hf_checkpoint
@@ -186,6 +186,44 @@ def test_plain_c_kernels_give_the_same_model(models):
     # block's max), so a few flips across 37 tokens give rms differences of a few 1e-3: still a
     # tenth of the quantization tolerance (QUANT_RMS_TOL) the reference comparison allows.
     assert rms_err(plain, simd) < QUANT_RMS_TOL / 6 and (plain.argmax(1) == simd.argmax(1)).mean() >= 0.95
+
+
+def untied_twin(src, dst) -> Path:
+    """GGUF ``src`` with its LM head stored apart: output.weight holds token_embd's bytes, so
+    the model is the same but the engine keeps the embedding table and the head separately."""
+    r = GGUFReader(src)
+    w = GGUFWriter(dst, alignment=r.alignment)
+    for k, value in r.metadata.items():
+        if k != "general.alignment":
+            w.add(k, value, *r.metadata_types[k])
+    for name, info in r.tensors.items():
+        w.add_tensor_producer(name, info.shape, info.ggml_type, lambda name=name: [r.raw(name).tobytes()])
+    e = r.tensors["token_embd.weight"]
+    w.add_tensor_producer("output.weight", e.shape, e.ggml_type, lambda: [r.raw("token_embd.weight").tobytes()])
+    return w.write()
+
+
+@pytest.mark.parametrize("gtype,dtype,quantization", [("F32", "float32", None), ("F16", "float16", None),
+                                                      ("BF16", "bfloat16", None), ("F32", "bfloat16", None),
+                                                      ("Q8_0", "auto", None), ("F32", "float32", "q8_0"),
+                                                      ("F32", "float32", "q4_1")])
+def test_tied_embedding_is_stored_once(tmp_path, gtype, dtype, quantization):
+    """A tied model reads its token embedding from the LM head: no table is kept apart (the
+    weights count the embedding once), and every logit equals, bit for bit, the same model
+    with the head stored as a separate copy (a table for the lookup, a matrix for the head)."""
+    shape = dict(dim=64, hidden_dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=272)
+    tied = write_gguf_checkpoint(tmp_path / "tied.gguf", shape=shape, ggml_type=gtype, tie_embeddings=True, seed=5)
+    twin = untied_twin(tied, tmp_path / "untied.gguf")
+    kw = dict(dtype=dtype, quantization=quantization)
+    cfgs = {}
+    for name, path in (("tied", tied), ("twin", twin)):
+        with LLM(str(path), kv_cache_memory="1MiB", num_threads=1, skip_tokenizer_init=True, **kw) as llm:
+            cfgs[name] = dict(llm.model_config)
+    head = cfgs["tied"]["weight_bytes"] - (cfgs["twin"]["weight_bytes"] - cfgs["twin"]["embed_bytes"])
+    assert cfgs["tied"]["embed_bytes"] == 0 and cfgs["twin"]["embed_bytes"] > 0
+    assert head == 0  # the tied model holds exactly the twin's weights less its table
+    tokens = [int(t) for t in np.random.default_rng(1).integers(0, 272, 40)] + [0, 271]
+    np.testing.assert_array_equal(all_logits(tied, tokens, **kw), all_logits(twin, tokens, **kw))
 
 
 def test_checkpoint_config_tensors_and_metadata(models):

@@ -696,6 +696,7 @@ static PyObject *Engine_model_config(EngineObject *self, PyObject *Py_UNUSED(ign
         cv_py_put(d, "kv_cache_dtype", PyUnicode_FromString(cv_dtype_name(kvdt))) < 0 ||
         cv_py_put(d, "embed_bytes", PyLong_FromSize_t(cv_engine_embed_bytes(self->e))) < 0 ||
         cv_py_put(d, "matrix_dtype", PyUnicode_FromString(cv_dtype_name(cv_engine_matrix_dtype(self->e)))) < 0 ||
+        cv_py_put(d, "lm_head_dtype", PyUnicode_FromString(cv_dtype_name(cv_engine_lm_head_dtype(self->e)))) < 0 ||
         cv_py_put(d, "eos_ids", cv_py_int32_list(c->eos_ids, c->n_eos)) < 0) {
         Py_DECREF(d);
         return NULL;

@@ -466,6 +466,8 @@ void cv_engine_weight_info(cv_engine *e, size_t *bytes, int64_t *n_params, cv_dt
 
 size_t cv_engine_embed_bytes(cv_engine *e) { return e->worker.model->embed.bytes; }
 
+cv_dtype cv_engine_lm_head_dtype(cv_engine *e) { return e->worker.model->lm_head.dtype; }
+
 cv_dtype cv_engine_matrix_dtype(cv_engine *e) {
     return cv_worker_matrix_dtype(&e->worker);
 }

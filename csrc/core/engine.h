@@ -183,10 +183,13 @@ int64_t cv_engine_vocab_size(cv_engine *e);
  * weights' dtype and the KV cache's dtype. */
 void cv_engine_weight_info(cv_engine *e, size_t *bytes, int64_t *n_params, cv_dtype *dtype,
                            cv_dtype *kv_dtype);
-/* Bytes of the token embedding table (a decode step reads only a few rows),
- * and the dtype the layers' matrices are kept in (q4_1 for a Q4_1 GGUF). */
+/* Bytes of the token embedding table held apart from the LM head (a decode
+ * step reads only a few rows; 0 when a tied embedding is read from the LM
+ * head), the dtype the layers' matrices are kept in (q4_1 for a Q4_1 GGUF),
+ * and the LM head's. */
 size_t cv_engine_embed_bytes(cv_engine *e);
 cv_dtype cv_engine_matrix_dtype(cv_engine *e);
+cv_dtype cv_engine_lm_head_dtype(cv_engine *e);
 
 /* Step trace for the slot timeline: when on, each step records its scheduled
  * (request id, seq index, new tokens). */

@@ -216,7 +216,10 @@ int cv_model_forward(const cv_model *m, cv_forward_ws *ws, cv_kv_layer *caches,
     cv_rope rope_local = rope;
     if (m->inv_freq_local) rope_local.inv_freq = m->inv_freq_local;
 
-    b->embedding(b, ws->x, tokens, n, &m->embed);
+    if (m->embed_in_head)
+        b->matrix_rows(b, ws->x, tokens, n, &m->lm_head); /* the layout was checked at load */
+    else
+        b->embedding(b, ws->x, tokens, n, &m->embed);
     if (c->embed_scale > 0) b->scale(b, ws->x, n * c->dim, c->embed_scale);
     const int lora = batch_has_lora(bt) && b->lora_sgmv;
     const int64_t dim = c->dim, hid = c->hidden_dim;

@@ -215,16 +215,22 @@ int cv_model_load_quantized(cv_model **out, const char *path, cv_backend *b, cv_
     scratch = malloc((size_t)biggest * sizeof(float));
     if (!scratch) { rc = cv_set_err(err, CV_ERR_NOMEM, "out of memory for load scratch"); goto done; }
 
-    /* a quantized embedding (GGUF, or quantization=) stays quantized: rows are dequantized on lookup */
-    if (cv_dtype_is_quant(quant) && c->dim % CV_QK == 0 && ck.embed.dtype != quant) {
-        rc = prepare_quantized_table(b, &m->embed, &ck.embed, quant, scratch, err);
-    } else {
-        const cv_dtype table_dtype = cv_dtype_is_quant(ck.embed.dtype) ? ck.embed.dtype : dtype;
-        rc = b->table_prepare(b, &m->embed, ck.embed.data, ck.embed.dtype, c->vocab_size, c->dim, table_dtype, err);
-    }
-    if (rc) goto done;
     const cv_tensor_view *head = ck.lm_head.data ? &ck.lm_head : &ck.embed;
     rc = prepare_stacked(b, &m->lm_head, &head, 1, dtype, quant, scratch, err);
+    if (rc) goto done;
+    /* a quantized embedding (GGUF, or quantization=) stays quantized: rows are dequantized on lookup */
+    const int quantize_table = cv_dtype_is_quant(quant) && c->dim % CV_QK == 0 && ck.embed.dtype != quant;
+    const cv_dtype table_dtype = quantize_table ? quant : cv_dtype_is_quant(ck.embed.dtype) ? ck.embed.dtype : dtype;
+    /* Tied: when the LM head holds the table's very values (the same dtype,
+     * made from the same rows), the lookup reads its rows and no table is kept. */
+    m->embed_in_head = !ck.lm_head.data && m->lm_head.dtype == table_dtype && b->matrix_rows &&
+                       b->matrix_rows(b, NULL, NULL, 0, &m->lm_head) == CV_OK;
+    if (m->embed_in_head)
+        rc = CV_OK;
+    else if (quantize_table)
+        rc = prepare_quantized_table(b, &m->embed, &ck.embed, quant, scratch, err);
+    else
+        rc = b->table_prepare(b, &m->embed, ck.embed.data, ck.embed.dtype, c->vocab_size, c->dim, table_dtype, err);
     if (rc) goto done;
     rc = upload_vector(b, &m->final_norm, &ck.final_norm, scratch, err);
     if (rc) goto done;

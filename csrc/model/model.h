@@ -28,7 +28,8 @@ typedef struct cv_model {
     cv_dtype dtype;       /* weight dtype */
     int64_t q_dim;        /* n_heads * head_dim */
     int64_t kv_dim;       /* n_kv_heads * head_dim */
-    cv_table embed;       /* [vocab][dim] */
+    cv_table embed;       /* [vocab][dim]; empty when embed_in_head */
+    int embed_in_head;    /* tied: the embedding's rows are read from lm_head (stored once) */
     cv_layer *layers;     /* [n_layers] */
     float *final_norm;    /* [dim] (device) */
     cv_matrix lm_head;    /* [vocab][dim] */

@@ -347,6 +347,7 @@ cv_backend *cv_cpu_backend_create_simd(int num_threads, const char *simd, cv_err
     }
     b->matrix_prepare = cv_cpu_matrix_prepare;
     b->matrix_free = cv_cpu_matrix_free;
+    b->matrix_rows = cv_cpu_matrix_rows;
     b->table_prepare = cpu_table_prepare;
     b->table_free = cpu_table_free;
     b->alloc = cpu_alloc;

@@ -236,6 +236,7 @@ typedef struct cv_gemm_in {
 int cv_cpu_matrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dtype src_dtype,
                           int64_t rows, int64_t cols, cv_dtype dtype, cv_err *err);
 void cv_cpu_matrix_free(cv_backend *b, cv_matrix *m);
+int cv_cpu_matrix_rows(cv_backend *b, float *out, const int32_t *rows, int64_t n, const cv_matrix *m);
 /* Grows the GEMM pack buffers for matrices of `cols` columns (called by
  * matrix_prepare, never during a step). */
 int cv_cpu_gemm_reserve(cv_cpu *c, int64_t cols);

@@ -176,6 +176,99 @@ void cv_cpu_matrix_free(cv_backend *b, cv_matrix *m) {
 }
 
 /* ------------------------------------------------------------------------ */
+/* Rows read back (a tied embedding read from its LM head)                   */
+
+/* Bytes of thread scratch a quantized matrix's row needs: a P16 panel's rows
+ * up to the wanted one, unpacked to row-major blocks. */
+static size_t qrows_scratch_floats(const cv_matrix *m) {
+    const size_t row_bytes = cv_dtype_bytes(m->dtype, (size_t)m->cols);
+    return m->layout == CV_QLAYOUT_P16 ? (CV_QP16_ROWS * row_bytes + sizeof(float) - 1) / sizeof(float) : 0;
+}
+
+static int rows_supported(const cv_cpu *c, const cv_matrix *m) {
+    if (!m->data || m->rows <= 0 || m->cols <= 0) return 0;
+    if (!cv_dtype_is_quant(m->dtype))
+        return m->layout == 0 && (m->dtype == CV_F32 || m->dtype == CV_BF16 || m->dtype == CV_F16);
+    if (m->layout == CV_QLAYOUT_ROWS) return 1;
+    return m->layout == CV_QLAYOUT_P16 && cv_qp16_packs(m->dtype) && m->cols % CV_QK == 0 &&
+           cv_cpu_gemm_rows_buf(c, 0, qrows_scratch_floats(m)) != NULL;
+}
+
+typedef struct rows_job {
+    float *out;            /* [n][cols] */
+    const int32_t *rows;   /* [n] */
+    const cv_matrix *m;
+    const cv_cpu *cpu;
+    cv_rows *claim;        /* claimed in chunks (dynamic region) */
+} rows_job;
+
+/* Row r of a float matrix packed by pack_fn: panel r / 16, lane r % 16. */
+static void float_row(float *dst, const cv_cpu *c, const cv_matrix *m, int64_t r) {
+    const int64_t cols = m->cols, cols_pad = panel_cols(c, m->dtype, cols);
+    const int jj = (int)(r % CV_NR);
+    const size_t base = (size_t)(r / CV_NR) * (size_t)cols_pad * CV_NR;
+    if (m->dtype == CV_F32) {
+        const float *p = (const float *)m->data + base + (size_t)jj;
+        for (int64_t k = 0; k < cols; k++) dst[k] = p[(size_t)k * CV_NR];
+        return;
+    }
+    const uint16_t *p = (const uint16_t *)m->data + base;
+    if (uses_pairs(c, m->dtype)) { /* [k/2][16][2] */
+        p += 2 * (size_t)jj;
+        for (int64_t k = 0; k < cols; k++) dst[k] = cv_bf16_to_f32(p[(size_t)(k / 2) * 2 * CV_NR + (size_t)(k & 1)]);
+    } else if (m->dtype == CV_BF16) {
+        p += (size_t)bf16_slot(jj);
+        for (int64_t k = 0; k < cols; k++) dst[k] = cv_bf16_to_f32(p[(size_t)k * CV_NR]);
+    } else {
+        p += (size_t)jj;
+        for (int64_t k = 0; k < cols; k++) dst[k] = cv_f16_to_f32(p[(size_t)k * CV_NR]);
+    }
+}
+
+/* Row r of a quantized matrix: its blocks (row-major, or unpacked from the
+ * P16 panel into the thread's scratch), dequantized. */
+static void quant_row(float *dst, const cv_matrix *m, int64_t r, void *scratch) {
+    const size_t row_bytes = cv_dtype_bytes(m->dtype, (size_t)m->cols);
+    const char *src = (const char *)m->data + (size_t)r * row_bytes;
+    if (m->layout == CV_QLAYOUT_P16) {
+        const int64_t nb = m->cols / CV_QK;
+        const int lane = (int)(r % CV_QP16_ROWS);
+        const char *panel = (const char *)m->data + (size_t)(r / CV_QP16_ROWS) * cv_qp16_stride(m->dtype, nb);
+        cv_qp16_unpack(scratch, row_bytes, panel, m->dtype, lane + 1, nb);
+        src = (const char *)scratch + (size_t)lane * row_bytes;
+    }
+    cv_dequantize(dst, src, m->dtype, (size_t)m->cols);
+}
+
+static void rows_fn(void *arg, int tid, int nth) {
+    const rows_job *j = arg;
+    (void)nth;
+    const cv_matrix *m = j->m;
+    void *scratch = cv_dtype_is_quant(m->dtype) ? cv_cpu_gemm_rows_buf(j->cpu, tid, qrows_scratch_floats(m)) : NULL;
+    for (int64_t t0, t1; cv_rows_claim(j->claim, &t0, &t1);)
+        for (int64_t i = t0; i < t1; i++) {
+            float *dst = j->out + (size_t)i * (size_t)m->cols;
+            if (cv_dtype_is_quant(m->dtype))
+                quant_row(dst, m, j->rows[i], scratch);
+            else
+                float_row(dst, j->cpu, m, j->rows[i]);
+        }
+}
+
+int cv_cpu_matrix_rows(cv_backend *b, float *out, const int32_t *rows, int64_t n, const cv_matrix *m) {
+    cv_cpu *c = cv_cpu_of(b);
+    if (!rows_supported(c, m)) return CV_ERR_UNSUPPORTED;
+    if (n <= 0) return CV_OK;
+    rows_job j = {.out = out, .rows = rows, .m = m, .cpu = c};
+    int nth = cv_threads_for(c, (double)n * (double)m->cols, 1 << 16);
+    if (nth > n) nth = (int)n;
+    cv_rows claim;
+    j.claim = &claim;
+    cv_cpu_run_rows(c, nth, &claim, n, rows_fn, &j);
+    return CV_OK;
+}
+
+/* ------------------------------------------------------------------------ */
 /* Micro-kernels (contract in gemm_ukr.h) */
 
 /* Plain C: the reference every SIMD kernel is held to (one panel per call:

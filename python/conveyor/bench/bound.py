@@ -98,7 +98,10 @@ _TABLE_DTYPES = {4.0: "float32", 2.0: "bfloat16", 34 / 32: "q8_0", 18 / 32: "q4_
 
 
 def lm_head_bytes_per_weight(cfg: Dict[str, Any]) -> float:
-    """The LM head is the embedding's dtype (tied, or quantized alike) stored as a matrix."""
+    """The LM head is the embedding's dtype (tied, or quantized alike) stored as a matrix:
+    the engine's ``lm_head_dtype`` where it reports one, else told by ``embed_bytes``."""
+    if cfg.get("lm_head_dtype") in STORED_BYTES_PER_WEIGHT:
+        return bytes_per_weight(cfg["lm_head_dtype"])
     if not cfg.get("embed_bytes"):
         return bytes_per_weight(cfg["matrix_dtype"])
     per = cfg["embed_bytes"] / (int(cfg["vocab_size"]) * int(cfg["dim"]))
