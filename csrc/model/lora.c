@@ -104,7 +104,7 @@ int cv_lora_pool_load(cv_lora_pool *p, const cv_model *m, int64_t slot, int64_t 
         cv_lora_module_shape(m, modules[i], &out, &in);
         const size_t k = (size_t)layers[i] * CV_LORA_N_MODULES + (size_t)modules[i];
         if (s->a[k]) continue; /* a repeated pair: the first wins */
-        const size_t na = (size_t)rank * (size_t)in, nb = (size_t)rank * (size_t)out;
+        const size_t na = (size_t)rank * (size_t)in, nb = (size_t)CV_LORA_BT_SIZE(rank, out);
         const size_t need = (na > nb ? na : nb) * elem;
         if (need > host_cap) {
             void *h = realloc(host, need);
@@ -119,9 +119,10 @@ int cv_lora_pool_load(cv_lora_pool *p, const cv_model *m, int64_t slot, int64_t 
             if (elem == 2) ((uint16_t *)host)[e] = cv_f32_to_bf16(a[i][e]);
             else ((float *)host)[e] = a[i][e];
         be->to_device(be, s->a[k], host, na * elem);
-        for (int64_t o = 0; o < out; o++) /* B [out][rank] -> B^T [rank][out] */
+        memset(host, 0, nb * elem); /* the last panel's padding */
+        for (int64_t o = 0; o < out; o++) /* B [out][rank] -> B^T in panels */
             for (int64_t j = 0; j < rank; j++) {
-                const size_t e = (size_t)j * (size_t)out + (size_t)o;
+                const size_t e = (size_t)CV_LORA_BT_AT(rank, j, o);
                 const float v = b[i][o * rank + j];
                 if (elem == 2) ((uint16_t *)host)[e] = cv_f32_to_bf16(v);
                 else ((float *)host)[e] = v;

@@ -22,7 +22,7 @@ typedef struct cv_lora_slot {
     int64_t rank;
     float scale;
     void **a;    /* [n_layers * CV_LORA_N_MODULES] A [rank][in] (device, pool dtype), NULL where untargeted */
-    void **bt;   /* same: B^T [rank][out] */
+    void **bt;   /* same: B^T in panels (kernels/backend.h: CV_LORA_BT_AT) */
 } cv_lora_slot;
 
 typedef struct cv_lora_pool {

@@ -79,7 +79,7 @@ typedef struct cv_cpu_kernels {
     /* LoRA (lora.c), over nr <= CV_LORA_ROWS rows of one adapter at once,
      * its weights float32 or (bf16) bf16: the shrink t[i][r] = x[i] . a[r][in]
      * for r < rank, and the expand y[i][o] += scale * (t[i] . bt[.][o]) for o <
-     * out. Row i's result is the same whatever nr is. */
+     * out, bt in panels (kernels/backend.h: CV_LORA_BT_AT). Row i's result is the same whatever nr is. */
     void (*lora_shrink)(float *t, int64_t t_stride, const float *const *x, int nr, const void *a, int bf16,
                         int64_t rank, int64_t in);
     void (*lora_expand)(float *const *y, const float *t, int64_t t_stride, int nr, const void *bt, int bf16,

@@ -32,7 +32,7 @@ void cv_lora_expand_plain(float *const *y, const float *t, int64_t t_stride, int
     for (int64_t o = 0; o < out; o++) {
         float acc[CV_LORA_ROWS] = {0};
         for (int64_t j = 0; j < rank; j++) {
-            const float w = cv_lora_w_at(bt, bf16, (size_t)(j * out + o));
+            const float w = cv_lora_w_at(bt, bf16, (size_t)CV_LORA_BT_AT(rank, j, o));
             for (int i = 0; i < nr; i++) acc[i] += t[(size_t)i * (size_t)t_stride + (size_t)j] * w;
         }
         for (int i = 0; i < nr; i++) y[i][o] += scale * acc[i];

@@ -13,6 +13,17 @@ static CV_ALWAYS_INLINE __m256 load8_avx2(const void *w, const int bf16, size_t 
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+/* Asks for the line at byte off from w, which may lie past w's end (the next
+ * matrix's, or nothing: a prefetch never faults); the address is computed as
+ * an integer, not as a pointer outside w. */
+static CV_ALWAYS_INLINE void prefetch_at(const void *w, size_t off) {
+    _mm_prefetch((const char *)(uintptr_t)((uintptr_t)w + off), _MM_HINT_T0);
+}
+
+/* Elements ahead of the one read that the shrink asks for (prefetch), as the
+ * short streams of an adapter's rows are read from memory once per step. */
+#define LORA_PF_AHEAD 256
+
 /* Rank rows of A a shrink pass takes at once (each x chunk loaded once for them). */
 #define SHRINK_RB 2
 
@@ -25,7 +36,11 @@ static CV_ALWAYS_INLINE void shrink_block_avx2(float *t, int64_t ts, const float
     int64_t e = 0;
     for (; e + 8 <= in; e += 8) {
         __m256 w[SHRINK_RB];
-        for (int k = 0; k < nb; k++) w[k] = load8_avx2(a, bf16, (size_t)(r0 + k) * (size_t)in + (size_t)e);
+        for (int k = 0; k < nb; k++) {
+            const size_t at = (size_t)(r0 + k) * (size_t)in + (size_t)e;
+            w[k] = load8_avx2(a, bf16, at);
+            prefetch_at(a, (at + LORA_PF_AHEAD) * (bf16 ? 2 : 4));
+        }
         for (int i = 0; i < nr; i++) {
             const __m256 xv = _mm256_loadu_ps(x[i] + e);
             for (int k = 0; k < nb; k++) s[i][k] = _mm256_fmadd_ps(xv, w[k], s[i][k]);
@@ -60,14 +75,14 @@ void cv_lora_shrink_avx2(float *t, int64_t t_stride, const float *const *x, int 
 
 /* Columns [o, o + 8 * nc) of nr rows. */
 static CV_ALWAYS_INLINE void expand_cols_avx2(float *const *y, const float *t, int64_t ts, const int nr, const int nc,
-                                              const void *bt, const int bf16, int64_t rank, int64_t out, int64_t o,
-                                              __m256 vs) {
+                                              const void *bt, const int bf16, int64_t rank, int64_t o, __m256 vs) {
     __m256 acc[CV_LORA_ROWS][2];
     for (int i = 0; i < nr; i++)
         for (int c = 0; c < nc; c++) acc[i][c] = _mm256_setzero_ps();
     for (int64_t j = 0; j < rank; j++) {
         __m256 w[2];
-        for (int c = 0; c < nc; c++) w[c] = load8_avx2(bt, bf16, (size_t)(j * out + o + 8 * c));
+        for (int c = 0; c < nc; c++) w[c] = load8_avx2(bt, bf16, (size_t)CV_LORA_BT_AT(rank, j, o + 8 * c));
+        prefetch_at(bt, ((size_t)CV_LORA_BT_AT(rank, j, o) + (size_t)(rank * 16)) * (bf16 ? 2 : 4)); /* next panel */
         for (int i = 0; i < nr; i++) {
             const __m256 tj = _mm256_set1_ps(t[i * ts + j]);
             for (int c = 0; c < nc; c++) acc[i][c] = _mm256_fmadd_ps(tj, w[c], acc[i][c]);
@@ -84,12 +99,12 @@ static CV_ALWAYS_INLINE void expand_avx2(float *const *y, const float *t, int64_
                                          const int bf16, int64_t rank, int64_t out, float scale) {
     const __m256 vs = _mm256_set1_ps(scale);
     int64_t o = 0;
-    for (; o + 16 <= out; o += 16) expand_cols_avx2(y, t, ts, nr, 2, bt, bf16, rank, out, o, vs);
-    for (; o + 8 <= out; o += 8) expand_cols_avx2(y, t, ts, nr, 1, bt, bf16, rank, out, o, vs);
+    for (; o + 16 <= out; o += 16) expand_cols_avx2(y, t, ts, nr, 2, bt, bf16, rank, o, vs);
+    for (; o + 8 <= out; o += 8) expand_cols_avx2(y, t, ts, nr, 1, bt, bf16, rank, o, vs);
     for (; o < out; o++) /* the tail as the plain code computes it */
         for (int i = 0; i < nr; i++) {
             float acc = 0.0f;
-            for (int64_t j = 0; j < rank; j++) acc += t[i * ts + j] * cv_lora_w_at(bt, bf16, (size_t)(j * out + o));
+            for (int64_t j = 0; j < rank; j++) acc += t[i * ts + j] * cv_lora_w_at(bt, bf16, (size_t)CV_LORA_BT_AT(rank, j, o));
             y[i][o] += scale * acc;
         }
 }

@@ -13,6 +13,17 @@ static CV_ALWAYS_INLINE __m512 load16_avx512(const void *w, const int bf16, size
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* Asks for the line at byte off from w, which may lie past w's end (the next
+ * matrix's, or nothing: a prefetch never faults); the address is computed as
+ * an integer, not as a pointer outside w. */
+static CV_ALWAYS_INLINE void prefetch_at(const void *w, size_t off) {
+    _mm_prefetch((const char *)(uintptr_t)((uintptr_t)w + off), _MM_HINT_T0);
+}
+
+/* Elements ahead of the one read that the shrink asks for (prefetch), as the
+ * short streams of an adapter's rows are read from memory once per step. */
+#define LORA_PF_AHEAD 256
+
 /* Rank rows of A a shrink pass takes at once (each x chunk loaded once for them). */
 #define SHRINK_RB 4
 
@@ -26,7 +37,11 @@ static CV_ALWAYS_INLINE void shrink_block_avx512(float *t, int64_t ts, const flo
     for (int64_t e = 0; e < in; e += 16) {
         const __mmask16 m = cv_tail_mask16(in - e);
         __m512 w[SHRINK_RB];
-        for (int k = 0; k < nb; k++) w[k] = load16_avx512(a, bf16, (size_t)(r0 + k) * (size_t)in + (size_t)e, m);
+        for (int k = 0; k < nb; k++) {
+            const size_t at = (size_t)(r0 + k) * (size_t)in + (size_t)e;
+            w[k] = load16_avx512(a, bf16, at, m);
+            prefetch_at(a, (at + LORA_PF_AHEAD) * (bf16 ? 2 : 4));
+        }
         for (int i = 0; i < nr; i++) {
             const __m512 xv = _mm512_maskz_loadu_ps(m, x[i] + e);
             for (int k = 0; k < nb; k++) s[i][k] = _mm512_fmadd_ps(xv, w[k], s[i][k]);
@@ -62,14 +77,17 @@ void cv_lora_shrink_avx512(float *t, int64_t t_stride, const float *const *x, in
 /* Columns [o, o + 16 * nc) of nr rows, the last chunk masked by m. */
 static CV_ALWAYS_INLINE void expand_cols_avx512(float *const *y, const float *t, int64_t ts, const int nr,
                                                 const int nc, const void *bt, const int bf16, int64_t rank,
-                                                int64_t out, int64_t o, __m512 vs, __mmask16 m) {
+                                                int64_t o, __m512 vs, __mmask16 m) {
     __m512 acc[CV_LORA_ROWS][2];
     for (int i = 0; i < nr; i++)
         for (int c = 0; c < nc; c++) acc[i][c] = _mm512_setzero_ps();
     for (int64_t j = 0; j < rank; j++) {
         __m512 w[2];
-        for (int c = 0; c < nc; c++)
-            w[c] = load16_avx512(bt, bf16, (size_t)(j * out + o + 16 * c), c == nc - 1 ? m : (__mmask16)0xffff);
+        for (int c = 0; c < nc; c++) {
+            const size_t at = (size_t)CV_LORA_BT_AT(rank, j, o + 16 * c);
+            w[c] = load16_avx512(bt, bf16, at, 0xffff); /* padded panels */
+            prefetch_at(bt, (at + (size_t)(nc * rank * 16)) * (bf16 ? 2 : 4));
+        }
         for (int i = 0; i < nr; i++) {
             const __m512 tj = _mm512_set1_ps(t[i * ts + j]);
             for (int c = 0; c < nc; c++) acc[i][c] = _mm512_fmadd_ps(tj, w[c], acc[i][c]);
@@ -87,8 +105,8 @@ static CV_ALWAYS_INLINE void expand_avx512(float *const *y, const float *t, int6
                                            const int bf16, int64_t rank, int64_t out, float scale) {
     const __m512 vs = _mm512_set1_ps(scale);
     int64_t o = 0;
-    for (; o + 32 <= out; o += 32) expand_cols_avx512(y, t, ts, nr, 2, bt, bf16, rank, out, o, vs, 0xffff);
-    for (; o < out; o += 16) expand_cols_avx512(y, t, ts, nr, 1, bt, bf16, rank, out, o, vs, cv_tail_mask16(out - o));
+    for (; o + 32 <= out; o += 32) expand_cols_avx512(y, t, ts, nr, 2, bt, bf16, rank, o, vs, 0xffff);
+    for (; o < out; o += 16) expand_cols_avx512(y, t, ts, nr, 1, bt, bf16, rank, o, vs, cv_tail_mask16(out - o));
 }
 
 void cv_lora_expand_avx512(float *const *y, const float *t, int64_t t_stride, int nr, const void *bt, int bf16,
