@@ -458,3 +458,28 @@ def test_bf16_adapter_weights(tmp_path, tiny_hf_dir, monkeypatch, level):
         assert toks == ref.greedy(p, 10)
     with pytest.raises(ValueError, match="lora_dtype"):
         LLM(str(tiny_hf_dir), skip_tokenizer_init=True, enable_lora=True, lora_dtype="float16")
+
+
+def test_bench_lora_command(tmp_path, tiny_hf_dir):
+    """`conveyor bench lora` on a tiny base: a base/adapters pair per number of adapters,
+    the merged copies, the JSON; every request of every adapter counted in the stats."""
+    from conveyor import cli
+
+    out = tmp_path / "lora.json"
+    rc = cli.main(["bench", "lora", "--model", str(tiny_hf_dir), "--adapters", "1,3", "--requests", "6",
+                   "--max-tokens", "3", "--prompt-len", "5", "--reps", "1", "--merged-adapters", "3",
+                   "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert [m["adapters"] for m in r["mixed"]] == [1, 3]
+    for m in r["mixed"]:
+        (p,) = m["pairs"]
+        assert p["base_tok_s"] > 0 and p["lora_tok_s"] > 0 and p["ratio"] == pytest.approx(p["lora_tok_s"] /
+                                                                                           p["base_tok_s"])
+    (mg,) = r["merged"]
+    assert mg["adapters"] == 3 and mg["tok_s"] > 0 and mg["mixed_over_merged"] > 0
+    # a0: the warm-up of k=1 (1) and of k=3 (1), 6 + 2 requests of the two measured batches
+    assert r["lora_stats"]["lora_requests"] == {"a0": 1 + 6 + 1 + 2, "a1": 1 + 2, "a2": 1 + 2}
+    assert r["lora_stats"]["lora_tokens"]["a1"] == 3 * 3
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "lora", "--model", str(tiny_hf_dir), "--adapters", "7", "--requests", "6"])
