@@ -16,6 +16,14 @@ void cv_lora_module_shape(const cv_model *m, int module, int64_t *out, int64_t *
     }
 }
 
+void cv_lora_pool_lock(cv_lora_pool *p) {
+    if (p->lock_ready) pthread_mutex_lock(&p->lock);
+}
+
+void cv_lora_pool_unlock(cv_lora_pool *p) {
+    if (p->lock_ready) pthread_mutex_unlock(&p->lock);
+}
+
 int cv_lora_pool_init(cv_lora_pool *p, const cv_model *m, int64_t n_slots, int64_t max_rank, int64_t max_tokens,
                       int64_t max_seqs, cv_dtype dtype, cv_err *err) {
     memset(p, 0, sizeof *p);
@@ -38,6 +46,8 @@ int cv_lora_pool_init(cv_lora_pool *p, const cv_model *m, int64_t n_slots, int64
     p->max_segs = max_seqs > 0 ? max_seqs : 1;
     p->segs = calloc((size_t)p->max_segs, sizeof *p->segs);
     int ok = p->slots && p->tmp && p->segs;
+    if (ok && pthread_mutex_init(&p->lock, NULL) == 0) p->lock_ready = 1;
+    else ok = 0;
     for (int64_t s = 0; ok && s < n_slots; s++) {
         p->slots[s].a = calloc(per, sizeof(void *));
         p->slots[s].bt = calloc(per, sizeof(void *));
@@ -75,6 +85,7 @@ void cv_lora_pool_free(cv_lora_pool *p, cv_backend *b) {
     }
     if (p->tmp) b->free(b, p->tmp);
     free(p->segs);
+    if (p->lock_ready) pthread_mutex_destroy(&p->lock);
     memset(p, 0, sizeof *p);
 }
 
