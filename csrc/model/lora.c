@@ -64,11 +64,9 @@ void cv_lora_pool_unload(cv_lora_pool *p, cv_backend *b, int64_t slot) {
     if (slot < 0 || slot >= p->n_slots) return;
     cv_lora_slot *s = &p->slots[slot];
     const int64_t per = p->n_layers * CV_LORA_N_MODULES;
-    for (int64_t i = 0; i < per && s->a; i++) {
-        b->free(b, s->a[i]);
-        b->free(b, s->bt[i]);
-        s->a[i] = s->bt[i] = NULL;
-    }
+    for (int64_t i = 0; i < per && s->a; i++) s->a[i] = s->bt[i] = NULL;
+    b->free(b, s->block);
+    s->block = NULL;
     s->loaded = 0;
     s->rank = 0;
     s->scale = 0.0f;
@@ -107,14 +105,30 @@ int cv_lora_pool_load(cv_lora_pool *p, const cv_model *m, int64_t slot, int64_t 
     }
     cv_lora_pool_unload(p, be, slot);
     cv_lora_slot *s = &p->slots[slot];
-    const size_t elem = p->dtype == CV_BF16 ? 2 : 4;
+    const size_t elem = p->dtype == CV_BF16 ? 2 : 4, per = (size_t)p->n_layers * CV_LORA_N_MODULES;
     void *host = NULL; /* one matrix in the pool's layout and dtype */
-    size_t host_cap = 0;
-    for (int64_t i = 0; i < n_pairs; i++) {
+    size_t host_cap = 0, total = 0;
+    int64_t *pair_of = malloc(per * sizeof *pair_of); /* [layer * modules + module] -> its pair, or -1 */
+    size_t *at = malloc(per * sizeof *at);             /* the byte offset of its A in the block (B^T follows) */
+    if (!pair_of || !at) goto nomem;
+    for (size_t k = 0; k < per; k++) pair_of[k] = -1;
+    for (int64_t i = 0; i < n_pairs; i++) { /* a repeated pair: the first wins */
+        const size_t k = (size_t)layers[i] * CV_LORA_N_MODULES + (size_t)modules[i];
+        if (pair_of[k] < 0) pair_of[k] = i;
+    }
+    for (size_t k = 0; k < per; k++) { /* layer by layer, module by module: as the forward reads them */
+        if (pair_of[k] < 0) continue;
+        int64_t out, in;
+        cv_lora_module_shape(m, (int)(k % CV_LORA_N_MODULES), &out, &in);
+        at[k] = total;
+        total += (((size_t)rank * (size_t)in + (size_t)CV_LORA_BT_SIZE(rank, out)) * elem + 63) & ~(size_t)63;
+    }
+    if (!(s->block = be->alloc(be, total))) goto nomem;
+    for (size_t k = 0; k < per; k++) {
+        const int64_t i = pair_of[k];
+        if (i < 0) continue;
         int64_t out, in;
         cv_lora_module_shape(m, modules[i], &out, &in);
-        const size_t k = (size_t)layers[i] * CV_LORA_N_MODULES + (size_t)modules[i];
-        if (s->a[k]) continue; /* a repeated pair: the first wins */
         const size_t na = (size_t)rank * (size_t)in, nb = (size_t)CV_LORA_BT_SIZE(rank, out);
         const size_t need = (na > nb ? na : nb) * elem;
         if (need > host_cap) {
@@ -123,9 +137,8 @@ int cv_lora_pool_load(cv_lora_pool *p, const cv_model *m, int64_t slot, int64_t 
             host = h;
             host_cap = need;
         }
-        s->a[k] = be->alloc(be, na * elem);
-        s->bt[k] = be->alloc(be, nb * elem);
-        if (!s->a[k] || !s->bt[k]) goto nomem;
+        s->a[k] = (char *)s->block + at[k];
+        s->bt[k] = (char *)s->block + at[k] + na * elem;
         for (size_t e = 0; e < na; e++) /* A as it is */
             if (elem == 2) ((uint16_t *)host)[e] = cv_f32_to_bf16(a[i][e]);
             else ((float *)host)[e] = a[i][e];
@@ -141,6 +154,8 @@ int cv_lora_pool_load(cv_lora_pool *p, const cv_model *m, int64_t slot, int64_t 
         be->to_device(be, s->bt[k], host, nb * elem);
         be->sync(be); /* the host buffer is reused for the next matrix */
     }
+    free(pair_of);
+    free(at);
     free(host);
     s->rank = rank;
     s->scale = scale;
@@ -148,6 +163,8 @@ int cv_lora_pool_load(cv_lora_pool *p, const cv_model *m, int64_t slot, int64_t 
     return CV_OK;
 nomem:
     free(host);
+    free(pair_of);
+    free(at);
     cv_lora_pool_unload(p, be, slot);
     return cv_set_err(err, CV_ERR_NOMEM, "out of memory for a LoRA adapter of rank %lld", (long long)rank);
 }

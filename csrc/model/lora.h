@@ -22,7 +22,8 @@ typedef struct cv_lora_slot {
     int loaded;
     int64_t rank;
     float scale;
-    void **a;    /* [n_layers * CV_LORA_N_MODULES] A [rank][in] (device, pool dtype), NULL where untargeted */
+    void *block; /* one device allocation holding all of them, in the order the forward reads them */
+    void **a;    /* [n_layers * CV_LORA_N_MODULES] A [rank][in] (in block, pool dtype), NULL where untargeted */
     void **bt;   /* same: B^T in panels (kernels/backend.h: CV_LORA_BT_AT) */
 } cv_lora_slot;
 
