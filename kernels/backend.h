@@ -44,8 +44,16 @@ typedef struct cv_table {
  * scale = max|x| / 127 (0 for a zero row: values 0), the scale of token
  * slot s and KV head h at k_scale / v_scale [block][h][offset]. */
 /* The rows [row0, row0 + n_rows) of a batch under one LoRA adapter: A
- * [rank][in] and B^T [rank][out] (device) of dtype CV_F32 or CV_BF16, and its
- * scale. */
+ * [rank][in] and B^T (device) of dtype CV_F32 or CV_BF16, and its scale. B^T
+ * is held in panels of CV_LORA_PANEL output columns, [out / CV_LORA_PANEL
+ * rounded up][rank][CV_LORA_PANEL], the last panel zero-padded, so that the
+ * expand of a run of columns reads one contiguous stretch:
+ * B^T[j][o] is at CV_LORA_BT_AT(rank, j, o). */
+#define CV_LORA_PANEL 16
+#define CV_LORA_BT_AT(rank, j, o) \
+    ((((o) / CV_LORA_PANEL) * (rank) + (j)) * CV_LORA_PANEL + (o) % CV_LORA_PANEL)
+/* Elements of a B^T of out columns. */
+#define CV_LORA_BT_SIZE(rank, out) ((rank) * (((out) + CV_LORA_PANEL - 1) / CV_LORA_PANEL) * CV_LORA_PANEL)
 typedef struct cv_lora_segment {
     int64_t row0, n_rows, rank;
     const void *a, *bt;

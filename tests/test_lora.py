@@ -201,6 +201,7 @@ def test_eviction_with_one_slot(tmp_path, tiny_hf_dir):
         st = llm.stats()
         assert llm._core.num_unfinished() == 0
     assert st["lora_swaps"] >= 3 and st["lora_requests_waiting"] == 0
+    assert st["lora_evictions"] == st["lora_swaps"] - 1  # one slot: every load after the first evicts
     assert st["lora_requests"] == {"a1": 3, "a2": 2} and st["lora_tokens"] == {"a1": 30, "a2": 20}
     assert got == [ref_tokens(tiny_hf_dir, lr.lora_path if lr else None, p) for p, lr in zip(prompts, loras)]
 
@@ -458,3 +459,125 @@ def test_bf16_adapter_weights(tmp_path, tiny_hf_dir, monkeypatch, level):
         assert toks == ref.greedy(p, 10)
     with pytest.raises(ValueError, match="lora_dtype"):
         LLM(str(tiny_hf_dir), skip_tokenizer_init=True, enable_lora=True, lora_dtype="float16")
+
+
+def test_bench_lora_command(tmp_path, tiny_hf_dir):
+    """`conveyor bench lora` on a tiny base: a base/adapters pair per number of adapters,
+    the merged copies, the JSON; every request of every adapter counted in the stats."""
+    from conveyor import cli
+
+    out = tmp_path / "lora.json"
+    rc = cli.main(["bench", "lora", "--model", str(tiny_hf_dir), "--adapters", "1,3", "--requests", "6",
+                   "--max-tokens", "3", "--prompt-len", "5", "--reps", "1", "--merged-adapters", "3",
+                   "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert [m["adapters"] for m in r["mixed"]] == [1, 3]
+    for m in r["mixed"]:
+        (p,) = m["pairs"]
+        assert p["base_tok_s"] > 0 and p["lora_tok_s"] > 0 and p["ratio"] == pytest.approx(p["lora_tok_s"] /
+                                                                                           p["base_tok_s"])
+    (mg,) = r["merged"]
+    assert mg["adapters"] == 3 and mg["tok_s"] > 0 and mg["mixed_over_merged"] > 0
+    # a0: the warm-up of k=1 (1) and of k=3 (1), 6 + 2 requests of the two measured batches
+    assert r["lora_stats"]["lora_requests"] == {"a0": 1 + 6 + 1 + 2, "a1": 1 + 2, "a2": 1 + 2}
+    assert r["lora_stats"]["lora_tokens"]["a1"] == 3 * 3
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "lora", "--model", str(tiny_hf_dir), "--adapters", "7", "--requests", "6"])
+
+
+def _metric(text: str, name: str, **labels) -> float:
+    """The value of one sample of /metrics (all of its labels given, model_name aside)."""
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            lab = dict(kv.split("=", 1) for kv in line[len(name) + 1:line.index("}")].split(","))
+            lab.pop("model_name", None)
+            if lab == {k: f'"{v}"' for k, v in labels.items()}:
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} {labels} not in /metrics")
+
+
+def test_server_lora_metrics_and_loads_while_streaming(tmp_path, stories_dir):
+    """Requests and tokens per adapter and slot loads/evictions in /metrics after a known
+    workload; adapters loaded and unloaded over HTTP while other adapters' requests stream
+    (slot writes against running steps) leave every stream's text equal to the adapter's
+    own, alone."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    import threading
+
+    from conveyor.bench.serve import OwnServer
+
+    LONG = 200  # the streams' tokens: long enough to run under the loads
+    model = stories_dir / "stories260K.bin"
+    cfg = cfg_of(model)
+    paths = {n: T.write_peft_adapter(tmp_path / n, T.random_lora_weights(cfg, 4, seed=80 + i, scale=1.0), rank=4,
+                                     alpha=8) for i, n in enumerate(("a1", "a2", "a3", "a4"))}
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(str(model), enable_lora=True, max_loras=4, max_lora_rank=4) as llm:
+        want = {n: llm.generate(["Once upon a time"], params, use_tqdm=False,
+                                lora_request=LoRARequest(n, i + 1, str(paths[n])))[0].outputs[0].text
+                for i, n in enumerate(paths)}
+        long = SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True)
+        want_long = {n: llm.generate(["Once upon a time"], long, use_tqdm=False,
+                                     lora_request=LoRARequest(n, i + 1, str(paths[n])))[0].outputs[0].text
+                     for i, n in enumerate(paths)}
+    s = OwnServer(str(model), ("--lora-modules", f"a1={paths['a1']}", f"a2={paths['a2']}", "--max-loras", "3",
+                               "--max-lora-rank", "4"), timeout=60.0)
+    try:
+        with httpx.Client(base_url=s.url, timeout=60.0, trust_env=False) as http:
+            def ask(name, max_tokens=24):
+                r = http.post("/v1/completions", json={"model": name, "prompt": "Once upon a time", "temperature": 0,
+                                                       "max_tokens": max_tokens, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+
+            for name in ("a1", "a1", "a1", "a2", "a2"):
+                assert ask(name) == want[name]
+            for name in ("a3", "a4"):
+                r = http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(paths[name])})
+                assert r.status_code == 200, r.text
+                assert ask(name) == want[name]  # a4 in three slots: a1, the least recently used, is evicted
+            m = http.get("/metrics").text
+            assert _metric(m, "conveyor_lora_requests_total", adapter="a1") == 3
+            assert _metric(m, "conveyor_lora_requests_total", adapter="a2") == 2
+            assert _metric(m, "conveyor_lora_generation_tokens_total", adapter="a1") == 3 * 24
+            assert _metric(m, "conveyor_lora_generation_tokens_total", adapter="a3") == 24
+            assert _metric(m, "conveyor_lora_adapter_loads_total") == 4
+            assert _metric(m, "conveyor_lora_adapter_evictions_total") == 1
+            assert _metric(m, "conveyor_lora_adapters_resident") == 3
+
+            streamed, errors = {}, []
+
+            def stream(i, name):
+                try:
+                    text = ""
+                    with httpx.Client(base_url=s.url, timeout=60.0, trust_env=False) as c:
+                        with c.stream("POST", "/v1/completions",
+                                      json={"model": name, "prompt": "Once upon a time", "temperature": 0,
+                                            "max_tokens": LONG, "ignore_eos": True, "stream": True}) as r:
+                            for line in r.iter_lines():
+                                if line.startswith("data: {"):
+                                    text += json.loads(line[6:])["choices"][0]["text"]
+                    streamed[i] = (name, text)
+                except Exception as e:  # noqa: BLE001 - reported by the main thread
+                    errors.append(repr(e))
+
+            threads = [threading.Thread(target=stream, args=(i, ("a2", "a3")[i % 2])) for i in range(6)]
+            for t in threads:
+                t.start()
+            for _ in range(3):  # a1 into the idle slot and out again while the streams step
+                assert want["a1"].startswith(ask("a1", 4))
+                assert http.post("/v1/unload_lora_adapter", json={"lora_name": "a1"}).status_code == 200
+                r = http.post("/v1/load_lora_adapter", json={"lora_name": "a1", "lora_path": str(paths["a1"])})
+                assert r.status_code == 200, r.text
+            for t in threads:
+                t.join(60)
+            assert errors == [] and len(streamed) == 6
+            assert all(text == want_long[name] for name, text in streamed.values())
+            assert ask("a1") == want["a1"]
+            m = http.get("/metrics").text
+            assert _metric(m, "conveyor_lora_requests_total", adapter="a2") == 2 + 3
+            assert _metric(m, "conveyor_lora_requests_waiting") == 0
+    finally:
+        s.stop()

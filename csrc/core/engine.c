@@ -299,10 +299,15 @@ static int engine_step(cv_engine *e, cv_err *err) {
         }
     }
     for (int64_t i = 0; i < plan.n_seqs; i++) e->spec.plan_spec[i] = (int32_t)plan.seqs[i]->n_spec;
-    if ((rc = cv_worker_prepare(&e->worker, &plan, err))) return rc;
+    /* Adapter slots are loaded by other threads between steps, never under the
+     * device work (which waits for nothing the loading thread holds). */
+    cv_lora_pool_lock(&e->worker.lora);
+    rc = cv_worker_prepare(&e->worker, &plan, err);
     double t1b = cv_now();
-    if ((rc = cv_worker_forward(&e->worker, err))) return rc;
-    if ((rc = cv_prompt_logprobs_pass(e, &plan, err))) return rc;
+    if (!rc) rc = cv_worker_forward(&e->worker, err);
+    if (!rc) rc = cv_prompt_logprobs_pass(e, &plan, err);
+    cv_lora_pool_unlock(&e->worker.lora);
+    if (rc) return rc;
     double t2 = cv_now();
     cv_scheduler_commit(e->sched, &plan);
 

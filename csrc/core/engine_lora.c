@@ -5,15 +5,20 @@
 int cv_engine_lora_load(cv_engine *e, int64_t slot, int64_t rank, float scale, int64_t n_pairs,
                         const int32_t *layers, const int32_t *modules, const float *const *a,
                         const float *const *b, cv_err *err) {
-    return cv_lora_pool_load(&e->worker.lora, e->worker.model, slot, rank, scale, n_pairs, layers, modules, a, b,
-                             err);
+    cv_lora_pool_lock(&e->worker.lora); /* between steps: see engine_step */
+    int rc = cv_lora_pool_load(&e->worker.lora, e->worker.model, slot, rank, scale, n_pairs, layers, modules, a, b,
+                               err);
+    cv_lora_pool_unlock(&e->worker.lora);
+    return rc;
 }
 
 int cv_engine_lora_unload(cv_engine *e, int64_t slot, cv_err *err) {
     if (slot < 0 || slot >= e->worker.lora.n_slots)
         return cv_set_err(err, CV_ERR_INVALID, "LoRA slot %lld outside [0, %lld)", (long long)slot,
                           (long long)e->worker.lora.n_slots);
+    cv_lora_pool_lock(&e->worker.lora);
     cv_lora_pool_unload(&e->worker.lora, e->backend, slot);
+    cv_lora_pool_unlock(&e->worker.lora);
     return CV_OK;
 }
 

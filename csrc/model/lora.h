@@ -5,6 +5,7 @@
 #ifndef CV_LORA_H
 #define CV_LORA_H
 
+#include <pthread.h>
 #include <stdint.h>
 #include "../../base/common.h"
 #include "../../kernels/backend.h"
@@ -21,8 +22,9 @@ typedef struct cv_lora_slot {
     int loaded;
     int64_t rank;
     float scale;
-    void **a;    /* [n_layers * CV_LORA_N_MODULES] A [rank][in] (device, pool dtype), NULL where untargeted */
-    void **bt;   /* same: B^T [rank][out] */
+    void *block; /* one device allocation holding all of them, in the order the forward reads them */
+    void **a;    /* [n_layers * CV_LORA_N_MODULES] A [rank][in] (in block, pool dtype), NULL where untargeted */
+    void **bt;   /* same: B^T in panels (kernels/backend.h: CV_LORA_BT_AT) */
 } cv_lora_slot;
 
 typedef struct cv_lora_pool {
@@ -32,6 +34,10 @@ typedef struct cv_lora_pool {
     float *tmp;          /* [max_tokens][max_rank] shrink output (device) */
     cv_lora_segment *segs; /* [max_segs] a step's segments of one projection (host) */
     int64_t max_segs;
+    /* Held by the stepping thread over a step's device work and by a slot's load or
+     * unload, so that a slot is written between steps whichever thread asks. */
+    pthread_mutex_t lock;
+    int lock_ready;
 } cv_lora_pool;
 
 struct cv_model;
@@ -41,6 +47,10 @@ struct cv_model;
 int cv_lora_pool_init(cv_lora_pool *p, const struct cv_model *m, int64_t n_slots, int64_t max_rank,
                       int64_t max_tokens, int64_t max_seqs, cv_dtype dtype, cv_err *err);
 void cv_lora_pool_free(cv_lora_pool *p, cv_backend *b);
+
+/* The pool's lock (nothing when LoRA is off). */
+void cv_lora_pool_lock(cv_lora_pool *p);
+void cv_lora_pool_unlock(cv_lora_pool *p);
 
 /* Loads an adapter into slot (replacing what it held): n_pairs pairs, pair i for
  * layers[i] and modules[i] (a cv_lora_module), a[i]: A [rank][in], b[i]: B

@@ -20,7 +20,7 @@ void cv_cpu_kernels_fill(cv_simd_level level, cv_cpu_kernels *k) {
     k->att_scale = cv_att_scale_plain;
     k->att_softmax = cv_att_softmax_plain;
     k->att_pv = cv_att_pv_plain;
-    k->lora_dot = cv_lora_dot_plain;
+    k->lora_shrink = cv_lora_shrink_plain;
     k->lora_expand = cv_lora_expand_plain;
 #if CV_HAVE_AVX2
     if (level >= CV_SIMD_AVX2) {
@@ -36,7 +36,7 @@ void cv_cpu_kernels_fill(cv_simd_level level, cv_cpu_kernels *k) {
         k->att_scale = cv_att_scale_avx2;
         k->att_softmax = cv_att_softmax_avx2;
         k->att_pv = cv_att_pv_avx2;
-        k->lora_dot = cv_lora_dot_avx2;
+        k->lora_shrink = cv_lora_shrink_avx2;
         k->lora_expand = cv_lora_expand_avx2;
     }
 #endif
@@ -54,7 +54,7 @@ void cv_cpu_kernels_fill(cv_simd_level level, cv_cpu_kernels *k) {
         k->att_scale = cv_att_scale_avx512;
         k->att_softmax = cv_att_softmax_avx512;
         k->att_pv = cv_att_pv_avx512;
-        k->lora_dot = cv_lora_dot_avx512;
+        k->lora_shrink = cv_lora_shrink_avx512;
         k->lora_expand = cv_lora_expand_avx512;
     }
     if (level >= CV_SIMD_AVX512_BF16) {

@@ -76,10 +76,14 @@ typedef struct cv_cpu_kernels {
     void (*att_pv_bf16)(float *acc, const float *sc, const float *alpha, int64_t hd, int nv, const int *nval,
                         const void *const *vp);
 
-    /* LoRA (lora.c): the dot of x[n] with adapter weights w + off (float32, or
-     * bf16 when bf16), and y[out] += scale * (t[rank] . bt[rank][out]). */
-    float (*lora_dot)(const float *x, const void *w, int bf16, size_t off, int64_t n);
-    void (*lora_expand)(float *y, const float *t, const void *bt, int bf16, int64_t rank, int64_t out, float scale);
+    /* LoRA (lora.c), over nr <= CV_LORA_ROWS rows of one adapter at once,
+     * its weights float32 or (bf16) bf16: the shrink t[i][r] = x[i] . a[r][in]
+     * for r < rank, and the expand y[i][o] += scale * (t[i] . bt[.][o]) for o <
+     * out, bt in panels (kernels/backend.h: CV_LORA_BT_AT). Row i's result is the same whatever nr is. */
+    void (*lora_shrink)(float *t, int64_t t_stride, const float *const *x, int nr, const void *a, int bf16,
+                        int64_t rank, int64_t in);
+    void (*lora_expand)(float *const *y, const float *t, int64_t t_stride, int nr, const void *bt, int bf16,
+                        int64_t rank, int64_t out, float scale);
 } cv_cpu_kernels;
 
 /* The kernels of `level` (a level above what this build has code for gets
@@ -98,8 +102,9 @@ void cv_att_scale_plain(float *sc, int nv, const int *nval, const float *s);
 void cv_att_softmax_plain(float *sc, int nk, int nv, const int *nval, float *m, float *l, float *alpha);
 void cv_att_pv_plain(float *acc, const float *sc, const float *alpha, int64_t hd, int nv, const int *nval,
                      const void *const *vp, cv_dtype dt, float *row);
-float cv_lora_dot_plain(const float *x, const void *w, int bf16, size_t off, int64_t n); /* lora.c */
-void cv_lora_expand_plain(float *y, const float *t, const void *bt, int bf16, int64_t rank, int64_t out,
-                          float scale);
+void cv_lora_shrink_plain(float *t, int64_t t_stride, const float *const *x, int nr, const void *a, int bf16,
+                          int64_t rank, int64_t in); /* lora.c */
+void cv_lora_expand_plain(float *const *y, const float *t, int64_t t_stride, int nr, const void *bt, int bf16,
+                          int64_t rank, int64_t out, float scale);
 
 #endif

@@ -10,6 +10,10 @@
 /* The largest rank the kernel takes (a row's rank vector is on the stack). */
 #define CV_CPU_LORA_MAX_RANK 1024
 
+/* Rows of one adapter the shrink and expand kernels take at a time (each
+ * pass over the adapter's matrices serves them all). */
+#define CV_LORA_ROWS 4
+
 /* Adapter weights are float32 or bf16 (the top half of a float32): element i. */
 static inline float cv_lora_w_at(const void *w, int bf16, size_t i) {
     if (!bf16) return ((const float *)w)[i];

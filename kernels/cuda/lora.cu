@@ -31,7 +31,7 @@ __global__ void lora_shrink_kernel(float *t, const float *x, int64_t x_stride, i
     }
 }
 
-/* y[r][o] += scale * sum_j t[r][j] * bt[j][o] */
+/* y[r][o] += scale * sum_j t[r][j] * bt[j][o] (bt in panels: CV_LORA_BT_AT) */
 __global__ void lora_expand_kernel(float *y, int64_t y_stride, const float *t, int64_t n, const void *bt, int bf16,
                                    int64_t rank, int64_t out, float scale) {
     const int64_t total = n * out;
@@ -40,7 +40,7 @@ __global__ void lora_expand_kernel(float *y, int64_t y_stride, const float *t, i
         const int64_t r = e / out, o = e - r * out;
         const float *tr = t + r * rank;
         float acc = 0.f;
-        for (int64_t j = 0; j < rank; j++) acc = fmaf(tr[j], lora_w(bt, bf16, j * out + o), acc);
+        for (int64_t j = 0; j < rank; j++) acc = fmaf(tr[j], lora_w(bt, bf16, CV_LORA_BT_AT(rank, j, o)), acc);
         y[r * y_stride + o] = fmaf(scale, acc, y[r * y_stride + o]);
     }
 }

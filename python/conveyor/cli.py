@@ -37,6 +37,7 @@ BENCHMARK_HELP: dict[str, str] = {
     "study": "the study: HF static batching vs Conveyor static and continuous (and vLLM if present)",
     "start": "engine start time and resident memory against the KV cache size",
     "speculative": "n-gram speculative decoding vs plain decoding on input-grounded prompts (batch 1)",
+    "lora": "1, 4, 16, 64 LoRA adapters in one batch vs the base alone and vs merged copies one at a time",
 }
 BENCHMARKS: tuple[str, ...] = tuple(BENCHMARK_HELP)
 

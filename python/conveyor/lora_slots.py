@@ -25,6 +25,7 @@ class LoRASlots:
         self._resident: OrderedDict[int, None] = OrderedDict()  # LRU order, oldest first
         self._users: dict[int, int] = {}
         self.swaps = 0  # adapters loaded into a slot
+        self.evictions = 0  # of them, loads that took an idle adapter's slot
         self.requests: dict[str, int] = {}  # adapter name -> requests finished under it
         self.tokens: dict[str, int] = {}    # adapter name -> their output tokens
 
@@ -67,6 +68,7 @@ class LoRASlots:
                     return None
                 slot = self._slot_of.pop(victim)
                 del self._resident[victim]
+                self.evictions += 1
             ad = self._host[lora_id][1]
             pairs = [(layer, MODULES.index(mod), a, b) for (layer, mod), (a, b) in ad.weights.items()]
             self._engine.lora_load(slot, ad.scale, pairs)
@@ -85,10 +87,12 @@ class LoRASlots:
             self._users.pop(lora_id, None)
 
     def stats(self, n_waiting: int) -> dict:
-        """lora_swaps (adapters loaded into a slot so far), lora_resident (adapters in slots),
+        """lora_swaps (adapters loaded into a slot so far), lora_evictions (of those, the loads
+        that evicted an idle adapter from its slot), lora_resident (adapters in slots),
         lora_requests_waiting (requests waiting for a slot), lora_requests / lora_tokens
         ({adapter name: requests finished, output tokens}; counted by count_finished)."""
-        return {"lora_swaps": self.swaps, "lora_resident": len(self._slot_of), "lora_requests_waiting": n_waiting,
+        return {"lora_swaps": self.swaps, "lora_evictions": self.evictions, "lora_resident": len(self._slot_of),
+                "lora_requests_waiting": n_waiting,
                 "lora_requests": dict(self.requests), "lora_tokens": dict(self.tokens)}
 
     def count_finished(self, name: str, n_tokens: int) -> None:

@@ -134,6 +134,8 @@ class ServerMetrics:
                 lines.append(f"# TYPE {name} counter")
                 for pos, v in enumerate(g(key)):
                     lines.append(f'{name}{{{L},position="{pos}"}} {v}')
+        if "lora_swaps" in stats:
+            self._render_lora(stats, metric, lines)
         metric("conveyor_requests_finished_total", "counter", "Engine requests finished.",
                g("requests_finished", 0))
         metric("conveyor_requests_aborted_total", "counter", "Engine requests aborted (e.g. disconnects).",
@@ -158,5 +160,25 @@ class ServerMetrics:
         for hist in (self.ttft, self.tpot, self.e2e):
             lines.extend(hist.render(L))
         return "\n".join(lines) + "\n"
+
+    def _render_lora(self, stats: dict, metric, lines: list) -> None:
+        """LoRA adapters (an engine made with enable_lora): slot loads and evictions, and the
+        requests finished and tokens generated under each adapter, labelled by its name."""
+        g = stats.get
+        metric("conveyor_lora_adapter_loads_total", "counter", "LoRA adapters loaded into a slot.",
+               g("lora_swaps", 0))
+        metric("conveyor_lora_adapter_evictions_total", "counter",
+               "LoRA adapter loads that evicted an idle adapter from its slot.", g("lora_evictions", 0))
+        metric("conveyor_lora_adapters_resident", "gauge", "LoRA adapters in slots.", g("lora_resident", 0))
+        metric("conveyor_lora_requests_waiting", "gauge", "Requests waiting for their adapter's slot.",
+               g("lora_requests_waiting", 0))
+        for name, key, help_ in (("conveyor_lora_requests_total", "lora_requests",
+                                  "Requests finished under a LoRA adapter, by adapter."),
+                                 ("conveyor_lora_generation_tokens_total", "lora_tokens",
+                                  "Tokens generated under a LoRA adapter, by adapter.")):
+            lines.append(f"# HELP {name} {help_}")
+            lines.append(f"# TYPE {name} counter")
+            for adapter, v in sorted((g(key) or {}).items()):
+                lines.append(f'{name}{{{self.labels},adapter="{_label(adapter)}"}} {v}')
 
 
