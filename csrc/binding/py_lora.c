@@ -62,7 +62,12 @@ PyObject *cv_py_lora_load(cv_engine *e, PyObject *args) {
         b[i] = PyArray_DATA(held[2 * i + 1]);
     }
     cv_err err = {0};
-    if (cv_engine_lora_load(e, slot, rank, scale, n, layers, modules, a, b, &err)) {
+    int rc;
+    /* it may wait for a step's forward to end (the slot pool's lock): not with the GIL */
+    Py_BEGIN_ALLOW_THREADS
+    rc = cv_engine_lora_load(e, slot, rank, scale, n, layers, modules, a, b, &err);
+    Py_END_ALLOW_THREADS
+    if (rc) {
         cv_py_raise(&err);
         goto done;
     }
@@ -80,6 +85,10 @@ PyObject *cv_py_lora_unload(cv_engine *e, PyObject *args) {
     long long slot;
     if (!PyArg_ParseTuple(args, "L", &slot)) return NULL;
     cv_err err = {0};
-    if (cv_engine_lora_unload(e, slot, &err)) return cv_py_raise(&err);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = cv_engine_lora_unload(e, slot, &err);
+    Py_END_ALLOW_THREADS
+    if (rc) return cv_py_raise(&err);
     Py_RETURN_NONE;
 }
