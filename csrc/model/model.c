@@ -101,6 +101,8 @@ static int prepare_stacked(cv_backend *b, cv_matrix *out, const cv_tensor_view *
         raw = raw && cv_dtype_is_quant(parts[i]->dtype) &&
               (parts[i]->dtype == target || ((target == CV_Q8_F || target == CV_Q8_M) && quant == CV_DTYPE_INVALID) ||
                cv_quant_compute_type(parts[i]->dtype) == target);
+    if (raw && n == 1 && parts[0]->dtype == target) /* the file's blocks as they are: no copy first */
+        return b->matrix_prepare(b, out, parts[0]->data, target, parts[0]->shape[0], cols, target, err);
     if (raw) { /* the file's blocks, repacked exactly where the kernels compute another type */
         size_t off = 0;
         for (int i = 0; i < n; i++) {
