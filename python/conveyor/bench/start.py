@@ -1,9 +1,9 @@
 """`conveyor bench start`: how long `LLM(model)` takes and how much memory it leaves
 resident, against the size of the KV cache.
 
-The KV pool and the step scratch are anonymous mappings committed as blocks are used, so
+The KV pool and the step scratch are anonymous mappings committed as they are used, so
 engine start should not grow with kv_cache_memory, and the resident memory after start
-should be about the weights plus the scratch. Each run is a fresh process (so RSS is that
+should be about the weights. Each run is a fresh process (so RSS is that
 engine's alone); the sizes alternate within each pair, and the ratio of every size's start
 time to the first size's is printed pair by pair (the machine is noisy: compare ratios, not
 seconds across runs). RSS comes from /proc/self/statm.
