@@ -7,14 +7,13 @@
 
 #include "model.h"
 
-/* A step's scratch is committed now (host memory: written once), unlike the KV
- * pool, which the CPU backend commits as blocks are used: its size does not
- * grow with kv_cache_memory, and a server's memory does not creep up as
- * larger steps come. */
+/* A step's scratch. Host memory comes zeroed from the backend and is committed
+ * as steps first use it, like the KV pool: writing it all now would fault in
+ * the logits of max_num_seqs rows of the vocabulary (256 x 262k floats for
+ * Gemma 3) at start, for steps that may never be that large. */
 static void *ws_alloc(cv_backend *b, size_t n, size_t elem, int *ok) {
     void *p = b->alloc(b, n * elem);
     if (!p) *ok = 0;
-    else if (!b->device_memory) memset(p, 0, n * elem);
     return p;
 }
 

@@ -106,18 +106,20 @@ static cv_dtype ggml_dtype(uint32_t t) {
     }
 }
 
-/* Skips one value of type t (not an array) for key; strings are checked. */
-static int skip_scalar(cursor *c, cv_gguf_type t, const cv_gguf_str *key) {
+/* What a value of key is called in errors: "the string value of 'KEY'" or
+ * "the value of 'KEY'" (made once per key, not per element of an array). */
+static void value_name(char *what, size_t size, cv_gguf_type t, const cv_gguf_str *key) {
+    snprintf(what, size, t == CV_GGUF_STRING ? "the string value of '%.*s'" : "the value of '%.*s'",
+             (int)(key->len > 100 ? 100 : key->len), key->p);
+}
+
+/* Skips one value of type t (not an array), named what in errors; strings are checked. */
+static int skip_scalar(cursor *c, cv_gguf_type t, const char *what) {
     if (t == CV_GGUF_STRING) {
         cv_gguf_str s;
-        char what[160];
-        snprintf(what, sizeof what, "the string value of '%.*s'", (int)(key->len > 100 ? 100 : key->len), key->p);
         return rd_str(c, what, &s);
     }
-    size_t n = cv_gguf_scalar_size(t);
-    char what[160];
-    snprintf(what, sizeof what, "the value of '%.*s'", (int)(key->len > 100 ? 100 : key->len), key->p);
-    return take(c, n, what, NULL);
+    return take(c, cv_gguf_scalar_size(t), what, NULL);
 }
 
 static int parse_kv(cursor *c, cv_gguf_kv *kv, uint64_t index) {
@@ -136,9 +138,11 @@ static int parse_kv(cursor *c, cv_gguf_kv *kv, uint64_t index) {
                           kv->key.p, t);
     kv->type = (cv_gguf_type)t;
     kv->count = 1;
+    char value_what[160];
     if (t != CV_GGUF_ARRAY) {
         kv->value = c->buf + c->pos;
-        return skip_scalar(c, kv->type, &kv->key);
+        value_name(value_what, sizeof value_what, kv->type, &kv->key);
+        return skip_scalar(c, kv->type, value_what);
     }
     uint32_t et;
     uint64_t n;
@@ -158,8 +162,9 @@ static int parse_kv(cursor *c, cv_gguf_kv *kv, uint64_t index) {
             return cv_set_err(c->err, CV_ERR_FORMAT,
                               "%s: metadata array '%.*s' claims %llu strings, more than the %zu bytes left hold",
                               c->label, kl, kv->key.p, (unsigned long long)n, left(c));
+        value_name(value_what, sizeof value_what, CV_GGUF_STRING, &kv->key);
         for (uint64_t i = 0; i < n; i++)
-            if ((rc = skip_scalar(c, CV_GGUF_STRING, &kv->key)) < 0) return rc;
+            if ((rc = skip_scalar(c, CV_GGUF_STRING, value_what)) < 0) return rc;
         return 0;
     }
     size_t es = cv_gguf_scalar_size(kv->elem_type);

@@ -89,6 +89,35 @@ static cv_dtype matrix_dtype(const cv_tensor_view *const *parts, int n, cv_dtype
     return best == CV_DTYPE_INVALID ? dtype : best;
 }
 
+/* Repacking one part's rows into scratch, a chunk of rows per item, on the
+ * backend's host threads. */
+#define REPACK_ROWS 256
+typedef struct repack_job {
+    char *dst;       /* [rows][cols] of dst_t */
+    const char *src; /* [rows][cols] of src_t */
+    cv_dtype dst_t, src_t;
+    int64_t rows, cols;
+} repack_job;
+
+static void repack_rows(void *arg, int64_t i, int worker) {
+    const repack_job *j = arg;
+    (void)worker;
+    const int64_t r0 = i * REPACK_ROWS, r1 = r0 + REPACK_ROWS < j->rows ? r0 + REPACK_ROWS : j->rows;
+    cv_quant_repack(j->dst + cv_dtype_bytes(j->dst_t, (size_t)(r0 * j->cols)), j->dst_t,
+                    j->src + cv_dtype_bytes(j->src_t, (size_t)(r0 * j->cols)), j->src_t, (size_t)((r1 - r0) * j->cols));
+}
+
+static void repack_part(cv_backend *b, void *dst, cv_dtype dst_t, const cv_tensor_view *p, int64_t cols) {
+    repack_job j = {.dst = dst, .src = p->data, .dst_t = dst_t, .src_t = p->dtype, .rows = p->shape[0], .cols = cols};
+    const int64_t items = (j.rows + REPACK_ROWS - 1) / REPACK_ROWS;
+    /* rows split only on whole blocks of both types (a GGUF row always is) */
+    if (b->host_parallel && items > 1 && cols % (int64_t)cv_quant_block_elems(p->dtype) == 0 &&
+        cols % (int64_t)cv_quant_block_elems(dst_t) == 0)
+        b->host_parallel(b, items, repack_rows, &j);
+    else
+        cv_quant_repack(dst, dst_t, p->data, p->dtype, (size_t)(j.rows * cols));
+}
+
 /* Stacks the rows of parts[n] (same cols) into scratch and prepares one
  * matrix: quantized blocks are passed on as they are when every part is
  * already of the target type, everything else goes through float32. */
@@ -101,11 +130,13 @@ static int prepare_stacked(cv_backend *b, cv_matrix *out, const cv_tensor_view *
         raw = raw && cv_dtype_is_quant(parts[i]->dtype) &&
               (parts[i]->dtype == target || ((target == CV_Q8_F || target == CV_Q8_M) && quant == CV_DTYPE_INVALID) ||
                cv_quant_compute_type(parts[i]->dtype) == target);
+    if (raw && n == 1 && parts[0]->dtype == target) /* the file's blocks as they are: no copy first */
+        return b->matrix_prepare(b, out, parts[0]->data, target, parts[0]->shape[0], cols, target, err);
     if (raw) { /* the file's blocks, repacked exactly where the kernels compute another type */
         size_t off = 0;
         for (int i = 0; i < n; i++) {
             size_t elems = (size_t)(parts[i]->shape[0] * cols);
-            cv_quant_repack((char *)scratch + off, target, parts[i]->data, parts[i]->dtype, elems);
+            repack_part(b, (char *)scratch + off, target, parts[i], cols);
             off += cv_dtype_bytes(target, elems);
             rows += parts[i]->shape[0];
         }

@@ -172,6 +172,21 @@ static void cpu_host_parallel(cv_backend *b, int64_t n, void (*fn)(void *arg, in
     cv_pool_run_dynamic(cv_cpu_of(b)->pool, n < INT32_MAX ? (int)n : 0, host_items, &j, 1);
 }
 
+/* A copy split evenly across the pool's threads: a large table's fresh pages
+ * are faulted in (and zeroed by the kernel) by all of them, not one. */
+typedef struct copy_job {
+    char *dst;
+    const char *src;
+    size_t bytes;
+} copy_job;
+
+static void copy_part(void *arg, int tid, int nth) {
+    const copy_job *j = arg;
+    const size_t a = j->bytes / (size_t)nth * (size_t)tid;
+    const size_t z = tid == nth - 1 ? j->bytes : j->bytes / (size_t)nth * (size_t)(tid + 1);
+    memcpy(j->dst + a, j->src + a, z - a);
+}
+
 static int cpu_table_prepare(cv_backend *b, cv_table *out, const void *src, cv_dtype src_dtype,
                              int64_t rows, int64_t cols, cv_dtype dtype, cv_err *err) {
     cv_cpu *c = cv_cpu_of(b);
@@ -199,7 +214,10 @@ static int cpu_table_prepare(cv_backend *b, cv_table *out, const void *src, cv_d
         goto done;
     }
     const size_t ssz = cv_dtype_size(src_dtype), dsz = cv_dtype_size(dtype);
-    if (quant) memcpy(data, src, bytes);
+    if (quant) {
+        copy_job j = {.dst = data, .src = src, .bytes = bytes};
+        cv_pool_run(c->pool, cv_threads_for(c, (double)bytes, (double)(1 << 22)), copy_part, &j);
+    }
     for (int64_t r = 0; r < rows && !quant; r++) {
         const char *s = (const char *)src + (size_t)r * (size_t)cols * ssz;
         char *d = (char *)data + (size_t)r * (size_t)cols * dsz;

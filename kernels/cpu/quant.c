@@ -247,6 +247,24 @@ static void tiles_for(cv_dtype t, cv_qlevel l, cv_qtiles *out) {
 
 /* ---- preparation ------------------------------------------------------------ */
 
+/* Packing rows into P16 panels, the panels split evenly across the threads. */
+typedef struct qp16_pack_job {
+    unsigned char *dst;
+    const void *src; /* [rows][nb] blocks of t */
+    cv_dtype t;
+    int64_t rows, nb, panels;
+    size_t stride, row_bytes;
+} qp16_pack_job;
+
+static void qp16_pack_fn(void *arg, int tid, int nth) {
+    const qp16_pack_job *j = arg;
+    const int64_t p0 = j->panels * tid / nth, p1 = j->panels * (tid + 1) / nth;
+    if (p0 >= p1) return;
+    const int64_t r0 = p0 * CV_QP16_ROWS, r1 = p1 * CV_QP16_ROWS < j->rows ? p1 * CV_QP16_ROWS : j->rows;
+    cv_qp16_pack(j->dst + (size_t)p0 * j->stride, (const char *)j->src + (size_t)r0 * j->row_bytes, j->t, r1 - r0,
+                 j->nb);
+}
+
 int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dtype src_dtype, int64_t rows,
                            int64_t cols, cv_dtype dtype, cv_err *err) {
     memset(out, 0, sizeof *out);
@@ -275,15 +293,19 @@ int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dt
         return cv_set_err(err, CV_ERR_NOMEM, "matrix_prepare: [%lld][%lld] is too large", (long long)rows,
                           (long long)cols);
     const size_t row_bytes = bytes / (size_t)rows;
-    unsigned char *data = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+    cv_cpu *c = cv_cpu_of(b);
+    /* the VNNI level's panels (quant.h: the P16 layout); blocks already of the
+     * kept type go into them straight from the source, without a row-major copy */
+    const int p16 = c->qlevel == CV_QL_AVX512VNNI && cv_qp16_packs(dtype) && cv_qp16_kernel(dtype, 1, 1);
+    const int direct = p16 && src_dtype == dtype;
+    unsigned char *data = direct ? NULL : aligned_alloc(64, (bytes + 63) & ~(size_t)63);
     float *row = malloc((size_t)cols * sizeof(float));
     int rc = CV_OK;
-    if (!data || !row) {
+    if ((!direct && !data) || !row) {
         rc = cv_set_err(err, CV_ERR_NOMEM, "matrix_prepare: out of memory for [%lld][%lld] %s", (long long)rows,
                         (long long)cols, cv_dtype_name(dtype));
         goto done;
     }
-    cv_cpu *c = cv_cpu_of(b);
     const size_t qx_bytes = (size_t)QP_TOKENS * (size_t)(cols / CV_QK) * sizeof(cv_xq_block);
     if (qx_bytes > c->qx_bytes) { /* activation scratch for the widest quantized matrix */
         void *qx = realloc(c->qx, qx_bytes);
@@ -294,7 +316,9 @@ int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dt
         c->qx = qx;
         c->qx_bytes = qx_bytes;
     }
-    if (repack) {
+    if (direct) {
+        /* packed below from src */
+    } else if (repack) {
         const size_t src_row = cv_dtype_bytes(src_dtype, (size_t)cols);
         for (int64_t r = 0; r < rows; r++)
             cv_quant_repack(data + (size_t)r * row_bytes, dtype, (const char *)src + (size_t)r * src_row, src_dtype,
@@ -312,8 +336,7 @@ int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dt
             cv_quantize(data + (size_t)r * row_bytes, row, dtype, (size_t)cols);
         }
     }
-    if (c->qlevel == CV_QL_AVX512VNNI && cv_qp16_packs(dtype) && cv_qp16_kernel(dtype, 1, 1)) {
-        /* the VNNI level's panels (quant.h: the P16 layout) */
+    if (p16) {
         const int64_t nb = cols / CV_QK, panels = (rows + CV_QP16_ROWS - 1) / CV_QP16_ROWS;
         const size_t pbytes = (size_t)panels * cv_qp16_stride(dtype, nb);
         unsigned char *packed = aligned_alloc(64, pbytes);
@@ -322,7 +345,9 @@ int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dt
                             (long long)rows, (long long)cols, cv_dtype_name(dtype));
             goto done;
         }
-        cv_qp16_pack(packed, data, dtype, rows, nb);
+        qp16_pack_job j = {.dst = packed, .src = direct ? src : data, .t = dtype, .rows = rows, .nb = nb,
+                           .panels = panels, .stride = cv_qp16_stride(dtype, nb), .row_bytes = row_bytes};
+        cv_pool_run(c->pool, cv_threads_for(c, (double)rows * (double)cols, 1 << 20), qp16_pack_fn, &j);
         free(data);
         data = packed;
         bytes = pbytes;

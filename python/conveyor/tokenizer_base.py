@@ -123,7 +123,10 @@ class Tokenizer:
     def all_token_bytes(self, size: int | None = None) -> list[bytes]:
         """Raw bytes of ids 0..n-1, n = max(vocab_size, size); ids past the vocabulary are b""."""
         n = self.vocab_size if size is None else max(self.vocab_size, int(size))
-        return [self.token_bytes(i) if i < self.vocab_size else b"" for i in range(n)]
+        known = self._bytes[:self.vocab_size]  # one slice, not a checked lookup per id
+        if len(known) < self.vocab_size:
+            raise IndexError(f"the tokenizer holds the bytes of {len(known)} ids, not {self.vocab_size}")
+        return known + [b""] * (n - self.vocab_size)
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, *,
                             warn_without_template: bool = True) -> str:
