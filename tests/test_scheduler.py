@@ -901,6 +901,10 @@ def test_step_cost_model_recovers_a_linear_step_time_and_its_knee():
     # not enough steps, or no spread in the decode count: no knee, the cap stands
     assert step_cost_knee(rows[:5], 256) == (256, None)
     assert step_cost_knee([(8, p, A + Bd * 8 + Bp * p) for p in range(100)], 256) == (256, None)
+    # a batch that sits near one size (as while a long queue keeps it full) says nothing
+    # about other sizes: A and B_d are not fitted from it
+    steady = [(40 + 4 * (i % 2), p, A + Bd * (40 + 4 * (i % 2)) + Bp * p) for i, p in enumerate(range(0, 2000, 20))]
+    assert step_cost_knee(steady, 256) == (256, None)
     # a step time that does not grow with the batch (memory-bound): no knee below the cap
     assert step_cost_knee([(d, 0, 0.02 + 1e-7 * d) for d in range(1, 60)], 256)[0] == 256
 

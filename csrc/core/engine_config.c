@@ -23,7 +23,7 @@ void cv_engine_config_defaults(cv_engine_config *cfg) {
     cfg->max_prefill_tokens_while_decoding = CV_CONFIG_AUTO;
     cfg->max_queued_requests = CV_CONFIG_AUTO;
     cfg->admission_reserve = CV_CONFIG_AUTO;
-    cfg->adaptive_batch_limit = 1;
+    cfg->adaptive_batch_limit = 0;
     cfg->max_loras = 1;
     cfg->max_lora_rank = 16;
     cfg->spec.method = CV_SPEC_NONE;

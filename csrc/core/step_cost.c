@@ -60,8 +60,12 @@ int cv_step_cost_fit(const cv_step_cost *c, double out[3]) {
         for (int j = 0; j < 3; j++) a[i][j] = (i < k && j < k) ? c->m[i][j] : (i == j ? 1.0 : 0.0);
         b[i] = i < k ? c->v[i] : 0.0;
     }
-    const double var_d = c->m[1][1] / w - (c->m[0][1] / w) * (c->m[0][1] / w);
-    if (!(var_d > 1e-9) || !solve3(a, b, x)) return 0;
+    /* The decode count must vary (a standard deviation of a fifth of its
+     * mean): while the batch sits at one size, A and B_d trade against
+     * each other and the fit says nothing about other sizes. */
+    const double mean_d = c->m[0][1] / w;
+    const double var_d = c->m[1][1] / w - mean_d * mean_d;
+    if (!(var_d > 1e-9) || var_d < 0.04 * mean_d * mean_d || !solve3(a, b, x)) return 0;
     for (int i = 0; i < 3; i++) out[i] = x[i];
     return 1;
 }

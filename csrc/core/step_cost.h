@@ -28,7 +28,7 @@ typedef struct cv_step_cost {
 void cv_step_cost_observe(cv_step_cost *c, int64_t decode_tokens, int64_t prompt_tokens, double seconds);
 
 /* The fitted (A, B_d, B_p) into out[3]: 1, or 0 while the steps seen do not
- * determine them (too few, or no spread in the decode count). */
+ * determine them (too few, or a decode count that hardly varies). */
 int cv_step_cost_fit(const cv_step_cost *c, double out[3]);
 
 /* The knee batch (at least 1, at most cap), or cap when the model is not

@@ -156,12 +156,13 @@ class EngineArgs:
     # starts whenever its first prompt chunk fits and running ones are preempted when the
     # pool runs out.
     admission_reserve: Optional[int] = None
-    # Where a step's time grows with its rows (a CPU), admissions stop at the batch where
-    # decoding reaches 80% of its rate limit, from a model of the step time fitted as the
-    # engine runs: beyond it a larger batch buys little throughput and costs every request
-    # latency (docs/dev/admission.md). Where a step's time hardly grows (a GPU) it changes
-    # nothing. False: only max_num_seqs and the KV cache limit the batch.
-    adaptive_batch_limit: bool = True
+    # A latency option for CPU serving: where a step's time grows with its rows, admissions
+    # stop at the batch where decoding reaches 80% of its rate limit, from a model of the
+    # step time fitted as the engine runs (once the batch has varied enough to fit it):
+    # beyond it a larger batch buys little throughput and costs every request latency
+    # (docs/dev/admission.md). Where a step's time hardly grows (a GPU) it changes nothing.
+    # False (default): only max_num_seqs and the KV cache limit the batch.
+    adaptive_batch_limit: bool = False
     # Overload control: a request that would make more than this many wait to be
     # scheduled is refused with EngineOverloadedError. None: no limit.
     max_queued_requests: Optional[int] = None
