@@ -274,30 +274,103 @@ QP_TYPE(q4_f, CV_Q4_F)
 
 /* cv_quantize_x with AVX-512, the same bytes (as avx2_quant.c's): the same
  * float products v * (1/d), rounded half away from zero exactly (floor of
- * |t|, plus one where the exact fraction is >= 0.5, the sign put back). */
-static void quantize_x_avx512(cv_xq_block *out, const float *x, int64_t n) {
-    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+ * |t|, plus one where the exact fraction is >= 0.5, the sign put back).
+ * Sixteen blocks at a time: their maxima and sums are reduced together in
+ * one transposing tree (qx_reduce16) and their scales divided in one
+ * vector, instead of two horizontal reductions and two scalar divisions a
+ * block; the maximum and the integer sum do not depend on the order, and
+ * the vector divisions round as the scalar ones, so the bytes are the same. */
+
+/* Block i's 32 activations into out (its q bytes), the scale's inverse id
+ * given; returns the vector of its 16 pairwise q sums (q[j] + q[16 + j]). */
+static CV_ALWAYS_INLINE __m512i qx_round_store(cv_xq_block *out, __m512 a0, __m512 a1, float id) {
+    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f), vid = _mm512_set1_ps(id);
     const __m512i sign = _mm512_set1_epi32(INT32_MIN);
-    for (int64_t i = 0; i < n / CV_QK; i++) {
-        const __m512 a0 = _mm512_loadu_ps(x + i * CV_QK), a1 = _mm512_loadu_ps(x + i * CV_QK + 16);
-        /* max(y, m) returns m where y is NaN: a NaN lane is skipped, as in C */
-        const __m512 m = _mm512_max_ps(_mm512_abs_ps(a1), _mm512_max_ps(_mm512_abs_ps(a0), zero));
-        const float amax = _mm512_reduce_max_ps(m), d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        const __m512 vid = _mm512_set1_ps(id);
-        __m512i q[2];
-        for (int k = 0; k < 2; k++) {
-            const __m512 t = _mm512_mul_ps(k ? a1 : a0, vid), u = _mm512_abs_ps(t);
-            /* floor (imm 1: no scaling; without _MM_FROUND_NO_EXC, which SIMDe 0.7 misreads as a
-             * scale; the inexact flag it may raise is masked) */
-            const __m512 f = _mm512_roundscale_ps(u, _MM_FROUND_TO_NEG_INF);
-            const __m512 r = _mm512_mask_add_ps(f, _mm512_cmp_ps_mask(_mm512_sub_ps(u, f), half, _CMP_GE_OQ), f, one);
-            const __m512i sr = _mm512_or_si512(_mm512_castps_si512(r), _mm512_and_si512(_mm512_castps_si512(t), sign));
-            q[k] = _mm512_cvtps_epi32(_mm512_castsi512_ps(sr));
+    __m512i q[2];
+#pragma GCC unroll 2
+    for (int k = 0; k < 2; k++) {
+        const __m512 t = _mm512_mul_ps(k ? a1 : a0, vid), u = _mm512_abs_ps(t);
+        /* floor (imm 1: no scaling; without _MM_FROUND_NO_EXC, which SIMDe 0.7 misreads as a
+         * scale; the inexact flag it may raise is masked) */
+        const __m512 f = _mm512_roundscale_ps(u, _MM_FROUND_TO_NEG_INF);
+        const __m512 r = _mm512_mask_add_ps(f, _mm512_cmp_ps_mask(_mm512_sub_ps(u, f), half, _CMP_GE_OQ), f, one);
+        const __m512i sr = _mm512_or_si512(_mm512_castps_si512(r), _mm512_and_si512(_mm512_castps_si512(t), sign));
+        q[k] = _mm512_cvtps_epi32(_mm512_castsi512_ps(sr));
+    }
+    _mm_storeu_si128((__m128i *)(void *)out->q, _mm512_cvtepi32_epi8(q[0]));
+    _mm_storeu_si128((__m128i *)(void *)(out->q + 16), _mm512_cvtepi32_epi8(q[1]));
+    return _mm512_add_epi32(q[0], q[1]);
+}
+
+/* The 16 lanes of a block's amax candidates: max(y, m) returns m where y is
+ * NaN, so a NaN lane is skipped, as in C. */
+static CV_ALWAYS_INLINE __m512 qx_absmax(__m512 a0, __m512 a1) {
+    return _mm512_max_ps(_mm512_abs_ps(a1), _mm512_max_ps(_mm512_abs_ps(a0), _mm512_setzero_ps()));
+}
+
+static CV_ALWAYS_INLINE __m512 qx_op(__m512 a, __m512 b, int add) {
+    return add ? _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)))
+               : _mm512_max_ps(a, b);
+}
+
+/* Lane b of the result: the maximum (add: the int32 sum) of v[b]'s 16 lanes.
+ * Each level halves the vectors: pairs of 256-bit halves, of 128-bit
+ * quarters, then of 64- and 32-bit pairs inside the quarters, which leaves
+ * v[4j + q] in lane 4q + j; one permutation puts it in lane 4j + q. */
+static CV_ALWAYS_INLINE __m512 qx_reduce16(__m512 v[16], int add) {
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; k++)
+        v[k] = qx_op(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                     _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)), add);
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++)
+        v[k] = qx_op(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                     _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)), add);
+#pragma GCC unroll 2
+    for (int k = 0; k < 2; k++)
+        v[k] = qx_op(_mm512_shuffle_ps(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                     _mm512_shuffle_ps(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)), add);
+    const __m512 r = qx_op(_mm512_shuffle_ps(v[0], v[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_ps(v[0], v[1], _MM_SHUFFLE(3, 1, 3, 1)), add);
+    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(idx, r);
+}
+
+static void quantize_x_avx512(cv_xq_block *out, const float *x, int64_t n) {
+    const int64_t nb = n / CV_QK;
+    int64_t i = 0;
+    for (; i + 16 <= nb; i += 16) {
+        const float *v = x + i * CV_QK;
+        __m512 m[16];
+#pragma GCC unroll 16
+        for (int b = 0; b < 16; b++)
+            m[b] = qx_absmax(_mm512_loadu_ps(v + b * CV_QK), _mm512_loadu_ps(v + b * CV_QK + 16));
+        const __m512 amax = qx_reduce16(m, 0), d = _mm512_div_ps(amax, _mm512_set1_ps(127.0f));
+        const __m512 id = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_NEQ_OQ),
+                                              _mm512_set1_ps(1.0f), d);
+        float ids[16], ds[16], ss[16];
+        int32_t sums[16];
+        _mm512_storeu_ps(ids, id);
+        __m512 qs[16];
+#pragma GCC unroll 16
+        for (int b = 0; b < 16; b++)
+            qs[b] = _mm512_castsi512_ps(qx_round_store(out + i + b, _mm512_loadu_ps(v + b * CV_QK),
+                                                       _mm512_loadu_ps(v + b * CV_QK + 16), ids[b]));
+        const __m512i sum = _mm512_castps_si512(qx_reduce16(qs, 1));
+        _mm512_storeu_ps(ds, d);
+        _mm512_storeu_si512((void *)sums, sum);
+        _mm512_storeu_ps(ss, _mm512_mul_ps(d, _mm512_cvtepi32_ps(sum)));
+        for (int b = 0; b < 16; b++) {
+            out[i + b].d = ds[b];
+            out[i + b].sum = sums[b];
+            out[i + b].s = ss[b];
         }
-        _mm_storeu_si128((__m128i *)(void *)out[i].q, _mm512_cvtepi32_epi8(q[0]));
-        _mm_storeu_si128((__m128i *)(void *)(out[i].q + 16), _mm512_cvtepi32_epi8(q[1]));
+    }
+    for (; i < nb; i++) { /* the last blocks of a row, one at a time */
+        const __m512 a0 = _mm512_loadu_ps(x + i * CV_QK), a1 = _mm512_loadu_ps(x + i * CV_QK + 16);
+        const float amax = _mm512_reduce_max_ps(qx_absmax(a0, a1)), d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
         out[i].d = d;
-        out[i].sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q[0], q[1]));
+        out[i].sum = _mm512_reduce_add_epi32(qx_round_store(out + i, a0, a1, id));
         out[i].s = d * (float)out[i].sum;
     }
 }
