@@ -312,21 +312,23 @@ int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dt
             cv_quantize(data + (size_t)r * row_bytes, row, dtype, (size_t)cols);
         }
     }
-    if (c->qlevel == CV_QL_AVX512VNNI && cv_qp16_packs(dtype) && cv_qp16_kernel(dtype, 1, 1)) {
+    /* Q4_K's panels keep its bytes (quant_ukr.h: CV_QLAYOUT_P16_Q4K) */
+    const cv_dtype ptype = src_dtype == CV_Q4_K && dtype == CV_Q4_F ? CV_Q4_K : dtype;
+    if (c->qlevel == CV_QL_AVX512VNNI && cv_qp16_packs(ptype) && cv_qp16_kernel(ptype, 1, 1)) {
         /* the VNNI level's panels (quant.h: the P16 layout) */
         const int64_t nb = cols / CV_QK, panels = (rows + CV_QP16_ROWS - 1) / CV_QP16_ROWS;
-        const size_t pbytes = (size_t)panels * cv_qp16_stride(dtype, nb);
+        const size_t pbytes = (size_t)panels * cv_qp16_stride(ptype, nb);
         unsigned char *packed = aligned_alloc(64, pbytes);
         if (!packed) {
             rc = cv_set_err(err, CV_ERR_NOMEM, "matrix_prepare: out of memory for [%lld][%lld] %s",
                             (long long)rows, (long long)cols, cv_dtype_name(dtype));
             goto done;
         }
-        cv_qp16_pack(packed, data, dtype, rows, nb);
+        cv_qp16_pack(packed, ptype == CV_Q4_K ? src : data, ptype, rows, nb);
         free(data);
         data = packed;
         bytes = pbytes;
-        out->layout = CV_QLAYOUT_P16;
+        out->layout = ptype == CV_Q4_K ? CV_QLAYOUT_P16_Q4K : CV_QLAYOUT_P16;
     }
     out->data = data;
     out->dtype = dtype;
@@ -341,6 +343,9 @@ done:
 }
 
 /* ---- GEMM ------------------------------------------------------------------ */
+
+/* The type the P16 functions take for a panel-packed matrix (quant_ukr.h). */
+static cv_dtype panel_type(const cv_matrix *w) { return w->layout == CV_QLAYOUT_P16_Q4K ? CV_Q4_K : w->dtype; }
 
 typedef struct qgemm_job {
     cv_rows units;         /* the P16 path's dynamic regions: tokens to quantize, then chunks of panels */
@@ -406,15 +411,15 @@ static void rows_fn(void *arg, int tid, int nth) {
     const int64_t c0 = chunks * tid / nth, c1 = chunks * (tid + 1) / nth;
     float v[CV_QTILE_MAX_ROWS * CV_QTILE_MAX_TOKENS];
     /* a P16 matrix at another level: each chunk (one panel) back in rows first */
-    const int unpack = j->w->layout == CV_QLAYOUT_P16;
-    const size_t pstride = unpack ? cv_qp16_stride(j->w->dtype, nb) : 0;
+    const int unpack = j->w->layout != CV_QLAYOUT_ROWS;
+    const size_t pstride = unpack ? cv_qp16_stride(panel_type(j->w), nb) : 0;
     char *rowbuf = unpack ? (char *)cv_cpu_gemm_rows_buf(j->cpu, tid, (Q_ROW_CHUNK * row_bytes + 3) / 4) : NULL;
     if (unpack && !rowbuf) return; /* cannot happen: prepare reserves 6 * cols floats a thread */
     for (int64_t ch = c0; ch < c1; ch++) {
         const int64_t r0 = ch * Q_ROW_CHUNK, r1 = r0 + Q_ROW_CHUNK < rows ? r0 + Q_ROW_CHUNK : rows;
         if (unpack)
             cv_qp16_unpack(rowbuf, row_bytes, (const char *)j->w->data + (size_t)(r0 / CV_QP16_ROWS) * pstride,
-                           j->w->dtype, (int)(r1 - r0), nb);
+                           panel_type(j->w), (int)(r1 - r0), nb);
         const char *wbase = unpack ? rowbuf : (const char *)j->w->data + (size_t)r0 * row_bytes; /* row r0 */
         for (int64_t t = 0; t < j->nt;) {
             const int tokens = (int)(j->nt - t < j->k.max_tokens ? j->nt - t : j->k.max_tokens);
@@ -447,8 +452,8 @@ static void panels_fn(void *arg, int tid, int nth) {
     qgemm_job *j = arg;
     const int64_t rows = j->w->rows, nb = j->nb, n_out = rows;
     const int64_t panels = (rows + CV_QP16_ROWS - 1) / CV_QP16_ROWS;
-    const size_t stride = cv_qp16_stride(j->w->dtype, nb);
-    const cv_dtype dt = j->w->dtype;
+    const cv_dtype dt = panel_type(j->w);
+    const size_t stride = cv_qp16_stride(dt, nb);
     const int64_t ntiles = (j->nt + CV_QP16_MAX_TOKENS - 1) / CV_QP16_MAX_TOKENS;
     /* units claimed one ahead, so that a unit's last chunk can ask for the
      * first chunk of the thread's next unit (results never depend on which
@@ -509,7 +514,7 @@ void cv_cpu_qgemm_in(cv_backend *b, float *out, const cv_gemm_in *in, int64_t n,
     }
     tiles_for(w->dtype, level, &j.k);
     j.quantize = level != CV_QL_SCALAR && cv_quantize_x_avx2() ? cv_quantize_x_avx2() : cv_quantize_x;
-    const int panels = w->layout == CV_QLAYOUT_P16 && level == CV_QL_AVX512VNNI;
+    const int panels = w->layout != CV_QLAYOUT_ROWS && level == CV_QL_AVX512VNNI;
     if (panels && cv_quantize_x_avx512()) j.quantize = cv_quantize_x_avx512();
     const int64_t block = panels ? QP_TOKENS : QX_TOKENS;
     for (int64_t t0 = 0; t0 < n; t0 += block) {

@@ -65,8 +65,18 @@ int cv_qtiles_q2k(cv_dtype t, cv_qtiles *out);
  * where idot_i is the exact integer block dot (Q8_0's +128 and Q4_0's -8
  * taken out exactly, in the integer start value), whatever the tile, so a
  * token's outputs are the same bits alone or in any batch. The other levels
- * read such a matrix through cv_qp16_unpack (exact: the GGUF blocks). */
-enum { CV_QLAYOUT_ROWS = 0, CV_QLAYOUT_P16 = 1 };
+ * read such a matrix through cv_qp16_unpack (exact: the GGUF blocks).
+ *
+ * CV_QLAYOUT_P16_Q4K: a Q4_F matrix (cv_quant_compute_type of Q4_K) packed
+ * from Q4_K rows keeping the file's 144 bytes a super-block (the P16
+ * functions take the type CV_Q4_K for it): per super-block, 4 pairs of
+ * sub-blocks of 8 vectors (vector g: bytes 32c + 4g..4g+3 of each row's qs,
+ * low nibbles sub-block 2c, high 2c + 1), then d[16], dmin[16] (float16)
+ * and the 12 scale bytes (byte k of the 16 rows together). The kernels
+ * expand the 6-bit scales once per super-block to Q4_F's d and m and run
+ * Q4_F's operations, so the results are the Q4_F path's bits; unpacking
+ * gives the Q4_F blocks. */
+enum { CV_QLAYOUT_ROWS = 0, CV_QLAYOUT_P16 = 1, CV_QLAYOUT_P16_Q4K = 2 };
 #define CV_QP16_ROWS 16
 #define CV_QP16_MAX_TOKENS 4
 int cv_qp16_packs(cv_dtype t);

@@ -22,7 +22,9 @@
 
 /* ---- the layout ------------------------------------------------------------ */
 
-int cv_qp16_packs(cv_dtype t) { return t == CV_Q8_0 || t == CV_Q4_0 || t == CV_Q4_1 || t == CV_Q4_F; }
+int cv_qp16_packs(cv_dtype t) {
+    return t == CV_Q8_0 || t == CV_Q4_0 || t == CV_Q4_1 || t == CV_Q4_F || t == CV_Q4_K;
+}
 
 static size_t qp_sbytes(cv_dtype t) { return t == CV_Q4_F ? 64 : 32; }
 /* Bytes from block i to i + 1 in the qs array (Q4: the block's scales follow
@@ -36,7 +38,15 @@ static size_t qp_doff(cv_dtype t, int64_t nb, int64_t i) {
 }
 static size_t qp_moff(cv_dtype t, int64_t nb, int64_t i) { return qp_doff(t, nb, i) + qp_sbytes(t); }
 
+/* Q4_K panels: per super-block (8 blocks of 32) QK_BYTES bytes, 16 x the file's 144. */
+#define QK_PAIR_BYTES 512          /* one pair of sub-blocks: 8 vectors of 64 */
+#define QK_D 2048                  /* d[16], then dmin[16] (float16) */
+#define QK_SC (QK_D + 64)          /* the 12 scale bytes, byte k of the 16 rows at QK_SC + 16 k */
+#define QK_BYTES (QK_SC + 12 * 16)
+_Static_assert(QK_BYTES == 16 * sizeof(cv_block_q4_k), "Q4_K panels hold the file's bytes");
+
 size_t cv_qp16_stride(cv_dtype t, int64_t nb) {
+    if (t == CV_Q4_K) return (size_t)(nb / 8) * QK_BYTES;
     const size_t per = t == CV_Q8_0 ? 512 + 32 : qp_bbytes(t);
     return ((size_t)nb * per + 63) & ~(size_t)63;
 }
@@ -66,7 +76,29 @@ static const uint8_t *qp_qs_of(const void *blk, cv_dtype t) {
     }
 }
 
+/* Q4_K rows (nb / 8 super-blocks each) into panels; padding rows stay zero. */
+static void qk_pack(uint8_t *dst, const cv_block_q4_k *src, int64_t rows, int64_t nb) {
+    const int64_t nsb = nb / 8, panels = (rows + CV_QP16_ROWS - 1) / CV_QP16_ROWS;
+    memset(dst, 0, (size_t)panels * (size_t)nsb * QK_BYTES);
+    for (int64_t row = 0; row < rows; row++) {
+        const int r = (int)(row % CV_QP16_ROWS);
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            const cv_block_q4_k *b = src + row * nsb + sb;
+            uint8_t *q = dst + (size_t)((row / CV_QP16_ROWS) * nsb + sb) * QK_BYTES;
+            for (int c = 0; c < 4; c++)
+                for (int g = 0; g < 8; g++) memcpy(q + c * QK_PAIR_BYTES + 64 * g + 4 * r, b->qs + 32 * c + 4 * g, 4);
+            memcpy(q + QK_D + 2 * r, &b->d, 2);
+            memcpy(q + QK_D + 32 + 2 * r, &b->dmin, 2);
+            for (int k = 0; k < 12; k++) q[QK_SC + 16 * k + r] = b->scales[k];
+        }
+    }
+}
+
 void cv_qp16_pack(void *dst, const void *src, cv_dtype t, int64_t rows, int64_t nb) {
+    if (t == CV_Q4_K) {
+        qk_pack(dst, src, rows, nb);
+        return;
+    }
     const size_t stride = cv_qp16_stride(t, nb), qb = qp_bbytes(t), ss = qp_sbytes(t) / 16;
     const size_t bb = cv_quant_block_bytes(t), row_bytes = (size_t)nb * bb;
     const int64_t panels = (rows + CV_QP16_ROWS - 1) / CV_QP16_ROWS;
@@ -95,7 +127,34 @@ void cv_qp16_pack(void *dst, const void *src, cv_dtype t, int64_t rows, int64_t 
     }
 }
 
+/* Rows of one Q4_K panel back as Q4_F blocks (cv_quant_repack's: d = d * sc,
+ * m = -(dmin * mn), both exact; Q4_0's nibble order). */
+static void qk_unpack(void *dst, size_t row_bytes, const uint8_t *panel, int n, int64_t nb) {
+    for (int r = 0; r < n; r++)
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *q = panel + (size_t)(i / 8) * QK_BYTES;
+            const int s = (int)(i % 8), c = s / 2, shift = 4 * (s & 1);
+            uint8_t scales[12];
+            uint16_t dh, dminh;
+            for (int k = 0; k < 12; k++) scales[k] = q[QK_SC + 16 * k + r];
+            memcpy(&dh, q + QK_D + 2 * r, 2);
+            memcpy(&dminh, q + QK_D + 32 + 2 * r, 2);
+            int sc, mn;
+            cv_kq_scale_min(scales, s, &sc, &mn);
+            cv_block_q4_f *b = (cv_block_q4_f *)(void *)((char *)dst + (size_t)r * row_bytes) + i;
+            b->d = cv_qh_to_f32(dh) * (float)sc;
+            b->m = -(cv_qh_to_f32(dminh) * (float)mn);
+            uint8_t v[CV_QK];
+            for (int l = 0; l < CV_QK; l++) v[l] = (q[c * QK_PAIR_BYTES + 64 * (l / 4) + 4 * r + l % 4] >> shift) & 0xf;
+            for (int l = 0; l < CV_QK / 2; l++) b->qs[l] = (uint8_t)(v[l] | v[l + CV_QK / 2] << 4);
+        }
+}
+
 void cv_qp16_unpack(void *dst, size_t row_bytes, const void *panel, cv_dtype t, int n, int64_t nb) {
+    if (t == CV_Q4_K) {
+        qk_unpack(dst, row_bytes, panel, n, nb);
+        return;
+    }
     const size_t qb = qp_bbytes(t), ss = qp_sbytes(t) / 16, bb = cv_quant_block_bytes(t);
     const uint8_t *qs = panel;
     for (int r = 0; r < n; r++)
@@ -146,6 +205,24 @@ static CV_ALWAYS_INLINE __m512i qp_bcast4(const int8_t *q) {
     int32_t v;
     memcpy(&v, q, sizeof v);
     return _mm512_set1_epi32(v);
+}
+
+/* The tile's outputs: the first nvalid rows of each token, plus bias, plus out when accumulating. */
+static CV_ALWAYS_INLINE void qp_store(const int P, const int T, __m512 acc[4][CV_QP16_MAX_TOKENS], float *out,
+                                      int64_t ldo, int nvalid, const float *bias, int accumulate) {
+#pragma GCC unroll 4
+    for (int p = 0; p < P; p++) {
+        const int v = nvalid - p * CV_QP16_ROWS;
+        const __mmask16 m = (__mmask16)(v >= CV_QP16_ROWS ? 0xffffu : v <= 0 ? 0u : (1u << v) - 1u);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + p * CV_QP16_ROWS) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) {
+            float *o = out + t * ldo + p * CV_QP16_ROWS;
+            __m512 y = bias ? _mm512_add_ps(acc[p][t], b) : acc[p][t];
+            if (accumulate) y = _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), y);
+            _mm512_mask_storeu_ps(o, m, y);
+        }
+    }
 }
 
 /* P panels x T tokens of type `type` (P, T and type constants at each call). */
@@ -237,19 +314,112 @@ static CV_ALWAYS_INLINE void qp_tile(const cv_dtype type, const int P, const int
             }
         }
     }
+    qp_store(P, T, acc, out, ldo, nvalid, bias, accumulate);
+}
+
+/* The 16 rows' scales of sub-blocks 0..7 of one Q4_K super-block (at q), as
+ * the Q4_F blocks hold them: dw[j] = d * sc_j, mw[j] = -(dmin * mn_j), both
+ * exact (11-bit by 6-bit products), so the tile runs Q4_F's operations on
+ * the same values. The 6-bit fields (cv_kq_scale_min) are split for all
+ * 16 rows and 8 sub-blocks at once, 16 bytes (one sub-block) a 128-bit lane. */
+static CV_ALWAYS_INLINE void qk_scales(const uint8_t *q, __m512 dw[8], __m512 mw[8]) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(q + QK_D)));
+    const __m512 nm = _mm512_castsi512_ps(_mm512_xor_si512(
+        _mm512_castps_si512(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(q + QK_D + 32)))),
+        _mm512_set1_epi32(INT32_MIN)));
+    const __m512i a = _mm512_loadu_si512((const void *)(q + QK_SC)), b = _mm512_loadu_si512((const void *)(q + QK_SC + 64)),
+                  c = _mm512_loadu_si512((const void *)(q + QK_SC + 128));
+    const __m512i m6 = _mm512_set1_epi8(63), m4 = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
+    const __m512i sc_lo = _mm512_and_si512(a, m6), mn_lo = _mm512_and_si512(b, m6);
+    const __m512i sc_hi = _mm512_or_si512(_mm512_and_si512(c, m4), _mm512_and_si512(_mm512_srli_epi16(a, 2), top));
+    const __m512i mn_hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(c, 4), m4),
+                                          _mm512_and_si512(_mm512_srli_epi16(b, 2), top));
+#define QK_LANE(v, j) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, j)))
+    dw[0] = _mm512_mul_ps(d, QK_LANE(sc_lo, 0));
+    dw[1] = _mm512_mul_ps(d, QK_LANE(sc_lo, 1));
+    dw[2] = _mm512_mul_ps(d, QK_LANE(sc_lo, 2));
+    dw[3] = _mm512_mul_ps(d, QK_LANE(sc_lo, 3));
+    dw[4] = _mm512_mul_ps(d, QK_LANE(sc_hi, 0));
+    dw[5] = _mm512_mul_ps(d, QK_LANE(sc_hi, 1));
+    dw[6] = _mm512_mul_ps(d, QK_LANE(sc_hi, 2));
+    dw[7] = _mm512_mul_ps(d, QK_LANE(sc_hi, 3));
+    mw[0] = _mm512_mul_ps(nm, QK_LANE(mn_lo, 0));
+    mw[1] = _mm512_mul_ps(nm, QK_LANE(mn_lo, 1));
+    mw[2] = _mm512_mul_ps(nm, QK_LANE(mn_lo, 2));
+    mw[3] = _mm512_mul_ps(nm, QK_LANE(mn_lo, 3));
+    mw[4] = _mm512_mul_ps(nm, QK_LANE(mn_hi, 0));
+    mw[5] = _mm512_mul_ps(nm, QK_LANE(mn_hi, 1));
+    mw[6] = _mm512_mul_ps(nm, QK_LANE(mn_hi, 2));
+    mw[7] = _mm512_mul_ps(nm, QK_LANE(mn_hi, 3));
+#undef QK_LANE
+}
+
+/* P panels x T tokens of Q4_K panels: per super-block each panel's scales are
+ * expanded once (qk_scales) for the tile's tokens; per pair of sub-blocks
+ * each 64-byte vector's low nibbles meet the first sub-block's activations
+ * and its high nibbles the second's. Every output lane runs Q4_F's
+ * operations over the blocks in order (quant_ukr.h), so the results are
+ * the bits of the same matrix repacked as Q4_F, alone or in any batch. */
+static CV_ALWAYS_INLINE void qk_tile(const int P, const int T, const void *w, size_t stride, int64_t nb,
+                                     const cv_xq_block *x, int64_t xs, float *out, int64_t ldo, int nvalid,
+                                     const float *bias, int accumulate, const char *pf, int64_t pf_lines) {
+    const uint8_t *base = w;
+    __m512 acc[4][CV_QP16_MAX_TOKENS];
 #pragma GCC unroll 4
-    for (int p = 0; p < P; p++) {
-        const int v = nvalid - p * CV_QP16_ROWS;
-        const __mmask16 m = (__mmask16)(v >= CV_QP16_ROWS ? 0xffffu : v <= 0 ? 0u : (1u << v) - 1u);
-        const __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + p * CV_QP16_ROWS) : _mm512_setzero_ps();
+    for (int p = 0; p < P; p++)
 #pragma GCC unroll 8
-        for (int t = 0; t < T; t++) {
-            float *o = out + t * ldo + p * CV_QP16_ROWS;
-            __m512 y = bias ? _mm512_add_ps(acc[p][t], b) : acc[p][t];
-            if (accumulate) y = _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), y);
-            _mm512_mask_storeu_ps(o, m, y);
+        for (int t = 0; t < T; t++) acc[p][t] = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    cv_prefetch_spread ps = cv_prefetch_spread_of(pf, pf_lines < nb ? pf_lines : nb, nb);
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        __m512 dw[4][8], mw[4][8];
+#pragma GCC unroll 4
+        for (int p = 0; p < P; p++) qk_scales(base + (size_t)p * stride + (size_t)sb * QK_BYTES, dw[p], mw[p]);
+        for (int c = 0; c < 4; c++) {
+            const int64_t i = 8 * sb + 2 * c; /* the pair's first block of 32 */
+            cv_prefetch_step(&ps);
+            cv_prefetch_step(&ps);
+            __m512i dot[2][4][CV_QP16_MAX_TOKENS];
+#pragma GCC unroll 4
+            for (int p = 0; p < P; p++)
+#pragma GCC unroll 8
+                for (int t = 0; t < T; t++) dot[0][p][t] = dot[1][p][t] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int g = 0; g < 8; g++) {
+                __m512i lo[4], hi[4];
+#pragma GCC unroll 4
+                for (int p = 0; p < P; p++) {
+                    const __m512i v = _mm512_loadu_si512(
+                        (const void *)(base + (size_t)p * stride + (size_t)sb * QK_BYTES + c * QK_PAIR_BYTES + 64 * g));
+                    lo[p] = _mm512_and_si512(v, low4);
+                    hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                }
+#pragma GCC unroll 8
+                for (int t = 0; t < T; t++) {
+                    const __m512i xl = qp_bcast4(x[t * xs + i].q + 4 * g);
+                    const __m512i xh = qp_bcast4(x[t * xs + i + 1].q + 4 * g);
+#pragma GCC unroll 4
+                    for (int p = 0; p < P; p++) {
+                        dot[0][p][t] = _mm512_dpbusd_epi32(dot[0][p][t], lo[p], xl);
+                        dot[1][p][t] = _mm512_dpbusd_epi32(dot[1][p][t], hi[p], xh);
+                    }
+                }
+            }
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++)
+#pragma GCC unroll 8
+                for (int t = 0; t < T; t++) {
+                    const __m512 dx = _mm512_set1_ps(x[t * xs + i + h].d), sx = _mm512_set1_ps(x[t * xs + i + h].s);
+#pragma GCC unroll 4
+                    for (int p = 0; p < P; p++) {
+                        acc[p][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[h][p][t]), _mm512_mul_ps(dw[p][2 * c + h], dx),
+                                                    acc[p][t]);
+                        acc[p][t] = _mm512_fmadd_ps(mw[p][2 * c + h], sx, acc[p][t]);
+                    }
+                }
         }
     }
+    qp_store(P, T, acc, out, ldo, nvalid, bias, accumulate);
 }
 
 #define QP_FN(TY, P, T) qp_##TY##_##P##x##T
@@ -257,7 +427,10 @@ static CV_ALWAYS_INLINE void qp_tile(const cv_dtype type, const int P, const int
     static void QP_FN(TY, P, T)(const void *w, size_t stride, int64_t nb, const cv_xq_block *x, int64_t xs, \
                                 float *out, int64_t ldo, int nvalid, const float *bias, int accumulate,    \
                                 const char *pf, int64_t pf_lines) {                                        \
-        qp_tile(TYPE, P, T, w, stride, nb, x, xs, out, ldo, nvalid, bias, accumulate, pf, pf_lines);       \
+        if (TYPE == CV_Q4_K)                                                                               \
+            qk_tile(P, T, w, stride, nb, x, xs, out, ldo, nvalid, bias, accumulate, pf, pf_lines);        \
+        else                                                                                               \
+            qp_tile(TYPE, P, T, w, stride, nb, x, xs, out, ldo, nvalid, bias, accumulate, pf, pf_lines);   \
     }
 #define QP_TYPE(TY, TYPE)                                                                                    \
     QP_ONE(TY, TYPE, 4, 1) QP_ONE(TY, TYPE, 4, 2) QP_ONE(TY, TYPE, 2, 3) QP_ONE(TY, TYPE, 2, 4)                \
@@ -271,6 +444,7 @@ QP_TYPE(q8_0, CV_Q8_0)
 QP_TYPE(q4_0, CV_Q4_0)
 QP_TYPE(q4_1, CV_Q4_1)
 QP_TYPE(q4_f, CV_Q4_F)
+QP_TYPE(q4_k, CV_Q4_K)
 
 /* cv_quantize_x with AVX-512, the same bytes (as avx2_quant.c's): the same
  * float products v * (1/d), rounded half away from zero exactly (floor of
@@ -388,6 +562,7 @@ cv_qp16_fn cv_qp16_kernel(cv_dtype t, int panels, int tokens) {
     case CV_Q4_0: return qp_q4_0[tokens][full];
     case CV_Q4_1: return qp_q4_1[tokens][full];
     case CV_Q4_F: return qp_q4_f[tokens][full];
+    case CV_Q4_K: return qp_q4_k[tokens][full];
     default: return NULL;
     }
 }
