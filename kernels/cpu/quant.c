@@ -314,7 +314,8 @@ int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dt
     }
     /* Q4_K's panels keep its bytes (quant_ukr.h: CV_QLAYOUT_P16_Q4K) */
     const cv_dtype ptype = src_dtype == CV_Q4_K && dtype == CV_Q4_F ? CV_Q4_K : dtype;
-    if (c->qlevel == CV_QL_AVX512VNNI && cv_qp16_packs(ptype) && cv_qp16_kernel(ptype, 1, 1)) {
+    if (c->qlevel == CV_QL_AVX512VNNI && cv_qp16_packs(ptype) &&
+        (ptype == CV_Q4_K ? cv_qp16_q4k_kernel(1, 1) != NULL : cv_qp16_kernel(ptype, 1, 1) != NULL)) {
         /* the VNNI level's panels (quant.h: the P16 layout) */
         const int64_t nb = cols / CV_QK, panels = (rows + CV_QP16_ROWS - 1) / CV_QP16_ROWS;
         const size_t pbytes = (size_t)panels * cv_qp16_stride(ptype, nb);
@@ -446,8 +447,10 @@ static int64_t chunk_calls(int64_t np, int T) {
     const int full = cv_qp16_panels_for(T);
     return np / full + np % full;
 }
+/* Floats of a chunk's expanded Q4_K scales (cv_qp16_q4k_scales). */
+static size_t q4k_scale_floats(int64_t nb) { return (size_t)QP_CHUNK * (size_t)nb * 32; }
+
 static void panels_fn(void *arg, int tid, int nth) {
-    (void)tid;
     (void)nth;
     qgemm_job *j = arg;
     const int64_t rows = j->w->rows, nb = j->nb, n_out = rows;
@@ -455,6 +458,9 @@ static void panels_fn(void *arg, int tid, int nth) {
     const cv_dtype dt = panel_type(j->w);
     const size_t stride = cv_qp16_stride(dt, nb);
     const int64_t ntiles = (j->nt + CV_QP16_MAX_TOKENS - 1) / CV_QP16_MAX_TOKENS;
+    /* Q4_K panels: a buffer for a chunk's expanded scales (matrix_prepare
+     * reserves it; without one the kernels expand them, the same values) */
+    float *ksc = dt == CV_Q4_K ? cv_cpu_gemm_rows_buf(j->cpu, tid, q4k_scale_floats(nb)) : NULL;
     /* units claimed one ahead, so that a unit's last chunk can ask for the
      * first chunk of the thread's next unit (results never depend on which
      * thread takes a unit) */
@@ -478,6 +484,9 @@ static void panels_fn(void *arg, int tid, int nth) {
                 pf = cv_prefetch_span_of((const char *)j->w->data + (size_t)next * stride, (size_t)(n1 - next) * stride,
                                          (size_t)calls);
             }
+            /* Q4_K with several token tiles: the chunk's scales once for all of them */
+            const float *kchunk = ksc && ntiles > 1 ? ksc : NULL;
+            if (kchunk) cv_qp16_q4k_scales(ksc, (const char *)j->w->data + (size_t)c0 * stride, stride, (int)(c1 - c0), nb);
             for (int64_t t = 0; t < j->nt;) {
                 const int T = (int)(j->nt - t < CV_QP16_MAX_TOKENS ? j->nt - t : CV_QP16_MAX_TOKENS);
                 const int full = cv_qp16_panels_for(T);
@@ -488,9 +497,15 @@ static void panels_fn(void *arg, int tid, int nth) {
                     /* each call asks for its share of this tile's slice over its blocks */
                     int64_t pfl = 0;
                     const char *pfp = cv_prefetch_take(&pf, nb, &pfl);
-                    cv_qp16_kernel(dt, np, T)((const char *)j->w->data + (size_t)p * stride, stride, nb, j->xq + t * nb,
-                                              nb, j->out + (j->t0 + t) * n_out + r0, n_out, nr,
-                                              j->bias ? j->bias + r0 : NULL, j->accumulate, pfp, pfl);
+                    const char *wp = (const char *)j->w->data + (size_t)p * stride;
+                    float *o = j->out + (j->t0 + t) * n_out + r0;
+                    const float *b = j->bias ? j->bias + r0 : NULL;
+                    if (dt == CV_Q4_K)
+                        cv_qp16_q4k_kernel(np, T)(wp, stride, nb, j->xq + t * nb, nb, o, n_out, nr, b, j->accumulate,
+                                                  pfp, pfl, kchunk ? kchunk + (size_t)(p - c0) * (size_t)nb * 32 : NULL);
+                    else
+                        cv_qp16_kernel(dt, np, T)(wp, stride, nb, j->xq + t * nb, nb, o, n_out, nr, b, j->accumulate,
+                                                  pfp, pfl);
                     p += np;
                 }
                 t += T;

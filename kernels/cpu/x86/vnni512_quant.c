@@ -38,11 +38,13 @@ static size_t qp_doff(cv_dtype t, int64_t nb, int64_t i) {
 }
 static size_t qp_moff(cv_dtype t, int64_t nb, int64_t i) { return qp_doff(t, nb, i) + qp_sbytes(t); }
 
-/* Q4_K panels: per super-block (8 blocks of 32) QK_BYTES bytes, 16 x the file's 144. */
-#define QK_PAIR_BYTES 512          /* one pair of sub-blocks: 8 vectors of 64 */
-#define QK_D 2048                  /* d[16], then dmin[16] (float16) */
+/* Q4_K panels: per super-block (8 blocks of 32) QK_BYTES bytes, 16 x the
+ * file's 144; its scales first, so that a panel is read front to back. */
+#define QK_D 0                     /* d[16], then dmin[16] (float16) */
 #define QK_SC (QK_D + 64)          /* the 12 scale bytes, byte k of the 16 rows at QK_SC + 16 k */
-#define QK_BYTES (QK_SC + 12 * 16)
+#define QK_Q (QK_SC + 12 * 16)     /* the weights: 4 pairs of sub-blocks */
+#define QK_PAIR_BYTES 512          /* one pair: 8 vectors of 64 */
+#define QK_BYTES (QK_Q + 4 * QK_PAIR_BYTES)
 _Static_assert(QK_BYTES == 16 * sizeof(cv_block_q4_k), "Q4_K panels hold the file's bytes");
 
 size_t cv_qp16_stride(cv_dtype t, int64_t nb) {
@@ -86,7 +88,7 @@ static void qk_pack(uint8_t *dst, const cv_block_q4_k *src, int64_t rows, int64_
             const cv_block_q4_k *b = src + row * nsb + sb;
             uint8_t *q = dst + (size_t)((row / CV_QP16_ROWS) * nsb + sb) * QK_BYTES;
             for (int c = 0; c < 4; c++)
-                for (int g = 0; g < 8; g++) memcpy(q + c * QK_PAIR_BYTES + 64 * g + 4 * r, b->qs + 32 * c + 4 * g, 4);
+                for (int g = 0; g < 8; g++) memcpy(q + QK_Q + c * QK_PAIR_BYTES + 64 * g + 4 * r, b->qs + 32 * c + 4 * g, 4);
             memcpy(q + QK_D + 2 * r, &b->d, 2);
             memcpy(q + QK_D + 32 + 2 * r, &b->dmin, 2);
             for (int k = 0; k < 12; k++) q[QK_SC + 16 * k + r] = b->scales[k];
@@ -145,7 +147,7 @@ static void qk_unpack(void *dst, size_t row_bytes, const uint8_t *panel, int n, 
             b->d = cv_qh_to_f32(dh) * (float)sc;
             b->m = -(cv_qh_to_f32(dminh) * (float)mn);
             uint8_t v[CV_QK];
-            for (int l = 0; l < CV_QK; l++) v[l] = (q[c * QK_PAIR_BYTES + 64 * (l / 4) + 4 * r + l % 4] >> shift) & 0xf;
+            for (int l = 0; l < CV_QK; l++) v[l] = (q[QK_Q + c * QK_PAIR_BYTES + 64 * (l / 4) + 4 * r + l % 4] >> shift) & 0xf;
             for (int l = 0; l < CV_QK / 2; l++) b->qs[l] = (uint8_t)(v[l] | v[l + CV_QK / 2] << 4);
         }
 }
@@ -354,15 +356,33 @@ static CV_ALWAYS_INLINE void qk_scales(const uint8_t *q, __m512 dw[8], __m512 mw
 #undef QK_LANE
 }
 
-/* P panels x T tokens of Q4_K panels: per super-block each panel's scales are
- * expanded once (qk_scales) for the tile's tokens; per pair of sub-blocks
- * each 64-byte vector's low nibbles meet the first sub-block's activations
- * and its high nibbles the second's. Every output lane runs Q4_F's
- * operations over the blocks in order (quant_ukr.h), so the results are
- * the bits of the same matrix repacked as Q4_F, alone or in any batch. */
+/* The scales of np Q4_K panels (stride bytes apart) for the kernels:
+ * dst[(p nb + i) 32 ..] holds block i's d (16 rows), then its m. */
+static void qk_expand(float *dst, const void *panels, size_t stride, int np, int64_t nb) {
+    for (int p = 0; p < np; p++)
+        for (int64_t sb = 0; sb < nb / 8; sb++) {
+            __m512 dw[8], mw[8];
+            qk_scales((const uint8_t *)panels + (size_t)p * stride + (size_t)sb * QK_BYTES, dw, mw);
+            float *o = dst + ((size_t)p * (size_t)nb + 8 * (size_t)sb) * 32;
+            for (int j = 0; j < 8; j++) {
+                _mm512_storeu_ps(o + 32 * j, dw[j]);
+                _mm512_storeu_ps(o + 32 * j + 16, mw[j]);
+            }
+        }
+}
+
+/* P panels x T tokens of Q4_K panels, their scales expanded (sc: qk_expand
+ * of these P panels) once for every token tile that meets them, or, sc
+ * NULL (one token tile: decode), here once per super-block, which keeps the
+ * weights one stream read front to back; the same values either way. Per pair of
+ * sub-blocks each 64-byte vector's low nibbles meet the first sub-block's
+ * activations and its high nibbles the second's. Every output lane runs
+ * Q4_F's operations over the blocks in order (quant_ukr.h), so the results
+ * are the bits of the same matrix repacked as Q4_F, alone or in any batch. */
 static CV_ALWAYS_INLINE void qk_tile(const int P, const int T, const void *w, size_t stride, int64_t nb,
                                      const cv_xq_block *x, int64_t xs, float *out, int64_t ldo, int nvalid,
-                                     const float *bias, int accumulate, const char *pf, int64_t pf_lines) {
+                                     const float *bias, int accumulate, const char *pf, int64_t pf_lines,
+                                     const float *sc) {
     const uint8_t *base = w;
     __m512 acc[4][CV_QP16_MAX_TOKENS];
 #pragma GCC unroll 4
@@ -371,66 +391,87 @@ static CV_ALWAYS_INLINE void qk_tile(const int P, const int T, const void *w, si
         for (int t = 0; t < T; t++) acc[p][t] = _mm512_setzero_ps();
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     cv_prefetch_spread ps = cv_prefetch_spread_of(pf, pf_lines < nb ? pf_lines : nb, nb);
-    for (int64_t sb = 0; sb < nb / 8; sb++) {
-        __m512 dw[4][8], mw[4][8];
+    __m512 kdw[4][8], kmw[4][8]; /* sc NULL: the super-block's scales */
+    for (int64_t i = 0; i < nb; i += 2) { /* a pair of sub-blocks: blocks i, i + 1 */
+        const int64_t sb = i / 8, c = (i % 8) / 2;
+        if (!sc && c == 0)
 #pragma GCC unroll 4
-        for (int p = 0; p < P; p++) qk_scales(base + (size_t)p * stride + (size_t)sb * QK_BYTES, dw[p], mw[p]);
-        for (int c = 0; c < 4; c++) {
-            const int64_t i = 8 * sb + 2 * c; /* the pair's first block of 32 */
-            cv_prefetch_step(&ps);
-            cv_prefetch_step(&ps);
-            __m512i dot[2][4][CV_QP16_MAX_TOKENS];
+            for (int p = 0; p < P; p++) qk_scales(base + (size_t)p * stride + (size_t)sb * QK_BYTES, kdw[p], kmw[p]);
+        cv_prefetch_step(&ps);
+        cv_prefetch_step(&ps);
+        __m512i dot[2][4][CV_QP16_MAX_TOKENS];
 #pragma GCC unroll 4
-            for (int p = 0; p < P; p++)
+        for (int p = 0; p < P; p++)
 #pragma GCC unroll 8
-                for (int t = 0; t < T; t++) dot[0][p][t] = dot[1][p][t] = _mm512_setzero_si512();
+            for (int t = 0; t < T; t++) dot[0][p][t] = dot[1][p][t] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-            for (int g = 0; g < 8; g++) {
-                __m512i lo[4], hi[4];
+        for (int g = 0; g < 8; g++) {
+            __m512i lo[4], hi[4];
+#pragma GCC unroll 4
+            for (int p = 0; p < P; p++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(base + (size_t)p * stride + (size_t)sb * QK_BYTES +
+                                                                    QK_Q + (size_t)c * QK_PAIR_BYTES + 64 * g));
+                lo[p] = _mm512_and_si512(v, low4);
+                hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            }
+#pragma GCC unroll 8
+            for (int t = 0; t < T; t++) {
+                const __m512i xl = qp_bcast4(x[t * xs + i].q + 4 * g);
+                const __m512i xh = qp_bcast4(x[t * xs + i + 1].q + 4 * g);
 #pragma GCC unroll 4
                 for (int p = 0; p < P; p++) {
-                    const __m512i v = _mm512_loadu_si512(
-                        (const void *)(base + (size_t)p * stride + (size_t)sb * QK_BYTES + c * QK_PAIR_BYTES + 64 * g));
-                    lo[p] = _mm512_and_si512(v, low4);
-                    hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-                }
-#pragma GCC unroll 8
-                for (int t = 0; t < T; t++) {
-                    const __m512i xl = qp_bcast4(x[t * xs + i].q + 4 * g);
-                    const __m512i xh = qp_bcast4(x[t * xs + i + 1].q + 4 * g);
-#pragma GCC unroll 4
-                    for (int p = 0; p < P; p++) {
-                        dot[0][p][t] = _mm512_dpbusd_epi32(dot[0][p][t], lo[p], xl);
-                        dot[1][p][t] = _mm512_dpbusd_epi32(dot[1][p][t], hi[p], xh);
-                    }
+                    dot[0][p][t] = _mm512_dpbusd_epi32(dot[0][p][t], lo[p], xl);
+                    dot[1][p][t] = _mm512_dpbusd_epi32(dot[1][p][t], hi[p], xh);
                 }
             }
+        }
 #pragma GCC unroll 2
-            for (int h = 0; h < 2; h++)
-#pragma GCC unroll 8
-                for (int t = 0; t < T; t++) {
-                    const __m512 dx = _mm512_set1_ps(x[t * xs + i + h].d), sx = _mm512_set1_ps(x[t * xs + i + h].s);
+        for (int h = 0; h < 2; h++) {
+            __m512 dw[4], mw[4];
 #pragma GCC unroll 4
-                    for (int p = 0; p < P; p++) {
-                        acc[p][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[h][p][t]), _mm512_mul_ps(dw[p][2 * c + h], dx),
-                                                    acc[p][t]);
-                        acc[p][t] = _mm512_fmadd_ps(mw[p][2 * c + h], sx, acc[p][t]);
-                    }
+            for (int p = 0; p < P; p++) {
+                if (sc) {
+                    const float *s = sc + ((size_t)p * (size_t)nb + (size_t)(i + h)) * 32;
+                    dw[p] = _mm512_loadu_ps(s);
+                    mw[p] = _mm512_loadu_ps(s + 16);
+                } else {
+                    dw[p] = kdw[p][2 * c + h];
+                    mw[p] = kmw[p][2 * c + h];
                 }
+            }
+#pragma GCC unroll 8
+            for (int t = 0; t < T; t++) {
+                const __m512 dx = _mm512_set1_ps(x[t * xs + i + h].d), sx = _mm512_set1_ps(x[t * xs + i + h].s);
+#pragma GCC unroll 4
+                for (int p = 0; p < P; p++) {
+                    acc[p][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[h][p][t]), _mm512_mul_ps(dw[p], dx), acc[p][t]);
+                    acc[p][t] = _mm512_fmadd_ps(mw[p], sx, acc[p][t]);
+                }
+            }
         }
     }
     qp_store(P, T, acc, out, ldo, nvalid, bias, accumulate);
 }
+
+#define QK_FN(P, T) qk_##P##x##T
+#define QK_ONE(P, T)                                                                                          \
+    static void QK_FN(P, T)(const void *w, size_t stride, int64_t nb, const cv_xq_block *x, int64_t xs,      \
+                            float *out, int64_t ldo, int nvalid, const float *bias, int accumulate,          \
+                            const char *pf, int64_t pf_lines, const float *sc) {                             \
+        qk_tile(P, T, w, stride, nb, x, xs, out, ldo, nvalid, bias, accumulate, pf, pf_lines, sc);         \
+    }
+QK_ONE(4, 1) QK_ONE(4, 2) QK_ONE(2, 3) QK_ONE(2, 4) QK_ONE(1, 1) QK_ONE(1, 2) QK_ONE(1, 3) QK_ONE(1, 4)
+static const cv_qp16k_fn qk_kernels[CV_QP16_MAX_TOKENS + 1][2] = {
+    {NULL, NULL}, {QK_FN(1, 1), QK_FN(4, 1)}, {QK_FN(1, 2), QK_FN(4, 2)},
+    {QK_FN(1, 3), QK_FN(2, 3)}, {QK_FN(1, 4), QK_FN(2, 4)},
+};
 
 #define QP_FN(TY, P, T) qp_##TY##_##P##x##T
 #define QP_ONE(TY, TYPE, P, T)                                                                               \
     static void QP_FN(TY, P, T)(const void *w, size_t stride, int64_t nb, const cv_xq_block *x, int64_t xs, \
                                 float *out, int64_t ldo, int nvalid, const float *bias, int accumulate,    \
                                 const char *pf, int64_t pf_lines) {                                        \
-        if (TYPE == CV_Q4_K)                                                                               \
-            qk_tile(P, T, w, stride, nb, x, xs, out, ldo, nvalid, bias, accumulate, pf, pf_lines);        \
-        else                                                                                               \
-            qp_tile(TYPE, P, T, w, stride, nb, x, xs, out, ldo, nvalid, bias, accumulate, pf, pf_lines);   \
+        qp_tile(TYPE, P, T, w, stride, nb, x, xs, out, ldo, nvalid, bias, accumulate, pf, pf_lines);       \
     }
 #define QP_TYPE(TY, TYPE)                                                                                    \
     QP_ONE(TY, TYPE, 4, 1) QP_ONE(TY, TYPE, 4, 2) QP_ONE(TY, TYPE, 2, 3) QP_ONE(TY, TYPE, 2, 4)                \
@@ -444,7 +485,6 @@ QP_TYPE(q8_0, CV_Q8_0)
 QP_TYPE(q4_0, CV_Q4_0)
 QP_TYPE(q4_1, CV_Q4_1)
 QP_TYPE(q4_f, CV_Q4_F)
-QP_TYPE(q4_k, CV_Q4_K)
 
 /* cv_quantize_x with AVX-512, the same bytes (as avx2_quant.c's): the same
  * float products v * (1/d), rounded half away from zero exactly (floor of
@@ -562,13 +602,36 @@ cv_qp16_fn cv_qp16_kernel(cv_dtype t, int panels, int tokens) {
     case CV_Q4_0: return qp_q4_0[tokens][full];
     case CV_Q4_1: return qp_q4_1[tokens][full];
     case CV_Q4_F: return qp_q4_f[tokens][full];
-    case CV_Q4_K: return qp_q4_k[tokens][full];
     default: return NULL;
     }
 }
 
+cv_qp16k_fn cv_qp16_q4k_kernel(int panels, int tokens) {
+    if (tokens < 1 || tokens > CV_QP16_MAX_TOKENS) return NULL;
+    const int full = panels == cv_qp16_panels_for(tokens);
+    return panels == 1 || full ? qk_kernels[tokens][full] : NULL;
+}
+
+void cv_qp16_q4k_scales(float *dst, const void *panels, size_t stride, int np, int64_t nb) {
+    qk_expand(dst, panels, stride, np, nb);
+}
+
 #else
 cv_quantize_x_fn cv_quantize_x_avx512(void) { return NULL; }
+
+cv_qp16k_fn cv_qp16_q4k_kernel(int panels, int tokens) {
+    (void)panels;
+    (void)tokens;
+    return NULL;
+}
+
+void cv_qp16_q4k_scales(float *dst, const void *panels, size_t stride, int np, int64_t nb) {
+    (void)dst;
+    (void)panels;
+    (void)stride;
+    (void)np;
+    (void)nb;
+}
 
 cv_qp16_fn cv_qp16_kernel(cv_dtype t, int panels, int tokens) {
     (void)t;
