@@ -336,7 +336,7 @@ static CV_ALWAYS_INLINE void qk_scales(const uint8_t *q, __m512 dw[8], __m512 mw
     const __m512i sc_hi = _mm512_or_si512(_mm512_and_si512(c, m4), _mm512_and_si512(_mm512_srli_epi16(a, 2), top));
     const __m512i mn_hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(c, 4), m4),
                                           _mm512_and_si512(_mm512_srli_epi16(b, 2), top));
-#define QK_LANE(v, j) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, j)))
+#define QK_LANE(v, j) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(v, j))) /* 0..63: sign = zero extension */
     dw[0] = _mm512_mul_ps(d, QK_LANE(sc_lo, 0));
     dw[1] = _mm512_mul_ps(d, QK_LANE(sc_lo, 1));
     dw[2] = _mm512_mul_ps(d, QK_LANE(sc_lo, 2));
