@@ -312,10 +312,12 @@ int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dt
             cv_quantize(data + (size_t)r * row_bytes, row, dtype, (size_t)cols);
         }
     }
-    /* Q4_K's panels keep its bytes (quant_ukr.h: CV_QLAYOUT_P16_Q4K) */
-    const cv_dtype ptype = src_dtype == CV_Q4_K && dtype == CV_Q4_F ? CV_Q4_K : dtype;
+    /* Q4_K's and Q5_K's panels keep their bytes (quant_ukr.h: CV_QLAYOUT_P16_Q4K) */
+    const cv_dtype ptype = (src_dtype == CV_Q4_K || src_dtype == CV_Q5_K) && dtype == cv_quant_compute_type(src_dtype)
+                               ? src_dtype : dtype;
+    const int kq = ptype == CV_Q4_K || ptype == CV_Q5_K;
     if (c->qlevel == CV_QL_AVX512VNNI && cv_qp16_packs(ptype) &&
-        (ptype == CV_Q4_K ? cv_qp16_q4k_kernel(1, 1) != NULL : cv_qp16_kernel(ptype, 1, 1) != NULL)) {
+        (kq ? cv_qp16k_kernel(ptype, 1, 1) != NULL : cv_qp16_kernel(ptype, 1, 1) != NULL)) {
         /* the VNNI level's panels (quant.h: the P16 layout) */
         const int64_t nb = cols / CV_QK, panels = (rows + CV_QP16_ROWS - 1) / CV_QP16_ROWS;
         const size_t pbytes = (size_t)panels * cv_qp16_stride(ptype, nb);
@@ -325,11 +327,11 @@ int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dt
                             (long long)rows, (long long)cols, cv_dtype_name(dtype));
             goto done;
         }
-        cv_qp16_pack(packed, ptype == CV_Q4_K ? src : data, ptype, rows, nb);
+        cv_qp16_pack(packed, kq ? src : data, ptype, rows, nb);
         free(data);
         data = packed;
         bytes = pbytes;
-        out->layout = ptype == CV_Q4_K ? CV_QLAYOUT_P16_Q4K : CV_QLAYOUT_P16;
+        out->layout = ptype == CV_Q4_K ? CV_QLAYOUT_P16_Q4K : ptype == CV_Q5_K ? CV_QLAYOUT_P16_Q5K : CV_QLAYOUT_P16;
     }
     out->data = data;
     out->dtype = dtype;
@@ -346,7 +348,9 @@ done:
 /* ---- GEMM ------------------------------------------------------------------ */
 
 /* The type the P16 functions take for a panel-packed matrix (quant_ukr.h). */
-static cv_dtype panel_type(const cv_matrix *w) { return w->layout == CV_QLAYOUT_P16_Q4K ? CV_Q4_K : w->dtype; }
+static cv_dtype panel_type(const cv_matrix *w) {
+    return w->layout == CV_QLAYOUT_P16_Q4K ? CV_Q4_K : w->layout == CV_QLAYOUT_P16_Q5K ? CV_Q5_K : w->dtype;
+}
 
 typedef struct qgemm_job {
     cv_rows units;         /* the P16 path's dynamic regions: tokens to quantize, then chunks of panels */
@@ -447,8 +451,8 @@ static int64_t chunk_calls(int64_t np, int T) {
     const int full = cv_qp16_panels_for(T);
     return np / full + np % full;
 }
-/* Floats of a chunk's expanded Q4_K scales (cv_qp16_q4k_scales). */
-static size_t q4k_scale_floats(int64_t nb) { return (size_t)QP_CHUNK * (size_t)nb * 32; }
+/* Floats of a chunk's expanded K-quant scales (cv_qp16k_scales). */
+static size_t kq_scale_floats(int64_t nb) { return (size_t)QP_CHUNK * (size_t)nb * 32; }
 
 static void panels_fn(void *arg, int tid, int nth) {
     (void)nth;
@@ -458,9 +462,10 @@ static void panels_fn(void *arg, int tid, int nth) {
     const cv_dtype dt = panel_type(j->w);
     const size_t stride = cv_qp16_stride(dt, nb);
     const int64_t ntiles = (j->nt + CV_QP16_MAX_TOKENS - 1) / CV_QP16_MAX_TOKENS;
-    /* Q4_K panels: a buffer for a chunk's expanded scales (matrix_prepare
+    /* Q4_K / Q5_K panels: a buffer for a chunk's expanded scales (matrix_prepare
      * reserves it; without one the kernels expand them, the same values) */
-    float *ksc = dt == CV_Q4_K ? cv_cpu_gemm_rows_buf(j->cpu, tid, q4k_scale_floats(nb)) : NULL;
+    const int kq = dt == CV_Q4_K || dt == CV_Q5_K;
+    float *ksc = kq ? cv_cpu_gemm_rows_buf(j->cpu, tid, kq_scale_floats(nb)) : NULL;
     /* units claimed one ahead, so that a unit's last chunk can ask for the
      * first chunk of the thread's next unit (results never depend on which
      * thread takes a unit) */
@@ -484,9 +489,10 @@ static void panels_fn(void *arg, int tid, int nth) {
                 pf = cv_prefetch_span_of((const char *)j->w->data + (size_t)next * stride, (size_t)(n1 - next) * stride,
                                          (size_t)calls);
             }
-            /* Q4_K with several token tiles: the chunk's scales once for all of them */
+            /* K-quants with several token tiles: the chunk's scales once for all of them */
             const float *kchunk = ksc && ntiles > 1 ? ksc : NULL;
-            if (kchunk) cv_qp16_q4k_scales(ksc, (const char *)j->w->data + (size_t)c0 * stride, stride, (int)(c1 - c0), nb);
+            if (kchunk)
+                cv_qp16k_scales(ksc, (const char *)j->w->data + (size_t)c0 * stride, stride, dt, (int)(c1 - c0), nb);
             for (int64_t t = 0; t < j->nt;) {
                 const int T = (int)(j->nt - t < CV_QP16_MAX_TOKENS ? j->nt - t : CV_QP16_MAX_TOKENS);
                 const int full = cv_qp16_panels_for(T);
@@ -500,9 +506,9 @@ static void panels_fn(void *arg, int tid, int nth) {
                     const char *wp = (const char *)j->w->data + (size_t)p * stride;
                     float *o = j->out + (j->t0 + t) * n_out + r0;
                     const float *b = j->bias ? j->bias + r0 : NULL;
-                    if (dt == CV_Q4_K)
-                        cv_qp16_q4k_kernel(np, T)(wp, stride, nb, j->xq + t * nb, nb, o, n_out, nr, b, j->accumulate,
-                                                  pfp, pfl, kchunk ? kchunk + (size_t)(p - c0) * (size_t)nb * 32 : NULL);
+                    if (kq)
+                        cv_qp16k_kernel(dt, np, T)(wp, stride, nb, j->xq + t * nb, nb, o, n_out, nr, b, j->accumulate,
+                                                   pfp, pfl, kchunk ? kchunk + (size_t)(p - c0) * (size_t)nb * 32 : NULL);
                     else
                         cv_qp16_kernel(dt, np, T)(wp, stride, nb, j->xq + t * nb, nb, o, n_out, nr, b, j->accumulate,
                                                   pfp, pfl);

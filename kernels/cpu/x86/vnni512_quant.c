@@ -23,7 +23,7 @@
 /* ---- the layout ------------------------------------------------------------ */
 
 int cv_qp16_packs(cv_dtype t) {
-    return t == CV_Q8_0 || t == CV_Q4_0 || t == CV_Q4_1 || t == CV_Q4_F || t == CV_Q4_K;
+    return t == CV_Q8_0 || t == CV_Q4_0 || t == CV_Q4_1 || t == CV_Q4_F || t == CV_Q4_K || t == CV_Q5_K;
 }
 
 static size_t qp_sbytes(cv_dtype t) { return t == CV_Q4_F ? 64 : 32; }
@@ -38,17 +38,20 @@ static size_t qp_doff(cv_dtype t, int64_t nb, int64_t i) {
 }
 static size_t qp_moff(cv_dtype t, int64_t nb, int64_t i) { return qp_doff(t, nb, i) + qp_sbytes(t); }
 
-/* Q4_K panels: per super-block (8 blocks of 32) QK_BYTES bytes, 16 x the
- * file's 144; its scales first, so that a panel is read front to back. */
+/* Q4_K / Q5_K panels: per super-block (8 blocks of 32) qk_bytes(t) bytes,
+ * 16 x the file's 144 / 176; its scales first, so that a panel is read
+ * front to back. */
 #define QK_D 0                     /* d[16], then dmin[16] (float16) */
 #define QK_SC (QK_D + 64)          /* the 12 scale bytes, byte k of the 16 rows at QK_SC + 16 k */
-#define QK_Q (QK_SC + 12 * 16)     /* the weights: 4 pairs of sub-blocks */
-#define QK_PAIR_BYTES 512          /* one pair: 8 vectors of 64 */
-#define QK_BYTES (QK_Q + 4 * QK_PAIR_BYTES)
-_Static_assert(QK_BYTES == 16 * sizeof(cv_block_q4_k), "Q4_K panels hold the file's bytes");
+#define QK_QH (QK_SC + 12 * 16)    /* Q5_K: its qh as 8 vectors (vector g: qh[4g..4g+3] of each row) */
+#define QK_PAIR_BYTES 512          /* the weights, one pair of sub-blocks: 8 vectors of 64 */
+static size_t qk_q(cv_dtype t) { return t == CV_Q5_K ? QK_QH + 512 : QK_QH; } /* the 4 pairs */
+static size_t qk_bytes(cv_dtype t) { return qk_q(t) + 4 * QK_PAIR_BYTES; }
+_Static_assert(QK_QH + 4 * QK_PAIR_BYTES == 16 * sizeof(cv_block_q4_k) &&
+               QK_QH + 512 + 4 * QK_PAIR_BYTES == 16 * sizeof(cv_block_q5_k), "K panels hold the file's bytes");
 
 size_t cv_qp16_stride(cv_dtype t, int64_t nb) {
-    if (t == CV_Q4_K) return (size_t)(nb / 8) * QK_BYTES;
+    if (t == CV_Q4_K || t == CV_Q5_K) return (size_t)(nb / 8) * qk_bytes(t);
     const size_t per = t == CV_Q8_0 ? 512 + 32 : qp_bbytes(t);
     return ((size_t)nb * per + 63) & ~(size_t)63;
 }
@@ -78,27 +81,41 @@ static const uint8_t *qp_qs_of(const void *blk, cv_dtype t) {
     }
 }
 
-/* Q4_K rows (nb / 8 super-blocks each) into panels; padding rows stay zero. */
-static void qk_pack(uint8_t *dst, const cv_block_q4_k *src, int64_t rows, int64_t nb) {
+/* Q4_K / Q5_K rows (nb / 8 super-blocks each) into panels; padding rows stay zero. */
+static void qk_pack(uint8_t *dst, const void *src, cv_dtype t, int64_t rows, int64_t nb) {
     const int64_t nsb = nb / 8, panels = (rows + CV_QP16_ROWS - 1) / CV_QP16_ROWS;
-    memset(dst, 0, (size_t)panels * (size_t)nsb * QK_BYTES);
+    const size_t sbytes = qk_bytes(t), fbytes = cv_quant_block_bytes(t), wq = qk_q(t);
+    memset(dst, 0, (size_t)panels * (size_t)nsb * sbytes);
     for (int64_t row = 0; row < rows; row++) {
         const int r = (int)(row % CV_QP16_ROWS);
         for (int64_t sb = 0; sb < nsb; sb++) {
-            const cv_block_q4_k *b = src + row * nsb + sb;
-            uint8_t *q = dst + (size_t)((row / CV_QP16_ROWS) * nsb + sb) * QK_BYTES;
+            const char *blk = (const char *)src + (size_t)(row * nsb + sb) * fbytes;
+            const uint8_t *scales, *qs, *qh = NULL;
+            if (t == CV_Q5_K) {
+                const cv_block_q5_k *b = (const cv_block_q5_k *)(const void *)blk;
+                scales = b->scales;
+                qs = b->qs;
+                qh = b->qh;
+            } else {
+                const cv_block_q4_k *b = (const cv_block_q4_k *)(const void *)blk;
+                scales = b->scales;
+                qs = b->qs;
+            }
+            uint8_t *q = dst + (size_t)((row / CV_QP16_ROWS) * nsb + sb) * sbytes;
             for (int c = 0; c < 4; c++)
-                for (int g = 0; g < 8; g++) memcpy(q + QK_Q + c * QK_PAIR_BYTES + 64 * g + 4 * r, b->qs + 32 * c + 4 * g, 4);
-            memcpy(q + QK_D + 2 * r, &b->d, 2);
-            memcpy(q + QK_D + 32 + 2 * r, &b->dmin, 2);
-            for (int k = 0; k < 12; k++) q[QK_SC + 16 * k + r] = b->scales[k];
+                for (int g = 0; g < 8; g++) memcpy(q + wq + c * QK_PAIR_BYTES + 64 * g + 4 * r, qs + 32 * c + 4 * g, 4);
+            if (qh)
+                for (int g = 0; g < 8; g++) memcpy(q + QK_QH + 64 * g + 4 * r, qh + 4 * g, 4);
+            memcpy(q + QK_D + 2 * r, blk, 2);           /* d, then dmin: the first 4 bytes of both formats */
+            memcpy(q + QK_D + 32 + 2 * r, blk + 2, 2);
+            for (int k = 0; k < 12; k++) q[QK_SC + 16 * k + r] = scales[k];
         }
     }
 }
 
 void cv_qp16_pack(void *dst, const void *src, cv_dtype t, int64_t rows, int64_t nb) {
-    if (t == CV_Q4_K) {
-        qk_pack(dst, src, rows, nb);
+    if (t == CV_Q4_K || t == CV_Q5_K) {
+        qk_pack(dst, src, t, rows, nb);
         return;
     }
     const size_t stride = cv_qp16_stride(t, nb), qb = qp_bbytes(t), ss = qp_sbytes(t) / 16;
@@ -129,12 +146,12 @@ void cv_qp16_pack(void *dst, const void *src, cv_dtype t, int64_t rows, int64_t 
     }
 }
 
-/* Rows of one Q4_K panel back as Q4_F blocks (cv_quant_repack's: d = d * sc,
- * m = -(dmin * mn), both exact; Q4_0's nibble order). */
-static void qk_unpack(void *dst, size_t row_bytes, const uint8_t *panel, int n, int64_t nb) {
+/* Rows of one Q4_K (Q5_K) panel back as Q4_F (Q8_F) blocks, cv_quant_repack's:
+ * d = d * sc, m = -(dmin * mn), both exact; Q4_F in Q4_0's nibble order. */
+static void qk_unpack(void *dst, size_t row_bytes, const uint8_t *panel, cv_dtype t, int n, int64_t nb) {
     for (int r = 0; r < n; r++)
         for (int64_t i = 0; i < nb; i++) {
-            const uint8_t *q = panel + (size_t)(i / 8) * QK_BYTES;
+            const uint8_t *q = panel + (size_t)(i / 8) * qk_bytes(t);
             const int s = (int)(i % 8), c = s / 2, shift = 4 * (s & 1);
             uint8_t scales[12];
             uint16_t dh, dminh;
@@ -143,18 +160,31 @@ static void qk_unpack(void *dst, size_t row_bytes, const uint8_t *panel, int n, 
             memcpy(&dminh, q + QK_D + 32 + 2 * r, 2);
             int sc, mn;
             cv_kq_scale_min(scales, s, &sc, &mn);
-            cv_block_q4_f *b = (cv_block_q4_f *)(void *)((char *)dst + (size_t)r * row_bytes) + i;
-            b->d = cv_qh_to_f32(dh) * (float)sc;
-            b->m = -(cv_qh_to_f32(dminh) * (float)mn);
+            const float d = cv_qh_to_f32(dh) * (float)sc, m = -(cv_qh_to_f32(dminh) * (float)mn);
             uint8_t v[CV_QK];
-            for (int l = 0; l < CV_QK; l++) v[l] = (q[QK_Q + c * QK_PAIR_BYTES + 64 * (l / 4) + 4 * r + l % 4] >> shift) & 0xf;
-            for (int l = 0; l < CV_QK / 2; l++) b->qs[l] = (uint8_t)(v[l] | v[l + CV_QK / 2] << 4);
+            for (int l = 0; l < CV_QK; l++) {
+                const size_t at = 64 * (size_t)(l / 4) + 4 * (size_t)r + (size_t)(l % 4);
+                v[l] = (uint8_t)((q[qk_q(t) + (size_t)c * QK_PAIR_BYTES + at] >> shift) & 0xf);
+                if (t == CV_Q5_K) v[l] = (uint8_t)(v[l] | ((q[QK_QH + at] >> s) & 1) << 4);
+            }
+            char *row = (char *)dst + (size_t)r * row_bytes;
+            if (t == CV_Q5_K) {
+                cv_block_q8_f *b = (cv_block_q8_f *)(void *)row + i;
+                b->d[0] = b->d[1] = d;
+                b->m = m;
+                for (int l = 0; l < CV_QK; l++) b->qs[l] = (int8_t)v[l];
+            } else {
+                cv_block_q4_f *b = (cv_block_q4_f *)(void *)row + i;
+                b->d = d;
+                b->m = m;
+                for (int l = 0; l < CV_QK / 2; l++) b->qs[l] = (uint8_t)(v[l] | v[l + CV_QK / 2] << 4);
+            }
         }
 }
 
 void cv_qp16_unpack(void *dst, size_t row_bytes, const void *panel, cv_dtype t, int n, int64_t nb) {
-    if (t == CV_Q4_K) {
-        qk_unpack(dst, row_bytes, panel, n, nb);
+    if (t == CV_Q4_K || t == CV_Q5_K) {
+        qk_unpack(dst, row_bytes, panel, t, n, nb);
         return;
     }
     const size_t qb = qp_bbytes(t), ss = qp_sbytes(t) / 16, bb = cv_quant_block_bytes(t);
@@ -358,11 +388,11 @@ static CV_ALWAYS_INLINE void qk_scales(const uint8_t *q, __m512 dw[8], __m512 mw
 
 /* The scales of np Q4_K panels (stride bytes apart) for the kernels:
  * dst[(p nb + i) 32 ..] holds block i's d (16 rows), then its m. */
-static void qk_expand(float *dst, const void *panels, size_t stride, int np, int64_t nb) {
+static void qk_expand(float *dst, const void *panels, size_t stride, cv_dtype t, int np, int64_t nb) {
     for (int p = 0; p < np; p++)
         for (int64_t sb = 0; sb < nb / 8; sb++) {
             __m512 dw[8], mw[8];
-            qk_scales((const uint8_t *)panels + (size_t)p * stride + (size_t)sb * QK_BYTES, dw, mw);
+            qk_scales((const uint8_t *)panels + (size_t)p * stride + (size_t)sb * qk_bytes(t), dw, mw);
             float *o = dst + ((size_t)p * (size_t)nb + 8 * (size_t)sb) * 32;
             for (int j = 0; j < 8; j++) {
                 _mm512_storeu_ps(o + 32 * j, dw[j]);
@@ -379,7 +409,8 @@ static void qk_expand(float *dst, const void *panels, size_t stride, int np, int
  * activations and its high nibbles the second's. Every output lane runs
  * Q4_F's operations over the blocks in order (quant_ukr.h), so the results
  * are the bits of the same matrix repacked as Q4_F, alone or in any batch. */
-static CV_ALWAYS_INLINE void qk_tile(const int P, const int T, const void *w, size_t stride, int64_t nb,
+static CV_ALWAYS_INLINE void qk_tile(const cv_dtype type, const int P, const int T, const void *w, size_t stride,
+                                     int64_t nb,
                                      const cv_xq_block *x, int64_t xs, float *out, int64_t ldo, int nvalid,
                                      const float *bias, int accumulate, const char *pf, int64_t pf_lines,
                                      const float *sc) {
@@ -392,11 +423,15 @@ static CV_ALWAYS_INLINE void qk_tile(const int P, const int T, const void *w, si
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     cv_prefetch_spread ps = cv_prefetch_spread_of(pf, pf_lines < nb ? pf_lines : nb, nb);
     __m512 kdw[4][8], kmw[4][8]; /* sc NULL: the super-block's scales */
+    const size_t sbytes = qk_bytes(type), wq = qk_q(type);
+    const __m512i sixteen = _mm512_set1_epi8(16);
     for (int64_t i = 0; i < nb; i += 2) { /* a pair of sub-blocks: blocks i, i + 1 */
         const int64_t sb = i / 8, c = (i % 8) / 2;
+        /* Q5_K: the fifth bits of sub-blocks 2c and 2c + 1 */
+        const __m512i bit0 = _mm512_set1_epi8((char)(1 << (2 * c))), bit1 = _mm512_set1_epi8((char)(2 << (2 * c)));
         if (!sc && c == 0)
 #pragma GCC unroll 4
-            for (int p = 0; p < P; p++) qk_scales(base + (size_t)p * stride + (size_t)sb * QK_BYTES, kdw[p], kmw[p]);
+            for (int p = 0; p < P; p++) qk_scales(base + (size_t)p * stride + (size_t)sb * sbytes, kdw[p], kmw[p]);
         cv_prefetch_step(&ps);
         cv_prefetch_step(&ps);
         __m512i dot[2][4][CV_QP16_MAX_TOKENS];
@@ -409,10 +444,15 @@ static CV_ALWAYS_INLINE void qk_tile(const int P, const int T, const void *w, si
             __m512i lo[4], hi[4];
 #pragma GCC unroll 4
             for (int p = 0; p < P; p++) {
-                const __m512i v = _mm512_loadu_si512((const void *)(base + (size_t)p * stride + (size_t)sb * QK_BYTES +
-                                                                    QK_Q + (size_t)c * QK_PAIR_BYTES + 64 * g));
+                const uint8_t *sbp = base + (size_t)p * stride + (size_t)sb * sbytes;
+                const __m512i v = _mm512_loadu_si512((const void *)(sbp + wq + (size_t)c * QK_PAIR_BYTES + 64 * g));
                 lo[p] = _mm512_and_si512(v, low4);
                 hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                if (type == CV_Q5_K) { /* plus 16 where the fifth bit is set */
+                    const __m512i h = _mm512_loadu_si512((const void *)(sbp + QK_QH + 64 * g));
+                    lo[p] = _mm512_mask_add_epi8(lo[p], _mm512_test_epi8_mask(h, bit0), lo[p], sixteen);
+                    hi[p] = _mm512_mask_add_epi8(hi[p], _mm512_test_epi8_mask(h, bit1), hi[p], sixteen);
+                }
             }
 #pragma GCC unroll 8
             for (int t = 0; t < T; t++) {
@@ -453,18 +493,22 @@ static CV_ALWAYS_INLINE void qk_tile(const int P, const int T, const void *w, si
     qp_store(P, T, acc, out, ldo, nvalid, bias, accumulate);
 }
 
-#define QK_FN(P, T) qk_##P##x##T
-#define QK_ONE(P, T)                                                                                          \
-    static void QK_FN(P, T)(const void *w, size_t stride, int64_t nb, const cv_xq_block *x, int64_t xs,      \
-                            float *out, int64_t ldo, int nvalid, const float *bias, int accumulate,          \
-                            const char *pf, int64_t pf_lines, const float *sc) {                             \
-        qk_tile(P, T, w, stride, nb, x, xs, out, ldo, nvalid, bias, accumulate, pf, pf_lines, sc);         \
+#define QK_FN(TY, P, T) TY##_##P##x##T
+#define QK_ONE(TY, TYPE, P, T)                                                                                \
+    static void QK_FN(TY, P, T)(const void *w, size_t stride, int64_t nb, const cv_xq_block *x, int64_t xs,  \
+                                float *out, int64_t ldo, int nvalid, const float *bias, int accumulate,      \
+                                const char *pf, int64_t pf_lines, const float *sc) {                         \
+        qk_tile(TYPE, P, T, w, stride, nb, x, xs, out, ldo, nvalid, bias, accumulate, pf, pf_lines, sc);     \
     }
-QK_ONE(4, 1) QK_ONE(4, 2) QK_ONE(2, 3) QK_ONE(2, 4) QK_ONE(1, 1) QK_ONE(1, 2) QK_ONE(1, 3) QK_ONE(1, 4)
-static const cv_qp16k_fn qk_kernels[CV_QP16_MAX_TOKENS + 1][2] = {
-    {NULL, NULL}, {QK_FN(1, 1), QK_FN(4, 1)}, {QK_FN(1, 2), QK_FN(4, 2)},
-    {QK_FN(1, 3), QK_FN(2, 3)}, {QK_FN(1, 4), QK_FN(2, 4)},
-};
+#define QK_TYPE(TY, TYPE)                                                                                     \
+    QK_ONE(TY, TYPE, 4, 1) QK_ONE(TY, TYPE, 4, 2) QK_ONE(TY, TYPE, 2, 3) QK_ONE(TY, TYPE, 2, 4)                 \
+    QK_ONE(TY, TYPE, 1, 1) QK_ONE(TY, TYPE, 1, 2) QK_ONE(TY, TYPE, 1, 3) QK_ONE(TY, TYPE, 1, 4)                 \
+    static const cv_qp16k_fn TY[CV_QP16_MAX_TOKENS + 1][2] = {                                                \
+        {NULL, NULL}, {QK_FN(TY, 1, 1), QK_FN(TY, 4, 1)}, {QK_FN(TY, 1, 2), QK_FN(TY, 4, 2)},                  \
+        {QK_FN(TY, 1, 3), QK_FN(TY, 2, 3)}, {QK_FN(TY, 1, 4), QK_FN(TY, 2, 4)},                                \
+    };
+QK_TYPE(qk4, CV_Q4_K)
+QK_TYPE(qk5, CV_Q5_K)
 
 #define QP_FN(TY, P, T) qp_##TY##_##P##x##T
 #define QP_ONE(TY, TYPE, P, T)                                                                               \
@@ -606,29 +650,32 @@ cv_qp16_fn cv_qp16_kernel(cv_dtype t, int panels, int tokens) {
     }
 }
 
-cv_qp16k_fn cv_qp16_q4k_kernel(int panels, int tokens) {
-    if (tokens < 1 || tokens > CV_QP16_MAX_TOKENS) return NULL;
+cv_qp16k_fn cv_qp16k_kernel(cv_dtype t, int panels, int tokens) {
+    if (tokens < 1 || tokens > CV_QP16_MAX_TOKENS || (t != CV_Q4_K && t != CV_Q5_K)) return NULL;
     const int full = panels == cv_qp16_panels_for(tokens);
-    return panels == 1 || full ? qk_kernels[tokens][full] : NULL;
+    if (panels != 1 && !full) return NULL;
+    return t == CV_Q4_K ? qk4[tokens][full] : qk5[tokens][full];
 }
 
-void cv_qp16_q4k_scales(float *dst, const void *panels, size_t stride, int np, int64_t nb) {
-    qk_expand(dst, panels, stride, np, nb);
+void cv_qp16k_scales(float *dst, const void *panels, size_t stride, cv_dtype t, int np, int64_t nb) {
+    qk_expand(dst, panels, stride, t, np, nb);
 }
 
 #else
 cv_quantize_x_fn cv_quantize_x_avx512(void) { return NULL; }
 
-cv_qp16k_fn cv_qp16_q4k_kernel(int panels, int tokens) {
+cv_qp16k_fn cv_qp16k_kernel(cv_dtype t, int panels, int tokens) {
+    (void)t;
     (void)panels;
     (void)tokens;
     return NULL;
 }
 
-void cv_qp16_q4k_scales(float *dst, const void *panels, size_t stride, int np, int64_t nb) {
+void cv_qp16k_scales(float *dst, const void *panels, size_t stride, cv_dtype t, int np, int64_t nb) {
     (void)dst;
     (void)panels;
     (void)stride;
+    (void)t;
     (void)np;
     (void)nb;
 }
