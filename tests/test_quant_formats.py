@@ -160,6 +160,29 @@ def test_qgemm_batch_invariance(qtype, level):
     np.testing.assert_array_equal(_testing.kernel_qgemm(x, wb, qtype, level=level, threads=3), alone)
 
 
+@pytest.mark.parametrize("qtype", ["q4_k", "q5_k"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_k_quant_many_panels(qtype, level):
+    """Q4_K and Q5_K over more rows than one thread's chunk of 4 panels of 16 (the AVX512-VNNI
+    level keeps their bytes in panels and expands a chunk's 6-bit scales once for all its token
+    tiles, or in the kernel for a single tile): 150 rows (10 panels, the last one 6 rows) x 4
+    super-blocks, 1..9 tokens and 1..3 threads, against NumPy, and one token alone gives the
+    same bits."""
+    level_or_skip(level)
+    rng = np.random.default_rng(31)
+    rows, cols = 150, 1024
+    wb = sane_blocks(rng, qtype, rows, cols)
+    x = rng.standard_normal((9, cols)).astype(np.float32)
+    x[2, 256:288] = 0.0
+    exact, noise = qgemm_reference(x, wb, qtype, rows, cols)
+    alone = np.stack([_testing.kernel_qgemm(x[i:i + 1], wb, qtype, level=level)[0] for i in range(len(x))])
+    assert np.all(np.abs(alone - exact) <= noise), np.abs(alone - exact).max()
+    for n in range(2, 10):
+        for threads in (1, 2, 3):
+            got = _testing.kernel_qgemm(x[:n], wb, qtype, level=level, threads=threads)
+            np.testing.assert_array_equal(got, alone[:n])
+
+
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1"] + NEW_TYPES)
 def test_q8_m_holds_every_format(qtype):
     """Q8_M, the form of a stack mixing Q2_K with other formats (a float32 scale and min per

@@ -220,3 +220,37 @@ def test_activation_rounding_ties(level):
         exact, noise = qgemm_reference(x, wb, qtype, 11, 128)
         out = _testing.kernel_qgemm(x, wb, qtype, level=level)
         assert np.all(np.abs(out - exact) <= noise), (qtype, np.abs(out - exact).max())
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_activation_rounding_wide_rows(level):
+    """Rows of 35 blocks: the AVX-512 quantizer takes 16 blocks at a time (their maxima, sums and
+    scales reduced together) and the last 3 alone. Each block has its own range (one all zero,
+    one with its maximum in the last lane, one negative), and blocks of ties (scale 1 or 0.5):
+    one activation a step off moves an output by d |w|, far past the noise bound, so every
+    level's bytes must be the C quantizer's in every position of the 16."""
+    level_or_skip(level)
+    rng = np.random.default_rng(17)
+    nb = 35
+    x = rng.standard_normal((4, nb * 32)).astype(np.float32)
+    x *= np.repeat(rng.uniform(0.01, 50.0, (4, nb)).astype(np.float32), 32, axis=1)  # a range a block
+    ties = np.arange(-15, 15, dtype=np.float32) + 0.5
+    for b in range(nb):
+        blk = slice(32 * b, 32 * b + 32)
+        if b % 5 == 2:  # amax 127 at the block's lane b % 32: scale 1, the rest exact ties
+            x[0, blk] = np.concatenate([ties, ties[:2]])
+            x[0, 32 * b + b % 32] = 127.0 if b % 2 else -127.0
+        if b % 7 == 3:  # scale 0.5
+            x[1, blk] = np.concatenate([ties, ties[:2]]) / 2
+            x[1, 32 * b + 31 - b % 32] = 63.5
+    x[2, 32 * 9:32 * 10] = 0.0      # an all-zero block inside a group of 16
+    x[2, 32 * 33:32 * 34] = 0.0     # and one among the last blocks
+    x[3, 32 * 20:32 * 21] = -np.abs(x[3, 32 * 20:32 * 21])
+    for qtype in QTYPES:
+        w = random_weights(rng, 19, nb * 32)
+        wb = quantize(w, qtype).reshape(19, -1)
+        exact, noise = qgemm_reference(x, wb, qtype, 19, nb * 32)
+        out = _testing.kernel_qgemm(x, wb, qtype, level=level)
+        assert np.all(np.abs(out - exact) <= noise), (qtype, np.abs(out - exact).max())
+        for i in range(len(x)):  # and alone, the same bits
+            np.testing.assert_array_equal(_testing.kernel_qgemm(x[i:i + 1], wb, qtype, level=level)[0], out[i])

@@ -294,10 +294,15 @@ int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dt
                           (long long)cols);
     const size_t row_bytes = bytes / (size_t)rows;
     cv_cpu *c = cv_cpu_of(b);
-    /* the VNNI level's panels (quant.h: the P16 layout); blocks already of the
-     * kept type go into them straight from the source, without a row-major copy */
-    const int p16 = c->qlevel == CV_QL_AVX512VNNI && cv_qp16_packs(dtype) && cv_qp16_kernel(dtype, 1, 1);
-    const int direct = p16 && src_dtype == dtype;
+    /* the VNNI level's panels (quant.h: the P16 layout; Q4_K's and Q5_K's keep
+     * their bytes, CV_QLAYOUT_P16_Q4K); blocks already of the kept type go into
+     * them straight from the source, without a row-major copy */
+    const cv_dtype ptype = (src_dtype == CV_Q4_K || src_dtype == CV_Q5_K) && dtype == cv_quant_compute_type(src_dtype)
+                               ? src_dtype : dtype;
+    const int kq = ptype == CV_Q4_K || ptype == CV_Q5_K;
+    const int p16 = c->qlevel == CV_QL_AVX512VNNI && cv_qp16_packs(ptype) &&
+                    (kq ? cv_qp16k_kernel(ptype, 1, 1) != NULL : cv_qp16_kernel(ptype, 1, 1) != NULL);
+    const int direct = p16 && (kq || src_dtype == dtype);
     unsigned char *data = direct ? NULL : aligned_alloc(64, (bytes + 63) & ~(size_t)63);
     float *row = malloc((size_t)cols * sizeof(float));
     int rc = CV_OK;
@@ -338,20 +343,21 @@ int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dt
     }
     if (p16) {
         const int64_t nb = cols / CV_QK, panels = (rows + CV_QP16_ROWS - 1) / CV_QP16_ROWS;
-        const size_t pbytes = (size_t)panels * cv_qp16_stride(dtype, nb);
+        const size_t pbytes = (size_t)panels * cv_qp16_stride(ptype, nb);
         unsigned char *packed = aligned_alloc(64, pbytes);
         if (!packed) {
             rc = cv_set_err(err, CV_ERR_NOMEM, "matrix_prepare: out of memory for [%lld][%lld] %s",
                             (long long)rows, (long long)cols, cv_dtype_name(dtype));
             goto done;
         }
-        qp16_pack_job j = {.dst = packed, .src = direct ? src : data, .t = dtype, .rows = rows, .nb = nb,
-                           .panels = panels, .stride = cv_qp16_stride(dtype, nb), .row_bytes = row_bytes};
+        qp16_pack_job j = {.dst = packed, .src = direct ? src : data, .t = ptype, .rows = rows, .nb = nb,
+                           .panels = panels, .stride = cv_qp16_stride(ptype, nb),
+                           .row_bytes = direct ? cv_dtype_bytes(src_dtype, (size_t)cols) : row_bytes};
         cv_pool_run(c->pool, cv_threads_for(c, (double)rows * (double)cols, 1 << 20), qp16_pack_fn, &j);
         free(data);
         data = packed;
         bytes = pbytes;
-        out->layout = CV_QLAYOUT_P16;
+        out->layout = ptype == CV_Q4_K ? CV_QLAYOUT_P16_Q4K : ptype == CV_Q5_K ? CV_QLAYOUT_P16_Q5K : CV_QLAYOUT_P16;
     }
     out->data = data;
     out->dtype = dtype;
@@ -366,6 +372,11 @@ done:
 }
 
 /* ---- GEMM ------------------------------------------------------------------ */
+
+/* The type the P16 functions take for a panel-packed matrix (quant_ukr.h). */
+static cv_dtype panel_type(const cv_matrix *w) {
+    return w->layout == CV_QLAYOUT_P16_Q4K ? CV_Q4_K : w->layout == CV_QLAYOUT_P16_Q5K ? CV_Q5_K : w->dtype;
+}
 
 typedef struct qgemm_job {
     cv_rows units;         /* the P16 path's dynamic regions: tokens to quantize, then chunks of panels */
@@ -431,15 +442,15 @@ static void rows_fn(void *arg, int tid, int nth) {
     const int64_t c0 = chunks * tid / nth, c1 = chunks * (tid + 1) / nth;
     float v[CV_QTILE_MAX_ROWS * CV_QTILE_MAX_TOKENS];
     /* a P16 matrix at another level: each chunk (one panel) back in rows first */
-    const int unpack = j->w->layout == CV_QLAYOUT_P16;
-    const size_t pstride = unpack ? cv_qp16_stride(j->w->dtype, nb) : 0;
+    const int unpack = j->w->layout != CV_QLAYOUT_ROWS;
+    const size_t pstride = unpack ? cv_qp16_stride(panel_type(j->w), nb) : 0;
     char *rowbuf = unpack ? (char *)cv_cpu_gemm_rows_buf(j->cpu, tid, (Q_ROW_CHUNK * row_bytes + 3) / 4) : NULL;
     if (unpack && !rowbuf) return; /* cannot happen: prepare reserves 6 * cols floats a thread */
     for (int64_t ch = c0; ch < c1; ch++) {
         const int64_t r0 = ch * Q_ROW_CHUNK, r1 = r0 + Q_ROW_CHUNK < rows ? r0 + Q_ROW_CHUNK : rows;
         if (unpack)
             cv_qp16_unpack(rowbuf, row_bytes, (const char *)j->w->data + (size_t)(r0 / CV_QP16_ROWS) * pstride,
-                           j->w->dtype, (int)(r1 - r0), nb);
+                           panel_type(j->w), (int)(r1 - r0), nb);
         const char *wbase = unpack ? rowbuf : (const char *)j->w->data + (size_t)r0 * row_bytes; /* row r0 */
         for (int64_t t = 0; t < j->nt;) {
             const int tokens = (int)(j->nt - t < j->k.max_tokens ? j->nt - t : j->k.max_tokens);
@@ -466,15 +477,21 @@ static int64_t chunk_calls(int64_t np, int T) {
     const int full = cv_qp16_panels_for(T);
     return np / full + np % full;
 }
+/* Floats of a chunk's expanded K-quant scales (cv_qp16k_scales). */
+static size_t kq_scale_floats(int64_t nb) { return (size_t)QP_CHUNK * (size_t)nb * 32; }
+
 static void panels_fn(void *arg, int tid, int nth) {
-    (void)tid;
     (void)nth;
     qgemm_job *j = arg;
     const int64_t rows = j->w->rows, nb = j->nb, n_out = rows;
     const int64_t panels = (rows + CV_QP16_ROWS - 1) / CV_QP16_ROWS;
-    const size_t stride = cv_qp16_stride(j->w->dtype, nb);
-    const cv_dtype dt = j->w->dtype;
+    const cv_dtype dt = panel_type(j->w);
+    const size_t stride = cv_qp16_stride(dt, nb);
     const int64_t ntiles = (j->nt + CV_QP16_MAX_TOKENS - 1) / CV_QP16_MAX_TOKENS;
+    /* Q4_K / Q5_K panels: a buffer for a chunk's expanded scales (matrix_prepare
+     * reserves it; without one the kernels expand them, the same values) */
+    const int kq = dt == CV_Q4_K || dt == CV_Q5_K;
+    float *ksc = kq ? cv_cpu_gemm_rows_buf(j->cpu, tid, kq_scale_floats(nb)) : NULL;
     /* units claimed one ahead, so that a unit's last chunk can ask for the
      * first chunk of the thread's next unit (results never depend on which
      * thread takes a unit) */
@@ -498,6 +515,10 @@ static void panels_fn(void *arg, int tid, int nth) {
                 pf = cv_prefetch_span_of((const char *)j->w->data + (size_t)next * stride, (size_t)(n1 - next) * stride,
                                          (size_t)calls);
             }
+            /* K-quants with several token tiles: the chunk's scales once for all of them */
+            const float *kchunk = ksc && ntiles > 1 ? ksc : NULL;
+            if (kchunk)
+                cv_qp16k_scales(ksc, (const char *)j->w->data + (size_t)c0 * stride, stride, dt, (int)(c1 - c0), nb);
             for (int64_t t = 0; t < j->nt;) {
                 const int T = (int)(j->nt - t < CV_QP16_MAX_TOKENS ? j->nt - t : CV_QP16_MAX_TOKENS);
                 const int full = cv_qp16_panels_for(T);
@@ -508,9 +529,15 @@ static void panels_fn(void *arg, int tid, int nth) {
                     /* each call asks for its share of this tile's slice over its blocks */
                     int64_t pfl = 0;
                     const char *pfp = cv_prefetch_take(&pf, nb, &pfl);
-                    cv_qp16_kernel(dt, np, T)((const char *)j->w->data + (size_t)p * stride, stride, nb, j->xq + t * nb,
-                                              nb, j->out + (j->t0 + t) * n_out + r0, n_out, nr,
-                                              j->bias ? j->bias + r0 : NULL, j->accumulate, pfp, pfl);
+                    const char *wp = (const char *)j->w->data + (size_t)p * stride;
+                    float *o = j->out + (j->t0 + t) * n_out + r0;
+                    const float *b = j->bias ? j->bias + r0 : NULL;
+                    if (kq)
+                        cv_qp16k_kernel(dt, np, T)(wp, stride, nb, j->xq + t * nb, nb, o, n_out, nr, b, j->accumulate,
+                                                   pfp, pfl, kchunk ? kchunk + (size_t)(p - c0) * (size_t)nb * 32 : NULL);
+                    else
+                        cv_qp16_kernel(dt, np, T)(wp, stride, nb, j->xq + t * nb, nb, o, n_out, nr, b, j->accumulate,
+                                                  pfp, pfl);
                     p += np;
                 }
                 t += T;
@@ -534,7 +561,7 @@ void cv_cpu_qgemm_in(cv_backend *b, float *out, const cv_gemm_in *in, int64_t n,
     }
     tiles_for(w->dtype, level, &j.k);
     j.quantize = level != CV_QL_SCALAR && cv_quantize_x_avx2() ? cv_quantize_x_avx2() : cv_quantize_x;
-    const int panels = w->layout == CV_QLAYOUT_P16 && level == CV_QL_AVX512VNNI;
+    const int panels = w->layout != CV_QLAYOUT_ROWS && level == CV_QL_AVX512VNNI;
     if (panels && cv_quantize_x_avx512()) j.quantize = cv_quantize_x_avx512();
     const int64_t block = panels ? QP_TOKENS : QX_TOKENS;
     for (int64_t t0 = 0; t0 < n; t0 += block) {

@@ -65,8 +65,22 @@ int cv_qtiles_q2k(cv_dtype t, cv_qtiles *out);
  * where idot_i is the exact integer block dot (Q8_0's +128 and Q4_0's -8
  * taken out exactly, in the integer start value), whatever the tile, so a
  * token's outputs are the same bits alone or in any batch. The other levels
- * read such a matrix through cv_qp16_unpack (exact: the GGUF blocks). */
-enum { CV_QLAYOUT_ROWS = 0, CV_QLAYOUT_P16 = 1 };
+ * read such a matrix through cv_qp16_unpack (exact: the GGUF blocks).
+ *
+ * CV_QLAYOUT_P16_Q4K / CV_QLAYOUT_P16_Q5K: a Q4_F / Q8_F matrix
+ * (cv_quant_compute_type of Q4_K / Q5_K) packed from Q4_K / Q5_K rows
+ * keeping the file's 144 / 176 bytes a super-block (the P16 functions take
+ * the type CV_Q4_K / CV_Q5_K for it): per super-block, d[16], dmin[16]
+ * (float16) and the 12 scale bytes (byte k of the 16 rows together), for
+ * Q5_K its qh as 8 vectors (vector g: qh[4g..4g+3] of each row), then 4
+ * pairs of sub-blocks of 8 vectors (vector g: bytes 32c + 4g..4g+3 of each
+ * row's qs, low nibbles sub-block 2c, high 2c + 1), so that a panel is read
+ * front to back. The kernels
+ * take the 6-bit scales expanded (cv_qp16k_scales: Q4_F's d and m, once
+ * per chunk of panels for all its token tiles) and run Q4_F's operations,
+ * so Q4_K's results are the Q4_F path's bits; unpacking gives the Q4_F
+ * (Q8_F) blocks. */
+enum { CV_QLAYOUT_ROWS = 0, CV_QLAYOUT_P16 = 1, CV_QLAYOUT_P16_Q4K = 2, CV_QLAYOUT_P16_Q5K = 3 };
 #define CV_QP16_ROWS 16
 #define CV_QP16_MAX_TOKENS 4
 int cv_qp16_packs(cv_dtype t);
@@ -86,6 +100,16 @@ typedef void (*cv_qp16_fn)(const void *w, size_t stride, int64_t nb, const cv_xq
                            int64_t pf_lines);
 /* The kernel of P panels (1 or cv_qp16_panels_for(T)) x T tokens (1..4) for dtype; NULL when not built. */
 cv_qp16_fn cv_qp16_kernel(cv_dtype t, int panels, int tokens);
+/* Q4_K / Q5_K panels (type t): the scales of np panels (stride bytes
+ * apart) into dst[np][nb][32] floats (block i's d for the 16 rows, then its
+ * m), and the kernels as cv_qp16_kernel's that read them (sc: the expanded
+ * scales of the tile's first panel, the next panels nb * 32 floats apart;
+ * NULL: the kernel expands them itself, the same values, for one token tile). */
+void cv_qp16k_scales(float *dst, const void *panels, size_t stride, cv_dtype t, int np, int64_t nb);
+typedef void (*cv_qp16k_fn)(const void *w, size_t stride, int64_t nb, const cv_xq_block *x, int64_t x_stride,
+                            float *out, int64_t ldo, int nvalid, const float *bias, int accumulate, const char *pf,
+                            int64_t pf_lines, const float *sc);
+cv_qp16k_fn cv_qp16k_kernel(cv_dtype t, int panels, int tokens);
 /* Panels of a full tile at T tokens. */
 static inline int cv_qp16_panels_for(int tokens) { return tokens <= 2 ? 4 : 2; }
 

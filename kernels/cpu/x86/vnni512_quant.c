@@ -22,7 +22,9 @@
 
 /* ---- the layout ------------------------------------------------------------ */
 
-int cv_qp16_packs(cv_dtype t) { return t == CV_Q8_0 || t == CV_Q4_0 || t == CV_Q4_1 || t == CV_Q4_F; }
+int cv_qp16_packs(cv_dtype t) {
+    return t == CV_Q8_0 || t == CV_Q4_0 || t == CV_Q4_1 || t == CV_Q4_F || t == CV_Q4_K || t == CV_Q5_K;
+}
 
 static size_t qp_sbytes(cv_dtype t) { return t == CV_Q4_F ? 64 : 32; }
 /* Bytes from block i to i + 1 in the qs array (Q4: the block's scales follow
@@ -36,7 +38,20 @@ static size_t qp_doff(cv_dtype t, int64_t nb, int64_t i) {
 }
 static size_t qp_moff(cv_dtype t, int64_t nb, int64_t i) { return qp_doff(t, nb, i) + qp_sbytes(t); }
 
+/* Q4_K / Q5_K panels: per super-block (8 blocks of 32) qk_bytes(t) bytes,
+ * 16 x the file's 144 / 176; its scales first, so that a panel is read
+ * front to back. */
+#define QK_D 0                     /* d[16], then dmin[16] (float16) */
+#define QK_SC (QK_D + 64)          /* the 12 scale bytes, byte k of the 16 rows at QK_SC + 16 k */
+#define QK_QH (QK_SC + 12 * 16)    /* Q5_K: its qh as 8 vectors (vector g: qh[4g..4g+3] of each row) */
+#define QK_PAIR_BYTES 512          /* the weights, one pair of sub-blocks: 8 vectors of 64 */
+static size_t qk_q(cv_dtype t) { return t == CV_Q5_K ? QK_QH + 512 : QK_QH; } /* the 4 pairs */
+static size_t qk_bytes(cv_dtype t) { return qk_q(t) + 4 * QK_PAIR_BYTES; }
+_Static_assert(QK_QH + 4 * QK_PAIR_BYTES == 16 * sizeof(cv_block_q4_k) &&
+               QK_QH + 512 + 4 * QK_PAIR_BYTES == 16 * sizeof(cv_block_q5_k), "K panels hold the file's bytes");
+
 size_t cv_qp16_stride(cv_dtype t, int64_t nb) {
+    if (t == CV_Q4_K || t == CV_Q5_K) return (size_t)(nb / 8) * qk_bytes(t);
     const size_t per = t == CV_Q8_0 ? 512 + 32 : qp_bbytes(t);
     return ((size_t)nb * per + 63) & ~(size_t)63;
 }
@@ -66,7 +81,43 @@ static const uint8_t *qp_qs_of(const void *blk, cv_dtype t) {
     }
 }
 
+/* Q4_K / Q5_K rows (nb / 8 super-blocks each) into panels; padding rows stay zero. */
+static void qk_pack(uint8_t *dst, const void *src, cv_dtype t, int64_t rows, int64_t nb) {
+    const int64_t nsb = nb / 8, panels = (rows + CV_QP16_ROWS - 1) / CV_QP16_ROWS;
+    const size_t sbytes = qk_bytes(t), fbytes = cv_quant_block_bytes(t), wq = qk_q(t);
+    memset(dst, 0, (size_t)panels * (size_t)nsb * sbytes);
+    for (int64_t row = 0; row < rows; row++) {
+        const int r = (int)(row % CV_QP16_ROWS);
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            const char *blk = (const char *)src + (size_t)(row * nsb + sb) * fbytes;
+            const uint8_t *scales, *qs, *qh = NULL;
+            if (t == CV_Q5_K) {
+                const cv_block_q5_k *b = (const cv_block_q5_k *)(const void *)blk;
+                scales = b->scales;
+                qs = b->qs;
+                qh = b->qh;
+            } else {
+                const cv_block_q4_k *b = (const cv_block_q4_k *)(const void *)blk;
+                scales = b->scales;
+                qs = b->qs;
+            }
+            uint8_t *q = dst + (size_t)((row / CV_QP16_ROWS) * nsb + sb) * sbytes;
+            for (int c = 0; c < 4; c++)
+                for (int g = 0; g < 8; g++) memcpy(q + wq + c * QK_PAIR_BYTES + 64 * g + 4 * r, qs + 32 * c + 4 * g, 4);
+            if (qh)
+                for (int g = 0; g < 8; g++) memcpy(q + QK_QH + 64 * g + 4 * r, qh + 4 * g, 4);
+            memcpy(q + QK_D + 2 * r, blk, 2);           /* d, then dmin: the first 4 bytes of both formats */
+            memcpy(q + QK_D + 32 + 2 * r, blk + 2, 2);
+            for (int k = 0; k < 12; k++) q[QK_SC + 16 * k + r] = scales[k];
+        }
+    }
+}
+
 void cv_qp16_pack(void *dst, const void *src, cv_dtype t, int64_t rows, int64_t nb) {
+    if (t == CV_Q4_K || t == CV_Q5_K) {
+        qk_pack(dst, src, t, rows, nb);
+        return;
+    }
     const size_t stride = cv_qp16_stride(t, nb), qb = qp_bbytes(t), ss = qp_sbytes(t) / 16;
     const size_t bb = cv_quant_block_bytes(t), row_bytes = (size_t)nb * bb;
     const int64_t panels = (rows + CV_QP16_ROWS - 1) / CV_QP16_ROWS;
@@ -95,7 +146,47 @@ void cv_qp16_pack(void *dst, const void *src, cv_dtype t, int64_t rows, int64_t 
     }
 }
 
+/* Rows of one Q4_K (Q5_K) panel back as Q4_F (Q8_F) blocks, cv_quant_repack's:
+ * d = d * sc, m = -(dmin * mn), both exact; Q4_F in Q4_0's nibble order. */
+static void qk_unpack(void *dst, size_t row_bytes, const uint8_t *panel, cv_dtype t, int n, int64_t nb) {
+    for (int r = 0; r < n; r++)
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *q = panel + (size_t)(i / 8) * qk_bytes(t);
+            const int s = (int)(i % 8), c = s / 2, shift = 4 * (s & 1);
+            uint8_t scales[12];
+            uint16_t dh, dminh;
+            for (int k = 0; k < 12; k++) scales[k] = q[QK_SC + 16 * k + r];
+            memcpy(&dh, q + QK_D + 2 * r, 2);
+            memcpy(&dminh, q + QK_D + 32 + 2 * r, 2);
+            int sc, mn;
+            cv_kq_scale_min(scales, s, &sc, &mn);
+            const float d = cv_qh_to_f32(dh) * (float)sc, m = -(cv_qh_to_f32(dminh) * (float)mn);
+            uint8_t v[CV_QK];
+            for (int l = 0; l < CV_QK; l++) {
+                const size_t at = 64 * (size_t)(l / 4) + 4 * (size_t)r + (size_t)(l % 4);
+                v[l] = (uint8_t)((q[qk_q(t) + (size_t)c * QK_PAIR_BYTES + at] >> shift) & 0xf);
+                if (t == CV_Q5_K) v[l] = (uint8_t)(v[l] | ((q[QK_QH + at] >> s) & 1) << 4);
+            }
+            char *row = (char *)dst + (size_t)r * row_bytes;
+            if (t == CV_Q5_K) {
+                cv_block_q8_f *b = (cv_block_q8_f *)(void *)row + i;
+                b->d[0] = b->d[1] = d;
+                b->m = m;
+                for (int l = 0; l < CV_QK; l++) b->qs[l] = (int8_t)v[l];
+            } else {
+                cv_block_q4_f *b = (cv_block_q4_f *)(void *)row + i;
+                b->d = d;
+                b->m = m;
+                for (int l = 0; l < CV_QK / 2; l++) b->qs[l] = (uint8_t)(v[l] | v[l + CV_QK / 2] << 4);
+            }
+        }
+}
+
 void cv_qp16_unpack(void *dst, size_t row_bytes, const void *panel, cv_dtype t, int n, int64_t nb) {
+    if (t == CV_Q4_K || t == CV_Q5_K) {
+        qk_unpack(dst, row_bytes, panel, t, n, nb);
+        return;
+    }
     const size_t qb = qp_bbytes(t), ss = qp_sbytes(t) / 16, bb = cv_quant_block_bytes(t);
     const uint8_t *qs = panel;
     for (int r = 0; r < n; r++)
@@ -146,6 +237,24 @@ static CV_ALWAYS_INLINE __m512i qp_bcast4(const int8_t *q) {
     int32_t v;
     memcpy(&v, q, sizeof v);
     return _mm512_set1_epi32(v);
+}
+
+/* The tile's outputs: the first nvalid rows of each token, plus bias, plus out when accumulating. */
+static CV_ALWAYS_INLINE void qp_store(const int P, const int T, __m512 acc[4][CV_QP16_MAX_TOKENS], float *out,
+                                      int64_t ldo, int nvalid, const float *bias, int accumulate) {
+#pragma GCC unroll 4
+    for (int p = 0; p < P; p++) {
+        const int v = nvalid - p * CV_QP16_ROWS;
+        const __mmask16 m = (__mmask16)(v >= CV_QP16_ROWS ? 0xffffu : v <= 0 ? 0u : (1u << v) - 1u);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + p * CV_QP16_ROWS) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) {
+            float *o = out + t * ldo + p * CV_QP16_ROWS;
+            __m512 y = bias ? _mm512_add_ps(acc[p][t], b) : acc[p][t];
+            if (accumulate) y = _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), y);
+            _mm512_mask_storeu_ps(o, m, y);
+        }
+    }
 }
 
 /* P panels x T tokens of type `type` (P, T and type constants at each call). */
@@ -237,20 +346,169 @@ static CV_ALWAYS_INLINE void qp_tile(const cv_dtype type, const int P, const int
             }
         }
     }
+    qp_store(P, T, acc, out, ldo, nvalid, bias, accumulate);
+}
+
+/* The 16 rows' scales of sub-blocks 0..7 of one Q4_K super-block (at q), as
+ * the Q4_F blocks hold them: dw[j] = d * sc_j, mw[j] = -(dmin * mn_j), both
+ * exact (11-bit by 6-bit products), so the tile runs Q4_F's operations on
+ * the same values. The 6-bit fields (cv_kq_scale_min) are split for all
+ * 16 rows and 8 sub-blocks at once, 16 bytes (one sub-block) a 128-bit lane. */
+static CV_ALWAYS_INLINE void qk_scales(const uint8_t *q, __m512 dw[8], __m512 mw[8]) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(q + QK_D)));
+    const __m512 nm = _mm512_castsi512_ps(_mm512_xor_si512(
+        _mm512_castps_si512(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(q + QK_D + 32)))),
+        _mm512_set1_epi32(INT32_MIN)));
+    const __m512i a = _mm512_loadu_si512((const void *)(q + QK_SC)), b = _mm512_loadu_si512((const void *)(q + QK_SC + 64)),
+                  c = _mm512_loadu_si512((const void *)(q + QK_SC + 128));
+    const __m512i m6 = _mm512_set1_epi8(63), m4 = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
+    const __m512i sc_lo = _mm512_and_si512(a, m6), mn_lo = _mm512_and_si512(b, m6);
+    const __m512i sc_hi = _mm512_or_si512(_mm512_and_si512(c, m4), _mm512_and_si512(_mm512_srli_epi16(a, 2), top));
+    const __m512i mn_hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(c, 4), m4),
+                                          _mm512_and_si512(_mm512_srli_epi16(b, 2), top));
+#define QK_LANE(v, j) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(v, j))) /* 0..63: sign = zero extension */
+    dw[0] = _mm512_mul_ps(d, QK_LANE(sc_lo, 0));
+    dw[1] = _mm512_mul_ps(d, QK_LANE(sc_lo, 1));
+    dw[2] = _mm512_mul_ps(d, QK_LANE(sc_lo, 2));
+    dw[3] = _mm512_mul_ps(d, QK_LANE(sc_lo, 3));
+    dw[4] = _mm512_mul_ps(d, QK_LANE(sc_hi, 0));
+    dw[5] = _mm512_mul_ps(d, QK_LANE(sc_hi, 1));
+    dw[6] = _mm512_mul_ps(d, QK_LANE(sc_hi, 2));
+    dw[7] = _mm512_mul_ps(d, QK_LANE(sc_hi, 3));
+    mw[0] = _mm512_mul_ps(nm, QK_LANE(mn_lo, 0));
+    mw[1] = _mm512_mul_ps(nm, QK_LANE(mn_lo, 1));
+    mw[2] = _mm512_mul_ps(nm, QK_LANE(mn_lo, 2));
+    mw[3] = _mm512_mul_ps(nm, QK_LANE(mn_lo, 3));
+    mw[4] = _mm512_mul_ps(nm, QK_LANE(mn_hi, 0));
+    mw[5] = _mm512_mul_ps(nm, QK_LANE(mn_hi, 1));
+    mw[6] = _mm512_mul_ps(nm, QK_LANE(mn_hi, 2));
+    mw[7] = _mm512_mul_ps(nm, QK_LANE(mn_hi, 3));
+#undef QK_LANE
+}
+
+/* The scales of np Q4_K panels (stride bytes apart) for the kernels:
+ * dst[(p nb + i) 32 ..] holds block i's d (16 rows), then its m. */
+static void qk_expand(float *dst, const void *panels, size_t stride, cv_dtype t, int np, int64_t nb) {
+    for (int p = 0; p < np; p++)
+        for (int64_t sb = 0; sb < nb / 8; sb++) {
+            __m512 dw[8], mw[8];
+            qk_scales((const uint8_t *)panels + (size_t)p * stride + (size_t)sb * qk_bytes(t), dw, mw);
+            float *o = dst + ((size_t)p * (size_t)nb + 8 * (size_t)sb) * 32;
+            for (int j = 0; j < 8; j++) {
+                _mm512_storeu_ps(o + 32 * j, dw[j]);
+                _mm512_storeu_ps(o + 32 * j + 16, mw[j]);
+            }
+        }
+}
+
+/* P panels x T tokens of Q4_K panels, their scales expanded (sc: qk_expand
+ * of these P panels) once for every token tile that meets them, or, sc
+ * NULL (one token tile: decode), here once per super-block, which keeps the
+ * weights one stream read front to back; the same values either way. Per pair of
+ * sub-blocks each 64-byte vector's low nibbles meet the first sub-block's
+ * activations and its high nibbles the second's. Every output lane runs
+ * Q4_F's operations over the blocks in order (quant_ukr.h), so the results
+ * are the bits of the same matrix repacked as Q4_F, alone or in any batch. */
+static CV_ALWAYS_INLINE void qk_tile(const cv_dtype type, const int P, const int T, const void *w, size_t stride,
+                                     int64_t nb,
+                                     const cv_xq_block *x, int64_t xs, float *out, int64_t ldo, int nvalid,
+                                     const float *bias, int accumulate, const char *pf, int64_t pf_lines,
+                                     const float *sc) {
+    const uint8_t *base = w;
+    __m512 acc[4][CV_QP16_MAX_TOKENS];
 #pragma GCC unroll 4
-    for (int p = 0; p < P; p++) {
-        const int v = nvalid - p * CV_QP16_ROWS;
-        const __mmask16 m = (__mmask16)(v >= CV_QP16_ROWS ? 0xffffu : v <= 0 ? 0u : (1u << v) - 1u);
-        const __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + p * CV_QP16_ROWS) : _mm512_setzero_ps();
+    for (int p = 0; p < P; p++)
 #pragma GCC unroll 8
-        for (int t = 0; t < T; t++) {
-            float *o = out + t * ldo + p * CV_QP16_ROWS;
-            __m512 y = bias ? _mm512_add_ps(acc[p][t], b) : acc[p][t];
-            if (accumulate) y = _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), y);
-            _mm512_mask_storeu_ps(o, m, y);
+        for (int t = 0; t < T; t++) acc[p][t] = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    cv_prefetch_spread ps = cv_prefetch_spread_of(pf, pf_lines < nb ? pf_lines : nb, nb);
+    __m512 kdw[4][8], kmw[4][8]; /* sc NULL: the super-block's scales */
+    const size_t sbytes = qk_bytes(type), wq = qk_q(type);
+    const __m512i sixteen = _mm512_set1_epi8(16);
+    for (int64_t i = 0; i < nb; i += 2) { /* a pair of sub-blocks: blocks i, i + 1 */
+        const int64_t sb = i / 8, c = (i % 8) / 2;
+        /* Q5_K: the fifth bits of sub-blocks 2c and 2c + 1 */
+        const __m512i bit0 = _mm512_set1_epi8((char)(1 << (2 * c))), bit1 = _mm512_set1_epi8((char)(2 << (2 * c)));
+        if (!sc && c == 0)
+#pragma GCC unroll 4
+            for (int p = 0; p < P; p++) qk_scales(base + (size_t)p * stride + (size_t)sb * sbytes, kdw[p], kmw[p]);
+        cv_prefetch_step(&ps);
+        cv_prefetch_step(&ps);
+        __m512i dot[2][4][CV_QP16_MAX_TOKENS];
+#pragma GCC unroll 4
+        for (int p = 0; p < P; p++)
+#pragma GCC unroll 8
+            for (int t = 0; t < T; t++) dot[0][p][t] = dot[1][p][t] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; g++) {
+            __m512i lo[4], hi[4];
+#pragma GCC unroll 4
+            for (int p = 0; p < P; p++) {
+                const uint8_t *sbp = base + (size_t)p * stride + (size_t)sb * sbytes;
+                const __m512i v = _mm512_loadu_si512((const void *)(sbp + wq + (size_t)c * QK_PAIR_BYTES + 64 * g));
+                lo[p] = _mm512_and_si512(v, low4);
+                hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                if (type == CV_Q5_K) { /* plus 16 where the fifth bit is set */
+                    const __m512i h = _mm512_loadu_si512((const void *)(sbp + QK_QH + 64 * g));
+                    lo[p] = _mm512_mask_add_epi8(lo[p], _mm512_test_epi8_mask(h, bit0), lo[p], sixteen);
+                    hi[p] = _mm512_mask_add_epi8(hi[p], _mm512_test_epi8_mask(h, bit1), hi[p], sixteen);
+                }
+            }
+#pragma GCC unroll 8
+            for (int t = 0; t < T; t++) {
+                const __m512i xl = qp_bcast4(x[t * xs + i].q + 4 * g);
+                const __m512i xh = qp_bcast4(x[t * xs + i + 1].q + 4 * g);
+#pragma GCC unroll 4
+                for (int p = 0; p < P; p++) {
+                    dot[0][p][t] = _mm512_dpbusd_epi32(dot[0][p][t], lo[p], xl);
+                    dot[1][p][t] = _mm512_dpbusd_epi32(dot[1][p][t], hi[p], xh);
+                }
+            }
+        }
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            __m512 dw[4], mw[4];
+#pragma GCC unroll 4
+            for (int p = 0; p < P; p++) {
+                if (sc) {
+                    const float *s = sc + ((size_t)p * (size_t)nb + (size_t)(i + h)) * 32;
+                    dw[p] = _mm512_loadu_ps(s);
+                    mw[p] = _mm512_loadu_ps(s + 16);
+                } else {
+                    dw[p] = kdw[p][2 * c + h];
+                    mw[p] = kmw[p][2 * c + h];
+                }
+            }
+#pragma GCC unroll 8
+            for (int t = 0; t < T; t++) {
+                const __m512 dx = _mm512_set1_ps(x[t * xs + i + h].d), sx = _mm512_set1_ps(x[t * xs + i + h].s);
+#pragma GCC unroll 4
+                for (int p = 0; p < P; p++) {
+                    acc[p][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[h][p][t]), _mm512_mul_ps(dw[p], dx), acc[p][t]);
+                    acc[p][t] = _mm512_fmadd_ps(mw[p], sx, acc[p][t]);
+                }
+            }
         }
     }
+    qp_store(P, T, acc, out, ldo, nvalid, bias, accumulate);
 }
+
+#define QK_FN(TY, P, T) TY##_##P##x##T
+#define QK_ONE(TY, TYPE, P, T)                                                                                \
+    static void QK_FN(TY, P, T)(const void *w, size_t stride, int64_t nb, const cv_xq_block *x, int64_t xs,  \
+                                float *out, int64_t ldo, int nvalid, const float *bias, int accumulate,      \
+                                const char *pf, int64_t pf_lines, const float *sc) {                         \
+        qk_tile(TYPE, P, T, w, stride, nb, x, xs, out, ldo, nvalid, bias, accumulate, pf, pf_lines, sc);     \
+    }
+#define QK_TYPE(TY, TYPE)                                                                                     \
+    QK_ONE(TY, TYPE, 4, 1) QK_ONE(TY, TYPE, 4, 2) QK_ONE(TY, TYPE, 2, 3) QK_ONE(TY, TYPE, 2, 4)                 \
+    QK_ONE(TY, TYPE, 1, 1) QK_ONE(TY, TYPE, 1, 2) QK_ONE(TY, TYPE, 1, 3) QK_ONE(TY, TYPE, 1, 4)                 \
+    static const cv_qp16k_fn TY[CV_QP16_MAX_TOKENS + 1][2] = {                                                \
+        {NULL, NULL}, {QK_FN(TY, 1, 1), QK_FN(TY, 4, 1)}, {QK_FN(TY, 1, 2), QK_FN(TY, 4, 2)},                  \
+        {QK_FN(TY, 1, 3), QK_FN(TY, 2, 3)}, {QK_FN(TY, 1, 4), QK_FN(TY, 2, 4)},                                \
+    };
+QK_TYPE(qk4, CV_Q4_K)
+QK_TYPE(qk5, CV_Q5_K)
 
 #define QP_FN(TY, P, T) qp_##TY##_##P##x##T
 #define QP_ONE(TY, TYPE, P, T)                                                                               \
@@ -274,30 +532,103 @@ QP_TYPE(q4_f, CV_Q4_F)
 
 /* cv_quantize_x with AVX-512, the same bytes (as avx2_quant.c's): the same
  * float products v * (1/d), rounded half away from zero exactly (floor of
- * |t|, plus one where the exact fraction is >= 0.5, the sign put back). */
-static void quantize_x_avx512(cv_xq_block *out, const float *x, int64_t n) {
-    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+ * |t|, plus one where the exact fraction is >= 0.5, the sign put back).
+ * Sixteen blocks at a time: their maxima and sums are reduced together in
+ * one transposing tree (qx_reduce16) and their scales divided in one
+ * vector, instead of two horizontal reductions and two scalar divisions a
+ * block; the maximum and the integer sum do not depend on the order, and
+ * the vector divisions round as the scalar ones, so the bytes are the same. */
+
+/* Block i's 32 activations into out (its q bytes), the scale's inverse id
+ * given; returns the vector of its 16 pairwise q sums (q[j] + q[16 + j]). */
+static CV_ALWAYS_INLINE __m512i qx_round_store(cv_xq_block *out, __m512 a0, __m512 a1, float id) {
+    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f), vid = _mm512_set1_ps(id);
     const __m512i sign = _mm512_set1_epi32(INT32_MIN);
-    for (int64_t i = 0; i < n / CV_QK; i++) {
-        const __m512 a0 = _mm512_loadu_ps(x + i * CV_QK), a1 = _mm512_loadu_ps(x + i * CV_QK + 16);
-        /* max(y, m) returns m where y is NaN: a NaN lane is skipped, as in C */
-        const __m512 m = _mm512_max_ps(_mm512_abs_ps(a1), _mm512_max_ps(_mm512_abs_ps(a0), zero));
-        const float amax = _mm512_reduce_max_ps(m), d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        const __m512 vid = _mm512_set1_ps(id);
-        __m512i q[2];
-        for (int k = 0; k < 2; k++) {
-            const __m512 t = _mm512_mul_ps(k ? a1 : a0, vid), u = _mm512_abs_ps(t);
-            /* floor (imm 1: no scaling; without _MM_FROUND_NO_EXC, which SIMDe 0.7 misreads as a
-             * scale; the inexact flag it may raise is masked) */
-            const __m512 f = _mm512_roundscale_ps(u, _MM_FROUND_TO_NEG_INF);
-            const __m512 r = _mm512_mask_add_ps(f, _mm512_cmp_ps_mask(_mm512_sub_ps(u, f), half, _CMP_GE_OQ), f, one);
-            const __m512i sr = _mm512_or_si512(_mm512_castps_si512(r), _mm512_and_si512(_mm512_castps_si512(t), sign));
-            q[k] = _mm512_cvtps_epi32(_mm512_castsi512_ps(sr));
+    __m512i q[2];
+#pragma GCC unroll 2
+    for (int k = 0; k < 2; k++) {
+        const __m512 t = _mm512_mul_ps(k ? a1 : a0, vid), u = _mm512_abs_ps(t);
+        /* floor (imm 1: no scaling; without _MM_FROUND_NO_EXC, which SIMDe 0.7 misreads as a
+         * scale; the inexact flag it may raise is masked) */
+        const __m512 f = _mm512_roundscale_ps(u, _MM_FROUND_TO_NEG_INF);
+        const __m512 r = _mm512_mask_add_ps(f, _mm512_cmp_ps_mask(_mm512_sub_ps(u, f), half, _CMP_GE_OQ), f, one);
+        const __m512i sr = _mm512_or_si512(_mm512_castps_si512(r), _mm512_and_si512(_mm512_castps_si512(t), sign));
+        q[k] = _mm512_cvtps_epi32(_mm512_castsi512_ps(sr));
+    }
+    _mm_storeu_si128((__m128i *)(void *)out->q, _mm512_cvtepi32_epi8(q[0]));
+    _mm_storeu_si128((__m128i *)(void *)(out->q + 16), _mm512_cvtepi32_epi8(q[1]));
+    return _mm512_add_epi32(q[0], q[1]);
+}
+
+/* The 16 lanes of a block's amax candidates: max(y, m) returns m where y is
+ * NaN, so a NaN lane is skipped, as in C. */
+static CV_ALWAYS_INLINE __m512 qx_absmax(__m512 a0, __m512 a1) {
+    return _mm512_max_ps(_mm512_abs_ps(a1), _mm512_max_ps(_mm512_abs_ps(a0), _mm512_setzero_ps()));
+}
+
+static CV_ALWAYS_INLINE __m512 qx_op(__m512 a, __m512 b, int add) {
+    return add ? _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)))
+               : _mm512_max_ps(a, b);
+}
+
+/* Lane b of the result: the maximum (add: the int32 sum) of v[b]'s 16 lanes.
+ * Each level halves the vectors: pairs of 256-bit halves, of 128-bit
+ * quarters, then of 64- and 32-bit pairs inside the quarters, which leaves
+ * v[4j + q] in lane 4q + j; one permutation puts it in lane 4j + q. */
+static CV_ALWAYS_INLINE __m512 qx_reduce16(__m512 v[16], int add) {
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; k++)
+        v[k] = qx_op(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                     _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)), add);
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++)
+        v[k] = qx_op(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                     _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)), add);
+#pragma GCC unroll 2
+    for (int k = 0; k < 2; k++)
+        v[k] = qx_op(_mm512_shuffle_ps(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                     _mm512_shuffle_ps(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)), add);
+    const __m512 r = qx_op(_mm512_shuffle_ps(v[0], v[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_ps(v[0], v[1], _MM_SHUFFLE(3, 1, 3, 1)), add);
+    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(idx, r);
+}
+
+static void quantize_x_avx512(cv_xq_block *out, const float *x, int64_t n) {
+    const int64_t nb = n / CV_QK;
+    int64_t i = 0;
+    for (; i + 16 <= nb; i += 16) {
+        const float *v = x + i * CV_QK;
+        __m512 m[16];
+#pragma GCC unroll 16
+        for (int b = 0; b < 16; b++)
+            m[b] = qx_absmax(_mm512_loadu_ps(v + b * CV_QK), _mm512_loadu_ps(v + b * CV_QK + 16));
+        const __m512 amax = qx_reduce16(m, 0), d = _mm512_div_ps(amax, _mm512_set1_ps(127.0f));
+        const __m512 id = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_NEQ_OQ),
+                                              _mm512_set1_ps(1.0f), d);
+        float ids[16], ds[16], ss[16];
+        int32_t sums[16];
+        _mm512_storeu_ps(ids, id);
+        __m512 qs[16];
+#pragma GCC unroll 16
+        for (int b = 0; b < 16; b++)
+            qs[b] = _mm512_castsi512_ps(qx_round_store(out + i + b, _mm512_loadu_ps(v + b * CV_QK),
+                                                       _mm512_loadu_ps(v + b * CV_QK + 16), ids[b]));
+        const __m512i sum = _mm512_castps_si512(qx_reduce16(qs, 1));
+        _mm512_storeu_ps(ds, d);
+        _mm512_storeu_si512((void *)sums, sum);
+        _mm512_storeu_ps(ss, _mm512_mul_ps(d, _mm512_cvtepi32_ps(sum)));
+        for (int b = 0; b < 16; b++) {
+            out[i + b].d = ds[b];
+            out[i + b].sum = sums[b];
+            out[i + b].s = ss[b];
         }
-        _mm_storeu_si128((__m128i *)(void *)out[i].q, _mm512_cvtepi32_epi8(q[0]));
-        _mm_storeu_si128((__m128i *)(void *)(out[i].q + 16), _mm512_cvtepi32_epi8(q[1]));
+    }
+    for (; i < nb; i++) { /* the last blocks of a row, one at a time */
+        const __m512 a0 = _mm512_loadu_ps(x + i * CV_QK), a1 = _mm512_loadu_ps(x + i * CV_QK + 16);
+        const float amax = _mm512_reduce_max_ps(qx_absmax(a0, a1)), d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
         out[i].d = d;
-        out[i].sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q[0], q[1]));
+        out[i].sum = _mm512_reduce_add_epi32(qx_round_store(out + i, a0, a1, id));
         out[i].s = d * (float)out[i].sum;
     }
 }
@@ -319,8 +650,35 @@ cv_qp16_fn cv_qp16_kernel(cv_dtype t, int panels, int tokens) {
     }
 }
 
+cv_qp16k_fn cv_qp16k_kernel(cv_dtype t, int panels, int tokens) {
+    if (tokens < 1 || tokens > CV_QP16_MAX_TOKENS || (t != CV_Q4_K && t != CV_Q5_K)) return NULL;
+    const int full = panels == cv_qp16_panels_for(tokens);
+    if (panels != 1 && !full) return NULL;
+    return t == CV_Q4_K ? qk4[tokens][full] : qk5[tokens][full];
+}
+
+void cv_qp16k_scales(float *dst, const void *panels, size_t stride, cv_dtype t, int np, int64_t nb) {
+    qk_expand(dst, panels, stride, t, np, nb);
+}
+
 #else
 cv_quantize_x_fn cv_quantize_x_avx512(void) { return NULL; }
+
+cv_qp16k_fn cv_qp16k_kernel(cv_dtype t, int panels, int tokens) {
+    (void)t;
+    (void)panels;
+    (void)tokens;
+    return NULL;
+}
+
+void cv_qp16k_scales(float *dst, const void *panels, size_t stride, cv_dtype t, int np, int64_t nb) {
+    (void)dst;
+    (void)panels;
+    (void)stride;
+    (void)t;
+    (void)np;
+    (void)nb;
+}
 
 cv_qp16_fn cv_qp16_kernel(cv_dtype t, int panels, int tokens) {
     (void)t;
