@@ -69,7 +69,8 @@ def _meta_list(md: dict, key: str, kind, required: bool = True) -> list | None:
         if required:
             raise ModelFormatError(f"GGUF tokenizer: metadata {key} is missing")
         return None
-    if not isinstance(v, (list, tuple)) or not all(isinstance(x, kind) for x in v):
+    # the element types checked once each (a 262k vocabulary has one or two)
+    if not isinstance(v, (list, tuple)) or not all(issubclass(t, kind) for t in set(map(type, v))):
         raise ModelFormatError(f"GGUF tokenizer: metadata {key} must be a list of {kind}")
     return list(v)
 
@@ -153,12 +154,12 @@ def _token_bytes(tokens: list[str], types: list[int], vocab: dict[str, int], sty
                 out.append(t.encode("utf-8"))
     else:
         out = [t.replace("\u2581", " ").encode("utf-8") for t in tokens]
-        for i, t in enumerate(tokens):
-            if t.startswith("<0x") and (m := _BYTE_PIECE.fullmatch(t)):
+        for i in [i for i, t in enumerate(tokens) if t.startswith("<0x")]:
+            if m := _BYTE_PIECE.fullmatch(tokens[i]):
                 out[i] = bytes([int(m.group(1), 16)])
-    for i, ty in enumerate(types):
-        if ty in (_TT_UNKNOWN, _TT_CONTROL, _TT_USER):
-            out[i] = tokens[i].encode("utf-8")
+    as_text = (_TT_UNKNOWN, _TT_CONTROL, _TT_USER)
+    for i in [i for i, ty in enumerate(types) if ty in as_text]:
+        out[i] = tokens[i].encode("utf-8")
     if len(vocab) < len(tokens):
         for i, t in enumerate(tokens):
             if vocab[t] != i:
