@@ -1,6 +1,6 @@
 /* Llama2cBpe(pieces, scores): llama2.c's encoder (csrc/model/llama2c_bpe.c),
  * run without the GIL. */
-#include "binding.h"
+#include "arrays.h"
 
 #include "../model/llama2c_bpe.h"
 
@@ -88,12 +88,7 @@ static PyObject *bpe_encode(Llama2cBpeObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     PyMem_Free(lead_ids);
     if (rc < 0) return cv_py_raise(&err);
-    PyObject *out = PyList_New((Py_ssize_t)n);
-    for (size_t i = 0; out && i < n; i++) {
-        PyObject *id = PyLong_FromLong(ids[i]);
-        if (!id) Py_CLEAR(out);
-        else PyList_SET_ITEM(out, (Py_ssize_t)i, id);
-    }
+    PyObject *out = cv_py_int32_list(ids, (int64_t)n);
     free(ids);
     return out;
 }

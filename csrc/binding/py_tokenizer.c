@@ -1,7 +1,7 @@
 /* SpmTokenizer(...): the SentencePiece-style encoder of a GGUF vocabulary given
  * as Python lists, built in C straight from its tables with no merge list
  * (csrc/model/spm_tokenizer.c). */
-#include "binding.h"
+#include "arrays.h"
 
 #include "../model/spm_tokenizer.h"
 #include "vocab_lists.h"
@@ -59,12 +59,7 @@ static PyObject *spm_encode(SpmTokenizerObject *self, PyObject *text) {
     rc = cv_spm_encode(self->spm, p, (size_t)len, &ids, &n, &err);
     Py_END_ALLOW_THREADS
     if (rc < 0) return cv_py_raise(&err);
-    PyObject *out = PyList_New((Py_ssize_t)n);
-    for (size_t i = 0; out && i < n; i++) {
-        PyObject *id = PyLong_FromLong(ids[i]);
-        if (!id) Py_CLEAR(out);
-        else PyList_SET_ITEM(out, (Py_ssize_t)i, id);
-    }
+    PyObject *out = cv_py_int32_list(ids, (int64_t)n);
     free(ids);
     return out;
 }
