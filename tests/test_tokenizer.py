@@ -20,17 +20,16 @@ TEXTS = [
 ]
 
 
-def naive_llama2c_encode(tok: Llama2cTokenizer, text: str, bos: bool = True) -> list[int]:
-    """llama2.c's encoder written as plainly as the format describes it (rescans every step)."""
+def _first_ids(tok: Llama2cTokenizer) -> dict:
+    """Each piece's first id."""
     lookup = {}
     for i, p in enumerate(tok.pieces):
         lookup.setdefault(p, i)
-    ids = [1] if bos else []
-    if text:
-        ids.append(lookup[b" "])
-    for ch in text:
-        b = ch.encode()
-        ids += [lookup[b]] if b in lookup else [x + 3 for x in b]
+    return lookup
+
+
+def _naive_merge(tok: Llama2cTokenizer, lookup: dict, ids: list[int]) -> list[int]:
+    """llama2.c's merging: the best-scored adjacent pair, rescanning every step."""
     while True:
         best, best_i, best_id = -1e10, -1, -1
         for i in range(len(ids) - 1):
@@ -40,6 +39,18 @@ def naive_llama2c_encode(tok: Llama2cTokenizer, text: str, bos: bool = True) -> 
         if best_i < 0:
             return ids
         ids[best_i:best_i + 2] = [best_id]
+
+
+def naive_llama2c_encode(tok: Llama2cTokenizer, text: str, bos: bool = True) -> list[int]:
+    """llama2.c's encoder written as plainly as the format describes it (rescans every step)."""
+    lookup = _first_ids(tok)
+    ids = [1] if bos else []
+    if text:
+        ids.append(lookup[b" "])
+    for ch in text:
+        b = ch.encode()
+        ids += [lookup[b]] if b in lookup else [x + 3 for x in b]
+    return _naive_merge(tok, lookup, ids)
 
 
 # ---------------------------------------------------------------------------- llama2.c
@@ -212,22 +223,12 @@ def test_llama2c_crafted_vocabularies_match_naive(tmp_path):
 def naive_llama2c_exact_bytes(tok: Llama2cTokenizer, data: bytes) -> list[int]:
     """Each character of data (a valid UTF-8 sequence, else one byte) as its piece or its
     byte tokens, then llama2.c's merging, rescanning every step: no BOS, no dummy prefix."""
-    lookup = {}
-    for i, p in enumerate(tok.pieces):
-        lookup.setdefault(p, i)
+    lookup = _first_ids(tok)
     ids = []
     for ch in data.decode("utf-8", "surrogateescape"):
         b = ch.encode("utf-8", "surrogateescape")
         ids += [lookup[b]] if b in lookup else [x + 3 for x in b]
-    while True:
-        best, best_i, best_id = -1e10, -1, -1
-        for i in range(len(ids) - 1):
-            j = lookup.get(tok.pieces[ids[i]] + tok.pieces[ids[i + 1]])
-            if j is not None and tok.scores[j] > best:
-                best, best_i, best_id = tok.scores[j], i, j
-        if best_i < 0:
-            return ids
-        ids[best_i:best_i + 2] = [best_id]
+    return _naive_merge(tok, lookup, ids)
 
 
 def test_llama2c_exact_bytes_of_invalid_utf8(tok512):
