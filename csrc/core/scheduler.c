@@ -88,6 +88,12 @@ static int fresh_in_heap(const cv_scheduler *s) {
     return s->cfg.policy == CV_SCHED_CONTINUOUS || s->cfg.policy == CV_SCHED_PRIORITY;
 }
 
+/* Running sequences admissions stop at: the running target, within max_num_seqs. */
+static int64_t admission_seats(const cv_scheduler *s) {
+    return s->running_target > 0 && s->running_target < s->cfg.max_num_seqs ? s->running_target
+                                                                           : s->cfg.max_num_seqs;
+}
+
 static int64_t blocks_for(const cv_scheduler *s, int64_t tokens) {
     return (tokens + s->bs - 1) / s->bs;
 }
@@ -617,8 +623,7 @@ int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out) {
 
     /* Then waiting ones, in queue order, while budget, seat and blocks allow.
      * Stops at the first that does not fit: O(admitted), never O(waiting). */
-    const int64_t seats = s->running_target > 0 && s->running_target < s->cfg.max_num_seqs ? s->running_target
-                                                                                           : s->cfg.max_num_seqs;
+    const int64_t seats = admission_seats(s);
     while (rc == CV_OK && n_pre == n_pre_priority && s->cfg.policy != CV_SCHED_STATIC && budget > 0 &&
            prefill_left > 0 && (s->n_running < seats || s->n_running == 0) && s->n_waiting > 0) {
         cv_sequence *q = wait_peek(s);
@@ -737,8 +742,7 @@ void cv_scheduler_get_stats(const cv_scheduler *s, cv_sched_stats *st) {
     st->n_resumed_tokens = s->n_resumed_tokens;
     const int64_t reserve = s->cfg.admission_reserve > 0 ? reserve_tokens(s) : 0;
     st->admission_reserve_tokens = reserve == INT64_MAX ? -1 : reserve;
-    st->running_target = s->running_target > 0 && s->running_target < s->cfg.max_num_seqs ? s->running_target
-                                                                                           : s->cfg.max_num_seqs;
+    st->running_target = admission_seats(s);
     st->blocks_total = s->usable_blocks;
     st->blocks_free = cv_kv_manager_num_free(s->kv);
     st->blocks_used = st->blocks_total - st->blocks_free;
