@@ -328,9 +328,9 @@ static int engine_step(cv_engine *e, cv_err *err) {
         cv_sample_batch(e, &plan, 1);
         pthread_mutex_unlock(&e->outbox.lock);
     }
-    pthread_mutex_lock(&e->outbox.lock);
     double t3 = cv_now();
-    if (e->adaptive_batch_limit) observe_step_cost(e, &plan, t3 - t1);
+    if (e->adaptive_batch_limit) observe_step_cost(e, &plan, t3 - t1); /* the stepping thread's own state */
+    pthread_mutex_lock(&e->outbox.lock);
     record_trace(e, &plan, t0, t3);
     e->steps++;
     e->stats_live.steps = e->steps;
