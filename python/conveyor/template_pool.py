@@ -89,9 +89,11 @@ def _vm_size() -> int:
 def _worker_main() -> None:
     """Reads render requests from stdin, answers on stdout, until stdin closes."""
     from .chat_template import render_chat_template
+    from .deadline import start_watchdog
 
     rfd, wfd = sys.stdin.fileno(), sys.stdout.fileno()
     sys.stdout = sys.stderr  # nothing printed may reach the protocol pipe
+    start_watchdog()  # its thread's stack is reserved before the address space is capped
     size = _vm_size()
     if size:  # where the size is unknown (no /proc), the CPU limit alone applies
         limit = size + TEMPLATE_MAX_MEMORY
