@@ -20,17 +20,19 @@ import argparse
 
 import numpy as np
 
+from conveyor.engine import OFFLINE_PREFILL_CAP
 from conveyor._testing import Scheduler, step_cost_knee
 from conveyor.bench.common import capped_exponential
 
 
 def run(outs, max_tokens, *, prompt, kv_tokens, block_size, max_seqs, budget, cost, policy="continuous",
-        reserve=0, target=0, adaptive=False):
+        reserve=0, target=0, adaptive=False, prefill_cap=0):
     """One workload, all arriving at once; target: a fixed running target (0: none);
     adaptive: the engine's rule (the knee of the step-time model fitted on the steps run)."""
     s = Scheduler(num_blocks=kv_tokens // block_size + 1, block_size=block_size, max_num_seqs=max_seqs,
                   max_num_batched_tokens=budget, max_model_len=prompt + max(max_tokens),
-                  enable_prefix_caching=False, admission_reserve=reserve, policy=policy)
+                  enable_prefix_caching=False, admission_reserve=reserve, policy=policy,
+                  max_prefill_tokens_while_decoding=prefill_cap)
     s.set_running_target(target)
     for i, m in enumerate(max_tokens):
         s.add(i, [1 + (i + j) % 97 for j in range(prompt)], int(m))
@@ -75,6 +77,9 @@ def main():
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--prefill-cap", type=int, default=OFFLINE_PREFILL_CAP,
+                    help="prompt tokens a step may carry while a sequence decodes (0: no cap; "
+                         "default: LLM's, as the study runs)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reserves", default="0", help="admission reserves (percent; 0: the default, -1: none)")
     ap.add_argument("--policies", default="fcfs,continuous")
@@ -87,7 +92,8 @@ def main():
                     help="each request's max_tokens: its output length (ignore_eos, the study) or the cap")
     a = ap.parse_args()
     cost = tuple(float(x) for x in a.cost.split(","))
-    common = dict(prompt=a.prompt, kv_tokens=a.kv, block_size=a.block_size, budget=a.budget, cost=cost)
+    common = dict(prompt=a.prompt, kv_tokens=a.kv, block_size=a.block_size, budget=a.budget, cost=cost,
+                  prefill_cap=a.prefill_cap)
     for cap in map(int, a.caps.split(",")):
         outs = capped_exponential(np.random.default_rng([a.seed, 2]), a.n, a.mean, cap)
         max_tokens = outs if a.max_tokens == "exact" else np.full(a.n, cap)
