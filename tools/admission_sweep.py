@@ -22,13 +22,18 @@ import numpy as np
 
 from conveyor.engine import OFFLINE_PREFILL_CAP
 from conveyor._testing import Scheduler, step_cost_knee
+
+PROBE_EVERY, PROBE_MIN_DECODES = 8, 8  # the engine's (csrc/core/step_cost.h)
 from conveyor.bench.common import capped_exponential
 
 
 def run(outs, max_tokens, *, prompt, kv_tokens, block_size, max_seqs, budget, cost, policy="continuous",
-        reserve=0, target=0, adaptive=False, prefill_cap=0):
+        reserve=0, target=0, adaptive=False, prefill_cap=0, noise=0.0, seed=0):
     """One workload, all arriving at once; target: a fixed running target (0: none);
-    adaptive: the engine's rule (the knee of the step-time model fitted on the steps run)."""
+    adaptive: the engine's rule (the knee of the step-time model fitted on the steps run,
+    the last knee kept while the model cannot pin it down, and then half of every
+    CV_STEP_COST_PROBE_EVERY-th step's decodes held back); noise: each step's time is
+    multiplied by 1 + noise * N(0, 1)."""
     s = Scheduler(num_blocks=kv_tokens // block_size + 1, block_size=block_size, max_num_seqs=max_seqs,
                   max_num_batched_tokens=budget, max_model_len=prompt + max(max_tokens),
                   enable_prefix_caching=False, admission_reserve=reserve, policy=policy,
@@ -38,6 +43,8 @@ def run(outs, max_tokens, *, prompt, kv_tokens, block_size, max_seqs, budget, co
         s.add(i, [1 + (i + j) % 97 for j in range(prompt)], int(m))
     steps = computed = batch = 0
     clock, done, seen = 0.0, {}, []
+    rng = np.random.default_rng(seed)
+    since_probe = 0
     while s.num_unfinished():
         plan = s.schedule()
         s.commit()
@@ -47,10 +54,19 @@ def run(outs, max_tokens, *, prompt, kv_tokens, block_size, max_seqs, budget, co
         decode = sum(n for sid, n, p in zip(plan["seq_ids"], plan["num_new_tokens"], plan["start_pos"])
                      if p >= prompt)
         t = cost[0] + cost[1] * decode + cost[2] * (plan["total_tokens"] - decode)
+        if noise:
+            t *= max(0.1, 1.0 + noise * rng.standard_normal())
         clock += t
         if adaptive:
             seen.append((decode, plan["total_tokens"] - decode, t))
-            s.set_running_target(step_cost_knee(seen[-400:], max_seqs)[0])
+            knee = step_cost_knee(seen[-400:], max_seqs)[0]
+            since_probe += 1
+            if knee is not None:
+                s.set_running_target(knee)
+                since_probe = 0
+            elif since_probe >= PROBE_EVERY and decode >= PROBE_MIN_DECODES:
+                s.limit_next_decodes(decode // 2)
+                since_probe = 0
         for sid in plan["seq_ids"]:
             info = s.seq_info(sid)
             if info["status"] != "running" or info["n_computed"] != info["n_tokens"]:
@@ -81,6 +97,8 @@ def main():
                     help="prompt tokens a step may carry while a sequence decodes (0: no cap; "
                          "default: LLM's, as the study runs)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--noise", type=float, default=0.0,
+                    help="relative timing noise of each step (the adaptive rule sees it)")
     ap.add_argument("--reserves", default="0", help="admission reserves (percent; 0: the default, -1: none)")
     ap.add_argument("--policies", default="fcfs,continuous")
     ap.add_argument("--targets", default="0,adaptive",
@@ -93,7 +111,7 @@ def main():
     a = ap.parse_args()
     cost = tuple(float(x) for x in a.cost.split(","))
     common = dict(prompt=a.prompt, kv_tokens=a.kv, block_size=a.block_size, budget=a.budget, cost=cost,
-                  prefill_cap=a.prefill_cap)
+                  prefill_cap=a.prefill_cap, noise=a.noise, seed=a.seed)
     for cap in map(int, a.caps.split(",")):
         outs = capped_exponential(np.random.default_rng([a.seed, 2]), a.n, a.mean, cap)
         max_tokens = outs if a.max_tokens == "exact" else np.full(a.n, cap)

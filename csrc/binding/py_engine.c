@@ -632,6 +632,7 @@ static PyObject *Engine_stats(EngineObject *self, PyObject *Py_UNUSED(ignored)) 
         cv_py_put(d, "num_recomputed_tokens", PyLong_FromLongLong(st.sched.n_recomputed_tokens)) < 0 ||
         cv_py_put(d, "num_resumed_tokens", PyLong_FromLongLong(st.sched.n_resumed_tokens)) < 0 ||
         cv_py_put(d, "running_target", PyLong_FromLongLong(st.sched.running_target)) < 0 ||
+        cv_py_put(d, "num_held_back_steps", PyLong_FromLongLong(st.sched.n_limited_steps)) < 0 ||
         cv_py_put(d, "blocks_total", PyLong_FromLongLong(st.sched.blocks_total)) < 0 ||
         cv_py_put(d, "blocks_used", PyLong_FromLongLong(st.sched.blocks_used)) < 0 ||
         cv_py_put(d, "blocks_free", PyLong_FromLongLong(st.sched.blocks_free)) < 0 ||

@@ -258,13 +258,22 @@ static int propose(cv_engine *e, cv_err *err) {
     return CV_OK;
 }
 
-/* One step into the step-time model, and the running target it implies. */
+/* One step into the step-time model, and the running target it implies; the
+ * last target stands while the model cannot pin the knee down. */
 static void observe_step_cost(cv_engine *e, const cv_sched_output *plan, double seconds) {
     int64_t decode = 0;
     for (int64_t i = 0; i < plan->n_seqs; i++)
         if (plan->start_pos[i] >= plan->seqs[i]->n_prompt) decode += plan->num_new_tokens[i];
     cv_step_cost_observe(&e->step_cost, decode, plan->total_tokens - decode, seconds);
-    cv_scheduler_set_running_target(e->sched, cv_step_cost_knee(&e->step_cost, e->max_num_seqs));
+    const int64_t knee = cv_step_cost_knee(&e->step_cost, e->max_num_seqs);
+    if (knee > 0) {
+        cv_scheduler_set_running_target(e->sched, knee);
+        e->steps_since_probe = 0;
+    } else if (++e->steps_since_probe >= CV_STEP_COST_PROBE_EVERY &&
+               decode >= CV_STEP_COST_PROBE_MIN_DECODES) {
+        cv_scheduler_limit_next_decodes(e->sched, decode / 2);
+        e->steps_since_probe = 0;
+    }
 }
 
 static int engine_step(cv_engine *e, cv_err *err) {

@@ -81,6 +81,7 @@ struct cv_engine {
     cv_worker worker;           /* the target model, its KV cache and KV manager */
     cv_scheduler *sched;
     cv_step_cost step_cost;     /* the step-time model behind the running target (adaptive_batch_limit) */
+    int64_t steps_since_probe;  /* steps since decodes were last held back to time another batch size */
     int adaptive_batch_limit;
     cv_sample_rows rows;
     cv_spec_state spec;

@@ -59,6 +59,8 @@ struct cv_scheduler {
     int64_t next_arrival;
     int64_t tokens_planned;      /* the continuous policy's clock */
     int64_t running_target;      /* admissions stop at this many running; 0: none (see the setter) */
+    int64_t decode_limit;        /* the next step's decodes at most; 0: none (one step only) */
+    int64_t n_limited_steps;
     int64_t n_preempted_total, steps;
     int64_t n_recomputed_tokens; /* KV computed before a preemption and computed again */
     int64_t n_resumed_tokens;    /* KV a resumed sequence took back instead */
@@ -574,6 +576,9 @@ int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out) {
     const cv_sequence *victim = priority_preempt(s, &n_pre);
     const int64_t n_pre_priority = n_pre;
     int64_t prefill_left = prefill_allowance(s);
+    int64_t decodes_left = s->decode_limit > 0 ? s->decode_limit : INT64_MAX;
+    if (s->decode_limit > 0) s->n_limited_steps++;
+    s->decode_limit = 0;
 
     /* Running sequences first, in order: each gets its remaining tokens. */
     for (int64_t i = 0; rc == CV_OK && i < s->n_running && budget > 0;) {
@@ -593,6 +598,7 @@ int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out) {
             n = budget;
         }
         const int prefill = !is_decode(q);
+        if (!prefill && decodes_left == 0) { i++; continue; } /* held back this step */
         if (prefill && n > prefill_left) { /* finite only when chunked */
             if (prefill_left == 0) { i++; continue; }
             n = prefill_left;
@@ -618,6 +624,7 @@ int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out) {
         emit(s, &n_out, &total, q, n);
         budget -= n;
         if (prefill) prefill_left -= n;
+        else decodes_left--;
         i++;
     }
 
@@ -732,6 +739,8 @@ int64_t cv_scheduler_num_running(const cv_scheduler *s) { return s->n_running; }
 
 void cv_scheduler_set_running_target(cv_scheduler *s, int64_t n) { s->running_target = n > 0 ? n : 0; }
 
+void cv_scheduler_limit_next_decodes(cv_scheduler *s, int64_t n) { s->decode_limit = n > 0 ? n : 0; }
+
 
 void cv_scheduler_get_stats(const cv_scheduler *s, cv_sched_stats *st) {
     memset(st, 0, sizeof *st);
@@ -743,6 +752,7 @@ void cv_scheduler_get_stats(const cv_scheduler *s, cv_sched_stats *st) {
     const int64_t reserve = s->cfg.admission_reserve > 0 ? reserve_tokens(s) : 0;
     st->admission_reserve_tokens = reserve == INT64_MAX ? -1 : reserve;
     st->running_target = admission_seats(s);
+    st->n_limited_steps = s->n_limited_steps;
     st->blocks_total = s->usable_blocks;
     st->blocks_free = cv_kv_manager_num_free(s->kv);
     st->blocks_used = st->blocks_total - st->blocks_free;

@@ -75,6 +75,7 @@ typedef struct cv_sched_stats {
     int64_t n_resumed_tokens;      /* tokens of KV resumed sequences took back instead */
     int64_t admission_reserve_tokens; /* output tokens admission reserves per sequence now, -1: max_tokens */
     int64_t running_target;        /* running sequences admission stops at now (max_num_seqs when unset) */
+    int64_t n_limited_steps;       /* steps planned with decodes held back (cv_scheduler_limit_next_decodes) */
     int64_t blocks_total;          /* usable blocks (excluding block 0) */
     int64_t blocks_used;           /* referenced by at least one sequence */
     int64_t blocks_free;           /* free (including evictable cached ones) */
@@ -132,6 +133,11 @@ int64_t cv_scheduler_num_running(const cv_scheduler *s);
  * max_num_seqs; a sequence that would run alone still starts. The engine sets
  * it from its step-time model (step_cost.h); 0: no target. */
 void cv_scheduler_set_running_target(cv_scheduler *s, int64_t n);
+/* The next schedule plans at most n of the running sequences' decodes (n >= 1;
+ * prompt work is not limited): the others wait that one step. The engine asks
+ * for it to time a step of a different batch size when its step-time model
+ * cannot tell the fixed cost of a step from the cost of each row. */
+void cv_scheduler_limit_next_decodes(cv_scheduler *s, int64_t n);
 
 void cv_scheduler_get_stats(const cv_scheduler *s, cv_sched_stats *st);
 

@@ -17,11 +17,27 @@
 #define CV_STEP_COST_KNEE 4.0
 /* Steps observed before the model is used. */
 #define CV_STEP_COST_MIN_STEPS 16
+/* The knee is used once its relative standard error, from the fit's
+ * residuals, is below this. */
+#define CV_STEP_COST_MAX_KNEE_ERROR 0.15
+/* While the knee is not pinned down, every this many steps the engine holds back
+ * half of a step's decodes (cv_scheduler_limit_next_decodes): a step of another
+ * batch size separates A from B_d. It costs about one step's fixed time A. */
+#define CV_STEP_COST_PROBE_EVERY 8
+/* Decodes a step needs before holding half of them back tells anything. */
+#define CV_STEP_COST_PROBE_MIN_DECODES 8
 
 typedef struct cv_step_cost {
-    double m[3][3]; /* decayed sums of x x^T, x = (1, decode tokens, prompt tokens) */
-    double v[3];    /* decayed sums of x t */
-    int64_t n;      /* steps observed */
+    /* Sums over the steps, each weighted by DECAY^age / t^2: a step's timing
+     * noise is a fraction of its time, so a long prompt step says less about A
+     * than a short decode step does. */
+    double m[3][3]; /* x x^T, x = (1, decode tokens, prompt tokens) */
+    double v[3];    /* x t */
+    double tt;      /* t^2 */
+    /* For the fit's standard errors: sums of DECAY^age, DECAY^(2 age), and
+     * DECAY^(2 age) / t^2. */
+    double age, age_sq, age_sq_w;
+    int64_t n; /* steps observed */
 } cv_step_cost;
 
 /* Adds one step: its decode and prompt tokens and its time in seconds. */
@@ -31,8 +47,11 @@ void cv_step_cost_observe(cv_step_cost *c, int64_t decode_tokens, int64_t prompt
  * determine them (too few, or a decode count that hardly varies). */
 int cv_step_cost_fit(const cv_step_cost *c, double out[3]);
 
-/* The knee batch (at least 1, at most cap), or cap when the model is not
- * ready or implies no knee within cap. */
+/* The knee batch (at least 1, at most cap; cap where the model implies no knee
+ * within it), or 0 while the steps seen do not pin it down: a fit that is not
+ * determined, or a knee whose standard error is above CV_STEP_COST_MAX_KNEE_ERROR
+ * (a batch that sits at one size, as while a long queue keeps it full, cannot
+ * tell A from B_d; a step with a part of the decodes held back can). */
 int64_t cv_step_cost_knee(const cv_step_cost *c, int64_t cap);
 
 #endif

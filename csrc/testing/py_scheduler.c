@@ -422,6 +422,7 @@ static PyObject *Sched_stats(SchedObject *self, PyObject *Py_UNUSED(ignored)) {
         cv_py_put(d, "n_resumed_tokens", PyLong_FromLongLong(st.n_resumed_tokens)) < 0 ||
         cv_py_put(d, "admission_reserve_tokens", PyLong_FromLongLong(st.admission_reserve_tokens)) < 0 ||
         cv_py_put(d, "running_target", PyLong_FromLongLong(st.running_target)) < 0 ||
+        cv_py_put(d, "n_held_back_steps", PyLong_FromLongLong(st.n_limited_steps)) < 0 ||
         cv_py_put(d, "blocks_total", PyLong_FromLongLong(st.blocks_total)) < 0 ||
         cv_py_put(d, "blocks_used", PyLong_FromLongLong(st.blocks_used)) < 0 ||
         cv_py_put(d, "blocks_free", PyLong_FromLongLong(st.blocks_free)) < 0 ||
@@ -455,6 +456,13 @@ static PyObject *Sched_set_running_target(SchedObject *self, PyObject *args) {
     long long n;
     if (!PyArg_ParseTuple(args, "L", &n)) return NULL;
     cv_scheduler_set_running_target(self->s, n);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Sched_limit_next_decodes(SchedObject *self, PyObject *args) {
+    long long n;
+    if (!PyArg_ParseTuple(args, "L", &n)) return NULL;
+    cv_scheduler_limit_next_decodes(self->s, n);
     Py_RETURN_NONE;
 }
 
@@ -511,6 +519,8 @@ static PyObject *Sched_bench_steps(SchedObject *self, PyObject *args) {
 static PyMethodDef Sched_methods[] = {
     {"set_running_target", (PyCFunction)Sched_set_running_target, METH_VARARGS,
      "set_running_target(n): admissions stop while n run (0: no target)."},
+    {"limit_next_decodes", (PyCFunction)Sched_limit_next_decodes, METH_VARARGS,
+     "limit_next_decodes(n): the next schedule plans at most n decodes (0: no limit)."},
     {"add", (PyCFunction)(void (*)(void))Sched_add, METH_VARARGS | METH_KEYWORDS,
      "add(seq_id, prompt_tokens, max_tokens, priority=0): queue a new sequence."},
     {"fork", (PyCFunction)Sched_fork, METH_VARARGS,
@@ -838,8 +848,8 @@ static PyType_Spec KV_spec = {
     .slots = KV_slots,
 };
 
-/* step_cost_knee(steps, cap) -> (knee, fit or None): the engine's step-time
- * model fed (decode tokens, prompt tokens, seconds) per step. */
+/* step_cost_knee(steps, cap) -> (knee or None, fit or None): the engine's
+ * step-time model fed (decode tokens, prompt tokens, seconds) per step. */
 static PyObject *py_step_cost_knee(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *steps;
     long long cap;
@@ -854,14 +864,17 @@ static PyObject *py_step_cost_knee(PyObject *Py_UNUSED(self), PyObject *args) {
         cv_step_cost_observe(&c, d, p, t);
     }
     Py_DECREF(seq);
+    const int64_t knee = cv_step_cost_knee(&c, cap);
+    PyObject *k = knee > 0 ? PyLong_FromLongLong(knee) : Py_NewRef(Py_None);
+    if (!k) return NULL;
     double f[3];
-    if (!cv_step_cost_fit(&c, f)) return Py_BuildValue("(LO)", (long long)cv_step_cost_knee(&c, cap), Py_None);
-    return Py_BuildValue("(L(ddd))", (long long)cv_step_cost_knee(&c, cap), f[0], f[1], f[2]);
+    if (!cv_step_cost_fit(&c, f)) return Py_BuildValue("(NO)", k, Py_None);
+    return Py_BuildValue("(N(ddd))", k, f[0], f[1], f[2]);
 }
 
 static PyMethodDef step_cost_functions[] = {
     {"step_cost_knee", py_step_cost_knee, METH_VARARGS,
-     "step_cost_knee(steps, cap) -> (knee batch, (A, B_decode, B_prompt) or None)."},
+     "step_cost_knee(steps, cap) -> (knee batch or None, (A, B_decode, B_prompt) or None)."},
     {NULL, NULL, 0, NULL}};
 
 int cv_py_add_scheduler(PyObject *m) {
