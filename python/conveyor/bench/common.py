@@ -132,7 +132,8 @@ def make_llm(model: str, *, scheduling: str = "continuous", max_num_seqs: int = 
              kv_cache_memory: Any = DEFAULT_KV_CACHE, workload: Optional["Workload"] = None,
              dtype: str = "auto", num_threads: Optional[int] = None, device: str = "cpu",
              seed: int = 0, enable_prefix_caching: bool = True, asynchronous: bool = False,
-             kv_cache_dtype: str = "auto", speculative_config=None, quantization: Optional[str] = None):
+             kv_cache_dtype: str = "auto", speculative_config=None, quantization: Optional[str] = None,
+             adaptive_batch_limit: bool = False):
     """An LLM (or AsyncLLM) for token-id prompts. kv_cache_memory "fit" sizes the pool
     for ``workload`` (see kv_bytes_for); None leaves it to the engine."""
     if kv_cache_memory == "fit":
@@ -146,7 +147,8 @@ def make_llm(model: str, *, scheduling: str = "continuous", max_num_seqs: int = 
                kv_cache_memory=kv_cache_memory, dtype=dtype, num_threads=num_threads,
                device=device, seed=seed, enable_prefix_caching=enable_prefix_caching,
                kv_cache_dtype=kv_cache_dtype, skip_tokenizer_init=True,
-               speculative_config=speculative_config, quantization=quantization)
+               speculative_config=speculative_config, quantization=quantization,
+               adaptive_batch_limit=adaptive_batch_limit)
 
 
 # ----------------------------------------------------------------------------- workloads

@@ -140,7 +140,8 @@ def run_conveyor(spec: Dict[str, Any], prompts, output_lens, digest) -> Dict[str
     wl = common.Workload([np.asarray(p, dtype=np.int32) for p in prompts], list(output_lens))
     llm = common.make_llm(spec["model"], scheduling=sched, max_num_seqs=spec["batch_size"],
                           max_num_batched_tokens=spec.get("max_num_batched_tokens"),
-                          kv_cache_memory=spec["kv_pool_bytes"], enable_prefix_caching=False, **engine)
+                          kv_cache_memory=spec["kv_pool_bytes"], enable_prefix_caching=False,
+                          adaptive_batch_limit=spec.get("adaptive_batch_limit", False), **engine)
     try:
         r = common.run_offline(llm, wl, temperature=0.0)
         st = llm.stats()
@@ -152,6 +153,7 @@ def run_conveyor(spec: Dict[str, Any], prompts, output_lens, digest) -> Dict[str
              "threads": spec["threads"], "kv_pool_bytes": st["blocks_total"] * block_bytes,
              "max_num_batched_tokens": st["max_num_batched_tokens"],
              "recomputed_tokens": st["num_recomputed_tokens"], "resumed_tokens": st["num_resumed_tokens"],
+             "running_target": st["running_target"], "held_back_steps": st["num_held_back_steps"],
              "computed_tokens": st["prompt_tokens"] + st["generation_tokens"],
              "running_mean": r.get("running_mean"),
              "kv_occupancy": occupancy_over_time(r["kv"]["blocks_used_series"], st["blocks_total"])}
@@ -251,6 +253,7 @@ def run_study(model: str, *, num_requests: int, prompt_len: int, mean_output: in
               systems: Sequence[str] = SYSTEMS, dtype: str = "auto", device: str = "cpu",
               threads: Optional[int] = None, block_size: int = 16, seed: int = 0,
               hf_dtype: Optional[str] = None, return_tokens: bool = False,
+              adaptive_batch_limit: bool = False,
               progress: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
     """Every system on every cap's workload; returns a JSON-ready dict."""
     say = progress or (lambda s: None)
@@ -295,7 +298,8 @@ def run_study(model: str, *, num_requests: int, prompt_len: int, mean_output: in
                         "batch_size": 256 if s in ("conveyor_continuous", "vllm") else plan["batch_size"],
                         "kv_pool_bytes": pool_bytes, "device": device,
                         "dtype": hf_dtype if s == "hf_static" else dtype,
-                        "threads": threads, "block_size": block_size, "return_tokens": return_tokens}
+                        "threads": threads, "block_size": block_size, "return_tokens": return_tokens,
+                        "adaptive_batch_limit": adaptive_batch_limit and s == "conveyor_continuous"}
                 t = time.perf_counter()
                 res = run_in_subprocess(spec, tmp)
                 if res["workload_hash"] != digest:
@@ -322,7 +326,7 @@ def run_study(model: str, *, num_requests: int, prompt_len: int, mean_output: in
         "knobs": {"num_requests": num_requests, "prompt_len": prompt_len, "mean_output": mean_output,
                   "caps": [int(c) for c in caps], "kv_tokens": kv_tokens, "batch_size": batch_size,
                   "block_size": block_size, "seed": seed, "device": device, "greedy": True,
-                  "hf_dtype": hf_dtype,
+                  "hf_dtype": hf_dtype, "adaptive_batch_limit": adaptive_batch_limit,
                   "ignore_eos": True, "kv_bytes_per_token": per_token},
         "systems": list(systems),
         "skipped": skipped,
@@ -446,7 +450,8 @@ def print_report(r: Dict[str, Any], markdown: bool = False) -> None:
           f"vocab {r['model']['vocab_size']}, {r['model']['dtype']})")
     print(f"workload: N={k['num_requests']}, P={k['prompt_len']}, outputs exponential mean "
           f"{k['mean_output']} capped at {k['caps']}, seed {k['seed']}, greedy, EOS ignored, all at once; "
-          f"KV budget {k['kv_tokens']} tokens, block size {k['block_size']}")
+          f"KV budget {k['kv_tokens']} tokens, block size {k['block_size']}"
+          + ("; continuous with adaptive_batch_limit" if k.get("adaptive_batch_limit") else ""))
     for row in r["rows"]:
         print(f"  cap {row['cap']}: workload sha256 {row['workload_hash']}, static batch {row['batch_size']}, "
               f"KV pool {row['kv_pool_tokens']} tokens")
@@ -500,6 +505,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--num-threads", type=int, default=None, help="threads per system (default: usable cores)")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     ap.add_argument("--seed", type=int, default=0, help="workload seed")
+    ap.add_argument("--adaptive-batch-limit", action="store_true",
+                    help="run Conveyor continuous with adaptive_batch_limit=True (admissions stop at the "
+                         "knee of the step-time model it fits as it runs; default: off, as LLM's)")
     ap.add_argument("--markdown", action="store_true", help="print the table as Markdown (for docs)")
     ap.add_argument("--bound", action="store_true",
                     help="also print each cap's physical bound and the fraction of it each system reached")
@@ -542,7 +550,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       kv_tokens=kv or DEFAULT_KV_TOKENS, batch_size=args.batch_size,
                       systems=[s for s in args.systems.split(",") if s], dtype=args.dtype,
                       device=args.device, threads=args.num_threads, block_size=args.block_size,
-                      seed=args.seed, hf_dtype=args.hf_dtype, progress=say)
+                      seed=args.seed, hf_dtype=args.hf_dtype,
+                      adaptive_batch_limit=args.adaptive_batch_limit, progress=say)
     except (ValueError, RuntimeError) as e:
         raise SystemExit(f"conveyor bench study: {e}")
     print_report(r, markdown=args.markdown)
