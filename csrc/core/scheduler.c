@@ -60,7 +60,7 @@ struct cv_scheduler {
     int64_t tokens_planned;      /* the continuous policy's clock */
     int64_t running_target;      /* admissions stop at this many running; 0: none (see the setter) */
     int64_t decode_limit;        /* the next step's decodes at most; 0: none (one step only) */
-    int64_t n_limited_steps;
+    int64_t n_limited_steps;     /* steps planned under a decode limit */
     int64_t n_preempted_total, steps;
     int64_t n_recomputed_tokens; /* KV computed before a preemption and computed again */
     int64_t n_resumed_tokens;    /* KV a resumed sequence took back instead */
