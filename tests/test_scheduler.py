@@ -894,12 +894,22 @@ def test_step_cost_model_recovers_a_linear_step_time_and_its_knee():
     rows = [(d, p, A + Bd * d + Bp * p) for d, p in [(1 + i % 30, (i * 37) % 300 if i % 3 else 0)
                                                        for i in range(200)]]
     knee, fit = step_cost_knee(rows, 256)
-    assert fit == pytest.approx((A, Bd, Bp), rel=1e-6)
+    assert fit == pytest.approx((A, Bd, Bp, 0.0), rel=1e-6, abs=1e-12)  # no contexts given: no context term
     assert knee == math.ceil(4 * A / Bd) == 26
     assert step_cost_knee(rows, 16)[0] == 16  # never beyond the cap
     # decode-only steps (no prompt work): the two-term fit
     knee, fit = step_cost_knee([(d, 0, A + Bd * d) for d in range(1, 40)], 256)
     assert knee == 26 and fit[:2] == pytest.approx((A, Bd), rel=1e-6)
+    # a decode's cost grows with the context it attends to: the knee is taken at the
+    # contexts of the last step (B_d + B_c * context per decode)
+    Bd0, Bc = 0.8e-3, 0.6e-3  # per decode, per kilo-token of its context
+    ctx_rows = [(d, p, A + Bd0 * d + Bp * p + Bc * d * c / 1024, d * c)
+                for d, p, c in [(1 + i % 30, (i * 37) % 300 if i % 3 else 0, 100 + (i * 53) % 900)
+                                for i in range(200)]]
+    knee, fit = step_cost_knee(ctx_rows, 256)
+    assert fit == pytest.approx((A, Bd0, Bp, Bc), rel=1e-6)
+    last_ctx = ctx_rows[-1][3] / ctx_rows[-1][0] / 1024
+    assert knee == math.ceil(4 * A / (Bd0 + Bc * last_ctx))
     # not enough steps, or no spread in the decode count: no knee
     assert step_cost_knee(rows[:5], 256) == (None, None)
     assert step_cost_knee([(8, p, A + Bd * 8 + Bp * p) for p in range(100)], 256) == (None, None)
@@ -907,9 +917,12 @@ def test_step_cost_model_recovers_a_linear_step_time_and_its_knee():
     assert step_cost_knee([(d, 0, 0.02 + 1e-7 * d) for d in range(1, 60)], 256)[0] == 256
 
 
-def noisy_steps(rng, decodes, prompts, A=9e-3, Bd=1.4e-3, Bp=1.0e-3, noise=0.03):
-    return [(int(d), int(p), (A + Bd * d + Bp * p) * (1 + noise * rng.standard_normal()))
-            for d, p in zip(decodes, prompts)]
+def noisy_steps(rng, decodes, prompts, A=9e-3, Bd=1.4e-3, Bp=1.0e-3, noise=0.03, contexts=None, Bc=0.0):
+    """Steps timed A + B_d d + B_p p + B_c (d c / 1024) with relative noise; c: each
+    step's context per decode (none: no context term)."""
+    cs = contexts if contexts is not None else np.zeros(len(decodes))
+    return [(int(d), int(p), (A + Bd * d + Bp * p + Bc * d * c / 1024) * (1 + noise * rng.standard_normal()),
+             int(d * c)) for d, p, c in zip(decodes, prompts, cs)]
 
 
 def test_step_cost_knee_waits_for_a_batch_of_another_size_and_one_held_back_step_in_eight_gives_it():
@@ -931,6 +944,18 @@ def test_step_cost_knee_waits_for_a_batch_of_another_size_and_one_held_back_step
         assert knee is not None
         hits.append(knee)
     assert 26 * 0.8 <= np.median(hits) <= 26 * 1.2, hits
+    # the same batch while every context grows (one wave of sequences decoding together):
+    # the context term takes the growth, and the knee is that of the contexts now
+    Bd0, Bc = 1.0e-3, 2.0e-3
+    growing = 128 + np.arange(n) * 1.0
+    truth = math.ceil(4 * 9e-3 / (Bd0 + Bc * growing[-1] / 1024))
+    hits = []
+    for seed in range(10):
+        rows = noisy_steps(np.random.default_rng(seed), probed_d, prompts, Bd=Bd0, Bc=Bc, contexts=growing, noise=0.02)
+        knee, fit = step_cost_knee(rows, 256)
+        assert knee is not None
+        hits.append(knee)
+    assert truth * 0.8 <= np.median(hits) <= truth * 1.2, (truth, hits)
 
 
 def test_limit_next_decodes_holds_back_decodes_for_one_step_only():

@@ -3,10 +3,11 @@
 Runs the study's workload (N requests, fixed prompt, outputs exponential with
 a mean, capped) through the C scheduler alone, with a fake runner that
 appends one token per computed sequence, on the same KV pool, and charges
-each step a modeled time, A + B_d * decode tokens + B_p * prompt tokens (the
-engine's own step-time model, step_cost.h; the defaults are this project's
-2-core Zen 4 machine on the study's SmolLM-135M-shaped bf16 checkpoint:
-docs/dev/admission.md says how they were measured).
+each step a modeled time, A + B_d * decode tokens + B_p * prompt tokens
+(+ B_c * kilo-tokens of the decodes' contexts): the engine's own step-time
+model, step_cost.h. The defaults are this project's 2-core Zen 4 machine on the
+study's SmolLM-135M-shaped bf16 checkpoint (docs/dev/admission.md says how they
+were measured).
 Prints per setting: steps, tokens computed (recomputation included),
 preemptions, recomputed tokens, mean running batch, and the modeled output
 tokens/s (as a ratio to static batching's) and p50/p99 completion times of
@@ -51,14 +52,14 @@ def run(outs, max_tokens, *, prompt, kv_tokens, block_size, max_seqs, budget, co
         steps += 1
         computed += plan["total_tokens"]
         batch += s.stats()["n_running"]
-        decode = sum(n for sid, n, p in zip(plan["seq_ids"], plan["num_new_tokens"], plan["start_pos"])
-                     if p >= prompt)
-        t = cost[0] + cost[1] * decode + cost[2] * (plan["total_tokens"] - decode)
+        decodes = [(n, p) for n, p in zip(plan["num_new_tokens"], plan["start_pos"]) if p >= prompt]
+        decode, context = sum(n for n, _ in decodes), sum(p for _, p in decodes)
+        t = cost[0] + cost[1] * decode + cost[2] * (plan["total_tokens"] - decode) + cost[3] * context / 1024
         if noise:
             t *= max(0.1, 1.0 + noise * rng.standard_normal())
         clock += t
         if adaptive:
-            seen.append((decode, plan["total_tokens"] - decode, t))
+            seen.append((decode, plan["total_tokens"] - decode, t, context))
             knee = step_cost_knee(seen[-400:], max_seqs)[0]
             since_probe += 1
             if knee is not None:
@@ -104,12 +105,14 @@ def main():
     ap.add_argument("--targets", default="0,adaptive",
                     help="running targets: numbers (0: none) or 'adaptive' (the engine's knee rule)")
     ap.add_argument("--cost", default="9e-3,1.38e-3,1.05e-3",
-                    help="A,B_d,B_p seconds: a step's fixed time, per decode token, per prompt token "
-                         "(measured: decode steps at 1..48 running and prompt-only steps, quiet machine)")
+                    help="A,B_d,B_p[,B_c] seconds: a step's fixed time, per decode token, per prompt token "
+                         "(measured: decode steps at 1..48 running and prompt-only steps, quiet machine), and "
+                         "per kilo-token of the contexts the decodes attend to (default 0)")
     ap.add_argument("--max-tokens", default="exact", choices=["exact", "cap"],
                     help="each request's max_tokens: its output length (ignore_eos, the study) or the cap")
     a = ap.parse_args()
     cost = tuple(float(x) for x in a.cost.split(","))
+    cost = cost + (0.0,) * (4 - len(cost))
     common = dict(prompt=a.prompt, kv_tokens=a.kv, block_size=a.block_size, budget=a.budget, cost=cost,
                   prefill_cap=a.prefill_cap, noise=a.noise, seed=a.seed)
     for cap in map(int, a.caps.split(",")):

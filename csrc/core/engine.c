@@ -261,10 +261,13 @@ static int propose(cv_engine *e, cv_err *err) {
 /* One step into the step-time model, and the running target it implies; the
  * last target stands while the model cannot pin the knee down. */
 static void observe_step_cost(cv_engine *e, const cv_sched_output *plan, double seconds) {
-    int64_t decode = 0;
+    int64_t decode = 0, context = 0;
     for (int64_t i = 0; i < plan->n_seqs; i++)
-        if (plan->start_pos[i] >= plan->seqs[i]->n_prompt) decode += plan->num_new_tokens[i];
-    cv_step_cost_observe(&e->step_cost, decode, plan->total_tokens - decode, seconds);
+        if (plan->start_pos[i] >= plan->seqs[i]->n_prompt) {
+            decode += plan->num_new_tokens[i];
+            context += plan->start_pos[i];
+        }
+    cv_step_cost_observe(&e->step_cost, decode, plan->total_tokens - decode, context, seconds);
     const int64_t knee = cv_step_cost_knee(&e->step_cost, e->max_num_seqs);
     if (knee > 0) {
         cv_scheduler_set_running_target(e->sched, knee);

@@ -849,32 +849,37 @@ static PyType_Spec KV_spec = {
 };
 
 /* step_cost_knee(steps, cap) -> (knee or None, fit or None): the engine's
- * step-time model fed (decode tokens, prompt tokens, seconds) per step. */
+ * step-time model fed (decode tokens, prompt tokens, seconds[, context tokens])
+ * per step. */
 static PyObject *py_step_cost_knee(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *steps;
     long long cap;
     if (!PyArg_ParseTuple(args, "OL", &steps, &cap)) return NULL;
-    PyObject *seq = PySequence_Fast(steps, "steps must be a sequence of (decode, prompt, seconds)");
+    PyObject *seq = PySequence_Fast(steps, "steps must be a sequence of (decode, prompt, seconds[, context])");
     if (!seq) return NULL;
     cv_step_cost c = {0};
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
-        long long d, p;
+        long long d, p, ctx = 0;
         double t;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "LLd", &d, &p, &t)) { Py_DECREF(seq); return NULL; }
-        cv_step_cost_observe(&c, d, p, t);
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "LLd|L", &d, &p, &t, &ctx)) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        cv_step_cost_observe(&c, d, p, ctx, t);
     }
     Py_DECREF(seq);
     const int64_t knee = cv_step_cost_knee(&c, cap);
     PyObject *k = knee > 0 ? PyLong_FromLongLong(knee) : Py_NewRef(Py_None);
     if (!k) return NULL;
-    double f[3];
+    double f[CV_STEP_COST_TERMS];
     if (!cv_step_cost_fit(&c, f)) return Py_BuildValue("(NO)", k, Py_None);
-    return Py_BuildValue("(N(ddd))", k, f[0], f[1], f[2]);
+    return Py_BuildValue("(N(dddd))", k, f[0], f[1], f[2], f[3]);
 }
 
 static PyMethodDef step_cost_functions[] = {
     {"step_cost_knee", py_step_cost_knee, METH_VARARGS,
-     "step_cost_knee(steps, cap) -> (knee batch or None, (A, B_decode, B_prompt) or None)."},
+     "step_cost_knee(steps, cap) -> (knee batch or None, (A, B_decode, B_prompt, B_context per 1024) or None); "
+     "steps: (decode tokens, prompt tokens, seconds[, context tokens])."},
     {NULL, NULL, 0, NULL}};
 
 int cv_py_add_scheduler(PyObject *m) {
