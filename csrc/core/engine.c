@@ -107,7 +107,8 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
 
     if (cfg->enable_lora &&
         (rc = cv_worker_init_lora(&e->worker, cfg->max_loras, cfg->max_lora_rank, e->max_tokens_step, e->max_num_seqs,
-                                  cfg->lora_dtype == CV_BF16 ? CV_BF16 : CV_F32, err)))
+                                  cfg->lora_dtype == CV_DTYPE_INVALID ? cv_lora_auto_dtype(e->worker.model) : cfg->lora_dtype,
+                                  err)))
         goto fail;
 
     /* KV cache ("auto": cv_worker_auto_kv_dtype) */
