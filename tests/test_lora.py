@@ -31,10 +31,16 @@ def adapter(tmp_path, model, name, rank, seed, targets=T.LORA_MODULES, alpha=Non
     return path, w
 
 
-def ref_tokens(model, path, prompt, n=10):
+def ref_tokens(model, path, prompt, n=10, lora_dtype="float32"):
+    """The reference's greedy tokens with the adapter at path (None: the base), its A and B
+    rounded to lora_dtype as the engine holds them."""
     ref = ReferenceModel.load(model)
     if path is not None:
-        ref.lora = load_adapter(path, cfg_of(model))
+        ad = load_adapter(path, cfg_of(model))
+        if lora_dtype != "float32":
+            ad.weights = {k: (T.round_to_dtype(a, lora_dtype).astype(np.float32),
+                              T.round_to_dtype(b, lora_dtype).astype(np.float32)) for k, (a, b) in ad.weights.items()}
+        ref.lora = ad
     return ref.greedy(prompt, n)
 
 
@@ -365,7 +371,7 @@ def test_adapters_over_bf16_and_quantized_bases(tmp_path, base):
     loras = [LoRARequest("a1", 1, p1), None, LoRARequest("a2", 2, p2), LoRARequest("a1", 1, p1)]
     kw = {"activation_dtype": "float32"} if base == "bfloat16" else {"quantization": base}
     with LLM(str(model), skip_tokenizer_init=True, enable_lora=True, max_loras=2, max_lora_rank=8,
-             enable_prefix_caching=False, **kw) as llm:
+             lora_dtype="float32", enable_prefix_caching=False, **kw) as llm:
         together = gen(llm, PROMPTS, loras)
         alone = [gen(llm, [p], [lr])[0] for p, lr in zip(PROMPTS, loras)]
         plain = gen(llm, PROMPTS)
@@ -450,15 +456,35 @@ def test_bf16_adapter_weights(tmp_path, tiny_hf_dir, monkeypatch, level):
         alone = [gen(llm, [p], [lr])[0] for p, lr in zip(PROMPTS, loras)]
     assert together == alone
     for toks, p, lr in zip(together, PROMPTS, loras):
-        ref = ReferenceModel.load(tiny_hf_dir)
-        if lr is not None:
-            ad = load_adapter(lr.lora_path, cfg_of(tiny_hf_dir))
-            ad.weights = {k: (T.round_to_dtype(a, "bfloat16").astype(np.float32),
-                              T.round_to_dtype(b, "bfloat16").astype(np.float32)) for k, (a, b) in ad.weights.items()}
-            ref.lora = ad
-        assert toks == ref.greedy(p, 10)
+        assert toks == ref_tokens(tiny_hf_dir, lr.lora_path if lr else None, p, lora_dtype="bfloat16")
     with pytest.raises(ValueError, match="lora_dtype"):
         LLM(str(tiny_hf_dir), skip_tokenizer_init=True, enable_lora=True, lora_dtype="float16")
+
+
+def test_auto_lora_dtype_follows_the_base(tmp_path, tiny_hf_dir):
+    """lora_dtype="auto" (the default) holds the adapters in float32 over a float32 base and in
+    bf16 over a bf16 or quantized one: the tokens equal the reference with A and B rounded so,
+    and the logprobs equal those of the dtype named outright, bit for bit."""
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
+    bf16_model = T.write_hf_checkpoint(tmp_path / "m", shape="tiny", dtype="bfloat16")
+    cases = [(tiny_hf_dir, {}, "float32"), (bf16_model, {"activation_dtype": "float32"}, "bfloat16"),
+             (tiny_hf_dir, {"quantization": "q8_0"}, "bfloat16")]
+    for i, (model, kw, want) in enumerate(cases):
+        path, _ = adapter(tmp_path, model, f"a{i}", 8, 121)
+        lr = [LoRARequest("a", 1, path)] * 2
+        runs = {}
+        for dtype in ("auto", want):
+            with LLM(str(model), skip_tokenizer_init=True, enable_lora=True, max_lora_rank=8, lora_dtype=dtype,
+                     enable_prefix_caching=False, **kw) as llm:
+                assert llm.model_config["lora_dtype"] == want
+                outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False,
+                                    lora_request=lr)
+                runs[dtype] = [(o.outputs[0].token_ids, [{t: x.logprob for t, x in d.items()}
+                                                         for d in o.outputs[0].logprobs]) for o in outs]
+        assert runs["auto"] == runs[want]
+        if not kw.get("quantization"):  # the reference has no quantized base
+            for (toks, _), p in zip(runs["auto"], PROMPTS[:2]):
+                assert toks == ref_tokens(model, path, p, n=8, lora_dtype=want)
 
 
 def test_bench_lora_command(tmp_path, tiny_hf_dir):

@@ -685,6 +685,7 @@ static PyObject *Engine_model_config(EngineObject *self, PyObject *Py_UNUSED(ign
     int64_t nparams;
     cv_dtype wdt, kvdt;
     cv_engine_weight_info(self->e, &wbytes, &nparams, &wdt, &kvdt);
+    const cv_dtype ldt = cv_engine_lora_dtype(self->e); /* None where LoRA is off */
     PyObject *d = PyDict_New();
     if (!d) return NULL;
     if (cv_py_put_model_dims(d, c) < 0 ||
@@ -698,6 +699,8 @@ static PyObject *Engine_model_config(EngineObject *self, PyObject *Py_UNUSED(ign
         cv_py_put(d, "embed_bytes", PyLong_FromSize_t(cv_engine_embed_bytes(self->e))) < 0 ||
         cv_py_put(d, "matrix_dtype", PyUnicode_FromString(cv_dtype_name(cv_engine_matrix_dtype(self->e)))) < 0 ||
         cv_py_put(d, "lm_head_dtype", PyUnicode_FromString(cv_dtype_name(cv_engine_lm_head_dtype(self->e)))) < 0 ||
+        cv_py_put(d, "lora_dtype",
+                  ldt == CV_DTYPE_INVALID ? Py_NewRef(Py_None) : PyUnicode_FromString(cv_dtype_name(ldt))) < 0 ||
         cv_py_put(d, "eos_ids", cv_py_int32_list(c->eos_ids, c->n_eos)) < 0) {
         Py_DECREF(d);
         return NULL;

@@ -105,10 +105,13 @@ int cv_engine_create(cv_engine **out, const cv_engine_config *cfg, cv_err *err) 
                                      e->max_model_len, e->block_size, err)))
         goto fail;
 
-    if (cfg->enable_lora &&
-        (rc = cv_worker_init_lora(&e->worker, cfg->max_loras, cfg->max_lora_rank, e->max_tokens_step, e->max_num_seqs,
-                                  cfg->lora_dtype == CV_BF16 ? CV_BF16 : CV_F32, err)))
-        goto fail;
+    if (cfg->enable_lora) {
+        const cv_dtype ldt = cfg->lora_dtype != CV_DTYPE_INVALID ? cfg->lora_dtype
+                                                                 : cv_lora_auto_dtype(e->worker.model); /* "auto" */
+        if ((rc = cv_worker_init_lora(&e->worker, cfg->max_loras, cfg->max_lora_rank, e->max_tokens_step,
+                                      e->max_num_seqs, ldt, err)))
+            goto fail;
+    }
 
     /* KV cache ("auto": cv_worker_auto_kv_dtype) */
     cv_dtype kvt = cfg->kv_dtype;

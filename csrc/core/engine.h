@@ -137,6 +137,8 @@ int cv_engine_lora_check(const cv_engine *e, int32_t slot, int64_t lora_id, cv_e
 /* (out, in) of a module's matrix (a cv_lora_module), and the slots (0: LoRA off). */
 void cv_engine_lora_shape(const cv_engine *e, int module, int64_t *out, int64_t *in);
 int64_t cv_engine_lora_slots(const cv_engine *e, int64_t *max_rank);
+/* The dtype the adapter slots hold (CV_DTYPE_INVALID where LoRA is off). */
+cv_dtype cv_engine_lora_dtype(const cv_engine *e);
 
 /* Guided decoding: posts the mask (vocab_size bits, as uint32 words, bit t
  * set = token t allowed) for output position pos (tokens generated so far) of

@@ -57,7 +57,8 @@ typedef struct cv_engine_config {
     int enable_lora;                /* adapters per request (cv_engine_lora_load) */
     int64_t max_loras;              /* adapter slots, [1, CV_LORA_MAX_SLOTS] (enable_lora) */
     int64_t max_lora_rank;          /* largest adapter rank, [1, CV_LORA_MAX_RANK] (enable_lora) */
-    cv_dtype lora_dtype;            /* adapter weights: CV_F32 (or CV_DTYPE_INVALID: the same) or CV_BF16 */
+    cv_dtype lora_dtype;            /* adapter weights: CV_F32, CV_BF16 or CV_DTYPE_INVALID ("auto":
+                                     * cv_lora_auto_dtype) */
     int64_t admission_reserve;      /* percent of the expected remaining output a waiting sequence's admission
                                      * keeps free for the running sequences' growth (cv_scheduler_config);
                                      * AUTO: the scheduler's default; 0: no margin */

@@ -42,3 +42,7 @@ int64_t cv_engine_lora_slots(const cv_engine *e, int64_t *max_rank) {
     if (max_rank) *max_rank = e->worker.lora.max_rank;
     return e->worker.lora.n_slots;
 }
+
+cv_dtype cv_engine_lora_dtype(const cv_engine *e) {
+    return e->worker.lora.n_slots ? e->worker.lora.dtype : CV_DTYPE_INVALID;
+}

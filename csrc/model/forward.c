@@ -72,10 +72,12 @@ void cv_forward_ws_free(cv_forward_ws *ws, const cv_model *m) {
 /* The fused kernels where the backend has them (forward.c knows no device:
  * a NULL entry means the backend wants the unfused pair, same results). */
 
-/* out (+)= rmsnorm(x) . W^T; xn: [n][w.cols] for the normalized rows. */
+/* out (+)= rmsnorm(x) . W^T; xn: [n][w.cols] for the normalized rows, which it
+ * holds afterwards where keep is set (LoRA reads them again): then the unfused
+ * pair runs, whose sums are the fused kernel's. */
 static void norm_gemm(cv_backend *b, float *out, const float *x, const float *gain, float eps, int64_t n,
-                      const cv_matrix *w, const float *bias, int accumulate, float *xn) {
-    if (b->rmsnorm_gemm) {
+                      const cv_matrix *w, const float *bias, int accumulate, float *xn, int keep) {
+    if (b->rmsnorm_gemm && !keep) {
         b->rmsnorm_gemm(b, out, x, gain, eps, n, w, bias, accumulate, xn);
         return;
     }
@@ -83,10 +85,11 @@ static void norm_gemm(cv_backend *b, float *out, const float *x, const float *ga
     b->gemm(b, out, xn, n, w, bias, accumulate);
 }
 
-/* out (+)= swiglu(gu) . W^T; h: [n][w.cols] for the activations. */
+/* out (+)= swiglu(gu) . W^T; h: [n][w.cols] for the activations, kept as
+ * norm_gemm keeps xn. */
 static void swiglu_gemm(cv_backend *b, float *out, const float *gu, int64_t n, const cv_matrix *w,
-                        int accumulate, float *h) {
-    if (b->swiglu_gemm) {
+                        int accumulate, float *h, int keep) {
+    if (b->swiglu_gemm && !keep) {
         b->swiglu_gemm(b, out, gu, n, w, NULL, accumulate, h);
         return;
     }
@@ -151,7 +154,7 @@ static void lm_head_rows(const cv_model *m, cv_forward_ws *ws, const int32_t *ro
     cv_table xs = {.data = ws->x, .dtype = CV_F32, .rows = n, .cols = dim,
                    .bytes = (size_t)(n * dim) * sizeof(float)};
     b->embedding(b, ws->xlast, rows, n_rows, &xs);
-    norm_gemm(b, ws->logits, ws->xlast, m->final_norm, c->rms_eps, n_rows, &m->lm_head, NULL, 0, ws->xlast_n);
+    norm_gemm(b, ws->logits, ws->xlast, m->final_norm, c->rms_eps, n_rows, &m->lm_head, NULL, 0, ws->xlast_n, 0);
     if (ws->device_copies)
         b->to_host(b, ws->logits_host, ws->logits, (size_t)(n_rows * c->vocab_size) * sizeof(float));
 }
@@ -226,11 +229,9 @@ int cv_model_forward(const cv_model *m, cv_forward_ws *ws, cv_kv_layer *caches,
         const cv_layer *L = &m->layers[l];
         const int local = cv_layer_is_local(c, l);
         ab.window = local ? c->sliding_window : 0;
-        norm_gemm(b, ws->qkv, ws->x, L->attn_norm, c->rms_eps, n, &L->wqkv, L->bqkv, 0, ws->xn);
-        /* LoRA reads the projections' inputs again: a fused kernel leaves its scratch
-         * unspecified, so they are recomputed (the base path stays as without adapters) */
+        /* LoRA reads the projections' inputs again: they are kept */
+        norm_gemm(b, ws->qkv, ws->x, L->attn_norm, c->rms_eps, n, &L->wqkv, L->bqkv, 0, ws->xn, lora);
         if (lora) {
-            b->rmsnorm(b, ws->xn, ws->x, L->attn_norm, n, dim, c->rms_eps);
             lora_add(b, bt, l, CV_LORA_Q, ws->qkv, qkv_dim, ws->xn, dim, m);
             lora_add(b, bt, l, CV_LORA_K, ws->qkv + m->q_dim, qkv_dim, ws->xn, dim, m);
             lora_add(b, bt, l, CV_LORA_V, ws->qkv + m->q_dim + m->kv_dim, qkv_dim, ws->xn, dim, m);
@@ -246,18 +247,14 @@ int cv_model_forward(const cv_model *m, cv_forward_ws *ws, cv_kv_layer *caches,
         b->gemm(b, attn_out, ws->attn, n, &L->wo, NULL, !c->gemma); /* residual add in the GEMM */
         if (lora) lora_add(b, bt, l, CV_LORA_O, attn_out, dim, ws->attn, m->q_dim, m);
         if (c->gemma) b->add_rmsnorm(b, ws->x, ws->xn, L->post_attn_norm, n, c->dim, c->rms_eps);
-        norm_gemm(b, ws->gu, ws->x, L->ffn_norm, c->rms_eps, n, &L->w_gate_up, NULL, 0, ws->xn);
+        norm_gemm(b, ws->gu, ws->x, L->ffn_norm, c->rms_eps, n, &L->w_gate_up, NULL, 0, ws->xn, lora);
         if (lora) {
-            b->rmsnorm(b, ws->xn, ws->x, L->ffn_norm, n, dim, c->rms_eps);
             lora_add(b, bt, l, CV_LORA_GATE, ws->gu, 2 * hid, ws->xn, dim, m);
             lora_add(b, bt, l, CV_LORA_UP, ws->gu + hid, 2 * hid, ws->xn, dim, m);
         }
         if (!c->gemma) {
-            swiglu_gemm(b, ws->x, ws->gu, n, &L->w_down, 1, ws->h); /* residual add */
-            if (lora) {
-                b->swiglu(b, ws->h, ws->gu, n, hid);
-                lora_add(b, bt, l, CV_LORA_DOWN, ws->x, dim, ws->h, hid, m);
-            }
+            swiglu_gemm(b, ws->x, ws->gu, n, &L->w_down, 1, ws->h, lora); /* residual add */
+            if (lora) lora_add(b, bt, l, CV_LORA_DOWN, ws->x, dim, ws->h, hid, m);
             continue;
         }
         /* Gemma: x += norm(attn . Wo); x += norm(down(gelu(gate) * up)) */

@@ -16,6 +16,11 @@ void cv_lora_module_shape(const cv_model *m, int module, int64_t *out, int64_t *
     }
 }
 
+cv_dtype cv_lora_auto_dtype(const cv_model *m) {
+    const cv_dtype w = m->cfg.n_layers > 0 ? m->layers[0].w_gate_up.dtype : m->lm_head.dtype;
+    return w == CV_F32 ? CV_F32 : CV_BF16;
+}
+
 void cv_lora_pool_lock(cv_lora_pool *p) {
     if (p->lock_ready) pthread_mutex_lock(&p->lock);
 }

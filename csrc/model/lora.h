@@ -61,6 +61,11 @@ int cv_lora_pool_load(cv_lora_pool *p, const struct cv_model *m, int64_t slot, i
                       const float *const *b, cv_err *err);
 void cv_lora_pool_unload(cv_lora_pool *p, cv_backend *b, int64_t slot);
 
+/* The adapter weights' dtype for "auto": bf16 over a bf16, f16 or quantized base
+ * (the delta then rounds no coarser than the base it adds to, and a step reads
+ * half the bytes), float32 over a float32 base. */
+cv_dtype cv_lora_auto_dtype(const struct cv_model *m);
+
 /* (out, in) of a module of model m. */
 void cv_lora_module_shape(const struct cv_model *m, int module, int64_t *out, int64_t *in);
 

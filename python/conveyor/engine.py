@@ -176,7 +176,9 @@ class EngineArgs:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
-    lora_dtype: str = "float32"  # adapter weights held as "float32" or "bfloat16" (half the bytes per step)
+    # adapter weights held as "float32" or "bfloat16" (half the bytes per step); "auto": bfloat16
+    # over a bf16, f16 or quantized base, float32 over a float32 one
+    lora_dtype: str = "auto"
 
     def resolved_prefill_cap(self) -> int:
         if self.max_prefill_tokens_while_decoding is not None:

@@ -27,6 +27,22 @@ static CV_ALWAYS_INLINE void prefetch_at(const void *w, size_t off) {
 /* Rank rows of A a shrink pass takes at once (each x chunk loaded once for them). */
 #define SHRINK_RB 4
 
+/* Elements [e, e + 16) of the shrink block below (m: the lanes in range). */
+static CV_ALWAYS_INLINE void shrink_chunk_avx512(__m512 s[CV_LORA_ROWS][SHRINK_RB], const float *const *x,
+                                                 const int nr, const void *a, const int bf16, int64_t r0,
+                                                 const int nb, int64_t in, int64_t e, __mmask16 m) {
+    __m512 w[SHRINK_RB];
+    for (int k = 0; k < nb; k++) {
+        const size_t at = (size_t)(r0 + k) * (size_t)in + (size_t)e;
+        w[k] = load16_avx512(a, bf16, at, m);
+        prefetch_at(a, (at + LORA_PF_AHEAD) * (bf16 ? 2 : 4));
+    }
+    for (int i = 0; i < nr; i++) {
+        const __m512 xv = _mm512_maskz_loadu_ps(m, x[i] + e);
+        for (int k = 0; k < nb; k++) s[i][k] = _mm512_fmadd_ps(xv, w[k], s[i][k]);
+    }
+}
+
 /* t[i][r0 .. r0 + nb) for nr rows; nr, nb and bf16 are constants where it is inlined. */
 static CV_ALWAYS_INLINE void shrink_block_avx512(float *t, int64_t ts, const float *const *x, const int nr,
                                                  const void *a, const int bf16, int64_t r0, const int nb,
@@ -34,19 +50,10 @@ static CV_ALWAYS_INLINE void shrink_block_avx512(float *t, int64_t ts, const flo
     __m512 s[CV_LORA_ROWS][SHRINK_RB];
     for (int i = 0; i < nr; i++)
         for (int k = 0; k < nb; k++) s[i][k] = _mm512_setzero_ps();
-    for (int64_t e = 0; e < in; e += 16) {
-        const __mmask16 m = cv_tail_mask16(in - e);
-        __m512 w[SHRINK_RB];
-        for (int k = 0; k < nb; k++) {
-            const size_t at = (size_t)(r0 + k) * (size_t)in + (size_t)e;
-            w[k] = load16_avx512(a, bf16, at, m);
-            prefetch_at(a, (at + LORA_PF_AHEAD) * (bf16 ? 2 : 4));
-        }
-        for (int i = 0; i < nr; i++) {
-            const __m512 xv = _mm512_maskz_loadu_ps(m, x[i] + e);
-            for (int k = 0; k < nb; k++) s[i][k] = _mm512_fmadd_ps(xv, w[k], s[i][k]);
-        }
-    }
+    int64_t e = 0;
+    /* whole chunks with a constant mask (plain loads), then the tail: the same sums */
+    for (; e + 16 <= in; e += 16) shrink_chunk_avx512(s, x, nr, a, bf16, r0, nb, in, e, (__mmask16)0xffff);
+    if (e < in) shrink_chunk_avx512(s, x, nr, a, bf16, r0, nb, in, e, cv_tail_mask16(in - e));
     for (int i = 0; i < nr; i++)
         for (int k = 0; k < nb; k++) t[i * ts + r0 + k] = _mm512_reduce_add_ps(s[i][k]);
 }

@@ -42,7 +42,7 @@ def _adapter_weights(cfg: dict, rank: int, i: int) -> dict:
 
 
 def run(model: str, *, adapters: Sequence[int] = (1, 4, 16, 64), requests: int = 64, rank: int = 16,
-        prompt_len: int = 24, max_tokens: int = 32, reps: int = 2, lora_dtype: str = "float32",
+        prompt_len: int = 24, max_tokens: int = 32, reps: int = 2, lora_dtype: str = "auto",
         merged_adapters: Sequence[int] = (16,), engine: Optional[Dict[str, Any]] = None,
         seed: int = 0, workdir: Optional[str] = None) -> Dict[str, Any]:
     from .. import LLM, LoRARequest, SamplingParams
@@ -83,6 +83,7 @@ def run(model: str, *, adapters: Sequence[int] = (1, 4, 16, 64), requests: int =
                               "lora_tok_s_median": statistics.median(p["lora_tok_s"] for p in pairs),
                               "base_tok_s_median": statistics.median(p["base_tok_s"] for p in pairs)})
             stats = llm.stats()
+            lora_dtype = llm.model_config["lora_dtype"]  # "auto" resolved
         merged = []
         for k in merged_ks:
             if k > requests:
@@ -177,7 +178,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=24, help="prompt tokens per request")
     ap.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
     ap.add_argument("--reps", type=int, default=2, help="base/adapters pairs per number of adapters")
-    ap.add_argument("--lora-dtype", default="float32", choices=["float32", "bfloat16"],
+    ap.add_argument("--lora-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="how the engine holds the adapter weights")
     ap.add_argument("--merged-adapters", default="16",
                     help="numbers of adapters served as merged copies one at a time (HF folder bases; "

@@ -336,8 +336,9 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-loras", type=int, default=None,
                    help="adapters resident at once; others wait in host memory (default: 1)")
     g.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank (default: 16)")
-    g.add_argument("--lora-dtype", default=None, choices=["float32", "bfloat16"],
-                   help="adapter weights held as (default: float32; bfloat16 halves the bytes a step reads)")
+    g.add_argument("--lora-dtype", default=None, choices=["auto", "float32", "bfloat16"],
+                   help="adapter weights held as (default: auto, bfloat16 over a bf16 or quantized base and "
+                        "float32 over a float32 one; bfloat16 halves the bytes a step reads)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}, or a draft model: {"model": PATH, '
