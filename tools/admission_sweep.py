@@ -65,7 +65,8 @@ def run(outs, max_tokens, *, prompt, kv_tokens, block_size, max_seqs, budget, co
             if knee is not None:
                 s.set_running_target(knee)
                 since_probe = 0
-            elif since_probe >= PROBE_EVERY and decode >= PROBE_MIN_DECODES:
+            elif (since_probe >= PROBE_EVERY and decode >= PROBE_MIN_DECODES
+                  and s.num_unfinished() > s.stats()["n_running"]):
                 s.limit_next_decodes(decode // 2)
                 since_probe = 0
         for sid in plan["seq_ids"]:

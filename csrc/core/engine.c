@@ -275,8 +275,9 @@ static void observe_step_cost(cv_engine *e, const cv_sched_output *plan, double 
     if (knee > 0) {
         cv_scheduler_set_running_target(e->sched, knee);
         e->steps_since_probe = 0;
-    } else if (++e->steps_since_probe >= CV_STEP_COST_PROBE_EVERY &&
-               decode >= CV_STEP_COST_PROBE_MIN_DECODES) {
+    } else if (++e->steps_since_probe >= CV_STEP_COST_PROBE_EVERY && decode >= CV_STEP_COST_PROBE_MIN_DECODES &&
+               cv_scheduler_num_unfinished(e->sched) > cv_scheduler_num_running(e->sched)) {
+        /* only while requests wait: the knee decides admissions, nothing else */
         cv_scheduler_limit_next_decodes(e->sched, decode / 2);
         e->steps_since_probe = 0;
     }

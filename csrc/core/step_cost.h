@@ -21,8 +21,8 @@
 /* The knee is used once its relative standard error, from the fit's
  * residuals, is below this. */
 #define CV_STEP_COST_MAX_KNEE_ERROR 0.15
-/* While the knee is not pinned down, every this many steps the engine holds back
- * half of a step's decodes (cv_scheduler_limit_next_decodes): a step of another
+/* While the knee is not pinned down and requests wait, every this many steps the
+ * engine holds back half of a step's decodes (cv_scheduler_limit_next_decodes): a step of another
  * batch size separates A from B_d. It costs about one step's fixed time A. */
 #define CV_STEP_COST_PROBE_EVERY 8
 /* Decodes a step needs before holding half of them back tells anything. */
