@@ -64,12 +64,7 @@ int cv_llama2c_bpe_create(cv_llama2c_bpe **out, const cv_token_text *pieces, con
         cv_llama2c_bpe_free(t);
         return rc;
     }
-    for (int64_t i = 0; i < n; i++) {
-        uint64_t pw = 1;
-        for (size_t k = 0; k < t->pieces[i].len; k++) pw *= t->table.base;
-        t->hash[i] = cv_vocab_hash(&t->table, t->pieces[i].p, t->pieces[i].len);
-        t->power[i] = pw;
-    }
+    cv_vocab_hash_tokens(&t->table, t->hash, t->power);
     *out = t;
     return 0;
 }

@@ -134,12 +134,7 @@ int cv_spm_create(cv_spm_tokenizer **out, const cv_token_text *tokens, const dou
     }
     rc = cv_vocab_table_build(&v->table, v->tokens, n, seed, err);
     if (rc < 0) goto done;
-    for (int64_t i = 0; i < n; i++) {
-        uint64_t h = 0, pw = 1;
-        for (size_t k = 0; k < v->tokens[i].len; k++, pw *= v->table.base) h += (uint64_t)(unsigned char)v->tokens[i].p[k] * pw;
-        v->hash[i] = h;
-        v->power[i] = pw;
-    }
+    cv_vocab_hash_tokens(&v->table, v->hash, v->power);
     /* the merges into a text rank by the last of its ids in merge-list order: the worst score, then the highest id */
     for (int64_t i = 0; i < n; i++) {
         const int32_t type = types ? types[i] : CV_TOKEN_NORMAL;

@@ -19,6 +19,16 @@ uint64_t cv_vocab_hash(const cv_vocab_table *t, const char *p, size_t len) {
     return h;
 }
 
+void cv_vocab_hash_tokens(const cv_vocab_table *t, uint64_t *hash, uint64_t *power) {
+    for (int64_t i = 0; i < t->n_tokens; i++) {
+        const cv_token_text *tok = &t->tokens[i];
+        uint64_t h = 0, pw = 1;
+        for (size_t k = 0; k < tok->len; k++, pw *= t->base) h += (uint64_t)(unsigned char)tok->p[k] * pw;
+        hash[i] = h;
+        power[i] = pw;
+    }
+}
+
 int32_t cv_vocab_find(const cv_vocab_table *t, uint64_t h, const char *p, size_t len) {
     for (size_t s = slot_of(h, t->mask);; s = (s + 1) & t->mask) {
         const cv_vocab_slot *e = &t->slots[s];

@@ -41,6 +41,10 @@ int cv_vocab_table_build(cv_vocab_table *t, const cv_token_text *tokens, int64_t
 void cv_vocab_table_free(cv_vocab_table *t);
 
 uint64_t cv_vocab_hash(const cv_vocab_table *t, const char *p, size_t len);
+/* Each of the table's tokens' hash and base^(its length), into hash[n_tokens]
+ * and power[n_tokens]: token a followed by token b hashes to
+ * hash[a] + power[a] * hash[b]. */
+void cv_vocab_hash_tokens(const cv_vocab_table *t, uint64_t *hash, uint64_t *power);
 /* The first id of the text p[len] whose hash is h, or -1. */
 int32_t cv_vocab_find(const cv_vocab_table *t, uint64_t h, const char *p, size_t len);
 /* The first id of a[la] followed by b[lb] (hash h), or -1. */
