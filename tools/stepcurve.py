@@ -64,10 +64,15 @@ def forward_curve(model, batches, a):
             cpu[B] = statistics.median(cpus)
             print(f"B={B:3d}: wall min {min(walls) * 1e3:7.2f} ms, CPU median {cpu[B] * 1e3:7.2f} ms "
                   f"({cpu[B] / B * 1e3:.3f} ms a row)", flush=True)
-        done = sorted(cpu)
-        for lo, hi in zip(done, done[1:]):
-            print(f"CPU({hi}) / CPU({lo}) = {cpu[hi] / cpu[lo]:.2f} (linear: {hi / lo:.2f})")
-        print(f"load average {os.getloadavg()[0]:.2f} at end")
+        print_growth("CPU", cpu)
+
+
+def print_growth(what: str, per_b: dict) -> None:
+    """How each batch's time grows over the next smaller one's, against linear growth."""
+    done = sorted(per_b)
+    for lo, hi in zip(done, done[1:]):
+        print(f"{what}({hi}) / {what}({lo}) = {per_b[hi] / per_b[lo]:.2f} (linear: {hi / lo:.2f})")
+    print(f"load average {os.getloadavg()[0]:.2f} at end")
 
 
 def main():
@@ -110,10 +115,7 @@ def main():
             per_b[B] = med
             print(f"B={B:3d}: {len(times):3d} decode steps, median {med * 1e3:7.2f} ms, min {best * 1e3:7.2f} ms, "
                   f"{B / med:7.1f} tok/s", flush=True)
-        done = sorted(per_b)
-        for lo, hi in zip(done, done[1:]):
-            print(f"step({hi}) / step({lo}) = {per_b[hi] / per_b[lo]:.2f} (linear: {hi / lo:.2f})")
-        print(f"load average {os.getloadavg()[0]:.2f} at end")
+        print_growth("step", per_b)
 
 
 if __name__ == "__main__":
