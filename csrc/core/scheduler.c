@@ -741,7 +741,6 @@ void cv_scheduler_set_running_target(cv_scheduler *s, int64_t n) { s->running_ta
 
 void cv_scheduler_limit_next_decodes(cv_scheduler *s, int64_t n) { s->decode_limit = n > 0 ? n : 0; }
 
-
 void cv_scheduler_get_stats(const cv_scheduler *s, cv_sched_stats *st) {
     memset(st, 0, sizeof *st);
     st->n_running = s->n_running;

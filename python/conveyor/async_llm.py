@@ -24,7 +24,7 @@ from .sampling_params import SamplingParams
 # A text prompt of at most this many characters is tokenized in add_request itself, on
 # the loop (well under a millisecond), so that its errors are raised at once; a longer
 # one, bad words and grammars are prepared on the preparation threads.
-INLINE_PREPARE_BYTES = 1024
+INLINE_PREPARE_CHARS = 1024
 
 
 def _make_wake_fd():
@@ -231,7 +231,7 @@ class AsyncLLM(EngineFrontend):
         and what is wrong with it (ValueError/TypeError, EngineOverloadedError when
         max_queued_requests requests already wait) is raised by the stream's first read.
         A request with nothing to prepare (token ids, or a text prompt of at most
-        INLINE_PREPARE_BYTES characters, no bad words to tokenize, no grammar to build)
+        INLINE_PREPARE_CHARS characters, no bad words to tokenize, no grammar to build)
         is added here, and its errors are raised here. Bad types, priority and timeout
         are checked here either way. guided: prepare_guided(params)'s result, when the
         caller built it."""
@@ -297,7 +297,7 @@ class AsyncLLM(EngineFrontend):
             return True  # tokenized one request at a time: the loop must not wait for that
         if isinstance(prompt, dict) and "prompt_token_ids" not in prompt:
             prompt = prompt.get("prompt")
-        return isinstance(prompt, str) and len(prompt) > INLINE_PREPARE_BYTES  # up to 4 bytes a character
+        return isinstance(prompt, str) and len(prompt) > INLINE_PREPARE_CHARS  # up to 4 bytes a character
 
     def _prepare(self, prompt, params: SamplingParams, guided):
         """On a preparation thread: (prompt text, token ids, the params as the engine

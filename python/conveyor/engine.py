@@ -158,7 +158,8 @@ class EngineArgs:
     admission_reserve: Optional[int] = None
     # A latency option for CPU serving: where a step's time grows with its rows, admissions
     # stop at the batch where decoding reaches 80% of its rate limit, from a model of the
-    # step time fitted as the engine runs (once the batch has varied enough to fit it):
+    # step time fitted as the engine runs (while the model cannot pin that batch down and
+    # requests wait, every eighth step holds back half its decodes to time another size):
     # beyond it a larger batch buys little throughput and costs every request latency
     # (docs/dev/admission.md). Where a step's time hardly grows (a GPU) it changes nothing.
     # False (default): only max_num_seqs and the KV cache limit the batch.
