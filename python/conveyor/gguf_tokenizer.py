@@ -52,6 +52,8 @@ GGUF_PRE_TOKENIZERS: dict[str, list[str]] = {
 _LLAMA3_PRE = {"llama-bpe", "llama3"}
 # tokenizer.ggml.token_type values
 _TT_NORMAL, _TT_UNKNOWN, _TT_CONTROL, _TT_USER, _TT_UNUSED, _TT_BYTE = 1, 2, 3, 4, 5, 6
+# token types matched whole in the text and whose bytes are their text as written
+_TT_WHOLE = (_TT_UNKNOWN, _TT_CONTROL, _TT_USER)
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 # Merges from scores: only tokens of 2..MERGE_MAX_TOKEN_CHARS characters are split into
@@ -136,7 +138,7 @@ def _add_whole_tokens(tok, tokens: list[str], types: list[int]) -> None:
     whole in the raw text."""
     from tokenizers import AddedToken
 
-    added = [i for i, t in enumerate(types) if t in (_TT_UNKNOWN, _TT_CONTROL, _TT_USER)]
+    added = [i for i, t in enumerate(types) if t in _TT_WHOLE]
     tok.add_special_tokens([AddedToken(tokens[i], normalized=False) for i in added if types[i] != _TT_USER])
     tok.add_tokens([AddedToken(tokens[i], normalized=False, special=False) for i in added if types[i] == _TT_USER])
 
@@ -157,8 +159,7 @@ def _token_bytes(tokens: list[str], types: list[int], vocab: dict[str, int], sty
         for i in [i for i, t in enumerate(tokens) if t.startswith("<0x")]:
             if m := _BYTE_PIECE.fullmatch(tokens[i]):
                 out[i] = bytes([int(m.group(1), 16)])
-    as_text = (_TT_UNKNOWN, _TT_CONTROL, _TT_USER)
-    for i in [i for i, ty in enumerate(types) if ty in as_text]:
+    for i in [i for i, ty in enumerate(types) if ty in _TT_WHOLE]:
         out[i] = tokens[i].encode("utf-8")
     if len(vocab) < len(tokens):
         for i, t in enumerate(tokens):
