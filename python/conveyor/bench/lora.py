@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -100,7 +101,7 @@ def run(model: str, *, adapters: Sequence[int] = (1, 4, 16, 64), requests: int =
                 load_s += t1 - t
                 gen_s += t2 - t1
                 n_tok += sum(len(o.outputs[0].token_ids) for o in outs)
-                _remove_tree(copy)
+                shutil.rmtree(copy)
                 gc.collect()
             row = {"adapters": k, "tok_s": n_tok / (load_s + gen_s), "tok_s_generate_only": n_tok / gen_s,
                    "load_s": load_s}
@@ -137,12 +138,6 @@ def _merged_engine(engine: Dict[str, Any], cfg: dict) -> Dict[str, Any]:
     if kw.get("dtype") in (None, "auto") and cfg.get("dtype"):
         kw["dtype"] = cfg["dtype"]
     return kw
-
-
-def _remove_tree(path: Path) -> None:
-    for f in path.iterdir():
-        f.unlink()
-    path.rmdir()
 
 
 def format_result(r: Dict[str, Any]) -> str:
