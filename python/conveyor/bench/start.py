@@ -24,7 +24,7 @@ import resource
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import common
 
@@ -56,15 +56,25 @@ def _children_cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def run_conveyor_process(model: str, kw: Dict[str, Any]) -> Dict[str, Any]:
-    """One fresh Python process: import, LLM(model, **kw), one token; its wall and CPU time."""
+def _run(cmd: List[str], what: str) -> Tuple[subprocess.CompletedProcess, float, float]:
+    """Runs cmd (what: its name in an error) to its end; it, its wall time and the CPU
+    time it used."""
     cpu0, t0 = _children_cpu_s(), time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", CHILD, model, json.dumps(kw), "1"], capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
     wall, cpu = time.perf_counter() - t0, _children_cpu_s() - cpu0
     if out.returncode != 0:
-        raise RuntimeError(f"LLM({model!r}) failed:\n{out.stderr[-2000:]}")
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"{what} exited with status {out.returncode}:\n{out.stderr[-2000:]}")
+    return out, wall, cpu
+
+
+def _child(model: str, kw: Dict[str, Any], first_token: bool, what: str) -> Tuple[Dict[str, Any], float, float]:
+    out, wall, cpu = _run([sys.executable, "-c", CHILD, model, json.dumps(kw), "1" if first_token else "0"], what)
+    return json.loads(out.stdout.strip().splitlines()[-1]), wall, cpu
+
+
+def run_conveyor_process(model: str, kw: Dict[str, Any]) -> Dict[str, Any]:
+    """One fresh Python process: import, LLM(model, **kw), one token; its wall and CPU time."""
+    r, wall, cpu = _child(model, kw, True, f"LLM({model!r})")
     r.update(wall_s=wall, cpu_s=cpu)
     return r
 
@@ -72,11 +82,7 @@ def run_conveyor_process(model: str, kw: Dict[str, Any]) -> Dict[str, Any]:
 def run_llama_cpp(binary: str, model: str, threads: int) -> Dict[str, Any]:
     """One llama.cpp process loading the model and generating one token."""
     cmd = [binary, "-m", model, "-t", str(threads), "-n", "1", "-p", "Hello", "-no-cnv"]
-    cpu0, t0 = _children_cpu_s(), time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
-    wall, cpu = time.perf_counter() - t0, _children_cpu_s() - cpu0
-    if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited with status {out.returncode}:\n{out.stderr[-2000:]}")
+    out, wall, cpu = _run(cmd, " ".join(cmd))
     m = LLAMA_LOAD_TIME.search(out.stderr + out.stdout)
     return {"wall_s": wall, "cpu_s": cpu, "load_s": float(m.group(1)) / 1000 if m else None}
 
@@ -85,11 +91,7 @@ def run_one(model: str, kv: str, threads: Optional[int]) -> Dict[str, Any]:
     kw: Dict[str, Any] = {"kv_cache_memory": kv}
     if threads:
         kw["num_threads"] = threads
-    out = subprocess.run([sys.executable, "-c", CHILD, model, json.dumps(kw), "0"], capture_output=True,
-                         text=True, timeout=600)
-    if out.returncode != 0:
-        raise RuntimeError(f"LLM({model!r}, kv_cache_memory={kv}) failed:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return _child(model, kw, False, f"LLM({model!r}, kv_cache_memory={kv})")[0]
 
 
 def print_load_average(when: str = "start") -> None:
