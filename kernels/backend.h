@@ -43,8 +43,10 @@ typedef struct cv_table {
  * CV_I8: a row x is stored as round(x / scale) clamped to +-127 with
  * scale = max|x| / 127 (0 for a zero row: values 0), the scale of token
  * slot s and KV head h at k_scale / v_scale [block][h][offset]. */
-/* The rows [row0, row0 + n_rows) of a batch under one LoRA adapter: A
- * [rank][in] and B^T (device) of dtype CV_F32 or CV_BF16, and its scale. B^T
+/* The rows [row0, row0 + n_rows) of a batch under one LoRA adapter, for one
+ * projection whose outputs are y's columns [col0, col0 + out): A [rank][in]
+ * and B^T (device) of dtype CV_F32 or CV_BF16, and its scale. Projections
+ * that read the same input (q, k, v; gate, up) go in one call. B^T
  * is held in panels of CV_LORA_PANEL output columns, [out / CV_LORA_PANEL
  * rounded up][rank][CV_LORA_PANEL], the last panel zero-padded, so that the
  * expand of a run of columns reads one contiguous stretch:
@@ -55,7 +57,7 @@ typedef struct cv_table {
 /* Elements of a B^T of out columns. */
 #define CV_LORA_BT_SIZE(rank, out) ((rank) * (((out) + CV_LORA_PANEL - 1) / CV_LORA_PANEL) * CV_LORA_PANEL)
 typedef struct cv_lora_segment {
-    int64_t row0, n_rows, rank;
+    int64_t row0, n_rows, rank, col0, out;
     const void *a, *bt;
     cv_dtype dtype;
     float scale;
@@ -166,13 +168,14 @@ struct cv_backend {
     void (*geglu)(cv_backend *b, float *out, const float *gu, int64_t n, int64_t dim);
     /* x[n] *= s */
     void (*scale)(cv_backend *b, float *x, int64_t n, float s);
-    /* --- LoRA: y[r] += scale * (x[r] . A^T) . B^T for the rows r of each
-     * segment (rows of one adapter, as Punica's SGMV). x rows x_stride floats
-     * apart, y rows y_stride apart; segs in host memory, their matrices on the
-     * device; tmp: [rows][max rank] device scratch. A row's result depends on
-     * that row and its segment's matrices alone. NULL: no LoRA support. */
+    /* --- LoRA: y[r][col0 ..] += scale * (x[r] . A^T) . B^T for the rows r of
+     * each segment (rows of one adapter and projection, as Punica's SGMV). x
+     * rows (in floats each) x_stride floats apart, y rows y_stride apart; segs
+     * in host memory, their matrices on the device; tmp: [rows][max rank]
+     * device scratch. A row's result depends on that row and its segment's
+     * matrices alone. NULL: no LoRA support. */
     void (*lora_sgmv)(cv_backend *b, float *y, int64_t y_stride, const float *x, int64_t x_stride,
-                      const cv_lora_segment *segs, int64_t n_segs, int64_t in, int64_t out, float *tmp);
+                      const cv_lora_segment *segs, int64_t n_segs, int64_t in, float *tmp);
     /* --- fused kernels: one pass where the unfused sequence in each comment
      * takes two, with the same results bit for bit. NULL where a backend has
      * none: the caller then runs that sequence. ---------------------------- */

@@ -48,7 +48,7 @@ int cv_lora_pool_init(cv_lora_pool *p, const cv_model *m, int64_t n_slots, int64
     p->max_tokens = max_tokens;
     p->slots = calloc((size_t)n_slots, sizeof *p->slots);
     p->tmp = m->backend->alloc(m->backend, (size_t)max_tokens * (size_t)max_rank * sizeof(float));
-    p->max_segs = max_seqs > 0 ? max_seqs : 1;
+    p->max_segs = CV_LORA_MAX_FUSED * (max_seqs > 0 ? max_seqs : 1);
     p->segs = calloc((size_t)p->max_segs, sizeof *p->segs);
     int ok = p->slots && p->tmp && p->segs;
     if (ok && pthread_mutex_init(&p->lock, NULL) == 0) p->lock_ready = 1;

@@ -17,6 +17,8 @@ typedef enum cv_lora_module {
 
 #define CV_LORA_MAX_SLOTS 1024
 #define CV_LORA_MAX_RANK 1024
+/* Projections that read the same rows go in one backend call: at most three (q, k, v). */
+#define CV_LORA_MAX_FUSED 3
 
 typedef struct cv_lora_slot {
     int loaded;
@@ -32,7 +34,7 @@ typedef struct cv_lora_pool {
     cv_dtype dtype;      /* of the adapter weights: CV_F32 or CV_BF16 (rounded to nearest even) */
     cv_lora_slot *slots; /* [n_slots] */
     float *tmp;          /* [max_tokens][max_rank] shrink output (device) */
-    cv_lora_segment *segs; /* [max_segs] a step's segments of one projection (host) */
+    cv_lora_segment *segs; /* [max_segs] a step's segments of the projections of one call (host) */
     int64_t max_segs;
     /* Held by the stepping thread over a step's device work and by a slot's load or
      * unload, so that a slot is written between steps whichever thread asks. */

@@ -79,11 +79,14 @@ typedef struct cv_cpu_kernels {
     /* LoRA (lora.c), over nr <= CV_LORA_ROWS rows of one adapter at once,
      * its weights float32 or (bf16) bf16: the shrink t[i][r] = x[i] . a[r][in]
      * for r < rank, and the expand y[i][o] += scale * (t[i] . bt[.][o]) for o <
-     * out, bt in panels (kernels/backend.h: CV_LORA_BT_AT). Row i's result is the same whatever nr is. */
+     * out, bt in panels (kernels/backend.h: CV_LORA_BT_AT). Row i's result is the same whatever nr is.
+     * next (next_bytes of it; NULL: none) is what the following call reads (the next adapter's
+     * matrix): its lines are asked for at even spacing over this call's loop, so that they arrive
+     * while this call computes instead of after it. */
     void (*lora_shrink)(float *t, int64_t t_stride, const float *const *x, int nr, const void *a, int bf16,
-                        int64_t rank, int64_t in);
+                        int64_t rank, int64_t in, const void *next, int64_t next_bytes);
     void (*lora_expand)(float *const *y, const float *t, int64_t t_stride, int nr, const void *bt, int bf16,
-                        int64_t rank, int64_t out, float scale);
+                        int64_t rank, int64_t out, float scale, const void *next, int64_t next_bytes);
 } cv_cpu_kernels;
 
 /* The kernels of `level` (a level above what this build has code for gets
@@ -103,8 +106,8 @@ void cv_att_softmax_plain(float *sc, int nk, int nv, const int *nval, float *m, 
 void cv_att_pv_plain(float *acc, const float *sc, const float *alpha, int64_t hd, int nv, const int *nval,
                      const void *const *vp, cv_dtype dt, float *row);
 void cv_lora_shrink_plain(float *t, int64_t t_stride, const float *const *x, int nr, const void *a, int bf16,
-                          int64_t rank, int64_t in); /* lora.c */
+                          int64_t rank, int64_t in, const void *next, int64_t next_bytes); /* lora.c */
 void cv_lora_expand_plain(float *const *y, const float *t, int64_t t_stride, int nr, const void *bt, int bf16,
-                          int64_t rank, int64_t out, float scale);
+                          int64_t rank, int64_t out, float scale, const void *next, int64_t next_bytes);
 
 #endif

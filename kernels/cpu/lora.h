@@ -24,6 +24,6 @@ static inline float cv_lora_w_at(const void *w, int bf16, size_t i) {
 }
 
 void cv_cpu_lora_sgmv(cv_backend *b, float *y, int64_t y_stride, const float *x, int64_t x_stride,
-                      const cv_lora_segment *segs, int64_t n_segs, int64_t in, int64_t out, float *tmp);
+                      const cv_lora_segment *segs, int64_t n_segs, int64_t in, float *tmp);
 
 #endif

@@ -191,7 +191,7 @@ void cvc_rope(cv_backend *b, float *q, int64_t q_stride, int64_t n_heads, float 
 void cvc_swiglu(cv_backend *b, float *out, const float *gu, int64_t n, int64_t dim);
 /* LoRA over segments of rows: a shrink then an expand per segment (lora.cu). */
 void cvc_lora_sgmv(cv_backend *b, float *y, int64_t y_stride, const float *x, int64_t x_stride,
-                   const cv_lora_segment *segs, int64_t n_segs, int64_t in, int64_t out, float *tmp);
+                   const cv_lora_segment *segs, int64_t n_segs, int64_t in, float *tmp);
 void cvc_embedding(cv_backend *b, float *out, const int32_t *tokens, int64_t n,
                    const cv_table *table);
 /* dst[n] (F16 or BF16) = src[n], round to nearest even; with saturate, F16

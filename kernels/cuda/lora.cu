@@ -46,22 +46,23 @@ __global__ void lora_expand_kernel(float *y, int64_t y_stride, const float *t, i
 }
 
 void cvc_lora_sgmv(cv_backend *b, float *y, int64_t y_stride, const float *x, int64_t x_stride,
-                   const cv_lora_segment *segs, int64_t n_segs, int64_t in, int64_t out, float *tmp) {
+                   const cv_lora_segment *segs, int64_t n_segs, int64_t in, float *tmp) {
     cv_cuda_ctx *c = cvc_of(b);
     if (n_segs <= 0) return;
     if (cvc_enter(c) < 0) return;
     for (int64_t s = 0; s < n_segs; s++) { /* in stream order: tmp is reused */
         const cv_lora_segment *g = &segs[s];
-        if (g->n_rows <= 0 || g->rank <= 0) continue;
+        if (g->n_rows <= 0 || g->rank <= 0 || g->out <= 0) continue;
         const float *xs = x + g->row0 * x_stride;
-        float *ys = y + g->row0 * y_stride;
+        float *ys = y + g->row0 * y_stride + g->col0;
         lora_shrink_kernel<<<lora_grid(c, g->n_rows * g->rank, 128), 128, 0, c->stream>>>(tmp, xs, x_stride,
                                                                                           g->n_rows, g->a,
                                                                                           g->dtype == CV_BF16,
                                                                                           g->rank, in);
-        lora_expand_kernel<<<lora_grid(c, g->n_rows * out, 256), 256, 0, c->stream>>>(ys, y_stride, tmp, g->n_rows,
-                                                                                      g->bt, g->dtype == CV_BF16, g->rank, out,
-                                                                                      g->scale);
+        lora_expand_kernel<<<lora_grid(c, g->n_rows * g->out, 256), 256, 0, c->stream>>>(ys, y_stride, tmp,
+                                                                                         g->n_rows, g->bt,
+                                                                                         g->dtype == CV_BF16, g->rank,
+                                                                                         g->out, g->scale);
     }
     cvc_check_launch(c, "lora_sgmv");
 }

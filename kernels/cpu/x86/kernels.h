@@ -20,13 +20,13 @@ extern const cv_ukr_pf_fn cv_gemm_bf16dot_pf_table[CV_MR + 1];
 
 /* avx2_lora.c, avx512_lora.c (the kernel table's LoRA entries). */
 void cv_lora_shrink_avx2(float *t, int64_t t_stride, const float *const *x, int nr, const void *a, int bf16,
-                         int64_t rank, int64_t in);
+                         int64_t rank, int64_t in, const void *next, int64_t next_bytes);
 void cv_lora_shrink_avx512(float *t, int64_t t_stride, const float *const *x, int nr, const void *a, int bf16,
-                           int64_t rank, int64_t in);
+                           int64_t rank, int64_t in, const void *next, int64_t next_bytes);
 void cv_lora_expand_avx2(float *const *y, const float *t, int64_t t_stride, int nr, const void *bt, int bf16,
-                         int64_t rank, int64_t out, float scale);
+                         int64_t rank, int64_t out, float scale, const void *next, int64_t next_bytes);
 void cv_lora_expand_avx512(float *const *y, const float *t, int64_t t_stride, int nr, const void *bt, int bf16,
-                           int64_t rank, int64_t out, float scale);
+                           int64_t rank, int64_t out, float scale, const void *next, int64_t next_bytes);
 
 /* avx2_rows.c, avx512_rows.c (the kernel table's row entries). */
 void cv_rms_row_avx2(float *out, const float *x, const float *w, int64_t dim, float eps);
