@@ -137,10 +137,11 @@ class _Worker:
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         if "ASAN_OPTIONS" in env:
             # Under AddressSanitizer, its own bookkeeping also lives in the capped address
-            # space: freed memory held in quarantine and the exit-time leak scan (which maps
-            # memory and starts a thread) would fail at the cap, a report about the cap and
-            # not about any code. The worker runs no C code of its own to check for leaks.
-            env["ASAN_OPTIONS"] += ":detect_leaks=0:quarantine_size_mb=0"
+            # space: freed memory held in quarantine, the allocation stacks it records and the
+            # exit-time leak scan (which maps memory and starts a thread) would fail at the
+            # cap, a report about the cap and not about any code. The worker runs no C code
+            # of its own to check.
+            env["ASAN_OPTIONS"] += ":detect_leaks=0:quarantine_size_mb=0:malloc_context_size=0"
         self.proc = subprocess.Popen([sys.executable, "-c", "from conveyor.template_pool import _worker_main; "
                                       "_worker_main()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=env, close_fds=True, start_new_session=True)
