@@ -105,33 +105,35 @@ static int batch_has_lora(const cv_batch *bt) {
     return 0;
 }
 
-/* y += scale * (x A^T) B^T of the projections modules[0 .. n_modules), which
- * read the same rows x and write y's columns from col0[i], for the rows of
- * each adapter: consecutive sequences of one slot make one segment per
- * projection (Punica's SGMV), and one backend call runs them all. x rows
- * x_stride apart, y rows y_stride apart, both indexed by the batch's token rows. */
-static void lora_add(cv_backend *b, const cv_batch *bt, int64_t layer, const int *modules, const int64_t *col0,
-                     int n_modules, float *y, int64_t y_stride, const float *x, int64_t x_stride, const cv_model *m) {
+/* y += scale * (x A^T) B^T of the n_modules projections from `first` in
+ * cv_lora_module order, which read the same rows x and whose outputs lie side
+ * by side in y in that order (q, k, v in the fused qkv rows; gate, up), for
+ * the rows of each adapter: consecutive sequences of one slot make one
+ * segment per projection (Punica's SGMV), and one backend call runs them all.
+ * x rows x_stride apart, y rows y_stride apart, both indexed by the batch's
+ * token rows. */
+static void lora_add(cv_backend *b, const cv_batch *bt, int64_t layer, int first, int n_modules, float *y,
+                     int64_t y_stride, const float *x, int64_t x_stride, const cv_model *m) {
     const cv_lora_pool *p = bt->lora;
-    int64_t in = 0, n_segs = 0;
+    int64_t in = 0, out[CV_LORA_MAX_FUSED], col0[CV_LORA_MAX_FUSED], n_segs = 0;
     for (int i = 0; i < n_modules; i++) {
-        int64_t out;
-        cv_lora_module_shape(m, modules[i], &out, &in); /* the same in for all of them */
-        const size_t k = (size_t)layer * CV_LORA_N_MODULES + (size_t)modules[i];
-        for (int64_t s = 0; s < bt->n_seqs;) {
-            const int32_t slot = bt->lora_slots[s];
-            int64_t e = s + 1;
-            while (e < bt->n_seqs && bt->lora_slots[e] == slot) e++;
-            if (slot >= 0 && slot < p->n_slots && p->slots[slot].loaded && p->slots[slot].a[k] &&
-                n_segs < p->max_segs) {
-                const cv_lora_slot *ls = &p->slots[slot];
-                p->segs[n_segs++] = (cv_lora_segment){
-                    .row0 = bt->query_start[s], .n_rows = bt->query_start[e] - bt->query_start[s], .rank = ls->rank,
-                    .col0 = col0[i], .out = out, .a = ls->a[k], .bt = ls->bt[k], .dtype = p->dtype,
-                    .scale = ls->scale};
-            }
-            s = e;
+        cv_lora_module_shape(m, first + i, &out[i], &in); /* the same in for all of them */
+        col0[i] = i ? col0[i - 1] + out[i - 1] : 0;
+    }
+    for (int64_t s = 0; s < bt->n_seqs;) {
+        const int32_t slot = bt->lora_slots[s];
+        int64_t e = s + 1;
+        while (e < bt->n_seqs && bt->lora_slots[e] == slot) e++;
+        const cv_lora_slot *ls = slot >= 0 && slot < p->n_slots && p->slots[slot].loaded ? &p->slots[slot] : NULL;
+        for (int i = 0; ls && i < n_modules; i++) {
+            const size_t k = (size_t)layer * CV_LORA_N_MODULES + (size_t)(first + i);
+            if (!ls->a[k] || n_segs >= p->max_segs) continue;
+            p->segs[n_segs++] = (cv_lora_segment){
+                .row0 = bt->query_start[s], .n_rows = bt->query_start[e] - bt->query_start[s], .rank = ls->rank,
+                .col0 = col0[i], .out = out[i], .a = ls->a[k], .bt = ls->bt[k], .dtype = p->dtype,
+                .scale = ls->scale};
         }
+        s = e;
     }
     if (n_segs) b->lora_sgmv(b, y, y_stride, x, x_stride, p->segs, n_segs, in, p->tmp);
 }
@@ -230,8 +232,6 @@ int cv_model_forward(const cv_model *m, cv_forward_ws *ws, cv_kv_layer *caches,
         b->embedding(b, ws->x, tokens, n, &m->embed);
     if (c->embed_scale > 0) b->scale(b, ws->x, n * c->dim, c->embed_scale);
     const int lora = batch_has_lora(bt) && b->lora_sgmv;
-    static const int lora_o = CV_LORA_O, lora_down = CV_LORA_DOWN;
-    static const int64_t col_0 = 0;
     const int64_t dim = c->dim, hid = c->hidden_dim;
     for (int64_t l = 0; l < c->n_layers; l++) {
         const cv_layer *L = &m->layers[l];
@@ -239,11 +239,7 @@ int cv_model_forward(const cv_model *m, cv_forward_ws *ws, cv_kv_layer *caches,
         ab.window = local ? c->sliding_window : 0;
         /* LoRA reads the projections' inputs again: they are kept */
         norm_gemm(b, ws->qkv, ws->x, L->attn_norm, c->rms_eps, n, &L->wqkv, L->bqkv, 0, ws->xn, lora);
-        if (lora) {
-            static const int qkv[] = {CV_LORA_Q, CV_LORA_K, CV_LORA_V};
-            const int64_t at[] = {0, m->q_dim, m->q_dim + m->kv_dim};
-            lora_add(b, bt, l, qkv, at, 3, ws->qkv, qkv_dim, ws->xn, dim, m);
-        }
+        if (lora) lora_add(b, bt, l, CV_LORA_Q, 3, ws->qkv, qkv_dim, ws->xn, dim, m); /* q, k, v */
         if (c->qk_norm) { /* each q and k head, before RoPE */
             b->head_rmsnorm(b, ws->qkv, qkv_dim, c->n_heads, n, c->head_dim, L->q_norm, c->rms_eps);
             b->head_rmsnorm(b, ws->qkv + m->q_dim, qkv_dim, c->n_kv_heads, n, c->head_dim, L->k_norm, c->rms_eps);
@@ -253,23 +249,19 @@ int cv_model_forward(const cv_model *m, cv_forward_ws *ws, cv_kv_layer *caches,
         /* o and down add into the residual stream (or Gemma's pre-norm output) after the GEMM */
         float *attn_out = c->gemma ? ws->xn : ws->x;
         b->gemm(b, attn_out, ws->attn, n, &L->wo, NULL, !c->gemma); /* residual add in the GEMM */
-        if (lora) lora_add(b, bt, l, &lora_o, &col_0, 1, attn_out, dim, ws->attn, m->q_dim, m);
+        if (lora) lora_add(b, bt, l, CV_LORA_O, 1, attn_out, dim, ws->attn, m->q_dim, m);
         if (c->gemma) b->add_rmsnorm(b, ws->x, ws->xn, L->post_attn_norm, n, c->dim, c->rms_eps);
         norm_gemm(b, ws->gu, ws->x, L->ffn_norm, c->rms_eps, n, &L->w_gate_up, NULL, 0, ws->xn, lora);
-        if (lora) {
-            static const int gate_up[] = {CV_LORA_GATE, CV_LORA_UP};
-            const int64_t at[] = {0, hid};
-            lora_add(b, bt, l, gate_up, at, 2, ws->gu, 2 * hid, ws->xn, dim, m);
-        }
+        if (lora) lora_add(b, bt, l, CV_LORA_GATE, 2, ws->gu, 2 * hid, ws->xn, dim, m); /* gate, up */
         if (!c->gemma) {
             swiglu_gemm(b, ws->x, ws->gu, n, &L->w_down, 1, ws->h, lora); /* residual add */
-            if (lora) lora_add(b, bt, l, &lora_down, &col_0, 1, ws->x, dim, ws->h, hid, m);
+            if (lora) lora_add(b, bt, l, CV_LORA_DOWN, 1, ws->x, dim, ws->h, hid, m);
             continue;
         }
         /* Gemma: x += norm(attn . Wo); x += norm(down(gelu(gate) * up)) */
         b->geglu(b, ws->h, ws->gu, n, c->hidden_dim);
         b->gemm(b, ws->xn, ws->h, n, &L->w_down, NULL, 0);
-        if (lora) lora_add(b, bt, l, &lora_down, &col_0, 1, ws->xn, dim, ws->h, hid, m);
+        if (lora) lora_add(b, bt, l, CV_LORA_DOWN, 1, ws->xn, dim, ws->h, hid, m);
         b->add_rmsnorm(b, ws->x, ws->xn, L->post_ffn_norm, n, c->dim, c->rms_eps);
     }
     if (bt->n_logits > 0) lm_head_rows(m, ws, rows, bt->n_logits, n);

@@ -10,7 +10,8 @@
 #include "../../base/common.h"
 #include "../../kernels/backend.h"
 
-/* The projections an adapter may target, in the engine's order. */
+/* The projections an adapter may target, in the engine's order: the fused
+ * projections' outputs lie side by side in this order (q, k, v; gate, up). */
 typedef enum cv_lora_module {
     CV_LORA_Q = 0, CV_LORA_K, CV_LORA_V, CV_LORA_O, CV_LORA_GATE, CV_LORA_UP, CV_LORA_DOWN, CV_LORA_N_MODULES
 } cv_lora_module;
