@@ -23,9 +23,9 @@ import numpy as np
 
 from conveyor.engine import OFFLINE_PREFILL_CAP
 from conveyor._testing import Scheduler, step_cost_knee
+from conveyor.bench.common import capped_exponential
 
 PROBE_EVERY, PROBE_MIN_DECODES = 8, 8  # the engine's (csrc/core/step_cost.h)
-from conveyor.bench.common import capped_exponential
 
 
 def run(outs, max_tokens, *, prompt, kv_tokens, block_size, max_seqs, budget, cost, policy="continuous",

@@ -88,6 +88,6 @@ def call_with_deadline(seconds: float, what: str, fn: Callable[..., T], *args, *
                 if call.fired:
                     _raise_in(call.tid, None)  # an exception not delivered yet must not land later
     except _Expired:
-        with dog.cond:
+        with dog.cond:  # delivered inside the finally above, before its discard ran
             dog.calls.discard(call)
         raise TimeoutError(f"{what} took longer than {seconds:g} s") from None
