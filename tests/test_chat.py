@@ -126,6 +126,35 @@ def test_terminal_prompt_ctrl_c_and_ctrl_d(reference):
         os.close(fd)
 
 
+def _tgkill(pid: int, tid: int, sig: int) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(234, pid, tid, sig) != 0:  # SYS_tgkill on x86-64
+        raise OSError(ctypes.get_errno(), "tgkill")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.uname().machine != "x86_64",
+                    reason="directs the signal at one thread with Linux x86-64's tgkill")
+def test_ctrl_c_taken_by_another_thread_still_reaches_the_prompt():
+    """A Ctrl-C is a signal to the whole process, and the kernel may hand it to any of its
+    threads (the engine's among them). Sent to one that is not the main thread, it must still
+    end the wait at the prompt, as a blocking read of the line would not."""
+    pid, fd = _spawn_on_pty(chat_cmd(MODEL))
+    try:
+        _read_until(fd, b">>> ")
+        os.write(fd, b"Hello there\n")
+        _read_until(fd, b">>> ")
+        others = [int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid]
+        assert others, "the engine runs threads of its own"
+        _tgkill(pid, others[0], signal.SIGINT)
+        assert b"/exit or Ctrl-D" in _read_until(fd, b">>> ", timeout=20)
+        os.write(fd, b"/exit\n")
+        assert _wait(pid) == 0
+    finally:
+        os.close(fd)
+
+
 def test_ctrl_c_stops_the_answer_not_the_program(tmp_path):
     """A long answer from the default model (cached), interrupted: it stops at once, the
     program goes on and takes the next line."""

@@ -15,6 +15,8 @@ the prompt.
 from __future__ import annotations
 
 import asyncio
+import os
+import select
 import signal
 import sys
 import warnings
@@ -94,20 +96,80 @@ async def _answer(llm, prompt: dict, params, out, parts: list) -> None:
         pass
 
 
-def _read(interactive: bool) -> Optional[str]:
-    """A line from the user; None at end of input (Ctrl-D)."""
-    try:
-        return input(PROMPT if interactive else "")
-    except EOFError:
-        return None
+class _Interrupts:
+    """Ctrl-C for the whole session, without the race of `input()`.
+
+    A SIGINT that lands after the prompt is written but before the read starts (or on
+    another thread) would leave a blocking read waiting for Enter. Here the signal only
+    writes its number to a wake-up pipe (Python's `signal.set_wakeup_fd`, done by the C
+    handler on whichever thread takes it) and every wait selects on that pipe as well, so a
+    Ctrl-C is seen at the prompt, while answering, or in between, and never escapes as a
+    KeyboardInterrupt from wherever the main thread happens to be."""
+
+    def __init__(self):
+        self.r, self.w = os.pipe()
+        os.set_blocking(self.r, False)
+        os.set_blocking(self.w, False)
+        self.old_handler = signal.signal(signal.SIGINT, lambda signum, frame: None)
+        self.old_wakeup = signal.set_wakeup_fd(self.w, warn_on_full_buffer=False)
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self.old_wakeup)
+        signal.signal(signal.SIGINT, self.old_handler)
+        os.close(self.r)
+        os.close(self.w)
+
+    def take(self) -> bool:
+        """Whether a Ctrl-C came since the last call (the pipe drained)."""
+        got = b""
+        try:
+            while chunk := os.read(self.r, 512):
+                got += chunk
+        except BlockingIOError:
+            pass
+        return signal.SIGINT in got
 
 
-def run_chat(llm, conv: Conversation, params_for, out=sys.stdout, interactive: bool = False) -> int:
+class _LineReader:
+    """Lines from a file descriptor (a terminal, a pipe or a file), waiting on the
+    interrupt pipe too; what the user typed is decoded as the terminal's encoding."""
+
+    def __init__(self, fd: int, interrupts: _Interrupts, encoding: str):
+        self.fd, self.interrupts, self.encoding = fd, interrupts, encoding
+        self.buf = b""
+        self.eof = False
+
+    def readline(self) -> Optional[str]:
+        """The next line without its newline; None at end of input (Ctrl-D at the start of
+        a line); KeyboardInterrupt on Ctrl-C (what was typed of the line is dropped, as the
+        terminal drops it)."""
+        while b"\n" not in self.buf and not self.eof:
+            ready, _, _ = select.select([self.fd, self.interrupts.r], [], [])
+            if self.interrupts.r in ready and self.interrupts.take():
+                self.buf = b""
+                raise KeyboardInterrupt
+            if self.fd in ready:
+                chunk = os.read(self.fd, 65536)
+                self.buf += chunk
+                self.eof = not chunk
+        if not self.buf:
+            return None
+        line, _, self.buf = self.buf.partition(b"\n")
+        return line.decode(self.encoding, "replace")
+
+
+def run_chat(llm, conv: Conversation, params_for, out=sys.stdout, interactive: bool = False,
+             stdin_fd: int = 0) -> int:
+    interrupts = _Interrupts()
+    lines = _LineReader(stdin_fd, interrupts, getattr(sys.stdin, "encoding", None) or "utf-8")
     loop = asyncio.new_event_loop()
     try:
         while True:
+            if interactive:
+                sys.stderr.write(PROMPT)
+                sys.stderr.flush()
             try:
-                line = _read(interactive)
+                line = lines.readline()
             except KeyboardInterrupt:
                 out.write("\n(use /exit or Ctrl-D to leave)\n")
                 out.flush()
@@ -144,34 +206,29 @@ def run_chat(llm, conv: Conversation, params_for, out=sys.stdout, interactive: b
             task = loop.create_task(_answer(llm, prompt, params_for(room), out, parts))
             stopped = False
 
-            def stop_answer():
+            def on_wakeup():
                 nonlocal stopped
-                stopped = True
-                task.cancel()
+                if interrupts.take():
+                    stopped = True
+                    task.cancel()
 
             # Ctrl-C while answering cancels the answer from inside the loop, never as a
-            # KeyboardInterrupt raised wherever the main thread happens to be (inside the
-            # engine's own callbacks it could leave the request's stream waiting forever).
-            loop.add_signal_handler(signal.SIGINT, stop_answer)
+            # KeyboardInterrupt inside the engine's own callbacks (that could leave the
+            # request's stream waiting forever).
+            loop.add_reader(interrupts.r, on_wakeup)
             try:
                 loop.run_until_complete(task)
             except asyncio.CancelledError:
                 pass
-            except KeyboardInterrupt:  # arrived before the handler was in place
-                stopped = True
-                task.cancel()
-                try:
-                    loop.run_until_complete(task)
-                except BaseException:
-                    pass
             finally:
-                loop.remove_signal_handler(signal.SIGINT)
+                loop.remove_reader(interrupts.r)
             out.write("\n[stopped]\n\n" if stopped else "\n\n")
             out.flush()
             conv.turns.append({"role": "assistant", "content": "".join(parts)})
     finally:
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
+        interrupts.close()
 
 
 def main(argv=None) -> int:
