@@ -327,7 +327,7 @@ typedef struct gemm_job {
     const float *bias;   /* [rows] or NULL */
     int accumulate;
     const cv_ukr_fn *table; /* [CV_MR + 1] kernels for w's dtype */
-    const cv_ukr_pf_fn *table_pf; /* the same kernels that also prefetch (pair layout), or NULL */
+    const cv_ukr_pf_fn *table_pf; /* the same kernels that also prefetch, or NULL */
     int64_t kc;          /* cols per block (balanced chunks of about the configured KC) */
     int64_t mc;          /* tokens per block (x block of mc x cols stays in L2) */
     int64_t n_tblocks;   /* token blocks of mc tokens */
@@ -403,9 +403,10 @@ static void group_pass(const gemm_job *j, int64_t g, int64_t m0, int64_t mlen, i
     /* With several tiles the group's weights are reused (compute bound): the
      * next group's weights (g_next >= 0) are asked for a slice per kernel call,
      * so they arrive from memory while this group computes instead of
-     * stalling its first tile. The pair kernels take their slice inside their
-     * k loop, a line per k step (the _pf kernels); other levels ask for it
-     * between calls. */
+     * stalling its first tile. The levels' _pf kernels take their slice inside
+     * their k loop, spread over its steps (a burst of prefetches between calls
+     * fills the miss buffers and stalls the core: 20% of a 128-row f32 step);
+     * levels without them ask for it between calls. */
     cv_prefetch_span pf = {0};
     if (g_next >= 0 && ntiles > 1) {
         const size_t gbytes = (size_t)CV_GROUP * pstride; /* groups are whole (zero panels pad the last) */
@@ -421,9 +422,9 @@ static void group_pass(const gemm_job *j, int64_t g, int64_t m0, int64_t mlen, i
         for (int64_t ti = 0; ti < ntiles; ti++) {
             const int mr = (int)(mlen / ntiles + (ti < mlen % ntiles ? 1 : 0));
             const int np = j->kern->gemm_np[mr];
-            /* pairs: this call's slice of the prefetch, spread over its k steps */
+            /* this call's slice of the prefetch, spread over its k steps (k pairs) */
             int64_t pfl = 0;
-            const char *pfp = j->table_pf ? cv_prefetch_take(&pf, klen / 2, &pfl) : NULL;
+            const char *pfp = j->table_pf ? cv_prefetch_take(&pf, j->pairs ? klen / 2 : klen, &pfl) : NULL;
             for (int q = 0; q < CV_GROUP; q += np) {
                 const int64_t p = g * CV_GROUP + q, r0 = p * CV_NR;
                 if (r0 >= rows) break;
@@ -438,13 +439,17 @@ static void group_pass(const gemm_job *j, int64_t g, int64_t m0, int64_t mlen, i
                         j->table_pf[mr](klen, xh, cols, wp, pstride, o, rows, nvalid, bp, load_c, pfp, pfl);
                     else
                         j->table[mr](klen, xh, cols, wp, pstride, o, rows, nvalid, bp, load_c);
-                    pfp = NULL;
-                } else if (xp)
-                    j->table[mr](klen, xp + (t - m0) * cols + k0 * mr, 0, wp, pstride, o, rows, nvalid, bp,
-                                 load_c);
-                else
-                    j->table[mr](klen, xb + (size_t)(t - m0) * (size_t)cols + (size_t)k0, cols, wp, pstride, o,
-                                 rows, nvalid, bp, load_c);
+                } else {
+                    /* x packed (ldx 0) or in place */
+                    const int64_t ldx = xp ? 0 : cols;
+                    const float *xt = xp ? xp + (t - m0) * cols + k0 * mr
+                                         : xb + (size_t)(t - m0) * (size_t)cols + (size_t)k0;
+                    if (pfp)
+                        j->table_pf[mr](klen, xt, ldx, wp, pstride, o, rows, nvalid, bp, load_c, pfp, pfl);
+                    else
+                        j->table[mr](klen, xt, ldx, wp, pstride, o, rows, nvalid, bp, load_c);
+                }
+                pfp = NULL;
             }
             t += mr;
             if (!j->table_pf) cv_prefetch_slice(&pf);
@@ -611,6 +616,7 @@ void cv_cpu_gemm_in(cv_backend *b, float *out, const cv_gemm_in *in, int64_t n, 
     j.kcols = panel_cols(c, w->dtype, w->cols);
     j.kern = &c->kern;
     j.table = c->kern.gemm[dt_index(w->dtype)];
+    j.table_pf = c->kern.gemm_pf[dt_index(w->dtype)];
     if (j.pairs) {
         j.table = c->kern.gemm_pairs;
         j.table_pf = c->kern.gemm_pairs_pf;

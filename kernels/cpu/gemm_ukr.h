@@ -61,6 +61,7 @@ static inline int panel_valid(int nvalid, int q) {
 #define UKR_ROW(GEN, DT, P)                                                                     \
     GEN(1, DT, P##1) GEN(2, DT, P##2) GEN(3, DT, P##3) GEN(4, DT, P##4) GEN(5, DT, P##5) GEN(6, DT, P##6)
 #define UKR_LIST(P) {NULL, P##1, P##2, P##3, P##4, P##5, P##6}
+#define UKR_PF_LIST(P) {NULL, P##1_pf, P##2_pf, P##3_pf, P##4_pf, P##5_pf, P##6_pf}
 #define UKR_TABLE(GEN, P, SC, TABLE)                                                            \
     UKR_ROW(GEN, CV_F32, P##f32_) UKR_ROW(GEN, CV_BF16, P##bf16_) UKR_ROW(GEN, CV_F16, P##f16_)   \
     SC const cv_ukr_fn TABLE[3][CV_MR + 1] = {UKR_LIST(P##f32_), UKR_LIST(P##bf16_), UKR_LIST(P##f16_)};

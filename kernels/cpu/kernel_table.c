@@ -24,7 +24,10 @@ void cv_cpu_kernels_fill(cv_simd_level level, cv_cpu_kernels *k) {
     k->lora_expand = cv_lora_expand_plain;
 #if CV_HAVE_AVX2
     if (level >= CV_SIMD_AVX2) {
-        for (int d = 0; d < 3; d++) k->gemm[d] = cv_gemm_avx2_table[d];
+        for (int d = 0; d < 3; d++) {
+            k->gemm[d] = cv_gemm_avx2_table[d];
+            k->gemm_pf[d] = cv_gemm_avx2_pf_table[d];
+        }
         for (int mr = 1; mr <= CV_MR; mr++) k->gemm_np[mr] = UKR_NP_AVX2(mr);
         k->rms_row = cv_rms_row_avx2;
         k->swiglu_part = cv_swiglu_part_avx2;
@@ -42,7 +45,10 @@ void cv_cpu_kernels_fill(cv_simd_level level, cv_cpu_kernels *k) {
 #endif
 #if CV_HAVE_AVX512
     if (level >= CV_SIMD_AVX512) {
-        for (int d = 0; d < 3; d++) k->gemm[d] = cv_gemm_avx512_table[d];
+        for (int d = 0; d < 3; d++) {
+            k->gemm[d] = cv_gemm_avx512_table[d];
+            k->gemm_pf[d] = cv_gemm_avx512_pf_table[d];
+        }
         for (int mr = 1; mr <= CV_MR; mr++) k->gemm_np[mr] = UKR_NP_AVX512(mr);
         k->rms_row = cv_rms_row_avx512;
         k->swiglu_part = cv_swiglu_part_avx512;

@@ -40,6 +40,8 @@ typedef struct cv_cpu_kernels {
      * gemm_ukr.h), and panels per call at each tile height. */
     const cv_ukr_fn *gemm[3];
     int gemm_np[CV_MR + 1];
+    /* The same kernels that also prefetch [dtype][mr]; NULL where the level has none. */
+    const cv_ukr_pf_fn *gemm_pf[3];
     /* bf16 weights in the pair layout (vdpbf16ps) [mr], with and without
      * prefetching; NULL where the level has no such kernels. */
     const cv_ukr_fn *gemm_pairs;

@@ -37,11 +37,13 @@ static CV_ALWAYS_INLINE void load16_part(const float *p, int nv, __m256 *v0, __m
     *v1 = _mm256_loadu_ps(t + 8);
 }
 
-/* mr rows x np panels, one accumulator chain per output (gemm_ukr.h). */
+/* mr rows x np panels, one accumulator chain per output (gemm_ukr.h). With
+ * pf (the _pf kernels), the lines pf .. pf + 64 (min(pf_lines, kc) - 1) are
+ * asked for into L2, spread over the k steps (cv_prefetch_spread). */
 static CV_ALWAYS_INLINE void ukr_avx2(const int mr, const int np, const cv_dtype dt, const int packed,
                                       int64_t kc, const float *x, int64_t ldx, const void *w,
                                       size_t wstride, float *c, int64_t ldc, int nvalid,
-                                      const float *bias, int load_c) {
+                                      const float *bias, int load_c, const char *pf, int64_t pf_lines) {
     __m256 acc[CV_MR][CV_GROUP][2];
 #pragma GCC unroll 4
     for (int q = 0; q < np; q++) {
@@ -61,7 +63,9 @@ static CV_ALWAYS_INLINE void ukr_avx2(const int mr, const int np, const cv_dtype
             }
         }
     }
+    cv_prefetch_spread ps = cv_prefetch_spread_of(pf, pf_lines < kc ? pf_lines : kc, kc);
     for (int64_t k = 0; k < kc; k++) {
+        cv_prefetch_step(&ps);
         __m256 w0[CV_GROUP], w1[CV_GROUP];
 #pragma GCC unroll 4
         for (int q = 0; q < np; q++) load_w16(dt, (const char *)w + (size_t)q * wstride, k, &w0[q], &w1[q]);
@@ -95,13 +99,22 @@ static CV_ALWAYS_INLINE void ukr_avx2(const int mr, const int np, const cv_dtype
 }
 
 #define AVX_UKR(MR, DT, NAME)                                                                   \
+    static void NAME##_pf(int64_t kc, const float *x, int64_t ldx, const void *w, size_t wstride, \
+                          float *c, int64_t ldc, int nvalid, const float *bias, int load_c,     \
+                          const char *pf, int64_t pf_lines) {                                   \
+        if (ldx)                                                                                \
+            ukr_avx2(MR, UKR_NP_AVX2(MR), DT, 0, kc, x, ldx, w, wstride, c, ldc, nvalid, bias, load_c, pf, \
+                     pf_lines);                                                                 \
+        else                                                                                    \
+            ukr_avx2(MR, UKR_NP_AVX2(MR), DT, 1, kc, x, ldx, w, wstride, c, ldc, nvalid, bias, load_c, pf, \
+                     pf_lines);                                                                 \
+    }                                                                                           \
     static void NAME(int64_t kc, const float *x, int64_t ldx, const void *w, size_t wstride,   \
                      float *c, int64_t ldc, int nvalid, const float *bias, int load_c) {        \
-        if (ldx)                                                                                \
-            ukr_avx2(MR, UKR_NP_AVX2(MR), DT, 0, kc, x, ldx, w, wstride, c, ldc, nvalid, bias, load_c); \
-        else                                                                                    \
-            ukr_avx2(MR, UKR_NP_AVX2(MR), DT, 1, kc, x, ldx, w, wstride, c, ldc, nvalid, bias, load_c); \
+        NAME##_pf(kc, x, ldx, w, wstride, c, ldc, nvalid, bias, load_c, NULL, 0);               \
     }
 UKR_TABLE(AVX_UKR, avx_, , cv_gemm_avx2_table)
+const cv_ukr_pf_fn cv_gemm_avx2_pf_table[3][CV_MR + 1] = {UKR_PF_LIST(avx_f32_), UKR_PF_LIST(avx_bf16_),
+                                                          UKR_PF_LIST(avx_f16_)};
 CV_TARGET_END
 #endif

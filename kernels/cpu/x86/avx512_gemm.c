@@ -42,9 +42,14 @@ static CV_ALWAYS_INLINE __m512 load_w512(const cv_dtype dt, const void *w, int64
     return _mm512_cvtph_ps(h);
 }
 
+/* With pf (the _pf kernels): the lines pf .. pf + 64 (min(pf_lines, kc) - 1)
+ * are asked for into L2 at even spacing over the k steps (cv_prefetch_spread),
+ * so that the next group's weights stream in while this tile computes instead
+ * of a burst between calls stalling the core on full miss buffers. */
 static CV_ALWAYS_INLINE void ukr_512(const int mr, const cv_dtype dt, const int packed, int64_t kc,
                                      const float *x, int64_t ldx, const void *w, size_t wstride,
-                                     float *c, int64_t ldc, int nvalid, const float *bias, int load_c) {
+                                     float *c, int64_t ldc, int nvalid, const float *bias, int load_c,
+                                     const char *pf, int64_t pf_lines) {
     enum { NP = UKR_NP_AVX512(mr) };
     __m512 acc[CV_MR][NP];
     const char *wq[NP];
@@ -65,7 +70,9 @@ static CV_ALWAYS_INLINE void ukr_512(const int mr, const cv_dtype dt, const int 
             acc[i][q] = a;
         }
     }
+    cv_prefetch_spread ps = cv_prefetch_spread_of(pf, pf_lines < kc ? pf_lines : kc, kc);
     for (int64_t k = 0; k < kc; k++) {
+        cv_prefetch_step(&ps);
         __m512 wv[NP];
 #pragma GCC unroll 4
         for (int q = 0; q < NP; q++) wv[q] = load_w512(dt, wq[q], k);
@@ -92,11 +99,21 @@ static CV_ALWAYS_INLINE void ukr_512(const int mr, const cv_dtype dt, const int 
     static void NAME(int64_t kc, const float *x, int64_t ldx, const void *w, size_t wstride,   \
                      float *c, int64_t ldc, int nvalid, const float *bias, int load_c) {        \
         if (ldx)                                                                                \
-            ukr_512(MR, DT, 0, kc, x, ldx, w, wstride, c, ldc, nvalid, bias, load_c);           \
+            ukr_512(MR, DT, 0, kc, x, ldx, w, wstride, c, ldc, nvalid, bias, load_c, NULL, 0);  \
         else                                                                                    \
-            ukr_512(MR, DT, 1, kc, x, ldx, w, wstride, c, ldc, nvalid, bias, load_c);           \
+            ukr_512(MR, DT, 1, kc, x, ldx, w, wstride, c, ldc, nvalid, bias, load_c, NULL, 0);  \
+    }                                                                                           \
+    static void NAME##_pf(int64_t kc, const float *x, int64_t ldx, const void *w, size_t wstride, \
+                          float *c, int64_t ldc, int nvalid, const float *bias, int load_c,     \
+                          const char *pf, int64_t pf_lines) {                                   \
+        if (ldx)                                                                                \
+            ukr_512(MR, DT, 0, kc, x, ldx, w, wstride, c, ldc, nvalid, bias, load_c, pf, pf_lines); \
+        else                                                                                    \
+            ukr_512(MR, DT, 1, kc, x, ldx, w, wstride, c, ldc, nvalid, bias, load_c, pf, pf_lines); \
     }
 UKR_TABLE(AVX512_UKR, avx512_, , cv_gemm_avx512_table)
+const cv_ukr_pf_fn cv_gemm_avx512_pf_table[3][CV_MR + 1] = {UKR_PF_LIST(avx512_f32_), UKR_PF_LIST(avx512_bf16_),
+                                                            UKR_PF_LIST(avx512_f16_)};
 CV_TARGET_END
 
 CV_TARGET_AVX512_BF16_BEGIN
