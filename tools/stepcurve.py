@@ -8,7 +8,7 @@ decoded one token. The KV pool is sized for B whole sequences, so none waits for
 model, fewer than 64 sequences of 161, and the rest would run afterwards in extra steps).
 A B whose steps never ran all B at once is reported as such, not as a step time.
 
-    python tools/stepcurve.py --batches 32,48,64 --threads 2
+    python tools/stepcurve.py --batches 32,48,64 --threads 2 [--model PATH --dtype float32]
 
 Prints the load average too: on a shared machine compare ratios within one run.
 --forward times the model's forward over B decode rows alone (conveyor._testing.ModelRunner,
@@ -81,12 +81,13 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=33, help="tokens generated per sequence")
-    ap.add_argument("--shape", default="smollm-135m")
+    ap.add_argument("--shape", default="smollm-135m", help="a random checkpoint of this shape (without --model)")
+    ap.add_argument("--model", default=None, help="a checkpoint to time instead")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--forward", action="store_true", help="time the model's forward alone (see above)")
     a = ap.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
-    model = str(random_checkpoint(shape=a.shape, dtype=a.dtype))
+    model = a.model or str(random_checkpoint(shape=a.shape, dtype=a.dtype))
     if a.forward:
         forward_curve(model, batches, a)
         return
