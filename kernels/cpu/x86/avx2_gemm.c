@@ -111,7 +111,10 @@ static CV_ALWAYS_INLINE void ukr_avx2(const int mr, const int np, const cv_dtype
     }                                                                                           \
     static void NAME(int64_t kc, const float *x, int64_t ldx, const void *w, size_t wstride,   \
                      float *c, int64_t ldc, int nvalid, const float *bias, int load_c) {        \
-        NAME##_pf(kc, x, ldx, w, wstride, c, ldc, nvalid, bias, load_c, NULL, 0);               \
+        if (ldx)                                                                                \
+            ukr_avx2(MR, UKR_NP_AVX2(MR), DT, 0, kc, x, ldx, w, wstride, c, ldc, nvalid, bias, load_c, NULL, 0); \
+        else                                                                                    \
+            ukr_avx2(MR, UKR_NP_AVX2(MR), DT, 1, kc, x, ldx, w, wstride, c, ldc, nvalid, bias, load_c, NULL, 0); \
     }
 UKR_TABLE(AVX_UKR, avx_, , cv_gemm_avx2_table)
 const cv_ukr_pf_fn cv_gemm_avx2_pf_table[3][CV_MR + 1] = {UKR_PF_LIST(avx_f32_), UKR_PF_LIST(avx_bf16_),
