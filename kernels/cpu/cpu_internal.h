@@ -147,47 +147,56 @@ static inline void cv_prefetch_slice(cv_prefetch_span *s) {
     for (; s->p < e; s->p += 64) __builtin_prefetch(s->p, 0, 2);
 }
 
-/* A span's next slice, for a kernel that asks for its lines itself, one per
- * step of its own loop (cv_prefetch_spread): *lines of them from the
- * returned start (at most max_lines; the rest is asked for at once), or
- * NULL when the span is done. */
-static inline const char *cv_prefetch_take(cv_prefetch_span *s, int64_t max_lines, int64_t *lines) {
+/* Most lines a kernel asks for per step of its loop (cv_prefetch_spread):
+ * a slice larger than one line a step (few tiles share a group of weights)
+ * is spread at up to this many a step instead of its excess asked for at
+ * once, which stalled the thread on full miss buffers. */
+#define CV_PREFETCH_LINES_PER_STEP 4
+
+/* A span's next slice, for a kernel that asks for its lines itself over the
+ * `steps` steps of its own loop (cv_prefetch_spread): *lines of them from the
+ * returned start (at most CV_PREFETCH_LINES_PER_STEP a step; the rest is
+ * asked for at once), or NULL when the span is done. */
+static inline const char *cv_prefetch_take(cv_prefetch_span *s, int64_t steps, int64_t *lines) {
     *lines = 0;
     if (!s->p || s->p >= s->end) return NULL;
     const char *start = s->p;
     const size_t left = (size_t)(s->end - s->p), take = left < s->step ? left : s->step;
-    const int64_t n = (int64_t)((take + 63) / 64);
-    *lines = n < max_lines ? n : max_lines;
+    const int64_t n = (int64_t)((take + 63) / 64), most = CV_PREFETCH_LINES_PER_STEP * steps;
+    *lines = n < most ? n : most;
     for (const char *q = start + (size_t)*lines * 64; q < start + take; q += 64) __builtin_prefetch(q, 0, 2);
     s->p = start + take;
     return *lines > 0 ? start : NULL;
 }
 
 /* Lines pf .. pf + 64 (lines - 1) asked for at even spacing over a loop of
- * `steps` steps (lines <= steps), one cv_prefetch_step per step, so that the
- * out-of-order core runs the loop's work past a prefetch that waits for a
- * miss buffer. A burst of prefetches between two kernel calls stalled the
- * thread instead. The line index is kept in 16.16 fixed point. */
+ * `steps` steps, one cv_prefetch_step per step, each line once (at most
+ * CV_PREFETCH_LINES_PER_STEP a step; lines beyond that are not asked for),
+ * so that the out-of-order core runs the loop's work past a prefetch that
+ * waits for a miss buffer. The lines due are kept in 16.16 fixed point,
+ * rounded up so that the last step reaches the last line. */
 typedef struct cv_prefetch_spread {
     const char *p;
-    uint64_t acc, inc, last;
+    uint64_t due, inc, next, lines;
 } cv_prefetch_spread;
 
 static inline cv_prefetch_spread cv_prefetch_spread_of(const char *pf, int64_t lines, int64_t steps) {
-    cv_prefetch_spread s = {NULL, 0, 0, 0};
+    cv_prefetch_spread s = {NULL, 0, 0, 0, 0};
     if (pf && lines > 0 && steps > 0) {
+        const int64_t most = CV_PREFETCH_LINES_PER_STEP * steps;
         s.p = pf;
-        s.last = (uint64_t)lines - 1;
-        s.inc = ((uint64_t)lines << 16) / (uint64_t)steps + 1; /* rounded up: the last line is reached */
+        s.lines = (uint64_t)(lines < most ? lines : most);
+        s.inc = ((s.lines << 16) + (uint64_t)steps - 1) / (uint64_t)steps;
     }
     return s;
 }
 
 static inline void cv_prefetch_step(cv_prefetch_spread *s) {
     if (!s->p) return;
-    const uint64_t line = s->acc >> 16;
-    __builtin_prefetch(s->p + ((line < s->last ? line : s->last) << 6), 0, 2);
-    s->acc += s->inc;
+    s->due += s->inc;
+    uint64_t upto = s->due >> 16;
+    if (upto > s->lines) upto = s->lines;
+    for (; s->next < upto; s->next++) __builtin_prefetch(s->p + (s->next << 6), 0, 2);
 }
 
 /* Runs fn(job) on nth threads of a dynamic region over n rows (about four

@@ -21,8 +21,8 @@
 /* A GEMM micro-kernel (contract in gemm_ukr.h). */
 typedef void (*cv_ukr_fn)(int64_t kc, const float *x, int64_t ldx, const void *w, size_t wstride, float *c,
                           int64_t ldc, int nvalid, const float *bias, int load_c);
-/* The same, also asking for the lines pf .. pf + 64 min(pf_lines, kc / 2)
- * (prefetch into L2) spread over its k steps: the bf16-pair kernels. */
+/* The same, also asking for the lines pf .. pf + 64 (pf_lines - 1) (prefetch
+ * into L2) spread over its k steps (cv_prefetch_spread). */
 typedef void (*cv_ukr_pf_fn)(int64_t kc, const float *x, int64_t ldx, const void *w, size_t wstride, float *c,
                              int64_t ldc, int nvalid, const float *bias, int load_c, const char *pf,
                              int64_t pf_lines);

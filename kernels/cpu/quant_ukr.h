@@ -93,8 +93,8 @@ void cv_qp16_unpack(void *dst, size_t row_bytes, const void *panel, cv_dtype t, 
 /* P panels (stride bytes apart) x T tokens (x_stride blocks apart): the
  * first nvalid rows' outputs y of token t go to out[t * ldo + row] (y + bias[row]
  * when bias, then out + that when accumulate). With pf, the lines pf .. pf +
- * 64 (pf_lines - 1) (pf_lines <= nb) are asked for into L2, spread over the
- * nb blocks (cv_prefetch_spread). */
+ * 64 (pf_lines - 1) are asked for into L2, spread over the nb blocks
+ * (cv_prefetch_spread). */
 typedef void (*cv_qp16_fn)(const void *w, size_t stride, int64_t nb, const cv_xq_block *x, int64_t x_stride,
                            float *out, int64_t ldo, int nvalid, const float *bias, int accumulate, const char *pf,
                            int64_t pf_lines);

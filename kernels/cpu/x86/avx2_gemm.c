@@ -38,8 +38,8 @@ static CV_ALWAYS_INLINE void load16_part(const float *p, int nv, __m256 *v0, __m
 }
 
 /* mr rows x np panels, one accumulator chain per output (gemm_ukr.h). With
- * pf (the _pf kernels), the lines pf .. pf + 64 (min(pf_lines, kc) - 1) are
- * asked for into L2, spread over the k steps (cv_prefetch_spread). */
+ * pf (the _pf kernels), the lines pf .. pf + 64 (pf_lines - 1) are asked for
+ * into L2, spread over the k steps (cv_prefetch_spread). */
 static CV_ALWAYS_INLINE void ukr_avx2(const int mr, const int np, const cv_dtype dt, const int packed,
                                       int64_t kc, const float *x, int64_t ldx, const void *w,
                                       size_t wstride, float *c, int64_t ldc, int nvalid,
@@ -63,7 +63,7 @@ static CV_ALWAYS_INLINE void ukr_avx2(const int mr, const int np, const cv_dtype
             }
         }
     }
-    cv_prefetch_spread ps = cv_prefetch_spread_of(pf, pf_lines < kc ? pf_lines : kc, kc);
+    cv_prefetch_spread ps = cv_prefetch_spread_of(pf, pf_lines, kc);
     for (int64_t k = 0; k < kc; k++) {
         cv_prefetch_step(&ps);
         __m256 w0[CV_GROUP], w1[CV_GROUP];

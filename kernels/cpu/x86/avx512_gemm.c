@@ -42,8 +42,8 @@ static CV_ALWAYS_INLINE __m512 load_w512(const cv_dtype dt, const void *w, int64
     return _mm512_cvtph_ps(h);
 }
 
-/* With pf (the _pf kernels): the lines pf .. pf + 64 (min(pf_lines, kc) - 1)
- * are asked for into L2 at even spacing over the k steps (cv_prefetch_spread),
+/* With pf (the _pf kernels): the lines pf .. pf + 64 (pf_lines - 1) are
+ * asked for into L2 at even spacing over the k steps (cv_prefetch_spread),
  * so that the next group's weights stream in while this tile computes instead
  * of a burst between calls stalling the core on full miss buffers. */
 static CV_ALWAYS_INLINE void ukr_512(const int mr, const cv_dtype dt, const int packed, int64_t kc,
@@ -70,7 +70,7 @@ static CV_ALWAYS_INLINE void ukr_512(const int mr, const cv_dtype dt, const int 
             acc[i][q] = a;
         }
     }
-    cv_prefetch_spread ps = cv_prefetch_spread_of(pf, pf_lines < kc ? pf_lines : kc, kc);
+    cv_prefetch_spread ps = cv_prefetch_spread_of(pf, pf_lines, kc);
     for (int64_t k = 0; k < kc; k++) {
         cv_prefetch_step(&ps);
         __m512 wv[NP];
@@ -119,8 +119,8 @@ CV_TARGET_END
 CV_TARGET_AVX512_BF16_BEGIN
 /* Pair layout: x bf16 [mr][ldx], each panel [kc/2][16][2] bf16, kc even.
  * Per k pair: 4 weight loads, mr broadcasts of (x[k], x[k+1]), 4 mr dots.
- * With pf (the _pf kernels): the lines pf .. pf + 64 min(pf_lines, kc/2)
- * are asked for into L2, one per k pair at even spacing (cv_prefetch_spread). */
+ * With pf (the _pf kernels): the lines pf .. pf + 64 (pf_lines - 1) are
+ * asked for into L2 at even spacing over the k pairs (cv_prefetch_spread). */
 static CV_ALWAYS_INLINE void ukr_dot(const int mr, int64_t kc, const float *xf, int64_t ldx,
                                      const void *w, size_t wstride, float *c, int64_t ldc, int nvalid,
                                      const float *bias, int load_c, const char *pf, int64_t pf_lines) {
@@ -138,7 +138,7 @@ static CV_ALWAYS_INLINE void ukr_dot(const int mr, int64_t kc, const float *xf, 
         for (int i = 0; i < mr; i++)
             acc[i][q] = load_c ? _mm512_add_ps(_mm512_maskz_loadu_ps(m, c + i * ldc + q * CV_NR), b) : b;
     }
-    cv_prefetch_spread ps = cv_prefetch_spread_of(pf, pf_lines < kp ? pf_lines : kp, kp);
+    cv_prefetch_spread ps = cv_prefetch_spread_of(pf, pf_lines, kp);
     for (int64_t p = 0; p < kp; p++) {
         cv_prefetch_step(&ps);
         __m512i wv[NP];

@@ -272,7 +272,7 @@ static CV_ALWAYS_INLINE void qp_tile(const cv_dtype type, const int P, const int
 #pragma GCC unroll 8
         for (int t = 0; t < T; t++) acc[p][t] = _mm512_setzero_ps();
     const __m512i low4 = _mm512_set1_epi8(0x0f);
-    cv_prefetch_spread ps = cv_prefetch_spread_of(pf, pf_lines < nb ? pf_lines : nb, nb);
+    cv_prefetch_spread ps = cv_prefetch_spread_of(pf, pf_lines, nb);
     for (int64_t i = 0; i < nb; i++) {
         cv_prefetch_step(&ps);
         __m512 dw[4], mw[4];
@@ -421,7 +421,7 @@ static CV_ALWAYS_INLINE void qk_tile(const cv_dtype type, const int P, const int
 #pragma GCC unroll 8
         for (int t = 0; t < T; t++) acc[p][t] = _mm512_setzero_ps();
     const __m512i low4 = _mm512_set1_epi8(0x0f);
-    cv_prefetch_spread ps = cv_prefetch_spread_of(pf, pf_lines < nb ? pf_lines : nb, nb);
+    cv_prefetch_spread ps = cv_prefetch_spread_of(pf, pf_lines, nb);
     __m512 kdw[4][8], kmw[4][8]; /* sc NULL: the super-block's scales */
     const size_t sbytes = qk_bytes(type), wq = qk_q(type);
     const __m512i sixteen = _mm512_set1_epi8(16);
