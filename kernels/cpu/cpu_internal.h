@@ -170,33 +170,41 @@ static inline const char *cv_prefetch_take(cv_prefetch_span *s, int64_t steps, i
 }
 
 /* Lines pf .. pf + 64 (lines - 1) asked for at even spacing over a loop of
- * `steps` steps, one cv_prefetch_step per step, each line once (at most
- * CV_PREFETCH_LINES_PER_STEP a step; lines beyond that are not asked for),
- * so that the out-of-order core runs the loop's work past a prefetch that
- * waits for a miss buffer. The lines due are kept in 16.16 fixed point,
- * rounded up so that the last step reaches the last line. */
+ * `steps` steps, one cv_prefetch_step per step, so that the out-of-order core
+ * runs the loop's work past a prefetch that waits for a miss buffer. Each
+ * step asks for `per` lines together (per = lines / steps rounded up, at most
+ * CV_PREFETCH_LINES_PER_STEP; lines beyond that are not asked for), the
+ * groups of `per` spread in 16.16 fixed point. A step always asks for the
+ * same number (a group may be asked for twice): a count that changed from
+ * step to step cost branch mispredictions in the kernels' inner loops. */
 typedef struct cv_prefetch_spread {
     const char *p;
-    uint64_t due, inc, next, lines;
+    uint64_t acc, inc, last_group, last_line;
+    int per;
 } cv_prefetch_spread;
 
 static inline cv_prefetch_spread cv_prefetch_spread_of(const char *pf, int64_t lines, int64_t steps) {
-    cv_prefetch_spread s = {NULL, 0, 0, 0, 0};
+    cv_prefetch_spread s = {NULL, 0, 0, 0, 0, 0};
     if (pf && lines > 0 && steps > 0) {
-        const int64_t most = CV_PREFETCH_LINES_PER_STEP * steps;
+        const int64_t most = CV_PREFETCH_LINES_PER_STEP * steps, n = lines < most ? lines : most;
+        const int64_t per = (n + steps - 1) / steps, groups = (n + per - 1) / per;
         s.p = pf;
-        s.lines = (uint64_t)(lines < most ? lines : most);
-        s.inc = ((s.lines << 16) + (uint64_t)steps - 1) / (uint64_t)steps;
+        s.per = (int)per;
+        s.last_line = (uint64_t)n - 1;
+        s.last_group = (uint64_t)groups - 1;
+        s.inc = ((uint64_t)groups << 16) / (uint64_t)steps + 1; /* rounded up: the last group is reached */
     }
     return s;
 }
 
 static inline void cv_prefetch_step(cv_prefetch_spread *s) {
     if (!s->p) return;
-    s->due += s->inc;
-    uint64_t upto = s->due >> 16;
-    if (upto > s->lines) upto = s->lines;
-    for (; s->next < upto; s->next++) __builtin_prefetch(s->p + (s->next << 6), 0, 2);
+    const uint64_t g = s->acc >> 16, first = (g < s->last_group ? g : s->last_group) * (uint64_t)s->per;
+    for (int i = 0; i < s->per; i++) {
+        const uint64_t line = first + (uint64_t)i;
+        __builtin_prefetch(s->p + ((line < s->last_line ? line : s->last_line) << 6), 0, 2);
+    }
+    s->acc += s->inc;
 }
 
 /* Runs fn(job) on nth threads of a dynamic region over n rows (about four
