@@ -432,23 +432,16 @@ static void group_pass(const gemm_job *j, int64_t g, int64_t m0, int64_t mlen, i
                 const char *wp = (const char *)w->data + (size_t)p * pstride + (size_t)k0 * CV_NR * esz;
                 const float *bp = (first && j->bias) ? j->bias + r0 : NULL;
                 float *o = j->out + (size_t)t * (size_t)rows + (size_t)r0;
-                if (j->pairs) {
-                    const float *xh = (const float *)(const void *)((const uint16_t *)(const void *)xp +
-                                                                      (t - m0) * cols + k0);
-                    if (pfp)
-                        j->table_pf[mr](klen, xh, cols, wp, pstride, o, rows, nvalid, bp, load_c, pfp, pfl);
-                    else
-                        j->table[mr](klen, xh, cols, wp, pstride, o, rows, nvalid, bp, load_c);
-                } else {
-                    /* x packed (ldx 0) or in place */
-                    const int64_t ldx = xp ? 0 : cols;
-                    const float *xt = xp ? xp + (t - m0) * cols + k0 * mr
-                                         : xb + (size_t)(t - m0) * (size_t)cols + (size_t)k0;
-                    if (pfp)
-                        j->table_pf[mr](klen, xt, ldx, wp, pstride, o, rows, nvalid, bp, load_c, pfp, pfl);
-                    else
-                        j->table[mr](klen, xt, ldx, wp, pstride, o, rows, nvalid, bp, load_c);
-                }
+                /* x: the block's bf16 rows (pairs), packed tiles (ldx 0), or in place */
+                const int64_t ldx = j->pairs || !xp ? cols : 0;
+                const float *xt =
+                    j->pairs ? (const float *)(const void *)((const uint16_t *)(const void *)xp + (t - m0) * cols + k0)
+                    : xp     ? xp + (t - m0) * cols + k0 * mr
+                             : xb + (size_t)(t - m0) * (size_t)cols + (size_t)k0;
+                if (pfp)
+                    j->table_pf[mr](klen, xt, ldx, wp, pstride, o, rows, nvalid, bp, load_c, pfp, pfl);
+                else
+                    j->table[mr](klen, xt, ldx, wp, pstride, o, rows, nvalid, bp, load_c);
                 pfp = NULL;
             }
             t += mr;

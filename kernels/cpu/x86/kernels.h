@@ -12,7 +12,8 @@
 
 #if CV_HAVE_AVX2
 /* avx2_gemm.c, avx512_gemm.c: the micro-kernels [dt_index][mr] (gemm_ukr.h),
- * and the AVX512_BF16 ones of the pair layout (vdpbf16ps) [mr]. */
+ * and the AVX512_BF16 ones of the pair layout (vdpbf16ps) [mr], each with and
+ * without prefetching (_pf_table). */
 extern const cv_ukr_fn cv_gemm_avx2_table[3][CV_MR + 1];
 extern const cv_ukr_pf_fn cv_gemm_avx2_pf_table[3][CV_MR + 1];
 extern const cv_ukr_fn cv_gemm_avx512_table[3][CV_MR + 1];
