@@ -250,6 +250,11 @@ typedef struct cv_gemm_in {
 } cv_gemm_in;
 
 /* gemm.c */
+/* Asks for huge pages over the 2 MiB-aligned interior of a weight buffer
+ * (aligned_alloc'd, not yet written): streaming hundreds of MB through 4 KiB
+ * pages costs a TLB walk every 64 lines and stops the hardware prefetchers at
+ * each page. Advice only. */
+void cv_cpu_advise_huge(void *p, size_t bytes);
 int cv_cpu_matrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dtype src_dtype,
                           int64_t rows, int64_t cols, cv_dtype dtype, cv_err *err);
 void cv_cpu_matrix_free(cv_backend *b, cv_matrix *m);

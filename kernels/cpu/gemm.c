@@ -118,6 +118,7 @@ int cv_cpu_matrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dty
     }
     bytes = (bytes + 63) & ~(size_t)63; /* aligned_alloc wants a multiple of the alignment */
     data = aligned_alloc(64, bytes);
+    cv_cpu_advise_huge(data, bytes);
     int nth = cv_threads_for(c, (double)rows * (double)cols, 1 << 16);
     if (nth > n_panels) nth = (int)n_panels;
     if (!cv_mul_size((size_t)nth * 2 * sizeof(float), (size_t)cols, &tbytes)) tbytes = SIZE_MAX;
