@@ -45,6 +45,11 @@ def main() -> int:
     args = ap.parse_args()
     qtypes = [t for t in args.types.split(",") if t]
     tokens = [int(t) for t in args.tokens.split(",") if t]
+    kquants = [q for q in qtypes if q.endswith("_k")]
+    narrow = [n for n, (_, cols) in SHAPE_SETS[args.shapes].items() if cols % 256]
+    if kquants and narrow:
+        ap.error(f"{', '.join(kquants)} need columns in whole 256-element super-blocks, which "
+                 f"{', '.join(narrow)} of --shapes {args.shapes} lack: use --shapes gemma")
     rng = np.random.default_rng(0)
     print(f"level {args.level} (best here: {_testing.kernel_qlevels()['best']}), threads {args.threads or 'all'}")
     print(f"{'shape':18} {'n':>4} {'bf16 GF/s':>10} " + " ".join(f"{q + ' GOP/s':>11} {'/bf16':>6}" for q in qtypes))
