@@ -405,7 +405,13 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
         const int nk = (int)(k_hi - c0 < CV_ATT_KCHUNK ? k_hi - c0 : CV_ATT_KCHUNK);
         const void *const *kp = kp2[cur], *const *vp = vp2[cur];
         const int64_t c1 = c0 + CV_ATT_KCHUNK;
-        prefetch_next(j, &rows, c1, k_hi, next, kp2[!cur], vp2[!cur], 1);
+        /* bf16 kernels take the next chunk's rows and spread their prefetch
+         * over their loops; the others get it as a burst before each pass */
+        const int nk_next = c1 < k_hi ? (int)(k_hi - c1 < CV_ATT_KCHUNK ? k_hi - c1 : CV_ATT_KCHUNK) : 0;
+        if (bf16_dot && nk_next)
+            chunk_rows(&rows, c1, nk_next, kp2[!cur], vp2[!cur], 0);
+        else
+            prefetch_next(j, &rows, c1, k_hi, next, kp2[!cur], vp2[!cur], 1);
         if (i8) chunk_scales(&rows, c0, nk, ksc, vsc, 0);
         for (int v = 0; v < nv; v++) {
             const int64_t n_ok = vpos[v] - c0 + 1;
@@ -413,11 +419,11 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
             if (bt->window > 0 && c0 + nval[v] <= vpos[v] - bt->window + 1) nval[v] = 0; /* all before the window */
         }
         if (bf16_dot) {
-            k->att_scores_bf16(sc, qb, hd, nv, nval, kp);
-            prefetch_next(j, &rows, c1, k_hi, next, kp2[!cur], vp2[!cur], 2);
+            k->att_scores_bf16(sc, qb, hd, nv, nval, kp, nk_next ? kp2[!cur] : NULL, nk_next);
+            if (!nk_next) prefetch_next(j, &rows, c1, k_hi, next, kp2[!cur], vp2[!cur], 2);
             if (bt->window > 0) window_mask(sc, nv, nval, vpos, c0, bt->window);
             k->att_softmax(sc, nk, nv, nval, m, l, alpha);
-            k->att_pv_bf16(acc, sc, alpha, hd, nv, nval, vp);
+            k->att_pv_bf16(acc, sc, alpha, hd, nv, nval, vp, nk_next ? vp2[!cur] : NULL, nk_next);
             continue;
         }
         k->att_scores(sc, qt, hd, nv, nval, kp, kv->dtype, row);

@@ -71,12 +71,15 @@ typedef struct cv_cpu_kernels {
     void (*att_pv)(float *acc, const float *sc, const float *alpha, int64_t hd, int nv, const int *nval,
                    const void *const *vp, cv_dtype dt, float *row);
     /* Over a bf16 cache with vdpbf16ps (NULL where the level has none): the
-     * scaled queries rounded once per tile, then scores and P.V on them. */
+     * scaled queries rounded once per tile, then scores and P.V on them.
+     * pf[npf] (NULL: none): the next chunk's K rows (scores) or V rows (P.V),
+     * asked for a few at a time over the call's loop, so that they arrive
+     * while this chunk computes without one burst filling the miss buffers. */
     void (*att_round_q_bf16)(uint16_t *qb, const float *qt, int64_t hd, int nv);
     void (*att_scores_bf16)(float *sc, const uint16_t *qb, int64_t hd, int nv, const int *nval,
-                            const void *const *kp);
+                            const void *const *kp, const void *const *pf, int npf);
     void (*att_pv_bf16)(float *acc, const float *sc, const float *alpha, int64_t hd, int nv, const int *nval,
-                        const void *const *vp);
+                        const void *const *vp, const void *const *pf, int npf);
 
     /* LoRA (lora.c), over nr <= CV_LORA_ROWS rows of one adapter at once,
      * its weights float32 or (bf16) bf16: the shrink t[i][r] = x[i] . a[r][in]

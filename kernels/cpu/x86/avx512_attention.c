@@ -377,6 +377,16 @@ static CV_ALWAYS_INLINE void transpose16(__m512i *r) {
     }
 }
 
+/* Rows [r0, r1) of pf (row_bytes each) asked for: the slice of the next
+ * chunk's rows that one step of a kernel's loop takes. */
+static CV_ALWAYS_INLINE void prefetch_rows(const void *const *pf, int r0, int r1, size_t row_bytes) {
+    for (int r = r0; r < r1; r++) {
+        const char *row = (const char *)pf[r];
+        for (size_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b);
+        __builtin_prefetch(row + row_bytes - 1);
+    }
+}
+
 /* Dims [d0, d0 + 32) of the chunk's keys as pairs by key: kt[p][i] =
  * (K_i[d0 + 2p], K_i[d0 + 2p + 1]) for p < 16 and i < 16 nkb; dims past
  * head_dim and keys past nk are zero. */
@@ -436,13 +446,19 @@ static CV_ALWAYS_INLINE void scores_slab(float *sc, const uint16_t *q, int64_t s
  * pairs of dims (32 dims at a time), so no lane sums are needed. A score is
  * the sum over head_dim's pairs in increasing order, whatever the tile. */
 void cv_att_scores_bf16(float *sc, const uint16_t *qb, int64_t hd, int nv, const int *nval,
-                        const void *const *kp) {
+                        const void *const *kp, const void *const *pf, int npf) {
     const int64_t st = cv_att_qb_stride(hd);
     const int nk = cv_att_max_valid(nval, 0, nv);
-    if (nk <= 0) return;
+    const size_t row_bytes = (size_t)hd * sizeof(uint16_t);
+    if (nk <= 0) {
+        if (pf) prefetch_rows(pf, 0, npf, row_bytes);
+        return;
+    }
     const int nkb = nk > 16 ? 2 : 1;
     _Alignas(64) uint32_t kt[16][CV_ATT_KCHUNK];
-    for (int64_t d0 = 0; d0 < hd; d0 += 32) {
+    const int64_t steps = (hd + 31) / 32; /* the next chunk's K rows, a share per 32 dims */
+    for (int64_t d0 = 0, s = 0; d0 < hd; d0 += 32, s++) {
+        if (pf) prefetch_rows(pf, (int)(npf * s / steps), (int)(npf * (s + 1) / steps), row_bytes);
         transpose_keys(kt, kp, nk, nkb, d0, hd);
         for (int v0 = 0; v0 < nv;) {
             const int left = nv - v0, nvg = left <= 8 ? left : (left + 1) / 2 < 8 ? (left + 1) / 2 : 8;
@@ -496,7 +512,7 @@ static CV_ALWAYS_INLINE void pv_pair_bf16(__m512 *a, const uint32_t *pb, const u
  * vector v; a missing V_2m+1 (odd nk) is zero. */
 static CV_ALWAYS_INLINE void pv_blk_bf16(float *acc, const uint32_t *pb, const float *alpha, int64_t hd,
                                          int64_t d0, const int NV, const int DB, int nk,
-                                         const void *const *vp) {
+                                         const void *const *vp, const void *const *pf, int npf) {
     /* word 2j of a pair register from row a, word 2j + 1 from row b */
     static const uint16_t interleave[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                             8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
@@ -512,9 +528,18 @@ static CV_ALWAYS_INLINE void pv_blk_bf16(float *acc, const uint32_t *pb, const f
             a[v * 2 * DB + b] = _mm512_mul_ps(
                 _mm512_maskz_loadu_ps(att_mask(hd - d0 - 16 * b), acc + v * hd + d0 + 16 * b), al);
     }
+    /* the next chunk's V rows (pf, the first pass over dims only): a share per key pair */
+    const size_t row_bytes = (size_t)hd * sizeof(uint16_t);
+    const int pairs = (nk + 1) / 2;
     int i = 0;
-    for (; i + 1 < nk; i += 2) pv_pair_bf16(a, pb + i / 2, vp[i], vp[i + 1], 1, d0, NV, DB, mk, ilo, ihi);
-    if (i < nk) pv_pair_bf16(a, pb + i / 2, vp[i], NULL, 0, d0, NV, DB, mk, ilo, ihi);
+    for (; i + 1 < nk; i += 2) {
+        if (pf) prefetch_rows(pf, npf * (i / 2) / pairs, npf * (i / 2 + 1) / pairs, row_bytes);
+        pv_pair_bf16(a, pb + i / 2, vp[i], vp[i + 1], 1, d0, NV, DB, mk, ilo, ihi);
+    }
+    if (i < nk) {
+        if (pf) prefetch_rows(pf, npf * (i / 2) / pairs, npf, row_bytes);
+        pv_pair_bf16(a, pb + i / 2, vp[i], NULL, 0, d0, NV, DB, mk, ilo, ihi);
+    }
 #pragma GCC unroll 4
     for (int v = 0; v < NV; v++)
 #pragma GCC unroll 4
@@ -523,14 +548,15 @@ static CV_ALWAYS_INLINE void pv_blk_bf16(float *acc, const uint32_t *pb, const f
 }
 
 static CV_ALWAYS_INLINE void pv_group_bf16(float *acc, const uint32_t *pb, const float *alpha, int64_t hd,
-                                           const int NV, int nk, const void *const *vp) {
+                                           const int NV, int nk, const void *const *vp, const void *const *pf,
+                                           int npf) {
     int64_t d = 0;
-    for (; d + 64 <= hd; d += 64) pv_blk_bf16(acc, pb, alpha, hd, d, NV, 2, nk, vp);
-    for (; d < hd; d += 32) pv_blk_bf16(acc, pb, alpha, hd, d, NV, 1, nk, vp);
+    for (; d + 64 <= hd; d += 64, pf = NULL) pv_blk_bf16(acc, pb, alpha, hd, d, NV, 2, nk, vp, pf, npf);
+    for (; d < hd; d += 32, pf = NULL) pv_blk_bf16(acc, pb, alpha, hd, d, NV, 1, nk, vp, pf, npf);
 }
 
 void cv_att_pv_bf16(float *acc, const float *sc, const float *alpha, int64_t hd, int nv,
-                    const int *nval, const void *const *vp) {
+                    const int *nval, const void *const *vp, const void *const *pf, int npf) {
     /* probabilities as bf16 pairs of keys; zero past the chunk's valid keys */
     uint32_t pb[CV_ATT_TILE * CV_ATT_KCHUNK / 2];
     const int nk_all = cv_att_max_valid(nval, 0, nv);
@@ -545,14 +571,18 @@ void cv_att_pv_bf16(float *acc, const float *sc, const float *alpha, int64_t hd,
         float *a = acc + v0 * hd;
         const uint32_t *p = pb + v0 * (CV_ATT_KCHUNK / 2);
         const float *al = alpha + v0;
+        /* the next chunk's V rows, spread over the first group's pass (nk > 0) */
+        const void *const *gpf = nk > 0 ? pf : NULL;
         switch (nvg) {
-        case 1: pv_group_bf16(a, p, al, hd, 1, nk, vp); break;
-        case 2: pv_group_bf16(a, p, al, hd, 2, nk, vp); break;
-        case 3: pv_group_bf16(a, p, al, hd, 3, nk, vp); break;
-        default: pv_group_bf16(a, p, al, hd, 4, nk, vp); break;
+        case 1: pv_group_bf16(a, p, al, hd, 1, nk, vp, gpf, npf); break;
+        case 2: pv_group_bf16(a, p, al, hd, 2, nk, vp, gpf, npf); break;
+        case 3: pv_group_bf16(a, p, al, hd, 3, nk, vp, gpf, npf); break;
+        default: pv_group_bf16(a, p, al, hd, 4, nk, vp, gpf, npf); break;
         }
+        if (gpf) pf = NULL;
         v0 += nvg;
     }
+    if (pf) prefetch_rows(pf, 0, npf, (size_t)hd * sizeof(uint16_t)); /* no group had a valid key */
 }
 CV_TARGET_END
 #endif

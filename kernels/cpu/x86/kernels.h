@@ -92,9 +92,9 @@ void cv_att_softmax_avx512(float *sc, int nk, int nv, const int *nval, float *m,
 int64_t cv_att_qb_stride(int64_t hd);
 void cv_att_round_q_bf16(uint16_t *qb, const float *qt, int64_t hd, int nv);
 void cv_att_scores_bf16(float *sc, const uint16_t *qb, int64_t hd, int nv, const int *nval,
-                        const void *const *kp);
+                        const void *const *kp, const void *const *pf, int npf);
 void cv_att_pv_bf16(float *acc, const float *sc, const float *alpha, int64_t hd, int nv,
-                    const int *nval, const void *const *vp);
+                    const int *nval, const void *const *vp, const void *const *pf, int npf);
 #endif
 
 #endif /* CV_X86_KERNELS_H */
