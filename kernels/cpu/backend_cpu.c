@@ -102,17 +102,6 @@ typedef struct cpu_alloc_hdr {
 } cpu_alloc_hdr;
 #define CPU_HDR_ROOM 64 /* >= sizeof(cpu_alloc_hdr), keeps the pointer 64-byte aligned */
 
-void cv_cpu_advise_huge(void *p, size_t bytes) {
-#ifdef MADV_HUGEPAGE
-    const uintptr_t huge = (uintptr_t)2 << 20;
-    const uintptr_t lo = ((uintptr_t)p + huge - 1) & ~(huge - 1), hi = ((uintptr_t)p + bytes) & ~(huge - 1);
-    if (p && hi > lo) (void)madvise((void *)lo, hi - lo, MADV_HUGEPAGE);
-#else
-    (void)p;
-    (void)bytes;
-#endif
-}
-
 static void *cpu_alloc(cv_backend *b, size_t bytes) {
     (void)b;
     if (bytes > SIZE_MAX - 2 * CPU_HDR_ROOM) return NULL;

@@ -5,6 +5,7 @@
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/mman.h>
 
 #include "../backend.h"
 #include "cpu_backend.h"
@@ -254,7 +255,16 @@ typedef struct cv_gemm_in {
  * (aligned_alloc'd, not yet written): streaming hundreds of MB through 4 KiB
  * pages costs a TLB walk every 64 lines and stops the hardware prefetchers at
  * each page. Advice only. */
-void cv_cpu_advise_huge(void *p, size_t bytes);
+static inline void cv_cpu_advise_huge(void *p, size_t bytes) {
+#ifdef MADV_HUGEPAGE
+    const uintptr_t huge = (uintptr_t)2 << 20;
+    const uintptr_t lo = ((uintptr_t)p + huge - 1) & ~(huge - 1), hi = ((uintptr_t)p + bytes) & ~(huge - 1);
+    if (p && hi > lo) (void)madvise((void *)lo, hi - lo, MADV_HUGEPAGE);
+#else
+    (void)p;
+    (void)bytes;
+#endif
+}
 int cv_cpu_matrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dtype src_dtype,
                           int64_t rows, int64_t cols, cv_dtype dtype, cv_err *err);
 void cv_cpu_matrix_free(cv_backend *b, cv_matrix *m);
