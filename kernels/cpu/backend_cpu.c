@@ -109,9 +109,7 @@ static void *cpu_alloc(cv_backend *b, size_t bytes) {
         const size_t total = bytes + CPU_HDR_ROOM;
         void *base = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (base == MAP_FAILED) return NULL;
-#ifdef MADV_HUGEPAGE
-        (void)madvise(base, total, MADV_HUGEPAGE); /* advice only: no THP is fine */
-#endif
+        cv_cpu_advise_huge(base, total);
         char *p = (char *)base + CPU_HDR_ROOM;
         cpu_alloc_hdr *h = (cpu_alloc_hdr *)(void *)p - 1;
         h->raw = NULL;
