@@ -261,6 +261,12 @@ static void chunk_scales(const att_rows *r, int64_t c0, int nk, float *ksc, floa
     }
 }
 
+/* Keys in the chunk that starts at key c of a run ending before key end:
+ * at most CV_ATT_KCHUNK, 0 when c is past the run. */
+static inline int chunk_keys(int64_t c, int64_t end) {
+    return c >= end ? 0 : (int)(end - c < CV_ATT_KCHUNK ? end - c : CV_ATT_KCHUNK);
+}
+
 /* Row pointers of keys [c0, c0 + nk): the block table walked from c0 (one
  * division per chunk, not per key). With prefetch, also asks for their
  * cache lines: the rows of the next chunk arrive while this one computes. */
@@ -314,8 +320,7 @@ static void prefetch_queries(const att_job *j, const att_tile *t) {
     for (int64_t jt = t->j0; jt < t->j1; jt++) {
         const char *src = (const char *)(j->q + (size_t)(j->bt->query_start[t->s] + jt) * (size_t)j->q_stride +
                                          (size_t)((t->h * j->G + t->g0) * hd));
-        for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch(src + o);
-        __builtin_prefetch(src + bytes - 1);
+        cv_prefetch_bytes(src, bytes);
     }
 }
 
@@ -325,7 +330,7 @@ static void prefetch_tile(const att_job *j, const att_tile *t, int what) {
     const att_rows rows = tile_rows(j, t);
     const int64_t keys = tile_keys(j, t);
     const void *kp[CV_ATT_KCHUNK], *vp[CV_ATT_KCHUNK];
-    if (keys > 0) chunk_rows(&rows, 0, (int)(keys < CV_ATT_KCHUNK ? keys : CV_ATT_KCHUNK), kp, vp, what);
+    if (keys > 0) chunk_rows(&rows, 0, chunk_keys(0, keys), kp, vp, what);
     if (what & 2) prefetch_queries(j, t);
 }
 
@@ -340,7 +345,7 @@ static void prefetch_tile(const att_job *j, const att_tile *t, int what) {
  * in 4 of 5 pairs). */
 static void prefetch_next(const att_job *j, const att_rows *rows, int64_t c1, int64_t k_hi,
                           const att_tile *next, const void **kp, const void **vp, int what) {
-    if (c1 < k_hi) chunk_rows(rows, c1, (int)(k_hi - c1 < CV_ATT_KCHUNK ? k_hi - c1 : CV_ATT_KCHUNK), kp, vp, what);
+    if (c1 < k_hi) chunk_rows(rows, c1, chunk_keys(c1, k_hi), kp, vp, what);
     else if (next) prefetch_tile(j, next, what);
 }
 
@@ -385,7 +390,7 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
     /* the first chunk's rows are asked for (prefetch) before the queries are
      * set up, so that their cache misses overlap that work */
     if (k_lo < k_hi)
-        chunk_rows(&rows, k_lo, (int)(k_hi - k_lo < CV_ATT_KCHUNK ? k_hi - k_lo : CV_ATT_KCHUNK), kp2[0], vp2[0], 3);
+        chunk_rows(&rows, k_lo, chunk_keys(k_lo, k_hi), kp2[0], vp2[0], 3);
     for (int v = 0; v < nv; v++) {
         const int64_t jt = t->j0 + v / ng, g = t->g0 + v % ng;
         const float *src = j->q + (size_t)(bt->query_start[t->s] + jt) * (size_t)j->q_stride +
@@ -402,12 +407,12 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
     uint16_t *qb = (uint16_t *)row;
     if (bf16_dot) k->att_round_q_bf16(qb, qt, hd, nv);
     for (int64_t c0 = k_lo; c0 < k_hi; c0 += CV_ATT_KCHUNK, cur = !cur) {
-        const int nk = (int)(k_hi - c0 < CV_ATT_KCHUNK ? k_hi - c0 : CV_ATT_KCHUNK);
+        const int nk = chunk_keys(c0, k_hi);
         const void *const *kp = kp2[cur], *const *vp = vp2[cur];
         const int64_t c1 = c0 + CV_ATT_KCHUNK;
         /* bf16 kernels take the next chunk's rows and spread their prefetch
          * over their loops; the others get it as a burst before each pass */
-        const int nk_next = c1 < k_hi ? (int)(k_hi - c1 < CV_ATT_KCHUNK ? k_hi - c1 : CV_ATT_KCHUNK) : 0;
+        const int nk_next = chunk_keys(c1, k_hi);
         if (bf16_dot && nk_next)
             chunk_rows(&rows, c1, nk_next, kp2[!cur], vp2[!cur], 0);
         else

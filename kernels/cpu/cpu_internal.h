@@ -129,6 +129,28 @@ static inline int cv_rows_claim(cv_rows *r, int64_t *t0, int64_t *t1) {
     return 1;
 }
 
+/* Asks for huge pages over the 2 MiB-aligned interior of a large buffer not
+ * yet written (the weights, the KV pool, activations): streaming hundreds of
+ * MB through 4 KiB pages costs a TLB walk every 64 lines and stops the
+ * hardware prefetchers at each page. Advice only: no THP is fine. */
+static inline void cv_cpu_advise_huge(void *p, size_t bytes) {
+#ifdef MADV_HUGEPAGE
+    const uintptr_t huge = (uintptr_t)2 << 20;
+    const uintptr_t lo = ((uintptr_t)p + huge - 1) & ~(huge - 1), hi = ((uintptr_t)p + bytes) & ~(huge - 1);
+    if (p && hi > lo) (void)madvise((void *)lo, hi - lo, MADV_HUGEPAGE);
+#else
+    (void)p;
+    (void)bytes;
+#endif
+}
+/* Every cache line of [p, p + bytes) asked for at once (bytes > 0), the last
+ * byte's too: a span that starts mid-line ends in one more line. */
+static inline void cv_prefetch_bytes(const void *p, size_t bytes) {
+    const char *c = (const char *)p;
+    for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o);
+    __builtin_prefetch(c + bytes - 1);
+}
+
 /* A byte range asked for (prefetch into L2) in even slices of whole lines,
  * one slice per cv_prefetch_slice call, so that it arrives over `calls` units
  * of other work instead of all at once. A zero span asks for nothing. */
@@ -251,20 +273,6 @@ typedef struct cv_gemm_in {
 } cv_gemm_in;
 
 /* gemm.c */
-/* Asks for huge pages over the 2 MiB-aligned interior of a weight buffer
- * (aligned_alloc'd, not yet written): streaming hundreds of MB through 4 KiB
- * pages costs a TLB walk every 64 lines and stops the hardware prefetchers at
- * each page. Advice only. */
-static inline void cv_cpu_advise_huge(void *p, size_t bytes) {
-#ifdef MADV_HUGEPAGE
-    const uintptr_t huge = (uintptr_t)2 << 20;
-    const uintptr_t lo = ((uintptr_t)p + huge - 1) & ~(huge - 1), hi = ((uintptr_t)p + bytes) & ~(huge - 1);
-    if (p && hi > lo) (void)madvise((void *)lo, hi - lo, MADV_HUGEPAGE);
-#else
-    (void)p;
-    (void)bytes;
-#endif
-}
 int cv_cpu_matrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dtype src_dtype,
                           int64_t rows, int64_t cols, cv_dtype dtype, cv_err *err);
 void cv_cpu_matrix_free(cv_backend *b, cv_matrix *m);

@@ -380,11 +380,7 @@ static CV_ALWAYS_INLINE void transpose16(__m512i *r) {
 /* Rows [r0, r1) of pf (row_bytes each) asked for: the slice of the next
  * chunk's rows that one step of a kernel's loop takes. */
 static CV_ALWAYS_INLINE void prefetch_rows(const void *const *pf, int r0, int r1, size_t row_bytes) {
-    for (int r = r0; r < r1; r++) {
-        const char *row = (const char *)pf[r];
-        for (size_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b);
-        __builtin_prefetch(row + row_bytes - 1);
-    }
+    for (int r = r0; r < r1; r++) cv_prefetch_bytes(pf[r], row_bytes);
 }
 
 /* Dims [d0, d0 + 32) of the chunk's keys as pairs by key: kt[p][i] =
