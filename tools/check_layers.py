@@ -36,7 +36,7 @@ OPERATIONS = {  # family -> files; an operation calls only within its family (or
     "lora": ["kernels/cpu/lora.c"],
 }
 SHARED = ["kernels/cpu/kv_write.c", "kernels/cpu/row_kernels.c", "kernels/cpu/convert.c", "kernels/cpu/threadpool.c",
-          "kernels/cpu/cpu_features.c",
+          "kernels/cpu/cpu_features.c", "kernels/cpu/weight_arena.c",
           # the SIMD kernels of each level, reached through the kernel table (kernel_table.c)
           "kernels/cpu/x86/avx2_gemm.c", "kernels/cpu/x86/avx512_gemm.c", "kernels/cpu/x86/avx2_attention.c",
           "kernels/cpu/x86/avx512_attention.c", "kernels/cpu/x86/avx2_rows.c", "kernels/cpu/x86/avx512_rows.c",

@@ -9,7 +9,7 @@ static int testing_exec(PyObject *m) {
     if (cv_py_add_core_errors(m) < 0) return -1;
     if (cv_py_add_kernels(m) < 0 || cv_py_add_quant(m) < 0 || cv_py_add_cuda(m) < 0 ||
         cv_py_add_sampler(m) < 0 || cv_py_add_scheduler(m) < 0 || cv_py_add_model(m) < 0 ||
-        cv_py_add_score_merges(m) < 0)
+        cv_py_add_score_merges(m) < 0 || cv_py_add_weight_arena(m) < 0)
         return -1;
     return 0;
 }

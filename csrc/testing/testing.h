@@ -17,5 +17,6 @@ int cv_py_add_sampler(PyObject *m);      /* py_sampler.c      */
 int cv_py_add_scheduler(PyObject *m);    /* py_scheduler.c    */
 int cv_py_add_model(PyObject *m);        /* py_model.c        */
 int cv_py_add_score_merges(PyObject *m); /* py_score_merges.c */
+int cv_py_add_weight_arena(PyObject *m); /* py_weight_arena.c */
 
 #endif

@@ -11,6 +11,7 @@
 #include "cpu_backend.h"
 #include "cpu_features.h"
 #include "threadpool.h"
+#include "weight_arena.h"
 
 /* The SIMD paths (x86/) are compiled on every x86-64 build, each function
  * for its own target (CV_TARGET_*_BEGIN/END in cpu_features.h), and chosen at
@@ -99,6 +100,7 @@ typedef struct cv_cpu {
     int exact_activations;   /* 1: no bf16 rounding of GEMM inputs (no vdpbf16ps path) */
     cv_rope_table rope_tables[2]; /* a step's RoPE angles, for the layers after the first */
     int rope_next;           /* the table to replace next */
+    cv_weight_arena weights; /* the prepared matrices' memory */
 } cv_cpu;
 
 static inline cv_cpu *cv_cpu_of(cv_backend *b) { return (cv_cpu *)b->ctx; }
@@ -245,7 +247,7 @@ static inline void cv_cpu_run_rows(cv_cpu *c, int nth, cv_rows *rows, int64_t n,
  *   (each level's kernels, chosen once per backend)
  *     -> operations: gemm.c -> quant.c; attention.c; elementwise.c; measure.c
  *     -> shared pieces: kv_write.c, row_kernels.c, convert.c, threadpool.c,
- *        cpu_features.c, and base/common.c below them all;
+ *        cpu_features.c, weight_arena.c, and base/common.c below them all;
  *     -> the SIMD kernels under x86/ (one file per level and family), which
  *        the drivers reach through the kernel table, never by name (the
  *        quantized tiles by their own level, quant.h).
@@ -360,7 +362,8 @@ void cv_cpu_kv_write_token(const cv_kv_layer *cache, const float *k, const float
                            const cv_cpu_kernels *kern);
 
 /* x86/vec_math.h: lane masks, horizontal sums, exp. threadpool.h,
- * cpu_features.h: the pool and the CPU's features. */
+ * cpu_features.h: the pool and the CPU's features. weight_arena.h: the
+ * prepared matrices' memory. */
 
 /* measure.c: cv_cpu_measure_peak, cv_cpu_triad, cv_cpu_read_bw (declared in
  * cpu_backend.h). */

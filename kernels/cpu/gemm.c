@@ -116,9 +116,8 @@ int cv_cpu_matrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dty
                         (long long)rows, (long long)cols);
         goto done;
     }
-    bytes = (bytes + 63) & ~(size_t)63; /* aligned_alloc wants a multiple of the alignment */
-    data = aligned_alloc(64, bytes);
-    cv_cpu_advise_huge(data, bytes);
+    bytes = (bytes + 63) & ~(size_t)63;
+    data = cv_weight_arena_alloc(&c->weights, bytes);
     int nth = cv_threads_for(c, (double)rows * (double)cols, 1 << 16);
     if (nth > n_panels) nth = (int)n_panels;
     if (!cv_mul_size((size_t)nth * 2 * sizeof(float), (size_t)cols, &tbytes)) tbytes = SIZE_MAX;
@@ -139,7 +138,7 @@ int cv_cpu_matrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dty
     out->bytes = bytes;
     data = NULL;
 done:
-    free(data);
+    cv_weight_arena_free(&c->weights, data);
     free(tmp);
     return rc;
 }
@@ -170,9 +169,8 @@ int cv_cpu_gemm_reserve(cv_cpu *c, int64_t cols) {
 }
 
 void cv_cpu_matrix_free(cv_backend *b, cv_matrix *m) {
-    (void)b;
     if (!m) return;
-    free(m->data);
+    cv_weight_arena_free(&cv_cpu_of(b)->weights, m->data);
     memset(m, 0, sizeof *m);
 }
 

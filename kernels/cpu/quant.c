@@ -303,8 +303,10 @@ int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dt
     const int p16 = c->qlevel == CV_QL_AVX512VNNI && cv_qp16_packs(ptype) &&
                     (kq ? cv_qp16k_kernel(ptype, 1, 1) != NULL : cv_qp16_kernel(ptype, 1, 1) != NULL);
     const int direct = p16 && (kq || src_dtype == dtype);
-    unsigned char *data = direct ? NULL : aligned_alloc(64, (bytes + 63) & ~(size_t)63);
-    if (!p16) cv_cpu_advise_huge(data, bytes);
+    /* row-major blocks: the matrix itself, or what its panels are packed from */
+    unsigned char *data = direct ? NULL
+                          : p16  ? aligned_alloc(64, (bytes + 63) & ~(size_t)63)
+                                 : cv_weight_arena_alloc(&c->weights, bytes);
     float *row = malloc((size_t)cols * sizeof(float));
     int rc = CV_OK;
     if ((!direct && !data) || !row) {
@@ -345,8 +347,7 @@ int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dt
     if (p16) {
         const int64_t nb = cols / CV_QK, panels = (rows + CV_QP16_ROWS - 1) / CV_QP16_ROWS;
         const size_t pbytes = (size_t)panels * cv_qp16_stride(ptype, nb);
-        unsigned char *packed = aligned_alloc(64, pbytes);
-        cv_cpu_advise_huge(packed, pbytes);
+        unsigned char *packed = cv_weight_arena_alloc(&c->weights, pbytes);
         if (!packed) {
             rc = cv_set_err(err, CV_ERR_NOMEM, "matrix_prepare: out of memory for [%lld][%lld] %s",
                             (long long)rows, (long long)cols, cv_dtype_name(dtype));
@@ -368,7 +369,10 @@ int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dt
     out->bytes = bytes;
     data = NULL;
 done:
-    free(data);
+    if (p16) /* the row-major blocks the panels came from */
+        free(data);
+    else
+        cv_weight_arena_free(&c->weights, data);
     free(row);
     return rc;
 }
