@@ -7,8 +7,9 @@ import its own build) and runs the job on A and B in turn, alternating which goe
 first, for ROUNDS pairs. It prints every pair's ratio B / A and their median.
 
   python tools/ab_lockstep.py JOB ROUNDS A B
-    A, B: PYTHONPATH[:quantization], e.g. /tmp/cv_build_old/lib and
-          /tmp/cv_build_new/lib, or one build twice: DIR and DIR:q8_0
+    A, B: PYTHONPATH[:quantization][,VAR=VALUE...], e.g. /tmp/cv_build_old/lib and
+          /tmp/cv_build_new/lib, or one build twice: DIR and DIR:q8_0, or DIR and
+          DIR,CONVEYOR_WEIGHT_ARENA=0 (environment variables of that side only)
     JOB:  b64      64 sequences, 16-token prompts, 64 tokens out (roofline's 64 running)
           b8, b16  8 or 16 sequences, 128-token prompts, 64 tokens out (small decode batches)
           prefill  4 prompts x 512 tokens, one token out (roofline's prefill)
@@ -90,8 +91,14 @@ def main() -> None:
         return
 
     def spawn(spec: str) -> subprocess.Popen:
-        path, _, quant = spec.partition(":")
+        build, *settings = spec.split(",")
+        path, _, quant = build.partition(":")
         env = dict(os.environ, PYTHONPATH=path)
+        for kv in settings:
+            var, eq, value = kv.partition("=")
+            if not eq:
+                sys.exit(f"{spec}: {kv!r} is not VAR=VALUE")
+            env[var] = value
         cmd = [sys.executable, __file__, a.job, "0", "-", "-", "--child", "--threads", str(a.threads),
                "--model", a.model, "--quant", quant]
         p = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
