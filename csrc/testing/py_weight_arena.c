@@ -31,6 +31,11 @@ static int block_intact(const wa_block *b, size_t i) {
     return 1;
 }
 
+static void free_live(cv_weight_arena *a, wa_block *blocks, size_t n) {
+    for (size_t k = 0; k < n; k++)
+        if (blocks[k].live) cv_weight_arena_free(a, blocks[k].p);
+}
+
 static PyObject *py_weight_arena_trace(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
     static char *kwlist[] = {"ops", "separate", NULL};
@@ -96,11 +101,13 @@ static PyObject *py_weight_arena_trace(PyObject *self, PyObject *args, PyObject 
             PyErr_Format(PyExc_ValueError, "allocation %zu was overwritten", k);
             goto fail;
         }
+    free_live(&a, blocks, nblocks);
     cv_weight_arena_destroy(&a);
     free(blocks);
     Py_DECREF(ops);
     return out;
 fail:
+    free_live(&a, blocks, nblocks);
     cv_weight_arena_destroy(&a);
     free(blocks);
     Py_DECREF(ops);

@@ -38,8 +38,9 @@ typedef struct cv_weight_arena {
 /* separate: 1 gives every allocation a buffer of its own (always so under
  * AddressSanitizer). 0, or -1 when the mutex cannot be made. */
 int cv_weight_arena_init(cv_weight_arena *a, int separate);
-/* Frees every chunk (any allocation still live goes with it). Safe on a
- * zeroed arena that was never initialised. */
+/* Frees every chunk. Allocations still live go with them, except separate
+ * buffers, which only cv_weight_arena_free frees (every matrix is freed
+ * before its backend). Safe on a zeroed arena that was never initialised. */
 void cv_weight_arena_destroy(cv_weight_arena *a);
 /* 64-byte aligned, not zeroed, not yet touched where it is fresh: NULL when
  * out of memory. */
