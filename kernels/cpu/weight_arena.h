@@ -7,9 +7,10 @@
  *
  * First fit over the chunks' free gaps, so that the space of a freed matrix
  * is used again (a backend that lives on while matrices come and go, as the
- * kernel test hooks' do); a chunk left empty goes back to the system. Thread-safe. Under AddressSanitizer (or CONVEYOR_WEIGHT_ARENA=0)
- * every matrix gets its own buffer instead, so that a kernel reading past a
- * matrix is caught rather than reading its neighbour. */
+ * kernel test hooks' do); a chunk left empty goes back to the system.
+ * Thread-safe. Under AddressSanitizer (or CONVEYOR_WEIGHT_ARENA=0) every
+ * matrix gets its own buffer instead, so that a kernel reading past a matrix
+ * is caught rather than reading its neighbour. */
 #ifndef CV_WEIGHT_ARENA_H
 #define CV_WEIGHT_ARENA_H
 
