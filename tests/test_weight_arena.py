@@ -18,13 +18,7 @@ def trace(ops, separate=False):
     return _testing.weight_arena_trace(ops, separate=separate)
 
 
-@pytest.fixture(scope="module")
-def arena():
-    if trace([1])[0][1] == 0:
-        pytest.skip("this build gives every matrix its own buffer (AddressSanitizer)")
-
-
-def test_small_matrices_share_one_huge_page_aligned_chunk(arena):
+def test_small_matrices_share_one_huge_page_aligned_chunk():
     sizes = [1_327_104, 663_552, 3_538_944, 100, 1]  # QKV, output, gate-up of SmolLM-135M bf16, odd sizes
     out = trace(sizes)
     addrs = [a for a, _ in out]
@@ -36,7 +30,7 @@ def test_small_matrices_share_one_huge_page_aligned_chunk(arena):
     assert [r for _, r in out] == [CHUNK] * len(sizes)
 
 
-def test_freed_space_is_used_again_and_empty_chunks_go_back(arena):
+def test_freed_space_is_used_again_and_empty_chunks_go_back():
     m = MIB
     out = trace([m, m, m, -2, m, 2 * m, -1, -3, -4, -5])
     a0, a1, a2, _, a3, a4 = (a for a, _ in out[:6])
@@ -46,7 +40,7 @@ def test_freed_space_is_used_again_and_empty_chunks_go_back(arena):
     assert out[-1][1] == 0  # the last free empties the chunk: it goes back to the system
 
 
-def test_a_matrix_larger_than_a_chunk_gets_its_own_rounded_to_huge_pages(arena):
+def test_a_matrix_larger_than_a_chunk_gets_its_own_rounded_to_huge_pages():
     big = 100 * MIB + 12345
     out = trace([MIB, big, MIB, -2, -1, -3])
     rounded = (big + 2 * MIB - 1) // (2 * MIB) * (2 * MIB)
@@ -57,7 +51,7 @@ def test_a_matrix_larger_than_a_chunk_gets_its_own_rounded_to_huge_pages(arena):
     assert out[-1][1] == 0
 
 
-def test_random_traces_never_overlap_and_end_empty(arena):
+def test_random_traces_never_overlap_and_end_empty():
     rng = random.Random(7)
     for _ in range(20):
         ops, live, n = [], [], 0

@@ -356,8 +356,9 @@ cv_backend *cv_cpu_backend_create_simd(int num_threads, const char *simd, cv_err
     c->gemm_xblock = env_int("CONVEYOR_GEMM_XBLOCK", CV_GEMM_XBLOCK, 1024, 1 << 26);
     c->gemm_pack = (int)env_int("CONVEYOR_GEMM_PACK", 1, 0, 1);
     const int reserved = cv_cpu_gemm_reserve(c, 0) == CV_OK;
-    /* CONVEYOR_WEIGHT_ARENA=0: a buffer per matrix (for measurements) */
-    const int arena = cv_weight_arena_init(&c->weights, env_int("CONVEYOR_WEIGHT_ARENA", 1, 0, 1) == 0) == 0;
+    /* a buffer per matrix under ASan, and with CONVEYOR_WEIGHT_ARENA=0 (for measurements) */
+    const int separate = CV_UNDER_ASAN || env_int("CONVEYOR_WEIGHT_ARENA", 1, 0, 1) == 0;
+    const int arena = cv_weight_arena_init(&c->weights, separate) == 0;
     if (!c->att_scratch || !c->att_partials || !c->att_counters || !reserved || !arena) {
         cpu_destroy(b);
         cv_set_err(err, CV_ERR_NOMEM, "out of memory for the scratch buffers of %d threads",

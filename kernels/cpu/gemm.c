@@ -116,7 +116,7 @@ int cv_cpu_matrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dty
                         (long long)rows, (long long)cols);
         goto done;
     }
-    bytes = (bytes + 63) & ~(size_t)63;
+    bytes = (bytes + 63) & ~(size_t)63; /* whole lines, as the arena hands them out */
     data = cv_weight_arena_alloc(&c->weights, bytes);
     int nth = cv_threads_for(c, (double)rows * (double)cols, 1 << 16);
     if (nth > n_panels) nth = (int)n_panels;

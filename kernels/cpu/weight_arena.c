@@ -13,20 +13,9 @@
 #define CHUNK_BYTES ((size_t)64 << 20)
 #define ALIGN 64
 
-#if defined(__SANITIZE_ADDRESS__)
-#define UNDER_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define UNDER_ASAN 1
-#endif
-#endif
-#ifndef UNDER_ASAN
-#define UNDER_ASAN 0
-#endif
-
 int cv_weight_arena_init(cv_weight_arena *a, int separate) {
     memset(a, 0, sizeof *a);
-    a->separate = separate || UNDER_ASAN;
+    a->separate = separate;
     if (pthread_mutex_init(&a->mu, NULL) != 0) return -1;
     a->ready = 1;
     return 0;
@@ -60,13 +49,7 @@ static int chunk_fit(const cv_arena_chunk *c, size_t len, size_t *off, size_t *i
 }
 
 static int chunk_insert(cv_arena_chunk *c, size_t idx, size_t off, size_t len) {
-    if (c->n == c->cap) {
-        const size_t cap = c->cap ? 2 * c->cap : 16;
-        cv_arena_span *u = realloc(c->used, cap * sizeof *u);
-        if (!u) return -1;
-        c->used = u;
-        c->cap = cap;
-    }
+    if (!cv_grow((void **)&c->used, &c->cap, c->n + 1, sizeof *c->used)) return -1;
     memmove(c->used + idx + 1, c->used + idx, (c->n - idx) * sizeof *c->used);
     c->used[idx] = (cv_arena_span){off, len};
     c->n++;
@@ -79,18 +62,20 @@ static long chunk_add(cv_weight_arena *a, size_t len) {
     if (len > SIZE_MAX - HUGE_PAGE) return -1;
     size_t size = (len + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1);
     if (size < CHUNK_BYTES) size = CHUNK_BYTES;
-    if (a->n == a->cap) {
-        const size_t cap = a->cap ? 2 * a->cap : 8;
-        cv_arena_chunk *ch = realloc(a->chunks, cap * sizeof *ch);
-        if (!ch) return -1;
-        a->chunks = ch;
-        a->cap = cap;
-    }
+    if (!cv_grow((void **)&a->chunks, &a->cap, a->n + 1, sizeof *a->chunks)) return -1;
     char *base = aligned_alloc(HUGE_PAGE, size);
     if (!base) return -1;
     cv_cpu_advise_huge(base, size);
     a->chunks[a->n] = (cv_arena_chunk){.base = base, .size = size};
     return (long)a->n++;
+}
+
+/* Chunk ci, left empty, back to the system. */
+static void chunk_drop(cv_weight_arena *a, size_t ci) {
+    free(a->chunks[ci].base);
+    free(a->chunks[ci].used);
+    memmove(a->chunks + ci, a->chunks + ci + 1, (a->n - ci - 1) * sizeof *a->chunks);
+    a->n--;
 }
 
 void *cv_weight_arena_alloc(cv_weight_arena *a, size_t bytes) {
@@ -113,11 +98,7 @@ void *cv_weight_arena_alloc(cv_weight_arena *a, size_t bytes) {
     }
     cv_arena_chunk *c = &a->chunks[ci];
     if (chunk_insert(c, idx, off, len) < 0) {
-        if (c->n == 0) { /* the chunk just made: give it back */
-            free(c->base);
-            free(c->used);
-            a->n--;
-        }
+        if (c->n == 0) chunk_drop(a, ci); /* the chunk just made */
         goto done;
     }
     p = c->base + off;
@@ -148,12 +129,7 @@ void cv_weight_arena_free(cv_weight_arena *a, void *p) {
         }
         if (lo < c->n && c->used[lo].off == off) {
             memmove(c->used + lo, c->used + lo + 1, (c->n - lo - 1) * sizeof *c->used);
-            if (--c->n == 0) { /* empty: back to the system */
-                free(c->base);
-                free(c->used);
-                memmove(a->chunks + ci, a->chunks + ci + 1, (a->n - ci - 1) * sizeof *a->chunks);
-                a->n--;
-            }
+            if (--c->n == 0) chunk_drop(a, ci);
         }
         break;
     }

@@ -8,14 +8,27 @@
  * First fit over the chunks' free gaps, so that the space of a freed matrix
  * is used again (a backend that lives on while matrices come and go, as the
  * kernel test hooks' do); a chunk left empty goes back to the system.
- * Thread-safe. Under AddressSanitizer (or CONVEYOR_WEIGHT_ARENA=0) every
- * matrix gets its own buffer instead, so that a kernel reading past a matrix
- * is caught rather than reading its neighbour. */
+ * Thread-safe. An arena made `separate` gives every allocation a buffer of
+ * its own instead: the backend's is, under AddressSanitizer (so that a kernel
+ * reading past a matrix is caught rather than reading its neighbour) and
+ * with CONVEYOR_WEIGHT_ARENA=0. */
 #ifndef CV_WEIGHT_ARENA_H
 #define CV_WEIGHT_ARENA_H
 
 #include <pthread.h>
 #include <stddef.h>
+
+/* 1 in a build with AddressSanitizer. */
+#if defined(__SANITIZE_ADDRESS__)
+#define CV_UNDER_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define CV_UNDER_ASAN 1
+#endif
+#endif
+#ifndef CV_UNDER_ASAN
+#define CV_UNDER_ASAN 0
+#endif
 
 typedef struct cv_arena_span {
     size_t off, len; /* bytes [off, off + len) of its chunk are in use */
@@ -36,8 +49,8 @@ typedef struct cv_weight_arena {
     int ready;              /* mu initialised */
 } cv_weight_arena;
 
-/* separate: 1 gives every allocation a buffer of its own (always so under
- * AddressSanitizer). 0, or -1 when the mutex cannot be made. */
+/* separate: 1 gives every allocation a buffer of its own. 0, or -1 when the
+ * mutex cannot be made. */
 int cv_weight_arena_init(cv_weight_arena *a, int separate);
 /* Frees every chunk. Allocations still live go with them, except separate
  * buffers, which only cv_weight_arena_free frees (every matrix is freed
