@@ -1,6 +1,5 @@
 """`conveyor bench study`: the workload every system gets, the HF naive-static baseline,
 and the command end to end (tiny model)."""
-import importlib.util
 import json
 import math
 import os
@@ -17,13 +16,13 @@ from conveyor.bench import common, study
 from conveyor.generate import default_model
 
 ROOT = Path(__file__).resolve().parents[1]
-HAVE_HF = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
 # torch is not built with the sanitizers: under tools/sanitize.sh its own allocations
-# would fill LeakSanitizer's report, so the tests that load it run in the plain suite.
+# would fill LeakSanitizer's report, so the tests that load it run in the plain suite
+# (and it is not even imported to see whether it loads).
 SANITIZED = os.environ.get("CONVEYOR_SANITIZED") == "1"
-needs_hf = pytest.mark.skipif(not HAVE_HF or SANITIZED,
-                              reason="torch and transformers (the 'peers' extra) are not installed"
-                              if not HAVE_HF else "torch does not run under the sanitizers")
+HF_MISSING = "torch does not run under the sanitizers" if SANITIZED else study.system_available("hf_static")
+HAVE_HF = HF_MISSING is None
+needs_hf = pytest.mark.skipif(not HAVE_HF, reason=f"the HF baseline (the 'peers' extra) cannot run: {HF_MISSING}")
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +121,7 @@ def test_bad_arguments_are_named(tiny):
 @pytest.fixture(scope="module")
 def hf_tiny(tiny):
     if not HAVE_HF or SANITIZED:
-        pytest.skip("torch and transformers (the 'peers' extra) are not installed" if not HAVE_HF
-                    else "torch does not run under the sanitizers")
+        pytest.skip(f"the HF baseline (the 'peers' extra) cannot run: {HF_MISSING}")
     import torch
 
     from conveyor.bench import hf_static
@@ -265,6 +263,21 @@ def test_bench_study_quick_end_to_end(tmp_path):
                         env=subprocess_env())
     assert p2.returncode == 0, p2.stderr
     assert [ln for ln in p2.stdout.splitlines() if ln.startswith("|")] == md
+
+
+def test_a_peer_installed_but_broken_is_skipped_with_its_error(tmp_path, monkeypatch):
+    """A torch whose install was cut short (its shared libraries missing) is found by the
+    import system but fails to load: the study names that error and leaves the HF
+    baseline out, instead of failing after the other systems ran."""
+    for name in ("torch", "transformers"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(
+            'raise OSError("libtorch_global_deps.so: cannot open shared object file")\n' if name == "torch" else "")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    why = study.system_available.__wrapped__("hf_static")
+    assert why and "failing to import" in why and "libtorch_global_deps.so" in why
+    assert study.system_available.__wrapped__("conveyor_static") is None
 
 
 def test_bench_study_refuses_a_checkpoint_that_is_not_hf(tmp_path):

@@ -23,6 +23,7 @@ Conveyor run's occupancy over time; JSON and a plot of throughput against cap.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -221,11 +222,22 @@ def _worker_main(spec_path: str) -> int:
 # ----------------------------------------------------------------------------- the study (parent side)
 
 
+@functools.lru_cache(maxsize=None)
 def system_available(system: str) -> Optional[str]:
-    """None when the system can run here, else why not."""
+    """None when the system can run here, else why not. Modules that are installed are
+    imported once in a child process: an install cut short (torch without its shared
+    libraries) is found there, not as a failed run after the other systems' work."""
     need = {"hf_static": ("torch", "transformers"), "vllm": ("vllm",)}.get(system, ())
     missing = [m for m in need if importlib.util.find_spec(m) is None]
-    return f"{' and '.join(missing)} not importable" if missing else None
+    if missing:
+        return f"{' and '.join(missing)} not importable"
+    if not need:
+        return None
+    proc = subprocess.run([sys.executable, "-c", "import " + ", ".join(need)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines()
+        return f"{' and '.join(need)} installed but failing to import ({lines[-1] if lines else 'no message'})"
+    return None
 
 
 def run_in_subprocess(spec: Dict[str, Any], workdir: str) -> Dict[str, Any]:
