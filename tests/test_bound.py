@@ -7,6 +7,7 @@ study workload, the weight bytes against the engine's own count of what it store
 command end to end on stories260K (no timing assertions)."""
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -266,6 +267,24 @@ def test_bench_bound_command_on_stories(capsys):
         frac = float(re.search(r"-> ([0-9.]+) of the bound", line).group(1))
         assert frac > 0
     assert "read bandwidth" in out and "float32 matrices" in out
+
+
+def test_bench_bound_repeats_keeps_the_best_run(tmp_path, capsys):
+    """--repeats N times each workload N times and compares the fastest with the bound
+    (the bandwidth is the best of its measurements too); every time is printed and saved."""
+    out_json = tmp_path / "bound.json"
+    bound.main(["--model", str(STORIES), "--workload", "decode", "--decode-tokens", "8", "--measure",
+                "--repeats", "3", "--num-threads", "1", "--json", str(out_json)])
+    out = capsys.readouterr().out
+    (row,) = json.loads(out_json.read_text())["rows"]
+    assert len(row["walls_s"]) == 3 and row["wall_s"] == min(row["walls_s"])
+    assert row["fraction_of_bound"] == pytest.approx(row["bound"]["seconds"] / min(row["walls_s"]))
+    assert "best of 3 runs:" in out
+    with pytest.raises(SystemExit):
+        bound.main(["--model", str(STORIES), "--workload", "decode", "--measure", "--repeats", "0"])
+    assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="repeats must be an int >= 1"):
+        bound.run(str(STORIES), [], repeats=0)
 
 
 def test_bench_bound_without_measure_prints_no_ratio(capsys):
