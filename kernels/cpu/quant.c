@@ -478,19 +478,18 @@ static void rows_fn(void *arg, int tid, int nth) {
 #define QP_CHUNK 4
 
 /* Panels per kernel call for a tile of T tokens. One token's tile (decode)
- * streams its weights from memory once: over one panel at a time it keeps
- * three streams (quants, scales, minimums) where four panels keep twelve, and
- * a core reads the nibble types' one-panel stream about twice as fast
- * (docs/dev/gemm.md). Q8_0's four-panel tile streams faster than its one-panel
- * tile. The values are the same: each output lane runs the same operations. */
-static int tile_panels(cv_dtype dt, int T) {
-    return T == 1 && dt != CV_Q8_0 ? 1 : cv_qp16_panels_for(T);
-}
+ * streams its weights from memory once, and a core keeps one stream (one
+ * panel read front to back) going at about the rate of a plain read, where
+ * four panels at once make four streams that it reads at half that rate or
+ * less (docs/dev/gemm.md). With more tokens the weights come from cache and
+ * the wider tile does more work per load. The values are the same either way:
+ * each output lane runs the same operations. */
+static int tile_panels(int T) { return T == 1 ? 1 : cv_qp16_panels_for(T); }
 
 /* Kernel calls of one token tile of T tokens over np panels: full tiles of
- * tile_panels(dt, T) panels, then one panel at a time (as panels_fn). */
-static int64_t chunk_calls(cv_dtype dt, int64_t np, int T) {
-    const int full = tile_panels(dt, T);
+ * tile_panels(T) panels, then one panel at a time (as panels_fn). */
+static int64_t chunk_calls(int64_t np, int T) {
+    const int full = tile_panels(T);
     return np / full + np % full;
 }
 /* Floats of a chunk's expanded K-quant scales (cv_qp16k_scales). */
@@ -526,8 +525,8 @@ static void panels_fn(void *arg, int tid, int nth) {
                 const int64_t n1 = next + QP_CHUNK < panels ? next + QP_CHUNK : panels;
                 /* a slice per kernel call: the full tiles' calls and the last tile's */
                 const int64_t tail = j->nt % CV_QP16_MAX_TOKENS;
-                const int64_t calls = j->nt / CV_QP16_MAX_TOKENS * chunk_calls(dt, c1 - c0, CV_QP16_MAX_TOKENS) +
-                                      (tail ? chunk_calls(dt, c1 - c0, (int)tail) : 0);
+                const int64_t calls = j->nt / CV_QP16_MAX_TOKENS * chunk_calls(c1 - c0, CV_QP16_MAX_TOKENS) +
+                                      (tail ? chunk_calls(c1 - c0, (int)tail) : 0);
                 pf = cv_prefetch_span_of((const char *)j->w->data + (size_t)next * stride, (size_t)(n1 - next) * stride,
                                          (size_t)calls);
             }
@@ -537,7 +536,7 @@ static void panels_fn(void *arg, int tid, int nth) {
                 cv_qp16k_scales(ksc, (const char *)j->w->data + (size_t)c0 * stride, stride, dt, (int)(c1 - c0), nb);
             for (int64_t t = 0; t < j->nt;) {
                 const int T = (int)(j->nt - t < CV_QP16_MAX_TOKENS ? j->nt - t : CV_QP16_MAX_TOKENS);
-                const int full = tile_panels(dt, T);
+                const int full = tile_panels(T);
                 for (int64_t p = c0; p < c1;) {
                     const int np = c1 - p >= full ? full : 1;
                     const int64_t r0 = p * CV_QP16_ROWS;

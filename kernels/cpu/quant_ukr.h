@@ -54,12 +54,15 @@ int cv_qtiles_q2k(cv_dtype t, cv_qtiles *out);
  * 16 (zero rows pad the last), each panel `stride` bytes (a multiple of 64).
  * Block i's weights, as u8 operands of vpdpbusd: 64-byte vector g holds, for
  * row r, bytes 4r..4r+3:
- *   Q8_0 (g 0..7): w + 128 of elements 4g..4g+3; the blocks' 512 bytes back
- *        to back, then the scales d [nb][16] (float16);
+ *   Q8_0 (g 0..7): w + 128 of elements 4g..4g+3; blocks in pairs: the two
+ *        blocks' 512 bytes each, then their scales d[16] (float16, 32 bytes
+ *        each): 1,088 bytes (17 lines) a pair, the last pair's second half
+ *        unused when nb is odd;
  *   Q4   (g 0..3): GGUF's bytes 4g..4g+3 of the row's block (low nibbles:
  *        elements 4g.., high: 16 + 4g..), then the block's d[16] and m[16]
  *        (float16, 32 bytes each, Q4_0's m unused; Q4_F float32): 320 or
- *        384 bytes a block, so a panel is one stream of whole cache lines.
+ *        384 bytes a block.
+ * So a panel is one stream of whole cache lines, read front to back.
  * Each output lane (row, token) runs, over the blocks i in order:
  *   acc = fma(float(idot_i), dw_i * dx_i, acc) [; acc = fma(m_i, s_i, acc)]
  * where idot_i is the exact integer block dot (Q8_0's +128 and Q4_0's -8

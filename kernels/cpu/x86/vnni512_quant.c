@@ -27,16 +27,24 @@ int cv_qp16_packs(cv_dtype t) {
 }
 
 static size_t qp_sbytes(cv_dtype t) { return t == CV_Q4_F ? 64 : 32; }
-/* Bytes from block i to i + 1 in the qs array (Q4: the block's scales follow
- * its weights, one stream a panel: 256 + 2 x 32 (Q4_0: the m slot unused) or
- * 256 + 2 x 64 bytes, whole cache lines). */
-static size_t qp_bbytes(cv_dtype t) { return t == CV_Q8_0 ? 512 : t == CV_Q4_F ? 384 : 320; }
+/* Every type's panel is one stream read front to back: a block's scales sit
+ * next to its weights, in whole cache lines. Q4: 256 bytes of weights, then
+ * 2 x 32 (Q4_0: the m slot unused) or 2 x 64 bytes of scales a block. Q8_0:
+ * blocks in pairs, 2 x 512 bytes of weights and then their 2 x 32 of scales
+ * (17 lines; one block and its scales would split vectors across lines). A
+ * one-token tile streams its panel at about the rate of a plain read; scales
+ * in a region of their own cost a second stream that starts at each panel. */
+static size_t qp_bbytes(cv_dtype t) { return t == CV_Q4_F ? 384 : 320; }
+#define QP_Q8_PAIR (2 * 512 + 2 * 32)
 
-/* Offsets in a panel of block i's scales and mins. */
-static size_t qp_doff(cv_dtype t, int64_t nb, int64_t i) {
-    return t == CV_Q8_0 ? (size_t)nb * 512 + (size_t)i * 32 : (size_t)i * qp_bbytes(t) + 256;
+/* Offsets in a panel of block i's weights, scales and mins. */
+static size_t qp_qoff(cv_dtype t, int64_t i) {
+    return t == CV_Q8_0 ? (size_t)(i / 2) * QP_Q8_PAIR + (size_t)(i % 2) * 512 : (size_t)i * qp_bbytes(t);
 }
-static size_t qp_moff(cv_dtype t, int64_t nb, int64_t i) { return qp_doff(t, nb, i) + qp_sbytes(t); }
+static size_t qp_doff(cv_dtype t, int64_t i) {
+    return t == CV_Q8_0 ? (size_t)(i / 2) * QP_Q8_PAIR + 1024 + (size_t)(i % 2) * 32 : (size_t)i * qp_bbytes(t) + 256;
+}
+static size_t qp_moff(cv_dtype t, int64_t i) { return qp_doff(t, i) + qp_sbytes(t); }
 
 /* Q4_K / Q5_K panels: per super-block (8 blocks of 32) qk_bytes(t) bytes,
  * 16 x the file's 144 / 176; its scales first, so that a panel is read
@@ -52,8 +60,8 @@ _Static_assert(QK_QH + 4 * QK_PAIR_BYTES == 16 * sizeof(cv_block_q4_k) &&
 
 size_t cv_qp16_stride(cv_dtype t, int64_t nb) {
     if (t == CV_Q4_K || t == CV_Q5_K) return (size_t)(nb / 8) * qk_bytes(t);
-    const size_t per = t == CV_Q8_0 ? 512 + 32 : qp_bbytes(t);
-    return ((size_t)nb * per + 63) & ~(size_t)63;
+    if (t == CV_Q8_0) return (size_t)((nb + 1) / 2) * QP_Q8_PAIR;
+    return ((size_t)nb * qp_bbytes(t) + 63) & ~(size_t)63;
 }
 
 /* Row r's scale (and min) of block i, as stored: 2 or 4 bytes each. */
@@ -118,7 +126,7 @@ void cv_qp16_pack(void *dst, const void *src, cv_dtype t, int64_t rows, int64_t 
         qk_pack(dst, src, t, rows, nb);
         return;
     }
-    const size_t stride = cv_qp16_stride(t, nb), qb = qp_bbytes(t), ss = qp_sbytes(t) / 16;
+    const size_t stride = cv_qp16_stride(t, nb), ss = qp_sbytes(t) / 16;
     const size_t bb = cv_quant_block_bytes(t), row_bytes = (size_t)nb * bb;
     const int64_t panels = (rows + CV_QP16_ROWS - 1) / CV_QP16_ROWS;
     memset(dst, 0, (size_t)panels * stride);
@@ -127,7 +135,7 @@ void cv_qp16_pack(void *dst, const void *src, cv_dtype t, int64_t rows, int64_t 
         for (int r = 0; r < CV_QP16_ROWS; r++) {
             const int64_t row = p * CV_QP16_ROWS + r;
             for (int64_t i = 0; i < nb; i++) {
-                uint8_t *q = qs + (size_t)i * qb + 4 * (size_t)r;
+                uint8_t *q = qs + qp_qoff(t, i) + 4 * (size_t)r;
                 if (row >= rows) { /* padding: zero weights (Q8_0: 128), zero scales */
                     if (t == CV_Q8_0)
                         for (int g = 0; g < 8; g++) memset(q + 64 * g, 128, 4);
@@ -140,7 +148,7 @@ void cv_qp16_pack(void *dst, const void *src, cv_dtype t, int64_t rows, int64_t 
                         for (int b = 0; b < 4; b++) q[64 * g + b] = (uint8_t)((int8_t)w[4 * g + b] + 128);
                 else
                     for (int g = 0; g < 4; g++) memcpy(q + 64 * g, w + 4 * g, 4);
-                qp_scales_of(blk, t, qs + qp_doff(t, nb, i) + (size_t)r * ss, qs + qp_moff(t, nb, i) + (size_t)r * ss);
+                qp_scales_of(blk, t, qs + qp_doff(t, i) + (size_t)r * ss, qs + qp_moff(t, i) + (size_t)r * ss);
             }
         }
     }
@@ -187,13 +195,13 @@ void cv_qp16_unpack(void *dst, size_t row_bytes, const void *panel, cv_dtype t, 
         qk_unpack(dst, row_bytes, panel, t, n, nb);
         return;
     }
-    const size_t qb = qp_bbytes(t), ss = qp_sbytes(t) / 16, bb = cv_quant_block_bytes(t);
+    const size_t ss = qp_sbytes(t) / 16, bb = cv_quant_block_bytes(t);
     const uint8_t *qs = panel;
     for (int r = 0; r < n; r++)
         for (int64_t i = 0; i < nb; i++) {
             char *blk = (char *)dst + (size_t)r * row_bytes + (size_t)i * bb;
-            const uint8_t *q = qs + (size_t)i * qb + 4 * (size_t)r;
-            const uint8_t *dr = qs + qp_doff(t, nb, i) + (size_t)r * ss, *mr = qs + qp_moff(t, nb, i) + (size_t)r * ss;
+            const uint8_t *q = qs + qp_qoff(t, i) + 4 * (size_t)r;
+            const uint8_t *dr = qs + qp_doff(t, i) + (size_t)r * ss, *mr = qs + qp_moff(t, i) + (size_t)r * ss;
             switch (t) {
             case CV_Q8_0: {
                 cv_block_q8_0 *b = (cv_block_q8_0 *)(void *)blk;
@@ -262,7 +270,6 @@ static CV_ALWAYS_INLINE void qp_tile(const cv_dtype type, const int P, const int
                                      int64_t nb, const cv_xq_block *x, int64_t xs, float *out, int64_t ldo,
                                      int nvalid, const float *bias, int accumulate, const char *pf,
                                      int64_t pf_lines) {
-    const size_t qb = qp_bbytes(type);
     const int has_min = type == CV_Q4_1 || type == CV_Q4_F;
     const uint8_t *base = w;
     __m512 acc[4][CV_QP16_MAX_TOKENS];
@@ -280,8 +287,8 @@ static CV_ALWAYS_INLINE void qp_tile(const cv_dtype type, const int P, const int
 #pragma GCC unroll 4
         for (int p = 0; p < P; p++) {
             const uint8_t *pp = base + (size_t)p * stride;
-            qs[p] = pp + (size_t)i * qb;
-            const uint8_t *sc = pp + qp_doff(type, nb, i), *mc = pp + qp_moff(type, nb, i);
+            qs[p] = pp + qp_qoff(type, i);
+            const uint8_t *sc = pp + qp_doff(type, i), *mc = pp + qp_moff(type, i);
             if (type == CV_Q4_F) {
                 dw[p] = _mm512_loadu_ps((const void *)sc);
                 mw[p] = _mm512_loadu_ps((const void *)mc);
