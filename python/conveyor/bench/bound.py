@@ -27,6 +27,7 @@ draws them), ``decode`` (batch 1), ``running`` (64 sequences decoding together) 
 """
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -286,9 +287,16 @@ def workload_specs(names: Sequence[str], vocab_size: int, *, num_requests: int =
 
 def measure_machine(threads: int = 0) -> Dict[str, Any]:
     """The peaks (bench kernels' compute_peaks) and the read bandwidth, now."""
-    from .peaks import compute_peaks, measure_read_bw
+    from .peaks import compute_peaks
 
     return {"read_gbs": measure_read_bw(threads), "peaks": compute_peaks(threads)}
+
+
+def measure_read_bw(threads: int = 0) -> float:
+    """The read bandwidth now, GB/s (bench kernels' measure_read_bw)."""
+    from .peaks import measure_read_bw as read_bw
+
+    return read_bw(threads)
 
 
 def merge_machine(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
@@ -378,8 +386,10 @@ def run(model: str, workloads: Sequence[WorkloadSpec], *, measure: bool = False,
         **engine) -> Dict[str, Any]:
     """Every workload's bound (and with ``measure`` its wall time on the engine, in this
     process, after an untimed warm-up of the same engine: the best of ``repeats`` runs, as
-    the bandwidth and peaks are the best of theirs, since load only ever slows a run);
-    JSON-ready."""
+    the bandwidth and peaks are the best of theirs, since load only ever slows a run).
+    With ``repeats`` > 1 each run is also set against the bound at the read bandwidth
+    measured just before and after it (``run_fractions``, their median
+    ``paired_fraction_of_bound``). JSON-ready."""
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     machine = measure_machine(threads or 0)
@@ -398,13 +408,18 @@ def run(model: str, workloads: Sequence[WorkloadSpec], *, measure: bool = False,
             if measure:
                 wl = common.make_workload(n=len(w.prompt_lens), vocab_size=cfg["vocab_size"],
                                           prompt_lens=w.prompt_lens, output_lens=w.output_lens, seed=100 + i)
-                walls = []
+                walls, run_gbs = [], []
                 for _ in range(repeats):
+                    before = measure_read_bw(threads or 0) if repeats > 1 else None
                     t = time.perf_counter()
                     res = common.run_offline(llm, wl, sample_stats=False, temperature=0.0)
                     walls.append(time.perf_counter() - t)
+                    if before is not None:
+                        run_gbs.append((before + measure_read_bw(threads or 0)) / 2)
                 wall = min(walls)
                 row.update(wall_s=wall, walls_s=walls, engine_steps=res["steps"], preemptions=res["preemptions"])
+                if run_gbs:
+                    row["run_read_gbs"] = run_gbs
             rows.append((w, row))
         if measure:
             machine = merge_machine(machine, measure_machine(threads or 0))
@@ -412,6 +427,12 @@ def run(model: str, workloads: Sequence[WorkloadSpec], *, measure: bool = False,
             row["bound"] = engine_bound(llm, model, w.prompt_lens, w.output_lens, machine, max_seqs=max_num_seqs)
             if row.get("wall_s"):
                 row["fraction_of_bound"] = row["bound"]["seconds"] / row["wall_s"]
+            if row.get("run_read_gbs"):  # each run against the bandwidth measured around it
+                row["run_fractions"] = [
+                    engine_bound(llm, model, w.prompt_lens, w.output_lens, {**machine, "read_gbs": gbs},
+                                 max_seqs=max_num_seqs)["seconds"] / wall
+                    for gbs, wall in zip(row["run_read_gbs"], row["walls_s"])]
+                row["paired_fraction_of_bound"] = statistics.median(row["run_fractions"])
         model_desc = common.model_info(llm, model)
         model_desc["embed_bytes"] = cfg.get("embed_bytes")
     finally:
@@ -431,6 +452,10 @@ def format_result(r: Dict[str, Any]) -> str:
                                 prompt_rate=row["workload"] == "prefill"))
         if len(row.get("walls_s") or ()) > 1:
             lines.append(f"  best of {len(row['walls_s'])} runs: " + ", ".join(_seconds(w) for w in row["walls_s"]))
+        if row.get("run_fractions"):
+            lines.append("  each run against the read bandwidth measured around it: " + ", ".join(
+                f"{f:.2f} ({g:.1f} GB/s)" for f, g in zip(row["run_fractions"], row["run_read_gbs"])) +
+                f" -> median {row['paired_fraction_of_bound']:.2f} of the bound")
     return "\n".join(lines)
 
 
@@ -461,7 +486,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--num-prefill", type=int, default=4, help="prefill: prompts")
     ap.add_argument("--repeats", type=int, default=1,
                     help="with --measure: runs of each workload, the best one compared with the bound (the "
-                         "bandwidth and peaks are the best of their runs too)")
+                         "bandwidth and peaks are the best of their runs too); with 2 or more, each run is "
+                         "also compared with the bound at the read bandwidth measured just before and after "
+                         "it (this VM's bandwidth moves with its neighbours' load), and the median printed")
     ap.add_argument("--json", default=None, help="write the result as JSON to this file (default: none)")
     a = ap.parse_args(list(argv) if argv is not None else None)
     names = [s for s in a.workload.split(",") if s]
