@@ -234,12 +234,15 @@ static inline void cv_prefetch_step(cv_prefetch_spread *s) {
 
 /* Runs fn(job) on nth threads of a dynamic region over n rows (about four
  * chunks per thread); fn takes its rows with cv_rows_claim(rows, ...). */
-static inline void cv_cpu_run_rows(cv_cpu *c, int nth, cv_rows *rows, int64_t n, cv_pool_fn fn, void *job) {
-    const int64_t chunk = n / (4 * (int64_t)(nth > 0 ? nth : 1));
+static inline void cv_cpu_run_chunks(cv_cpu *c, int nth, cv_rows *rows, int64_t n, int64_t chunk, cv_pool_fn fn,
+                                     void *job) {
     rows->n = n;
     rows->chunk = chunk > 0 ? chunk : 1;
     atomic_init(&rows->next, 0);
     cv_pool_run_dynamic(c->pool, nth, fn, job, 1);
+}
+static inline void cv_cpu_run_rows(cv_cpu *c, int nth, cv_rows *rows, int64_t n, cv_pool_fn fn, void *job) {
+    cv_cpu_run_chunks(c, nth, rows, n, n / (4 * (int64_t)(nth > 0 ? nth : 1)), fn, job);
 }
 
 /* The files of the CPU backend call in one direction:

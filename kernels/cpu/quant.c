@@ -507,12 +507,16 @@ static void panels_fn(void *arg, int tid, int nth) {
      * reserves it; without one the kernels expand them, the same values) */
     const int kq = dt == CV_Q4_K || dt == CV_Q5_K;
     float *ksc = kq ? cv_cpu_gemm_rows_buf(j->cpu, tid, kq_scale_floats(nb)) : NULL;
-    /* units claimed one ahead, so that a unit's last chunk can ask for the
-     * first chunk of the thread's next unit (results never depend on which
-     * thread takes a unit) */
+    /* With several token tiles units are claimed one ahead, so that a unit's
+     * last chunk can ask for the first chunk of the thread's next unit. A
+     * one-token tile asks for nothing ahead (its stream is the prefetchers'),
+     * and claims a unit only as it starts it: its units are long (a thread's
+     * share, cv_cpu_qgemm_in), and one claimed ahead would leave the other
+     * thread idle. Results never depend on which thread takes a unit. */
+    const int ahead = ntiles > 1;
     int64_t u0, u1, v0 = 0, v1 = 0;
-    for (int have = cv_rows_claim(&j->units, &u0, &u1); have; u0 = v0, u1 = v1) {
-        have = cv_rows_claim(&j->units, &v0, &v1);
+    for (int more = cv_rows_claim(&j->units, &u0, &u1); more;) {
+        const int have = ahead && cv_rows_claim(&j->units, &v0, &v1);
         for (int64_t c0 = u0 * QP_CHUNK; c0 < u1 * QP_CHUNK && c0 < panels; c0 += QP_CHUNK) {
             const int64_t c1 = c0 + QP_CHUNK < panels ? c0 + QP_CHUNK : panels;
             /* With several token tiles the chunk's weights are reused (compute
@@ -558,6 +562,13 @@ static void panels_fn(void *arg, int tid, int nth) {
                 t += T;
             }
         }
+        if (ahead) {
+            more = have;
+            u0 = v0;
+            u1 = v1;
+        } else {
+            more = cv_rows_claim(&j->units, &u0, &u1);
+        }
     }
 }
 
@@ -589,9 +600,11 @@ void cv_cpu_qgemm_in(cv_backend *b, float *out, const cv_gemm_in *in, int64_t n,
         else
             cv_pool_run(c->pool, nth, quantize_fn, &j);
         nth = cv_threads_for(c, (double)(j.nt * w->rows) * (double)w->cols, 65536.0);
-        if (panels)
-            cv_cpu_run_rows(c, nth, &j.units, (w->rows + QP_CHUNK * CV_QP16_ROWS - 1) / (QP_CHUNK * CV_QP16_ROWS),
-                            panels_fn, &j);
+        const int64_t units = (w->rows + QP_CHUNK * CV_QP16_ROWS - 1) / (QP_CHUNK * CV_QP16_ROWS);
+        if (panels && j.nt == 1) /* one stream a thread: each claim a thread's share */
+            cv_cpu_run_chunks(c, nth, &j.units, units, (units + nth - 1) / (nth > 0 ? nth : 1), panels_fn, &j);
+        else if (panels)
+            cv_cpu_run_rows(c, nth, &j.units, units, panels_fn, &j);
         else
             cv_pool_run(c->pool, nth, rows_fn, &j);
     }
