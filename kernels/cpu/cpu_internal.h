@@ -232,8 +232,9 @@ static inline void cv_prefetch_step(cv_prefetch_spread *s) {
     s->acc += s->inc;
 }
 
-/* Runs fn(job) on nth threads of a dynamic region over n rows (about four
- * chunks per thread); fn takes its rows with cv_rows_claim(rows, ...). */
+/* Runs fn(job) on nth threads of a dynamic region over n rows in chunks of
+ * `chunk`; fn takes its rows with cv_rows_claim(rows, ...). cv_cpu_run_rows:
+ * about four chunks per thread, so that one descheduled thread holds little. */
 static inline void cv_cpu_run_chunks(cv_cpu *c, int nth, cv_rows *rows, int64_t n, int64_t chunk, cv_pool_fn fn,
                                      void *job) {
     rows->n = n;
