@@ -34,6 +34,7 @@ static size_t qp_sbytes(cv_dtype t) { return t == CV_Q4_F ? 64 : 32; }
  * (17 lines; one block and its scales would split vectors across lines). A
  * one-token tile streams its panel at about the rate of a plain read; scales
  * in a region of their own cost a second stream that starts at each panel. */
+/* A Q4 type's bytes a block (Q8_0 goes by pairs: QP_Q8_PAIR). */
 static size_t qp_bbytes(cv_dtype t) { return t == CV_Q4_F ? 384 : 320; }
 #define QP_Q8_PAIR (2 * 512 + 2 * 32)
 
