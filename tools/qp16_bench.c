@@ -111,7 +111,9 @@ int main(int argc, char **argv) {
         unsigned char *big = aligned_alloc(64, (size_t)panels * stride);
         if (!big) return 1;
         memset(big, 0x11, (size_t)panels * stride);
-        for (int P = 4; P >= 1; P -= 3) {
+        const int decode_panels[] = {4, 1};
+        for (size_t di = 0; di < sizeof decode_panels / sizeof decode_panels[0]; di++) {
+            const int P = decode_panels[di];
             const cv_qp16_fn f = cv_qp16_kernel(types[ti], P, 1);
             const cv_qp16k_fn fk = cv_qp16k_kernel(types[ti], P, 1);
             double best = 1e30;
