@@ -49,10 +49,11 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: qp16_bench [blocks > 0] (needs a compiler with AVX512-VNNI)\n");
         return 1;
     }
-    const cv_dtype types[] = {CV_Q8_0, CV_Q4_0, CV_Q4_1, CV_Q4_F, CV_Q4_K, CV_Q5_K};
-    const char *names[] = {"q8_0", "q4_0", "q4_1", "q4_f", "q4_k", "q5_k"};
+    const cv_dtype types[] = {CV_Q8_0, CV_Q4_0, CV_Q4_1, CV_Q4_F, CV_Q4_K, CV_Q5_K, CV_Q5_0};
+    const char *names[] = {"q8_0", "q4_0", "q4_1", "q4_f", "q4_k", "q5_k", "q5_0"};
+    const int ntypes = (int)(sizeof types / sizeof types[0]);
     const int nbk = nb >= 16 ? nb / 8 * 8 : 8; /* the K-quant comparison's blocks */
-    const int shapes[][2] = {{4, 1}, {4, 2}, {2, 3}, {2, 4}, {1, 4}};
+    const int shapes[][2] = {{1, 1}, {4, 1}, {4, 2}, {2, 3}, {2, 4}, {1, 4}};
     const int nx = nb > nbk ? nb : nbk;
     cv_xq_block *x = aligned_alloc(64, sizeof(cv_xq_block) * (size_t)nx * CV_QP16_MAX_TOKENS);
     float *out = malloc(sizeof(float) * 4 * CV_QP16_ROWS * CV_QP16_MAX_TOKENS);
@@ -68,7 +69,7 @@ int main(int argc, char **argv) {
     }
     const double peak = peak_cycles();
     printf("peak: %.3f TSC cycles per vpdpbusd zmm\n", peak);
-    for (int ti = 0; ti < 6; ti++) {
+    for (int ti = 0; ti < ntypes; ti++) {
         const int kp = types[ti] == CV_Q4_K || types[ti] == CV_Q5_K; /* K-quant panels */
         const int kq = kp || types[ti] == CV_Q4_F;
         const int nbt = kq ? nbk : nb; /* this type's blocks */

@@ -130,8 +130,23 @@ static int prepare_stacked(cv_backend *b, cv_matrix *out, const cv_tensor_view *
         raw = raw && cv_dtype_is_quant(parts[i]->dtype) &&
               (parts[i]->dtype == target || ((target == CV_Q8_F || target == CV_Q8_M) && quant == CV_DTYPE_INVALID) ||
                cv_quant_compute_type(parts[i]->dtype) == target);
-    if (raw && n == 1 && parts[0]->dtype == target) /* the file's blocks as they are: no copy first */
-        return b->matrix_prepare(b, out, parts[0]->data, target, parts[0]->shape[0], cols, target, err);
+    /* Parts all stored in one type go to the backend in it, which keeps the
+     * file's bytes where its kernels read that type (the CPU's panels of Q5_0
+     * and the K-quants) and repacks them otherwise. */
+    int one_type = raw;
+    for (int i = 1; i < n; i++) one_type = one_type && parts[i]->dtype == parts[0]->dtype;
+    if (one_type && n == 1) /* the file's blocks as they are: no copy first */
+        return b->matrix_prepare(b, out, parts[0]->data, parts[0]->dtype, parts[0]->shape[0], cols, target, err);
+    if (one_type) {
+        size_t off = 0;
+        for (int i = 0; i < n; i++) {
+            const size_t part = cv_dtype_bytes(parts[i]->dtype, (size_t)(parts[i]->shape[0] * cols));
+            memcpy((char *)scratch + off, parts[i]->data, part);
+            off += part;
+            rows += parts[i]->shape[0];
+        }
+        return b->matrix_prepare(b, out, scratch, parts[0]->dtype, rows, cols, target, err);
+    }
     if (raw) { /* the file's blocks, repacked exactly where the kernels compute another type */
         size_t off = 0;
         for (int i = 0; i < n; i++) {

@@ -181,7 +181,7 @@ void cv_cpu_matrix_free(cv_backend *b, cv_matrix *m) {
  * up to the wanted one, unpacked to row-major blocks. */
 static size_t qrows_scratch_floats(const cv_matrix *m) {
     const size_t row_bytes = cv_dtype_bytes(m->dtype, (size_t)m->cols);
-    return m->layout == CV_QLAYOUT_P16 ? (CV_QP16_ROWS * row_bytes + sizeof(float) - 1) / sizeof(float) : 0;
+    return m->layout != CV_QLAYOUT_ROWS ? (CV_QP16_ROWS * row_bytes + sizeof(float) - 1) / sizeof(float) : 0;
 }
 
 static int rows_supported(const cv_cpu *c, const cv_matrix *m) {
@@ -189,7 +189,7 @@ static int rows_supported(const cv_cpu *c, const cv_matrix *m) {
     if (!cv_dtype_is_quant(m->dtype))
         return m->layout == 0 && (m->dtype == CV_F32 || m->dtype == CV_BF16 || m->dtype == CV_F16);
     if (m->layout == CV_QLAYOUT_ROWS) return 1;
-    return m->layout == CV_QLAYOUT_P16 && cv_qp16_packs(m->dtype) && m->cols % CV_QK == 0 &&
+    return cv_qp16_packs(cv_qp16_type(m->dtype, m->layout)) && m->cols % CV_QK == 0 &&
            cv_cpu_gemm_rows_buf(c, 0, qrows_scratch_floats(m)) != NULL;
 }
 
@@ -229,11 +229,12 @@ static void float_row(float *dst, const cv_cpu *c, const cv_matrix *m, int64_t r
 static void quant_row(float *dst, const cv_matrix *m, int64_t r, void *scratch) {
     const size_t row_bytes = cv_dtype_bytes(m->dtype, (size_t)m->cols);
     const char *src = (const char *)m->data + (size_t)r * row_bytes;
-    if (m->layout == CV_QLAYOUT_P16) {
+    if (m->layout != CV_QLAYOUT_ROWS) {
         const int64_t nb = m->cols / CV_QK;
         const int lane = (int)(r % CV_QP16_ROWS);
-        const char *panel = (const char *)m->data + (size_t)(r / CV_QP16_ROWS) * cv_qp16_stride(m->dtype, nb);
-        cv_qp16_unpack(scratch, row_bytes, panel, m->dtype, lane + 1, nb);
+        const cv_dtype pt = cv_qp16_type(m->dtype, m->layout);
+        const char *panel = (const char *)m->data + (size_t)(r / CV_QP16_ROWS) * cv_qp16_stride(pt, nb);
+        cv_qp16_unpack(scratch, row_bytes, panel, pt, lane + 1, nb);
         src = (const char *)scratch + (size_t)lane * row_bytes;
     }
     cv_dequantize(dst, src, m->dtype, (size_t)m->cols);

@@ -265,6 +265,22 @@ static void qp16_pack_fn(void *arg, int tid, int nth) {
                  j->nb);
 }
 
+/* Repacking rows of another stored type (cv_quant_repack), split evenly across the threads. */
+typedef struct repack_job {
+    unsigned char *dst;
+    const char *src;
+    cv_dtype dst_t, src_t;
+    int64_t rows, cols;
+    size_t dst_row, src_row;
+} repack_job;
+
+static void repack_fn(void *arg, int tid, int nth) {
+    const repack_job *j = arg;
+    for (int64_t r = j->rows * tid / nth; r < j->rows * (tid + 1) / nth; r++)
+        cv_quant_repack(j->dst + (size_t)r * j->dst_row, j->dst_t, j->src + (size_t)r * j->src_row, j->src_t,
+                        (size_t)j->cols);
+}
+
 int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dtype src_dtype, int64_t rows,
                            int64_t cols, cv_dtype dtype, cv_err *err) {
     memset(out, 0, sizeof *out);
@@ -294,15 +310,16 @@ int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dt
                           (long long)cols);
     const size_t row_bytes = bytes / (size_t)rows;
     cv_cpu *c = cv_cpu_of(b);
-    /* the VNNI level's panels (quant.h: the P16 layout; Q4_K's and Q5_K's keep
-     * their bytes, CV_QLAYOUT_P16_Q4K); blocks already of the kept type go into
-     * them straight from the source, without a row-major copy */
-    const cv_dtype ptype = (src_dtype == CV_Q4_K || src_dtype == CV_Q5_K) && dtype == cv_quant_compute_type(src_dtype)
-                               ? src_dtype : dtype;
+    /* the VNNI level's panels (quant_ukr.h: the P16 layout; Q4_K's, Q5_K's and
+     * Q5_0's keep their bytes, CV_QLAYOUT_P16_Q4K ...); blocks already of the
+     * panels' type go into them straight from the source, without a row-major copy */
+    const cv_dtype ptype =
+        (src_dtype == CV_Q4_K || src_dtype == CV_Q5_K || src_dtype == CV_Q5_0) && dtype == cv_quant_compute_type(src_dtype)
+            ? src_dtype : dtype;
     const int kq = ptype == CV_Q4_K || ptype == CV_Q5_K;
     const int p16 = c->qlevel == CV_QL_AVX512VNNI && cv_qp16_packs(ptype) &&
                     (kq ? cv_qp16k_kernel(ptype, 1, 1) != NULL : cv_qp16_kernel(ptype, 1, 1) != NULL);
-    const int direct = p16 && (kq || src_dtype == dtype);
+    const int direct = p16 && src_dtype == ptype;
     /* row-major blocks: the matrix itself, or what its panels are packed from */
     unsigned char *data = direct ? NULL
                           : p16  ? aligned_alloc(64, (bytes + 63) & ~(size_t)63)
@@ -327,10 +344,9 @@ int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dt
     if (direct) {
         /* packed below from src */
     } else if (repack) {
-        const size_t src_row = cv_dtype_bytes(src_dtype, (size_t)cols);
-        for (int64_t r = 0; r < rows; r++)
-            cv_quant_repack(data + (size_t)r * row_bytes, dtype, (const char *)src + (size_t)r * src_row, src_dtype,
-                            (size_t)cols);
+        repack_job j = {.dst = data, .src = src, .dst_t = dtype, .src_t = src_dtype, .rows = rows, .cols = cols,
+                        .dst_row = row_bytes, .src_row = cv_dtype_bytes(src_dtype, (size_t)cols)};
+        cv_pool_run(c->pool, cv_threads_for(c, (double)rows * (double)cols, 1 << 20), repack_fn, &j);
     } else {
         const size_t src_row = cv_dtype_bytes(src_dtype, (size_t)cols);
         for (int64_t r = 0; r < rows; r++) {
@@ -360,7 +376,7 @@ int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dt
         free(data);
         data = packed;
         bytes = pbytes;
-        out->layout = ptype == CV_Q4_K ? CV_QLAYOUT_P16_Q4K : ptype == CV_Q5_K ? CV_QLAYOUT_P16_Q5K : CV_QLAYOUT_P16;
+        out->layout = cv_qp16_layout(ptype);
     }
     out->data = data;
     out->dtype = dtype;
@@ -380,9 +396,7 @@ done:
 /* ---- GEMM ------------------------------------------------------------------ */
 
 /* The type the P16 functions take for a panel-packed matrix (quant_ukr.h). */
-static cv_dtype panel_type(const cv_matrix *w) {
-    return w->layout == CV_QLAYOUT_P16_Q4K ? CV_Q4_K : w->layout == CV_QLAYOUT_P16_Q5K ? CV_Q5_K : w->dtype;
-}
+static cv_dtype panel_type(const cv_matrix *w) { return cv_qp16_type(w->dtype, w->layout); }
 
 typedef struct qgemm_job {
     cv_rows units;         /* the P16 path's dynamic regions: tokens to quantize, then chunks of panels */

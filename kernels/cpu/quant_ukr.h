@@ -50,7 +50,7 @@ int cv_qtiles_vnni(cv_dtype t, int avx512, cv_qtiles *out); /* avx512: EVEX vpdp
 int cv_qtiles_q2k(cv_dtype t, cv_qtiles *out);
 
 /* The panel layout (cv_matrix.layout CV_QLAYOUT_P16) of the AVX512-VNNI
- * level, for Q8_0, Q4_0, Q4_1 and Q4_F (cv_qp16_packs): rows in panels of
+ * level, for Q8_0, Q4_0, Q4_1, Q4_F and Q5_0 (cv_qp16_packs): rows in panels of
  * 16 (zero rows pad the last), each panel `stride` bytes (a multiple of 64).
  * Block i's weights, as u8 operands of vpdpbusd: 64-byte vector g holds, for
  * row r, bytes 4r..4r+3:
@@ -61,12 +61,16 @@ int cv_qtiles_q2k(cv_dtype t, cv_qtiles *out);
  *   Q4   (g 0..3): GGUF's bytes 4g..4g+3 of the row's block (low nibbles:
  *        elements 4g.., high: 16 + 4g..), then the block's d[16] and m[16]
  *        (float16, 32 bytes each, Q4_0's m unused; Q4_F float32): 320 or
- *        384 bytes a block.
+ *        384 bytes a block;
+ *   Q5_0 (g 0..3): Q4's nibble vectors, then one vector of the fifth bits
+ *        (row r's bytes 4r + k: bit g that of element 4g + k, bit 4 + g
+ *        that of 16 + 4g + k); blocks in pairs as Q8_0's: 2 x 320 bytes,
+ *        then the two d[16]: 704 bytes (11 lines) a pair, the file's 16 x 2 x 22.
  * So a panel is one stream of whole cache lines, read front to back.
  * Each output lane (row, token) runs, over the blocks i in order:
  *   acc = fma(float(idot_i), dw_i * dx_i, acc) [; acc = fma(m_i, s_i, acc)]
- * where idot_i is the exact integer block dot (Q8_0's +128 and Q4_0's -8
- * taken out exactly, in the integer start value), whatever the tile, so a
+ * where idot_i is the exact integer block dot (Q8_0's +128, Q4_0's -8 and
+ * Q5_0's -16 taken out exactly, in the integer start value), whatever the tile, so a
  * token's outputs are the same bits alone or in any batch. The other levels
  * read such a matrix through cv_qp16_unpack (exact: the GGUF blocks).
  *
@@ -82,8 +86,24 @@ int cv_qtiles_q2k(cv_dtype t, cv_qtiles *out);
  * take the 6-bit scales expanded (cv_qp16k_scales: Q4_F's d and m, once
  * per chunk of panels for all its token tiles) and run Q4_F's operations,
  * so Q4_K's results are the Q4_F path's bits; unpacking gives the Q4_F
- * (Q8_F) blocks. */
-enum { CV_QLAYOUT_ROWS = 0, CV_QLAYOUT_P16 = 1, CV_QLAYOUT_P16_Q4K = 2, CV_QLAYOUT_P16_Q5K = 3 };
+ * (Q8_F) blocks.
+ *
+ * CV_QLAYOUT_P16_Q50: a Q8_0 matrix (Q5_0's compute type) packed from Q5_0
+ * rows keeping the file's 22 bytes a block (the P16 functions take the type
+ * CV_Q5_0 for it). Its lanes run Q8_0's operations on the same integers
+ * (q - 16) and scales, so the results are the bits of the Q8_0 repacking;
+ * unpacking gives those Q8_0 blocks. */
+enum { CV_QLAYOUT_ROWS = 0, CV_QLAYOUT_P16 = 1, CV_QLAYOUT_P16_Q4K = 2, CV_QLAYOUT_P16_Q5K = 3, CV_QLAYOUT_P16_Q50 = 4 };
+/* The type the P16 functions take for a matrix of this dtype and layout. */
+static inline cv_dtype cv_qp16_type(cv_dtype dtype, int layout) {
+    return layout == CV_QLAYOUT_P16_Q4K ? CV_Q4_K : layout == CV_QLAYOUT_P16_Q5K ? CV_Q5_K
+         : layout == CV_QLAYOUT_P16_Q50 ? CV_Q5_0 : dtype;
+}
+/* The layout of a matrix packed from panels of the P16 functions' type t. */
+static inline int cv_qp16_layout(cv_dtype t) {
+    return t == CV_Q4_K ? CV_QLAYOUT_P16_Q4K : t == CV_Q5_K ? CV_QLAYOUT_P16_Q5K
+         : t == CV_Q5_0 ? CV_QLAYOUT_P16_Q50 : CV_QLAYOUT_P16;
+}
 #define CV_QP16_ROWS 16
 #define CV_QP16_MAX_TOKENS 4
 int cv_qp16_packs(cv_dtype t);

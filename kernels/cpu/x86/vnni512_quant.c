@@ -23,27 +23,34 @@
 /* ---- the layout ------------------------------------------------------------ */
 
 int cv_qp16_packs(cv_dtype t) {
-    return t == CV_Q8_0 || t == CV_Q4_0 || t == CV_Q4_1 || t == CV_Q4_F || t == CV_Q4_K || t == CV_Q5_K;
+    return t == CV_Q8_0 || t == CV_Q4_0 || t == CV_Q4_1 || t == CV_Q4_F || t == CV_Q4_K || t == CV_Q5_K || t == CV_Q5_0;
 }
 
 static size_t qp_sbytes(cv_dtype t) { return t == CV_Q4_F ? 64 : 32; }
 /* Every type's panel is one stream read front to back: a block's scales sit
  * next to its weights, in whole cache lines. Q4: 256 bytes of weights, then
- * 2 x 32 (Q4_0: the m slot unused) or 2 x 64 bytes of scales a block. Q8_0:
- * blocks in pairs, 2 x 512 bytes of weights and then their 2 x 32 of scales
- * (17 lines; one block and its scales would split vectors across lines). A
- * one-token tile streams its panel at about the rate of a plain read; scales
- * in a region of their own cost a second stream that starts at each panel. */
-/* A Q4 type's bytes a block (Q8_0 goes by pairs: QP_Q8_PAIR). */
+ * 2 x 32 (Q4_0: the m slot unused) or 2 x 64 bytes of scales a block. Q8_0
+ * and Q5_0: blocks in pairs, the two blocks' weights (Q8_0 512 bytes each,
+ * Q5_0 256 of nibbles and 64 of fifth bits) and then their 2 x 32 of scales
+ * (17 or 11 lines; one block and its scales would split vectors across
+ * lines). A one-token tile streams its panel at about the rate of a plain
+ * read; scales in a region of their own cost a second stream that starts at
+ * each panel. */
+/* A Q4 type's bytes a block (Q8_0 and Q5_0 go by pairs: qp_pair). */
 static size_t qp_bbytes(cv_dtype t) { return t == CV_Q4_F ? 384 : 320; }
-#define QP_Q8_PAIR (2 * 512 + 2 * 32)
+static int qp_paired(cv_dtype t) { return t == CV_Q8_0 || t == CV_Q5_0; }
+/* A paired type's weights a block, and the pair's bytes. */
+static size_t qp_pw(cv_dtype t) { return t == CV_Q8_0 ? 512 : 320; }
+static size_t qp_pair(cv_dtype t) { return 2 * qp_pw(t) + 2 * 32; }
 
-/* Offsets in a panel of block i's weights, scales and mins. */
+/* Offsets in a panel of block i's weights, scales and mins (Q5_0's fifth
+ * bits: 256 bytes after its weights). */
 static size_t qp_qoff(cv_dtype t, int64_t i) {
-    return t == CV_Q8_0 ? (size_t)(i / 2) * QP_Q8_PAIR + (size_t)(i % 2) * 512 : (size_t)i * qp_bbytes(t);
+    return qp_paired(t) ? (size_t)(i / 2) * qp_pair(t) + (size_t)(i % 2) * qp_pw(t) : (size_t)i * qp_bbytes(t);
 }
 static size_t qp_doff(cv_dtype t, int64_t i) {
-    return t == CV_Q8_0 ? (size_t)(i / 2) * QP_Q8_PAIR + 1024 + (size_t)(i % 2) * 32 : (size_t)i * qp_bbytes(t) + 256;
+    return qp_paired(t) ? (size_t)(i / 2) * qp_pair(t) + 2 * qp_pw(t) + (size_t)(i % 2) * 32
+                        : (size_t)i * qp_bbytes(t) + 256;
 }
 static size_t qp_moff(cv_dtype t, int64_t i) { return qp_doff(t, i) + qp_sbytes(t); }
 
@@ -61,7 +68,7 @@ _Static_assert(QK_QH + 4 * QK_PAIR_BYTES == 16 * sizeof(cv_block_q4_k) &&
 
 size_t cv_qp16_stride(cv_dtype t, int64_t nb) {
     if (t == CV_Q4_K || t == CV_Q5_K) return (size_t)(nb / 8) * qk_bytes(t);
-    if (t == CV_Q8_0) return (size_t)((nb + 1) / 2) * QP_Q8_PAIR;
+    if (qp_paired(t)) return (size_t)((nb + 1) / 2) * qp_pair(t);
     return ((size_t)nb * qp_bbytes(t) + 63) & ~(size_t)63;
 }
 
@@ -70,6 +77,7 @@ static void qp_scales_of(const void *blk, cv_dtype t, void *d, void *m) {
     switch (t) {
     case CV_Q8_0: memcpy(d, &((const cv_block_q8_0 *)blk)->d, 2); break;
     case CV_Q4_0: memcpy(d, &((const cv_block_q4_0 *)blk)->d, 2); break;
+    case CV_Q5_0: memcpy(d, &((const cv_block_q5_0 *)blk)->d, 2); break;
     case CV_Q4_1:
         memcpy(d, &((const cv_block_q4_1 *)blk)->d, 2);
         memcpy(m, &((const cv_block_q4_1 *)blk)->m, 2);
@@ -85,6 +93,7 @@ static const uint8_t *qp_qs_of(const void *blk, cv_dtype t) {
     switch (t) {
     case CV_Q8_0: return (const uint8_t *)((const cv_block_q8_0 *)blk)->qs;
     case CV_Q4_0: return ((const cv_block_q4_0 *)blk)->qs;
+    case CV_Q5_0: return ((const cv_block_q5_0 *)blk)->qs;
     case CV_Q4_1: return ((const cv_block_q4_1 *)blk)->qs;
     default: return ((const cv_block_q4_f *)blk)->qs;
     }
@@ -122,6 +131,20 @@ static void qk_pack(uint8_t *dst, const void *src, cv_dtype t, int64_t rows, int
     }
 }
 
+/* Q5_0's fifth bits (qh, bit e for element e) as the panel holds them for
+ * one row: byte k (of the row's 4 at 4r) has, in bit g, element 4g + k's
+ * and, in bit 4 + g, element 16 + 4g + k's, the elements whose nibbles sit
+ * in byte k of weight vector g (low and high), so one byte test a vector
+ * finds them. */
+static void q5_pack_bits(uint8_t *dst, const uint8_t qh[4]) {
+    const uint32_t h = (uint32_t)qh[0] | (uint32_t)qh[1] << 8 | (uint32_t)qh[2] << 16 | (uint32_t)qh[3] << 24;
+    for (int k = 0; k < 4; k++) {
+        unsigned v = 0;
+        for (int g = 0; g < 4; g++) v |= ((h >> (4 * g + k)) & 1u) << g | ((h >> (16 + 4 * g + k)) & 1u) << (4 + g);
+        dst[k] = (uint8_t)v;
+    }
+}
+
 void cv_qp16_pack(void *dst, const void *src, cv_dtype t, int64_t rows, int64_t nb) {
     if (t == CV_Q4_K || t == CV_Q5_K) {
         qk_pack(dst, src, t, rows, nb);
@@ -149,6 +172,7 @@ void cv_qp16_pack(void *dst, const void *src, cv_dtype t, int64_t rows, int64_t 
                         for (int b = 0; b < 4; b++) q[64 * g + b] = (uint8_t)((int8_t)w[4 * g + b] + 128);
                 else
                     for (int g = 0; g < 4; g++) memcpy(q + 64 * g, w + 4 * g, 4);
+                if (t == CV_Q5_0) q5_pack_bits(q + 256, ((const cv_block_q5_0 *)blk)->qh);
                 qp_scales_of(blk, t, qs + qp_doff(t, i) + (size_t)r * ss, qs + qp_moff(t, i) + (size_t)r * ss);
             }
         }
@@ -196,7 +220,7 @@ void cv_qp16_unpack(void *dst, size_t row_bytes, const void *panel, cv_dtype t, 
         qk_unpack(dst, row_bytes, panel, t, n, nb);
         return;
     }
-    const size_t ss = qp_sbytes(t) / 16, bb = cv_quant_block_bytes(t);
+    const size_t ss = qp_sbytes(t) / 16, bb = cv_quant_block_bytes(t == CV_Q5_0 ? CV_Q8_0 : t);
     const uint8_t *qs = panel;
     for (int r = 0; r < n; r++)
         for (int64_t i = 0; i < nb; i++) {
@@ -209,6 +233,16 @@ void cv_qp16_unpack(void *dst, size_t row_bytes, const void *panel, cv_dtype t, 
                 memcpy(&b->d, dr, 2);
                 for (int g = 0; g < 8; g++)
                     for (int k = 0; k < 4; k++) b->qs[4 * g + k] = (int8_t)(q[64 * g + k] - 128);
+                break;
+            }
+            case CV_Q5_0: { /* as cv_quant_repack's Q8_0: the same scale, q - 16 */
+                cv_block_q8_0 *b = (cv_block_q8_0 *)(void *)blk;
+                memcpy(&b->d, dr, 2);
+                for (int e = 0; e < CV_QK; e++) {
+                    const int hi = e >= 16, g = (e % 16) / 4, k = e % 4;
+                    const int nib = (q[64 * g + k] >> (4 * hi)) & 0xf, bit = (q[256 + k] >> (4 * hi + g)) & 1;
+                    b->qs[e] = (int8_t)((nib | bit << 4) - 16);
+                }
                 break;
             }
             case CV_Q4_0: {
@@ -279,7 +313,7 @@ static CV_ALWAYS_INLINE void qp_tile(const cv_dtype type, const int P, const int
     for (int p = 0; p < P; p++)
 #pragma GCC unroll 8
         for (int t = 0; t < T; t++) acc[p][t] = _mm512_setzero_ps();
-    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const __m512i low4 = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
     cv_prefetch_spread ps = cv_prefetch_spread_of(pf, pf_lines, nb);
     for (int64_t i = 0; i < nb; i++) {
         cv_prefetch_step(&ps);
@@ -303,9 +337,10 @@ static CV_ALWAYS_INLINE void qp_tile(const cv_dtype type, const int P, const int
         }
         __m512i dot[4][CV_QP16_MAX_TOKENS];
 #pragma GCC unroll 8
-        for (int t = 0; t < T; t++) { /* the exact integer start: Q8_0's +128, Q4_0's -8 taken out */
+        for (int t = 0; t < T; t++) { /* the exact integer start: Q8_0's +128, Q4_0's -8, Q5_0's -16 taken out */
             const int32_t s = x[t * xs + i].sum;
-            const __m512i b = _mm512_set1_epi32(type == CV_Q8_0 ? -128 * s : type == CV_Q4_0 ? -8 * s : 0);
+            const __m512i b = _mm512_set1_epi32(type == CV_Q8_0 ? -128 * s : type == CV_Q4_0 ? -8 * s
+                                                : type == CV_Q5_0 ? -16 * s : 0);
 #pragma GCC unroll 4
             for (int p = 0; p < P; p++) dot[p][t] = b;
         }
@@ -323,6 +358,10 @@ static CV_ALWAYS_INLINE void qp_tile(const cv_dtype type, const int P, const int
                 }
             }
         } else {
+            __m512i fifth[4]; /* Q5_0: its fifth bits (q5_pack_bits) */
+            if (type == CV_Q5_0)
+#pragma GCC unroll 4
+                for (int p = 0; p < P; p++) fifth[p] = _mm512_loadu_si512((const void *)(qs[p] + 256));
 #pragma GCC unroll 4
             for (int g = 0; g < 4; g++) {
                 __m512i lo[4], hi[4];
@@ -331,6 +370,12 @@ static CV_ALWAYS_INLINE void qp_tile(const cv_dtype type, const int P, const int
                     const __m512i v = _mm512_loadu_si512((const void *)(qs[p] + 64 * g));
                     lo[p] = _mm512_and_si512(v, low4);
                     hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                    if (type == CV_Q5_0) { /* plus 16 where the fifth bit is set */
+                        lo[p] = _mm512_mask_add_epi8(lo[p], _mm512_test_epi8_mask(fifth[p], _mm512_set1_epi8((char)(1 << g))),
+                                                     lo[p], sixteen);
+                        hi[p] = _mm512_mask_add_epi8(hi[p], _mm512_test_epi8_mask(fifth[p], _mm512_set1_epi8((char)(16 << g))),
+                                                     hi[p], sixteen);
+                    }
                 }
 #pragma GCC unroll 8
                 for (int t = 0; t < T; t++) {
@@ -535,6 +580,7 @@ QK_TYPE(qk5, CV_Q5_K)
     };
 QP_TYPE(q8_0, CV_Q8_0)
 QP_TYPE(q4_0, CV_Q4_0)
+QP_TYPE(q5_0, CV_Q5_0)
 QP_TYPE(q4_1, CV_Q4_1)
 QP_TYPE(q4_f, CV_Q4_F)
 
@@ -652,6 +698,7 @@ cv_qp16_fn cv_qp16_kernel(cv_dtype t, int panels, int tokens) {
     switch (t) {
     case CV_Q8_0: return qp_q8_0[tokens][full];
     case CV_Q4_0: return qp_q4_0[tokens][full];
+    case CV_Q5_0: return qp_q5_0[tokens][full];
     case CV_Q4_1: return qp_q4_1[tokens][full];
     case CV_Q4_F: return qp_q4_f[tokens][full];
     default: return NULL;
