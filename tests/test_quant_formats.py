@@ -183,6 +183,44 @@ def test_k_quant_many_panels(qtype, level):
             np.testing.assert_array_equal(got, alone[:n])
 
 
+def q5_0_as_q8_0(wb, rows, cols):
+    """Q5_0 rows as the Q8_0 rows the CPU kernels compute them as: the same float16 scale,
+    q - 16 as int8 (NumPy, independent of the C repacking)."""
+    blocks = wb.reshape(rows, cols // 32, 22)
+    qh = blocks[:, :, 2:6].copy().view("<u4")[..., 0]
+    qs = blocks[:, :, 6:]
+    nib = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int16)
+    fifth = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16)
+    q = (nib | fifth << 4) - 16
+    return np.concatenate([blocks[:, :, :2], q.astype(np.int8).view(np.uint8)], axis=-1).reshape(rows, -1)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_q5_0_panels_are_the_q8_0_bits(level):
+    """Q5_0 keeps its file's bytes in the AVX512-VNNI panels (22 bytes a block row, not Q8_0's
+    34); its kernels, and the Q8_0 panels its batched tiles are expanded into, run Q8_0's
+    operations on the same integers, so every output is the Q8_0 repacking's bits: odd and even
+    block counts, rows that end inside a panel, 1..9 and 67 tokens (one-token tiles, tails,
+    several tiles a panel), 1..3 threads, with bias and accumulation. Other levels read the
+    panels back as those Q8_0 blocks."""
+    level_or_skip(level)
+    rng = np.random.default_rng(37)
+    for rows, cols in ((150, 640), (37, 160), (16, 32)):
+        wb = sane_blocks(rng, "q5_0", rows, cols)
+        w8 = q5_0_as_q8_0(wb, rows, cols)
+        np.testing.assert_array_equal(_testing.kernel_dequantize(wb, "q5_0"), _testing.kernel_dequantize(w8, "q8_0"))
+        x = rng.standard_normal((67, cols)).astype(np.float32)
+        x[1, :32] = 0.0
+        bias = rng.standard_normal(rows).astype(np.float32)
+        for n in (1, 2, 3, 4, 5, 9, 67):
+            for threads in (1, 2, 3):
+                got = _testing.kernel_qgemm(x[:n], wb, "q5_0", level=level, threads=threads)
+                np.testing.assert_array_equal(got, _testing.kernel_qgemm(x[:n], w8, "q8_0", level=level, threads=threads))
+        acc = rng.standard_normal((67, rows)).astype(np.float32)
+        np.testing.assert_array_equal(_testing.kernel_qgemm(x, wb, "q5_0", level=level, bias=bias, accumulate=acc),
+                                      _testing.kernel_qgemm(x, w8, "q8_0", level=level, bias=bias, accumulate=acc))
+
+
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1"] + NEW_TYPES)
 def test_q8_m_holds_every_format(qtype):
     """Q8_M, the form of a stack mixing Q2_K with other formats (a float32 scale and min per

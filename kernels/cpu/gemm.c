@@ -98,7 +98,8 @@ int cv_cpu_matrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dty
     float *tmp = NULL;
     if (cv_dtype_is_quant(dtype)) {
         rc = cv_cpu_qmatrix_prepare(b, out, src, src_dtype, rows, cols, dtype, err);
-        if (rc == CV_OK && cv_cpu_gemm_reserve(c, cols) < 0) { /* rows of a fused GEMM's prologue */
+        /* rows of a fused GEMM's prologue; Q5_0 panels: two panels as Q8_0 (quant.c) */
+        if (rc == CV_OK && cv_cpu_gemm_reserve(c, out->layout == CV_QLAYOUT_P16_Q50 ? 2 * cols : cols) < 0) {
             cv_cpu_matrix_free(b, out);
             rc = cv_set_err(err, CV_ERR_NOMEM, "matrix_prepare: out of memory for activation scratch");
         }

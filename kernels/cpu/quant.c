@@ -521,6 +521,12 @@ static void panels_fn(void *arg, int tid, int nth) {
      * reserves it; without one the kernels expand them, the same values) */
     const int kq = dt == CV_Q4_K || dt == CV_Q5_K;
     float *ksc = kq ? cv_cpu_gemm_rows_buf(j->cpu, tid, kq_scale_floats(nb)) : NULL;
+    /* Q5_0 panels with several token tiles: each pair of panels made Q8_0
+     * panels once (the same integers) for all its tiles, which then run
+     * Q8_0's kernels, at its rate; without the buffer (matrix_prepare
+     * reserves it) the Q5_0 kernels, the same values */
+    const size_t q8_stride = cv_qp16_stride(CV_Q8_0, nb);
+    char *q8 = dt == CV_Q5_0 && ntiles > 1 ? (char *)cv_cpu_gemm_rows_buf(j->cpu, tid, (2 * q8_stride + 3) / 4) : NULL;
     /* With several token tiles units are claimed one ahead, so that a unit's
      * last chunk can ask for the first chunk of the thread's next unit. A
      * one-token tile asks for nothing ahead (its stream is the prefetchers'),
@@ -543,10 +549,34 @@ static void panels_fn(void *arg, int tid, int nth) {
                 const int64_t n1 = next + QP_CHUNK < panels ? next + QP_CHUNK : panels;
                 /* a slice per kernel call: the full tiles' calls and the last tile's */
                 const int64_t tail = j->nt % CV_QP16_MAX_TOKENS;
-                const int64_t calls = j->nt / CV_QP16_MAX_TOKENS * chunk_calls(c1 - c0, CV_QP16_MAX_TOKENS) +
-                                      (tail ? chunk_calls(c1 - c0, (int)tail) : 0);
+                const int64_t calls = q8 ? ntiles * (c1 - c0) /* at most */
+                                         : j->nt / CV_QP16_MAX_TOKENS * chunk_calls(c1 - c0, CV_QP16_MAX_TOKENS) +
+                                               (tail ? chunk_calls(c1 - c0, (int)tail) : 0);
                 pf = cv_prefetch_span_of((const char *)j->w->data + (size_t)next * stride, (size_t)(n1 - next) * stride,
                                          (size_t)calls);
+            }
+            if (q8) {
+                for (int64_t p = c0; p < c1;) {
+                    const int np = c1 - p >= 2 ? 2 : 1;
+                    for (int k = 0; k < np; k++)
+                        cv_qp16_q5_to_q8(q8 + (size_t)k * q8_stride, (const char *)j->w->data + (size_t)(p + k) * stride, nb);
+                    for (int64_t t = 0; t < j->nt;) {
+                        const int T = (int)(j->nt - t < CV_QP16_MAX_TOKENS ? j->nt - t : CV_QP16_MAX_TOKENS);
+                        const int per = cv_qp16_panels_for(T) == np ? np : 1; /* panels a call */
+                        for (int k = 0; k < np; k += per) {
+                            const int64_t r0 = (p + k) * CV_QP16_ROWS;
+                            const int nr = (int)(rows - r0 < per * CV_QP16_ROWS ? rows - r0 : per * CV_QP16_ROWS);
+                            int64_t pfl = 0;
+                            const char *pfp = cv_prefetch_take(&pf, nb, &pfl);
+                            cv_qp16_kernel(CV_Q8_0, per, T)(q8 + (size_t)k * q8_stride, q8_stride, nb, j->xq + t * nb, nb,
+                                                            j->out + (j->t0 + t) * n_out + r0, n_out, nr,
+                                                            j->bias ? j->bias + r0 : NULL, j->accumulate, pfp, pfl);
+                        }
+                        t += T;
+                    }
+                    p += np;
+                }
+                continue;
             }
             /* K-quants with several token tiles: the chunk's scales once for all of them */
             const float *kchunk = ksc && ntiles > 1 ? ksc : NULL;

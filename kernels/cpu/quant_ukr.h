@@ -133,6 +133,10 @@ typedef void (*cv_qp16k_fn)(const void *w, size_t stride, int64_t nb, const cv_x
                             float *out, int64_t ldo, int nvalid, const float *bias, int accumulate, const char *pf,
                             int64_t pf_lines, const float *sc);
 cv_qp16k_fn cv_qp16k_kernel(cv_dtype t, int panels, int tokens);
+/* One Q5_0 panel (nb blocks) as a Q8_0 panel (cv_qp16_stride(CV_Q8_0, nb)
+ * bytes at dst), the same integers and scales: the batched tiles of a Q5_0
+ * matrix run Q8_0's kernels on it. */
+void cv_qp16_q5_to_q8(void *dst, const void *panel, int64_t nb);
 /* Panels of a full tile at T tokens. */
 static inline int cv_qp16_panels_for(int tokens) { return tokens <= 2 ? 4 : 2; }
 

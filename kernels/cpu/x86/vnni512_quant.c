@@ -439,6 +439,27 @@ static CV_ALWAYS_INLINE void qk_scales(const uint8_t *q, __m512 dw[8], __m512 mw
 #undef QK_LANE
 }
 
+/* One Q5_0 panel (nb blocks) as a Q8_0 panel: the same integers (q - 16,
+ * stored + 128) and scales, so Q8_0's kernels compute the Q5_0 kernels' bits. */
+static void q5_to_q8_panel(uint8_t *dst, const uint8_t *src, int64_t nb) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16), off = _mm512_set1_epi8(112);
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *q = src + qp_qoff(CV_Q5_0, i);
+        uint8_t *o = dst + qp_qoff(CV_Q8_0, i);
+        const __m512i fifth = _mm512_loadu_si512((const void *)(q + 256));
+#pragma GCC unroll 4
+        for (int g = 0; g < 4; g++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(q + 64 * g));
+            __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(fifth, _mm512_set1_epi8((char)(1 << g))), lo, sixteen);
+            hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(fifth, _mm512_set1_epi8((char)(16 << g))), hi, sixteen);
+            _mm512_storeu_si512((void *)(o + 64 * g), _mm512_add_epi8(lo, off));
+            _mm512_storeu_si512((void *)(o + 64 * (4 + g)), _mm512_add_epi8(hi, off));
+        }
+        memcpy(dst + qp_doff(CV_Q8_0, i), src + qp_doff(CV_Q5_0, i), 32);
+    }
+}
+
 /* The scales of np Q4_K panels (stride bytes apart) for the kernels:
  * dst[(p nb + i) 32 ..] holds block i's d (16 rows), then its m. */
 static void qk_expand(float *dst, const void *panels, size_t stride, cv_dtype t, int np, int64_t nb) {
@@ -716,8 +737,16 @@ void cv_qp16k_scales(float *dst, const void *panels, size_t stride, cv_dtype t, 
     qk_expand(dst, panels, stride, t, np, nb);
 }
 
+void cv_qp16_q5_to_q8(void *dst, const void *panel, int64_t nb) { q5_to_q8_panel(dst, panel, nb); }
+
 #else
 cv_quantize_x_fn cv_quantize_x_avx512(void) { return NULL; }
+
+void cv_qp16_q5_to_q8(void *dst, const void *panel, int64_t nb) { /* never called: no Q5_0 panels without the kernels */
+    (void)dst;
+    (void)panel;
+    (void)nb;
+}
 
 cv_qp16k_fn cv_qp16k_kernel(cv_dtype t, int panels, int tokens) {
     (void)t;
