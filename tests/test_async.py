@@ -265,12 +265,14 @@ def _spy_preparation(eng):
 
 
 def _assert_loop_kept_ticking(gap, what):
-    """The loop's longest stall is short. Not timed under ASan (tools/sanitize.sh), where
-    the preparation runs several times slower and its thread, the engine's and the loop
-    share 2 cores: there the preparation thread's name is the check."""
+    """The loop's longest stall is well under the second or more that the work took on the
+    loop before it moved to the preparation threads (the threads' names are the exact
+    check; on 2 shared cores a tick can wait 150-400 ms for a core, so the limit is loose).
+    Not timed under ASan (tools/sanitize.sh), where the preparation runs several times
+    slower."""
     if os.environ.get("CONVEYOR_SANITIZED") == "1":
         return
-    assert gap < 0.15, f"the event loop stalled {gap * 1000:.0f} ms while {what}"
+    assert gap < 0.5, f"the event loop stalled {gap * 1000:.0f} ms while {what}"
 
 
 async def _drain_stream(stream):
