@@ -160,14 +160,14 @@ def test_qgemm_batch_invariance(qtype, level):
     np.testing.assert_array_equal(_testing.kernel_qgemm(x, wb, qtype, level=level, threads=3), alone)
 
 
-@pytest.mark.parametrize("qtype", ["q4_k", "q5_k"])
+@pytest.mark.parametrize("qtype", ["q4_k", "q5_k", "q6_k"])
 @pytest.mark.parametrize("level", LEVELS)
 def test_k_quant_many_panels(qtype, level):
-    """Q4_K and Q5_K over more rows than one thread's chunk of 4 panels of 16 (the AVX512-VNNI
-    level keeps their bytes in panels and expands a chunk's 6-bit scales once for all its token
-    tiles, or in the kernel for a single tile): 150 rows (10 panels, the last one 6 rows) x 4
-    super-blocks, 1..9 tokens and 1..3 threads, against NumPy, and one token alone gives the
-    same bits."""
+    """Q4_K, Q5_K and Q6_K over more rows than one thread's chunk of 4 panels of 16 (the
+    AVX512-VNNI level keeps their bytes in panels; Q4_K/Q5_K expand a chunk's 6-bit scales once
+    for all its token tiles, or in the kernel for a single tile; Q6_K's two scales a block are
+    read in the kernel): 150 rows (10 panels, the last one 6 rows) x 4 super-blocks, 1..9
+    tokens and 1..3 threads, against NumPy, and one token alone gives the same bits."""
     level_or_skip(level)
     rng = np.random.default_rng(31)
     rows, cols = 150, 1024

@@ -314,7 +314,8 @@ int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dt
      * Q5_0's keep their bytes, CV_QLAYOUT_P16_Q4K ...); blocks already of the
      * panels' type go into them straight from the source, without a row-major copy */
     const cv_dtype ptype =
-        (src_dtype == CV_Q4_K || src_dtype == CV_Q5_K || src_dtype == CV_Q5_0) && dtype == cv_quant_compute_type(src_dtype)
+        (src_dtype == CV_Q4_K || src_dtype == CV_Q5_K || src_dtype == CV_Q5_0 || src_dtype == CV_Q6_K) &&
+                dtype == cv_quant_compute_type(src_dtype)
             ? src_dtype : dtype;
     const int kq = ptype == CV_Q4_K || ptype == CV_Q5_K;
     const int p16 = c->qlevel == CV_QL_AVX512VNNI && cv_qp16_packs(ptype) &&

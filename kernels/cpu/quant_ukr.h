@@ -92,17 +92,31 @@ int cv_qtiles_q2k(cv_dtype t, cv_qtiles *out);
  * rows keeping the file's 22 bytes a block (the P16 functions take the type
  * CV_Q5_0 for it). Its lanes run Q8_0's operations on the same integers
  * (q - 16) and scales, so the results are the bits of the Q8_0 repacking;
- * unpacking gives those Q8_0 blocks. */
-enum { CV_QLAYOUT_ROWS = 0, CV_QLAYOUT_P16 = 1, CV_QLAYOUT_P16_Q4K = 2, CV_QLAYOUT_P16_Q5K = 3, CV_QLAYOUT_P16_Q50 = 4 };
+ * unpacking gives those Q8_0 blocks.
+ *
+ * CV_QLAYOUT_P16_Q6K: a Q8_F matrix (Q6_K's compute type) packed from Q6_K
+ * rows keeping the file's 210 bytes a super-block row (plus 2 a row of
+ * padding; the P16 functions take the type CV_Q6_K for it; layout in
+ * x86/vnni512_quant.c). Each lane runs, per block, the contract's step for
+ * each half of 16 with its own scale d * sc (exact); unpacking gives the
+ * Q8_F blocks. */
+enum {
+    CV_QLAYOUT_ROWS = 0,
+    CV_QLAYOUT_P16 = 1,
+    CV_QLAYOUT_P16_Q4K = 2,
+    CV_QLAYOUT_P16_Q5K = 3,
+    CV_QLAYOUT_P16_Q50 = 4,
+    CV_QLAYOUT_P16_Q6K = 5
+};
 /* The type the P16 functions take for a matrix of this dtype and layout. */
 static inline cv_dtype cv_qp16_type(cv_dtype dtype, int layout) {
     return layout == CV_QLAYOUT_P16_Q4K ? CV_Q4_K : layout == CV_QLAYOUT_P16_Q5K ? CV_Q5_K
-         : layout == CV_QLAYOUT_P16_Q50 ? CV_Q5_0 : dtype;
+         : layout == CV_QLAYOUT_P16_Q50 ? CV_Q5_0 : layout == CV_QLAYOUT_P16_Q6K ? CV_Q6_K : dtype;
 }
 /* The layout of a matrix packed from panels of the P16 functions' type t. */
 static inline int cv_qp16_layout(cv_dtype t) {
     return t == CV_Q4_K ? CV_QLAYOUT_P16_Q4K : t == CV_Q5_K ? CV_QLAYOUT_P16_Q5K
-         : t == CV_Q5_0 ? CV_QLAYOUT_P16_Q50 : CV_QLAYOUT_P16;
+         : t == CV_Q5_0 ? CV_QLAYOUT_P16_Q50 : t == CV_Q6_K ? CV_QLAYOUT_P16_Q6K : CV_QLAYOUT_P16;
 }
 #define CV_QP16_ROWS 16
 #define CV_QP16_MAX_TOKENS 4

@@ -23,7 +23,8 @@
 /* ---- the layout ------------------------------------------------------------ */
 
 int cv_qp16_packs(cv_dtype t) {
-    return t == CV_Q8_0 || t == CV_Q4_0 || t == CV_Q4_1 || t == CV_Q4_F || t == CV_Q4_K || t == CV_Q5_K || t == CV_Q5_0;
+    return t == CV_Q8_0 || t == CV_Q4_0 || t == CV_Q4_1 || t == CV_Q4_F || t == CV_Q4_K || t == CV_Q5_K || t == CV_Q5_0 ||
+           t == CV_Q6_K;
 }
 
 static size_t qp_sbytes(cv_dtype t) { return t == CV_Q4_F ? 64 : 32; }
@@ -66,8 +67,25 @@ static size_t qk_bytes(cv_dtype t) { return qk_q(t) + 4 * QK_PAIR_BYTES; }
 _Static_assert(QK_QH + 4 * QK_PAIR_BYTES == 16 * sizeof(cv_block_q4_k) &&
                QK_QH + 512 + 4 * QK_PAIR_BYTES == 16 * sizeof(cv_block_q5_k), "K panels hold the file's bytes");
 
+/* Q6_K panels: per super-block (8 blocks of 32) the file's 16 x 210 bytes
+ * and 32 of padding, in whole lines read front to back: d[16] (float16),
+ * the 16 sub-blocks' int8 scales (sub-block j of the 16 rows at Q6_SC + 16 j),
+ * then per half h (elements 128h..) its ql as 2 runs of 8 vectors (run c,
+ * vector g: ql[64h + 32c + 4g .. + 3] of each row: low nibbles block 4h + c,
+ * high nibbles block 4h + c + 2) and its qh as 8 vectors (vector g:
+ * qh[32h + 4g .. + 3] of each row: bits 2k, 2k + 1 block 4h + k). */
+#define Q6_D 0
+#define Q6_SC 32
+#define Q6_HALVES 320           /* after d and the scales, padded to a line */
+#define Q6_HALF_BYTES (3 * 512) /* two ql runs, then qh */
+#define Q6_BYTES (Q6_HALVES + 2 * Q6_HALF_BYTES)
+static size_t q6_ql(int h, int c) { return Q6_HALVES + (size_t)h * Q6_HALF_BYTES + (size_t)c * 512; }
+static size_t q6_qh(int h) { return Q6_HALVES + (size_t)h * Q6_HALF_BYTES + 1024; }
+_Static_assert(Q6_BYTES == 16 * sizeof(cv_block_q6_k) + 32 && Q6_BYTES % 64 == 0, "Q6_K panels: the file's bytes, whole lines");
+
 size_t cv_qp16_stride(cv_dtype t, int64_t nb) {
     if (t == CV_Q4_K || t == CV_Q5_K) return (size_t)(nb / 8) * qk_bytes(t);
+    if (t == CV_Q6_K) return (size_t)(nb / 8) * Q6_BYTES;
     if (qp_paired(t)) return (size_t)((nb + 1) / 2) * qp_pair(t);
     return ((size_t)nb * qp_bbytes(t) + 63) & ~(size_t)63;
 }
@@ -145,9 +163,55 @@ static void q5_pack_bits(uint8_t *dst, const uint8_t qh[4]) {
     }
 }
 
+/* Q6_K rows (nb / 8 super-blocks each) into panels; padding rows stay zero. */
+static void q6_pack(uint8_t *dst, const void *src, int64_t rows, int64_t nb) {
+    const int64_t nsb = nb / 8, panels = (rows + CV_QP16_ROWS - 1) / CV_QP16_ROWS;
+    memset(dst, 0, (size_t)panels * (size_t)nsb * Q6_BYTES);
+    for (int64_t row = 0; row < rows; row++) {
+        const int r = (int)(row % CV_QP16_ROWS);
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            const cv_block_q6_k *b = (const cv_block_q6_k *)src + row * nsb + sb;
+            uint8_t *q = dst + (size_t)((row / CV_QP16_ROWS) * nsb + sb) * Q6_BYTES;
+            for (int h = 0; h < 2; h++)
+                for (int g = 0; g < 8; g++) {
+                    for (int c = 0; c < 2; c++) memcpy(q + q6_ql(h, c) + 64 * g + 4 * r, b->ql + 64 * h + 32 * c + 4 * g, 4);
+                    memcpy(q + q6_qh(h) + 64 * g + 4 * r, b->qh + 32 * h + 4 * g, 4);
+                }
+            memcpy(q + Q6_D + 2 * r, &b->d, 2);
+            for (int j = 0; j < 16; j++) q[Q6_SC + 16 * j + r] = (uint8_t)b->scales[j];
+        }
+    }
+}
+
+/* Rows of one Q6_K panel back as Q8_F blocks, cv_quant_repack's: d * sc of
+ * each half block (exact), no min, q - 32. */
+static void q6_unpack(void *dst, size_t row_bytes, const uint8_t *panel, int n, int64_t nb) {
+    for (int r = 0; r < n; r++)
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *q = panel + (size_t)(i / 8) * Q6_BYTES;
+            const int s = (int)(i % 8), h = s / 4, k = s % 4;
+            uint16_t dh;
+            memcpy(&dh, q + Q6_D + 2 * r, 2);
+            const float sd = cv_qh_to_f32(dh);
+            cv_block_q8_f *b = (cv_block_q8_f *)(void *)((char *)dst + (size_t)r * row_bytes) + i;
+            b->d[0] = sd * (float)(int8_t)q[Q6_SC + 16 * (8 * h + 2 * k) + r];
+            b->d[1] = sd * (float)(int8_t)q[Q6_SC + 16 * (8 * h + 2 * k + 1) + r];
+            b->m = 0.0f;
+            for (int l = 0; l < CV_QK; l++) {
+                const size_t at = 64 * (size_t)(l / 4) + 4 * (size_t)r + (size_t)(l % 4);
+                const int ql = q[q6_ql(h, k & 1) + at], lo = k < 2 ? ql & 0xf : ql >> 4;
+                b->qs[l] = (int8_t)((lo | ((q[q6_qh(h) + at] >> (2 * k)) & 3) << 4) - 32);
+            }
+        }
+}
+
 void cv_qp16_pack(void *dst, const void *src, cv_dtype t, int64_t rows, int64_t nb) {
     if (t == CV_Q4_K || t == CV_Q5_K) {
         qk_pack(dst, src, t, rows, nb);
+        return;
+    }
+    if (t == CV_Q6_K) {
+        q6_pack(dst, src, rows, nb);
         return;
     }
     const size_t stride = cv_qp16_stride(t, nb), ss = qp_sbytes(t) / 16;
@@ -218,6 +282,10 @@ static void qk_unpack(void *dst, size_t row_bytes, const uint8_t *panel, cv_dtyp
 void cv_qp16_unpack(void *dst, size_t row_bytes, const void *panel, cv_dtype t, int n, int64_t nb) {
     if (t == CV_Q4_K || t == CV_Q5_K) {
         qk_unpack(dst, row_bytes, panel, t, n, nb);
+        return;
+    }
+    if (t == CV_Q6_K) {
+        q6_unpack(dst, row_bytes, panel, n, nb);
         return;
     }
     const size_t ss = qp_sbytes(t) / 16, bb = cv_quant_block_bytes(t == CV_Q5_0 ? CV_Q8_0 : t);
@@ -567,6 +635,98 @@ static CV_ALWAYS_INLINE void qk_tile(const cv_dtype type, const int P, const int
     qp_store(P, T, acc, out, ldo, nvalid, bias, accumulate);
 }
 
+/* The sum of a block's first 16 int8 activations. */
+static CV_ALWAYS_INLINE int32_t q6_half_sum(const int8_t *q) {
+    const __m128i v = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(const void *)q), _mm_set1_epi8((char)0x80));
+    const __m128i s = _mm_sad_epu8(v, _mm_setzero_si128()); /* two sums of 8 (q + 128) */
+    return _mm_cvtsi128_si32(s) + _mm_extract_epi16(s, 4) - 16 * 128;
+}
+
+/* P panels x T tokens of Q6_K panels. A block's two halves (16 elements)
+ * have their own scales, so each lane runs, per block, two of the panel
+ * contract's steps: acc = fma(float(idot_h), (d * sc_h) * dx, acc), idot_h
+ * the exact integer dot of q - 32 (the -32 taken out in the start value with
+ * the half's activation sum), the same operations whatever the tile. The
+ * 6-bit weights: 4 bits from the ql vector (low or high nibble), 2 from the
+ * qh vector shifted into bits 4 and 5, put together with one ternary op. */
+static CV_ALWAYS_INLINE void q6_tile(const int P, const int T, const void *w, size_t stride, int64_t nb,
+                                     const cv_xq_block *x, int64_t xs, float *out, int64_t ldo, int nvalid,
+                                     const float *bias, int accumulate, const char *pf, int64_t pf_lines) {
+    const uint8_t *base = w;
+    __m512 acc[4][CV_QP16_MAX_TOKENS];
+#pragma GCC unroll 4
+    for (int p = 0; p < P; p++)
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) acc[p][t] = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi8(0x0f), top2 = _mm512_set1_epi8(0x30);
+    cv_prefetch_spread ps = cv_prefetch_spread_of(pf, pf_lines, nb);
+    for (int64_t i0 = 0; i0 < nb; i0 += 8) { /* a super-block: its 8 blocks with constant offsets */
+        const uint8_t *sp[4];
+        __m512 d[4];
+#pragma GCC unroll 4
+        for (int p = 0; p < P; p++) {
+            sp[p] = base + (size_t)p * stride + (size_t)(i0 / 8) * Q6_BYTES;
+            d[p] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(sp[p] + Q6_D)));
+        }
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; s++) {
+            const int64_t i = i0 + s;
+            const int h = s / 4, k = s % 4;
+            cv_prefetch_step(&ps);
+            int32_t hs[CV_QP16_MAX_TOKENS][2];
+#pragma GCC unroll 8
+            for (int t = 0; t < T; t++) {
+                hs[t][0] = q6_half_sum(x[t * xs + i].q);
+                hs[t][1] = x[t * xs + i].sum - hs[t][0];
+            }
+#pragma GCC unroll 2
+            for (int half = 0; half < 2; half++) {
+                __m512 dw[4];
+                __m512i dot[4][CV_QP16_MAX_TOKENS];
+#pragma GCC unroll 4
+                for (int p = 0; p < P; p++) {
+                    const __m128i sc = _mm_loadu_si128((const __m128i *)(const void *)(sp[p] + Q6_SC + 16 * (8 * h + 2 * k + half)));
+                    dw[p] = _mm512_mul_ps(d[p], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+                }
+#pragma GCC unroll 8
+                for (int t = 0; t < T; t++) {
+                    const __m512i b = _mm512_set1_epi32(-32 * hs[t][half]);
+#pragma GCC unroll 4
+                    for (int p = 0; p < P; p++) dot[p][t] = b;
+                }
+#pragma GCC unroll 4
+                for (int gg = 0; gg < 4; gg++) {
+                    const int g = 4 * half + gg;
+                    __m512i wv[4];
+#pragma GCC unroll 4
+                    for (int p = 0; p < P; p++) {
+                        const __m512i v = _mm512_loadu_si512((const void *)(sp[p] + q6_ql(h, k & 1) + 64 * g));
+                        const __m512i hq = _mm512_loadu_si512((const void *)(sp[p] + q6_qh(h) + 64 * g));
+                        const __m512i nib = k < 2 ? _mm512_and_si512(v, low4) : _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                        const __m512i hb = k == 0 ? _mm512_slli_epi16(hq, 4) : k == 1 ? _mm512_slli_epi16(hq, 2)
+                                         : k == 2 ? hq : _mm512_srli_epi16(hq, 2);
+                        wv[p] = _mm512_ternarylogic_epi32(nib, hb, top2, 0xF8); /* nib | (hb & 0x30) */
+                    }
+#pragma GCC unroll 8
+                    for (int t = 0; t < T; t++) {
+                        const __m512i xb = qp_bcast4(x[t * xs + i].q + 4 * g);
+#pragma GCC unroll 4
+                        for (int p = 0; p < P; p++) dot[p][t] = _mm512_dpbusd_epi32(dot[p][t], wv[p], xb);
+                    }
+                }
+#pragma GCC unroll 8
+                for (int t = 0; t < T; t++) {
+                    const __m512 dx = _mm512_set1_ps(x[t * xs + i].d);
+#pragma GCC unroll 4
+                    for (int p = 0; p < P; p++)
+                        acc[p][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[p][t]), _mm512_mul_ps(dw[p], dx), acc[p][t]);
+                }
+            }
+        }
+    }
+    qp_store(P, T, acc, out, ldo, nvalid, bias, accumulate);
+}
+
 #define QK_FN(TY, P, T) TY##_##P##x##T
 #define QK_ONE(TY, TYPE, P, T)                                                                                \
     static void QK_FN(TY, P, T)(const void *w, size_t stride, int64_t nb, const cv_xq_block *x, int64_t xs,  \
@@ -604,6 +764,19 @@ QP_TYPE(q4_0, CV_Q4_0)
 QP_TYPE(q5_0, CV_Q5_0)
 QP_TYPE(q4_1, CV_Q4_1)
 QP_TYPE(q4_f, CV_Q4_F)
+
+#define Q6_ONE(P, T)                                                                                         \
+    static void QP_FN(q6_k, P, T)(const void *w, size_t stride, int64_t nb, const cv_xq_block *x, int64_t xs, \
+                                  float *out, int64_t ldo, int nvalid, const float *bias, int accumulate,    \
+                                  const char *pf, int64_t pf_lines) {                                        \
+        q6_tile(P, T, w, stride, nb, x, xs, out, ldo, nvalid, bias, accumulate, pf, pf_lines);               \
+    }
+Q6_ONE(4, 1) Q6_ONE(4, 2) Q6_ONE(2, 3) Q6_ONE(2, 4) Q6_ONE(1, 1) Q6_ONE(1, 2) Q6_ONE(1, 3) Q6_ONE(1, 4)
+static const cv_qp16_fn qp_q6_k[CV_QP16_MAX_TOKENS + 1][2] = {
+    {NULL, NULL},
+    {QP_FN(q6_k, 1, 1), QP_FN(q6_k, 4, 1)}, {QP_FN(q6_k, 1, 2), QP_FN(q6_k, 4, 2)},
+    {QP_FN(q6_k, 1, 3), QP_FN(q6_k, 2, 3)}, {QP_FN(q6_k, 1, 4), QP_FN(q6_k, 2, 4)},
+};
 
 /* cv_quantize_x with AVX-512, the same bytes (as avx2_quant.c's): the same
  * float products v * (1/d), rounded half away from zero exactly (floor of
@@ -720,6 +893,7 @@ cv_qp16_fn cv_qp16_kernel(cv_dtype t, int panels, int tokens) {
     case CV_Q8_0: return qp_q8_0[tokens][full];
     case CV_Q4_0: return qp_q4_0[tokens][full];
     case CV_Q5_0: return qp_q5_0[tokens][full];
+    case CV_Q6_K: return qp_q6_k[tokens][full];
     case CV_Q4_1: return qp_q4_1[tokens][full];
     case CV_Q4_F: return qp_q4_f[tokens][full];
     default: return NULL;
