@@ -14,7 +14,10 @@
  * rounded down to a multiple of 8, at least 8), its scales expanded once
  * for the repeated calls (as the driver does once per chunk of panels for
  * all its token tiles) and by the kernel in the decode stream; q4_f the
- * same shapes in Q4_F panels (Q4_K's form before its own panels).
+ * same shapes in Q4_F panels (Q4_K's form before its own panels); q6_k its
+ * panels (CV_QLAYOUT_P16_Q6K), whole super-blocks too; q5_0 its panels
+ * (CV_QLAYOUT_P16_Q50), as the one-token tiles run them (batched steps run
+ * them expanded to Q8_0 panels, q8_0's figures).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -49,8 +52,8 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: qp16_bench [blocks > 0] (needs a compiler with AVX512-VNNI)\n");
         return 1;
     }
-    const cv_dtype types[] = {CV_Q8_0, CV_Q4_0, CV_Q4_1, CV_Q4_F, CV_Q4_K, CV_Q5_K, CV_Q5_0};
-    const char *names[] = {"q8_0", "q4_0", "q4_1", "q4_f", "q4_k", "q5_k", "q5_0"};
+    const cv_dtype types[] = {CV_Q8_0, CV_Q4_0, CV_Q4_1, CV_Q4_F, CV_Q4_K, CV_Q5_K, CV_Q5_0, CV_Q6_K};
+    const char *names[] = {"q8_0", "q4_0", "q4_1", "q4_f", "q4_k", "q5_k", "q5_0", "q6_k"};
     const int ntypes = (int)(sizeof types / sizeof types[0]);
     const int nbk = nb >= 16 ? nb / 8 * 8 : 8; /* the K-quant comparison's blocks */
     const int shapes[][2] = {{1, 1}, {4, 1}, {4, 2}, {2, 3}, {2, 4}, {1, 4}};
@@ -71,7 +74,7 @@ int main(int argc, char **argv) {
     printf("peak: %.3f TSC cycles per vpdpbusd zmm\n", peak);
     for (int ti = 0; ti < ntypes; ti++) {
         const int kp = types[ti] == CV_Q4_K || types[ti] == CV_Q5_K; /* K-quant panels */
-        const int kq = kp || types[ti] == CV_Q4_F;
+        const int kq = kp || types[ti] == CV_Q4_F || types[ti] == CV_Q6_K; /* whole super-blocks */
         const int nbt = kq ? nbk : nb; /* this type's blocks */
         const size_t stride = cv_qp16_stride(types[ti], nbt);
         unsigned char *w = aligned_alloc(64, stride * 4);
@@ -83,7 +86,10 @@ int main(int argc, char **argv) {
                     unsigned char *pp = w + (size_t)p * stride;
                     if (types[ti] == CV_Q4_F)
                         for (int r = 0; r < 32; r++) memcpy(pp + (size_t)i * 384 + 256 + 4 * r, &(float){0.01f}, 4);
-                    else if (i % 8 == 0)
+                    else if (types[ti] == CV_Q6_K) {
+                        if (i % 8 == 0)
+                            for (int r = 0; r < 16; r++) memcpy(pp + (size_t)(i / 8) * cv_qp16_stride(CV_Q6_K, 8) + 2 * r, &(uint16_t){0x2000}, 2);
+                    } else if (i % 8 == 0)
                         for (int r = 0; r < 32; r++) memcpy(pp + (size_t)(i / 8) * cv_qp16_stride(types[ti], 8) + 2 * r, &(uint16_t){0x2000}, 2);
                 }
         for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
