@@ -310,8 +310,8 @@ int cv_cpu_qmatrix_prepare(cv_backend *b, cv_matrix *out, const void *src, cv_dt
                           (long long)cols);
     const size_t row_bytes = bytes / (size_t)rows;
     cv_cpu *c = cv_cpu_of(b);
-    /* the VNNI level's panels (quant_ukr.h: the P16 layout; Q4_K's, Q5_K's and
-     * Q5_0's keep their bytes, CV_QLAYOUT_P16_Q4K ...); blocks already of the
+    /* the VNNI level's panels (quant_ukr.h: the P16 layout; Q4_K's, Q5_K's,
+     * Q5_0's and Q6_K's keep their bytes, CV_QLAYOUT_P16_Q4K ...); blocks already of the
      * panels' type go into them straight from the source, without a row-major copy */
     const cv_dtype ptype =
         (src_dtype == CV_Q4_K || src_dtype == CV_Q5_K || src_dtype == CV_Q5_0 || src_dtype == CV_Q6_K) &&
