@@ -350,6 +350,27 @@ static CV_ALWAYS_INLINE __m512i qp_bcast4(const int8_t *q) {
     return _mm512_set1_epi32(v);
 }
 
+/* v plus 16 in the bytes where bits has a bit of mask: a fifth bit put on an unpacked nibble. */
+static CV_ALWAYS_INLINE __m512i qp_fifth(__m512i v, __m512i bits, __m512i mask) {
+    return _mm512_mask_add_epi8(v, _mm512_test_epi8_mask(bits, mask), v, _mm512_set1_epi8(16));
+}
+
+/* Weight vector g of a Q5_0 block (v its nibbles, fifth its fifth bits,
+ * q5_pack_bits) as u8 operands 0..31: elements 4g.. (lo), 16 + 4g.. (hi). */
+static CV_ALWAYS_INLINE void q5_weights(__m512i v, __m512i fifth, int g, __m512i *lo, __m512i *hi) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    *lo = qp_fifth(_mm512_and_si512(v, low4), fifth, _mm512_set1_epi8((char)(1 << g)));
+    *hi = qp_fifth(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), fifth, _mm512_set1_epi8((char)(16 << g)));
+}
+
+/* A tile's P x T accumulators, zero. */
+static CV_ALWAYS_INLINE void qp_zero(const int P, const int T, __m512 acc[4][CV_QP16_MAX_TOKENS]) {
+#pragma GCC unroll 4
+    for (int p = 0; p < P; p++)
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) acc[p][t] = _mm512_setzero_ps();
+}
+
 /* The tile's outputs: the first nvalid rows of each token, plus bias, plus out when accumulating. */
 static CV_ALWAYS_INLINE void qp_store(const int P, const int T, __m512 acc[4][CV_QP16_MAX_TOKENS], float *out,
                                       int64_t ldo, int nvalid, const float *bias, int accumulate) {
@@ -377,11 +398,8 @@ static CV_ALWAYS_INLINE void qp_tile(const cv_dtype type, const int P, const int
     const uint8_t *base = w;
     __m512 acc[4][CV_QP16_MAX_TOKENS];
     _Static_assert(CV_QP16_MAX_TOKENS == 4, "the kernels below are instantiated for 1..4 tokens");
-#pragma GCC unroll 4
-    for (int p = 0; p < P; p++)
-#pragma GCC unroll 8
-        for (int t = 0; t < T; t++) acc[p][t] = _mm512_setzero_ps();
-    const __m512i low4 = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
+    qp_zero(P, T, acc);
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
     cv_prefetch_spread ps = cv_prefetch_spread_of(pf, pf_lines, nb);
     for (int64_t i = 0; i < nb; i++) {
         cv_prefetch_step(&ps);
@@ -436,13 +454,11 @@ static CV_ALWAYS_INLINE void qp_tile(const cv_dtype type, const int P, const int
 #pragma GCC unroll 4
                 for (int p = 0; p < P; p++) {
                     const __m512i v = _mm512_loadu_si512((const void *)(qs[p] + 64 * g));
-                    lo[p] = _mm512_and_si512(v, low4);
-                    hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-                    if (type == CV_Q5_0) { /* plus 16 where the fifth bit is set */
-                        lo[p] = _mm512_mask_add_epi8(lo[p], _mm512_test_epi8_mask(fifth[p], _mm512_set1_epi8((char)(1 << g))),
-                                                     lo[p], sixteen);
-                        hi[p] = _mm512_mask_add_epi8(hi[p], _mm512_test_epi8_mask(fifth[p], _mm512_set1_epi8((char)(16 << g))),
-                                                     hi[p], sixteen);
+                    if (type == CV_Q5_0) {
+                        q5_weights(v, fifth[p], g, &lo[p], &hi[p]);
+                    } else {
+                        lo[p] = _mm512_and_si512(v, low4);
+                        hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
                     }
                 }
 #pragma GCC unroll 8
@@ -510,17 +526,15 @@ static CV_ALWAYS_INLINE void qk_scales(const uint8_t *q, __m512 dw[8], __m512 mw
 /* One Q5_0 panel (nb blocks) as a Q8_0 panel: the same integers (q - 16,
  * stored + 128) and scales, so Q8_0's kernels compute the Q5_0 kernels' bits. */
 static void q5_to_q8_panel(uint8_t *dst, const uint8_t *src, int64_t nb) {
-    const __m512i low4 = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16), off = _mm512_set1_epi8(112);
+    const __m512i off = _mm512_set1_epi8(112);
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *q = src + qp_qoff(CV_Q5_0, i);
         uint8_t *o = dst + qp_qoff(CV_Q8_0, i);
         const __m512i fifth = _mm512_loadu_si512((const void *)(q + 256));
 #pragma GCC unroll 4
         for (int g = 0; g < 4; g++) {
-            const __m512i v = _mm512_loadu_si512((const void *)(q + 64 * g));
-            __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-            lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(fifth, _mm512_set1_epi8((char)(1 << g))), lo, sixteen);
-            hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(fifth, _mm512_set1_epi8((char)(16 << g))), hi, sixteen);
+            __m512i lo, hi;
+            q5_weights(_mm512_loadu_si512((const void *)(q + 64 * g)), fifth, g, &lo, &hi);
             _mm512_storeu_si512((void *)(o + 64 * g), _mm512_add_epi8(lo, off));
             _mm512_storeu_si512((void *)(o + 64 * (4 + g)), _mm512_add_epi8(hi, off));
         }
@@ -558,15 +572,11 @@ static CV_ALWAYS_INLINE void qk_tile(const cv_dtype type, const int P, const int
                                      const float *sc) {
     const uint8_t *base = w;
     __m512 acc[4][CV_QP16_MAX_TOKENS];
-#pragma GCC unroll 4
-    for (int p = 0; p < P; p++)
-#pragma GCC unroll 8
-        for (int t = 0; t < T; t++) acc[p][t] = _mm512_setzero_ps();
+    qp_zero(P, T, acc);
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     cv_prefetch_spread ps = cv_prefetch_spread_of(pf, pf_lines, nb);
     __m512 kdw[4][8], kmw[4][8]; /* sc NULL: the super-block's scales */
     const size_t sbytes = qk_bytes(type), wq = qk_q(type);
-    const __m512i sixteen = _mm512_set1_epi8(16);
     for (int64_t i = 0; i < nb; i += 2) { /* a pair of sub-blocks: blocks i, i + 1 */
         const int64_t sb = i / 8, c = (i % 8) / 2;
         /* Q5_K: the fifth bits of sub-blocks 2c and 2c + 1 */
@@ -592,8 +602,8 @@ static CV_ALWAYS_INLINE void qk_tile(const cv_dtype type, const int P, const int
                 hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
                 if (type == CV_Q5_K) { /* plus 16 where the fifth bit is set */
                     const __m512i h = _mm512_loadu_si512((const void *)(sbp + QK_QH + 64 * g));
-                    lo[p] = _mm512_mask_add_epi8(lo[p], _mm512_test_epi8_mask(h, bit0), lo[p], sixteen);
-                    hi[p] = _mm512_mask_add_epi8(hi[p], _mm512_test_epi8_mask(h, bit1), hi[p], sixteen);
+                    lo[p] = qp_fifth(lo[p], h, bit0);
+                    hi[p] = qp_fifth(hi[p], h, bit1);
                 }
             }
 #pragma GCC unroll 8
@@ -649,15 +659,13 @@ static CV_ALWAYS_INLINE int32_t q6_half_sum(const int8_t *q) {
  * the half's activation sum), the same operations whatever the tile. The
  * 6-bit weights: 4 bits from the ql vector (low or high nibble), 2 from the
  * qh vector shifted into bits 4 and 5, put together with one ternary op. */
-static CV_ALWAYS_INLINE void q6_tile(const int P, const int T, const void *w, size_t stride, int64_t nb,
-                                     const cv_xq_block *x, int64_t xs, float *out, int64_t ldo, int nvalid,
+static CV_ALWAYS_INLINE void q6_tile(const cv_dtype type, const int P, const int T, const void *w, size_t stride,
+                                     int64_t nb, const cv_xq_block *x, int64_t xs, float *out, int64_t ldo, int nvalid,
                                      const float *bias, int accumulate, const char *pf, int64_t pf_lines) {
+    (void)type; /* CV_Q6_K: qp_tile's call shape */
     const uint8_t *base = w;
     __m512 acc[4][CV_QP16_MAX_TOKENS];
-#pragma GCC unroll 4
-    for (int p = 0; p < P; p++)
-#pragma GCC unroll 8
-        for (int t = 0; t < T; t++) acc[p][t] = _mm512_setzero_ps();
+    qp_zero(P, T, acc);
     const __m512i low4 = _mm512_set1_epi8(0x0f), top2 = _mm512_set1_epi8(0x30);
     cv_prefetch_spread ps = cv_prefetch_spread_of(pf, pf_lines, nb);
     for (int64_t i0 = 0; i0 < nb; i0 += 8) { /* a super-block: its 8 blocks with constant offsets */
@@ -745,38 +753,28 @@ QK_TYPE(qk4, CV_Q4_K)
 QK_TYPE(qk5, CV_Q5_K)
 
 #define QP_FN(TY, P, T) qp_##TY##_##P##x##T
-#define QP_ONE(TY, TYPE, P, T)                                                                               \
+/* TILE(TYPE, P, T, ...): qp_tile, or q6_tile for Q6_K. */
+#define QP_ONE(TY, TILE, TYPE, P, T)                                                                         \
     static void QP_FN(TY, P, T)(const void *w, size_t stride, int64_t nb, const cv_xq_block *x, int64_t xs, \
                                 float *out, int64_t ldo, int nvalid, const float *bias, int accumulate,    \
                                 const char *pf, int64_t pf_lines) {                                        \
-        qp_tile(TYPE, P, T, w, stride, nb, x, xs, out, ldo, nvalid, bias, accumulate, pf, pf_lines);       \
+        TILE(TYPE, P, T, w, stride, nb, x, xs, out, ldo, nvalid, bias, accumulate, pf, pf_lines);          \
     }
-#define QP_TYPE(TY, TYPE)                                                                                    \
-    QP_ONE(TY, TYPE, 4, 1) QP_ONE(TY, TYPE, 4, 2) QP_ONE(TY, TYPE, 2, 3) QP_ONE(TY, TYPE, 2, 4)                \
-    QP_ONE(TY, TYPE, 1, 1) QP_ONE(TY, TYPE, 1, 2) QP_ONE(TY, TYPE, 1, 3) QP_ONE(TY, TYPE, 1, 4)                \
+#define QP_TYPE(TY, TILE, TYPE)                                                                              \
+    QP_ONE(TY, TILE, TYPE, 4, 1) QP_ONE(TY, TILE, TYPE, 4, 2) QP_ONE(TY, TILE, TYPE, 2, 3)                    \
+    QP_ONE(TY, TILE, TYPE, 2, 4) QP_ONE(TY, TILE, TYPE, 1, 1) QP_ONE(TY, TILE, TYPE, 1, 2)                    \
+    QP_ONE(TY, TILE, TYPE, 1, 3) QP_ONE(TY, TILE, TYPE, 1, 4)                                                 \
     static const cv_qp16_fn qp_##TY[CV_QP16_MAX_TOKENS + 1][2] = {                                           \
         {NULL, NULL},                                                                                        \
         {QP_FN(TY, 1, 1), QP_FN(TY, 4, 1)}, {QP_FN(TY, 1, 2), QP_FN(TY, 4, 2)},                                \
         {QP_FN(TY, 1, 3), QP_FN(TY, 2, 3)}, {QP_FN(TY, 1, 4), QP_FN(TY, 2, 4)},                                \
     };
-QP_TYPE(q8_0, CV_Q8_0)
-QP_TYPE(q4_0, CV_Q4_0)
-QP_TYPE(q5_0, CV_Q5_0)
-QP_TYPE(q4_1, CV_Q4_1)
-QP_TYPE(q4_f, CV_Q4_F)
-
-#define Q6_ONE(P, T)                                                                                         \
-    static void QP_FN(q6_k, P, T)(const void *w, size_t stride, int64_t nb, const cv_xq_block *x, int64_t xs, \
-                                  float *out, int64_t ldo, int nvalid, const float *bias, int accumulate,    \
-                                  const char *pf, int64_t pf_lines) {                                        \
-        q6_tile(P, T, w, stride, nb, x, xs, out, ldo, nvalid, bias, accumulate, pf, pf_lines);               \
-    }
-Q6_ONE(4, 1) Q6_ONE(4, 2) Q6_ONE(2, 3) Q6_ONE(2, 4) Q6_ONE(1, 1) Q6_ONE(1, 2) Q6_ONE(1, 3) Q6_ONE(1, 4)
-static const cv_qp16_fn qp_q6_k[CV_QP16_MAX_TOKENS + 1][2] = {
-    {NULL, NULL},
-    {QP_FN(q6_k, 1, 1), QP_FN(q6_k, 4, 1)}, {QP_FN(q6_k, 1, 2), QP_FN(q6_k, 4, 2)},
-    {QP_FN(q6_k, 1, 3), QP_FN(q6_k, 2, 3)}, {QP_FN(q6_k, 1, 4), QP_FN(q6_k, 2, 4)},
-};
+QP_TYPE(q8_0, qp_tile, CV_Q8_0)
+QP_TYPE(q4_0, qp_tile, CV_Q4_0)
+QP_TYPE(q5_0, qp_tile, CV_Q5_0)
+QP_TYPE(q4_1, qp_tile, CV_Q4_1)
+QP_TYPE(q4_f, qp_tile, CV_Q4_F)
+QP_TYPE(q6_k, q6_tile, CV_Q6_K)
 
 /* cv_quantize_x with AVX-512, the same bytes (as avx2_quant.c's): the same
  * float products v * (1/d), rounded half away from zero exactly (floor of
