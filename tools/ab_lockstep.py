@@ -11,7 +11,7 @@ first, for ROUNDS pairs. It prints every pair's ratio B / A and their median.
           /tmp/cv_build_new/lib, or one build twice: DIR and DIR:q8_0, or DIR and
           DIR,CONVEYOR_WEIGHT_ARENA=0 (environment variables of that side only)
     JOB:  b64      64 sequences, 16-token prompts, 64 tokens out (roofline's 64 running)
-          b8, b16  8 or 16 sequences, 128-token prompts, 64 tokens out (small decode batches)
+          b2, b4, b8, b16  2 to 16 sequences, 128-token prompts, 64 tokens out (small decode batches)
           prefill  4 prompts x 512 tokens, one token out (roofline's prefill)
           dec      one sequence, 64 tokens out, greedy (tokens/s between first and last)
           study    128 requests, prompts and outputs uniform in 64..192 (bench throughput's
@@ -50,7 +50,7 @@ def child(job: str, model: str, quant: str, threads: int) -> None:
     def run() -> float:
         if job == "b64":
             ps, sp = prompts(64, [16] * 64), SamplingParams(max_tokens=64, ignore_eos=True)
-        elif job in ("b8", "b16"):
+        elif job in ("b2", "b4", "b8", "b16"):
             n = int(job[1:])
             ps, sp = prompts(n, [128] * n), SamplingParams(max_tokens=64, ignore_eos=True)
         elif job == "prefill":
@@ -77,7 +77,7 @@ def child(job: str, model: str, quant: str, threads: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("job", choices=["b64", "b8", "b16", "prefill", "dec", "study"])
+    ap.add_argument("job", choices=["b64", "b2", "b4", "b8", "b16", "prefill", "dec", "study"])
     ap.add_argument("rounds", type=int)
     ap.add_argument("a")
     ap.add_argument("b")

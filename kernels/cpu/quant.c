@@ -492,19 +492,20 @@ static void rows_fn(void *arg, int tid, int nth) {
  * each, every token tile meets every panel (tiles of P panels x T tokens). */
 #define QP_CHUNK 4
 
-/* Panels per kernel call for a tile of T tokens. One token's tile (decode)
- * streams its weights from memory once, and a core keeps one stream (one
- * panel read front to back) going at about the rate of a plain read, where
- * four panels at once make four streams that it reads at half that rate or
- * less (docs/dev/gemm.md). With more tokens the weights come from cache and
- * the wider tile does more work per load. The values are the same either way:
- * each output lane runs the same operations. */
-static int tile_panels(int T) { return T == 1 ? 1 : cv_qp16_panels_for(T); }
+/* Panels per kernel call for a tile of T tokens, in a GEMM of ntiles token
+ * tiles. A GEMM of one tile (a decode step of up to CV_QP16_MAX_TOKENS
+ * sequences) streams its weights from memory once, and a core keeps one
+ * stream (one panel read front to back) going at about the rate of a plain
+ * read, where four panels at once make four streams that it reads at half
+ * that rate or less (docs/dev/gemm.md). With more tiles the weights come from
+ * cache and the wider tile does more work per load. The values are the same
+ * either way: each output lane runs the same operations. */
+static int tile_panels(int T, int64_t ntiles) { return ntiles == 1 ? 1 : cv_qp16_panels_for(T); }
 
 /* Kernel calls of one token tile of T tokens over np panels: full tiles of
- * tile_panels(T) panels, then one panel at a time (as panels_fn). */
-static int64_t chunk_calls(int64_t np, int T) {
-    const int full = tile_panels(T);
+ * tile_panels panels, then one panel at a time (as panels_fn). */
+static int64_t chunk_calls(int64_t np, int T, int64_t ntiles) {
+    const int full = tile_panels(T, ntiles);
     return np / full + np % full;
 }
 /* Floats of a chunk's expanded K-quant scales (cv_qp16k_scales). */
@@ -530,7 +531,7 @@ static void panels_fn(void *arg, int tid, int nth) {
     char *q8 = dt == CV_Q5_0 && ntiles > 1 ? (char *)cv_cpu_gemm_rows_buf(j->cpu, tid, (2 * q8_stride + 3) / 4) : NULL;
     /* With several token tiles units are claimed one ahead, so that a unit's
      * last chunk can ask for the first chunk of the thread's next unit. A
-     * one-token tile asks for nothing ahead (its stream is the prefetchers'),
+     * GEMM of one token tile asks for nothing ahead (its stream is the prefetchers'),
      * and claims a unit only as it starts it: its units are long (a thread's
      * share, cv_cpu_qgemm_in), and one claimed ahead would leave the other
      * thread idle. Results never depend on which thread takes a unit. */
@@ -551,8 +552,8 @@ static void panels_fn(void *arg, int tid, int nth) {
                 /* a slice per kernel call: the full tiles' calls and the last tile's */
                 const int64_t tail = j->nt % CV_QP16_MAX_TOKENS;
                 const int64_t calls = q8 ? ntiles * (c1 - c0) /* at most */
-                                         : j->nt / CV_QP16_MAX_TOKENS * chunk_calls(c1 - c0, CV_QP16_MAX_TOKENS) +
-                                               (tail ? chunk_calls(c1 - c0, (int)tail) : 0);
+                                         : j->nt / CV_QP16_MAX_TOKENS * chunk_calls(c1 - c0, CV_QP16_MAX_TOKENS, ntiles) +
+                                               (tail ? chunk_calls(c1 - c0, (int)tail, ntiles) : 0);
                 pf = cv_prefetch_span_of((const char *)j->w->data + (size_t)next * stride, (size_t)(n1 - next) * stride,
                                          (size_t)calls);
             }
@@ -585,7 +586,7 @@ static void panels_fn(void *arg, int tid, int nth) {
                 cv_qp16k_scales(ksc, (const char *)j->w->data + (size_t)c0 * stride, stride, dt, (int)(c1 - c0), nb);
             for (int64_t t = 0; t < j->nt;) {
                 const int T = (int)(j->nt - t < CV_QP16_MAX_TOKENS ? j->nt - t : CV_QP16_MAX_TOKENS);
-                const int full = tile_panels(T);
+                const int full = tile_panels(T, ntiles);
                 for (int64_t p = c0; p < c1;) {
                     const int np = c1 - p >= full ? full : 1;
                     const int64_t r0 = p * CV_QP16_ROWS;
@@ -646,7 +647,7 @@ void cv_cpu_qgemm_in(cv_backend *b, float *out, const cv_gemm_in *in, int64_t n,
             cv_pool_run(c->pool, nth, quantize_fn, &j);
         nth = cv_threads_for(c, (double)(j.nt * w->rows) * (double)w->cols, 65536.0);
         const int64_t units = (w->rows + QP_CHUNK * CV_QP16_ROWS - 1) / (QP_CHUNK * CV_QP16_ROWS);
-        if (panels && j.nt == 1) /* one stream a thread: each claim a thread's share */
+        if (panels && j.nt <= CV_QP16_MAX_TOKENS) /* one stream a thread: each claim a thread's share */
             cv_cpu_run_chunks(c, nth, &j.units, units, (units + nth - 1) / (nth > 0 ? nth : 1), panels_fn, &j);
         else if (panels)
             cv_cpu_run_rows(c, nth, &j.units, units, panels_fn, &j);
