@@ -312,14 +312,26 @@ def test_roofline_main(model, tmp_path, capsys):
     assert d1["bound_ms"] == pytest.approx(d1["bytes_per_step"] / (r["read_gbs"] * 1e9) * 1e3)
     assert d1["fraction_of_bound"] == pytest.approx(d1["bound_ms"] / d1["ms_per_token"])
     assert d1["bytes_per_step"] >= roofline.streamed_bytes_per_step(r["config"])
-    # prefill: 4 prompts, counted as 2 x parameters a token
+    # the work counted: every layer matrix for each token computed, the LM head for each token
+    # sampled, attention over the keys each query sees (4 flops a key, a head dim and a head)
+    c = r["config"]
+    q, kv = c["n_heads"] * c["head_dim"], c["n_kv_heads"] * c["head_dim"]
+    layer = c["n_layers"] * c["dim"] * (q + 2 * kv + q + 3 * c["hidden_dim"])
+    head = c["vocab_size"] * c["dim"]
+    assert layer + head <= n_params
+
+    def work(prompt, out, n):
+        computed = prompt + out - 1
+        keys = computed * (computed + 1) // 2
+        return n * (2 * layer * computed + 2 * head * out + 4 * c["n_layers"] * q * keys)
+
+    # prefill: 4 prompts of 24, one token sampled each
     assert pf["tokens"] == 4 * 24
-    assert pf["gflops"] == pytest.approx(2 * n_params * pf["tokens_per_s"] * 1e-9)
+    assert pf["gflops"] == pytest.approx(work(24, 1, 4) / 96 * pf["tokens_per_s"] * 1e-9)
     assert pf["fraction_of_compute_bound"] == pytest.approx(pf["gflops"] / cb["gflops"])
     # 64 running: 64 x 6 tokens out, in steps; the shares of the wall time are fractions
     assert d64["steps"] >= 6 and d64["output_tokens_per_s"] > 0
-    assert d64["gflops"] == pytest.approx(2 * n_params * (64 * 6 + 64 * 16) / (64 * 6) * d64["output_tokens_per_s"]
-                                          * 1e-9)
+    assert d64["gflops"] == pytest.approx(work(16, 6, 64) / (64 * 6) * d64["output_tokens_per_s"] * 1e-9)
     for k in ("outside_kernels_share", "schedule_share", "build_share", "sample_share", "python_share"):
         assert 0.0 <= d64[k] < 1.0, k
     # each figure is the best of --repeats runs; the shares are that run's own

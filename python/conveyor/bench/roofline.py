@@ -19,6 +19,7 @@ from typing import Any, Dict, Optional, Sequence
 import numpy as np
 
 from .. import LLM, SamplingParams, _core, _testing
+from .bound import keys_seen, model_cost
 from .peaks import PEAK_OF_DTYPE, compute_peaks, format_peaks, fraction_text, merge_peaks
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -49,6 +50,25 @@ def streamed_bytes_per_step(cfg: Dict[str, Any]) -> int:
 
 def kv_bytes_per_token(cfg: Dict[str, Any]) -> int:
     return _core.kv_bytes_per_token(cfg["n_layers"], cfg["n_kv_heads"], cfg["head_dim"], cfg["kv_cache_dtype"])
+
+
+def generation_flops(cfg: Dict[str, Any], seqs: Sequence[tuple]) -> float:
+    """The arithmetic an engine must do to generate from ``seqs`` ((prompt length, output
+    tokens) each): every layer matrix for each token computed (the prompt and each output
+    but the last), the LM head once for each token sampled, and attention over the keys
+    each query sees (a sliding-window layer's window only). The embedding is a lookup, and
+    a prompt's positions before its last sample nothing: counting every parameter for every
+    token would put a large-vocabulary model's prefill above the machine's peak."""
+    cost = model_cost(cfg, kv_bytes_per_token(cfg))
+    window = int(cfg.get("sliding_window") or 0) or None
+    tokens = samples = attended = attended_local = 0
+    for prompt_len, n_out in seqs:
+        n = prompt_len + n_out - 1
+        tokens += n
+        samples += n_out
+        attended += keys_seen(0, n)[0]
+        attended_local += keys_seen(0, n, window)[0]
+    return cost.step_flops(tokens, samples, attended, attended_local)
 
 
 def _random_prompts(rng, n, length, vocab):
@@ -97,7 +117,7 @@ def run(model: str, threads: Optional[int] = None, dtype: str = "bfloat16",
             llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
             dt = min(dt, time.perf_counter() - t)
         toks = n_prefill * prefill_len
-        flops = 2.0 * cfg["n_params"] * toks
+        flops = generation_flops(cfg, [(prefill_len, 1)] * n_prefill)
         res["prefill"] = {"tokens": toks, "tokens_per_s": toks / dt, "gflops": flops / dt * 1e-9}
         # (3) 64 running sequences: throughput vs the compute bound, time outside kernels
         best = None
@@ -115,7 +135,7 @@ def run(model: str, threads: Optional[int] = None, dtype: str = "bfloat16",
         kern = st1["time_forward"] - st0["time_forward"]
         step = st1["time_step"] - st0["time_step"]
         steps = st1["steps"] - st0["steps"]
-        flops = 2.0 * cfg["n_params"] * (gen + 16 * n_running)
+        flops = generation_flops(cfg, [(16, len(o.outputs[0].token_ids)) for o in outs])
         res["decode_b64"] = {
             "output_tokens_per_s": gen / wall, "steps": steps, "ms_per_step": wall / steps * 1e3,
             "gflops": flops / wall * 1e-9,
