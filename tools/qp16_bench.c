@@ -112,32 +112,35 @@ int main(int argc, char **argv) {
                    peak / best);
         }
         free(w);
-        /* decode: one token over a matrix larger than the caches, one core, 4 panels a call
-         * (four streams) and 1 (one stream: what the driver runs for one-token tiles) */
+        /* decode: T tokens over a matrix larger than the caches, one core, 4 panels a call
+         * (four streams) and 1 (one stream: what the driver runs for a GEMM of one token
+         * tile, 1 to 4 tokens) */
         const int64_t panels = (int64_t)(96u << 20) / (int64_t)stride / 4 * 4;
         unsigned char *big = aligned_alloc(64, (size_t)panels * stride);
         if (!big) return 1;
         memset(big, 0x11, (size_t)panels * stride);
-        const int decode_panels[] = {4, 1};
-        for (size_t di = 0; di < sizeof decode_panels / sizeof decode_panels[0]; di++) {
-            const int P = decode_panels[di];
-            const cv_qp16_fn f = cv_qp16_kernel(types[ti], P, 1);
-            const cv_qp16k_fn fk = cv_qp16k_kernel(types[ti], P, 1);
+        const int decode_shapes[][2] = {{4, 1}, {1, 1}, {1, 2}, {1, 4}};
+        for (size_t di = 0; di < sizeof decode_shapes / sizeof decode_shapes[0]; di++) {
+            const int P = decode_shapes[di][0], T = decode_shapes[di][1];
+            const cv_qp16_fn f = cv_qp16_kernel(types[ti], P, T);
+            const cv_qp16k_fn fk = cv_qp16k_kernel(types[ti], P, T);
             double best = 1e30;
             for (int run = 0; run < 5; run++) {
                 const unsigned long long c0 = __rdtsc();
                 for (int64_t p = 0; p < panels; p += P)
                     if (kp) {
-                        fk(big + (size_t)p * stride, stride, nbt, x, nbt, out, 0, P * CV_QP16_ROWS, NULL, 0, NULL, 0,
-                           NULL);
+                        fk(big + (size_t)p * stride, stride, nbt, x, nbt, out, 4 * CV_QP16_ROWS, P * CV_QP16_ROWS, NULL,
+                           0, NULL, 0, NULL);
                     } else {
-                        f(big + (size_t)p * stride, stride, nbt, x, nbt, out, 0, P * CV_QP16_ROWS, NULL, 0, NULL, 0);
+                        f(big + (size_t)p * stride, stride, nbt, x, nbt, out, 4 * CV_QP16_ROWS, P * CV_QP16_ROWS, NULL,
+                          0, NULL, 0);
                     }
                 const double c = (double)(__rdtsc() - c0);
                 best = c < best ? c : best;
             }
-            printf("%s decode, %d panel%s a call, %.0f MB streamed: %.2f bytes per TSC cycle, %.2f weights per TSC cycle\n",
-                   names[ti], P, P > 1 ? "s" : "", (double)panels * (double)stride / 1e6,
+            printf("%s decode, %d panel%s a call, %d token%s, %.0f MB streamed: %.2f bytes per TSC cycle, %.2f weights "
+                   "per TSC cycle\n",
+                   names[ti], P, P > 1 ? "s" : "", T, T > 1 ? "s" : "", (double)panels * (double)stride / 1e6,
                    (double)panels * (double)stride / best, (double)panels * CV_QP16_ROWS * nbt * CV_QK / best);
         }
         free(big);

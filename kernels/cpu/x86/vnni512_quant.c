@@ -751,6 +751,10 @@ static CV_ALWAYS_INLINE void q6_tile(const cv_dtype type, const int P, const int
             const int64_t i = i0 + s;
             const int h = s / 4, k = s % 4;
             cv_prefetch_step(&ps);
+            if (P == 1) /* one stream (a GEMM of one token tile): the next super-block, as q6_tile_1x1 */
+#pragma GCC unroll 7
+                for (int j = 0; j < 7; j++)
+                    if (s * 7 + j < Q6_BYTES / 64) __builtin_prefetch(sp[0] + Q6_BYTES + (size_t)(s * 7 + j) * 64, 0, 2);
             int32_t hs[CV_QP16_MAX_TOKENS][2];
 #pragma GCC unroll 8
             for (int t = 0; t < T; t++) {
