@@ -386,6 +386,19 @@ def test_banned_tokens_are_never_drawn(rng):
     assert _testing.sample(l, temperature=0.0, banned=[0])[0][0] == 1
 
 
+def test_penalties_that_lower_the_best_token_move_the_choice():
+    """The maximum the weights are taken against is the one after the penalties: a
+    penalized best token leaves the next one best, greedy and sampled alike."""
+    l = np.array([5.0, 4.0, 0.0, 1.0], np.float32)
+    cases = [dict(repetition_penalty=2.0, prompt=[0]),             # 5 -> 2.5
+             dict(presence_penalty=2.0, output=[0]),               # 5 -> 3
+             dict(frequency_penalty=1.5, output=[0, 0])]           # 5 -> 2
+    for kw in cases:
+        assert _testing.sample(l, temperature=0.0, **kw)[0][0] == 1, kw
+        res = _testing.sample(l, temperature=1.0, seed=3, n_draws=N_DRAWS, **kw)
+        assert np.max(np.abs(freqs(res, 4) - softmax(ref_penalize(l, **kw)))) < TOL, kw
+
+
 # ---- logprobs -------------------------------------------------------------
 
 def test_logprobs_are_log_softmax_of_raw_logits(rng):

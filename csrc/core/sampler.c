@@ -327,12 +327,29 @@ void cv_sampler_destroy(cv_sampler *s) {
 
 /* ---- vectorizable passes ---------------------------------------------- */
 
-CV_VECTOR_CLONES static void sanitize(float *x /* [n] */, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        float v = x[i];
-        v = v != v ? -INFINITY : v;
-        x[i] = v > FLT_MAX ? FLT_MAX : v;
+/* NaN -> -inf, +inf -> FLT_MAX in place, returning the largest value after
+ * it: a slice at a time, sanitized and then its maximum taken while it is in
+ * L1 (two loops that vectorize; one loop doing both did not), so a row that a
+ * large vocabulary makes a megabyte is read from memory once. */
+#define SANITIZE_SLICE 1024
+CV_VECTOR_CLONES static float sanitize_max(float *x /* [n] */, int64_t n) {
+    float lane[8];
+    for (int j = 0; j < 8; j++) lane[j] = -INFINITY;
+    float m = -INFINITY;
+    for (int64_t c = 0; c < n; c += SANITIZE_SLICE) {
+        const int64_t end = c + SANITIZE_SLICE < n ? c + SANITIZE_SLICE : n;
+        for (int64_t i = c; i < end; i++) {
+            float v = x[i];
+            v = v != v ? -INFINITY : v;
+            x[i] = v > FLT_MAX ? FLT_MAX : v;
+        }
+        int64_t i = c;
+        for (; i + 8 <= end; i += 8)
+            for (int j = 0; j < 8; j++) lane[j] = x[i + j] > lane[j] ? x[i + j] : lane[j];
+        for (; i < end; i++) m = x[i] > m ? x[i] : m;
     }
+    for (int j = 0; j < 8; j++) m = lane[j] > m ? lane[j] : m;
+    return m;
 }
 
 /* Largest value of x[0..n) (NaN-free), in eight lanes. */
@@ -348,10 +365,11 @@ CV_VECTOR_CLONES static float max_value(const float *x /* [n] */, int64_t n) {
     return m;
 }
 
-/* Lowest id among the largest values (all -inf: 0): the maximum, then the
- * first block of 16 holding it (a test that vectorizes), then its id. */
-CV_VECTOR_CLONES static int32_t argmax(const float *x /* [n] */, int64_t n) {
-    const float m = max_value(x, n);
+/* Lowest id among the largest values (all -inf: 0): the maximum m (NaN:
+ * not known yet), then the first block of 16 holding it (a test that
+ * vectorizes), then its id. */
+CV_VECTOR_CLONES static int32_t argmax(const float *x /* [n] */, int64_t n, float known_max) {
+    const float m = known_max == known_max ? known_max : max_value(x, n);
     int64_t b = 0;
     for (; b + 16 <= n; b += 16) {
         int hit = 0;
@@ -434,6 +452,18 @@ static int any_above16(const float *x /* [16] */, float thr) {
 
 /* Keeps a penalized logit out of +inf, so that later max-subtraction gives no NaN. */
 static float clamp_top(float v) { return v > FLT_MAX ? FLT_MAX : v; }
+
+/* Whether the logit controls or the penalties may change any logit (then
+ * the maximum taken while sanitizing is taken again after them). */
+static int may_change_logits(const cv_sampling_params *p, const int32_t *output, const int32_t *banned,
+                             int64_t n_banned) {
+    const cv_logit_controls *c = &p->ctl;
+    const float rep = p->repetition_penalty, freq = p->frequency_penalty, pres = p->presence_penalty;
+    return c->n_bias > 0 || c->has_allowed || c->n_bad_words > 0 ||
+           (rep > 0.0f && isfinite(rep) && rep != 1.0f) ||
+           (output && ((isfinite(freq) && freq != 0.0f) || (isfinite(pres) && pres != 0.0f))) ||
+           (banned && n_banned > 0);
+}
 
 static void apply_penalties(cv_sampler *s, float *logits /* [vocab] */, const cv_sampling_params *p,
                             const int32_t *prompt, int64_t n_prompt,
@@ -751,7 +781,7 @@ typedef struct support {
 } support;
 
 static void build_support(support *sup, cv_sampler *s, const float *l /* [vocab] */,
-                          const eff_params *e) {
+                          const eff_params *e, float known_max /* NaN: not known */) {
     const int64_t V = s->vocab;
     int32_t *cand = s->cand;
     float *w = s->w;
@@ -777,7 +807,7 @@ static void build_support(support *sup, cv_sampler *s, const float *l /* [vocab]
         }
     } else {
         /* the whole vocabulary (top_k off, or no more finite logits than k) */
-        float m = max_value(l, V);
+        float m = known_max == known_max ? known_max : max_value(l, V);
         if (m == -INFINITY) return;
         /* min_p only drops a tail below a threshold, so without top_p before
          * it, it folds into the weights */
@@ -881,8 +911,7 @@ static int32_t draw(cv_sampler *s, const support *sup, double u) {
 /* ---- logprobs --------------------------------------------------------- */
 
 static void fill_logprobs(cv_sample_info *info, const float *raw /* [vocab] */, int64_t vocab,
-                          int32_t token, int32_t n_logprobs) {
-    float m = max_value(raw, vocab);
+                          int32_t token, int32_t n_logprobs, float m /* max_value(raw) */) {
     /* all -inf: lse = +inf makes every logprob -inf without inf - inf */
     double lse = m == -INFINITY ? INFINITY : (double)m + log(sum_exp(raw, vocab, m));
     info->logprob = (float)((double)raw[token] - lse);
@@ -907,8 +936,8 @@ static void fill_logprobs(cv_sample_info *info, const float *raw /* [vocab] */, 
 }
 
 void cv_logprobs_of(float *logits, int64_t vocab, int32_t token, int32_t n_top, cv_sample_info *info) {
-    sanitize(logits, vocab);
-    fill_logprobs(info, logits, vocab, token, n_top < 0 ? 0 : n_top);
+    const float m = sanitize_max(logits, vocab);
+    fill_logprobs(info, logits, vocab, token, n_top < 0 ? 0 : n_top, m);
 }
 
 /* ---- entry points ----------------------------------------------------- */
@@ -928,22 +957,23 @@ int32_t cv_sampler_sample(cv_sampler *s, float *logits, const cv_sampling_params
         info->n_top = 0;
         info->no_token = 0;
     }
-    sanitize(logits, V);
+    const float raw_max = sanitize_max(logits, V);
     const int want_lp = info && p->n_logprobs >= 0;
     if (want_lp) memcpy(s->raw, logits, (size_t)V * sizeof *logits);
+    const float m = may_change_logits(p, output, banned, n_banned) ? NAN : raw_max;
     apply_logit_controls(s, logits, &p->ctl, output, output ? n_output : 0);
     apply_penalties(s, logits, p, prompt, n_prompt, output, n_output, banned, n_banned);
     int32_t token;
     if (e.greedy) {
-        token = argmax(logits, V);
+        token = argmax(logits, V, m);
     } else {
         /* draw first: one draw per token whatever the support turns out to be */
         double u = cv_rng_uniform(rng);
         support sup;
-        build_support(&sup, s, logits, &e);
+        build_support(&sup, s, logits, &e, m);
         token = draw(s, &sup, u);
     }
-    if (want_lp) fill_logprobs(info, s->raw, V, token, p->n_logprobs);
+    if (want_lp) fill_logprobs(info, s->raw, V, token, p->n_logprobs, raw_max);
     /* only a token at -inf when every one is: nothing was left to choose */
     if (info) info->no_token = logits[token] == -INFINITY;
     return token;
@@ -957,17 +987,18 @@ void cv_sampler_process(cv_sampler *s, float *out, float *logits, const cv_sampl
     const int64_t V = s->vocab;
     eff_params e;
     effective(&e, p, V);
-    sanitize(logits, V);
+    const float raw_max = sanitize_max(logits, V);
+    const float m = may_change_logits(p, output, banned, n_banned) ? NAN : raw_max;
     apply_logit_controls(s, logits, &p->ctl, output, output ? n_output : 0);
     apply_penalties(s, logits, p, prompt, n_prompt, output, n_output, banned, n_banned);
     for (int64_t i = 0; i < V; i++) out[i] = -INFINITY;
     if (e.greedy) {
-        int32_t t = argmax(logits, V);
+        int32_t t = argmax(logits, V, m);
         out[t] = logits[t];
         return;
     }
     support sup;
-    build_support(&sup, s, logits, &e);
+    build_support(&sup, s, logits, &e, m);
     if (sup.dense) {
         /* every finite logit, less what min_p zeroed (weights that underflow
          * to 0 stay in the support: they are merely too small to draw) */
