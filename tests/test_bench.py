@@ -293,6 +293,20 @@ def test_variance_repeat_keeps_fastest(model):
     assert r["knobs"]["repeat"] == 2
 
 
+@pytest.mark.parametrize("cfg, act, kind", [
+    ({"dtype": "q4_k", "matrix_dtype": "q4_k", "compute_dtype": "bfloat16"}, "auto", "int8_dot"),
+    ({"dtype": "mixed", "matrix_dtype": "q6_k", "compute_dtype": "bfloat16"}, "auto", "int8_dot"),
+    ({"dtype": "q8_0", "matrix_dtype": "q8_0", "compute_dtype": "float32"}, "auto", "int8_dot"),
+    ({"dtype": "bfloat16", "compute_dtype": "bfloat16"}, "auto", "bf16_dot"),
+    ({"dtype": "bfloat16", "compute_dtype": "bfloat16"}, "float32", "fp32_fma"),
+    ({"dtype": "float32"}, "auto", "fp32_fma"),
+])
+def test_roofline_bound_instruction(cfg, act, kind):
+    """Every quantized matrix type multiplies on the int8 dot products (a K-quant file's
+    matrices included), float weights on their own instruction."""
+    assert roofline.peak_kind_of(cfg, act) == kind
+
+
 def test_roofline_main(model, tmp_path, capsys):
     """`conveyor bench roofline` (the performance targets are read from it): each fraction is its
     measured rate over the bound printed beside it, and the counts are the work it asked for."""

@@ -19,7 +19,7 @@ from typing import Any, Dict, Optional, Sequence
 import numpy as np
 
 from .. import LLM, SamplingParams, _core, _testing
-from .bound import keys_seen, model_cost
+from .bound import QUANTIZED, keys_seen, model_cost
 from .peaks import PEAK_OF_DTYPE, compute_peaks, format_peaks, fraction_text, merge_peaks
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -69,6 +69,17 @@ def generation_flops(cfg: Dict[str, Any], seqs: Sequence[tuple]) -> float:
         attended += keys_seen(0, n)[0]
         attended_local += keys_seen(0, n, window)[0]
     return cost.step_flops(tokens, samples, attended, attended_local)
+
+
+def peak_kind_of(cfg: Dict[str, Any], activation_dtype: str = "auto") -> str:
+    """The measured peak a model's GEMMs are bound by: int8 dot products for quantized
+    matrices (every GGUF block type: the CPU computes them all on int8 activations), else
+    the float instruction of its compute dtype."""
+    mdt = cfg.get("matrix_dtype", cfg.get("compute_dtype", cfg["dtype"]))
+    kind = "int8_dot" if mdt in QUANTIZED else PEAK_OF_DTYPE[cfg.get("compute_dtype", cfg["dtype"])]
+    if kind == "bf16_dot" and activation_dtype == "float32":  # bf16 weights widened onto the fp32 FMAs
+        kind = "fp32_fma"
+    return kind
 
 
 def _random_prompts(rng, n, length, vocab):
@@ -148,10 +159,7 @@ def run(model: str, threads: Optional[int] = None, dtype: str = "bfloat16",
     # the bound of the GEMMs: the peak of the instruction they run on
     peaks = merge_peaks(peaks, compute_peaks(threads))
     # quantized matrices (GGUF or quantization=) multiply on int8 dot products
-    mdt = cfg.get("matrix_dtype", cfg.get("compute_dtype", cfg["dtype"]))
-    kind = "int8_dot" if mdt in ("q8_0", "q4_0", "q4_1") else PEAK_OF_DTYPE[cfg.get("compute_dtype", cfg["dtype"])]
-    if kind == "bf16_dot" and activation_dtype == "float32":  # bf16 weights widened onto the fp32 FMAs
-        kind = "fp32_fma"
+    kind = peak_kind_of(cfg, activation_dtype)
     res["activation_dtype"] = activation_dtype
     res["peaks"] = peaks
     res["compute_bound"] = {"kind": kind, "instruction": peaks[kind]["instruction"],
