@@ -19,8 +19,8 @@ from typing import Any, Dict, Optional, Sequence
 import numpy as np
 
 from .. import LLM, SamplingParams, _core, _testing
-from .bound import QUANTIZED, keys_seen, model_cost
-from .peaks import PEAK_OF_DTYPE, compute_peaks, format_peaks, fraction_text, merge_peaks
+from .bound import QUANTIZED, keys_seen, model_cost, peak_kind
+from .peaks import compute_peaks, format_peaks, fraction_text, merge_peaks
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -76,10 +76,10 @@ def peak_kind_of(cfg: Dict[str, Any], activation_dtype: str = "auto") -> str:
     matrices (every GGUF block type: the CPU computes them all on int8 activations), else
     the float instruction of its compute dtype."""
     mdt = cfg.get("matrix_dtype", cfg.get("compute_dtype", cfg["dtype"]))
-    kind = "int8_dot" if mdt in QUANTIZED else PEAK_OF_DTYPE[cfg.get("compute_dtype", cfg["dtype"])]
-    if kind == "bf16_dot" and activation_dtype == "float32":  # bf16 weights widened onto the fp32 FMAs
-        kind = "fp32_fma"
-    return kind
+    # float matrices run in their compute dtype; bf16 weights widened onto the fp32 FMAs
+    # when the activations are float32
+    return peak_kind(mdt if mdt in QUANTIZED else cfg.get("compute_dtype", cfg["dtype"]),
+                     bf16_dot_native=activation_dtype != "float32")
 
 
 def _random_prompts(rng, n, length, vocab):
