@@ -327,31 +327,6 @@ void cv_sampler_destroy(cv_sampler *s) {
 
 /* ---- vectorizable passes ---------------------------------------------- */
 
-/* NaN -> -inf, +inf -> FLT_MAX in place, returning the largest value after
- * it: a slice at a time, sanitized and then its maximum taken while it is in
- * L1 (two loops that vectorize; one loop doing both did not), so a row that a
- * large vocabulary makes a megabyte is read from memory once. */
-#define SANITIZE_SLICE 1024
-CV_VECTOR_CLONES static float sanitize_max(float *x /* [n] */, int64_t n) {
-    float lane[8];
-    for (int j = 0; j < 8; j++) lane[j] = -INFINITY;
-    float m = -INFINITY;
-    for (int64_t c = 0; c < n; c += SANITIZE_SLICE) {
-        const int64_t end = c + SANITIZE_SLICE < n ? c + SANITIZE_SLICE : n;
-        for (int64_t i = c; i < end; i++) {
-            float v = x[i];
-            v = v != v ? -INFINITY : v;
-            x[i] = v > FLT_MAX ? FLT_MAX : v;
-        }
-        int64_t i = c;
-        for (; i + 8 <= end; i += 8)
-            for (int j = 0; j < 8; j++) lane[j] = x[i + j] > lane[j] ? x[i + j] : lane[j];
-        for (; i < end; i++) m = x[i] > m ? x[i] : m;
-    }
-    for (int j = 0; j < 8; j++) m = lane[j] > m ? lane[j] : m;
-    return m;
-}
-
 /* Largest value of x[0..n) (NaN-free), in eight lanes. */
 CV_VECTOR_CLONES static float max_value(const float *x /* [n] */, int64_t n) {
     float lane[8];
@@ -362,6 +337,26 @@ CV_VECTOR_CLONES static float max_value(const float *x /* [n] */, int64_t n) {
     float m = -INFINITY;
     for (int j = 0; j < 8; j++) m = lane[j] > m ? lane[j] : m;
     for (; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+/* NaN -> -inf, +inf -> FLT_MAX in place, returning the largest value after
+ * it: a slice at a time, sanitized and then its maximum taken while it is in
+ * L1 (two loops that vectorize; one loop doing both did not), so a row that a
+ * large vocabulary makes a megabyte is read from memory once. */
+#define SANITIZE_SLICE 1024
+CV_VECTOR_CLONES static float sanitize_max(float *x /* [n] */, int64_t n) {
+    float m = -INFINITY;
+    for (int64_t c = 0; c < n; c += SANITIZE_SLICE) {
+        const int64_t end = c + SANITIZE_SLICE < n ? c + SANITIZE_SLICE : n;
+        for (int64_t i = c; i < end; i++) {
+            float v = x[i];
+            v = v != v ? -INFINITY : v;
+            x[i] = v > FLT_MAX ? FLT_MAX : v;
+        }
+        const float ms = max_value(x + c, end - c);
+        m = ms > m ? ms : m;
+    }
     return m;
 }
 
