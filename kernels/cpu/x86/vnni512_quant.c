@@ -663,12 +663,27 @@ static CV_ALWAYS_INLINE __m512i q6_weights(const int k, __m512i v, __m512i hq) {
     return _mm512_ternarylogic_epi32(nib, hb, top2, 0xF8); /* nib | (hb & 0x30) */
 }
 
+/* d x sc of sub-block j (16 elements) of the 16 rows of super-block sp (d its
+ * 16 d, widened): the scale each half-block's integer dot is multiplied by. */
+static CV_ALWAYS_INLINE __m512 q6_dw(__m512 d, const uint8_t *sp, int j) {
+    const __m128i sc = _mm_loadu_si128((const __m128i *)(const void *)(sp + Q6_SC + 16 * j));
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+}
+
+/* Lines [first, first + n) of the super-block after sp, those that exist: a
+ * one-panel tile's stream asked for one super-block ahead (from memory the
+ * hardware prefetchers alone kept it at a third of the other types' rate). */
+static CV_ALWAYS_INLINE void q6_ahead(const uint8_t *sp, int first, int n) {
+#pragma GCC unroll 7
+    for (int j = 0; j < n; j++)
+        if (first + j < Q6_BYTES / 64) __builtin_prefetch(sp + Q6_BYTES + (size_t)(first + j) * 64, 0, 2);
+}
+
 /* One panel, one token (decode): each half's two ql runs and its qh read
  * once, front to back, for its four blocks together (the general tile reads
  * a run for each of its two blocks and qh for each of four, jumping back
- * within the half), and the next super-block asked for one super-block
- * ahead: from memory the hardware prefetchers alone kept this stream at a
- * third of the other types' rate. The integer dots are exact, and the four
+ * within the half), and the next super-block asked for ahead (q6_ahead).
+ * The integer dots are exact, and the four
  * blocks' float steps then run in the general tile's order, so the results
  * are its bits. */
 static CV_ALWAYS_INLINE void q6_tile_1x1(const void *w, int64_t nb, const cv_xq_block *x, float *out, int nvalid,
@@ -695,10 +710,7 @@ static CV_ALWAYS_INLINE void q6_tile_1x1(const void *w, int64_t nb, const cv_xq_
                 const __m512i v0 = _mm512_loadu_si512((const void *)(sp + q6_ql(h, 0) + 64 * g));
                 const __m512i v1 = _mm512_loadu_si512((const void *)(sp + q6_ql(h, 1) + 64 * g));
                 const __m512i hq = _mm512_loadu_si512((const void *)(sp + q6_qh(h) + 64 * g));
-#pragma GCC unroll 4
-                for (int j = 0; j < 4; j++) /* the next super-block's 53 lines, 4 a vector step */
-                    if ((h * 8 + g) * 4 + j < Q6_BYTES / 64)
-                        __builtin_prefetch(sp + Q6_BYTES + (size_t)((h * 8 + g) * 4 + j) * 64, 0, 2);
+                q6_ahead(sp, (h * 8 + g) * 4, 4); /* its 53 lines, 4 a vector step */
 #pragma GCC unroll 4
                 for (int k = 0; k < 4; k++)
                     dot[k][g / 4] = _mm512_dpbusd_epi32(dot[k][g / 4], q6_weights(k, k & 1 ? v1 : v0, hq),
@@ -708,11 +720,9 @@ static CV_ALWAYS_INLINE void q6_tile_1x1(const void *w, int64_t nb, const cv_xq_
             for (int k = 0; k < 4; k++) {
                 const __m512 dx = _mm512_set1_ps(xb[k].d);
 #pragma GCC unroll 2
-                for (int half = 0; half < 2; half++) {
-                    const __m128i sc = _mm_loadu_si128((const __m128i *)(const void *)(sp + Q6_SC + 16 * (8 * h + 2 * k + half)));
-                    const __m512 dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
-                    acc[0][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[k][half]), _mm512_mul_ps(dw, dx), acc[0][0]);
-                }
+                for (int half = 0; half < 2; half++)
+                    acc[0][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[k][half]),
+                                                _mm512_mul_ps(q6_dw(d, sp, 8 * h + 2 * k + half), dx), acc[0][0]);
             }
         }
     }
@@ -751,10 +761,7 @@ static CV_ALWAYS_INLINE void q6_tile(const cv_dtype type, const int P, const int
             const int64_t i = i0 + s;
             const int h = s / 4, k = s % 4;
             cv_prefetch_step(&ps);
-            if (P == 1) /* one stream (a GEMM of one token tile): the next super-block, as q6_tile_1x1 */
-#pragma GCC unroll 7
-                for (int j = 0; j < 7; j++)
-                    if (s * 7 + j < Q6_BYTES / 64) __builtin_prefetch(sp[0] + Q6_BYTES + (size_t)(s * 7 + j) * 64, 0, 2);
+            if (P == 1) q6_ahead(sp[0], s * 7, 7); /* one stream (a GEMM of one token tile): 7 lines a block */
             int32_t hs[CV_QP16_MAX_TOKENS][2];
 #pragma GCC unroll 8
             for (int t = 0; t < T; t++) {
@@ -766,10 +773,7 @@ static CV_ALWAYS_INLINE void q6_tile(const cv_dtype type, const int P, const int
                 __m512 dw[4];
                 __m512i dot[4][CV_QP16_MAX_TOKENS];
 #pragma GCC unroll 4
-                for (int p = 0; p < P; p++) {
-                    const __m128i sc = _mm_loadu_si128((const __m128i *)(const void *)(sp[p] + Q6_SC + 16 * (8 * h + 2 * k + half)));
-                    dw[p] = _mm512_mul_ps(d[p], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
-                }
+                for (int p = 0; p < P; p++) dw[p] = q6_dw(d[p], sp[p], 8 * h + 2 * k + half);
 #pragma GCC unroll 8
                 for (int t = 0; t < T; t++) {
                     const __m512i b = _mm512_set1_epi32(-32 * hs[t][half]);
