@@ -29,8 +29,12 @@ PROBE_EVERY, PROBE_MIN_DECODES = 8, 8  # the engine's (csrc/core/step_cost.h)
 
 
 def run(outs, max_tokens, *, prompt, kv_tokens, block_size, max_seqs, budget, cost, policy="continuous",
-        reserve=0, target=0, adaptive=False, prefill_cap=0, noise=0.0, seed=0):
+        reserve=0, target=0, adaptive=False, cohort=False, prefill_cap=0, noise=0.0, seed=0):
     """One workload, all arriving at once; target: a fixed running target (0: none);
+    cohort: shortest-remaining-first in cohorts, emulated through the running target: the
+    next request (the shortest max_tokens not yet started) is admitted only while its work
+    (prompt and max_tokens, at the modeled costs) is at most the largest remaining work among
+    the running ones, so a batch drains before longer requests start;
     adaptive: the engine's rule (the knee of the step-time model fitted on the steps run,
     the last knee kept while the model cannot pin it down, and then half of every
     CV_STEP_COST_PROBE_EVERY-th step's decodes held back); noise: each step's time is
@@ -46,8 +50,18 @@ def run(outs, max_tokens, *, prompt, kv_tokens, block_size, max_seqs, budget, co
     clock, done, seen = 0.0, {}, []
     rng = np.random.default_rng(seed)
     since_probe = 0
+    started, made = set(), {}
+    by_length = sorted(range(len(max_tokens)), key=lambda i: (max_tokens[i], i))
     while s.num_unfinished():
+        if cohort:
+            running = [i for i in started if i not in done]
+            nxt = next((i for i in by_length if i not in started), None)
+            left = max(((cost[2] * prompt if i not in made else 0.0) + cost[1] * (max_tokens[i] - made.get(i, 0))
+                        for i in running), default=0.0)
+            s.set_running_target(len(running) if nxt is not None and running and
+                                 cost[2] * prompt + cost[1] * max_tokens[nxt] > left else 0)
         plan = s.schedule()
+        started.update(plan["seq_ids"])
         s.commit()
         steps += 1
         computed += plan["total_tokens"]
@@ -74,6 +88,7 @@ def run(outs, max_tokens, *, prompt, kv_tokens, block_size, max_seqs, budget, co
             if info["status"] != "running" or info["n_computed"] != info["n_tokens"]:
                 continue
             s.append_token(sid, 7)
+            made[sid] = made.get(sid, 0) + 1
             if info["n_tokens"] + 1 - prompt >= outs[sid]:
                 s.finish(sid, "stopped" if outs[sid] < max_tokens[sid] else "length")
                 done[sid] = clock
@@ -104,7 +119,8 @@ def main():
     ap.add_argument("--reserves", default="0", help="admission reserves (percent; 0: the default, -1: none)")
     ap.add_argument("--policies", default="fcfs,continuous")
     ap.add_argument("--targets", default="0,adaptive",
-                    help="running targets: numbers (0: none) or 'adaptive' (the engine's knee rule)")
+                    help="running targets: numbers (0: none), 'adaptive' (the engine's knee rule) or 'cohort' "
+                         "(shortest-remaining-first cohorts, see run())")
     ap.add_argument("--cost", default="9e-3,1.38e-3,1.05e-3",
                     help="A,B_d,B_p[,B_c] seconds: a step's fixed time, per decode token, per prompt token "
                          "(measured: decode steps at 1..48 running and prompt-only steps, quiet machine), and "
@@ -128,9 +144,10 @@ def main():
         for policy in a.policies.split(","):
             for pct in map(int, a.reserves.split(",")):
                 for target in a.targets.split(","):
-                    adaptive = target == "adaptive"
+                    adaptive, cohort = target == "adaptive", target == "cohort"
                     r = run(outs, max_tokens, policy=policy, reserve=pct, max_seqs=a.max_num_seqs,
-                            target=0 if adaptive else int(target), adaptive=adaptive, **common)
+                            target=0 if adaptive or cohort else int(target), adaptive=adaptive, cohort=cohort,
+                            **common)
                     print(f"  {policy:>10} {pct:>4} {target:>8} {r['steps']:>6} {r['computed']:>9} "
                           f"{r['preempt']:>7} {r['recomputed']:>7} {r['batch']:>6.1f} "
                           f"{r['tps'] / st['tps']:>6.3f}x {r['p50']:>6.2f} {r['p99']:>6.2f}")
