@@ -11,33 +11,28 @@ import argparse
 import numpy as np
 
 from conveyor.bench import common
-from conveyor.bench.study import kv_bytes_per_token, plan_batch
-from conveyor.bench.workloads import make_study_workload
+from conveyor.bench.study import kv_bytes_per_token, plan_batch, run_conveyor
+from conveyor.bench.workloads import make_study_workload, workload_hash
 from conveyor.models import random_checkpoint
 
 BUCKETS = ((1, 8), (8, 16), (16, 24), (24, 32), (32, 40), (40, 64), (64, 257))
 
 
 def run(model: str, cap: int, scheduling: str, args) -> dict:
+    """bench study's run of one Conveyor system, with the step trace taken apart per step."""
     cfg = common.checkpoint_config(model)
+    dtype = cfg.get("dtype", "float32")
     wl = make_study_workload(vocab_size=cfg["vocab_size"], num_requests=args.num_requests,
                              prompt_len=args.prompt_len, mean_output=args.mean_output, cap=cap, seed=0)
     plan = plan_batch(kv_tokens=args.kv_tokens, prompt_len=args.prompt_len, cap=cap, block_size=16,
                       num_requests=args.num_requests, batch_size=None)
-    engine = dict(dtype=cfg.get("dtype", "float32"), device="cpu", num_threads=args.threads, block_size=16)
-    engine["kv_cache_dtype"] = engine["dtype"]
-    common.warm_up(model, kv_cache_memory="fit", **engine)
-    llm = common.make_llm(model, scheduling=scheduling, enable_prefix_caching=False,
-                          max_num_seqs=256 if scheduling == "continuous" else plan["batch_size"],
-                          kv_cache_memory=plan["pool_blocks"] * 16 * kv_bytes_per_token(cfg, engine["dtype"]),
-                          **engine)
-    try:
-        r = common.run_offline(llm, common.Workload([np.asarray(p, dtype=np.int32) for p in wl.prompts],
-                                                    list(wl.output_lens)), temperature=0.0, trace=True)
-    finally:
-        llm.close()
+    spec = {"system": f"conveyor_{scheduling}", "model": model, "dtype": dtype, "device": "cpu",
+            "threads": args.threads, "block_size": 16, "trace": True,
+            "batch_size": 256 if scheduling == "continuous" else plan["batch_size"],
+            "kv_pool_bytes": plan["pool_blocks"] * 16 * kv_bytes_per_token(cfg, dtype)}
+    res = run_conveyor(spec, wl.prompts, wl.output_lens, workload_hash(wl.prompts, wl.output_lens))
     steps, pos = {}, {}
-    for step, t0, t1, rid, _idx, n_new, n_prompt_work in r["trace"]:
+    for step, t0, t1, rid, _idx, n_new, n_prompt_work in res["trace"]:
         s = steps.setdefault(step, dict(t=t1 - t0, dec=0, prompt=0, ctx=0))
         pos[rid] = pos.get(rid, 0) + n_new
         if n_prompt_work:
@@ -45,9 +40,8 @@ def run(model: str, cap: int, scheduling: str, args) -> dict:
         else:
             s["dec"] += n_new
             s["ctx"] += pos[rid]
-    e2e = common.request_latencies(r["outputs"])["e2e"]
-    return dict(wall=r["throughput"]["wall_s"], tps=r["output_tokens"] / r["throughput"]["wall_s"],
-                p50=float(np.median(e2e)), steps=[steps[k] for k in sorted(steps)])
+    return dict(wall=res["wall_s"], tps=res["output_tokens_per_s"], p50=res["e2e"]["p50"],
+                steps=[steps[k] for k in sorted(steps)])
 
 
 def report(name: str, res: dict) -> None:

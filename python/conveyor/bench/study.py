@@ -144,7 +144,7 @@ def run_conveyor(spec: Dict[str, Any], prompts, output_lens, digest) -> Dict[str
                           kv_cache_memory=spec["kv_pool_bytes"], enable_prefix_caching=False,
                           adaptive_batch_limit=spec.get("adaptive_batch_limit", False), **engine)
     try:
-        r = common.run_offline(llm, wl, temperature=0.0)
+        r = common.run_offline(llm, wl, temperature=0.0, trace=bool(spec.get("trace")))
         st = llm.stats()
     finally:
         llm.close()
@@ -160,6 +160,8 @@ def run_conveyor(spec: Dict[str, Any], prompts, output_lens, digest) -> Dict[str
              "kv_occupancy": occupancy_over_time(r["kv"]["blocks_used_series"], st["blocks_total"])}
     if spec.get("return_tokens"):
         extra["tokens"] = [list(map(int, o.outputs[0].token_ids)) for o in r["outputs"]]
+    if spec.get("trace"):  # the engine's step trace (tools/study_steps.py)
+        extra["trace"] = [list(e) for e in r["trace"]]
     return _summary(spec["system"], digest, r["throughput"]["wall_s"], output_lens, lat["output_tokens"],
                     lat["e2e"], steps=r["steps"], preemptions=r["preemptions"],
                     kv_peak=r["kv"]["blocks_used_peak"] * block_bytes, extra=extra)
