@@ -52,10 +52,13 @@ QT_INLINE float QT_NAME(hsum8)(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* 32 nibbles (element j low, j + 16 high) as bytes 0..31 in element order. */
+/* 32 nibbles (element j low, j + 16 high) as bytes 0..31 in element order:
+ * the 16 bytes in both halves (one broadcast load), the upper half shifted
+ * right by 4 (bits shifted in from the next byte land above the mask), masked:
+ * 3 instructions where two halves built apart and joined took 5. */
 QT_INLINE __m256i QT_NAME(nibbles)(const uint8_t *qs) {
-    const __m128i b = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(0x0f);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    return _mm256_and_si256(_mm256_srlv_epi64(b, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0f));
 }
 
 /* R rows (w_stride bytes apart) x T tokens (x_stride blocks apart) of type
