@@ -76,7 +76,9 @@ class BuildExt(build_ext):
                  "-D_GNU_SOURCE"]
         debug = os.environ.get("CONVEYOR_DEBUG") == "1"
         sanitize = os.environ.get("CONVEYOR_SANITIZE") == "1"
-        flags += ["-O0", "-g"] if debug else ["-O3"]
+        emulate = os.environ.get("CONVEYOR_EMULATE_AVX512") == "1"
+        # emulated intrinsics (development) at -O1: GCC takes tens of minutes a kernel file at -O3 over SIMDe
+        flags += ["-O0", "-g"] if debug else ["-O1"] if emulate else ["-O3"]
         # No code here reads floating-point exception flags; without this, GCC keeps loops
         # with float compares in them scalar (the sampler's exp over the vocabulary was).
         # Values are unchanged: no contraction or reassociation comes with it.
@@ -90,7 +92,7 @@ class BuildExt(build_ext):
         else:
             march = "none"
         flags.append(f'-DCV_BUILD_MARCH="{march}"')
-        if os.environ.get("CONVEYOR_EMULATE_AVX512") == "1":  # development: tools/avx512_emulated.sh
+        if emulate:  # development: tools/avx512_emulated.sh
             flags += ["-DCV_EMULATE_AVX512", "-Wno-psabi", "-I" + os.path.join(ROOT, "build_support", "avx512_emu")]
         link = ["-pthread", "-lm", "-ldl"]
         if sanitize:

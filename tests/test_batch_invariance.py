@@ -116,7 +116,8 @@ def attention(impl, q, kc, vc, tables, ctx, qs, threads=0):
 
 # cache dtype, query heads per KV head, head_dim: a bf16 cache runs the vdpbf16ps kernels at
 # the avx512_bf16 level; G = 3 splits a tile's vectors into groups of 2 and 1, G = 4 into 4s;
-# an int8 cache (kv_cache_dtype="int8") runs the fp32 kernels with per-row scales
+# an int8 cache (kv_cache_dtype="int8") runs the fp32 kernels with per-row scales, or the VNNI
+# integer dots at the avx512_bf16 level
 ATT_SHAPES = [("float32", 4, 64), ("bfloat16", 4, 64), ("bfloat16", 3, 33), ("int8", 4, 64), ("int8", 3, 33)]
 
 

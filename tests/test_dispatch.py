@@ -50,10 +50,12 @@ def test_kernel_info_reports_features_levels_and_paths():
 
 
 # The level of the code each family has, from the kernels that exist (an independent list):
-# nothing has code past AVX-512 but the bf16 GEMM and attention over a bf16 cache (vdpbf16ps).
+# nothing has code past AVX-512 but the bf16 GEMM and attention over a bf16 cache (vdpbf16ps), and
+# attention over an int8 cache on VNNI's integer dots (with the AVX512_BF16 level, where the CPU has VNNI).
 TOP = {"gemm_f32": "avx512", "gemm_f16": "avx512", "gemm_bf16": "avx512_bf16", "rmsnorm": "avx512",
        "rope": "avx512", "swiglu": "avx512", "attention": "avx512", "convert": "avx512",
-       "attention_bf16": "avx512_bf16"}
+       "attention_bf16": "avx512_bf16",
+       "attention_int8": "avx512_bf16" if INFO["cpu_features"]["avx512vnni"] else "avx512"}
 
 
 def test_paths_at_each_level_are_the_kernels_that_level_runs(monkeypatch):

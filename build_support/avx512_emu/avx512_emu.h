@@ -20,6 +20,7 @@
 
 typedef simde__mmask16 __mmask16;
 typedef simde__mmask32 __mmask32;
+typedef simde__mmask64 __mmask64;
 #ifndef _MM_FROUND_NO_EXC
 #define _MM_FROUND_NO_EXC SIMDE_MM_FROUND_NO_EXC
 #endif
@@ -51,6 +52,16 @@ EMU_FN __m256i emu_mm256_maskz_loadu_epi16(__mmask16 k, const void *p) {
     uint16_t o[16];
     for (int i = 0; i < 16; i++) o[i] = (k >> i) & 1 ? ((const uint16_t *)p)[i] : 0;
     EMU_RET(__m256i, o);
+}
+EMU_FN __m256i emu_mm256_maskz_loadu_epi8(__mmask32 k, const void *p) {
+    int8_t o[32];
+    for (int i = 0; i < 32; i++) o[i] = (k >> i) & 1 ? ((const int8_t *)p)[i] : 0;
+    EMU_RET(__m256i, o);
+}
+EMU_FN __m512i emu_mm512_maskz_loadu_epi8(__mmask64 k, const void *p) {
+    int8_t o[64];
+    for (int i = 0; i < 64; i++) o[i] = (k >> i) & 1 ? ((const int8_t *)p)[i] : 0;
+    EMU_RET(__m512i, o);
 }
 EMU_FN __m512i emu_mm512_maskz_loadu_epi16(__mmask32 k, const void *p) {
     uint16_t o[32];
@@ -175,6 +186,8 @@ EMU_FN void emu_mm_mask_storeu_epi8(void *p, __mmask16 k, __m128i v) {
 #define _mm256_maskz_loadu_epi16 emu_mm256_maskz_loadu_epi16
 #define _mm256_mask_storeu_epi16 emu_mm256_mask_storeu_epi16
 #define _mm512_maskz_loadu_epi16 emu_mm512_maskz_loadu_epi16
+#define _mm256_maskz_loadu_epi8 emu_mm256_maskz_loadu_epi8
+#define _mm512_maskz_loadu_epi8 emu_mm512_maskz_loadu_epi8
 #define _mm512_cvtne2ps_pbh emu_mm512_cvtne2ps_pbh
 #ifndef _mm512_shuffle_f32x4 /* SIMDe 0.7 has it without the alias */
 #define _mm512_shuffle_f32x4(a, b, imm8) simde_mm512_shuffle_f32x4(a, b, imm8)

@@ -10,8 +10,8 @@
  * dynamically, longest first. Scores and P.V are the chunk kernels of the
  * backend's kernel table (plain C here; AVX2 in x86/avx2_attention.c: up to
  * 4 query vectors x 4 keys, or x 32 dims; AVX-512 and AVX512_BF16 in
- * x86/avx512_attention.c: 16 scores per transpose-add tree, and vdpbf16ps
- * over a bf16 cache). A chunk's row
+ * x86/avx512_attention.c: 16 scores per transpose-add tree, vdpbf16ps
+ * over a bf16 cache, and VNNI integer dots over an int8 one). A chunk's row
  * pointers come from one walk of the block table, and the next chunk's rows
  * are prefetched while this one computes (decode reads each row once): K
  * before the scores, V before P.V, and after a tile's last chunk the first
@@ -401,34 +401,45 @@ static void att_tile_run(const att_job *j, float *scr, const att_state *st, cons
         l[v] = 0.0f;
         vpos[v] = ctx - nq + jt;
     }
-    /* bf16 cache with vdpbf16ps: the scaled queries as bf16, once per tile */
+    /* bf16 cache with vdpbf16ps: the scaled queries as bf16, once per tile;
+     * int8 cache with VNNI: as int8 blocks (the row scratch holds either) */
     const cv_cpu_kernels *k = j->kern;
     const int bf16_dot = k->att_scores_bf16 && kv->dtype == CV_BF16;
+    const int i8_dot = i8 && k->att_scores_i8;
     uint16_t *qb = (uint16_t *)row;
     if (bf16_dot) k->att_round_q_bf16(qb, qt, hd, nv);
+    if (i8_dot) k->att_quantize_q_i8(row, qt, hd, nv);
     for (int64_t c0 = k_lo; c0 < k_hi; c0 += CV_ATT_KCHUNK, cur = !cur) {
         const int nk = chunk_keys(c0, k_hi);
         const void *const *kp = kp2[cur], *const *vp = vp2[cur];
         const int64_t c1 = c0 + CV_ATT_KCHUNK;
-        /* bf16 kernels take the next chunk's rows and spread their prefetch
-         * over their loops; the others get it as a burst before each pass */
+        /* bf16 and int8-dot kernels take the next chunk's rows and spread their
+         * prefetch over their loops; the others get it as a burst before each pass */
         const int nk_next = chunk_keys(c1, k_hi);
-        if (bf16_dot && nk_next)
+        const int spread = bf16_dot || i8_dot;
+        if (spread && nk_next) {
             chunk_rows(&rows, c1, nk_next, kp2[!cur], vp2[!cur], 0);
-        else
+            if (i8) chunk_scales(&rows, c1, nk_next, NULL, NULL, 1);
+        } else {
             prefetch_next(j, &rows, c1, k_hi, next, kp2[!cur], vp2[!cur], 1);
+        }
         if (i8) chunk_scales(&rows, c0, nk, ksc, vsc, 0);
         for (int v = 0; v < nv; v++) {
             const int64_t n_ok = vpos[v] - c0 + 1;
             nval[v] = n_ok <= 0 ? 0 : (n_ok >= nk ? nk : (int)n_ok);
             if (bt->window > 0 && c0 + nval[v] <= vpos[v] - bt->window + 1) nval[v] = 0; /* all before the window */
         }
-        if (bf16_dot) {
-            k->att_scores_bf16(sc, qb, hd, nv, nval, kp, nk_next ? kp2[!cur] : NULL, nk_next);
+        if (spread) {
+            const void *const *kpf = nk_next ? kp2[!cur] : NULL, *const *vpf = nk_next ? vp2[!cur] : NULL;
+            if (bf16_dot) k->att_scores_bf16(sc, qb, hd, nv, nval, kp, kpf, nk_next);
+            else k->att_scores_i8(sc, row, hd, nv, nval, kp, kpf, nk_next);
             if (!nk_next) prefetch_next(j, &rows, c1, k_hi, next, kp2[!cur], vp2[!cur], 2);
+            if (i8) k->att_scale(sc, nv, nval, ksc);
             if (bt->window > 0) window_mask(sc, nv, nval, vpos, c0, bt->window);
             k->att_softmax(sc, nk, nv, nval, m, l, alpha);
-            k->att_pv_bf16(acc, sc, alpha, hd, nv, nval, vp, nk_next ? vp2[!cur] : NULL, nk_next);
+            if (i8) k->att_scale(sc, nv, nval, vsc);
+            if (bf16_dot) k->att_pv_bf16(acc, sc, alpha, hd, nv, nval, vp, vpf, nk_next);
+            else k->att_pv_i8(acc, sc, alpha, hd, nv, nval, vp, vpf, nk_next);
             continue;
         }
         k->att_scores(sc, qt, hd, nv, nval, kp, kv->dtype, row);

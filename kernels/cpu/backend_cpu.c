@@ -36,6 +36,10 @@ static const struct {
     {"attention_bf16",
      {{ENTRY(att_scores)}, {ENTRY(att_scale)}, {ENTRY(att_softmax)}, {ENTRY(att_pv)}, {ENTRY(att_round_q_bf16)},
       {ENTRY(att_scores_bf16)}, {ENTRY(att_pv_bf16)}}},
+    /* over an int8 cache: the integer-dot entries where the level and CPU have them */
+    {"attention_int8",
+     {{ENTRY(att_scores)}, {ENTRY(att_scale)}, {ENTRY(att_softmax)}, {ENTRY(att_pv)}, {ENTRY(att_quantize_q_i8)},
+      {ENTRY(att_scores_i8)}, {ENTRY(att_pv_i8)}}},
 };
 #define N_FAMILIES ((int)(sizeof families / sizeof families[0]))
 

@@ -60,7 +60,7 @@ static void detect(void) {
 #endif
 #if defined(CV_EMULATE_AVX512) /* every path runs, on portable intrinsics */
     f.avx = f.avx2 = f.fma = f.f16c = f.os_avx = f.os_avx512 = 1;
-    f.avx512f = f.avx512bw = f.avx512vl = f.avx512dq = f.avx512bf16 = 1;
+    f.avx512f = f.avx512bw = f.avx512vl = f.avx512dq = f.avx512bf16 = f.avx512vnni = 1;
 #endif
     g_features = f;
 }

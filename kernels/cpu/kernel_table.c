@@ -69,6 +69,13 @@ void cv_cpu_kernels_fill(cv_simd_level level, cv_cpu_kernels *k) {
         k->att_round_q_bf16 = cv_att_round_q_bf16;
         k->att_scores_bf16 = cv_att_scores_bf16;
         k->att_pv_bf16 = cv_att_pv_bf16;
+#if CV_HAVE_ATT_I8DOT
+        if (cv_cpu_features_get()->avx512vnni) {
+            k->att_quantize_q_i8 = cv_att_quantize_q_i8;
+            k->att_scores_i8 = cv_att_scores_i8;
+            k->att_pv_i8 = cv_att_pv_i8;
+        }
+#endif
     }
 #endif
 }

@@ -80,6 +80,14 @@ typedef struct cv_cpu_kernels {
                             const void *const *kp, const void *const *pf, int npf);
     void (*att_pv_bf16)(float *acc, const float *sc, const float *alpha, int64_t hd, int nv, const int *nval,
                         const void *const *vp, const void *const *pf, int npf);
+    /* Over an int8 cache with VNNI (NULL where the level or CPU has none):
+     * the scaled queries quantized once per tile into qp (the tile's row
+     * scratch), then integer scores and P.V on the stored bytes; pf as above. */
+    void (*att_quantize_q_i8)(void *qp, const float *qt, int64_t hd, int nv);
+    void (*att_scores_i8)(float *sc, const void *qp, int64_t hd, int nv, const int *nval, const void *const *kp,
+                          const void *const *pf, int npf);
+    void (*att_pv_i8)(float *acc, const float *sc, const float *alpha, int64_t hd, int nv, const int *nval,
+                      const void *const *vp, const void *const *pf, int npf);
 
     /* LoRA (lora.c), over nr <= CV_LORA_ROWS rows of one adapter at once,
      * its weights float32 or (bf16) bf16: the shrink t[i][r] = x[i] . a[r][in]

@@ -97,4 +97,38 @@ void cv_att_pv_bf16(float *acc, const float *sc, const float *alpha, int64_t hd,
                     const int *nval, const void *const *vp, const void *const *pf, int npf);
 #endif
 
+/* AVX512-VNNI over an int8 cache (with the AVX512_BF16 level, which every CPU
+ * that has it pairs with VNNI): integer dot products on the stored bytes.
+ * - Scores: the scaled queries quantized once per tile, per 32 dims, to
+ *   15-bit integers (a float scale a block, max / 16383), each split into two
+ *   signed bytes q = 128 h + l (qp, laid out by cv_att_quantize_q_i8); the
+ *   chunk's keys transposed to 4 bytes a key (plus 128, unsigned for
+ *   vpdpbusd; each block's two accumulators start at -128 times the sums of
+ *   their query bytes, so 128 h + l is the exact integer block dot). sc gets
+ *   the sum over blocks, in order, of the block scale times the block dot:
+ *   the raw score before the rows' key scales, as the fp32 kernels give it.
+ * - P.V: each vector's chunk of p times the value scales (sc after
+ *   att_scale) as int16 of one scale per vector and chunk (max / 32767), by
+ *   pairs of keys on vpdpwssd against the value rows widened to int16; the
+ *   exact int32 sums turn into floats once per chunk: acc = acc * alpha +
+ *   scale * sum.
+ * Error against fp32 math on the same cache: a score moves by at most
+ * sum over blocks of d_b / 2 sum_{d in b} |k_d| (d_b the block's query
+ * scale, k the dequantized key), an output by at most 2^-16 max_i(w_i) sum_i |v8_i|
+ * more (w the probabilities times the value scales, v8 the stored values);
+ * tests/test_kv_int8.py holds the kernels to that bound. */
+#if CV_HAVE_AVX512 && (defined(CV_EMULATE_AVX512) || (defined(__GNUC__) && (__GNUC__ >= 11 || \
+    (defined(__clang_major__) && __clang_major__ >= 12))))
+#define CV_HAVE_ATT_I8DOT 1
+/* qp holds 2 nv x (hd rounded up to 64) bytes and 12 bytes per 32 of them:
+ * within a tile's row scratch (nv * hd <= CV_ATT_TILE * CV_ATT_MAX_HD floats). */
+void cv_att_quantize_q_i8(void *qp, const float *qt, int64_t hd, int nv);
+void cv_att_scores_i8(float *sc, const void *qp, int64_t hd, int nv, const int *nval, const void *const *kp,
+                      const void *const *pf, int npf);
+void cv_att_pv_i8(float *acc, const float *sc, const float *alpha, int64_t hd, int nv, const int *nval,
+                  const void *const *vp, const void *const *pf, int npf);
+#else
+#define CV_HAVE_ATT_I8DOT 0
+#endif
+
 #endif /* CV_X86_KERNELS_H */
