@@ -68,7 +68,7 @@ static PyObject *py_kernel_info(PyObject *self, PyObject *noargs) {
     const cv_cpu_shapes shapes = cv_cpu_backend_shapes();
     PyObject *r = NULL;
     if (levels && feat && paths)
-        r = Py_BuildValue("{s:s,s:s,s:O,s:O,s:O,s:z,s:s,s:O,s:O,s:i,s:i,s:i,s:i,s:O}", "simd", cv_simd_name(level),
+        r = Py_BuildValue("{s:s,s:s,s:O,s:O,s:O,s:z,s:s,s:O,s:O,s:i,s:i,s:i,s:i,s:O,s:s}", "simd", cv_simd_name(level),
                           "best", cv_simd_name(cv_simd_best()), "levels", levels, "cpu_features", feat,
                           "paths", paths, "simd_error",
                           rc == CV_SIMD_OK ? NULL : (rc == CV_SIMD_UNKNOWN ? "unknown level" : "unsupported level"),
@@ -76,7 +76,8 @@ static PyObject *py_kernel_info(PyObject *self, PyObject *noargs) {
                           "emulated", CV_EMULATED ? Py_True : Py_False,
                           "cores", cv_cpu_backend_cores(), "gemm_nr", shapes.gemm_nr, "gemm_mr", shapes.gemm_mr,
                           "attention_max_head_dim", shapes.attention_max_head_dim, "force_scalar",
-                          level == CV_SIMD_SCALAR ? Py_True : Py_False);
+                          level == CV_SIMD_SCALAR ? Py_True : Py_False, "quant_level",
+                          cv_qlevel_name(cv_qlevel_best((int)level)));
     Py_XDECREF(levels);
     Py_XDECREF(feat);
     Py_XDECREF(paths);
@@ -85,7 +86,8 @@ static PyObject *py_kernel_info(PyObject *self, PyObject *noargs) {
 
 static PyMethodDef kernel_info_methods[] = {
     {"kernel_info", (PyCFunction)py_kernel_info, METH_NOARGS, "kernel_info() -> dict: CPU features, the SIMD level chosen (simd), the best, the\n"
-     "levels this CPU runs, and the path of each kernel family (paths)"},
+     "levels this CPU runs, the path of each kernel family (paths), and the quantized GEMMs'\n"
+     "level (quant_level: avx512vnni packs 16-row panels)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -37,8 +37,9 @@ from . import common
 from .workloads import make_study_workload
 
 # Bytes per weight of each matrix dtype as the CPU engine stores it: the float dtypes as
-# they are; Q8_0 and Q4_1 at GGUF's bytes a block of 32, and Q4_0 at Q4_1's (the 16-row
-# panels keep a min slot for every 4-bit format); the formats the kernels compute in a
+# they are; Q8_0 and Q4_1 at GGUF's bytes a block of 32, and Q4_0 at Q4_1's where the
+# quantized GEMMs pack 16-row panels (AVX512-VNNI: a min slot for every 4-bit format; its
+# own 18 bytes elsewhere, bytes_per_weight); the formats the kernels compute in a
 # repacking (cv_quant_compute_type): Q4_K as Q4_F (two float32 and 16 bytes a block of 32),
 # Q5_0 as Q8_0, Q5_1, Q3_K, Q5_K and Q6_K as Q8_F (three float32 and 32 bytes); Q2_K as the
 # file's 84 bytes a super-block of 256.
@@ -90,7 +91,16 @@ def matrix_shapes(cfg: Dict[str, Any]) -> List[tuple]:
 def bytes_per_weight(dtype: str) -> float:
     if dtype not in STORED_BYTES_PER_WEIGHT:
         raise ValueError(f"unknown weight dtype {dtype!r}; known: {', '.join(STORED_BYTES_PER_WEIGHT)}")
+    if dtype == "q4_0" and not _panels():
+        return 18 / 32  # the row layout keeps GGUF's blocks
     return STORED_BYTES_PER_WEIGHT[dtype]
+
+
+def _panels() -> bool:
+    """True when this process's quantized GEMMs pack 16-row panels (the CPU backend's level)."""
+    from .. import _core
+
+    return _core.kernel_info().get("quant_level") == "avx512vnni"
 
 
 # bytes per weight of an embedding table (which keeps a file's or quantization='s blocks as
