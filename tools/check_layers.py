@@ -39,7 +39,8 @@ SHARED = ["kernels/cpu/kv_write.c", "kernels/cpu/row_kernels.c", "kernels/cpu/co
           "kernels/cpu/cpu_features.c", "kernels/cpu/weight_arena.c",
           # the SIMD kernels of each level, reached through the kernel table (kernel_table.c)
           "kernels/cpu/x86/avx2_gemm.c", "kernels/cpu/x86/avx512_gemm.c", "kernels/cpu/x86/avx2_attention.c",
-          "kernels/cpu/x86/avx512_attention.c", "kernels/cpu/x86/avx2_rows.c", "kernels/cpu/x86/avx512_rows.c",
+          "kernels/cpu/x86/avx512_attention.c", "kernels/cpu/x86/avx512_attention_i8.c",
+          "kernels/cpu/x86/avx512_attention_parts.h", "kernels/cpu/x86/avx2_rows.c", "kernels/cpu/x86/avx512_rows.c",
           "kernels/cpu/x86/avx2_lora.c", "kernels/cpu/x86/avx512_lora.c",
           "kernels/cpu/x86/vec_math.c", "kernels/cpu/x86/vec_math.h"]
 BOTTOM = ["base/common.c", "base/common.h", "base/quant_format.c", "base/quant_format.h"]
