@@ -170,6 +170,68 @@ def test_no_admission_into_certain_preemption(reqs, reserve, bs, spare, chunked,
         assert not (admitted and preempted_next)
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 30), st.integers(1, 30), st.integers(0, 20)), min_size=1, max_size=14),
+       st.sampled_from([1, 2, 4, 8]), st.integers(0, 40), st.booleans())
+def test_outputs_that_run_to_max_tokens_are_never_preempted(reqs, bs, spare, chunked):
+    """Every output runs to its max_tokens (ignore_eos, a benchmark): the default margin
+    then reserves each request's own max_tokens, and counts on the blocks a decoding
+    sequence gives back when it reaches it. Any pool that holds each request alone runs
+    the workload without one preemption, and every request ends."""
+    lens = [(p, m) for p, m, _ in reqs]
+    need = max(-(-(p + m) // bs) for p, m in lens)
+    st_, _ = run_workload(0, lens, num_blocks=1 + need + spare, bs=bs, budget=64, chunked=chunked,
+                          arrivals=[a for _, _, a in reqs])
+    assert st_["n_preempted_total"] == 0 and st_["n_recomputed_tokens"] == 0
+
+
+def test_outputs_cut_at_max_tokens_do_not_make_outputs_look_short():
+    """The expected output is learned from outputs that end by a stop; one cut at its
+    max_tokens only says the output would have been longer. Until a stop, admission
+    reserves each request's max_tokens (admission_reserve_tokens -1)."""
+    s = Scheduler(num_blocks=1 + 64, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                  max_model_len=64, enable_prefix_caching=False)
+    for sid in range(3):
+        s.add(sid, [2] * 4, 2)
+    while s.num_unfinished():
+        step(s)
+    assert s.stats()["admission_reserve_tokens"] == -1  # three short outputs, all cut at max_tokens
+    s.add(10, [2] * 4, 40)
+    s.add(11, [3] * 4, 40)
+    for _ in range(7):  # 10 and 11 sample their first token, then 6 more each
+        plan = s.schedule()
+        s.commit()
+        for sid in plan["seq_ids"]:
+            s.append_token(sid, 1)
+    s.finish(10, "stopped")  # an EOS after 7 tokens
+    # tokens seen: 3 x 2 cut + 7 stopped + 7 running = 20, over 1 stop; the default margin is half
+    assert s.stats()["admission_reserve_tokens"] == 20 * 50 // 100 + 1
+
+
+@pytest.mark.parametrize("usable, admitted", [(23, True), (22, False)])
+def test_admission_counts_on_the_blocks_a_sequence_gives_back_when_it_ends(usable, admitted):
+    """A running sequence that will reach its max_tokens soon gives its blocks back before
+    the others need theirs: a newcomer that fits the peak ahead starts at once, where the
+    sum of every running sequence's growth would make it wait; one block less and it
+    waits. Nothing is preempted."""
+    s = Scheduler(num_blocks=1 + usable, block_size=1, max_num_seqs=4, max_num_batched_tokens=64,
+                  max_model_len=16, enable_prefix_caching=False)
+    s.add(1, [2] * 2, 3)   # ends at 5 tokens
+    s.add(2, [3] * 2, 10)  # ends at 12 tokens
+    step(s)                # both prefill and sample: 3 tokens each
+    s.add(3, [4] * 2, 6)   # ends at 8 tokens: 8 blocks
+    plan = step(s)
+    # In that step 1 and 2 decode first (3 blocks each; usable - 6 free), then 3 asks for
+    # 8 blocks in all, 1 will need 2 more and 2 will need 9 more: 19 if nobody ended.
+    # But 1 ends after 2 steps, when 2 has grown by 2: at most 9 are needed at once,
+    # so 3 starts when 9 + 8 <= usable - 6.
+    assert (3 in plan["seq_ids"]) == admitted
+    assert s.seq_info(1)["status"] == "running"
+    while s.num_unfinished():
+        step(s)
+    assert s.stats()["n_preempted_total"] == 0
+
+
 def test_a_lone_request_that_fits_always_starts():
     # The margin never blocks a sequence that would run alone, however large.
     s = Scheduler(num_blocks=1 + 8, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,

@@ -58,6 +58,7 @@ class Driver:
         self.requests = sorted(requests, key=lambda r: r["arrival"])  # stable: ties keep list order
         self.aborts = sorted(aborts)
         self.forks = set(forks)  # request ids to fork when they sample their first token
+        self.stop_after = {r["id"]: r.get("stop_after") for r in requests}  # output tokens at its EOS
         self.kv = [[None] * self.bs for _ in range(cfg["num_blocks"])] if kv_model else None
         self.queue = []      # mirror of the waiting queue, front first
         self.running = set()
@@ -70,7 +71,7 @@ class Driver:
         self.started = set()
         self.computed_tokens = 0
         self.planned = 0         # tokens planned: the continuous policy's clock
-        self.outputs = [0, 0]    # outputs that ended (not aborted) and their tokens
+        self.outputs = [0, 0]    # outputs that ended by a stop; tokens of every output that ended (not aborted)
         self.wait_key = {}       # sid -> the continuous policy's waiting key
         self.steps = 0
         self.next_child = 10_000
@@ -84,7 +85,8 @@ class Driver:
 
     def expected_output(self):
         """The mean output length the scheduler expects: tokens seen (running outputs so
-        far included) over the outputs that ended; None before one ended."""
+        far included) over the outputs that ended by a stop (one cut at its max_tokens is
+        censored); None before a stop."""
         if not self.outputs[0]:
             return None
         seen = self.outputs[1]
@@ -117,7 +119,7 @@ class Driver:
     def finish(self, sid, reason):
         info = self.s.seq_info(sid)
         if info["status"] == "running" and reason != "aborted":
-            self.outputs[0] += 1
+            self.outputs[0] += reason == "stopped"
             self.outputs[1] += info["n_tokens"] - info["n_prompt"]
         self.s.finish(sid, reason)
         self.kept.pop(sid, None)
@@ -261,8 +263,11 @@ class Driver:
                 self.fork(sid)
             if info["n_tokens"] < info["max_total"]:
                 s.append_token(sid, next_token(sid, info["tokens"]))
-            if s.seq_info(sid)["n_tokens"] >= info["max_total"]:
+            now = s.seq_info(sid)["n_tokens"]
+            if now >= info["max_total"]:
                 self.finish(sid, "length")
+            elif self.stop_after.get(sid) is not None and now - info["n_prompt"] >= self.stop_after[sid]:
+                self.finish(sid, "stopped")
         self.steps += 1
         self.check()
 
@@ -320,8 +325,9 @@ def workloads(draw):
         suffix = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=10))
         prompt = (prefix + suffix)[: max_model_len - 1]
         max_tokens = draw(st.integers(1, min(12, max_model_len - len(prompt))))
+        stop_after = draw(st.one_of(st.none(), st.integers(1, max_tokens)))  # an EOS before max_tokens
         reqs.append(dict(id=i, arrival=draw(st.integers(0, 10)), prompt=prompt,
-                         max_tokens=max_tokens, priority=draw(st.integers(0, 2))))
+                         max_tokens=max_tokens, priority=draw(st.integers(0, 2)), stop_after=stop_after))
     need = max(math.ceil((len(r["prompt"]) + r["max_tokens"]) / bs) for r in reqs)
     num_blocks = 1 + need + draw(st.sampled_from([0, 0, 0, 1, 2, 4, 10, 60]))  # tiny: heavy preemption
     chunked = draw(st.booleans())

@@ -29,12 +29,14 @@ PROBE_EVERY, PROBE_MIN_DECODES = 8, 8  # the engine's (csrc/core/step_cost.h)
 
 
 def run(outs, max_tokens, *, prompt, kv_tokens, block_size, max_seqs, budget, cost, policy="continuous",
-        reserve=0, target=0, adaptive=False, cohort=False, prefill_cap=0, noise=0.0, seed=0):
+        reserve=0, target=0, adaptive=False, cohort=False, drain=0, prefill_cap=0, noise=0.0, seed=0):
     """One workload, all arriving at once; target: a fixed running target (0: none);
     cohort: shortest-remaining-first in cohorts, emulated through the running target: the
     next request (the shortest max_tokens not yet started) is admitted only while its work
     (prompt and max_tokens, at the modeled costs) is at most the largest remaining work among
     the running ones, so a batch drains before longer requests start;
+    drain: once that many requests have started, admit nothing until all of them ended
+    (one drain, emulated through the running target);
     adaptive: the engine's rule (the knee of the step-time model fitted on the steps run,
     the last knee kept while the model cannot pin it down, and then half of every
     CV_STEP_COST_PROBE_EVERY-th step's decodes held back); noise: each step's time is
@@ -60,6 +62,9 @@ def run(outs, max_tokens, *, prompt, kv_tokens, block_size, max_seqs, budget, co
                         for i in running), default=0.0)
             s.set_running_target(len(running) if nxt is not None and running and
                                  cost[2] * prompt + cost[1] * max_tokens[nxt] > left else 0)
+        if drain:
+            live = sum(1 for i in started if i not in done)
+            s.set_running_target(live if len(started) >= drain and live and len(done) < drain else 0)
         plan = s.schedule()
         started.update(plan["seq_ids"])
         s.commit()
@@ -97,7 +102,7 @@ def run(outs, max_tokens, *, prompt, kv_tokens, block_size, max_seqs, budget, co
     return dict(steps=steps, computed=computed, preempt=st["n_preempted_total"],
                 recomputed=st["n_recomputed_tokens"], resumed=st["n_resumed_tokens"],
                 batch=batch / steps, tps=float(np.sum(outs)) / clock, p50=float(np.median(e2e)),
-                p99=float(np.percentile(e2e, 99)))
+                p99=float(np.percentile(e2e, 99)), mean=float(np.mean(e2e)))
 
 
 def main():
@@ -119,8 +124,8 @@ def main():
     ap.add_argument("--reserves", default="0", help="admission reserves (percent; 0: the default, -1: none)")
     ap.add_argument("--policies", default="fcfs,continuous")
     ap.add_argument("--targets", default="0,adaptive",
-                    help="running targets: numbers (0: none), 'adaptive' (the engine's knee rule) or 'cohort' "
-                         "(shortest-remaining-first cohorts, see run())")
+                    help="running targets: numbers (0: none), 'adaptive' (the engine's knee rule), 'cohort' "
+                         "(shortest-remaining-first cohorts) or 'drainK' (one drain after K started; see run())")
     ap.add_argument("--cost", default="9e-3,1.38e-3,1.05e-3",
                     help="A,B_d,B_p[,B_c] seconds: a step's fixed time, per decode token, per prompt token "
                          "(measured: decode steps at 1..48 running and prompt-only steps, quiet machine), and "
@@ -138,19 +143,20 @@ def main():
         batch = max(1, (a.kv // a.block_size) // -(-(a.prompt + cap) // a.block_size))
         st = run(outs, max_tokens, policy="static", max_seqs=batch, **common)
         print(f"cap {cap}, max_tokens {a.max_tokens}: static batch {batch}: {st['tps']:.1f} out tok/s, "
-              f"p50 {st['p50']:.2f} s, p99 {st['p99']:.2f} s, {st['steps']} steps")
+              f"p50 {st['p50']:.2f} s, p99 {st['p99']:.2f} s, mean {st['mean']:.2f} s, {st['steps']} steps")
         print(f"  {'policy':>10} {'res%':>4} {'target':>8} {'steps':>6} {'computed':>9} {'preempt':>7} "
-              f"{'recomp':>7} {'batch':>6} {'tok/s':>7} {'p50 s':>6} {'p99 s':>6}")
+              f"{'recomp':>7} {'batch':>6} {'tok/s':>7} {'p50 s':>6} {'p99 s':>6} {'mean s':>6}")
         for policy in a.policies.split(","):
             for pct in map(int, a.reserves.split(",")):
                 for target in a.targets.split(","):
                     adaptive, cohort = target == "adaptive", target == "cohort"
+                    drain = int(target[5:]) if target.startswith("drain") else 0
                     r = run(outs, max_tokens, policy=policy, reserve=pct, max_seqs=a.max_num_seqs,
-                            target=0 if adaptive or cohort else int(target), adaptive=adaptive, cohort=cohort,
-                            **common)
+                            target=0 if adaptive or cohort or drain else int(target), adaptive=adaptive,
+                            cohort=cohort, drain=drain, **common)
                     print(f"  {policy:>10} {pct:>4} {target:>8} {r['steps']:>6} {r['computed']:>9} "
                           f"{r['preempt']:>7} {r['recomputed']:>7} {r['batch']:>6.1f} "
-                          f"{r['tps'] / st['tps']:>6.3f}x {r['p50']:>6.2f} {r['p99']:>6.2f}")
+                          f"{r['tps'] / st['tps']:>6.3f}x {r['p50']:>6.2f} {r['p99']:>6.2f} {r['mean']:>6.2f}")
 
 
 if __name__ == "__main__":

@@ -469,8 +469,9 @@ def soak_http(model: Path, n: int, *, seed=0, abort_frac=0.3, tight_frac=0.3, co
     servers = {}
     try:
         servers[False] = ServerProc(model, *extra)
+        # no admission margin, as the in-process tight engine: the pool runs out and preempts
         servers[True] = ServerProc(model, "--kv-cache-memory", str(TIGHT_BLOCKS * block_bytes),
-                                   "--max-model-len", str(TIGHT_MAX_MODEL_LEN), *extra)
+                                   "--max-model-len", str(TIGHT_MAX_MODEL_LEN), "--admission-reserve", "0", *extra)
         urls = {k: s.url for k, s in servers.items()}
         w = warmup if warmup is not None else max(50, n // 10)
         t0 = time.monotonic()

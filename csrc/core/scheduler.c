@@ -16,9 +16,9 @@
  *
  * The continuous policy's wait_key is a virtual finish time: the scheduler's
  * clock of tokens planned when the sequence arrived, plus the work it is
- * expected to need (its prompt and its expected output: the mean output seen
- * so far, never more than its max_tokens; its max_tokens until an output
- * ended). Among sequences that arrive together the shortest starts first,
+ * expected to need (its prompt and its expected output: the mean output
+ * expected_output() estimates, never more than its max_tokens; its
+ * max_tokens until an output stopped). Among sequences that arrive together the shortest starts first,
  * which brings the median completion forward; a later arrival passes an
  * earlier one only when it arrived less than their difference in work after
  * it, so nothing waits behind later arrivals for more than its own work.
@@ -66,7 +66,7 @@ struct cv_scheduler {
     int64_t n_resumed_tokens;    /* KV a resumed sequence took back instead */
 
     /* For the admission margin: outputs of the sequences that finished (not aborted) */
-    int64_t n_outputs_seen, output_tokens_seen;
+    int64_t n_stops_seen, output_tokens_seen;
 };
 
 /* ---- ordering ---- */
@@ -385,18 +385,22 @@ static int validate_new(const cv_scheduler *s, const cv_sequence *q, cv_err *err
     return CV_OK;
 }
 
-/* The expected output length: the output tokens seen over the outputs that
- * ended. The running sequences' outputs so far count as seen: without them
- * the first finishes, the short ones, would make every output look short.
- * -1 until an output ended. */
+/* The expected length of an output left to end by itself (a stop): the
+ * output tokens seen over the stops seen, the estimate of an exponential
+ * length's mean from censored observations. Every output counts as seen,
+ * the running ones' so far as well as the ended ones': without them the
+ * first finishes, the short ones, would make every output look short. An
+ * output cut at its max_tokens is censored, not an end: it says the length
+ * is larger, so where every output ends at its max_tokens (ignore_eos) each
+ * request's own max_tokens stays its expected length. -1 until a stop. */
 static double expected_output(const cv_scheduler *s) {
-    if (s->n_outputs_seen == 0) return -1.0;
+    if (s->n_stops_seen == 0) return -1.0;
     double seen = (double)s->output_tokens_seen;
     for (int64_t i = 0; i < s->n_running; i++) {
         const cv_sequence *r = s->running[i];
         if (r->n_tokens - r->n_spec > r->n_prompt) seen += (double)(r->n_tokens - r->n_spec - r->n_prompt);
     }
-    return seen / (double)s->n_outputs_seen;
+    return seen / (double)s->n_stops_seen;
 }
 
 /* The continuous policy's waiting order (see the top of this file): the clock
@@ -477,18 +481,28 @@ static void take_resume(cv_scheduler *s, cv_sequence *q) {
     s->n_recomputed_tokens += before - back;
 }
 
-/* Blocks q will still add, beyond those it holds, to reach its expected
- * length: its next token and `reserve` more, never beyond max_total. */
-static int64_t growth_blocks(const cv_scheduler *s, const cv_sequence *q, int64_t held, int64_t reserve) {
-    const int64_t now = q->n_tokens - q->n_spec;
-    const int64_t target = reserve >= q->max_total - now ? q->max_total : now + (reserve > 1 ? reserve : 1);
-    const int64_t need = blocks_for(s, target) - held;
+/* The tokens q is expected to add: its next token and `reserve` more, never
+ * beyond max_total. */
+static int64_t growth_horizon(const cv_sequence *q, int64_t reserve) {
+    const int64_t left = q->max_total - (q->n_tokens - q->n_spec);
+    return reserve >= left ? left : reserve > 1 ? reserve : 1;
+}
+
+/* Blocks q holding `held` adds, beyond those, in its next x tokens. */
+static int64_t blocks_grown(const cv_scheduler *s, const cv_sequence *q, int64_t held, int64_t x) {
+    const int64_t need = blocks_for(s, q->n_tokens - q->n_spec + x) - held;
     return need > 0 ? need : 0;
+}
+
+/* Blocks q will still add, beyond those it holds, to reach its expected
+ * length. */
+static int64_t growth_blocks(const cv_scheduler *s, const cv_sequence *q, int64_t held, int64_t reserve) {
+    return blocks_grown(s, q, held, growth_horizon(q, reserve));
 }
 
 /* The output tokens admission reserves for each sequence beyond its current
  * length (see cv_scheduler_config.admission_reserve): that percentage of the
- * expected output. INT64_MAX (each its max_tokens) until an output ended. */
+ * expected output. INT64_MAX (each its max_tokens) until an output stopped. */
 static int64_t reserve_tokens(const cv_scheduler *s) {
     const double mean = expected_output(s);
     if (mean < 0) return INT64_MAX;
@@ -496,16 +510,42 @@ static int64_t reserve_tokens(const cv_scheduler *s) {
     return r >= (double)s->cfg.max_model_len ? s->cfg.max_model_len : (int64_t)r + 1;
 }
 
-/* The running sequences' growth that admitting q must leave room for: under
- * the priority policy only those ranked at or above q. */
+/* A running sequence that decodes (one token a step) and reaches its
+ * max_total within its horizon: it ends there and its new blocks go back. */
+static int ends_within(const cv_sequence *r, int64_t reserve) {
+    const int64_t now = r->n_tokens - r->n_spec;
+    return now - r->n_computed <= 1 && growth_horizon(r, reserve) == r->max_total - now;
+}
+
+/* The running sequences' growth that admitting q must leave room for (under
+ * the priority policy only those ranked at or above q): the most new blocks
+ * they hold at once in the steps ahead. Each grows a token a step up to its
+ * horizon; one that ends within it (ends_within) gives its new blocks back,
+ * so the peak comes just before one of those ends, or after all of them,
+ * when the others have grown in full. Without such ends it is the sum of
+ * every horizon's blocks. */
 static int64_t reserved_growth(const cv_scheduler *s, const cv_sequence *q, int64_t reserve) {
-    int64_t sum = 0;
-    for (int64_t i = 0; i < s->n_running; i++) {
-        const cv_sequence *r = s->running[i];
+    int64_t n = 0, held_in_full = 0;
+    for (; n < s->n_running; n++) {
+        const cv_sequence *r = s->running[n];
         if (s->cfg.policy == CV_SCHED_PRIORITY && r->priority > q->priority) break; /* ordered by priority */
-        sum += growth_blocks(s, r, cv_kv_num_blocks(r), reserve);
+        if (!ends_within(r, reserve)) held_in_full += growth_blocks(s, r, cv_kv_num_blocks(r), reserve);
     }
-    return sum;
+    int64_t peak = held_in_full;
+    for (int64_t j = 0; j < n; j++) {
+        const cv_sequence *e = s->running[j];
+        if (!ends_within(e, reserve)) continue;
+        const int64_t t = growth_horizon(e, reserve); /* e's last step: every sequence with t or more left runs */
+        int64_t at = 0;
+        for (int64_t i = 0; i < n; i++) {
+            const cv_sequence *r = s->running[i];
+            if (!ends_within(r, reserve)) continue;
+            const int64_t h = growth_horizon(r, reserve);
+            if (h >= t) at += blocks_grown(s, r, cv_kv_num_blocks(r), t);
+        }
+        if (held_in_full + at > peak) peak = held_in_full + at;
+    }
+    return peak;
 }
 
 /* Static policy, nothing running: the next batch joins the running set
@@ -724,7 +764,7 @@ void cv_scheduler_finish(cv_scheduler *s, cv_sequence *q, cv_seq_status status) 
         wait_remove(s, q);
     }
     if (q->status == CV_SEQ_RUNNING && status != CV_SEQ_FINISHED_ABORTED) {
-        s->n_outputs_seen++;
+        if (status == CV_SEQ_FINISHED_STOPPED) s->n_stops_seen++;
         s->output_tokens_seen += q->n_tokens - q->n_spec - q->n_prompt;
     }
     cv_kv_manager_free(s->kv, q);

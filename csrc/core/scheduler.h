@@ -39,10 +39,14 @@ typedef struct cv_scheduler_config {
     int64_t max_prefill_tokens_while_decoding;
     /* Admission margin (continuous and priority policies): a waiting sequence
      * starts only when the free blocks cover its own growth and the running
-     * sequences' growth to their expected lengths: each one's next token and
-     * this percentage of the expected remaining output (the output tokens seen
-     * so far, running ones included, over the outputs that ended), never
-     * beyond its max_tokens; before any output ended, its max_tokens. Under
+     * sequences' growth to their expected lengths at the worst moment ahead:
+     * each one's next token and this percentage of the expected remaining
+     * output (the output tokens seen so far, running ones included, over the
+     * outputs that ended by a stop; an output cut at its max_tokens is
+     * censored), never beyond its max_tokens; before any stop, its
+     * max_tokens. A decoding sequence that reaches its max_tokens within that
+     * horizon gives its blocks back there, so the room needed is the peak of
+     * the growth of those still running, not the sum of every growth. Under
      * the priority policy only the growth of sequences ranked at or above it
      * counts (the others can be preempted for it). A sequence that would run
      * alone starts as soon as its first chunk fits.

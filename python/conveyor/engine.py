@@ -151,7 +151,9 @@ class EngineArgs:
     max_prefill_tokens_while_decoding: Optional[int] = None
     # Admission margin (continuous and priority scheduling): a request starts only when the
     # free KV covers the running requests' and its own growth by this percentage of the
-    # expected remaining output (learned from the outputs seen; max_tokens until one ended).
+    # expected remaining output (learned from the outputs that ended by a stop; each request's
+    # max_tokens until one did), counting on the blocks of requests that reach their max_tokens
+    # sooner coming back.
     # None: 50 (chosen by measurement, docs/dev/admission.md); 0: no margin, a request
     # starts whenever its first prompt chunk fits and running ones are preempted when the
     # pool runs out.

@@ -328,6 +328,10 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None,
                    help="prompt tokens per step while sequences decode (default: 96 on the CPU, 512 on CUDA; "
                         "0: no cap)")
+    g.add_argument("--admission-reserve", type=int, default=None,
+                   help="a request starts only when the free KV covers the running requests' growth and its "
+                        "own by this percentage of the expected remaining output (default: 50; 0: no margin, "
+                        "running requests are preempted when the pool runs out)")
     g.add_argument("--enable-lora", action="store_true", default=None,
                    help="serve LoRA adapters over the model (default: off; implied by --lora-modules)")
     g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
@@ -350,7 +354,7 @@ def make_parser() -> argparse.ArgumentParser:
 _ENGINE_KNOBS = ("tokenizer", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                  "kv_cache_memory", "kv_cache_dtype", "enable_prefix_caching", "enable_chunked_prefill",
                  "scheduling", "num_threads", "device", "seed", "gpu_memory_utilization", "quantization",
-                 "max_prefill_tokens_while_decoding", "activation_dtype", "speculative_config",
+                 "max_prefill_tokens_while_decoding", "admission_reserve", "activation_dtype", "speculative_config",
                  "enable_lora", "max_loras", "max_lora_rank", "lora_dtype")
 
 
