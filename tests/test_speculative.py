@@ -130,7 +130,8 @@ def test_preemption_with_a_tiny_kv_cache(stories, plain):
     sp = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
     ref = token_ids(plain.generate(prompts, sp, use_tqdm=False))
     for prefix in (True, False):
-        with LLM(stories, max_num_seqs=8, block_size=4, kv_cache_memory=40 * 4 * 1280,
+        # no admission margin: every request starts when its prompt fits, so the pool runs out
+        with LLM(stories, max_num_seqs=8, block_size=4, kv_cache_memory=40 * 4 * 1280, admission_reserve=0,
                  enable_prefix_caching=prefix, speculative_config=spec(6, 1, 3)) as llm:
             assert token_ids(llm.generate(prompts, sp, use_tqdm=False)) == ref
             st = llm.stats()

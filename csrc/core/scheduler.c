@@ -523,14 +523,18 @@ static int ends_within(const cv_sequence *r, int64_t reserve) {
  * horizon; one that ends within it (ends_within) gives its new blocks back,
  * so the peak comes just before one of those ends, or after all of them,
  * when the others have grown in full. Without such ends it is the sum of
- * every horizon's blocks. */
-static int64_t reserved_growth(const cv_scheduler *s, const cv_sequence *q, int64_t reserve) {
-    int64_t n = 0, held_in_full = 0;
+ * every horizon's blocks. When that sum is within room (the common case,
+ * one pass) it is returned instead: the peak is never larger. */
+static int64_t reserved_growth(const cv_scheduler *s, const cv_sequence *q, int64_t reserve, int64_t room) {
+    int64_t n = 0, held_in_full = 0, sum = 0;
     for (; n < s->n_running; n++) {
         const cv_sequence *r = s->running[n];
         if (s->cfg.policy == CV_SCHED_PRIORITY && r->priority > q->priority) break; /* ordered by priority */
-        if (!ends_within(r, reserve)) held_in_full += growth_blocks(s, r, cv_kv_num_blocks(r), reserve);
+        const int64_t g = growth_blocks(s, r, cv_kv_num_blocks(r), reserve);
+        sum += g;
+        if (!ends_within(r, reserve)) held_in_full += g;
     }
+    if (sum <= room) return sum;
     int64_t peak = held_in_full;
     for (int64_t j = 0; j < n; j++) {
         const cv_sequence *e = s->running[j];
@@ -704,7 +708,8 @@ int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out) {
             const int64_t reserve = reserve_tokens(s);
             int64_t total = growth_blocks(s, q, held, reserve);
             if (total < need) total = need;
-            if (reserved_growth(s, q, reserve) + total + n_free_hits > cv_kv_manager_num_free(s->kv))
+            const int64_t room = cv_kv_manager_num_free(s->kv) - total - n_free_hits;
+            if (reserved_growth(s, q, reserve, room) > room)
                 break; /* admitting it now would likely preempt: wait for blocks to free */
         }
         if (cv_kv_manager_reserve(s->kv, q, held + need > 0 ? held + need : 1) != CV_OK) {
