@@ -18,10 +18,11 @@
  * clock of tokens planned when the sequence arrived, plus the work it is
  * expected to need (its prompt and its expected output: the mean output
  * expected_output() estimates, never more than its max_tokens; its
- * max_tokens until an output stopped). Among sequences that arrive together the shortest starts first,
- * which brings the median completion forward; a later arrival passes an
- * earlier one only when it arrived less than their difference in work after
- * it, so nothing waits behind later arrivals for more than its own work.
+ * max_tokens until an output stopped). Among sequences that arrive together
+ * the shortest starts first, which brings the median completion forward; a
+ * later arrival passes an earlier one only when it arrived less than their
+ * difference in work after it, so nothing waits behind later arrivals for
+ * more than its own work.
  *
  * The scheduler stamps seq->arrival in cv_scheduler_add (a fork takes its
  * parent's). No step allocates, except the amortized growth of a block table
