@@ -518,15 +518,15 @@ static int ends_within(const cv_sequence *r, int64_t reserve) {
     return now - r->n_computed <= 1 && growth_horizon(r, reserve) == r->max_total - now;
 }
 
-/* The running sequences' growth that admitting q must leave room for (under
- * the priority policy only those ranked at or above q): the most new blocks
- * they hold at once in the steps ahead. Each grows a token a step up to its
+/* Whether the running sequences' growth (under the priority policy only
+ * those ranked at or above q) fits in room blocks: the most new blocks they
+ * hold at once in the steps ahead. Each grows a token a step up to its
  * horizon; one that ends within it (ends_within) gives its new blocks back,
  * so the peak comes just before one of those ends, or after all of them,
- * when the others have grown in full. Without such ends it is the sum of
- * every horizon's blocks. When that sum is within room (the common case,
- * one pass) it is returned instead: the peak is never larger. */
-static int64_t reserved_growth(const cv_scheduler *s, const cv_sequence *q, int64_t reserve, int64_t room) {
+ * when the others have grown in full. The sum of every horizon's blocks is
+ * never below the peak: when it fits (the common case, one pass) so does
+ * the peak, and the ends are looked at only otherwise. */
+static int running_growth_fits(const cv_scheduler *s, const cv_sequence *q, int64_t reserve, int64_t room) {
     int64_t n = 0, held_in_full = 0, sum = 0;
     for (; n < s->n_running; n++) {
         const cv_sequence *r = s->running[n];
@@ -535,8 +535,8 @@ static int64_t reserved_growth(const cv_scheduler *s, const cv_sequence *q, int6
         sum += g;
         if (!ends_within(r, reserve)) held_in_full += g;
     }
-    if (sum <= room) return sum;
-    int64_t peak = held_in_full;
+    if (sum <= room) return 1;
+    if (held_in_full > room) return 0;
     for (int64_t j = 0; j < n; j++) {
         const cv_sequence *e = s->running[j];
         if (!ends_within(e, reserve)) continue;
@@ -548,9 +548,9 @@ static int64_t reserved_growth(const cv_scheduler *s, const cv_sequence *q, int6
             const int64_t h = growth_horizon(r, reserve);
             if (h >= t) at += blocks_grown(s, r, cv_kv_num_blocks(r), t);
         }
-        if (held_in_full + at > peak) peak = held_in_full + at;
+        if (held_in_full + at > room) return 0;
     }
-    return peak;
+    return 1;
 }
 
 /* Static policy, nothing running: the next batch joins the running set
@@ -710,7 +710,7 @@ int cv_scheduler_schedule(cv_scheduler *s, cv_sched_output *out) {
             int64_t total = growth_blocks(s, q, held, reserve);
             if (total < need) total = need;
             const int64_t room = cv_kv_manager_num_free(s->kv) - total - n_free_hits;
-            if (reserved_growth(s, q, reserve, room) > room)
+            if (!running_growth_fits(s, q, reserve, room))
                 break; /* admitting it now would likely preempt: wait for blocks to free */
         }
         if (cv_kv_manager_reserve(s->kv, q, held + need > 0 ? held + need : 1) != CV_OK) {
