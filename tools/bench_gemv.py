@@ -10,7 +10,7 @@ import numpy as np
 from conveyor import _testing
 from conveyor.gguf import _TYPE_LAYOUT, GGMLType
 
-SCALES = {"q8_0": [0], "q5_0": [0], "q4_k": [0, 2], "q6_k": [208], "q3_k": [108], "q2_k": [80, 82]}
+SCALES = {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q4_k": [0, 2], "q6_k": [208], "q3_k": [108], "q2_k": [80, 82]}
 
 
 def main():

@@ -80,6 +80,18 @@ int main(void) {
                 memcpy(w + (size_t)r * row_bytes + (size_t)b * block, &one, 2);
                 if (types[k] == CV_Q4_1) memcpy(w + (size_t)r * row_bytes + (size_t)b * block + 2, &one, 2);
             }
+        for (int tokens = 1; tokens <= t.max_tokens; tokens++) { /* the full tile's bits against one row's */
+            float a[CV_QTILE_MAX_ROWS * CV_QTILE_MAX_TOKENS], b[CV_QTILE_MAX_TOKENS];
+            t.tile[tokens](w, row_bytes, x, NB, NB, a);
+            for (int r = 0; r < t.rows[tokens]; r++) {
+                t.row[tokens](w + (size_t)r * row_bytes, row_bytes, x, NB, NB, b);
+                if (memcmp(a + r * tokens, b, sizeof(float) * (size_t)tokens) != 0) {
+                    printf("%s %d token(s): row %d of the %dx%d tile differs from the 1x%d kernel\n", names[k], tokens, r,
+                           t.rows[tokens], tokens, tokens);
+                    return 1;
+                }
+            }
+        }
         for (int tokens = 1; tokens <= t.max_tokens; tokens++) {
             const shape full = {t.tile[tokens], t.rows[tokens], tokens}, one = {t.row[tokens], 1, tokens};
             printf("%s %d token(s): L1 %dx%d %.2f, 1x%d %.2f | memory %dx%d %.2f, 1x%d %.2f\n", names[k], tokens,

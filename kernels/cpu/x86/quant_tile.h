@@ -23,6 +23,7 @@
  * with dm = -8 dw, exact, so no token needs the sign trick). So a token's outputs are
  * the same bits alone or in any batch (the contract of quant_ukr.h). */
 
+#include <stddef.h>
 #include <string.h>
 
 #ifdef CV_EMULATE_AVX512 /* portable intrinsics (tools/avx512_emulated.sh): no target; they lack _cvtsh_ss */
@@ -61,10 +62,90 @@ QT_INLINE __m256i QT_NAME(nibbles)(const uint8_t *qs) {
     return _mm256_and_si256(_mm256_srlv_epi64(b, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0f));
 }
 
+/* Decode's 4 x 1 tile for the Q4 types (Q4_0, Q4_1 and Q4_F): every scale of
+ * a block in one register and one product. Q4_1 and Q4_F lead each block
+ * with a (d, m) pair: the four rows' pairs make [d0 m0 d1 m1 d2 m2 d3 m3],
+ * and one product with the token's [dx sx dx sx ...] gives the FMA scales
+ * dw * dx in the even lanes (each broadcast by one permute) and the min terms
+ * m * sx in the odd lanes, summed there in place. Q4_0's four d make
+ * [d0 d1 d2 d3], times dx for the FMA scales and, as -8 d, times sx for the
+ * min terms. Each value takes the operations of the general tile below in the
+ * same order, so the bits are the same; the scales take 7-10 vector
+ * operations a block where the general tile takes 24, which is what decode
+ * on AVX2 is bound by (the vector pipes, not the memory). */
+QT_INLINE void QT_NAME(tile_q4_4x1)(cv_dtype type, const void *w, size_t w_stride, const cv_xq_block *x, int64_t nb,
+                                    float *out) {
+    const size_t bb = QT_BLOCK_BYTES(type);
+    const unsigned char *r0 = w, *r1 = r0 + w_stride, *r2 = r1 + w_stride, *r3 = r2 + w_stride;
+    const size_t qoff = type == CV_Q4_0   ? offsetof(cv_block_q4_0, qs)
+                        : type == CV_Q4_1 ? offsetof(cv_block_q4_1, qs)
+                                          : offsetof(cv_block_q4_f, qs);
+    const int pair = type != CV_Q4_0; /* row r's scale in lane 2r (its min in 2r + 1), else lane r */
+    const __m256i lane0 = _mm256_set1_epi32(0), lane1 = _mm256_set1_epi32(pair ? 2 : 1),
+                  lane2 = _mm256_set1_epi32(pair ? 4 : 2), lane3 = _mm256_set1_epi32(pair ? 6 : 3);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, mins = a0;
+    for (int64_t i = 0; i < nb; i++, r0 += bb, r1 += bb, r2 += bb, r3 += bb) {
+        _mm_prefetch((const char *)r0 + QT_PREFETCH_BLOCKS * bb, _MM_HINT_T0);
+        _mm_prefetch((const char *)r1 + QT_PREFETCH_BLOCKS * bb, _MM_HINT_T0);
+        _mm_prefetch((const char *)r2 + QT_PREFETCH_BLOCKS * bb, _MM_HINT_T0);
+        _mm_prefetch((const char *)r3 + QT_PREFETCH_BLOCKS * bb, _MM_HINT_T0);
+        const cv_xq_block *xi = x + i;
+        __m256 sc;
+        if (type == CV_Q4_0) {
+            uint16_t h0, h1, h2, h3;
+            memcpy(&h0, r0, 2);
+            memcpy(&h1, r1, 2);
+            memcpy(&h2, r2, 2);
+            memcpy(&h3, r3, 2);
+            const __m128 d = _mm_cvtph_ps(_mm_setr_epi16((short)h0, (short)h1, (short)h2, (short)h3, 0, 0, 0, 0));
+            sc = _mm256_castps128_ps256(_mm_mul_ps(d, _mm_set1_ps(xi->d)));
+            const __m128 m = _mm_mul_ps(_mm_mul_ps(d, _mm_set1_ps(-8.0f)), _mm_set1_ps(xi->s));
+            mins = _mm256_castps128_ps256(_mm_add_ps(_mm256_castps256_ps128(mins), m));
+        } else {
+            __m256 dm;
+            if (type == CV_Q4_1) {
+                uint32_t h0, h1, h2, h3; /* d and m, adjacent float16 */
+                memcpy(&h0, r0, 4);
+                memcpy(&h1, r1, 4);
+                memcpy(&h2, r2, 4);
+                memcpy(&h3, r3, 4);
+                dm = _mm256_cvtph_ps(_mm_setr_epi32((int)h0, (int)h1, (int)h2, (int)h3));
+            } else {
+                const __m128 p01 = _mm_loadh_pi(_mm_castpd_ps(_mm_load_sd((const double *)(const void *)r0)),
+                                                (const __m64 *)(const void *)r1);
+                const __m128 p23 = _mm_loadh_pi(_mm_castpd_ps(_mm_load_sd((const double *)(const void *)r2)),
+                                                (const __m64 *)(const void *)r3);
+                dm = _mm256_set_m128(p23, p01);
+            } /* the token's d and s are adjacent too: [dx sx dx sx ...] */
+            sc = _mm256_mul_ps(dm, _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(const void *)&xi->d)));
+            mins = _mm256_add_ps(mins, sc);
+        }
+        const __m256i v = _mm256_loadu_si256((const __m256i *)xi->q);
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(QT_DOT(QT_NAME(nibbles)(r0 + qoff), v)),
+                             _mm256_permutevar8x32_ps(sc, lane0), a0);
+        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(QT_DOT(QT_NAME(nibbles)(r1 + qoff), v)),
+                             _mm256_permutevar8x32_ps(sc, lane1), a1);
+        a2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(QT_DOT(QT_NAME(nibbles)(r2 + qoff), v)),
+                             _mm256_permutevar8x32_ps(sc, lane2), a2);
+        a3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(QT_DOT(QT_NAME(nibbles)(r3 + qoff), v)),
+                             _mm256_permutevar8x32_ps(sc, lane3), a3);
+    }
+    float m[8];
+    _mm256_storeu_ps(m, mins);
+    out[0] = QT_NAME(hsum8)(a0) + m[pair ? 1 : 0];
+    out[1] = QT_NAME(hsum8)(a1) + m[pair ? 3 : 1];
+    out[2] = QT_NAME(hsum8)(a2) + m[pair ? 5 : 2];
+    out[3] = QT_NAME(hsum8)(a3) + m[pair ? 7 : 3];
+}
+
 /* R rows (w_stride bytes apart) x T tokens (x_stride blocks apart) of type
  * `type`; out[r * T + t]. R, T and type are constants at every call. */
 QT_INLINE void QT_NAME(tile)(cv_dtype type, int R, int T, const void *w, size_t w_stride, const cv_xq_block *x,
                              int64_t x_stride, int64_t nb, float *out) {
+    if (R == 4 && T == 1 && (type == CV_Q4_0 || type == CV_Q4_1 || type == CV_Q4_F)) {
+        QT_NAME(tile_q4_4x1)(type, w, w_stride, x, nb, out);
+        return;
+    }
     __m256 acc[CV_QTILE_MAX_ROWS][CV_QTILE_MAX_TOKENS];
     __m128 mins[CV_QTILE_MAX_ROWS]; /* Q4: lane t, token t's min terms */
     for (int r = 0; r < R; r++) {
