@@ -292,7 +292,8 @@ def test_generate_ctrl_c_is_one_line(tmp_path, stories_dir):
     out, err = p.communicate(timeout=60)
     if p.returncode == 0:
         pytest.skip("generate finished before the signal")
-    assert p.returncode == 130 and "Traceback" not in err, err
+    # the process ends by SIGINT, as an interrupted command should (a shell shows status 130)
+    assert p.returncode == -signal.SIGINT and "Traceback" not in err, (p.returncode, err)
     assert err.strip().splitlines()[-1] == "conveyor generate: interrupted"
 
 

@@ -107,7 +107,8 @@ def _silence_broken_pipe() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs one subcommand. Errors print `conveyor CMD: error: MESSAGE` and return 1 (2 for
-    usage errors, 130 for Ctrl-C); with --debug the traceback propagates instead."""
+    usage errors); Ctrl-C prints `conveyor CMD: interrupted` and the KeyboardInterrupt goes on
+    without a traceback. With --debug the traceback propagates instead."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get("CONVEYOR_DEBUG", "") not in ("", "0")
     if "--debug" in argv:
@@ -147,23 +148,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if rc is None else int(rc)
     except BrokenPipeError:  # output piped into `head` and the like
         return _silence_broken_pipe()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if debug:
             raise
-        print(f"\n{prog}: interrupted", file=sys.stderr)
-        return 130
+        _say_interrupted(prog, e)
+        raise
     except SystemExit:
         raise  # argparse: it printed "conveyor CMD: error: ..." and exits 2
     except Exception as e:
         if not debug and _caused_by_interrupt(e):  # e.g. NumPy turns one inside its import into ImportError
-            print(f"\n{prog}: interrupted", file=sys.stderr)
-            return 130
+            interrupt = KeyboardInterrupt()
+            _say_interrupted(prog, interrupt)
+            raise interrupt from None
         from ._core import ConveyorError
 
         if debug or not isinstance(e, _USER_ERRORS + (ConveyorError,)):
             raise
         print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
         return 1
+
+
+def _say_interrupted(prog: str, interrupt: KeyboardInterrupt) -> None:
+    """Ctrl-C: one line, and no traceback when this interrupt reaches the top. It is left to
+    propagate because the interpreter then ends the process by SIGINT after its normal
+    shutdown, as a shell expects of an interrupted command (status 130, and a script's loop
+    stops). Returning 130 would not even be reliable: under `python -m` CPython ends by SIGINT
+    anyway once an interrupt has surfaced inside exec'd source (a dataclass's generated
+    __init__, say), caught or not."""
+    print(f"\n{prog}: interrupted", file=sys.stderr)
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        if exc is not interrupt:
+            previous(exc_type, exc, tb)
+
+    sys.excepthook = hook
 
 
 def _caused_by_interrupt(e: BaseException) -> bool:
