@@ -95,36 +95,62 @@ int cv_cpu_backend_threads(const cv_backend *b) {
  * write of the step that first holds it before attention reads it). A
  * caller that wants its buffer resident writes it (forward.c: a step's
  * scratch).
- * Huge pages are advised (fewer TLB misses over a pool of GiBs). A mapping
- * larger than the kernel will ever back (its overcommit rules) fails here.
+ * Huge pages are advised (fewer TLB misses over a pool of GiBs) over all of
+ * such a buffer: it starts on a 2 MiB boundary and spans whole 2 MiB pages,
+ * its header on a small page of its own just below. Advice over only the
+ * aligned interior of an unaligned mapping would leave strips of small pages
+ * at its ends, which fill slowly as steps first reach a buffer's far end: a
+ * rise of resident memory over thousands of requests that a leak check
+ * cannot tell from a leak. A mapping larger than the kernel will ever back
+ * (its overcommit rules) fails here.
  * A header just below the returned pointer says how to free it. */
 #define CPU_MAP_MIN ((size_t)1 << 20)
+#define CPU_HUGE_PAGE ((size_t)2 << 20)
 
 typedef struct cpu_alloc_hdr {
     void *raw;        /* malloc'd block, or NULL for a mapping */
-    size_t map_bytes; /* length of the mapping (raw == NULL) */
+    void *map_base;   /* start of the mapping (raw == NULL) */
+    size_t map_bytes; /* its length */
 } cpu_alloc_hdr;
 #define CPU_HDR_ROOM 64 /* >= sizeof(cpu_alloc_hdr), keeps the pointer 64-byte aligned */
+_Static_assert(sizeof(cpu_alloc_hdr) <= CPU_HDR_ROOM, "the header fits below the pointer");
+
+static size_t page_bytes(void) {
+    const long pg = sysconf(_SC_PAGESIZE);
+    return pg >= CPU_HDR_ROOM && (size_t)pg <= CPU_HUGE_PAGE ? (size_t)pg : 4096;
+}
+
+/* A mapping of whole 2 MiB pages starting on a 2 MiB boundary, with one
+ * small page below it for the header; NULL when the kernel refuses it. */
+static void *map_huge_aligned(size_t bytes) {
+    const size_t head = page_bytes();
+    if (bytes > SIZE_MAX - 3 * CPU_HUGE_PAGE) return NULL;
+    const size_t body = (bytes + CPU_HUGE_PAGE - 1) & ~(CPU_HUGE_PAGE - 1), span = head + body;
+    /* room to slide the body onto a boundary, the rest handed back */
+    char *raw = mmap(NULL, span + CPU_HUGE_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) return NULL;
+    char *p = (char *)(((uintptr_t)raw + head + CPU_HUGE_PAGE - 1) & ~(uintptr_t)(CPU_HUGE_PAGE - 1));
+    char *start = p - head, *end = start + span;
+    if (start > raw) munmap(raw, (size_t)(start - raw));
+    if (raw + span + CPU_HUGE_PAGE > end) munmap(end, (size_t)(raw + span + CPU_HUGE_PAGE - end));
+    cv_cpu_advise_huge(p, body);
+    cpu_alloc_hdr *h = (cpu_alloc_hdr *)(void *)p - 1;
+    h->raw = NULL;
+    h->map_base = start;
+    h->map_bytes = span;
+    return p;
+}
 
 static void *cpu_alloc(cv_backend *b, size_t bytes) {
     (void)b;
     if (bytes > SIZE_MAX - 2 * CPU_HDR_ROOM) return NULL;
-    if (bytes >= CPU_MAP_MIN) {
-        const size_t total = bytes + CPU_HDR_ROOM;
-        void *base = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        if (base == MAP_FAILED) return NULL;
-        cv_cpu_advise_huge(base, total);
-        char *p = (char *)base + CPU_HDR_ROOM;
-        cpu_alloc_hdr *h = (cpu_alloc_hdr *)(void *)p - 1;
-        h->raw = NULL;
-        h->map_bytes = total;
-        return p;
-    }
+    if (bytes >= CPU_MAP_MIN) return map_huge_aligned(bytes);
     char *raw = malloc(bytes + 2 * CPU_HDR_ROOM);
     if (!raw) return NULL;
     uintptr_t aligned = ((uintptr_t)raw + CPU_HDR_ROOM + 63) & ~(uintptr_t)63;
     cpu_alloc_hdr *h = (cpu_alloc_hdr *)aligned - 1;
     h->raw = raw;
+    h->map_base = NULL;
     h->map_bytes = 0;
     memset((void *)aligned, 0, bytes);
     return (void *)aligned;
@@ -138,7 +164,7 @@ static void cpu_free(cv_backend *b, void *p) {
         free(h->raw);
         return;
     }
-    munmap((char *)p - CPU_HDR_ROOM, h->map_bytes);
+    munmap(h->map_base, h->map_bytes);
 }
 
 static void cpu_copy(cv_backend *b, void *dst, const void *src, size_t bytes) {
