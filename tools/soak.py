@@ -283,16 +283,18 @@ def soak_async(model: Path, n: int, *, seed=0, abort_frac=0.3, tight_frac=0.3, c
         tally = asyncio.run(_round_async(engines, make_plans(n, seed, abort_frac, tight_frac, vocab),
                                          concurrency, watchdog))
         elapsed = time.monotonic() - t0
-        st = {name: _wait_idle(e) for name, e in (("normal", normal), ("tight", tight))}
-        settle_memory()
-        mem1 = memory()
+
+        def idle_and_memory():
+            idle = {name: _wait_idle(e) for name, e in (("normal", normal), ("tight", tight))}
+            settle_memory()
+            return idle, memory()
+
+        st, mem1 = idle_and_memory()
 
         def another_round():
             t = asyncio.run(_round_async(engines, make_plans(n, seed + 2, abort_frac, tight_frac, vocab),
                                          concurrency, watchdog))
-            idle = {name: _wait_idle(e) for name, e in (("normal", normal), ("tight", tight))}
-            settle_memory()
-            return t, idle, memory()
+            return (t, *idle_and_memory())
 
         second = _second_round(check_rss, mem0, mem1, another_round, log)
         if second:
@@ -306,9 +308,9 @@ def soak_async(model: Path, n: int, *, seed=0, abort_frac=0.3, tight_frac=0.3, c
 
 def _second_round(check_rss, mem0, mem1, another_round, log) -> Optional[dict]:
     """When the measured round's RSS grew past the limit, one more round of the same size,
-    to be judged instead: a leak grows again, a one-time step does not. Steps happen while
-    the heap settles (a warm-up of N/10 requests can end short of the process's level) and
-    under CPU contention. None when no second round was needed."""
+    to be judged instead: a leak grows again, a one-time step does not. Steps happen under
+    CPU contention and while malloc's per-thread arenas settle. None when no second round
+    was needed."""
     growth = (mem1["rss"] - mem0["rss"]) / mem0["rss"]
     if not check_rss or growth <= RSS_GROWTH_LIMIT:
         return None
@@ -521,14 +523,17 @@ def soak_http(model: Path, n: int, *, seed=0, abort_frac=0.3, tight_frac=0.3, co
         tally = asyncio.run(_round_http(urls, make_plans(n, seed, abort_frac, tight_frac, vocab),
                                         concurrency, watchdog))
         elapsed = time.monotonic() - t0
-        st = {"normal": _http_wait_idle(servers[False]), "tight": _http_wait_idle(servers[True])}
-        mem1 = _servers_memory(servers.values())
+
+        def idle_and_memory():
+            idle = {"normal": _http_wait_idle(servers[False]), "tight": _http_wait_idle(servers[True])}
+            return idle, _servers_memory(servers.values())
+
+        st, mem1 = idle_and_memory()
 
         def another_round():
             t = asyncio.run(_round_http(urls, make_plans(n, seed + 2, abort_frac, tight_frac, vocab),
                                         concurrency, watchdog))
-            idle = {"normal": _http_wait_idle(servers[False]), "tight": _http_wait_idle(servers[True])}
-            return t, idle, _servers_memory(servers.values())
+            return (t, *idle_and_memory())
 
         second = _second_round(check_rss, mem0, mem1, another_round, log)
         if second:
