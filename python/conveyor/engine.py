@@ -653,6 +653,11 @@ class EngineCore:
         except BaseException:
             if not self.closed:  # closed underneath (another thread, or the interpreter's exit): nothing to drain
                 self.abort_requests(requests)
+            elif not threading.main_thread().is_alive():
+                # The interpreter is exiting and closed the engine under this daemon thread:
+                # the thread ends quietly, as the exit ends any daemon thread, instead of
+                # printing a traceback that the shutdown cuts off halfway.
+                raise SystemExit from None
             raise
 
     def abort_requests(self, requests) -> None:
