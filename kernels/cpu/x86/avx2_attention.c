@@ -58,20 +58,46 @@ static CV_ALWAYS_INLINE void scores_blk(float *sc, const float *qt, int64_t hd, 
 #pragma GCC unroll 16
     for (int x = 0; x < NV * NK; x++) a[x] = _mm256_setzero_ps();
     const int64_t hd8 = hd & ~(int64_t)7;
+    /* Sixteen registers: the NV x NK accumulators, then either the NK key
+     * slices and one query or the NV queries and one key, whichever fits (a
+     * spilled accumulator puts a store-to-load round trip into its FMA chain).
+     * Each accumulator sees the same FMAs in the same order either way. */
+    const int keys_held = NV * NK + NK + 1 <= 16;
     for (int64_t d = 0; d < hd8; d += 8) {
-        __m256 kv[4];
+        if (keys_held) {
+            __m256 kv[4];
 #pragma GCC unroll 4
-        for (int k = 0; k < NK; k++) {
-            kv[k] = kv_load8(kp[i0 + k], dt, d);
-            if (NV > 1) CV_KEEP(kv[k]);
+            for (int k = 0; k < NK; k++) {
+                kv[k] = kv_load8(kp[i0 + k], dt, d);
+                if (NV > 1) CV_KEEP(kv[k]);
+            }
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; v++) {
+                __m256 q = _mm256_loadu_ps(qt + v * hd + d);
+                if (NK > 1) CV_KEEP(q);
+#pragma GCC unroll 4
+                for (int k = 0; k < NK; k++) a[v * NK + k] = _mm256_fmadd_ps(q, kv[k], a[v * NK + k]);
+            }
+        } else {
+            __m256 q[4];
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; v++) {
+                q[v] = _mm256_loadu_ps(qt + v * hd + d);
+                CV_KEEP(q[v]);
+            }
+#pragma GCC unroll 4
+            for (int k = 0; k < NK; k++) {
+                const __m256 kk = kv_load8(kp[i0 + k], dt, d);
+#pragma GCC unroll 4
+                for (int v = 0; v < NV; v++) a[v * NK + k] = _mm256_fmadd_ps(q[v], kk, a[v * NK + k]);
+            }
         }
+    }
+    if (NK == 4 && hd8 == hd) { /* a vector's four scores are one register's sums */
 #pragma GCC unroll 4
-        for (int v = 0; v < NV; v++) {
-            __m256 q = _mm256_loadu_ps(qt + v * hd + d);
-            if (NK > 1) CV_KEEP(q);
-#pragma GCC unroll 4
-            for (int k = 0; k < NK; k++) a[v * NK + k] = _mm256_fmadd_ps(q, kv[k], a[v * NK + k]);
-        }
+        for (int v = 0; v < NV; v++)
+            _mm_storeu_ps(sc + v * CV_ATT_KCHUNK + i0, hsum4(a[4 * v], a[4 * v + 1], a[4 * v + 2], a[4 * v + 3]));
+        return;
     }
     float r[16];
     const __m256 z = _mm256_setzero_ps();
@@ -141,18 +167,36 @@ static CV_ALWAYS_INLINE void pv_blk(float *acc, const float *sc, const float *al
         for (int b = 0; b < DB; b++)
             a[v * DB + b] = _mm256_mul_ps(_mm256_loadu_ps(acc + v * hd + d0 + 8 * b), al);
     }
+    /* registers as in scores_blk: the DB value slices and one weight, or the
+     * NV weights and one slice */
+    const int values_held = NV * DB + DB + 1 <= 16;
     for (int i = 0; i < nk; i++) {
-        __m256 vv[4];
+        if (values_held) {
+            __m256 vv[4];
 #pragma GCC unroll 4
-        for (int b = 0; b < DB; b++) {
-            vv[b] = kv_load8(vp[i], dt, d0 + 8 * b);
-            if (NV > 1) CV_KEEP(vv[b]);
-        }
+            for (int b = 0; b < DB; b++) {
+                vv[b] = kv_load8(vp[i], dt, d0 + 8 * b);
+                if (NV > 1) CV_KEEP(vv[b]);
+            }
 #pragma GCC unroll 4
-        for (int v = 0; v < NV; v++) {
-            const __m256 p = _mm256_broadcast_ss(sc + v * CV_ATT_KCHUNK + i);
+            for (int v = 0; v < NV; v++) {
+                const __m256 p = _mm256_broadcast_ss(sc + v * CV_ATT_KCHUNK + i);
 #pragma GCC unroll 4
-            for (int b = 0; b < DB; b++) a[v * DB + b] = _mm256_fmadd_ps(p, vv[b], a[v * DB + b]);
+                for (int b = 0; b < DB; b++) a[v * DB + b] = _mm256_fmadd_ps(p, vv[b], a[v * DB + b]);
+            }
+        } else {
+            __m256 p[4];
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; v++) {
+                p[v] = _mm256_broadcast_ss(sc + v * CV_ATT_KCHUNK + i);
+                CV_KEEP(p[v]);
+            }
+#pragma GCC unroll 4
+            for (int b = 0; b < DB; b++) {
+                const __m256 vb = kv_load8(vp[i], dt, d0 + 8 * b);
+#pragma GCC unroll 4
+                for (int v = 0; v < NV; v++) a[v * DB + b] = _mm256_fmadd_ps(p[v], vb, a[v * DB + b]);
+            }
         }
     }
 #pragma GCC unroll 4
