@@ -4,6 +4,7 @@ or a bounded answer, and /health, polled every 50 ms by a separate process, stay
 under 100 ms at the 99th percentile while they arrive."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -67,9 +68,23 @@ def server(tmp_path_factory):
     s = OwnServer(str(MODEL), ["--api-key", KEY, "--chat-template", str(tmpl)], timeout=120.0)
     c = httpx.Client(base_url=s.url, trust_env=False, timeout=120.0, headers={"Authorization": f"Bearer {KEY}"})
     c.url_ = s.url
+    c.own_server = s
     yield c
     c.close()
     s.stop()
+
+
+@contextlib.contextmanager
+def server_log_on_failure(c):
+    """A failure inside says what the server said: its log's tail (an exception, a
+    sanitizer report) and whether it is still running."""
+    try:
+        yield
+    except Exception as e:
+        s = c.own_server
+        state = "running" if s.proc.poll() is None else f"exited with status {s.proc.returncode}"
+        raise AssertionError(f"{type(e).__name__}: {e}\n--- the server ({state}), its log's last 6000 "
+                             f"characters ---\n{s.read_log()[-6000:]}") from e
 
 
 def completion(c, **body):
@@ -151,12 +166,13 @@ HOSTILE = {
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_hostile_request_answered(server, name):
     send, check = HOSTILE[name]
-    t0 = time.monotonic()
-    r = send(server)
-    took = time.monotonic() - t0
-    check(r)
-    assert took < 10.0, f"{name} took {took:.1f} s"
-    assert server.get("/health").status_code == 200
+    with server_log_on_failure(server):
+        t0 = time.monotonic()
+        r = send(server)
+        took = time.monotonic() - t0
+        check(r)
+        assert took < 10.0, f"{name} took {took:.1f} s"
+        assert server.get("/health").status_code == 200
 
 
 def test_errors_are_counted(server):
@@ -268,7 +284,7 @@ def test_health_under_hostile_mix_with_cpu_burners(server):
                                     stdout=subprocess.PIPE, text=True)
                    for h, p in ((host, port), ("127.0.0.1", control_port))]
         time.sleep(0.5)
-        with ThreadPoolExecutor(6) as ex:
+        with ThreadPoolExecutor(6) as ex, server_log_on_failure(server):
             futs = [ex.submit(HOSTILE[name][0], server) for _ in range(3) for name in HOSTILE]
             for f in futs:
                 assert f.result().status_code in (200, 400, 413)
