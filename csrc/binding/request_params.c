@@ -117,6 +117,8 @@ static int get_seed(PyObject *obj, int *has, uint64_t *out) {
     return 0;
 }
 
+static int as_token_id(PyObject *t, const char *field, int32_t *out);
+
 static int get_stop_ids(PyObject *obj, cv_py_request *r) {
     PyObject *v = get_attr(obj, "stop_token_ids");
     if (!v) return -1;
@@ -135,13 +137,7 @@ static int get_stop_ids(PyObject *obj, cv_py_request *r) {
             field_error(PyExc_TypeError, "stop_token_ids", "stop_token_ids must contain only int");
             goto done;
         }
-        int overflow = 0;
-        long long x = PyLong_AsLongLongAndOverflow(t, &overflow);
-        if (x == -1 && PyErr_Occurred()) goto done;
-        /* beyond int32: clamp so the C check names a value outside the vocabulary */
-        if (overflow > 0 || x > INT32_MAX) x = INT32_MAX;
-        if (overflow < 0 || x < INT32_MIN) x = INT32_MIN;
-        r->stop_ids[i] = (int32_t)x;
+        if (as_token_id(t, "stop_token_ids", &r->stop_ids[i]) < 0) goto done;
     }
     r->p.n_stop_token_ids = (int)n;
     r->p.stop_token_ids = r->stop_ids;
@@ -192,8 +188,8 @@ done:
 
 /* ---- logit controls ------------------------------------------------------ */
 
-/* A Python int as int32, clamped so that the C check names an out-of-range
- * value rather than a wrapped one. */
+/* A Python int as int32. One beyond int32 is outside every vocabulary: it is
+ * refused here, named as given (the C check sees only int32 values). */
 static int as_token_id(PyObject *t, const char *field, int32_t *out) {
     if (!PyLong_Check(t) || PyBool_Check(t)) {
         char msg[96];
@@ -203,8 +199,16 @@ static int as_token_id(PyObject *t, const char *field, int32_t *out) {
     int overflow = 0;
     long long x = PyLong_AsLongLongAndOverflow(t, &overflow);
     if (x == -1 && PyErr_Occurred()) return -1;
-    if (overflow > 0 || x > INT32_MAX) x = INT32_MAX;
-    if (overflow < 0 || x < INT32_MIN) x = INT32_MIN;
+    if (overflow || x > INT32_MAX || x < INT32_MIN) {
+        PyObject *s = PyObject_Str(t);
+        const char *txt = s ? PyUnicode_AsUTF8(s) : NULL;
+        if (!txt) PyErr_Clear();
+        char msg[160];
+        snprintf(msg, sizeof msg, "%s contains %.40s%s, outside the vocabulary", field, txt ? txt : "an id",
+                 txt && strlen(txt) > 40 ? "..." : "");
+        Py_XDECREF(s);
+        return field_error(PyExc_ValueError, field, msg);
+    }
     *out = (int32_t)x;
     return 0;
 }

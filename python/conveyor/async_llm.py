@@ -16,6 +16,8 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Optional
 
+import numpy as np
+
 from .engine import NO_TOKEN_ERROR, EngineArgs, EngineCore, EngineFrontend, check_priority, check_timeout
 from .models import resolve_model
 from .outputs import RequestOutput
@@ -245,7 +247,7 @@ class AsyncLLM(EngineFrontend):
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         if isinstance(prompt, (list, tuple)) and prompt and not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
             raise TypeError("AsyncLLM.generate takes one prompt: a str, token ids or a NumPy array")
         check_priority(priority)
         check_timeout(timeout)

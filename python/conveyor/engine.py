@@ -280,10 +280,52 @@ class _SeqState:
         return text
 
 
+class _StepTurns:
+    """Threads stepping one engine take turns. A thread waiting for its turn
+    wakes after every step and gives up its wait once its own requests have
+    ended in another thread's step: it never waits out a thread that steps on
+    for longer requests."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._busy = False
+
+    def take(self, unfinished=None) -> bool:
+        """Waits for the turn; False (no turn taken) once `unfinished` is empty."""
+        with self._cond:
+            while True:
+                if unfinished is not None and not unfinished:
+                    return False
+                if not self._busy:
+                    self._busy = True
+                    return True
+                self._cond.wait()
+
+    def give(self) -> None:
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
+
+
+class _Unfinished:
+    """Whether any of a list of requests is still running; each request is
+    looked at until it has finished, so a whole run costs linear time."""
+    __slots__ = ("_reqs", "_i")
+
+    def __init__(self, requests):
+        self._reqs = list(requests)
+        self._i = 0
+
+    def __bool__(self) -> bool:
+        while self._i < len(self._reqs) and self._reqs[self._i].finished:
+            self._i += 1
+        return self._i < len(self._reqs)
+
+
 class _Request:
     __slots__ = ("request_id", "internal_id", "prompt", "prompt_token_ids", "params", "seqs",
                  "finished", "metrics", "consumer", "matchers", "prompt_logprobs", "sent_prompt_lp",
-                 "guided_error", "lora", "waiting")
+                 "guided_error", "lora", "waiting", "stops")
 
     def __init__(self, request_id, internal_id, prompt, prompt_ids, params, arrival):
         self.request_id = request_id
@@ -291,6 +333,7 @@ class _Request:
         self.prompt = prompt
         self.prompt_token_ids = prompt_ids
         self.params = params
+        self.stops = params.stop_strings  # as the C engine took them: a stop's index names one
         # best_of > n: every candidate runs; build_output keeps the n best
         n_run = max(params.n, params.best_of or 0)
         self.seqs = [_SeqState(params.logprobs is not None, n_run > params.n) for _ in range(n_run)]
@@ -363,6 +406,10 @@ class EngineCore:
         # bad words: each distinct word tokenized once, a request's new ones in one call
         self._word_encoder = CachedEncoder(self.tokenizer) if self.tokenizer is not None else None
         self._deferred_masks: list = []  # synchronous stepping: masks the next step computes
+        # Synchronous stepping from several threads: one step (with its events and
+        # masks) at a time, so the masks a step leaves are the next step's.
+        self._turns = _StepTurns()
+        self._token_texts: dict[int, str] = {}  # Logprob.decoded_token, by token id
         self._mask_worker = None  # a thread that computes them while that step runs
         self._lora = None
         if args.enable_lora:
@@ -439,11 +486,18 @@ class EngineCore:
         context, KV cache, every sampling range), queueing nothing."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        self._check_stops(params)
         engine_params = self.prepare_params(params)
         with self._lock:  # close() waits: the C engine is not freed under the check
             if self.closed:
                 raise _core.EngineClosedError("the engine is closed")
             self._engine.check_request(prompt_ids, engine_params)
+
+    def _check_stops(self, params: SamplingParams) -> None:
+        if self.tokenizer is None and params.stop_strings:
+            # the engine matches stop strings in the tokens' bytes, which come with the tokenizer
+            raise field_error(ValueError, "stop", "stop strings need a tokenizer (skip_tokenizer_init=True "
+                              "was given); stop_token_ids work without one")
 
     def prepare_params(self, params: SamplingParams) -> SamplingParams:
         """The params as the C engine reads them: bad_words tokenized with this engine's
@@ -466,6 +520,7 @@ class EngineCore:
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         check_priority(priority)
         timeout_s = check_timeout(timeout)
+        self._check_stops(params)
         if guided is None:
             guided = self.prepare_guided(params)  # seconds for a hard grammar: not under the lock
         # prepared already by a server or AsyncLLM.generate; only direct callers pay here,
@@ -623,7 +678,16 @@ class EngineCore:
     def step(self) -> list[_Request]:
         """Runs one engine step (GIL released) and applies its outputs; returns
         the requests that changed. The C engine refuses it (EngineClosedError,
-        a RuntimeError) while the background loop runs."""
+        a RuntimeError) while the background loop runs. Threads that step one
+        engine take turns: a step's events are applied, and the guided masks it
+        leaves are posted, before the next step starts."""
+        self._turns.take()
+        try:
+            return self._step_in_turn()
+        finally:
+            self._turns.give()
+
+    def _step_in_turn(self) -> list[_Request]:
         pending, self._deferred_masks = self._deferred_masks, []
         if not pending:
             self._engine.step()
@@ -642,12 +706,20 @@ class EngineCore:
         return self.process_events(defer_masks=True)
 
     def run(self, requests, on_step=None) -> None:
-        """Steps until no request is left; on_step(changed requests) runs after
-        each step. Interrupted by any exception (KeyboardInterrupt too), it
-        aborts what is left of `requests` and drains, so the engine stays usable."""
+        """Steps until every one of `requests` has finished (other threads'
+        requests on this engine advance meanwhile, and go on after it returns);
+        on_step(changed requests) runs after each step this thread takes.
+        Interrupted by any exception (KeyboardInterrupt too), it aborts what is
+        left of `requests` and steps until they end, so the engine stays usable."""
         try:
-            while self.has_unfinished():
-                changed = self.step()
+            unfinished = _Unfinished(requests)
+            while unfinished:
+                if not self._turns.take(unfinished):  # another thread's steps ended them
+                    break
+                try:
+                    changed = self._step_in_turn()
+                finally:
+                    self._turns.give()
                 if on_step is not None:
                     on_step(changed)
         except BaseException:
@@ -661,13 +733,17 @@ class EngineCore:
             raise
 
     def abort_requests(self, requests) -> None:
-        """Aborts every unfinished request of `requests`, then steps until the
-        engine is idle (synchronous use only)."""
+        """Aborts every unfinished request of `requests`, then steps until they
+        have ended (synchronous use only)."""
         for r in requests:
             if not r.finished:
                 self.abort(r.request_id)
-        while self.has_unfinished():
-            self.step()
+        unfinished = _Unfinished(requests)
+        while unfinished and self._turns.take(unfinished):
+            try:
+                self._step_in_turn()
+            finally:
+                self._turns.give()
 
     def start_background(self, wake_fd: int) -> None:
         """Hands stepping to the C engine's own thread: after each step with
@@ -691,10 +767,10 @@ class EngineCore:
         on_event(req), if given, runs after each event (streaming snapshots).
         Guided completions' next masks are computed here, or, with defer_masks
         (synchronous stepping), by the next step() while its forward pass runs."""
-        events = self._engine.take_outputs()
         changed: dict[int, _Request] = {}
         guided = []
-        with self._lock:
+        with self._lock:  # events taken and applied in one turn: a request's tokens stay in order
+            events = self._engine.take_outputs()
             for ev in events:  # _core.EngineEvent records
                 iid = ev.request_id
                 req = self._requests.get(iid)
@@ -728,7 +804,7 @@ class EngineCore:
                     if ev.stop_kind == _core.STOP_TOKEN:
                         st.stop_reason = ev.stop_value
                     elif ev.stop_kind == _core.STOP_STRING:
-                        st.stop_reason = req.params.stop_strings[ev.stop_value]
+                        st.stop_reason = req.stops[ev.stop_value]
                 m = ev.metrics
                 if m is not None:
                     rm = req.metrics
@@ -757,16 +833,28 @@ class EngineCore:
             self._advance_guided(guided)
         return list(changed.values())
 
-    @staticmethod
-    def _logprob_entry(token: int, logprob: float, top) -> dict:
+    def _logprob_entry(self, token: int, logprob: float, top) -> dict:
         """{token: Logprob} for the chosen token, then the top alternatives with their ranks."""
-        entry = {token: Logprob(logprob)}
+        text = self._token_text
+        entry = {token: Logprob(logprob, decoded_token=text(token))}
         for rank, (tid, lp) in enumerate(top or (), start=1):
             if tid == token:
                 entry[token].rank = rank
             else:
-                entry[tid] = Logprob(lp, rank)
+                entry[tid] = Logprob(lp, rank, text(tid))
         return entry
+
+    def _token_text(self, tid: int) -> Optional[str]:
+        """A token's own text (its bytes as UTF-8, a partial character replaced), or None
+        without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        t = self._token_texts.get(tid)
+        if t is None:
+            t = self.tokenizer.token_bytes(tid).decode("utf-8", errors="replace")
+            if len(self._token_texts) < 1_000_000:
+                self._token_texts[tid] = t
+        return t
 
     @staticmethod
     def build_output(req: _Request, delta: bool = False) -> RequestOutput:

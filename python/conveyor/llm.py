@@ -95,6 +95,8 @@ class LLM(EngineFrontend):
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
         if priority is not None:
+            if not isinstance(priority, (list, tuple)) and not hasattr(priority, "__array__"):
+                raise TypeError(f"priority must be a list of ints, one per prompt, got {type(priority).__name__}")
             if len(priority) != len(items):
                 raise ValueError(f"got {len(priority)} priorities for {len(items)} prompts")
             for p in priority:
@@ -142,16 +144,21 @@ class LLM(EngineFrontend):
             return
         tqdm = _progress_bar_class()
 
-        t0 = time.perf_counter()
+        t0, tokens0 = time.perf_counter(), core.stats()["generation_tokens"]  # the engine's count runs on across calls
         with tqdm(total=len(reqs), desc="Processed prompts", unit="req", dynamic_ncols=True) as bar:
+            def show_done():  # this call's requests only: other threads may share the engine
+                done = sum(1 for r in reqs if r.finished)
+                if done > bar.n:
+                    bar.update(done - bar.n)
+
             def on_step(changed):
-                done = sum(1 for r in changed if r.finished)
                 el = max(time.perf_counter() - t0, 1e-9)
-                bar.set_postfix_str(f"{core.stats()['generation_tokens'] / el:.1f} tok/s", refresh=False)
-                if done:
-                    bar.update(done)
+                bar.set_postfix_str(f"{(core.stats()['generation_tokens'] - tokens0) / el:.1f} tok/s", refresh=False)
+                if any(r.finished for r in changed):
+                    show_done()
 
             core.run(reqs, on_step)
+            show_done()  # the last ones may have ended in another thread's step
 
     def chat(self, messages, sampling_params: Optional[SamplingParams] = None, *,
              use_tqdm: bool = True, add_generation_prompt: bool = True,

@@ -36,6 +36,19 @@ def _check_number(name, value):
         raise field_error(TypeError, name, f"SamplingParams.{name} must be a number, got {type(value).__name__}")
 
 
+def _stop_list(stop) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if not isinstance(stop, (list, tuple)):
+        raise field_error(TypeError, "stop", "SamplingParams.stop must be a str or a list of str")
+    for s in stop:
+        if not isinstance(s, str):
+            raise field_error(TypeError, "stop", "SamplingParams.stop must contain only str")
+    return list(stop)
+
+
 @dataclass
 class SamplingParams:
     """Sampling and stopping for one request; validated when built.
@@ -74,7 +87,6 @@ class SamplingParams:
     best_of: Optional[int] = None
     _bad_words_token_ids: Optional[list[list[int]]] = field(default=None, init=False, repr=False,
                                                             compare=False)
-    _stop_list: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         # Types here; every range is the C engine's (conveyor._core.check_sampling_params).
@@ -93,18 +105,7 @@ class SamplingParams:
         if self.output_kind not in _OUTPUT_KINDS:
             raise field_error(ValueError, "output_kind", f"SamplingParams.output_kind must be one of "
                               f"{_OUTPUT_KINDS}, got {self.output_kind!r}")
-        if self.stop is None:
-            stops = []
-        elif isinstance(self.stop, str):
-            stops = [self.stop]
-        elif isinstance(self.stop, (list, tuple)):
-            stops = list(self.stop)
-        else:
-            raise field_error(TypeError, "stop", "SamplingParams.stop must be a str or a list of str")
-        for s in stops:
-            if not isinstance(s, str):
-                raise field_error(TypeError, "stop", "SamplingParams.stop must contain only str")
-        self._stop_list = stops
+        _stop_list(self.stop)
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, (list, tuple)):
                 raise field_error(TypeError, "stop_token_ids", "SamplingParams.stop_token_ids must be a list of int")
@@ -173,7 +174,9 @@ class SamplingParams:
 
     @property
     def stop_strings(self) -> list[str]:
-        return list(self._stop_list)
+        """`stop` as a list, read when a request starts (a change after
+        construction counts, and is checked again)."""
+        return _stop_list(self.stop)
 
     def clone(self, **changes) -> "SamplingParams":
         values = {k: getattr(self, k) for k in self.__dataclass_fields__ if not k.startswith("_")}

@@ -526,9 +526,11 @@ class Validator:
     check (check_request) decides whether each prompt fits."""
 
     def __init__(self, tokenizer, max_model_len: int, check_request, encode_prompt=None, prepare_params=None,
-                 check_prompt_size=None, budget_bytes: int = REQUEST_BUDGET_BYTES):
+                 check_prompt_size=None, budget_bytes: int = REQUEST_BUDGET_BYTES, request_room=None):
         self.tok = tokenizer
         self.max_model_len = max_model_len
+        # tokens one sequence can hold (prompt and output): the context, or the KV cache if smaller
+        self.request_room = max_model_len if request_room is None else min(max_model_len, request_room)
         self.check_request = check_request
         # the engine's tokenizing, with its byte-length bound first (EngineCore.encode_prompt)
         self.encode_prompt = encode_prompt
@@ -674,8 +676,8 @@ class Validator:
         f = Fields(body)
         model = f.str("model")
         n = f.int("n", 1, lo=1, hi=MAX_N)
-        mt = f.int("max_completion_tokens", None)
-        max_tokens = f.int("max_tokens", mt)
+        mt = f.int("max_completion_tokens", None)  # the newer name: it wins when both are sent
+        max_tokens = f.int("max_tokens", None) if mt is None else mt
         want_lp = f.bool("logprobs", False)
         top = f.int("top_logprobs", None)
         if top is not None and not want_lp:
@@ -687,13 +689,15 @@ class Validator:
         tool = None if auto is not None else tool
 
         text, ids = self.render_chat(body, auto_tools=auto)
-        if max_tokens is None:  # the rest of the context, capped
-            max_tokens = max(1, min(self.max_model_len - len(ids), DEFAULT_CHAT_MAX_TOKENS_CAP))
+        if max_tokens is None:  # the rest of what one sequence can hold, capped
+            max_tokens = max(1, min(self.request_room - len(ids), DEFAULT_CHAT_MAX_TOKENS_CAP))
         sampling = _common_sampling(f, max_tokens, logprobs, n)
         if auto is not None and body.get("skip_special_tokens") is None:
             sampling["skip_special_tokens"] = False  # call markers may be special tokens ([TOOL_CALLS])
         kw, renames = _with_guided(sampling, f, tool)
         renames["logprobs"] = "top_logprobs"
+        if mt is not None:
+            renames["max_tokens"] = "max_completion_tokens"
         params = self._engine_params(kw, renames)
         prompts = [Prompt(text, ids)]
         self._check(params, prompts, ["messages"], renames)
