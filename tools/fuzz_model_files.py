@@ -82,6 +82,15 @@ def mutate_json(text: str, rnd: random.Random) -> str:
     except ValueError:
         return bytes(mutate_bytes(bytearray(text.encode()), rnd)).decode("utf-8", "replace")
 
+    # Growing edits compound (a list repeated inside a list repeated...), and a document
+    # grown past the driver's memory limit fails the driver, not the target: at most
+    # two of them a document.
+    grow = [2]
+
+    def may_grow() -> bool:
+        grow[0] -= 1
+        return grow[0] >= 0
+
     def walk(v, depth=0):
         r = rnd.random()
         if isinstance(v, bool) or v is None:
@@ -90,16 +99,16 @@ def mutate_json(text: str, rnd: random.Random) -> str:
             return rnd.choice([0, -1, 1, 2**31, 2**32 + 5, 10**12, 4_000_000_000, -2**40, 1e308, 0.5]) \
                 if r < 0.15 else v
         if isinstance(v, str):
-            if r < 0.05:
+            if r < 0.05 and may_grow():
                 return v * rnd.randint(2, 2000)
             if r < 0.08:
                 return rnd.choice(["", "\u2581", "<0xFF>", "a b", "{{ x }}", "\ud800"[:0] + "\u00ff"])
             return v
         if isinstance(v, list):
             out = [walk(x, depth + 1) for x in v]
-            if r < 0.05 and out:
+            if r < 0.05 and out and may_grow():
                 out = out * rnd.randint(2, 50)
-            elif r < 0.08:
+            elif 0.05 <= r < 0.08 and may_grow():
                 out = [out] * 3
             return out
         if isinstance(v, dict):
