@@ -139,3 +139,41 @@ def test_logprobs_carry_each_tokens_text(llm):
         for t, lp in entry.items():
             assert lp.decoded_token == tok.token_bytes(t).decode("utf-8", errors="replace")
     assert "".join(e[t].decoded_token for t, e in zip(o.token_ids, o.logprobs)) == o.text
+
+
+def test_numpy_scalars_are_taken_as_numbers(llm):
+    np = pytest.importorskip("numpy")
+    sp = SamplingParams(max_tokens=np.int64(4), temperature=np.float32(0.0), top_k=np.int32(3),
+                        stop_token_ids=[np.int64(2)], logit_bias={np.int64(5): np.float32(0.5)})
+    assert type(sp.max_tokens) is int and type(sp.temperature) is float
+    assert sp.stop_token_ids == [2] and sp.logit_bias == {5: 0.5}
+    plain = SamplingParams(max_tokens=4, temperature=0.0, top_k=3, stop_token_ids=[2], logit_bias={5: 0.5})
+    got = llm.generate(["Once upon a time"] * 2, [sp, plain], use_tqdm=False)
+    assert got[0].outputs[0].token_ids == got[1].outputs[0].token_ids
+
+
+def test_best_of_zero_is_refused():
+    with pytest.raises(ValueError) as e:
+        SamplingParams(best_of=0)
+    assert e.value.field == "best_of"
+
+
+def test_no_token_left_names_the_constraint_the_request_set():
+    pytest.importorskip("llguidance")
+    import asyncio
+
+    from conveyor import AsyncLLM, GuidedDecodingParams
+
+    async def run():
+        eng = AsyncLLM("stories260K", num_threads=1)
+        try:
+            # the grammar allows one token, then only the end; min_tokens forbids the end
+            sp = SamplingParams(max_tokens=4, min_tokens=3, guided_decoding=GuidedDecodingParams(choice=["y"]))
+            with pytest.raises(ValueError) as e:
+                async for _ in eng.generate("Q:", sp):
+                    pass
+            return e.value.field
+        finally:
+            eng.close()
+
+    assert asyncio.run(run()) == "min_tokens"

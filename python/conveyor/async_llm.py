@@ -105,14 +105,25 @@ def _shutdown(core: EngineCore, rfd: int, wfd: int, stopping: threading.Event, t
             pass
 
 
-def _raise_guided_error(out: RequestOutput) -> None:
+def _raise_guided_error(out: RequestOutput, params) -> None:
     """A grammar the grammar engine gave up on midway is the request's error, not a
     silent "abort": ValueError with .field "guided_decoding"; so is a completion whose
-    constraints left no token (finish_reason "error"; .field "allowed_token_ids")."""
+    constraints left no token (finish_reason "error"; .field: the first constraint the
+    request set of allowed_token_ids, bad_words, min_tokens, the grammar)."""
     if out.guided_error:
         e = ValueError(out.guided_error)
-        e.field = "allowed_token_ids" if out.guided_error.startswith(NO_TOKEN_ERROR) else "guided_decoding"
+        e.field = _no_token_field(params) if out.guided_error.startswith(NO_TOKEN_ERROR) else "guided_decoding"
         raise e
+
+
+def _no_token_field(params) -> str:
+    if params is None or params.allowed_token_ids is not None:
+        return "allowed_token_ids"
+    if params.bad_words:
+        return "bad_words"
+    if params.min_tokens:
+        return "min_tokens"
+    return "guided_decoding"
 
 
 class _Refused:
@@ -156,7 +167,7 @@ class RequestStream:
             self._done = True
             if isinstance(out, _Refused):
                 raise out.error if out.error is not None else StopAsyncIteration
-            _raise_guided_error(out)
+            _raise_guided_error(out, self._params())
         return out
 
     async def next_batch(self) -> list:
@@ -175,8 +186,11 @@ class RequestStream:
             outs.append(q.get_nowait())
         self._done = outs[-1].finished
         if self._done:
-            _raise_guided_error(outs[-1])
+            _raise_guided_error(outs[-1], self._params())
         return outs
+
+    def _params(self):
+        return self._req.params if self._req is not None else None
 
     def close(self):
         """Aborts the request unless it finished; frees its KV blocks. Safe to call twice."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+import numpy as np
+
 from . import _core
 from .guided import GuidedDecodingParams  # noqa: F401  (vLLM's import path)
 
@@ -18,6 +20,10 @@ def field_error(exc_type: type, field_name: str, message: str) -> Exception:
     e = exc_type(message)
     e.field = field_name
     return e
+
+
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "best_of")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 def _is_int(x) -> bool:
@@ -89,6 +95,7 @@ class SamplingParams:
                                                             compare=False)
 
     def __post_init__(self):
+        self._plain_numbers()
         # Types here; every range is the C engine's (conveyor._core.check_sampling_params).
         _check_int("n", self.n)
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -123,10 +130,34 @@ class SamplingParams:
         except (TypeError, ValueError) as e:
             raise field_error(type(e), getattr(e, "field", None), f"SamplingParams.{e}") from None
 
+    def _plain_numbers(self):
+        """NumPy scalars (an int64 from an array, a float32) as the Python numbers they
+        hold, and NumPy ints in the token-id lists, so that every later check and the
+        engine see plain ints and floats."""
+        for name in _INT_FIELDS:
+            v = getattr(self, name)
+            if isinstance(v, np.integer):
+                setattr(self, name, int(v))
+        for name in _FLOAT_FIELDS:
+            v = getattr(self, name)
+            if isinstance(v, (np.floating, np.integer)):
+                setattr(self, name, float(v))
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            v = getattr(self, name)
+            if isinstance(v, (list, tuple)) and any(isinstance(t, np.integer) for t in v):
+                setattr(self, name, [int(t) if isinstance(t, np.integer) else t for t in v])
+        if isinstance(self.logit_bias, dict) and any(isinstance(k, np.integer) or isinstance(b, np.floating)
+                                                     for k, b in self.logit_bias.items()):
+            self.logit_bias = {int(k) if isinstance(k, np.integer) else k: float(b) if isinstance(b, np.floating) else b
+                               for k, b in self.logit_bias.items()}
+
     def _check_logit_controls(self):
         """Types only; the ranges are the C engine's."""
         _check_int("prompt_logprobs", self.prompt_logprobs, allow_none=True)
         _check_int("best_of", self.best_of, allow_none=True)
+        if self.best_of is not None and self.best_of < 1:  # the engine reads 0 as unset
+            raise field_error(ValueError, "best_of", f"SamplingParams.best_of must be in [n, 1024] or None, "
+                              f"got {self.best_of}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise field_error(TypeError, "logit_bias", "SamplingParams.logit_bias must be a dict "
