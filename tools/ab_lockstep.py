@@ -9,7 +9,8 @@ first, for ROUNDS pairs. It prints every pair's ratio B / A and their median.
   python tools/ab_lockstep.py JOB ROUNDS A B
     A, B: PYTHONPATH[:quantization][,VAR=VALUE...], e.g. /tmp/cv_build_old/lib and
           /tmp/cv_build_new/lib, or one build twice: DIR and DIR:q8_0, or DIR and
-          DIR,CONVEYOR_WEIGHT_ARENA=0 (environment variables of that side only)
+          DIR,CONVEYOR_WEIGHT_ARENA=0 (environment variables of that side only;
+          AB_KV_CACHE_DTYPE=int8 sets that side's kv_cache_dtype)
     JOB:  b64      64 sequences, 16-token prompts, 64 tokens out (roofline's 64 running)
           b2, b4, b8, b16  2 to 16 sequences, 128-token prompts, 64 tokens out (small decode batches)
           prefill  4 prompts x 512 tokens, one token out (roofline's prefill)
@@ -40,6 +41,8 @@ def child(job: str, model: str, quant: str, threads: int) -> None:
     rng = np.random.default_rng(0)
     # a pool for all 128 sequences on both sides (a build without the field sizes it so)
     pool = {"kv_cache_sequences": 128} if "kv_cache_sequences" in EngineArgs.__dataclass_fields__ else {}
+    if os.environ.get("AB_KV_CACHE_DTYPE"):  # one side's KV cache dtype (a setting, not a build)
+        pool["kv_cache_dtype"] = os.environ["AB_KV_CACHE_DTYPE"]
     llm = LLM(model or str(default_model()), num_threads=threads, max_num_seqs=128,
               enable_prefix_caching=False, quantization=quant or None, **pool)
     vocab = llm.model_config["vocab_size"]
