@@ -146,19 +146,19 @@ class LLM(EngineFrontend):
 
         t0, tokens0 = time.perf_counter(), core.stats()["generation_tokens"]  # the engine's count runs on across calls
         with tqdm(total=len(reqs), desc="Processed prompts", unit="req", dynamic_ncols=True) as bar:
-            def show_done():  # this call's requests only: other threads may share the engine
-                done = sum(1 for r in reqs if r.finished)
-                if done > bar.n:
-                    bar.update(done - bar.n)
+            own = {id(r) for r in reqs}  # this call's requests only: other threads may share the engine
+            counted: set = set()
 
             def on_step(changed):
                 el = max(time.perf_counter() - t0, 1e-9)
                 bar.set_postfix_str(f"{(core.stats()['generation_tokens'] - tokens0) / el:.1f} tok/s", refresh=False)
-                if any(r.finished for r in changed):
-                    show_done()
+                done = [id(r) for r in changed if r.finished and id(r) in own and id(r) not in counted]
+                if done:
+                    counted.update(done)
+                    bar.update(len(done))
 
             core.run(reqs, on_step)
-            show_done()  # the last ones may have ended in another thread's step
+            bar.update(len(reqs) - bar.n)  # the last ones may have ended in another thread's step
 
     def chat(self, messages, sampling_params: Optional[SamplingParams] = None, *,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
