@@ -12,6 +12,7 @@ def small():
         st = llm.stats()
         room = (st["num_blocks"] - 1) * st["block_size"]
         assert room < st["max_model_len"]  # the cache, not the context, bounds a request here
+        assert st["request_room"] == room
         yield llm, room
 
 

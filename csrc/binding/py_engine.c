@@ -645,6 +645,7 @@ static PyObject *Engine_stats(EngineObject *self, PyObject *Py_UNUSED(ignored)) 
         cv_py_put(d, "num_blocks", PyLong_FromLongLong(st.num_blocks)) < 0 ||
         cv_py_put(d, "block_size", PyLong_FromLongLong(st.block_size)) < 0 ||
         cv_py_put(d, "max_model_len", PyLong_FromLongLong(st.max_model_len)) < 0 ||
+        cv_py_put(d, "request_room", PyLong_FromLongLong(st.request_room)) < 0 ||
         cv_py_put(d, "max_num_seqs", PyLong_FromLongLong(st.max_num_seqs)) < 0 ||
         cv_py_put(d, "max_num_batched_tokens", PyLong_FromLongLong(st.max_num_batched_tokens)) < 0 ||
         cv_py_put(d, "kv_cache_bytes", PyLong_FromSize_t(st.kv_cache_bytes)) < 0 ||

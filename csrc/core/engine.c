@@ -68,6 +68,7 @@ static void first_stats(cv_engine *e) {
     e->stats_live.num_blocks = e->worker.kv.num_blocks;
     e->stats_live.block_size = e->block_size;
     e->stats_live.max_model_len = e->max_model_len;
+    e->stats_live.request_room = cv_engine_request_room(e);
     e->stats_live.max_num_seqs = e->max_num_seqs;
     e->stats_live.max_num_batched_tokens = e->max_tokens_step;
     e->stats_live.kv_cache_bytes = e->worker.kv.bytes;

@@ -80,6 +80,7 @@ typedef struct cv_event {
 typedef struct cv_engine_stats {
     cv_sched_stats sched;
     int64_t num_blocks, block_size, max_model_len, max_num_seqs, max_num_batched_tokens;
+    int64_t request_room;            /* cv_engine_request_room */
     size_t kv_cache_bytes;
     int64_t prompt_tokens_computed;  /* prompt tokens run through the model */
     int64_t generation_tokens;       /* tokens sampled */
@@ -114,6 +115,10 @@ int cv_request_params_check(const cv_request_params *p, cv_err *err);
 /* Every check cv_engine_add_request makes, without queueing: the params, then
  * the prompt against the vocabulary, the context (max_model_len) and the KV
  * cache, and stop_token_ids against the vocabulary. Any thread. */
+/* Tokens one sequence can hold, prompt and output: the context, or the whole
+ * KV cache if smaller (one block stays free for the scheduler). */
+int64_t cv_engine_request_room(const cv_engine *e);
+
 int cv_engine_check_request(cv_engine *e, const int32_t *prompt, int64_t n_prompt,
                             const cv_request_params *p, cv_err *err);
 

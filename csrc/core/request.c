@@ -89,16 +89,14 @@ int cv_request_params_check(const cv_request_params *p, cv_err *err) {
     return CV_OK;
 }
 
-/* Tokens one sequence can hold: the context, or the whole KV cache if smaller
- * (one block stays free for the scheduler). */
-static int64_t request_room(const cv_engine *e) {
+int64_t cv_engine_request_room(const cv_engine *e) {
     const int64_t cache = (int64_t)(e->worker.kv.num_blocks - 1) * e->block_size;
     return cache < e->max_model_len ? cache : e->max_model_len;
 }
 
 /* max_tokens, or for "the rest" what the context and the cache leave. */
 static int64_t resolved_max_tokens(const cv_engine *e, int64_t n_prompt, const cv_request_params *p) {
-    return p->max_tokens == CV_MAX_TOKENS_REST ? request_room(e) - n_prompt : p->max_tokens;
+    return p->max_tokens == CV_MAX_TOKENS_REST ? cv_engine_request_room(e) - n_prompt : p->max_tokens;
 }
 
 int cv_engine_check_request(cv_engine *e, const int32_t *prompt, int64_t n_prompt,
@@ -116,11 +114,11 @@ int cv_engine_check_request(cv_engine *e, const int32_t *prompt, int64_t n_promp
         return cv_set_field_err(err, CV_ERR_INVALID, "prompt",
                                 "the prompt has %lld tokens, more than max_model_len (%lld)",
                                 (long long)n_prompt, (long long)e->max_model_len);
-    if (n_prompt < e->max_model_len && n_prompt >= request_room(e))
+    if (n_prompt < e->max_model_len && n_prompt >= cv_engine_request_room(e))
         return cv_set_field_err(err, CV_ERR_INVALID, "prompt",
                                 "the prompt has %lld tokens but the whole KV cache holds %lld, with no "
                                 "room left to generate; raise kv_cache_memory or shorten the prompt",
-                                (long long)n_prompt, (long long)request_room(e));
+                                (long long)n_prompt, (long long)cv_engine_request_room(e));
     int64_t max_tokens = resolved_max_tokens(e, n_prompt, p);
     if (max_tokens < 1)
         return cv_set_field_err(err, CV_ERR_INVALID, "prompt",

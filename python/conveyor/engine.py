@@ -681,13 +681,19 @@ class EngineCore:
         a RuntimeError) while the background loop runs. Threads that step one
         engine take turns: a step's events are applied, and the guided masks it
         leaves are posted, before the next step starts."""
-        self._turns.take()
+        return self._step_in_turn()
+
+    def _step_in_turn(self, unfinished=None) -> Optional[list[_Request]]:
+        """One step in this thread's turn; None (no step) once `unfinished`, if
+        given, has emptied while the thread waited for the turn."""
+        if not self._turns.take(unfinished):
+            return None
         try:
-            return self._step_in_turn()
+            return self._step_taken()
         finally:
             self._turns.give()
 
-    def _step_in_turn(self) -> list[_Request]:
+    def _step_taken(self) -> list[_Request]:
         pending, self._deferred_masks = self._deferred_masks, []
         if not pending:
             self._engine.step()
@@ -714,12 +720,9 @@ class EngineCore:
         try:
             unfinished = _Unfinished(requests)
             while unfinished:
-                if not self._turns.take(unfinished):  # another thread's steps ended them
+                changed = self._step_in_turn(unfinished)
+                if changed is None:  # another thread's steps ended them
                     break
-                try:
-                    changed = self._step_in_turn()
-                finally:
-                    self._turns.give()
                 if on_step is not None:
                     on_step(changed)
         except BaseException:
@@ -739,11 +742,8 @@ class EngineCore:
             if not r.finished:
                 self.abort(r.request_id)
         unfinished = _Unfinished(requests)
-        while unfinished and self._turns.take(unfinished):
-            try:
-                self._step_in_turn()
-            finally:
-                self._turns.give()
+        while unfinished and self._step_in_turn(unfinished) is not None:
+            pass
 
     def start_background(self, wake_fd: int) -> None:
         """Hands stepping to the C engine's own thread: after each step with

@@ -529,8 +529,8 @@ class Validator:
                  check_prompt_size=None, budget_bytes: int = REQUEST_BUDGET_BYTES, request_room=None):
         self.tok = tokenizer
         self.max_model_len = max_model_len
-        # tokens one sequence can hold (prompt and output): the context, or the KV cache if smaller
-        self.request_room = max_model_len if request_room is None else min(max_model_len, request_room)
+        # tokens one sequence can hold (prompt and output): the engine's stats()["request_room"]
+        self.request_room = max_model_len if request_room is None else request_room
         self.check_request = check_request
         # the engine's tokenizing, with its byte-length bound first (EngineCore.encode_prompt)
         self.encode_prompt = encode_prompt

@@ -47,13 +47,6 @@ async def wait_disconnect(receive) -> None:
             return
 
 
-def _request_room(st: dict):
-    """Tokens the whole KV cache holds for one sequence (the engine keeps one block
-    free), or None when the engine does not say."""
-    blocks, size = st.get("num_blocks"), st.get("block_size")
-    return (int(blocks) - 1) * int(size) if blocks and size else None
-
-
 class SSEResponse:
     """Streams `data: ...` events from an async iterator of str; a client that goes away
     cancels the stream (and with it the engine requests) at once."""
@@ -186,7 +179,7 @@ class Server:
                                    getattr(engine, "encode_prompt", None), getattr(engine, "prepare_params", None),
                                    getattr(engine, "check_prompt_size", None),
                                    getattr(engine, "request_budget_bytes", REQUEST_BUDGET_BYTES),
-                                   request_room=_request_room(st))
+                                   request_room=st.get("request_room"))
         # a body of more values than the request budget could hold is refused unparsed
         self.max_body_values = self.validator.budget_bytes // BODY_BYTES_PER_VALUE
         self.metrics = ServerMetrics(self.model_name)
