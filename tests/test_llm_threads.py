@@ -141,6 +141,30 @@ def test_logprobs_carry_each_tokens_text(llm):
     assert "".join(e[t].decoded_token for t, e in zip(o.token_ids, o.logprobs)) == o.text
 
 
+def test_a_sampled_tokens_rank_is_given_outside_the_top_logprobs(llm):
+    sp = dict(temperature=1.5, seed=3, max_tokens=24)
+    wide = llm.generate(["Once upon a time"], SamplingParams(logprobs=20, **sp), use_tqdm=False)[0].outputs[0]
+    narrow = llm.generate(["Once upon a time"], SamplingParams(logprobs=1, **sp), use_tqdm=False)[0].outputs[0]
+    assert wide.token_ids == narrow.token_ids
+    for tid, w, n in zip(wide.token_ids, wide.logprobs, narrow.logprobs):
+        assert w[tid].rank == n[tid].rank >= 1
+        better = sum(lp.logprob > w[tid].logprob for t, lp in w.items() if t != tid)
+        if w[tid].rank <= 20:  # among the 20: its place there
+            assert w[tid].rank == better + 1
+        else:  # beyond them: all 20 are likelier
+            assert better == 20
+    assert any(n[t].rank > 1 for t, n in zip(narrow.token_ids, narrow.logprobs))
+
+
+def test_a_positive_value_below_floats_range_stays_positive(llm):
+    greedy = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    tiny = llm.generate(["Once upon a time"], SamplingParams(temperature=0.8, seed=1, top_p=1e-300, max_tokens=8),
+                        use_tqdm=False)
+    assert tiny[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids  # only the likeliest is left
+    with pytest.raises(ValueError, match="top_p"):
+        llm.generate(["x"], SamplingParams(top_p=-1e-300), use_tqdm=False)
+
+
 def test_numpy_scalars_are_taken_as_numbers(llm):
     np = pytest.importorskip("numpy")
     sp = SamplingParams(max_tokens=np.int64(4), temperature=np.float32(0.0), top_k=np.int32(3),

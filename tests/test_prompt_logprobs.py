@@ -27,7 +27,12 @@ def check_against_reference(out, ref, k, atol=2e-4):
         want = lp[t - 1]
         assert ids[t] in entry
         assert entry[ids[t]].logprob == pytest.approx(want[ids[t]], abs=atol)
-        ranked = sorted((v.rank, tid) for tid, v in entry.items() if v.rank is not None)
+        # the prompt token has its rank under the reference, among the top k or not
+        rank = entry[ids[t]].rank
+        above_surely = np.count_nonzero(want > want[ids[t]] + 1e-4)
+        above_maybe = np.count_nonzero(want > want[ids[t]] - 1e-4) - 1  # less the token itself
+        assert above_surely + 1 <= rank <= above_maybe + 1
+        ranked = sorted((v.rank, tid) for tid, v in entry.items() if v.rank <= k)
         assert [r for r, _ in ranked] == list(range(1, k + 1))  # exactly the top k, ranked
         got_top = np.array([tid for _, tid in ranked], dtype=np.int64)
         for tid in got_top:

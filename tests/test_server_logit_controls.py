@@ -111,6 +111,38 @@ def test_echo_logprobs_legacy_shape(client, model_name, llm):
     assert all(math.isfinite(x) for x in lp.token_logprobs[1:])
 
 
+def test_echo_text_offsets_point_into_the_text(client, model_name, llm):
+    """Each token's text_offset is where that token's text starts in the choice's text:
+    the prompt's (its leading space and BOS dropped by the echoed text) and the output's."""
+    tok = llm.get_tokenizer()
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=6, echo=True, logprobs=1,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    c = r.choices[0]
+    text, lp = c.text, c.logprobs
+    assert text.startswith(PROMPT)
+    ids = tok.encode(PROMPT)
+    assert len(lp.tokens) == len(ids) + 6
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(text)
+    assert lp.text_offset[len(ids)] == len(PROMPT)  # the output starts where the prompt ends
+    first = next(j for j, piece in enumerate(lp.tokens) if piece)  # after BOS, whose text is empty
+    for j, (piece, off) in enumerate(zip(lp.tokens, lp.text_offset)):
+        if j == first:  # its leading space is the one the echoed text drops
+            piece = piece.lstrip(" ")
+        assert text[off:].startswith(piece), (j, piece, text[off:off + 12])
+
+
+def test_text_offsets_count_characters_split_across_tokens():
+    from conveyor.server.serving import text_offsets
+    smile = "\N{GRINNING FACE}".encode()
+    # four byte tokens of one character, then a word: every byte token is at that character
+    assert text_offsets("\N{GRINNING FACE} hi", [smile[:1], smile[1:2], smile[2:3], smile[3:], b" hi"]) == \
+        [0, 0, 0, 0, 1]
+    # a prompt whose text dropped BOS (no bytes) and the first token's leading space
+    assert text_offsets("Once upon", [b"", b" Once", b" upon"], 7) == [7, 7, 11]
+    # an output a stop string cut short: the tokens past the text are at its end
+    assert text_offsets("ab", [b"a", b"b", b"cd"]) == [0, 1, 2]
+
+
 BAD = [
     ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),

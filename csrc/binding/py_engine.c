@@ -472,9 +472,10 @@ static PyStructSequence_Field event_fields[] = {
     {"stop_value", "the stop token id, or the stop string's index"},
     {"metrics", "an EngineEventMetrics when the whole request finished, else None"},
     {"prompt_pos", "> 0: a prompt-logprob event for the prompt token at this position"},
+    {"rank", "the token's rank under the raw logits (1: the most likely), or None without logprobs"},
     {NULL, NULL}};
 static PyStructSequence_Desc event_desc = {"conveyor._core.EngineEvent",
-                                           "One output of one step for one completion.", event_fields, 12};
+                                           "One output of one step for one completion.", event_fields, 13};
 
 static PyStructSequence_Field metrics_fields[] = {
     {"arrival", "time.monotonic() when the request was queued"},
@@ -530,7 +531,8 @@ static PyObject *make_event(const cv_event *v, const char *text) {
         set_item(e, 6, PyBool_FromLong(v->finished)) ||
         set_item(e, 7, reason ? PyUnicode_FromString(reason) : Py_NewRef(Py_None)) ||
         set_item(e, 8, PyLong_FromLong(v->stop_kind)) || set_item(e, 9, PyLong_FromLong(v->stop_value)) ||
-        set_item(e, 10, make_metrics(v)) || set_item(e, 11, PyLong_FromLongLong(v->prompt_pos))) {
+        set_item(e, 10, make_metrics(v)) || set_item(e, 11, PyLong_FromLongLong(v->prompt_pos)) ||
+        set_item(e, 12, v->rank > 0 ? PyLong_FromLongLong(v->rank) : Py_NewRef(Py_None))) {
         Py_DECREF(e);
         return NULL;
     }

@@ -3,6 +3,7 @@
  * engine's to check (cv_request_params_check, cv_engine_check_request). */
 #include "request_params.h"
 
+#include <float.h>
 #include <math.h>
 #include <string.h>
 
@@ -72,7 +73,11 @@ static int get_float(PyObject *obj, const char *name, float *out) {
         snprintf(msg, sizeof msg, "%s must be a number", name);
         return field_error(PyExc_TypeError, name, msg);
     }
-    *out = (float)d; /* beyond float range -> inf, which the range check rejects */
+    /* beyond float range -> inf, which the range check rejects; a nonzero value below
+     * float's smallest keeps its sign as that smallest, so top_p=1e-300 stays > 0 */
+    float f = (float)d;
+    if (f == 0.0f && d != 0.0) f = copysignf(FLT_TRUE_MIN, (float)d);
+    *out = f;
     return 0;
 }
 

@@ -63,6 +63,7 @@ typedef struct cv_event {
     int32_t n_top;
     int32_t top_ids[CV_MAX_LOGPROBS];
     float top_logprobs[CV_MAX_LOGPROBS];
+    int64_t rank;           /* the token's rank under the raw logits (1: most likely), 0: none */
     size_t text_off, text_len; /* newly visible bytes, in the outbox text arena */
     int finished;           /* this sequence is done */
     int finish_reason;      /* CV_FINISH_* */

@@ -224,6 +224,7 @@ static int flush_prompt_rows(cv_engine *e, int64_t n, cv_err *err) {
         ev->n_top = info.n_top;
         memcpy(ev->top_ids, info.top_ids, sizeof ev->top_ids);
         memcpy(ev->top_logprobs, info.top_logprobs, sizeof ev->top_logprobs);
+        ev->rank = info.rank;
     }
     pthread_mutex_unlock(&e->outbox.lock);
     return CV_OK;

@@ -473,6 +473,7 @@ void cv_request_accept_token(cv_engine *e, cv_request *r, int idx, int32_t t, co
             ev->n_top = info->n_top;
             memcpy(ev->top_ids, info->top_ids, sizeof ev->top_ids);
             memcpy(ev->top_logprobs, info->top_logprobs, sizeof ev->top_logprobs);
+            ev->rank = info->rank;
         } else if (info) {
             ev->logprob = info->logprob;
         }

@@ -905,6 +905,12 @@ static int32_t draw(cv_sampler *s, const support *sup, double u) {
 
 /* ---- logprobs --------------------------------------------------------- */
 
+static int64_t count_above(const float *a, int64_t n, float x) {
+    int64_t c = 0;
+    for (int64_t i = 0; i < n; i++) c += a[i] > x;
+    return c;
+}
+
 static void fill_logprobs(cv_sample_info *info, const float *raw /* [vocab] */, int64_t vocab,
                           int32_t token, int32_t n_logprobs, float m /* max_value(raw) */) {
     /* all -inf: lse = +inf makes every logprob -inf without inf - inf */
@@ -928,6 +934,10 @@ static void fill_logprobs(cv_sample_info *info, const float *raw /* [vocab] */, 
     }
     info->n_top = (int32_t)n;
     for (int64_t j = 0; j < n; j++) info->top_logprobs[j] = (float)((double)raw[top[j]] - lse);
+    info->rank = 0;
+    for (int64_t j = 0; j < n && !info->rank; j++)
+        if (top[j] == token) info->rank = j + 1;
+    if (!info->rank) info->rank = 1 + count_above(raw, vocab, raw[token]);
 }
 
 void cv_logprobs_of(float *logits, int64_t vocab, int32_t token, int32_t n_top, cv_sample_info *info) {

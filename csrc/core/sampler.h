@@ -58,6 +58,9 @@ typedef struct cv_sample_info {
     int32_t n_top;
     int32_t top_ids[CV_MAX_LOGPROBS];      /* most likely tokens under the raw logits */
     float top_logprobs[CV_MAX_LOGPROBS];
+    int64_t rank;                          /* the chosen token's rank under the raw logits (1: the
+                                            * most likely): its place in top_ids, else 1 + the
+                                            * tokens above it */
     int32_t no_token;                      /* 1: the controls, bans and mask left every token at -inf,
                                             * so the token returned (0) is no choice at all */
 } cv_sample_info;

@@ -779,7 +779,8 @@ class EngineCore:
                 if ev.prompt_pos > 0:
                     # a prompt token's logprob (prompt_logprobs), in prompt order
                     if req.prompt_logprobs is not None:
-                        req.prompt_logprobs.append(self._logprob_entry(ev.token, ev.logprob, ev.top_logprobs))
+                        req.prompt_logprobs.append(
+                            self._logprob_entry(ev.token, ev.logprob, ev.rank, ev.top_logprobs))
                     changed[iid] = req
                     continue
                 st = req.seqs[ev.seq_index]
@@ -787,7 +788,7 @@ class EngineCore:
                 if token >= 0:
                     st.token_ids.append(token)
                     if st.logprobs is not None:
-                        st.logprobs.append(self._logprob_entry(token, ev.logprob, ev.top_logprobs))
+                        st.logprobs.append(self._logprob_entry(token, ev.logprob, ev.rank, ev.top_logprobs))
                     if st.cum_logprob is not None:
                         st.cum_logprob += ev.logprob
                 if ev.text:
@@ -833,15 +834,13 @@ class EngineCore:
             self._advance_guided(guided)
         return list(changed.values())
 
-    def _logprob_entry(self, token: int, logprob: float, top) -> dict:
+    def _logprob_entry(self, token: int, logprob: float, rank: Optional[int], top) -> dict:
         """{token: Logprob} for the chosen token, then the top alternatives with their ranks."""
         text = self._token_text
-        entry = {token: Logprob(logprob, decoded_token=text(token))}
-        for rank, (tid, lp) in enumerate(top or (), start=1):
-            if tid == token:
-                entry[token].rank = rank
-            else:
-                entry[tid] = Logprob(lp, rank, text(tid))
+        entry = {token: Logprob(logprob, rank, text(token))}
+        for place, (tid, lp) in enumerate(top or (), start=1):
+            if tid != token:
+                entry[tid] = Logprob(lp, place, text(tid))
         return entry
 
     def _token_text(self, tid: int) -> Optional[str]:

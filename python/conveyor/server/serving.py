@@ -3,6 +3,7 @@ server-sent events), with admission control and client-disconnect aborts."""
 from __future__ import annotations
 
 import asyncio
+import bisect
 import hmac
 import json
 import logging
@@ -123,6 +124,36 @@ def auto_tool_message(auto, text: str, finish: Optional[str]) -> tuple[dict, Opt
 
 def _finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
+
+
+def text_offsets(text: str, pieces: list[bytes], base: int = 0) -> list[int]:
+    """Where each token starts in ``text``, in characters, plus ``base``.
+
+    The tokens' bytes line up with the text's at the end when they hold more (a prompt
+    whose decoded text drops a leading space or special tokens) and at the start
+    otherwise (an output a stop string cut short). Counting in bytes first keeps a
+    character split across tokens from counting once a token; a token that starts
+    inside a character gets that character's offset.
+    """
+    data = text.encode("utf-8", "surrogatepass")
+    joined = b"".join(pieces)
+    skip = len(joined) - len(data) if len(joined) > len(data) and joined.endswith(data) else 0
+    if len(data) == len(text):  # ASCII: a byte is a character
+        starts = None
+    else:
+        starts, at = [], 0
+        for ch in text:
+            starts.append(at)
+            at += len(ch.encode("utf-8", "surrogatepass"))
+    out, at = [], 0
+    for piece in pieces:
+        q = min(max(at - skip, 0), len(data))
+        if q == len(data):
+            out.append(base + len(text))
+        else:
+            out.append(base + (q if starts is None else bisect.bisect_right(starts, q) - 1))
+        at += len(piece)
+    return out
 
 
 RETRY_AFTER_S = 1  # the Retry-After of a 503 for a full queue
@@ -357,7 +388,10 @@ class Server:
             if started:
                 await asyncio.gather(*started, return_exceptions=True)
 
-    def _completion_logprobs(self, lps, token_ids, offset0: int):
+    def _completion_logprobs(self, lps, token_ids, offset0: int, text: Optional[str] = None):
+        """The legacy logprobs of these tokens and the offset after them. With ``text`` (the
+        tokens' whole text in the answer) each offset points into it; without (a stream's
+        delta) the offsets add up the tokens' own text."""
         if lps is None:
             return None, offset0
         tokens, token_lps, tops, offsets = [], [], [], []
@@ -370,6 +404,10 @@ class Server:
             tops.append({self.piece(t)[0]: _finite(v.logprob) for t, v in entry.items()})
             offsets.append(off)
             off += len(s)
+        if text is not None:
+            ids = list(token_ids)[:len(offsets)]
+            offsets = text_offsets(text, [bytes(self.piece(t)[1]) for t in ids], offset0)
+            off = offset0 + len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
                 "text_offset": offsets}, off
 
@@ -441,17 +479,18 @@ class Server:
         if parsed.prompt_only:
             toks, lps, text, reason = [], ([] if lps is not None else None), "", "length"
         if not parsed.echo:
-            lp, _ = self._completion_logprobs(lps, toks, 0)
+            lp, _ = self._completion_logprobs(lps, toks, 0, text)
             return {"index": idx, "text": text, "logprobs": lp, "finish_reason": reason,
                     "stop_reason": o.stop_reason}
         prompt_text = self._prompt_text(parsed.prompts[i])
         lp = None
         if parsed.logprobs is not None:
             plp = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-            head, off = self._completion_logprobs([e or {} for e in plp], out.prompt_token_ids, 0)
+            head, off = self._completion_logprobs([e or {} for e in plp], out.prompt_token_ids, 0,
+                                                  prompt_text)
             head["token_logprobs"][0] = None
             head["top_logprobs"][0] = None
-            tail, _ = self._completion_logprobs(lps or [], toks, off)
+            tail, _ = self._completion_logprobs(lps or [], toks, off, text)
             lp = {k: head[k] + tail[k] for k in head}
         return {"index": idx, "text": prompt_text + text, "logprobs": lp, "finish_reason": reason,
                 "stop_reason": None if parsed.prompt_only else o.stop_reason}
