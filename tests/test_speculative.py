@@ -198,6 +198,7 @@ def test_stops_max_tokens_and_logprobs_keep_their_meaning(stories, plain):
                     assert la.keys() == lb.keys()
                     for t in la:
                         assert la[t].logprob == pytest.approx(lb[t].logprob, abs=1e-4)
+                        assert la[t].rank == lb[t].rank
 
 
 def test_seeded_sampling_is_the_same_draw_for_draw(stories, plain):
