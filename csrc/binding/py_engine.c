@@ -328,7 +328,8 @@ static PyArrayObject *read_prompt(EngineObject *self, PyObject *prompt_obj) {
 
 /* add_request (queue != 0) or check_request: the shared argument handling. */
 static PyObject *submit(EngineObject *self, int64_t req_id, PyObject *prompt_obj, PyObject *sp,
-                        int priority, double timeout, int lora_slot, long long lora_id, int queue) {
+                        int priority, double timeout, int lora_slot, long long lora_id, int accepted,
+                        int queue) {
     if (check_open(self) < 0) return NULL;
     PyArrayObject *arr = read_prompt(self, prompt_obj);
     if (!arr) return NULL;
@@ -338,6 +339,7 @@ static PyObject *submit(EngineObject *self, int64_t req_id, PyObject *prompt_obj
     r.p.timeout = timeout;
     r.p.lora_slot = lora_slot;
     r.p.lora_id = lora_id;
+    r.p.accepted = accepted;
     /* Reading the prompt and the params ran Python code (attributes, __index__,
      * __float__, the GC), during which another thread may have closed the
      * engine: look again. From here on the GIL is held, so close() waits. */
@@ -357,15 +359,16 @@ static PyObject *submit(EngineObject *self, int64_t req_id, PyObject *prompt_obj
 }
 
 static PyObject *Engine_add_request(EngineObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"request_id", "prompt", "params", "priority", "timeout", "lora_slot", "lora_id", NULL};
+    static char *kwlist[] = {"request_id", "prompt", "params", "priority", "timeout", "lora_slot", "lora_id",
+                             "accepted", NULL};
     long long req_id, lora_id = 0;
     PyObject *prompt_obj, *sp;
-    int priority = 0, lora_slot = -1;
+    int priority = 0, lora_slot = -1, accepted = 0;
     double timeout = 0.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "LOO|$idiL", kwlist, &req_id, &prompt_obj, &sp, &priority,
-                                     &timeout, &lora_slot, &lora_id))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LOO|$idiLp", kwlist, &req_id, &prompt_obj, &sp, &priority,
+                                     &timeout, &lora_slot, &lora_id, &accepted))
         return NULL;
-    return submit(self, req_id, prompt_obj, sp, priority, timeout, lora_slot, lora_id, 1);
+    return submit(self, req_id, prompt_obj, sp, priority, timeout, lora_slot, lora_id, accepted, 1);
 }
 
 static PyObject *Engine_check_request(EngineObject *self, PyObject *args, PyObject *kw) {
@@ -373,7 +376,7 @@ static PyObject *Engine_check_request(EngineObject *self, PyObject *args, PyObje
     PyObject *prompt_obj, *sp;
     double timeout = 0.0;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|$d", kwlist, &prompt_obj, &sp, &timeout)) return NULL;
-    return submit(self, 0, prompt_obj, sp, 0, timeout, -1, 0, 0);
+    return submit(self, 0, prompt_obj, sp, 0, timeout, -1, 0, 0, 0);
 }
 
 static PyObject *Engine_abort(EngineObject *self, PyObject *arg) {
@@ -555,6 +558,11 @@ done:
     free(ev);
     free(text);
     return list;
+}
+
+static PyObject *Engine_num_queued(EngineObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (check_open(self) < 0) return NULL;
+    return PyLong_FromLongLong(cv_engine_num_queued(self->e));
 }
 
 static PyObject *Engine_num_unfinished(EngineObject *self, PyObject *Py_UNUSED(ignored)) {
@@ -751,9 +759,10 @@ static PyMethodDef Engine_methods[] = {
      "module an index into (q, k, v, o, gate, up, down), A [rank][in] and B [out][rank] float32."},
     {"lora_unload", (PyCFunction)Engine_lora_unload, METH_VARARGS, "lora_unload(slot)\n\nEmpties a LoRA slot."},
     {"add_request", (PyCFunction)(void (*)(void))Engine_add_request, METH_VARARGS | METH_KEYWORDS,
-     "add_request(request_id, prompt, params, *, priority=0, timeout=0.0)\n\nValidates (as check_request) "
-     "and queues a request; params is a SamplingParams; timeout: seconds from arrival (0: none). "
-     "EngineOverloadedError when max_queued_requests requests wait."},
+     "add_request(request_id, prompt, params, *, priority=0, timeout=0.0, lora_slot=-1, lora_id=0, "
+     "accepted=False)\n\nValidates (as check_request) and queues a request; params is a SamplingParams; "
+     "timeout: seconds from arrival (0: none). EngineOverloadedError when max_queued_requests requests "
+     "wait, unless accepted (the caller accepted it earlier and held it)."},
     {"check_request", (PyCFunction)(void (*)(void))Engine_check_request, METH_VARARGS | METH_KEYWORDS,
      "check_request(prompt, params, *, timeout=0.0)\n\nRaises what add_request would raise for this prompt and "
      "SamplingParams (ValueError/TypeError with .field), queueing nothing."},
@@ -768,6 +777,8 @@ static PyMethodDef Engine_methods[] = {
      "wait for masks another thread is posting (as under the background loop)."},
     {"take_outputs", (PyCFunction)Engine_take_outputs, METH_NOARGS, "Takes the pending outputs."},
     {"num_unfinished", (PyCFunction)Engine_num_unfinished, METH_NOARGS, "Requests not finished."},
+    {"num_queued", (PyCFunction)Engine_num_queued, METH_NOARGS,
+     "Requests added and not yet scheduled (what max_queued_requests bounds)."},
     {"start_loop", (PyCFunction)Engine_start_loop, METH_O, "Starts the background loop."},
     {"stop_loop", (PyCFunction)Engine_stop_loop, METH_NOARGS, "Stops the background loop."},
     {"loop_error", (PyCFunction)Engine_loop_error, METH_NOARGS, "Last background failure."},

@@ -37,6 +37,9 @@ typedef struct cv_request_params {
     int64_t lora_id;                /* the adapter's id (> 0; keys its prefix-cache blocks), 0: none */
     int32_t lora_slot;              /* its slot (cv_engine_lora_load); read only when lora_id != 0 */
     double timeout;                 /* seconds from arrival to finish; 0: none */
+    int accepted;                   /* the caller accepted it earlier and held it (waiting for an
+                                     * adapter slot), counted against the queue then: a full
+                                     * queue does not refuse it now */
     /* Guided decoding: each completion samples under a token mask posted with
      * cv_engine_set_token_mask for its next output position. */
     int guided;
@@ -169,6 +172,8 @@ int64_t cv_engine_token_mask_words(cv_engine *e);
 int cv_engine_step(cv_engine *e, cv_err *err);
 /* Requests queued or running. */
 int64_t cv_engine_num_unfinished(cv_engine *e);
+/* Requests added and not yet scheduled (what max_queued_requests bounds), now. */
+int64_t cv_engine_num_queued(cv_engine *e);
 
 /* Moves the pending events out: *events (and the text arena they index into)
  * become the caller's (free with free()). */

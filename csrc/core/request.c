@@ -190,7 +190,7 @@ int cv_engine_add_request(cv_engine *e, int64_t request_id, const int32_t *promp
     /* every completion that runs (best_of of them) is masked */
     if (p->guided && cv_mask_box_open(&e->guided.box, request_id, r->p.n)) goto nomem;
     pthread_mutex_lock(&e->in.lock);
-    if (e->in.max_queued > 0 && e->in.n_queued >= e->in.max_queued) {
+    if (!p->accepted && e->in.max_queued > 0 && e->in.n_queued >= e->in.max_queued) {
         int64_t queued = e->in.n_queued;
         e->in.n_rejected++;
         pthread_mutex_unlock(&e->in.lock);
@@ -238,6 +238,13 @@ int64_t cv_engine_token_mask_words(cv_engine *e) { return e->guided.box.words; }
 int64_t cv_engine_num_unfinished(cv_engine *e) {
     pthread_mutex_lock(&e->in.lock);
     int64_t n = e->in.n_requests + e->n_active;
+    pthread_mutex_unlock(&e->in.lock);
+    return n;
+}
+
+int64_t cv_engine_num_queued(cv_engine *e) {
+    pthread_mutex_lock(&e->in.lock);
+    int64_t n = e->in.n_queued;
     pthread_mutex_unlock(&e->in.lock);
     return n;
 }

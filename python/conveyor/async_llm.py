@@ -267,7 +267,7 @@ class AsyncLLM(EngineFrontend):
         check_timeout(timeout)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        if not self._needs_preparing(prompt, params, guided):
+        if not self._needs_preparing(prompt, params, guided, lora_request):
             text, ids = self._core.tokenize_prompt(prompt, exclusive=False)
             req = self._core.add_request(request_id, text, ids, params, priority=priority,
                                          consumer=(loop, queue), timeout=timeout, guided=guided,
@@ -276,7 +276,7 @@ class AsyncLLM(EngineFrontend):
         stream = RequestStream(self._core, None, queue, request_id)
         if request_id is not None:
             self._preparing[request_id] = stream
-        prepared = loop.run_in_executor(self._prepare_pool, self._prepare, prompt, params, guided)
+        prepared = loop.run_in_executor(self._prepare_pool, self._prepare, prompt, params, guided, lora_request)
 
         def add_prepared(fut):
             aborted = False
@@ -304,10 +304,12 @@ class AsyncLLM(EngineFrontend):
         prepared.add_done_callback(add_prepared)
         return stream
 
-    def _needs_preparing(self, prompt, params: SamplingParams, guided) -> bool:
-        """Whether adding this request means work that grows with it (or a grammar to
-        build): then it is prepared on the preparation threads."""
+    def _needs_preparing(self, prompt, params: SamplingParams, guided, lora_request=None) -> bool:
+        """Whether adding this request means work that grows with it (a grammar to build,
+        an adapter's files to read): then it is prepared on the preparation threads."""
         if params.guided_decoding is not None and guided is None:
+            return True
+        if lora_request is not None and self._core.lora_enabled and not self._core.is_lora_read(lora_request):
             return True
         if params.bad_words and params._bad_words_token_ids is None:
             return True  # tokenized one request at a time: the loop must not wait for that
@@ -315,7 +317,7 @@ class AsyncLLM(EngineFrontend):
             prompt = prompt.get("prompt")
         return isinstance(prompt, str) and len(prompt) > INLINE_PREPARE_CHARS  # up to 4 bytes a character
 
-    def _prepare(self, prompt, params: SamplingParams, guided):
+    def _prepare(self, prompt, params: SamplingParams, guided, lora_request=None):
         """On a preparation thread: (prompt text, token ids, the params as the engine
         reads them, the grammar matchers). The engine's checks run here too, so that a
         prompt too long for the context is refused before its ids reach the loop."""
@@ -324,6 +326,8 @@ class AsyncLLM(EngineFrontend):
         self._core.check_request(ids, params)
         if guided is None:
             guided = self._core.prepare_guided(params)
+        if lora_request is not None and self._core.lora_enabled:
+            self._core.read_lora(lora_request)
         return text, ids, params, guided
 
     async def generate(self, prompt, sampling_params: Optional[SamplingParams] = None,

@@ -7,6 +7,7 @@ requests to conveyor._core.Engine, and turns the C engine's per-step events
 from __future__ import annotations
 
 import codecs
+import logging
 import os
 import re
 import threading
@@ -417,6 +418,7 @@ class EngineCore:
 
             self._lora = LoRASlots(self._engine, model_cfg, args.max_loras, args.max_lora_rank)
         self._lora_waiting: list[_Request] = []  # requests whose adapter waits for a slot, in arrival order
+        self._ended_waiting: dict[str, int] = {}  # finish reason -> requests that ended while waiting
         self.closed = False
 
     # -- requests ---------------------------------------------------------
@@ -537,8 +539,7 @@ class EngineCore:
                 raise field_error(ValueError, "lora_request",
                                   "lora_request needs an engine made with enable_lora=True")
             self._engine.check_request(prompt_ids, engine_params, timeout=timeout_s)
-            with self._lock:
-                self._lora.read(lora_request)  # reads the files once; LoRAError names the key
+            self.read_lora(lora_request)  # reads the files once; LoRAError names the key
         with self._lock:
             if self.closed:
                 raise _core.EngineClosedError("the engine is closed")
@@ -549,8 +550,12 @@ class EngineCore:
             req = _Request(name, internal, prompt_text, prompt_list, params, time.monotonic())
             req.lora = lora_request
             req.waiting = (prompt_ids, engine_params, priority, timeout_s, guided)
+            if self._lora_waiting:  # they count against max_queued_requests too
+                self._check_queue_room()
             if lora_request is not None and (self._lora_waiting or not self._submit(req)):
+                self._check_queue_room()
                 self._lora_waiting.append(req)  # every slot is in use: it waits for one
+                self._lora.wait(lora_request.lora_int_id)
             elif lora_request is None:
                 self._submit(req)
             self._next_id += 1
@@ -559,19 +564,34 @@ class EngineCore:
             self._by_name[name] = req
         return req
 
-    def _submit(self, req: _Request) -> bool:
+    def _check_queue_room(self) -> None:
+        """EngineOverloadedError when max_queued_requests requests wait already, those
+        waiting here for an adapter slot included (under the lock)."""
+        limit = self.args.max_queued_requests
+        if limit:
+            queued = self._engine.num_queued() + len(self._lora_waiting)
+            if queued >= limit:
+                raise _core.EngineOverloadedError(
+                    f"the engine is overloaded: {queued} requests already wait to be scheduled "
+                    f"(max_queued_requests={limit}); retry later")
+
+    def _submit(self, req: _Request, accepted: bool = False) -> bool:
         """Hands a request to the C engine (under the lock), with its adapter's slot;
-        False when its adapter cannot get a slot now."""
+        False when its adapter cannot get a slot now. accepted: it waited here for a
+        slot, counted against the queue then, so a full queue does not refuse it now."""
         slot = -1
         if req.lora is not None:
             slot = self._lora.acquire(req.lora.lora_int_id)
             if slot is None:
                 return False
         prompt_ids, engine_params, priority, timeout_s, guided = req.waiting
+        if accepted and timeout_s:  # the deadline counts from the call: the wait for a slot is spent
+            timeout_s = max(self._deadline(req) - time.monotonic(), 1e-6)
         try:
             self._engine.add_request(req.internal_id, prompt_ids, engine_params, priority=priority,
                                      timeout=timeout_s, lora_slot=slot,
-                                     lora_id=req.lora.lora_int_id if req.lora is not None else 0)
+                                     lora_id=req.lora.lora_int_id if req.lora is not None else 0,
+                                     accepted=accepted)
         except BaseException:
             if req.lora is not None:
                 self._lora.release(req.lora.lora_int_id)
@@ -583,29 +603,80 @@ class EngineCore:
                 self._engine.set_token_mask(req.internal_id, i, 0, first_mask)
         return True
 
-    def _submit_waiting(self) -> None:
-        """Requests waiting for an adapter slot, in order, as far as slots allow (under the lock)."""
+    def _submit_waiting(self) -> list[_Request]:
+        """Requests waiting for an adapter slot, in order, as far as slots allow (under the
+        lock); those past their deadline end with "timeout", and one the C engine refuses
+        (out of memory) with "abort". Returns the requests that ended."""
+        ended = []
+        now = time.monotonic()
+        for req in [r for r in self._lora_waiting if r.waiting[3] and self._deadline(r) <= now]:
+            ended.append(self._end_waiting(req, "timeout"))
         while self._lora_waiting and not self.closed:
-            if not self._submit(self._lora_waiting[0]):
-                return
+            req = self._lora_waiting[0]
+            try:
+                if not self._submit(req, accepted=True):
+                    break
+            except Exception as e:  # noqa: BLE001 - the request ends, not the caller's step
+                logging.getLogger("conveyor").warning(
+                    "request %s could not start after waiting for its adapter: %s", req.request_id, e)
+                ended.append(self._end_waiting(req, "abort"))
+                continue
             self._lora_waiting.pop(0)
+            self._lora.waiter_left(req.lora.lora_int_id)
+        return ended
+
+    @staticmethod
+    def _deadline(req: _Request) -> float:
+        return req.metrics.arrival_time + req.waiting[3]
+
+    def _end_waiting(self, req: _Request, reason: str) -> _Request:
+        """Ends a request that waits for an adapter slot (never reached the C engine)."""
+        self._lora_waiting.remove(req)
+        for st in req.seqs:
+            st.finish_reason = reason
+        req.finished = True
+        req.metrics.finished_time = time.monotonic()
+        self._requests.pop(req.internal_id, None)
+        if self._by_name.get(req.request_id) is req:
+            del self._by_name[req.request_id]
+        self._ended_waiting[reason] = self._ended_waiting.get(reason, 0) + 1
+        self._lora.count_finished(req.lora.lora_name, 0)
+        self._lora.waiter_left(req.lora.lora_int_id)
+        return req
 
     def read_lora(self, lora_request) -> None:
         """Reads and checks an adapter now (LoRAError naming the key), so that requests
-        naming it later need no file access."""
+        naming it later need no file access. The files are read outside the lock, so
+        running requests go on meanwhile."""
         if self._lora is None:
             raise field_error(ValueError, "lora_request", "LoRA needs an engine made with enable_lora=True")
         with self._lock:
-            self._lora.read(lora_request)
+            if self._lora.is_read(lora_request):
+                return
+        adapter = self._lora.load(lora_request)
+        with self._lock:
+            self._lora.keep(lora_request, adapter)
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self._lora is not None
+
+    def is_lora_read(self, lora_request) -> bool:
+        """Whether a request naming this adapter needs no file access (False for anything
+        but a LoRARequest, which add_request then refuses)."""
+        from .lora import LoRARequest
+
+        if self._lora is None or not isinstance(lora_request, LoRARequest):
+            return False
+        with self._lock:
+            return self._lora.is_read(lora_request)
 
     def forget_lora(self, lora_id: int) -> bool:
-        """Drops an adapter from its slot and host memory; False while requests use it or
-        wait for it (it stays then, idle until evicted)."""
+        """Drops an adapter from its slot and host memory. While requests use it or wait
+        for it, False: it is dropped when the last of them ends."""
         if self._lora is None:
             return False
         with self._lock:
-            if any(r.lora.lora_int_id == lora_id for r in self._lora_waiting):
-                return False
             return self._lora.forget(lora_id)
 
     def prepare_guided(self, params: SamplingParams):
@@ -648,12 +719,7 @@ class EngineCore:
             if self.closed or req is None or req.finished:
                 return False
             if req.waiting is not None and req in self._lora_waiting:  # never reached the C engine
-                self._lora_waiting.remove(req)
-                for st in req.seqs:
-                    st.finish_reason = "abort"
-                req.finished = True
-                del self._requests[req.internal_id]
-                del self._by_name[request_id]
+                self._end_waiting(req, "abort")
                 if req.consumer is not None:  # AsyncLLM's (loop, queue): its last output
                     loop, queue = req.consumer
                     try:
@@ -824,7 +890,10 @@ class EngineCore:
                 if on_event is not None:
                     on_event(req)
             if self._lora_waiting:
-                self._submit_waiting()
+                for req in self._submit_waiting():
+                    changed[req.internal_id] = req
+                    if on_event is not None:
+                        on_event(req)
             if guided and defer_masks:
                 self._deferred_masks.extend(guided)
                 guided = None
@@ -895,6 +964,9 @@ class EngineCore:
         if self._lora is not None:
             with self._lock:
                 st.update(self._lora.stats(len(self._lora_waiting)))
+                # requests that ended while they waited for a slot never reached the C engine
+                st["requests_aborted"] = st.get("requests_aborted", 0) + self._ended_waiting.get("abort", 0)
+                st["requests_timed_out"] = st.get("requests_timed_out", 0) + self._ended_waiting.get("timeout", 0)
         return st
 
     def fail_pending(self) -> list[_Request]:

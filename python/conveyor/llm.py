@@ -162,12 +162,14 @@ class LLM(EngineFrontend):
 
     def chat(self, messages, sampling_params: Optional[SamplingParams] = None, *,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: Optional[str] = None, timeout: Optional[float] = None) -> list[RequestOutput]:
+             chat_template: Optional[str] = None, timeout: Optional[float] = None,
+             lora_request=None) -> list[RequestOutput]:
         """Applies a chat template to one conversation (a list of {"role", "content"}
         dicts) or a list of conversations, then generates. The template is
         ``chat_template`` (a Jinja template string) if given, else the tokenizer's. A
         model without one (a base model, llama2.c) gets a plain "role: content" format
-        it was never trained on: that works but warns, once per LLM."""
+        it was never trained on: that works but warns, once per LLM. lora_request: as
+        in generate(), one for every conversation or a list of one per conversation."""
         tok = self._core.tokenizer
         if tok is None:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init=True was given)")
@@ -186,7 +188,8 @@ class LLM(EngineFrontend):
                           "chat_template=... or use generate() for a base model", UserWarning, stacklevel=2)
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [chat_prompt(tok, conv, add_generation_prompt, self.encode_prompt, warn=False) for conv in convs]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, timeout=timeout)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, timeout=timeout,
+                             lora_request=lora_request)
 
 
 def chat_prompt(tok, conv, add_generation_prompt: bool = True, encode=None, warn: bool = True) -> dict:

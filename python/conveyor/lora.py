@@ -48,8 +48,9 @@ class LoRARequest:
     def __post_init__(self):
         if not isinstance(self.lora_name, str) or not self.lora_name:
             raise TypeError("lora_name must be a non-empty str")
-        if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
-            raise ValueError(f"lora_int_id must be an int >= 1, got {self.lora_int_id!r}")
+        if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or \
+                not 1 <= self.lora_int_id < 2**63:
+            raise ValueError(f"lora_int_id must be an int in [1, 2**63), got {self.lora_int_id!r}")
         if not isinstance(self.lora_path, (str, os.PathLike)):
             raise TypeError("lora_path must be a path")
         object.__setattr__(self, "lora_path", os.fspath(self.lora_path))
