@@ -175,6 +175,51 @@ def test_hostile_request_answered(server, name):
         assert server.get("/health").status_code == 200
 
 
+def _metric(text, name, status=None):
+    for line in text.splitlines():
+        if line.startswith(name) and (status is None or f'status="{status}"' in line):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.mark.parametrize("ctype", ["text/plain;charset=UTF-8", "application/x-www-form-urlencoded",
+                                   "multipart/form-data; boundary=x"])
+def test_a_browsers_form_body_is_refused(server, ctype):
+    """What a page on another site can POST without a CORS preflight: refused from a browser
+    (which sends Origin), served from curl (no Origin); JSON from a browser is served."""
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 2}).encode()
+    r = server.post("/v1/completions", content=body, headers={"Content-Type": ctype, "Origin": "http://evil.example"})
+    assert r.status_code == 415 and r.json()["error"]["param"] == "body", r.text
+    assert server.post("/v1/completions", content=body, headers={"Content-Type": ctype}).status_code == 200
+    assert server.post("/v1/completions", content=body, headers={"Content-Type": "application/json",
+                                                                 "Origin": "http://evil.example"}).status_code == 200
+
+
+def test_a_client_gone_while_sending_its_body_is_a_disconnect(server):
+    import socket
+
+    before = server.get("/metrics").text
+    host, port = server.url_.split("//")[1].split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 5000\r\n\r\n{\"prompt\": ")
+        time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while _metric(server.get("/metrics").text, "conveyor_client_disconnects_total") == \
+            _metric(before, "conveyor_client_disconnects_total"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    after = server.get("/metrics").text
+    assert _metric(after, "conveyor_http_errors_total", 500) == _metric(before, "conveyor_http_errors_total", 500)
+    assert "internal error" not in server.own_server.read_log()
+
+
+def test_unread_stream_options_are_named(server):
+    r = completion(server, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert r.status_code == 200
+    assert r.headers["x-conveyor-ignored-fields"] == "stream_options.continuous_usage_stats"
+
+
 def test_errors_are_counted(server):
     """4xx answers are counted in conveyor_http_errors_total (500s go the same way)."""
     before = server.get("/metrics").text

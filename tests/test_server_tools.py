@@ -193,3 +193,40 @@ def test_streamed_logprobs_cover_every_token(client):
                 for ch in chunk.choices if ch.logprobs is not None for c in ch.logprobs.content]
     assert [c.token for c in streamed] == [c.token for c in plain.choices[0].logprobs.content]
     assert "".join(c.token for c in streamed) == HERMES_CALLS
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_false_keeps_the_first_call(client, stream):
+    kw = dict(model="stories260K", messages=MESSAGES, tools=TOOLS, temperature=0, max_tokens=128,
+              parallel_tool_calls=False, extra_body=_forced(HERMES_CALLS))
+    if stream:
+        content, calls, finish = _assemble(client.chat.completions.create(stream=True, **kw))
+    else:
+        ch = client.chat.completions.create(**kw).choices[0]
+        content, calls, finish = ch.message.content, _calls(ch.message.tool_calls), ch.finish_reason
+    assert (content, calls, finish) == ("I will check.", EXPECTED[:1], "tool_calls")
+
+
+def test_two_tools_of_one_name_are_refused(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="stories260K", messages=MESSAGES, tools=TOOLS + TOOLS[:1], max_tokens=4)
+    assert e.value.body["param"] == "tools[2].function.name"
+
+
+def test_arguments_that_are_not_strict_json_make_no_call():
+    from conveyor.server.tool_parsers import get_parser, parse_answer
+
+    names = {"add": {}}
+    for parser, text in (("hermes", '<tool_call>{"name": "add", "arguments": {"a": NaN}}</tool_call>'),
+                         ("pythonic", "[add(a=1e999)]")):
+        answer = parse_answer(get_parser(parser), text, names)
+        assert answer.calls == [] and answer.content == text
+
+
+def test_a_streamed_named_call_carries_its_logprobs(client):
+    kw = dict(model="stories260K", messages=MESSAGES, tools=TOOLS, temperature=0, max_tokens=32, logprobs=True,
+              top_logprobs=1, tool_choice={"type": "function", "function": {"name": "add"}})
+    plain = client.chat.completions.create(**kw).choices[0].logprobs.content
+    streamed = [c for chunk in client.chat.completions.create(stream=True, **kw)
+                for ch in chunk.choices if ch.logprobs is not None for c in ch.logprobs.content]
+    assert plain and [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in plain]

@@ -105,7 +105,7 @@ def build_app(engine, *, model_name: str, api_key: Optional[str] = None, request
                     logging.getLogger("conveyor.serve").exception("internal error")
                     err = APIError(500, f"internal error ({type(e).__name__}); see the server log",
                                    type_="server_error")
-                if err.status >= 400:
+                if err.status >= 400 and err.status != 499:  # 499: the client left (counted as a disconnect)
                     server.metrics.http_errors[err.status] = server.metrics.http_errors.get(err.status, 0) + 1
                 return error_response(err)
         return endpoint

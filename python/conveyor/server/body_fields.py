@@ -16,18 +16,23 @@ _SAMPLING = {
     "allowed_token_ids", "bad_words", "best_of", "logprobs", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "response_format", "priority", "timeout",
 }
-_OPENAI_NO_EFFECT = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
+_OPENAI_NO_EFFECT = {"user", "metadata", "store", "service_tier"}
 
 READ_FIELDS = {
     "completion": _SAMPLING | {"prompt", "echo", "suffix"},
-    "chat": _SAMPLING | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions"},
+    "chat": _SAMPLING | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
+                         "parallel_tool_calls"},
 }
 
 
 def unknown_fields(body: dict, kind: str) -> list:
     """The fields of `body` that a `kind` ("completion" or "chat") request does not read, sorted."""
     known = READ_FIELDS[kind] | _OPENAI_NO_EFFECT
-    return sorted(k for k in body if k not in known)
+    out = [k for k in body if k not in known]
+    so = body.get("stream_options")
+    if isinstance(so, dict):  # vLLM's continuous_usage_stats, say
+        out += [f"stream_options.{k}" for k in so if k != "include_usage"]
+    return sorted(out)
 
 
 def header_value(fields: list) -> str:

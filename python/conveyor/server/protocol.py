@@ -41,7 +41,8 @@ class APIError(Exception):
         self.param = param
         self.type = type_ or {400: "invalid_request_error", 401: "authentication_error",
                               404: "not_found_error", 405: "invalid_request_error",
-                              413: "invalid_request_error", 503: "service_unavailable_error"
+                              413: "invalid_request_error", 415: "invalid_request_error",
+                              499: "invalid_request_error", 503: "service_unavailable_error"
                               }.get(status, "server_error")
         self.code = code
 
@@ -197,6 +198,7 @@ class AutoTools:
 
     tools: dict  # name -> {"description", "parameters"}
     parser: object
+    parallel: bool = True  # parallel_tool_calls: False keeps only an answer's first call
 
 
 def _parse_stop(f: Fields):
@@ -382,6 +384,8 @@ def _tools(f: Fields, parser=None):
         description = fn.get("description", "")
         if not isinstance(description, str):
             raise bad_request(f"tools[{i}].function.description", "a function's description must be a string")
+        if fn["name"] in by_name:
+            raise bad_request(f"tools[{i}].function.name", f"two tools are named {fn['name']!r}")
         by_name[fn["name"]] = params
         described[fn["name"]] = {"description": check_text(f"tools[{i}].function.description", description),
                                  "parameters": params}
@@ -391,7 +395,10 @@ def _tools(f: Fields, parser=None):
         if parser is None:
             raise bad_request("tool_choice", "tool_choice 'auto' needs a tool-call parser, which this server "
                                              "has not; use 'required' or {type: 'function', function: {name}}")
-        return AutoTools(described, parser)
+        parallel = f.obj.get("parallel_tool_calls", True)
+        if not isinstance(parallel, bool):
+            raise bad_request("parallel_tool_calls", "'parallel_tool_calls' must be true or false")
+        return AutoTools(described, parser, parallel)
     if choice == "required":
         return ToolCall(None, by_name)
     if isinstance(choice, dict) and isinstance(choice.get("function"), dict):

@@ -115,7 +115,7 @@ def tool_call_message(tc, text: str, finish: Optional[str]) -> tuple[dict, Optio
 def auto_tool_message(auto, text: str, finish: Optional[str]) -> tuple[dict, Optional[str]]:
     """The assistant message of a tool_choice "auto" answer: its calls, read by the tool
     parser, as tool_calls (finish_reason "tool_calls"), or the text as it is."""
-    answer = parse_answer(auto.parser, text, auto.tools)
+    answer = parse_answer(auto.parser, text, auto.tools, auto.parallel)
     if not answer.calls:
         return {"role": "assistant", "content": text}, finish
     calls = [{k: v for k, v in c.items() if k != "index"} for c in tool_call_deltas(answer.calls)]
@@ -157,6 +157,20 @@ def text_offsets(text: str, pieces: list[bytes], base: int = 0) -> list[int]:
 
 
 RETRY_AFTER_S = 1  # the Retry-After of a 503 for a full queue
+
+# The body types a web page may POST to another site without asking it first (a CORS
+# "simple request"): a JSON endpoint refuses them from a browser, so that no page can
+# make its visitors' browsers run requests here.
+_SIMPLE_FORM_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
+
+
+def check_content_type(headers) -> None:
+    """A 415 for a browser's (it sends Origin) body of a type a cross-site form can send
+    unasked; curl and the SDKs, which send no Origin, may leave the type out."""
+    mime = headers.get("content-type", "").split(";")[0].strip().lower()
+    if mime in _SIMPLE_FORM_TYPES and headers.get("origin") is not None:
+        raise APIError(415, f"a request body from a browser must be sent as Content-Type: application/json, "
+                            f"not {mime}", param="body", code="unsupported_media_type")
 
 
 # The budget bytes a request's value costs at least (a number 8, a string its length
@@ -230,6 +244,9 @@ class Server:
                            code="invalid_api_key")
 
     async def read_json(self, request) -> dict:
+        from starlette.requests import ClientDisconnect
+
+        check_content_type(request.headers)
         cl = request.headers.get("content-length")
         if cl is not None:
             try:
@@ -240,12 +257,17 @@ class Server:
                 raise APIError(413, f"the request body has {n} bytes; the limit is {self.max_body_bytes}",
                                code="body_too_large")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise APIError(413, f"the request body is over the limit of {self.max_body_bytes} bytes",
-                               code="body_too_large")
+        try:
+            async for chunk in request.stream():
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise APIError(413, f"the request body is over the limit of {self.max_body_bytes} bytes",
+                                   code="body_too_large")
+        except ClientDisconnect:  # gone while sending its body: nobody to answer, not a server error
+            self.metrics.disconnects += 1
+            raise APIError(499, "the client closed the connection while sending the body",
+                           code="client_closed_request") from None
         # joining, decoding and parsing megabytes take the GIL for milliseconds: off the loop
         return await self.off_loop(parse_body, chunks, self.max_body_values)
 
@@ -519,15 +541,20 @@ class Server:
             tail = {"stop_reason": o.stop_reason} if fin else {}
             if chat and parsed.tool_call is not None:
                 held[j] += o.text
+                lp = self._chat_logprobs(o.logprobs, o.token_ids, parsed.logprobs or 0)
+                if lp is not None:  # the call goes out whole at the end, its tokens' logprobs with it
+                    held_lp[j] += lp["content"]
                 if fin is None:
                     continue
                 message, fin = tool_call_message(parsed.tool_call, held[j], fin)
                 delta = ({"tool_calls": [{"index": 0, **message["tool_calls"][0]}]} if "tool_calls" in message
                          else {"content": message["content"]})
-                choices.append({"index": j, "delta": delta, "logprobs": None, "finish_reason": fin, **tail})
+                lp = {"content": held_lp[j]} if parsed.logprobs is not None else None
+                choices.append({"index": j, "delta": delta, "logprobs": lp, "finish_reason": fin, **tail})
             elif chat and parsed.auto_tools is not None:
                 if not isinstance(held[j], ToolCallStream):
-                    held[j] = ToolCallStream(parsed.auto_tools.parser, parsed.auto_tools.tools)
+                    held[j] = ToolCallStream(parsed.auto_tools.parser, parsed.auto_tools.tools,
+                                             parsed.auto_tools.parallel)
                 text = held[j].feed(o.text)
                 calls = []
                 if fin is not None:

@@ -54,12 +54,16 @@ def detect_parser(chat_template: Optional[str]):
     return PARSERS[DEFAULT_PARSER]
 
 
-def parse_answer(parser, text: str, tool_names) -> ParsedAnswer:
-    """The answer's calls and content; a malformed call leaves the whole text as content."""
+def parse_answer(parser, text: str, tool_names, parallel: bool = True) -> ParsedAnswer:
+    """The answer's calls and content; a malformed call leaves the whole text as content.
+    parallel False (the request's parallel_tool_calls): only the first call is kept."""
     try:
-        return parser.parse(text, tool_names)
+        answer = parser.parse(text, tool_names)
     except MalformedCall:
         return ParsedAnswer(text, [])
+    if not parallel and len(answer.calls) > 1:
+        answer = ParsedAnswer(answer.content, answer.calls[:1])
+    return answer
 
 
 def tool_call_deltas(calls: list) -> list:
@@ -72,9 +76,10 @@ class ToolCallStream:
     """One streamed answer: feed() returns the text that is surely content (never a part
     of a call, and no trailing blanks that a call might follow); finish() reads the rest."""
 
-    def __init__(self, parser, tool_names):
+    def __init__(self, parser, tool_names, parallel: bool = True):
         self.parser = parser
         self.tool_names = tool_names
+        self.parallel = parallel
         self.text = ""
         self.sent = 0
 
@@ -90,7 +95,7 @@ class ToolCallStream:
 
     def finish(self) -> tuple[str, list]:
         """(content not yet sent, calls)."""
-        answer = parse_answer(self.parser, self.text, self.tool_names)
+        answer = parse_answer(self.parser, self.text, self.tool_names, self.parallel)
         if not answer.calls:
             return self.text[self.sent:], []
         start = self.parser.call_start(self.text) or 0

@@ -41,7 +41,10 @@ def make_call(name, arguments, tool_names) -> FunctionCall:
         arguments = {}
     if not isinstance(arguments, dict):
         raise MalformedCall("arguments are not an object")
-    return FunctionCall(name, json.dumps(arguments, ensure_ascii=False))
+    try:  # NaN and Infinity, which Python's JSON reads, are not JSON to a strict client
+        return FunctionCall(name, json.dumps(arguments, ensure_ascii=False, allow_nan=False))
+    except ValueError:
+        raise MalformedCall("arguments hold a number that is not JSON (NaN or Infinity)") from None
 
 
 def call_from_object(obj, tool_names, arguments_keys=("arguments", "parameters")) -> FunctionCall:
