@@ -868,3 +868,25 @@ def test_kv_cache_size_formula(llm):
                                                   cfg["kv_cache_dtype"])
     assert per_token == 2 * cfg["n_layers"] * cfg["n_kv_heads"] * cfg["head_dim"] * 4  # float32 stories260K
     assert st["kv_cache_bytes"] == st["num_blocks"] * st["block_size"] * per_token
+
+
+def _with_nan_final_norm(src: Path, dst: Path) -> Path:
+    """A copy of an HF folder whose final norm weight is all NaN (a broken checkpoint)."""
+    shutil.copytree(src, dst)
+    st = dst / "model.safetensors"
+    data = bytearray(st.read_bytes())
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    entry = header["model.norm.weight"]
+    assert entry["dtype"] == "F32"
+    lo, hi = entry["data_offsets"]
+    data[8 + n + lo:8 + n + hi] = np.full((hi - lo) // 4, np.nan, np.float32).tobytes()
+    st.write_bytes(bytes(data))
+    return dst
+
+
+def test_nan_logits_are_named_not_blamed_on_constraints(tiny_hf_dir, tmp_path):
+    model = _with_nan_final_norm(tiny_hf_dir, tmp_path / "nan")
+    with LLM(str(model), skip_tokenizer_init=True) as llm, pytest.warns(UserWarning, match="all NaN or -inf"):
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "error" and "constraints" not in out.guided_error

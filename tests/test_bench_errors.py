@@ -74,6 +74,20 @@ def test_usage_errors_are_one_line(tmp_path):
                  "--no-such-option")
 
 
+@pytest.mark.parametrize("args, flag", [
+    (["throughput", "--block-size", "0"], "--block-size"),
+    (["throughput", "--num-requests", "-3"], "--num-requests"),
+    (["throughput", "--input-len", "0"], "--input-len"),
+    (["latency", "--rates", "0"], "--rates"),
+    (["latency", "--rates", "nan"], "--rates"),
+    (["latency", "--fractions", "abc"], "--fractions"),
+    (["latency", "--prompt-len", "0"], "--prompt-len"),
+    (["scheduler", "--steps", "0"], "--steps"),
+])
+def test_bad_numbers_are_named_before_the_run(tmp_path, args, flag):
+    one_line(bench(tmp_path, *args), 2, f"conveyor bench {args[0]}: error:", flag)
+
+
 def test_timeline_writes_only_what_it_is_asked(tmp_path, stories_dir):
     """No default files in the working directory; --json writes exactly there."""
     args = ["timeline", "--model", stories_dir / "stories260K.bin", "--slots", "2", "--output-lens", "3,2,4"]

@@ -414,6 +414,39 @@ def test_generate_stream_without_prompt_streams_the_default_prompts(tmp_path, st
     assert re.search(r"KV cache \d+ MiB: 1 sequence of up to", r.stdout), r.stdout
 
 
+def test_generate_stream_prints_the_logprobs_it_was_asked_for(tmp_path, stories_dir):
+    r = conveyor(tmp_path, "generate", "stories260K", "--stream", "--max-tokens", "4", "--logprobs", "2",
+                 "--prompt", "Lily", CONVEYOR_STORIES=stories_dir)
+    assert r.returncode == 0, r.stderr
+    rows = re.findall(r"^  \[(\d)\] \*", r.stdout, re.M)  # one row a token, the chosen one starred first
+    assert rows == ["0", "1", "2", "3"], r.stdout
+
+
+def test_latency_ctrl_c_during_calibration_is_prompt(tmp_path):
+    """The calibration burst (8,192 requests of a tiny model, about ten seconds) is
+    blocking work inside the benchmark's event loop: Ctrl-C still stops it at once."""
+    p = spawn(tmp_path, ["-m", "conveyor", "bench", "latency", "--model", "tiny", "--calib-requests", "8192",
+                         "--mean-output", "32", "--num-requests", "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while p.poll() is None and time.monotonic() < deadline and not _maps(p.pid, "conveyor/_core"):
+        time.sleep(0.02)
+    time.sleep(2.5)
+    t = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    if p.returncode == 0:
+        pytest.skip("the benchmark finished before the signal")
+    assert time.monotonic() - t < 5.0, err  # about 10 s before: the burst ran to its end
+    assert p.returncode == -signal.SIGINT and err.strip().splitlines()[-1] == "conveyor bench latency: interrupted"
+
+
+def test_serve_refuses_a_chat_template_that_is_not_jinja(tmp_path, stories_dir):
+    r = conveyor(tmp_path, "serve", "stories260K", "--port", "0", "--chat-template", "{% if %}",
+                 CONVEYOR_STORIES=stories_dir)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "conveyor serve: error: --chat-template is not valid Jinja" in r.stderr
+
+
 def test_generate_with_no_arguments_reports_generation_and_total_time(tmp_path):
     """The built-in default model (SmolLM2-135M-Instruct, linked into this test's cache from
     the user's so nothing is downloaded): the report's total time is mostly generation, not

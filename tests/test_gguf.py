@@ -326,6 +326,17 @@ def test_quantization_knob_equals_quantized_file(tmp_path):
         LLM(str(hf), quantization="q3_k")
 
 
+def test_quantization_leaves_a_quantized_files_matrices_alone(tmp_path):
+    """quantization= quantizes float matrices only: on a Q4_1 file with a Q8_0 embedding
+    (SmolLM2's layout) any choice gives the file's own logits, bit for bit."""
+    shape = dict(dim=64, hidden_dim=192, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=264)
+    g = write_gguf_checkpoint(tmp_path / "m.gguf", shape=shape, seed=3, ggml_type="Q4_1", embed_type="Q8_0")
+    tokens = [int(t) for t in np.random.default_rng(1).integers(0, 264, 20)]
+    own = all_logits(g, tokens)
+    for q in ("q8_0", "q4_0", "q4_1"):
+        np.testing.assert_array_equal(all_logits(g, tokens, quantization=q), own)
+
+
 @pytest.mark.skipif(not (hasattr(conveyor._testing, "cuda_available") and conveyor._testing.cuda_available()),
                     reason="no CUDA device (conveyor._testing.cuda_available() is False)")
 def test_cuda_dequantizes_to_bf16_at_load(tmp_path):

@@ -64,7 +64,8 @@ static int upload_vector(cv_backend *b, float **out, const cv_tensor_view *v, fl
 static int quant_rank(cv_dtype t) { return t == CV_Q8_0 ? 3 : t == CV_Q4_1 ? 2 : t == CV_Q4_0 ? 1 : 0; }
 
 /* The dtype a matrix of parts[n] is kept in: the asked quantization when its
- * rows can be block-quantized; else the type the kernels compute the file's
+ * rows can be block-quantized and none of its parts is quantized already (a
+ * quantized file's matrices are never quantized again); else the type the kernels compute the file's
  * quantized parts in when they share it (cv_quant_compute_type); else, for
  * parts of the Q5/K formats mixed with others, Q8_F, which holds every
  * format exactly but Q2_K (two mins a block: Q8_M, a scale and a min per 16,
@@ -72,7 +73,9 @@ static int quant_rank(cv_dtype t) { return t == CV_Q8_0 ? 3 : t == CV_Q4_1 ? 2 :
  * Q8_0/Q4_1/Q4_0 among the parts; else the model's float dtype. */
 static cv_dtype matrix_dtype(const cv_tensor_view *const *parts, int n, cv_dtype dtype, cv_dtype quant) {
     if (parts[0]->shape[1] % CV_QK != 0) return dtype;
-    if (cv_dtype_is_quant(quant)) return quant;
+    int any_quant = 0;
+    for (int i = 0; i < n; i++) any_quant = any_quant || cv_dtype_is_quant(parts[i]->dtype);
+    if (cv_dtype_is_quant(quant) && !any_quant) return quant;
     cv_dtype best = CV_DTYPE_INVALID;
     int same = 1, all_quant = 1, newer = 0;
     for (int i = 0; i < n; i++) {
@@ -265,7 +268,7 @@ int cv_model_load_quantized(cv_model **out, const char *path, cv_backend *b, cv_
     rc = prepare_stacked(b, &m->lm_head, &head, 1, dtype, quant, scratch, err);
     if (rc) goto done;
     /* a quantized embedding (GGUF, or quantization=) stays quantized: rows are dequantized on lookup */
-    const int quantize_table = cv_dtype_is_quant(quant) && c->dim % CV_QK == 0 && ck.embed.dtype != quant;
+    const int quantize_table = cv_dtype_is_quant(quant) && c->dim % CV_QK == 0 && !cv_dtype_is_quant(ck.embed.dtype);
     const cv_dtype table_dtype = quantize_table ? quant : cv_dtype_is_quant(ck.embed.dtype) ? ck.embed.dtype : dtype;
     /* Tied: when the LM head holds the table's very values (the same dtype,
      * made from the same rows), the lookup reads its rows and no table is kept. */

@@ -18,7 +18,8 @@ from typing import AsyncIterator, Optional
 
 import numpy as np
 
-from .engine import NO_TOKEN_ERROR, EngineArgs, EngineCore, EngineFrontend, check_priority, check_timeout
+from .engine import (NO_TOKEN_ERROR, NON_FINITE_LOGITS, EngineArgs, EngineCore, EngineFrontend, check_priority,
+                     check_timeout)
 from .models import resolve_model
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -112,7 +113,8 @@ def _raise_guided_error(out: RequestOutput, params) -> None:
     request set of allowed_token_ids, bad_words, min_tokens, the grammar)."""
     if out.guided_error:
         e = ValueError(out.guided_error)
-        e.field = _no_token_field(params) if out.guided_error.startswith(NO_TOKEN_ERROR) else "guided_decoding"
+        e.field = (_no_token_field(params) if out.guided_error.startswith(NO_TOKEN_ERROR) else
+                   "model" if out.guided_error.startswith(NON_FINITE_LOGITS) else "guided_decoding")
         raise e
 
 

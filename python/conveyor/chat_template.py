@@ -115,6 +115,11 @@ def _bounded_filters(env) -> None:
     env.filters.update(replace=bounded_replace, center=bounded_center, indent=bounded_indent)
 
 
+def check_chat_template(source: str) -> None:
+    """ModelFormatError (a ValueError) when the template does not compile."""
+    _compile_template(source)
+
+
 @functools.lru_cache(maxsize=16)
 def _compile_template(source: str):
     from jinja2.exceptions import TemplateError

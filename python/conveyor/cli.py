@@ -20,6 +20,7 @@ import importlib
 import json
 import os
 import sys
+import warnings
 from typing import Callable, Sequence
 
 from .cli_args import Parser
@@ -131,6 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog = f"conveyor {cmd}"
         if cmd == "bench" and rest and rest[0] in BENCHMARKS:
             prog = f"conveyor bench {rest[0]}"
+        if not debug:  # a user's warning as one line in the errors' format, not Python's source line
+            warnings.formatwarning = lambda message, category, *args, **kw: f"{prog}: warning: {message}\n"
         try:
             target = SUBCOMMANDS[cmd][0]
             if cmd == "serve" and "--ray" in rest:  # replicas on Ray Serve (the `ray` extra)

@@ -51,3 +51,33 @@ def add_model_arguments(p: argparse.ArgumentParser, help_: str = MODEL_HELP) -> 
     p.add_argument("model", nargs="?", default=None, help=help_)
     p.add_argument("--model", dest=_MODEL_OPTION, default=None, metavar="MODEL",
                    help="the model, as an option instead of positionally (default: as for MODEL)")
+
+
+def count(text: str) -> int:
+    """argparse type of a count (requests, tokens, repetitions): an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_numbers(text: str) -> list:
+    """argparse type of a comma-separated list of finite numbers > 0 (rates, fractions)."""
+    out = []
+    for item in str(text).replace(" ", "").split(","):
+        if not item:
+            continue
+        try:
+            value = float(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} is not a number") from None
+        if not (value > 0 and value != float("inf")):
+            raise argparse.ArgumentTypeError(f"each value must be a finite number > 0, got {item}")
+        out.append(value)
+    if not out:
+        raise argparse.ArgumentTypeError("no value given")
+    return out
+

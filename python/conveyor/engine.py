@@ -75,6 +75,13 @@ def check_allowed_in_mask(allowed, mask: np.ndarray) -> None:
 # The error of a completion that ended with finish_reason "error": its constraints
 # left no token to sample (the sampler never picks one outside them).
 NO_TOKEN_ERROR = "no token satisfies the request's constraints"
+NON_FINITE_LOGITS = "the model's logits were all NaN or -inf"
+
+
+def _constrained(params: SamplingParams) -> bool:
+    """Whether a request bans tokens (so that its constraints may leave none)."""
+    return bool(params.allowed_token_ids is not None or params.bad_words or params.min_tokens or
+                params.guided_decoding is not None or params.logit_bias)
 MAX_MODEL_LEN = 1 << 24  # the largest max_model_len an engine takes
 
 
@@ -865,9 +872,12 @@ class EngineCore:
                     st.add_text(st.decoder.decode(b"", final=True))
                     st.finish_reason = ev.finish_reason
                     if ev.finish_reason == "error" and req.guided_error is None:
-                        req.guided_error = (f"{NO_TOKEN_ERROR} at output token {len(st.token_ids)} of completion "
-                                            f"{ev.seq_index}: allowed_token_ids, bad_words, min_tokens and the "
-                                            "grammar leave none")
+                        where = f"at output token {len(st.token_ids)} of completion {ev.seq_index}"
+                        if _constrained(req.params):
+                            req.guided_error = (f"{NO_TOKEN_ERROR} {where}: allowed_token_ids, bad_words, "
+                                                "min_tokens and the grammar leave none")
+                        else:  # nothing banned a token: every logit was NaN or -inf
+                            req.guided_error = f"{NON_FINITE_LOGITS} {where} (a broken checkpoint?)"
                     if ev.stop_kind == _core.STOP_TOKEN:
                         st.stop_reason = ev.stop_value
                     elif ev.stop_kind == _core.STOP_STRING:

@@ -91,8 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _print_logprobs(tokenizer, completion) -> None:
-    for pos, entry in enumerate(completion.logprobs or ()):
-        chosen = completion.token_ids[pos]
+    _print_logprob_rows(tokenizer, completion.token_ids, completion.logprobs)
+
+
+def _print_logprob_rows(tokenizer, token_ids, logprobs) -> None:
+    for pos, entry in enumerate(logprobs or ()):
+        chosen = token_ids[pos]
         cells = []
         for tid, lp in sorted(entry.items(), key=lambda kv: -kv[1].logprob):
             piece = tokenizer.decode([tid]) if tokenizer is not None else str(tid)
@@ -102,18 +106,24 @@ def _print_logprobs(tokenizer, completion) -> None:
 
 
 async def _stream(llm, shown: list, prompts: list, params) -> tuple[int, int]:
-    """Prints the completion of each prompt as it is generated, one after the other;
-    returns (prompt, generated) tokens."""
+    """Prints the completion of each prompt as it is generated, one after the other (and,
+    with logprobs, their table once it ends); returns (prompt, generated) tokens."""
     n_prompt = n_gen = 0
     for label, prompt in zip(shown, prompts):
         print(f"--- {label!r}")
+        ids, lps = [], []
         async for out in llm.generate(prompt, params):
-            n_gen += len(out.outputs[0].token_ids)
-            sys.stdout.write(out.outputs[0].text)
+            o = out.outputs[0]
+            n_gen += len(o.token_ids)
+            ids += o.token_ids
+            lps += o.logprobs or []
+            sys.stdout.write(o.text)
             sys.stdout.flush()
             if out.finished:
                 n_prompt += len(out.prompt_token_ids)
-                print(f"\n[{out.outputs[0].finish_reason}]")
+                print(f"\n[{o.finish_reason}]")
+                if params.logprobs is not None:
+                    _print_logprob_rows(llm.get_tokenizer(), ids, lps)
     return n_prompt, n_gen
 
 

@@ -17,18 +17,46 @@ def render_default_chat(messages: Sequence[dict], add_generation_prompt: bool = 
     return "".join(out)
 
 
+def message_text(content, where: str = "content") -> str:
+    """A message's content as text, in OpenAI's forms: a str, None (an assistant message
+    with tool calls only: ""), or a list of {"type": "text", "text": str} parts, joined.
+    TypeError/ValueError naming ``where`` (and the part) otherwise."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            at = f"{where}[{j}]"
+            if not isinstance(part, dict):
+                raise TypeError(f"{at} must be a content part object, got {type(part).__name__}")
+            if part.get("type") != "text":
+                raise ValueError(f"{at}: only content parts of type 'text' are supported, got {part.get('type')!r}")
+            if not isinstance(part.get("text"), str):
+                raise TypeError(f"{at}.text must be a str, got {type(part.get('text')).__name__}")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise TypeError(f"{where} must be a str, a list of text parts or None, got {type(content).__name__}")
+
+
 def _check_messages(messages) -> list[dict]:
+    """The conversation with each message's content as text (the chat template reads strs)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Iterable):
         raise TypeError("messages must be a list of {'role': str, 'content': str} dicts")
     msgs = list(messages)
+    if not msgs:
+        raise ValueError("messages is empty: a conversation needs at least one message")
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise TypeError(f"messages[{i}] must be a dict, got {type(m).__name__}")
         for key in ("role", "content"):
             if key not in m:
                 raise ValueError(f"messages[{i}] has no {key!r}")
-            if not isinstance(m[key], str):
-                raise TypeError(f"messages[{i}][{key!r}] must be a str, got {type(m[key]).__name__}")
+        if not isinstance(m["role"], str):
+            raise TypeError(f"messages[{i}]['role'] must be a str, got {type(m['role']).__name__}")
+        if not isinstance(m["content"], str):
+            msgs[i] = {**m, "content": message_text(m["content"], f"messages[{i}]['content']")}
     return msgs
 
 

@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from . import common
 from .workloads import make_study_workload
+from ..cli_args import count
 
 # Bytes per weight of each matrix dtype as the CPU engine stores it: the float dtypes as
 # they are; Q8_0 and Q4_1 at GGUF's bytes a block of 32, and Q4_0 at Q4_1's where the
@@ -481,20 +482,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="quantize the float matrices at load (default: none)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto, float32, bfloat16, float16 or int8")
     ap.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: all cores)")
-    ap.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
+    ap.add_argument("--max-num-seqs", type=count, default=256, help="sequences running at once")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="tokens computed in one step (default: the engine's)")
-    ap.add_argument("--num-requests", type=int, default=128, help="study: requests")
-    ap.add_argument("--prompt-len", type=int, default=128, help="study: prompt tokens")
-    ap.add_argument("--mean-output", type=int, default=128, help="study: mean output length")
-    ap.add_argument("--cap", type=int, default=512, help="study: longest output")
+    ap.add_argument("--num-requests", type=count, default=128, help="study: requests")
+    ap.add_argument("--prompt-len", type=count, default=128, help="study: prompt tokens")
+    ap.add_argument("--mean-output", type=count, default=128, help="study: mean output length")
+    ap.add_argument("--cap", type=count, default=512, help="study: longest output")
     ap.add_argument("--seed", type=int, default=0, help="study: workload seed")
-    ap.add_argument("--decode-tokens", type=int, default=128, help="decode: output tokens at batch 1")
-    ap.add_argument("--running", type=int, default=64, help="running: sequences decoding together")
-    ap.add_argument("--running-tokens", type=int, default=64, help="running: output tokens each")
-    ap.add_argument("--prefill-len", type=int, default=512, help="prefill: tokens per prompt")
-    ap.add_argument("--num-prefill", type=int, default=4, help="prefill: prompts")
-    ap.add_argument("--repeats", type=int, default=1,
+    ap.add_argument("--decode-tokens", type=count, default=128, help="decode: output tokens at batch 1")
+    ap.add_argument("--running", type=count, default=64, help="running: sequences decoding together")
+    ap.add_argument("--running-tokens", type=count, default=64, help="running: output tokens each")
+    ap.add_argument("--prefill-len", type=count, default=512, help="prefill: tokens per prompt")
+    ap.add_argument("--num-prefill", type=count, default=4, help="prefill: prompts")
+    ap.add_argument("--repeats", type=count, default=1,
                     help="with --measure: runs of each workload, the best one compared with the bound (the "
                          "bandwidth and peaks are the best of their runs too); with 2 or more, each run is "
                          "also compared with the bound at the read bandwidth measured just before and after "

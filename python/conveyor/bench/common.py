@@ -30,6 +30,7 @@ from ..llm import LLM
 from ..models import find_model, random_checkpoint
 from ..sampling_params import SamplingParams
 from ..speculative import parse_speculative_config, spec_delta
+from ..cli_args import count
 
 STORIES_ENV = "CONVEYOR_STORIES"
 # The KV pool: by default ("fit") each engine gets room for every request of its
@@ -444,7 +445,7 @@ def add_engine_args(ap) -> None:
                          "default: none)")
     ap.add_argument("--device", default="cpu", help="where to run (cpu or cuda)")
     ap.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: all cores)")
-    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    ap.add_argument("--block-size", type=count, default=16, help="tokens per KV cache block")
     ap.add_argument("--kv-cache-memory", default=DEFAULT_KV_CACHE,
                     help="KV pool size such as 1GiB; 'fit' (default): room for the whole workload "
                          "at once; 'auto': the engine's default")

@@ -14,15 +14,28 @@ of the E2E latency CDFs.
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
+import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from . import common
+from ..cli_args import count, positive_numbers
 
 DEFAULT_FRACTIONS = (0.3, 0.9)
+
+
+def output_cap(cfg: dict, prompt_len: int, mean_output: int, cap_factor: int = 12) -> int:
+    """The longest output: cap_factor x the mean, or what the context leaves after the
+    longest prompt when that is less (a small model's context)."""
+    room = int(cfg.get("max_pos") or 1 << 30) - (3 * prompt_len) // 2
+    if room < 1:
+        raise ValueError(f"--prompt-len {prompt_len}: prompts of up to {(3 * prompt_len) // 2} tokens leave no "
+                         f"room in the model's context of {cfg.get('max_pos')} tokens")
+    return min(cap_factor * mean_output, room)
 
 
 def make_workload(model: str, *, num_requests: int, prompt_len: int, mean_output: int,
@@ -31,7 +44,8 @@ def make_workload(model: str, *, num_requests: int, prompt_len: int, mean_output
     rng = np.random.default_rng([seed, 4])
     lens = common.uniform_lengths(rng, num_requests, max(1, prompt_len // 2), (3 * prompt_len) // 2)
     return common.make_workload(n=num_requests, vocab_size=cfg["vocab_size"], prompt_lens=lens,
-                                mean_output=mean_output, cap=cap_factor * mean_output, seed=seed)
+                                mean_output=mean_output, cap=output_cap(cfg, prompt_len, mean_output, cap_factor),
+                                seed=seed)
 
 
 def calibrate(model: str, *, num_requests: int, prompt_len: int, mean_output: int, seed: int,
@@ -142,7 +156,7 @@ async def run_study_async(model: str, *, num_requests: int = 100, prompt_len: in
                   "path": str(model), "name": str(model).rstrip("/").split("/")[-1]},
         "knobs": {"num_requests": num_requests, "prompt_len": prompt_len,
                   "prompt_len_range": [max(1, prompt_len // 2), (3 * prompt_len) // 2],
-                  "mean_output": mean_output, "cap": 12 * mean_output, "seed": seed,
+                  "mean_output": mean_output, "cap": output_cap(cfg, prompt_len, mean_output), "seed": seed,
                   "static_batch_size": static_batch_size, "continuous_max_num_seqs": max_num_seqs,
                   "max_num_batched_tokens": runs[0]["max_num_batched_tokens"] if runs else None,
                   "rate_fractions": list(fractions) if calib else None, "ignore_eos": True, **engine},
@@ -154,8 +168,22 @@ async def run_study_async(model: str, *, num_requests: int = 100, prompt_len: in
     }
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def run_study(model: str, **kw) -> Dict[str, Any]:
-    return asyncio.run(run_study_async(model, **kw))
+    # asyncio.run's own Ctrl-C handler only cancels the task, which cannot happen while the
+    # blocking warm-up and calibration run (minutes on a real model); an interrupt raised
+    # where the main thread is stops them as it stops any blocking call
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return asyncio.run(run_study_async(model, **kw))
+    signal.signal(signal.SIGINT, _interrupt)
+    try:
+        return asyncio.run(run_study_async(model, **kw))
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _ms_decimals(seconds: float) -> int:
@@ -223,17 +251,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = Parser(prog="conveyor bench latency", description=__doc__,
                 formatter_class=RawDescriptionDefaultsHelpFormatter)
     common.add_engine_args(ap)
-    ap.add_argument("--num-requests", type=int, default=100, help="requests per arrival rate")
-    ap.add_argument("--prompt-len", type=int, default=128, help="P: prompts uniform in [P/2, 3P/2]")
-    ap.add_argument("--mean-output", type=int, default=64, help="M: outputs capped exponential, cap 12M")
-    ap.add_argument("--rates", default=None, help="arrival rates in requests/s (skips calibration; default: fractions of the measured "
+    ap.add_argument("--num-requests", type=count, default=100, help="requests per arrival rate")
+    ap.add_argument("--prompt-len", type=count, default=128, help="P: prompts uniform in [P/2, 3P/2]")
+    ap.add_argument("--mean-output", type=count, default=64, help="M: outputs capped exponential, cap 12M")
+    ap.add_argument("--rates", type=positive_numbers, default=None, help="arrival rates in requests/s (skips calibration; default: fractions of the measured "
                          "saturation, see --fractions)")
-    ap.add_argument("--fractions", default=",".join(map(str, DEFAULT_FRACTIONS)),
+    ap.add_argument("--fractions", type=positive_numbers, default=",".join(map(str, DEFAULT_FRACTIONS)),
                     help="rates as fractions of the measured saturation (default 0.3,0.9)")
-    ap.add_argument("--calib-requests", type=int, default=32,
+    ap.add_argument("--calib-requests", type=count, default=32,
                     help="requests of the burst that measures the saturation rate")
-    ap.add_argument("--static-batch-size", type=int, default=16, help="batch size of the static runs")
-    ap.add_argument("--max-num-seqs", type=int, default=256, help="continuous max_num_seqs")
+    ap.add_argument("--static-batch-size", type=count, default=16, help="batch size of the static runs")
+    ap.add_argument("--max-num-seqs", type=count, default=256, help="continuous max_num_seqs")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="tokens computed in one step (default: the engine's)")
     ap.add_argument("--json", default=None, help="write the results as JSON to this file (default: none)")
@@ -252,8 +280,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     r = run_study(model, num_requests=args.num_requests, prompt_len=args.prompt_len,
                   mean_output=args.mean_output,
-                  rates=common.parse_float_list(args.rates) if args.rates else None,
-                  fractions=common.parse_float_list(args.fractions), calib_requests=args.calib_requests,
+                  rates=args.rates, fractions=args.fractions, calib_requests=args.calib_requests,
                   static_batch_size=args.static_batch_size, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, progress=say,
                   **common.engine_kwargs(args))

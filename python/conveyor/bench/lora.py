@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from . import common
+from ..cli_args import count
 
 def _tokens_per_s(llm, prompts, params, loras=None) -> float:
     t = time.perf_counter()
@@ -170,11 +171,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = Parser(prog="conveyor bench lora", description=__doc__, formatter_class=RawDescriptionDefaultsHelpFormatter)
     common.add_engine_args(ap)
     ap.add_argument("--adapters", default="1,4,16,64", help="numbers of distinct adapters in the batch")
-    ap.add_argument("--requests", type=int, default=64, help="requests in the batch")
-    ap.add_argument("--rank", type=int, default=16, help="adapter rank")
-    ap.add_argument("--prompt-len", type=int, default=24, help="prompt tokens per request")
-    ap.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
-    ap.add_argument("--reps", type=int, default=2, help="base/adapters pairs per number of adapters")
+    ap.add_argument("--requests", type=count, default=64, help="requests in the batch")
+    ap.add_argument("--rank", type=count, default=16, help="adapter rank")
+    ap.add_argument("--prompt-len", type=count, default=24, help="prompt tokens per request")
+    ap.add_argument("--max-tokens", type=count, default=32, help="output tokens per request")
+    ap.add_argument("--reps", type=count, default=2, help="base/adapters pairs per number of adapters")
     ap.add_argument("--lora-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="how the engine holds the adapter weights")
     ap.add_argument("--merged-adapters", default="16",

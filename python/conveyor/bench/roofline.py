@@ -21,6 +21,7 @@ import numpy as np
 from .. import LLM, SamplingParams, _core, _testing
 from .bound import QUANTIZED, keys_seen, model_cost, peak_kind
 from .peaks import compute_peaks, format_peaks, fraction_text, merge_peaks
+from ..cli_args import count
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -207,9 +208,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--quantization", default=None, choices=["q8_0", "q4_0", "q4_1"],
                     help="quantize the matrices at load (a GGUF file's quantized ones stay as they are; default: none)")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    ap.add_argument("--decode-tokens", type=int, default=64, help="sequences in the decode step measured")
-    ap.add_argument("--prefill-len", type=int, default=512, help="tokens per prefill prompt")
-    ap.add_argument("--repeats", type=int, default=3, help="runs of each model measurement; the best is kept")
+    ap.add_argument("--decode-tokens", type=count, default=64, help="sequences in the decode step measured")
+    ap.add_argument("--prefill-len", type=count, default=512, help="tokens per prefill prompt")
+    ap.add_argument("--repeats", type=count, default=3, help="runs of each model measurement; the best is kept")
     ap.add_argument("--json", default=None, help="write the results as JSON to this file (default: none)")
     a = ap.parse_args(list(argv) if argv is not None else None)
     if a.model is None:

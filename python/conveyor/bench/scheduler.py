@@ -25,6 +25,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from ..cli_args import count
+
 
 def _core():
     from conveyor import _core
@@ -97,15 +99,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     ap = Parser(prog="conveyor bench scheduler", description=__doc__,
                 formatter_class=RawDescriptionDefaultsHelpFormatter)
-    ap.add_argument("--waiting", type=int, default=100_000, help="waiting sequences (default 100000)")
-    ap.add_argument("--compare-waiting", type=int, default=1_000,
+    ap.add_argument("--waiting", type=count, default=100_000, help="waiting sequences (default 100000)")
+    ap.add_argument("--compare-waiting", type=count, default=1_000,
                     help="waiting sequences of the comparison run (default 1000)")
-    ap.add_argument("--running", type=int, default=1024, help="running sequences = max_num_seqs")
-    ap.add_argument("--steps", type=int, default=500, help="C-timed steps per run")
-    ap.add_argument("--py-steps", type=int, default=50, help="Python-timed steps per run")
-    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    ap.add_argument("--prompt-len", type=int, default=16, help="tokens per prompt")
-    ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
+    ap.add_argument("--running", type=count, default=1024, help="running sequences = max_num_seqs")
+    ap.add_argument("--steps", type=count, default=500, help="C-timed steps per run")
+    ap.add_argument("--py-steps", type=count, default=50, help="Python-timed steps per run")
+    ap.add_argument("--block-size", type=count, default=16, help="tokens per KV cache block")
+    ap.add_argument("--prompt-len", type=count, default=16, help="tokens per prompt")
+    ap.add_argument("--budget", type=count, default=2048, help="max_num_batched_tokens")
     ap.add_argument("--policy", choices=["continuous", "priority", "static"], default="continuous",
                     help="the scheduling policy measured")
     ap.add_argument("--json", type=str, default=None, help="write the results as JSON to this file (default: none)")

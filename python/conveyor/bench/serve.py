@@ -53,6 +53,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from ..cli_args import count
+
 PCTS = (50, 90, 99)
 
 
@@ -476,8 +478,8 @@ def main(argv=None) -> int:
     ap.add_argument("--served-model-name", default=None, help="model name to send (default: ask /v1/models)")
     ap.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
                     help="the server's API key (default: $CONVEYOR_API_KEY, else none)")
-    ap.add_argument("--num-prompts", type=int, default=100, help="requests per run")
-    ap.add_argument("--prompt-len", type=int, default=128, help="P: prompt lengths uniform in [P/2, 3P/2]")
+    ap.add_argument("--num-prompts", type=count, default=100, help="requests per run")
+    ap.add_argument("--prompt-len", type=count, default=128, help="P: prompt lengths uniform in [P/2, 3P/2]")
     ap.add_argument("--output-mean", type=float, default=64, help="M: mean output length (cap 12M)")
     ap.add_argument("--rates", type=_parse_rates, default="auto",
                     help="'auto', or comma-separated requests/s ('inf' = all at once) and multiples of the "
@@ -487,7 +489,7 @@ def main(argv=None) -> int:
     ap.add_argument("--duration", type=float, default=None,
                     help="for runs at a finite rate: send rate x this many seconds of requests "
                          "(default: --num-prompts requests)")
-    ap.add_argument("--client-procs", type=int, default=1, help="load-generator processes")
+    ap.add_argument("--client-procs", type=count, default=1, help="load-generator processes")
     ap.add_argument("--no-inprocess", action="store_true",
                     help="skip the AsyncLLM in-process comparison (with --model)")
     ap.add_argument("--seed", type=int, default=0, help="workload seed")

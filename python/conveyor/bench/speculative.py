@@ -26,6 +26,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from . import common
+from ..cli_args import count
 
 PASSAGE = (
     "The lighthouse keeper climbed the narrow stairs every evening at dusk. He polished the great lens, "
@@ -159,9 +160,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 formatter_class=RawDescriptionDefaultsHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the default model (SmolLM2-135M-Instruct Q4_1)")
     ap.add_argument("--workload", default="repeat", choices=sorted(PROMPTS), help="the kind of prompts")
-    ap.add_argument("--batch", type=int, default=1, help="requests at once")
-    ap.add_argument("--max-tokens", type=int, default=256, help="output tokens per request")
-    ap.add_argument("--reps", type=int, default=3, help="repetitions; the fastest counts")
+    ap.add_argument("--batch", type=count, default=1, help="requests at once")
+    ap.add_argument("--max-tokens", type=count, default=256, help="output tokens per request")
+    ap.add_argument("--reps", type=count, default=3, help="repetitions; the fastest counts")
     ap.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: all cores)")
     ap.add_argument("--speculative-config", default=json.dumps(DEFAULT_SPEC), metavar="JSON",
                     help="the speculative decoding compared with plain decoding")

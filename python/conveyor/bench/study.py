@@ -38,6 +38,7 @@ import numpy as np
 
 from . import common
 from .workloads import load_workload, make_study_workload, save_workload, workload_hash  # noqa: F401
+from ..cli_args import count
 
 DEFAULT_KV_TOKENS = 8192  # the study's budget: ~8k tokens of KV (16 x 544, 12 x 640, 8 x 1024, 4 x 2048)
 SYSTEMS = ("hf_static", "conveyor_static", "conveyor_continuous", "vllm")
@@ -500,9 +501,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "checkpoint (bf16), written once with conveyor.testing")
     ap.add_argument("--quick", action="store_true",
                     help="a tiny model and workload (seconds): N=12, P=16, M=8, caps 4,8,32")
-    ap.add_argument("--num-requests", type=int, default=128, help="N (default 128)")
-    ap.add_argument("--prompt-len", type=int, default=128, help="P (default 128)")
-    ap.add_argument("--mean-output", type=int, default=128, help="M (default 128)")
+    ap.add_argument("--num-requests", type=count, default=128, help="N (default 128)")
+    ap.add_argument("--prompt-len", type=count, default=128, help="P (default 128)")
+    ap.add_argument("--mean-output", type=count, default=128, help="M (default 128)")
     ap.add_argument("--caps", default=None, help="comma-separated caps (default M/4,M,4M)")
     ap.add_argument("--kv-tokens", type=int, default=None,
                     help=f"the KV budget shared by all systems, in tokens (default {DEFAULT_KV_TOKENS})")
@@ -517,7 +518,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "path on CPUs without AVX512-BF16; float32 is the fairer baseline there")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run")
     ap.add_argument("--num-threads", type=int, default=None, help="threads per system (default: usable cores)")
-    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    ap.add_argument("--block-size", type=count, default=16, help="tokens per KV cache block")
     ap.add_argument("--seed", type=int, default=0, help="workload seed")
     ap.add_argument("--adaptive-batch-limit", action="store_true",
                     help="run Conveyor continuous with adaptive_batch_limit=True (admissions stop at the "

@@ -21,6 +21,7 @@ from typing import Any, Dict, Optional, Sequence
 import numpy as np
 
 from . import common
+from ..cli_args import count
 
 
 def run(model: str, *, num_requests: int = 64, input_len: int = 128, output_len: int = 64,
@@ -102,15 +103,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = Parser(prog="conveyor bench throughput", description=__doc__,
                 formatter_class=RawDescriptionDefaultsHelpFormatter)
     common.add_engine_args(ap)
-    ap.add_argument("--num-requests", "--num-prompts", type=int, default=64, dest="num_requests",
+    ap.add_argument("--num-requests", "--num-prompts", type=count, default=64, dest="num_requests",
                     help="requests, all sent at once")
-    ap.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
-    ap.add_argument("--output-len", type=int, default=64, help="output tokens per request")
+    ap.add_argument("--input-len", type=count, default=128, help="prompt tokens per request")
+    ap.add_argument("--output-len", type=count, default=64, help="output tokens per request")
     ap.add_argument("--range-ratio", type=float, default=0.0,
                     help="sample lengths uniformly in [len*(1-r), len*(1+r)] (default 0: fixed)")
     ap.add_argument("--scheduling", default="continuous", choices=["continuous", "fcfs", "static", "priority"],
                     help="batching policy")
-    ap.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
+    ap.add_argument("--max-num-seqs", type=count, default=256, help="sequences running at once")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="tokens computed in one step (default: the engine's)")
     ap.add_argument("--warm", action="store_true",

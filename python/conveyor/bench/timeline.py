@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Dict, Optional, Sequence
 
 from . import common
+from ..cli_args import count
 
 DEFAULT_OUTPUT_LENS = (10, 2, 4, 7, 3, 12, 2, 5, 8, 3)
 
@@ -194,7 +195,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--slots", type=int, default=4, help="max_num_seqs = static batch size (default 4)")
     ap.add_argument("--output-lens", default=",".join(map(str, DEFAULT_OUTPUT_LENS)),
                     help="output length of each request (default 10,2,4,7,3,12,2,5,8,3)")
-    ap.add_argument("--prompt-len", type=int, default=8, help="tokens per prompt")
+    ap.add_argument("--prompt-len", type=count, default=8, help="tokens per prompt")
     ap.add_argument("--json", default=None, help="write the timelines as JSON to this file (default: none)")
     ap.add_argument("--plot", default=None,
                     help="draw the timelines into this PNG file (needs matplotlib; default: none)")

@@ -22,6 +22,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from . import common
+from ..cli_args import count
 
 STUDY_BATCH_SIZES = (16, 12, 8, 4)  # for caps M/4, M, 4M, 12M, as the study chose them
 DEFAULT_SWEEP = (8, 16, 32, 64)
@@ -291,15 +292,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = Parser(prog="conveyor bench variance", description=__doc__,
                 formatter_class=RawDescriptionDefaultsHelpFormatter)
     common.add_engine_args(ap)
-    ap.add_argument("--num-requests", type=int, default=48, help="N (default 48 on this CPU)")
-    ap.add_argument("--prompt-len", type=int, default=128, help="P (default 128)")
-    ap.add_argument("--mean-output", type=int, default=64, help="M (default 64)")
+    ap.add_argument("--num-requests", type=count, default=48, help="N (default 48 on this CPU)")
+    ap.add_argument("--prompt-len", type=count, default=128, help="P (default 128)")
+    ap.add_argument("--mean-output", type=count, default=64, help="M (default 64)")
     ap.add_argument("--caps", default=None, help="comma-separated caps (default M/4,M,4M,12M)")
     ap.add_argument("--static-sizes", default=None,
                     help="the study's static batch size per cap (default 16,12,8,4)")
     ap.add_argument("--sweep", default=",".join(map(str, DEFAULT_SWEEP)),
                     help="static batch sizes to sweep (default 8,16,32,64; '' for none)")
-    ap.add_argument("--max-num-seqs", type=int, default=256, help="continuous max_num_seqs")
+    ap.add_argument("--max-num-seqs", type=count, default=256, help="continuous max_num_seqs")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="tokens computed in one step (default: the engine's)")
     ap.add_argument("--repeat", type=int, default=1,

@@ -35,11 +35,17 @@ SWITCH_INTERVAL_S = 0.001  # the server process's GIL switch interval (see main)
 
 def load_chat_template(value: str) -> str:
     """--chat-template: a file's path, or the template itself."""
+    from ..chat_template import check_chat_template
+
     if "{" not in value and os.path.isfile(value):
         with open(value, encoding="utf-8") as fh:
-            return fh.read()
-    if "{" not in value:
+            value = fh.read()
+    elif "{" not in value:
         raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+    try:  # an operator's mistake, said at start, not a 400 blaming each client's messages
+        check_chat_template(value)
+    except ValueError as e:
+        raise ValueError(f"--chat-template {e}".replace("the model's chat template ", "")) from None
     return value
 
 
@@ -442,7 +448,7 @@ def main(argv=None) -> int:
                         lora_modules=lora_modules)
     except (OSError, ValueError, APIError) as e:
         engine.close()
-        print(f"conveyor serve: {e}", file=sys.stderr)
+        print(f"conveyor serve: error: {e}", file=sys.stderr)
         return 2
     try:
         # Bound here, not by uvicorn, so that --port 0 works: the line below names the real port.

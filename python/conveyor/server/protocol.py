@@ -10,6 +10,7 @@ from typing import Optional
 
 from ..request_budget import REQUEST_BUDGET_BYTES, SEQUENCE_BYTES, RequestBudget
 from ..sampling_params import SamplingParams
+from ..tokenizer_base import message_text
 
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
 # Bodies past 4x the default request budget (request_budget.py) could only be refused
@@ -658,25 +659,11 @@ class Validator:
 
     def _message_text(self, i: int, content) -> str:
         param = f"messages[{i}].content"
-        if content is None:
-            return ""
-        if isinstance(content, str):
-            return check_text(param, content)
-        if isinstance(content, list):
-            parts = []
-            for j, part in enumerate(content):
-                pp = f"{param}[{j}]"
-                if not isinstance(part, dict):
-                    raise bad_request(pp, f"'{pp}' must be an object, got {type_name(part)}")
-                if part.get("type") != "text":
-                    raise bad_request(pp, f"'{pp}': only content parts of type 'text' are supported, "
-                                   f"got {part.get('type')!r}")
-                text = part.get("text")
-                if not isinstance(text, str):
-                    raise bad_request(pp + ".text", f"'{pp}.text' must be a string")
-                parts.append(check_text(pp + ".text", text))
-            return "".join(parts)
-        raise bad_request(param, f"'{param}' must be a string or an array of content parts, got {type_name(content)}")
+        try:
+            return check_text(param, message_text(content, param))
+        except (TypeError, ValueError) as e:  # the part at fault leads the message: name it
+            named = str(e).split(" ", 1)[0].rstrip(":")
+            raise bad_request(named if named.startswith(param) else param, str(e)) from None
 
     def chat(self, body: dict) -> Parsed:
         charge_request_budget(body, RequestBudget(self.budget_bytes), self.check_prompt_size)
