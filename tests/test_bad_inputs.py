@@ -273,7 +273,7 @@ KNOB_CASES = [
          dict(max_num_seqs=2**63)),
     Case("knob-max-model-len-0", "max_model_len=0", ValueError, r"max_model_len", dict(max_model_len=0)),
     Case("knob-max-model-len-huge", "max_model_len=100000 (model has 512)", ValueError,
-         r"max_model_len 100000 exceeds the model's max_position_embeddings 512", dict(max_model_len=100000)),
+         r"max_model_len 100000 exceeds the model's context of 512 tokens", dict(max_model_len=100000)),
     Case("knob-batched-tokens", "max_num_batched_tokens=4 without chunked prefill", ValueError,
          r"max_num_batched_tokens \(4\) must be >= max_model_len",
          dict(max_num_batched_tokens=4, enable_chunked_prefill=False)),

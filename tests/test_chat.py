@@ -69,6 +69,14 @@ def test_exit_command_and_long_message(tmp_path):
     assert r.stdout == "(that message is too long for the context of 64 tokens)\n"
 
 
+def test_a_system_message_too_long_for_the_context_is_named(tmp_path):
+    r = subprocess.run(chat_cmd(MODEL, "--max-model-len", "64", "--system", "word " * 200),
+                       input="hi\n", capture_output=True, text=True, timeout=120, env=subprocess_env(), cwd=tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().startswith("conveyor chat: error: --system: the system message takes"), r.stderr
+    assert r.stdout == ""
+
+
 def _read_until(fd, marker: bytes, timeout: float = 60.0) -> bytes:
     buf = b""
     deadline = time.monotonic() + timeout

@@ -27,7 +27,7 @@ RANGE_CASES = [
     ("num_threads", 1025, "num_threads must be in [1, 1024], got 1025"),
     ("max_model_len", 0, "max_model_len must be in [1, 16777216], got 0"),
     ("max_model_len", (1 << 24) + 1, "max_model_len must be in [1, 16777216]"),
-    ("max_model_len", 513, "max_model_len 513 exceeds the model's max_position_embeddings 512"),
+    ("max_model_len", 513, "max_model_len 513 exceeds the model's context of 512 tokens"),
     ("max_num_seqs", 0, "max_num_seqs must be in [1, 65536], got 0"),
     ("max_num_seqs", 65537, "max_num_seqs must be in [1, 65536], got 65537"),
     ("max_num_seqs", 1 << 63, "max_num_seqs is out of range"),

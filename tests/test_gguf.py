@@ -484,6 +484,22 @@ def test_truncated_anywhere_raises(tmp_path):
             Checkpoint(p)
 
 
+def test_an_error_quoting_bytes_that_are_not_utf8_is_still_the_format_error(tmp_path):
+    """A tensor name with a stray byte and a bad dimension count: the error quotes the name
+    (the byte replaced), not a UnicodeDecodeError naming neither file nor tensor."""
+    good = tiny_gguf()
+    name = b"output_norm.weight"
+    at = good.find(name)
+    assert at > 0
+    bad = bytearray(good)
+    bad[at + len(name) - 1] = 0x95  # "weigh\x95"
+    bad[at + len(name):at + len(name) + 4] = struct.pack("<I", 3943334502)  # its n_dims
+    p = tmp_path / "bad.gguf"
+    p.write_bytes(bytes(bad))
+    with pytest.raises(conveyor.ModelFormatError, match="bad.gguf: tensor 'output_norm.weigh\ufffd' has 3943334502"):
+        Checkpoint(p)
+
+
 # ---------------------------------------------------------------------------- the real model
 
 

@@ -70,12 +70,18 @@ PyObject *cv_py_raise(const cv_err *err) {
     case CV_ERR_BUSY: type = cv_py_error(CV_PY_EXC_ENGINE_BUSY); break;
     default: type = cv_py_error(CV_PY_EXC_BASE); break;
     }
+    /* a message may quote a file's bytes (a tensor name) or be cut inside a character:
+     * invalid UTF-8 is replaced, so the error is still the one raised */
+    PyObject *text = PyUnicode_DecodeUTF8(msg, (Py_ssize_t)strlen(msg), "replace");
+    if (!text) return NULL;
     if (!(err && err->field[0])) {
-        PyErr_SetString(type, msg);
+        PyErr_SetObject(type, text);
+        Py_DECREF(text);
         return NULL;
     }
     /* a request or config field is at fault: the exception carries it as .field */
-    PyObject *exc = PyObject_CallFunction(type, "s", msg);
+    PyObject *exc = PyObject_CallOneArg(type, text);
+    Py_DECREF(text);
     if (!exc) return NULL;
     PyObject *field = PyUnicode_FromString(err->field);
     if (!field || PyObject_SetAttrString(exc, "field", field) < 0) {

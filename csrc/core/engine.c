@@ -39,7 +39,8 @@ static int size_steps(cv_engine *e, const cv_engine_config *cfg, const cv_model_
     e->max_model_len = cfg->max_model_len > 0 ? cfg->max_model_len : mc->max_pos;
     if (e->max_model_len > mc->max_pos)
         return cv_set_field_err(err, CV_ERR_INVALID, "max_model_len",
-                                "max_model_len %lld exceeds the model's max_position_embeddings %lld",
+                                "max_model_len %lld exceeds the model's context of %lld tokens (its "
+                                "max_position_embeddings, or its sliding_window when smaller)",
                                 (long long)e->max_model_len, (long long)mc->max_pos);
     e->max_num_seqs = cfg->max_num_seqs;
     e->block_size = cfg->block_size;

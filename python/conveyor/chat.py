@@ -66,6 +66,19 @@ class Conversation:
     def reset(self) -> None:
         self.turns = []
 
+    def check_system(self) -> None:
+        """ValueError naming --system when the system message leaves no room for a turn."""
+        if not self.system:
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            text = self.tok.apply_chat_template(self.system + [{"role": "user", "content": ""}],
+                                                add_generation_prompt=True)
+        n = len(self.tok.encode(text, add_special_tokens=not self.templated))
+        if n + ANSWER_ROOM > self.max_model_len:
+            raise ValueError(f"--system: the system message takes {n} tokens of the context of "
+                             f"{self.max_model_len}, which leaves no room for a message and its answer")
+
     def prompt(self) -> Optional[dict]:
         """The conversation as prompt text and ids, the oldest turns left out until there is
         room for an answer; None when even the last message alone does not fit."""
@@ -261,6 +274,7 @@ def main(argv=None) -> int:
         if llm.tokenizer is None:
             raise ValueError(f"{model} has no tokenizer; chat needs one")
         conv = Conversation(llm.tokenizer, int(llm.stats()["max_model_len"]), args.system)
+        conv.check_system()
         stop = None
         if not conv.templated:
             stop = ["\nuser:"]  # the built-in 'role: content' format: the model's turn ends there

@@ -76,7 +76,7 @@ def build_app(engine, *, model_name: str, api_key: Optional[str] = None, request
     names = [model_name] if isinstance(model_name, str) else model_name
     if not isinstance(names, (list, tuple)) or not names or \
             not all(isinstance(n, str) and n for n in names):
-        raise ValueError("model_name must be a non-empty string or a non-empty list of them")
+        raise ValueError("--served-model-name (model_name) must be a non-empty string or a non-empty list of them")
     if chat_template is not None:
         if engine.tokenizer is None:
             raise ValueError("a chat template needs a tokenizer")
@@ -398,10 +398,11 @@ def main(argv=None) -> int:
     if not (0 <= args.port <= 65535):
         print(f"conveyor serve: error: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
         return 2
-    if args.max_queued_requests < 0 or args.max_body_bytes < 1:
-        print("conveyor serve: error: --max-queued-requests must be >= 0 and --max-body-bytes >= 1",
-              file=sys.stderr)
-        return 2
+    for flag, value, low in (("--max-queued-requests", args.max_queued_requests, 0),
+                             ("--max-body-bytes", args.max_body_bytes, 1)):
+        if value < low:
+            print(f"conveyor serve: error: {flag} must be >= {low}, got {value}", file=sys.stderr)
+            return 2
     if args.request_timeout is not None and not (0 < args.request_timeout <= 1e9):
         print("conveyor serve: error: --request-timeout must be in (0, 1e9] seconds", file=sys.stderr)
         return 2
