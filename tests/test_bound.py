@@ -286,7 +286,7 @@ def test_bench_bound_repeats_keeps_the_best_run(tmp_path, capsys):
     assert "each run against the read bandwidth measured around it" in out
     with pytest.raises(SystemExit):
         bound.main(["--model", str(STORIES), "--workload", "decode", "--measure", "--repeats", "0"])
-    assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
+    assert "argument --repeats: must be >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(ValueError, match="repeats must be an int >= 1"):
         bound.run(str(STORIES), [], repeats=0)
 
@@ -320,7 +320,7 @@ def test_bench_bound_rejects_bad_arguments(capsys):
     assert e.value.code == 2 and "unknown workload 'nope'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bound.main(["--model", str(STORIES), "--cap", "0"])
-    assert "--cap must be >= 1, got 0" in capsys.readouterr().err
+    assert "argument --cap: must be >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bound.main(["--model", str(STORIES), "--workload", ","])
     assert "--workload names no workload" in capsys.readouterr().err

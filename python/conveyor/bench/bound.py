@@ -505,12 +505,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     names = [s for s in a.workload.split(",") if s]
     if not names:
         ap.error(f"--workload names no workload; choose from {','.join(WORKLOADS)}")
-    for n, v in (("--num-requests", a.num_requests), ("--prompt-len", a.prompt_len), ("--mean-output", a.mean_output),
-                 ("--cap", a.cap), ("--decode-tokens", a.decode_tokens), ("--running", a.running),
-                 ("--running-tokens", a.running_tokens), ("--prefill-len", a.prefill_len),
-                 ("--num-prefill", a.num_prefill), ("--repeats", a.repeats)):
-        if v < 1:
-            ap.error(f"{n} must be >= 1, got {v}")
     model = common.resolve_model(a.model)
     try:
         specs = workload_specs(names, common.checkpoint_config(model)["vocab_size"], num_requests=a.num_requests,
