@@ -35,6 +35,25 @@ async def _until(cond, timeout=30.0):
         await asyncio.sleep(0.005)
 
 
+def _run(body, **engine):
+    """body(engine) on a fresh AsyncLLM over stories260K with adapters enabled, closed after."""
+    async def main():
+        eng = AsyncLLM("stories260K", enable_lora=True, **engine)
+        try:
+            await body(eng)
+        finally:
+            eng.close()
+
+    asyncio.run(main())
+
+
+async def _running(eng, adapter, request_id="A"):
+    """A long request under `adapter`, scheduled (its slot held) by the time this returns."""
+    stream = eng.add_request("Once upon a time", LONG, request_id, lora_request=adapter)
+    await stream.__anext__()
+    return stream
+
+
 async def _drain(stream):
     last = None
     async for out in stream:
@@ -43,27 +62,22 @@ async def _drain(stream):
 
 
 def test_a_waiting_request_counts_against_the_queue_and_starts_later(adapters):
-    async def main():
-        eng = AsyncLLM("stories260K", enable_lora=True, max_loras=1, max_num_seqs=1, max_queued_requests=2)
-        try:
-            a = eng.add_request("Once upon a time", LONG, "A", lora_request=adapters[0])
-            await a.__anext__()  # A runs and holds the one slot
-            b = eng.add_request("Once upon a time", SHORT, "B", lora_request=adapters[1])
-            await _until(lambda: eng.stats()["lora_requests_waiting"] == 1)  # read, and waits for the slot
-            c = eng.add_request("The dog", SHORT, "C")  # queued in the engine: two wait now
-            with pytest.raises(EngineOverloadedError, match="max_queued_requests=2"):
-                eng.add_request("The cat", SHORT, "D")
-            with pytest.raises(EngineOverloadedError):
-                eng.add_request("The cat", SHORT, "E", lora_request=adapters[1])
-            got = await asyncio.wait_for(asyncio.gather(_drain(a), _drain(b), _drain(c)), 60)
-            assert got == [("length", 400), ("length", 5), ("length", 5)]
-            assert eng._thread.is_alive()
-            st = eng.stats()
-            assert st["lora_requests"] == {"ad0": 1, "ad1": 1} and st["lora_requests_waiting"] == 0
-        finally:
-            eng.close()
+    async def body(eng):
+        a = await _running(eng, adapters[0])  # holds the one slot
+        b = eng.add_request("Once upon a time", SHORT, "B", lora_request=adapters[1])
+        await _until(lambda: eng.stats()["lora_requests_waiting"] == 1)  # read, and waits for the slot
+        c = eng.add_request("The dog", SHORT, "C")  # queued in the engine: two wait now
+        with pytest.raises(EngineOverloadedError, match="max_queued_requests=2"):
+            eng.add_request("The cat", SHORT, "D")
+        with pytest.raises(EngineOverloadedError):
+            eng.add_request("The cat", SHORT, "E", lora_request=adapters[1])
+        got = await asyncio.wait_for(asyncio.gather(_drain(a), _drain(b), _drain(c)), 60)
+        assert got == [("length", 400), ("length", 5), ("length", 5)]
+        assert eng._thread.is_alive()
+        st = eng.stats()
+        assert st["lora_requests"] == {"ad0": 1, "ad1": 1} and st["lora_requests_waiting"] == 0
 
-    asyncio.run(main())
+    _run(body, max_loras=1, max_num_seqs=1, max_queued_requests=2)
 
 
 def test_a_waiting_requests_timeout_runs_from_the_call(adapters):
@@ -87,40 +101,29 @@ def test_a_waiting_requests_timeout_runs_from_the_call(adapters):
 
 
 def test_an_abort_while_waiting_is_counted(adapters):
-    async def main():
-        eng = AsyncLLM("stories260K", enable_lora=True, max_loras=1)
-        try:
-            a = eng.add_request("Once upon a time", LONG, "A", lora_request=adapters[0])
-            await a.__anext__()
-            b = eng.add_request("Once upon a time", SHORT, "B", lora_request=adapters[1])
-            await _until(lambda: eng.stats()["lora_requests_waiting"] == 1)
-            await eng.abort("B")
-            assert (await asyncio.wait_for(_drain(b), 60))[0] == "abort"
-            assert (await asyncio.wait_for(_drain(a), 60))[0] == "length"
-            st = eng.stats()
-            assert st["requests_aborted"] == 1 and st["lora_requests_waiting"] == 0
-        finally:
-            eng.close()
+    async def body(eng):
+        a = await _running(eng, adapters[0])
+        b = eng.add_request("Once upon a time", SHORT, "B", lora_request=adapters[1])
+        await _until(lambda: eng.stats()["lora_requests_waiting"] == 1)
+        await eng.abort("B")
+        assert (await asyncio.wait_for(_drain(b), 60))[0] == "abort"
+        assert (await asyncio.wait_for(_drain(a), 60))[0] == "length"
+        st = eng.stats()
+        assert st["requests_aborted"] == 1 and st["lora_requests_waiting"] == 0
 
-    asyncio.run(main())
+    _run(body, max_loras=1)
 
 
 def test_an_adapter_forgotten_in_use_leaves_when_its_request_ends(adapters):
-    async def main():
-        eng = AsyncLLM("stories260K", enable_lora=True, max_loras=2)
-        try:
-            a = eng.add_request("Once upon a time", LONG, "A", lora_request=adapters[0])
-            await a.__anext__()
-            assert eng.stats()["lora_resident"] == 1
-            assert eng._core.forget_lora(adapters[0].lora_int_id) is False  # A runs under it
-            assert (await asyncio.wait_for(_drain(a), 60)) == ("length", 400)
-            await asyncio.sleep(0)
-            assert eng.stats()["lora_resident"] == 0
-            assert not eng._core.is_lora_read(adapters[0])  # out of host memory too
-        finally:
-            eng.close()
+    async def body(eng):
+        a = await _running(eng, adapters[0])
+        assert eng.stats()["lora_resident"] == 1
+        assert eng._core.forget_lora(adapters[0].lora_int_id) is False  # A runs under it
+        assert (await asyncio.wait_for(_drain(a), 60)) == ("length", 400)
+        assert eng.stats()["lora_resident"] == 0
+        assert not eng._core.is_lora_read(adapters[0])  # out of host memory too
 
-    asyncio.run(main())
+    _run(body, max_loras=2)
 
 
 def test_async_reads_a_new_adapter_off_the_event_loop(adapters, monkeypatch):
@@ -135,19 +138,15 @@ def test_async_reads_a_new_adapter_off_the_event_loop(adapters, monkeypatch):
 
     monkeypatch.setattr(LoRASlots, "load", record)
 
-    async def main():
-        eng = AsyncLLM("stories260K", enable_lora=True, max_loras=2)
-        try:
-            got = await asyncio.wait_for(_drain(eng.add_request("Once", SHORT, lora_request=adapters[1])), 60)
-            assert got == ("length", 5)
-            assert readers and threading.main_thread() not in readers
-            readers.clear()  # read already: the next request adds inline, reading nothing
-            await asyncio.wait_for(_drain(eng.add_request("Once", SHORT, lora_request=adapters[1])), 60)
-            assert readers == []
-        finally:
-            eng.close()
+    async def body(eng):
+        got = await asyncio.wait_for(_drain(eng.add_request("Once", SHORT, lora_request=adapters[1])), 60)
+        assert got == ("length", 5)
+        assert readers and threading.main_thread() not in readers
+        readers.clear()  # read already: the next request adds inline, reading nothing
+        await asyncio.wait_for(_drain(eng.add_request("Once", SHORT, lora_request=adapters[1])), 60)
+        assert readers == []
 
-    asyncio.run(main())
+    _run(body, max_loras=2)
 
 
 def test_chat_takes_a_lora_request(adapters):
