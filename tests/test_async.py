@@ -37,7 +37,8 @@ def test_stream_matches_generate(engine):
         return seen
 
     seen = run(go())
-    assert len(seen) > 3  # incremental
+    # incremental (steps that end while the dispatcher is busy arrive as one output)
+    assert len(seen) >= 2
     lens = [len(o.outputs[0].token_ids) for o in seen]
     assert lens == sorted(lens)
     for a, b in zip(seen, seen[1:]):  # cumulative: each extends the last

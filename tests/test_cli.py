@@ -519,3 +519,18 @@ def test_serve_parser_served_model_name():
     assert make_parser().parse_args(["m.bin"]).served_model_name is None
     assert make_parser().parse_args(["m.bin", "--served-model-name", "smol"]).served_model_name == ["smol"]
     assert make_parser().parse_args(["m.bin", "--served-model-name", "a", "b"]).served_model_name == ["a", "b"]
+
+
+def test_serve_flags_reach_the_app_in_its_types():
+    """Plain serve and each Ray replica build their app from the same conversion: the
+    origins split on commas, the adapters as {name: path}, a bad NAME=PATH named."""
+    from conveyor.serve import make_parser
+    from conveyor.server.app import app_options
+
+    args = make_parser().parse_args(["m.bin", "--allowed-origins", "http://a.example, http://b.example",
+                                     "--lora-modules", "sql=/ad/sql", "chat=/ad/chat"])
+    opts = app_options(args)
+    assert opts["allowed_origins"] == ["http://a.example", "http://b.example"]
+    assert opts["lora_modules"] == {"sql": "/ad/sql", "chat": "/ad/chat"}
+    with pytest.raises(ValueError, match="--lora-modules takes NAME=PATH"):
+        app_options(make_parser().parse_args(["m.bin", "--lora-modules", "nameonly"]))

@@ -286,3 +286,21 @@ def test_streamed_tool_call(client):
             finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls" and len(calls) == 1 and calls[0].function.name == "add"
     jsonschema.validate(json.loads(calls[0].function.arguments), TOOLS[1]["function"]["parameters"])
+
+
+def test_text_spelling_a_special_token_is_forced_as_text(smollm2_gguf):
+    """A choice, regex or JSON const holding "<|im_end|>" (SmolLM2's EOS) is that text in
+    the output, never the special token: the grammar's forced text is encoded without
+    special ids, so the answer is complete and valid when it ends with "stop"."""
+    schema = {"type": "object", "properties": {"tag": {"const": "<|im_end|>"}}, "required": ["tag"],
+              "additionalProperties": False}
+    with conveyor.LLM(str(smollm2_gguf)) as llm:
+        special = set(llm.tokenizer.special_ids)
+        for guided, check in ((GuidedDecodingParams(choice=["<|im_end|>"]), lambda t: t == "<|im_end|>"),
+                              (GuidedDecodingParams(regex=r"<\|im_end\|>x"), lambda t: t == "<|im_end|>x"),
+                              (GuidedDecodingParams(json=schema), lambda t: json.loads(t) == {"tag": "<|im_end|>"})):
+            (out,) = llm.generate(["Say it:"], SamplingParams(temperature=0, max_tokens=40, guided_decoding=guided),
+                                  use_tqdm=False)
+            o = out.outputs[0]
+            assert o.finish_reason == "stop" and check(o.text), (guided, o.text)
+            assert not special & set(o.token_ids[:-1])  # only the EOS that ends it

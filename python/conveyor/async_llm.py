@@ -52,27 +52,27 @@ def _dispatch_loop(core: EngineCore, rfd: int, stopping: threading.Event):
             return
         if stopping.is_set():
             return
-        by_loop: dict = {}
-
-        def snapshot(req):
-            if req.consumer is None:
-                return
-            kind = req.params.output_kind
-            if kind == "final_only" and not req.finished:
-                return
-            if len(req.seqs) > req.params.n and not req.finished:
-                return  # best_of > n: the n best are known only at the end
-            # One output per step, so the consumer sees every step in order.
-            out = EngineCore.build_output(req, delta=kind == "delta")
-            loop, queue = req.consumer
-            by_loop.setdefault(loop, []).append((queue, out))
+        changed: dict = {}  # the requests this step's events touched, in order
 
         try:
-            core.process_events(snapshot)
+            core.process_events(lambda req: changed.setdefault(id(req), req))
         except Exception:  # the engine was closed under us: nothing more to deliver
             if core.closed:
                 return
             raise
+        by_loop: dict = {}
+        for req in changed.values():
+            if req.consumer is None:
+                continue
+            kind = req.params.output_kind
+            if kind == "final_only" and not req.finished:
+                continue
+            if len(req.seqs) > req.params.n and not req.finished:
+                continue  # best_of > n: the n best are known only at the end
+            # one output per request and step, every completion's new tokens in it
+            out = EngineCore.build_output(req, delta=kind == "delta")
+            loop, queue = req.consumer
+            by_loop.setdefault(loop, []).append((queue, out))
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_deliver, items)
@@ -96,7 +96,8 @@ def _shutdown(core: EngineCore, rfd: int, wfd: int, stopping: threading.Event, t
         if req.consumer is not None:
             loop, queue = req.consumer
             try:
-                loop.call_soon_threadsafe(_deliver, [(queue, EngineCore.build_output(req))])
+                out = EngineCore.build_output(req, delta=req.params.output_kind == "delta")
+                loop.call_soon_threadsafe(_deliver, [(queue, out)])
             except RuntimeError:
                 pass
     for fd in {rfd, wfd}:
@@ -220,7 +221,7 @@ class AsyncLLM(EngineFrontend):
         # that the loop keeps its share of the GIL.
         self._prepare_pool = ThreadPoolExecutor(2, thread_name_prefix="conveyor-prepare")
         self._preparing: dict[str, RequestStream] = {}  # named requests not yet added, by id
-        self._abort_when_added: set[str] = set()  # of those, the ones abort() was called for
+        self._aborted_preparing: set = set()  # streams abort() was called for while they were prepared
         self._finalizer = weakref.finalize(self, _shutdown, self._core, self._rfd, self._wfd,
                                            self._stopping, self._thread, self._prepare_pool)
 
@@ -275,33 +276,37 @@ class AsyncLLM(EngineFrontend):
                                          consumer=(loop, queue), timeout=timeout, guided=guided,
                                          lora_request=lora_request)
             return RequestStream(self._core, req, queue)
+        if request_id is not None and request_id in self._preparing:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         stream = RequestStream(self._core, None, queue, request_id)
         if request_id is not None:
             self._preparing[request_id] = stream
         prepared = loop.run_in_executor(self._prepare_pool, self._prepare, prompt, params, guided, lora_request)
 
         def add_prepared(fut):
-            aborted = False
             if request_id is not None and self._preparing.get(request_id) is stream:
-                self._preparing.pop(request_id, None)
-                aborted = request_id in self._abort_when_added
-                self._abort_when_added.discard(request_id)
-            if stream._done:
-                return  # closed (or aborted) while it was being prepared
+                del self._preparing[request_id]
+            aborted = stream in self._aborted_preparing
+            self._aborted_preparing.discard(stream)
+            if stream._done:  # closed while it was being prepared
+                if not fut.cancelled():
+                    fut.exception()  # retrieved: asyncio logs no error that nobody reads
+                return
             try:
                 if fut.cancelled():
                     from . import EngineClosedError
 
                     raise EngineClosedError("the AsyncLLM is closed")
                 text, ids, engine_params, matchers = fut.result()
+                if aborted:  # its id is free already: it ends here, never added
+                    queue.put_nowait(self._core.aborted_before_start(request_id, text, ids, engine_params))
+                    return
                 stream._req = self._core.add_request(request_id, text, ids, engine_params, priority=priority,
                                                      consumer=(loop, queue), timeout=timeout,
                                                      guided=matchers, lora_request=lora_request)
             except Exception as e:
                 queue.put_nowait(_Refused(e))
                 return
-            if aborted:
-                self._core.abort(request_id)
 
         prepared.add_done_callback(add_prepared)
         return stream
@@ -358,8 +363,9 @@ class AsyncLLM(EngineFrontend):
         """Aborts a request; returns False when no such request is running."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
-        if request_id in self._preparing:  # aborted as soon as it is added: it ends as "abort"
-            self._abort_when_added.add(request_id)
+        stream = self._preparing.pop(request_id, None)
+        if stream is not None:  # ends as "abort" once prepared; the id is free at once
+            self._aborted_preparing.add(stream)
             return True
         return self._core.abort(request_id)
 

@@ -456,6 +456,11 @@ class EngineCore:
         an event loop, which must not wait behind a long one (the tokenizers are
         thread-safe)."""
         self.check_prompt_size(text, field)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise field_error(ValueError, field, f"the {field} holds a lone surrogate at character {e.start}: "
+                                                 "not valid Unicode") from None
         if not exclusive:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         with self._tokenize_lock:
@@ -469,6 +474,7 @@ class EngineCore:
             raise field_error(ValueError, field, f"the prompt has {n} characters, more than can fit in "
                               f"max_model_len ({self.max_model_len}) tokens of this vocabulary "
                               f"(at most {self.max_prompt_bytes} bytes)")
+
 
     def _check_ids(self, ids):
         """Shape and type only: the C engine checks ids against the vocabulary."""
@@ -730,7 +736,8 @@ class EngineCore:
                 if req.consumer is not None:  # AsyncLLM's (loop, queue): its last output
                     loop, queue = req.consumer
                     try:
-                        loop.call_soon_threadsafe(queue.put_nowait, self.build_output(req))
+                        out = self.build_output(req, delta=req.params.output_kind == "delta")
+                        loop.call_soon_threadsafe(queue.put_nowait, out)
                     except RuntimeError:
                         pass  # that loop is closed
                 return True
@@ -978,6 +985,16 @@ class EngineCore:
                 st["requests_aborted"] = st.get("requests_aborted", 0) + self._ended_waiting.get("abort", 0)
                 st["requests_timed_out"] = st.get("requests_timed_out", 0) + self._ended_waiting.get("timeout", 0)
         return st
+
+    def aborted_before_start(self, request_id: str, prompt_text, prompt_ids, params: SamplingParams) -> RequestOutput:
+        """The last output of a request aborted before it reached the engine (while it was
+        prepared): every completion empty, ended "abort"."""
+        req = _Request(request_id, -1, prompt_text, list(map(int, prompt_ids)), params, time.monotonic())
+        for st in req.seqs:
+            st.finish_reason = "abort"
+        req.finished = True
+        req.metrics.finished_time = req.metrics.arrival_time
+        return self.build_output(req)
 
     def fail_pending(self) -> list[_Request]:
         """After close: marks every request still in flight aborted and returns them."""

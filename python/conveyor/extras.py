@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib
 from typing import Optional
 
+from ._core import ConveyorError
+
 # top-level module -> the extra that installs it
 EXTRA_OF = {
     "matplotlib": "bench", "aiohttp": "bench", "httpx": "bench",
@@ -15,7 +17,7 @@ EXTRA_OF = {
 }
 
 
-class MissingDependency(RuntimeError):
+class MissingDependency(ConveyorError, RuntimeError):
     """An optional module that is not installed; the message says how to install it."""
 
 

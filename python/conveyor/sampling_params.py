@@ -183,6 +183,11 @@ class SamplingParams:
                 if not w.strip():
                     raise field_error(ValueError, "bad_words", "SamplingParams.bad_words must not contain "
                                       "an empty word")
+                try:
+                    w.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise field_error(ValueError, "bad_words", "SamplingParams.bad_words: a word is not valid "
+                                      "text (a lone surrogate)") from None
 
     def with_bad_words_tokenized(self, tokenizer) -> "SamplingParams":
         """A copy whose bad_words are token sequences (vLLM's rule: each word

@@ -57,9 +57,9 @@ def parse_speculative_config(cfg) -> Optional[dict]:
     if wrong:
         raise field_error(ValueError, wrong[0], f"speculative_config: {wrong[0]} does not apply to method "
                                                 f"{method!r} (its keys: {', '.join(allowed)})")
-    if "num_speculative_tokens" not in cfg:
+    if cfg.get("num_speculative_tokens") is None:
         raise field_error(ValueError, "num_speculative_tokens",
-                          "speculative_config: num_speculative_tokens is required")
+                          "speculative_config: num_speculative_tokens is required (an int)")
     for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
         v = cfg.get(key)
         if v is None:

@@ -63,6 +63,10 @@ def _check_messages(messages) -> list[dict]:
 def _check_text(text) -> str:
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"text holds a lone surrogate at character {e.start}: not valid Unicode") from None
     return text
 
 
@@ -119,10 +123,12 @@ class Tokenizer:
 
     def encode_exact_bytes(self, data: bytes) -> list[int]:
         """Ids whose token bytes concatenate to exactly ``data``: no BOS, no dummy
-        prefix (what a grammar engine needs to tokenize forced text). The
-        tokenizer's own encoding when it is exact, else longest-match on bytes."""
+        prefix, no special token (what a grammar engine needs to tokenize forced
+        text). The tokenizer's own encoding when it is exact, else longest-match
+        on bytes."""
         ids = self.encode(data.decode("utf-8", "replace"), add_special_tokens=False)
-        if b"".join(self.token_bytes(i) for i in ids) == data:
+        # text that spells a special token ("<|im_end|>") is that text here, never the token
+        if b"".join(self.token_bytes(i) for i in ids) == data and not any(i in self.special_ids for i in ids):
             return ids
         return self._greedy_bytes(data)
 

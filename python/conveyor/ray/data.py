@@ -63,7 +63,8 @@ class ConveyorPredictor:
                  prompt_column: str = "prompt", messages_column: Optional[str] = None):
         from .. import AsyncLLM
 
-        self.params = _sampling_params(sampling_params)
+        # only each row's last output is read: the whole completion, built once
+        self.params = _sampling_params(sampling_params).clone(output_kind="final_only")
         if self.params.n != 1:
             raise ValueError("batch inference writes one completion per row: sampling_params.n must be 1")
         self.prompt_column = prompt_column

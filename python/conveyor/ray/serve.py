@@ -265,17 +265,6 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _app_options(args) -> dict:
-    """The server options build_app takes (max_body_bytes, ...), from the parsed arguments."""
-    import inspect
-
-    from ..serve import build_app
-
-    skip = {"engine", "model_name", "api_key"}
-    return {k: getattr(args, k) for k in inspect.signature(build_app).parameters
-            if k not in skip and getattr(args, k, None) is not None}
-
-
 def main(argv=None) -> int:
     from ..engine import EngineArgs
 
@@ -289,9 +278,21 @@ def main(argv=None) -> int:
     if not (1 <= args.port <= 65535):
         print(f"conveyor serve: --ray needs a fixed --port in [1, 65535], got {args.port}", file=sys.stderr)
         return 2
+    from ..models import resolve_model
+    from ..server.app import app_options
+
     # every engine option the server's parser has (the model aside)
     knobs = {k: getattr(args, k) for k in EngineArgs.__dataclass_fields__
              if k != "model" and getattr(args, k, None) is not None}
+    try:
+        options = {k: v for k, v in app_options(args).items() if v is not None}
+        if options.get("lora_modules"):
+            knobs["enable_lora"] = True
+        # a path, a built-in name or none (the default model), as plain serve takes it
+        args.model = resolve_model(args.model)
+    except (OSError, ValueError) as e:
+        print(f"conveyor serve: error: {e}", file=sys.stderr)
+        return 1 if isinstance(e, OSError) else 2
     try:
         app = build(args.model, engine_kwargs=knobs, model_name=args.served_model_name, api_key=args.api_key,
                     num_replicas=args.replicas if args.autoscale is None else None,
@@ -300,13 +301,10 @@ def main(argv=None) -> int:
                     max_queued_requests=args.serve_max_queued_requests,
                     queue_full_status=args.queue_full_status, retry_after_s=args.retry_after,
                     ray_actor_options={"num_cpus": args.cpus_per_replica},
-                    app_kwargs=_app_options(args))
+                    app_kwargs=options)
     except (ValueError, TypeError) as e:
-        print(f"conveyor serve: {e}", file=sys.stderr)
+        print(f"conveyor serve: error: {e}", file=sys.stderr)
         return 2
-    if not os.path.exists(args.model):
-        print(f"conveyor serve: cannot load the model: {args.model} does not exist", file=sys.stderr)
-        return 1
     ray.init(address=args.ray_address, log_to_driver=args.log_level == "debug")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -338,6 +338,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="a request starts only when the free KV covers the running requests' growth and its "
                         "own by this percentage of the expected remaining output (default: 50; 0: no margin, "
                         "running requests are preempted when the pool runs out)")
+    g.add_argument("--adaptive-batch-limit", action="store_true", default=None,
+                   help="stop admitting at the batch where decoding reaches 80%% of its rate limit, measured as "
+                        "the engine runs (a CPU server's latency under load; default: off)")
     g.add_argument("--enable-lora", action="store_true", default=None,
                    help="serve LoRA adapters over the model (default: off; implied by --lora-modules)")
     g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
@@ -360,8 +363,8 @@ def make_parser() -> argparse.ArgumentParser:
 _ENGINE_KNOBS = ("tokenizer", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                  "kv_cache_memory", "kv_cache_dtype", "enable_prefix_caching", "enable_chunked_prefill",
                  "scheduling", "num_threads", "device", "seed", "gpu_memory_utilization", "quantization",
-                 "max_prefill_tokens_while_decoding", "admission_reserve", "activation_dtype", "speculative_config",
-                 "enable_lora", "max_loras", "max_lora_rank", "lora_dtype")
+                 "max_prefill_tokens_while_decoding", "admission_reserve", "adaptive_batch_limit", "activation_dtype",
+                 "speculative_config", "enable_lora", "max_loras", "max_lora_rank", "lora_dtype")
 
 
 def engine_kwargs(args) -> dict:
@@ -377,6 +380,22 @@ def _ray_options_given(args) -> list:
     names = ("ray_address", "replicas", "autoscale", "target_ongoing_requests", "max_ongoing_requests",
              "serve_max_queued_requests", "retry_after", "queue_full_status", "cpus_per_replica")
     return ["--" + n.replace("_", "-") for n in names if getattr(args, n, None) != defaults.get(n)]
+
+
+def app_options(args) -> dict:
+    """build_app's options from `conveyor serve`'s parsed flags, in build_app's types (the
+    origins split on commas, the adapters as {name: path}); ValueError naming a bad flag.
+    Plain serve and each Ray replica build their app from these."""
+    lora_modules = {}
+    for item in args.lora_modules or ():
+        lname, sep, lpath = item.partition("=")
+        if not sep or not lname or not lpath:
+            raise ValueError(f"--lora-modules takes NAME=PATH, got {item!r}")
+        lora_modules[lname] = lpath
+    origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()] if args.allowed_origins else None
+    return {"request_timeout": args.request_timeout, "max_body_bytes": args.max_body_bytes,
+            "chat_template": args.chat_template, "allowed_origins": origins,
+            "tool_call_parser": args.tool_call_parser, "ui": args.ui, "lora_modules": lora_modules or None}
 
 
 def main(argv=None) -> int:
@@ -417,14 +436,12 @@ def main(argv=None) -> int:
 
         args.model = resolve_model_name(args.model)  # the Gemma 3 Q4_K_M file by its bare name
     knobs = engine_kwargs(args)
-    lora_modules = {}
-    for item in args.lora_modules or ():
-        lname, sep, lpath = item.partition("=")
-        if not sep or not lname or not lpath:
-            print(f"conveyor serve: error: --lora-modules takes NAME=PATH, got {item!r}", file=sys.stderr)
-            return 2
-        lora_modules[lname] = lpath
-    if lora_modules:
+    try:
+        options = app_options(args)
+    except ValueError as e:
+        print(f"conveyor serve: error: {e}", file=sys.stderr)
+        return 2
+    if options["lora_modules"]:
         knobs["enable_lora"] = True
     try:
         engine = AsyncLLM(args.model, **knobs)
@@ -441,12 +458,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"conveyor serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
-    origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()] if args.allowed_origins else None
     try:
-        app = build_app(engine, model_name=names, api_key=args.api_key, request_timeout=args.request_timeout,
-                        max_body_bytes=args.max_body_bytes, chat_template=args.chat_template,
-                        allowed_origins=origins, tool_call_parser=args.tool_call_parser, ui=args.ui,
-                        lora_modules=lora_modules)
+        app = build_app(engine, model_name=names, api_key=args.api_key, **options)
     except (OSError, ValueError, APIError) as e:
         engine.close()
         print(f"conveyor serve: error: {e}", file=sys.stderr)
