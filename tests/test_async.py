@@ -374,3 +374,71 @@ def test_request_added_while_prepared_can_be_aborted_and_closed():
     assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
     assert len(aborted.outputs[0].token_ids) < 200
     assert last is None and unfinished == 0 and not again
+
+
+def test_close_during_a_delta_stream_ends_with_a_delta():
+    """The output a close() leaves is a delta like every other: joined, the deltas are the
+    tokens once."""
+    async def go():
+        eng = AsyncLLM(str(STORIES), num_threads=1)
+        params = SamplingParams(max_tokens=480, ignore_eos=True, output_kind="delta", seed=1)
+        outs = []
+
+        async def consume():
+            async for o in eng.generate("Once upon a time", params):
+                outs.append(o)
+
+        task = asyncio.create_task(consume())
+        while sum(len(o.outputs[0].token_ids) for o in outs) < 20 and not task.done():
+            await asyncio.sleep(0.001)
+        ended_first = task.done()
+        eng.close()
+        await asyncio.wait_for(task, 30)
+        return outs, ended_first
+
+    outs, ended_first = run(go())
+    if ended_first:
+        pytest.skip("the request ended before close()")
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    joined = [t for o in outs for t in o.outputs[0].token_ids]
+    assert 20 <= len(joined) < 480, len(joined)
+    assert len(outs[-1].outputs[0].token_ids) < len(joined)  # not the whole completion again
+
+
+def test_abort_during_preparation_frees_the_id_at_once():
+    """A request aborted while it is prepared (a text over 1 KiB) ends "abort" with nothing
+    generated; its id may name a new request at once, which runs."""
+    text = "Once upon a time " * 70
+
+    async def last(stream):
+        out = None
+        async for out in stream:
+            pass
+        return out.outputs[0].finish_reason, len(out.outputs[0].token_ids)
+
+    async def go():
+        async with AsyncLLM(str(STORIES), num_threads=1) as eng:
+            first = eng.add_request(text, SamplingParams(max_tokens=150, ignore_eos=True), "job")
+            with pytest.raises(ValueError, match="already in use"):  # while it is prepared
+                eng.add_request(text, SamplingParams(max_tokens=3), "job")
+            assert await eng.abort("job")
+            second = eng.add_request(text, SamplingParams(max_tokens=3, ignore_eos=True), "job")
+            return await asyncio.wait_for(asyncio.gather(last(first), last(second)), 60)
+
+    assert run(go()) == [("abort", 0), ("length", 3)]
+
+
+def test_a_stream_closed_while_its_bad_request_is_prepared_logs_nothing(caplog):
+    async def go():
+        async with AsyncLLM(str(STORIES), num_threads=1) as eng:
+            s = eng.add_request("x" * 20000, SamplingParams(max_tokens=4))  # too long: preparing it raises
+            s.close()
+            await asyncio.sleep(0.3)
+            import gc
+
+            gc.collect()
+            await asyncio.sleep(0.05)
+
+    with caplog.at_level("ERROR", logger="asyncio"):
+        run(go())
+    assert "never retrieved" not in caplog.text
