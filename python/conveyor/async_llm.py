@@ -52,27 +52,28 @@ def _dispatch_loop(core: EngineCore, rfd: int, stopping: threading.Event):
             return
         if stopping.is_set():
             return
-        changed: dict = {}  # the requests this step's events touched, in order
+        by_loop: dict = {}
+
+        def snapshot(req):
+            if req.consumer is None:
+                return
+            kind = req.params.output_kind
+            if kind == "final_only" and not req.finished:
+                return
+            if len(req.seqs) > req.params.n and not req.finished:
+                return  # best_of > n: the n best are known only at the end
+            # One output per event (a completion's token), so the consumer sees every
+            # token in order, however many steps the dispatcher takes at once.
+            out = EngineCore.build_output(req, delta=kind == "delta")
+            loop, queue = req.consumer
+            by_loop.setdefault(loop, []).append((queue, out))
 
         try:
-            core.process_events(lambda req: changed.setdefault(id(req), req))
+            core.process_events(snapshot)
         except Exception:  # the engine was closed under us: nothing more to deliver
             if core.closed:
                 return
             raise
-        by_loop: dict = {}
-        for req in changed.values():
-            if req.consumer is None:
-                continue
-            kind = req.params.output_kind
-            if kind == "final_only" and not req.finished:
-                continue
-            if len(req.seqs) > req.params.n and not req.finished:
-                continue  # best_of > n: the n best are known only at the end
-            # one output per request and step, every completion's new tokens in it
-            out = EngineCore.build_output(req, delta=kind == "delta")
-            loop, queue = req.consumer
-            by_loop.setdefault(loop, []).append((queue, out))
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_deliver, items)
@@ -270,14 +271,14 @@ class AsyncLLM(EngineFrontend):
         check_timeout(timeout)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
+        if request_id is not None and request_id in self._preparing:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         if not self._needs_preparing(prompt, params, guided, lora_request):
             text, ids = self._core.tokenize_prompt(prompt, exclusive=False)
             req = self._core.add_request(request_id, text, ids, params, priority=priority,
                                          consumer=(loop, queue), timeout=timeout, guided=guided,
                                          lora_request=lora_request)
             return RequestStream(self._core, req, queue)
-        if request_id is not None and request_id in self._preparing:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         stream = RequestStream(self._core, None, queue, request_id)
         if request_id is not None:
             self._preparing[request_id] = stream

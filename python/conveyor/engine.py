@@ -82,6 +82,8 @@ def _constrained(params: SamplingParams) -> bool:
     """Whether a request bans tokens (so that its constraints may leave none)."""
     return bool(params.allowed_token_ids is not None or params.bad_words or params.min_tokens or
                 params.guided_decoding is not None or params.logit_bias)
+
+
 MAX_MODEL_LEN = 1 << 24  # the largest max_model_len an engine takes
 
 
@@ -474,7 +476,6 @@ class EngineCore:
             raise field_error(ValueError, field, f"the prompt has {n} characters, more than can fit in "
                               f"max_model_len ({self.max_model_len}) tokens of this vocabulary "
                               f"(at most {self.max_prompt_bytes} bytes)")
-
 
     def _check_ids(self, ids):
         """Shape and type only: the C engine checks ids against the vocabulary."""
