@@ -194,12 +194,13 @@ def stories_llm(stories_dir):
     ("grammar", 'root ::= "yes" | "no"', lambda t: t in ("yes", "no")),
     ("grammar", 'root ::= "(" [1-9] ("+" [1-9])* ")"', lambda t: __import__("re").fullmatch(r"\([1-9](\+[1-9])*\)", t)),
     ("grammar", 'start: "x" NUM\nNUM: /[0-9]{2}/', lambda t: __import__("re").fullmatch(r"x[0-9]{2}", t)),
+    ("grammar", 'start: "a::=" /[0-9]/', lambda t: __import__("re").fullmatch(r"a::=[0-9]", t)),
     ("regex", r"[a-c]{3}-\d", lambda t: __import__("re").fullmatch(r"[a-c]{3}-\d", t)),
     ("choice", ["red", "green", "blue"], lambda t: t in ("red", "green", "blue")),
     ("json", {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
               "required": ["a"], "additionalProperties": False},
      lambda t: json.loads(t).keys() == {"a"}),
-], ids=["gbnf-alt", "gbnf-repeat", "lark", "regex", "choice", "schema"])
+], ids=["gbnf-alt", "gbnf-repeat", "lark", "lark-literal-gbnf-sign", "regex", "choice", "schema"])
 def test_every_grammar_kind(stories_llm, kind, value, check):
     from conveyor.guided import GuidedDecodingParams
 
@@ -208,6 +209,20 @@ def test_every_grammar_kind(stories_llm, kind, value, check):
     o = out.outputs[0]
     assert o.finish_reason == "stop", (o.finish_reason, o.text)
     assert check(o.text), o.text
+
+
+@pytest.mark.parametrize("kw,what", [
+    (dict(json=False), "the schema false, which no output satisfies"),
+    (dict(json={"type": "object", "properties": {"a": {"type": "frobnicate"}}}), "frobnicate"),
+    (dict(grammar="start: x"), "guided_decoding.grammar"),
+])
+def test_a_guided_request_no_output_can_meet_is_refused(kw, what):
+    pytest.importorskip("llguidance")
+    from conveyor.guided import GuidedDecodingParams
+
+    with pytest.raises(ValueError, match=re.escape(what)) as e:
+        GuidedDecodingParams(**kw)
+    assert e.value.field == "guided_decoding"
 
 
 def test_guided_with_best_of(stories_llm):

@@ -230,3 +230,14 @@ def test_a_streamed_named_call_carries_its_logprobs(client):
     streamed = [c for chunk in client.chat.completions.create(stream=True, **kw)
                 for ch in chunk.choices if ch.logprobs is not None for c in ch.logprobs.content]
     assert plain and [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in plain]
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", "none"])
+def test_a_tool_schema_that_cannot_be_followed_is_refused_naming_the_tool(client, choice):
+    bad = {"type": "function", "function": {"name": "broken", "parameters": {
+        "type": "object", "properties": {"a": {"type": "frobnicate"}}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="stories260K", messages=MESSAGES, tools=TOOLS + [bad], max_tokens=4,
+                                       tool_choice=choice)
+    assert e.value.body["param"] == "tools[2].function.parameters"
+    assert "frobnicate" in e.value.body["message"]

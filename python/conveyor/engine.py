@@ -332,6 +332,9 @@ class _Unfinished:
         return self._i < len(self._reqs)
 
 
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")  # prompt: the text reported for the ids, if both are given
+
+
 class _Request:
     __slots__ = ("request_id", "internal_id", "prompt", "prompt_token_ids", "params", "seqs",
                  "finished", "metrics", "consumer", "matchers", "prompt_logprobs", "sent_prompt_lp",
@@ -435,6 +438,11 @@ class EngineCore:
         """Returns (prompt text or None, token ids as list or int array). exclusive:
         see encode_prompt."""
         if isinstance(prompt, dict):
+            unknown = sorted(str(k) for k in prompt if k not in _PROMPT_KEYS)
+            if unknown:
+                raise ValueError(f"a prompt dict takes 'prompt' and 'prompt_token_ids'; unknown key(s) {unknown}"
+                                 + (" (this engine runs text-only models)" if any("multi_modal" in k for k in unknown)
+                                    else ""))
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:

@@ -15,6 +15,7 @@ disallowed tokens to -inf; EOS is allowed only where the grammar accepts.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -60,10 +61,15 @@ def _gbnf_to_lark(llg):
     return conv
 
 
+# A GBNF rule starts a line with its name and ::=; Lark's rules use ':', so a Lark grammar
+# that only holds "::=" inside a string literal stays Lark.
+_GBNF_RULE = re.compile(r"^[ \t]*[A-Za-z_][\w-]*[ \t]*::=", re.MULTILINE)
+
+
 @dataclass
 class GuidedDecodingParams:
     """Exactly one of: json (a JSON schema, dict or str), regex, choice (list of
-    str), grammar (Lark, or GBNF when it uses ``::=``), json_object=True (any
+    str), grammar (Lark, or GBNF when a line starts a ``name ::=`` rule), json_object=True (any
     JSON object). The grammar is checked when the params are built: a bad one
     raises ValueError with ``.field == "guided_decoding"``."""
 
@@ -109,8 +115,10 @@ class GuidedDecodingParams:
                     raise _error(f"guided_decoding.json is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
                 raise _error(f"guided_decoding.json must be a JSON schema object, got {type(schema).__name__}")
+            if schema is False:
+                raise _error("guided_decoding.json is the schema false, which no output satisfies")
             try:
-                g = M.grammar_from_json_schema(schema if isinstance(schema, dict) else {} if schema else {"not": {}},
+                g = M.grammar_from_json_schema(schema if isinstance(schema, dict) else {},
                                                defaults={"whitespace_flexible": False})
             except (ValueError, TypeError) as e:
                 raise _error(f"guided_decoding.json: {e}") from None
@@ -130,7 +138,7 @@ class GuidedDecodingParams:
             if not isinstance(self.grammar, str) or not self.grammar.strip():
                 raise _error("guided_decoding.grammar must be a non-empty str (Lark or GBNF)")
             text = self.grammar
-            if "::=" in text:
+            if _GBNF_RULE.search(text):
                 try:
                     text = _gbnf_to_lark(llg)(text)
                 except Exception as e:  # the converter raises its own error classes

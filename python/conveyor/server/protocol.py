@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from ..guided import GuidedDecodingParams
 from ..request_budget import REQUEST_BUDGET_BYTES, SEQUENCE_BYTES, RequestBudget
 from ..sampling_params import SamplingParams
 from ..tokenizer_base import message_text
@@ -382,6 +383,7 @@ def _tools(f: Fields, parser=None):
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise bad_request(f"tools[{i}].function.parameters", "function parameters must be a JSON schema object")
+        _check_tool_schema(i, params)
         description = fn.get("description", "")
         if not isinstance(description, str):
             raise bad_request(f"tools[{i}].function.description", "a function's description must be a string")
@@ -409,6 +411,17 @@ def _tools(f: Fields, parser=None):
         return ToolCall(name, by_name)
     raise bad_request("tool_choice", "tool_choice must be 'none', 'required', 'auto' or "
                                      "{type: 'function', function: {name}}")
+
+
+def _check_tool_schema(i: int, params: dict) -> None:
+    """A tool's parameters must compile as a JSON schema whatever tool_choice is: under
+    "auto" the model may call any tool, and its arguments are read against them."""
+    try:
+        GuidedDecodingParams(json=params)
+    except ValueError as e:
+        reason = str(e).removeprefix("guided_decoding.json: ")
+        raise bad_request(f"tools[{i}].function.parameters",
+                          f"tools[{i}].function.parameters is not a JSON schema this server can follow: {reason}")
 
 
 def _history_tool_calls(i: int, calls) -> list:

@@ -416,20 +416,21 @@ class Server:
         delta) the offsets add up the tokens' own text."""
         if lps is None:
             return None, offset0
-        tokens, token_lps, tops, offsets = [], [], [], []
-        off = offset0
+        tokens, token_lps, tops = [], [], []
         for tid, entry in zip(token_ids, lps):
-            s = self.piece(tid)[0]
-            tokens.append(s)
+            tokens.append(self.piece(tid)[0])
             lp = entry.get(tid)
             token_lps.append(_finite(lp.logprob) if lp is not None else None)
             tops.append({self.piece(t)[0]: _finite(v.logprob) for t, v in entry.items()})
-            offsets.append(off)
-            off += len(s)
         if text is not None:
-            ids = list(token_ids)[:len(offsets)]
+            ids = list(token_ids)[:len(tokens)]
             offsets = text_offsets(text, [bytes(self.piece(t)[1]) for t in ids], offset0)
             off = offset0 + len(text)
+        else:
+            offsets, off = [], offset0
+            for s in tokens:
+                offsets.append(off)
+                off += len(s)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
                 "text_offset": offsets}, off
 
