@@ -100,6 +100,8 @@ def test_corrupt_bin_beside_its_tokenizer_names_the_model(tmp_path, tiny_llama2c
     (["--temperature", "-1"], ["temperature", "-1"]),
     (["--top-k", "-7"], ["top-k"]),
     (["--kv-cache-memory", "lots"], ["--kv-cache-memory", "lots"]),
+    (["--kv-cache-memory", "-5GiB"], ["--kv-cache-memory", "must be positive", "-5GiB"]),
+    (["--temperature", "-1e3"], ["temperature", "-1000"]),
     (["--max-tokens", "0"], ["max-tokens"]),
     (["--stream", "--n", "2"], ["--stream", "--n"]),
     (["a.bin"], ["model is given twice", "a.bin"]),
@@ -109,6 +111,11 @@ def test_usage_errors_exit_2_before_loading(tmp_path, args, words):
     # --model points nowhere: a usage error must be found before the model is looked at
     r = conveyor(tmp_path, "generate", "--model", tmp_path / "nope", *args)
     one_line_error(r, "conveyor generate", 2, *words)
+
+
+def test_serve_refuses_a_negative_size_naming_it(tmp_path):
+    r = conveyor(tmp_path, "serve", "--model", tmp_path / "nope", "--kv-cache-memory", "-5GiB")
+    one_line_error(r, "conveyor serve", 2, "--kv-cache-memory", "must be positive", "-5GiB")
 
 
 def test_cuda_without_a_gpu(tmp_path, stories_dir):

@@ -310,8 +310,11 @@ def _percentiles(lat):
 def test_health_under_hostile_mix_with_cpu_burners(server):
     """The machine loaded by two CPU burners beside the server while every
     hostile request above arrives (three times over, six clients): /health, polled by
-    another process, stays at p99 <= 100 ms and max <= 250 ms, and greedy answers are
-    the same after the storm as before it."""
+    another process, stays at p99 <= 150 ms and max <= 400 ms beyond twice what a trivial
+    server beside it takes (the machine's own share: on 2 shared cores the scheduler alone
+    puts tens of ms on a poll), and greedy answers are the same after the storm as before
+    it. A loop blocked by one hostile request (a huge prompt tokenized or a grammar compiled
+    on it) stalls a poll for seconds."""
     greedy = [("Once upon a time", 12), ("The little dog", 10)]
 
     def answers():
@@ -349,4 +352,4 @@ def test_health_under_hostile_mix_with_cpu_burners(server):
     if c_p99 > 0.050 or c_worst > 0.125:
         pytest.skip(f"the machine is too busy to time the server (a trivial server beside it took over "
                     f"50 ms at p99, or 125 ms at most): {summary}")
-    assert p99 <= 0.100 and worst <= 0.250, summary
+    assert p99 <= 0.150 + 2 * c_p99 and worst <= 0.400 + 2 * c_worst, summary

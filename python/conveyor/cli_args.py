@@ -4,6 +4,8 @@ errors, help that shows defaults, and the model named positionally or as
 from __future__ import annotations
 
 import argparse
+import re
+import sys
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -30,6 +32,26 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(self._dash_values_joined(args), namespace)
+
+    def _dash_values_joined(self, args: list) -> list:
+        """argparse takes only plain negative numbers as values: after an option that needs
+        one, "-5GiB" or "-1e3" reads as an unknown option and the user is told the option
+        "expected one argument". Joined as --option=-5GiB, the value's own check names it."""
+        out: list = []
+        for a in args:
+            prev = out[-1] if out else None
+            if (isinstance(a, str) and _DASH_VALUE.match(a) and isinstance(prev, str) and prev.startswith("--")
+                    and "=" not in prev):
+                action = self._option_string_actions.get(prev)
+                if action is not None and action.nargs is None:  # an option that takes exactly one value
+                    out[-1] = f"{prev}={a}"
+                    continue
+            out.append(a)
+        return out
+
     def parse_args(self, args=None, namespace=None):
         ns = super().parse_args(args, namespace)
         if hasattr(ns, _MODEL_OPTION):
@@ -39,6 +61,9 @@ class Parser(argparse.ArgumentParser):
                     self.error(f"the model is given twice: {ns.model!r} and --model {option!r}")
                 ns.model = option
         return ns
+
+
+_DASH_VALUE = re.compile(r"-[0-9.]")
 
 
 _MODEL_OPTION = "model_option"
@@ -62,6 +87,17 @@ def count(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def size(text: str) -> str:
+    """argparse type of a memory size ("4GiB", "512MB", bytes): checked here, passed on as given."""
+    from .engine import parse_bytes
+
+    try:
+        parse_bytes(text, "size")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("size: ").removeprefix("size ")) from None
+    return text
 
 
 def positive_numbers(text: str) -> list:

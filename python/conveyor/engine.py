@@ -50,7 +50,7 @@ def parse_bytes(value: Any, name: str = "kv_cache_memory") -> int:
     if isinstance(value, int):
         n = value
     elif isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+        m = re.fullmatch(r"\s*(-?[0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
         if not m or m.group(2).lower() not in _UNITS:
             raise ValueError(f"{name}: cannot read {value!r} as a size (examples: 4GiB, 512MB, 1000000)")
         n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])

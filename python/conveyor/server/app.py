@@ -259,7 +259,7 @@ def add_ray_options(p: argparse.ArgumentParser) -> None:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from ..cli_args import DefaultsHelpFormatter, Parser, add_model_arguments
+    from ..cli_args import DefaultsHelpFormatter, Parser, add_model_arguments, size
     from .tool_parsers import PARSERS
 
     p = Parser(prog="conveyor serve", formatter_class=DefaultsHelpFormatter,
@@ -309,7 +309,7 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens computed in one step (default: the engine's choice for the device)")
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV cache block (default: 16)")
-    g.add_argument("--kv-cache-memory", default=None,
+    g.add_argument("--kv-cache-memory", type=size, default=None,
                    help="KV cache size, bytes or a size such as 4GiB (default: a share of free memory)")
     g.add_argument("--kv-cache-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16", "int8"],
                    help="KV cache element type (default: auto, the activation dtype; bfloat16 under "
