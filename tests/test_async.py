@@ -442,3 +442,53 @@ def test_a_stream_closed_while_its_bad_request_is_prepared_logs_nothing(caplog):
     with caplog.at_level("ERROR", logger="asyncio"):
         run(go())
     assert "never retrieved" not in caplog.text
+
+
+class _Gone(Exception):
+    pass
+
+
+@pytest.mark.parametrize("read", ["iterate", "next_batch"])
+def test_a_failed_stream_gives_what_was_delivered_then_the_error_and_frees_its_blocks(engine, read):
+    """RequestStream.fail (a server shutting down): the reader gets the outputs already
+    delivered, then the error; the request is aborted."""
+    async def go():
+        stream = engine.add_request("Once upon a time", SamplingParams(max_tokens=480, ignore_eos=True))
+        first = await stream.__anext__()
+        for _ in range(3):  # let a few more outputs in (the request is far from its end)
+            await asyncio.sleep(0)
+        assert stream.has_output
+        stream.fail(_Gone("bye"))
+        stream.fail(_Gone("twice"))  # a second fail changes nothing
+        got = [first]
+        with pytest.raises(_Gone, match="bye"):
+            if read == "iterate":
+                async for out in stream:
+                    got.append(out)
+            else:
+                while True:
+                    got.extend(await stream.next_batch())
+        assert await stream.next_batch() == [] and not [o async for o in stream]
+        for _ in range(200):
+            if engine.stats()["blocks_used"] == 0 and engine.num_unfinished() == 0:
+                break
+            await asyncio.sleep(0.01)
+        return got
+
+    got = run(go())
+    lens = [len(o.outputs[0].token_ids) for o in got]
+    assert lens == sorted(lens) and not got[-1].finished and len(got[-1].outputs[0].token_ids) < 480
+    assert engine.stats()["blocks_used"] == 0
+
+
+def test_a_stream_failed_while_prepared_is_never_added(engine):
+    async def go():
+        stream = engine.add_request("Once upon a time " * 2000, SamplingParams(max_tokens=4))  # prepared off the loop
+        assert not stream.has_output
+        stream.fail(_Gone("bye"))
+        with pytest.raises(_Gone):
+            await stream.__anext__()
+        await asyncio.sleep(0.3)
+        return engine.num_unfinished()
+
+    assert run(go()) == 0

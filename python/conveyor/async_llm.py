@@ -146,7 +146,7 @@ class RequestStream:
     stream`, or `await stream.next_batch()` for every output already delivered (a
     consumer that writes once per engine step). close() aborts it if unfinished."""
 
-    __slots__ = ("_core", "_req", "_queue", "_done", "_name")
+    __slots__ = ("_core", "_req", "_queue", "_done", "_name", "_held", "_failed")
 
     def __init__(self, core: EngineCore, req, queue: asyncio.Queue, name: Optional[str] = None):
         self._core = core
@@ -154,6 +154,24 @@ class RequestStream:
         self._queue = queue
         self._done = False
         self._name = name
+        self._held: Optional[_Refused] = None  # an error next_batch reads behind outputs: the next read's
+        self._failed = False  # fail() was called: a request still being prepared is never added
+
+    @property
+    def has_output(self) -> bool:
+        """Whether any completion of the request has a token yet."""
+        return self._req is not None and any(st.token_ids for st in self._req.seqs)
+
+    def fail(self, error: BaseException) -> None:
+        """Ends the stream with `error`, which its reader gets after the outputs already
+        delivered, and aborts the request (a server shutting down ends its requests this
+        way, so that each client gets an error, not a dropped connection)."""
+        if self._done or self._failed:
+            return
+        self._failed = True
+        if self._req is not None and not self._req.finished:
+            self._core.abort(self._req.request_id)
+        self._queue.put_nowait(_Refused(error))
 
     @property
     def request_id(self) -> Optional[str]:
@@ -163,7 +181,15 @@ class RequestStream:
     def __aiter__(self):
         return self
 
+    def _raise_held(self) -> None:
+        held, self._held = self._held, None
+        self._done = True
+        if held.error is not None:
+            raise held.error
+
     async def __anext__(self) -> RequestOutput:
+        if self._held is not None:
+            self._raise_held()
         if self._done:
             raise StopAsyncIteration
         out = await self._queue.get()
@@ -177,6 +203,8 @@ class RequestStream:
     async def next_batch(self) -> list:
         """Waits for at least one output and returns all that are ready, in order
         ([] once the request has finished)."""
+        if self._held is not None:
+            self._raise_held()
         if self._done:
             return []
         outs = [await self._queue.get()]
@@ -188,6 +216,9 @@ class RequestStream:
         q = self._queue
         while not outs[-1].finished and not q.empty():
             outs.append(q.get_nowait())
+        if isinstance(outs[-1], _Refused):  # failed behind these outputs: they first
+            self._held = outs.pop()
+            return outs
         self._done = outs[-1].finished
         if self._done:
             _raise_guided_error(outs[-1], self._params())
@@ -289,7 +320,7 @@ class AsyncLLM(EngineFrontend):
                 del self._preparing[request_id]
             aborted = stream in self._aborted_preparing
             self._aborted_preparing.discard(stream)
-            if stream._done:  # closed while it was being prepared
+            if stream._done or stream._failed:  # closed or failed while it was being prepared
                 if not fut.cancelled():
                     fut.exception()  # retrieved: asyncio logs no error that nobody reads
                 return

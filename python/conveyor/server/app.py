@@ -31,6 +31,8 @@ from .serving import Server, error_response, json_response
 
 
 SWITCH_INTERVAL_S = 0.001  # the server process's GIL switch interval (see main)
+DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0  # what a stop signal leaves running requests (--shutdown-timeout)
+SHUTDOWN_MARGIN_S = 1.0  # past it, the time the requests' ends take to go out before uvicorn cancels them
 
 
 def load_chat_template(value: str) -> str:
@@ -105,7 +107,7 @@ def build_app(engine, *, model_name: str, api_key: Optional[str] = None, request
                 if isinstance(e, APIError):
                     err = e
                 elif isinstance(e, EngineClosedError):
-                    err = APIError(503, "the engine is shut down", code="engine_closed")
+                    err = server.closed_error()
                 else:
                     # the details go to the log, not to the client
                     logging.getLogger("conveyor.serve").exception("internal error")
@@ -282,6 +284,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=None,
                    help="deadline in seconds of a request without 'timeout'; past it the request ends with "
                         "finish_reason 'timeout' (default: none)")
+    p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                   help="seconds a stop signal (SIGTERM, Ctrl-C) leaves running requests to finish; requests "
+                        "that have no token yet, and those still running then, end with 503 engine_closed "
+                        "(a stream: an error event, then [DONE]); a second signal ends them at once")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="answer 413 to larger request bodies")
     p.add_argument("--chat-template", default=None,
@@ -422,6 +428,10 @@ def main(argv=None) -> int:
         if value < low:
             print(f"conveyor serve: error: {flag} must be >= {low}, got {value}", file=sys.stderr)
             return 2
+    if not (0 <= args.shutdown_timeout <= 1e6):
+        print(f"conveyor serve: error: --shutdown-timeout must be in [0, 1e6] seconds, got {args.shutdown_timeout}",
+              file=sys.stderr)
+        return 2
     if args.request_timeout is not None and not (0 < args.request_timeout <= 1e9):
         print("conveyor serve: error: --request-timeout must be in (0, 1e9] seconds", file=sys.stderr)
         return 2
@@ -474,7 +484,7 @@ def main(argv=None) -> int:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.no_access_log,
-                            http=args.http, timeout_graceful_shutdown=5)
+                            http=args.http, timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_MARGIN_S)
     # A request's preparation (a chat template, a tokenizer in Python) runs on worker
     # threads that hold the GIL while they compute; the event loop waits for it up to
     # the switch interval each time it needs it. 5 ms (Python's default) x the few
@@ -493,16 +503,25 @@ def main(argv=None) -> int:
     # uvicorn shuts down gracefully, then re-raises the signal it caught: exit through
     # Python so that the engine below is closed.
     signal.signal(signal.SIGTERM, _exit)
-    events = app.state.events
+    events, server = app.state.events, app.state.server
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
-            # streams of engine events never end by themselves: end them, or the shutdown waits for them
+            # streams of engine events never end by themselves: end them, or the shutdown waits
+            # for them; generation ends as begin_shutdown says, before uvicorn's own limit
+            # (SHUTDOWN_MARGIN_S later) cancels what is left
             try:
-                asyncio.get_running_loop().call_soon_threadsafe(events.close_all)
+                loop = asyncio.get_running_loop()
             except RuntimeError:
-                pass
-            super().handle_exit(sig, frame)
+                loop = None
+            first = not server.shutting_down
+            if loop is not None:
+                loop.call_soon_threadsafe(events.close_all)
+                loop.call_soon_threadsafe(server.begin_shutdown, args.shutdown_timeout)
+            if first or loop is None:
+                super().handle_exit(sig, frame)
+            else:  # a second signal: uvicorn stops at once, so the requests' ends go out first
+                loop.call_later(SHUTDOWN_MARGIN_S / 2, super().handle_exit, sig, frame)
 
     try:
         _Server(config).run(sockets=[sock])

@@ -230,7 +230,34 @@ class Server:
         self.metrics = ServerMetrics(self.model_name)
         self.created = int(time.time())
         self.in_flight = 0   # HTTP generation requests being answered
+        self.live_streams: set = set()  # their engine streams, for a shutdown to end
+        self.shutting_down = False
         self._piece_cache: dict[int, tuple[str, list]] = {}
+
+    # -- shutdown ---------------------------------------------------------
+    def begin_shutdown(self, grace_s: float) -> None:
+        """The process was told to stop (on the event loop). No new generation starts;
+        a request with no token yet ends now, one that runs may finish within grace_s
+        and ends then. Each ends as 503 engine_closed (a stream: an error event, then
+        [DONE]), so that no client is left with a dropped connection when the server
+        closes them. Called again (a second signal), it ends everything now."""
+        first = not self.shutting_down
+        self.shutting_down = True
+        self._end_streams(waiting_only=first and grace_s > 0)
+        if first and grace_s > 0:
+            asyncio.get_running_loop().call_later(grace_s, self._end_streams, False)
+
+    def _end_streams(self, waiting_only: bool) -> None:
+        from .. import EngineClosedError
+
+        for s in list(self.live_streams):
+            if not (waiting_only and s.has_output):
+                s.fail(EngineClosedError("the server is shutting down"))
+
+    def closed_error(self) -> APIError:
+        """The 503 of a request the engine's end (or the server's) cut off."""
+        return APIError(503, "the server is shutting down" if self.shutting_down else "the engine is shut down",
+                        code="engine_closed")
 
     # -- request plumbing -------------------------------------------------
     def check_auth(self, request):
@@ -664,7 +691,7 @@ class Server:
             from .. import EngineClosedError
 
             if isinstance(e, EngineClosedError):
-                err = APIError(503, "the engine is shut down", code="engine_closed")
+                err = self.closed_error()
             else:
                 logging.getLogger("conveyor.serve").exception("internal error while streaming")
                 err = APIError(500, f"internal error: {type(e).__name__}: {e}")
@@ -684,10 +711,11 @@ class Server:
         headers = self._ignored_fields(body, kind)
         parsed = await self.off_loop(self.prepare, body, kind)
         parsed.model = lora.lora_name if lora is not None else None  # answers name the adapter asked for
-        if self.engine.closed:
-            raise APIError(503, "the engine is shut down", code="engine_closed")
+        if self.engine.closed or self.shutting_down:
+            raise self.closed_error()
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         streams = self.start(parsed, rid, parsed.params, lora)
+        self.live_streams.update(streams)
         if parsed.stream:
             return self._stream_response(streams, parsed, rid, headers)
         self.in_flight += 1
@@ -719,6 +747,7 @@ class Server:
             raise
         finally:
             self.in_flight -= 1
+            self.live_streams.difference_update(streams)
             for s in streams:  # aborts what did not finish (a disconnect, an error)
                 s.close()
             if not watch.done():
@@ -743,6 +772,7 @@ class Server:
 
         def on_end():
             server.in_flight -= 1
+            server.live_streams.difference_update(streams)
             for s in streams:  # also when the response never started streaming
                 s.close()
 
