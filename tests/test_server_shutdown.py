@@ -90,11 +90,14 @@ def test_a_second_signal_or_no_grace_cuts_running_streams_with_an_error_event():
                            ((), [signal.SIGTERM, signal.SIGINT])):
         server = _server(*extra)
         try:
-            rc, took, ends = _signal_under_load(server, True, signals)
+            rc, took, ends = _signal_under_load(server, True, signals, gap=0.05)
             log = server.read_log()
         finally:
             server.stop()
-        assert rc == 0 and took < 5.0, (extra, rc, took)
+        # a Ctrl-C that lands after the drain, while the process tears down, ends it as
+        # interrupted (-SIGINT), as any Python program; every client has had its end by then
+        statuses = (0, -signal.SIGINT) if len(signals) > 1 else (0,)
+        assert rc in statuses and took < 5.0, (extra, rc, took)
         assert set(ends) <= {"whole", "503", "cut"} and ends.count("503") > N // 2, (extra, ends)
         assert "Traceback" not in log, log[-3000:]
 

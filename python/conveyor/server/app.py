@@ -506,6 +506,8 @@ def main(argv=None) -> int:
     events, server = app.state.events, app.state.server
 
     class _Server(uvicorn.Server):
+        signals = 0
+
         def handle_exit(self, sig, frame):
             # streams of engine events never end by themselves: end them, or the shutdown waits
             # for them; generation ends as begin_shutdown says, before uvicorn's own limit
@@ -514,7 +516,8 @@ def main(argv=None) -> int:
                 loop = asyncio.get_running_loop()
             except RuntimeError:
                 loop = None
-            first = not server.shutting_down
+            self.signals += 1
+            first = self.signals == 1
             if loop is not None:
                 loop.call_soon_threadsafe(events.close_all)
                 loop.call_soon_threadsafe(server.begin_shutdown, args.shutdown_timeout)
