@@ -41,7 +41,7 @@ import logging
 import time
 from typing import Optional
 
-from .protocol import APIError, dumps
+from .protocol import dumps
 
 EVENT_INTERVAL_S = 0.1  # the least time between two events
 IDLE_EVENT_S = 1.0  # with no new step, an event at most this often (keeps the views' clocks moving)
@@ -258,7 +258,7 @@ def events_endpoint(server, events: EngineEvents):
     async def engine_events(request):
         server.check_auth(request)
         if events.engine.closed:
-            raise APIError(503, "the engine is shut down", code="engine_closed")
+            raise server.closed_error()
         listener = _Listener(events)
         return SSEResponse(listener, on_end=listener.close)
 

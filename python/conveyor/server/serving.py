@@ -254,6 +254,14 @@ class Server:
             if not (waiting_only and s.has_output):
                 s.fail(EngineClosedError("the server is shutting down"))
 
+    def _release(self, streams: list) -> None:
+        """A generation request's end, however it came: it leaves the in-flight count and
+        the shutdown's view, and its engine requests that did not finish are aborted."""
+        self.in_flight -= 1
+        self.live_streams.difference_update(streams)
+        for s in streams:
+            s.close()
+
     def closed_error(self) -> APIError:
         """The 503 of a request the engine's end (or the server's) cut off."""
         return APIError(503, "the server is shutting down" if self.shutting_down else "the engine is shut down",
@@ -722,9 +730,7 @@ class Server:
         try:
             gen = asyncio.ensure_future(self.generate_full(streams, parsed, rid))
         except BaseException:
-            self.in_flight -= 1
-            for s in streams:
-                s.close()
+            self._release(streams)
             raise
         watch = asyncio.ensure_future(wait_disconnect(request.receive))
         try:
@@ -746,10 +752,7 @@ class Server:
                 gen.cancel()
             raise
         finally:
-            self.in_flight -= 1
-            self.live_streams.difference_update(streams)
-            for s in streams:  # aborts what did not finish (a disconnect, an error)
-                s.close()
+            self._release(streams)  # aborts what did not finish (a disconnect, an error)
             if not watch.done():
                 watch.cancel()
 
@@ -770,11 +773,8 @@ class Server:
         def on_disconnect():
             server.metrics.disconnects += 1
 
-        def on_end():
-            server.in_flight -= 1
-            server.live_streams.difference_update(streams)
-            for s in streams:  # also when the response never started streaming
-                s.close()
+        def on_end():  # also when the response never started streaming
+            server._release(streams)
 
         server.in_flight += 1
         return SSEResponse(server.generate_stream(streams, parsed, rid), on_disconnect, on_end, headers)
